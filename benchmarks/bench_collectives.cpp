@@ -1,0 +1,183 @@
+// bench_collectives — bandwidth of all_gather, reduce_scatter and all_reduce (nccl-tests
+// definitions) for the thread communicator, against W threads running memcpy at once
+// measured in the same run. Started under mpirun (and built with MPI), it measures
+// the MPI communicator against raw MPI calls instead.
+//
+//   bench_collectives [--world 2,4] [--min 4096] [--max 268435456] [--json FILE] [--quick]
+#include <shardlib/shardlib.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+#if SHARDLIB_BENCH_WITH_MPI
+#include "collectives_mpi.hpp"
+#endif
+
+using namespace shardlib;
+using bench::collective;
+
+namespace {
+
+struct options {
+  std::vector<int> worlds{2};
+  std::size_t min_bytes = 4096, max_bytes = std::size_t(256) << 20;
+  double budget_s = 0.25;  // per measured row
+  std::FILE* json = nullptr;
+};
+
+// Bytes a rank must read plus write, per the shared-memory algorithm of each
+// collective (the least any single-copy implementation moves).
+double traffic_bytes(collective op, bool in_place, int w, double size) {
+  switch (op) {
+    case collective::all_gather: return 2 * size * (in_place ? w - 1.0 : w) / w;           // copy the chunks
+    case collective::reduce_scatter: return size + size / w;                                  // read all, write one
+    case collective::all_reduce: return size + size / w + 2 * size * (w - 1.0) / w;           // both of the above
+  }
+  return 0;
+}
+
+// Per-thread memcpy rate (bytes copied per second) with all W threads copying
+// `bytes` at once: the physical limit the thread communicator is measured against.
+double memcpy_rate(int w, std::size_t bytes, double budget_s) {
+  std::vector<double> per_rank(w);
+  comm::launch(w, [&](comm::ThreadComm& c) {
+    std::vector<char> src(bytes, 1), dst(bytes, 0);
+    std::memcpy(dst.data(), src.data(), bytes);  // touch the pages
+    int iters = bench::iterations_for(double(bytes) / 10e9, budget_s);
+    std::vector<double> t(iters);
+    for (auto& x : t) {
+      c.barrier();
+      double t0 = bench::now_s();
+      std::memcpy(dst.data(), src.data(), bytes);
+      x = bench::now_s() - t0;
+    }
+    c.all_reduce(std::span<double>(t), comm::reduce_op::max);
+    std::nth_element(t.begin(), t.begin() + iters / 2, t.end());
+    per_rank[c.rank()] = t[iters / 2];
+  });
+  return double(bytes) / per_rank[0];
+}
+
+template <class Fn>
+double time_collective(comm::ThreadComm& c, std::size_t bytes, double budget_s, Fn&& fn) {
+  fn();  // warm up: first touch of the pages, worker start
+  int iters = bench::iterations_for(double(bytes) / 5e9, budget_s);
+  std::vector<double> t(iters);
+  for (auto& x : t) {
+    c.barrier();
+    double t0 = bench::now_s();
+    fn();
+    x = bench::now_s() - t0;
+  }
+  c.all_reduce(std::span<double>(t), comm::reduce_op::max);  // a collective ends when its slowest rank does
+  std::nth_element(t.begin(), t.begin() + iters / 2, t.end());
+  return t[iters / 2];
+}
+
+void run_threads(const options& o) {
+  std::printf("# single thread memcpy alone, 64 MiB: %.2f GB/s\n", memcpy_rate(1, std::size_t(64) << 20, 0.3) / 1e9);
+  for (int w : o.worlds) {
+    std::printf("\n# thread communicator, W = %d ranks (threads); reference: per-thread memcpy rate with %d threads "
+                "copying at once\n",
+                w, w);
+    bench::print_header();
+    for (std::size_t size = o.min_bytes; size <= o.max_bytes; size *= 4) {
+      const std::size_t n = size / sizeof(float) / w;  // elements per rank chunk
+      const std::size_t total = n * w;
+      for (collective op : {collective::all_gather, collective::reduce_scatter, collective::all_reduce}) {
+        for (bool in_place : {true, false}) {
+          double seconds = 0;
+          comm::launch(w, [&](comm::ThreadComm& c) {
+            std::vector<float> big(total, 1.f), small(n, 1.f);
+            std::span<float> all(big);
+            std::span<float> mine = all.subspan(c.rank() * n, n);
+            double s = 0;
+            if (op == collective::all_gather)
+              s = time_collective(c, size, o.budget_s, [&] {
+                c.all_gather(std::span<const float>(in_place ? mine : std::span<float>(small)), all);
+              });
+            else if (op == collective::reduce_scatter)
+              s = time_collective(c, size, o.budget_s, [&] {
+                c.reduce_scatter(std::span<const float>(all), in_place ? mine : std::span<float>(small),
+                                 comm::reduce_op::sum);
+              });
+            else {
+              std::vector<float> out(total);
+              s = time_collective(c, size, o.budget_s, [&] {
+                if (in_place) c.all_reduce(all, comm::reduce_op::sum);
+                else c.all_reduce(std::span<const float>(all), std::span<float>(out), comm::reduce_op::sum);
+              });
+            }
+            if (c.rank() == 0) seconds = s;
+          });
+          bench::row r{"thread", op, in_place, w, total * sizeof(float), seconds};
+          double traffic = traffic_bytes(op, in_place, w, double(r.bytes));
+          double rate = memcpy_rate(w, std::max<std::size_t>(4096, std::size_t(traffic / 2)), o.budget_s / 2);
+          double floor_s = traffic / (2 * rate);  // memcpy moves each byte twice (read + write)
+          char versus[96];
+          std::snprintf(versus, sizeof versus, "%.2fx of memcpy floor (memcpy %.2f GB/s/thread)", floor_s / seconds,
+                        rate / 1e9);
+          bench::print_row(r, versus);
+          char extra[128];
+          std::snprintf(extra, sizeof extra, ",\"memcpy_GBps\":%.6g,\"floor_ratio\":%.4g", rate / 1e9,
+                        floor_s / seconds);
+          bench::json_row(o.json, r, extra);
+        }
+      }
+    }
+  }
+}
+
+std::vector<int> parse_list(const char* s) {
+  std::vector<int> v;
+  for (const char* p = s; *p;) {
+    v.push_back(std::atoi(p));
+    while (*p && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--world") o.worlds = parse_list(next());
+    else if (a == "--min") o.min_bytes = std::strtoull(next(), nullptr, 10);
+    else if (a == "--max") o.max_bytes = std::strtoull(next(), nullptr, 10);
+    else if (a == "--json") o.json = std::fopen(next(), "w");
+    else if (a == "--quick") o.budget_s = 0.05, o.max_bytes = std::size_t(64) << 20;
+    else {
+      std::fprintf(stderr, "usage: %s [--world 2,4] [--min BYTES] [--max BYTES] [--json FILE] [--quick]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+#if SHARDLIB_BENCH_WITH_MPI
+    if (std::getenv("OMPI_COMM_WORLD_SIZE")) {
+      std::vector<std::size_t> sizes;
+      for (std::size_t s = o.min_bytes; s <= o.max_bytes; s *= 4) sizes.push_back(s);
+      bench::run_mpi_collectives(sizes, o.json);
+      return 0;
+    }
+#endif
+    run_threads(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_collectives: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

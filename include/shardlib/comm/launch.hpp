@@ -1,0 +1,101 @@
+// shardlib/comm/launch.hpp — launch(W, fn): run fn on W rank threads, like torch.multiprocessing.spawn.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/comm/thread_comm.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/ledger.hpp"
+
+#include <exception>    // std::exception_ptr, std::rethrow_exception
+#include <functional>   // std::invoke
+#include <memory>       // std::make_shared
+#include <mutex>        // std::mutex
+#include <numeric>      // std::iota
+#include <string>       // std::string
+#include <thread>       // std::thread
+#include <type_traits>  // std::is_invocable_v
+#include <vector>       // std::vector
+
+namespace shardlib::comm {
+
+// An exception escaped the function of one rank; what() names the rank and
+// carries the original message, and nested() gives the original exception.
+class rank_failure : public error {
+ public:
+  rank_failure(int rank, int size, std::exception_ptr original, const std::string& what)
+      : error(cat("rank ", rank, " of ", size, " failed: ", what)), rank_(rank), original_(std::move(original)) {}
+  int rank() const { return rank_; }
+  [[noreturn]] void rethrow_nested() const { std::rethrow_exception(original_); }
+
+ private:
+  int rank_;
+  std::exception_ptr original_;
+};
+
+// Runs fn(ThreadComm&) on `world_size` threads, one per rank, each with its own
+// memory ledger. Returns when all ranks have returned. If any rank throws, the
+// others are woken out of any collective they wait in (they see comm_aborted),
+// and the first failure is re-raised here as rank_failure naming its rank.
+// fn may also take (ThreadComm&, ledger&) to read its rank's ledger afterwards.
+template <class Fn>
+void launch(int world_size, Fn&& fn) {
+  require(world_size >= 1, "launch: the world size must be at least 1, got ", world_size);
+  auto world = std::make_shared<detail::world_state>(world_size);
+  std::vector<int> ranks(world_size);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  auto top = std::make_shared<detail::group>(world, ranks);
+  world->groups.push_back(top);
+
+  std::mutex failure_m;
+  int failed_rank = -1;
+  std::exception_ptr failure;
+  std::string failure_what;
+  bool failure_is_consequence = false;
+
+  auto body = [&](int r) {
+    ledger own;
+    ledger_scope scope(own);
+    try {
+      {
+        ThreadComm comm(top, r, std::make_shared<executor>());
+        if constexpr (std::is_invocable_v<Fn&, ThreadComm&, ledger&>)
+          std::invoke(fn, comm, own);
+        else
+          std::invoke(fn, comm);
+      }  // the communicator (and its worker) ends before the rank counts as exited
+      world->exited[r].store(true);
+      world->wake_all();
+    } catch (...) {
+      auto e = std::current_exception();
+      std::string what = "unknown exception";
+      bool consequence = false;  // woken because another rank failed first
+      try {
+        std::rethrow_exception(e);
+      } catch (const comm_aborted& x) {
+        what = x.what();
+        consequence = true;
+      } catch (const std::exception& x) {
+        what = x.what();
+      } catch (...) {
+      }
+      {
+        std::lock_guard lock(failure_m);
+        if (!failure || (failure_is_consequence && !consequence)) {
+          failure = e;
+          failed_rank = r;
+          failure_what = what;
+          failure_is_consequence = consequence;
+        }
+      }
+      world->aborted.store(true);
+      world->wake_all();
+    }
+  };
+
+  std::vector<std::thread> threads;
+  threads.reserve(world_size);
+  for (int r = 0; r < world_size; ++r) threads.emplace_back(body, r);
+  for (auto& t : threads) t.join();
+  if (failure) throw rank_failure(failed_rank, world_size, failure, failure_what);
+}
+
+}  // namespace shardlib::comm

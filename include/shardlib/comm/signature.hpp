@@ -1,0 +1,47 @@
+// shardlib/comm/signature.hpp — what a rank says it is calling, so that ranks can
+// check they agree about a collective before running it (shared by every backend).
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/comm/communicator.hpp"
+#include "shardlib/core/element.hpp"
+#include "shardlib/core/error.hpp"
+
+#include <cstddef>      // std::size_t
+#include <string>       // std::string
+#include <string_view>  // std::string_view
+
+namespace shardlib::comm::detail {
+
+enum class op_kind : int { barrier, all_gather, reduce_scatter, all_reduce, broadcast, split };
+
+inline std::string_view name(op_kind k) {
+  constexpr std::string_view names[] = {"barrier", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "split"};
+  return names[int(k)];
+}
+
+// All ranks must post the same signature for the same collective.
+struct signature {
+  op_kind kind = op_kind::barrier;
+  dtype type = dtype::u8;
+  std::size_t count = 0;  // elements per rank (send count of all_gather, recv count of reduce_scatter)
+  reduce_op op = reduce_op::sum;
+  int root = 0;
+  bool operator==(const signature&) const = default;
+};
+
+inline std::string describe(const signature& s) {
+  std::string d = cat(name(s.kind));
+  if (s.kind == op_kind::barrier || s.kind == op_kind::split) return d;
+  d += cat("(", s.count, " x ", name(s.type));
+  if (s.kind == op_kind::reduce_scatter || s.kind == op_kind::all_reduce) d += cat(", ", name(s.op));
+  if (s.kind == op_kind::broadcast) d += cat(", root ", s.root);
+  return d + ")";
+}
+
+// The error every rank raises when rank `other` posted `theirs` where rank 0 posted `first`.
+inline comm_error disagreement(int rank, const signature& first, int other, const signature& theirs) {
+  return comm_error(cat("rank ", rank, ": ranks disagree about a collective: rank 0 called ", describe(first), ", rank ",
+                        other, " called ", describe(theirs)));
+}
+
+}  // namespace shardlib::comm::detail

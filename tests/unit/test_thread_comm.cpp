@@ -1,0 +1,164 @@
+// The thread communicator and launch: conformance, failure handling, misuse detection.
+#include "shardlib/comm/launch.hpp"
+#include "shardlib/core/buffer.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "../support/comm_conformance.hpp"
+
+using namespace shardlib;
+using comm::reduce_op;
+using comm::ThreadComm;
+
+namespace {
+void require_clean(const std::vector<conformance::report>& reports) {
+  for (std::size_t r = 0; r < reports.size(); ++r) {
+    INFO("rank " << r);
+    CHECK(reports[r].checks > 0);
+    for (auto& f : reports[r].failures) FAIL_CHECK(f);
+  }
+}
+}  // namespace
+
+TEST_CASE("thread communicator passes the conformance suite", "[comm][thread]") {
+  for (int w : {1, 2, 3, 4, 8}) {
+    DYNAMIC_SECTION("world size " << w) {
+      std::vector<conformance::report> reports(w);
+      comm::launch(w, [&](ThreadComm& c) {
+        conformance::full_suite(c, reports[c.rank()]);
+        conformance::split_suite(c, reports[c.rank()]);
+        conformance::ordered_sum_suite(c, reports[c.rank()]);
+      });
+      require_clean(reports);
+    }
+  }
+}
+
+TEST_CASE("launch re-raises a rank's exception, naming the rank, without leaving others blocked",
+          "[comm][thread][launch]") {
+  for (int failing : {0, 2}) {
+    std::atomic<int> aborted{0};
+    try {
+      comm::launch(4, [&](ThreadComm& c) {
+        if (c.rank() == failing) throw std::runtime_error("boom in user code");
+        try {
+          std::vector<float> x(10, 1.f);
+          c.all_reduce(std::span<float>(x), reduce_op::sum);  // the failing rank never joins
+        } catch (const comm_aborted&) {
+          ++aborted;
+          throw;
+        }
+      });
+      FAIL("launch returned normally");
+    } catch (const comm::rank_failure& e) {
+      CHECK(e.rank() == failing);
+      CHECK_THAT(e.what(), Catch::Contains("rank " + std::to_string(failing) + " of 4 failed") &&
+                               Catch::Contains("boom in user code"));
+      CHECK_THROWS_WITH(e.rethrow_nested(), "boom in user code");
+    }
+    CHECK(aborted == 3);
+  }
+}
+
+TEST_CASE("ranks that disagree about a collective raise on every rank", "[comm][thread][misuse]") {
+  SECTION("different counts") {
+    std::vector<std::string> errors(3);
+    comm::launch(3, [&](ThreadComm& c) {
+      std::vector<float> send(c.rank() == 1 ? 5 : 4), recv(send.size() * 3);
+      try {
+        c.all_gather(std::span<const float>(send), std::span<float>(recv));
+      } catch (const comm_error& e) {
+        errors[c.rank()] = e.what();
+      }
+      c.barrier();  // the communicator is still usable afterwards
+    });
+    for (int r = 0; r < 3; ++r) {
+      INFO("rank " << r << ": " << errors[r]);
+      CHECK_THAT(errors[r], Catch::Contains("rank 0 called all_gather(4 x F32)") &&
+                                Catch::Contains("rank 1 called all_gather(5 x F32)"));
+    }
+  }
+  SECTION("different operations, types and roots") {
+    std::vector<std::string> errors(2);
+    comm::launch(2, [&](ThreadComm& c) {
+      std::vector<double> d(8);
+      std::vector<float> f(8);
+      try {
+        if (c.rank() == 0) c.all_reduce(std::span<double>(d), reduce_op::sum);
+        else c.all_reduce(std::span<float>(f), reduce_op::max);
+      } catch (const comm_error& e) {
+        errors[c.rank()] = e.what();
+      }
+      try {
+        c.broadcast(std::span<float>(f), c.rank());
+      } catch (const comm_error& e) {
+        errors[c.rank()] += e.what();
+      }
+    });
+    for (auto& e : errors) {
+      CHECK_THAT(e, Catch::Contains("all_reduce(8 x F64, sum)") && Catch::Contains("all_reduce(8 x F32, max)"));
+      CHECK_THAT(e, Catch::Contains("broadcast(8 x F32, root 0)") && Catch::Contains("broadcast(8 x F32, root 1)"));
+    }
+  }
+  SECTION("a rank returns while the others wait in a collective") {
+    std::string error;
+    comm::launch(2, [&](ThreadComm& c) {
+      if (c.rank() == 1) return;
+      try {
+        c.barrier();
+      } catch (const comm_error& e) {
+        error = e.what();
+      }
+    });
+    CHECK_THAT(error, Catch::Contains("waits for rank 1, which has already returned"));
+  }
+  SECTION("a wrong receive size is refused before anything is written") {
+    CHECK_THROWS_WITH(comm::launch(2,
+                                   [&](ThreadComm& c) {
+                                     std::vector<float> send(4), recv(7);
+                                     c.all_gather(std::span<const float>(send), std::span<float>(recv));
+                                   }),
+                      Catch::Contains("needs a receive buffer of 8, got 7"));
+  }
+}
+
+TEST_CASE("asynchronous collectives run in issue order on the rank's worker", "[comm][thread][async]") {
+  std::vector<int> ok(3, 0);
+  comm::launch(3, [&](ThreadComm& c) {
+    std::vector<float> a(1000, float(c.rank())), ga(3000), b(3000, 1.f), rb(1000);
+    auto w1 = c.all_gather_async(std::span<const float>(a), std::span<float>(ga));
+    auto w2 = c.reduce_scatter_async(std::span<const float>(b), std::span<float>(rb), reduce_op::sum);
+    w2.wait();                // finishing the later one implies the earlier one ran
+    bool first_done = w1.test();
+    ok[c.rank()] = first_done && ga[0] == 0.f && ga[1000] == 1.f && ga[2000] == 2.f && rb[999] == 3.f;
+  });
+  CHECK(ok == std::vector<int>{1, 1, 1});
+}
+
+TEST_CASE("an asynchronous collective's error surfaces on wait()", "[comm][thread][async]") {
+  std::vector<std::string> errors(2);
+  comm::launch(2, [&](ThreadComm& c) {
+    std::vector<float> send(c.rank() + 1), recv(2 * send.size());
+    auto w = c.all_gather_async(std::span<const float>(send), std::span<float>(recv));
+    try {
+      w.wait();
+    } catch (const comm_error& e) {
+      errors[c.rank()] = e.what();
+    }
+  });
+  for (auto& e : errors) CHECK_THAT(e, Catch::Contains("ranks disagree"));
+}
+
+TEST_CASE("each rank has its own ledger, including its communication worker", "[comm][thread][ledger]") {
+  std::vector<std::size_t> peaks(2);
+  comm::launch(2, [&](ThreadComm& c, ledger& l) {
+    Buffer<float> b(1000 * (c.rank() + 1), category::gradients);
+    peaks[c.rank()] = l.peak(category::gradients);
+  });
+  CHECK(peaks[0] == 4000);
+  CHECK(peaks[1] == 8000);
+}
