@@ -40,31 +40,10 @@ double traffic_bytes(collective op, bool in_place, int w, double size) {
   return 0;
 }
 
-// Per-thread memcpy rate (bytes copied per second) with all W threads copying
-// `bytes` at once: the physical limit the thread communicator is measured against.
-double memcpy_rate(int w, std::size_t bytes, double budget_s) {
-  std::vector<double> per_rank(w);
-  comm::launch(w, [&](comm::ThreadComm& c) {
-    std::vector<char> src(bytes, 1), dst(bytes, 0);
-    std::memcpy(dst.data(), src.data(), bytes);  // touch the pages
-    int iters = bench::iterations_for(double(bytes) / 10e9, budget_s);
-    std::vector<double> t(iters);
-    for (auto& x : t) {
-      c.barrier();
-      double t0 = bench::now_s();
-      std::memcpy(dst.data(), src.data(), bytes);
-      x = bench::now_s() - t0;
-    }
-    c.all_reduce(std::span<double>(t), comm::reduce_op::max);
-    std::nth_element(t.begin(), t.begin() + iters / 2, t.end());
-    per_rank[c.rank()] = t[iters / 2];
-  });
-  return double(bytes) / per_rank[0];
-}
-
+// Median over iterations of the slowest rank's time for fn (after one warm-up call).
 template <class Fn>
-double time_collective(comm::ThreadComm& c, std::size_t bytes, double budget_s, Fn&& fn) {
-  fn();  // warm up: first touch of the pages, worker start
+double timed(comm::ThreadComm& c, std::size_t bytes, double budget_s, Fn&& fn) {
+  fn();
   int iters = bench::iterations_for(double(bytes) / 5e9, budget_s);
   std::vector<double> t(iters);
   for (auto& x : t) {
@@ -76,6 +55,18 @@ double time_collective(comm::ThreadComm& c, std::size_t bytes, double budget_s, 
   c.all_reduce(std::span<double>(t), comm::reduce_op::max);  // a collective ends when its slowest rank does
   std::nth_element(t.begin(), t.begin() + iters / 2, t.end());
   return t[iters / 2];
+}
+
+// Per-thread memcpy rate (bytes copied per second) with all W threads copying
+// `bytes` at once: the physical limit the thread communicator is measured against.
+double memcpy_rate(int w, std::size_t bytes, double budget_s) {
+  double seconds = 0;
+  comm::launch(w, [&](comm::ThreadComm& c) {
+    std::vector<char> src(bytes, 1), dst(bytes, 0);
+    auto t = timed(c, bytes, budget_s, [&] { std::memcpy(dst.data(), src.data(), bytes); });
+    if (c.rank() == 0) seconds = t;
+  });
+  return double(bytes) / seconds;
 }
 
 void run_threads(const options& o) {
@@ -90,34 +81,39 @@ void run_threads(const options& o) {
       const std::size_t total = n * w;
       for (collective op : {collective::all_gather, collective::reduce_scatter, collective::all_reduce}) {
         for (bool in_place : {true, false}) {
-          double seconds = 0;
+          const double traffic = traffic_bytes(op, in_place, w, double(total * sizeof(float)));
+          const std::size_t copy_bytes = std::size_t(traffic / 2);
+          double seconds = 0, copy_seconds = 0;
           comm::launch(w, [&](comm::ThreadComm& c) {
             std::vector<float> big(total, 1.f), small(n, 1.f);
+            // The reference: all ranks memcpy what this collective must move, at once,
+            // in the same threads and the same run.
+            std::vector<char> from(copy_bytes, 1), to(copy_bytes, 0);
+            double m = timed(c, copy_bytes, o.budget_s / 2, [&] { std::memcpy(to.data(), from.data(), copy_bytes); });
             std::span<float> all(big);
             std::span<float> mine = all.subspan(c.rank() * n, n);
             double s = 0;
             if (op == collective::all_gather)
-              s = time_collective(c, size, o.budget_s, [&] {
+              s = timed(c, size, o.budget_s, [&] {
                 c.all_gather(std::span<const float>(in_place ? mine : std::span<float>(small)), all);
               });
             else if (op == collective::reduce_scatter)
-              s = time_collective(c, size, o.budget_s, [&] {
+              s = timed(c, size, o.budget_s, [&] {
                 c.reduce_scatter(std::span<const float>(all), in_place ? mine : std::span<float>(small),
                                  comm::reduce_op::sum);
               });
             else {
               std::vector<float> out(total);
-              s = time_collective(c, size, o.budget_s, [&] {
+              s = timed(c, size, o.budget_s, [&] {
                 if (in_place) c.all_reduce(all, comm::reduce_op::sum);
                 else c.all_reduce(std::span<const float>(all), std::span<float>(out), comm::reduce_op::sum);
               });
             }
-            if (c.rank() == 0) seconds = s;
+            if (c.rank() == 0) seconds = s, copy_seconds = m;
           });
           bench::row r{"thread", op, in_place, w, total * sizeof(float), seconds};
-          double traffic = traffic_bytes(op, in_place, w, double(r.bytes));
-          double rate = memcpy_rate(w, std::max<std::size_t>(4096, std::size_t(traffic / 2)), o.budget_s / 2);
-          double floor_s = traffic / (2 * rate);  // memcpy moves each byte twice (read + write)
+          const double rate = copy_bytes / copy_seconds;
+          const double floor_s = copy_seconds;  // the same bytes through memcpy
           char versus[96];
           std::snprintf(versus, sizeof versus, "%.2fx of memcpy floor (memcpy %.2f GB/s/thread)", floor_s / seconds,
                         rate / 1e9);
