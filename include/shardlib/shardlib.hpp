@@ -12,5 +12,5 @@
 #include "shardlib/core/ledger.hpp"          // ledger, category
 #include "shardlib/core/memory_space.hpp"    // host_space, can_access
 #include "shardlib/core/shape.hpp"           // Shape
-#include "shardlib/core/tensor.hpp"          // TensorView
+#include "shardlib/core/tensor.hpp"          // Tensor (owning, shared), TensorView
 #include "shardlib/shard/sharded_tensor.hpp" // shard_layout, ShardedTensor

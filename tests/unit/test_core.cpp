@@ -4,7 +4,7 @@
 #include "shardlib/core/ledger.hpp"
 #include "shardlib/core/memory_space.hpp"
 #include "shardlib/core/shape.hpp"
-#include "shardlib/core/tensor.hpp"
+#include "shardlib/core/tensor_view.hpp"
 
 #include <catch2/catch.hpp>
 

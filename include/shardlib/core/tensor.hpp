@@ -1,64 +1,65 @@
-// shardlib/core/tensor.hpp — TensorView<T, Space>: a non-owning, row-major, contiguous view.
+// shardlib/core/tensor.hpp — Tensor<T, Space>: an owning, shared, row-major tensor (activations).
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/buffer.hpp"
 #include "shardlib/core/error.hpp"
+#include "shardlib/core/ledger.hpp"
 #include "shardlib/core/memory_space.hpp"
 #include "shardlib/core/shape.hpp"
+#include "shardlib/core/tensor_view.hpp"
 
-#include <cstdint>      // std::int64_t
-#include <span>         // std::span
-#include <type_traits>  // std::remove_const_t
+#include <algorithm>  // std::fill_n
+#include <memory>     // std::shared_ptr
+#include <span>       // std::span
 
 namespace shardlib {
 
-// A shape over memory someone else owns (a Buffer, a gathered flat parameter,
-// a user array). T may be const for read-only views.
+// What flows between layers. Copies share the storage (like torch.Tensor), so a
+// layer caches its input for backward by keeping a copy, and the memory goes
+// back to the ledger when the last holder lets go.
 template <class T, MemorySpace Space = host_space>
-class TensorView {
+class Tensor {
  public:
-  using value_type = std::remove_const_t<T>;
+  using value_type = T;
   using space = Space;
 
-  TensorView() = default;
-  TensorView(T* data, Shape shape) : data_(data), shape_(shape) {}
-  // A view of a whole buffer with the given shape; the element counts must agree.
-  template <class U>
-  TensorView(Buffer<U, Space>& b, Shape shape) : data_(b.data()), shape_(shape) {
-    require<shape_error>(std::size_t(shape.numel()) == b.size(), "TensorView: shape ", shape, " holds ", shape.numel(),
-                         " elements but the buffer holds ", b.size());
-  }
-  // A non-const view converts to a const one.
-  operator TensorView<const T, Space>() const { return {data_, shape_}; }
+  Tensor() = default;  // empty: no storage, numel() == 0
+  // Uninitialised storage for `shape`, recorded under `kind`.
+  explicit Tensor(Shape shape, category kind = category::activations)
+      : storage_(std::make_shared<Buffer<T, Space>>(std::size_t(shape.numel()), kind)), shape_(shape) {}
 
-  T* data() const { return data_; }
+  static Tensor zeros(Shape shape, category kind = category::activations)
+    requires can_access<host_space, Space>
+  {
+    Tensor t(shape, kind);
+    std::fill_n(t.data(), t.numel(), T{});
+    return t;
+  }
+
+  bool empty() const { return !storage_; }
+  T* data() const { return storage_ ? storage_->data() : nullptr; }
   const Shape& shape() const { return shape_; }
   int rank() const { return shape_.rank(); }
   std::int64_t dim(int i) const { return shape_[i]; }
-  std::int64_t numel() const { return shape_.numel(); }
-  std::span<T> span() const { return {data_, std::size_t(numel())}; }
+  std::int64_t numel() const { return storage_ ? shape_.numel() : 0; }
+  std::span<T> span() const { return {data(), std::size_t(numel())}; }
+  TensorView<T, Space> view() const { return {data(), shape_}; }
 
-  // Element access by row-major indices (host-reachable spaces only).
-  template <class... I>
-  T& operator()(I... idx) const
+  T& operator[](std::int64_t i) const
     requires can_access<host_space, Space>
-  {
-    static_assert(sizeof...(I) <= Shape::max_rank);
-    const std::int64_t is[] = {std::int64_t(idx)...};
-    std::int64_t off = 0;
-    for (int d = 0; d < int(sizeof...(I)); ++d) off = off * shape_[d] + is[d];
-    return data_[off];
-  }
+  { return data()[i]; }
 
-  // The same memory under another shape with the same element count.
-  TensorView reshape(Shape s) const {
-    require<shape_error>(s.numel() == numel(), "TensorView::reshape: ", shape_, " has ", numel(),
-                         " elements, the new shape ", s, " has ", s.numel());
-    return {data_, s};
+  // The same storage under another shape with the same element count.
+  Tensor reshape(Shape s) const {
+    require<shape_error>(s.numel() == numel(), "Tensor::reshape: ", shape_, " has ", numel(), " elements, the new shape ",
+                         s, " has ", s.numel());
+    Tensor t = *this;
+    t.shape_ = s;
+    return t;
   }
 
  private:
-  T* data_ = nullptr;
+  std::shared_ptr<Buffer<T, Space>> storage_;
   Shape shape_{};
 };
 

@@ -1,0 +1,66 @@
+// shardlib/nn/context.hpp — the plain context (unsharded training) and the
+// archetype that states what a layer may ask of any context.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/random.hpp"
+
+#include <cstdint>  // std::uint64_t
+
+namespace shardlib::nn {
+
+// Composite layers call their children through the context, never directly:
+// ctx.forward(child, x) and ctx.backward(child, dy). The plain context just
+// calls the child; the sharded context (shard/) runs a unit's gather, bind,
+// prefetch and reduce-scatter around the call when the child is a unit.
+// Layers also ask the context whether they are training and for random numbers.
+class context {
+ public:
+  struct options {
+    bool training = true;
+    std::uint64_t seed = 0;  // dropout masks are drawn from (seed, rank, step, draw)
+    int rank = 0;
+    std::uint64_t step = 0;
+  };
+  context() = default;
+  explicit context(options o) : o_(o) {}
+
+  template <class L, class X>
+  auto forward(L& layer, const X& x) {
+    return layer.forward(*this, x);
+  }
+  template <class L, class DY>
+  auto backward(L& layer, const DY& dy) {
+    return layer.backward(*this, dy);
+  }
+
+  bool training() const { return o_.training; }
+  void set_training(bool on) { o_.training = on; }
+  void set_step(std::uint64_t step) {
+    o_.step = step;
+    draws_ = 0;
+  }
+
+  // A fresh stream for each call within a step, in call order: forward runs the
+  // same layers in the same order on every step, so masks are reproducible per
+  // (seed, rank, step) and differ between ranks and between layers.
+  counter_rng random_stream() {
+    return counter_rng(o_.seed ^ (std::uint64_t(o_.rank) << 48), (o_.step << 20) + draws_++);
+  }
+
+ private:
+  options o_{};
+  std::uint64_t draws_ = 0;
+};
+
+// Exactly what a layer may use of its context; the Layer concept checks layers
+// against it, so a layer that needs more than this does not model Layer.
+struct context_archetype {
+  template <class L, class X>
+  auto forward(L& layer, const X& x) -> decltype(layer.forward(*this, x));
+  template <class L, class DY>
+  auto backward(L& layer, const DY& dy) -> decltype(layer.backward(*this, dy));
+  bool training() const;
+  counter_rng random_stream();
+};
+
+}  // namespace shardlib::nn

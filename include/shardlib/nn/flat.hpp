@@ -1,0 +1,79 @@
+// shardlib/nn/flat.hpp — a layer's parameters laid out in one flat buffer: offsets,
+// binding the views, and seeded initialisation of any element range.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/random.hpp"
+#include "shardlib/nn/layer.hpp"
+
+#include <algorithm>    // std::max, std::min, std::fill
+#include <cstddef>      // std::size_t
+#include <cstdint>      // std::uint64_t
+#include <span>         // std::span
+#include <string>       // std::string
+#include <type_traits>  // std::is_same_v
+#include <vector>       // std::vector
+
+namespace shardlib::nn {
+
+struct flat_entry {
+  std::string name;  // dotted, PyTorch-style
+  Shape shape;
+  init_rule init;
+  std::size_t offset;  // first element in the flat buffer
+  std::size_t numel() const { return std::size_t(shape.numel()); }
+};
+
+// Parameters in visiting order, each starting at a multiple of `align` elements
+// (16 floats = one cache line, so every parameter starts vector-aligned). The
+// gaps stay zero in values and gradients, so optimizers may step them harmlessly.
+struct flat_layout {
+  std::vector<flat_entry> entries;
+  std::size_t numel = 0;  // including the alignment gaps
+};
+
+template <class T, Layer L>
+flat_layout flatten(L& layer, std::size_t align = 16) {
+  flat_layout f;
+  layer.parameters([&](std::string_view name, auto& p) {
+    static_assert(std::is_same_v<typename std::remove_reference_t<decltype(p)>::value_type, T>,
+                  "flatten<T>: the layer has a parameter of another element type");
+    f.numel = (f.numel + align - 1) / align * align;
+    f.entries.push_back({std::string(name), p.shape, p.init, f.numel});
+    f.numel += p.numel();
+  });
+  return f;
+}
+
+// Points every Param of `layer` into values/grads (each f.numel elements, or
+// null for grads when not needed). The layer must be the one f was made from.
+template <class T, Layer L>
+void bind(L& layer, const flat_layout& f, T* values, T* grads) {
+  std::size_t i = 0;
+  layer.parameters([&](std::string_view name, Param<T>& p) {
+    require(i < f.entries.size() && f.entries[i].name == name && f.entries[i].shape == p.shape,
+            "bind: parameter ", name, " ", p.shape, " does not match the flat layout's entry ", i);
+    p.value = values + f.entries[i].offset;
+    p.grad = grads ? grads + f.entries[i].offset : nullptr;
+    ++i;
+  });
+  require(i == f.entries.size(), "bind: the layer has ", i, " parameters, the flat layout ", f.entries.size());
+}
+
+// Writes the initial values of flat elements [begin, begin + out.size()) into
+// out: element j of parameter `name` is init.value(counter_rng(seed, fnv1a(name)), j),
+// so any rank can materialise any range — its shard alone — and get exactly the
+// values a whole-model initialisation gets there. Gaps and padding are zero.
+template <class T>
+void initialize_range(const flat_layout& f, std::uint64_t seed, std::size_t begin, std::span<T> out) {
+  std::fill(out.begin(), out.end(), T(0));
+  const std::size_t end = begin + out.size();
+  for (const auto& e : f.entries) {
+    const std::size_t lo = std::max(begin, e.offset), hi = std::min(end, e.offset + e.numel());
+    if (lo >= hi) continue;
+    const counter_rng rng(seed, fnv1a(e.name));
+    for (std::size_t g = lo; g < hi; ++g) out[g - begin] = T(e.init.value(rng, g - e.offset));
+  }
+}
+
+}  // namespace shardlib::nn

@@ -1,0 +1,81 @@
+// shardlib/nn/linear.hpp — Linear: y = x W^T + b over the last dimension (torch.nn.Linear).
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/param.hpp"
+#include "shardlib/ops/gemm.hpp"
+
+#include <cstdint>  // std::int64_t
+
+namespace shardlib::nn {
+
+// weight [out, in], bias [out] (PyTorch's layout and names); x [..., in] -> y [..., out].
+template <class T>
+class Linear {
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  Linear(std::int64_t in_features, std::int64_t out_features, bool bias = true)
+      : in_(in_features), out_(out_features), has_bias_(bias) {
+    weight.shape = Shape{out_features, in_features};
+    weight.init = init_rule::linear_default(in_features);
+    if (bias) {
+      this->bias.shape = Shape{out_features};
+      this->bias.init = init_rule::linear_default(in_features);
+    }
+  }
+
+  Param<T> weight, bias;
+
+  std::int64_t in_features() const { return in_; }
+  std::int64_t out_features() const { return out_; }
+
+  template <class V>
+  void parameters(V&& v) {
+    v("weight", weight);
+    if (has_bias_) v("bias", bias);
+  }
+
+  template <class Ctx>
+  output forward(Ctx&, const input& x) {
+    require<shape_error>(x.rank() >= 1 && x.dim(x.rank() - 1) == in_, "Linear(", in_, " -> ", out_,
+                         "): input's last dimension must be ", in_, ", got shape ", x.shape());
+    x_ = x;
+    const std::int64_t rows = x.numel() / in_;
+    Shape ys = x.shape();
+    ys[ys.rank() - 1] = out_;
+    output y(ys);
+    if (has_bias_)
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t o = 0; o < out_; ++o) y[r * out_ + o] = bias.value[o];
+    ops::gemm(ops::trans::no, ops::trans::yes, rows, out_, in_, T(1), x.data(), in_, weight.value, in_,
+              T(has_bias_ ? 1 : 0), y.data(), out_);
+    return y;
+  }
+
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    require<shape_error>(!x_.empty() && dy.numel() == x_.numel() / in_ * out_, "Linear(", in_, " -> ", out_,
+                         "): backward needs the gradient of the last forward's output, got shape ", dy.shape());
+    const std::int64_t rows = x_.numel() / in_;
+    ops::gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, T(1), dy.data(), out_, x_.data(), in_, T(1),
+              weight.grad, in_);  // dW += dy^T x
+    if (has_bias_)
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t o = 0; o < out_; ++o) bias.grad[o] += dy[r * out_ + o];
+    input dx(x_.shape());
+    ops::gemm(ops::trans::no, ops::trans::no, rows, in_, out_, T(1), dy.data(), out_, weight.value, in_, T(0),
+              dx.data(), in_);  // dx = dy W
+    x_ = {};
+    return dx;
+  }
+
+ private:
+  std::int64_t in_, out_;
+  bool has_bias_;
+  input x_;  // cached for backward
+};
+
+}  // namespace shardlib::nn

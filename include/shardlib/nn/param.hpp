@@ -1,0 +1,69 @@
+// shardlib/nn/param.hpp — Param<T>: a layer's non-owning parameter view, and its init rule.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/random.hpp"
+#include "shardlib/core/shape.hpp"
+#include "shardlib/core/tensor_view.hpp"
+
+#include <cmath>        // std::sqrt
+#include <cstdint>      // std::uint64_t
+#include <span>         // std::span
+#include <string_view>  // std::string_view
+
+namespace shardlib::nn {
+
+// How an owner fills a parameter: PyTorch's default for the layer, drawn from
+// the same distribution (not the same numbers: the stream is shardlib's own).
+struct init_rule {
+  enum kind_t { zeros, ones, uniform, normal } kind = zeros;
+  double a = 0, b = 0;  // uniform: [a, b); normal: mean a, standard deviation b
+
+  static constexpr init_rule constant_zero() { return {zeros}; }
+  static constexpr init_rule constant_one() { return {ones}; }
+  static constexpr init_rule uniform_in(double lo, double hi) { return {uniform, lo, hi}; }
+  static constexpr init_rule normal_with(double mean, double stddev) { return {normal, mean, stddev}; }
+  // nn.Linear's weight and bias: kaiming_uniform_(a = sqrt(5)) gives U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+  static init_rule linear_default(std::int64_t fan_in) {
+    const double bound = fan_in > 0 ? 1.0 / std::sqrt(double(fan_in)) : 0.0;
+    return uniform_in(-bound, bound);
+  }
+  // xavier_uniform_: U(-sqrt(6 / (fan_in + fan_out)), +...).
+  static init_rule xavier_uniform(std::int64_t fan_in, std::int64_t fan_out) {
+    const double bound = std::sqrt(6.0 / double(fan_in + fan_out));
+    return uniform_in(-bound, bound);
+  }
+
+  // Element i of the parameter whose random stream is `rng`; the same i gives the
+  // same value whichever rank materialises it.
+  double value(const counter_rng& rng, std::uint64_t i) const {
+    switch (kind) {
+      case zeros: return 0.0;
+      case ones: return 1.0;
+      case uniform: return a + (b - a) * rng.uniform_double(i);
+      case normal: return a + b * rng.normal(i);
+    }
+    return 0.0;
+  }
+};
+
+// A parameter as a layer sees it: a shape, an init rule, and pointers to value
+// and gradient storage that an owner binds (replicated storage, or a sharded
+// unit's gathered buffer while the layer runs). Layers never allocate parameters.
+template <class T>
+struct Param {
+  using value_type = T;
+  Shape shape;
+  init_rule init;
+  T* value = nullptr;
+  T* grad = nullptr;
+
+  std::size_t numel() const { return std::size_t(shape.numel()); }
+  bool bound() const { return value != nullptr || numel() == 0; }
+  std::span<T> values() const { return {value, numel()}; }
+  std::span<T> grads() const { return {grad, numel()}; }
+  TensorView<T> value_view() const { return {value, shape}; }
+  TensorView<T> grad_view() const { return {grad, shape}; }
+};
+
+}  // namespace shardlib::nn
