@@ -3,8 +3,10 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/random.hpp"
+#include "shardlib/core/tensor.hpp"
 
-#include <cstdint>  // std::uint64_t
+#include <cstdint>  // std::uint64_t, std::uint8_t
+#include <utility>  // std::move
 
 namespace shardlib::nn {
 
@@ -12,7 +14,10 @@ namespace shardlib::nn {
 // ctx.forward(child, x) and ctx.backward(child, dy). The plain context just
 // calls the child; the sharded context (shard/) runs a unit's gather, bind,
 // prefetch and reduce-scatter around the call when the child is a unit.
-// Layers also ask the context whether they are training and for random numbers.
+// Layers also ask the context whether they are training, for random numbers, and
+// for the batch's key-padding mask (side data of the batch, like torch's
+// src_key_padding_mask: [batch, sequence], nonzero = a padding position that
+// attention ignores as a key; empty = no padding).
 class context {
  public:
   struct options {
@@ -35,6 +40,8 @@ class context {
 
   bool training() const { return o_.training; }
   void set_training(bool on) { o_.training = on; }
+  const Tensor<std::uint8_t>& key_padding_mask() const { return mask_; }
+  void set_key_padding_mask(Tensor<std::uint8_t> mask) { mask_ = std::move(mask); }
   void set_step(std::uint64_t step) {
     o_.step = step;
     draws_ = 0;
@@ -50,6 +57,7 @@ class context {
  private:
   options o_{};
   std::uint64_t draws_ = 0;
+  Tensor<std::uint8_t> mask_;
 };
 
 // Exactly what a layer may use of its context; the Layer concept checks layers
@@ -61,6 +69,7 @@ struct context_archetype {
   auto backward(L& layer, const DY& dy) -> decltype(layer.backward(*this, dy));
   bool training() const;
   counter_rng random_stream();
+  const Tensor<std::uint8_t>& key_padding_mask() const;
 };
 
 }  // namespace shardlib::nn
