@@ -1,0 +1,464 @@
+// shardlib/shard/sharded_model.hpp — ShardedModel: a model's parameters, gradients and
+// optimizer state sharded across the ranks of a communicator, and fully_shard to make one.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/comm/communicator.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/random.hpp"
+#include "shardlib/nn/context.hpp"
+#include "shardlib/nn/flat.hpp"
+#include "shardlib/nn/layer.hpp"
+#include "shardlib/shard/strategy.hpp"
+#include "shardlib/shard/unit.hpp"
+#include "shardlib/shard/wrap.hpp"
+
+#include <algorithm>      // std::fill_n, std::find
+#include <cstdint>        // std::uint64_t
+#include <functional>     // std::function
+#include <memory>         // std::shared_ptr
+#include <optional>       // std::optional
+#include <string>         // std::string
+#include <type_traits>    // std::is_same_v
+#include <typeindex>      // std::type_index
+#include <map>            // std::map
+#include <unordered_set>  // std::unordered_set
+#include <utility>        // std::pair
+#include <vector>         // std::vector
+
+namespace shardlib::shard {
+
+struct options {
+  // Which layers become units; the model is always the root unit. A function of
+  // the layer's dotted name and type: wrap_types<...>{}, wrap_names{...}, wrap_none{}.
+  std::function<bool(std::string_view, std::type_index)> wrap = wrap_none{};
+  std::uint64_t seed = 0;  // initial values: element i of parameter p is drawn from (seed, p, i)
+  int prefetch = 1;        // units whose all-gather is issued ahead of the one running
+  nn::context::options context{};  // training flag, dropout seed (rank and step are set by the model)
+};
+
+template <class Engine>
+class sharded_context;
+
+// The model, wrapped: forward, backward and step run the sharding strategy's
+// communication around each unit (see ../../docs/design.md, "Sharding engine").
+template <nn::Layer Model, comm::Communicator Comm, ShardingStrategy Strategy, class T = float>
+class ShardedModel {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "ShardedModel: parameters are float or double (mixed precision computes in a copy)");
+
+ public:
+  using input = typename Model::input;
+  using output = typename Model::output;
+  using unit_type = unit<T>;
+
+  ShardedModel(Model& model, Comm& comm, Strategy strategy, options o)
+      : model_(&model), comm_(&comm), strategy_(strategy), opts_(std::move(o)), ctx_(this, opts_.context) {
+    make_groups();
+    discover(model, std::string(), true);
+    check_structure();
+    for (auto& u : units_) materialize(u);
+    if constexpr (std::is_same_v<Strategy, ShardOptimizer>)
+      for (auto& u : units_) u.bind(u.master->local().data(), u.full_grad.data());
+    else if constexpr (std::is_same_v<Strategy, NoShard>)
+      for (auto& u : units_) u.bind(u.master->local().data(), u.grad->local().data());
+  }
+  ShardedModel(const ShardedModel&) = delete;
+  ShardedModel& operator=(const ShardedModel&) = delete;
+
+  Model& model() { return *model_; }
+  Comm& comm() { return *comm_; }
+  sharded_context<ShardedModel>& context() { return ctx_; }
+  const std::vector<unit_type>& units() const { return units_; }
+  std::uint64_t steps() const { return step_; }
+
+  output forward(const input& x) {
+    ctx_.set_step(step_);
+    return ctx_.forward(*model_, x);
+  }
+  input backward(const output& dy) { return ctx_.backward(*model_, dy); }
+
+  // Micro-batches run with sync(false) only accumulate gradients locally (in the
+  // unsharded gradient buffers, as PyTorch's no_sync); the next backward with
+  // sync(true) reduces everything accumulated.
+  void set_sync(bool on) { sync_ = on; }
+
+  void zero_grad() {
+    for (auto& u : units_) {
+      require(!u.reducing, "zero_grad: a gradient reduction of unit '", u.name, "' is still pending");
+      std::fill_n(u.grad->local().data(), u.grad->local().size(), T(0));
+      if constexpr (std::is_same_v<Strategy, ShardOptimizer>) std::fill_n(u.full_grad.data(), u.full_grad.size(), T(0));
+      else u.full_grad.reset();  // drops gradients accumulated under sync(false)
+      u.grad_clean = true;
+    }
+  }
+
+  // Every rank steps its own shard with its own optimizer state.
+  template <class Optimizer>
+  void step(Optimizer& opt) {
+    for (auto& u : units_) {
+      auto& state = state_for(opt, u);
+      auto [values, grads] = optimizer_span(u);
+      opt.step(values, std::span<const T>(grads), state);
+    }
+    if constexpr (std::is_same_v<Strategy, ShardOptimizer>) {
+      for (auto& u : units_) {  // everyone's updated slice back to everyone
+        auto full = u.master->local();
+        const auto& l = optimizer_layout(u);
+        pending_.push_back(comm_->all_gather_async(std::span<const T>(full.subspan(l.begin(comm_->rank()), l.shard_size())), full));
+      }
+      wait_pending();
+    }
+    ++step_;
+  }
+
+  // One optimisation step on this rank's batch: zero, forward, loss, backward,
+  // step. Returns this rank's loss (averaged over its own batch).
+  template <class Optimizer, class Target, class LossFn>
+  auto train_step(Optimizer& opt, const input& x, const Target& y, LossFn&& loss_fn) {
+    zero_grad();
+    auto out = forward(x);
+    auto l = loss_fn(out, y);
+    backward(l.grad);
+    step(opt);
+    return l.loss;
+  }
+
+  // The full parameters under their unsharded names, in the model's parameter
+  // order — on rank 0 only (others return an empty list) or on every rank.
+  // Units are gathered one at a time, so a rank holds at most one extra full unit
+  // beyond what it returns.
+  struct named_tensor {
+    std::string name;
+    Tensor<T> value;
+  };
+  std::vector<named_tensor> full_state_dict(bool rank0_only = true) {
+    const bool keep = !rank0_only || comm_->rank() == 0;
+    std::map<std::string, std::size_t> position;  // the model's own order
+    model_->parameters([&](std::string_view name, auto&) { position.emplace(std::string(name), position.size()); });
+    std::vector<named_tensor> out(keep ? position.size() : 0);
+    for (auto& u : units_) {
+      Buffer<T> full;
+      std::span<const T> values = u.master->local();
+      if constexpr (Strategy::shards_parameters) {
+        full = Buffer<T>(u.master->layout().padded_size(), category::gathered_parameters);
+        u.master->gather(shard_comm(), full.span());
+        values = full.span();
+      }
+      if (!keep) continue;
+      for (const auto& e : u.layout.entries) {
+        Tensor<T> t(e.shape, category::parameters);
+        std::copy_n(values.data() + e.offset, e.numel(), t.data());
+        out[position.at(e.name)] = {e.name, std::move(t)};
+      }
+    }
+    return out;
+  }
+
+  // --- hooks the sharded context runs around each unit ----------------------------------------
+  // A layer is identified by address and type: a composite and its first (or,
+  // in std::tuple, last) child can share an address.
+  template <class L>
+  unit_type* find(const L& layer) {
+    auto it = index_.find({static_cast<const void*>(&layer), std::type_index(typeid(L))});
+    return it == index_.end() ? nullptr : &units_[it->second];
+  }
+
+  void pre_forward(unit_type& u) {
+    const int i = int(&u - units_.data());
+    if (recording_ && std::find(order_.begin(), order_.end(), i) == order_.end()) order_.push_back(i);
+    if constexpr (Strategy::shards_parameters) {
+      ensure_gathered(u);
+      u.bind(u.gathered.data(), nullptr);
+      prefetch(i, +1);
+    }
+  }
+  void post_forward(unit_type& u) {
+    if (&u == &units_[0]) recording_ = false;  // the root finishes last: the order is complete
+    if constexpr (Strategy::frees_after_forward)
+      if (&u != &units_[0]) free_gathered(u);
+  }
+  void pre_backward(unit_type& u) {
+    if constexpr (Strategy::shards_parameters) {
+      ensure_gathered(u);
+      if (u.full_grad.empty()) {  // kept from earlier micro-batches under sync(false)
+        u.full_grad = Buffer<T>(u.gathered.size(), category::gradients);
+        std::fill_n(u.full_grad.data(), u.full_grad.size(), T(0));
+      }
+      u.bind(u.gathered.data(), u.full_grad.data());
+      prefetch(int(&u - units_.data()), -1);
+    }
+  }
+  void post_backward(unit_type& u) {
+    if constexpr (Strategy::shards_parameters) {
+      free_gathered(u);
+      if (sync_) reduce_gradients(u);
+    } else if (sync_) {
+      reduce_gradients(u);
+    }
+    if (&u == &units_[0]) finish_backward();
+  }
+
+ private:
+  // --- construction --------------------------------------------------------------------------
+  void make_groups() {
+    if constexpr (std::is_same_v<Strategy, HybridShard>) {
+      const int g = strategy_.group_size, w = comm_->size(), r = comm_->rank();
+      require(g >= 1 && w % g == 0, "rank ", r, ": HybridShard group_size ", g, " must divide the world size ", w);
+      shard_comm_.emplace(comm_->split(r / g, r));    // the ranks that shard one replica
+      replica_comm_.emplace(comm_->split(r % g, r));  // the same shard in every replica
+    }
+  }
+  Comm& shard_comm() { return shard_comm_ ? *shard_comm_ : *comm_; }
+
+  // Walks the model; every layer the policy picks (and the model itself) becomes a
+  // unit, and each unit claims the parameters no unit inside it has claimed.
+  template <class L>
+  void discover(L& layer, const std::string& name, bool root) {
+    int idx = -1;
+    if (root || opts_.wrap(name, std::type_index(typeid(L)))) {
+      idx = int(units_.size());
+      units_.emplace_back();
+      units_.back().name = name;
+      index_[{static_cast<const void*>(&layer), std::type_index(typeid(L))}] = idx;
+    }
+    if constexpr (nn::Composite<L>)
+      layer.children([&](std::string_view child, auto& c) { discover(c, nn::join_name(name, child), false); });
+    if (idx < 0) return;
+    auto& u = units_[idx];
+    layer.parameters([&](std::string_view pname, auto& p) {
+      static_assert(std::is_same_v<std::remove_reference_t<decltype(p)>, nn::Param<T>>,
+                    "ShardedModel: every parameter must be a Param<T> of the model's element type");
+      if (!claimed_.insert(&p).second) return;
+      u.layout.numel = (u.layout.numel + 15) / 16 * 16;  // the alignment nn::flatten uses
+      u.layout.entries.push_back({nn::join_name(name, pname), p.shape, p.init, u.layout.numel});
+      u.layout.numel += p.numel();
+      u.params.push_back(&p);
+    });
+  }
+
+  // The sharded storage of one unit, initialised in place: each rank draws only
+  // its own shard's values, which equal the unsharded initialisation there.
+  void materialize(unit_type& u) {
+    const std::size_t n = u.numel();
+    if constexpr (Strategy::shards_parameters) {
+      Comm& c = shard_comm();
+      u.master.emplace(n, c, category::parameters);
+      u.grad.emplace(n, c, category::gradients);
+      nn::initialize_range<T>(u.layout, opts_.seed, u.master->layout().begin(c.rank()), u.master->local());
+    } else {
+      // Replicated values, padded to a multiple of the world so ShardOptimizer can
+      // all-gather them in place after each rank updated its slice.
+      const std::size_t padded = shard_layout{n, comm_->size()}.padded_size();
+      u.master.emplace(padded, 1, 0, category::parameters);
+      nn::initialize_range<T>(u.layout, opts_.seed, 0, u.master->local());
+      if constexpr (std::is_same_v<Strategy, ShardOptimizer>) {
+        // ZeRO-1: every rank keeps full local gradients; the reduced gradients
+        // and the optimizer state exist only for its own slice.
+        u.full_grad = Buffer<T>(padded, category::gradients);
+        std::fill_n(u.full_grad.data(), padded, T(0));
+        u.grad.emplace(padded, comm_->size(), comm_->rank(), category::gradients);
+      } else {
+        u.grad.emplace(padded, 1, 0, category::gradients);
+      }
+    }
+  }
+
+  // Ranks compare a hash of every parameter's name and shape and of the strategy;
+  // on a mismatch every rank raises, naming the first parameter that differs.
+  void check_structure() {
+    std::vector<std::int64_t> mine;  // hashes (int64: an element type every communicator carries)
+    mine.push_back(std::int64_t(fnv1a(Strategy::name) ^ std::uint64_t(shard_comm().size())));
+    for (const auto& u : units_)
+      for (const auto& e : u.layout.entries) mine.push_back(std::int64_t(fnv1a(cat(u.name, "|", e.name, e.shape, "|", sizeof(T)))));
+    std::vector<std::int64_t> count{std::int64_t(mine.size())}, most(1);
+    comm_->all_reduce(std::span<const std::int64_t>(count), std::span<std::int64_t>(most), comm::reduce_op::max);
+    mine.resize(std::size_t(most[0]), 0);  // absent entries hash to 0
+    std::vector<std::int64_t> all(mine.size() * comm_->size());
+    comm_->all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+    for (std::size_t i = 0; i < mine.size(); ++i)
+      for (int r = 0; r < comm_->size(); ++r) {
+        if (all[r * mine.size() + i] == all[i]) continue;
+        const std::string what = i == 0 ? cat("the strategy or shard group (", Strategy::name, ")")
+                                        : cat("parameter #", i - 1, " (here: ", describe_entry(i - 1), ")");
+        throw error(cat("rank ", comm_->rank(), ": the model differs between ranks 0 and ", r, " at ", what,
+                        ": every rank must wrap the same model with the same strategy"));
+      }
+  }
+  std::string describe_entry(std::size_t k) const {
+    for (const auto& u : units_)
+      for (const auto& e : u.layout.entries)
+        if (k-- == 0) return cat("'", e.name, "' ", e.shape);
+    return "no such parameter on this rank";
+  }
+
+  // --- gathering -----------------------------------------------------------------------------
+  using state = typename unit_type::state;
+  void issue_gather(unit_type& u) {
+    if (u.values != state::sharded) return;
+    u.gathered = Buffer<T>(u.master->layout().padded_size(), category::gathered_parameters);
+    u.gather_work = u.master->gather_async(shard_comm(), u.gathered.span());
+    u.values = state::gathering;
+  }
+  void ensure_gathered(unit_type& u) {
+    issue_gather(u);
+    if (u.values == state::gathering) {
+      u.gather_work.wait();
+      u.values = state::gathered;
+    }
+  }
+  void free_gathered(unit_type& u) {
+    require(u.values != state::gathering, "internal: freeing unit '", u.name, "' while its gather is in flight");
+    u.unbind();
+    u.gathered.reset();
+    u.values = state::sharded;
+  }
+  // Issues the gathers of the next `prefetch` units in forward order (dir = +1)
+  // or backward order (dir = -1), as recorded during the first forward.
+  void prefetch(int current, int dir) {
+    if (recording_ || opts_.prefetch <= 0) return;
+    auto pos = std::find(order_.begin(), order_.end(), current);
+    if (pos == order_.end()) return;
+    long p = long(pos - order_.begin());
+    for (int k = 1; k <= opts_.prefetch; ++k) {
+      long q = p + dir * k;
+      if (q < 0 || q >= long(order_.size())) break;
+      issue_gather(units_[order_[q]]);
+    }
+  }
+
+  // --- gradient reduction --------------------------------------------------------------------
+  void reduce_gradients(unit_type& u) {
+    finish_reduction_except(&u);  // at most one reduction in flight besides this one
+    if constexpr (!std::is_same_v<Strategy, NoShard>) {
+      auto into = u.grad->local();
+      if (!u.grad_clean) {  // accumulate: reduce into scratch, add after
+        u.reduce_scratch = Buffer<T>(into.size(), category::comm_scratch);
+        into = u.reduce_scratch.span();
+      }
+      Comm& c = std::is_same_v<Strategy, ShardOptimizer> ? *comm_ : shard_comm();
+      u.reduce_work = c.reduce_scatter_async(std::span<const T>(u.full_grad.span()), into, comm::reduce_op::avg);
+    } else {  // DDP: average the full gradients in place
+      auto full = u.grad->local();
+      u.reduce_work = comm_->all_reduce_async(std::span<const T>(full), full, comm::reduce_op::avg);
+    }
+    u.reducing = true;
+    reducing_.push_back(int(&u - units_.data()));
+  }
+
+  void finish_reduction(unit_type& u) {
+    if (!u.reducing) return;
+    u.reduce_work.wait();
+    u.reducing = false;
+    if constexpr (!std::is_same_v<Strategy, NoShard>) {
+      if (!u.reduce_scratch.empty()) {
+        auto g = u.grad->local();
+        for (std::size_t i = 0; i < g.size(); ++i) g[i] += u.reduce_scratch[i];
+        u.reduce_scratch.reset();
+      }
+      if constexpr (std::is_same_v<Strategy, ShardOptimizer>) std::fill_n(u.full_grad.data(), u.full_grad.size(), T(0));
+      else u.full_grad.reset();
+      if constexpr (std::is_same_v<Strategy, HybridShard>) {  // then average the shard across replicas
+        auto g = u.grad->local();
+        replica_comm_->all_reduce(g, comm::reduce_op::avg);
+      }
+    }
+    u.grad_clean = false;
+  }
+  void finish_reduction_except(const unit_type* keep) {
+    for (int i : reducing_)
+      if (&units_[i] != keep) finish_reduction(units_[i]);
+    reducing_.erase(std::remove_if(reducing_.begin(), reducing_.end(), [&](int i) { return !units_[i].reducing; }),
+                    reducing_.end());
+  }
+  void finish_backward() {
+    finish_reduction_except(nullptr);
+    if constexpr (Strategy::shards_parameters) {
+      for (auto& u : units_) require(u.values == state::sharded, "internal: unit '", u.name, "' still gathered");
+    }
+  }
+  void wait_pending() {
+    for (auto& w : pending_) w.wait();
+    pending_.clear();
+  }
+
+  // --- optimizer -----------------------------------------------------------------------------
+  // The partition an optimizer steps on this rank: its shard when sharded; its
+  // slice of the full buffer under ShardOptimizer; everything under NoShard.
+  shard_layout optimizer_layout(const unit_type& u) const { return {u.master->local().size(), comm_->size()}; }
+  std::pair<std::span<T>, std::span<T>> optimizer_span(unit_type& u) {
+    if constexpr (std::is_same_v<Strategy, ShardOptimizer>) {
+      const auto l = optimizer_layout(u);
+      return {u.master->local().subspan(l.begin(comm_->rank()), l.shard_size()), u.grad->local()};
+    } else {
+      return {u.master->local(), u.grad->local()};
+    }
+  }
+  template <class Optimizer>
+  typename Optimizer::state& state_for(Optimizer& opt, unit_type& u) {
+    static const char type_tag = 0;
+    if (!u.optimizer_state) {
+      auto n = optimizer_span(u).first.size();
+      u.optimizer_state = std::make_shared<typename Optimizer::state>(opt.make_state(n));
+      u.optimizer_type = &type_tag;
+    }
+    require(u.optimizer_type == &type_tag, "rank ", comm_->rank(), ": unit '", u.name,
+            "' has optimizer state of another optimizer type");
+    return *static_cast<typename Optimizer::state*>(u.optimizer_state.get());
+  }
+
+  Model* model_;
+  Comm* comm_;
+  Strategy strategy_;
+  options opts_;
+  std::optional<Comm> shard_comm_, replica_comm_;
+  std::vector<unit_type> units_;  // units_[0] is the root
+  std::map<std::pair<const void*, std::type_index>, int> index_;
+  std::unordered_set<const void*> claimed_;
+  std::vector<int> order_;  // unit indices in the order of the first forward
+  bool recording_ = true;
+  bool sync_ = true;
+  std::vector<int> reducing_;
+  std::vector<comm::work> pending_;
+  std::uint64_t step_ = 0;
+  sharded_context<ShardedModel> ctx_;
+};
+
+// The context layers see inside a ShardedModel: running a child that is a unit
+// runs the unit's hooks around it; anything else runs as in the plain context.
+template <class Engine>
+class sharded_context : public nn::context {
+ public:
+  sharded_context(Engine* e, nn::context::options o) : nn::context(o), e_(e) {}
+
+  template <class L, class X>
+  auto forward(L& layer, const X& x) {
+    auto* u = e_->find(layer);
+    if (!u) return layer.forward(*this, x);
+    e_->pre_forward(*u);
+    auto y = layer.forward(*this, x);
+    e_->post_forward(*u);
+    return y;
+  }
+  template <class L, class DY>
+  auto backward(L& layer, const DY& dy) {
+    auto* u = e_->find(layer);
+    if (!u) return layer.backward(*this, dy);
+    e_->pre_backward(*u);
+    auto dx = layer.backward(*this, dy);
+    e_->post_backward(*u);
+    return dx;
+  }
+
+ private:
+  Engine* e_;
+};
+
+// Wraps `model` for training on the ranks of `comm` with a sharding strategy:
+//   auto sharded = shard::fully_shard(model, comm, shard::FullShard{}, {.wrap = shard::wrap_types<Encoder>{}});
+template <class T = float, nn::Layer Model, comm::Communicator Comm, ShardingStrategy Strategy>
+ShardedModel<Model, Comm, Strategy, T> fully_shard(Model& model, Comm& comm, Strategy strategy, options o = {}) {
+  o.context.rank = comm.rank();
+  return ShardedModel<Model, Comm, Strategy, T>(model, comm, strategy, std::move(o));
+}
+
+}  // namespace shardlib::shard

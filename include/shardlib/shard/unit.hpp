@@ -1,0 +1,59 @@
+// shardlib/shard/unit.hpp — unit<T>: one layer's parameters as a flat, sharded buffer.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/comm/work.hpp"
+#include "shardlib/core/buffer.hpp"
+#include "shardlib/nn/flat.hpp"
+#include "shardlib/nn/param.hpp"
+#include "shardlib/shard/sharded_tensor.hpp"
+
+#include <cstddef>  // std::size_t
+#include <memory>   // std::shared_ptr
+#include <optional> // std::optional
+#include <string>   // std::string
+#include <vector>   // std::vector
+
+namespace shardlib::shard {
+
+// A unit owns the parameters of one layer that no nested unit claims: their
+// flat layout (PyTorch names, aligned offsets), the local shard of master values
+// and gradients (the whole flat buffer when the strategy replicates), and, while
+// the layer runs, the gathered full values and the full gradients its backward
+// writes. The layer's Param views point into the gathered buffers only between
+// the unit's pre- and post- hooks.
+template <class T>
+struct unit {
+  std::string name;     // the layer's dotted name; "" for the root
+  std::vector<nn::Param<T>*> params;  // in layout order
+  nn::flat_layout layout;             // entries carry global names, so init matches unsharded init
+
+  std::optional<ShardedTensor<T>> master;  // values: this rank's shard, or everything when replicated
+  std::optional<ShardedTensor<T>> grad;    // reduced gradients: the shard the optimizer steps (all under NoShard)
+  bool grad_clean = true;                  // the gradient shard is all zero (reduce-scatter may write into it)
+
+  Buffer<T> gathered;   // full values while gathered (sharded strategies)
+  Buffer<T> full_grad;  // full local gradients: from pre-backward until reduced (always, under ShardOptimizer)
+  // Where the values are: only the shard, an all-gather in flight into `gathered`,
+  // or gathered. (A unit may own no parameters, so `gathered` being empty says nothing.)
+  enum class state { sharded, gathering, gathered } values = state::sharded;
+  comm::work gather_work;
+  comm::work reduce_work;
+  bool reducing = false;   // reduce_work is in flight out of `full_grad` (or `grad` when replicated)
+  Buffer<T> reduce_scratch;  // reduce-scatter target when the shard already holds gradients
+
+  std::shared_ptr<void> optimizer_state;  // the optimizer's state for this unit's shard
+  const void* optimizer_type = nullptr;   // identifies the optimizer type the state was made for
+
+  std::size_t numel() const { return layout.numel; }
+
+  // Points every Param at values (and grads, or null) laid out as `layout`.
+  void bind(T* values, T* grads) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      params[i]->value = values ? values + layout.entries[i].offset : nullptr;
+      params[i]->grad = grads ? grads + layout.entries[i].offset : nullptr;
+    }
+  }
+  void unbind() { bind(nullptr, nullptr); }
+};
+
+}  // namespace shardlib::shard
