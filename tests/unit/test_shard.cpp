@@ -145,3 +145,87 @@ TEST_CASE("hybrid sharding equals unsharded training", "[shard][equivalence][hyb
   check_equivalence(4, shard::HybridShard{.group_size = 2});
   check_equivalence(3, shard::HybridShard{.group_size = 3});
 }
+
+namespace {
+// Expected per-rank peaks, from the units' sizes (bytes of float). Root stays
+// gathered for the whole step; with prefetch 1 at most two other units are
+// gathered at once, consecutive in the recorded order; under ShardGradOp all
+// stay gathered from forward to backward. Gradients: the shards, the root's
+// full gradient for the whole backward, and two consecutive units' full gradients
+// (one being reduced while the next is computed).
+template <class Strategy, class Units>
+std::pair<std::size_t, std::size_t> expected_gathered_and_gradients(const Units& units, int world) {
+  std::vector<std::size_t> full, shard;
+  for (auto& u : units) {
+    full.push_back(u.master->layout().padded_size() * sizeof(float));
+    shard.push_back(u.master->local().size() * sizeof(float));
+  }
+  std::size_t shards = 0, all = 0, pair = 0;
+  for (std::size_t i = 0; i < full.size(); ++i) shards += shard[i], all += full[i];
+  for (std::size_t i = 1; i + 1 < full.size(); ++i) pair = std::max(pair, full[i] + full[i + 1]);
+  if constexpr (std::is_same_v<Strategy, shard::FullShard>) return {full[0] + pair, shards + full[0] + pair};
+  else if constexpr (std::is_same_v<Strategy, shard::ShardGradOp>) return {all, shards + full[0] + pair};
+  else if constexpr (std::is_same_v<Strategy, shard::ShardOptimizer>) {
+    std::size_t reduced = 0;  // full local gradients plus this rank's reduced slice
+    for (auto& u : units) reduced += u.grad->local().size() * sizeof(float);
+    return {0, all + reduced};
+  } else {
+    (void)world;
+    return {0, all};
+  }
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("per-rank memory equals the strategy's formula exactly", "[shard][memory]", shard::FullShard,
+                   shard::ShardGradOp, shard::ShardOptimizer, shard::NoShard) {
+  const int w = 3, per_rank = 4;
+  std::vector<int> ok(w, 0);
+  std::vector<std::string> report(w);
+  std::size_t unsharded_activations = 0;
+  {  // activations of the same local batch without sharding
+    ledger l;
+    ledger_scope scope(l);
+    Model m = make_model();
+    nn::Replicated<float, Model> owner(m, 42);
+    nn::context ctx;
+    auto out = ctx.forward(m, batch(0, per_rank, 5, 1));
+    ctx.backward(m, mse(out, batch(0, per_rank, 3, 2)).grad);
+    unsharded_activations = l.peak(category::activations);
+  }
+  comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
+    Model m = make_model();
+    // The stack's layers are units; the root keeps the first and last Linear.
+    auto model = shard::fully_shard(
+        m, c, TestType{}, {.wrap = shard::wrap_names{{"1.layers.0", "1.layers.1", "1.layers.2"}}, .seed = 42});
+    sgd opt;
+    for (int s = 0; s < 3; ++s) model.train_step(opt, batch(s, per_rank, 5, 1), batch(s, per_rank, 3, 2), mse);
+    auto [gathered, gradients] = expected_gathered_and_gradients<TestType>(model.units(), w);
+    std::size_t params = 0;
+    for (auto& u : model.units()) params += u.master->local().size() * sizeof(float);
+    report[c.rank()] = cat("parameters ", l.peak(category::parameters), " vs ", params, "; gradients ",
+                           l.peak(category::gradients), " vs ", gradients, "; gathered ",
+                           l.peak(category::gathered_parameters), " vs ", gathered, "; activations ",
+                           l.peak(category::activations), " vs ", unsharded_activations);
+    ok[c.rank()] = l.peak(category::parameters) == params && l.peak(category::gradients) == gradients &&
+                   l.peak(category::gathered_parameters) == gathered &&
+                   l.peak(category::activations) == unsharded_activations &&
+                   l.current(category::gathered_parameters) == 0;
+  });
+  for (int r = 0; r < w; ++r) {
+    INFO("rank " << r << ": " << report[r]);
+    CHECK(ok[r] == 1);
+  }
+}
+
+TEST_CASE("wrap policies choose the units; the root claims the rest", "[shard][wrap]") {
+  comm::launch(1, [](comm::ThreadComm& c) {
+    Model m = make_model();
+    auto by_name = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_names{{"1.layers.1"}}});
+    std::vector<std::string> names;
+    for (auto& u : by_name.units()) names.push_back(u.name + ":" + std::to_string(u.layout.entries.size()));
+    if (names != std::vector<std::string>{":8", "1.layers.1:2"}) throw error(cat("wrap_names units: ", names[0], " ", names.back()));
+    Model m2 = make_model();
+    auto whole = shard::fully_shard(m2, c, shard::FullShard{}, {});
+    if (whole.units().size() != 1 || whole.units()[0].layout.entries.size() != 10) throw error("wrap_none: one unit");
+  });
+}

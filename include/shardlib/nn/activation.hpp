@@ -1,0 +1,128 @@
+// shardlib/nn/activation.hpp — ReLU and GELU (torch.nn.ReLU, torch.nn.GELU), and the
+// per-element functions they are made of, shared with the CUDA kernels.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/tensor.hpp"
+
+#include <cmath>    // std::erf, std::exp, std::tanh
+#include <cstdint>  // std::int64_t
+
+namespace shardlib::nn {
+
+// torch.nn.GELU's `approximate`: none = x Φ(x) with the exact erf; tanh = the
+// tanh approximation (https://pytorch.org/docs/stable/generated/torch.nn.GELU.html).
+enum class gelu_approx { none, tanh };
+
+// Per-element forward and backward (backward returns dy * f'(x)). SHARDLIB_HD so
+// device kernels call the same code; nvcc provides device overloads of std::erf,
+// std::exp and std::tanh for float and double.
+
+// NaN propagates (clamp_min semantics, as torch.relu); the gradient at 0 is 0, as torch's.
+template <class T>
+SHARDLIB_HD constexpr T relu(T x) {
+  return x < T(0) ? T(0) : x;
+}
+template <class T>
+SHARDLIB_HD constexpr T relu_backward(T x, T dy) {
+  return x <= T(0) ? T(0) : dy;
+}
+
+template <class T>
+SHARDLIB_HD T gelu(T x, gelu_approx approx = gelu_approx::none) {
+  if (approx == gelu_approx::tanh) {
+    const T inner = T(0.7978845608028654) * (x + T(0.044715) * x * x * x);  // sqrt(2/pi) (x + 0.044715 x^3)
+    return T(0.5) * x * (T(1) + std::tanh(inner));
+  }
+  return T(0.5) * x * (T(1) + std::erf(x * T(0.7071067811865476)));  // x Φ(x), Φ(x) = (1 + erf(x/√2)) / 2
+}
+
+template <class T>
+SHARDLIB_HD T gelu_backward(T x, T dy, gelu_approx approx = gelu_approx::none) {
+  if (approx == gelu_approx::tanh) {
+    const T k = T(0.7978845608028654), c = T(0.044715);
+    const T t = std::tanh(k * (x + c * x * x * x));
+    return dy * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * k * (T(1) + T(3) * c * x * x));
+  }
+  const T cdf = T(0.5) * (T(1) + std::erf(x * T(0.7071067811865476)));
+  const T pdf = T(0.3989422804014327) * std::exp(T(-0.5) * x * x);  // φ(x) = exp(-x^2/2) / √(2π)
+  return dy * (cdf + x * pdf);
+}
+
+namespace detail {
+// Shared body of the element-wise layers: y[i] = f(x[i]), and the check that
+// backward gets the gradient of the last forward's output.
+template <class T, class F>
+Tensor<T> elementwise(const Tensor<T>& x, F f) {
+  Tensor<T> y(x.shape());
+  for (std::int64_t i = 0; i < x.numel(); ++i) y[i] = f(x[i]);
+  return y;
+}
+template <class T, class F>
+Tensor<T> elementwise_backward(const char* layer, const Tensor<T>& x, const Tensor<T>& dy, F df) {
+  require<shape_error>(!x.empty() && dy.shape() == x.shape(), layer,
+                       ": backward needs the gradient of the last forward's output (shape ", x.shape(), "), got shape ",
+                       dy.shape());
+  Tensor<T> dx(x.shape());
+  for (std::int64_t i = 0; i < x.numel(); ++i) dx[i] = df(x[i], dy[i]);
+  return dx;
+}
+}  // namespace detail
+
+template <class T>
+class ReLU {
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  template <class V>
+  void parameters(V&&) {}
+
+  template <class Ctx>
+  output forward(Ctx&, const input& x) {
+    x_ = x;
+    return detail::elementwise(x, [](T v) { return relu(v); });
+  }
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    input dx = detail::elementwise_backward("ReLU", x_, dy, [](T v, T g) { return relu_backward(v, g); });
+    x_ = {};
+    return dx;
+  }
+
+ private:
+  input x_;  // cached for backward
+};
+
+template <class T>
+class GELU {
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  GELU() = default;
+  explicit GELU(gelu_approx approximate) : approx_(approximate) {}
+
+  gelu_approx approximate() const { return approx_; }
+
+  template <class V>
+  void parameters(V&&) {}
+
+  template <class Ctx>
+  output forward(Ctx&, const input& x) {
+    x_ = x;
+    return detail::elementwise(x, [a = approx_](T v) { return gelu(v, a); });
+  }
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    input dx = detail::elementwise_backward("GELU", x_, dy, [a = approx_](T v, T g) { return gelu_backward(v, g, a); });
+    x_ = {};
+    return dx;
+  }
+
+ private:
+  gelu_approx approx_ = gelu_approx::none;
+  input x_;  // cached for backward
+};
+
+}  // namespace shardlib::nn

@@ -1,0 +1,75 @@
+// shardlib/nn/dropout.hpp — Dropout (torch.nn.Dropout) with counter-based, reproducible masks.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/random.hpp"
+#include "shardlib/core/tensor.hpp"
+
+#include <cstdint>  // std::int64_t, std::uint64_t
+
+namespace shardlib::nn {
+
+// Keeps element i iff stream.uniform_float(i) >= p, compared in float so that a
+// CUDA kernel on the same stream draws the same mask. SHARDLIB_HD for those kernels.
+SHARDLIB_HD constexpr bool dropout_keep(const counter_rng& stream, std::uint64_t i, float p) {
+  return stream.uniform_float(i) >= p;
+}
+
+// In training, each element is kept with probability 1 - p and scaled by
+// 1 / (1 - p) (inverted dropout, so evaluation is the identity), the mask drawn
+// from ctx.random_stream(): reproducible per (seed, rank, step), different per
+// layer. The identity when not training or p == 0; all zeros when p == 1.
+template <class T>
+class Dropout {
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  explicit Dropout(double p = 0.5) : p_(p) {
+    require(p >= 0 && p <= 1, "Dropout: probability must be in [0, 1], got ", p);
+  }
+
+  double p() const { return p_; }
+
+  template <class V>
+  void parameters(V&&) {}
+
+  template <class Ctx>
+  output forward(Ctx& ctx, const input& x) {
+    shape_ = x.shape();
+    pending_ = true;
+    masked_ = ctx.training() && p_ > 0;
+    if (!masked_) return x;
+    stream_ = ctx.random_stream();
+    return apply(x);
+  }
+
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    require<shape_error>(pending_ && dy.shape() == shape_, "Dropout(", p_,
+                         "): backward needs the gradient of the last forward's output (shape ", shape_, "), got shape ",
+                         dy.shape());
+    pending_ = false;
+    return masked_ ? apply(dy) : dy;
+  }
+
+ private:
+  // The mask is recomputed from the stream rather than stored: 16 bytes per
+  // layer instead of one per element.
+  Tensor<T> apply(const Tensor<T>& x) const {
+    const T scale = p_ < 1 ? T(1 / (1 - p_)) : T(0);
+    const float threshold = float(p_);
+    Tensor<T> y(x.shape());
+    for (std::int64_t i = 0; i < x.numel(); ++i)
+      y[i] = dropout_keep(stream_, std::uint64_t(i), threshold) ? x[i] * scale : T(0);
+    return y;
+  }
+
+  double p_;
+  bool pending_ = false;  // a forward awaits its backward
+  bool masked_ = false;   // that forward applied a mask (training and p > 0)
+  Shape shape_{};
+  counter_rng stream_{0, 0};  // this forward's stream, kept for backward
+};
+
+}  // namespace shardlib::nn

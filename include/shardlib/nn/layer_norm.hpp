@@ -1,0 +1,117 @@
+// shardlib/nn/layer_norm.hpp — LayerNorm over the last dimension (torch.nn.LayerNorm).
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/param.hpp"
+
+#include <cmath>    // std::sqrt
+#include <cstdint>  // std::int64_t
+
+namespace shardlib::nn {
+
+// y = (x - mean) / sqrt(var + eps) * weight + bias per row of the last dimension,
+// var biased (divided by D, as torch). weight [D] starts at ones, bias [D] at zeros;
+// elementwise_affine = false leaves no parameters (weight 1, bias 0).
+template <class T>
+class LayerNorm {
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  explicit LayerNorm(std::int64_t normalized_dim, double eps = 1e-5, bool elementwise_affine = true)
+      : d_(normalized_dim), eps_(eps), affine_(elementwise_affine) {
+    if (affine_) {
+      weight.shape = Shape{d_};
+      weight.init = init_rule::constant_one();
+      bias.shape = Shape{d_};
+      bias.init = init_rule::constant_zero();
+    }
+  }
+
+  Param<T> weight, bias;
+
+  std::int64_t normalized_dim() const { return d_; }
+  double eps() const { return eps_; }
+
+  template <class V>
+  void parameters(V&& v) {
+    if (affine_) {
+      v("weight", weight);
+      v("bias", bias);
+    }
+  }
+
+  template <class Ctx>
+  output forward(Ctx&, const input& x) {
+    require<shape_error>(x.rank() >= 1 && x.dim(x.rank() - 1) == d_, "LayerNorm(", d_,
+                         "): input's last dimension must be ", d_, ", got shape ", x.shape());
+    const std::int64_t rows = x.numel() / d_;
+    x_ = x;
+    mean_ = Tensor<T>(Shape{rows});
+    rstd_ = Tensor<T>(Shape{rows});
+    output y(x.shape());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* xr = x.data() + r * d_;
+      T sum = 0;
+      for (std::int64_t i = 0; i < d_; ++i) sum += xr[i];
+      const T mean = sum / T(d_);
+      T sq = 0;  // two passes: no cancellation when |mean| >> std
+      for (std::int64_t i = 0; i < d_; ++i) sq += (xr[i] - mean) * (xr[i] - mean);
+      const T rstd = T(1) / std::sqrt(sq / T(d_) + T(eps_));
+      mean_[r] = mean;
+      rstd_[r] = rstd;
+      T* yr = y.data() + r * d_;
+      for (std::int64_t i = 0; i < d_; ++i) {
+        const T xhat = (xr[i] - mean) * rstd;
+        yr[i] = affine_ ? xhat * weight.value[i] + bias.value[i] : xhat;
+      }
+    }
+    return y;
+  }
+
+  // With g = dy * weight and xhat the normalised input (llm.c's layernorm_backward):
+  // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dweight += dy * xhat; dbias += dy.
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    require<shape_error>(!x_.empty() && dy.shape() == x_.shape(), "LayerNorm(", d_,
+                         "): backward needs the gradient of the last forward's output (shape ", x_.shape(),
+                         "), got shape ", dy.shape());
+    const std::int64_t rows = x_.numel() / d_;
+    input dx(x_.shape());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* xr = x_.data() + r * d_;
+      const T* dyr = dy.data() + r * d_;
+      const T mean = mean_[r], rstd = rstd_[r];
+      T g_mean = 0, gx_mean = 0;
+      for (std::int64_t i = 0; i < d_; ++i) {
+        const T g = affine_ ? dyr[i] * weight.value[i] : dyr[i];
+        g_mean += g;
+        gx_mean += g * (xr[i] - mean) * rstd;
+      }
+      g_mean /= T(d_);
+      gx_mean /= T(d_);
+      T* dxr = dx.data() + r * d_;
+      for (std::int64_t i = 0; i < d_; ++i) {
+        const T xhat = (xr[i] - mean) * rstd;
+        const T g = affine_ ? dyr[i] * weight.value[i] : dyr[i];
+        dxr[i] = rstd * (g - g_mean - xhat * gx_mean);
+        if (affine_) {
+          weight.grad[i] += dyr[i] * xhat;
+          bias.grad[i] += dyr[i];
+        }
+      }
+    }
+    x_ = mean_ = rstd_ = {};
+    return dx;
+  }
+
+ private:
+  std::int64_t d_;
+  double eps_;
+  bool affine_;
+  input x_;                // cached for backward
+  Tensor<T> mean_, rstd_;  // per row, cached for backward
+};
+
+}  // namespace shardlib::nn

@@ -1,0 +1,127 @@
+// shardlib/nn/loss.hpp — losses: cross-entropy and mean squared error, each
+// returning its value and its gradient with respect to the model's output.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/tensor.hpp"
+
+#include <algorithm>  // std::fill, std::max
+#include <cmath>      // std::exp, std::log
+#include <cstdint>    // std::int64_t
+#include <limits>     // std::numeric_limits
+
+namespace shardlib::nn {
+
+// Losses are not layers: they take targets, and start backward. Each is a small
+// callable object: `nn::cross_entropy(logits, targets)` uses torch's defaults,
+// and `nn::cross_entropy_loss{{.ignore_index = 0, .label_smoothing = 0.1}}` (or
+// `nn::squared_error_loss{{.reduction = nn::loss_reduction::sum}}`) sets options;
+// either can be passed wherever a loss callable is expected.
+template <class T>
+struct loss_result {
+  T loss;
+  Tensor<T> grad;  // dloss/d(model output), the shape of the output
+};
+
+enum class loss_reduction { mean, sum };
+
+// torch.nn.functional.cross_entropy's options, in its order.
+struct cross_entropy_options {
+  std::int64_t ignore_index = -100;                 // targets equal to it give neither loss nor gradient
+  loss_reduction reduction = loss_reduction::mean;  // mean: over the rows not ignored, as torch
+  double label_smoothing = 0.0;                     // in [0, 1)
+};
+
+// Classes are the last dimension: logits [..., C] are N = numel / C rows, and
+// targets (class indices) have the leading shape [...] or are flattened to [N].
+// (torch puts C second for rank > 2 inputs; shardlib models emit [..., C].)
+//
+// Per row, with log-probabilities lp = log_softmax(z) computed as z - logsumexp(z)
+// (stable), target y and smoothing e over C classes
+// (https://pytorch.org/docs/stable/generated/torch.nn.CrossEntropyLoss.html):
+//   loss = (1 - e) * -lp[y] + (e / C) * sum_c -lp[c]
+//   dloss/dz[c] = softmax(z)[c] - (1 - e) [c == y] - e / C.
+// The mean divides by the number of rows not ignored; with none it is NaN (0/0),
+// as torch's, and the gradient is zero.
+struct cross_entropy_loss {
+  cross_entropy_options options{};
+
+  template <class T>
+  loss_result<T> operator()(const Tensor<T>& logits, const Tensor<std::int64_t>& targets) const {
+    const auto& o = options;
+    require(o.label_smoothing >= 0 && o.label_smoothing < 1, "cross_entropy: label_smoothing must be in [0, 1), got ",
+            o.label_smoothing);
+    require<shape_error>(logits.rank() >= 1 && logits.dim(logits.rank() - 1) > 0,
+                         "cross_entropy: logits must be [..., C] with C > 0 classes, got shape ", logits.shape());
+    const std::int64_t classes = logits.dim(logits.rank() - 1), rows = logits.numel() / classes;
+    const Shape leading(logits.shape().extents().first(std::size_t(logits.rank() - 1)));
+    require<shape_error>(targets.numel() == rows && (targets.shape() == leading || targets.shape() == Shape{rows}),
+                         "cross_entropy: targets must have the logits' leading shape ", leading, " or be [", rows,
+                         "] for logits ", logits.shape(), ", got shape ", targets.shape());
+
+    const T e = T(o.label_smoothing), off = e / T(classes);  // off: each class's share of the smoothing
+    Tensor<T> grad(logits.shape());
+    double total = 0;  // accumulated in double: N can be large
+    std::int64_t counted = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* z = logits.data() + r * classes;
+      T* g = grad.data() + r * classes;
+      const std::int64_t y = targets[r];
+      if (y == o.ignore_index) {
+        std::fill(g, g + classes, T(0));
+        continue;
+      }
+      if (y < 0 || y >= classes)
+        throw shape_error(cat("cross_entropy: target ", y, " in row ", r, " is out of range for ", classes,
+                              " classes (ignore_index is ", o.ignore_index, ")"));
+      T m = z[0];
+      for (std::int64_t c = 1; c < classes; ++c) m = std::max(m, z[c]);
+      T s = 0;
+      for (std::int64_t c = 0; c < classes; ++c) s += std::exp(z[c] - m);
+      const T lse = m + std::log(s);
+      T sum_lp = 0;
+      for (std::int64_t c = 0; c < classes; ++c) {
+        sum_lp += z[c] - lse;
+        g[c] = std::exp(z[c] - lse) - off;
+      }
+      g[y] -= T(1) - e;
+      total += double((T(1) - e) * (lse - z[y]) - off * sum_lp);
+      ++counted;
+    }
+    if (o.reduction == loss_reduction::sum) return {T(total), grad};
+    if (counted == 0) return {std::numeric_limits<T>::quiet_NaN(), grad};
+    const T scale = T(1) / T(counted);
+    for (std::int64_t i = 0; i < grad.numel(); ++i) grad[i] *= scale;
+    return {T(total / double(counted)), grad};
+  }
+};
+inline constexpr cross_entropy_loss cross_entropy{};
+
+struct squared_error_options {
+  loss_reduction reduction = loss_reduction::mean;  // mean: over all elements
+};
+
+// torch.nn.MSELoss: sum or mean of (input - target)^2 over all elements; the
+// gradient is 2 (input - target), divided by the count for the mean.
+struct squared_error_loss {
+  squared_error_options options{};
+
+  template <class T>
+  loss_result<T> operator()(const Tensor<T>& input, const Tensor<T>& target) const {
+    require<shape_error>(input.shape() == target.shape(), "mse_loss: input and target must have the same shape, got ",
+                         input.shape(), " and ", target.shape());
+    const std::int64_t n = input.numel();
+    const T scale = options.reduction == loss_reduction::mean ? T(1) / T(n) : T(1);
+    Tensor<T> grad(input.shape());
+    double total = 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const T d = input[i] - target[i];
+      total += double(d * d);
+      grad[i] = T(2) * d * scale;
+    }
+    return {T(options.reduction == loss_reduction::mean ? total / double(n) : total), grad};
+  }
+};
+inline constexpr squared_error_loss mse_loss{};
+
+}  // namespace shardlib::nn

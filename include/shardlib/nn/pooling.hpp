@@ -1,0 +1,125 @@
+// shardlib/nn/pooling.hpp — MeanPool: the mean over one dimension, padding-aware
+// (x.mean(dim) in torch; the masked mean of a padded batch).
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/tensor.hpp"
+
+#include <array>    // std::array
+#include <cstdint>  // std::int64_t, std::uint8_t
+#include <span>     // std::span
+
+namespace shardlib::nn {
+
+// Averages over dimension `dim` and removes it: [N, L, E] pooled over dim 1, or
+// [L, N, E] over dim 0, gives [N, E]. There is no default dim, because a wrong
+// one silently averages over the batch.
+//
+// Padding: when the input has rank 3, dim is 0 or 1 (the sequence dimension of
+// the two layouts above: batch-first [N, L, E] pooling dim 1, sequence-first
+// [L, N, E] pooling dim 0) and ctx.key_padding_mask() is not empty, the mask
+// ([N, L], nonzero = padding, as torch's src_key_padding_mask in both layouts)
+// must have the shape [N, L] of that layout, and each sequence averages only its
+// non-padded positions. A mask of another shape, or a sequence made only of
+// padding, raises an error instead of giving a silently wrong mean. Other ranks
+// and dims ignore the mask.
+template <class T>
+class MeanPool {
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  explicit MeanPool(int dim) : dim_(dim) {}
+
+  int dim() const { return dim_; }
+
+  template <class V>
+  void parameters(V&&) {}
+
+  template <class Ctx>
+  output forward(Ctx& ctx, const input& x) {
+    require<shape_error>(dim_ >= 0 && dim_ < x.rank(), "MeanPool(", dim_, "): the input has no dimension ", dim_,
+                         ", got shape ", x.shape());
+    shape_ = x.shape();
+    weights_ = padding_weights(ctx.key_padding_mask());
+    const std::int64_t outer = outer_size(), len = shape_[dim_], inner = inner_size();
+    output y(pooled_shape());
+    for (std::int64_t o = 0; o < outer; ++o)
+      for (std::int64_t i = 0; i < inner; ++i) {
+        T s = 0;
+        for (std::int64_t l = 0; l < len; ++l) s += weight(o, l, i) * x[(o * len + l) * inner + i];
+        y[o * inner + i] = s;
+      }
+    return y;
+  }
+
+  // dx[.., l, ..] = weight(l) * dy: each position gets its share of the mean.
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    require<shape_error>(shape_.rank() > 0 && dy.shape() == pooled_shape(), "MeanPool(", dim_,
+                         "): backward needs the gradient of the last forward's output, got shape ", dy.shape());
+    const std::int64_t outer = outer_size(), len = shape_[dim_], inner = inner_size();
+    input dx(shape_);
+    for (std::int64_t o = 0; o < outer; ++o)
+      for (std::int64_t l = 0; l < len; ++l)
+        for (std::int64_t i = 0; i < inner; ++i) dx[(o * len + l) * inner + i] = weight(o, l, i) * dy[o * inner + i];
+    shape_ = {};
+    weights_ = {};
+    return dx;
+  }
+
+ private:
+  // The input seen as [outer, len, inner] around the pooled dimension.
+  std::int64_t outer_size() const {
+    std::int64_t n = 1;
+    for (int d = 0; d < dim_; ++d) n *= shape_[d];
+    return n;
+  }
+  std::int64_t inner_size() const {
+    std::int64_t n = 1;
+    for (int d = dim_ + 1; d < shape_.rank(); ++d) n *= shape_[d];
+    return n;
+  }
+  Shape pooled_shape() const {
+    std::array<std::int64_t, Shape::max_rank> ext{};
+    int r = 0;
+    for (int d = 0; d < shape_.rank(); ++d)
+      if (d != dim_) ext[r++] = shape_[d];
+    return Shape(std::span<const std::int64_t>(ext.data(), std::size_t(r)));
+  }
+
+  // Per (sequence, position): 1 / (its non-padded count), or 0 at padding; empty
+  // when the mask does not apply (every weight is then 1 / len).
+  Tensor<T> padding_weights(const Tensor<std::uint8_t>& mask) const {
+    if (mask.empty() || shape_.rank() != 3 || dim_ > 1) return {};
+    const std::int64_t batch = shape_[1 - dim_], len = shape_[dim_];
+    const Shape expected{batch, len};
+    require<shape_error>(mask.shape() == expected, "MeanPool(", dim_,
+                         "): the key padding mask must be [batch, sequence] = ", expected, " for the input ", shape_,
+                         " (", dim_ == 1 ? "batch-first [N, L, E]" : "sequence-first [L, N, E]", "), got ",
+                         mask.shape());
+    Tensor<T> w(Shape{batch, len});
+    for (std::int64_t b = 0; b < batch; ++b) {
+      std::int64_t kept = 0;
+      for (std::int64_t l = 0; l < len; ++l) kept += mask[b * len + l] == 0;
+      require(kept > 0, "MeanPool(", dim_, "): sequence ", b, " of the batch is all padding; its mean is undefined");
+      for (std::int64_t l = 0; l < len; ++l) w[b * len + l] = mask[b * len + l] == 0 ? T(1) / T(kept) : T(0);
+    }
+    return w;
+  }
+
+  // The weight of x[o, l, i] in the mean: batch index b is o when batch-first
+  // (dim 1, inner = E) and i / E when sequence-first (dim 0, outer = 1).
+  T weight(std::int64_t o, std::int64_t l, std::int64_t i) const {
+    const std::int64_t len = shape_[dim_];
+    if (weights_.empty()) return T(1) / T(len);
+    const std::int64_t b = dim_ == 1 ? o : i / shape_[2];
+    return weights_[b * len + l];
+  }
+
+  int dim_;
+  Shape shape_{};      // the input's, cached for backward
+  Tensor<T> weights_;  // padding weights [N, L], cached for backward
+};
+
+}  // namespace shardlib::nn
