@@ -9,7 +9,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cmath>
+#include <functional>
+#include <thread>
 #include <vector>
 
 using namespace shardlib;
@@ -228,4 +231,65 @@ TEST_CASE("wrap policies choose the units; the root claims the rest", "[shard][w
     auto whole = shard::fully_shard(m2, c, shard::FullShard{}, {});
     if (whole.units().size() != 1 || whole.units()[0].layout.entries.size() != 10) throw error("wrap_none: one unit");
   });
+}
+
+namespace {
+// A layer that, while it computes, waits until `ready()` holds: the next unit's
+// all-gather has completed (forward) or the previous unit's reduce-scatter has
+// (backward). If communication only ran when waited for, ready() could never turn
+// true during compute and the probe would give up: overlap is proven by events,
+// not by timing. (The 20 s limit only keeps a broken build from hanging.)
+struct probe {
+  using input = Tensor<float>;
+  using output = Tensor<float>;
+  nn::Param<float> scale{Shape{64}, nn::init_rule::constant_one()};
+  std::function<bool()> forward_ready, backward_ready;
+  int* overlapped;  // counts computes during which communication finished
+
+  template <class V> void parameters(V&& v) { v("scale", scale); }
+  template <class C> output forward(C&, const input& x) {
+    wait(forward_ready);
+    return x;
+  }
+  template <class C> input backward(C&, const output& dy) {
+    wait(backward_ready);
+    return dy;
+  }
+  void wait(const std::function<bool()>& ready) {
+    if (!ready) return;
+    const double deadline = 20;
+    auto t0 = std::chrono::steady_clock::now();
+    while (!ready()) {
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > deadline) return;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));  // leave the cores to the workers
+    }
+    ++*overlapped;
+  }
+};
+}  // namespace
+
+TEST_CASE("the next unit's all-gather and the previous unit's reduce-scatter run during compute",
+          "[shard][overlap]") {
+  using M = nn::Sequential<nn::Stack<probe>, nn::Linear<float>>;
+  const int w = 2;
+  std::vector<int> overlaps(w, 0);
+  comm::launch(w, [&](comm::ThreadComm& c) {
+    probe p;
+    p.overlapped = &overlaps[c.rank()];
+    M m{nn::Stack<probe>(4, p), nn::Linear<float>(64, 64)};
+    auto model = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<probe>{}});
+    sgd opt;
+    auto x = batch(0, 2, 64, 1);
+    model.train_step(opt, x, x, mse);  // the first step records the order
+    for (int i = 1; i < int(model.units().size()); ++i) {
+      const int next = model.neighbor(i, +1);  // runs after i in forward, before i in backward
+      if (next < 0) continue;
+      auto& layer = m.get<0>()[i - 1];  // units 1..4 are the probes, in order
+      layer.forward_ready = [&model, next] { return model.gather_finished(next); };
+      layer.backward_ready = [&model, next] { return model.reduction_finished(next); };
+    }
+    model.train_step(opt, x, x, mse);
+  });
+  // 3 of 4 probes have a next unit in forward and a previous one in backward.
+  CHECK(overlaps == std::vector<int>{6, 6});
 }

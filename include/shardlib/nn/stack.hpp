@@ -10,6 +10,19 @@
 
 namespace shardlib::nn {
 
+namespace detail {
+// L::options when L has one, so Stack<L>(n, {.field = ...}) can deduce it.
+template <class L>
+struct options_of {
+  struct type {};
+};
+template <class L>
+  requires requires { typename L::options; }
+struct options_of<L> {
+  using type = typename L::options;
+};
+}  // namespace detail
+
 // Children are named "layers.0", "layers.1", ... as in torch.nn.TransformerEncoder,
 // so a state dict moves between the two unchanged. Each copy is initialised on
 // its own (the owner draws each parameter from its own name's stream).
@@ -21,7 +34,7 @@ class Stack {
   using output = typename L::output;
 
   Stack(std::size_t n, const L& prototype) : layers_(n, prototype) {}
-  template <class Options>
+  template <class Options = typename detail::options_of<L>::type>
     requires std::constructible_from<L, Options>
   Stack(std::size_t n, const Options& o) : layers_(n, L(o)) {}
 

@@ -50,6 +50,7 @@ class ShardedModel {
   using input = typename Model::input;
   using output = typename Model::output;
   using unit_type = unit<T>;
+  using state = typename unit_type::state;
 
   ShardedModel(Model& model, Comm& comm, Strategy strategy, options o)
       : model_(&model), comm_(&comm), strategy_(strategy), opts_(std::move(o)), ctx_(this, opts_.context) {
@@ -153,6 +154,24 @@ class ShardedModel {
     }
     return out;
   }
+
+  // --- introspection (tests and tracing); these poll and never block --------------------------
+  // The unit run after (dir = +1) or before (dir = -1) unit i in the recorded
+  // forward order, or -1.
+  int neighbor(int i, int dir) const {
+    auto pos = std::find(order_.begin(), order_.end(), i);
+    if (pos == order_.end()) return -1;
+    long q = long(pos - order_.begin()) + dir;
+    return q < 0 || q >= long(order_.size()) ? -1 : order_[q];
+  }
+  // Unit i's parameters have arrived (an issued all-gather has completed).
+  bool gather_finished(int i) {
+    auto& u = units_[i];
+    if (u.values == state::gathering && u.gather_work.test()) u.values = state::gathered;
+    return u.values == state::gathered;
+  }
+  // Unit i's gradient reduction was issued and has completed, not yet been waited for.
+  bool reduction_finished(int i) { return units_[i].reducing && units_[i].reduce_work.test(); }
 
   // --- hooks the sharded context runs around each unit ----------------------------------------
   // A layer is identified by address and type: a composite and its first (or,
@@ -292,7 +311,6 @@ class ShardedModel {
   }
 
   // --- gathering -----------------------------------------------------------------------------
-  using state = typename unit_type::state;
   void issue_gather(unit_type& u) {
     if (u.values != state::sharded) return;
     u.gathered = Buffer<T>(u.master->layout().padded_size(), category::gathered_parameters);
