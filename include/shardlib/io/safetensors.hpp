@@ -1,0 +1,648 @@
+// shardlib/io/safetensors.hpp — safetensors files: validated reading, atomic and streaming writing.
+//
+// Layout (https://github.com/huggingface/safetensors#format): an 8-byte little-endian
+// header size N, N bytes of UTF-8 JSON mapping tensor names to {dtype, shape,
+// data_offsets: [begin, end]} (offsets relative to the data section) plus an optional
+// "__metadata__" object of strings, then the data section. The reader treats every file
+// as hostile: each number is checked before it is used, and the tensors' byte ranges
+// must tile the data section exactly (no overlap, no gap, no trailing bytes), so a
+// file cannot hide a second payload and no access can leave the buffer.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/element.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/shape.hpp"
+
+#include <nlohmann/json.hpp>  // nlohmann::json, nlohmann::ordered_json
+
+#include <algorithm>     // std::sort
+#include <array>         // std::array
+#include <bit>           // std::endian
+#include <cerrno>        // errno, EINTR, EINVAL
+#include <cstddef>       // std::byte
+#include <cstdint>       // std::uint64_t
+#include <cstring>       // std::memcpy
+#include <filesystem>    // std::filesystem::path
+#include <functional>    // std::less
+#include <ios>           // std::hex
+#include <limits>        // std::numeric_limits
+#include <map>           // std::map
+#include <optional>      // std::optional
+#include <set>           // std::set
+#include <sstream>       // std::ostringstream
+#include <span>          // std::span
+#include <string>        // std::string
+#include <string_view>   // std::string_view
+#include <system_error>  // std::system_category
+#include <tuple>         // std::tie
+#include <type_traits>   // std::is_same_v
+#include <utility>       // std::move, std::exchange
+#include <vector>        // std::vector
+
+#include <fcntl.h>     // open
+#include <sys/stat.h>  // fstat
+#include <unistd.h>    // pread, write, fsync, close, unlink
+
+namespace shardlib::io {
+
+static_assert(std::endian::native == std::endian::little,
+              "shardlib/io/safetensors.hpp copies tensor bytes as they are and safetensors data is "
+              "little-endian: big-endian hosts are not supported");
+static_assert(sizeof(bool) == 1, "safetensors BOOL elements are one byte each");
+
+// One tensor's entry in a header. begin and end are byte offsets into the data section.
+struct tensor_info {
+  std::string name;
+  dtype type = dtype::f32;
+  Shape shape;
+  std::uint64_t begin = 0, end = 0;
+
+  friend bool operator==(const tensor_info&, const tensor_info&) = default;
+};
+
+namespace detail {
+
+// The reference implementation's limit: no real model needs more, and it bounds the
+// memory a hostile header size can make the reader allocate.
+inline constexpr std::uint64_t max_header_bytes = 100'000'000;
+inline constexpr std::uint64_t size_field_bytes = 8;
+
+template <class... Args>
+[[noreturn]] void fail(std::string_view origin, const Args&... args) {
+  throw io_error(cat(origin, ": ", args...));
+}
+
+inline std::string os_error(int e) { return std::system_category().message(e); }
+
+inline std::uint64_t load_u64(const std::byte* p) {
+  std::uint64_t v;
+  std::memcpy(&v, p, sizeof v);  // little-endian on disk and (static_assert above) in memory
+  return v;
+}
+
+// a * b into out, or false when the product would exceed limit.
+inline bool mul_within(std::uint64_t a, std::uint64_t b, std::uint64_t limit, std::uint64_t& out) {
+  if (a != 0 && b > limit / a) return false;
+  out = a * b;
+  return true;
+}
+
+// The data size of a tensor, refusing shapes whose counts overflow. The product of the
+// non-zero extents must fit in int64 (not only the total, which a 0 extent makes 0)
+// because Shape::numel() multiplies left to right in int64.
+inline std::uint64_t tensor_bytes(const tensor_info& t, std::string_view origin) {
+  constexpr auto int64_max = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+  std::uint64_t nonzero = 1;
+  bool empty = false;
+  for (std::int64_t e : t.shape.extents()) {
+    if (e == 0) {
+      empty = true;
+    } else if (!mul_within(nonzero, static_cast<std::uint64_t>(e), int64_max, nonzero)) {
+      fail(origin, "tensor \"", t.name, "\": shape ", t.shape, " has more elements than a signed 64-bit count holds");
+    }
+  }
+  std::uint64_t bytes = 0;
+  if (!mul_within(empty ? 0 : nonzero, size_of(t.type), std::numeric_limits<std::uint64_t>::max(), bytes)) {
+    fail(origin, "tensor \"", t.name, "\": shape ", t.shape, " of ", name(t.type),
+         " needs more bytes than a 64-bit size holds");
+  }
+  return bytes;
+}
+
+inline void check_file_size(std::uint64_t file_bytes, std::string_view origin) {
+  if (file_bytes < size_field_bytes) {
+    fail(origin, "the file holds ", file_bytes,
+         " bytes, fewer than the 8-byte header size that starts every safetensors file");
+  }
+}
+
+inline void check_header_size(std::uint64_t n, std::uint64_t file_bytes, std::string_view origin) {
+  if (n > max_header_bytes) fail(origin, "header size ", n, " exceeds the limit of ", max_header_bytes, " bytes");
+  if (n > file_bytes - size_field_bytes) {
+    fail(origin, "header size ", n, " runs past the end of the file: only ", file_bytes - size_field_bytes,
+         " bytes follow the size field");
+  }
+}
+
+// Parses the header text as JSON. nlohmann keeps the last of duplicate keys silently;
+// a duplicate can make two readers see different tensors, so any duplicate is an error.
+inline nlohmann::json parse_header_json(std::string_view text, std::string_view origin) {
+  if (text.empty() || text.front() != '{') {
+    std::ostringstream found;
+    if (text.empty())
+      found << "an empty header";
+    else
+      found << "byte 0x" << std::hex << std::to_integer<unsigned>(std::byte(text.front()));
+    fail(origin, "the header must be a JSON object, starting with '{'; found ", found.str());
+  }
+  // nlohmann ends its input at a NUL byte, which would let "{}\0<anything>" pass: JSON
+  // text has no raw NUL (strings escape it), so any NUL is an error.
+  if (const auto nul = text.find('\0'); nul != std::string_view::npos) {
+    fail(origin, "the header is not valid JSON: it holds a NUL byte at offset ", nul);
+  }
+  std::vector<std::set<std::string, std::less<>>> open_objects;  // keys seen in each object being parsed
+  const auto reject_duplicates = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using event_t = nlohmann::json::parse_event_t;
+    if (event == event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == event_t::object_end) {
+      open_objects.pop_back();
+    } else if (event == event_t::key) {
+      const auto& key = parsed.get_ref<const std::string&>();
+      if (!open_objects.back().insert(key).second) {
+        fail(origin, open_objects.size() == 1 ? "duplicate tensor name \"" : "duplicate key \"", key,
+             "\" in the header");
+      }
+    }
+    return true;
+  };
+  try {
+    return nlohmann::json::parse(text.begin(), text.end(), reject_duplicates);
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for numbers like 1e400
+    fail(origin, "the header is not valid JSON: ", e.what());
+  }
+}
+
+// A JSON number that must be an integer in [0, max].
+inline std::uint64_t json_count(const nlohmann::json& j, std::uint64_t max, std::string_view origin,
+                                std::string_view where, std::string_view what) {
+  if (j.is_number_unsigned()) {
+    const auto v = j.get<std::uint64_t>();
+    if (v > max) fail(origin, where, what, " ", v, " exceeds the maximum ", max);
+    return v;
+  }
+  if (j.is_number_integer()) {  // nlohmann stores only negative integers (and -0) as signed
+    const auto v = j.get<std::int64_t>();
+    if (v < 0) fail(origin, where, what, " ", v, " is negative");
+    return 0;
+  }
+  fail(origin, where, what, " must be a non-negative integer, found ", j.is_number() ? j.dump() : j.type_name());
+}
+
+inline tensor_info read_tensor_entry(const std::string& tensor, const nlohmann::json& entry, std::uint64_t data_bytes,
+                                     std::string_view origin) {
+  const std::string where = cat("tensor \"", tensor, "\": ");
+  if (!entry.is_object()) {
+    fail(origin, where, "the entry must be an object with dtype, shape and data_offsets, found ", entry.type_name());
+  }
+  const auto field = [&](const char* key) -> const nlohmann::json& {
+    const auto it = entry.find(key);
+    if (it == entry.end()) fail(origin, where, "the entry has no \"", key, "\"");
+    return *it;
+  };
+
+  tensor_info t;
+  t.name = tensor;
+  const auto& type = field("dtype");
+  if (!type.is_string()) fail(origin, where, "\"dtype\" must be a string, found ", type.type_name());
+  try {
+    t.type = parse_dtype(type.get_ref<const std::string&>());
+  } catch (const error& e) {
+    fail(origin, where, e.what());
+  }
+
+  const auto& shape = field("shape");
+  if (!shape.is_array())
+    fail(origin, where, "\"shape\" must be an array of non-negative integers, found ", shape.type_name());
+  if (shape.size() > Shape::max_rank)
+    fail(origin, where, "shape has rank ", shape.size(), ", more than the maximum ", Shape::max_rank);
+  std::array<std::int64_t, Shape::max_rank> extents{};
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    extents[i] = static_cast<std::int64_t>(
+        json_count(shape[i], std::numeric_limits<std::int64_t>::max(), origin, where, cat("shape entry ", i)));
+  }
+  t.shape = Shape(std::span<const std::int64_t>(extents.data(), shape.size()));
+
+  const auto& offsets = field("data_offsets");
+  if (!offsets.is_array() || offsets.size() != 2) {
+    fail(origin, where, "\"data_offsets\" must be an array [begin, end] of two non-negative integers, found ",
+         offsets.is_array() ? cat("an array of ", offsets.size()) : offsets.type_name());
+  }
+  const auto u64_max = std::numeric_limits<std::uint64_t>::max();
+  t.begin = json_count(offsets[0], u64_max, origin, where, "data_offsets begin");
+  t.end = json_count(offsets[1], u64_max, origin, where, "data_offsets end");
+  if (t.begin > t.end) fail(origin, where, "data_offsets [", t.begin, ", ", t.end, "] begin after they end");
+
+  const std::uint64_t need = tensor_bytes(t, origin);
+  if (t.end - t.begin != need) {
+    fail(origin, where, "shape ", t.shape, " of ", name(t.type), " needs ", need, " bytes but data_offsets [", t.begin,
+         ", ", t.end, "] hold ", t.end - t.begin);
+  }
+  if (t.end > data_bytes) {
+    fail(origin, where, "data_offsets [", t.begin, ", ", t.end,
+         "] run past the end of the file: the data section holds ", data_bytes, " bytes");
+  }
+  return t;
+}
+
+inline std::map<std::string, std::string> read_metadata(const nlohmann::json& j, std::string_view origin) {
+  if (!j.is_object()) fail(origin, "\"__metadata__\" must be an object of strings, found ", j.type_name());
+  std::map<std::string, std::string> metadata;
+  for (const auto& item : j.items()) {
+    if (!item.value().is_string()) {
+      fail(origin, "\"__metadata__\" value of \"", item.key(), "\" must be a string, found ", item.value().type_name());
+    }
+    metadata.emplace(item.key(), item.value().get<std::string>());
+  }
+  return metadata;
+}
+
+struct header_contents {
+  std::map<std::string, std::string> metadata;
+  std::vector<tensor_info> tensors;  // in data-offset order
+};
+
+// Validates a header against a data section of data_bytes bytes.
+inline header_contents read_header(std::string_view text, std::uint64_t data_bytes, std::string_view origin) {
+  const nlohmann::json header = parse_header_json(text, origin);
+  header_contents out;
+  for (const auto& item : header.items()) {
+    if (item.key() == "__metadata__")
+      out.metadata = read_metadata(item.value(), origin);
+    else
+      out.tensors.push_back(read_tensor_entry(item.key(), item.value(), data_bytes, origin));
+  }
+
+  // Each range must start where the previous one ended and the last must end at the end
+  // of the data; empty tensors sort before a non-empty one at the same offset.
+  std::sort(out.tensors.begin(), out.tensors.end(), [](const tensor_info& a, const tensor_info& b) {
+    return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
+  });
+  std::uint64_t covered = 0;
+  for (std::size_t i = 0; i < out.tensors.size(); ++i) {
+    const tensor_info& t = out.tensors[i];
+    if (t.begin < covered) {
+      const tensor_info& p = out.tensors[i - 1];  // covered > 0, so there is a previous tensor
+      fail(origin, "tensors \"", p.name, "\" [", p.begin, ", ", p.end, ") and \"", t.name, "\" [", t.begin, ", ", t.end,
+           ") overlap");
+    }
+    if (t.begin > covered) {
+      fail(origin, "bytes [", covered, ", ", t.begin, ") of the data section, before tensor \"", t.name,
+           "\", belong to no tensor");
+    }
+    covered = t.end;
+  }
+  if (covered != data_bytes) {
+    fail(origin, "the data section holds ", data_bytes, " bytes but the tensors cover ", covered, ": bytes [", covered,
+         ", ", data_bytes, ") belong to no tensor");
+  }
+  return out;
+}
+
+// Owns a POSIX file descriptor.
+class fd_handle {
+ public:
+  fd_handle() = default;
+  explicit fd_handle(int fd) : fd_(fd) {}
+  fd_handle(fd_handle&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  fd_handle& operator=(fd_handle&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  ~fd_handle() { reset(); }
+
+  int get() const { return fd_; }
+  explicit operator bool() const { return fd_ >= 0; }
+  int release() { return std::exchange(fd_, -1); }
+  void reset() noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+class input_file {
+ public:
+  explicit input_file(const std::filesystem::path& file)
+      : origin_(file.string()), fd_(::open(file.c_str(), O_RDONLY | O_CLOEXEC)) {
+    if (!fd_) fail(origin_, "cannot open for reading: ", os_error(errno));
+    struct stat st {};
+    if (::fstat(fd_.get(), &st) != 0) fail(origin_, "cannot stat: ", os_error(errno));
+    if (!S_ISREG(st.st_mode)) fail(origin_, "not a regular file");
+    size_ = static_cast<std::uint64_t>(st.st_size);
+  }
+
+  std::uint64_t size() const { return size_; }
+
+  void read_at(std::uint64_t offset, std::span<std::byte> out) const {
+    while (!out.empty()) {
+      const ::ssize_t n = ::pread(fd_.get(), out.data(), out.size(), static_cast<::off_t>(offset));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail(origin_, "cannot read: ", os_error(errno));
+      if (n == 0) fail(origin_, "the file ended at byte ", offset, " while being read (was it truncated?)");
+      offset += static_cast<std::uint64_t>(n);
+      out = out.subspan(static_cast<std::size_t>(n));
+    }
+  }
+
+ private:
+  std::string origin_;
+  fd_handle fd_;
+  std::uint64_t size_ = 0;
+};
+
+// A file written under "<target>.tmp" and renamed onto target by commit(), so the target
+// name never holds a half-written file. Until committed, an error or the destructor
+// removes the temporary file.
+class atomic_file {
+ public:
+  explicit atomic_file(std::filesystem::path target) : target_(std::move(target)), temp_(target_.string() + ".tmp") {
+    fd_ = fd_handle(::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd_) fail(target_.string(), "cannot create ", temp_.string(), ": ", os_error(errno));
+    owns_temp_ = true;
+  }
+  atomic_file(atomic_file&& o) noexcept
+      : target_(std::move(o.target_)),
+        temp_(std::move(o.temp_)),
+        fd_(std::move(o.fd_)),
+        owns_temp_(std::exchange(o.owns_temp_, false)) {}
+  atomic_file& operator=(atomic_file&&) = delete;
+  ~atomic_file() { discard(); }
+
+  void write(std::span<const std::byte> data) {
+    require_open();
+    while (!data.empty()) {
+      const ::ssize_t n = ::write(fd_.get(), data.data(), data.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) discard_and_fail("cannot write");
+      data = data.subspan(static_cast<std::size_t>(n));
+    }
+  }
+
+  void commit() {
+    require_open();
+    if (::fsync(fd_.get()) != 0) discard_and_fail("cannot flush");
+    if (::close(fd_.release()) != 0) discard_and_fail("cannot close");
+    if (::rename(temp_.c_str(), target_.c_str()) != 0) discard_and_fail("cannot rename into place");
+    owns_temp_ = false;
+    // The rename survives a crash only once the directory itself is synced. Where the
+    // directory cannot be opened or its file system cannot sync it (EINVAL), the rename
+    // is all we can do.
+    const auto dir = target_.parent_path().empty() ? std::filesystem::path(".") : target_.parent_path();
+    const fd_handle d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (d && ::fsync(d.get()) != 0 && errno != EINVAL) {
+      fail(target_.string(), "written, but cannot sync its directory: ", os_error(errno));
+    }
+  }
+
+ private:
+  void require_open() const {
+    if (!fd_) fail(target_.string(), "the file is no longer open: it was finished or an earlier write failed");
+  }
+  void discard() noexcept {
+    fd_.reset();
+    if (std::exchange(owns_temp_, false)) ::unlink(temp_.c_str());
+  }
+  [[noreturn]] void discard_and_fail(const char* what) {
+    const int e = errno;
+    discard();
+    fail(target_.string(), what, " ", temp_.string(), ": ", os_error(e));
+  }
+
+  std::filesystem::path target_, temp_;
+  fd_handle fd_;
+  bool owns_temp_ = false;  // the temporary exists and is ours to remove
+};
+
+// The 8-byte size and the JSON header, padded with spaces so that the data section
+// starts at a multiple of 8 bytes, as the reference writer does.
+inline std::string header_block(const std::map<std::string, std::string>& metadata,
+                                const std::vector<tensor_info>& tensors, std::string_view origin) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  for (const tensor_info& t : tensors) {
+    header[t.name] = {{"dtype", std::string(name(t.type))},
+                      {"shape", std::vector<std::int64_t>(t.shape.extents().begin(), t.shape.extents().end())},
+                      {"data_offsets", {t.begin, t.end}}};
+  }
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const nlohmann::json::exception& e) {  // strings that are not UTF-8
+    fail(origin, "a tensor name or metadata string is not valid UTF-8: ", e.what());
+  }
+  text.append((size_field_bytes - text.size() % size_field_bytes) % size_field_bytes, ' ');
+  if (text.size() > max_header_bytes) {
+    fail(origin, "the header would take ", text.size(), " bytes, more than the ", max_header_bytes,
+         " that readers accept");
+  }
+  const std::uint64_t n = text.size();
+  std::string block(size_field_bytes, '\0');
+  std::memcpy(block.data(), &n, sizeof n);
+  return block + text;
+}
+
+// Appends t to laid_out after the tensors already there, checking that its name is
+// usable and new and that its size is representable.
+inline void lay_out(std::vector<tensor_info>& laid_out, std::set<std::string, std::less<>>& names, tensor_info t,
+                    std::string_view origin) {
+  if (t.name == "__metadata__") fail(origin, "\"__metadata__\" is reserved and cannot name a tensor");
+  if (names.contains(t.name)) fail(origin, "duplicate tensor name \"", t.name, "\"");
+  const std::uint64_t bytes = tensor_bytes(t, origin);
+  t.begin = laid_out.empty() ? 0 : laid_out.back().end;
+  if (bytes > std::numeric_limits<std::uint64_t>::max() - t.begin) {
+    fail(origin, "tensor \"", t.name, "\": the data section would exceed 2^64 bytes");
+  }
+  t.end = t.begin + bytes;
+  names.insert(t.name);
+  laid_out.push_back(std::move(t));
+}
+
+inline std::span<const std::byte> as_bytes(const std::string& s) { return std::as_bytes(std::span(s)); }
+
+}  // namespace detail
+
+// A whole safetensors file, validated and held in memory.
+class safetensors {
+ public:
+  // Reads and validates file; errors name it.
+  static safetensors load(const std::filesystem::path& file) {
+    const detail::input_file in(file);
+    std::vector<std::byte> bytes(static_cast<std::size_t>(in.size()));
+    in.read_at(0, bytes);
+    return parse(std::move(bytes), file.string());
+  }
+
+  // Validates the bytes of a file; origin names their source in errors.
+  static safetensors parse(std::vector<std::byte> bytes, std::string origin) {
+    detail::check_file_size(bytes.size(), origin);
+    const std::uint64_t n = detail::load_u64(bytes.data());
+    detail::check_header_size(n, bytes.size(), origin);
+    const std::string_view text(reinterpret_cast<const char*>(bytes.data()) + detail::size_field_bytes, n);
+    const std::uint64_t data_start = detail::size_field_bytes + n;
+    auto contents = detail::read_header(text, bytes.size() - data_start, origin);
+    return safetensors(std::move(bytes), data_start, std::move(origin), std::move(contents));
+  }
+
+  const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
+  const std::vector<tensor_info>& tensors() const { return header_.tensors; }  // in data-offset order
+  bool contains(std::string_view name) const { return index_.contains(name); }
+
+  const tensor_info& info(std::string_view name) const {
+    const auto it = index_.find(name);
+    if (it == index_.end()) detail::fail(origin_, "no tensor \"", name, "\" among its ", index_.size(), " tensors");
+    return header_.tensors[it->second];
+  }
+
+  std::span<const std::byte> bytes(std::string_view name) const {
+    const tensor_info& t = info(name);
+    return std::span(bytes_).subspan(static_cast<std::size_t>(data_start_ + t.begin),
+                                     static_cast<std::size_t>(t.end - t.begin));
+  }
+
+  // The elements of a tensor whose dtype is T's. BOOL bytes must be 0 or 1: anything
+  // else is not a bool and reading it as one would be undefined behaviour.
+  template <Element T>
+  std::vector<T> get(std::string_view name) const {
+    const tensor_info& t = info(name);
+    if (t.type != dtype_of<T>) {
+      detail::fail(origin_, "tensor \"", name, "\" has dtype ", shardlib::name(t.type), ", not the requested ",
+                   shardlib::name(dtype_of<T>));
+    }
+    const auto raw = bytes(name);
+    std::vector<T> out(raw.size() / sizeof(T));
+    if constexpr (std::is_same_v<T, bool>) {
+      for (std::size_t i = 0; i < raw.size(); ++i) {
+        const auto b = std::to_integer<unsigned>(raw[i]);
+        if (b > 1) detail::fail(origin_, "tensor \"", name, "\": BOOL element ", i, " is byte ", b, ", not 0 or 1");
+        out[i] = b == 1;
+      }
+    } else if (!raw.empty()) {  // memcpy's pointers must not be null, even for 0 bytes
+      std::memcpy(out.data(), raw.data(), raw.size());
+    }
+    return out;
+  }
+
+ private:
+  safetensors(std::vector<std::byte> bytes, std::uint64_t data_start, std::string origin,
+              detail::header_contents header)
+      : bytes_(std::move(bytes)), data_start_(data_start), origin_(std::move(origin)), header_(std::move(header)) {
+    for (std::size_t i = 0; i < header_.tensors.size(); ++i) index_.emplace(header_.tensors[i].name, i);
+  }
+
+  std::vector<std::byte> bytes_;
+  std::uint64_t data_start_;
+  std::string origin_;
+  detail::header_contents header_;
+  std::map<std::string, std::size_t, std::less<>> index_;  // name -> position in header_.tensors
+};
+
+// The validated header of a file, for tools and for loaders that read byte ranges later.
+struct safetensors_header {
+  std::uint64_t header_bytes = 0;  // N, the JSON header's size
+  std::map<std::string, std::string> metadata;
+  std::vector<tensor_info> tensors;  // in data-offset order
+
+  // Where the data section starts in the file: tensor t's bytes are at data_start() + t.begin.
+  std::uint64_t data_start() const { return detail::size_field_bytes + header_bytes; }
+};
+
+// Reads and validates only the header (the layout is checked against the file's size).
+inline safetensors_header read_safetensors_header(const std::filesystem::path& file) {
+  const std::string origin = file.string();
+  const detail::input_file in(file);
+  detail::check_file_size(in.size(), origin);
+  std::array<std::byte, detail::size_field_bytes> field{};
+  in.read_at(0, field);
+  const std::uint64_t n = detail::load_u64(field.data());
+  detail::check_header_size(n, in.size(), origin);
+  std::string text(static_cast<std::size_t>(n), '\0');
+  in.read_at(detail::size_field_bytes, std::as_writable_bytes(std::span(text)));
+  auto contents = detail::read_header(text, in.size() - detail::size_field_bytes - n, origin);
+  return {n, std::move(contents.metadata), std::move(contents.tensors)};
+}
+
+// Collects tensors (copies), then writes one file, in the order they were added.
+class safetensors_writer {
+ public:
+  void add(std::string name, dtype type, Shape shape, std::span<const std::byte> data) {
+    tensor_info t{.name = std::move(name), .type = type, .shape = shape, .begin = 0, .end = 0};
+    const std::uint64_t need = detail::tensor_bytes(t, "safetensors_writer");
+    if (need != data.size()) {
+      detail::fail("safetensors_writer", "tensor \"", t.name, "\": shape ", t.shape, " of ", shardlib::name(type),
+                   " needs ", need, " bytes, got ", data.size());
+    }
+    detail::lay_out(tensors_, names_, std::move(t), "safetensors_writer");
+    data_.emplace_back(data.begin(), data.end());
+  }
+
+  template <Element T>
+  void add(std::string name, Shape shape, std::span<const T> data) {
+    add(std::move(name), dtype_of<T>, shape, std::as_bytes(data));
+  }
+
+  void set_metadata(std::string key, std::string value) { metadata_[std::move(key)] = std::move(value); }
+
+  // Writes to "<file>.tmp", syncs it and renames it onto file.
+  void write(const std::filesystem::path& file) const {
+    const std::string header = detail::header_block(metadata_, tensors_, file.string());
+    detail::atomic_file out(file);
+    out.write(detail::as_bytes(header));
+    for (const auto& d : data_) out.write(d);
+    out.commit();
+  }
+
+ private:
+  std::vector<tensor_info> tensors_;
+  std::set<std::string, std::less<>> names_;
+  std::vector<std::vector<std::byte>> data_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// Writes a file larger than memory: every tensor is declared up front (the header comes
+// first in the file, so offsets are computed from the declarations, in declared order),
+// then each tensor's data is written in that order. Without finish() the destructor
+// removes the temporary file and leaves the target untouched.
+class safetensors_stream_writer {
+ public:
+  safetensors_stream_writer(std::filesystem::path file, std::vector<tensor_info> declared,
+                            std::map<std::string, std::string> metadata)
+      : origin_(file.string()), tensors_(lay_out(std::move(declared), origin_)) {
+    const std::string header = detail::header_block(metadata, tensors_, origin_);  // validated before creating files
+    out_.emplace(std::move(file));
+    out_->write(detail::as_bytes(header));
+  }
+
+  // The data of the next declared tensor, exactly its size.
+  void write(std::string_view name, std::span<const std::byte> data) {
+    if (next_ == tensors_.size()) {
+      detail::fail(origin_, "write(\"", name, "\"): all ", tensors_.size(), " declared tensors are already written");
+    }
+    const tensor_info& t = tensors_[next_];
+    if (name != t.name) detail::fail(origin_, "write(\"", name, "\"): the next declared tensor is \"", t.name, "\"");
+    if (data.size() != t.end - t.begin) {
+      detail::fail(origin_, "tensor \"", t.name, "\": expected ", t.end - t.begin, " bytes, got ", data.size());
+    }
+    out_->write(data);
+    ++next_;
+  }
+
+  // Checks that every declared tensor was written, syncs and renames into place.
+  void finish() {
+    if (next_ != tensors_.size()) {
+      detail::fail(origin_, "finish(): tensor \"", tensors_[next_].name, "\" (", next_ + 1, " of ", tensors_.size(),
+                   ") was not written");
+    }
+    out_->commit();
+  }
+
+ private:
+  static std::vector<tensor_info> lay_out(std::vector<tensor_info> declared, const std::string& origin) {
+    std::vector<tensor_info> laid_out;
+    std::set<std::string, std::less<>> names;
+    for (auto& t : declared) detail::lay_out(laid_out, names, std::move(t), origin);
+    return laid_out;
+  }
+
+  std::string origin_;
+  std::vector<tensor_info> tensors_;
+  std::optional<detail::atomic_file> out_;  // always engaged; optional so that the header is validated first
+  std::size_t next_ = 0;
+};
+
+}  // namespace shardlib::io

@@ -1,0 +1,850 @@
+// safetensors: round trips, the on-disk layout, every validation rule, and random mutants.
+#include "shardlib/io/safetensors.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>  // std::equal
+#include <array>
+#include <cctype>    // std::isdigit
+#include <charconv>  // std::from_chars
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>  // std::istreambuf_iterator
+#include <map>
+#include <optional>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <unistd.h>  // getpid
+
+using namespace shardlib;
+using namespace shardlib::io;
+using namespace std::string_literals;
+using Catch::Contains;
+using Catch::StartsWith;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A fresh directory, removed with its contents at scope exit.
+struct temp_dir {
+  fs::path path;
+  temp_dir() {
+    static int count = 0;
+    path = fs::temp_directory_path() /
+           ("shardlib_test_safetensors_" + std::to_string(::getpid()) + "_" + std::to_string(count++));
+    fs::create_directories(path);
+  }
+  ~temp_dir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  fs::path operator/(const char* name) const { return path / name; }
+};
+
+std::vector<std::byte> to_bytes(std::string_view s) {
+  std::vector<std::byte> b(s.size());
+  std::transform(s.begin(), s.end(), b.begin(), [](char c) { return std::byte(c); });
+  return b;
+}
+
+std::vector<std::byte> read_all(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return to_bytes(std::string(std::istreambuf_iterator<char>(in), {}));
+}
+
+void write_all(const fs::path& p, const std::vector<std::byte>& b) {
+  std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
+}
+
+// The size field written byte by byte, independently of the library.
+std::string le64(std::uint64_t v) {
+  std::string s(8, '\0');
+  for (int i = 0; i < 8; ++i) s[i] = char((v >> (8 * i)) & 0xFF);
+  return s;
+}
+
+std::uint64_t get_le64(const std::vector<std::byte>& b) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= std::uint64_t(std::to_integer<unsigned>(b[i])) << (8 * i);
+  return v;
+}
+
+void set_le64(std::vector<std::byte>& b, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) b[i] = std::byte((v >> (8 * i)) & 0xFF);
+}
+
+std::vector<std::byte> make_file(std::string_view header, std::string_view data = {}) {
+  return to_bytes(le64(header.size()) + std::string(header) + std::string(data));
+}
+
+std::vector<std::byte> make_file(std::string_view header, std::size_t data_bytes) {
+  return make_file(header, std::string(data_bytes, '\0'));
+}
+
+// The message of the io_error that parsing throws; any other exception fails the test.
+std::string parse_error(std::vector<std::byte> file) {
+  try {
+    safetensors::parse(std::move(file), "bad.safetensors");
+  } catch (const io_error& e) {
+    return e.what();
+  }
+  FAIL("the file was accepted");
+  return {};
+}
+
+#define CHECK_REJECTS(file, what) CHECK_THAT(parse_error(file), StartsWith("bad.safetensors: ") && Contains(what))
+
+template <class T>
+std::array<T, 6> sample() {
+  if constexpr (std::is_same_v<T, bool>) {
+    return {true, false, false, true, true, false};
+  } else {
+    return {T(0), T(1), T(-2), T(3), T(100), T(-7)};
+  }
+}
+
+// Calls f with a value of the element type of t.
+template <class F>
+void visit_dtype(dtype t, F&& f) {
+  switch (t) {
+    case dtype::f64: return f(double{});
+    case dtype::f32: return f(float{});
+    case dtype::f16: return f(half{});
+    case dtype::bf16: return f(bfloat16{});
+    case dtype::i64: return f(std::int64_t{});
+    case dtype::i32: return f(std::int32_t{});
+    case dtype::i16: return f(std::int16_t{});
+    case dtype::i8: return f(std::int8_t{});
+    case dtype::u8: return f(std::uint8_t{});
+    case dtype::boolean: return f(bool{});
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Round trips and layout
+
+TEMPLATE_TEST_CASE("every dtype round-trips through a file", "[io][safetensors]", double, float, half, bfloat16,
+                   std::int64_t, std::int32_t, std::int16_t, std::int8_t, std::uint8_t, bool) {
+  temp_dir dir;
+  const auto values = sample<TestType>();
+  safetensors_writer w;
+  w.add<TestType>("t", Shape{2, 3}, std::span<const TestType>(values));
+  w.write(dir / "a.safetensors");
+
+  const auto raw = read_all(dir / "a.safetensors");
+  const std::string text(reinterpret_cast<const char*>(raw.data()), raw.size());
+  CHECK_THAT(text, Contains(R"("dtype":")" + std::string(name(dtype_of<TestType>)) + "\""));
+
+  const auto f = safetensors::load(dir / "a.safetensors");
+  const tensor_info& t = f.info("t");
+  CHECK(t.type == dtype_of<TestType>);
+  CHECK(t.shape == Shape{2, 3});
+  CHECK(t.end - t.begin == 6 * sizeof(TestType));
+  const auto expected = std::as_bytes(std::span(values));
+  CHECK(std::equal(expected.begin(), expected.end(), f.bytes("t").begin(), f.bytes("t").end()));
+  const std::vector<TestType> got = f.get<TestType>("t");
+  CHECK(std::equal(values.begin(), values.end(), got.begin(), got.end()));
+}
+
+TEST_CASE("empty tensors and 0-d scalars round-trip", "[io][safetensors]") {
+  temp_dir dir;
+  const float scalar = 2.5f;
+  const std::int32_t after[] = {7, 8};
+  safetensors_writer w;
+  w.add<float>("empty", Shape{0}, {});
+  w.add<float>("scalar", Shape{}, std::span(&scalar, 1));
+  w.add<std::int32_t>("hollow", Shape{3, 0, 2}, {});
+  w.add<std::int32_t>("after", Shape{2}, std::span(after));
+  w.write(dir / "e.safetensors");
+
+  const auto f = safetensors::load(dir / "e.safetensors");
+  CHECK(f.info("empty").shape == Shape{0});
+  CHECK(f.info("empty").shape.rank() == 1);
+  CHECK(f.bytes("empty").empty());
+  CHECK(f.get<float>("empty").empty());
+  CHECK(f.info("scalar").shape.rank() == 0);
+  CHECK(f.get<float>("scalar") == std::vector<float>{2.5f});
+  CHECK(f.info("hollow").shape == Shape{3, 0, 2});
+  CHECK(f.get<std::int32_t>("hollow").empty());
+  CHECK(f.get<std::int32_t>("after") == std::vector<std::int32_t>{7, 8});
+  const auto raw = read_all(dir / "e.safetensors");
+  CHECK_THAT(std::string(reinterpret_cast<const char*>(raw.data()), raw.size()), Contains(R"("shape":[])"));
+}
+
+TEST_CASE("metadata round-trips; without metadata the header has none", "[io][safetensors]") {
+  temp_dir dir;
+  const float x[] = {1};
+  safetensors_writer w;
+  w.add<float>("x", Shape{1}, std::span(x));
+  w.write(dir / "plain.safetensors");
+  w.set_metadata("format", "pt");
+  w.set_metadata("step", "1");
+  w.set_metadata("step", "12");  // set, not append
+  w.write(dir / "meta.safetensors");
+
+  const auto plain = read_all(dir / "plain.safetensors");
+  CHECK_THAT(std::string(reinterpret_cast<const char*>(plain.data()), plain.size()), !Contains("__metadata__"));
+  CHECK(safetensors::load(dir / "plain.safetensors").metadata().empty());
+  const std::map<std::string, std::string> expected{{"format", "pt"}, {"step", "12"}};
+  CHECK(safetensors::load(dir / "meta.safetensors").metadata() == expected);
+  CHECK(read_safetensors_header(dir / "meta.safetensors").metadata == expected);
+}
+
+TEST_CASE("a hand-built file parses to the expected tensors", "[io][safetensors]") {
+  // Unpadded and listed out of data order; 1.5f = 0x3FC00000, -2.0f = 0xC0000000, little-endian.
+  const auto file =
+      make_file(R"({"b":{"dtype":"I16","shape":[1,2],"data_offsets":[8,12]},"__metadata__":{"format":"pt"},)"
+                R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+                "\x00\x00\xc0\x3f\x00\x00\x00\xc0\x07\x00\xff\xff"s);
+  const auto f = safetensors::parse(file, "known");
+  REQUIRE(f.tensors().size() == 2);
+  CHECK(f.tensors()[0] == tensor_info{"a", dtype::f32, Shape{2}, 0, 8});
+  CHECK(f.tensors()[1] == tensor_info{"b", dtype::i16, Shape{1, 2}, 8, 12});
+  CHECK(f.metadata() == std::map<std::string, std::string>{{"format", "pt"}});
+  CHECK(f.get<float>("a") == std::vector<float>{1.5f, -2.0f});
+  CHECK(f.get<std::int16_t>("b") == std::vector<std::int16_t>{7, -1});
+  CHECK(f.bytes("b").size() == 4);
+  CHECK(f.bytes("b")[3] == std::byte{0xff});
+  CHECK(f.contains("a"));
+  CHECK_FALSE(f.contains("c"));
+}
+
+TEST_CASE("the writer lays the file out as the format says, byte for byte", "[io][safetensors]") {
+  temp_dir dir;
+  const float a[] = {1.5f, -2.0f};
+  const std::int16_t b[] = {7, -1};
+  safetensors_writer w;
+  w.add<float>("a", Shape{2}, std::span(a));
+  w.add<std::int16_t>("b", Shape{1, 2}, std::span(b));
+  w.set_metadata("format", "pt");
+  w.write(dir / "w.safetensors");
+
+  std::string header = R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                       R"("b":{"dtype":"I16","shape":[1,2],"data_offsets":[8,12]}})";
+  while ((8 + header.size()) % 8 != 0) header += ' ';
+  CHECK(read_all(dir / "w.safetensors") == make_file(header, "\x00\x00\xc0\x3f\x00\x00\x00\xc0\x07\x00\xff\xff"s));
+}
+
+TEST_CASE("the writer pads the header with spaces so the data starts at a multiple of 8", "[io][safetensors]") {
+  temp_dir dir;
+  const std::uint8_t x[] = {1};
+  for (std::size_t len = 1; len <= 8; ++len) {
+    safetensors_writer w;
+    w.add<std::uint8_t>(std::string(len, 'n'), Shape{1}, std::span(x));
+    w.write(dir / "p.safetensors");
+    const auto h = read_safetensors_header(dir / "p.safetensors");
+    CHECK(h.data_start() % 8 == 0);
+    const auto raw = read_all(dir / "p.safetensors");
+    std::size_t json_end = h.data_start();
+    while (raw[json_end - 1] == std::byte{' '}) --json_end;
+    CHECK(raw[json_end - 1] == std::byte{'}'});
+    CHECK(h.data_start() - json_end < 8);
+    CHECK(raw[h.data_start()] == std::byte{1});
+  }
+}
+
+TEST_CASE("the stream writer writes the same bytes as the collecting writer", "[io][safetensors]") {
+  temp_dir dir;
+  const double w0[] = {1, 2, 3, 4, 5, 6};
+  const half w1[] = {half(0.5f), half(-1.0f), half(3.0f)};
+  const bool w2[] = {true, false};
+  const std::map<std::string, std::string> metadata{{"format", "pt"}, {"note", "\xc3\xa9t\xc3\xa9"}};
+
+  safetensors_writer collect;
+  collect.add<double>("layers.0.weight", Shape{2, 3}, std::span(w0));
+  collect.add<half>("layers.0.bias", Shape{3}, std::span(w1));
+  collect.add<bool>("mask", Shape{2, 1}, std::span(w2));
+  for (const auto& [k, v] : metadata) collect.set_metadata(k, v);
+  collect.write(dir / "c.safetensors");
+
+  // begin/end of the declarations are ignored: offsets come from the declared order.
+  std::vector<tensor_info> declared{{"layers.0.weight", dtype::f64, Shape{2, 3}, 99, 7},
+                                    {"layers.0.bias", dtype::f16, Shape{3}, 0, 0},
+                                    {"mask", dtype::boolean, Shape{2, 1}, 5, 5}};
+  {
+    safetensors_stream_writer s(dir / "s.safetensors", declared, metadata);
+    s.write("layers.0.weight", std::as_bytes(std::span(w0)));
+    s.write("layers.0.bias", std::as_bytes(std::span(w1)));
+    s.write("mask", std::as_bytes(std::span(w2)));
+    s.finish();
+  }
+  CHECK(read_all(dir / "s.safetensors") == read_all(dir / "c.safetensors"));
+  CHECK_FALSE(fs::exists(dir / "s.safetensors.tmp"));
+  CHECK_FALSE(fs::exists(dir / "c.safetensors.tmp"));
+
+  const auto f = safetensors::load(dir / "s.safetensors");
+  const auto h = read_safetensors_header(dir / "s.safetensors");
+  CHECK(h.tensors == f.tensors());
+  CHECK(h.metadata == metadata);
+  CHECK(h.data_start() + h.tensors.back().end == fs::file_size(dir / "s.safetensors"));
+  CHECK(f.get<bool>("mask") == std::vector<bool>{true, false});
+}
+
+TEST_CASE("the stream writer enforces the declared order and sizes", "[io][safetensors]") {
+  temp_dir dir;
+  const float a[] = {1, 2};
+  const std::vector<tensor_info> declared{{"a", dtype::f32, Shape{2}, 0, 0}, {"b", dtype::f32, Shape{1}, 0, 0}};
+  const std::string origin = (dir / "o.safetensors").string();
+  safetensors_stream_writer s(dir / "o.safetensors", declared, {});
+  CHECK_THROWS_WITH(s.write("b", std::as_bytes(std::span(a).first(1))),
+                    StartsWith(origin) && Contains("write(\"b\"): the next declared tensor is \"a\""));
+  CHECK_THROWS_WITH(s.write("a", std::as_bytes(std::span(a).first(1))),
+                    Contains("tensor \"a\": expected 8 bytes, got 4"));
+  s.write("a", std::as_bytes(std::span(a)));
+  CHECK_THROWS_WITH(s.finish(), Contains("finish(): tensor \"b\" (2 of 2) was not written"));
+  s.write("b", std::as_bytes(std::span(a).first(1)));
+  CHECK_THROWS_WITH(s.write("c", {}), Contains("all 2 declared tensors are already written"));
+  s.finish();
+  CHECK_THROWS_WITH(s.finish(), Contains("no longer open"));
+  CHECK(safetensors::load(dir / "o.safetensors").get<float>("b") == std::vector<float>{1});
+}
+
+TEST_CASE("an unfinished stream writer leaves neither the file nor its temporary", "[io][safetensors]") {
+  temp_dir dir;
+  const float a[] = {1, 2};
+  {
+    safetensors_stream_writer s(dir / "u.safetensors", {{"a", dtype::f32, Shape{2}, 0, 0}}, {});
+    s.write("a", std::as_bytes(std::span(a)));
+    CHECK(fs::exists(dir / "u.safetensors.tmp"));
+    CHECK_FALSE(fs::exists(dir / "u.safetensors"));
+  }
+  CHECK_FALSE(fs::exists(dir / "u.safetensors.tmp"));
+  CHECK_FALSE(fs::exists(dir / "u.safetensors"));
+}
+
+TEST_CASE("a moved stream writer keeps writing the same file", "[io][safetensors]") {
+  temp_dir dir;
+  const std::int8_t a[] = {1, 2, 3};
+  std::optional<safetensors_stream_writer> first;
+  first.emplace(dir / "m.safetensors", std::vector<tensor_info>{{"a", dtype::i8, Shape{3}, 0, 0}},
+                std::map<std::string, std::string>{});
+  safetensors_stream_writer second = std::move(*first);
+  first.reset();  // the moved-from writer must not remove the temporary
+  second.write("a", std::as_bytes(std::span(a)));
+  second.finish();
+  CHECK(safetensors::load(dir / "m.safetensors").get<std::int8_t>("a") == std::vector<std::int8_t>{1, 2, 3});
+}
+
+TEST_CASE("the stream writer rejects bad declarations before creating any file", "[io][safetensors]") {
+  temp_dir dir;
+  const auto path = dir / "d.safetensors";
+  using decl = std::vector<tensor_info>;
+  CHECK_THROWS_WITH(
+      (safetensors_stream_writer(path, decl{{"a", dtype::f32, Shape{1}, 0, 0}, {"a", dtype::i8, Shape{1}, 0, 0}}, {})),
+      StartsWith(path.string()) && Contains("duplicate tensor name \"a\""));
+  CHECK_THROWS_WITH((safetensors_stream_writer(path, decl{{"__metadata__", dtype::f32, Shape{1}, 0, 0}}, {})),
+                    Contains("\"__metadata__\" is reserved"));
+  CHECK_THROWS_WITH((safetensors_stream_writer(path, decl{{"\xff", dtype::f32, Shape{1}, 0, 0}}, {})),
+                    Contains("not valid UTF-8"));
+  CHECK(fs::is_empty(dir.path));
+}
+
+TEST_CASE("the writer checks sizes and names", "[io][safetensors]") {
+  const float a[] = {1, 2};
+  safetensors_writer w;
+  CHECK_THROWS_WITH(
+      w.add<float>("a", Shape{3}, std::span(a)),
+      StartsWith("safetensors_writer: ") && Contains("tensor \"a\": shape [3] of F32 needs 12 bytes, got 8"));
+  CHECK_THROWS_WITH(w.add("a", dtype::f64, Shape{1}, std::as_bytes(std::span(a)).first(4)),
+                    Contains("needs 8 bytes, got 4"));
+  w.add<float>("a", Shape{2}, std::span(a));
+  CHECK_THROWS_WITH(w.add<float>("a", Shape{2}, std::span(a)), Contains("duplicate tensor name \"a\""));
+  CHECK_THROWS_WITH(w.add<float>("__metadata__", Shape{2}, std::span(a)), Contains("\"__metadata__\" is reserved"));
+  CHECK_THROWS_AS(w.add<float>("big", Shape{std::int64_t{1} << 62, 4}, {}), io_error);
+}
+
+TEST_CASE("a failed write leaves an existing file untouched and no temporary", "[io][safetensors]") {
+  temp_dir dir;
+  const auto path = dir / "keep.safetensors";
+  const float a[] = {1, 2};
+  safetensors_writer good;
+  good.add<float>("a", Shape{2}, std::span(a));
+  good.write(path);
+  const auto before = read_all(path);
+
+  safetensors_writer bad = good;
+  bad.set_metadata("k", "\xff");
+  CHECK_THROWS_WITH(bad.write(path), StartsWith(path.string()) && Contains("not valid UTF-8"));
+  CHECK(read_all(path) == before);
+  CHECK_FALSE(fs::exists(dir / "keep.safetensors.tmp"));
+
+  CHECK_THROWS_WITH(good.write(dir / "missing" / "x.safetensors"),
+                    Contains((dir / "missing" / "x.safetensors").string()) && Contains("cannot create"));
+
+  // Rewriting replaces the whole file, also with a shorter one.
+  safetensors_writer small;
+  small.write(path);
+  CHECK(read_all(path) == make_file("{}      "));
+}
+
+TEST_CASE("the writer refuses a header larger than readers accept", "[io][safetensors]") {
+  temp_dir dir;
+  safetensors_writer w;
+  w.set_metadata("big", std::string(100'000'000, 'x'));
+  CHECK_THROWS_WITH(w.write(dir / "big.safetensors"), Contains("more than the 100000000 that readers accept"));
+  CHECK(fs::is_empty(dir.path));
+}
+
+// ---------------------------------------------------------------------------------------
+// Validation: one test per rule, each checking the message
+
+TEST_CASE("rejects a file shorter than the size field", "[io][safetensors]") {
+  CHECK_REJECTS(to_bytes("\x02\x00\x00\x00\x00"s), "holds 5 bytes, fewer than the 8-byte header size");
+  CHECK_REJECTS(std::vector<std::byte>{}, "holds 0 bytes");
+}
+
+TEST_CASE("rejects a header size beyond the file", "[io][safetensors]") {
+  CHECK_REJECTS(to_bytes(le64(100) + "{}        "), "header size 100 runs past the end of the file: only 10 bytes");
+  CHECK_REJECTS(to_bytes(le64(3) + "{}"), "header size 3 runs past the end of the file: only 2 bytes");
+}
+
+TEST_CASE("rejects a header size over the 100 MB limit", "[io][safetensors]") {
+  CHECK_REJECTS(to_bytes(le64(100'000'001) + "{}"), "header size 100000001 exceeds the limit of 100000000 bytes");
+  CHECK_REJECTS(to_bytes(le64(~std::uint64_t{0}) + "{}"), "exceeds the limit");
+  CHECK_REJECTS(to_bytes(le64(100'000'000) + "{}"), "runs past the end of the file");  // the limit itself is allowed
+}
+
+TEST_CASE("rejects a header that is not valid JSON", "[io][safetensors]") {
+  CHECK_REJECTS(make_file(R"({"a":)"), "the header is not valid JSON");
+  CHECK_REJECTS(make_file("{} x"), "the header is not valid JSON");
+  CHECK_REJECTS(make_file("{}\0{\"hidden\":1}"s), "the header is not valid JSON: it holds a NUL byte at offset 2");
+  CHECK_REJECTS(make_file(R"({"a":1e400})"), "the header is not valid JSON");
+  CHECK_REJECTS(make_file("{\"\xff\":1}"), "the header is not valid JSON");  // not UTF-8
+  CHECK_REJECTS(make_file("{/* comment */}"), "the header is not valid JSON");
+}
+
+TEST_CASE("rejects a header that is not a JSON object", "[io][safetensors]") {
+  CHECK_REJECTS(make_file("[]"), "the header must be a JSON object, starting with '{'; found byte 0x5b");
+  CHECK_REJECTS(make_file(" {}"), "found byte 0x20");
+  CHECK_REJECTS(make_file(""), "found an empty header");
+}
+
+TEST_CASE("rejects tensor entries missing a field", "[io][safetensors]") {
+  CHECK_REJECTS(make_file(R"({"w":{"shape":[1],"data_offsets":[0,4]}})", 4), R"(tensor "w": the entry has no "dtype")");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","data_offsets":[0,4]}})", 4),
+                R"(tensor "w": the entry has no "shape")");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[1]}})", 4), R"(tensor "w": the entry has no "data_offsets")");
+}
+
+TEST_CASE("rejects tensor entries with wrong JSON types", "[io][safetensors]") {
+  CHECK_REJECTS(make_file(R"({"w":5})"),
+                R"(tensor "w": the entry must be an object with dtype, shape and data_offsets, found number)");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":32,"shape":[1],"data_offsets":[0,4]}})", 4),
+                R"("dtype" must be a string, found number)");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":"1","data_offsets":[0,4]}})", 4),
+                R"("shape" must be an array of non-negative integers, found string)");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[4]}})", 4),
+                R"("data_offsets" must be an array [begin, end] of two non-negative integers, found an array of 1)");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":{"0":4}}})", 4), "found object");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":["0",4]}})", 4),
+                "data_offsets begin must be a non-negative integer, found string");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4.0]}})", 4),
+                "data_offsets end must be a non-negative integer, found 4.0");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[-1,4]}})", 4),
+                "data_offsets begin -1 is negative");
+}
+
+TEST_CASE("rejects unknown dtypes", "[io][safetensors]") {
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[0,1]}})", 1),
+                R"(tensor "w": unknown dtype "F8_E4M3")");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"f32","shape":[1],"data_offsets":[0,4]}})", 4), R"(unknown dtype "f32")");
+}
+
+TEST_CASE("rejects negative, non-integer, too large and too many shape entries", "[io][safetensors]") {
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[2,-1],"data_offsets":[0,0]}})"),
+                R"(tensor "w": shape entry 1 -1 is negative)");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[2.5],"data_offsets":[0,0]}})"),
+                "shape entry 0 must be a non-negative integer, found 2.5");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[null],"data_offsets":[0,0]}})"),
+                "shape entry 0 must be a non-negative integer, found null");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[9223372036854775808],"data_offsets":[0,0]}})"),
+                "shape entry 0 9223372036854775808 exceeds the maximum 9223372036854775807");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[1,1,1,1,1,1,1,1,1],"data_offsets":[0,4]}})", 4),
+                "shape has rank 9, more than the maximum 8");
+  // JSON's -0 is the integer 0.
+  CHECK(safetensors::parse(make_file(R"({"w":{"dtype":"F32","shape":[-0],"data_offsets":[0,0]}})"), "ok")
+            .info("w")
+            .shape == Shape{0});
+}
+
+TEST_CASE("rejects a byte range that does not match shape and dtype", "[io][safetensors]") {
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,12]}})", 12),
+                R"(tensor "w": shape [2, 2] of F32 needs 16 bytes but data_offsets [0, 12] hold 12)");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[0,4]}})", 4),
+                "needs 0 bytes but data_offsets [0, 4] hold 4");
+}
+
+TEST_CASE("rejects shapes whose sizes overflow 64 bits", "[io][safetensors]") {
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}})"),
+                "shape [4611686018427387904, 4] has more elements than a signed 64-bit count holds");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,0]}})"),
+                "shape [4611686018427387904] of F64 needs more bytes than a 64-bit size holds");
+  // Empty overall, but Shape::numel() would overflow before it reached the 0.
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"U8","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}})"),
+                "has more elements than a signed 64-bit count holds");
+}
+
+TEST_CASE("rejects data_offsets that begin after they end", "[io][safetensors]") {
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[8,4]}})", 8),
+                R"(tensor "w": data_offsets [8, 4] begin after they end)");
+}
+
+TEST_CASE("rejects data_offsets past the end of the file", "[io][safetensors]") {
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8),
+                R"(tensor "w": data_offsets [0, 16] run past the end of the file: the data section holds 8 bytes)");
+  CHECK_REJECTS(
+      make_file(R"({"w":{"dtype":"I8","shape":[7],"data_offsets":[18446744073709551608,18446744073709551615]}})", 8),
+      "run past the end of the file");
+}
+
+TEST_CASE("rejects overlapping byte ranges", "[io][safetensors]") {
+  CHECK_REJECTS(
+      make_file(
+          R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+          12),
+      R"(tensors "a" [0, 8) and "b" [4, 12) overlap)");
+  CHECK_REJECTS(
+      make_file(
+          R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}})",
+          4),
+      R"(tensors "a" [0, 4) and "b" [0, 4) overlap)");
+  CHECK_REJECTS(
+      make_file(
+          R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
+          8),
+      R"(tensors "a" [0, 8) and "e" [4, 4) overlap)");
+}
+
+TEST_CASE("rejects gaps between byte ranges", "[io][safetensors]") {
+  CHECK_REJECTS(
+      make_file(
+          R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+          12),
+      R"(bytes [4, 8) of the data section, before tensor "b", belong to no tensor)");
+  CHECK_REJECTS(make_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+                R"(bytes [0, 4) of the data section, before tensor "a")");
+}
+
+TEST_CASE("rejects data not covered by any tensor", "[io][safetensors]") {
+  CHECK_REJECTS(make_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 6),
+                "the data section holds 6 bytes but the tensors cover 4: bytes [4, 6) belong to no tensor");
+  CHECK_REJECTS(make_file("{}", 3), "the data section holds 3 bytes but the tensors cover 0");
+}
+
+TEST_CASE("rejects duplicate keys at every level", "[io][safetensors]") {
+  CHECK_REJECTS(
+      make_file(
+          R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+          8),
+      R"(duplicate tensor name "w" in the header)");
+  CHECK_REJECTS(make_file(R"({"w":{"dtype":"F32","dtype":"I32","shape":[1],"data_offsets":[0,4]}})", 4),
+                R"(duplicate key "dtype" in the header)");
+  CHECK_REJECTS(make_file(R"({"__metadata__":{"k":"a","k":"b"}})"), R"(duplicate key "k" in the header)");
+}
+
+TEST_CASE("rejects __metadata__ that is not an object of strings", "[io][safetensors]") {
+  CHECK_REJECTS(make_file(R"({"__metadata__":["a"]})"), R"("__metadata__" must be an object of strings, found array)");
+  CHECK_REJECTS(make_file(R"({"__metadata__":{"k":1}})"),
+                R"("__metadata__" value of "k" must be a string, found number)");
+}
+
+TEST_CASE("lookups name the file, the tensor and the dtypes", "[io][safetensors]") {
+  const auto f = safetensors::parse(
+      make_file(
+          R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"m":{"dtype":"BOOL","shape":[2],"data_offsets":[4,6]}})",
+          "\0\0\0\0\1\2"s),
+      "x.safetensors");
+  CHECK_THROWS_WITH(f.info("v"), R"(x.safetensors: no tensor "v" among its 2 tensors)");
+  CHECK_THROWS_AS(f.bytes("v"), io_error);
+  CHECK_THROWS_WITH(f.get<std::int32_t>("w"), R"(x.safetensors: tensor "w" has dtype F32, not the requested I32)");
+  CHECK_THROWS_WITH(f.get<bool>("m"), R"(x.safetensors: tensor "m": BOOL element 1 is byte 2, not 0 or 1)");
+  CHECK(f.get<float>("w") == std::vector<float>{0});
+}
+
+TEST_CASE("loading names the file in every error", "[io][safetensors]") {
+  temp_dir dir;
+  const auto missing = dir / "missing.safetensors";
+  CHECK_THROWS_WITH(safetensors::load(missing), StartsWith(missing.string()) && Contains("cannot open for reading"));
+  CHECK_THROWS_WITH(read_safetensors_header(missing), StartsWith(missing.string()) && Contains("cannot open"));
+  CHECK_THROWS_WITH(safetensors::load(dir.path), Contains("not a regular file"));
+
+  const auto bad = dir / "bad.safetensors";
+  write_all(bad, make_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4));
+  CHECK_THROWS_WITH(safetensors::load(bad),
+                    StartsWith(bad.string() + ": ") && Contains("run past the end of the file"));
+  // The header alone is checked against the file's size too.
+  CHECK_THROWS_WITH(read_safetensors_header(bad),
+                    StartsWith(bad.string() + ": ") && Contains("run past the end of the file"));
+  write_all(bad, to_bytes(le64(50) + "{}"));
+  CHECK_THROWS_WITH(read_safetensors_header(bad), Contains("header size 50 runs past the end of the file"));
+  write_all(bad, to_bytes("\1\0"s));
+  CHECK_THROWS_WITH(read_safetensors_header(bad), Contains("holds 2 bytes, fewer than the 8-byte header size"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Random mutants: every one is either rejected with io_error or parses into a consistent file
+
+namespace {
+
+// "" when f, parsed from file, is internally consistent, else what is wrong.
+std::string inconsistency(const safetensors& f, const std::vector<std::byte>& file) {
+  const std::uint64_t data_start = 8 + get_le64(file);
+  std::uint64_t covered = 0;
+  for (const tensor_info& t : f.tensors()) {
+    const auto b = f.bytes(t.name);
+    if (t.begin != covered) return "ranges are not contiguous at " + t.name;
+    if (t.end - t.begin != std::uint64_t(t.shape.numel()) * size_of(t.type)) return "size mismatch at " + t.name;
+    if (b.size() != t.end - t.begin) return "bytes() size at " + t.name;
+    if (!std::equal(b.begin(), b.end(), file.begin() + std::ptrdiff_t(data_start + t.begin)))
+      return "bytes() content at " + t.name;
+    if (&f.info(t.name) != &t) return "info() lookup at " + t.name;
+    bool get_ok = true;
+    visit_dtype(t.type, [&](auto v) {
+      try {
+        get_ok = f.get<decltype(v)>(t.name).size() == std::size_t(t.shape.numel());
+      } catch (const io_error&) {  // BOOL bytes other than 0 or 1
+      }
+    });
+    if (!get_ok) return "get() size at " + t.name;
+    covered = t.end;
+  }
+  if (data_start + covered != file.size()) return "tensors do not cover the data section";
+  return "";
+}
+
+const char* const fragments[] = {"\"",
+                                 "{",
+                                 "}",
+                                 "[",
+                                 "]",
+                                 ",",
+                                 ":",
+                                 "0",
+                                 "-1",
+                                 "1.5",
+                                 "1e400",
+                                 "18446744073709551615",
+                                 "9223372036854775808",
+                                 "null",
+                                 "true",
+                                 " ",
+                                 "\\",
+                                 "\xff",
+                                 "\\u0000",
+                                 "\"F64\"",
+                                 "\"BOOL\"",
+                                 "\"dtype\":\"U8\",",
+                                 "\"shape\":[],",
+                                 "\"data_offsets\":[0,0]",
+                                 "\"__metadata__\":{},",
+                                 "\"__metadata__\":{\"k\":\"v\"},",
+                                 "\"x\":{\"dtype\":\"I8\",\"shape\":[0],\"data_offsets\":[0,0]},",
+                                 "\"y\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"};
+
+// Applies one random mutation. Edits inside the header keep the size field in step
+// so that many mutants get past the JSON parser into the semantic checks.
+void mutate(std::vector<std::byte>& f, std::mt19937_64& rng) {
+  const auto pick = [&](std::size_t n) { return std::size_t(rng() % n); };  // n > 0
+  const std::uint64_t n = f.size() >= 8 ? get_le64(f) : 0;
+  const std::size_t header_end = f.size() >= 8 ? std::size_t(std::min<std::uint64_t>(f.size(), 8 + n)) : 0;
+  const bool has_header = header_end > 8;
+  const auto header_pos = [&] { return 8 + pick(header_end - 8); };
+  const auto resize_header = [&](std::int64_t delta) { set_le64(f, n + std::uint64_t(delta)); };
+
+  switch (pick(10)) {
+    case 0:  // flip a bit anywhere
+      if (!f.empty()) f[pick(f.size())] ^= std::byte(1u << pick(8));
+      break;
+    case 1:  // overwrite a byte, mostly in the header
+      if (has_header && pick(4) != 0)
+        f[header_pos()] = std::byte(rng());
+      else if (!f.empty())
+        f[pick(f.size())] = std::byte(rng());
+      break;
+    case 2:  // truncate
+      if (!f.empty()) f.resize(pick(f.size()));
+      break;
+    case 3:  // extend
+      for (std::size_t i = 1 + pick(16); i > 0; --i) f.push_back(std::byte(pick(3) == 0 ? rng() : 0));
+      break;
+    case 4:  // rewrite the size field
+      if (f.size() < 8) break;
+      switch (pick(4)) {
+        case 0: set_le64(f, rng()); break;
+        case 1: set_le64(f, n + std::uint64_t(std::int64_t(pick(33)) - 16)); break;
+        case 2: set_le64(f, f.size() - 8); break;
+        default: f[pick(8)] = std::byte(rng()); break;
+      }
+      break;
+    case 5: {  // splice a JSON fragment into the header
+      if (!has_header) break;
+      const std::string_view frag = fragments[pick(std::size(fragments))];
+      const auto b = to_bytes(frag);
+      f.insert(f.begin() + std::ptrdiff_t(header_pos()), b.begin(), b.end());
+      resize_header(std::int64_t(b.size()));
+      break;
+    }
+    case 6: {  // change, insert or delete a digit in the header (offsets, shapes)
+      if (!has_header) break;
+      std::vector<std::size_t> digits;
+      for (std::size_t i = 8; i < header_end; ++i) {
+        if (std::isdigit(std::to_integer<unsigned char>(f[i]))) digits.push_back(i);
+      }
+      if (digits.empty()) break;
+      const std::size_t at = digits[pick(digits.size())];
+      const auto d = std::byte('0' + pick(10));
+      switch (pick(3)) {
+        case 0: f[at] = d; break;
+        case 1:
+          f.insert(f.begin() + std::ptrdiff_t(at), d);
+          resize_header(1);
+          break;
+        default:
+          f.erase(f.begin() + std::ptrdiff_t(at));
+          resize_header(-1);
+          break;
+      }
+      break;
+    }
+    case 7: {  // delete a few header bytes
+      if (!has_header) break;
+      const std::size_t at = header_pos();
+      const std::size_t len = std::min<std::size_t>(1 + pick(8), header_end - at);
+      f.erase(f.begin() + std::ptrdiff_t(at), f.begin() + std::ptrdiff_t(at + len));
+      resize_header(-std::int64_t(len));
+      break;
+    }
+    case 8: {  // move one tensor's range, keeping its size: gaps, overlaps, ranges past the end
+      if (!has_header) break;
+      const std::string_view header(reinterpret_cast<const char*>(f.data()) + 8, header_end - 8);
+      const std::string_view key = "\"data_offsets\":[";
+      std::vector<std::size_t> starts;
+      for (auto p = header.find(key); p != header.npos; p = header.find(key, p + 1)) starts.push_back(p + key.size());
+      if (starts.empty()) break;
+      const std::size_t first = starts[pick(starts.size())];
+      const std::size_t last = header.find(']', first);
+      std::uint64_t b = 0, e = 0;
+      const auto [comma, ok1] = std::from_chars(header.data() + first, header.data() + header.size(), b);
+      if (ok1 != std::errc{} || *comma != ',') break;
+      if (std::from_chars(comma + 1, header.data() + header.size(), e).ec != std::errc{}) break;
+      if (last == header.npos) break;
+      const std::uint64_t shift = 1 + pick(8);
+      const std::uint64_t nb = pick(2) == 0 && b >= shift ? b - shift : b + shift, ne = nb + (e - b);
+      const auto repl = to_bytes(std::to_string(nb) + "," + std::to_string(ne));
+      const auto at = f.begin() + std::ptrdiff_t(8 + first);
+      f.erase(at, f.begin() + std::ptrdiff_t(8 + last));
+      f.insert(f.begin() + std::ptrdiff_t(8 + first), repl.begin(), repl.end());
+      resize_header(std::int64_t(repl.size()) - std::int64_t(last - first));
+      break;
+    }
+    default: {  // grow or shrink the data section by a few bytes
+      if (f.size() <= header_end) break;
+      if (pick(2) == 0)
+        f.resize(f.size() - std::min<std::size_t>(f.size() - header_end, 1 + pick(8)));
+      else
+        f.insert(f.begin() + std::ptrdiff_t(header_end + pick(f.size() - header_end)), 1 + pick(8), std::byte{0});
+      break;
+    }
+  }
+}
+
+std::vector<std::vector<std::byte>> mutation_bases(const temp_dir& dir) {
+  std::vector<std::vector<std::byte>> bases;
+  const double d[] = {1.5, -2};
+  const half h[] = {half(1.0f), half(-0.5f), half(2.0f)};
+  const bool m[] = {true, false, true};
+  const std::int64_t i[] = {1, -1};
+  const float s[] = {3};
+
+  safetensors_writer mixed;
+  mixed.add<double>("model.weight", Shape{2, 1}, std::span(d));
+  mixed.add<half>("model.bias", Shape{3}, std::span(h));
+  mixed.add<bool>("mask", Shape{3}, std::span(m));
+  mixed.add<float>("empty", Shape{2, 0}, {});
+  mixed.add<float>("scalar", Shape{}, std::span(s));
+  mixed.set_metadata("format", "pt");
+  mixed.write(dir / "mixed.safetensors");
+  bases.push_back(read_all(dir / "mixed.safetensors"));
+
+  const std::int8_t i8[] = {-5};
+  const std::uint8_t u8[] = {1, 2, 3, 4};
+  const std::int16_t i16[] = {300, -300};
+  const std::int32_t i32[] = {70000};
+  safetensors_writer many;
+  many.add<std::int64_t>("a", Shape{2}, std::span(i));
+  many.add<std::int8_t>("b", Shape{1, 1, 1}, std::span(i8));
+  many.add<bfloat16>("c", Shape{0}, {});
+  many.add<std::uint8_t>("d", Shape{4}, std::span(u8));
+  many.add<std::int16_t>("e", Shape{2}, std::span(i16));
+  many.add<std::int32_t>("f", Shape{1}, std::span(i32));
+  many.write(dir / "many.safetensors");
+  bases.push_back(read_all(dir / "many.safetensors"));
+
+  safetensors_writer{}.write(dir / "empty.safetensors");
+  bases.push_back(read_all(dir / "empty.safetensors"));
+
+  bases.push_back(
+      make_file(R"({"b":{"dtype":"I16","shape":[1,2],"data_offsets":[8,12]},"__metadata__":{"format":"pt"},)"
+                R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+                "\x00\x00\xc0\x3f\x00\x00\x00\xc0\x07\x00\xff\xff"s));
+  return bases;
+}
+
+}  // namespace
+
+TEST_CASE("random mutants are rejected with io_error or parse consistently", "[io][safetensors][mutation]") {
+  temp_dir dir;
+  const auto bases = mutation_bases(dir);
+  for (const auto& b : bases) REQUIRE(inconsistency(safetensors::parse(b, "base"), b).empty());
+
+  std::mt19937_64 rng(20240611);
+  constexpr int mutants = 4000;
+  int accepted = 0, rejected = 0, unchanged = 0;
+  for (int k = 0; k < mutants; ++k) {
+    std::vector<std::byte> f = bases[std::size_t(k) % bases.size()];
+    for (int m = 1 + int(rng() % 3); m > 0; --m) mutate(f, rng);
+    if (f == bases[std::size_t(k) % bases.size()]) ++unchanged;
+    INFO("mutant " << k);
+
+    std::string parse_message;
+    try {
+      const auto parsed = safetensors::parse(f, "mutant");
+      ++accepted;
+      REQUIRE(inconsistency(parsed, f) == "");
+    } catch (const io_error& e) {
+      ++rejected;
+      parse_message = e.what();
+      REQUIRE_THAT(parse_message, StartsWith("mutant: "));
+    }
+
+    // Every 8th mutant goes through the file readers too: they must agree with parse.
+    if (k % 8 == 0) {
+      const auto path = dir / "mutant.safetensors";
+      write_all(path, f);
+      try {
+        const auto h = read_safetensors_header(path);
+        REQUIRE(parse_message.empty());
+        const auto loaded = safetensors::load(path);
+        REQUIRE(h.tensors == loaded.tensors());
+        REQUIRE(h.metadata == loaded.metadata());
+      } catch (const io_error& e) {
+        const std::string prefix = path.string() + ": ";
+        REQUIRE_FALSE(parse_message.empty());
+        REQUIRE_THAT(e.what(), StartsWith(prefix));
+        REQUIRE(std::string(e.what()).substr(prefix.size()) == parse_message.substr(std::string("mutant: ").size()));
+      }
+    }
+  }
+  // The mutants must reach both outcomes often, or the test proves little.
+  INFO("mutants: " << accepted << " accepted, " << rejected << " rejected, " << unchanged << " unchanged");
+  CHECK(accepted + rejected == mutants);
+  CHECK(accepted >= mutants / 40);
+  CHECK(rejected >= mutants / 2);
+  CHECK(unchanged < mutants / 10);
+}
