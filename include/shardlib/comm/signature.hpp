@@ -40,8 +40,8 @@ inline std::string describe(const signature& s) {
 
 // The error every rank raises when rank `other` posted `theirs` where rank 0 posted `first`.
 inline comm_error disagreement(int rank, const signature& first, int other, const signature& theirs) {
-  return comm_error(cat("rank ", rank, ": ranks disagree about a collective: rank 0 called ", describe(first), ", rank ",
-                        other, " called ", describe(theirs)));
+  return comm_error(cat("rank ", rank, ": ranks disagree about a collective: rank 0 called ", describe(first),
+                        ", rank ", other, " called ", describe(theirs)));
 }
 
 }  // namespace shardlib::comm::detail

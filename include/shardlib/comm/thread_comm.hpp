@@ -4,6 +4,7 @@
 #include "shardlib/comm/communicator.hpp"
 #include "shardlib/comm/executor.hpp"
 #include "shardlib/comm/reduce.hpp"
+#include "shardlib/comm/signature.hpp"
 #include "shardlib/comm/work.hpp"
 #include "shardlib/core/element.hpp"
 #include "shardlib/core/error.hpp"
@@ -26,32 +27,6 @@ namespace shardlib::comm {
 namespace detail {
 
 struct group;
-
-// What a rank posts for a collective; all ranks must post the same signature.
-enum class op_kind : int { barrier, all_gather, reduce_scatter, all_reduce, broadcast, split };
-
-inline std::string_view name(op_kind k) {
-  constexpr std::string_view names[] = {"barrier", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "split"};
-  return names[int(k)];
-}
-
-struct signature {
-  op_kind kind = op_kind::barrier;
-  dtype type = dtype::u8;
-  std::size_t count = 0;  // elements per rank (send count of all_gather, recv count of reduce_scatter)
-  reduce_op op = reduce_op::sum;
-  int root = 0;
-  bool operator==(const signature&) const = default;
-};
-
-inline std::string describe(const signature& s) {
-  std::string d = cat(name(s.kind));
-  if (s.kind == op_kind::barrier || s.kind == op_kind::split) return d;
-  d += cat("(", s.count, " x ", name(s.type));
-  if (s.kind == op_kind::reduce_scatter || s.kind == op_kind::all_reduce) d += cat(", ", name(s.op));
-  if (s.kind == op_kind::broadcast) d += cat(", root ", s.root);
-  return d + ")";
-}
 
 struct slot {
   signature sig;
@@ -247,9 +222,7 @@ class ThreadComm {
     meet(sig);
     const auto& slots = peers();
     for (int r = 1; r < size(); ++r)
-      if (!(slots[r].sig == slots[0].sig))
-        throw comm_error(cat("rank ", rank_, ": ranks disagree about a collective: rank 0 called ",
-                             detail::describe(slots[0].sig), ", rank ", r, " called ", detail::describe(slots[r].sig)));
+      if (!(slots[r].sig == slots[0].sig)) throw detail::disagreement(rank_, slots[0].sig, r, slots[r].sig);
   }
 
   template <class T>
