@@ -5,6 +5,7 @@
 #include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/sequential.hpp"
 #include "shardlib/nn/stack.hpp"
+#include "shardlib/optim/clip.hpp"
 #include "shardlib/shard/sharded_model.hpp"
 
 #include <catch2/catch.hpp>
@@ -60,10 +61,12 @@ Tensor<float> batch(int step, std::int64_t rows, std::int64_t cols, std::uint64_
 
 struct trace {
   std::vector<float> losses;
+  std::vector<float> norms;   // gradient norms before clipping, when clipping
   std::vector<float> params;  // final, in unsharded flat layout order by name
 };
 
-trace unsharded(int world, int per_rank, int steps) {
+// max_norm > 0 clips the gradients to that global norm before each step.
+trace unsharded(int world, int per_rank, int steps, float max_norm = 0) {
   Model m = make_model();
   nn::Replicated<float, Model> owner(m, 42);
   nn::context ctx;
@@ -76,6 +79,10 @@ trace unsharded(int world, int per_rank, int steps) {
     auto out = ctx.forward(m, x);
     auto l = mse(out, y);
     ctx.backward(m, l.grad);
+    if (max_norm > 0) {
+      std::span<float> g = owner.grads();
+      t.norms.push_back(optim::clip_grad_norm(std::span<const std::span<float>>(&g, 1), max_norm));
+    }
     opt.step(owner.values(), owner.grads(), st);
     t.losses.push_back(l.loss);
   }
@@ -85,7 +92,7 @@ trace unsharded(int world, int per_rank, int steps) {
 }
 
 template <class Strategy>
-std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy) {
+std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy, float max_norm = 0) {
   std::vector<trace> out(world);
   comm::launch(world, [&](comm::ThreadComm& c) {
     Model m = make_model();
@@ -97,7 +104,12 @@ std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy
       Tensor<float> xr({per_rank, 5}), yr({per_rank, 3});
       std::copy_n(x.data() + c.rank() * per_rank * 5, per_rank * 5, xr.data());
       std::copy_n(y.data() + c.rank() * per_rank * 3, per_rank * 3, yr.data());
-      float loss = model.train_step(opt, xr, yr, mse);
+      model.zero_grad();
+      auto l = mse(model.forward(xr), yr);
+      model.backward(l.grad);
+      if (max_norm > 0) out[c.rank()].norms.push_back(model.clip_grad_norm(max_norm));
+      model.step(opt);
+      float loss = l.loss;
       std::vector<float> all(c.size());
       c.all_gather(std::span<const float>(&loss, 1), std::span<float>(all));
       float mean = 0;
@@ -118,16 +130,18 @@ double rel(float a, float b) { return std::abs(double(a) - b) / std::max(1e-6, s
 // a different order (per-rank partial gradients, then the average over ranks),
 // so results differ by float rounding only, which stays ~1e-6 over 20 steps.
 template <class Strategy>
-void check_equivalence(int w, Strategy strategy) {
+void check_equivalence(int w, Strategy strategy, float max_norm = 0) {
   const int steps = 20, per_rank = 3;
-  auto ref = unsharded(w, per_rank, steps);
-  auto got = sharded(w, per_rank, steps, strategy);
+  auto ref = unsharded(w, per_rank, steps, max_norm);
+  auto got = sharded(w, per_rank, steps, strategy, max_norm);
   double worst_loss = 0, worst_param = 0;
   for (int r = 0; r < w; ++r) {
     INFO("world " << w << " rank " << r);
     REQUIRE(got[r].losses.size() == ref.losses.size());
     REQUIRE(got[r].params.size() == ref.params.size());
     for (int s = 0; s < steps; ++s) worst_loss = std::max(worst_loss, rel(got[r].losses[s], ref.losses[s]));
+    REQUIRE(got[r].norms.size() == ref.norms.size());
+    for (std::size_t s = 0; s < ref.norms.size(); ++s) worst_loss = std::max(worst_loss, rel(got[r].norms[s], ref.norms[s]));
     for (std::size_t i = 0; i < ref.params.size(); ++i)
       worst_param = std::max(worst_param, std::abs(double(got[r].params[i]) - ref.params[i]) /
                                               std::max(1e-3, std::abs(double(ref.params[i]))));
@@ -136,11 +150,18 @@ void check_equivalence(int w, Strategy strategy) {
   CHECK(worst_loss <= 1e-5);
   CHECK(worst_param <= 1e-5);
   CHECK(ref.losses.back() < ref.losses.front());  // it trained
+  if (max_norm > 0) CHECK(ref.norms.front() > max_norm);  // clipping was active
 }
 
 TEMPLATE_TEST_CASE("sharded training equals unsharded training on the global batch", "[shard][equivalence]",
                    shard::FullShard, shard::ShardGradOp, shard::ShardOptimizer, shard::NoShard) {
   for (int w : {1, 2, 3, 4}) check_equivalence(w, TestType{});
+}
+
+TEMPLATE_TEST_CASE("global-norm clipping sees the true global norm for every strategy", "[shard][clip]",
+                   shard::FullShard, shard::ShardGradOp, shard::ShardOptimizer, shard::NoShard) {
+  for (int w : {1, 2, 3, 4}) check_equivalence(w, TestType{}, 0.05f);  // small enough to clip every step
+  check_equivalence(4, shard::HybridShard{.group_size = 2}, 0.05f);
 }
 
 TEST_CASE("hybrid sharding equals unsharded training", "[shard][equivalence][hybrid]") {

@@ -8,11 +8,13 @@
 #include "shardlib/nn/context.hpp"
 #include "shardlib/nn/flat.hpp"
 #include "shardlib/nn/layer.hpp"
+#include "shardlib/optim/clip.hpp"
 #include "shardlib/shard/strategy.hpp"
 #include "shardlib/shard/unit.hpp"
 #include "shardlib/shard/wrap.hpp"
 
 #include <algorithm>      // std::fill_n, std::find
+#include <cmath>          // std::sqrt
 #include <cstdint>        // std::uint64_t
 #include <functional>     // std::function
 #include <memory>         // std::shared_ptr
@@ -91,6 +93,23 @@ class ShardedModel {
       else u.full_grad.reset();  // drops gradients accumulated under sync(false)
       u.grad_clean = true;
     }
+  }
+
+  // Scales all gradients so their global 2-norm is at most max_norm (PyTorch's
+  // clip_grad_norm_) and returns the norm before clipping. Each rank sums the
+  // squares of the gradients it owns, and the sum runs over the ranks that hold
+  // different shards only: replicas (NoShard, HybridShard's other groups) hold
+  // the same values and must not be counted twice. Call after backward.
+  float clip_grad_norm(float max_norm) {
+    double local = 0;
+    for (auto& u : units_) local += optim::grad_norm_squared(std::span<const T>(u.grad->local()));
+    std::vector<double> sum{local};
+    if constexpr (std::is_same_v<Strategy, ShardOptimizer>) comm_->all_reduce(std::span<double>(sum), comm::reduce_op::sum);
+    else if constexpr (Strategy::shards_parameters) shard_comm().all_reduce(std::span<double>(sum), comm::reduce_op::sum);
+    const double total = std::sqrt(sum[0]);
+    const float coefficient = optim::clip_coefficient(total, max_norm);
+    for (auto& u : units_) optim::scale_grads(u.grad->local(), coefficient);
+    return float(total);
   }
 
   // Every rank steps its own shard with its own optimizer state.
