@@ -9,6 +9,7 @@
 #include "shardlib/nn/flat.hpp"
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/optim/clip.hpp"
+#include "shardlib/shard/precision.hpp"
 #include "shardlib/shard/strategy.hpp"
 #include "shardlib/shard/unit.hpp"
 #include "shardlib/shard/wrap.hpp"
@@ -35,6 +36,8 @@ struct options {
   std::function<bool(std::string_view, std::type_index)> wrap = wrap_none{};
   std::uint64_t seed = 0;  // initial values: element i of parameter p is drawn from (seed, p, i)
   int prefetch = 1;        // units whose all-gather is issued ahead of the one running
+  mixed_precision precision{};  // gather / reduce dtypes; F16 turns on dynamic loss scaling in train_step
+  loss_scaler scaler{};         // its initial scale and growth rule
   nn::context::options context{};  // training flag, dropout seed (rank and step are set by the model)
 };
 
@@ -56,14 +59,24 @@ class ShardedModel {
 
   ShardedModel(Model& model, Comm& comm, Strategy strategy, options o)
       : model_(&model), comm_(&comm), strategy_(strategy), opts_(std::move(o)), ctx_(this, opts_.context) {
+    check_precision(opts_.precision);
+    require(std::is_same_v<T, float> || !mixed(), "ShardedModel: mixed precision needs float parameters");
+    if (opts_.precision.param == dtype::f16 || opts_.precision.reduce == dtype::f16) scaler_ = opts_.scaler;
     make_groups();
     discover(model, std::string(), true);
     check_structure();
     for (auto& u : units_) materialize(u);
-    if constexpr (std::is_same_v<Strategy, ShardOptimizer>)
-      for (auto& u : units_) u.bind(u.master->local().data(), u.full_grad.data());
-    else if constexpr (std::is_same_v<Strategy, NoShard>)
-      for (auto& u : units_) u.bind(u.master->local().data(), u.grad->local().data());
+    if constexpr (!Strategy::shards_parameters)
+      for (auto& u : units_) {
+        T* grads = std::is_same_v<Strategy, ShardOptimizer> ? u.full_grad.data() : u.grad->local().data();
+        if (opts_.precision.param != dtype::f32) {  // layers read a copy rounded to the param dtype
+          u.gathered = Buffer<T>(u.master->local().size(), category::gathered_parameters);
+          refresh_compute_copy(u);
+          u.bind(u.gathered.data(), grads);
+        } else {
+          u.bind(u.master->local().data(), grads);
+        }
+      }
   }
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
@@ -121,27 +134,48 @@ class ShardedModel {
       opt.step(values, std::span<const T>(grads), state);
     }
     if constexpr (std::is_same_v<Strategy, ShardOptimizer>) {
-      for (auto& u : units_) {  // everyone's updated slice back to everyone
+      for (auto& u : units_) {  // everyone's updated slice back to everyone (fp32: it is the master)
         auto full = u.master->local();
         const auto& l = optimizer_layout(u);
         pending_.push_back(comm_->all_gather_async(std::span<const T>(full.subspan(l.begin(comm_->rank()), l.shard_size())), full));
       }
       wait_pending();
     }
+    if constexpr (!Strategy::shards_parameters)
+      if (opts_.precision.param != dtype::f32)
+        for (auto& u : units_) refresh_compute_copy(u);
     ++step_;
   }
 
   // One optimisation step on this rank's batch: zero, forward, loss, backward,
   // step. Returns this rank's loss (averaged over its own batch).
+  // With fp16, the loss gradient is multiplied by the loss scale; a step whose
+  // gradients overflowed on any rank is skipped on every rank (see loss_scaler).
   template <class Optimizer, class Target, class LossFn>
   auto train_step(Optimizer& opt, const input& x, const Target& y, LossFn&& loss_fn) {
     zero_grad();
     auto out = forward(x);
     auto l = loss_fn(out, y);
+    if (scaler_)
+      for (auto& g : l.grad.span()) g *= scaler_->scale;
     backward(l.grad);
-    step(opt);
+    if (!scaler_) {
+      step(opt);
+      return l.loss;
+    }
+    std::vector<float> overflow{0.f};
+    for (auto& u : units_) overflow[0] = std::max(overflow[0], all_finite(u.grad->local()) ? 0.f : 1.f);
+    comm_->all_reduce(std::span<float>(overflow), comm::reduce_op::max);  // every rank decides alike
+    if (overflow[0] == 0.f) {
+      for (auto& u : units_) optim::scale_grads(u.grad->local(), 1.f / scaler_->scale);
+      step(opt);
+    } else {
+      ++step_;  // skipped: parameters and optimizer state stay as they were
+    }
+    scaler_->update(overflow[0] != 0.f);
     return l.loss;
   }
+  const std::optional<loss_scaler>& scaler() const { return scaler_; }
 
   // The full parameters under their unsharded names, in the model's parameter
   // order — on rank 0 only (others return an empty list) or on every rank.
@@ -186,7 +220,7 @@ class ShardedModel {
   // Unit i's parameters have arrived (an issued all-gather has completed).
   bool gather_finished(int i) {
     auto& u = units_[i];
-    if (u.values == state::gathering && u.gather_work.test()) u.values = state::gathered;
+    if (u.values == state::gathering && u.gather_work.test()) complete_gather(u);
     return u.values == state::gathered;
   }
   // Unit i's gradient reduction was issued and has completed, not yet been waited for.
@@ -330,18 +364,46 @@ class ShardedModel {
   }
 
   // --- gathering -----------------------------------------------------------------------------
+  bool mixed() const { return opts_.precision.param != dtype::f32 || opts_.precision.reduce != dtype::f32; }
+
+  // In the param dtype, the shard is narrowed into a scratch copy and gathered
+  // into the first half of the float buffer, which is widened in place on arrival.
   void issue_gather(unit_type& u) {
     if (u.values != state::sharded) return;
     u.gathered = Buffer<T>(u.master->layout().padded_size(), category::gathered_parameters);
-    u.gather_work = u.master->gather_async(shard_comm(), u.gathered.span());
+    if (opts_.precision.param == dtype::f32) {
+      u.gather_work = u.master->gather_async(shard_comm(), u.gathered.span());
+    } else {
+      with_16bit(opts_.precision.param, [&](auto h) {
+        using H = decltype(h);
+        u.send_scratch = Buffer<T>(u.master->local().size(), category::comm_scratch);
+        std::copy_n(u.master->local().data(), u.send_scratch.size(), u.send_scratch.data());
+        auto send = narrow_in_place<H>(u.send_scratch.span());
+        std::span<H> recv(reinterpret_cast<H*>(u.gathered.data()), u.gathered.size());
+        u.gather_work = shard_comm().all_gather_async(std::span<const H>(send), recv);
+      });
+    }
     u.values = state::gathering;
+  }
+  void complete_gather(unit_type& u) {
+    u.gather_work.wait();
+    if (opts_.precision.param != dtype::f32) {
+      with_16bit(opts_.precision.param, [&](auto h) { widen_in_place<decltype(h)>(u.gathered.span()); });
+      u.send_scratch.reset();
+    }
+    u.values = state::gathered;
   }
   void ensure_gathered(unit_type& u) {
     issue_gather(u);
-    if (u.values == state::gathering) {
-      u.gather_work.wait();
-      u.values = state::gathered;
-    }
+    if (u.values == state::gathering) complete_gather(u);
+  }
+  // Replicated strategies in a 16-bit param dtype compute on a rounded copy.
+  void refresh_compute_copy(unit_type& u) {
+    with_16bit(opts_.precision.param, [&](auto h) {
+      using H = decltype(h);
+      auto m = u.master->local();
+      for (std::size_t i = 0; i < m.size(); ++i) u.gathered[i] = float(H(m[i]));
+    });
   }
   void free_gathered(unit_type& u) {
     require(u.values != state::gathering, "internal: freeing unit '", u.name, "' while its gather is in flight");
@@ -366,17 +428,35 @@ class ShardedModel {
   // --- gradient reduction --------------------------------------------------------------------
   void reduce_gradients(unit_type& u) {
     finish_reduction_except(&u);  // at most one reduction in flight besides this one
+    const dtype rd = opts_.precision.reduce;
     if constexpr (!std::is_same_v<Strategy, NoShard>) {
       auto into = u.grad->local();
-      if (!u.grad_clean) {  // accumulate: reduce into scratch, add after
+      if (!u.grad_clean || rd != dtype::f32) {  // reduce into scratch; add (or widen) after
         u.reduce_scratch = Buffer<T>(into.size(), category::comm_scratch);
         into = u.reduce_scratch.span();
       }
       Comm& c = std::is_same_v<Strategy, ShardOptimizer> ? *comm_ : shard_comm();
-      u.reduce_work = c.reduce_scatter_async(std::span<const T>(u.full_grad.span()), into, comm::reduce_op::avg);
+      if (rd == dtype::f32) {
+        u.reduce_work = c.reduce_scatter_async(std::span<const T>(u.full_grad.span()), into, comm::reduce_op::avg);
+      } else {  // in the reduce dtype: narrow in place, reduce into the scratch's first half
+        with_16bit(rd, [&](auto h) {
+          using H = decltype(h);
+          auto send = narrow_in_place<H>(u.full_grad.span());
+          std::span<H> recv(reinterpret_cast<H*>(into.data()), into.size());
+          u.reduce_work = c.reduce_scatter_async(std::span<const H>(send), recv, comm::reduce_op::avg);
+        });
+      }
     } else {  // DDP: average the full gradients in place
       auto full = u.grad->local();
-      u.reduce_work = comm_->all_reduce_async(std::span<const T>(full), full, comm::reduce_op::avg);
+      if (rd == dtype::f32) {
+        u.reduce_work = comm_->all_reduce_async(std::span<const T>(full), full, comm::reduce_op::avg);
+      } else {
+        with_16bit(rd, [&](auto h) {
+          using H = decltype(h);
+          auto g = narrow_in_place<H>(full);
+          u.reduce_work = comm_->all_reduce_async(std::span<const H>(g), g, comm::reduce_op::avg);
+        });
+      }
     }
     u.reducing = true;
     reducing_.push_back(int(&u - units_.data()));
@@ -386,10 +466,12 @@ class ShardedModel {
     if (!u.reducing) return;
     u.reduce_work.wait();
     u.reducing = false;
+    const dtype rd = opts_.precision.reduce;
     if constexpr (!std::is_same_v<Strategy, NoShard>) {
       if (!u.reduce_scratch.empty()) {
+        if (rd != dtype::f32) with_16bit(rd, [&](auto h) { widen_in_place<decltype(h)>(u.reduce_scratch.span()); });
         auto g = u.grad->local();
-        for (std::size_t i = 0; i < g.size(); ++i) g[i] += u.reduce_scratch[i];
+        for (std::size_t i = 0; i < g.size(); ++i) g[i] = (u.grad_clean ? T(0) : g[i]) + u.reduce_scratch[i];
         u.reduce_scratch.reset();
       }
       if constexpr (std::is_same_v<Strategy, ShardOptimizer>) std::fill_n(u.full_grad.data(), u.full_grad.size(), T(0));
@@ -398,6 +480,8 @@ class ShardedModel {
         auto g = u.grad->local();
         replica_comm_->all_reduce(g, comm::reduce_op::avg);
       }
+    } else if (rd != dtype::f32) {
+      with_16bit(rd, [&](auto h) { widen_in_place<decltype(h)>(u.grad->local()); });
     }
     u.grad_clean = false;
   }
@@ -456,6 +540,7 @@ class ShardedModel {
   bool sync_ = true;
   std::vector<int> reducing_;
   std::vector<comm::work> pending_;
+  std::optional<loss_scaler> scaler_;
   std::uint64_t step_ = 0;
   sharded_context<ShardedModel> ctx_;
 };

@@ -39,7 +39,8 @@ struct unit {
   comm::work gather_work;
   comm::work reduce_work;
   bool reducing = false;   // reduce_work is in flight out of `full_grad` (or `grad` when replicated)
-  Buffer<T> reduce_scratch;  // reduce-scatter target when the shard already holds gradients
+  Buffer<T> reduce_scratch;  // reduce-scatter target when the shard already holds gradients, or in 16 bits
+  Buffer<T> send_scratch;    // the shard narrowed to the param dtype while its all-gather is in flight
 
   std::shared_ptr<void> optimizer_state;  // the optimizer's state for this unit's shard
   const void* optimizer_type = nullptr;   // identifies the optimizer type the state was made for
