@@ -7,6 +7,7 @@
 #include "shardlib/nn/replicated.hpp"
 
 #include <cmath>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -68,12 +69,13 @@ result check(L& layer, const typename L::input& x, int per_param = 40, std::uint
     res.compared += int(a.size());
     if (e >= res.max_rel_error) res.max_rel_error = e, res.worst = what;
   };
+  // Central differences of the loss in `values` at every stride-th element,
+  // beside the analytic gradient `grads` there.
   const double h = 1e-6;
-  for (const auto& e : owner.layout().entries) {
-    auto values = owner.value(e.name);
-    auto grads = owner.grad(e.name);
+  auto compare = [&](const std::string& what, std::span<double> values, std::span<const double> grads,
+                     std::size_t samples) {
     std::vector<double> a, n;
-    const std::size_t stride = std::max<std::size_t>(1, values.size() / per_param);
+    const std::size_t stride = std::max<std::size_t>(1, values.size() / samples);
     for (std::size_t j = 0; j < values.size(); j += stride) {
       const double keep = values[j];
       values[j] = keep + h;
@@ -84,23 +86,10 @@ result check(L& layer, const typename L::input& x, int per_param = 40, std::uint
       a.push_back(grads[j]);
       n.push_back((up - down) / (2 * h));
     }
-    record(e.name, a, n);
-  }
-  if constexpr (std::is_same_v<typename L::input, Tensor<double>>) {
-    std::vector<double> a, n;
-    const std::int64_t stride = std::max<std::int64_t>(1, x.numel() / (4 * per_param));
-    for (std::int64_t j = 0; j < x.numel(); j += stride) {
-      const double keep = x[j];
-      x[j] = keep + h;
-      const double up = loss(x, r);
-      x[j] = keep - h;
-      const double down = loss(x, r);
-      x[j] = keep;
-      a.push_back(dx[j]);
-      n.push_back((up - down) / (2 * h));
-    }
-    record("input", a, n);
-  }
+    record(what, a, n);
+  };
+  for (const auto& e : owner.layout().entries) compare(e.name, owner.value(e.name), owner.grad(e.name), per_param);
+  if constexpr (std::is_same_v<typename L::input, Tensor<double>>) compare("input", x.span(), dx.span(), 4 * per_param);
   return res;
 }
 
