@@ -1,0 +1,116 @@
+// tests/support/shard_fixture.hpp — a small model, data, loss and optimizer for the
+// sharding-engine tests, and the unsharded reference run they are compared with.
+#pragma once
+#include "shardlib/core/random.hpp"
+#include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/context.hpp"
+#include "shardlib/nn/linear.hpp"
+#include "shardlib/nn/replicated.hpp"
+#include "shardlib/nn/sequential.hpp"
+#include "shardlib/nn/stack.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace fixture {
+
+using namespace shardlib;
+using Block = nn::Linear<float>;
+using Model = nn::Sequential<nn::Linear<float>, nn::Stack<Block>, nn::Linear<float>>;
+
+// 291 parameters in units of 56, 72, 72, 72 and 35 elements: none divides by 2, 3 or 4.
+inline Model make_model() {
+  return Model{nn::Linear<float>(5, 8), nn::Stack<Block>(3, Block(8, 8)), nn::Linear<float>(8, 3)};
+}
+
+// Plain SGD (the optimizers have their own tests).
+struct sgd {
+  float lr = 0.05f;
+  struct state {};
+  state make_state(std::size_t) { return {}; }
+  void step(std::span<float> p, std::span<const float> g, state&) {
+    for (std::size_t i = 0; i < p.size(); ++i) p[i] -= lr * g[i];
+  }
+};
+
+struct mse_result {
+  float loss;
+  Tensor<float> grad;
+};
+// Mean squared error over all elements.
+inline mse_result mse(const Tensor<float>& y, const Tensor<float>& target) {
+  mse_result r{0.f, Tensor<float>(y.shape())};
+  for (std::int64_t i = 0; i < y.numel(); ++i) {
+    float d = y[i] - target[i];
+    r.loss += d * d / float(y.numel());
+    r.grad[i] = 2 * d / float(y.numel());
+  }
+  return r;
+}
+
+// Rows [first, first + rows) of step s's data set: any rank can take its slice.
+inline Tensor<float> batch(int step, std::int64_t rows, std::int64_t cols, std::uint64_t stream, std::int64_t first = 0) {
+  Tensor<float> t({rows, cols});
+  counter_rng rng(1000 + step, stream);
+  for (std::int64_t i = 0; i < t.numel(); ++i) t[i] = 2 * rng.uniform_float(std::uint64_t(first * cols + i)) - 1;
+  return t;
+}
+
+struct trace {
+  std::vector<float> losses;
+  std::vector<float> norms;   // gradient norms before clipping, when clipping
+  std::vector<float> params;  // final values, in the model's parameter order
+};
+
+// Unsharded training on the global batch (world * per_rank rows per step);
+// max_norm > 0 clips the gradients to that global norm before each step. With a
+// 16-bit H, forward and backward run on the fp32 master rounded to H — what the
+// sharded units gather under mixed_precision{.param = H}.
+template <class H = float>
+trace unsharded(int world, int per_rank, int steps, float max_norm = 0);
+
+inline double rel(float a, float b) { return std::abs(double(a) - b) / std::max(1e-6, std::abs(double(b))); }
+
+// Largest relative difference of losses and parameters (parameters relative to
+// max(|want|, 1e-3), so values near zero are compared absolutely).
+inline double worst_difference(const trace& got, const trace& want) {
+  double worst = 0;
+  for (std::size_t s = 0; s < want.losses.size(); ++s) worst = std::max(worst, rel(got.losses[s], want.losses[s]));
+  for (std::size_t s = 0; s < want.norms.size(); ++s) worst = std::max(worst, rel(got.norms[s], want.norms[s]));
+  for (std::size_t i = 0; i < want.params.size(); ++i)
+    worst = std::max(worst, std::abs(double(got.params[i]) - want.params[i]) /
+                                std::max(1e-3, std::abs(double(want.params[i]))));
+  return worst;
+}
+
+}  // namespace fixture
+
+#include "shardlib/optim/clip.hpp"
+
+template <class H>
+fixture::trace fixture::unsharded(int world, int per_rank, int steps, float max_norm) {
+  Model m = make_model();
+  nn::Replicated<float, Model> owner(m, 42);
+  std::vector<float> master(owner.values().begin(), owner.values().end());
+  nn::context ctx;
+  sgd opt;
+  sgd::state st;
+  trace t;
+  for (int s = 0; s < steps; ++s) {
+    for (std::size_t i = 0; i < master.size(); ++i) owner.values()[i] = float(H(master[i]));
+    owner.zero_grad();
+    auto x = batch(s, world * per_rank, 5, 1), y = batch(s, world * per_rank, 3, 2);
+    auto l = mse(ctx.forward(m, x), y);
+    ctx.backward(m, l.grad);
+    if (max_norm > 0) {
+      std::span<float> g = owner.grads();
+      t.norms.push_back(optim::clip_grad_norm(std::span<const std::span<float>>(&g, 1), max_norm));
+    }
+    opt.step(master, owner.grads(), st);
+    t.losses.push_back(l.loss);
+  }
+  for (auto& e : owner.layout().entries)
+    for (std::size_t i = 0; i < e.numel(); ++i) t.params.push_back(master[e.offset + i]);
+  return t;
+}
