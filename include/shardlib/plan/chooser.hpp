@@ -1,0 +1,119 @@
+// shardlib/plan/chooser.hpp — which sharding strategies fit a device, ranked by
+// predicted step time, each with a one-line reason.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"        // cat
+#include "shardlib/core/ledger.hpp"       // category, name
+#include "shardlib/plan/memory_plan.hpp"  // make_plan
+
+#include <algorithm>  // std::max, std::stable_sort
+#include <cstdio>     // std::snprintf
+#include <string>     // std::string
+#include <vector>     // std::vector
+
+namespace shardlib::plan {
+
+struct machine {
+  double memory_bytes = 80e9;       // per rank
+  double link_bytes_per_s = 100e9;  // what one rank sends per second (nccl-tests' bus bandwidth)
+  double flops_per_s = 100e12;      // sustained, per rank
+};
+
+struct choice {
+  setup config;
+  rank_plan plan;
+  bool fits = false;
+  double compute_s = 0, comm_s = 0, step_s = 0;
+  std::string why;  // one line
+};
+
+// "FullShard (ZeRO-3/FSDP)", "HybridShard (HSDP, groups of 2)".
+inline std::string label(const setup& s) {
+  if (s.strategy == strategy::hybrid_shard)
+    return cat(name(s.strategy), " (", alias(s.strategy), ", groups of ", s.group, ")");
+  return cat(name(s.strategy), " (", alias(s.strategy), ")");
+}
+
+namespace detail {
+// Decimal units, as device memory and link speeds are quoted.
+inline std::string human(double bytes) {
+  const char* unit = bytes >= 1e9 ? "GB" : bytes >= 1e6 ? "MB" : bytes >= 1e3 ? "kB" : "B";
+  const double scale = bytes >= 1e9 ? 1e9 : bytes >= 1e6 ? 1e6 : bytes >= 1e3 ? 1e3 : 1;
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f %s", bytes / scale, unit);
+  return b;
+}
+inline std::string seconds(double s) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.3g s", s);
+  return b;
+}
+}  // namespace detail
+
+// Every strategy for base's world, precision, prefetch and optimizer (HybridShard once
+// per group size in hybrid_groups; by default every divisor of the world between 1
+// and it): those that fit first, fastest first, then those that do not, smallest first.
+// A strategy fits when the sum of its category peaks fits (an upper bound on the
+// peak). Step time = max(compute, overlapped communication) + exposed communication:
+// prefetched gathers and reductions issued as each unit's backward ends run during
+// compute; ZeRO-1's parameter all-gather after the step and HybridShard's replica
+// all-reduce do not.
+inline std::vector<choice> choose(const model_desc& d, const setup& base, const machine& mc,
+                                  std::vector<int> hybrid_groups = {}) {
+  require(mc.memory_bytes > 0 && mc.link_bytes_per_s > 0 && mc.flops_per_s > 0,
+          "plan::choose: memory, link bandwidth and compute rate must be positive");
+  if (hybrid_groups.empty())
+    for (int g = 2; g < base.world; ++g)
+      if (base.world % g == 0) hybrid_groups.push_back(g);
+  std::vector<setup> candidates;
+  for (strategy s : all_strategies) {
+    setup c = base;
+    c.strategy = s;
+    if (s != strategy::hybrid_shard) {
+      candidates.push_back(c);
+      continue;
+    }
+    for (int g : hybrid_groups) {
+      c.group = g;
+      candidates.push_back(c);
+    }
+  }
+  std::vector<choice> out;
+  for (const setup& c : candidates) {
+    choice ch;
+    ch.config = c;
+    ch.plan = make_plan(d, c);
+    const double total = double(ch.plan.memory.total()), sent = ch.plan.sent.total();
+    ch.fits = total <= mc.memory_bytes;
+    ch.compute_s = d.flops / mc.flops_per_s;
+    ch.comm_s = sent / mc.link_bytes_per_s;
+    const double exposed_s = ch.plan.sent.exposed / mc.link_bytes_per_s;
+    ch.step_s = std::max(ch.compute_s, ch.comm_s - exposed_s) + exposed_s;
+    if (!ch.fits) {
+      category largest = category::parameters;
+      for (int k = 0; k < category_count; ++k)
+        if (ch.plan.memory[category(k)] > ch.plan.memory[largest]) largest = category(k);
+      ch.why = cat(label(c), " does not fit: needs ", detail::human(total), " of ", detail::human(mc.memory_bytes),
+                   " (", name(largest), " ", detail::human(double(ch.plan.memory[largest])), ")");
+    } else {
+      const bool bound = ch.comm_s - exposed_s > ch.compute_s;
+      ch.why = cat(label(c), " fits in ", detail::human(total), " of ", detail::human(mc.memory_bytes), "; sends ",
+                   detail::human(sent), " per step, ", detail::seconds(ch.comm_s), " against ",
+                   detail::seconds(ch.compute_s), " of compute",
+                   exposed_s > 0 ? cat(" (", detail::seconds(exposed_s), " of it not overlapped)") : std::string(),
+                   bound ? ": communication-bound" : ": compute-bound", ", ", detail::seconds(ch.step_s), " per step");
+    }
+    out.push_back(std::move(ch));
+  }
+  // Equal step times: fewer bytes sent (less exposed to a slower link than assumed),
+  // then less memory (room for a larger batch).
+  std::stable_sort(out.begin(), out.end(), [](const choice& a, const choice& b) {
+    if (a.fits != b.fits) return a.fits;
+    if (a.fits && a.step_s != b.step_s) return a.step_s < b.step_s;
+    if (a.fits && a.plan.sent.total() != b.plan.sent.total()) return a.plan.sent.total() < b.plan.sent.total();
+    return a.plan.memory.total() < b.plan.memory.total();
+  });
+  return out;
+}
+
+}  // namespace shardlib::plan

@@ -1,0 +1,329 @@
+// shardlib/plan/memory_plan.hpp — what one rank holds and sends per training step under
+// each sharding strategy, from a model's unit sizes: the formulas the memory ledger is
+// tested against (derivation and worked example in docs/planner.md).
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/element.hpp"     // dtype, size_of
+#include "shardlib/core/error.hpp"       // require
+#include "shardlib/core/ledger.hpp"      // category
+#include "shardlib/shard/precision.hpp"  // shard::mixed_precision
+#include "shardlib/shard/strategy.hpp"   // the strategy tags
+
+#include <algorithm>    // std::max, std::min
+#include <cstddef>      // std::size_t
+#include <numeric>      // std::accumulate
+#include <string_view>  // std::string_view
+#include <type_traits>  // std::is_same_v
+#include <vector>       // std::vector
+
+namespace shardlib::plan {
+
+// The strategies as values, so one program can plan them all.
+enum class strategy { no_shard, shard_optimizer, shard_grad_op, full_shard, hybrid_shard };
+inline constexpr strategy all_strategies[] = {strategy::no_shard, strategy::shard_optimizer, strategy::shard_grad_op,
+                                              strategy::full_shard, strategy::hybrid_shard};
+
+// The shard:: tag's name.
+constexpr std::string_view name(strategy s) {
+  switch (s) {
+    case strategy::no_shard:
+      return "NoShard";
+    case strategy::shard_optimizer:
+      return "ShardOptimizer";
+    case strategy::shard_grad_op:
+      return "ShardGradOp";
+    case strategy::full_shard:
+      return "FullShard";
+    case strategy::hybrid_shard:
+      return "HybridShard";
+  }
+  return "?";
+}
+// What DeepSpeed and PyTorch call it.
+constexpr std::string_view alias(strategy s) {
+  switch (s) {
+    case strategy::no_shard:
+      return "DDP";
+    case strategy::shard_optimizer:
+      return "ZeRO-1";
+    case strategy::shard_grad_op:
+      return "ZeRO-2";
+    case strategy::full_shard:
+      return "ZeRO-3/FSDP";
+    case strategy::hybrid_shard:
+      return "HSDP";
+  }
+  return "?";
+}
+
+template <shard::ShardingStrategy S>
+constexpr strategy strategy_of() {
+  if constexpr (std::is_same_v<S, shard::NoShard>)
+    return strategy::no_shard;
+  else if constexpr (std::is_same_v<S, shard::ShardOptimizer>)
+    return strategy::shard_optimizer;
+  else if constexpr (std::is_same_v<S, shard::ShardGradOp>)
+    return strategy::shard_grad_op;
+  else if constexpr (std::is_same_v<S, shard::FullShard>)
+    return strategy::full_shard;
+  else
+    return strategy::hybrid_shard;
+}
+
+constexpr bool shards_parameters(strategy s) {
+  return s == strategy::full_shard || s == strategy::shard_grad_op || s == strategy::hybrid_shard;
+}
+
+// Master parameters, gradient shards and the communication scratch copies are float
+// (ShardedModel<Model, Comm, Strategy, float>, the only type mixed precision allows).
+inline constexpr std::size_t master_bytes = 4;
+// Optimizer state per parameter the optimizer steps: Adam and AdamW keep two fp32
+// moments (three with amsgrad); SGD keeps a momentum buffer, or nothing.
+inline constexpr std::size_t adam_state_bytes = 8, adam_amsgrad_state_bytes = 12, sgd_momentum_state_bytes = 4,
+                             sgd_state_bytes = 0;
+
+struct precision {
+  dtype param =
+      dtype::f32;  // all-gather dtype (FSDP's param_dtype); not f32: replicated strategies keep a compute copy
+  dtype reduce = dtype::f32;   // gradient reduction dtype
+  dtype compute = dtype::f32;  // gathered parameters and full (unreduced) gradients
+
+  // The host engine: whatever it communicates in, layers compute in fp32, so gathered
+  // buffers and full gradients stay float (docs/design.md, "Mixed precision on the host").
+  static constexpr precision host(shard::mixed_precision p) { return {p.param, p.reduce, dtype::f32}; }
+  // An engine that computes in the param dtype, as FSDP does on GPUs.
+  static constexpr precision device(shard::mixed_precision p) { return {p.param, p.reduce, p.param}; }
+};
+
+struct setup {
+  plan::strategy strategy = strategy::full_shard;
+  int world = 1;
+  int group = 0;     // HybridShard: the ranks one replica is sharded over (divides world)
+  int prefetch = 1;  // shard::options::prefetch
+  plan::precision precision{};
+  std::size_t optimizer_bytes = adam_state_bytes;
+
+  // Ranks one shard is split over: the world, or HybridShard's group.
+  int shard_group() const { return strategy == strategy::hybrid_shard ? group : world; }
+};
+
+// A model as the planner sees it. Units are the root's descendants run one after
+// another (none nested in another, as a wrap policy over a Stack's layers gives).
+struct model_desc {
+  // Flat elements of each unit (alignment gaps included, padding to the world not):
+  // the root first, then the other units in forward order.
+  std::vector<std::size_t> units;
+  std::size_t activation_bytes = 0;  // peak activations of one rank's local batch: no strategy changes them
+  double flops = 0;                  // forward + backward of one rank's local batch (the chooser's compute time)
+
+  std::size_t parameters() const { return std::accumulate(units.begin(), units.end(), std::size_t(0)); }
+};
+
+// Per-rank peak bytes, category by category, as ledger::peak(category) reports them.
+struct rank_memory {
+  std::size_t parameters = 0, gradients = 0, optimizer_state = 0, gathered_parameters = 0, activations = 0,
+              comm_scratch = 0;
+
+  // The sum of the category peaks. Categories peak at different moments (gathered
+  // parameters at the end of forward, gradients in backward), so this bounds the
+  // ledger's peak() from above rather than equalling it.
+  std::size_t total() const {
+    return parameters + gradients + optimizer_state + gathered_parameters + activations + comm_scratch;
+  }
+  std::size_t operator[](category c) const {
+    const std::size_t all[] = {parameters, gradients, optimizer_state, gathered_parameters, activations, comm_scratch};
+    return all[static_cast<int>(c)];
+  }
+};
+
+// Bytes one rank sends per step, by collective, under the ring algorithms of
+// nccl-tests: with n ranks an all-gather sends (n-1)/n of its output, a
+// reduce-scatter (n-1)/n of its input, an all-reduce 2(n-1)/n of its buffer.
+struct traffic {
+  double all_gather = 0, reduce_scatter = 0, all_reduce = 0;
+  double exposed = 0;  // the part no computation hides (already counted above)
+  double total() const { return all_gather + reduce_scatter + all_reduce; }
+};
+
+struct rank_plan {
+  rank_memory memory;
+  traffic sent;
+};
+
+namespace detail {
+inline std::size_t round_up(std::size_t n, std::size_t k) { return (n + k - 1) / k * k; }
+
+// The largest sum of `width` consecutive non-root units (fewer if there are fewer).
+inline std::size_t widest(const std::vector<std::size_t>& padded, std::size_t width) {
+  const std::size_t n = padded.size() - 1;
+  width = std::min(width, n);
+  std::size_t best = 0;
+  for (std::size_t first = 1; first + width <= n + 1; ++first) {
+    std::size_t sum = 0;
+    for (std::size_t k = first; k < first + width; ++k) sum += padded[k];
+    best = std::max(best, sum);
+  }
+  return best;
+}
+
+// Peak comm_scratch of one step. A 16-bit all-gather sends a narrowed copy of the
+// shard, held until the gather is waited for; a 16-bit reduction lands in a
+// shard-sized scratch, held until the next unit's reduction is issued. Both depend
+// on how gathers and reductions interleave, so this replays the engine's order
+// (sharded_model.hpp: pre_forward/post_forward/pre_backward/post_backward).
+inline std::size_t scratch_peak(const std::vector<std::size_t>& shard_bytes, bool sends, bool reduces, int prefetch,
+                                bool frees_after_forward) {
+  const int n = int(shard_bytes.size());  // position 0 is the root
+  enum class state { sharded, gathering, gathered };
+  std::vector<state> st(n, state::sharded);
+  std::size_t now = 0, peak = 0, reducing = 0;
+  auto add = [&](std::size_t b) { peak = std::max(peak, now += b); };
+  auto issue = [&](int i) {
+    if (st[i] != state::sharded) return;
+    if (sends) add(shard_bytes[i]);
+    st[i] = state::gathering;
+  };
+  auto ensure = [&](int i) {
+    issue(i);
+    if (st[i] == state::gathering && sends) now -= shard_bytes[i];
+    st[i] = state::gathered;
+  };
+  auto prefetch_from = [&](int i, int dir) {
+    for (int k = 1; k <= prefetch && i + dir * k >= 0 && i + dir * k < n; ++k) issue(i + dir * k);
+  };
+  auto reduce = [&](int i) {  // the previous reduction is finished first
+    now -= reducing;
+    reducing = reduces ? shard_bytes[i] : 0;
+    add(reducing);
+  };
+  for (int i = 0; i < n; ++i) {
+    ensure(i);
+    prefetch_from(i, +1);
+    if (frees_after_forward && i > 0) st[i] = state::sharded;
+  }
+  for (int i = n - 1; i >= 1; --i) {  // the root's backward hook ran first: it stays gathered
+    ensure(i);
+    prefetch_from(i, -1);
+    st[i] = state::sharded;
+    reduce(i);
+  }
+  reduce(0);
+  return peak;
+}
+}  // namespace detail
+
+// The plan of one rank for one train_step (zero_grad, forward, backward, step; no
+// gradient accumulation) after the first, which records the order and runs no
+// prefetch (so it never holds more). P_i is unit i padded to a multiple of the shard
+// group G (sharded strategies) or of the world W (replicated ones, so ZeRO-1's
+// slices are equal); ΣP their sum; sizes in bytes: master m = 4, compute c,
+// param dtype g, reduce dtype r, optimizer state o per parameter.
+inline rank_plan make_plan(const model_desc& d, const setup& s) {
+  require(!d.units.empty(), "plan: the model has no units (the root is always one)");
+  require(s.world >= 1 && s.prefetch >= 0, "plan: world ", s.world, " and prefetch ", s.prefetch,
+          " must be at least 1 and 0");
+  require(s.strategy != strategy::hybrid_shard || (s.group >= 1 && s.world % s.group == 0),
+          "plan: HybridShard group size ", s.group, " must divide the world size ", s.world);
+  const bool sharded = shards_parameters(s.strategy);
+  const std::size_t W = std::size_t(s.world), G = std::size_t(s.shard_group());
+  std::vector<std::size_t> padded;
+  for (std::size_t n : d.units) padded.push_back(detail::round_up(n, sharded ? G : W));
+  const std::size_t all = std::accumulate(padded.begin(), padded.end(), std::size_t(0));
+  const std::size_t m = master_bytes, c = size_of(s.precision.compute), o = s.optimizer_bytes;
+  const double g = double(size_of(s.precision.param)), r = double(size_of(s.precision.reduce));
+  const bool narrow_param = s.precision.param != dtype::f32, narrow_reduce = s.precision.reduce != dtype::f32;
+
+  rank_plan p;
+  rank_memory& mem = p.memory;
+  mem.activations = d.activation_bytes;
+  std::vector<std::size_t> piece;  // fp32 bytes of each unit's shard (ZeRO-1: slice), the size of its scratch copies
+  for (std::size_t n : padded) piece.push_back(m * n / (sharded ? G : W));
+  if (sharded) {
+    // Shards of everything; the root's full gradient lives through the whole backward,
+    // and two adjacent units' full gradients coexist (one reduce-scattering while the
+    // next computes). Gathered: the root all step, plus the unit running and the
+    // `prefetch` after it (FullShard, HybridShard), or every unit, none freed between
+    // forward and backward (ShardGradOp).
+    mem.parameters = m * all / G;
+    mem.optimizer_state = o * all / G;
+    mem.gradients = m * all / G + c * (padded[0] + detail::widest(padded, 2));
+    const std::size_t held =
+        s.strategy == strategy::shard_grad_op ? all : padded[0] + detail::widest(padded, 1 + std::size_t(s.prefetch));
+    mem.gathered_parameters = c * held;
+  } else {
+    // Full parameters (and a copy rounded to the param dtype for layers to read), full
+    // local gradients; ZeRO-1 adds the reduced slice it steps and keeps optimizer state
+    // for that slice only.
+    const bool zero1 = s.strategy == strategy::shard_optimizer;
+    mem.parameters = m * all;
+    mem.gathered_parameters = narrow_param ? c * all : 0;
+    mem.gradients = c * all + (zero1 ? m * all / W : 0);
+    mem.optimizer_state = o * all / (zero1 ? W : 1);
+  }
+  mem.comm_scratch =
+      detail::scratch_peak(piece, sharded && narrow_param, narrow_reduce && s.strategy != strategy::no_shard,
+                           s.prefetch, s.strategy != strategy::shard_grad_op);
+
+  traffic& t = p.sent;
+  const double fG = double(G - 1) / double(G), fW = double(W - 1) / double(W), P = double(all);
+  switch (s.strategy) {
+    case strategy::full_shard:
+    case strategy::hybrid_shard:  // every unit gathered in forward and, but the root, again in backward
+      t.all_gather = fG * g * (2 * P - double(padded[0]));
+      t.reduce_scatter = fG * r * P;
+      if (s.strategy == strategy::hybrid_shard) {  // then the reduced shard averaged across the W/G replicas, in fp32
+        const double replicas = double(W / G);
+        t.all_reduce = t.exposed = 2 * (replicas - 1) / replicas * double(m) * P / double(G);
+      }
+      break;
+    case strategy::shard_grad_op:
+      t.all_gather = fG * g * P;
+      t.reduce_scatter = fG * r * P;
+      break;
+    case strategy::shard_optimizer:  // after the step, every updated fp32 slice to every rank
+      t.reduce_scatter = fW * r * P;
+      t.all_gather = t.exposed = fW * double(m) * P;
+      break;
+    case strategy::no_shard:
+      t.all_reduce = 2 * fW * r * P;
+      break;
+  }
+  if (s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16) {  // loss scaling's overflow vote
+    t.all_reduce += 2 * fW * 4;
+    t.exposed += 2 * fW * 4;
+  }
+  return p;
+}
+
+// A coarse transformer: `layers` blocks of 12·hidden² parameters each (attention
+// 4·hidden², a 4·hidden feed-forward 8·hidden²; biases and norms neglected), each
+// block a unit, and the rest of `parameters` (embeddings, head) in the root.
+struct transformer_shape {
+  double parameters = 0;  // all of them; 0 means the blocks alone
+  long layers = 0, hidden = 0, heads = 1, seq = 0;
+  long batch = 1;  // per rank
+};
+
+// Activations are estimated as Korthikanti et al. 2022 ("Reducing Activation
+// Recomputation in Large Transformer Models", eq. 1, no parallelism, no recomputation):
+// seq·batch·hidden·(34 + 5·heads·seq/hidden) bytes per layer with 16-bit activations,
+// scaled by size_of(activations)/2. FLOPs: 6 per parameter per token plus attention's
+// 12·layers·hidden·seq per token (Narayanan et al. 2021, eq. 3 without recomputation).
+inline model_desc transformer(const transformer_shape& t, dtype activations = dtype::bf16) {
+  require(t.layers >= 1 && t.hidden >= 1 && t.heads >= 1 && t.seq >= 1 && t.batch >= 1,
+          "plan::transformer: layers, hidden, heads, seq and batch must be positive");
+  const std::size_t block = std::size_t(12) * std::size_t(t.hidden) * std::size_t(t.hidden);
+  const double blocks = double(block) * double(t.layers);
+  require(t.parameters == 0 || t.parameters >= blocks, "plan::transformer: ", t.layers, " blocks of hidden size ",
+          t.hidden, " alone have ", blocks, " parameters, more than the ", t.parameters, " given");
+  model_desc d;
+  d.units.push_back(t.parameters == 0 ? 0 : std::size_t(t.parameters - blocks));
+  d.units.insert(d.units.end(), std::size_t(t.layers), block);
+  const double s = double(t.seq), b = double(t.batch), h = double(t.hidden), a = double(t.heads);
+  d.activation_bytes =
+      std::size_t(double(t.layers) * s * b * h * (34 + 5 * a * s / h) * double(size_of(activations)) / 2);
+  d.flops = 6 * double(d.parameters()) * s * b + 12 * double(t.layers) * h * s * s * b;
+  return d;
+}
+
+}  // namespace shardlib::plan

@@ -1,0 +1,297 @@
+// The memory planner: its per-rank plan equals the ledger's peaks, category by
+// category, and the bytes a rank sends per step, for every strategy, world sizes that
+// do not divide the units, prefetch 0-2 and 16-bit gathers and reductions; the FSDP
+// article's scenario by hand arithmetic; the chooser's ranking.
+#include "shardlib/comm/launch.hpp"
+#include "shardlib/nn/linear.hpp"
+#include "shardlib/nn/loss.hpp"
+#include "shardlib/nn/pooling.hpp"
+#include "shardlib/nn/sequential.hpp"
+#include "shardlib/nn/stack.hpp"
+#include "shardlib/nn/transformer.hpp"
+#include "shardlib/optim/adam.hpp"
+#include "shardlib/plan/chooser.hpp"
+#include "shardlib/plan/describe.hpp"
+#include "shardlib/plan/memory_plan.hpp"
+#include "shardlib/shard/sharded_model.hpp"
+
+#include "../../benchmarks/counting_comm.hpp"  // bytes sent per rank, ring model
+
+#include <catch2/catch.hpp>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <typeindex>
+#include <vector>
+
+using namespace shardlib;
+
+namespace {
+
+// A small version of the model bench_strategies and train_fsdp train.
+using Encoder = nn::TransformerEncoderLayer<float>;
+using Model = nn::Sequential<nn::Stack<Encoder>, nn::MeanPool<float>, nn::Linear<float>>;
+constexpr long d_model = 16, seq = 4, batch = 2, classes = 3;
+
+Model make_model() {
+  return Model{nn::Stack<Encoder>(3, {.d_model = d_model, .nhead = 2, .dim_feedforward = 24, .batch_first = true}),
+               nn::MeanPool<float>(1), nn::Linear<float>(d_model, classes)};
+}
+Tensor<float> inputs(int step, int rank) {
+  Tensor<float> x({batch, seq, d_model});
+  const counter_rng rng{std::uint64_t(step), std::uint64_t(rank)};
+  for (std::int64_t i = 0; i < x.numel(); ++i) x[i] = 2 * rng.uniform_float(std::uint64_t(i)) - 1;
+  return x;
+}
+Tensor<std::int64_t> labels(int step, int rank) {
+  Tensor<std::int64_t> y({batch});
+  for (std::int64_t i = 0; i < batch; ++i) y[i] = (step + rank + i) % classes;
+  return y;
+}
+
+std::size_t reference_activations() {
+  Model m = make_model();
+  return plan::measure_activations(m, [&](nn::context& ctx) {
+    auto out = ctx.forward(m, inputs(0, 0));
+    ctx.backward(m, nn::cross_entropy(out, labels(0, 0)).grad);
+  });
+}
+
+using Counted = bench::counting_comm<comm::ThreadComm>;
+
+// What one rank measured over three train_steps, and what the plan says.
+struct outcome {
+  std::vector<std::size_t> peak = std::vector<std::size_t>(category_count);
+  std::size_t peak_total = 0;
+  double sent_per_step = 0;
+  plan::rank_plan plan;
+  std::vector<std::size_t> units;  // as describe(sharded) reports them
+};
+
+template <class Strategy>
+std::vector<outcome> run(Strategy strategy, int world, int prefetch, shard::mixed_precision mp,
+                         std::size_t activations) {
+  std::vector<outcome> out(world);
+  const int steps = 3;
+  comm::launch(world, [&](comm::ThreadComm& c, ledger& l) {
+    auto tally = std::make_shared<bench::traffic>();
+    Counted counted(c, tally);
+    Model m = make_model();
+    auto sharded = shard::fully_shard(
+        m, counted, strategy, {.wrap = shard::wrap_types<Encoder>{}, .seed = 1, .prefetch = prefetch, .precision = mp});
+    tally->reset();  // construction compares the ranks' models; only steps count
+    optim::Adam adam{{.lr = 1e-3}};
+    for (int s = 0; s < steps; ++s)
+      sharded.train_step(adam, inputs(s, c.rank()), labels(s, c.rank()), nn::cross_entropy);
+    auto& o = out[c.rank()];
+    for (int k = 0; k < category_count; ++k) o.peak[k] = l.peak(category(k));
+    o.peak_total = l.peak();
+    o.sent_per_step = tally->total() / steps;
+    const auto desc = plan::describe(sharded, activations);
+    o.units = desc.units;
+    plan::setup s{.strategy = plan::strategy_of<Strategy>(),
+                  .world = world,
+                  .prefetch = prefetch,
+                  .precision = plan::precision::host(mp)};
+    if constexpr (std::is_same_v<Strategy, shard::HybridShard>) s.group = strategy.group_size;
+    o.plan = plan::make_plan(desc, s);
+  });
+  return out;
+}
+
+const shard::mixed_precision precisions[] = {{},
+                                             {.param = dtype::bf16},
+                                             {.param = dtype::bf16, .reduce = dtype::bf16},
+                                             {.param = dtype::f16, .reduce = dtype::f16}};
+
+template <class Strategy>
+void check_plan(Strategy strategy, int world) {
+  const std::size_t activations = reference_activations();
+  Model shape = make_model();
+  const auto walked = plan::describe_model(shape, shard::wrap_types<Encoder>{});
+  REQUIRE(walked.units.size() == 4);  // the root (the head) and three encoder layers
+  for (const auto& mp : precisions)
+    for (int prefetch : {0, 1, 2}) {
+      INFO("W " << world << ", prefetch " << prefetch << ", param " << name(mp.param) << ", reduce "
+                << name(mp.reduce));
+      for (const auto& o : run(strategy, world, prefetch, mp, activations)) {
+        CHECK(o.units == walked.units);  // the walk finds the engine's units
+        for (int k = 0; k < category_count; ++k) {
+          INFO(name(category(k)));
+          CHECK(o.peak[k] == o.plan.memory[category(k)]);
+        }
+        CHECK(o.peak_total <= o.plan.memory.total());
+        CHECK(o.sent_per_step == Approx(o.plan.sent.total()).epsilon(1e-12));
+      }
+    }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the plan equals the ledger's peaks and the bytes sent, for every strategy", "[plan][ledger]",
+                   shard::FullShard, shard::ShardGradOp, shard::ShardOptimizer, shard::NoShard) {
+  check_plan(TestType{}, 3);  // 3 divides no unit: every unit is padded
+}
+
+TEST_CASE("the plan equals the ledger's peaks and the bytes sent under hybrid sharding", "[plan][ledger][hybrid]") {
+  check_plan(shard::HybridShard{.group_size = 2}, 4);
+}
+
+TEST_CASE("the planner's walk finds the units fully_shard makes", "[plan][describe]") {
+  using Block = nn::Linear<float>;
+  using Mlp = nn::Sequential<nn::Linear<float>, nn::Stack<Block>, nn::Linear<float>>;
+  auto mlp = [] { return Mlp{nn::Linear<float>(5, 8), nn::Stack<Block>(3, Block(8, 8)), nn::Linear<float>(8, 3)}; };
+  const std::vector<std::function<bool(std::string_view, std::type_index)>> policies{
+      shard::wrap_none{}, shard::wrap_types<Block>{}, shard::wrap_names{{"1.layers.1", "2"}}};
+  for (const auto& wrap : policies) {
+    Mlp shape = mlp();
+    const auto walked = plan::describe_model(shape, wrap);
+    std::vector<std::size_t> engine;
+    comm::launch(1, [&](comm::ThreadComm& c) {
+      Mlp m = mlp();
+      auto sharded = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = wrap});
+      for (const auto& u : sharded.units()) engine.push_back(u.numel());
+    });
+    CHECK(walked.units == engine);
+  }
+  // Each parameter starts at a multiple of 16 elements. The root keeps the outer
+  // Linears: 40 weights, the bias at 48, 24 weights at 64, 3 biases at 96: 99.
+  Mlp shape = mlp();
+  CHECK(plan::describe_model(shape, shard::wrap_names{{"1.layers.0", "1.layers.1", "1.layers.2"}}).units ==
+        std::vector<std::size_t>{99, 64 + 8, 64 + 8, 64 + 8});
+}
+
+namespace {
+// The FSDP article's scenario: a 6e9-parameter transformer (28 blocks of hidden size
+// 4096, GPT-J's shape), 4 ranks, Adam, one sequence of 2048 tokens per rank.
+plan::model_desc article_model(dtype activations) {
+  return plan::transformer({.parameters = 6e9, .layers = 28, .hidden = 4096, .heads = 16, .seq = 2048, .batch = 1},
+                           activations);
+}
+plan::rank_plan article(plan::strategy s, plan::precision p) {
+  return plan::make_plan(article_model(p.compute), {.strategy = s, .world = 4, .prefetch = 1, .precision = p});
+}
+constexpr std::size_t root = 6'000'000'000 - 28 * std::size_t(12 * 4096 * 4096);  // embeddings and head
+constexpr std::size_t block = 12 * 4096 * 4096;
+}  // namespace
+
+TEST_CASE("the article's scenario in fp32, by hand", "[plan][article]") {
+  CHECK(root == 362'855'424);
+  CHECK(article_model(dtype::f32).units == [] {
+    std::vector<std::size_t> u{root};
+    u.insert(u.end(), 28, block);
+    return u;
+  }());
+  // Every unit divides by 4: no padding, so ΣP = 6e9 and a shard is 1.5e9 parameters.
+  const plan::precision fp32{};
+  auto ddp = article(plan::strategy::no_shard, fp32);
+  CHECK(ddp.memory.parameters == 24'000'000'000);  // 6e9 × 4 B, not the article's 12 GB
+  CHECK(ddp.memory.gradients == 24'000'000'000);
+  CHECK(ddp.memory.optimizer_state == 48'000'000'000);  // two fp32 moments
+  CHECK(ddp.memory.gathered_parameters == 0);
+  CHECK(ddp.sent.total() == 2 * 0.75 * 24e9);  // all-reduce: 2(W-1)/W of the gradients
+
+  auto zero1 = article(plan::strategy::shard_optimizer, fp32);
+  CHECK(zero1.memory.parameters == 24'000'000'000);
+  CHECK(zero1.memory.gradients == 24'000'000'000 + 6'000'000'000);  // full local + the reduced quarter
+  CHECK(zero1.memory.optimizer_state == 12'000'000'000);            // ZeRO-1 shards only this
+  CHECK(zero1.sent.total() == 0.75 * 24e9 + 0.75 * 24e9);           // reduce-scatter, then all-gather the update
+
+  // ZeRO-2 (ShardGradOp): sharded at rest, but every unit gathered from forward to backward.
+  const std::size_t full_grads = 4 * (root + 2 * block);  // the root's and two adjacent blocks' full gradients
+  auto zero2 = article(plan::strategy::shard_grad_op, fp32);
+  CHECK(zero2.memory.parameters == 6'000'000'000);
+  CHECK(zero2.memory.gradients == 6'000'000'000 + full_grads);
+  CHECK(full_grads == 3'062'034'432);
+  CHECK(zero2.memory.optimizer_state == 12'000'000'000);  // sharded too: ZeRO-2 shards the optimizer state
+  CHECK(zero2.memory.gathered_parameters == 24'000'000'000);
+  CHECK(zero2.sent.total() == 0.75 * 24e9 + 0.75 * 24e9);
+
+  auto fsdp = article(plan::strategy::full_shard, fp32);
+  CHECK(fsdp.memory.parameters == 6'000'000'000);
+  CHECK(fsdp.memory.gradients == 9'062'034'432);
+  CHECK(fsdp.memory.optimizer_state == 12'000'000'000);
+  CHECK(fsdp.memory.gathered_parameters == 4 * (root + 2 * block));  // the root, the running block, the prefetched one
+  CHECK(fsdp.memory.comm_scratch == 0);
+  CHECK(fsdp.sent.all_gather == 0.75 * 4 * (2 * 6e9 - double(root)));  // blocks gathered twice, the root once
+  CHECK(fsdp.sent.reduce_scatter == 0.75 * 24e9);
+  // Activations: 28 layers × 2048 × 4096 × (34 + 5·16·2048/4096) bytes in 16 bits, twice that in fp32.
+  CHECK(fsdp.memory.activations == 2 * std::size_t(28) * 2048 * 4096 * 74);
+  CHECK(fsdp.memory.total() == 6'000'000'000 + 9'062'034'432 + 12'000'000'000 + 3'062'034'432 + 34'762'391'552);
+}
+
+TEST_CASE("the article's scenario in bf16 mixed precision, by hand", "[plan][article]") {
+  // Gathers, reductions and compute in bf16; master weights, gradient shards and Adam in fp32.
+  const auto bf16 = plan::precision::device({.param = dtype::bf16, .reduce = dtype::bf16});
+  auto ddp = article(plan::strategy::no_shard, bf16);
+  CHECK(ddp.memory.parameters == 24'000'000'000);           // fp32 master
+  CHECK(ddp.memory.gathered_parameters == 12'000'000'000);  // the bf16 copy layers read
+  CHECK(ddp.memory.gradients == 12'000'000'000);
+  CHECK(ddp.memory.optimizer_state == 48'000'000'000);
+  CHECK(ddp.memory.total() - ddp.memory.activations == 16 * std::size_t(6'000'000'000));  // 16 B per parameter
+  CHECK(ddp.sent.total() == 2 * 0.75 * 12e9);
+
+  auto zero1 = article(plan::strategy::shard_optimizer, bf16);
+  CHECK(zero1.memory.gradients == 12'000'000'000 + 6'000'000'000);  // bf16 full, fp32 reduced quarter
+  CHECK(zero1.memory.comm_scratch == 4 * root / 4);                 // the largest unit's slice, reduced in bf16
+  CHECK(zero1.sent.reduce_scatter == 0.75 * 12e9);
+  CHECK(zero1.sent.all_gather == 0.75 * 24e9);  // the update goes out in fp32: it is the master
+
+  auto zero2 = article(plan::strategy::shard_grad_op, bf16);
+  CHECK(zero2.memory.gradients == 6'000'000'000 + 2 * (root + 2 * block));
+  CHECK(zero2.memory.gathered_parameters == 12'000'000'000);
+  CHECK(zero2.memory.comm_scratch == root);  // the root's shard, narrowed for its gather (4 B × root / 4)
+
+  auto fsdp = article(plan::strategy::full_shard, bf16);
+  CHECK(fsdp.memory.gathered_parameters == 2 * (root + 2 * block));
+  CHECK(fsdp.memory.comm_scratch == 2 * block);  // one block's reduction beside the next block's gather
+  CHECK(fsdp.memory.activations == std::size_t(28) * 2048 * 4096 * 74);
+  CHECK(fsdp.sent.all_gather == 0.75 * 2 * (2 * 6e9 - double(root)));
+  CHECK(fsdp.sent.reduce_scatter == 0.75 * 12e9);
+}
+
+TEST_CASE("HybridShard shards over its group and all-reduces the shard across groups", "[plan][hybrid]") {
+  plan::model_desc d{.units = {16, 64, 64}};
+  auto h = plan::make_plan(d, {.strategy = plan::strategy::hybrid_shard, .world = 8, .group = 2, .optimizer_bytes = 0});
+  CHECK(h.memory.parameters == 4 * 144 / 2);
+  CHECK(h.sent.all_gather == 0.5 * 4 * (2 * 144 - 16));
+  CHECK(h.sent.all_reduce == 2 * 0.75 * 4 * 144 / 2);  // 4 replicas of a 72-element shard
+  CHECK(h.sent.exposed == h.sent.all_reduce);
+  CHECK_THROWS_WITH(plan::make_plan(d, {.strategy = plan::strategy::hybrid_shard, .world = 8, .group = 3}),
+                    Catch::Contains("group size 3 must divide the world size 8"));
+  CHECK_THROWS_WITH(plan::transformer({.parameters = 1e6, .layers = 2, .hidden = 512, .seq = 8}),
+                    Catch::Contains("more than the 1e+06 given"));
+}
+
+TEST_CASE("the chooser keeps what fits and ranks it by predicted step time", "[plan][chooser]") {
+  const auto d = article_model(dtype::bf16);
+  const plan::setup base{.world = 4,
+                         .precision = plan::precision::device({.param = dtype::bf16, .reduce = dtype::bf16})};
+  // 50 GB: only FullShard (44.8 GB with activations) fits.
+  auto tight = plan::choose(d, base, {.memory_bytes = 50e9});
+  REQUIRE(tight.size() == 5);  // four strategies and HybridShard in groups of 2
+  CHECK(tight[0].config.strategy == plan::strategy::full_shard);
+  CHECK(tight[0].fits);
+  CHECK_THAT(tight[0].why, Catch::StartsWith("FullShard (ZeRO-3/FSDP) fits in 44.8 GB of 50.0 GB"));
+  for (std::size_t i = 1; i < tight.size(); ++i) {
+    CHECK(!tight[i].fits);
+    CHECK_THAT(tight[i].why, Catch::Contains("does not fit"));
+    CHECK(tight[i].plan.memory.total() >= tight[i - 1].plan.memory.total());
+  }
+  // Unlimited memory, a slow link (1 GB/s), instant compute: step time is bytes sent.
+  // ZeRO-2's gather + reduce-scatter and DDP's bf16 all-reduce send 18 GB each (the tie
+  // goes to ZeRO-2's smaller memory); FullShard gathers again in backward (26.5 GB);
+  // ZeRO-1 all-gathers its fp32 update (9 + 18 GB), HybridShard all-reduces fp32
+  // shards across its 2 replicas (17.6 + 12 GB).
+  auto slow = plan::choose(d, base, {.memory_bytes = 1e15, .link_bytes_per_s = 1e9, .flops_per_s = 1e30});
+  std::vector<plan::strategy> order;
+  for (const auto& c : slow) order.push_back(c.config.strategy);
+  CHECK(order == std::vector<plan::strategy>{plan::strategy::shard_grad_op, plan::strategy::no_shard,
+                                             plan::strategy::full_shard, plan::strategy::shard_optimizer,
+                                             plan::strategy::hybrid_shard});
+  CHECK(slow[0].step_s == Approx(18.0));
+  CHECK(slow[3].step_s == Approx(27.0));
+  CHECK_THAT(slow[0].why, Catch::Contains("communication-bound"));
+}

@@ -1,0 +1,318 @@
+// shardlib-plan — per-rank memory by category and bytes sent per step for every sharding
+// strategy, and which strategies fit a device, fastest first (docs/planner.md).
+//
+//   shardlib-plan --article
+//       the FSDP article's scenario: a 6e9-parameter transformer on 4 ranks, Adam, fp32
+//       and bf16 mixed precision, DDP / ZeRO-1 / ZeRO-2 / FSDP, with the arithmetic to check
+//   shardlib-plan --params 6e9 --layers 28 --hidden 4096 --heads 16 --seq 2048 --batch 1 [common flags]
+//       a coarse transformer: blocks of 12·hidden² parameters, the rest in the root
+//   shardlib-plan --encoder --layers 4 --d-model 256 --heads 4 --ff 1024 --classes 10 --seq 16 --batch 8
+//                 [--dropout 0.1] [common flags]
+//       the model train_fsdp and bench_strategies train, walked exactly as fully_shard wraps
+//       it, its activations measured by one unsharded step on this machine
+//   common flags: --world 4 | --worlds 1,2,4,8   --strategy all|full|grad-op|optimizer|none|hybrid
+//                 --group 2 --prefetch 1 --param f32 --reduce f32 --compute f32|bf16|f16
+//                 --optimizer adam|amsgrad|momentum|sgd
+//                 --memory 80 (GB) --bandwidth 100 (GB/s per rank) --flops 100 (TFLOP/s per rank)
+//                 --json FILE (one JSON line per strategy and world)
+// --compute defaults to the param dtype for --params (an engine computing in it, as on
+// GPUs) and to f32 for --encoder (the host engine computes in fp32).
+#include <shardlib/nn/linear.hpp>
+#include <shardlib/nn/loss.hpp>
+#include <shardlib/nn/pooling.hpp>
+#include <shardlib/nn/sequential.hpp>
+#include <shardlib/nn/stack.hpp>
+#include <shardlib/nn/transformer.hpp>
+#include <shardlib/plan/chooser.hpp>
+#include <shardlib/plan/describe.hpp>
+#include <shardlib/plan/memory_plan.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+using namespace shardlib;
+
+namespace {
+
+// Model sizes default to bench_strategies' model under --encoder; --params needs them given.
+struct flags {
+  std::map<std::string, std::string> values{
+      {"params", "0"},      {"layers", ""},     {"hidden", ""},      {"heads", ""},         {"seq", ""},
+      {"batch", ""},        {"d-model", "256"}, {"ff", "1024"},      {"classes", "10"},     {"dropout", "0.1"},
+      {"world", "4"},       {"worlds", ""},     {"strategy", "all"}, {"group", "2"},        {"prefetch", "1"},
+      {"param", "f32"},     {"reduce", "f32"},  {"compute", ""},     {"optimizer", "adam"}, {"memory", "80"},
+      {"bandwidth", "100"}, {"flops", "100"},   {"json", ""}};
+  bool article = false, encoder = false;
+
+  std::string str(const std::string& k) const { return values.at(k); }
+  long num(const std::string& k, long fallback = 0) const {
+    return values.at(k).empty() ? fallback : std::strtol(values.at(k).c_str(), nullptr, 10);
+  }
+  double real(const std::string& k) const { return std::strtod(values.at(k).c_str(), nullptr); }
+};
+
+[[noreturn]] void usage(const char* prog) {
+  std::fprintf(
+      stderr,
+      "usage: %s --article\n"
+      "       %s --params N --layers L --hidden H [--heads A] --seq S [--batch B] [common flags]\n"
+      "       %s --encoder [--layers 4] [--d-model 256] [--heads 4] [--ff 1024] [--classes 10] [--seq 16]\n"
+      "                    [--batch 8] [--dropout 0.1] [common flags]\n"
+      "common: [--world 4 | --worlds 1,2,4,8] [--strategy all|full|grad-op|optimizer|none|hybrid] [--group 2]\n"
+      "        [--prefetch 1] [--param f32|bf16|f16] [--reduce f32|bf16|f16] [--compute f32|bf16|f16]\n"
+      "        [--optimizer adam|amsgrad|momentum|sgd] [--memory GB] [--bandwidth GB/s] [--flops TFLOP/s]\n"
+      "        [--json FILE]\n",
+      prog, prog, prog);
+  std::exit(2);
+}
+
+flags parse(int argc, char** argv) {
+  flags f;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--article")
+      f.article = true;
+    else if (a == "--encoder")
+      f.encoder = true;
+    else if (a.rfind("--", 0) == 0 && f.values.count(a.substr(2)) && i + 1 < argc)
+      f.values[a.substr(2)] = argv[++i];
+    else
+      usage(argv[0]);
+  }
+  return f;
+}
+
+dtype parse_type(std::string s) {
+  for (auto& ch : s) ch = char(std::toupper(static_cast<unsigned char>(ch)));
+  return parse_dtype(s);
+}
+
+std::size_t optimizer_bytes(const std::string& o) {
+  if (o == "adam" || o == "adamw") return plan::adam_state_bytes;
+  if (o == "amsgrad") return plan::adam_amsgrad_state_bytes;
+  if (o == "momentum") return plan::sgd_momentum_state_bytes;
+  if (o == "sgd") return plan::sgd_state_bytes;
+  throw error(cat("shardlib-plan: unknown --optimizer '", o, "' (adam, amsgrad, momentum, sgd)"));
+}
+
+std::vector<plan::strategy> strategies(const std::string& s) {
+  using plan::strategy;
+  if (s == "all") return {std::begin(plan::all_strategies), std::end(plan::all_strategies)};
+  const std::map<std::string, strategy> by_flag{{"full", strategy::full_shard},
+                                                {"grad-op", strategy::shard_grad_op},
+                                                {"optimizer", strategy::shard_optimizer},
+                                                {"none", strategy::no_shard},
+                                                {"hybrid", strategy::hybrid_shard}};
+  auto it = by_flag.find(s);
+  require(it != by_flag.end(), "shardlib-plan: unknown --strategy '", s,
+          "' (all, full, grad-op, optimizer, none, hybrid)");
+  return {it->second};
+}
+
+std::vector<int> worlds(const flags& f) {
+  if (f.str("worlds").empty()) return {int(f.num("world"))};
+  std::vector<int> out;
+  for (const char* p = f.str("worlds").c_str(); *p;) {
+    out.push_back(std::atoi(p));
+    while (*p && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return out;
+}
+
+// The model train_fsdp and bench_strategies train, each encoder layer a unit.
+using Encoder = nn::TransformerEncoderLayer<float>;
+using EncoderModel = nn::Sequential<nn::Stack<Encoder>, nn::MeanPool<float>, nn::Linear<float>>;
+
+plan::model_desc encoder_model(const flags& f) {
+  const long layers = f.num("layers", 4), d = f.num("d-model"), seq = f.num("seq", 16), batch = f.num("batch", 8);
+  auto make = [&] {
+    return EncoderModel{nn::Stack<Encoder>(std::size_t(layers), {.d_model = d,
+                                                                 .nhead = f.num("heads", 4),
+                                                                 .dim_feedforward = f.num("ff"),
+                                                                 .dropout = f.real("dropout"),
+                                                                 .batch_first = true}),
+                        nn::MeanPool<float>(1), nn::Linear<float>(d, f.num("classes"))};
+  };
+  EncoderModel shape = make();
+  auto desc = plan::describe_model(shape, shard::wrap_types<Encoder>{});
+  EncoderModel probe = make();
+  desc.activation_bytes = plan::measure_activations(probe, [&](nn::context& ctx) {
+    Tensor<float> x({batch, seq, d});  // sizes, not values, decide what is allocated
+    Tensor<std::int64_t> y({batch});
+    for (std::int64_t i = 0; i < x.numel(); ++i) x[i] = 0.f;
+    for (std::int64_t i = 0; i < batch; ++i) y[i] = 0;
+    auto out = ctx.forward(probe, x);
+    ctx.backward(probe, nn::cross_entropy(out, y).grad);
+  });
+  // FLOPs as for plan::transformer: 6 per parameter per token plus attention's scores.
+  const double tokens = double(batch * seq);
+  desc.flops = 6 * double(desc.parameters()) * tokens + 12 * double(layers * d * seq) * tokens;
+  return desc;
+}
+
+// Decimal units, one for the whole table, so every column reads alike.
+struct unit {
+  const char* name;
+  double scale;
+};
+unit unit_for(double largest) {
+  return largest >= 1e9 ? unit{"GB", 1e9} : largest >= 1e6 ? unit{"MB", 1e6} : unit{"kB", 1e3};
+}
+std::string in(unit u, double bytes) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.3f", bytes / u.scale);
+  return b;
+}
+
+void print_model(const plan::model_desc& d, const char* activations_note) {
+  std::printf("# model: %zu parameters in %zu units (root %zu", d.parameters(), d.units.size(), d.units[0]);
+  for (std::size_t i = 1; i < d.units.size(); ++i)
+    if (i == 1 || d.units[i] != d.units[i - 1]) {
+      std::size_t same = 1;
+      while (i + same < d.units.size() && d.units[i + same] == d.units[i]) ++same;
+      std::printf("; %zu x %zu", same, d.units[i]);
+    }
+  std::printf("); activations %s (%s); %.3g FLOP per rank per step\n",
+              plan::detail::human(double(d.activation_bytes)).c_str(), activations_note, d.flops);
+}
+
+void print_setup(const plan::setup& s) {
+  std::printf(
+      "# W = %d ranks, optimizer state %zu B/parameter, fp32 master; gather %s, reduce %s, compute %s; "
+      "prefetch %d\n",
+      s.world, s.optimizer_bytes, std::string(name(s.precision.param)).c_str(),
+      std::string(name(s.precision.reduce)).c_str(), std::string(name(s.precision.compute)).c_str(), s.prefetch);
+}
+
+// "total" sums the category peaks: an upper bound of the peak.
+void print_table(const plan::model_desc& d, const plan::setup& base, const std::vector<plan::strategy>& which,
+                 std::FILE* json) {
+  std::vector<plan::setup> setups;
+  double largest = 0;
+  for (plan::strategy st : which) {
+    plan::setup s = base;
+    s.strategy = st;
+    if (st == plan::strategy::hybrid_shard && (s.group < 1 || s.world % s.group != 0)) continue;
+    setups.push_back(s);
+    largest = std::max(largest, double(plan::make_plan(d, s).memory.total()));
+  }
+  const unit u = unit_for(largest);
+  std::printf("%-34s %10s %10s %10s %10s %11s %8s %9s %10s\n", cat("strategy (", u.name, " per rank)").c_str(),
+              "parameters", "gradients", "optimizer", "gathered", "activations", "scratch", "total", "sent/step");
+  for (const plan::setup& s : setups) {
+    const auto p = plan::make_plan(d, s);
+    const auto& m = p.memory;
+    std::printf("%-34s %10s %10s %10s %10s %11s %8s %9s %10s\n", plan::label(s).c_str(),
+                in(u, double(m.parameters)).c_str(), in(u, double(m.gradients)).c_str(),
+                in(u, double(m.optimizer_state)).c_str(), in(u, double(m.gathered_parameters)).c_str(),
+                in(u, double(m.activations)).c_str(), in(u, double(m.comm_scratch)).c_str(),
+                in(u, double(m.total())).c_str(), in(u, p.sent.total()).c_str());
+    if (!json) continue;
+    std::string bytes = "{";
+    for (int k = 0; k < category_count; ++k) bytes += cat("\"", name(category(k)), "\":", m[category(k)], ",");
+    bytes += cat("\"total\":", m.total(), "}");
+    std::fprintf(json,
+                 "{\"bench\":\"plan\",\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"prefetch\":%d,\"param\":\"%s\","
+                 "\"reduce\":\"%s\",\"compute\":\"%s\",\"units\":%zu,\"parameters\":%zu,\"bytes\":%s,"
+                 "\"sent_bytes\":%.9g,\"sent_by\":{\"all_gather\":%.9g,\"reduce_scatter\":%.9g,\"all_reduce\":%.9g}}\n",
+                 std::string(name(s.strategy)).c_str(), s.world, s.shard_group(), s.prefetch,
+                 std::string(name(s.precision.param)).c_str(), std::string(name(s.precision.reduce)).c_str(),
+                 std::string(name(s.precision.compute)).c_str(), d.units.size(), d.parameters(), bytes.c_str(),
+                 p.sent.total(), p.sent.all_gather, p.sent.reduce_scatter, p.sent.all_reduce);
+  }
+}
+
+void print_choice(const plan::model_desc& d, const plan::setup& base, const plan::machine& mc) {
+  std::printf("\n# which fits %g GB per rank, sending %g GB/s and computing %g TFLOP/s per rank (fastest first)\n",
+              mc.memory_bytes / 1e9, mc.link_bytes_per_s / 1e9, mc.flops_per_s / 1e12);
+  for (const auto& c : plan::choose(d, base, mc)) std::printf("%s %s\n", c.fits ? "+" : "-", c.why.c_str());
+}
+
+void article() {
+  // GPT-J's shape: 28 blocks of hidden size 4096 and 16 heads; 6e9 parameters in all.
+  const plan::transformer_shape shape{
+      .parameters = 6e9, .layers = 28, .hidden = 4096, .heads = 16, .seq = 2048, .batch = 1};
+  const std::vector<plan::strategy> which{plan::strategy::no_shard, plan::strategy::shard_optimizer,
+                                          plan::strategy::shard_grad_op, plan::strategy::full_shard};
+  std::printf(
+      "# The FSDP article's scenario: a 6B-parameter transformer (28 blocks, hidden 4096, 16 heads) on 4 ranks,\n"
+      "# Adam, one 2048-token sequence per rank. Per rank, GB = 1e9 bytes; 'sent' = bytes one rank sends per step.\n");
+  const plan::precision fp32{}, bf16 = plan::precision::device({.param = dtype::bf16, .reduce = dtype::bf16});
+  for (const auto& [title, p] :
+       {std::pair{"fp32", fp32}, std::pair{"bf16 mixed precision (fp32 master and Adam)", bf16}}) {
+    const auto d = plan::transformer(shape, p.compute);
+    std::printf("\n## %s\n", title);
+    print_model(d, "estimate");
+    print_table(d, {.world = 4, .precision = p}, which, nullptr);
+  }
+  std::printf(
+      "\n# check by hand (Ψ = 6e9, W = 4; a block is 12·4096² = 201,326,592 parameters, the root 362,855,424):\n"
+      "#   fp32 parameters 4 B·Ψ = 24 GB (the article says 12), sharded 24/4 = 6 GB;\n"
+      "#   Adam 8 B·Ψ = 48 GB, sharded 12 GB.\n"
+      "#   ZeRO-1 shards only the optimizer state: 24 + 24 (+ 6, the reduced quarter it steps) + 12 GB.\n"
+      "#   ZeRO-2 shards the optimizer state too (every stage does; the article says it stays replicated) and the\n"
+      "#   gradients: 6 GB + the root's and two blocks' full gradients, 4 B·(362,855,424 + 2·201,326,592) = 3.062 GB;\n"
+      "#   ShardGradOp keeps every unit gathered from forward to backward (24 GB); FullShard only the root and two\n"
+      "#   blocks (3.062 GB).\n"
+      "#   bf16: 16 B per parameter under DDP (fp32 master 4, bf16 copy 2, bf16 gradients 2, Adam 8) = 96 GB.\n"
+      "#   sent: all-reduce 2·(3/4)·24 GB = 36 GB; reduce-scatter + all-gather (3/4)·(24 + 24) = 36 GB; FullShard\n"
+      "#   gathers the blocks again in backward: (3/4)·4 B·(2Ψ - root) + 18 = 52.9 GB.\n"
+      "#   activations (Korthikanti et al. 2022): 28·2048·4096·(34 + 5·16·2048/4096) B = 17.381 GB in 16 bits.\n");
+  print_choice(plan::transformer(shape, dtype::bf16), {.world = 4, .precision = bf16},
+               {.memory_bytes = 80e9, .link_bytes_per_s = 200e9, .flops_per_s = 150e12});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const flags f = parse(argc, argv);
+  try {
+    if (f.article) {
+      article();
+      return 0;
+    }
+    plan::precision p{.param = parse_type(f.str("param")), .reduce = parse_type(f.str("reduce"))};
+    p.compute = !f.str("compute").empty() ? parse_type(f.str("compute")) : f.encoder ? dtype::f32 : p.param;
+    plan::model_desc d;
+    if (f.encoder) {
+      d = encoder_model(f);
+    } else {
+      if (f.num("layers") < 1 || f.num("hidden") < 1 || f.num("seq") < 1) usage(argv[0]);
+      d = plan::transformer({.parameters = f.real("params"),
+                             .layers = f.num("layers"),
+                             .hidden = f.num("hidden"),
+                             .heads = f.num("heads", 1),
+                             .seq = f.num("seq"),
+                             .batch = f.num("batch", 1)},
+                            p.compute);
+    }
+    std::FILE* json = f.str("json").empty() ? nullptr : std::fopen(f.str("json").c_str(), "w");
+    require(f.str("json").empty() || json, "shardlib-plan: cannot write ", f.str("json"));
+    print_model(d, f.encoder ? "measured, one unsharded step" : "estimate");
+    const plan::machine mc{.memory_bytes = f.real("memory") * 1e9,
+                           .link_bytes_per_s = f.real("bandwidth") * 1e9,
+                           .flops_per_s = f.real("flops") * 1e12};
+    for (int w : worlds(f)) {
+      const plan::setup base{.world = w,
+                             .group = int(f.num("group")),
+                             .prefetch = int(f.num("prefetch")),
+                             .precision = p,
+                             .optimizer_bytes = optimizer_bytes(f.str("optimizer"))};
+      std::printf("\n");
+      print_setup(base);
+      print_table(d, base, strategies(f.str("strategy")), json);
+      print_choice(d, base, mc);
+    }
+    if (json) std::fclose(json);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardlib-plan: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
