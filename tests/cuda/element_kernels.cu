@@ -3,6 +3,8 @@
 #include "element_kernels.hpp"
 
 #include <shardlib/core/element.hpp>
+#include <shardlib/cuda/error.hpp>
+#include <shardlib/cuda/stream.hpp>
 #include <shardlib/shard/sharded_tensor.hpp>
 #include <shardlib/shardlib.hpp>  // the whole host umbrella must compile under nvcc
 
@@ -28,18 +30,10 @@ __global__ void locate_kernel(shardlib::shard::shard_layout l, int* ranks, int n
   if (g < n) ranks[g] = l.locate(std::size_t(g)).rank;
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw shardlib::error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using shardlib::cuda::check;
 }  // namespace
 
-std::string cuda_device_problem() {
-  int count = 0;
-  cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) return std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(e);
-  if (count == 0) return "cudaGetDeviceCount found 0 devices";
-  return {};
-}
+std::string cuda_device_problem() { return shardlib::cuda::device_problem(); }
 
 device_round_trip run_device_round_trip() {
   constexpr int n = 65536;
@@ -59,7 +53,7 @@ device_round_trip run_device_round_trip() {
   check(cudaMalloc(&hf, n * 4), "cudaMalloc");
   check(cudaMemcpy(bits, r.bits.data(), n * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
   round_trip_kernel<<<n / 256, 256>>>(bits, bf, hf, bb, hb, n);
-  check(cudaGetLastError(), "round_trip_kernel launch");
+  shardlib::cuda::check_launch("round_trip_kernel");
   check(cudaMemcpy(r.bf16_to_float.data(), bf, n * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
   check(cudaMemcpy(r.half_to_float.data(), hf, n * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
   check(cudaMemcpy(r.bf16_back.data(), bb, n * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
@@ -75,7 +69,7 @@ std::vector<int> run_device_locate(std::size_t numel, int world) {
   int* d;
   check(cudaMalloc(&d, n * sizeof(int) + 1), "cudaMalloc");
   locate_kernel<<<(n + 255) / 256, 256>>>(l, d, n);
-  check(cudaGetLastError(), "locate_kernel launch");
+  shardlib::cuda::check_launch("locate_kernel");
   check(cudaMemcpy(out.data(), d, n * sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
   cudaFree(d);
   return out;

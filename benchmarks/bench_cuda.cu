@@ -1,0 +1,226 @@
+// bench_cuda — the GPU numbers, each against the limit it should approach,
+// measured in the same run:
+//   fused Adam bytes/s          vs device-to-device copy bandwidth (goal >= 0.9x)
+//   NCCL all_gather, reduce_scatter, all_reduce bus bandwidth (nccl-tests
+//                               definitions), world size 1 .. #GPUs, one thread per GPU
+//   cublasGemmEx bf16 TFLOP/s   at 8192^3: the compute peak reference (and fp32)
+// Usage: bench_cuda [--json FILE]. Prints the tables, then a short summary last.
+#include <shardlib/comm/launch.hpp>
+#include <shardlib/comm/nccl_comm.hpp>
+#include <shardlib/comm/thread_comm.hpp>
+#include <shardlib/cuda.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+namespace sl = shardlib;
+namespace oc = shardlib::ops::cuda;
+
+namespace {
+
+// Median milliseconds of fn() (work issued on s) over `iters` runs after
+// `warmup`, timed by events on s.
+template <class F>
+double median_ms(cudaStream_t s, int warmup, int iters, F fn) {
+  cudaEvent_t a, b;
+  sl::cuda::check(cudaEventCreate(&a), "cudaEventCreate");
+  sl::cuda::check(cudaEventCreate(&b), "cudaEventCreate");
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) {
+    sl::cuda::check(cudaEventRecord(a, s), "cudaEventRecord");
+    fn();
+    sl::cuda::check(cudaEventRecord(b, s), "cudaEventRecord");
+    sl::cuda::check(cudaEventSynchronize(b), "cudaEventSynchronize");
+    float ms = 0;
+    sl::cuda::check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+    t.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::nth_element(t.begin(), t.begin() + iters / 2, t.end());
+  return t[iters / 2];
+}
+
+struct summary_line {
+  std::string what, value, versus;
+};
+
+void json(std::FILE* f, const std::string& body) {
+  if (!f) return;
+  std::fprintf(f, "{%s}\n", body.c_str());
+  std::fflush(f);
+}
+
+// --- fused Adam against the copy bandwidth ---------------------------------------------------
+template <class G>
+double adam_gbps(std::size_t n, sl::cuda::stream& s, const char* label, double copy_gbps, std::FILE* jf,
+                 std::vector<summary_line>& summary) {
+  auto& alloc = sl::cuda::device_allocator(0);
+  sl::cuda::device_buffer<float> p(n, sl::category::parameters, s, alloc);
+  sl::cuda::device_buffer<G> g(n, sl::category::gradients, s, alloc);
+  sl::cuda::device_buffer<sl::bfloat16> copy(n, sl::category::gathered_parameters, s, alloc);
+  sl::cuda::fill_bytes_async(p.span(), 0, s);
+  sl::cuda::fill_bytes_async(g.span(), 0, s);
+  const sl::optim::AdamW opt{{.lr = 1e-3, .weight_decay = 0.01}};
+  auto state = oc::make_adam_state(opt, n, s, alloc);
+  const double ms = median_ms(s, 3, 20, [&] {
+    oc::fused_adam_step(opt, state, p.span(), std::span<const G>(g.span()), copy.span(), s);
+  });
+  // Read p, g, m, v; write p, m, v and the bf16 copy.
+  const double bytes = double(n) * (4 * 3 + sizeof(G) + 4 * 3 + 2);
+  const double gbps = bytes / (ms * 1e-3) / 1e9;
+  std::printf("%-36s %10zu %10.3f %10.1f %9.2fx copy\n", label, n, ms, gbps, gbps / copy_gbps);
+  json(jf, sl::cat("\"bench\":\"cuda_adam\",\"grads\":\"", label, "\",\"params\":", n, ",\"ms\":", ms,
+                   ",\"GBps\":", gbps, ",\"vs_copy\":", gbps / copy_gbps));
+  char v[64], vs[64];
+  std::snprintf(v, sizeof v, "%.0f GB/s", gbps);
+  std::snprintf(vs, sizeof vs, "%.2fx copy (goal >= 0.90x): %s", gbps / copy_gbps,
+                gbps >= 0.9 * copy_gbps ? "met" : "MISSED");
+  summary.push_back({label, v, vs});
+  return gbps;
+}
+
+// --- NCCL bus bandwidth ------------------------------------------------------------------------
+std::vector<bench::row> nccl_rows(int world, std::size_t bytes) {
+  std::vector<bench::row> rows(3);
+  sl::comm::launch(world, [&](sl::comm::ThreadComm& host) {
+    const int dev = host.rank();
+    sl::cuda::stream s(dev);
+    sl::comm::NcclComm c = sl::comm::NcclComm::bootstrap(host, dev).on(s);
+    const std::size_t total = bytes / sizeof(float), shard = total / std::size_t(world);
+    sl::cuda::device_buffer<float> full(total, sl::category::gathered_parameters, s, sl::cuda::device_allocator(dev));
+    sl::cuda::device_buffer<float> part(shard, sl::category::gradients, s, sl::cuda::device_allocator(dev));
+    sl::cuda::fill_bytes_async(full.span(), 0, s);
+    sl::cuda::fill_bytes_async(part.span(), 0, s);
+    const bench::collective ops[] = {bench::collective::all_gather, bench::collective::reduce_scatter,
+                                     bench::collective::all_reduce};
+    for (int k = 0; k < 3; ++k) {
+      const double ms = median_ms(s, 5, 20, [&] {
+        switch (ops[k]) {
+          case bench::collective::all_gather:
+            c.all_gather(std::span<const float>(part.span()), full.span().first(shard * world));
+            break;
+          case bench::collective::reduce_scatter:
+            c.reduce_scatter(std::span<const float>(full.span().first(shard * world)), part.span(),
+                             sl::comm::reduce_op::sum);
+            break;
+          case bench::collective::all_reduce:
+            c.all_reduce(full.span(), sl::comm::reduce_op::sum);
+            break;
+        }
+      });
+      host.barrier();
+      if (host.rank() == 0) rows[k] = {"nccl", ops[k], false, world, bytes, ms * 1e-3};
+    }
+  });
+  return rows;
+}
+
+// --- GEMM peak reference ----------------------------------------------------------------------
+template <class T>
+double gemm_tflops(std::int64_t n, sl::cuda::stream& s, sl::cuda::blas& handle) {
+  auto& alloc = sl::cuda::device_allocator(0);
+  const std::size_t count = std::size_t(n * n);
+  sl::cuda::device_buffer<T> a(count, sl::category::activations, s, alloc), b(count, sl::category::activations, s, alloc),
+      c(count, sl::category::activations, s, alloc);
+  sl::cuda::fill_bytes_async(a.span(), 0, s);  // zeros: the timing does not depend on the values
+  sl::cuda::fill_bytes_async(b.span(), 0, s);
+  const double ms = median_ms(s, 2, 10, [&] {
+    oc::gemm(handle, s, sl::ops::trans::no, sl::ops::trans::no, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
+             c.data(), n);
+  });
+  return 2.0 * double(n) * double(n) * double(n) / (ms * 1e-3) / 1e12;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::FILE* jf = nullptr;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
+      jf = std::fopen(argv[++i], "w");
+      sl::require(jf != nullptr, "bench_cuda: cannot open ", argv[i]);
+    } else {
+      std::fprintf(stderr, "usage: bench_cuda [--json FILE]\n");
+      return 2;
+    }
+  }
+  const std::string problem = sl::cuda::device_problem();
+  sl::require(problem.empty(), "bench_cuda needs a GPU: ", problem);
+  const int gpus = sl::cuda::device_count();
+  cudaDeviceProp prop{};
+  sl::cuda::check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  std::printf("device 0: %s, %zu GiB, %d SMs; %d GPU(s)\n\n", prop.name, prop.totalGlobalMem >> 30,
+              prop.multiProcessorCount, gpus);
+  std::vector<summary_line> summary;
+  sl::cuda::stream s(0);
+
+  // 1. Device-to-device copy: the bandwidth every memory-bound kernel is held to.
+  const std::size_t copy_bytes = std::size_t(1) << 30;
+  double copy_gbps = 0;
+  {
+    sl::Buffer<std::byte, sl::cuda_space> src(copy_bytes, sl::category::activations),
+        dst(copy_bytes, sl::category::activations);
+    sl::cuda::check(cudaMemsetAsync(src.data(), 1, copy_bytes, s), "cudaMemsetAsync");
+    const double ms = median_ms(s, 3, 20, [&] {
+      sl::cuda::check(cudaMemcpyAsync(dst.data(), src.data(), copy_bytes, cudaMemcpyDeviceToDevice, s),
+                      "cudaMemcpyAsync");
+    });
+    copy_gbps = 2.0 * double(copy_bytes) / (ms * 1e-3) / 1e9;  // read + write
+    std::printf("%-36s %10s %10s %10s\n", "memory-bound kernels", "elements", "ms", "GB/s");
+    std::printf("%-36s %10zu %10.3f %10.1f   (bytes read + written)\n", "cudaMemcpy device-to-device", copy_bytes, ms,
+                copy_gbps);
+    json(jf, sl::cat("\"bench\":\"cuda_copy\",\"bytes\":", copy_bytes, ",\"ms\":", ms, ",\"GBps\":", copy_gbps));
+    char v[64];
+    std::snprintf(v, sizeof v, "%.0f GB/s", copy_gbps);
+    summary.push_back({"device-to-device copy", v, "the reference"});
+  }
+
+  // 2. Fused AdamW over 256 M parameters (4.5-5 GiB of state and gradients).
+  const std::size_t n = std::size_t(1) << 28;
+  adam_gbps<sl::bfloat16>(n, s, "fused AdamW, bf16 grads, bf16 copy", copy_gbps, jf, summary);
+  adam_gbps<float>(n, s, "fused AdamW, fp32 grads, bf16 copy", copy_gbps, jf, summary);
+  sl::cuda::device_allocator(0).empty_cache();
+
+  // 3. NCCL at every world size this machine has.
+  std::printf("\n");
+  bench::print_header();
+  const std::size_t nccl_bytes = std::size_t(256) << 20;
+  for (int w = 1; w <= gpus; ++w)
+    for (const auto& r : nccl_rows(w, nccl_bytes)) {
+      bench::print_row(r, w == 1 ? "W=1: busbw is 0 by definition, algbw is a local copy" : "");
+      bench::json_row(jf, r, "");
+      if (w == gpus) {
+        char v[64], vs[96];
+        std::snprintf(v, sizeof v, "%.0f GB/s busbw", r.busbw());
+        std::snprintf(vs, sizeof vs, "W=%d, %s, algbw %.0f GB/s", w, bench::human(r.bytes).c_str(), r.algbw());
+        summary.push_back({std::string("NCCL ") + bench::name(r.op), v, vs});
+      }
+    }
+
+  // 4. GEMM: the compute peak reference.
+  std::printf("\n");
+  sl::cuda::blas handle(0);
+  const std::int64_t g = 8192;
+  const double bf16 = gemm_tflops<sl::bfloat16>(g, s, handle), fp32 = gemm_tflops<float>(g, s, handle);
+  std::printf("cublasGemmEx %lld^3: bf16 inputs %.1f TFLOP/s, fp32 (no TF32) %.1f TFLOP/s\n", (long long)g, bf16, fp32);
+  json(jf, sl::cat("\"bench\":\"cuda_gemm\",\"n\":", g, ",\"bf16_TFLOPs\":", bf16, ",\"fp32_TFLOPs\":", fp32));
+  char v[64], vs[64];
+  std::snprintf(v, sizeof v, "%.0f TFLOP/s", bf16);
+  std::snprintf(vs, sizeof vs, "fp32 without TF32: %.1f TFLOP/s", fp32);
+  summary.push_back({"GEMM bf16 8192^3 (cuBLAS)", v, vs});
+
+  std::printf("\n== summary ==\n");
+  for (const auto& l : summary) std::printf("%-38s %-18s %s\n", l.what.c_str(), l.value.c_str(), l.versus.c_str());
+  if (jf) std::fclose(jf);
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "bench_cuda: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,24 @@
+// shardlib/cuda.hpp — the CUDA umbrella: memory spaces, streams, the caching
+// allocator, copies, cuBLAS products and the kernels (link shardlib::cuda).
+// It holds kernels, so only nvcc compiles it; host code that only needs the
+// runtime parts includes shardlib/cuda/*.hpp and shardlib/ops/cuda/gemm.hpp.
+#pragma once
+#if !defined(__CUDACC__)
+#error "shardlib/cuda.hpp contains CUDA kernels: include it from a .cu file compiled by nvcc (host-only parts: shardlib/cuda/*.hpp, shardlib/ops/cuda/gemm.hpp)"
+#endif
+#include "shardlib/config.hpp"
+#include "shardlib/cuda/blas.hpp"                // blas
+#include "shardlib/cuda/caching_allocator.hpp"   // caching_allocator, device_buffer, device_allocator
+#include "shardlib/cuda/copy.hpp"                // copy_async, fill_bytes_async
+#include "shardlib/cuda/error.hpp"               // cuda_error, check
+#include "shardlib/cuda/memory_space.hpp"        // cuda_space, pinned_space
+#include "shardlib/cuda/stream.hpp"              // stream, event, device_guard, device_problem
+#include "shardlib/ops/cuda/adam.cuh"            // fused_adam_step, make_adam_state
+#include "shardlib/ops/cuda/cross_entropy.cuh"   // cross_entropy
+#include "shardlib/ops/cuda/elementwise.cuh"     // relu, gelu, cast, dropout
+#include "shardlib/ops/cuda/embedding.cuh"       // embedding_forward, embedding_backward
+#include "shardlib/ops/cuda/gemm.hpp"            // gemm, gemm_strided_batched
+#include "shardlib/ops/cuda/index_report.hpp"    // index_report
+#include "shardlib/ops/cuda/layer_norm.cuh"      // layer_norm_forward, layer_norm_backward
+#include "shardlib/ops/cuda/reduce.cuh"          // sum_squares, count_nonfinite
+#include "shardlib/ops/cuda/softmax.cuh"         // masked_softmax, softmax_backward

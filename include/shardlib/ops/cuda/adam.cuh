@@ -1,0 +1,134 @@
+// shardlib/ops/cuda/adam.cuh — one fused Adam/AdamW step over a flat shard on
+// the device: fp32 master and moments, gradients in the reduction dtype, and
+// the 16-bit compute copy written in the same pass. Memory-bound, so the fp32
+// arrays move in 16-byte vectors when they are aligned for it.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/element.hpp"             // FloatingElement, bfloat16
+#include "shardlib/core/error.hpp"               // require, shape_error
+#include "shardlib/core/ledger.hpp"              // category
+#include "shardlib/cuda/caching_allocator.hpp"   // caching_allocator, device_buffer
+#include "shardlib/cuda/copy.hpp"                // fill_bytes_async
+#include "shardlib/optim/adam.hpp"               // BasicAdam, detail::adam_scalars
+#include "shardlib/optim/optimizer.hpp"          // detail::with_flag
+#include "shardlib/ops/cuda/adam.hpp"            // adam_step_scalars, fused_adam_element
+#include "shardlib/ops/cuda/launch.cuh"          // grid_blocks
+
+#include <cuda_runtime.h>
+
+#include <cstddef>  // std::size_t
+#include <cstdint>  // std::int64_t, std::uintptr_t
+#include <span>     // std::span
+
+namespace shardlib::ops::cuda {
+
+namespace detail {
+template <class T>
+struct alignas(4 * sizeof(T)) four {
+  T x[4];
+};
+
+template <class T>
+__device__ void load4(const T* src, T* dst) {
+  const four<T> f = *reinterpret_cast<const four<T>*>(src);
+  for (int l = 0; l < 4; ++l) dst[l] = f.x[l];
+}
+template <class T>
+__device__ void store4(const T* src, T* dst) {
+  four<T> f;
+  for (int l = 0; l < 4; ++l) f.x[l] = src[l];
+  *reinterpret_cast<four<T>*>(dst) = f;
+}
+
+// Vec: elements [0, 4 * (n / 4)) in groups of four through registers (every
+// pointer aligned to its group), the rest one by one; otherwise all one by one.
+template <bool Vec, bool Decoupled, bool Decay, bool Amsgrad, class G, class C>
+__global__ void fused_adam_kernel(std::int64_t n, float* p, const G* g, float* m, float* v, float* vmax, C* copy,
+                                  optim::detail::adam_scalars k) {
+  const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
+  const std::int64_t first = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  std::int64_t done = 0;
+  if constexpr (Vec) {
+    for (std::int64_t q = first; q < n / 4; q += stride) {
+      const std::int64_t i = 4 * q;
+      float pl[4], ml[4], vl[4], vmaxl[4];
+      G gl[4];
+      C cl[4];
+      load4(p + i, pl);
+      load4(g + i, gl);
+      load4(m + i, ml);
+      load4(v + i, vl);
+      if constexpr (Amsgrad) load4(vmax + i, vmaxl);
+      for (int l = 0; l < 4; ++l) fused_adam_element<Decoupled, Decay, Amsgrad>(l, pl, gl, ml, vl, vmaxl, cl, k);
+      store4(pl, p + i);
+      store4(ml, m + i);
+      store4(vl, v + i);
+      if constexpr (Amsgrad) store4(vmaxl, vmax + i);
+      if (copy) store4(cl, copy + i);
+    }
+    done = n / 4 * 4;
+  }
+  for (std::int64_t i = done + first; i < n; i += stride)
+    fused_adam_element<Decoupled, Decay, Amsgrad>(i, p, g, m, v, vmax, copy, k);
+}
+
+inline bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
+}  // namespace detail
+
+// Adam's state for a shard on the device (optim::BasicAdam::state's buffers).
+struct adam_device_state {
+  shardlib::cuda::device_buffer<float> exp_avg, exp_avg_sq, max_exp_avg_sq;  // the last empty without amsgrad
+  std::int64_t step = 0;
+};
+
+template <optim::decay_style Style>
+adam_device_state make_adam_state(const optim::BasicAdam<Style>& opt, std::size_t n, cudaStream_t stream,
+                                  shardlib::cuda::caching_allocator& alloc) {
+  auto zeroed = [&](std::size_t count) {
+    shardlib::cuda::device_buffer<float> b(count, category::optimizer_state, stream, alloc);
+    shardlib::cuda::fill_bytes_async(b.span(), 0, stream);
+    return b;
+  };
+  return {zeroed(n), zeroed(n), zeroed(opt.options.amsgrad ? n : 0), 0};
+}
+
+// One step of `opt` (optim::Adam or optim::AdamW, the same update as its host
+// step, element by element) over params with grads, on `stream`. copy, when not
+// empty, receives the new params rounded to C.
+template <optim::decay_style Style, FloatingElement G, FloatingElement C = bfloat16>
+void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_device_state& state, std::span<float> params,
+                     std::span<const G> grads, std::span<C> copy, cudaStream_t stream) {
+  using A = optim::BasicAdam<Style>;
+  const std::size_t n = params.size();
+  auto require_size = [&](const char* what, std::size_t got) {
+    require<shape_error>(got == n, A::name, " (CUDA): ", what, " has ", got, " entries, the parameters ", n);
+  };
+  require_size("gradients", grads.size());
+  require_size("exp_avg", state.exp_avg.size());
+  require_size("exp_avg_sq", state.exp_avg_sq.size());
+  if (opt.options.amsgrad) require_size("max_exp_avg_sq", state.max_exp_avg_sq.size());
+  if (!copy.empty()) require_size("the compute copy", copy.size());
+  const optim::detail::adam_scalars k = adam_step_scalars<Style>(opt.options, state.step + 1);
+  ++state.step;
+  if (n == 0) return;
+
+  float* vmax = state.max_exp_avg_sq.data();
+  C* out = copy.empty() ? nullptr : copy.data();
+  const bool vec = detail::aligned(params.data(), 16) && detail::aligned(grads.data(), 4 * sizeof(G)) &&
+                   detail::aligned(state.exp_avg.data(), 16) && detail::aligned(state.exp_avg_sq.data(), 16) &&
+                   (!opt.options.amsgrad || detail::aligned(vmax, 16)) && (!out || detail::aligned(out, 4 * sizeof(C)));
+  constexpr int threads = 256;
+  const unsigned blocks = grid_blocks(std::int64_t(vec ? (n + 3) / 4 : n), threads);
+  optim::detail::with_flag(opt.options.weight_decay != 0, [&](auto decay) {
+    optim::detail::with_flag(opt.options.amsgrad, [&](auto amsgrad) {
+      optim::detail::with_flag(vec, [&](auto v) {
+        detail::fused_adam_kernel<v(), A::decoupled, decay(), amsgrad()><<<blocks, threads, 0, stream>>>(
+            std::int64_t(n), params.data(), grads.data(), state.exp_avg.data(), state.exp_avg_sq.data(), vmax, out,
+            k);
+      });
+    });
+  });
+  shardlib::cuda::check_launch("fused_adam");
+}
+
+}  // namespace shardlib::ops::cuda

@@ -1,0 +1,48 @@
+// shardlib/ops/cuda/index_report.hpp — index_report: where kernels report the
+// first bad input they meet, since a kernel cannot throw.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/buffer.hpp"               // Buffer
+#include "shardlib/core/ledger.hpp"               // category
+#include "shardlib/cuda/caching_allocator.hpp"    // device_buffer
+#include "shardlib/cuda/copy.hpp"                 // copy_async, fill_bytes_async
+#include "shardlib/cuda/error.hpp"                // check
+#include "shardlib/cuda/memory_space.hpp"         // pinned_space
+
+#include <cuda_runtime.h>
+
+#include <cstdint>   // std::int64_t
+#include <optional>  // std::optional
+
+namespace shardlib::ops::cuda {
+
+// One device word that ops which validate their input on the device (targets
+// of cross_entropy, ids of embedding_forward) lower to the smallest bad index
+// with atomicMin. Reading it waits for the stream, so a layer reads it where it
+// synchronises anyway (the loss, the end of a step) and throws its own message.
+class index_report {
+ public:
+  explicit index_report(cudaStream_t stream)
+      : slot_(1, category::activations, stream), host_(1, category::activations) {
+    reset(stream);
+  }
+
+  unsigned long long* slot() const { return slot_.data(); }
+
+  void reset(cudaStream_t stream) { shardlib::cuda::fill_bytes_async(slot_.span(), 0xFF, stream); }
+
+  // The smallest index reported since the last reset, once the work on
+  // `stream` so far has finished; nullopt when there was none.
+  std::optional<std::int64_t> read(cudaStream_t stream) {
+    shardlib::cuda::copy_async(host_.span(), std::span<const unsigned long long>(slot_.span()), stream);
+    shardlib::cuda::check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reading an index_report)");
+    if (host_[0] == ~0ULL) return std::nullopt;
+    return static_cast<std::int64_t>(host_[0]);
+  }
+
+ private:
+  shardlib::cuda::device_buffer<unsigned long long> slot_;
+  Buffer<unsigned long long, pinned_space> host_;
+};
+
+}  // namespace shardlib::ops::cuda

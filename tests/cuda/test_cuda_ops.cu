@@ -1,0 +1,426 @@
+// Device tests: each CUDA op against the host op or layer on fresh random
+// inputs, outputs poisoned with NaN first so that an element a kernel skips
+// fails the comparison. fp32 within 1e-5 relative, bf16/fp16 within 1e-2
+// (against the host in float on the same rounded inputs).
+#include <shardlib/cuda.hpp>
+#include <shardlib/nn/context.hpp>
+#include <shardlib/nn/dropout.hpp>
+#include <shardlib/nn/embedding.hpp>
+#include <shardlib/nn/layer_norm.hpp>
+#include <shardlib/nn/loss.hpp>
+#include <shardlib/ops/gemm.hpp>
+#include <shardlib/optim/adam.hpp>
+#include <shardlib/optim/clip.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <numeric>
+#include <optional>
+#include <vector>
+
+#include "device_test.hpp"
+
+namespace sl = shardlib;
+namespace oc = shardlib::ops::cuda;
+using namespace device_test;
+using sl::Shape;
+using sl::Tensor;
+
+namespace {
+
+Tensor<float> tensor(Shape s, const std::vector<float>& v) {
+  Tensor<float> t(s);
+  std::copy(v.begin(), v.end(), t.data());
+  return t;
+}
+std::vector<float> values(const Tensor<float>& t) { return {t.data(), t.data() + t.numel()}; }
+
+// A stream and the allocator of device 0 for one test.
+struct device_fixture {
+  sl::cuda::stream stream{0};
+  sl::cuda::caching_allocator& alloc = sl::cuda::device_allocator(0);
+};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("gemm matches the host ops::gemm for every transpose, with padded leading dimensions",
+                   "[cuda][gemm]", float, sl::bfloat16, sl::half) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  sl::cuda::blas handle(0);
+  const std::int64_t m = 37, n = 53, k = 29;
+  for (auto ta : {sl::ops::trans::no, sl::ops::trans::yes})
+    for (auto tb : {sl::ops::trans::no, sl::ops::trans::yes})
+      for (float beta : {0.0f, 0.5f}) {
+        INFO("ta " << int(ta) << " tb " << int(tb) << " beta " << beta);
+        const std::int64_t a_rows = ta == sl::ops::trans::no ? m : k, a_cols = ta == sl::ops::trans::no ? k : m;
+        const std::int64_t b_rows = tb == sl::ops::trans::no ? k : n, b_cols = tb == sl::ops::trans::no ? n : k;
+        const std::int64_t lda = a_cols + 3, ldb = b_cols + 1, ldc = n + 2;
+        const auto a = rounded<T>(rnd.normal(std::size_t(a_rows * lda)));
+        const auto b = rounded<T>(rnd.normal(std::size_t(b_rows * ldb)));
+        auto c_host = rounded<T>(rnd.normal(std::size_t(m * ldc)));
+        auto da = upload(as<T>(a), f.stream), db = upload(as<T>(b), f.stream);
+        auto dc = beta == 0 ? poisoned<T>(c_host.size(), f.stream) : upload(as<T>(c_host), f.stream);
+        oc::gemm(handle, f.stream, ta, tb, m, n, k, 1.5f, da.data(), lda, db.data(), ldb, beta, dc.data(), ldc);
+        const auto c_dev = download_float(dc, f.stream);
+        sl::ops::gemm<float>(ta, tb, m, n, k, 1.5f, a.data(), lda, b.data(), ldb, beta, c_host.data(), ldc);
+        std::vector<float> got, want;
+        for (std::int64_t i = 0; i < m; ++i)
+          for (std::int64_t j = 0; j < n; ++j) {
+            got.push_back(c_dev[i * ldc + j]);
+            want.push_back(c_host[i * ldc + j]);
+          }
+        // Products of sums cancel: the absolute slack scales with the result's size.
+        require_close(got, want, rtol<T>, rtol<T> * max_abs(want));
+        if (beta == 0)  // the padding columns of C are left alone (still the poison)
+          for (std::int64_t i = 0; i < m; ++i) REQUIRE(std::isnan(c_dev[i * ldc + n]));
+      }
+}
+
+TEMPLATE_TEST_CASE("strided batched gemm equals one gemm per batch element", "[cuda][gemm]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  sl::cuda::blas handle(0);
+  const std::int64_t m = 17, n = 19, k = 23, batch = 3, sa = m * k + 5, sb = k * n + 7, sc = m * n + 1;
+  const auto a = rounded<T>(rnd.normal(std::size_t(batch * sa))), b = rounded<T>(rnd.normal(std::size_t(batch * sb)));
+  auto da = upload(as<T>(a), f.stream), db = upload(as<T>(b), f.stream);
+  auto dc = poisoned<T>(std::size_t(batch * sc), f.stream);
+  oc::gemm_strided_batched(handle, f.stream, sl::ops::trans::no, sl::ops::trans::yes, m, n, k, 1.0f, da.data(), k, sa,
+                           db.data(), k, sb, 0.0f, dc.data(), n, sc, batch);
+  const auto c = download_float(dc, f.stream);
+  for (std::int64_t i = 0; i < batch; ++i) {
+    std::vector<float> want(std::size_t(m * n));
+    sl::ops::gemm<float>(sl::ops::trans::no, sl::ops::trans::yes, m, n, k, 1.0f, a.data() + i * sa, k,
+                         b.data() + i * sb, k, 0.0f, want.data(), n);
+    const std::vector<float> got(c.begin() + i * sc, c.begin() + i * sc + m * n);
+    require_close(got, want, rtol<T>, rtol<T> * max_abs(want));
+  }
+}
+
+TEST_CASE("gemm with k = 0 scales C by beta", "[cuda][gemm]") {
+  if (!have_device()) return;
+  device_fixture f;
+  sl::cuda::blas handle(0);
+  auto dc = upload(std::vector<float>(12, 2.0f), f.stream);
+  oc::gemm<float>(handle, f.stream, sl::ops::trans::no, sl::ops::trans::no, 3, 4, 0, 1.0f, nullptr, 0, nullptr, 4,
+                  0.25f, dc.data(), 4);
+  REQUIRE(download(dc, f.stream) == std::vector<float>(12, 0.5f));
+}
+
+TEMPLATE_TEST_CASE("layer_norm forward and backward match nn::LayerNorm", "[cuda][layer_norm]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  for (std::int64_t d : {45, 64, 768}) {  // below a warp's multiple, one row per thread, several per thread
+    INFO("d " << d);
+    const std::int64_t rows = 70;  // two chunks of the parameter-gradient sum
+    auto xv = rnd.normal(std::size_t(rows * d), 2.0f);
+    for (auto& x : xv) x += 3.0f;
+    const auto x = rounded<T>(xv), dy = rounded<T>(rnd.normal(std::size_t(rows * d)));
+    const auto w = rounded<T>(rnd.normal(std::size_t(d))), b = rounded<T>(rnd.normal(std::size_t(d)));
+    const auto gw = rounded<T>(rnd.normal(std::size_t(d))), gb = rounded<T>(rnd.normal(std::size_t(d)));
+
+    sl::nn::LayerNorm<float> ln(d);
+    std::vector<float> hw = w, hb = b, hgw = gw, hgb = gb;
+    ln.weight.value = hw.data();
+    ln.bias.value = hb.data();
+    ln.weight.grad = hgw.data();
+    ln.bias.grad = hgb.data();
+    sl::nn::context ctx;
+    const auto y_host = values(ln.forward(ctx, tensor({rows, d}, x)));
+    const auto dx_host = values(ln.backward(ctx, tensor({rows, d}, dy)));
+
+    auto dxv = upload(as<T>(x), f.stream), ddy = upload(as<T>(dy), f.stream);
+    auto dw = upload(as<T>(w), f.stream), db = upload(as<T>(b), f.stream);
+    auto dgw = upload(as<T>(gw), f.stream), dgb = upload(as<T>(gb), f.stream);
+    auto y = poisoned<T>(std::size_t(rows * d), f.stream), dx = poisoned<T>(std::size_t(rows * d), f.stream);
+    auto stats = poisoned<oc::row_stats>(std::size_t(rows), f.stream);
+    oc::layer_norm_forward(dxv.data(), dw.data(), db.data(), y.data(), stats.data(), rows, int(d), 1e-5f, f.stream);
+    oc::layer_norm_backward(dxv.data(), ddy.data(), dw.data(), stats.data(), dx.data(), dgw.data(), dgb.data(), rows,
+                            int(d), f.stream, f.alloc);
+    require_close(download_float(y, f.stream), y_host, rtol<T>, 10 * rtol<T>);
+    require_close(download_float(dx, f.stream), dx_host, rtol<T>, 10 * rtol<T> * max_abs(dx_host));
+    require_close(download_float(dgw, f.stream), hgw, rtol<T>, 10 * rtol<T> * max_abs(hgw));
+    require_close(download_float(dgb, f.stream), hgb, rtol<T>, 10 * rtol<T> * max_abs(hgb));
+  }
+}
+
+TEMPLATE_TEST_CASE("masked softmax and its backward match the host rows", "[cuda][softmax]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const std::int64_t N = 3, H = 2, L = 77, rows = N * H * L;
+  const auto scores = rounded<T>(rnd.normal(std::size_t(rows * L), 3.0f)), dp = rounded<T>(rnd.normal(std::size_t(rows * L)));
+  std::vector<std::uint8_t> mask(std::size_t(N * L), 0);
+  for (std::int64_t j = 0; j < L; j += 4) mask[std::size_t(j)] = 1;      // sample 0: every fourth key
+  std::fill(mask.begin() + 2 * L, mask.end(), std::uint8_t(1));  // sample 2: all keys masked
+
+  // The host: the same row functions with one lane, in float.
+  std::vector<float> p_host = scores, dp_host = dp;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    oc::masked_softmax_row(oc::serial_team{}, p_host.data() + r * L, mask.data() + (r / (H * L)) * L, int(L));
+    oc::softmax_backward_row(oc::serial_team{}, p_host.data() + r * L, dp_host.data() + r * L, int(L));
+  }
+  auto dsc = upload(as<T>(scores), f.stream), ddp = upload(as<T>(dp), f.stream);
+  auto dmask = upload(mask, f.stream);
+  oc::masked_softmax(dsc.data(), dmask.data(), rows, int(L), H * L, f.stream);
+  oc::softmax_backward(dsc.data(), ddp.data(), rows, int(L), f.stream);
+  const auto p = download_float(dsc, f.stream);
+  require_close(p, rounded<T>(p_host), rtol<T>, 1e-6);
+  require_close(download_float(ddp, f.stream), rounded<T>(dp_host), rtol<T>, 10 * rtol<T> * max_abs(dp_host));
+  for (std::int64_t i = 2 * H * L * L; i < rows * L; ++i) REQUIRE(p[std::size_t(i)] == 0.0f);  // all masked: zeros
+}
+
+TEMPLATE_TEST_CASE("cross_entropy matches nn::cross_entropy_loss and reports bad targets", "[cuda][cross_entropy]",
+                   float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  for (std::int64_t classes : {10, 1000}) {
+    const std::int64_t rows = 37;
+    const auto z = rounded<T>(rnd.normal(std::size_t(rows * classes), 2.0f));
+    std::vector<std::int64_t> y(rows);
+    for (auto& t : y) t = rnd.integer(0, classes - 1);
+    y[3] = -100;
+    Tensor<std::int64_t> targets(Shape{rows});
+    std::copy(y.begin(), y.end(), targets.data());
+    for (const sl::nn::cross_entropy_options& o :
+         {sl::nn::cross_entropy_options{}, sl::nn::cross_entropy_options{.label_smoothing = 0.1},
+          sl::nn::cross_entropy_options{.reduction = sl::nn::loss_reduction::sum}}) {
+      INFO("classes " << classes << ", smoothing " << o.label_smoothing);
+      const auto want = sl::nn::cross_entropy_loss{o}(tensor({rows, classes}, z), targets);
+      auto dz = upload(as<T>(z), f.stream);
+      auto dy = upload(y, f.stream);
+      auto grad = poisoned<T>(std::size_t(rows * classes), f.stream);
+      auto loss = poisoned<float>(1, f.stream);
+      oc::index_report bad(f.stream);
+      oc::cross_entropy(dz.data(), dy.data(), rows, int(classes), o, grad.data(), loss.data(), bad, f.stream, f.alloc);
+      REQUIRE_FALSE(bad.read(f.stream).has_value());
+      CHECK(download(loss, f.stream)[0] == Approx(want.loss).epsilon(rtol<T>));
+      const auto g = values(want.grad);
+      require_close(download_float(grad, f.stream), g, rtol<T>, rtol<T> * max_abs(g));
+    }
+  }
+  SECTION("a target out of range is reported by row") {
+    std::vector<std::int64_t> y{0, 1, 7, 2, 9};  // classes 4: rows 2 and 4 are bad, the first reported is 2
+    auto dz = upload(as<T>(rnd.normal(20)), f.stream);
+    auto dy = upload(y, f.stream);
+    auto grad = poisoned<T>(20, f.stream);
+    auto loss = poisoned<float>(1, f.stream);
+    oc::index_report bad(f.stream);
+    oc::cross_entropy(dz.data(), dy.data(), 5, 4, {}, grad.data(), loss.data(), bad, f.stream, f.alloc);
+    REQUIRE(bad.read(f.stream) == std::optional<std::int64_t>(2));
+  }
+}
+
+TEST_CASE("embedding forward and backward equal nn::Embedding bit for bit", "[cuda][embedding]") {
+  if (!have_device()) return;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const std::int64_t num = 50, dim = 96, n = 600;  // many repeated ids
+  auto w = rnd.normal(std::size_t(num * dim)), g = rnd.normal(std::size_t(num * dim));
+  std::vector<std::int64_t> ids(n);
+  for (auto& id : ids) id = rnd.integer(0, num - 1);
+  const auto dyv = rnd.normal(std::size_t(n * dim));
+
+  sl::nn::Embedding<float> emb(num, dim);
+  std::vector<float> hg = g;
+  emb.weight.value = w.data();
+  emb.weight.grad = hg.data();
+  Tensor<std::int64_t> tids(Shape{n});
+  std::copy(ids.begin(), ids.end(), tids.data());
+  sl::nn::context ctx;
+  const auto y_host = values(emb.forward(ctx, tids));
+  emb.backward(ctx, tensor({n, dim}, dyv));
+
+  auto dw = upload(w, f.stream), dg = upload(g, f.stream), ddy = upload(dyv, f.stream);
+  auto did = upload(ids, f.stream);
+  auto y = poisoned<float>(std::size_t(n * dim), f.stream);
+  oc::index_report bad(f.stream);
+  oc::embedding_forward(dw.data(), num, int(dim), did.data(), n, y.data(), bad, f.stream);
+  oc::embedding_backward(did.data(), n, ddy.data(), dg.data(), num, int(dim), f.stream, f.alloc);
+  REQUIRE_FALSE(bad.read(f.stream).has_value());
+  REQUIRE(download(y, f.stream) == y_host);
+  REQUIRE(download(dg, f.stream) == hg);  // same order of additions: identical bits
+
+  SECTION("an id out of range is reported by position") {
+    ids[17] = num;
+    ids[40] = -1;
+    auto bad_ids = upload(ids, f.stream);
+    oc::index_report report(f.stream);
+    oc::embedding_forward(dw.data(), num, int(dim), bad_ids.data(), n, y.data(), report, f.stream);
+    REQUIRE(report.read(f.stream) == std::optional<std::int64_t>(17));
+  }
+}
+
+TEMPLATE_TEST_CASE("GELU and ReLU forward and backward match the host functions", "[cuda][activation]", float,
+                   sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const std::size_t n = 100003;  // not a multiple of the block
+  const auto x = rounded<T>(rnd.normal(n, 3.0f)), dy = rounded<T>(rnd.normal(n));
+  auto dx_in = upload(as<T>(x), f.stream), ddy = upload(as<T>(dy), f.stream);
+  auto out = poisoned<T>(n, f.stream);
+  const std::span<const T> xs(dx_in.span()), dys(ddy.span());
+  auto check = [&](auto host_fn) {
+    std::vector<float> want(n);
+    for (std::size_t i = 0; i < n; ++i) want[i] = float(T(host_fn(x[i], dy[i])));
+    // erff on the device and in glibc differ by ulps; where 1 + erf(x) cancels
+    // that is absolute, not relative.
+    require_close(download_float(out, f.stream), want, rtol<T>, std::is_same_v<T, float> ? 1e-5 : 1e-2);
+    sl::cuda::fill_bytes_async(out.span(), 0xFF, f.stream);
+  };
+  for (auto a : {sl::nn::gelu_approx::none, sl::nn::gelu_approx::tanh}) {
+    oc::gelu(xs, out.span(), a, f.stream);
+    check([&](float v, float) { return sl::nn::gelu(v, a); });
+    oc::gelu_backward(xs, dys, out.span(), a, f.stream);
+    check([&](float v, float g) { return sl::nn::gelu_backward(v, g, a); });
+  }
+  oc::relu(xs, out.span(), f.stream);
+  check([](float v, float) { return sl::nn::relu(v); });
+  oc::relu_backward(xs, dys, out.span(), f.stream);
+  check([](float v, float g) { return sl::nn::relu_backward(v, g); });
+}
+
+TEST_CASE("casts round exactly as element_cast on the host", "[cuda][cast]") {
+  if (!have_device()) return;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  // Random bit patterns: every exponent, subnormals, infinities and NaNs.
+  std::vector<float> x(1 << 20);
+  for (auto& v : x) {
+    const std::uint32_t bits = std::uint32_t(rnd.gen());
+    std::memcpy(&v, &bits, 4);
+  }
+  auto dx = upload(x, f.stream);
+  auto b = poisoned<sl::bfloat16>(x.size(), f.stream);
+  auto h = poisoned<sl::half>(x.size(), f.stream);
+  auto back = poisoned<float>(x.size(), f.stream);
+  oc::cast(std::span<const float>(dx.span()), b.span(), f.stream);
+  oc::cast(std::span<const float>(dx.span()), h.span(), f.stream);
+  const auto bd = download(b, f.stream);
+  const auto hd = download(h, f.stream);
+  int mismatches = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    mismatches += bd[i].bits != sl::element_cast<sl::bfloat16>(x[i]).bits;
+    mismatches += hd[i].bits != sl::element_cast<sl::half>(x[i]).bits;
+  }
+  REQUIRE(mismatches == 0);
+  oc::cast(std::span<const sl::half>(h.span()), back.span(), f.stream);
+  const auto wide = download(back, f.stream);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float want = sl::element_cast<float>(hd[i]);
+    mismatches += std::memcmp(&wide[i], &want, 4) != 0;
+  }
+  REQUIRE(mismatches == 0);
+}
+
+TEST_CASE("dropout draws nn::Dropout's mask bit for bit", "[cuda][dropout]") {
+  if (!have_device()) return;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const std::int64_t n = 50001;
+  const auto x = rnd.normal(std::size_t(n));
+  for (double p : {0.1, 0.5, 1.0}) {
+    sl::nn::Dropout<float> drop(p);
+    sl::nn::context ctx({.training = true, .seed = rnd.seed});
+    const auto want = values(drop.forward(ctx, tensor({n}, x)));
+    const sl::counter_rng stream = sl::nn::context({.training = true, .seed = rnd.seed}).random_stream();
+    auto dx = upload(x, f.stream);
+    auto y = poisoned<float>(std::size_t(n), f.stream);
+    oc::dropout(std::span<const float>(dx.span()), y.span(), stream, 0, p, f.stream);
+    INFO("p " << p);
+    REQUIRE(download(y, f.stream) == want);
+  }
+}
+
+TEST_CASE("sum_squares and count_nonfinite reduce whole buffers", "[cuda][reduce]") {
+  if (!have_device()) return;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  auto g = rnd.normal(1000003);
+  const double want = sl::optim::grad_norm_squared(std::span<const float>(g));
+  auto dg = upload(g, f.stream);
+  auto out = poisoned<double>(1, f.stream);
+  oc::sum_squares(std::span<const float>(dg.span()), out.data(), f.stream, f.alloc);
+  CHECK(download(out, f.stream)[0] == Approx(want).epsilon(1e-12));
+
+  g[5] = INFINITY;
+  g[77] = NAN;
+  g[1000000] = -INFINITY;
+  auto bad = upload(as<sl::bfloat16>(g), f.stream);
+  auto count = poisoned<unsigned long long>(1, f.stream);
+  oc::count_nonfinite(std::span<const sl::bfloat16>(bad.span()), count.data(), f.stream, f.alloc);
+  REQUIRE(download(count, f.stream)[0] == 3);
+}
+
+namespace {
+// Five steps of `opt` on the host and on the device from the same state, the
+// device over params starting `offset` elements into its buffer (offset 1
+// takes the unaligned, one-by-one path).
+template <class G, class Opt>
+void check_fused_adam(const Opt& opt, std::size_t offset, device_fixture& f, random_inputs& rnd) {
+  const std::size_t n = 10007;  // not a multiple of 4: the vector path has a tail
+  auto p_host = rnd.normal(n);
+  auto state = opt.make_state(n);
+  std::vector<float> padded(offset, 0.0f);
+  padded.insert(padded.end(), p_host.begin(), p_host.end());
+  auto dp = upload(padded, f.stream);
+  auto dstate = oc::make_adam_state(opt, n, f.stream, f.alloc);
+  auto copy = poisoned<sl::bfloat16>(n + offset, f.stream);
+  const std::span<float> params = dp.span().subspan(offset);
+  for (int step = 0; step < 5; ++step) {
+    const auto g = as<G>(rnd.normal(n, 0.1f));
+    opt.step(std::span<float>(p_host), std::span<const G>(g), state);
+    std::vector<G> padded_g(offset, G(0.0f));
+    padded_g.insert(padded_g.end(), g.begin(), g.end());
+    auto dg = upload(padded_g, f.stream);
+    oc::fused_adam_step(opt, dstate, params, std::span<const G>(dg.span()).subspan(offset),
+                        copy.span().subspan(offset), f.stream);
+  }
+  REQUIRE(dstate.step == state.step);
+  const auto p_dev = download(dp, f.stream);
+  const std::vector<float> got(p_dev.begin() + std::ptrdiff_t(offset), p_dev.end());
+  // nvcc fuses multiply-adds where g++ may not: a few ulps of each value's
+  // operands (g ~ 0.1: m ~ 1e-2, v ~ 1e-5) as absolute slack.
+  require_close(got, p_host, 1e-5, 1e-7);
+  require_close(download(dstate.exp_avg, f.stream), {state.exp_avg.data(), state.exp_avg.data() + n}, 1e-5, 1e-8);
+  require_close(download(dstate.exp_avg_sq, f.stream), {state.exp_avg_sq.data(), state.exp_avg_sq.data() + n}, 1e-5,
+                1e-11);
+  const auto c = widened(download(copy, f.stream));
+  require_close({c.begin() + std::ptrdiff_t(offset), c.end()}, rounded<sl::bfloat16>(p_host), 1e-2, 0);
+}
+}  // namespace
+
+TEST_CASE("fused Adam/AdamW matches the host optimizer, with the bf16 copy written in the same pass", "[cuda][adam]") {
+  if (!have_device()) return;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  for (std::size_t offset : {0, 1}) {
+    INFO("offset " << offset);
+    check_fused_adam<float>(sl::optim::Adam{{.lr = 1e-2}}, offset, f, rnd);
+    check_fused_adam<sl::bfloat16>(sl::optim::AdamW{{.lr = 1e-2, .weight_decay = 0.1}}, offset, f, rnd);
+    check_fused_adam<sl::half>(sl::optim::Adam{{.lr = 1e-3, .weight_decay = 0.01, .amsgrad = true}}, offset, f, rnd);
+  }
+}

@@ -1,0 +1,155 @@
+// NcclComm on a GPU: the Communicator conformance suite at world size 1 (and
+// at every GPU of the machine when there are several), in-place and
+// asynchronous use, the compute-stream ordering, and the errors that replace
+// hangs (timeouts, host pointers, 16-bit integer reductions).
+//
+// The suite first: it names shardlib's `half` after a using-directive, which
+// CUDA's headers make ambiguous with their global `half` once they are seen.
+#include "support/comm_conformance.hpp"
+
+#include <shardlib/comm/launch.hpp>
+#include <shardlib/comm/nccl_comm.hpp>
+#include <shardlib/comm/thread_comm.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>  // getpid
+
+#include "device_test.hpp"
+#include "staged_comm.hpp"
+
+namespace sl = shardlib;
+using namespace device_test;
+using sl::comm::NcclComm;
+using sl::comm::reduce_op;
+
+namespace {
+
+NcclComm single_rank(const sl::comm::nccl_options& o = {}) {
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  return NcclComm(id, 0, 1, 0, o);
+}
+
+// Every element type NCCL reduces, plus bool (no reductions in the suite);
+// I16 is checked separately (NCCL cannot reduce it).
+template <sl::comm::Communicator C>
+void nccl_suite(C& c, conformance::report& r) {
+  conformance::element_suite<double>(c, r);
+  conformance::element_suite<float>(c, r);
+  conformance::element_suite<sl::half>(c, r);
+  conformance::element_suite<sl::bfloat16>(c, r);
+  conformance::element_suite<std::int64_t>(c, r);
+  conformance::element_suite<std::int32_t>(c, r);
+  conformance::element_suite<std::int8_t>(c, r);
+  conformance::element_suite<std::uint8_t>(c, r);
+  conformance::element_suite<bool>(c, r);
+  c.barrier();
+}
+
+void require_clean(const conformance::report& r) {
+  for (const auto& f : r.failures) INFO(f);
+  CHECK(r.failures.empty());
+  CHECK(r.checks > 100);
+}
+
+}  // namespace
+
+TEST_CASE("NcclComm passes the Communicator conformance suite at world size 1", "[nccl][conformance]") {
+  if (!have_device()) return;
+  staged_comm c(single_rank());
+  conformance::report r;
+  nccl_suite(c, r);
+  conformance::split_suite(c, r);
+  conformance::ordered_sum_suite(c, r);
+  require_clean(r);
+}
+
+TEST_CASE("NcclComm over every GPU of the machine, one thread each, bootstrapped over ThreadComm",
+          "[nccl][conformance]") {
+  if (!have_device()) return;
+  const int gpus = std::min(sl::cuda::device_count(), 8);
+  if (gpus < 2) {
+    WARN("one GPU: the multi-rank conformance runs on machines with several");
+    return;
+  }
+  std::vector<conformance::report> reports(gpus);
+  sl::comm::launch(gpus, [&](sl::comm::ThreadComm& host) {
+    staged_comm c(NcclComm::bootstrap(host, host.rank()));
+    nccl_suite(c, reports[host.rank()]);
+    conformance::split_suite(c, reports[host.rank()]);
+  });
+  for (const auto& r : reports) require_clean(r);
+}
+
+TEST_CASE("collectives are ordered after the compute stream's work and before what follows it", "[nccl][streams]") {
+  if (!have_device()) return;
+  sl::cuda::stream compute(0);
+  NcclComm c = single_rank().on(compute);
+  const std::size_t n = 1 << 22;
+  std::vector<float> ones(n, 1.0f);
+  sl::cuda::device_buffer<float> x(n, sl::category::activations, compute), y(n, sl::category::activations, compute);
+  // Produced on the compute stream, reduced on the comm stream, read back on the compute stream.
+  sl::cuda::copy_async(x.span(), std::span<const float>(ones), compute);
+  auto w = c.all_reduce_async(std::span<const float>(x.span()), y.span(), reduce_op::sum);
+  w.wait();
+  std::vector<float> out(n);
+  sl::cuda::copy_async(std::span<float>(out), std::span<const float>(y.span()), compute);
+  compute.synchronize();
+  CHECK(out == ones);
+  CHECK(w.test());
+  w.wait_host();  // already complete: returns at once
+}
+
+TEST_CASE("NcclComm refuses what NCCL cannot do with a message, not a crash or a hang", "[nccl][errors]") {
+  if (!have_device()) return;
+  NcclComm c = single_rank();
+  std::vector<float> host(4);
+  CHECK_THROWS_WITH(c.all_reduce(std::span<float>(host), reduce_op::sum),
+                    Catch::Contains("host memory") && Catch::Contains("all_reduce(4 x F32, sum)"));
+  sl::cuda::device_buffer<std::int16_t> i16(8, sl::category::activations, nullptr);
+  CHECK_THROWS_WITH(c.all_reduce(i16.span(), reduce_op::sum), Catch::Contains("cannot reduce I16"));
+  c.all_gather(std::span<const std::int16_t>(i16.span()), i16.span());  // gathers move any type
+  sl::cuda::device_buffer<float> big(8, sl::category::activations, nullptr);
+  CHECK_THROWS_AS(c.all_gather(std::span<const float>(big.span()).first(4), big.span().first(7)), sl::shape_error);
+  CHECK_THROWS_WITH(c.all_reduce(std::span<const float>(big.span()).first(4), big.span().subspan(2, 4), reduce_op::sum),
+                    Catch::Contains("overlap without being in place"));
+  c.barrier();
+}
+
+TEST_CASE("an initialisation that cannot complete times out and aborts instead of hanging", "[nccl][timeout]") {
+  if (!have_device()) return;
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  const auto t0 = std::chrono::steady_clock::now();
+  // Rank 0 of 2, and rank 1 never comes.
+  CHECK_THROWS_WITH(NcclComm(id, 0, 2, 0, {.timeout = std::chrono::seconds(3)}), Catch::Contains("timed out"));
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60));
+}
+
+TEST_CASE("from_env reads torchrun's variables and exchanges the id through a file", "[nccl][bootstrap]") {
+  if (!have_device()) return;
+  const auto path = std::filesystem::temp_directory_path() / ("shardlib_nccl_id_" + std::to_string(::getpid()));
+  std::filesystem::remove(path);
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  ::setenv("LOCAL_RANK", "0", 1);
+  {
+    NcclComm c = NcclComm::from_env(path);
+    CHECK(c.size() == 1);
+    CHECK(c.device() == 0);
+    CHECK_FALSE(std::filesystem::exists(path));  // removed once every rank joined
+  }
+  std::ofstream(path) << "stale";
+  CHECK_THROWS_WITH(NcclComm::from_env(path), Catch::Contains("already exists"));
+  std::filesystem::remove(path);
+  ::unsetenv("WORLD_SIZE");
+  CHECK_THROWS_WITH(NcclComm::from_env(path), Catch::Contains("WORLD_SIZE is not set"));
+}
