@@ -208,6 +208,36 @@ class ShardedModel {
     return out;
   }
 
+  // --- checkpoint access (io/checkpoint.hpp saves, loads and reshards through these) ----------
+  const Strategy& strategy() const { return strategy_; }
+  const mixed_precision& precision() const { return opts_.precision; }
+  // The ranks parameters are sharded over: the world, or HybridShard's group.
+  Comm& shard_group() { return shard_comm(); }
+  // Unit i's optimizer state, made (zeroed) on first use exactly as step() makes it.
+  template <class Optimizer>
+  typename Optimizer::state& optimizer_state(Optimizer& opt, std::size_t i) {
+    return state_for(opt, units_.at(i));
+  }
+  // Replaces this rank's master values of unit i (its whole local buffer, padding
+  // included). Between steps only: a gathered copy would go stale.
+  void load_master(std::size_t i, std::span<const T> values) {
+    auto& u = units_.at(i);
+    auto local = u.master->local();
+    require<shape_error>(values.size() == local.size(), "rank ", comm_->rank(), ": load_master of unit '", u.name,
+                         "' needs ", local.size(), " values, got ", values.size());
+    require(u.values == state::sharded, "rank ", comm_->rank(), ": load_master of unit '", u.name,
+            "' while it is gathered (load between steps)");
+    std::copy(values.begin(), values.end(), local.begin());
+    if constexpr (!Strategy::shards_parameters)
+      if (opts_.precision.param != dtype::f32) refresh_compute_copy(u);
+  }
+  // Resuming: the step counter (dropout streams depend on it) and the fp16 loss scaler.
+  void set_steps(std::uint64_t steps) { step_ = steps; }
+  void set_scaler(const loss_scaler& s) {
+    require(scaler_.has_value(), "rank ", comm_->rank(), ": set_scaler on a model without fp16 loss scaling");
+    *scaler_ = s;
+  }
+
   // --- introspection (tests and tracing); these poll and never block --------------------------
   // The unit run after (dir = +1) or before (dir = -1) unit i in the recorded
   // forward order, or -1.
