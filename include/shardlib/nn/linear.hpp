@@ -6,9 +6,22 @@
 #include "shardlib/nn/param.hpp"
 #include "shardlib/ops/gemm.hpp"
 
-#include <cstdint>  // std::int64_t
+#include <algorithm>  // std::copy_n
+#include <cstdint>    // std::int64_t
 
 namespace shardlib::nn {
+
+namespace detail {
+// g[c] += sum over r of d[r, c] for a [rows, cols] row-major d, adding the rows in
+// order; plain pointers, so the inner loop vectorises across c.
+template <class T>
+void add_column_sums(const T* d, std::int64_t rows, std::int64_t cols, T* g) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* dr = d + r * cols;
+    for (std::int64_t c = 0; c < cols; ++c) g[c] += dr[c];
+  }
+}
+}  // namespace detail
 
 // weight [out, in], bias [out] (PyTorch's layout and names); x [..., in] -> y [..., out].
 template <class T>
@@ -47,9 +60,8 @@ class Linear {
     Shape ys = x.shape();
     ys[ys.rank() - 1] = out_;
     output y(ys);
-    if (has_bias_)
-      for (std::int64_t r = 0; r < rows; ++r)
-        for (std::int64_t o = 0; o < out_; ++o) y[r * out_ + o] = bias.value[o];
+    if (has_bias_)  // y starts as the bias, which the product adds to (beta 1)
+      for (std::int64_t r = 0; r < rows; ++r) std::copy_n(bias.value, out_, y.data() + r * out_);
     ops::gemm(ops::trans::no, ops::trans::yes, rows, out_, in_, T(1), x.data(), in_, weight.value, in_,
               T(has_bias_ ? 1 : 0), y.data(), out_);
     return y;
@@ -62,9 +74,7 @@ class Linear {
     const std::int64_t rows = x_.numel() / in_;
     ops::gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, T(1), dy.data(), out_, x_.data(), in_, T(1),
               weight.grad, in_);  // dW += dy^T x
-    if (has_bias_)
-      for (std::int64_t r = 0; r < rows; ++r)
-        for (std::int64_t o = 0; o < out_; ++o) bias.grad[o] += dy[r * out_ + o];
+    if (has_bias_) detail::add_column_sums(dy.data(), rows, out_, bias.grad);
     input dx(x_.shape());
     ops::gemm(ops::trans::no, ops::trans::no, rows, in_, out_, T(1), dy.data(), out_, weight.value, in_, T(0),
               dx.data(), in_);  // dx = dy W

@@ -1,0 +1,307 @@
+// bench_model — one training step of the reference model (the FSDP article's 6-layer
+// transformer encoder, d_model 512, 8 heads, feed-forward 2048, batch 32 x seq 10, mean
+// pool, Linear to 10 classes, Adam) on one rank, unsharded, one thread: forward+backward
+// and the optimizer step timed apart, and the rate its matrix products reach against the
+// GEMM peak measured in the same run through the same seam (ops::gemm, on the model's
+// largest product). A profiled pass then shows where forward+backward goes, per kind of
+// layer, with that kind's matrix products replayed alone. Run it pinned to one core:
+//
+//   taskset -c 0 bench_model [--batch 32] [--seq 10] [--d-model 512] [--heads 8] [--ff 2048]
+//                            [--layers 6] [--classes 10] [--dropout 0.1] [--steps 10] [--json FILE]
+//
+// PyTorch's figure for the same step: benchmarks/torch_reference_step.py.
+#include <shardlib/nn/linear.hpp>
+#include <shardlib/nn/loss.hpp>
+#include <shardlib/nn/pooling.hpp>
+#include <shardlib/nn/replicated.hpp>
+#include <shardlib/nn/sequential.hpp>
+#include <shardlib/nn/stack.hpp>
+#include <shardlib/nn/transformer.hpp>
+#include <shardlib/ops/gemm.hpp>
+#include <shardlib/optim/adam.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "common/flags.hpp"
+#include "common/synthetic.hpp"
+
+using namespace shardlib;
+
+namespace {
+
+using Encoder = nn::TransformerEncoderLayer<float>;
+using Model = nn::Sequential<nn::Stack<Encoder>, nn::MeanPool<float>, nn::Linear<float>>;
+
+struct sizes {
+  long batch, seq, d, heads, ff, layers, classes;
+};
+
+// Where forward+backward goes, by the kind of layer that spends the time.
+enum kind { linear, attention, layer_norm, activation, dropout, encoder_own, other, loss, kinds };
+constexpr std::array<const char*, kinds> kind_names{
+    "Linear",  "MultiheadAttention", "LayerNorm",       "ReLU/GELU",
+    "Dropout", "residual adds",      "MeanPool, Stack", "cross_entropy"};
+
+template <class L>
+constexpr kind kind_of() {
+  if constexpr (std::is_same_v<L, nn::Linear<float>>)
+    return linear;
+  else if constexpr (std::is_same_v<L, nn::MultiheadAttention<float>>)
+    return attention;
+  else if constexpr (std::is_same_v<L, nn::LayerNorm<float>>)
+    return layer_norm;
+  else if constexpr (std::is_same_v<L, nn::ReLU<float>> || std::is_same_v<L, nn::GELU<float>>)
+    return activation;
+  else if constexpr (std::is_same_v<L, nn::Dropout<float>>)
+    return dropout;
+  else if constexpr (std::is_same_v<L, Encoder>)
+    return encoder_own;  // its own work: the residual sums
+  else
+    return other;
+}
+
+// The plain context, timing every layer call: a call's time less the calls it makes
+// through the context is charged to its kind.
+class timing_context : public nn::context {
+ public:
+  using nn::context::context;
+  std::array<double, kinds> seconds{};
+
+  template <class L, class X>
+  auto forward(L& layer, const X& x) {
+    return timed(kind_of<L>(), [&] { return layer.forward(*this, x); });
+  }
+  template <class L, class DY>
+  auto backward(L& layer, const DY& dy) {
+    return timed(kind_of<L>(), [&] { return layer.backward(*this, dy); });
+  }
+  template <class F>
+  auto timed(kind k, F&& f) {
+    const double outer = inner_;
+    inner_ = 0;
+    const double t0 = bench::now_s();
+    auto y = f();
+    const double dt = bench::now_s() - t0;
+    seconds[k] += dt - inner_;
+    inner_ = outer + dt;
+    return y;
+  }
+
+ private:
+  double inner_ = 0;  // time of the calls made inside the current one
+};
+
+// One ops::gemm call shape of the model, `count` times per forward+backward.
+struct product {
+  kind owner;
+  ops::trans ta, tb;
+  long m, n, k, lda, ldb, ldc;
+  float beta;
+  long count;
+  double flop() const { return 2.0 * double(m) * double(n) * double(k) * double(count); }
+};
+
+// Every ops::gemm call of one forward+backward, from the sizes, as nn/linear.hpp and
+// nn/attention.hpp (batch first) make them. Linear(in -> out) on R rows: y = b + x W^T
+// [R x out x in], dW += dy^T x [out x in x R], dx = dy W [R x in x out]. Attention: its
+// in_proj, the same three on (E -> 3E), and per (sample, head) the scores Q K^T and P V
+// forward, then dP = dO V^T, dV = P^T dO, dQ = dS K and dK = dS^T Q.
+std::vector<product> model_products(const sizes& s) {
+  using ops::trans;
+  const long R = s.batch * s.seq, E = s.d, F = s.ff, L = s.seq, D = s.d / s.heads, NH = s.layers * s.batch * s.heads;
+  std::vector<product> p;
+  auto linear_layer = [&](kind owner, long rows, long in, long out, long count) {
+    p.push_back({owner, trans::no, trans::yes, rows, out, in, in, in, out, 1, count});
+    p.push_back({owner, trans::yes, trans::no, out, in, rows, out, in, in, 1, count});
+    p.push_back({owner, trans::no, trans::no, rows, in, out, out, in, in, 0, count});
+  };
+  linear_layer(attention, R, E, 3 * E, s.layers);
+  p.push_back({attention, trans::no, trans::yes, L, L, D, 3 * E, 3 * E, L, 0, NH});  // S = Q K^T
+  p.push_back({attention, trans::no, trans::no, L, D, L, L, 3 * E, E, 0, NH});       // O = P V
+  p.push_back({attention, trans::no, trans::yes, L, L, D, E, 3 * E, L, 0, NH});      // dP = dO V^T
+  p.push_back({attention, trans::yes, trans::no, L, D, L, L, E, 3 * E, 0, NH});      // dV = P^T dO
+  p.push_back({attention, trans::no, trans::no, L, D, L, L, 3 * E, 3 * E, 0, NH});   // dQ = dS K
+  p.push_back({attention, trans::yes, trans::no, L, D, L, L, 3 * E, 3 * E, 0, NH});  // dK = dS^T Q
+  linear_layer(linear, R, E, E, s.layers);                                           // out_proj
+  linear_layer(linear, R, E, F, s.layers);                                           // linear1
+  linear_layer(linear, R, F, E, s.layers);                                           // linear2
+  linear_layer(linear, s.batch, E, s.classes, 1);                                    // the head, after the mean pool
+  return p;
+}
+
+// Operands for replaying any of the products, with small values (no overflow, no subnormals).
+struct operands {
+  std::vector<float> a, b, c;
+  explicit operands(const std::vector<product>& ps) {
+    std::size_t na = 0, nb = 0, nc = 0;
+    for (const auto& p : ps) {
+      na = std::max(na, std::size_t((p.ta == ops::trans::no ? p.m : p.k) * p.lda));
+      nb = std::max(nb, std::size_t((p.tb == ops::trans::no ? p.k : p.n) * p.ldb));
+      nc = std::max(nc, std::size_t(p.m * p.ldc));
+    }
+    a.assign(na, 0.01f);
+    b.assign(nb, 0.02f);
+    c.assign(nc, 0.f);
+  }
+  void run(const product& p, long times) {
+    for (long i = 0; i < times; ++i)
+      ops::gemm(p.ta, p.tb, p.m, p.n, p.k, 1.f, a.data(), p.lda, b.data(), p.ldb, p.beta, c.data(), p.ldc);
+  }
+};
+
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + long(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  example::flags f(argc, argv,
+                   {{"batch", "32"}, {"seq", "10"}, {"d-model", "512"}, {"heads", "8"}, {"ff", "2048"},
+                    {"layers", "6"}, {"classes", "10"}, {"dropout", "0.1"}, {"steps", "10"}, {"json", ""}});
+  const sizes s{f.num("batch"), f.num("seq"), f.num("d-model"), f.num("heads"), f.num("ff"), f.num("layers"),
+                f.num("classes")};
+  const long steps = std::max(1L, f.num("steps"));
+  std::FILE* json = f.str("json").empty() ? nullptr : std::fopen(f.str("json").c_str(), "a");
+
+  Model model{nn::Stack<Encoder>(std::size_t(s.layers), {.d_model = s.d,
+                                                         .nhead = s.heads,
+                                                         .dim_feedforward = s.ff,
+                                                         .dropout = f.real("dropout"),
+                                                         .batch_first = true}),
+              nn::MeanPool<float>(1), nn::Linear<float>(s.d, s.classes)};
+  nn::Replicated<float, Model> params(model, 0);
+  optim::Adam adam{{.lr = 1e-3}};
+  auto state = adam.make_state(params.values().size());
+  const example::synthetic_task task{.seq = s.seq, .d = s.d, .classes = s.classes};
+  const auto x = task.inputs(0, s.batch);
+  const auto y = task.labels(0, s.batch);
+
+  // Matrix products: counted from the sizes, and the peak on the largest one.
+  const std::vector<product> products = model_products(s);
+  double gflop = 0;
+  long calls = 0;
+  for (const auto& p : products) {
+    gflop += p.flop() / 1e9;
+    calls += p.count;
+  }
+  operands ops_buffers(products);
+  const product& big = *std::max_element(products.begin(), products.end(), [](const product& a, const product& b) {
+    return a.flop() / double(a.count) < b.flop() / double(b.count);
+  });
+  ops_buffers.run(big, 3);
+  double peak_s = 1e30;  // the fastest call over about a second: what the backend reaches on a quiet core
+  for (double spent = 0; spent < 1.0;) {
+    const double t0 = bench::now_s();
+    ops_buffers.run(big, 1);
+    const double dt = bench::now_s() - t0;
+    peak_s = std::min(peak_s, dt);
+    spent += dt;
+  }
+  const double peak = 2 * double(big.m * big.n * big.k) / peak_s / 1e9;
+
+  std::printf(
+      "bench_model: %ld x TransformerEncoderLayer(d_model %ld, nhead %ld, ff %ld, dropout %g), batch %ld x seq "
+      "%ld, mean pool, Linear to %ld; %zu parameters; Adam; one thread; float GEMM backend: %s\n",
+      s.layers, s.d, s.heads, s.ff, f.real("dropout"), s.batch, s.seq, s.classes, nn::parameter_count(model),
+      std::string(ops::gemm_backend).c_str());
+  std::printf(
+      "matrix products of one forward+backward: %ld ops::gemm calls, %.2f GFLOP (2 M N K summed over the "
+      "shapes the sizes give)\n",
+      calls, gflop);
+  std::printf(
+      "GEMM peak: %.1f GFLOP/s (ops::gemm on the largest product, [%ld x %ld x %ld], its best call of a "
+      "second's repeats)\n\n",
+      peak, big.m, big.n, big.k);
+
+  // train_reference's step, on one batch made once outside the timing (zero_grad after Adam, not before the forward).
+  auto step = [&](auto& ctx, long i, double& fwd_bwd_s, double& optimizer_s) {
+    ctx.set_step(std::uint64_t(i));
+    const double t0 = bench::now_s();
+    const auto logits = ctx.forward(model, x);
+    const auto l = nn::cross_entropy(logits, y);
+    ctx.backward(model, l.grad);
+    const double t1 = bench::now_s();
+    adam.step(params.values(), std::span<const float>(params.grads()), state);
+    params.zero_grad();
+    fwd_bwd_s = t1 - t0;
+    optimizer_s = bench::now_s() - t1;
+  };
+  nn::context ctx({.seed = 0});
+  double fb = 0, op = 0;
+  for (long i = 0; i < 2; ++i) step(ctx, i, fb, op);  // warm-up: first-touch page faults, the backend's set-up
+  std::vector<double> fwd_bwd(std::size_t(steps), 0), optimizer(std::size_t(steps), 0), total(std::size_t(steps), 0);
+  for (long i = 0; i < steps; ++i) {
+    step(ctx, i + 2, fwd_bwd[std::size_t(i)], optimizer[std::size_t(i)]);
+    total[std::size_t(i)] = fwd_bwd[std::size_t(i)] + optimizer[std::size_t(i)];
+  }
+  const double fb_s = median(fwd_bwd), opt_s = median(optimizer), step_s = median(total);
+  const double rate = gflop / fb_s;
+  std::printf("%-36s %9s\n", "part (median of steps)", "ms");
+  std::printf("%-36s %9.1f   matrix products at %.1f GFLOP/s = %.2f of the GEMM peak\n", "forward+backward", fb_s * 1e3,
+              rate, rate / peak);
+  std::printf("%-36s %9.1f\n", "optimizer (Adam step + zero_grad)", opt_s * 1e3);
+  std::printf("%-36s %9.1f\n\n", "training step", step_s * 1e3);
+
+  // Where forward+backward goes: a profiled pass, and each kind's products replayed alone.
+  std::vector<std::array<double, kinds>> profiled;
+  for (long i = 0; i < std::max(3L, steps / 2); ++i) {
+    timing_context tctx({.seed = 0});
+    tctx.set_step(std::uint64_t(i));
+    const auto logits = tctx.forward(model, x);
+    const auto l = tctx.timed(loss, [&] { return nn::cross_entropy(logits, y); });
+    tctx.backward(model, l.grad);
+    params.zero_grad();
+    profiled.push_back(tctx.seconds);
+  }
+  std::array<double, kinds> gemm_s{};
+  for (const auto& p : products) {
+    ops_buffers.run(p, std::min(p.count, 4L));
+    std::vector<double> t(5);
+    for (auto& ti : t) {
+      const double t0 = bench::now_s();
+      ops_buffers.run(p, p.count);
+      ti = bench::now_s() - t0;
+    }
+    gemm_s[p.owner] += median(t);
+  }
+  double gemm_total = 0;
+  for (double g : gemm_s) gemm_total += g;
+  std::printf(
+      "where forward+backward goes (a profiled pass: each layer call less the calls it makes; gemm: that "
+      "kind's products replayed alone)\n");
+  std::printf("%-22s %9s %9s %9s %7s\n", "kind", "ms", "gemm ms", "rest ms", "share");
+  for (int k = 0; k < kinds; ++k) {
+    std::vector<double> t;
+    for (const auto& p : profiled) t.push_back(p[std::size_t(k)]);
+    const double ms = median(t) * 1e3, g = gemm_s[std::size_t(k)] * 1e3;
+    std::printf("%-22s %9.1f %9.1f %9.1f %6.1f%%\n", kind_names[std::size_t(k)], ms, g, ms - g,
+                100 * ms / (fb_s * 1e3));
+    if (json)
+      std::fprintf(
+          json, "{\"bench\":\"model\",\"what\":\"breakdown\",\"kind\":\"%s\",\"seconds\":%.6g,\"gemm_seconds\":%.6g}\n",
+          kind_names[std::size_t(k)], ms / 1e3, g / 1e3);
+  }
+  std::printf("%-22s %9.1f %9.1f %9.1f %6.1f%%   (all products replayed alone: %.1f GFLOP/s)\n", "forward+backward",
+              fb_s * 1e3, gemm_total * 1e3, (fb_s - gemm_total) * 1e3, 100.0, gflop / gemm_total);
+
+  if (json) {
+    std::fprintf(json,
+                 "{\"bench\":\"model\",\"what\":\"step\",\"backend\":\"%s\",\"batch\":%ld,\"seq\":%ld,\"d_model\":%ld,"
+                 "\"heads\":%ld,\"ff\":%ld,\"layers\":%ld,\"classes\":%ld,\"dropout\":%g,\"steps\":%ld,"
+                 "\"forward_backward_s\":%.6g,\"optimizer_s\":%.6g,\"step_s\":%.6g,\"gemm_calls\":%ld,"
+                 "\"gemm_gflop\":%.6g,\"gemm_gflops\":%.6g,\"gemm_replayed_s\":%.6g,\"peak_gflops\":%.6g,"
+                 "\"vs_peak\":%.4g}\n",
+                 std::string(ops::gemm_backend).c_str(), s.batch, s.seq, s.d, s.heads, s.ff, s.layers, s.classes,
+                 f.real("dropout"), steps, fb_s, opt_s, step_s, calls, gflop, rate, gemm_total, peak, rate / peak);
+    std::fclose(json);
+  }
+  return 0;
+}

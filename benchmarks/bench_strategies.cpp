@@ -1,0 +1,512 @@
+// bench_strategies — every sharding strategy training a transformer classifier on W rank
+// threads: the step time, each rank's peak memory by ledger category beside the
+// strategy's memory formula (derived from the units' padded sizes), and the bytes each
+// rank sends per step (counted by a communicator decorator, ring model) beside the
+// strategy's traffic formula.
+//
+//   bench_strategies [--worlds 1,2,4,8] [--strategies full,grad-op,optimizer,none,hybrid]
+//                    [--article] [--layers 4] [--d-model 256] [--heads 4] [--ff 1024] [--seq 16]
+//                    [--batch 8] [--classes 10] [--dropout 0.1] [--prefetch 1] [--group 2]
+//                    [--warmup 2] [--steps 8] [--rounds 3] [--json FILE]
+//
+// The default model is reduced so that the whole run takes a few minutes on 2 cores;
+// --article selects the FSDP article's sizes (6 layers, d_model 512, 8 heads, ff 2048,
+// seq 10), and size flags override single values whatever their position.
+//
+// Strategies run in turns, `rounds` times each, each run in a fresh child process, and
+// step times are pooled over the rounds: other work on a shared machine then slows all
+// strategies alike instead of whichever ran at a bad moment. Beside the wall time, the
+// process's CPU time, system time and minor page faults per step (all ranks and their
+// communication workers) show where time goes even when the machine is shared.
+#include <shardlib/comm/launch.hpp>
+#include <shardlib/nn/linear.hpp>
+#include <shardlib/nn/loss.hpp>
+#include <shardlib/nn/pooling.hpp>
+#include <shardlib/nn/replicated.hpp>
+#include <shardlib/nn/sequential.hpp>
+#include <shardlib/nn/stack.hpp>
+#include <shardlib/nn/transformer.hpp>
+#include <shardlib/optim/adam.hpp>
+#include <shardlib/shard/sharded_model.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "bench_common.hpp"
+#include "common/synthetic.hpp"
+#include "counting_comm.hpp"
+
+using namespace shardlib;
+using Encoder = nn::TransformerEncoderLayer<float>;
+using Model = nn::Sequential<nn::Stack<Encoder>, nn::MeanPool<float>, nn::Linear<float>>;
+using Comm = bench::counting_comm<comm::ThreadComm>;
+static_assert(comm::check_communicator<Comm>());
+
+namespace {
+
+struct config {
+  long layers = 4, d_model = 256, heads = 4, ff = 1024, seq = 16, batch = 8, classes = 10;
+  double dropout = 0.1;
+  int prefetch = 1, group = 2, warmup = 2, steps = 8, rounds = 3;
+  std::vector<int> worlds{1, 2, 4, 8};
+  std::vector<std::string> strategies{"full", "grad-op", "optimizer", "none", "hybrid"};
+  std::FILE* json = nullptr;
+};
+
+Model make_model(const config& c) {
+  return Model{nn::Stack<Encoder>(std::size_t(c.layers), {.d_model = c.d_model,
+                                                          .nhead = c.heads,
+                                                          .dim_feedforward = c.ff,
+                                                          .dropout = c.dropout,
+                                                          .batch_first = true}),
+               nn::MeanPool<float>(1), nn::Linear<float>(c.d_model, c.classes)};
+}
+example::synthetic_task make_task(const config& c) { return {.seq = c.seq, .d = c.d_model, .classes = c.classes}; }
+
+// Bytes by ledger category, then the total.
+constexpr int total_index = category_count;
+using per_category = std::array<double, category_count + 1>;
+std::string column_name(int k) { return k == total_index ? "total" : std::string(name(category(k))); }
+
+// One step of the whole process: wall time (the slowest rank's), CPU and system time
+// of all threads, minor page faults.
+struct step_sample {
+  double wall_s = 0, cpu_s = 0, sys_s = 0, faults = 0;
+
+  static step_sample now() {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    auto seconds = [](const timeval& t) { return double(t.tv_sec) + 1e-6 * double(t.tv_usec); };
+    return {bench::now_s(), seconds(u.ru_utime) + seconds(u.ru_stime), seconds(u.ru_stime), double(u.ru_minflt)};
+  }
+  step_sample operator-(const step_sample& o) const {
+    return {wall_s - o.wall_s, cpu_s - o.cpu_s, sys_s - o.sys_s, faults - o.faults};
+  }
+};
+
+// What one run measures apart from its steps; trivially copyable, so that the child
+// process that ran it can hand it back as bytes.
+struct totals {
+  int world = 0, group = 0;  // group: ranks one shard is split over (W, or HybridShard's group size)
+  std::size_t psi = 0;       // Ψ: parameters including padding, summed over units
+  std::size_t units = 0;
+  per_category peak{}, formula{};     // per rank; peak is the largest over ranks
+  double sent = 0, sent_formula = 0;  // bytes one rank sends per step
+  std::array<double, 4> sent_by{};    // all_gather, reduce_scatter, all_reduce, broadcast
+};
+
+struct measurement : totals {
+  std::string strategy;
+  std::vector<step_sample> steps;  // one per measured step, over all rounds
+  double median(double step_sample::*field) const {
+    std::vector<double> v;
+    for (const auto& s : steps) v.push_back(s.*field);
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  }
+};
+
+// Activations are not a formula of the strategy: the same local batch through the
+// unsharded model (plain context, replicated parameters) peaks at what every
+// strategy should, since sharding only changes where parameters live.
+double reference_activations(const config& cfg) {
+  ledger l;
+  ledger_scope scope(l);
+  Model m = make_model(cfg);
+  nn::Replicated<float, Model> owner(m, 1);
+  nn::context ctx;
+  const auto task = make_task(cfg);
+  auto x = task.inputs(0, cfg.batch);
+  auto y = task.labels(0, cfg.batch);
+  auto out = ctx.forward(m, x);
+  ctx.backward(m, nn::cross_entropy(out, y).grad);
+  return double(l.peak(category::activations));
+}
+
+// Per-rank peaks by category, from the units' padded sizes P_i (unit 0 is the root: the
+// classifier head and anything no encoder layer claims) and the shard group size G:
+//   sharded (FullShard, ShardGradOp, HybridShard): parameters ΣP/G, optimizer state
+//     2ΣP/G (Adam's moments); gradients ΣP/G plus the full gradients of the root (alive
+//     for the whole backward) and of two units adjacent in the recorded order (one
+//     reduce-scattering while the next computes); gathered: the root plus the largest
+//     1 + prefetch consecutive units (FullShard, HybridShard), every unit (ShardGradOp,
+//     which frees nothing between forward and backward);
+//   ShardOptimizer (ZeRO-1): parameters ΣP, gradients ΣP full plus the ΣP/W reduced
+//     slice, optimizer state 2ΣP/W;
+//   NoShard (DDP): parameters ΣP, gradients ΣP, optimizer state 2ΣP;
+//   activations: reference_activations, added by the caller; comm_scratch: 0 (reductions
+//     land in the gradient shard; scratch is only for accumulating without sync);
+//   total: the sum, an upper bound since categories peak at different moments.
+// P_i is padded to a multiple of G (of W for replicated strategies, so ZeRO-1 slices are equal).
+template <class Strategy, class Engine>
+per_category memory_formula(Engine& e, int g, int prefetch) {
+  const auto& units = e.units();
+  const double s = sizeof(float);
+  auto full = [&](int i) { return s * double(units[i].master->layout().padded_size()); };
+  std::vector<double> run;  // non-root units in the recorded forward order
+  for (int i = e.neighbor(0, +1); i >= 0; i = e.neighbor(i, +1)) run.push_back(full(i));
+  double all = 0, window = 0, pair = 0;
+  for (std::size_t i = 0; i < units.size(); ++i) all += full(int(i));
+  const std::size_t width = std::min(run.size(), std::size_t(1 + prefetch));
+  for (std::size_t i = 0; i + width <= run.size(); ++i) {
+    double sum = 0;
+    for (std::size_t k = i; k < i + width; ++k) sum += run[k];
+    window = std::max(window, sum);
+  }
+  for (std::size_t i = 0; i < run.size(); ++i) pair = std::max(pair, run[i] + (i + 1 < run.size() ? run[i + 1] : 0));
+
+  per_category f{};
+  auto at = [&](category c) -> double& { return f[int(c)]; };
+  if constexpr (Strategy::shards_parameters) {
+    at(category::parameters) = all / g;
+    at(category::gradients) = all / g + full(0) + pair;
+    at(category::optimizer_state) = 2 * all / g;
+    at(category::gathered_parameters) = Strategy::frees_after_forward ? full(0) + window : all;
+  } else if constexpr (Strategy::shards_optimizer) {
+    at(category::parameters) = all;
+    at(category::gradients) = all + all / g;
+    at(category::optimizer_state) = 2 * all / g;
+  } else {
+    at(category::parameters) = all;
+    at(category::gradients) = all;
+    at(category::optimizer_state) = 2 * all;
+  }
+  for (int k = 0; k < category_count; ++k) f[total_index] += f[k];
+  return f;
+}
+
+// Bytes one rank sends per step under the ring model (f = (G-1)/G, s = 4, Ψ = ΣP):
+//   FullShard f(2s_param + s_grad)Ψ: all-gather in forward and again in backward, one
+//     reduce-scatter (the root stays gathered from forward into backward, so the
+//     measurement is lower by f·s·P_root);
+//   ShardGradOp f(s_param + s_grad)Ψ; ShardOptimizer (reduce-scatter + all-gather) and
+//   NoShard (all-reduce) 2f·s·Ψ;
+//   HybridShard FullShard inside the group of G plus an all-reduce of the gradient
+//     shard (Ψ/G) across the W/G replicas.
+template <class Strategy>
+double traffic_formula(double psi, int w, int g) {
+  const double s = sizeof(float), f = double(g - 1) / g;
+  if constexpr (std::is_same_v<Strategy, shard::HybridShard>) {
+    const double replicas = double(w) / g;
+    return f * 3 * s * psi + 2 * (replicas - 1) / replicas * s * psi / g;
+  } else if constexpr (std::is_same_v<Strategy, shard::FullShard>) {
+    return f * 3 * s * psi;
+  } else if constexpr (std::is_same_v<Strategy, shard::ShardGradOp>) {
+    return f * 2 * s * psi;
+  } else {
+    return 2 * f * s * psi;
+  }
+}
+
+template <class Strategy>
+measurement run(const config& cfg, int w, Strategy strategy) {
+  measurement m;
+  m.world = w;
+  if constexpr (std::is_same_v<Strategy, shard::HybridShard>) m.group = strategy.group_size;
+  else m.group = w;
+  std::vector<per_category> peaks(w);
+  std::vector<std::array<double, 4>> sent(w);
+  comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
+    auto tally = std::make_shared<bench::traffic>();
+    Comm counted(c, tally);
+    Model model = make_model(cfg);
+    auto sharded = shard::fully_shard(model, counted, strategy,
+                                      {.wrap = shard::wrap_types<Encoder>{}, .seed = 1, .prefetch = cfg.prefetch});
+    optim::Adam adam{{.lr = 1e-3}};
+    const auto task = make_task(cfg);
+    for (int step = 0; step < cfg.warmup + cfg.steps; ++step) {
+      if (step == cfg.warmup) {  // setup and warm-up (order recording, optimizer state) are not measured
+        l.reset_peaks();
+        tally->reset();
+      }
+      const long first = (long(step) * w + c.rank()) * cfg.batch;  // this rank's slice of the global batch
+      auto x = task.inputs(first, cfg.batch);
+      auto y = task.labels(first, cfg.batch);
+      c.barrier();  // (not counted: raw communicator) ranks start together, not waiting for a straggler
+      const auto before = step_sample::now();
+      sharded.train_step(adam, x, y, nn::cross_entropy);
+      c.barrier();  // a step ends when its slowest rank does
+      if (step >= cfg.warmup && c.rank() == 0) m.steps.push_back(step_sample::now() - before);
+    }
+    for (int k = 0; k < category_count; ++k) peaks[c.rank()][k] = double(l.peak(category(k)));
+    peaks[c.rank()][total_index] = double(l.peak());
+    sent[c.rank()] = {tally->all_gather / cfg.steps, tally->reduce_scatter / cfg.steps,
+                      tally->all_reduce / cfg.steps, tally->broadcast / cfg.steps};
+    if (c.rank() != 0) return;
+    m.units = sharded.units().size();
+    for (auto& u : sharded.units()) m.psi += u.master->layout().padded_size();
+    m.formula = memory_formula<Strategy>(sharded, m.group, cfg.prefetch);
+    m.sent_formula = traffic_formula<Strategy>(double(m.psi), w, m.group);
+  });
+  for (int r = 0; r < w; ++r) {
+    for (int k = 0; k <= total_index; ++k) m.peak[k] = std::max(m.peak[k], peaks[r][k]);
+    for (int k = 0; k < 4; ++k) m.sent_by[k] = std::max(m.sent_by[k], sent[r][k]);
+  }
+  for (double b : m.sent_by) m.sent += b;
+  const double activations = reference_activations(cfg);  // after the run, which it must not disturb
+  m.formula[int(category::activations)] = activations;
+  m.formula[total_index] += activations;
+  return m;
+}
+
+void write_all(int fd, const std::string& bytes) {
+  for (std::size_t done = 0; done < bytes.size();) {
+    const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    require(n > 0, "bench_strategies: writing a result to the parent failed");
+    done += std::size_t(n);
+  }
+}
+
+// Runs one configuration in a child process and returns what it measured, so that each
+// starts from a fresh process's allocator state, as a training program does: glibc
+// raises its mmap and trim thresholds after large frees, and in one long process a run
+// would inherit the policy the runs before it set (whether freed gathered buffers go
+// back to the kernel and fault in again every step depended on the order of runs).
+template <class Fn>
+measurement in_fresh_process(Fn&& fn) {
+  int fds[2];
+  require(pipe(fds) == 0, "bench_strategies: pipe failed");
+  std::fflush(nullptr);  // nothing buffered may be written by both processes
+  const pid_t pid = fork();
+  require(pid >= 0, "bench_strategies: fork failed");
+  if (pid == 0) {
+    close(fds[0]);
+    int code = 0;
+    try {
+      const measurement m = fn();
+      const totals t = m;
+      std::string bytes(reinterpret_cast<const char*>(&t), sizeof t);
+      bytes.append(reinterpret_cast<const char*>(m.steps.data()), m.steps.size() * sizeof(step_sample));
+      write_all(fds[1], bytes);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bench_strategies: %s\n", e.what());
+      code = 1;
+    }
+    std::fflush(nullptr);
+    _exit(code);
+  }
+  close(fds[1]);
+  std::string bytes;
+  char buffer[4096];
+  for (ssize_t n; (n = read(fds[0], buffer, sizeof buffer)) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    bytes.append(buffer, std::size_t(n));
+  }
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  require(WIFEXITED(status) && WEXITSTATUS(status) == 0 && bytes.size() >= sizeof(totals),
+          "bench_strategies: a configuration failed (see above)");
+  measurement m;
+  totals t;
+  std::memcpy(&t, bytes.data(), sizeof t);
+  static_cast<totals&>(m) = t;
+  m.steps.resize((bytes.size() - sizeof t) / sizeof(step_sample));
+  std::memcpy(m.steps.data(), bytes.data() + sizeof t, m.steps.size() * sizeof(step_sample));
+  return m;
+}
+
+// Runs fn with the strategy of a flag name; HybridShard only where its group divides W.
+template <class Fn>
+void with_strategy(const std::string& s, const config& cfg, int w, Fn&& fn) {
+  if (s == "full") fn(shard::FullShard{});
+  else if (s == "grad-op") fn(shard::ShardGradOp{});
+  else if (s == "optimizer") fn(shard::ShardOptimizer{});
+  else if (s == "none") fn(shard::NoShard{});
+  else if (s == "hybrid") {
+    if (w % cfg.group == 0) fn(shard::HybridShard{.group_size = cfg.group});
+  } else {
+    throw error(cat("bench_strategies: unknown strategy '", s, "' (full, grad-op, optimizer, none, hybrid)"));
+  }
+}
+
+std::string ratio(double measured, double formula) {
+  char b[32];
+  if (formula == 0 && measured == 0) return "-";
+  if (formula == 0) return "inf";
+  std::snprintf(b, sizeof b, "%.3f", measured / formula);
+  return b;
+}
+
+void print_tables(const std::vector<measurement>& all, unsigned cores) {
+  auto oversubscribed = [&](int w) { return unsigned(w) > cores; };
+  std::printf("\n## step time (medians; cpu, sys and faults: the whole process per step) and bytes sent per rank "
+              "per step (ring model, MB = 1e6 bytes)\n");
+  std::printf("%-15s %4s %9s %10s %8s %8s %7s %10s %11s %7s  %s\n", "strategy", "W", "step_ms", "vs_NoShard",
+              "cpu_ms", "sys_ms", "faults", "sent_MB", "formula_MB", "ratio", "all_gather / reduce_scatter / all_reduce");
+  for (const auto& m : all) {
+    double none = 0;
+    for (const auto& o : all)
+      if (o.world == m.world && o.strategy == "NoShard") none = o.median(&step_sample::wall_s);
+    const double wall = m.median(&step_sample::wall_s);
+    std::printf("%-15s %3d%s %9.1f %10s %8.1f %8.1f %7.0f %10.3f %11.3f %7s  %.3f / %.3f / %.3f\n", m.strategy.c_str(),
+                m.world, oversubscribed(m.world) ? "*" : " ", wall * 1e3, none > 0 ? ratio(wall, none).c_str() : "-",
+                m.median(&step_sample::cpu_s) * 1e3, m.median(&step_sample::sys_s) * 1e3,
+                m.median(&step_sample::faults), m.sent / 1e6, m.sent_formula / 1e6, ratio(m.sent, m.sent_formula).c_str(),
+                m.sent_by[0] / 1e6, m.sent_by[1] / 1e6, m.sent_by[2] / 1e6);
+  }
+  std::printf("\n## per-rank peak memory by ledger category (MiB), beside the formula\n");
+  std::printf("%-15s %4s %-9s", "strategy", "W", "");
+  for (const char* label : {"parameters", "gradients", "optimizer", "gathered", "activations", "comm_scratch", "total"})
+    std::printf(" %12s", label);
+  std::printf("\n");
+  for (const auto& m : all) {
+    std::printf("%-15s %3d%s %-9s", m.strategy.c_str(), m.world, oversubscribed(m.world) ? "*" : " ", "measured");
+    for (double b : m.peak) std::printf(" %12.3f", b / 1048576);
+    std::printf("\n%-20s %-9s", "", "formula");
+    for (double b : m.formula) std::printf(" %12.3f", b / 1048576);
+    std::printf("\n%-20s %-9s", "", "ratio");
+    for (int k = 0; k <= total_index; ++k) std::printf(" %12s", ratio(m.peak[k], m.formula[k]).c_str());
+    std::printf("\n");
+  }
+  std::printf("\n* W > %u hardware threads: ranks (each with a communication worker) share the cores, so the\n"
+              "  step time measures contention, not scaling.\n",
+              cores);
+}
+
+void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned cores) {
+  if (!f) return;
+  auto object = [](const per_category& v) {
+    std::string s = "{";
+    for (int k = 0; k <= total_index; ++k) s += cat(k ? "," : "", "\"", column_name(k), "\":", std::size_t(v[k]));
+    return s + "}";
+  };
+  std::string steps = "[";
+  for (const auto& t : m.steps) steps += cat(steps.size() > 1 ? "," : "", t.wall_s);
+  std::fprintf(f,
+               "{\"bench\":\"strategies\",\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"cores\":%u,"
+               "\"oversubscribed\":%s,\"layers\":%ld,\"d_model\":%ld,\"heads\":%ld,\"ff\":%ld,\"seq\":%ld,"
+               "\"batch\":%ld,\"classes\":%ld,\"dropout\":%g,\"prefetch\":%d,\"steps\":%zu,\"units\":%zu,"
+               "\"padded_params\":%zu,\"step_s\":%.9g,\"cpu_s\":%.9g,\"sys_s\":%.9g,\"minor_faults\":%.9g,"
+               "\"step_times_s\":%s],\"peak_bytes\":%s,\"formula_bytes\":%s,\"sent_bytes\":%.9g,"
+               "\"sent_formula_bytes\":%.9g,\"sent_by\":{\"all_gather\":%.9g,\"reduce_scatter\":%.9g,"
+               "\"all_reduce\":%.9g,\"broadcast\":%.9g}}\n",
+               m.strategy.c_str(), m.world, m.group, cores, unsigned(m.world) > cores ? "true" : "false", cfg.layers,
+               cfg.d_model, cfg.heads, cfg.ff, cfg.seq, cfg.batch, cfg.classes, cfg.dropout, cfg.prefetch,
+               m.steps.size(), m.units, m.psi, m.median(&step_sample::wall_s), m.median(&step_sample::cpu_s),
+               m.median(&step_sample::sys_s), m.median(&step_sample::faults), steps.c_str(), object(m.peak).c_str(),
+               object(m.formula).c_str(), m.sent, m.sent_formula,
+               m.sent_by[0], m.sent_by[1], m.sent_by[2], m.sent_by[3]);
+  std::fflush(f);
+}
+
+// Other work on a shared machine slows every run; the load average says how much there was.
+void print_load(const char* when) {
+  double load[3] = {0, 0, 0};
+  if (getloadavg(load, 3) == 3) std::printf("# load average at %s: %.2f %.2f %.2f\n", when, load[0], load[1], load[2]);
+}
+
+template <class T>
+std::vector<T> parse_list(const std::string& s) {
+  std::vector<T> out;
+  for (std::size_t begin = 0; begin <= s.size();) {
+    const std::size_t end = std::min(s.find(',', begin), s.size());
+    const std::string item = s.substr(begin, end - begin);
+    if constexpr (std::is_same_v<T, int>) out.push_back(std::atoi(item.c_str()));
+    else out.push_back(item);
+    begin = end + 1;
+  }
+  return out;
+}
+
+[[noreturn]] void usage(const char* prog) {
+  std::fprintf(stderr,
+               "usage: %s [--worlds 1,2,4,8] [--strategies full,grad-op,optimizer,none,hybrid] [--article]\n"
+               "       [--layers 4] [--d-model 256] [--heads 4] [--ff 1024] [--seq 16] [--batch 8] [--classes 10]\n"
+               "       [--dropout 0.1] [--prefetch 1] [--group 2] [--warmup 2] [--steps 8] [--rounds 3] [--json FILE]\n",
+               prog);
+  std::exit(2);
+}
+
+config parse(int argc, char** argv) {
+  config c;
+  for (int i = 1; i < argc; ++i)  // first the preset, so single sizes override it in any order
+    if (std::string(argv[i]) == "--article") c.layers = 6, c.d_model = 512, c.heads = 8, c.ff = 2048, c.seq = 10;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--article") continue;
+    if (i + 1 >= argc) usage(argv[0]);
+    const std::string v = argv[++i];
+    const long n = std::strtol(v.c_str(), nullptr, 10);
+    if (a == "--worlds") c.worlds = parse_list<int>(v);
+    else if (a == "--strategies") c.strategies = parse_list<std::string>(v);
+    else if (a == "--layers") c.layers = n;
+    else if (a == "--d-model") c.d_model = n;
+    else if (a == "--heads") c.heads = n;
+    else if (a == "--ff") c.ff = n;
+    else if (a == "--seq") c.seq = n;
+    else if (a == "--batch") c.batch = n;
+    else if (a == "--classes") c.classes = n;
+    else if (a == "--dropout") c.dropout = std::strtod(v.c_str(), nullptr);
+    else if (a == "--prefetch") c.prefetch = int(n);
+    else if (a == "--group") c.group = int(n);
+    else if (a == "--warmup") c.warmup = int(n);
+    else if (a == "--steps") c.steps = int(n);
+    else if (a == "--rounds") c.rounds = int(n);
+    else if (a == "--json") c.json = std::fopen(v.c_str(), "a");
+    else usage(argv[0]);
+  }
+  if (c.steps < 1 || c.warmup < 1 || c.rounds < 1 || c.group < 1) usage(argv[0]);  // warm-up records the unit order
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const config cfg = parse(argc, argv);
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  try {
+    Model probe = make_model(cfg);
+    std::printf("# bench_strategies: transformer classifier, %ld encoder layers (d_model %ld, %ld heads, ff %ld), "
+                "mean pool, Linear head: %zu parameters\n"
+                "# per-rank batch %ld x seq %ld, %ld classes, dropout %g; Adam; fp32; each encoder layer a unit, "
+                "prefetch %d; %d warm-up + %d measured steps, %d rounds\n"
+                "# ranks are threads (ThreadComm) on %u hardware threads; step = median over steps of the slowest "
+                "rank's train_step, pooled over rounds\n",
+                cfg.layers, cfg.d_model, cfg.heads, cfg.ff, nn::parameter_count(probe), cfg.batch, cfg.seq,
+                cfg.classes, cfg.dropout, cfg.prefetch, cfg.warmup, cfg.steps, cfg.rounds, cores);
+    print_load("start");
+    // results[s][j]: strategy s at world size worlds[j]; empty where it does not apply
+    std::vector<std::vector<measurement>> results(cfg.strategies.size(), std::vector<measurement>(cfg.worlds.size()));
+    for (std::size_t j = 0; j < cfg.worlds.size(); ++j)
+      for (int round = 0; round < cfg.rounds; ++round)
+        for (std::size_t s = 0; s < cfg.strategies.size(); ++s)
+          with_strategy(cfg.strategies[s], cfg, cfg.worlds[j], [&](auto strategy) {
+            auto m = in_fresh_process([&] { return run(cfg, cfg.worlds[j], strategy); });
+            m.strategy = std::string(decltype(strategy)::name);
+            std::fprintf(stderr, "bench_strategies: %s W=%d round %d: %.1f ms/step\n", m.strategy.c_str(),
+                         m.world, round + 1, m.median(&step_sample::wall_s) * 1e3);
+            m.steps.insert(m.steps.begin(), results[s][j].steps.begin(), results[s][j].steps.end());
+            results[s][j] = std::move(m);
+          });
+    std::vector<measurement> all;
+    for (auto& row : results)
+      for (auto& m : row)
+        if (!m.steps.empty()) {
+          json_row(cfg.json, cfg, m, cores);
+          all.push_back(std::move(m));
+        }
+    print_tables(all, cores);
+    print_load("end");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_strategies: %s\n", e.what());
+    return 1;
+  }
+  if (cfg.json) std::fclose(cfg.json);
+  return 0;
+}
