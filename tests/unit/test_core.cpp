@@ -116,3 +116,29 @@ TEST_CASE("TensorView indexes row-major and reshapes", "[core][tensor]") {
   CHECK_THROWS_WITH(t.reshape({5, 5}), Catch::Contains("has 24 elements, the new shape [5, 5] has 25"));
   CHECK_THROWS_AS(TensorView<int>(b, Shape{5}), shape_error);
 }
+
+TEST_CASE("large freed host blocks are kept for reuse below the ledger", "[core][space][cache]") {
+  host_space::release_cached();
+  ledger l;
+  ledger_scope scope(l);
+  const std::size_t n = (std::size_t(2) << 20) / sizeof(float);  // 2 MiB: cached
+  const float* first = nullptr;
+  {
+    Buffer<float> a(n, category::gathered_parameters);
+    first = a.data();
+  }
+  CHECK(l.current() == 0);                              // the ledger counts bytes in use only
+  CHECK(host_space::cached_bytes() == n * sizeof(float));  // the block is kept
+  {
+    Buffer<float> b(n, category::gradients);
+    CHECK(b.data() == first);  // and handed out again for the same size
+    CHECK(host_space::cached_bytes() == 0);
+    CHECK(reinterpret_cast<std::uintptr_t>(b.data()) % 64 == 0);
+  }
+  {
+    Buffer<char> small(1000, category::activations);  // small blocks go straight back to malloc
+  }
+  CHECK(host_space::cached_bytes() == n * sizeof(float));
+  host_space::release_cached();
+  CHECK(host_space::cached_bytes() == 0);
+}

@@ -6,6 +6,8 @@
 #include <concepts>     // std::same_as
 #include <cstddef>      // std::size_t
 #include <cstdlib>      // std::aligned_alloc, std::free
+#include <map>          // std::multimap
+#include <mutex>        // std::mutex
 #include <new>          // std::bad_alloc
 #include <string_view>  // std::string_view
 
@@ -22,6 +24,54 @@ concept MemorySpace = requires(std::size_t bytes, void* p) {
   { S::deallocate(p, bytes) } noexcept;
 };
 
+namespace detail {
+// Freed host blocks of at least `min_bytes`, kept for reuse by size. A sharded
+// step frees and reallocates the same unit-sized buffers (gathered parameters,
+// full gradients) every step; glibc hands such large blocks back to the kernel,
+// and faulting them in again cost FullShard ~20% of its step on the reference
+// model (docs/benchmarks.md). Like PyTorch's caching allocators, the cache sits
+// below the ledger: the ledger counts bytes in use, the cache only keeps pages.
+class host_block_cache {
+ public:
+  static constexpr std::size_t min_bytes = std::size_t(1) << 20;
+
+  // Never destroyed: buffers in static storage may be freed after it would be.
+  static host_block_cache& instance() {
+    static host_block_cache* cache = new host_block_cache;
+    return *cache;
+  }
+  void* take(std::size_t bytes) {
+    std::lock_guard lock(m_);
+    auto it = free_.find(bytes);
+    if (it == free_.end()) return nullptr;
+    void* p = it->second;
+    free_.erase(it);
+    cached_ -= bytes;
+    return p;
+  }
+  void give(void* p, std::size_t bytes) {
+    std::lock_guard lock(m_);
+    free_.emplace(bytes, p);
+    cached_ += bytes;
+  }
+  // Returns every cached block to the system.
+  void release() {
+    std::lock_guard lock(m_);
+    for (auto& [bytes, p] : free_) std::free(p);
+    free_.clear();
+    cached_ = 0;
+  }
+  std::size_t cached_bytes() {
+    std::lock_guard lock(m_);
+    return cached_;
+  }
+ private:
+  std::mutex m_;
+  std::multimap<std::size_t, void*> free_;
+  std::size_t cached_ = 0;
+};
+}  // namespace detail
+
 struct host_space {
   static constexpr std::string_view name = "host";
   // 64 bytes: one cache line, and the width of an AVX-512 register.
@@ -30,11 +80,26 @@ struct host_space {
   static void* allocate(std::size_t bytes) {
     if (bytes == 0) return nullptr;
     std::size_t rounded = (bytes + alignment - 1) / alignment * alignment;  // aligned_alloc needs a multiple
+    if (rounded >= detail::host_block_cache::min_bytes)
+      if (void* p = detail::host_block_cache::instance().take(rounded)) return p;
     void* p = std::aligned_alloc(alignment, rounded);
     if (!p) throw std::bad_alloc();
     return p;
   }
-  static void deallocate(void* p, std::size_t) noexcept { std::free(p); }
+  static void deallocate(void* p, std::size_t bytes) noexcept {
+    const std::size_t rounded = (bytes + alignment - 1) / alignment * alignment;
+    if (p && rounded >= detail::host_block_cache::min_bytes) {
+      try {
+        detail::host_block_cache::instance().give(p, rounded);
+        return;
+      } catch (...) {  // no memory for the cache's own node: free the block instead
+      }
+    }
+    std::free(p);
+  }
+  // Bytes held in freed blocks kept for reuse, and giving them back to the system.
+  static std::size_t cached_bytes() { return detail::host_block_cache::instance().cached_bytes(); }
+  static void release_cached() { detail::host_block_cache::instance().release(); }
 };
 
 // can_access<Accessor, Space>: code running where memory space Accessor lives can
