@@ -4,6 +4,8 @@
 #include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/sequential.hpp"
 #include "shardlib/nn/stack.hpp"
+#include "shardlib/nn/pooling.hpp"
+#include "shardlib/nn/transformer.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -106,4 +108,18 @@ TEST_CASE("a layer refuses an input of the wrong shape", "[nn][linear]") {
   context ctx;
   CHECK_THROWS_WITH(l.forward(ctx, Tensor<float>({2, 4})),
                     Catch::Contains("Linear(5 -> 3): input's last dimension must be 5, got shape [2, 4]"));
+}
+
+TEST_CASE("the whole encoder classifier matches finite differences", "[nn][gradcheck][classifier]") {
+  using Encoder = TransformerEncoderLayer<double>;
+  using Classifier = Sequential<Stack<Encoder>, MeanPool<double>, Linear<double>>;
+  for (bool norm_first : {false, true}) {
+    Classifier m{Stack<Encoder>(2, {.d_model = 8, .nhead = 2, .dim_feedforward = 16, .dropout = 0.0,
+                                    .batch_first = true, .norm_first = norm_first}),
+                 MeanPool<double>(1), Linear<double>(8, 3)};
+    auto r = gradcheck::check(m, gradcheck::random_tensor({3, 4, 8}, 5), 12);
+    INFO("norm_first " << norm_first << ", worst: " << r.worst << " " << r.max_rel_error);
+    CHECK(r.max_rel_error < 1e-6);
+    CHECK(r.compared > 200);
+  }
 }
