@@ -149,8 +149,11 @@ inline std::shared_ptr<executor> process_executor() {
 }
 
 // Bytes of one piece of a shared-memory reduction. Each rank's window segment
-// holds two pieces, used alternately (see mpi_group::shm_barrier).
-inline constexpr std::size_t shm_piece_bytes = std::size_t{1} << 20;
+// holds two pieces, used alternately (see mpi_group::shm_barrier). 4 MiB: at 64 MiB
+// messages, 1 MiB pieces lost to MPI_Allreduce on a busy 2-core machine (each piece
+// pays a barrier); 4 MiB pieces reach 2-3x MPI_Allreduce and 8-9x
+// MPI_Reduce_scatter_block there (docs/benchmarks.md).
+inline constexpr std::size_t shm_piece_bytes = std::size_t{4} << 20;
 
 // Owns a communicator the library created; frees it unless MPI is already gone.
 struct owned_comm {
