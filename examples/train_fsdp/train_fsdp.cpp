@@ -29,11 +29,12 @@
 #include <string_view>
 
 #include "common/flags.hpp"
+#include "common/reference_model.hpp"
 #include "common/synthetic.hpp"
 
 using namespace shardlib;
-using Encoder = nn::TransformerEncoderLayer<float>;
-using Model = nn::Sequential<nn::Stack<Encoder>, nn::MeanPool<float>, nn::Linear<float>>;
+using example::Encoder;
+using example::Model;
 
 namespace {
 
@@ -55,12 +56,7 @@ template <comm::Communicator Comm, shard::ShardingStrategy Strategy>
 void train(Comm& c, Strategy strategy, const example::flags& f, std::FILE* metrics) {
   const long steps = f.num("steps"), batch = f.num("batch"), every = f.num("every");
   example::synthetic_task task{.seq = f.num("seq"), .d = f.num("d-model"), .classes = f.num("classes")};
-  Model model{nn::Stack<Encoder>(std::size_t(f.num("layers")), {.d_model = task.d,
-                                                                .nhead = f.num("heads"),
-                                                                .dim_feedforward = f.num("ff"),
-                                                                .dropout = f.real("dropout"),
-                                                                .batch_first = true}),
-              nn::MeanPool<float>(1), nn::Linear<float>(task.d, task.classes)};
+  Model model = example::reference_model(f, task);
   auto sharded = shard::fully_shard(model, c, strategy,
                                     {.wrap = shard::wrap_types<Encoder>{}, .seed = std::uint64_t(f.num("seed"))});
   optim::Adam adam{{.lr = f.real("lr")}};

@@ -16,11 +16,12 @@
 #include <cstdio>
 
 #include "common/flags.hpp"
+#include "common/reference_model.hpp"
 #include "common/synthetic.hpp"
 
 using namespace shardlib;
-using Encoder = nn::TransformerEncoderLayer<float>;
-using Model = nn::Sequential<nn::Stack<Encoder>, nn::MeanPool<float>, nn::Linear<float>>;
+using example::Encoder;
+using example::Model;
 
 int main(int argc, char** argv) {
   example::flags f(argc, argv,
@@ -30,12 +31,7 @@ int main(int argc, char** argv) {
   const long steps = f.num("steps"), batch = f.num("batch"), every = f.num("every");
   example::synthetic_task task{.seq = f.num("seq"), .d = f.num("d-model"), .classes = f.num("classes")};
 
-  Model model{nn::Stack<Encoder>(std::size_t(f.num("layers")), {.d_model = task.d,
-                                                                .nhead = f.num("heads"),
-                                                                .dim_feedforward = f.num("ff"),
-                                                                .dropout = f.real("dropout"),
-                                                                .batch_first = true}),
-              nn::MeanPool<float>(1), nn::Linear<float>(task.d, task.classes)};
+  Model model = example::reference_model(f, task);
   nn::Replicated<float, Model> params(model, std::uint64_t(f.num("seed")));
   optim::Adam adam{{.lr = f.real("lr")}};
   auto state = adam.make_state(params.values().size());

@@ -1,6 +1,7 @@
 // The sharding engine: equivalence with unsharded training for every strategy,
 // world sizes 1-4, and a parameter count that does not divide by W.
 #include "shardlib/comm/launch.hpp"
+#include "support/shard_fixture.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/sequential.hpp"
@@ -22,77 +23,9 @@
 
 using namespace shardlib;
 
+using namespace fixture;
+
 namespace {
-
-using Block = nn::Linear<float>;
-using Model = nn::Sequential<nn::Linear<float>, nn::Stack<Block>, nn::Linear<float>>;
-
-Model make_model() { return Model{nn::Linear<float>(5, 8), nn::Stack<Block>(3, Block(8, 8)), nn::Linear<float>(8, 3)}; }
-
-// Plain SGD for the engine tests (the optimizers have their own tests).
-struct sgd {
-  float lr = 0.05f;
-  struct state {};
-  state make_state(std::size_t) { return {}; }
-  void step(std::span<float> p, std::span<const float> g, state&) {
-    for (std::size_t i = 0; i < p.size(); ++i) p[i] -= lr * g[i];
-  }
-};
-
-struct mse_result {
-  float loss;
-  Tensor<float> grad;
-};
-// Mean squared error over all elements.
-mse_result mse(const Tensor<float>& y, const Tensor<float>& target) {
-  mse_result r{0.f, Tensor<float>(y.shape())};
-  for (std::int64_t i = 0; i < y.numel(); ++i) {
-    float d = y[i] - target[i];
-    r.loss += d * d / float(y.numel());
-    r.grad[i] = 2 * d / float(y.numel());
-  }
-  return r;
-}
-
-// The global batch of step s: rows [rank * per_rank, (rank + 1) * per_rank) are rank's.
-Tensor<float> batch(int step, std::int64_t rows, std::int64_t cols, std::uint64_t stream, std::int64_t first = 0) {
-  Tensor<float> t({rows, cols});
-  counter_rng rng(1000 + step, stream);
-  for (std::int64_t i = 0; i < t.numel(); ++i) t[i] = 2 * rng.uniform_float(std::uint64_t(first * cols + i)) - 1;
-  return t;
-}
-
-struct trace {
-  std::vector<float> losses;
-  std::vector<float> norms;   // gradient norms before clipping, when clipping
-  std::vector<float> params;  // final, in unsharded flat layout order by name
-};
-
-// max_norm > 0 clips the gradients to that global norm before each step.
-trace unsharded(int world, int per_rank, int steps, float max_norm = 0) {
-  Model m = make_model();
-  nn::Replicated<float, Model> owner(m, 42);
-  nn::context ctx;
-  sgd opt;
-  sgd::state st;
-  trace t;
-  for (int s = 0; s < steps; ++s) {
-    owner.zero_grad();
-    auto x = batch(s, world * per_rank, 5, 1), y = batch(s, world * per_rank, 3, 2);
-    auto out = ctx.forward(m, x);
-    auto l = mse(out, y);
-    ctx.backward(m, l.grad);
-    if (max_norm > 0) {
-      std::span<float> g = owner.grads();
-      t.norms.push_back(optim::clip_grad_norm(std::span<const std::span<float>>(&g, 1), max_norm));
-    }
-    opt.step(owner.values(), owner.grads(), st);
-    t.losses.push_back(l.loss);
-  }
-  for (auto& e : owner.layout().entries)
-    for (float v : owner.value(e.name)) t.params.push_back(v);
-  return t;
-}
 
 template <class Strategy>
 std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy, float max_norm = 0) {
@@ -124,8 +57,6 @@ std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy
   });
   return out;
 }
-
-double rel(float a, float b) { return std::abs(double(a) - b) / std::max(1e-6, std::abs(double(b))); }
 
 }  // namespace
 
@@ -400,29 +331,6 @@ TEMPLATE_TEST_CASE("gradient accumulation, with and without no-sync, equals accu
 }
 
 namespace {
-// Unsharded reference for a 16-bit param dtype: fp32 master weights, and every
-// forward/backward on a copy rounded to H (what the sharded units gather).
-template <class H>
-trace unsharded_rounded(int world, int per_rank, int steps) {
-  Model m = make_model();
-  nn::Replicated<float, Model> owner(m, 42);
-  std::vector<float> master(owner.values().begin(), owner.values().end());
-  nn::context ctx;
-  trace t;
-  for (int s = 0; s < steps; ++s) {
-    for (std::size_t i = 0; i < master.size(); ++i) owner.values()[i] = float(H(master[i]));
-    owner.zero_grad();
-    auto x = batch(s, world * per_rank, 5, 1), y = batch(s, world * per_rank, 3, 2);
-    auto l = mse(ctx.forward(m, x), y);
-    ctx.backward(m, l.grad);
-    for (std::size_t i = 0; i < master.size(); ++i) master[i] -= sgd{}.lr * owner.grads()[i];
-    t.losses.push_back(l.loss);
-  }
-  for (auto& e : owner.layout().entries)
-    for (std::size_t i = 0; i < e.numel(); ++i) t.params.push_back(master[e.offset + i]);
-  return t;
-}
-
 template <class Strategy>
 std::vector<trace> sharded_mixed(int world, int per_rank, int steps, Strategy strategy, shard::mixed_precision p) {
   std::vector<trace> out(world);
@@ -443,13 +351,6 @@ std::vector<trace> sharded_mixed(int world, int per_rank, int steps, Strategy st
   return out;
 }
 
-double worst_difference(const trace& got, const trace& want) {
-  double worst = 0;
-  for (std::size_t s = 0; s < want.losses.size(); ++s) worst = std::max(worst, rel(got.losses[s], want.losses[s]));
-  for (std::size_t i = 0; i < want.params.size(); ++i)
-    worst = std::max(worst, std::abs(double(got.params[i]) - want.params[i]) / std::max(1e-3, std::abs(double(want.params[i]))));
-  return worst;
-}
 }  // namespace
 
 TEMPLATE_TEST_CASE("bf16 and fp16 gathers equal fp32-master training on rounded parameters", "[shard][precision]",
@@ -457,7 +358,7 @@ TEMPLATE_TEST_CASE("bf16 and fp16 gathers equal fp32-master training on rounded 
   // The batch rows of `batch(s, per_rank, .., first)` equal rows of the global batch.
   const int w = 3, steps = 20, per_rank = 3;
   {
-    auto want = unsharded_rounded<bfloat16>(w, per_rank, steps);
+    auto want = unsharded<bfloat16>(w, per_rank, steps);
     auto got = sharded_mixed(w, per_rank, steps, TestType{}, {.param = dtype::bf16});
     // fp32 reductions: the same rounded parameters and fp32 sums in another order,
     // so the fp32 tolerance holds.
@@ -475,7 +376,7 @@ TEMPLATE_TEST_CASE("bf16 and fp16 gathers equal fp32-master training on rounded 
     }
   }
   {
-    auto want = unsharded_rounded<half>(w, per_rank, steps);
+    auto want = unsharded<half>(w, per_rank, steps);
     auto got = sharded_mixed(w, per_rank, steps, TestType{}, {.param = dtype::f16});
     // fp16 turns loss scaling on: scaling by a power of two and back is exact.
     for (auto& g : got) CHECK(worst_difference(g, want) <= 1e-5);
