@@ -6,7 +6,6 @@
 #include "shardlib/core/error.hpp"          // cat
 #include "shardlib/core/ledger.hpp"         // ledger, category, current_ledger
 #include "shardlib/cuda/error.hpp"          // check, cuda_error
-#include "shardlib/cuda/memory_space.hpp"   // cuda_space
 #include "shardlib/cuda/stream.hpp"         // device_guard
 
 #include <cuda_runtime.h>
@@ -21,6 +20,10 @@
 #include <unordered_map>  // std::unordered_map
 #include <utility>        // std::exchange, std::pair
 #include <vector>         // std::vector
+
+namespace shardlib {
+struct cuda_space;  // cuda/memory_space.hpp, which allocates from here
+}  // namespace shardlib
 
 namespace shardlib::cuda {
 
@@ -63,23 +66,11 @@ class caching_allocator {
 
   int device() const { return device_; }
 
-  // `bytes` of device memory usable by work on `stream` (nullptr for 0 bytes).
-  void* allocate(std::size_t bytes, cudaStream_t stream, category kind) {
-    if (bytes == 0) return nullptr;
-    const std::size_t size = round_size(bytes);
-    std::lock_guard lock(m_);
-    block b = take_cached(size, stream);
-    if (!b.ptr) b = fresh(size, bytes);
-    b.stream = stream;
-    b.requested = bytes;
-    b.kind = kind;
-    b.owner = &current_ledger();
-    b.owner->allocate(kind, bytes);
-    stats_.in_use += b.size;
-    void* p = b.ptr;
-    live_.emplace(p, std::move(b));
-    return p;
-  }
+  // `bytes` of device memory usable by work on `stream` (nullptr for 0 bytes),
+  // recorded in the calling rank's ledger under `kind`.
+  void* allocate(std::size_t bytes, cudaStream_t stream, category kind) { return allocate(bytes, stream, &kind); }
+  // The same, not recorded: for callers that record it themselves (Buffer<T, cuda_space>).
+  void* allocate_unrecorded(std::size_t bytes, cudaStream_t stream) { return allocate(bytes, stream, nullptr); }
 
   // p, allocated here, is also used by work on `other`: freeing it waits for that work too.
   void record_stream(void* p, cudaStream_t other) {
@@ -98,7 +89,7 @@ class caching_allocator {
     if (it == live_.end()) return;  // not ours: a bug in the caller, but not one to crash in a destructor for
     block b = std::move(it->second);
     live_.erase(it);
-    b.owner->release(b.kind, b.requested);
+    if (b.owner) b.owner->release(b.kind, b.requested);
     stats_.in_use -= b.size;
     b.users.push_back(b.stream);
     for (cudaStream_t s : b.users) {
@@ -130,6 +121,25 @@ class caching_allocator {
   }
 
  private:
+  void* allocate(std::size_t bytes, cudaStream_t stream, const category* kind) {
+    if (bytes == 0) return nullptr;
+    const std::size_t size = round_size(bytes);
+    std::lock_guard lock(m_);
+    block b = take_cached(size, stream);
+    if (!b.ptr) b = fresh(size, bytes);
+    b.stream = stream;
+    b.requested = bytes;
+    if (kind) {
+      b.kind = *kind;
+      b.owner = &current_ledger();
+      b.owner->allocate(b.kind, bytes);
+    }
+    stats_.in_use += b.size;
+    void* p = b.ptr;
+    live_.emplace(p, std::move(b));
+    return p;
+  }
+
   struct block {
     void* ptr = nullptr;
     std::size_t size = 0;       // rounded, as obtained from cudaMalloc
@@ -138,7 +148,7 @@ class caching_allocator {
     std::vector<cudaStream_t> users;     // other streams that use it (record_stream)
     std::vector<std::pair<cudaStream_t, cudaEvent_t>> pending;  // once freed: an event per user stream
     category kind = category::comm_scratch;
-    ledger* owner = nullptr;
+    ledger* owner = nullptr;  // null: not recorded here
   };
 
   static constexpr std::size_t small_limit = std::size_t{1} << 20;
@@ -254,6 +264,13 @@ inline caching_allocator& device_allocator(int device) {
   auto& a = allocators[device];
   if (!a) a = std::make_unique<caching_allocator>(device);
   return *a;
+}
+
+// The allocator that holds p (device memory from any device_allocator).
+inline caching_allocator& device_allocator_of(const void* p) {
+  cudaPointerAttributes a{};
+  check(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes(", p, ")");
+  return device_allocator(a.device);
 }
 
 // n elements of T in device memory from a caching_allocator, for work on one

@@ -12,24 +12,19 @@
 
 namespace shardlib {
 
-// Device memory of the calling thread's current device, straight from
-// cudaMalloc: synchronous, for long-lived buffers (Buffer<T, cuda_space>).
-// Memory allocated and freed every step (gathered units, scratch) comes from
-// cuda::caching_allocator, which is stream-ordered and avoids cudaMalloc.
+// Device memory of the calling thread's current device, for work on the
+// thread's current stream (cuda/current.hpp): from the device's caching
+// allocator (cuda/caching_allocator.hpp), so tensors made and dropped every
+// step (activations, gathered units) do not call cudaMalloc, and freeing never
+// blocks the host. Buffer and Tensor record the bytes in the ledger themselves.
+// A buffer used on another stream must be recorded there
+// (device_allocator(d).record_stream) before it is freed.
 struct cuda_space {
   static constexpr std::string_view name = "cuda";
-  static constexpr std::size_t alignment = 256;  // what cudaMalloc guarantees
+  static constexpr std::size_t alignment = 256;  // what cudaMalloc guarantees; the allocator's blocks keep it
 
-  static void* allocate(std::size_t bytes) {
-    if (bytes == 0) return nullptr;
-    void* p = nullptr;
-    cuda::check(cudaMalloc(&p, bytes), "cudaMalloc(", bytes, " bytes)");
-    return p;
-  }
-  // cudaFree waits for the device to finish with the memory.
-  static void deallocate(void* p, std::size_t) noexcept {
-    if (p) (void)cudaFree(p);
-  }
+  static void* allocate(std::size_t bytes);
+  static void deallocate(void* p, std::size_t bytes) noexcept;
 };
 
 // Page-locked host memory: host code reads and writes it like any host memory,
@@ -68,3 +63,18 @@ template <>
 inline constexpr bool can_access<pinned_space, host_space> = true;
 
 }  // namespace shardlib
+
+// cuda_space's functions need the allocator, which needs cuda_space's declaration.
+#include "shardlib/cuda/caching_allocator.hpp"  // device_allocator
+#include "shardlib/cuda/current.hpp"            // current_stream
+
+inline void* shardlib::cuda_space::allocate(std::size_t bytes) {
+  return cuda::device_allocator(cuda::current_device()).allocate_unrecorded(bytes, cuda::current_stream());
+}
+inline void shardlib::cuda_space::deallocate(void* p, std::size_t) noexcept {
+  if (!p) return;
+  try {
+    cuda::device_allocator_of(p).deallocate(p);
+  } catch (...) {  // the context is gone (process exit): nothing left to free into
+  }
+}

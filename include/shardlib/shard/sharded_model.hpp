@@ -10,6 +10,7 @@
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/optim/clip.hpp"
 #include "shardlib/shard/precision.hpp"
+#include "shardlib/shard/space_ops.hpp"
 #include "shardlib/shard/strategy.hpp"
 #include "shardlib/shard/unit.hpp"
 #include "shardlib/shard/wrap.hpp"
@@ -46,21 +47,56 @@ class sharded_context;
 
 // The model, wrapped: forward, backward and step run the sharding strategy's
 // communication around each unit (see ../../docs/design.md, "Sharding engine").
+//
+// T is the master dtype. The model's output tensor type says the rest: its
+// memory space is where every shard and gathered buffer lives (host_space, or
+// cuda_space with shard/cuda/space_ops.cuh), and its element type C is the dtype
+// layers compute in — T, or a 16-bit type (16-bit compute: fp32 master and
+// optimizer state, C-typed gathers and layer gradients; precision.param must
+// then name C, and precision.reduce C or F32).
 template <nn::Layer Model, comm::Communicator Comm, ShardingStrategy Strategy, class T = float>
 class ShardedModel {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                "ShardedModel: parameters are float or double (mixed precision computes in a copy)");
+                "ShardedModel: master parameters are float or double");
 
  public:
   using input = typename Model::input;
   using output = typename Model::output;
-  using unit_type = unit<T>;
+  using space = typename output::space;
+  using compute_type = typename output::value_type;
+  using unit_type = unit<T, compute_type, space>;
   using state = typename unit_type::state;
+
+ private:
+  using C = compute_type;
+  using ops = space_ops<space>;
+  static constexpr bool compute16 = !std::is_same_v<C, T>;
+  static constexpr bool on_host = std::is_same_v<space, host_space>;
+  static_assert(EngineSpace<space>, "ShardedModel: no space_ops for the model's memory space (for cuda_space, "
+                                    "include shardlib/shard/cuda/space_ops.cuh)");
+  static_assert(!compute16 || (std::is_same_v<T, float> && (std::is_same_v<C, bfloat16> || std::is_same_v<C, half>)),
+                "ShardedModel: layers compute in the master dtype or, with float masters, in bfloat16 or half");
+  static_assert(!compute16 || Strategy::shards_parameters,
+                "ShardedModel: 16-bit compute (a model of bfloat16 or half layers) is implemented for the strategies "
+                "that shard parameters (FullShard, ShardGradOp, HybridShard)");
+
+ public:
 
   ShardedModel(Model& model, Comm& comm, Strategy strategy, options o)
       : model_(&model), comm_(&comm), strategy_(strategy), opts_(std::move(o)), ctx_(this, opts_.context) {
     check_precision(opts_.precision);
     require(std::is_same_v<T, float> || !mixed(), "ShardedModel: mixed precision needs float parameters");
+    if constexpr (compute16) {
+      require(opts_.precision.param == dtype_of<C>, "rank ", comm.rank(), ": the model computes in ", name(dtype_of<C>),
+              ", so mixed_precision.param must be ", name(dtype_of<C>), ", got ", name(opts_.precision.param));
+      require(opts_.precision.reduce == dtype::f32 || opts_.precision.reduce == dtype_of<C>, "rank ", comm.rank(),
+              ": with ", name(dtype_of<C>), " compute, mixed_precision.reduce must be F32 or ", name(dtype_of<C>),
+              ", got ", name(opts_.precision.reduce));
+    } else if constexpr (!on_host) {
+      // 16-bit gathers and reductions of fp32 layers change dtype in place, which is a host loop.
+      require(!mixed(), "rank ", comm.rank(), ": on the device, 16-bit precision means 16-bit compute: build the "
+              "model's layers in bfloat16 or half");
+    }
     if (opts_.precision.param == dtype::f16 || opts_.precision.reduce == dtype::f16) scaler_ = opts_.scaler;
     make_groups();
     discover(model, std::string(), true);
@@ -70,7 +106,7 @@ class ShardedModel {
       for (auto& u : units_) {
         T* grads = std::is_same_v<Strategy, ShardOptimizer> ? u.full_grad.data() : u.grad->local().data();
         if (opts_.precision.param != dtype::f32) {  // layers read a copy rounded to the param dtype
-          u.gathered = Buffer<T>(u.master->local().size(), category::gathered_parameters);
+          u.gathered = Buffer<T, space>(u.master->local().size(), category::gathered_parameters);
           refresh_compute_copy(u);
           u.bind(u.gathered.data(), grads);
         } else {
@@ -101,8 +137,8 @@ class ShardedModel {
   void zero_grad() {
     for (auto& u : units_) {
       require(!u.reducing, "zero_grad: a gradient reduction of unit '", u.name, "' is still pending");
-      std::fill_n(u.grad->local().data(), u.grad->local().size(), T(0));
-      if constexpr (std::is_same_v<Strategy, ShardOptimizer>) std::fill_n(u.full_grad.data(), u.full_grad.size(), T(0));
+      ops::fill(u.grad->local(), T(0));
+      if constexpr (std::is_same_v<Strategy, ShardOptimizer>) ops::fill(u.full_grad.span(), T(0));
       else u.full_grad.reset();  // drops gradients accumulated under sync(false)
       u.grad_clean = true;
     }
@@ -115,13 +151,13 @@ class ShardedModel {
   // the same values and must not be counted twice. Call after backward.
   float clip_grad_norm(float max_norm) {
     double local = 0;
-    for (auto& u : units_) local += optim::grad_norm_squared(std::span<const T>(u.grad->local()));
+    for (auto& u : units_) local += ops::sum_squares(std::span<const T>(u.grad->local()));
     std::vector<double> sum{local};
-    if constexpr (std::is_same_v<Strategy, ShardOptimizer>) comm_->all_reduce(std::span<double>(sum), comm::reduce_op::sum);
-    else if constexpr (Strategy::shards_parameters) shard_comm().all_reduce(std::span<double>(sum), comm::reduce_op::sum);
+    if constexpr (std::is_same_v<Strategy, ShardOptimizer>) ops::all_reduce_values(*comm_, std::span<double>(sum), comm::reduce_op::sum);
+    else if constexpr (Strategy::shards_parameters) ops::all_reduce_values(shard_comm(), std::span<double>(sum), comm::reduce_op::sum);
     const double total = std::sqrt(sum[0]);
     const float coefficient = optim::clip_coefficient(total, max_norm);
-    for (auto& u : units_) optim::scale_grads(u.grad->local(), coefficient);
+    for (auto& u : units_) ops::scale(u.grad->local(), coefficient);
     return float(total);
   }
 
@@ -131,7 +167,16 @@ class ShardedModel {
     for (auto& u : units_) {
       auto& state = state_for(opt, u);
       auto [values, grads] = optimizer_span(u);
-      opt.step(values, std::span<const T>(grads), state);
+      if constexpr (compute16) {  // the compute copy for the next gather, in the same pass where the optimizer can
+        if constexpr (requires { opt.step(values, std::span<const T>(grads), state, u.compute_shard.span()); })
+          opt.step(values, std::span<const T>(grads), state, u.compute_shard.span());
+        else {
+          opt.step(values, std::span<const T>(grads), state);
+          ops::narrow(std::span<const T>(values), u.compute_shard.span());
+        }
+      } else {
+        opt.step(values, std::span<const T>(grads), state);
+      }
     }
     if constexpr (std::is_same_v<Strategy, ShardOptimizer>) {
       for (auto& u : units_) {  // everyone's updated slice back to everyone (fp32: it is the master)
@@ -156,18 +201,17 @@ class ShardedModel {
     zero_grad();
     auto out = forward(x);
     auto l = loss_fn(out, y);
-    if (scaler_)
-      for (auto& g : l.grad.span()) g *= scaler_->scale;
+    if (scaler_) scale_loss_gradient(l.grad.span(), scaler_->scale);
     backward(l.grad);
     if (!scaler_) {
       step(opt);
       return l.loss;
     }
     std::vector<float> overflow{0.f};
-    for (auto& u : units_) overflow[0] = std::max(overflow[0], all_finite(u.grad->local()) ? 0.f : 1.f);
-    comm_->all_reduce(std::span<float>(overflow), comm::reduce_op::max);  // every rank decides alike
+    for (auto& u : units_) overflow[0] = std::max(overflow[0], ops::all_finite(u.grad->local()) ? 0.f : 1.f);
+    ops::all_reduce_values(*comm_, std::span<float>(overflow), comm::reduce_op::max);  // every rank decides alike
     if (overflow[0] == 0.f) {
-      for (auto& u : units_) optim::scale_grads(u.grad->local(), 1.f / scaler_->scale);
+      for (auto& u : units_) ops::scale(u.grad->local(), 1.f / scaler_->scale);
       step(opt);
     } else {
       ++step_;  // skipped: parameters and optimizer state stay as they were
@@ -191,17 +235,17 @@ class ShardedModel {
     model_->parameters([&](std::string_view name, auto&) { position.emplace(std::string(name), position.size()); });
     std::vector<named_tensor> out(keep ? position.size() : 0);
     for (auto& u : units_) {
-      Buffer<T> full;
+      Buffer<T, space> full;
       std::span<const T> values = u.master->local();
       if constexpr (Strategy::shards_parameters) {
-        full = Buffer<T>(u.master->layout().padded_size(), category::gathered_parameters);
+        full = Buffer<T, space>(u.master->layout().padded_size(), category::gathered_parameters);
         u.master->gather(shard_comm(), full.span());
         values = full.span();
       }
       if (!keep) continue;
       for (const auto& e : u.layout.entries) {
         Tensor<T> t(e.shape, category::parameters);
-        std::copy_n(values.data() + e.offset, e.numel(), t.data());
+        ops::to_host(values.subspan(e.offset, e.numel()), t.span());
         out[position.at(e.name)] = {e.name, std::move(t)};
       }
     }
@@ -219,7 +263,7 @@ class ShardedModel {
     return state_for(opt, units_.at(i));
   }
   // Replaces this rank's master values of unit i (its whole local buffer, padding
-  // included). Between steps only: a gathered copy would go stale.
+  // included; host memory). Between steps only: a gathered copy would go stale.
   void load_master(std::size_t i, std::span<const T> values) {
     auto& u = units_.at(i);
     auto local = u.master->local();
@@ -227,7 +271,8 @@ class ShardedModel {
                          "' needs ", local.size(), " values, got ", values.size());
     require(u.values == state::sharded, "rank ", comm_->rank(), ": load_master of unit '", u.name,
             "' while it is gathered (load between steps)");
-    std::copy(values.begin(), values.end(), local.begin());
+    ops::from_host(values, local);
+    if constexpr (compute16) ops::narrow(std::span<const T>(local), u.compute_shard.span());
     if constexpr (!Strategy::shards_parameters)
       if (opts_.precision.param != dtype::f32) refresh_compute_copy(u);
   }
@@ -283,8 +328,8 @@ class ShardedModel {
     if constexpr (Strategy::shards_parameters) {
       ensure_gathered(u);
       if (u.full_grad.empty()) {  // kept from earlier micro-batches under sync(false)
-        u.full_grad = Buffer<T>(u.gathered.size(), category::gradients);
-        std::fill_n(u.full_grad.data(), u.full_grad.size(), T(0));
+        u.full_grad = Buffer<C, space>(u.gathered.size(), category::gradients);
+        ops::fill(u.full_grad.span(), C(0));
       }
       u.bind(u.gathered.data(), u.full_grad.data());
       prefetch(int(&u - units_.data()), -1);
@@ -328,8 +373,8 @@ class ShardedModel {
     if (idx < 0) return;
     auto& u = units_[idx];
     layer.parameters([&](std::string_view pname, auto& p) {
-      static_assert(std::is_same_v<std::remove_reference_t<decltype(p)>, nn::Param<T>>,
-                    "ShardedModel: every parameter must be a Param<T> of the model's element type");
+      static_assert(std::is_same_v<std::remove_reference_t<decltype(p)>, nn::Param<C>>,
+                    "ShardedModel: every parameter must be a Param<C> of the model output's element type");
       if (!claimed_.insert(&p).second) return;
       u.layout.numel = (u.layout.numel + 15) / 16 * 16;  // the alignment nn::flatten uses
       u.layout.entries.push_back({nn::join_name(name, pname), p.shape, p.init, u.layout.numel});
@@ -346,18 +391,22 @@ class ShardedModel {
       Comm& c = shard_comm();
       u.master.emplace(n, c, category::parameters);
       u.grad.emplace(n, c, category::gradients);
-      nn::initialize_range<T>(u.layout, opts_.seed, u.master->layout().begin(c.rank()), u.master->local());
+      ops::initialize(u.layout, opts_.seed, u.master->layout().begin(c.rank()), u.master->local());
+      if constexpr (compute16) {
+        u.compute_shard = Buffer<C, space>(u.master->local().size(), category::parameters);
+        ops::narrow(std::span<const T>(u.master->local()), u.compute_shard.span());
+      }
     } else {
       // Replicated values, padded to a multiple of the world so ShardOptimizer can
       // all-gather them in place after each rank updated its slice.
       const std::size_t padded = shard_layout{n, comm_->size()}.padded_size();
       u.master.emplace(padded, 1, 0, category::parameters);
-      nn::initialize_range<T>(u.layout, opts_.seed, 0, u.master->local());
+      ops::initialize(u.layout, opts_.seed, 0, u.master->local());
       if constexpr (std::is_same_v<Strategy, ShardOptimizer>) {
         // ZeRO-1: every rank keeps full local gradients; the reduced gradients
         // and the optimizer state exist only for its own slice.
-        u.full_grad = Buffer<T>(padded, category::gradients);
-        std::fill_n(u.full_grad.data(), padded, T(0));
+        u.full_grad = Buffer<C, space>(padded, category::gradients);
+        ops::fill(u.full_grad.span(), C(0));
         u.grad.emplace(padded, comm_->size(), comm_->rank(), category::gradients);
       } else {
         u.grad.emplace(padded, 1, 0, category::gradients);
@@ -371,12 +420,12 @@ class ShardedModel {
     std::vector<std::int64_t> mine;  // hashes (int64: an element type every communicator carries)
     mine.push_back(std::int64_t(fnv1a(Strategy::name) ^ std::uint64_t(shard_comm().size())));
     for (const auto& u : units_)
-      for (const auto& e : u.layout.entries) mine.push_back(std::int64_t(fnv1a(cat(u.name, "|", e.name, e.shape, "|", sizeof(T)))));
-    std::vector<std::int64_t> count{std::int64_t(mine.size())}, most(1);
-    comm_->all_reduce(std::span<const std::int64_t>(count), std::span<std::int64_t>(most), comm::reduce_op::max);
+      for (const auto& e : u.layout.entries) mine.push_back(std::int64_t(fnv1a(cat(u.name, "|", e.name, e.shape, "|", sizeof(T), sizeof(C)))));
+    std::vector<std::int64_t> most{std::int64_t(mine.size())};
+    ops::all_reduce_values(*comm_, std::span<std::int64_t>(most), comm::reduce_op::max);
     mine.resize(std::size_t(most[0]), 0);  // absent entries hash to 0
     std::vector<std::int64_t> all(mine.size() * comm_->size());
-    comm_->all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+    ops::all_gather_values(*comm_, std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
     for (std::size_t i = 0; i < mine.size(); ++i)
       for (int r = 0; r < comm_->size(); ++r) {
         if (all[r * mine.size() + i] == all[i]) continue;
@@ -396,14 +445,17 @@ class ShardedModel {
   // --- gathering -----------------------------------------------------------------------------
   bool mixed() const { return opts_.precision.param != dtype::f32 || opts_.precision.reduce != dtype::f32; }
 
-  // In the param dtype, the shard is narrowed into a scratch copy and gathered
+  // 16-bit compute gathers the compute copy of the shard. Otherwise, in a 16-bit
+  // param dtype (host), the shard is narrowed into a scratch copy and gathered
   // into the first half of the float buffer, which is widened in place on arrival.
   void issue_gather(unit_type& u) {
     if (u.values != state::sharded) return;
-    u.gathered = Buffer<T>(u.master->layout().padded_size(), category::gathered_parameters);
-    if (opts_.precision.param == dtype::f32) {
+    u.gathered = Buffer<C, space>(u.master->layout().padded_size(), category::gathered_parameters);
+    if constexpr (compute16) {
+      u.gather_work = shard_comm().all_gather_async(std::span<const C>(u.compute_shard.span()), u.gathered.span());
+    } else if (opts_.precision.param == dtype::f32) {
       u.gather_work = u.master->gather_async(shard_comm(), u.gathered.span());
-    } else {
+    } else if constexpr (on_host) {
       with_16bit(opts_.precision.param, [&](auto h) {
         using H = decltype(h);
         u.send_scratch = Buffer<T>(u.master->local().size(), category::comm_scratch);
@@ -417,10 +469,11 @@ class ShardedModel {
   }
   void complete_gather(unit_type& u) {
     u.gather_work.wait();
-    if (opts_.precision.param != dtype::f32) {
-      with_16bit(opts_.precision.param, [&](auto h) { widen_in_place<decltype(h)>(u.gathered.span()); });
-      u.send_scratch.reset();
-    }
+    if constexpr (on_host && !compute16)
+      if (opts_.precision.param != dtype::f32) {
+        with_16bit(opts_.precision.param, [&](auto h) { widen_in_place<decltype(h)>(u.gathered.span()); });
+        u.send_scratch.reset();
+      }
     u.values = state::gathered;
   }
   void ensure_gathered(unit_type& u) {
@@ -430,9 +483,7 @@ class ShardedModel {
   // Replicated strategies in a 16-bit param dtype compute on a rounded copy.
   void refresh_compute_copy(unit_type& u) {
     with_16bit(opts_.precision.param, [&](auto h) {
-      using H = decltype(h);
-      auto m = u.master->local();
-      for (std::size_t i = 0; i < m.size(); ++i) u.gathered[i] = float(H(m[i]));
+      ops::template round_to<decltype(h)>(std::span<const T>(u.master->local()), u.gathered.span());
     });
   }
   void free_gathered(unit_type& u) {
@@ -459,16 +510,33 @@ class ShardedModel {
   void reduce_gradients(unit_type& u) {
     finish_reduction_except(&u);  // at most one reduction in flight besides this one
     const dtype rd = opts_.precision.reduce;
-    if constexpr (!std::is_same_v<Strategy, NoShard>) {
+    if constexpr (compute16) {
+      Comm& c = shard_comm();
+      if (rd == dtype::f32) {  // widen the full gradients, then as fp32 compute does
+        u.wide_grad = Buffer<T, space>(u.full_grad.size(), category::comm_scratch);
+        ops::widen_add(std::span<const C>(u.full_grad.span()), u.wide_grad.span(), true);
+        u.full_grad.reset();
+        auto into = u.grad->local();
+        if (!u.grad_clean) {
+          u.reduce_scratch = Buffer<T, space>(into.size(), category::comm_scratch);
+          into = u.reduce_scratch.span();
+        }
+        u.reduce_work = c.reduce_scatter_async(std::span<const T>(u.wide_grad.span()), into, comm::reduce_op::avg);
+      } else {  // in C, into a C scratch that is widened into the shard after
+        u.narrow_scratch = Buffer<C, space>(u.grad->local().size(), category::comm_scratch);
+        u.reduce_work = c.reduce_scatter_async(std::span<const C>(u.full_grad.span()), u.narrow_scratch.span(),
+                                               comm::reduce_op::avg);
+      }
+    } else if constexpr (!std::is_same_v<Strategy, NoShard>) {
       auto into = u.grad->local();
       if (!u.grad_clean || rd != dtype::f32) {  // reduce into scratch; add (or widen) after
-        u.reduce_scratch = Buffer<T>(into.size(), category::comm_scratch);
+        u.reduce_scratch = Buffer<T, space>(into.size(), category::comm_scratch);
         into = u.reduce_scratch.span();
       }
       Comm& c = std::is_same_v<Strategy, ShardOptimizer> ? *comm_ : shard_comm();
       if (rd == dtype::f32) {
         u.reduce_work = c.reduce_scatter_async(std::span<const T>(u.full_grad.span()), into, comm::reduce_op::avg);
-      } else {  // in the reduce dtype: narrow in place, reduce into the scratch's first half
+      } else if constexpr (on_host) {  // in the reduce dtype: narrow in place, reduce into the scratch's first half
         with_16bit(rd, [&](auto h) {
           using H = decltype(h);
           auto send = narrow_in_place<H>(u.full_grad.span());
@@ -480,7 +548,7 @@ class ShardedModel {
       auto full = u.grad->local();
       if (rd == dtype::f32) {
         u.reduce_work = comm_->all_reduce_async(std::span<const T>(full), full, comm::reduce_op::avg);
-      } else {
+      } else if constexpr (on_host) {
         with_16bit(rd, [&](auto h) {
           using H = decltype(h);
           auto g = narrow_in_place<H>(full);
@@ -498,20 +566,27 @@ class ShardedModel {
     u.reducing = false;
     const dtype rd = opts_.precision.reduce;
     if constexpr (!std::is_same_v<Strategy, NoShard>) {
+      if constexpr (compute16) {
+        u.wide_grad.reset();
+        if (!u.narrow_scratch.empty()) {
+          ops::widen_add(std::span<const C>(u.narrow_scratch.span()), u.grad->local(), u.grad_clean);
+          u.narrow_scratch.reset();
+        }
+      }
       if (!u.reduce_scratch.empty()) {
-        if (rd != dtype::f32) with_16bit(rd, [&](auto h) { widen_in_place<decltype(h)>(u.reduce_scratch.span()); });
-        auto g = u.grad->local();
-        for (std::size_t i = 0; i < g.size(); ++i) g[i] = (u.grad_clean ? T(0) : g[i]) + u.reduce_scratch[i];
+        if constexpr (on_host && !compute16)
+          if (rd != dtype::f32) with_16bit(rd, [&](auto h) { widen_in_place<decltype(h)>(u.reduce_scratch.span()); });
+        ops::add(std::span<const T>(u.reduce_scratch.span()), u.grad->local(), u.grad_clean);
         u.reduce_scratch.reset();
       }
-      if constexpr (std::is_same_v<Strategy, ShardOptimizer>) std::fill_n(u.full_grad.data(), u.full_grad.size(), T(0));
+      if constexpr (std::is_same_v<Strategy, ShardOptimizer>) ops::fill(u.full_grad.span(), C(0));
       else u.full_grad.reset();
       if constexpr (std::is_same_v<Strategy, HybridShard>) {  // then average the shard across replicas
         auto g = u.grad->local();
         replica_comm_->all_reduce(g, comm::reduce_op::avg);
       }
-    } else if (rd != dtype::f32) {
-      with_16bit(rd, [&](auto h) { widen_in_place<decltype(h)>(u.grad->local()); });
+    } else if constexpr (on_host) {
+      if (rd != dtype::f32) with_16bit(rd, [&](auto h) { widen_in_place<decltype(h)>(u.grad->local()); });
     }
     u.grad_clean = false;
   }
@@ -555,6 +630,18 @@ class ShardedModel {
     require(u.optimizer_type == &type_tag, "rank ", comm_->rank(), ": unit '", u.name,
             "' has optimizer state of another optimizer type");
     return *static_cast<typename Optimizer::state*>(u.optimizer_state.get());
+  }
+
+  // The loss gradient times the fp16 loss scale (in fp32 when the layers compute in 16 bits).
+  void scale_loss_gradient(std::span<C> g, float factor) {
+    if constexpr (compute16) {
+      Buffer<float, space> wide(g.size(), category::activations);
+      ops::widen_add(std::span<const C>(g), wide.span(), true);
+      ops::scale(wide.span(), factor);
+      ops::narrow(std::span<const float>(wide.span()), g);
+    } else {
+      ops::scale(g, factor);
+    }
   }
 
   Model* model_;

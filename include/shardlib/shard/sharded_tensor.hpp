@@ -6,6 +6,7 @@
 #include "shardlib/core/element.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/memory_space.hpp"
+#include "shardlib/shard/space_ops.hpp"
 
 #include <algorithm>  // std::min, std::max, std::copy_n, std::fill_n
 #include <cstddef>    // std::size_t
@@ -53,7 +54,7 @@ class ShardedTensor {
       : layout_{numel, world}, rank_(rank), local_(layout_.shard_size(), kind) {
     require<shape_error>(world >= 1 && rank >= 0 && rank < world, "ShardedTensor: rank ", rank,
                          " is not in a world of ", world);
-    std::fill_n(local_.data(), local_.size(), T{});
+    space_ops<Space>::fill(local_.span(), T{});
   }
   template <comm::Communicator C>
   ShardedTensor(std::size_t numel, C& comm, category kind) : ShardedTensor(numel, comm.size(), comm.rank(), kind) {}
@@ -81,7 +82,9 @@ class ShardedTensor {
 
   // Takes this rank's slice of a full tensor every rank holds (numel or padded_size
   // elements); padding stays zero.
-  void assign_local(std::span<const T> full) {
+  void assign_local(std::span<const T> full)
+    requires can_access<host_space, Space>
+  {
     require<shape_error>(full.size() == layout_.numel || full.size() == layout_.padded_size(), "rank ", rank_,
                          ": ShardedTensor::assign_local needs ", layout_.numel, " (or padded ", layout_.padded_size(),
                          ") elements, got ", full.size());
@@ -94,7 +97,9 @@ class ShardedTensor {
   // pass an empty span). Rank by rank, root broadcasts one shard; the others keep
   // theirs, so no rank but root ever holds more than one shard of scratch.
   template <comm::Communicator C>
-  void scatter(C& comm, std::span<const T> full, int root) {
+  void scatter(C& comm, std::span<const T> full, int root)
+    requires can_access<host_space, Space>
+  {
     if (comm.rank() == root)
       require<shape_error>(full.size() == layout_.numel, "rank ", rank_, ": ShardedTensor::scatter needs ",
                            layout_.numel, " elements on root ", root, ", got ", full.size());

@@ -1,0 +1,107 @@
+// shardlib/shard/space_ops.hpp — space_ops<Space>: the few things the sharding
+// engine does to the data of its flat buffers, for the memory space they live in.
+// The host's are here; the device's (cuda_space) are in shard/cuda/space_ops.cuh.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/comm/communicator.hpp"
+#include "shardlib/core/element.hpp"
+#include "shardlib/core/memory_space.hpp"
+#include "shardlib/nn/flat.hpp"
+#include "shardlib/optim/clip.hpp"
+#include "shardlib/shard/precision.hpp"
+
+#include <algorithm>  // std::copy_n, std::fill_n
+#include <cstdint>    // std::uint64_t
+#include <span>       // std::span
+#include <type_traits>  // std::is_same_v
+
+namespace shardlib::shard {
+
+// The engine (shard/sharded_model.hpp) never touches its buffers' elements
+// directly: it calls these. What a specialisation provides (T is float or
+// double, H a 16-bit element type, Comm any Communicator over memory of Space):
+//
+//   fill(span<T>, T)                           every element <- value
+//   copy(span<const T> src, span<T> dst)       within the space (same sizes)
+//   to_host(span<const T>, span<T> host)       space -> host memory, complete on return
+//   from_host(span<const T> host, span<T>)     host memory -> space, complete on return
+//   initialize(layout, seed, first, span<T>)   nn::initialize_range's values into the space
+//   narrow(span<const float>, span<H>)         out = H(in), out of place
+//   widen_add(span<const H>, span<float>, bool overwrite)
+//                                              out = (overwrite ? 0 : out) + float(in)
+//   round_to<H>(span<const float>, span<float>) out = float(H(in))
+//   add(span<const T>, span<T>, bool overwrite) out = (overwrite ? 0 : out) + in
+//   scale(span<float>, float)                  x *= c
+//   sum_squares(span<const float>) -> double   complete on return (the host reads it)
+//   all_finite(span<const float>) -> bool      complete on return
+//   all_reduce_values(Comm&, span<T> host, reduce_op)
+//   all_gather_values(Comm&, span<const T> host, span<T> host)
+//                                              collectives over small host arrays
+//                                              (hashes, norms, flags), staged through
+//                                              the space when the communicator needs it
+//
+// Device implementations run on the thread's current stream and may return
+// before the work is done, except where "complete on return" is said.
+template <class Space>
+struct space_ops;
+
+template <>
+struct space_ops<host_space> {
+  template <class T>
+  static void fill(std::span<T> x, T value) {
+    std::fill_n(x.data(), x.size(), value);
+  }
+  template <class T>
+  static void copy(std::span<const T> src, std::span<T> dst) {
+    std::copy_n(src.data(), src.size(), dst.data());
+  }
+  template <class T>
+  static void to_host(std::span<const T> src, std::span<T> host) {
+    copy(src, host);
+  }
+  template <class T>
+  static void from_host(std::span<const T> host, std::span<T> dst) {
+    copy(host, dst);
+  }
+  template <class T>
+  static void initialize(const nn::flat_layout& layout, std::uint64_t seed, std::size_t first, std::span<T> out) {
+    nn::initialize_range<T>(layout, seed, first, out);
+  }
+  template <class H>
+  static void narrow(std::span<const float> in, std::span<H> out) {
+    for (std::size_t i = 0; i < in.size(); ++i) out[i] = H(in[i]);
+  }
+  template <class H>
+  static void widen_add(std::span<const H> in, std::span<float> out, bool overwrite) {
+    for (std::size_t i = 0; i < in.size(); ++i) out[i] = (overwrite ? 0.f : out[i]) + float(in[i]);
+  }
+  template <class H>
+  static void round_to(std::span<const float> in, std::span<float> out) {
+    for (std::size_t i = 0; i < in.size(); ++i) out[i] = float(H(in[i]));
+  }
+  template <class T>
+  static void add(std::span<const T> in, std::span<T> out, bool overwrite) {
+    for (std::size_t i = 0; i < in.size(); ++i) out[i] = (overwrite ? T(0) : out[i]) + in[i];
+  }
+  template <class T>
+  static void scale(std::span<T> x, float c) {
+    if constexpr (std::is_same_v<T, float>) optim::scale_grads(x, c);
+    else for (auto& v : x) v *= c;
+  }
+  static double sum_squares(std::span<const float> x) { return optim::grad_norm_squared(x); }
+  static bool all_finite(std::span<const float> x) { return shard::all_finite(x); }
+  template <class T, comm::Communicator Comm>
+  static void all_reduce_values(Comm& comm, std::span<T> values, comm::reduce_op op) {
+    comm.all_reduce(values, op);
+  }
+  template <class T, comm::Communicator Comm>
+  static void all_gather_values(Comm& comm, std::span<const T> mine, std::span<T> all) {
+    comm.all_gather(mine, all);
+  }
+};
+
+// The spaces the engine can keep a model's shards in.
+template <class Space>
+concept EngineSpace = MemorySpace<Space> && requires { sizeof(space_ops<Space>); };
+
+}  // namespace shardlib::shard
