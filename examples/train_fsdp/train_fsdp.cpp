@@ -9,28 +9,21 @@
 // Ranks are threads of this process by default; started under mpirun (and built
 // with MPI), each process is one rank.
 #include <shardlib/comm/launch.hpp>
-#include <shardlib/io/safetensors.hpp>
-#include <shardlib/nn/linear.hpp>
-#include <shardlib/nn/loss.hpp>
-#include <shardlib/nn/pooling.hpp>
-#include <shardlib/nn/sequential.hpp>
-#include <shardlib/nn/stack.hpp>
-#include <shardlib/nn/transformer.hpp>
 #include <shardlib/optim/adam.hpp>
 #include <shardlib/shard/sharded_model.hpp>
 #if SHARDLIB_EXAMPLE_WITH_MPI
 #include <shardlib/mpi.hpp>
 #endif
 
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
-#include <string_view>
+#include <utility>
 
 #include "common/flags.hpp"
 #include "common/reference_model.hpp"
 #include "common/synthetic.hpp"
+#include "common/training.hpp"
 
 using namespace shardlib;
 using example::Encoder;
@@ -38,59 +31,16 @@ using example::Model;
 
 namespace {
 
-// One JSON line per step of this rank; one fprintf per line, so the lines of ranks
-// sharing the file (threads: a locked FILE; processes: O_APPEND) never interleave.
-void log_metrics(std::FILE* out, std::string_view strategy, int world, int rank, long step, float loss, double seconds,
-                 double tokens, const ledger& l) {
-  std::string peaks;
-  for (int k = 0; k < category_count; ++k) peaks += cat("\"", name(category(k)), "\":", l.peak(category(k)), ",");
-  std::fprintf(out,
-               "{\"bench\":\"train_fsdp\",\"strategy\":\"%s\",\"world\":%d,\"rank\":%d,\"step\":%ld,\"loss\":%.9g,"
-               "\"step_s\":%.9g,\"tokens_per_s\":%.9g,\"peak_bytes\":{%s\"total\":%zu}}\n",
-               std::string(strategy).c_str(), world, rank, step, double(loss), seconds, tokens / seconds, peaks.c_str(),
-               l.peak());
-  std::fflush(out);
-}
-
 template <comm::Communicator Comm, shard::ShardingStrategy Strategy>
 void train(Comm& c, Strategy strategy, const example::flags& f, std::FILE* metrics) {
-  const long steps = f.num("steps"), batch = f.num("batch"), every = f.num("every");
   example::synthetic_task task{.seq = f.num("seq"), .d = f.num("d-model"), .classes = f.num("classes")};
   Model model = example::reference_model(f, task);
   auto sharded = shard::fully_shard(model, c, strategy,
                                     {.wrap = shard::wrap_types<Encoder>{}, .seed = std::uint64_t(f.num("seed"))});
   optim::Adam adam{{.lr = f.real("lr")}};
-  if (c.rank() == 0)
-    std::printf("train_fsdp: %zu parameters in %zu units, %s over %d ranks, per-rank batch %ld\n",
-                nn::parameter_count(model), sharded.units().size(), std::string(Strategy::name).c_str(), c.size(),
-                batch);
-  auto since = [](auto t) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count(); };
-  ledger& l = current_ledger();  // this rank's
-  const double tokens = double(batch * task.seq);  // per rank and step
-  auto t0 = std::chrono::steady_clock::now();
-  for (long step = 0; step < steps; ++step) {
-    // Each rank takes its own slice of the global batch of step `step`.
-    const long first = (step * c.size() + c.rank()) * batch;
-    l.reset_peaks();  // the peaks of this step alone
-    const auto t_step = std::chrono::steady_clock::now();
-    float loss = sharded.train_step(adam, task.inputs(first, batch), task.labels(first, batch), nn::cross_entropy);
-    if (metrics) log_metrics(metrics, Strategy::name, c.size(), c.rank(), step, loss, since(t_step), tokens, l);
-    if (step % every == 0) std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
-    if (step % every == 0 && c.rank() == 0) {
-      const double elapsed = since(t0), per_step = elapsed / double(step + 1);
-      std::printf("train_fsdp: step %ld/%ld, %.0f tokens/s over %d ranks, %.3f s/step, ETA %.1f s\n", step + 1, steps,
-                  tokens * c.size() / per_step, c.size(), per_step, per_step * double(steps - step - 1));
-    }
-  }
-  const double seconds = since(t0);
-  auto state = sharded.full_state_dict();  // rank 0 holds it, one unit gathered at a time
-  if (c.rank() == 0) {
-    io::safetensors_writer out;
-    for (auto& [name, t] : state) out.add<float>(name, t.shape(), t.span());
-    out.set_metadata("format", "pt");
-    out.write(f.str("out"));
-    std::printf("train_fsdp: %.3f s per step; model written to %s\n", seconds / double(steps), f.str("out").c_str());
-  }
+  example::train_loop("train_fsdp", sharded, adam, task, f, metrics, [&](long first, long count) {
+    return std::pair(task.inputs(first, count), task.labels(first, count));
+  });
 }
 
 template <comm::Communicator Comm>

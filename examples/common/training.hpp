@@ -1,0 +1,84 @@
+// examples/common/training.hpp — the training loop train_fsdp and train_fsdp_cuda
+// share: the article's printout, a progress line with an ETA, --metrics JSON lines,
+// and the consolidated model written to safetensors at the end.
+#pragma once
+#include <shardlib/core/error.hpp>
+#include <shardlib/core/ledger.hpp>
+#include <shardlib/io/safetensors.hpp>
+#include <shardlib/nn/layer.hpp>
+#include <shardlib/nn/loss.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <string_view>
+#include <type_traits>  // std::remove_cvref_t
+
+#include "flags.hpp"
+#include "synthetic.hpp"
+
+namespace example {
+
+// One JSON line per step of this rank; one fprintf per line, so the lines of ranks
+// sharing the file (threads: a locked FILE; processes: O_APPEND) never interleave.
+inline void log_metrics(std::FILE* out, std::string_view program, std::string_view strategy, int world, int rank,
+                        long step, float loss, double seconds, double tokens, const shardlib::ledger& l) {
+  namespace sl = shardlib;
+  std::string peaks;
+  for (int k = 0; k < sl::category_count; ++k)
+    peaks += sl::cat("\"", sl::name(sl::category(k)), "\":", l.peak(sl::category(k)), ",");
+  std::fprintf(out,
+               "{\"bench\":\"%s\",\"strategy\":\"%s\",\"world\":%d,\"rank\":%d,\"step\":%ld,\"loss\":%.9g,"
+               "\"step_s\":%.9g,\"tokens_per_s\":%.9g,\"peak_bytes\":{%s\"total\":%zu}}\n",
+               std::string(program).c_str(), std::string(strategy).c_str(), world, rank, step, double(loss), seconds,
+               tokens / seconds, peaks.c_str(), l.peak());
+  std::fflush(out);
+}
+
+// --steps steps of `sharded` (a shard::ShardedModel) with `opt` on the synthetic
+// task; batch(first, count) gives the inputs and labels of rows [first, first +
+// count) of the global data set, in the model's memory space.
+template <class Sharded, class Optimizer, class Batch>
+void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, const synthetic_task& task, const flags& f,
+                std::FILE* metrics, Batch&& batch) {
+  namespace sl = shardlib;
+  auto& c = sharded.comm();
+  const std::string_view strategy = std::remove_cvref_t<decltype(sharded.strategy())>::name;
+  const long steps = f.num("steps"), per_rank = f.num("batch"), every = f.num("every");
+  if (c.rank() == 0)
+    std::printf("%s: %zu parameters in %zu units, %s over %d ranks, per-rank batch %ld\n", std::string(program).c_str(),
+                sl::nn::parameter_count(sharded.model()), sharded.units().size(), std::string(strategy).c_str(),
+                c.size(), per_rank);
+  auto since = [](auto t) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count(); };
+  sl::ledger& l = sl::current_ledger();  // this rank's
+  const double tokens = double(per_rank * task.seq);  // per rank and step
+  auto t0 = std::chrono::steady_clock::now();
+  for (long step = 0; step < steps; ++step) {
+    // Each rank takes its own slice of the global batch of step `step`.
+    const long first = (step * c.size() + c.rank()) * per_rank;
+    l.reset_peaks();  // the peaks of this step alone
+    const auto t_step = std::chrono::steady_clock::now();
+    auto [x, y] = batch(first, per_rank);
+    const float loss = sharded.train_step(opt, x, y, sl::nn::cross_entropy);  // the loss is on the host: step done
+    if (metrics) log_metrics(metrics, program, strategy, c.size(), c.rank(), step, loss, since(t_step), tokens, l);
+    if (step % every == 0) std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
+    if (step % every == 0 && c.rank() == 0) {
+      const double elapsed = since(t0), per_step = elapsed / double(step + 1);
+      std::printf("%s: step %ld/%ld, %.0f tokens/s over %d ranks, %.3f s/step, ETA %.1f s\n",
+                  std::string(program).c_str(), step + 1, steps, tokens * c.size() / per_step, c.size(), per_step,
+                  per_step * double(steps - step - 1));
+    }
+  }
+  const double seconds = since(t0);
+  auto state = sharded.full_state_dict();  // rank 0 holds it, one unit gathered at a time
+  if (c.rank() == 0) {
+    sl::io::safetensors_writer out;
+    for (auto& [name, t] : state) out.add<float>(name, t.shape(), t.span());
+    out.set_metadata("format", "pt");
+    out.write(f.str("out"));
+    std::printf("%s: %.3f s per step; model written to %s\n", std::string(program).c_str(), seconds / double(steps),
+                f.str("out").c_str());
+  }
+}
+
+}  // namespace example
