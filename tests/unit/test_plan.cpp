@@ -240,13 +240,15 @@ TEST_CASE("the article's scenario in bf16 mixed precision, by hand", "[plan][art
   CHECK(zero1.sent.all_gather == 0.75 * 24e9);  // the update goes out in fp32: it is the master
 
   auto zero2 = article(plan::strategy::shard_grad_op, bf16);
+  CHECK(zero2.memory.parameters == 6'000'000'000 + 3'000'000'000);  // fp32 master shard and its bf16 copy
   CHECK(zero2.memory.gradients == 6'000'000'000 + 2 * (root + 2 * block));
   CHECK(zero2.memory.gathered_parameters == 12'000'000'000);
-  CHECK(zero2.memory.comm_scratch == root);  // the root's shard, narrowed for its gather (4 B × root / 4)
+  CHECK(zero2.memory.comm_scratch == root / 2);  // the root's gradient shard, reduced in bf16 (2 B × root / 4)
 
   auto fsdp = article(plan::strategy::full_shard, bf16);
+  CHECK(fsdp.memory.parameters == 9'000'000'000);
   CHECK(fsdp.memory.gathered_parameters == 2 * (root + 2 * block));
-  CHECK(fsdp.memory.comm_scratch == 2 * block);  // one block's reduction beside the next block's gather
+  CHECK(fsdp.memory.comm_scratch == root / 2);  // gathers send the bf16 shard itself: only reductions need scratch
   CHECK(fsdp.memory.activations == std::size_t(28) * 2048 * 4096 * 74);
   CHECK(fsdp.sent.all_gather == 0.75 * 2 * (2 * 6e9 - double(root)));
   CHECK(fsdp.sent.reduce_scatter == 0.75 * 12e9);
@@ -269,12 +271,12 @@ TEST_CASE("the chooser keeps what fits and ranks it by predicted step time", "[p
   const auto d = article_model(dtype::bf16);
   const plan::setup base{.world = 4,
                          .precision = plan::precision::device({.param = dtype::bf16, .reduce = dtype::bf16})};
-  // 50 GB: only FullShard (44.8 GB with activations) fits.
+  // 50 GB: only FullShard (47.6 GB with activations, the bf16 copy of its shard included) fits.
   auto tight = plan::choose(d, base, {.memory_bytes = 50e9});
   REQUIRE(tight.size() == 5);  // four strategies and HybridShard in groups of 2
   CHECK(tight[0].config.strategy == plan::strategy::full_shard);
   CHECK(tight[0].fits);
-  CHECK_THAT(tight[0].why, Catch::StartsWith("FullShard (ZeRO-3/FSDP) fits in 44.8 GB of 50.0 GB"));
+  CHECK_THAT(tight[0].why, Catch::StartsWith("FullShard (ZeRO-3/FSDP) fits in 47.6 GB of 50.0 GB"));
   for (std::size_t i = 1; i < tight.size(); ++i) {
     CHECK(!tight[i].fits);
     CHECK_THAT(tight[i].why, Catch::Contains("does not fit"));

@@ -580,3 +580,42 @@ TEST_CASE("16-bit compute refuses a param dtype other than the layers' own", "[s
                       Catch::Contains("mixed_precision.param must be BF16"));
   });
 }
+
+TEMPLATE_TEST_CASE("16-bit compute: per-rank memory equals the planner's formula exactly", "[shard][memory][compute16]",
+                   shard::FullShard, shard::ShardGradOp) {
+  const int w = 3, per_rank = 4;
+  for (dtype reduce : {dtype::f32, dtype::bf16})
+    for (int prefetch : {0, 1, 2}) {
+      std::vector<std::string> report(w);
+      std::vector<int> ok(w, 0);
+      comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
+        Model16 m = make_model16();
+        const shard::mixed_precision mp{.param = dtype::bf16, .reduce = reduce};
+        auto model = shard::fully_shard(
+            m, c, TestType{}, {.wrap = shard::wrap_types<Block16>{}, .seed = 42, .prefetch = prefetch, .precision = mp});
+        sgd opt;
+        for (int s = 0; s < 3; ++s) {
+          const auto first = c.rank() * per_rank;
+          model.train_step(opt, to16(batch(s, per_rank, 5, 1, first)), to16(batch(s, per_rank, 3, 2, first)), mse16);
+        }
+        const auto want = plan::make_plan(plan::describe(model), {.strategy = plan::strategy_of<TestType>(),
+                                                                  .world = w,
+                                                                  .prefetch = prefetch,
+                                                                  .precision = plan::precision::device(mp),
+                                                                  .optimizer_bytes = plan::sgd_state_bytes})
+                              .memory;
+        const category checked[] = {category::parameters, category::gradients, category::optimizer_state,
+                                    category::gathered_parameters, category::comm_scratch};
+        bool all = true;
+        for (category k : checked) {
+          report[c.rank()] += cat(name(k), " ", l.peak(k), " vs ", want[k], "; ");
+          all = all && l.peak(k) == want[k];
+        }
+        ok[c.rank()] = all;
+      });
+      for (int r = 0; r < w; ++r) {
+        INFO("reduce " << name(reduce) << ", prefetch " << prefetch << ", rank " << r << ": " << report[r]);
+        CHECK(ok[r] == 1);
+      }
+    }
+}

@@ -88,10 +88,11 @@ struct precision {
   dtype reduce = dtype::f32;   // gradient reduction dtype
   dtype compute = dtype::f32;  // gathered parameters and full (unreduced) gradients
 
-  // The host engine: whatever it communicates in, layers compute in fp32, so gathered
-  // buffers and full gradients stay float (docs/design.md, "Mixed precision on the host").
+  // Layers of float: whatever the engine communicates in, they compute in fp32, so
+  // gathered buffers and full gradients stay float (docs/design.md, "Mixed precision on the host").
   static constexpr precision host(shard::mixed_precision p) { return {p.param, p.reduce, dtype::f32}; }
-  // An engine that computes in the param dtype, as FSDP does on GPUs.
+  // Layers of the param dtype (a bfloat16 or half model, as on GPUs): they compute
+  // in it, and the engine takes its 16-bit compute path.
   static constexpr precision device(shard::mixed_precision p) { return {p.param, p.reduce, p.param}; }
 };
 
@@ -166,26 +167,26 @@ inline std::size_t widest(const std::vector<std::size_t>& padded, std::size_t wi
   return best;
 }
 
-// Peak comm_scratch of one step. A 16-bit all-gather sends a narrowed copy of the
-// shard, held until the gather is waited for; a 16-bit reduction lands in a
-// shard-sized scratch, held until the next unit's reduction is issued. Both depend
-// on how gathers and reductions interleave, so this replays the engine's order
-// (sharded_model.hpp: pre_forward/post_forward/pre_backward/post_backward).
-inline std::size_t scratch_peak(const std::vector<std::size_t>& shard_bytes, bool sends, bool reduces, int prefetch,
-                                bool frees_after_forward) {
-  const int n = int(shard_bytes.size());  // position 0 is the root
+// Peak comm_scratch of one step. Unit i's all-gather may send from a scratch copy
+// (send[i] bytes, 0 for none), held until the gather is waited for; its reduction
+// may need a scratch (reduce[i] bytes), held until the next unit's reduction is
+// issued. Both depend on how gathers and reductions interleave, so this replays
+// the engine's order (sharded_model.hpp: pre_forward/post_forward/pre_backward/post_backward).
+inline std::size_t scratch_peak(const std::vector<std::size_t>& send, const std::vector<std::size_t>& reduce_bytes,
+                                int prefetch, bool frees_after_forward) {
+  const int n = int(send.size());  // position 0 is the root
   enum class state { sharded, gathering, gathered };
   std::vector<state> st(n, state::sharded);
   std::size_t now = 0, peak = 0, reducing = 0;
   auto add = [&](std::size_t b) { peak = std::max(peak, now += b); };
   auto issue = [&](int i) {
     if (st[i] != state::sharded) return;
-    if (sends) add(shard_bytes[i]);
+    add(send[i]);
     st[i] = state::gathering;
   };
   auto ensure = [&](int i) {
     issue(i);
-    if (st[i] == state::gathering && sends) now -= shard_bytes[i];
+    if (st[i] == state::gathering) now -= send[i];
     st[i] = state::gathered;
   };
   auto prefetch_from = [&](int i, int dir) {
@@ -193,7 +194,7 @@ inline std::size_t scratch_peak(const std::vector<std::size_t>& shard_bytes, boo
   };
   auto reduce = [&](int i) {  // the previous reduction is finished first
     now -= reducing;
-    reducing = reduces ? shard_bytes[i] : 0;
+    reducing = reduce_bytes[i];
     add(reducing);
   };
   for (int i = 0; i < n; ++i) {
@@ -218,6 +219,11 @@ inline std::size_t scratch_peak(const std::vector<std::size_t>& shard_bytes, boo
 // group G (sharded strategies) or of the world W (replicated ones, so ZeRO-1's
 // slices are equal); ΣP their sum; sizes in bytes: master m = 4, compute c,
 // param dtype g, reduce dtype r, optimizer state o per parameter.
+//
+// Sharded strategies with 16-bit compute (precision::device) keep the shard's
+// 16-bit copy beside the master and gather it directly (no send scratch); in
+// fp32 reductions a unit's full gradients are widened into an fp32 scratch (4·P_i)
+// and freed at once, in 16-bit reductions they land in a 16-bit shard.
 inline rank_plan make_plan(const model_desc& d, const setup& s) {
   require(!d.units.empty(), "plan: the model has no units (the root is always one)");
   require(s.world >= 1 && s.prefetch >= 0, "plan: world ", s.world, " and prefetch ", s.prefetch,
@@ -232,6 +238,9 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   const std::size_t m = master_bytes, c = size_of(s.precision.compute), o = s.optimizer_bytes;
   const double g = double(size_of(s.precision.param)), r = double(size_of(s.precision.reduce));
   const bool narrow_param = s.precision.param != dtype::f32, narrow_reduce = s.precision.reduce != dtype::f32;
+  const bool compute16 = sharded && s.precision.compute != dtype::f32;
+  require(!compute16 || s.precision.compute == s.precision.param, "plan: layers computing in ",
+          name(s.precision.compute), " gather in that dtype, not ", name(s.precision.param));
 
   rank_plan p;
   rank_memory& mem = p.memory;
@@ -244,9 +253,10 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
     // next computes). Gathered: the root all step, plus the unit running and the
     // `prefetch` after it (FullShard, HybridShard), or every unit, none freed between
     // forward and backward (ShardGradOp).
-    mem.parameters = m * all / G;
+    mem.parameters = m * all / G + (compute16 ? c * all / G : 0);
     mem.optimizer_state = o * all / G;
-    mem.gradients = m * all / G + c * (padded[0] + detail::widest(padded, 2));
+    const bool widened = compute16 && !narrow_reduce;  // full gradients freed once widened: one unit at a time
+    mem.gradients = m * all / G + c * (padded[0] + detail::widest(padded, widened ? 1 : 2));
     const std::size_t held =
         s.strategy == strategy::shard_grad_op ? all : padded[0] + detail::widest(padded, 1 + std::size_t(s.prefetch));
     mem.gathered_parameters = c * held;
@@ -260,9 +270,14 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
     mem.gradients = c * all + (zero1 ? m * all / W : 0);
     mem.optimizer_state = o * all / (zero1 ? W : 1);
   }
+  std::vector<std::size_t> send(padded.size()), reduce_bytes(padded.size());
+  for (std::size_t i = 0; i < padded.size(); ++i) {
+    send[i] = sharded && narrow_param && !compute16 ? piece[i] : 0;
+    if (compute16) reduce_bytes[i] = narrow_reduce ? c * padded[i] / G : m * padded[i];
+    else if (narrow_reduce && s.strategy != strategy::no_shard) reduce_bytes[i] = piece[i];
+  }
   mem.comm_scratch =
-      detail::scratch_peak(piece, sharded && narrow_param, narrow_reduce && s.strategy != strategy::no_shard,
-                           s.prefetch, s.strategy != strategy::shard_grad_op);
+      detail::scratch_peak(send, reduce_bytes, s.prefetch, s.strategy != strategy::shard_grad_op);
 
   traffic& t = p.sent;
   const double fG = double(G - 1) / double(G), fW = double(W - 1) / double(W), P = double(all);
