@@ -149,6 +149,30 @@ struct BasicAdam {
 
   options_type options;
 
+  // The scalars of step number t (1 for the first), after checking the
+  // options: what step uses, and what the device's fused step (ops/cuda/adam.cuh)
+  // passes to its kernel, so that both update with the same bits.
+  detail::adam_scalars step_scalars(std::int64_t t) const {
+    const auto& o = options;
+    require(o.lr >= 0, name, ": invalid learning rate ", o.lr);
+    require(o.beta1 >= 0 && o.beta1 < 1, name, ": invalid beta1 ", o.beta1, " (needs 0 <= beta1 < 1)");
+    require(o.beta2 >= 0 && o.beta2 < 1, name, ": invalid beta2 ", o.beta2, " (needs 0 <= beta2 < 1)");
+    require(o.eps >= 0, name, ": invalid eps ", o.eps);
+    require(o.weight_decay >= 0, name, ": invalid weight_decay ", o.weight_decay);
+    const double bias_correction1 = 1 - std::pow(o.beta1, static_cast<double>(t));
+    const double bias_correction2 = 1 - std::pow(o.beta2, static_cast<double>(t));
+    return {
+        static_cast<float>(o.beta1),
+        static_cast<float>(1 - o.beta1),
+        static_cast<float>(o.beta2),
+        static_cast<float>(1 - o.beta2),
+        static_cast<float>(std::sqrt(bias_correction2)),
+        static_cast<float>(-(o.lr / bias_correction1)),
+        static_cast<float>(o.eps),
+        static_cast<float>(decoupled ? 1 - o.lr * o.weight_decay : o.weight_decay),
+    };
+  }
+
   // 8 bytes per parameter, 12 with amsgrad.
   state make_state(std::size_t n) const {
     return {detail::zeroed_state(n), detail::zeroed_state(n),
@@ -163,11 +187,7 @@ struct BasicAdam {
   template <FloatingElement G>
   void step(std::span<float> params, std::span<const G> grads, state& s) const {
     const auto& o = options;
-    require(o.lr >= 0, name, ": invalid learning rate ", o.lr);
-    require(o.beta1 >= 0 && o.beta1 < 1, name, ": invalid beta1 ", o.beta1, " (needs 0 <= beta1 < 1)");
-    require(o.beta2 >= 0 && o.beta2 < 1, name, ": invalid beta2 ", o.beta2, " (needs 0 <= beta2 < 1)");
-    require(o.eps >= 0, name, ": invalid eps ", o.eps);
-    require(o.weight_decay >= 0, name, ": invalid weight_decay ", o.weight_decay);
+    const detail::adam_scalars k = step_scalars(s.step + 1);
     const std::size_t n = params.size();
     detail::require_size(name, "gradients", grads.size(), n);
     detail::require_size(name, "exp_avg entries", s.exp_avg.size(), n);
@@ -180,19 +200,6 @@ struct BasicAdam {
     }
 
     ++s.step;
-    const double t = static_cast<double>(s.step);
-    const double bias_correction1 = 1 - std::pow(o.beta1, t);
-    const double bias_correction2 = 1 - std::pow(o.beta2, t);
-    const detail::adam_scalars k{
-        static_cast<float>(o.beta1),
-        static_cast<float>(1 - o.beta1),
-        static_cast<float>(o.beta2),
-        static_cast<float>(1 - o.beta2),
-        static_cast<float>(std::sqrt(bias_correction2)),
-        static_cast<float>(-(o.lr / bias_correction1)),
-        static_cast<float>(o.eps),
-        static_cast<float>(decoupled ? 1 - o.lr * o.weight_decay : o.weight_decay),
-    };
     detail::with_flag(o.weight_decay != 0, [&](auto decay) {
       detail::with_flag(o.amsgrad, [&](auto amsgrad) {
         detail::adam_pass<decoupled, decay(), amsgrad()>(params, grads, s.exp_avg.data(), s.exp_avg_sq.data(),

@@ -9,9 +9,9 @@
 #include "shardlib/core/ledger.hpp"              // category
 #include "shardlib/cuda/caching_allocator.hpp"   // caching_allocator, device_buffer
 #include "shardlib/cuda/copy.hpp"                // fill_bytes_async
-#include "shardlib/optim/adam.hpp"               // BasicAdam, detail::adam_scalars
+#include "shardlib/optim/adam.hpp"               // BasicAdam (step_scalars), detail::adam_scalars
 #include "shardlib/optim/optimizer.hpp"          // detail::with_flag
-#include "shardlib/ops/cuda/adam.hpp"            // adam_step_scalars, fused_adam_element
+#include "shardlib/ops/cuda/adam.hpp"            // fused_adam_element
 #include "shardlib/ops/cuda/launch.cuh"          // grid_blocks
 
 #include <cuda_runtime.h>
@@ -92,12 +92,19 @@ adam_device_state make_adam_state(const optim::BasicAdam<Style>& opt, std::size_
   return {zeroed(n), zeroed(n), zeroed(opt.options.amsgrad ? n : 0), 0};
 }
 
+// The device memory a fused step updates besides the parameters, whoever owns it.
+struct adam_moments {
+  std::span<float> exp_avg, exp_avg_sq;
+  std::span<float> max_exp_avg_sq;  // read and written only with amsgrad
+};
+
 // One step of `opt` (optim::Adam or optim::AdamW, the same update as its host
-// step, element by element) over params with grads, on `stream`. copy, when not
-// empty, receives the new params rounded to C.
+// step, element by element, with its step_scalars) over params with grads, on
+// `stream`; `step` counts the steps taken, as the host state's does. copy, when
+// not empty, receives the new params rounded to C.
 template <optim::decay_style Style, FloatingElement G, FloatingElement C = bfloat16>
-void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_device_state& state, std::span<float> params,
-                     std::span<const G> grads, std::span<C> copy, cudaStream_t stream) {
+void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_moments state, std::int64_t& step,
+                     std::span<float> params, std::span<const G> grads, std::span<C> copy, cudaStream_t stream) {
   using A = optim::BasicAdam<Style>;
   const std::size_t n = params.size();
   auto require_size = [&](const char* what, std::size_t got) {
@@ -108,8 +115,8 @@ void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_device_state& stat
   require_size("exp_avg_sq", state.exp_avg_sq.size());
   if (opt.options.amsgrad) require_size("max_exp_avg_sq", state.max_exp_avg_sq.size());
   if (!copy.empty()) require_size("the compute copy", copy.size());
-  const optim::detail::adam_scalars k = adam_step_scalars<Style>(opt.options, state.step + 1);
-  ++state.step;
+  const optim::detail::adam_scalars k = opt.step_scalars(step + 1);
+  ++step;
   if (n == 0) return;
 
   float* vmax = state.max_exp_avg_sq.data();
@@ -129,6 +136,14 @@ void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_device_state& stat
     });
   });
   shardlib::cuda::check_launch("fused_adam");
+}
+
+// The same over an adam_device_state.
+template <optim::decay_style Style, FloatingElement G, FloatingElement C = bfloat16>
+void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_device_state& state, std::span<float> params,
+                     std::span<const G> grads, std::span<C> copy, cudaStream_t stream) {
+  fused_adam_step(opt, {state.exp_avg.span(), state.exp_avg_sq.span(), state.max_exp_avg_sq.span()}, state.step,
+                  params, grads, copy, stream);
 }
 
 }  // namespace shardlib::ops::cuda

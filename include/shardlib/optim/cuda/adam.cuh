@@ -1,0 +1,90 @@
+// shardlib/optim/cuda/adam.cuh — Adam and AdamW over a shard in device memory:
+// the host optimizers' options and semantics, their state in cuda_space, each
+// step one fused kernel (ops/cuda/adam.cuh) on the thread's current stream.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/buffer.hpp"         // Buffer
+#include "shardlib/core/element.hpp"        // FloatingElement
+#include "shardlib/core/error.hpp"          // require
+#include "shardlib/core/ledger.hpp"         // category
+#include "shardlib/cuda/copy.hpp"           // fill_bytes_async
+#include "shardlib/cuda/current.hpp"        // current_stream
+#include "shardlib/cuda/memory_space.hpp"   // cuda_space
+#include "shardlib/ops/cuda/adam.cuh"       // fused_adam_step, adam_moments
+#include "shardlib/optim/adam.hpp"          // BasicAdam, decay_style
+
+#include <cstddef>      // std::size_t
+#include <cstdint>      // std::int64_t
+#include <span>         // std::span
+#include <string_view>  // std::string_view
+
+namespace shardlib::optim::cuda {
+
+// optim::BasicAdam's update (bit for bit the same per-element function and
+// scalars; nvcc may fuse multiply-adds that g++ does not, so results agree to
+// a few ulps) with the moments in device memory. params, grads and the compute
+// copy must be device memory too; the work is enqueued on
+// shardlib::cuda::current_stream() and step returns without waiting for it.
+//
+// Not an optim::Optimizer: that concept's state buffers are host
+// Buffer<float>s, these are Buffer<float, cuda_space> (for_each_buffer passes them).
+template <decay_style Style>
+struct BasicAdam {
+  using host_optimizer = optim::BasicAdam<Style>;
+  using options_type = typename host_optimizer::options_type;
+  static constexpr std::string_view name = host_optimizer::name;
+
+  struct state {
+    Buffer<float, cuda_space> exp_avg;         // m
+    Buffer<float, cuda_space> exp_avg_sq;      // v
+    Buffer<float, cuda_space> max_exp_avg_sq;  // vmax; empty unless made with amsgrad
+    std::int64_t step = 0;
+
+    template <class F>
+    void for_each_buffer(F&& f) {
+      f(std::string_view("exp_avg"), exp_avg);
+      f(std::string_view("exp_avg_sq"), exp_avg_sq);
+      if (!max_exp_avg_sq.empty()) f(std::string_view("max_exp_avg_sq"), max_exp_avg_sq);
+    }
+  };
+
+  options_type options;
+
+  // Zeroed state for n parameters (8 bytes each, 12 with amsgrad), allocated
+  // for and zeroed on the current stream.
+  state make_state(std::size_t n) const {
+    auto zeroed = [](std::size_t count) {
+      Buffer<float, cuda_space> b(count, category::optimizer_state);
+      shardlib::cuda::fill_bytes_async(b.span(), 0, shardlib::cuda::current_stream());
+      return b;
+    };
+    return {zeroed(n), zeroed(n), options.amsgrad ? zeroed(n) : Buffer<float, cuda_space>{}, 0};
+  }
+
+  void step(std::span<float> params, std::span<const float> grads, state& s) const {
+    step<float>(params, grads, s);
+  }
+
+  // Gradients in another dtype (the reduction dtype) are widened per element in the same pass.
+  template <FloatingElement G>
+  void step(std::span<float> params, std::span<const G> grads, state& s) const {
+    step(params, grads, s, std::span<bfloat16>{});
+  }
+
+  // The same, also writing the new parameters rounded to H into compute_copy
+  // (the 16-bit copy the next all-gather sends) in the same pass.
+  template <FloatingElement G, FloatingElement H>
+  void step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy) const {
+    require(!options.amsgrad || !s.max_exp_avg_sq.empty() || params.empty(), name,
+            " (CUDA): amsgrad is set but the state was made without it (no max_exp_avg_sq); make the state after "
+            "setting options.amsgrad");
+    ops::cuda::fused_adam_step(host_optimizer{options},
+                               {s.exp_avg.span(), s.exp_avg_sq.span(), s.max_exp_avg_sq.span()}, s.step, params,
+                               grads, compute_copy, shardlib::cuda::current_stream());
+  }
+};
+
+using Adam = BasicAdam<decay_style::l2>;
+using AdamW = BasicAdam<decay_style::decoupled>;
+
+}  // namespace shardlib::optim::cuda

@@ -1,0 +1,213 @@
+// shardlib/shard/cuda/space_ops.cuh — space_ops<cuda_space>: what the sharding
+// engine does to flat buffers in device memory (the contract is in
+// shard/space_ops.hpp), on the thread's current stream. Element-wise results are
+// the host's bit for bit: the same single operation or conversion per element.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/comm/communicator.hpp"       // Communicator, reduce_op
+#include "shardlib/core/element.hpp"            // element_cast
+#include "shardlib/core/error.hpp"              // require, shape_error
+#include "shardlib/core/ledger.hpp"             // category
+#include "shardlib/cuda/caching_allocator.hpp"  // device_allocator, device_buffer
+#include "shardlib/cuda/copy.hpp"               // copy_async
+#include "shardlib/cuda/current.hpp"            // current_stream
+#include "shardlib/cuda/error.hpp"              // check, current_device
+#include "shardlib/cuda/memory_space.hpp"       // cuda_space
+#include "shardlib/nn/flat.hpp"                 // flat_layout, initialize_range
+#include "shardlib/ops/cuda/elementwise.cuh"    // cast
+#include "shardlib/ops/cuda/launch.cuh"         // for_each_index
+#include "shardlib/ops/cuda/reduce.cuh"         // sum_squares, count_nonfinite
+#include "shardlib/optim/optimizer.hpp"         // detail::with_flag
+#include "shardlib/shard/space_ops.hpp"         // space_ops, EngineSpace
+
+#include <cuda_runtime.h>
+
+#include <algorithm>  // std::min
+#include <concepts>   // std::convertible_to
+#include <cstddef>    // std::size_t
+#include <cstdint>    // std::int64_t, std::uint64_t
+#include <span>       // std::span
+#include <vector>     // std::vector
+
+namespace shardlib::shard {
+
+namespace detail {
+
+inline void require_same_size(const char* op, std::size_t in, std::size_t out) {
+  require<shape_error>(in == out, "space_ops<cuda_space>::", op, ": input has ", in, " elements, output ", out);
+}
+
+inline void synchronize(cudaStream_t s, const char* op) {
+  cuda::check(cudaStreamSynchronize(s), "space_ops<cuda_space>::", op, ": cudaStreamSynchronize");
+}
+
+// The stream a communicator orders its collectives after (NcclComm's compute
+// stream): staging there puts the uploads before the collective and the
+// downloads after it, whatever the current stream is.
+template <class Comm>
+cudaStream_t staging_stream(const Comm& comm) {
+  if constexpr (requires {
+                  { comm.compute_stream() } -> std::convertible_to<cudaStream_t>;
+                }) {
+    return comm.compute_stream();
+  } else {
+    return cuda::current_stream();
+  }
+}
+
+// The per-element bodies; each is the host's expression in space_ops<host_space>.
+template <class T>
+struct device_fill_at {
+  T* x;
+  T value;
+  __device__ void operator()(std::int64_t i) const { x[i] = value; }
+};
+template <class H, bool Overwrite>
+struct device_widen_add_at {
+  const H* in;
+  float* out;
+  __device__ void operator()(std::int64_t i) const {
+    out[i] = (Overwrite ? 0.0f : out[i]) + element_cast<float>(in[i]);
+  }
+};
+template <class H>
+struct device_round_to_at {
+  const float* in;
+  float* out;
+  __device__ void operator()(std::int64_t i) const { out[i] = element_cast<float>(element_cast<H>(in[i])); }
+};
+template <class T, bool Overwrite>
+struct device_add_at {
+  const T* in;
+  T* out;
+  __device__ void operator()(std::int64_t i) const { out[i] = (Overwrite ? T(0) : out[i]) + in[i]; }
+};
+struct device_scale_at {
+  float* x;
+  float c;
+  __device__ void operator()(std::int64_t i) const { x[i] *= c; }
+};
+
+}  // namespace detail
+
+template <>
+struct space_ops<cuda_space> {
+  template <class T>
+  static void fill(std::span<T> x, T value) {
+    ops::cuda::for_each_index(std::int64_t(x.size()), detail::device_fill_at<T>{x.data(), value},
+                              cuda::current_stream(), "space_ops fill");
+  }
+  template <class T>
+  static void copy(std::span<const T> src, std::span<T> dst) {
+    cuda::copy_async(dst, src, cuda::current_stream());
+  }
+  template <class T>
+  static void to_host(std::span<const T> src, std::span<T> host) {
+    const cudaStream_t s = cuda::current_stream();
+    cuda::copy_async(host, src, s);
+    detail::synchronize(s, "to_host");
+  }
+  template <class T>
+  static void from_host(std::span<const T> host, std::span<T> dst) {
+    const cudaStream_t s = cuda::current_stream();
+    cuda::copy_async(dst, host, s);
+    detail::synchronize(s, "from_host");
+  }
+  // Computed on the host (it is the host's function) a chunk at a time, so a
+  // large shard needs only a chunk of host memory.
+  template <class T>
+  static void initialize(const nn::flat_layout& layout, std::uint64_t seed, std::size_t first, std::span<T> out) {
+    constexpr std::size_t chunk = std::size_t{1} << 22;
+    const cudaStream_t s = cuda::current_stream();
+    std::vector<T> staging(std::min(chunk, out.size()));
+    for (std::size_t done = 0; done < out.size(); done += chunk) {
+      const std::span<T> part(staging.data(), std::min(chunk, out.size() - done));
+      nn::initialize_range<T>(layout, seed, first + done, part);
+      cuda::copy_async(out.subspan(done, part.size()), std::span<const T>(part), s);
+      detail::synchronize(s, "initialize");  // before the next chunk overwrites the staging
+    }
+  }
+  template <class H>
+  static void narrow(std::span<const float> in, std::span<H> out) {
+    detail::require_same_size("narrow", in.size(), out.size());
+    ops::cuda::cast(in, out, cuda::current_stream());
+  }
+  template <class H>
+  static void widen_add(std::span<const H> in, std::span<float> out, bool overwrite) {
+    detail::require_same_size("widen_add", in.size(), out.size());
+    optim::detail::with_flag(overwrite, [&](auto o) {
+      ops::cuda::for_each_index(std::int64_t(in.size()), detail::device_widen_add_at<H, o()>{in.data(), out.data()},
+                                cuda::current_stream(), "space_ops widen_add");
+    });
+  }
+  template <class H>
+  static void round_to(std::span<const float> in, std::span<float> out) {
+    detail::require_same_size("round_to", in.size(), out.size());
+    ops::cuda::for_each_index(std::int64_t(in.size()), detail::device_round_to_at<H>{in.data(), out.data()},
+                              cuda::current_stream(), "space_ops round_to");
+  }
+  template <class T>
+  static void add(std::span<const T> in, std::span<T> out, bool overwrite) {
+    detail::require_same_size("add", in.size(), out.size());
+    optim::detail::with_flag(overwrite, [&](auto o) {
+      ops::cuda::for_each_index(std::int64_t(in.size()), detail::device_add_at<T, o()>{in.data(), out.data()},
+                                cuda::current_stream(), "space_ops add");
+    });
+  }
+  static void scale(std::span<float> x, float c) {
+    ops::cuda::for_each_index(std::int64_t(x.size()), detail::device_scale_at{x.data(), c}, cuda::current_stream(),
+                              "space_ops scale");
+  }
+  // Each square and the sum in double, as the host's; the order of the sum
+  // differs (CUB's tree against the host's eight lanes).
+  static double sum_squares(std::span<const float> x) {
+    if (x.empty()) return 0.0;
+    const cudaStream_t s = cuda::current_stream();
+    auto& alloc = cuda::device_allocator(cuda::current_device());
+    cuda::device_buffer<double> d(1, category::activations, s, alloc);
+    ops::cuda::sum_squares(x, d.data(), s, alloc);
+    double sum = 0;
+    cuda::copy_async(std::span<double>(&sum, 1), std::span<const double>(d.span()), s);
+    detail::synchronize(s, "sum_squares");
+    return sum;
+  }
+  static bool all_finite(std::span<const float> x) {
+    if (x.empty()) return true;
+    const cudaStream_t s = cuda::current_stream();
+    auto& alloc = cuda::device_allocator(cuda::current_device());
+    cuda::device_buffer<unsigned long long> d(1, category::activations, s, alloc);
+    ops::cuda::count_nonfinite(x, d.data(), s, alloc);
+    unsigned long long bad = 0;
+    cuda::copy_async(std::span<unsigned long long>(&bad, 1), std::span<const unsigned long long>(d.span()), s);
+    detail::synchronize(s, "all_finite");
+    return bad == 0;
+  }
+  // The communicator (NcclComm) reads and writes device memory: the host
+  // values go up, through the collective and back down; complete on return.
+  template <class T, comm::Communicator Comm>
+  static void all_reduce_values(Comm& comm, std::span<T> values, comm::reduce_op op) {
+    const cudaStream_t s = detail::staging_stream(comm);
+    cuda::device_buffer<T> d(values.size(), category::comm_scratch, s);
+    cuda::copy_async(d.span(), std::span<const T>(values), s);
+    comm.all_reduce(d.span(), op);
+    cuda::copy_async(values, std::span<const T>(d.span()), s);
+    detail::synchronize(s, "all_reduce_values");
+  }
+  template <class T, comm::Communicator Comm>
+  static void all_gather_values(Comm& comm, std::span<const T> mine, std::span<T> all) {
+    const std::size_t n = mine.size(), ranks = std::size_t(comm.size()), rank = std::size_t(comm.rank());
+    require<shape_error>(all.size() == n * ranks, "rank ", rank, ": all_gather_values of ", n, " values per rank over ",
+                         ranks, " ranks needs ", n * ranks, " outputs, got ", all.size());
+    const cudaStream_t s = detail::staging_stream(comm);
+    cuda::device_buffer<T> d(all.size(), category::comm_scratch, s);
+    const std::span<T> slice = d.span().subspan(rank * n, n);
+    cuda::copy_async(slice, mine, s);
+    comm.all_gather(std::span<const T>(slice), d.span());  // in place: this rank's slice is the send buffer
+    cuda::copy_async(all, std::span<const T>(d.span()), s);
+    detail::synchronize(s, "all_gather_values");
+  }
+};
+
+static_assert(EngineSpace<cuda_space>);
+
+}  // namespace shardlib::shard

@@ -1,0 +1,386 @@
+// Device tests of what the sharding engine runs on the GPU: every
+// space_ops<cuda_space> function against space_ops<host_space> on fresh random
+// inputs (with infinities, signed zeros and subnormals), outputs poisoned with
+// NaN first; the collectives of small host arrays over an NcclComm at world
+// size 1; and the device Adam/AdamW against the host optimizers.
+#include <shardlib/comm/nccl_comm.hpp>
+#include <shardlib/core/buffer.hpp>
+#include <shardlib/cuda/current.hpp>
+#include <shardlib/nn/flat.hpp>
+#include <shardlib/optim/adam.hpp>
+#include <shardlib/optim/cuda/adam.cuh>
+#include <shardlib/shard/cuda/space_ops.cuh>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "device_test.hpp"
+
+namespace sl = shardlib;
+using namespace device_test;
+
+namespace {
+
+using device_ops = sl::shard::space_ops<sl::cuda_space>;
+using host_ops = sl::shard::space_ops<sl::host_space>;
+
+// A stream of device 0, current for the test's lifetime (space_ops and the
+// device optimizer run on the current stream).
+struct device_fixture {
+  sl::cuda::stream stream{0};
+  sl::cuda::stream_scope scope{stream.get()};
+};
+
+template <class T>
+std::span<const T> cspan(const sl::cuda::device_buffer<T>& d) {
+  return d.span();
+}
+
+// Device memory read back with a plain copy (not through the code under test).
+template <class T>
+std::vector<T> fetch(std::span<const T> d, cudaStream_t s) {
+  std::vector<T> v(d.size());
+  sl::cuda::copy_async(std::span<T>(v), d, s);
+  sl::cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  return v;
+}
+
+template <class T>
+double as_double(T x) {
+  if constexpr (std::is_integral_v<T>) return double(x);
+  else return double(float(x));
+}
+
+// Bit for bit (so -0 differs from +0, and each NaN is compared by its bits);
+// reports the first element that differs.
+template <class T>
+void require_same_bits(const std::vector<T>& got, const std::vector<T>& want) {
+  REQUIRE(got.size() == want.size());
+  std::size_t first = got.size();
+  for (std::size_t i = 0; i < got.size() && first == got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) first = i;
+  if (first < got.size()) {
+    INFO("element " << first << " of " << got.size() << ": got " << as_double(got[first]) << ", want "
+                    << as_double(want[first]));
+    REQUIRE(first == got.size());
+  }
+}
+
+// The values whose handling a kernel could get wrong, at the first positions
+// (NaN only where the operation is a conversion: arithmetic on NaN keeps the
+// operand's payload on x86 and gives CUDA's canonical NaN on the device).
+std::vector<float> with_specials(std::vector<float> x, bool nan) {
+  const float specials[] = {INFINITY, -INFINITY, -0.0f, 0.0f, 1e-40f, -1e-41f, 65504.0f, 65520.0f, -3.3e38f,
+                            5.96e-8f, 1e-8f, 1.00390625f /* a bf16 tie */};
+  std::copy(std::begin(specials), std::end(specials), x.begin());
+  if (nan) x[std::size(specials)] = NAN;
+  return x;
+}
+
+constexpr std::size_t n = 100003;  // not a multiple of any block size
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("fill, copy, to_host and from_host equal the host's", "[cuda][space_ops]", float, double) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const auto xf = rnd.normal(n);
+  const std::vector<T> x(xf.begin(), xf.end());
+
+  const T value = T(rnd.normal(1)[0]);
+  auto filled = poisoned<T>(n, f.stream);
+  device_ops::fill(filled.span(), value);
+  std::vector<T> want(n);
+  host_ops::fill(std::span<T>(want), value);
+  require_same_bits(fetch(cspan(filled), f.stream), want);
+
+  auto up = poisoned<T>(n, f.stream);
+  device_ops::from_host(std::span<const T>(x), up.span());  // complete on return: x may change now
+  auto copied = poisoned<T>(n, f.stream);
+  device_ops::copy(cspan(up), copied.span());
+  std::vector<T> back(n, std::numeric_limits<T>::quiet_NaN());
+  device_ops::to_host(cspan(copied), std::span<T>(back));
+  require_same_bits(back, x);
+
+  CHECK_THROWS_AS(device_ops::copy(cspan(up), copied.span().first(n - 1)), sl::shape_error);
+}
+
+TEMPLATE_TEST_CASE("narrow, widen_add and round_to equal the host's bit for bit", "[cuda][space_ops]", sl::bfloat16,
+                   sl::half) {
+  if (!have_device()) return;
+  using H = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const auto x = with_specials(rnd.normal(n, 100.0f), true);
+  const auto dx = upload(x, f.stream);
+
+  auto narrowed = poisoned<H>(n, f.stream);
+  device_ops::narrow(cspan(dx), narrowed.span());
+  std::vector<H> want_narrow(n);
+  host_ops::narrow(std::span<const float>(x), std::span<H>(want_narrow));
+  require_same_bits(fetch(cspan(narrowed), f.stream), want_narrow);
+
+  auto rounded_x = poisoned<float>(n, f.stream);
+  device_ops::round_to<H>(cspan(dx), rounded_x.span());
+  std::vector<float> want_round(n);
+  host_ops::round_to<H>(std::span<const float>(x), std::span<float>(want_round));
+  require_same_bits(fetch(cspan(rounded_x), f.stream), want_round);
+
+  // widen_add: 16-bit inputs without NaN, onto finite outputs.
+  const auto h = as<H>(with_specials(rnd.normal(n, 10.0f), false));
+  const auto dh = upload(h, f.stream);
+  const auto out0 = rnd.normal(n);
+  for (bool overwrite : {false, true}) {
+    INFO("overwrite " << overwrite);
+    auto out = overwrite ? poisoned<float>(n, f.stream) : upload(out0, f.stream);
+    device_ops::widen_add(cspan(dh), out.span(), overwrite);
+    std::vector<float> want = out0;
+    host_ops::widen_add(std::span<const H>(h), std::span<float>(want), overwrite);
+    require_same_bits(fetch(cspan(out), f.stream), want);
+  }
+}
+
+TEMPLATE_TEST_CASE("add and scale equal the host's bit for bit", "[cuda][space_ops]", float, double) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  std::vector<T> in(n), out0(n);
+  const auto a = with_specials(rnd.normal(n), false), b = rnd.normal(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    in[i] = T(a[i]);
+    out0[i] = T(b[i]);
+  }
+  const auto din = upload(in, f.stream);
+  for (bool overwrite : {false, true}) {
+    INFO("overwrite " << overwrite);
+    auto out = overwrite ? poisoned<T>(n, f.stream) : upload(out0, f.stream);
+    device_ops::add(cspan(din), out.span(), overwrite);
+    std::vector<T> want = out0;
+    host_ops::add(std::span<const T>(in), std::span<T>(want), overwrite);
+    require_same_bits(fetch(cspan(out), f.stream), want);
+  }
+
+  if constexpr (std::is_same_v<T, float>) {
+    const float c = 0.37f;
+    auto x = upload(a, f.stream);
+    device_ops::scale(x.span(), c);
+    std::vector<float> want = a;
+    host_ops::scale(std::span<float>(want), c);
+    require_same_bits(fetch(cspan(x), f.stream), want);
+  }
+}
+
+TEST_CASE("sum_squares and all_finite agree with the host's and complete on return", "[cuda][space_ops]") {
+  if (!have_device()) return;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  auto x = rnd.normal(1000003, 3.0f);
+  auto dx = upload(x, f.stream);
+  // Each square is exact in double (a float has 24 significant bits) and both
+  // sides add in double, in different orders (CUB's tree, the host's eight
+  // lanes): they differ by roundings of the sum, about n * 2^-53 relative at
+  // worst (1e-10 here). 1e-6 is what the engine needs (a norm for clipping,
+  // whose coefficient is a float) and leaves no room for a lost or doubled element.
+  const double want = host_ops::sum_squares(std::span<const float>(x));
+  CHECK(device_ops::sum_squares(cspan(dx)) == Approx(want).epsilon(1e-6));
+  CHECK(device_ops::sum_squares(std::span<const float>()) == 0.0);
+
+  CHECK(device_ops::all_finite(cspan(dx)));
+  CHECK(device_ops::all_finite(std::span<const float>()));
+  for (float bad : {INFINITY, -INFINITY, NAN}) {
+    for (std::size_t at : {std::size_t{0}, x.size() / 2, x.size() - 1}) {
+      INFO("value " << bad << " at " << at);
+      auto y = x;
+      y[at] = bad;
+      auto dy = upload(y, f.stream);
+      CHECK(host_ops::all_finite(std::span<const float>(y)) == false);
+      CHECK(device_ops::all_finite(cspan(dy)) == false);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("initialize writes nn::initialize_range's values, in chunks", "[cuda][space_ops]", float, double) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  // A weight larger than the staging chunk (2^22 elements), a bias, a constant,
+  // 16-aligned as nn::flatten lays them out.
+  sl::nn::flat_layout layout;
+  layout.entries.push_back({"blocks.0.weight", sl::Shape{2048, 2100}, sl::nn::init_rule::linear_default(2100), 0});
+  layout.entries.push_back({"blocks.0.bias", sl::Shape{2048}, sl::nn::init_rule::normal_with(0.0, 0.02), 4300800});
+  layout.entries.push_back({"norm.weight", sl::Shape{77}, sl::nn::init_rule::constant_one(), 4302848});
+  layout.numel = 4302925;
+  const std::uint64_t seed = 1234;
+  for (std::size_t first : {std::size_t{0}, std::size_t{12345}}) {
+    INFO("first " << first);
+    const std::size_t count = layout.numel - first + 100;  // runs into the zero padding after the last parameter
+    auto out = poisoned<T>(count, f.stream);
+    device_ops::initialize(layout, seed, first, out.span());
+    std::vector<T> want(count);
+    host_ops::initialize(layout, seed, first, std::span<T>(want));
+    require_same_bits(fetch(cspan(out), f.stream), want);
+  }
+}
+
+TEST_CASE("all_reduce_values and all_gather_values go through an NcclComm at world size 1", "[cuda][space_ops][nccl]") {
+  if (!have_device()) return;
+  device_fixture f;
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  const sl::comm::NcclComm base(id, 0, 1, 0);
+  // The engine's setting (the communicator on the current stream), and one left
+  // on the legacy default stream: the values are staged on its stream instead.
+  for (bool on_current : {true, false}) {
+    INFO("communicator on the current stream: " << on_current);
+    sl::comm::NcclComm comm = on_current ? base.on(f.stream.get()) : base;
+
+    std::vector<double> norms = {3.5, 0.5, 1e300, 7.25};
+    const auto want_norms = norms;
+    for (auto op : {sl::comm::reduce_op::sum, sl::comm::reduce_op::max, sl::comm::reduce_op::avg}) {
+      INFO("op " << sl::comm::name(op));
+      device_ops::all_reduce_values(comm, std::span<double>(norms), op);
+      require_same_bits(norms, want_norms);
+    }
+    std::vector<std::int64_t> flags = {1, 0, -5};
+    device_ops::all_reduce_values(comm, std::span<std::int64_t>(flags), sl::comm::reduce_op::sum);
+    CHECK(flags == std::vector<std::int64_t>{1, 0, -5});
+
+    const std::vector<std::int64_t> hashes = {0x0123456789ABCDEF, -1, 42};
+    std::vector<std::int64_t> all(3, 0);
+    device_ops::all_gather_values(comm, std::span<const std::int64_t>(hashes), std::span<std::int64_t>(all));
+    CHECK(all == hashes);
+    std::vector<float> floats_all(1, NAN);
+    const std::vector<float> mine = {2.5f};
+    device_ops::all_gather_values(comm, std::span<const float>(mine), std::span<float>(floats_all));
+    CHECK(floats_all == mine);
+
+    std::vector<std::int64_t> too_many(4);
+    CHECK_THROWS_WITH(
+        device_ops::all_gather_values(comm, std::span<const std::int64_t>(hashes), std::span<std::int64_t>(too_many)),
+        Catch::Contains("rank 0: all_gather_values of 3 values per rank over 1 ranks needs 3 outputs, got 4"));
+  }
+}
+
+namespace {
+
+// Ten steps of the host optimizer and of the device one from the same state,
+// the device's params starting `offset` elements into their buffer (1: the
+// kernel's unaligned path), the learning rate changed half way. With H not
+// void, the device step also writes the compute copy, which must equal its own
+// new parameters rounded to H.
+template <sl::optim::decay_style Style, class G, class H>
+void check_device_adam(const typename sl::optim::BasicAdam<Style>::options_type& options, std::size_t offset,
+                       device_fixture& f, random_inputs& rnd) {
+  constexpr std::size_t count = 10007;  // not a multiple of 4: the vector path has a tail
+  sl::optim::BasicAdam<Style> host{options};
+  sl::optim::cuda::BasicAdam<Style> dev{options};
+  auto p_host = rnd.normal(count);
+  auto hstate = host.make_state(count);
+  auto dstate = dev.make_state(count);
+
+  std::vector<std::string> host_names, dev_names;
+  hstate.for_each_buffer([&](std::string_view name, sl::Buffer<float>&) { host_names.emplace_back(name); });
+  dstate.for_each_buffer([&](std::string_view name, sl::Buffer<float, sl::cuda_space>& b) {
+    dev_names.emplace_back(name);
+    CHECK(b.kind() == sl::category::optimizer_state);
+    CHECK(fetch(std::span<const float>(b.span()), f.stream) == std::vector<float>(count, 0.0f));
+  });
+  REQUIRE(dev_names == host_names);
+
+  std::vector<float> padded(offset, 0.0f);
+  padded.insert(padded.end(), p_host.begin(), p_host.end());
+  auto dp = upload(padded, f.stream);
+  const std::span<float> params = dp.span().subspan(offset);
+  constexpr bool with_copy = !std::is_void_v<H>;
+  using C = std::conditional_t<with_copy, H, sl::bfloat16>;
+  auto copy = poisoned<C>(count + offset, f.stream);
+  for (int step = 0; step < 10; ++step) {
+    if (step == 5) host.options.lr = dev.options.lr = options.lr / 2;
+    const auto g = as<G>(rnd.normal(count, 0.1f));
+    host.step(std::span<float>(p_host), std::span<const G>(g), hstate);
+    std::vector<G> padded_g(offset, G(0.0f));
+    padded_g.insert(padded_g.end(), g.begin(), g.end());
+    const auto dg = upload(padded_g, f.stream);
+    const auto grads = cspan(dg).subspan(offset);
+    if constexpr (with_copy) dev.step(params, grads, dstate, copy.span().subspan(offset));
+    else dev.step(params, grads, dstate);
+  }
+  REQUIRE(dstate.step == hstate.step);
+  REQUIRE(dstate.step == 10);
+
+  const auto p_all = fetch(cspan(dp), f.stream);
+  const std::vector<float> p_dev(p_all.begin() + std::ptrdiff_t(offset), p_all.end());
+  // nvcc fuses multiply-adds where g++ may not: fp32 within 1e-5 relative, and
+  // a few ulps of each value's operands (g ~ 0.1: m ~ 1e-2, v ~ 1e-5) absolute.
+  require_close(p_dev, p_host, 1e-5, 1e-7);
+  require_close(fetch(std::span<const float>(dstate.exp_avg.span()), f.stream),
+                {hstate.exp_avg.data(), hstate.exp_avg.data() + count}, 1e-5, 1e-8);
+  require_close(fetch(std::span<const float>(dstate.exp_avg_sq.span()), f.stream),
+                {hstate.exp_avg_sq.data(), hstate.exp_avg_sq.data() + count}, 1e-5, 1e-11);
+  if (options.amsgrad)
+    require_close(fetch(std::span<const float>(dstate.max_exp_avg_sq.span()), f.stream),
+                  {hstate.max_exp_avg_sq.data(), hstate.max_exp_avg_sq.data() + count}, 1e-5, 1e-11);
+  if constexpr (with_copy) {
+    const auto c_all = fetch(cspan(copy), f.stream);
+    const std::vector<C> c(c_all.begin() + std::ptrdiff_t(offset), c_all.end());
+    require_same_bits(c, as<C>(p_dev));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("device Adam and AdamW follow the host optimizers over ten steps", "[cuda][optim]") {
+  if (!have_device()) return;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  using sl::optim::decay_style;
+  for (std::size_t offset : {0, 1}) {
+    INFO("offset " << offset);
+    SECTION("Adam, fp32 gradients, bf16 compute copy") {
+      check_device_adam<decay_style::l2, float, sl::bfloat16>({.lr = 1e-2}, offset, f, rnd);
+    }
+    SECTION("AdamW, bf16 gradients, fp16 compute copy") {
+      check_device_adam<decay_style::decoupled, sl::bfloat16, sl::half>({.lr = 1e-2, .weight_decay = 0.1}, offset, f,
+                                                                        rnd);
+    }
+    SECTION("Adam with L2 decay and amsgrad, bf16 gradients, no copy") {
+      check_device_adam<decay_style::l2, sl::bfloat16, void>({.lr = 1e-3, .weight_decay = 0.01, .amsgrad = true},
+                                                             offset, f, rnd);
+    }
+    SECTION("AdamW, fp32 gradients, no copy") {
+      check_device_adam<decay_style::decoupled, float, void>({.lr = 1e-2}, offset, f, rnd);
+    }
+  }
+}
+
+TEST_CASE("device Adam refuses what the host one refuses, naming what is wrong", "[cuda][optim]") {
+  if (!have_device()) return;
+  device_fixture f;
+  sl::optim::cuda::Adam plain{};
+  auto state = plain.make_state(8);
+  auto p = poisoned<float>(8, f.stream);
+  auto g = poisoned<float>(7, f.stream);
+  CHECK_THROWS_WITH(plain.step(p.span(), cspan(g), state), Catch::Contains("gradients has 7 entries, the parameters 8"));
+  CHECK(state.step == 0);
+
+  sl::optim::cuda::Adam amsgrad{{.amsgrad = true}};
+  auto g8 = poisoned<float>(8, f.stream);
+  CHECK_THROWS_WITH(amsgrad.step(p.span(), cspan(g8), state), Catch::Contains("amsgrad is set but the state was made"));
+  sl::optim::cuda::Adam bad_lr{{.lr = -1}};
+  CHECK_THROWS_WITH(bad_lr.step(p.span(), cspan(g8), state), Catch::Contains("invalid learning rate"));
+  CHECK(state.step == 0);
+}
