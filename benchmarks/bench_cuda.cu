@@ -4,19 +4,33 @@
 //   NCCL all_gather, reduce_scatter, all_reduce bus bandwidth (nccl-tests
 //                               definitions), world size 1 .. #GPUs, one thread per GPU
 //   cublasGemmEx bf16 TFLOP/s   at 8192^3: the compute peak reference (and fp32)
-// Usage: bench_cuda [--json FILE]. Prints the tables, then a short summary last.
+//   reference model step        FullShard, bf16 compute, fp32 master + AdamW, on one GPU:
+//                               model FLOP utilisation vs that bf16 GEMM rate (goal >= 45%)
+// Usage: bench_cuda [--json FILE] [--model-layers N] (default 24; 0 skips the model).
+// Prints the tables, then a short summary last.
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/comm/nccl_comm.hpp>
 #include <shardlib/comm/thread_comm.hpp>
 #include <shardlib/cuda.hpp>
+#include <shardlib/cuda/current.hpp>
+#include <shardlib/nn/cuda.cuh>
+#include <shardlib/optim/cuda/adam.cuh>
+#include <shardlib/shard/cuda/space_ops.cuh>
+#include <shardlib/shard/sharded_model.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "bench_common.hpp"
+#include "common/device_data.cuh"
+#include "common/flags.hpp"
+#include "common/reference_model.hpp"
+#include "common/synthetic.hpp"
 
 namespace sl = shardlib;
 namespace oc = shardlib::ops::cuda;
@@ -138,16 +152,68 @@ double gemm_tflops(std::int64_t n, sl::cuda::stream& s, sl::cuda::blas& handle) 
   return 2.0 * double(n) * double(n) * double(n) / (ms * 1e-3) / 1e12;
 }
 
+// --- the reference model's training step ---------------------------------------------------
+struct model_size {
+  long layers, d, heads, ff, seq, batch;
+};
+struct model_result {
+  double step_ms, parameters, tflop_per_step;
+};
+// FullShard over NCCL at world size 1 (every gather and reduce-scatter still
+// runs), layers in bf16, fp32 master weights and AdamW: train_fsdp_cuda's step.
+// One batch, uploaded once, so the host's data generation is not timed; the
+// loss train_step returns is read on the host, so each step has finished.
+// FLOPs per step as llm.c and PaLM count them: 6 per matrix-product parameter
+// per token (forward and backward), plus 12 * layers * seq * d per token for
+// attention's two products.
+model_result model_step(const model_size& m, int warmup, int steps) {
+  model_result r{};
+  sl::comm::launch(1, [&](sl::comm::ThreadComm& host) {
+    sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
+    sl::cuda::stream compute(0);
+    sl::cuda::stream_scope scope(compute.get());
+    auto c = sl::comm::NcclComm::bootstrap(host, 0).on(compute.get());
+    const example::synthetic_task task{.seq = m.seq, .d = m.d, .classes = 10};
+    const example::flags f(0, nullptr, {{"layers", std::to_string(m.layers)}, {"heads", std::to_string(m.heads)},
+                                        {"ff", std::to_string(m.ff)}, {"dropout", "0.1"}});
+    auto model = example::reference_model<sl::bfloat16, sl::cuda_space>(f, task);
+    auto sharded = sl::shard::fully_shard(
+        model, c, sl::shard::FullShard{},
+        {.wrap = sl::shard::wrap_types<example::EncoderOf<sl::bfloat16, sl::cuda_space>>{},
+         .precision = {.param = sl::dtype::bf16, .reduce = sl::dtype::f32}});
+    sl::optim::cuda::AdamW opt{{.lr = 1e-4}};
+    const auto x = example::to_device<sl::bfloat16>(task.inputs(0, m.batch));
+    const auto y = sl::cuda::to_device(task.labels(0, m.batch));
+    for (int i = 0; i < warmup; ++i) sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+    std::vector<double> ms;
+    for (int i = 0; i < steps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::nth_element(ms.begin(), ms.begin() + steps / 2, ms.end());
+    r.step_ms = ms[steps / 2];
+    r.parameters = double(sl::nn::parameter_count(model));
+    const double matmul = double(m.layers) * double(4 * m.d * m.d + 2 * m.d * m.ff) + double(m.d) * 10;
+    const double tokens = double(m.batch * m.seq);
+    r.tflop_per_step = tokens * (6 * matmul + 12.0 * double(m.layers * m.seq * m.d)) / 1e12;
+  });
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
   std::FILE* jf = nullptr;
+  long model_layers = 24;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
       jf = std::fopen(argv[++i], "w");
       sl::require(jf != nullptr, "bench_cuda: cannot open ", argv[i]);
+    } else if (std::strcmp(argv[i], "--model-layers") == 0 && i + 1 < argc) {
+      model_layers = std::strtol(argv[++i], nullptr, 10);
     } else {
-      std::fprintf(stderr, "usage: bench_cuda [--json FILE]\n");
+      std::fprintf(stderr, "usage: bench_cuda [--json FILE] [--model-layers N]\n");
       return 2;
     }
   }
@@ -215,6 +281,25 @@ int main(int argc, char** argv) try {
   std::snprintf(v, sizeof v, "%.0f TFLOP/s", bf16);
   std::snprintf(vs, sizeof vs, "fp32 without TF32: %.1f TFLOP/s", fp32);
   summary.push_back({"GEMM bf16 8192^3 (cuBLAS)", v, vs});
+  sl::cuda::device_allocator(0).empty_cache();
+
+  // 5. The reference model at a size that fills the GPU, against that GEMM rate.
+  if (model_layers > 0) {
+    const model_size m{.layers = model_layers, .d = 2048, .heads = 16, .ff = 8192, .seq = 2048, .batch = 4};
+    const model_result r = model_step(m, 2, 8);
+    const double achieved = r.tflop_per_step / (r.step_ms * 1e-3), mfu = achieved / bf16;
+    std::printf("\nreference model: %ld layers, d_model %ld, %ld heads, ff %ld, seq %ld, batch %ld (%.2f B parameters)\n"
+                "  FullShard W=1, bf16 compute, fp32 master + AdamW: %.1f ms/step, %.1f TFLOP per step, %.1f TFLOP/s "
+                "= %.1f%% of the bf16 GEMM rate above\n",
+                m.layers, m.d, m.heads, m.ff, m.seq, m.batch, r.parameters / 1e9, r.step_ms, r.tflop_per_step, achieved,
+                100 * mfu);
+    json(jf, sl::cat("\"bench\":\"cuda_model\",\"layers\":", m.layers, ",\"d_model\":", m.d, ",\"seq\":", m.seq,
+                     ",\"batch\":", m.batch, ",\"parameters\":", r.parameters, ",\"step_ms\":", r.step_ms,
+                     ",\"TFLOPs\":", achieved, ",\"mfu\":", mfu));
+    std::snprintf(v, sizeof v, "%.1f%% MFU", 100 * mfu);
+    std::snprintf(vs, sizeof vs, "%.0f ms/step, %.0f TFLOP/s (goal >= 45%%)", r.step_ms, achieved);
+    summary.push_back({"reference model step, bf16", v, vs});
+  }
 
   std::printf("\n== summary ==\n");
   for (const auto& l : summary) std::printf("%-38s %-18s %s\n", l.what.c_str(), l.value.c_str(), l.versus.c_str());

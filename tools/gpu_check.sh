@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tools/gpu_check.sh — everything in this repository that only a GPU can check, in one run:
 # configure a fresh build for sm_90, build the CUDA targets, run the device tests, run
-# bench_cuda, and print a short table last. Any failure is non-zero; so is a device test
+# train_fsdp_cuda (100 steps on one GPU, and under mpirun on every GPU when there are
+# several), run bench_cuda, and print a short table last. Any failure is non-zero; so is a device test
 # that skips, since on a GPU machine a skip means CUDA did not work. Built to finish in
 # well under 8 minutes on one H200 (most of it is nvcc).
 #
@@ -36,13 +37,13 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 
 step "configure ($build, CMAKE_CUDA_ARCHITECTURES=90)"
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DSHARDLIB_BUILD_EXAMPLES=OFF >"$logs/configure.txt" 2>&1 || fail_with_log "$logs/configure.txt" "configure"
+  >"$logs/configure.txt" 2>&1 || fail_with_log "$logs/configure.txt" "configure"
 grep -q "backends on: .*cuda nccl" "$logs/configure.txt" ||
   fail_with_log "$logs/configure.txt" "CMake did not enable the cuda and nccl backends"
 
-tests=(test_cuda_device test_cuda_runtime test_cuda_ops test_nccl)
-step "build ${tests[*]} bench_cuda (-j$jobs)"
-cmake --build "$build" -j "$jobs" --target "${tests[@]}" bench_cuda >"$logs/build.txt" 2>&1 ||
+tests=(test_cuda_device test_cuda_runtime test_cuda_ops test_cuda_layers test_cuda_engine test_nccl test_cuda_training)
+step "build ${tests[*]} train_fsdp_cuda bench_cuda (-j$jobs)"
+cmake --build "$build" -j "$jobs" --target "${tests[@]}" train_fsdp_cuda bench_cuda >"$logs/build.txt" 2>&1 ||
   fail_with_log "$logs/build.txt" "build"
 
 failed=0
@@ -62,6 +63,23 @@ for t in "${tests[@]}"; do
   fi
   rows+=("$(printf '%-20s %-8s %s' "$t" "${status%% *}" "$counts")")
 done
+
+# The article's script on the GPU: 100 steps, the same printout as train_fsdp.
+run_example() {  # name, command...
+  local name=$1 status=passed
+  shift
+  step "$name"
+  (cd "$logs" && timeout 300 "$@") >"$logs/$name.txt" 2>&1 || status=FAILED
+  tail -n 4 "$logs/$name.txt"
+  [[ $status == passed ]] || failed=1
+  rows+=("$(printf '%-20s %-8s %s' "$name" "$status" "$(grep -o '[0-9.]* s per step' "$logs/$name.txt" | tail -n 1)")")
+}
+run_example train_fsdp_cuda "$build/examples/train_fsdp_cuda" --out "$logs/model.safetensors"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l || echo 1)
+if ((gpus > 1)) && command -v mpirun >/dev/null; then
+  run_example "train_fsdp_cuda_np$gpus" mpirun --allow-run-as-root --oversubscribe -np "$gpus" \
+    "$build/examples/train_fsdp_cuda" --out "$logs/model_np$gpus.safetensors"
+fi
 
 step "bench_cuda"
 bench_status=passed

@@ -1,8 +1,11 @@
-// shardlib/cuda/copy.hpp — asynchronous copies and fills between memory spaces.
+// shardlib/cuda/copy.hpp — asynchronous copies and fills between memory spaces, and host tensors to the device.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"  // require, shape_error
+#include "shardlib/core/tensor.hpp"  // Tensor
+#include "shardlib/cuda/current.hpp"  // current_stream
 #include "shardlib/cuda/error.hpp"  // check
+#include "shardlib/cuda/memory_space.hpp"  // cuda_space
 
 #include <cuda_runtime.h>
 
@@ -31,6 +34,15 @@ template <class T>
 void fill_bytes_async(std::span<T> dst, unsigned char byte, cudaStream_t stream) {
   if (dst.empty()) return;
   check(cudaMemsetAsync(dst.data(), byte, dst.size_bytes(), stream), "cudaMemsetAsync(", dst.size_bytes(), " bytes)");
+}
+
+// A host tensor's copy in device memory, ordered on the current stream (the
+// host tensor may go once this returns: a pageable source is staged).
+template <class T>
+Tensor<T, cuda_space> to_device(const Tensor<T>& host) {
+  Tensor<T, cuda_space> d(host.shape());
+  copy_async(d.span(), std::span<const T>(host.span()), current_stream());
+  return d;
 }
 
 }  // namespace shardlib::cuda

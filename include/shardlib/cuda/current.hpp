@@ -37,13 +37,13 @@ class stream_scope {
 };
 
 // The thread's cuBLAS handle for its current device (made on first use; a
-// handle is not to be shared between threads), set to the current stream.
-inline cublasHandle_t current_blas() {
+// handle is not to be shared between threads). ops::cuda::gemm takes it with a stream.
+inline const blas& current_blas() {
   thread_local std::map<int, blas> handles;
   const int d = current_device();
   auto it = handles.find(d);
   if (it == handles.end()) it = handles.emplace(d, blas(d)).first;
-  return it->second.on(current_stream());
+  return it->second;
 }
 
 }  // namespace shardlib::cuda

@@ -5,8 +5,9 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
 
-#include <cmath>    // std::erf, std::exp, std::tanh
-#include <cstdint>  // std::int64_t
+#include <cmath>        // std::erf, std::exp, std::tanh
+#include <cstdint>      // std::int64_t
+#include <type_traits>  // std::is_same_v
 
 namespace shardlib::nn {
 
@@ -76,8 +77,11 @@ Tensor<T> elementwise_backward(const char* layer, const Tensor<T>& x, const Tens
 }
 }  // namespace detail
 
-template <class T>
+template <class T, class Space = host_space>
 class ReLU {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::ReLU: the host layer; for cuda_space include shardlib/nn/cuda/activation.cuh");
+
  public:
   using input = Tensor<T>;
   using output = Tensor<T>;
@@ -101,8 +105,11 @@ class ReLU {
   input x_;  // cached for backward
 };
 
-template <class T>
+template <class T, class Space = host_space>
 class GELU {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::GELU: the host layer; for cuda_space include shardlib/nn/cuda/activation.cuh");
+
  public:
   using input = Tensor<T>;
   using output = Tensor<T>;

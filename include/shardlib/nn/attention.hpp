@@ -11,12 +11,13 @@
 #include "shardlib/nn/param.hpp"
 #include "shardlib/ops/gemm.hpp"
 
-#include <algorithm>  // std::copy_n, std::max
-#include <cmath>      // std::exp, std::sqrt
-#include <cstdint>    // std::int64_t, std::uint8_t, std::uint64_t
-#include <optional>   // std::optional
-#include <string>     // std::string
-#include <vector>     // std::vector
+#include <algorithm>    // std::copy_n, std::max
+#include <cmath>        // std::exp, std::sqrt
+#include <cstdint>      // std::int64_t, std::uint8_t, std::uint64_t
+#include <optional>     // std::optional
+#include <string>       // std::string
+#include <type_traits>  // std::is_same_v
+#include <vector>       // std::vector
 
 namespace shardlib::nn {
 
@@ -42,8 +43,11 @@ struct attention_options {
 // (softmax of all -inf, pytorch/pytorch#40932); we give the finite answer so one
 // fully padded sample cannot turn a whole step's loss and gradients into NaN.
 // Compare with torch only on samples that keep at least one key.
-template <class T>
+template <class T, class Space = host_space>
 class MultiheadAttention {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::MultiheadAttention: the host layer; for cuda_space include shardlib/nn/cuda/attention.cuh");
+
  public:
   using input = Tensor<T>;
   using output = Tensor<T>;

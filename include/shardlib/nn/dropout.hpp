@@ -5,7 +5,8 @@
 #include "shardlib/core/random.hpp"
 #include "shardlib/core/tensor.hpp"
 
-#include <cstdint>  // std::int64_t, std::uint64_t
+#include <cstdint>      // std::int64_t, std::uint64_t
+#include <type_traits>  // std::is_same_v
 
 namespace shardlib::nn {
 
@@ -19,8 +20,11 @@ SHARDLIB_HD constexpr bool dropout_keep(const counter_rng& stream, std::uint64_t
 // 1 / (1 - p) (inverted dropout, so evaluation is the identity), the mask drawn
 // from ctx.random_stream(): reproducible per (seed, rank, step), different per
 // layer. The identity when not training or p == 0; all zeros when p == 1.
-template <class T>
+template <class T, class Space = host_space>
 class Dropout {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::Dropout: the host layer; for cuda_space include shardlib/nn/cuda/dropout.cuh");
+
  public:
   using input = Tensor<T>;
   using output = Tensor<T>;

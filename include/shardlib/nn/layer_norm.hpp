@@ -5,16 +5,20 @@
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/param.hpp"
 
-#include <cmath>    // std::sqrt
-#include <cstdint>  // std::int64_t
+#include <cmath>        // std::sqrt
+#include <cstdint>      // std::int64_t
+#include <type_traits>  // std::is_same_v
 
 namespace shardlib::nn {
 
 // y = (x - mean) / sqrt(var + eps) * weight + bias per row of the last dimension,
 // var biased (divided by D, as torch). weight [D] starts at ones, bias [D] at zeros;
 // elementwise_affine = false leaves no parameters (weight 1, bias 0).
-template <class T>
+template <class T, class Space = host_space>
 class LayerNorm {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::LayerNorm: the host layer; for cuda_space include shardlib/nn/cuda/layer_norm.cuh");
+
  public:
   using input = Tensor<T>;
   using output = Tensor<T>;

@@ -6,8 +6,9 @@
 #include "shardlib/nn/param.hpp"
 #include "shardlib/ops/gemm.hpp"
 
-#include <algorithm>  // std::copy_n
-#include <cstdint>    // std::int64_t
+#include <algorithm>    // std::copy_n
+#include <cstdint>      // std::int64_t
+#include <type_traits>  // std::is_same_v
 
 namespace shardlib::nn {
 
@@ -24,8 +25,13 @@ void add_column_sums(const T* d, std::int64_t rows, std::int64_t cols, T* g) {
 }  // namespace detail
 
 // weight [out, in], bias [out] (PyTorch's layout and names); x [..., in] -> y [..., out].
-template <class T>
+// Space is where the tensors and parameters live: this is the host's layer, the
+// device's (cuda_space) is in nn/cuda/linear.cuh, with the same parameters.
+template <class T, class Space = host_space>
 class Linear {
+  static_assert(std::is_same_v<Space, host_space>, 
+                "nn::Linear: the host layer; for cuda_space include shardlib/nn/cuda/linear.cuh");
+
  public:
   using input = Tensor<T>;
   using output = Tensor<T>;

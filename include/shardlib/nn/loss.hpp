@@ -5,10 +5,11 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
 
-#include <algorithm>  // std::fill, std::max
-#include <cmath>      // std::exp, std::log
-#include <cstdint>    // std::int64_t
-#include <limits>     // std::numeric_limits
+#include <algorithm>    // std::fill, std::max
+#include <cmath>        // std::exp, std::log
+#include <cstdint>      // std::int64_t
+#include <limits>       // std::numeric_limits
+#include <type_traits>  // std::conditional_t, std::is_same_v
 
 namespace shardlib::nn {
 
@@ -17,10 +18,14 @@ namespace shardlib::nn {
 // and `nn::cross_entropy_loss{{.ignore_index = 0, .label_smoothing = 0.1}}` (or
 // `nn::squared_error_loss{{.reduction = nn::loss_reduction::sum}}`) sets options;
 // either can be passed wherever a loss callable is expected.
-template <class T>
+//
+// On the device (cuda_space, with nn/cuda/loss.cuh) the gradient stays in device
+// memory and the loss, computed in float there, is read back to the host: the
+// call synchronises the thread's current stream.
+template <class T, class Space = host_space>
 struct loss_result {
-  T loss;
-  Tensor<T> grad;  // dloss/d(model output), the shape of the output
+  std::conditional_t<std::is_same_v<Space, host_space>, T, float> loss;
+  Tensor<T, Space> grad;  // dloss/d(model output), the shape of the output
 };
 
 enum class loss_reduction { mean, sum };
@@ -31,6 +36,13 @@ struct cross_entropy_options {
   loss_reduction reduction = loss_reduction::mean;  // mean: over the rows not ignored, as torch
   double label_smoothing = 0.0;                     // in [0, 1)
 };
+
+namespace detail {
+// cross_entropy_loss's computation over checked arguments, for tensors in
+// Space: the host's here, the device's in nn/cuda/loss.cuh.
+template <class Space>
+struct cross_entropy_rows;
+}  // namespace detail
 
 // Classes are the last dimension: logits [..., C] are N = numel / C rows, and
 // targets (class indices) have the leading shape [...] or are flattened to [N].
@@ -46,8 +58,8 @@ struct cross_entropy_options {
 struct cross_entropy_loss {
   cross_entropy_options options{};
 
-  template <class T>
-  loss_result<T> operator()(const Tensor<T>& logits, const Tensor<std::int64_t>& targets) const {
+  template <class T, class Space>
+  loss_result<T, Space> operator()(const Tensor<T, Space>& logits, const Tensor<std::int64_t, Space>& targets) const {
     const auto& o = options;
     require(o.label_smoothing >= 0 && o.label_smoothing < 1, "cross_entropy: label_smoothing must be in [0, 1), got ",
             o.label_smoothing);
@@ -58,7 +70,17 @@ struct cross_entropy_loss {
     require<shape_error>(targets.numel() == rows && (targets.shape() == leading || targets.shape() == Shape{rows}),
                          "cross_entropy: targets must have the logits' leading shape ", leading, " or be [", rows,
                          "] for logits ", logits.shape(), ", got shape ", targets.shape());
+    return detail::cross_entropy_rows<Space>::compute(o, logits, targets, rows, classes);
+  }
+};
+inline constexpr cross_entropy_loss cross_entropy{};
 
+namespace detail {
+template <>
+struct cross_entropy_rows<host_space> {
+  template <class T>
+  static loss_result<T> compute(const cross_entropy_options& o, const Tensor<T>& logits,
+                                const Tensor<std::int64_t>& targets, std::int64_t rows, std::int64_t classes) {
     const T e = T(o.label_smoothing), off = e / T(classes);  // off: each class's share of the smoothing
     Tensor<T> grad(logits.shape());
     double total = 0;  // accumulated in double: N can be large
@@ -95,7 +117,7 @@ struct cross_entropy_loss {
     return {T(total / double(counted)), grad};
   }
 };
-inline constexpr cross_entropy_loss cross_entropy{};
+}  // namespace detail
 
 struct squared_error_options {
   loss_reduction reduction = loss_reduction::mean;  // mean: over all elements

@@ -5,11 +5,54 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
 
-#include <array>    // std::array
-#include <cstdint>  // std::int64_t, std::uint8_t
-#include <span>     // std::span
+#include <array>        // std::array
+#include <cstdint>      // std::int64_t, std::uint8_t
+#include <span>         // std::span
+#include <type_traits>  // std::is_same_v
 
 namespace shardlib::nn {
+
+namespace detail {
+// The input of MeanPool(dim) seen as [outer, len, inner] around the pooled dimension.
+inline std::int64_t pool_outer_size(const Shape& s, int dim) {
+  std::int64_t n = 1;
+  for (int d = 0; d < dim; ++d) n *= s[d];
+  return n;
+}
+inline std::int64_t pool_inner_size(const Shape& s, int dim) {
+  std::int64_t n = 1;
+  for (int d = dim + 1; d < s.rank(); ++d) n *= s[d];
+  return n;
+}
+inline Shape pooled_shape(const Shape& s, int dim) {
+  std::array<std::int64_t, Shape::max_rank> ext{};
+  int r = 0;
+  for (int d = 0; d < s.rank(); ++d)
+    if (d != dim) ext[r++] = s[d];
+  return Shape(std::span<const std::int64_t>(ext.data(), std::size_t(r)));
+}
+
+// MeanPool(dim)'s padding weights for an input of shape s: per (sequence,
+// position), 1 / (its non-padded count), or 0 at padding; empty when the mask
+// does not apply (every weight is then 1 / len). W is the weights' type.
+template <class W>
+Tensor<W> pool_padding_weights(const Shape& s, int dim, const Tensor<std::uint8_t>& mask) {
+  if (mask.empty() || s.rank() != 3 || dim > 1) return {};
+  const std::int64_t batch = s[1 - dim], len = s[dim];
+  const Shape expected{batch, len};
+  require<shape_error>(mask.shape() == expected, "MeanPool(", dim, "): the key padding mask must be [batch, sequence] = ",
+                       expected, " for the input ", s, " (", dim == 1 ? "batch-first [N, L, E]" : "sequence-first [L, N, E]",
+                       "), got ", mask.shape());
+  Tensor<W> w(Shape{batch, len});
+  for (std::int64_t b = 0; b < batch; ++b) {
+    std::int64_t kept = 0;
+    for (std::int64_t l = 0; l < len; ++l) kept += mask[b * len + l] == 0;
+    require(kept > 0, "MeanPool(", dim, "): sequence ", b, " of the batch is all padding; its mean is undefined");
+    for (std::int64_t l = 0; l < len; ++l) w[b * len + l] = mask[b * len + l] == 0 ? W(1) / W(kept) : W(0);
+  }
+  return w;
+}
+}  // namespace detail
 
 // Averages over dimension `dim` and removes it: [N, L, E] pooled over dim 1, or
 // [L, N, E] over dim 0, gives [N, E]. There is no default dim, because a wrong
@@ -23,8 +66,11 @@ namespace shardlib::nn {
 // non-padded positions. A mask of another shape, or a sequence made only of
 // padding, raises an error instead of giving a silently wrong mean. Other ranks
 // and dims ignore the mask.
-template <class T>
+template <class T, class Space = host_space>
 class MeanPool {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::MeanPool: the host layer; for cuda_space include shardlib/nn/cuda/pooling.cuh");
+
  public:
   using input = Tensor<T>;
   using output = Tensor<T>;
@@ -41,7 +87,7 @@ class MeanPool {
     require<shape_error>(dim_ >= 0 && dim_ < x.rank(), "MeanPool(", dim_, "): the input has no dimension ", dim_,
                          ", got shape ", x.shape());
     shape_ = x.shape();
-    weights_ = padding_weights(ctx.key_padding_mask());
+    weights_ = detail::pool_padding_weights<T>(shape_, dim_, ctx.key_padding_mask());
     const std::int64_t outer = outer_size(), len = shape_[dim_], inner = inner_size();
     output y(pooled_shape());
     for (std::int64_t o = 0; o < outer; ++o)
@@ -69,44 +115,9 @@ class MeanPool {
   }
 
  private:
-  // The input seen as [outer, len, inner] around the pooled dimension.
-  std::int64_t outer_size() const {
-    std::int64_t n = 1;
-    for (int d = 0; d < dim_; ++d) n *= shape_[d];
-    return n;
-  }
-  std::int64_t inner_size() const {
-    std::int64_t n = 1;
-    for (int d = dim_ + 1; d < shape_.rank(); ++d) n *= shape_[d];
-    return n;
-  }
-  Shape pooled_shape() const {
-    std::array<std::int64_t, Shape::max_rank> ext{};
-    int r = 0;
-    for (int d = 0; d < shape_.rank(); ++d)
-      if (d != dim_) ext[r++] = shape_[d];
-    return Shape(std::span<const std::int64_t>(ext.data(), std::size_t(r)));
-  }
-
-  // Per (sequence, position): 1 / (its non-padded count), or 0 at padding; empty
-  // when the mask does not apply (every weight is then 1 / len).
-  Tensor<T> padding_weights(const Tensor<std::uint8_t>& mask) const {
-    if (mask.empty() || shape_.rank() != 3 || dim_ > 1) return {};
-    const std::int64_t batch = shape_[1 - dim_], len = shape_[dim_];
-    const Shape expected{batch, len};
-    require<shape_error>(mask.shape() == expected, "MeanPool(", dim_,
-                         "): the key padding mask must be [batch, sequence] = ", expected, " for the input ", shape_,
-                         " (", dim_ == 1 ? "batch-first [N, L, E]" : "sequence-first [L, N, E]", "), got ",
-                         mask.shape());
-    Tensor<T> w(Shape{batch, len});
-    for (std::int64_t b = 0; b < batch; ++b) {
-      std::int64_t kept = 0;
-      for (std::int64_t l = 0; l < len; ++l) kept += mask[b * len + l] == 0;
-      require(kept > 0, "MeanPool(", dim_, "): sequence ", b, " of the batch is all padding; its mean is undefined");
-      for (std::int64_t l = 0; l < len; ++l) w[b * len + l] = mask[b * len + l] == 0 ? T(1) / T(kept) : T(0);
-    }
-    return w;
-  }
+  std::int64_t outer_size() const { return detail::pool_outer_size(shape_, dim_); }
+  std::int64_t inner_size() const { return detail::pool_inner_size(shape_, dim_); }
+  Shape pooled_shape() const { return detail::pooled_shape(shape_, dim_); }
 
   // The weight of x[o, l, i] in the mean: batch index b is o when batch-first
   // (dim 1, inner = E) and i / E when sequence-first (dim 0, outer = 1).

@@ -19,6 +19,26 @@ namespace shardlib::nn {
 // torch's activation="relu" | "gelu" (gelu is the exact erf form, as F.gelu).
 enum class transformer_activation { relu, gelu };
 
+namespace detail {
+// The residual connection's a + b for tensors in Space: the host's here, the
+// device's in nn/cuda/transformer.cuh.
+template <class Space>
+struct residual;
+
+template <>
+struct residual<host_space> {
+  template <class T>
+  static Tensor<T> sum(const Tensor<T>& a, const Tensor<T>& b) {
+    Tensor<T> s(a.shape());
+    const T *ap = a.data(), *bp = b.data();
+    T* sp = s.data();
+    const std::int64_t n = a.numel();
+    for (std::int64_t i = 0; i < n; ++i) sp[i] = ap[i] + bp[i];  // plain pointers: vectorises
+    return s;
+  }
+};
+}  // namespace detail
+
 // torch.nn.TransformerEncoderLayer's constructor arguments, with its defaults.
 struct transformer_encoder_options {
   std::int64_t d_model = 0;
@@ -37,12 +57,13 @@ struct transformer_encoder_options {
 // Children carry torch's names, so parameters are self_attn.in_proj_weight, ...,
 // norm2.bias in torch's state-dict order. Every child is called through the
 // context, so a sharded context can wrap any of them as a unit. The key-padding
-// mask reaches self_attn through the context (see attention.hpp).
-template <class T>
+// mask reaches self_attn through the context (see attention.hpp). Space is
+// where the children run (host_space, or cuda_space with nn/cuda/transformer.cuh).
+template <class T, class Space = host_space>
 class TransformerEncoderLayer {
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
+  using input = Tensor<T, Space>;
+  using output = Tensor<T, Space>;
   using options = transformer_encoder_options;
 
   explicit TransformerEncoderLayer(const options& o)
@@ -58,15 +79,15 @@ class TransformerEncoderLayer {
         dropout1(o.dropout),
         dropout2(o.dropout),
         o_(o),
-        activation_(o.activation == transformer_activation::relu ? activation_layer(ReLU<T>{})
-                                                                  : activation_layer(GELU<T>{})) {}
+        activation_(o.activation == transformer_activation::relu ? activation_layer(ReLU<T, Space>{})
+                                                                  : activation_layer(GELU<T, Space>{})) {}
 
-  MultiheadAttention<T> self_attn;
-  Linear<T> linear1;
-  Dropout<T> dropout;
-  Linear<T> linear2;
-  LayerNorm<T> norm1, norm2;
-  Dropout<T> dropout1, dropout2;
+  MultiheadAttention<T, Space> self_attn;
+  Linear<T, Space> linear1;
+  Dropout<T, Space> dropout;
+  Linear<T, Space> linear2;
+  LayerNorm<T, Space> norm1, norm2;
+  Dropout<T, Space> dropout1, dropout2;
 
   // torch's named_children(); the activation is a function there, not a module.
   template <class V>
@@ -116,7 +137,7 @@ class TransformerEncoderLayer {
   }
 
  private:
-  using activation_layer = std::variant<ReLU<T>, GELU<T>>;
+  using activation_layer = std::variant<ReLU<T, Space>, GELU<T, Space>>;
 
   // Checked before self_attn is built, so the message names this layer's options.
   static const options& validated(const options& o) {
@@ -137,23 +158,16 @@ class TransformerEncoderLayer {
   }
   template <class Ctx>
   output feedforward_block(Ctx& ctx, const input& x) {
-    const Tensor<T> a = std::visit([&](auto& act) { return ctx.forward(act, ctx.forward(linear1, x)); }, activation_);
+    const input a = std::visit([&](auto& act) { return ctx.forward(act, ctx.forward(linear1, x)); }, activation_);
     return ctx.forward(dropout2, ctx.forward(linear2, ctx.forward(dropout, a)));
   }
   template <class Ctx>
   input feedforward_backward(Ctx& ctx, const output& dy) {
-    const Tensor<T> da = ctx.backward(dropout, ctx.backward(linear2, ctx.backward(dropout2, dy)));
+    const input da = ctx.backward(dropout, ctx.backward(linear2, ctx.backward(dropout2, dy)));
     return ctx.backward(linear1, std::visit([&](auto& act) { return ctx.backward(act, da); }, activation_));
   }
 
-  static Tensor<T> sum(const Tensor<T>& a, const Tensor<T>& b) {
-    Tensor<T> s(a.shape());
-    const T *ap = a.data(), *bp = b.data();
-    T* sp = s.data();
-    const std::int64_t n = a.numel();
-    for (std::int64_t i = 0; i < n; ++i) sp[i] = ap[i] + bp[i];  // plain pointers: vectorises
-    return s;
-  }
+  static input sum(const input& a, const input& b) { return detail::residual<Space>::sum(a, b); }
 
   options o_;
   activation_layer activation_;

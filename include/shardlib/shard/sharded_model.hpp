@@ -26,7 +26,7 @@
 #include <typeindex>      // std::type_index
 #include <map>            // std::map
 #include <unordered_set>  // std::unordered_set
-#include <utility>        // std::pair
+#include <utility>        // std::declval, std::pair
 #include <vector>         // std::vector
 
 namespace shardlib::shard {
@@ -64,7 +64,9 @@ class ShardedModel {
   using output = typename Model::output;
   using space = typename output::space;
   using compute_type = typename output::value_type;
-  using unit_type = unit<T, compute_type, space>;
+  // What the communicator's asynchronous collectives return (comm::work, NcclComm's nccl_work, ...).
+  using work_type = decltype(std::declval<Comm&>().all_gather_async(std::span<const T>{}, std::span<T>{}));
+  using unit_type = unit<T, compute_type, space, work_type>;
   using state = typename unit_type::state;
 
  private:
@@ -656,7 +658,7 @@ class ShardedModel {
   bool recording_ = true;
   bool sync_ = true;
   std::vector<int> reducing_;
-  std::vector<comm::work> pending_;
+  std::vector<work_type> pending_;
   std::optional<loss_scaler> scaler_;
   std::uint64_t step_ = 0;
   sharded_context<ShardedModel> ctx_;

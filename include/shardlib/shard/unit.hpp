@@ -1,4 +1,4 @@
-// shardlib/shard/unit.hpp — unit<T, C, Space>: one layer's parameters as a flat, sharded buffer.
+// shardlib/shard/unit.hpp — unit<T, C, Space, Work>: one layer's parameters as a flat, sharded buffer.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/comm/work.hpp"
@@ -25,8 +25,9 @@ namespace shardlib::shard {
 // T is the master dtype (fp32, or fp64 on the host); C the dtype layers compute
 // in: T itself, or a 16-bit type (then the gathered values and the layers'
 // gradients are C, and `compute_shard` holds this rank's shard rounded to C,
-// which is what the all-gather sends). Space is where every buffer lives.
-template <class T, class C = T, class Space = host_space>
+// which is what the all-gather sends). Space is where every buffer lives, Work
+// what the communicator's asynchronous collectives return.
+template <class T, class C = T, class Space = host_space, class Work = comm::work>
 struct unit {
   std::string name;     // the layer's dotted name; "" for the root
   std::vector<nn::Param<C>*> params;  // in layout order
@@ -42,8 +43,8 @@ struct unit {
   // Where the values are: only the shard, an all-gather in flight into `gathered`,
   // or gathered. (A unit may own no parameters, so `gathered` being empty says nothing.)
   enum class state { sharded, gathering, gathered } values = state::sharded;
-  comm::work gather_work;
-  comm::work reduce_work;
+  Work gather_work;
+  Work reduce_work;
   bool reducing = false;   // reduce_work is in flight out of `full_grad` (or `grad` when replicated)
   Buffer<T, Space> reduce_scratch;  // reduce-scatter target when the shard already holds gradients, or in 16 bits
   Buffer<T, Space> send_scratch;    // the shard narrowed to the param dtype while its all-gather is in flight

@@ -1,6 +1,7 @@
 // shardlib/ops/cuda/elementwise.cuh — element-wise kernels: ReLU and GELU
-// forward and backward, casts between floating types, dropout. Each applies
-// the host layers' own per-element function; 16-bit inputs compute in float.
+// forward and backward, casts between floating types, dropout, and the fills
+// and sums the device layers need. Each applies the host layers' own
+// per-element function; 16-bit inputs compute in float.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/element.hpp"          // element_cast, FloatingElement
@@ -65,6 +66,25 @@ struct dropout_at {
   T scale;
   __device__ void operator()(std::int64_t i) const { y[i] = dropout_element(x[i], stream, first + i, p, scale); }
 };
+template <class T>
+struct fill_at {
+  T* y;
+  T value;
+  __device__ void operator()(std::int64_t i) const { y[i] = value; }
+};
+template <class T>
+struct add_at {
+  const T *a, *b;
+  T* y;
+  __device__ void operator()(std::int64_t i) const { y[i] = T(float(a[i]) + float(b[i])); }
+};
+template <class T>
+struct repeat_row_at {
+  const T* row;
+  std::int64_t n;
+  T* y;
+  __device__ void operator()(std::int64_t i) const { y[i] = row[i % n]; }
+};
 }  // namespace detail
 
 template <FloatingElement T>
@@ -114,6 +134,30 @@ void dropout(std::span<const T> x, std::span<T> y, const counter_rng& rng, std::
   for_each_index(std::int64_t(x.size()),
                  detail::dropout_at<T>{x.data(), y.data(), rng, first, float(p), dropout_scale<T>(p)}, stream,
                  "dropout");
+}
+
+// y[i] = value.
+template <class T>
+void fill(std::span<T> y, T value, cudaStream_t stream) {
+  for_each_index(std::int64_t(y.size()), detail::fill_at<T>{y.data(), value}, stream, "fill");
+}
+
+// y = a + b, in float for 16-bit types (one rounding); y may be a or b.
+template <FloatingElement T>
+void add(std::span<const T> a, std::span<const T> b, std::span<T> y, cudaStream_t stream) {
+  detail::require_same_size("add", a.size(), b.size());
+  detail::require_same_size("add", a.size(), y.size());
+  for_each_index(std::int64_t(y.size()), detail::add_at<T>{a.data(), b.data(), y.data()}, stream, "add");
+}
+
+// y[r, :] = row for every row of y (y.size() a multiple of row.size()): a bias
+// broadcast before a product adds to it.
+template <class T>
+void repeat_rows(std::span<const T> row, std::span<T> y, cudaStream_t stream) {
+  require<shape_error>(!row.empty() && y.size() % row.size() == 0, "ops::cuda::repeat_rows: ", y.size(),
+                       " elements are not whole rows of ", row.size());
+  for_each_index(std::int64_t(y.size()), detail::repeat_row_at<T>{row.data(), std::int64_t(row.size()), y.data()},
+                 stream, "repeat_rows");
 }
 
 }  // namespace shardlib::ops::cuda

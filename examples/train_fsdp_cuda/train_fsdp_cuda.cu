@@ -1,0 +1,109 @@
+// train_fsdp_cuda — train_fsdp on GPUs: the same classifier, data, optimizer
+// settings and printout, with the model in device memory (cuda_space), layers
+// computing in bfloat16 over fp32 master weights and Adam state, FullShard over
+// NCCL, every encoder layer its own unit. The only changes to the user's code
+// are the types: the model's element type and memory space, the communicator,
+// and the device optimizer.
+//
+//   train_fsdp_cuda                              one GPU (world size 1)
+//   mpirun -np 8 train_fsdp_cuda                 one process per GPU (device = local rank)
+//   --dtype fp32                                 fp32 compute instead of bf16
+#include <shardlib/comm/launch.hpp>
+#include <shardlib/comm/nccl_comm.hpp>
+#include <shardlib/cuda.hpp>
+#include <shardlib/cuda/current.hpp>
+#include <shardlib/nn/cuda.cuh>
+#include <shardlib/optim/cuda/adam.cuh>
+#include <shardlib/shard/cuda/space_ops.cuh>
+#include <shardlib/shard/sharded_model.hpp>
+#if SHARDLIB_EXAMPLE_WITH_MPI
+#include <shardlib/mpi.hpp>
+#endif
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <utility>
+
+#include "common/flags.hpp"
+#include "common/reference_model.hpp"
+#include "common/device_data.cuh"
+#include "common/synthetic.hpp"
+#include "common/training.hpp"
+
+namespace sl = shardlib;  // not `using namespace`: CUDA declares a global `half`
+
+namespace {
+
+template <class T>
+void train(const sl::comm::NcclComm& nccl, const example::flags& f, std::FILE* metrics) {
+  sl::cuda::stream compute(nccl.device());
+  sl::cuda::stream_scope on_compute(compute.get());  // where tensors are allocated and layers run
+  auto c = nccl.on(compute.get());                   // collectives ordered after that stream's work
+  example::synthetic_task task{.seq = f.num("seq"), .d = f.num("d-model"), .classes = f.num("classes")};
+  auto model = example::reference_model<T, sl::cuda_space>(f, task);
+  sl::shard::mixed_precision precision{};
+  if constexpr (!std::is_same_v<T, float>) precision = {.param = sl::dtype_of<T>, .reduce = sl::dtype::f32};
+  auto sharded = sl::shard::fully_shard(model, c, sl::shard::FullShard{},
+                                        {.wrap = sl::shard::wrap_types<example::EncoderOf<T, sl::cuda_space>>{},
+                                         .seed = std::uint64_t(f.num("seed")),
+                                         .precision = precision});
+  sl::optim::cuda::Adam adam{{.lr = f.real("lr")}};
+  example::train_loop("train_fsdp_cuda", sharded, adam, task, f, metrics, [&](long first, long count) {
+    return std::pair(example::to_device<T>(task.inputs(first, count)), sl::cuda::to_device(task.labels(first, count)));
+  });
+}
+
+void train(const sl::comm::NcclComm& nccl, const example::flags& f, std::FILE* metrics) {
+  const std::string dtype = f.str("dtype");
+  if (dtype == "bf16") train<sl::bfloat16>(nccl, f, metrics);
+  else if (dtype == "fp32") train<float>(nccl, f, metrics);
+  else throw sl::error(sl::cat("train_fsdp_cuda: unknown --dtype '", dtype, "' (bf16, fp32)"));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  example::flags f(argc, argv,
+                   {{"dtype", "bf16"}, {"steps", "100"}, {"batch", "8"}, {"seq", "10"}, {"d-model", "512"},
+                    {"heads", "8"}, {"ff", "2048"}, {"layers", "6"}, {"classes", "10"}, {"lr", "1e-3"},
+                    {"dropout", "0.1"}, {"seed", "0"}, {"every", "10"}, {"out", "model.safetensors"}, {"metrics", ""}});
+  const std::string metrics_path = f.str("metrics");
+  auto open_metrics = [&](const char* mode) {
+    std::FILE* m = std::fopen(metrics_path.c_str(), mode);
+    sl::require(m != nullptr, "cannot write --metrics ", metrics_path);
+    return m;
+  };
+  std::FILE* metrics = nullptr;
+  try {
+    if (const std::string problem = sl::cuda::device_problem(); !problem.empty())
+      throw sl::error(sl::cat("no usable GPU: ", problem));
+#if SHARDLIB_EXAMPLE_WITH_MPI
+    if (std::getenv("OMPI_COMM_WORLD_SIZE")) {  // one process per GPU
+      sl::comm::mpi_session mpi(&argc, &argv);
+      auto world = sl::comm::MpiComm::world();
+      const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+      const int device = (local ? std::atoi(local) : world.rank()) % sl::cuda::device_count();
+      if (!metrics_path.empty()) {  // rank 0 empties the file, then every process appends
+        if (world.rank() == 0) std::fclose(open_metrics("w"));
+        world.barrier();
+        metrics = open_metrics("a");
+      }
+      sl::cuda::check(cudaSetDevice(device), "cudaSetDevice(", device, ")");
+      train(sl::comm::NcclComm::bootstrap(world, device), f, metrics);
+      if (metrics) std::fclose(metrics);
+      return 0;
+    }
+#endif
+    if (!metrics_path.empty()) metrics = open_metrics("w");
+    sl::comm::launch(1, [&](sl::comm::ThreadComm& host) {  // one GPU: a world of one
+      sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
+      train(sl::comm::NcclComm::bootstrap(host, 0), f, metrics);
+    });
+    if (metrics) std::fclose(metrics);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_fsdp_cuda: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

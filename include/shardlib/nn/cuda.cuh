@@ -1,0 +1,13 @@
+// shardlib/nn/cuda.cuh — the layers on the device (nvcc only): each
+// nn::Layer<T, cuda_space> specialisation and cross-entropy over device tensors.
+// A model runs on the device by naming cuda_space as its layers' space.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/nn/cuda/activation.cuh"   // ReLU, GELU
+#include "shardlib/nn/cuda/attention.cuh"    // MultiheadAttention
+#include "shardlib/nn/cuda/dropout.cuh"      // Dropout
+#include "shardlib/nn/cuda/layer_norm.cuh"   // LayerNorm
+#include "shardlib/nn/cuda/linear.cuh"       // Linear
+#include "shardlib/nn/cuda/loss.cuh"         // cross_entropy_loss on device tensors
+#include "shardlib/nn/cuda/pooling.cuh"      // MeanPool
+#include "shardlib/nn/cuda/transformer.cuh"  // TransformerEncoderLayer's residual

@@ -1,0 +1,53 @@
+// shardlib/nn/cuda/loss.cuh — cross-entropy on the device:
+// nn::cross_entropy_loss over Tensor<T, cuda_space> logits and targets.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/tensor.hpp"
+#include "shardlib/cuda/caching_allocator.hpp"  // device_allocator
+#include "shardlib/cuda/copy.hpp"               // copy_async
+#include "shardlib/cuda/current.hpp"            // current_stream
+#include "shardlib/cuda/error.hpp"              // current_device
+#include "shardlib/cuda/memory_space.hpp"       // cuda_space
+#include "shardlib/nn/loss.hpp"                 // cross_entropy_loss, loss_result
+#include "shardlib/ops/cuda/cross_entropy.cuh"  // cross_entropy
+#include "shardlib/ops/cuda/index_report.hpp"   // index_report
+
+#include <cstdint>  // std::int64_t
+#include <span>     // std::span
+
+namespace shardlib::nn::detail {
+
+// ops::cuda::cross_entropy on the current stream, then the host waits for it:
+// the loss comes back as a float, and a target out of range (reported by the
+// kernel) throws the host's shape_error, naming the first bad row.
+template <>
+struct cross_entropy_rows<cuda_space> {
+  template <class T>
+  static loss_result<T, cuda_space> compute(const cross_entropy_options& o, const Tensor<T, cuda_space>& logits,
+                                            const Tensor<std::int64_t, cuda_space>& targets, std::int64_t rows,
+                                            std::int64_t classes) {
+    const cudaStream_t s = cuda::current_stream();
+    Tensor<T, cuda_space> grad(logits.shape());
+    Tensor<float, cuda_space> loss(Shape{1});
+    ops::cuda::index_report bad(s);
+    ops::cuda::cross_entropy(logits.data(), targets.data(), rows, int(classes), o, grad.data(), loss.data(), bad, s,
+                             cuda::device_allocator(cuda::current_device()));
+    if (const auto r = bad.read(s)) {  // waits for s
+      throw shape_error(cat("cross_entropy: target ", read_one(targets.data() + *r, s), " in row ", *r,
+                            " is out of range for ", classes, " classes (ignore_index is ", o.ignore_index, ")"));
+    }
+    return {read_one(loss.data(), s), grad};
+  }
+
+ private:
+  template <class U>
+  static U read_one(const U* p, cudaStream_t s) {
+    U v{};
+    cuda::copy_async(std::span<U>(&v, 1), std::span<const U>(p, 1), s);
+    cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (reading cross_entropy's result)");
+    return v;
+  }
+};
+
+}  // namespace shardlib::nn::detail

@@ -1,0 +1,462 @@
+// Device tests of the layers: each nn::Layer<T, cuda_space> against the host
+// layer with the same parameter values on fresh random inputs, forward and
+// backward (dx and the accumulated parameter gradients), then the reference
+// model with cross-entropy. The layers run on a stream of their own (the
+// thread's current stream), and the blocks their outputs come from are
+// poisoned with NaN first, so an element a kernel fails to write shows.
+//
+// Tolerances: fp32 within 1e-5 relative (both sides compute in fp32; only the
+// order of sums and nvcc's fused multiply-adds differ), bf16 within 1e-2
+// (the device rounds every activation to bf16, 2^-9 relative each, while the
+// host reference computes in float on the same bf16-rounded inputs and
+// parameters). Absolute slack is scaled by the largest value compared,
+// because sums cancel; bf16 layers made of many steps (attention, the encoder
+// layer, the model) are held to 1e-2 on the norm of the error vector.
+#include <shardlib/cuda.hpp>
+#include <shardlib/cuda/current.hpp>
+#include <shardlib/nn/context.hpp>
+#include <shardlib/nn/cuda.cuh>
+#include <shardlib/nn/layer.hpp>
+#include <shardlib/nn/loss.hpp>
+#include <shardlib/nn/sequential.hpp>
+#include <shardlib/nn/stack.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "device_test.hpp"
+
+namespace sl = shardlib;
+namespace nn = shardlib::nn;
+using namespace device_test;
+using sl::cuda_space;
+using sl::Shape;
+using sl::Tensor;
+
+template <class T>
+using Encoder = nn::TransformerEncoderLayer<T, cuda_space>;
+template <class T>
+using Model = nn::Sequential<nn::Stack<Encoder<T>>, nn::MeanPool<T, cuda_space>, nn::Linear<T, cuda_space>>;
+using HostModel = nn::Sequential<nn::Stack<nn::TransformerEncoderLayer<float>>, nn::MeanPool<float>, nn::Linear<float>>;
+
+static_assert(nn::check_layer<nn::Linear<float, cuda_space>>() && nn::check_layer<nn::LayerNorm<float, cuda_space>>() &&
+              nn::check_layer<nn::MultiheadAttention<float, cuda_space>>() &&
+              nn::check_layer<nn::Dropout<float, cuda_space>>() && nn::check_layer<nn::ReLU<float, cuda_space>>() &&
+              nn::check_layer<nn::GELU<float, cuda_space>>() && nn::check_layer<nn::MeanPool<float, cuda_space>>() &&
+              nn::check_layer<Encoder<float>>() && nn::check_layer<Model<float>>() &&
+              nn::check_layer<Model<sl::bfloat16>>() && nn::Composite<Encoder<sl::bfloat16>>);
+
+namespace {
+
+// Host tensors from values, and device tensors (on the current stream) to and from them.
+Tensor<float> host_tensor(Shape s, const std::vector<float>& v) {
+  Tensor<float> t(s);
+  std::copy(v.begin(), v.end(), t.data());
+  return t;
+}
+std::vector<float> values(const Tensor<float>& t) { return {t.data(), t.data() + t.numel()}; }
+
+template <class T>
+Tensor<T, cuda_space> device_tensor(Shape s, const std::vector<float>& v) {
+  const std::vector<T> cast = as<T>(v);
+  Tensor<T, cuda_space> t(s);
+  sl::cuda::copy_async(t.span(), std::span<const T>(cast), sl::cuda::current_stream());
+  return t;
+}
+template <class T>
+std::vector<T> raw_values(const Tensor<T, cuda_space>& t) {
+  std::vector<T> v(std::size_t(t.numel()));
+  sl::cuda::copy_async(std::span<T>(v), std::span<const T>(t.span()), sl::cuda::current_stream());
+  sl::cuda::check(cudaStreamSynchronize(sl::cuda::current_stream()), "cudaStreamSynchronize");
+  return v;
+}
+template <class T>
+std::vector<float> values(const Tensor<T, cuda_space>& t) {
+  return widened(raw_values(t));
+}
+
+// The caching allocator hands a freed block back at once to the next request
+// of its size on the same stream: poisoning such blocks makes the layer's
+// next outputs of these shapes start as NaN.
+template <class T>
+void poison_next(std::initializer_list<Shape> shapes) {
+  std::vector<Tensor<T, cuda_space>> blocks;
+  for (const Shape& s : shapes) {
+    blocks.emplace_back(s);
+    sl::cuda::fill_bytes_async(blocks.back().span(), 0xFF, sl::cuda::current_stream());
+  }
+}
+
+template <class T>
+void require_near(const std::vector<float>& got, const std::vector<float>& want) {
+  require_close(got, want, rtol<T>, rtol<T> * max_abs(want));
+}
+// ||got - want|| <= rtol ||want||: for a whole model, where bf16's roundings
+// add up over many layers, the error of the vector rather than of each element.
+template <class T>
+void require_norm_near(const std::vector<float>& got, const std::vector<float>& want) {
+  REQUIRE(got.size() == want.size());
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    norm += double(want[i]) * want[i];
+  }
+  INFO("relative error " << std::sqrt(diff / norm) << " (rtol " << rtol<T> << ")");
+  REQUIRE(std::sqrt(diff) <= rtol<T> * std::sqrt(norm));  // NaN fails
+}
+// Layers made of many rounded steps (attention, the encoder layer, the model):
+// bf16 is held to its bound on the whole vector, fp32 still element by element.
+template <class T>
+void require_composite_near(const std::vector<float>& got, const std::vector<float>& want) {
+  if constexpr (std::is_same_v<T, float>) require_near<T>(got, want);
+  else require_norm_near<T>(got, want);
+}
+
+// The same parameter values (rounded to T) and starting gradients for a host
+// layer and a device layer, bound to host vectors and device tensors; the
+// starting gradients are random so that accumulation (+=) is checked.
+template <class T>
+struct bound_parameters {
+  std::vector<std::string> names;
+  std::vector<std::vector<float>> host_values, host_grads;
+  std::vector<Tensor<T, cuda_space>> device_values, device_grads;
+
+  template <class HostLayer, class DeviceLayer>
+  bound_parameters(HostLayer& host, DeviceLayer& dev, random_inputs& rnd) {
+    std::vector<nn::Param<float>*> hp;
+    std::vector<nn::Param<T>*> dp;
+    std::vector<std::string> dev_names;
+    host.parameters([&](const auto& name, nn::Param<float>& p) {
+      names.emplace_back(name);
+      hp.push_back(&p);
+    });
+    dev.parameters([&](const auto& name, nn::Param<T>& p) {
+      dev_names.emplace_back(name);
+      dp.push_back(&p);
+    });
+    REQUIRE(names == dev_names);
+    for (std::size_t i = 0; i < hp.size(); ++i) {
+      REQUIRE(hp[i]->shape == dp[i]->shape);
+      const std::size_t n = hp[i]->numel();
+      host_values.push_back(rounded<T>(rnd.normal(n, 0.5f)));
+      host_grads.push_back(rounded<T>(rnd.normal(n)));
+      device_values.push_back(device_tensor<T>(hp[i]->shape, host_values.back()));
+      device_grads.push_back(device_tensor<T>(hp[i]->shape, host_grads.back()));
+    }
+    for (std::size_t i = 0; i < hp.size(); ++i) {
+      hp[i]->value = host_values[i].data();
+      hp[i]->grad = host_grads[i].data();
+      dp[i]->value = device_values[i].data();
+      dp[i]->grad = device_grads[i].data();
+    }
+  }
+
+  template <auto Compare>
+  void compare_grads() const {
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      INFO("gradient of " << names[i]);
+      Compare(values(device_grads[i]), host_grads[i]);
+    }
+  }
+};
+
+// The thread's current stream for a test: a stream of its own, not the default one.
+struct on_stream {
+  sl::cuda::stream stream{0};
+  sl::cuda::stream_scope scope{stream};
+};
+
+// Forward and backward of a host layer and its device twin on the same input
+// x (shape in_shape) and output gradient; outputs, dx and parameter gradients compared.
+template <class T, auto Compare = require_near<T>, class HostLayer, class DeviceLayer>
+void compare_layers(HostLayer& host, DeviceLayer& dev, Shape in_shape, random_inputs& rnd, nn::context host_ctx,
+                    nn::context dev_ctx, float x_scale = 1.0f) {
+  bound_parameters<T> params(host, dev, rnd);
+  const auto x = rounded<T>(rnd.normal(std::size_t(in_shape.numel()), x_scale));
+  const Tensor<float> y_host = host.forward(host_ctx, host_tensor(in_shape, x));
+  const auto dy = rounded<T>(rnd.normal(std::size_t(y_host.numel())));
+  const Tensor<float> dx_host = host.backward(host_ctx, host_tensor(y_host.shape(), dy));
+
+  const auto x_dev = device_tensor<T>(in_shape, x);
+  poison_next<T>({y_host.shape()});
+  const auto y_dev = dev.forward(dev_ctx, x_dev);
+  REQUIRE(y_dev.shape() == y_host.shape());
+  const auto dy_dev = device_tensor<T>(y_host.shape(), dy);
+  poison_next<T>({in_shape});
+  const auto dx_dev = dev.backward(dev_ctx, dy_dev);
+  REQUIRE(dx_dev.shape() == in_shape);
+  {
+    INFO("output");
+    Compare(values(y_dev), values(y_host));
+  }
+  {
+    INFO("input gradient");
+    Compare(values(dx_dev), values(dx_host));
+  }
+  params.template compare_grads<Compare>();
+}
+
+nn::context training(std::uint64_t seed) { return nn::context({.training = true, .seed = seed, .rank = 0, .step = 3}); }
+
+Tensor<std::uint8_t> padding_mask(std::int64_t n, std::int64_t l, random_inputs& rnd) {
+  Tensor<std::uint8_t> m(Shape{n, l});
+  for (std::int64_t b = 0; b < n; ++b) {
+    const std::int64_t kept = rnd.integer(1, l);  // every sample keeps at least one position
+    for (std::int64_t i = 0; i < l; ++i) m[b * l + i] = i >= kept;
+  }
+  return m;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("device Linear equals the host layer, gradients accumulating", "[cuda][layers]", float,
+                   sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  for (bool bias : {true, false}) {
+    INFO("bias " << bias);
+    nn::Linear<float> host(24, 40, bias);
+    nn::Linear<T, cuda_space> dev(24, 40, bias);
+    compare_layers<T>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1));
+  }
+  nn::Linear<T, cuda_space> dev(24, 40);
+  nn::context ctx;
+  CHECK_THROWS_AS(dev.forward(ctx, Tensor<T, cuda_space>(Shape{3, 23})), sl::shape_error);
+}
+
+TEMPLATE_TEST_CASE("device LayerNorm equals the host layer", "[cuda][layers]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  for (bool affine : {true, false}) {
+    INFO("affine " << affine);
+    nn::LayerNorm<float> host(96, 1e-5, affine);
+    nn::LayerNorm<T, cuda_space> dev(96, 1e-5, affine);
+    compare_layers<T>(host, dev, Shape{70, 96}, rnd, training(1), training(1), 2.0f);  // 70 rows: two gradient chunks
+  }
+}
+
+TEMPLATE_TEST_CASE("device ReLU and GELU equal the host layers", "[cuda][layers]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  {
+    nn::ReLU<float> host;
+    nn::ReLU<T, cuda_space> dev;
+    compare_layers<T>(host, dev, Shape{5, 33}, rnd, training(1), training(1));
+  }
+  for (auto approx : {nn::gelu_approx::none, nn::gelu_approx::tanh}) {
+    nn::GELU<float> host(approx);
+    nn::GELU<T, cuda_space> dev(approx);
+    compare_layers<T>(host, dev, Shape{5, 33}, rnd, training(1), training(1));
+  }
+}
+
+TEST_CASE("device Dropout draws the host's mask bit for bit", "[cuda][layers]") {
+  if (!have_device()) return;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  for (double p : {0.0, 0.1, 0.5, 1.0}) {
+    INFO("p " << p);
+    nn::Dropout<float> host(p);
+    nn::Dropout<float, cuda_space> dev(p);
+    nn::context hctx = training(rnd.seed), dctx = training(rnd.seed);
+    const auto x = rnd.normal(1000), dy = rnd.normal(1000);
+    const auto y_host = values(host.forward(hctx, host_tensor({10, 100}, x)));
+    const auto dx_host = values(host.backward(hctx, host_tensor({10, 100}, dy)));
+    poison_next<float>({Shape{10, 100}});
+    const auto y_dev = values(dev.forward(dctx, device_tensor<float>({10, 100}, x)));
+    poison_next<float>({Shape{10, 100}});
+    const auto dx_dev = values(dev.backward(dctx, device_tensor<float>({10, 100}, dy)));
+    REQUIRE(y_dev == y_host);  // same mask, same float product
+    REQUIRE(dx_dev == dx_host);
+  }
+  SECTION("bf16 keeps the same elements") {
+    nn::Dropout<float> host(0.3);
+    nn::Dropout<sl::bfloat16, cuda_space> dev(0.3);
+    nn::context hctx = training(5), dctx = training(5);
+    const auto x = rounded<sl::bfloat16>(rnd.normal(777));
+    const auto y_host = values(host.forward(hctx, host_tensor({777}, x)));
+    const auto y_dev = values(dev.forward(dctx, device_tensor<sl::bfloat16>({777}, x)));
+    for (std::size_t i = 0; i < x.size(); ++i) REQUIRE((y_dev[i] == 0) == (y_host[i] == 0));
+    require_near<sl::bfloat16>(y_dev, y_host);
+  }
+  SECTION("evaluation is the identity") {
+    nn::Dropout<float, cuda_space> dev(0.5);
+    nn::context ctx({.training = false});
+    const auto x = device_tensor<float>({4}, {1, 2, 3, 4});
+    REQUIRE(dev.forward(ctx, x).data() == x.data());
+  }
+}
+
+TEMPLATE_TEST_CASE("device MeanPool equals the host layer, with and without padding", "[cuda][layers]", float,
+                   sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  for (int dim : {0, 1}) {
+    for (bool masked : {false, true}) {
+      INFO("dim " << dim << ", masked " << masked);
+      const std::int64_t n = 4, l = 6, e = 10;
+      nn::context hctx, dctx;
+      if (masked) {
+        const auto m = padding_mask(n, l, rnd);
+        hctx.set_key_padding_mask(m);
+        dctx.set_key_padding_mask(m);
+      }
+      nn::MeanPool<float> host(dim);
+      nn::MeanPool<T, cuda_space> dev(dim);
+      compare_layers<T>(host, dev, dim == 1 ? Shape{n, l, e} : Shape{l, n, e}, rnd, hctx, dctx);
+    }
+  }
+  nn::MeanPool<T, cuda_space> dev(1);
+  nn::context ctx;
+  Tensor<std::uint8_t> all_padding(Shape{2, 3});
+  std::fill_n(all_padding.data(), 6, std::uint8_t(1));
+  ctx.set_key_padding_mask(all_padding);
+  CHECK_THROWS_WITH(dev.forward(ctx, Tensor<T, cuda_space>(Shape{2, 3, 4})),
+                    "MeanPool(1): sequence 0 of the batch is all padding; its mean is undefined");
+}
+
+TEMPLATE_TEST_CASE("device MultiheadAttention equals the host layer: layouts, padding, dropout", "[cuda][layers]",
+                   float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const std::int64_t n = 3, l = 7, e = 32;
+  for (bool batch_first : {true, false})
+    for (bool masked : {false, true})
+      for (double dropout : {0.0, 0.25}) {
+        INFO("batch_first " << batch_first << ", masked " << masked << ", dropout " << dropout);
+        const nn::attention_options o{.embed_dim = e, .num_heads = 4, .dropout = dropout, .batch_first = batch_first};
+        nn::MultiheadAttention<float> host(o);
+        nn::MultiheadAttention<T, cuda_space> dev(o);
+        nn::context hctx = training(rnd.seed), dctx = training(rnd.seed);
+        if (masked) {
+          const auto m = padding_mask(n, l, rnd);
+          hctx.set_key_padding_mask(m);
+          dctx.set_key_padding_mask(m);
+        }
+        compare_layers<T, require_composite_near<T>>(host, dev, batch_first ? Shape{n, l, e} : Shape{l, n, e}, rnd,
+                                                     hctx, dctx);
+      }
+  nn::MultiheadAttention<T, cuda_space> dev({.embed_dim = e, .num_heads = 4});
+  nn::context ctx;
+  ctx.set_key_padding_mask(Tensor<std::uint8_t>(Shape{n, l + 1}));
+  CHECK_THROWS_AS(dev.forward(ctx, Tensor<T, cuda_space>(Shape{l, n, e})), sl::shape_error);
+}
+
+TEMPLATE_TEST_CASE("device TransformerEncoderLayer equals the host layer", "[cuda][layers]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  for (bool norm_first : {false, true})
+    for (auto act : {nn::transformer_activation::relu, nn::transformer_activation::gelu}) {
+      INFO("norm_first " << norm_first << ", gelu " << (act == nn::transformer_activation::gelu));
+      const nn::transformer_encoder_options o{.d_model = 32,
+                                              .nhead = 4,
+                                              .dim_feedforward = 64,
+                                              .dropout = 0.1,
+                                              .activation = act,
+                                              .batch_first = true,
+                                              .norm_first = norm_first};
+      nn::TransformerEncoderLayer<float> host(o);
+      Encoder<T> dev(o);
+      compare_layers<T, require_composite_near<T>>(host, dev, Shape{3, 5, 32}, rnd, training(rnd.seed),
+                                                   training(rnd.seed));
+    }
+}
+
+TEMPLATE_TEST_CASE("the reference model on the device: forward, cross-entropy and backward equal the host's",
+                   "[cuda][layers][model]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const std::int64_t n = 4, l = 6, d = 32, classes = 7;
+  const nn::transformer_encoder_options o{.d_model = d, .nhead = 4, .dim_feedforward = 64, .dropout = 0.1,
+                                          .batch_first = true};
+  HostModel host{nn::Stack<nn::TransformerEncoderLayer<float>>(2, o), nn::MeanPool<float>(1),
+                 nn::Linear<float>(d, classes)};
+  Model<T> dev{nn::Stack<Encoder<T>>(2, o), nn::MeanPool<T, cuda_space>(1), nn::Linear<T, cuda_space>(d, classes)};
+  bound_parameters<T> params(host, dev, rnd);
+
+  nn::context hctx = training(rnd.seed), dctx = training(rnd.seed);
+  const auto mask = padding_mask(n, l, rnd);
+  hctx.set_key_padding_mask(mask);
+  dctx.set_key_padding_mask(mask);
+  const auto x = rounded<T>(rnd.normal(std::size_t(n * l * d)));
+  Tensor<std::int64_t> y(Shape{n});
+  for (std::int64_t i = 0; i < n; ++i) y[i] = rnd.integer(0, classes - 1);
+  Tensor<std::int64_t, cuda_space> y_dev(Shape{n});
+  sl::cuda::copy_async(y_dev.span(), std::span<const std::int64_t>(y.span()), sl::cuda::current_stream());
+
+  const Tensor<float> logits_host = hctx.forward(host, host_tensor({n, l, d}, x));
+  const auto loss_host = nn::cross_entropy(logits_host, y);
+  const Tensor<float> dx_host = hctx.backward(host, loss_host.grad);
+
+  const auto logits_dev = dctx.forward(dev, device_tensor<T>({n, l, d}, x));
+  const nn::loss_result<T, cuda_space> loss_dev = nn::cross_entropy(logits_dev, y_dev);
+  const auto dx_dev = dctx.backward(dev, loss_dev.grad);
+
+  CHECK(loss_dev.loss == Approx(loss_host.loss).epsilon(rtol<T>));
+  {
+    INFO("logits");
+    require_composite_near<T>(values(logits_dev), values(logits_host));
+  }
+  {
+    INFO("loss gradient");
+    require_composite_near<T>(values(loss_dev.grad), values(loss_host.grad));
+  }
+  {
+    INFO("input gradient");
+    require_composite_near<T>(values(dx_dev), values(dx_host));
+  }
+  params.template compare_grads<require_composite_near<T>>();
+}
+
+TEST_CASE("device cross-entropy raises the host's error for a bad target", "[cuda][layers][loss]") {
+  if (!have_device()) return;
+  on_stream s;
+  random_inputs rnd;
+  const std::vector<float> z = rnd.normal(20);
+  Tensor<std::int64_t> y(Shape{5});
+  const std::int64_t ids[] = {0, -100, 9, 2, 4};  // 4 classes: rows 2 and 4 are bad, row 2 is named
+  std::copy(std::begin(ids), std::end(ids), y.data());
+  Tensor<std::int64_t, cuda_space> y_dev(Shape{5});
+  sl::cuda::copy_async(y_dev.span(), std::span<const std::int64_t>(y.span()), sl::cuda::current_stream());
+  std::string host_message;
+  try {
+    (void)nn::cross_entropy(host_tensor({5, 4}, z), y);
+  } catch (const sl::shape_error& e) {
+    host_message = e.what();
+  }
+  REQUIRE(host_message == "cross_entropy: target 9 in row 2 is out of range for 4 classes (ignore_index is -100)");
+  CHECK_THROWS_WITH(nn::cross_entropy(device_tensor<float>({5, 4}, z), y_dev), host_message);
+  CHECK_THROWS_AS(nn::cross_entropy(device_tensor<float>({5, 4}, z), y_dev), sl::shape_error);
+  SECTION("and the host's shape errors before any work") {
+    CHECK_THROWS_AS(nn::cross_entropy(device_tensor<float>({5, 4}, z), Tensor<std::int64_t, cuda_space>(Shape{4})),
+                    sl::shape_error);
+  }
+}
