@@ -161,8 +161,8 @@ struct model_result {
 };
 // FullShard over NCCL at world size 1 (every gather and reduce-scatter still
 // runs), layers in bf16, fp32 master weights and AdamW: train_fsdp_cuda's step.
-// One batch, uploaded once, so the host's data generation is not timed; the
-// loss train_step returns is read on the host, so each step has finished.
+// One batch, uploaded once, so the host's data generation is not timed; each
+// timed step ends when the compute stream has finished its backward and Adam.
 // FLOPs per step as llm.c and PaLM count them: 6 per matrix-product parameter
 // per token (forward and backward), plus 12 * layers * seq * d per token for
 // attention's two products.
@@ -185,10 +185,12 @@ model_result model_step(const model_size& m, int warmup, int steps) {
     const auto x = example::to_device<sl::bfloat16>(task.inputs(0, m.batch));
     const auto y = sl::cuda::to_device(task.labels(0, m.batch));
     for (int i = 0; i < warmup; ++i) sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+    sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (after the warm-up)");
     std::vector<double> ms;
     for (int i = 0; i < steps; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
       sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+      sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (end of step)");
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
     std::nth_element(ms.begin(), ms.begin() + steps / 2, ms.end());

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>  // std::function
 #include <string>
 #include <string_view>
 #include <type_traits>  // std::remove_cvref_t
@@ -37,10 +38,12 @@ inline void log_metrics(std::FILE* out, std::string_view program, std::string_vi
 
 // --steps steps of `sharded` (a shard::ShardedModel) with `opt` on the synthetic
 // task; batch(first, count) gives the inputs and labels of rows [first, first +
-// count) of the global data set, in the model's memory space.
+// count) of the global data set, in the model's memory space. finish(), when
+// given, waits for a step's asynchronous work (the GPU's), so that step times are
+// the steps' own.
 template <class Sharded, class Optimizer, class Batch>
 void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, const synthetic_task& task, const flags& f,
-                std::FILE* metrics, Batch&& batch) {
+                std::FILE* metrics, Batch&& batch, const std::function<void()>& finish = {}) {
   namespace sl = shardlib;
   auto& c = sharded.comm();
   const std::string_view strategy = std::remove_cvref_t<decltype(sharded.strategy())>::name;
@@ -59,7 +62,8 @@ void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, cons
     l.reset_peaks();  // the peaks of this step alone
     const auto t_step = std::chrono::steady_clock::now();
     auto [x, y] = batch(first, per_rank);
-    const float loss = sharded.train_step(opt, x, y, sl::nn::cross_entropy);  // the loss is on the host: step done
+    const float loss = sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+    if (finish) finish();
     if (metrics) log_metrics(metrics, program, strategy, c.size(), c.rank(), step, loss, since(t_step), tokens, l);
     if (step % every == 0) std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
     if (step % every == 0 && c.rank() == 0) {

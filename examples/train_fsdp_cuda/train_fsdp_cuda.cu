@@ -49,9 +49,12 @@ void train(const sl::comm::NcclComm& nccl, const example::flags& f, std::FILE* m
                                          .seed = std::uint64_t(f.num("seed")),
                                          .precision = precision});
   sl::optim::cuda::Adam adam{{.lr = f.real("lr")}};
-  example::train_loop("train_fsdp_cuda", sharded, adam, task, f, metrics, [&](long first, long count) {
-    return std::pair(example::to_device<T>(task.inputs(first, count)), sl::cuda::to_device(task.labels(first, count)));
-  });
+  example::train_loop(
+      "train_fsdp_cuda", sharded, adam, task, f, metrics,
+      [&](long first, long count) {
+        return std::pair(example::to_device<T>(task.inputs(first, count)), sl::cuda::to_device(task.labels(first, count)));
+      },
+      [&] { sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (end of step)"); });
 }
 
 void train(const sl::comm::NcclComm& nccl, const example::flags& f, std::FILE* metrics) {

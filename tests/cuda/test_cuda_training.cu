@@ -42,13 +42,35 @@ constexpr int steps = 8;
 constexpr double lr = 1e-3;
 
 struct trace {
-  std::vector<float> losses;  // the mean over ranks, per step
-  std::vector<float> params;  // final values, in the model's parameter order
+  std::vector<float> losses;   // the mean over ranks, per step
+  std::vector<float> initial;  // parameter values before the first step, in the model's order
+  std::vector<float> params;   // and after the last
 };
+
+// Every parameter but the key projection's bias (the middle third of
+// in_proj_bias): softmax ignores a constant added to a row of scores, so its
+// gradient is zero but for rounding noise (~1e-10 in fp32), which Adam turns
+// into steps whose sign differs between any two implementations.
+template <class Sharded>
+std::vector<float> compared_parameters(Sharded& sharded) {
+  std::vector<float> v;
+  for (auto& [name, value] : sharded.full_state_dict(false)) {
+    const auto x = value.span();
+    if (name.ends_with("in_proj_bias")) {
+      const std::size_t e = x.size() / 3;
+      v.insert(v.end(), x.begin(), x.begin() + e);
+      v.insert(v.end(), x.begin() + 2 * e, x.end());
+    } else {
+      v.insert(v.end(), x.begin(), x.end());
+    }
+  }
+  return v;
+}
 
 template <class Sharded, class Optimizer, class Batch>
 trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&& batch) {
   trace t;
+  t.initial = compared_parameters(sharded);
   for (int s = 0; s < steps; ++s) {
     const long first = (long(s) * host.size() + host.rank()) * per_rank;
     auto [x, y] = batch(first);
@@ -57,8 +79,7 @@ trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&
     host.all_gather(std::span<const float>(&loss, 1), std::span<float>(all));
     t.losses.push_back(std::accumulate(all.begin(), all.end(), 0.f) / float(host.size()));
   }
-  for (auto& [name, value] : sharded.full_state_dict(false))
-    t.params.insert(t.params.end(), value.span().begin(), value.span().end());
+  t.params = compared_parameters(sharded);
   return t;
 }
 
@@ -149,9 +170,14 @@ TEST_CASE("hybrid sharding trains on the GPU as on the host (fp32, four ranks on
 }
 
 // bf16 compute rounds every activation, weight and gradient to 8 significant
-// bits (relative error up to 2^-9 per rounding); through 2 encoder layers the
-// logits carry a few such errors, so the loss agrees to ~1e-2 and the Adam steps
-// (sign-like for gradients well above eps) stay close to fp32's.
+// bits (relative error up to 2^-8 per rounding); through 2 encoder layers the
+// logits carry a few such errors, so the loss agrees with fp32's to ~1e-2. The
+// parameters move by ~lr per Adam step whatever the gradient's size, so their
+// values say little; their updates say whether the bf16 gradients point where
+// fp32's do: Adam's update is about lr times the gradient's sign, which bf16
+// rounding flips only where a gradient is within rounding of zero, so the
+// updates of the two runs are nearly parallel (cosine ~1; random or wrong
+// gradients give ~0).
 TEST_CASE("bf16 compute over fp32 masters trains as fp32 within bf16 tolerance", "[cuda][training][bf16]") {
   if (!have_device()) return;
   const auto want = host_run(2, shard::FullShard{});
@@ -159,9 +185,18 @@ TEST_CASE("bf16 compute over fp32 masters trains as fp32 within bf16 tolerance",
   double loss_worst = 0;
   for (std::size_t s = 0; s < want.losses.size(); ++s)
     loss_worst = std::max(loss_worst, std::abs(double(got.losses[s]) - want.losses[s]) / std::abs(double(want.losses[s])));
-  INFO("worst loss difference " << loss_worst << ", overall " << worst(got, want));
+  REQUIRE(got.initial == want.initial);  // the same initialisation, drawn on the device's host side
+  double dot = 0, got2 = 0, want2 = 0;
+  for (std::size_t i = 0; i < want.params.size(); ++i) {
+    const double g = double(got.params[i]) - got.initial[i], w = double(want.params[i]) - want.initial[i];
+    dot += g * w;
+    got2 += g * g;
+    want2 += w * w;
+  }
+  const double cosine = dot / std::sqrt(got2 * want2);
+  INFO("worst loss difference " << loss_worst << ", cosine of the parameter updates " << cosine);
   CHECK(loss_worst <= 2e-2);
-  CHECK(worst(got, want) <= 0.5);  // parameters: within half an Adam step of lr of fp32's
+  CHECK(cosine >= 0.9);
 }
 
 // One rank: NCCL's average over one rank is the identity and the kernels are the

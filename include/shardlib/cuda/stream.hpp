@@ -64,8 +64,12 @@ class stream {
   }
   stream(const stream&) = delete;
   stream& operator=(const stream&) = delete;
+  // Waits for the stream's work first: a new stream may get the same handle, and
+  // the caching allocator would take the old work for the new stream's own.
   ~stream() {
-    if (s_) (void)cudaStreamDestroy(s_);  // returns at once; pending work still completes
+    if (!s_) return;
+    (void)cudaStreamSynchronize(s_);
+    (void)cudaStreamDestroy(s_);
   }
 
   cudaStream_t get() const { return s_; }

@@ -87,6 +87,7 @@ class ShardedModel {
   ShardedModel(Model& model, Comm& comm, Strategy strategy, options o)
       : model_(&model), comm_(&comm), strategy_(strategy), opts_(std::move(o)), ctx_(this, opts_.context) {
     check_precision(opts_.precision);
+    ops::check_stream(comm, comm.rank());
     require(std::is_same_v<T, float> || !mixed(), "ShardedModel: mixed precision needs float parameters");
     if constexpr (compute16) {
       require(opts_.precision.param == dtype_of<C>, "rank ", comm.rank(), ": the model computes in ", name(dtype_of<C>),
@@ -126,6 +127,7 @@ class ShardedModel {
   std::uint64_t steps() const { return step_; }
 
   output forward(const input& x) {
+    ops::check_stream(*comm_, comm_->rank());
     ctx_.set_step(step_);
     return ctx_.forward(*model_, x);
   }

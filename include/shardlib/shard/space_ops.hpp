@@ -39,6 +39,10 @@ namespace shardlib::shard {
 //                                              collectives over small host arrays
 //                                              (hashes, norms, flags), staged through
 //                                              the space when the communicator needs it
+//   check_stream(const Comm&, int rank)        raises when the communicator's collectives
+//                                              would not be ordered after the work the
+//                                              engine issues (device: its compute stream
+//                                              must be the thread's current stream)
 //
 // Device implementations run on the thread's current stream and may return
 // before the work is done, except where "complete on return" is said.
@@ -98,6 +102,8 @@ struct space_ops<host_space> {
   static void all_gather_values(Comm& comm, std::span<const T> mine, std::span<T> all) {
     comm.all_gather(mine, all);
   }
+  template <class Comm>
+  static void check_stream(const Comm&, int) {}
 };
 
 // The spaces the engine can keep a model's shards in.

@@ -2,17 +2,16 @@
 // first bad input they meet, since a kernel cannot throw.
 #pragma once
 #include "shardlib/config.hpp"
-#include "shardlib/core/buffer.hpp"               // Buffer
 #include "shardlib/core/ledger.hpp"               // category
 #include "shardlib/cuda/caching_allocator.hpp"    // device_buffer
 #include "shardlib/cuda/copy.hpp"                 // copy_async, fill_bytes_async
 #include "shardlib/cuda/error.hpp"                // check
-#include "shardlib/cuda/memory_space.hpp"         // pinned_space
 
 #include <cuda_runtime.h>
 
 #include <cstdint>   // std::int64_t
 #include <optional>  // std::optional
+#include <span>      // std::span
 
 namespace shardlib::ops::cuda {
 
@@ -23,7 +22,7 @@ namespace shardlib::ops::cuda {
 class index_report {
  public:
   explicit index_report(cudaStream_t stream)
-      : slot_(1, category::activations, stream), host_(1, category::activations) {
+      : slot_(1, category::activations, stream) {
     reset(stream);
   }
 
@@ -34,15 +33,18 @@ class index_report {
   // The smallest index reported since the last reset, once the work on
   // `stream` so far has finished; nullopt when there was none.
   std::optional<std::int64_t> read(cudaStream_t stream) {
-    shardlib::cuda::copy_async(host_.span(), std::span<const unsigned long long>(slot_.span()), stream);
+    // Into pageable memory: the read waits for the stream anyway, and pinned memory
+    // (cudaMallocHost/cudaFreeHost per report) would synchronise the whole device.
+    unsigned long long host = 0;
+    shardlib::cuda::copy_async(std::span<unsigned long long>(&host, 1), std::span<const unsigned long long>(slot_.span()),
+                               stream);
     shardlib::cuda::check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reading an index_report)");
-    if (host_[0] == ~0ULL) return std::nullopt;
-    return static_cast<std::int64_t>(host_[0]);
+    if (host == ~0ULL) return std::nullopt;
+    return static_cast<std::int64_t>(host);
   }
 
  private:
   shardlib::cuda::device_buffer<unsigned long long> slot_;
-  Buffer<unsigned long long, pinned_space> host_;
 };
 
 }  // namespace shardlib::ops::cuda

@@ -206,6 +206,19 @@ struct space_ops<cuda_space> {
     cuda::copy_async(all, std::span<const T>(d.span()), s);
     detail::synchronize(s, "all_gather_values");
   }
+  // Device tensors are allocated and layers run on the current stream; a
+  // communicator ordered against another stream (an NcclComm without
+  // .on(stream)) would read gradients before they are written.
+  template <class Comm>
+  static void check_stream(const Comm& comm, int rank) {
+    if constexpr (requires {
+                    { comm.compute_stream() } -> std::convertible_to<cudaStream_t>;
+                  })
+      require(comm.compute_stream() == cuda::current_stream(), "rank ", rank,
+              ": the communicator orders its collectives after another stream than the thread's current one, "
+              "where the model's tensors and layers work: pass comm.on(stream) for the stream of the "
+              "cuda::stream_scope the model runs in");
+  }
 };
 
 static_assert(EngineSpace<cuda_space>);
