@@ -53,7 +53,7 @@ T input(int rank, std::size_t i) {
 
 template <class T>
 double as_double(T x) {
-  if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, half>) return double(float(x));
+  if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, shardlib::half>) return double(float(x));
   else return double(x);
 }
 
@@ -61,7 +61,7 @@ double as_double(T x) {
 // library promises: accumulate in accumulator type, in rank order, round once.
 template <class T>
 T expected_reduce(int w, std::size_t i, reduce_op op) {
-  using A = std::conditional_t<std::is_same_v<T, bfloat16> || std::is_same_v<T, half>, float, T>;
+  using A = std::conditional_t<std::is_same_v<T, bfloat16> || std::is_same_v<T, shardlib::half>, float, T>;
   A acc = A(input<T>(0, i));
   for (int r = 1; r < w; ++r) {
     A x = A(input<T>(r, i));
@@ -73,7 +73,7 @@ T expected_reduce(int w, std::size_t i, reduce_op op) {
 
 template <class T>
 bool same(T a, T b) {
-  if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, half>) return a.bits == b.bits;
+  if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, shardlib::half>) return a.bits == b.bits;
   else return a == b;
 }
 
@@ -175,7 +175,7 @@ template <comm::Communicator C>
 void full_suite(C& c, report& out) {
   element_suite<double>(c, out);
   element_suite<float>(c, out);
-  element_suite<half>(c, out);
+  element_suite<shardlib::half>(c, out);
   element_suite<bfloat16>(c, out);
   element_suite<std::int64_t>(c, out);
   element_suite<std::int32_t>(c, out);

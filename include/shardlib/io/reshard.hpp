@@ -1,0 +1,191 @@
+// shardlib/io/reshard.hpp — the resharding load: where each rank's master values and
+// optimizer state lie in a unit's flat vector under each strategy, the ranges of saved
+// parameters each rank requests by name (from a checkpoint or a safetensors file), the
+// checks that the model and the source agree, and loading the result on every rank.
+//
+// The algorithm: docs/checkpoints.md.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/buffer.hpp"           // Buffer
+#include "shardlib/core/error.hpp"            // io_error, cat
+#include "shardlib/core/ledger.hpp"           // category
+#include "shardlib/core/shape.hpp"            // Shape
+#include "shardlib/io/checkpoint_format.hpp"  // checkpoint_optimizer
+#include "shardlib/io/checkpoint_reader.hpp"  // checkpoint_reader
+#include "shardlib/io/consolidated_file.hpp"  // safetensors_source
+#include "shardlib/io/optimizer_record.hpp"   // detail::known_optimizer, restore_hyperparameters, check_buffers, ...
+#include "shardlib/io/rank_agreement.hpp"     // detail::on_all_ranks
+#include "shardlib/shard/sharded_model.hpp"   // ShardedModel
+#include "shardlib/shard/strategy.hpp"        // ShardOptimizer
+
+#include <algorithm>    // std::fill, std::min, std::max
+#include <cstddef>      // std::size_t
+#include <cstdint>      // std::uint64_t, std::int64_t
+#include <functional>   // std::less
+#include <map>          // std::map
+#include <optional>     // std::optional
+#include <set>          // std::set
+#include <span>         // std::span
+#include <string>       // std::string
+#include <string_view>  // std::string_view
+#include <type_traits>  // std::is_same_v
+#include <utility>      // std::move, std::pair
+#include <vector>       // std::vector
+
+namespace shardlib::io {
+
+namespace detail {
+
+// Zeroes out and requests from src, by name, each parameter's piece of elements
+// [first, first + out.size()) of a flat vector of `kind` laid out as `entries`: the
+// saved layout may differ (another wrap policy, world size or strategy). Gaps and
+// padding stay 0. The data arrives at src.finish().
+template <class Entries, class Source>
+void request_range(const Entries& entries, Source& src, std::string_view kind, std::uint64_t first,
+                   std::span<float> out) {
+  std::fill(out.begin(), out.end(), 0.0f);
+  const std::uint64_t end = first + out.size();
+  for (const auto& e : entries) {
+    const std::uint64_t offset = e.offset, lo = std::max(first, offset), hi = std::min(end, offset + e.numel());
+    if (lo < hi) src.request(e.name, kind, lo - offset, out.subspan(std::size_t(lo - first), std::size_t(hi - lo)));
+  }
+}
+
+// Throws io_error naming the first parameter that this model and a saved source
+// disagree on: missing on either side, or another shape.
+template <class Units>
+void check_parameters(const Units& units, const std::vector<std::pair<std::string, Shape>>& saved,
+                      std::string_view source) {
+  constexpr std::string_view hint = " (the first difference: was it saved from another model?)";
+  std::map<std::string_view, const Shape*> by_name;
+  for (const auto& [n, s] : saved) by_name.emplace(n, &s);
+  std::set<std::string_view> ours;
+  for (const auto& u : units)
+    for (const auto& e : u.layout.entries) {
+      ours.insert(e.name);
+      const auto it = by_name.find(e.name);
+      if (it == by_name.end())
+        throw io_error(cat(source, ": this model's parameter '", e.name, "' ", e.shape, " is not in it", hint));
+      if (*it->second != e.shape)
+        throw io_error(cat(source, ": parameter '", e.name, "' has shape ", *it->second, " there but ", e.shape,
+                           " in this model", hint));
+    }
+  for (const auto& [n, s] : saved)
+    if (!ours.contains(n))
+      throw io_error(cat(source, ": it holds parameter '", n, "' ", s, ", which this model does not have", hint));
+}
+
+template <class M, class C, class S>
+using model_t = shard::ShardedModel<M, C, S, float>;
+
+// Shard files: one per distinct shard the strategy holds.
+template <class M, class C, class S>
+int partitions_of(model_t<M, C, S>& m) {
+  if constexpr (S::shards_parameters) return m.shard_group().size();
+  else if constexpr (std::is_same_v<S, shard::ShardOptimizer>) return m.comm().size();
+  else return 1;
+}
+// The partition this rank writes, or -1: HybridShard's replicas after the first and
+// NoShard's ranks after 0 hold copies of what others write.
+template <class M, class C, class S>
+int written_partition(model_t<M, C, S>& m) {
+  if constexpr (S::shards_parameters) return m.comm().rank() < m.shard_group().size() ? m.shard_group().rank() : -1;
+  else if constexpr (std::is_same_v<S, shard::ShardOptimizer>) return m.comm().rank();
+  else return m.comm().rank() == 0 ? 0 : -1;
+}
+// Where this rank's master values and optimizer state of unit i start in its flat vector.
+template <class M, class C, class S>
+std::uint64_t master_begin(model_t<M, C, S>& m, std::size_t i) {
+  if constexpr (S::shards_parameters) return std::uint64_t(m.shard_group().rank()) * m.units()[i].master->local().size();
+  else return 0;
+}
+template <class M, class C, class S>
+std::uint64_t state_size(model_t<M, C, S>& m, std::size_t i) {
+  const std::uint64_t n = m.units()[i].master->local().size();
+  if constexpr (std::is_same_v<S, shard::ShardOptimizer>) return n / std::uint64_t(m.comm().size());
+  else return n;
+}
+template <class M, class C, class S>
+std::uint64_t state_begin(model_t<M, C, S>& m, std::size_t i) {
+  if constexpr (std::is_same_v<S, shard::ShardOptimizer>) return std::uint64_t(m.comm().rank()) * state_size(m, i);
+  else return master_begin(m, i);
+}
+
+// This rank's buffers of unit i's optimizer state, by name.
+template <class State>
+std::map<std::string, std::span<const float>, std::less<>> buffers_of(State& st) {
+  std::map<std::string, std::span<const float>, std::less<>> out;
+  st.for_each_buffer([&](std::string_view n, Buffer<float>& b) { out.emplace(n, b.span()); });
+  return out;
+}
+
+// New master shards and optimizer states for this rank, their pieces requested from
+// src (they arrive at src.finish()); the model is untouched until all ranks have them.
+template <class M, class C, class S, class Source>
+std::vector<Buffer<float>> request_masters(model_t<M, C, S>& model, Source& src) {
+  std::vector<Buffer<float>> out;
+  for (std::size_t i = 0; i < model.units().size(); ++i) {
+    const auto& u = model.units()[i];
+    Buffer<float> b(u.master->local().size(), category::parameters);
+    request_range(u.layout.entries, src, "master", master_begin(model, i), b.span());
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+template <class M, class C, class S, class Source, class O>
+std::vector<typename O::state> request_states(model_t<M, C, S>& model, Source& src, O& maker, std::int64_t step) {
+  std::vector<typename O::state> out;
+  for (std::size_t i = 0; i < model.units().size(); ++i) {
+    auto st = maker.make_state(std::size_t(state_size(model, i)));
+    st.step = step;
+    st.for_each_buffer([&](std::string_view name, Buffer<float>& b) {
+      request_range(model.units()[i].layout.entries, src, name, state_begin(model, i), b.span());
+    });
+    out.push_back(std::move(st));
+  }
+  return out;
+}
+
+// Loads parameters (and, with an optimizer recorded, its state) from src on every rank.
+// Reading and every check happen first; the model and optimizer change only after all
+// ranks succeeded, so a failed load loses nothing.
+struct no_optimizer {
+  struct state {};
+};
+
+// `what` already names the source in every message.
+inline std::string_view src_name(const checkpoint_reader&) { return "the checkpoint"; }
+inline std::string_view src_name(const safetensors_source&) { return "the safetensors file"; }
+
+template <class M, class C, class S, class Source, class O>
+void load_from(model_t<M, C, S>& model, Source& src, O* opt, const std::optional<checkpoint_optimizer>& saved,
+               std::string_view what) {
+  std::vector<Buffer<float>> masters;
+  std::vector<typename O::state> states;
+  std::optional<O> restored;  // a copy of opt with the source's hyperparameters (known optimizers)
+  on_all_ranks(model.comm(), what, [&] {
+    if constexpr (!std::is_same_v<O, no_optimizer>) {
+      if (opt && saved) {
+        check_optimizer_type<O>(*saved, src_name(src));
+        if constexpr (known_optimizer<O>) {
+          restored.emplace(*opt);
+          restore_hyperparameters(*restored, saved->hyperparameters, src_name(src));
+        }
+        O& maker = restored ? *restored : *opt;
+        check_buffers(maker, *saved, src_name(src));
+        states = request_states(model, src, maker, saved->step);
+      }
+    }
+    masters = request_masters(model, src);
+    src.finish();  // the buffers' storage stays put as they move into the vectors
+  });
+  for (std::size_t i = 0; i < masters.size(); ++i) model.load_master(i, masters[i].span());
+  if constexpr (!std::is_same_v<O, no_optimizer>)
+    for (std::size_t i = 0; i < states.size(); ++i) model.optimizer_state(*opt, i) = std::move(states[i]);
+  if constexpr (known_optimizer<O>)
+    if (restored) *opt = *restored;
+}
+
+}  // namespace detail
+
+}  // namespace shardlib::io
