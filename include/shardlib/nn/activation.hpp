@@ -51,9 +51,33 @@ SHARDLIB_HD T gelu_backward(T x, T dy, gelu_approx approx = gelu_approx::none) {
 }
 
 namespace detail {
-// Shared body of the element-wise layers: y[i] = f(x[i]), and the check that
-// backward gets the gradient of the last forward's output. Plain pointers and a
-// count read once, so the loops vectorise (Tensor's operator[] kept them scalar).
+// What the element-wise layers' two versions share (the host's below, the
+// device's in nn/cuda/activation.cuh): no parameters, GELU's approximation, and
+// the check that backward gets the gradient of the last forward's output x.
+struct activation_base {
+  template <class V>
+  void parameters(V&&) {}
+};
+class gelu_base : public activation_base {
+ public:
+  gelu_base() = default;
+  explicit gelu_base(gelu_approx approximate) : approx_(approximate) {}
+
+  gelu_approx approximate() const { return approx_; }
+
+ protected:
+  gelu_approx approx_ = gelu_approx::none;
+};
+template <class X, class Y>
+void require_backward_of(const char* layer, const X& x, const Y& dy) {
+  require<shape_error>(!x.empty() && dy.shape() == x.shape(), layer,
+                       ": backward needs the gradient of the last forward's output (shape ", x.shape(), "), got shape ",
+                       dy.shape());
+}
+
+// Shared body of the host's element-wise layers: y[i] = f(x[i]), and dx[i] =
+// df(x[i], dy[i]) after the check. Plain pointers and a count read once, so the
+// loops vectorise (Tensor's operator[] kept them scalar).
 template <class T, class F>
 Tensor<T> elementwise(const Tensor<T>& x, F f) {
   Tensor<T> y(x.shape());
@@ -65,9 +89,7 @@ Tensor<T> elementwise(const Tensor<T>& x, F f) {
 }
 template <class T, class F>
 Tensor<T> elementwise_backward(const char* layer, const Tensor<T>& x, const Tensor<T>& dy, F df) {
-  require<shape_error>(!x.empty() && dy.shape() == x.shape(), layer,
-                       ": backward needs the gradient of the last forward's output (shape ", x.shape(), "), got shape ",
-                       dy.shape());
+  require_backward_of(layer, x, dy);
   Tensor<T> dx(x.shape());
   const T *xp = x.data(), *dyp = dy.data();
   T* dxp = dx.data();
@@ -78,16 +100,13 @@ Tensor<T> elementwise_backward(const char* layer, const Tensor<T>& x, const Tens
 }  // namespace detail
 
 template <class T, class Space = host_space>
-class ReLU {
+class ReLU : public detail::activation_base {
   static_assert(std::is_same_v<Space, host_space>,
                 "nn::ReLU: the host layer; for cuda_space include shardlib/nn/cuda/activation.cuh");
 
  public:
   using input = Tensor<T>;
   using output = Tensor<T>;
-
-  template <class V>
-  void parameters(V&&) {}
 
   template <class Ctx>
   output forward(Ctx&, const input& x) {
@@ -106,7 +125,7 @@ class ReLU {
 };
 
 template <class T, class Space = host_space>
-class GELU {
+class GELU : public detail::gelu_base {
   static_assert(std::is_same_v<Space, host_space>,
                 "nn::GELU: the host layer; for cuda_space include shardlib/nn/cuda/activation.cuh");
 
@@ -114,13 +133,7 @@ class GELU {
   using input = Tensor<T>;
   using output = Tensor<T>;
 
-  GELU() = default;
-  explicit GELU(gelu_approx approximate) : approx_(approximate) {}
-
-  gelu_approx approximate() const { return approx_; }
-
-  template <class V>
-  void parameters(V&&) {}
+  using gelu_base::gelu_base;  // GELU(), GELU(approximate)
 
   template <class Ctx>
   output forward(Ctx&, const input& x) {
@@ -135,7 +148,6 @@ class GELU {
   }
 
  private:
-  gelu_approx approx_ = gelu_approx::none;
   input x_;  // cached for backward
 };
 

@@ -30,6 +30,95 @@ struct attention_options {
   bool batch_first = false;  // input [N, L, E] instead of [L, N, E]
 };
 
+namespace detail {
+// What MultiheadAttention's two versions share (the host's below, the device's
+// in nn/cuda/attention.cuh): the options and their checks, the parameters with
+// their shapes and init rules, out_proj, children() and parameters(), the shape
+// checks with their messages, the row layout, and the state a forward leaves for
+// its backward apart from the tensors. Space is out_proj's.
+template <class T, class Space>
+class attention_base {
+ public:
+  using options = attention_options;
+
+  explicit attention_base(const options& o)
+      : out_proj(validated(o).embed_dim, o.embed_dim, o.bias), o_(o), head_dim_(o.embed_dim / o.num_heads) {
+    in_proj_weight.shape = Shape{3 * o.embed_dim, o.embed_dim};
+    in_proj_weight.init = init_rule::xavier_uniform(o.embed_dim, 3 * o.embed_dim);
+    if (o.bias) {
+      in_proj_bias.shape = Shape{3 * o.embed_dim};
+      in_proj_bias.init = init_rule::constant_zero();
+      out_proj.bias.init = init_rule::constant_zero();  // torch's _reset_parameters; out_proj.weight keeps Linear's
+    }
+  }
+
+  Param<T> in_proj_weight, in_proj_bias;
+  Linear<T, Space> out_proj;
+
+  template <class V>
+  void children(V&& v) {
+    v("out_proj", out_proj);
+  }
+  template <class V>
+  void parameters(V&& v) {
+    v("in_proj_weight", in_proj_weight);
+    if (o_.bias) v("in_proj_bias", in_proj_bias);
+    visit_parameters("out_proj", out_proj, v);
+  }
+
+ protected:
+  // forward's checks of x's shape and of the context's key padding mask, which
+  // it returns; keeps the sequence length and batch size for backward.
+  template <class Ctx>
+  const Tensor<std::uint8_t>& begin_forward(Ctx& ctx, const Shape& x) {
+    const std::int64_t E = o_.embed_dim;
+    require<shape_error>(x.rank() == 3 && x[2] == E, name(), ": input must be ", o_.batch_first ? "[N, L, " : "[L, N, ",
+                         E, "] (", o_.batch_first ? "batch" : "sequence", " first), got shape ", x);
+    const std::int64_t L = x[o_.batch_first ? 1 : 0], N = x[o_.batch_first ? 0 : 1];
+    const Tensor<std::uint8_t>& mask = ctx.key_padding_mask();
+    require<shape_error>(mask.empty() || mask.shape() == Shape{N, L}, name(),
+                         ": key_padding_mask must be [N, L] = ", Shape{N, L}, " (batch, keys), got ", mask.shape());
+    seq_ = L;
+    batch_ = N;
+    return mask;
+  }
+  // backward's check of dy against the input x cached by forward.
+  template <class X, class Y>
+  void check_grad(const X& x, const Y& dy) const {
+    require<shape_error>(!x.empty() && dy.shape() == x.shape(), name(),
+                         ": backward needs the gradient of the last forward's output (shape ", x.shape(), "), got ",
+                         dy.shape());
+  }
+
+  // Checked before out_proj is built from it, so a bad size gets this message.
+  static const options& validated(const options& o) {
+    require<shape_error>(o.embed_dim > 0 && o.num_heads > 0 && o.embed_dim % o.num_heads == 0,
+                         "MultiheadAttention: embed_dim (", o.embed_dim, ") must be a positive multiple of num_heads (",
+                         o.num_heads, ")");
+    require(o.dropout >= 0 && o.dropout <= 1, "MultiheadAttention: dropout must be in [0, 1], got ", o.dropout);
+    return o;
+  }
+  std::string name() const { return cat("MultiheadAttention(embed_dim ", o_.embed_dim, ", num_heads ", o_.num_heads, ")"); }
+
+  // Rows of x (and of qkv and the attention output) for batch element n start at
+  // row0(n) and advance by `step` rows per position: N rows sequence first, 1 batch first.
+  std::int64_t row0(std::int64_t n) const { return o_.batch_first ? n * seq_ : n; }
+  std::int64_t step() const { return o_.batch_first ? 1 : batch_; }
+  std::int64_t ld_qkv() const { return step() * 3 * o_.embed_dim; }
+  std::int64_t ld_x() const { return step() * o_.embed_dim; }
+  // Head h of q (which 0), k (1) or v (2) for batch element n: D columns at h D
+  // of that third of its row of qkv.
+  std::int64_t offset(std::int64_t n, std::int64_t h, int which) const {
+    return row0(n) * 3 * o_.embed_dim + which * o_.embed_dim + h * head_dim_;
+  }
+
+  options o_;
+  std::int64_t head_dim_;
+  std::int64_t seq_ = 0, batch_ = 0;
+  std::optional<counter_rng> drop_;  // the weights' dropout stream of the last forward, if it dropped
+};
+}  // namespace detail
+
 // Parameters as torch names and packs them, so a state dict moves unchanged:
 // in_proj_weight [3E, E] stacks W_q, W_k, W_v (in that order), in_proj_bias [3E]
 // likewise, and out_proj is a child Linear(E, E). Head h uses the contiguous
@@ -44,52 +133,26 @@ struct attention_options {
 // fully padded sample cannot turn a whole step's loss and gradients into NaN.
 // Compare with torch only on samples that keep at least one key.
 template <class T, class Space = host_space>
-class MultiheadAttention {
+class MultiheadAttention : public detail::attention_base<T, Space> {
   static_assert(std::is_same_v<Space, host_space>,
                 "nn::MultiheadAttention: the host layer; for cuda_space include shardlib/nn/cuda/attention.cuh");
+  using base = detail::attention_base<T, Space>;
+  using base::o_, base::head_dim_, base::seq_, base::batch_, base::drop_, base::name, base::check_grad;
+  using base::row0, base::ld_qkv, base::ld_x, base::offset;
 
  public:
   using input = Tensor<T>;
   using output = Tensor<T>;
   using options = attention_options;
+  using base::in_proj_weight, base::in_proj_bias, base::out_proj;
 
-  explicit MultiheadAttention(const options& o)
-      : out_proj(validated(o).embed_dim, o.embed_dim, o.bias), o_(o), head_dim_(o.embed_dim / o.num_heads) {
-    in_proj_weight.shape = Shape{3 * o.embed_dim, o.embed_dim};
-    in_proj_weight.init = init_rule::xavier_uniform(o.embed_dim, 3 * o.embed_dim);
-    if (o.bias) {
-      in_proj_bias.shape = Shape{3 * o.embed_dim};
-      in_proj_bias.init = init_rule::constant_zero();
-      out_proj.bias.init = init_rule::constant_zero();  // torch's _reset_parameters; out_proj.weight keeps Linear's
-    }
-  }
-
-  Param<T> in_proj_weight, in_proj_bias;
-  Linear<T> out_proj;
-
-  template <class V>
-  void children(V&& v) {
-    v("out_proj", out_proj);
-  }
-  template <class V>
-  void parameters(V&& v) {
-    v("in_proj_weight", in_proj_weight);
-    if (o_.bias) v("in_proj_bias", in_proj_bias);
-    visit_parameters("out_proj", out_proj, v);
-  }
+  using base::base;  // MultiheadAttention(options)
 
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
     const std::int64_t E = o_.embed_dim, H = o_.num_heads, D = head_dim_;
-    require<shape_error>(x.rank() == 3 && x.dim(2) == E, name(), ": input must be ",
-                         o_.batch_first ? "[N, L, " : "[L, N, ", E, "] (", o_.batch_first ? "batch" : "sequence",
-                         " first), got shape ", x.shape());
-    const std::int64_t L = x.dim(o_.batch_first ? 1 : 0), N = x.dim(o_.batch_first ? 0 : 1), R = L * N;
-    const Tensor<std::uint8_t>& mask = ctx.key_padding_mask();
-    require<shape_error>(mask.empty() || mask.shape() == Shape{N, L}, name(),
-                         ": key_padding_mask must be [N, L] = ", Shape{N, L}, " (batch, keys), got ", mask.shape());
-    seq_ = L;
-    batch_ = N;
+    const Tensor<std::uint8_t>& mask = this->begin_forward(ctx, x.shape());
+    const std::int64_t L = seq_, N = batch_, R = L * N;
 
     // qkv = x W_in^T + b_in: all three projections of all rows in one product.
     x_ = x;
@@ -123,9 +186,7 @@ class MultiheadAttention {
 
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    require<shape_error>(!x_.empty() && dy.shape() == x_.shape(), name(),
-                         ": backward needs the gradient of the last forward's output (shape ", x_.shape(), "), got ",
-                         dy.shape());
+    check_grad(x_, dy);
     const std::int64_t E = o_.embed_dim, H = o_.num_heads, D = head_dim_, L = seq_, N = batch_, R = L * N;
     const Tensor<T> dattn = ctx.backward(out_proj, dy);
 
@@ -168,26 +229,8 @@ class MultiheadAttention {
   }
 
  private:
-  // Checked before out_proj is built from it, so a bad size gets this message.
-  static const options& validated(const options& o) {
-    require<shape_error>(o.embed_dim > 0 && o.num_heads > 0 && o.embed_dim % o.num_heads == 0,
-                         "MultiheadAttention: embed_dim (", o.embed_dim, ") must be a positive multiple of num_heads (",
-                         o.num_heads, ")");
-    require(o.dropout >= 0 && o.dropout <= 1, "MultiheadAttention: dropout must be in [0, 1], got ", o.dropout);
-    return o;
-  }
-  std::string name() const { return cat("MultiheadAttention(embed_dim ", o_.embed_dim, ", num_heads ", o_.num_heads, ")"); }
   T scale() const { return T(1.0 / std::sqrt(double(head_dim_))); }
 
-  // Rows of x (and of qkv and the attention output) for batch element n start at
-  // row0(n) and advance by `step` rows per position: N rows sequence first, 1 batch first.
-  std::int64_t row0(std::int64_t n) const { return o_.batch_first ? n * seq_ : n; }
-  std::int64_t step() const { return o_.batch_first ? 1 : batch_; }
-  std::int64_t ld_qkv() const { return step() * 3 * o_.embed_dim; }
-  std::int64_t ld_x() const { return step() * o_.embed_dim; }
-  std::int64_t offset(std::int64_t n, std::int64_t h, int which) const {
-    return row0(n) * 3 * o_.embed_dim + which * o_.embed_dim + h * head_dim_;
-  }
   const T* q(std::int64_t n, std::int64_t h) const { return qkv_.data() + offset(n, h, 0); }
   const T* k(std::int64_t n, std::int64_t h) const { return qkv_.data() + offset(n, h, 1); }
   const T* v(std::int64_t n, std::int64_t h) const { return qkv_.data() + offset(n, h, 2); }
@@ -241,14 +284,10 @@ class MultiheadAttention {
     }
   }
 
-  options o_;
-  std::int64_t head_dim_;
-  std::int64_t seq_ = 0, batch_ = 0;
-  // Cached by forward for backward.
+  // Cached by forward for backward (and drop_, seq_, batch_ in the base).
   input x_;
   Tensor<T> qkv_;    // [rows, 3E]: q, k, v of every row
   Tensor<T> probs_;  // [N, H, L, L]: softmax weights before dropout
-  std::optional<counter_rng> drop_;
 };
 
 }  // namespace shardlib::nn

@@ -16,20 +16,43 @@ SHARDLIB_HD constexpr bool dropout_keep(const counter_rng& stream, std::uint64_t
   return stream.uniform_float(i) >= p;
 }
 
-// In training, each element is kept with probability 1 - p and scaled by
-// 1 / (1 - p) (inverted dropout, so evaluation is the identity), the mask drawn
-// from ctx.random_stream(): reproducible per (seed, rank, step), different per
-// layer. The identity when not training or p == 0; all zeros when p == 1.
-template <class T, class Space = host_space>
-class Dropout {
-  static_assert(std::is_same_v<Space, host_space>,
-                "nn::Dropout: the host layer; for cuda_space include shardlib/nn/cuda/dropout.cuh");
+namespace detail {
+// Dropout's mask for tensors in Space: apply(x, stream, p) is x with element i
+// kept (dropout_keep(stream, i, p)) and scaled by 1 / (1 - p), or zeroed. The
+// host's here, the device's in nn/cuda/dropout.cuh.
+template <class Space>
+struct dropout_mask;
 
+template <>
+struct dropout_mask<host_space> {
+  // The mask is recomputed from the stream rather than stored: 16 bytes per
+  // layer instead of one per element.
+  template <class T>
+  static Tensor<T> apply(const Tensor<T>& x, const counter_rng& rng, double p) {
+    const T scale = p < 1 ? T(1 / (1 - p)) : T(0);
+    const float threshold = float(p);
+    Tensor<T> y(x.shape());
+    // Local copies and raw pointers: through members and Tensor::operator[] the
+    // compiler reloads the stream per element (167 ms vs 37 ms per reference step).
+    const counter_rng stream = rng;
+    const T* xp = x.data();
+    T* yp = y.data();
+    const std::int64_t n = x.numel();
+    for (std::int64_t i = 0; i < n; ++i) yp[i] = dropout_keep(stream, std::uint64_t(i), threshold) ? xp[i] * scale : T(0);
+    return y;
+  }
+};
+
+// Dropout in Space (the host's below, the device's in nn/cuda/dropout.cuh), all
+// but the mask, which is dropout_mask<Space>'s: p and its check, parameters(),
+// forward and backward, and the state a forward leaves for its backward.
+template <class T, class Space>
+class dropout_base {
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
+  using input = Tensor<T, Space>;
+  using output = Tensor<T, Space>;
 
-  explicit Dropout(double p = 0.5) : p_(p) {
+  explicit dropout_base(double p = 0.5) : p_(p) {
     require(p >= 0 && p <= 1, "Dropout: probability must be in [0, 1], got ", p);
   }
 
@@ -45,7 +68,7 @@ class Dropout {
     masked_ = ctx.training() && p_ > 0;
     if (!masked_) return x;
     stream_ = ctx.random_stream();
-    return apply(x);
+    return dropout_mask<Space>::apply(x, stream_, p_);
   }
 
   template <class Ctx>
@@ -54,31 +77,29 @@ class Dropout {
                          "): backward needs the gradient of the last forward's output (shape ", shape_, "), got shape ",
                          dy.shape());
     pending_ = false;
-    return masked_ ? apply(dy) : dy;
+    return masked_ ? dropout_mask<Space>::apply(dy, stream_, p_) : dy;
   }
 
  private:
-  // The mask is recomputed from the stream rather than stored: 16 bytes per
-  // layer instead of one per element.
-  Tensor<T> apply(const Tensor<T>& x) const {
-    const T scale = p_ < 1 ? T(1 / (1 - p_)) : T(0);
-    const float threshold = float(p_);
-    Tensor<T> y(x.shape());
-    // Local copies and raw pointers: through members and Tensor::operator[] the
-    // compiler reloads the stream per element (167 ms vs 37 ms per reference step).
-    const counter_rng stream = stream_;
-    const T* xp = x.data();
-    T* yp = y.data();
-    const std::int64_t n = x.numel();
-    for (std::int64_t i = 0; i < n; ++i) yp[i] = dropout_keep(stream, std::uint64_t(i), threshold) ? xp[i] * scale : T(0);
-    return y;
-  }
-
   double p_;
   bool pending_ = false;  // a forward awaits its backward
   bool masked_ = false;   // that forward applied a mask (training and p > 0)
   Shape shape_{};
   counter_rng stream_{0, 0};  // this forward's stream, kept for backward
+};
+}  // namespace detail
+
+// In training, each element is kept with probability 1 - p and scaled by
+// 1 / (1 - p) (inverted dropout, so evaluation is the identity), the mask drawn
+// from ctx.random_stream(): reproducible per (seed, rank, step), different per
+// layer. The identity when not training or p == 0; all zeros when p == 1.
+template <class T, class Space = host_space>
+class Dropout : public detail::dropout_base<T, Space> {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::Dropout: the host layer; for cuda_space include shardlib/nn/cuda/dropout.cuh");
+
+ public:
+  using detail::dropout_base<T, Space>::dropout_base;
 };
 
 }  // namespace shardlib::nn

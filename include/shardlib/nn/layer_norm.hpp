@@ -11,19 +11,14 @@
 
 namespace shardlib::nn {
 
-// y = (x - mean) / sqrt(var + eps) * weight + bias per row of the last dimension,
-// var biased (divided by D, as torch). weight [D] starts at ones, bias [D] at zeros;
-// elementwise_affine = false leaves no parameters (weight 1, bias 0).
-template <class T, class Space = host_space>
-class LayerNorm {
-  static_assert(std::is_same_v<Space, host_space>,
-                "nn::LayerNorm: the host layer; for cuda_space include shardlib/nn/cuda/layer_norm.cuh");
-
+namespace detail {
+// What LayerNorm's two versions share (the host's below, the device's in
+// nn/cuda/layer_norm.cuh): the parameters and their init rules, the accessors,
+// parameters() and the shape checks with their messages.
+template <class T>
+class layer_norm_base {
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
-
-  explicit LayerNorm(std::int64_t normalized_dim, double eps = 1e-5, bool elementwise_affine = true)
+  explicit layer_norm_base(std::int64_t normalized_dim, double eps = 1e-5, bool elementwise_affine = true)
       : d_(normalized_dim), eps_(eps), affine_(elementwise_affine) {
     if (affine_) {
       weight.shape = Shape{d_};
@@ -46,10 +41,46 @@ class LayerNorm {
     }
   }
 
+ protected:
+  // forward's check of x's shape.
+  void check_input(const Shape& x) const {
+    require<shape_error>(x.rank() >= 1 && x[x.rank() - 1] == d_, "LayerNorm(", d_,
+                         "): input's last dimension must be ", d_, ", got shape ", x);
+  }
+  // backward's check of dy against the input x cached by forward.
+  template <class X, class Y>
+  void check_grad(const X& x, const Y& dy) const {
+    require<shape_error>(!x.empty() && dy.shape() == x.shape(), "LayerNorm(", d_,
+                         "): backward needs the gradient of the last forward's output (shape ", x.shape(),
+                         "), got shape ", dy.shape());
+  }
+
+  std::int64_t d_;
+  double eps_;
+  bool affine_;
+};
+}  // namespace detail
+
+// y = (x - mean) / sqrt(var + eps) * weight + bias per row of the last dimension,
+// var biased (divided by D, as torch). weight [D] starts at ones, bias [D] at zeros;
+// elementwise_affine = false leaves no parameters (weight 1, bias 0).
+template <class T, class Space = host_space>
+class LayerNorm : public detail::layer_norm_base<T> {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::LayerNorm: the host layer; for cuda_space include shardlib/nn/cuda/layer_norm.cuh");
+  using base = detail::layer_norm_base<T>;
+  using base::d_, base::eps_, base::affine_;
+
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+  using base::weight, base::bias;
+
+  using base::base;  // LayerNorm(normalized_dim, eps = 1e-5, elementwise_affine = true)
+
   template <class Ctx>
   output forward(Ctx&, const input& x) {
-    require<shape_error>(x.rank() >= 1 && x.dim(x.rank() - 1) == d_, "LayerNorm(", d_,
-                         "): input's last dimension must be ", d_, ", got shape ", x.shape());
+    this->check_input(x.shape());
     const std::int64_t rows = x.numel() / d_;
     x_ = x;
     mean_ = Tensor<T>(Shape{rows});
@@ -78,9 +109,7 @@ class LayerNorm {
   // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dweight += dy * xhat; dbias += dy.
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require<shape_error>(!x_.empty() && dy.shape() == x_.shape(), "LayerNorm(", d_,
-                         "): backward needs the gradient of the last forward's output (shape ", x_.shape(),
-                         "), got shape ", dy.shape());
+    this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / d_;
     input dx(x_.shape());
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -111,9 +140,6 @@ class LayerNorm {
   }
 
  private:
-  std::int64_t d_;
-  double eps_;
-  bool affine_;
   input x_;                // cached for backward
   Tensor<T> mean_, rstd_;  // per row, cached for backward
 };

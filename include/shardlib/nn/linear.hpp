@@ -22,21 +22,14 @@ void add_column_sums(const T* d, std::int64_t rows, std::int64_t cols, T* g) {
     for (std::int64_t c = 0; c < cols; ++c) g[c] += dr[c];
   }
 }
-}  // namespace detail
 
-// weight [out, in], bias [out] (PyTorch's layout and names); x [..., in] -> y [..., out].
-// Space is where the tensors and parameters live: this is the host's layer, the
-// device's (cuda_space) is in nn/cuda/linear.cuh, with the same parameters.
-template <class T, class Space = host_space>
-class Linear {
-  static_assert(std::is_same_v<Space, host_space>, 
-                "nn::Linear: the host layer; for cuda_space include shardlib/nn/cuda/linear.cuh");
-
+// What Linear's two versions share (the host's below, the device's in
+// nn/cuda/linear.cuh): the parameters, their shapes and init rules, the
+// accessors, parameters() and the shape checks with their messages.
+template <class T>
+class linear_base {
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
-
-  Linear(std::int64_t in_features, std::int64_t out_features, bool bias = true)
+  linear_base(std::int64_t in_features, std::int64_t out_features, bool bias = true)
       : in_(in_features), out_(out_features), has_bias_(bias) {
     weight.shape = Shape{out_features, in_features};
     weight.init = init_rule::linear_default(in_features);
@@ -57,15 +50,52 @@ class Linear {
     if (has_bias_) v("bias", bias);
   }
 
+ protected:
+  // forward's check of x; the output's shape: x's with the last dimension out.
+  void check_input(const Shape& x) const {
+    require<shape_error>(x.rank() >= 1 && x[x.rank() - 1] == in_, "Linear(", in_, " -> ", out_,
+                         "): input's last dimension must be ", in_, ", got shape ", x);
+  }
+  Shape output_shape(const Shape& x) const {
+    Shape ys = x;
+    ys[ys.rank() - 1] = out_;
+    return ys;
+  }
+  // backward's check of dy against the input x cached by forward.
+  template <class X, class Y>
+  void check_grad(const X& x, const Y& dy) const {
+    require<shape_error>(!x.empty() && dy.numel() == x.numel() / in_ * out_, "Linear(", in_, " -> ", out_,
+                         "): backward needs the gradient of the last forward's output, got shape ", dy.shape());
+  }
+
+  std::int64_t in_, out_;
+  bool has_bias_;
+};
+}  // namespace detail
+
+// weight [out, in], bias [out] (PyTorch's layout and names); x [..., in] -> y [..., out].
+// Space is where the tensors and parameters live: this is the host's layer, the
+// device's (cuda_space) is in nn/cuda/linear.cuh, with the same parameters.
+template <class T, class Space = host_space>
+class Linear : public detail::linear_base<T> {
+  static_assert(std::is_same_v<Space, host_space>, 
+                "nn::Linear: the host layer; for cuda_space include shardlib/nn/cuda/linear.cuh");
+  using base = detail::linear_base<T>;
+  using base::in_, base::out_, base::has_bias_;
+
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+  using base::weight, base::bias;
+
+  using base::base;  // Linear(in_features, out_features, bias = true)
+
   template <class Ctx>
   output forward(Ctx&, const input& x) {
-    require<shape_error>(x.rank() >= 1 && x.dim(x.rank() - 1) == in_, "Linear(", in_, " -> ", out_,
-                         "): input's last dimension must be ", in_, ", got shape ", x.shape());
+    this->check_input(x.shape());
     x_ = x;
     const std::int64_t rows = x.numel() / in_;
-    Shape ys = x.shape();
-    ys[ys.rank() - 1] = out_;
-    output y(ys);
+    output y(this->output_shape(x.shape()));
     if (has_bias_)  // y starts as the bias, which the product adds to (beta 1)
       for (std::int64_t r = 0; r < rows; ++r) std::copy_n(bias.value, out_, y.data() + r * out_);
     ops::gemm(ops::trans::no, ops::trans::yes, rows, out_, in_, T(1), x.data(), in_, weight.value, in_,
@@ -75,8 +105,7 @@ class Linear {
 
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require<shape_error>(!x_.empty() && dy.numel() == x_.numel() / in_ * out_, "Linear(", in_, " -> ", out_,
-                         "): backward needs the gradient of the last forward's output, got shape ", dy.shape());
+    this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / in_;
     ops::gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, T(1), dy.data(), out_, x_.data(), in_, T(1),
               weight.grad, in_);  // dW += dy^T x
@@ -89,8 +118,6 @@ class Linear {
   }
 
  private:
-  std::int64_t in_, out_;
-  bool has_bias_;
   input x_;  // cached for backward
 };
 

@@ -52,6 +52,39 @@ Tensor<W> pool_padding_weights(const Shape& s, int dim, const Tensor<std::uint8_
   }
   return w;
 }
+
+// What MeanPool's two versions share (the host's below, the device's in
+// nn/cuda/pooling.cuh): dim, parameters(), the input's shape cached by forward
+// for backward, the shape checks with their messages and the geometry.
+class mean_pool_base {
+ public:
+  explicit mean_pool_base(int dim) : dim_(dim) {}
+
+  int dim() const { return dim_; }
+
+  template <class V>
+  void parameters(V&&) {}
+
+ protected:
+  // forward's check of x's shape, which it keeps for backward.
+  void begin_forward(const Shape& x) {
+    require<shape_error>(dim_ >= 0 && dim_ < x.rank(), "MeanPool(", dim_, "): the input has no dimension ", dim_,
+                         ", got shape ", x);
+    shape_ = x;
+  }
+  // backward's check of dy's shape.
+  void check_grad(const Shape& dy) const {
+    require<shape_error>(shape_.rank() > 0 && dy == pooled_shape(), "MeanPool(", dim_,
+                         "): backward needs the gradient of the last forward's output, got shape ", dy);
+  }
+
+  std::int64_t outer_size() const { return pool_outer_size(shape_, dim_); }
+  std::int64_t inner_size() const { return pool_inner_size(shape_, dim_); }
+  Shape pooled_shape() const { return detail::pooled_shape(shape_, dim_); }
+
+  int dim_;
+  Shape shape_{};  // the input's, cached for backward
+};
 }  // namespace detail
 
 // Averages over dimension `dim` and removes it: [N, L, E] pooled over dim 1, or
@@ -67,7 +100,7 @@ Tensor<W> pool_padding_weights(const Shape& s, int dim, const Tensor<std::uint8_
 // padding, raises an error instead of giving a silently wrong mean. Other ranks
 // and dims ignore the mask.
 template <class T, class Space = host_space>
-class MeanPool {
+class MeanPool : public detail::mean_pool_base {
   static_assert(std::is_same_v<Space, host_space>,
                 "nn::MeanPool: the host layer; for cuda_space include shardlib/nn/cuda/pooling.cuh");
 
@@ -75,18 +108,11 @@ class MeanPool {
   using input = Tensor<T>;
   using output = Tensor<T>;
 
-  explicit MeanPool(int dim) : dim_(dim) {}
-
-  int dim() const { return dim_; }
-
-  template <class V>
-  void parameters(V&&) {}
+  using mean_pool_base::mean_pool_base;  // MeanPool(dim)
 
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
-    require<shape_error>(dim_ >= 0 && dim_ < x.rank(), "MeanPool(", dim_, "): the input has no dimension ", dim_,
-                         ", got shape ", x.shape());
-    shape_ = x.shape();
+    begin_forward(x.shape());
     weights_ = detail::pool_padding_weights<T>(shape_, dim_, ctx.key_padding_mask());
     const std::int64_t outer = outer_size(), len = shape_[dim_], inner = inner_size();
     output y(pooled_shape());
@@ -102,8 +128,7 @@ class MeanPool {
   // dx[.., l, ..] = weight(l) * dy: each position gets its share of the mean.
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require<shape_error>(shape_.rank() > 0 && dy.shape() == pooled_shape(), "MeanPool(", dim_,
-                         "): backward needs the gradient of the last forward's output, got shape ", dy.shape());
+    check_grad(dy.shape());
     const std::int64_t outer = outer_size(), len = shape_[dim_], inner = inner_size();
     input dx(shape_);
     for (std::int64_t o = 0; o < outer; ++o)
@@ -115,10 +140,6 @@ class MeanPool {
   }
 
  private:
-  std::int64_t outer_size() const { return detail::pool_outer_size(shape_, dim_); }
-  std::int64_t inner_size() const { return detail::pool_inner_size(shape_, dim_); }
-  Shape pooled_shape() const { return detail::pooled_shape(shape_, dim_); }
-
   // The weight of x[o, l, i] in the mean: batch index b is o when batch-first
   // (dim 1, inner = E) and i / E when sequence-first (dim 0, outer = 1).
   T weight(std::int64_t o, std::int64_t l, std::int64_t i) const {
@@ -128,8 +149,6 @@ class MeanPool {
     return weights_[b * len + l];
   }
 
-  int dim_;
-  Shape shape_{};      // the input's, cached for backward
   Tensor<T> weights_;  // padding weights [N, L], cached for backward
 };
 

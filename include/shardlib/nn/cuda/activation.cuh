@@ -10,38 +10,46 @@
 #include "shardlib/nn/activation.hpp"         // the host layers
 #include "shardlib/ops/cuda/elementwise.cuh"  // relu, gelu and their backward
 
+#include <span>  // std::span
+
 namespace shardlib::nn {
 
 namespace detail {
-template <class T>
-void require_backward_of(const char* layer, const Tensor<T, cuda_space>& x, const Tensor<T, cuda_space>& dy) {
-  require<shape_error>(!x.empty() && dy.shape() == x.shape(), layer,
-                       ": backward needs the gradient of the last forward's output (shape ", x.shape(), "), got shape ",
-                       dy.shape());
+// The device's counterparts of detail::elementwise and elementwise_backward:
+// kernel(x, y, stream) and, after the check, kernel(x, dy, dx, stream) on the
+// current stream.
+template <class T, class K>
+Tensor<T, cuda_space> device_elementwise(const Tensor<T, cuda_space>& x, K kernel) {
+  Tensor<T, cuda_space> y(x.shape());
+  kernel(x.span(), y.span(), cuda::current_stream());
+  return y;
+}
+template <class T, class K>
+Tensor<T, cuda_space> device_elementwise_backward(const char* layer, const Tensor<T, cuda_space>& x,
+                                                  const Tensor<T, cuda_space>& dy, K kernel) {
+  require_backward_of(layer, x, dy);
+  Tensor<T, cuda_space> dx(x.shape());
+  kernel(x.span(), dy.span(), dx.span(), cuda::current_stream());
+  return dx;
 }
 }  // namespace detail
 
+// The host layers' (no) parameters, GELU's approximation and the checks
+// (detail::activation_base, gelu_base in nn/activation.hpp).
 template <class T>
-class ReLU<T, cuda_space> {
+class ReLU<T, cuda_space> : public detail::activation_base {
  public:
   using input = Tensor<T, cuda_space>;
   using output = Tensor<T, cuda_space>;
 
-  template <class V>
-  void parameters(V&&) {}
-
   template <class Ctx>
   output forward(Ctx&, const input& x) {
     x_ = x;
-    output y(x.shape());
-    ops::cuda::relu<T>(x.span(), y.span(), cuda::current_stream());
-    return y;
+    return detail::device_elementwise(x, ops::cuda::relu<T>);
   }
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    detail::require_backward_of("ReLU", x_, dy);
-    input dx(x_.shape());
-    ops::cuda::relu_backward<T>(x_.span(), dy.span(), dx.span(), cuda::current_stream());
+    input dx = detail::device_elementwise_backward("ReLU", x_, dy, ops::cuda::relu_backward<T>);
     x_ = {};
     return dx;
   }
@@ -51,37 +59,30 @@ class ReLU<T, cuda_space> {
 };
 
 template <class T>
-class GELU<T, cuda_space> {
+class GELU<T, cuda_space> : public detail::gelu_base {
  public:
   using input = Tensor<T, cuda_space>;
   using output = Tensor<T, cuda_space>;
 
-  GELU() = default;
-  explicit GELU(gelu_approx approximate) : approx_(approximate) {}
-
-  gelu_approx approximate() const { return approx_; }
-
-  template <class V>
-  void parameters(V&&) {}
+  using gelu_base::gelu_base;  // GELU(), GELU(approximate)
 
   template <class Ctx>
   output forward(Ctx&, const input& x) {
     x_ = x;
-    output y(x.shape());
-    ops::cuda::gelu<T>(x.span(), y.span(), approx_, cuda::current_stream());
-    return y;
+    return detail::device_elementwise(
+        x, [a = approx_](std::span<const T> in, std::span<T> y, cudaStream_t s) { ops::cuda::gelu<T>(in, y, a, s); });
   }
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    detail::require_backward_of("GELU", x_, dy);
-    input dx(x_.shape());
-    ops::cuda::gelu_backward<T>(x_.span(), dy.span(), dx.span(), approx_, cuda::current_stream());
+    input dx = detail::device_elementwise_backward(
+        "GELU", x_, dy, [a = approx_](std::span<const T> in, std::span<const T> d, std::span<T> out, cudaStream_t s) {
+          ops::cuda::gelu_backward<T>(in, d, out, a, s);
+        });
     x_ = {};
     return dx;
   }
 
  private:
-  gelu_approx approx_ = gelu_approx::none;
   input x_;  // cached for backward
 };
 

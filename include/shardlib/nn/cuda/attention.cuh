@@ -25,55 +25,31 @@
 namespace shardlib::nn {
 
 // The host layer's parameters (torch's names and packing), checks and
-// arithmetic (see nn/attention.hpp), on the current stream: one product for
-// the q, k, v projections of all rows, then per sample one batched product
-// over the heads for each of q k^T, P V and their gradients. The weights'
-// dropout draws element i of the [N, H, L, L] weights at index i, as the host
-// does, so the masks are the host's bit for bit; backward regenerates them.
+// arithmetic (detail::attention_base and the host layer in nn/attention.hpp),
+// on the current stream: one product for the q, k, v projections of all rows,
+// then per sample one batched product over the heads for each of q k^T, P V
+// and their gradients. The weights' dropout draws element i of the [N, H, L, L]
+// weights at index i, as the host does, so the masks are the host's bit for bit;
+// backward regenerates them.
 template <class T>
-class MultiheadAttention<T, cuda_space> {
+class MultiheadAttention<T, cuda_space> : public detail::attention_base<T, cuda_space> {
+  using base = detail::attention_base<T, cuda_space>;
+  using base::o_, base::head_dim_, base::seq_, base::batch_, base::drop_, base::name, base::check_grad;
+  using base::row0, base::ld_qkv, base::ld_x, base::offset;
+
  public:
   using input = Tensor<T, cuda_space>;
   using output = Tensor<T, cuda_space>;
   using options = attention_options;
+  using base::in_proj_weight, base::in_proj_bias, base::out_proj;
 
-  explicit MultiheadAttention(const options& o)
-      : out_proj(validated(o).embed_dim, o.embed_dim, o.bias), o_(o), head_dim_(o.embed_dim / o.num_heads) {
-    in_proj_weight.shape = Shape{3 * o.embed_dim, o.embed_dim};
-    in_proj_weight.init = init_rule::xavier_uniform(o.embed_dim, 3 * o.embed_dim);
-    if (o.bias) {
-      in_proj_bias.shape = Shape{3 * o.embed_dim};
-      in_proj_bias.init = init_rule::constant_zero();
-      out_proj.bias.init = init_rule::constant_zero();  // torch's _reset_parameters; out_proj.weight keeps Linear's
-    }
-  }
-
-  Param<T> in_proj_weight, in_proj_bias;
-  Linear<T, cuda_space> out_proj;
-
-  template <class V>
-  void children(V&& v) {
-    v("out_proj", out_proj);
-  }
-  template <class V>
-  void parameters(V&& v) {
-    v("in_proj_weight", in_proj_weight);
-    if (o_.bias) v("in_proj_bias", in_proj_bias);
-    visit_parameters("out_proj", out_proj, v);
-  }
+  using base::base;  // MultiheadAttention(options)
 
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
     const std::int64_t E = o_.embed_dim, H = o_.num_heads, D = head_dim_;
-    require<shape_error>(x.rank() == 3 && x.dim(2) == E, name(), ": input must be ",
-                         o_.batch_first ? "[N, L, " : "[L, N, ", E, "] (", o_.batch_first ? "batch" : "sequence",
-                         " first), got shape ", x.shape());
-    const std::int64_t L = x.dim(o_.batch_first ? 1 : 0), N = x.dim(o_.batch_first ? 0 : 1), R = L * N;
-    const Tensor<std::uint8_t>& mask = ctx.key_padding_mask();
-    require<shape_error>(mask.empty() || mask.shape() == Shape{N, L}, name(),
-                         ": key_padding_mask must be [N, L] = ", Shape{N, L}, " (batch, keys), got ", mask.shape());
-    seq_ = L;
-    batch_ = N;
+    const Tensor<std::uint8_t>& mask = this->begin_forward(ctx, x.shape());
+    const std::int64_t L = seq_, N = batch_, R = L * N;
     const cudaStream_t s = cuda::current_stream();
 
     // qkv = x W_in^T + b_in: all three projections of all rows in one product.
@@ -104,9 +80,7 @@ class MultiheadAttention<T, cuda_space> {
 
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    require<shape_error>(!x_.empty() && dy.shape() == x_.shape(), name(),
-                         ": backward needs the gradient of the last forward's output (shape ", x_.shape(), "), got ",
-                         dy.shape());
+    check_grad(x_, dy);
     const std::int64_t E = o_.embed_dim, H = o_.num_heads, D = head_dim_, L = seq_, N = batch_, R = L * N;
     const Tensor<T, cuda_space> dattn = ctx.backward(out_proj, dy);
 
@@ -147,25 +121,10 @@ class MultiheadAttention<T, cuda_space> {
   }
 
  private:
-  static const options& validated(const options& o) {
-    require<shape_error>(o.embed_dim > 0 && o.num_heads > 0 && o.embed_dim % o.num_heads == 0,
-                         "MultiheadAttention: embed_dim (", o.embed_dim, ") must be a positive multiple of num_heads (",
-                         o.num_heads, ")");
-    require(o.dropout >= 0 && o.dropout <= 1, "MultiheadAttention: dropout must be in [0, 1], got ", o.dropout);
-    return o;
-  }
-  std::string name() const { return cat("MultiheadAttention(embed_dim ", o_.embed_dim, ", num_heads ", o_.num_heads, ")"); }
   float scale() const { return float(1.0 / std::sqrt(double(head_dim_))); }
 
-  // Row layout as the host's: sample n's rows start at row0(n), `step` rows apart;
-  // head h of q, k, v is D columns at h D of its third of qkv (heads D apart).
-  std::int64_t row0(std::int64_t n) const { return o_.batch_first ? n * seq_ : n; }
-  std::int64_t step() const { return o_.batch_first ? 1 : batch_; }
-  std::int64_t ld_qkv() const { return step() * 3 * o_.embed_dim; }
-  std::int64_t ld_x() const { return step() * o_.embed_dim; }
-  T* at(const Tensor<T, cuda_space>& t, std::int64_t n, int which) const {
-    return t.data() + row0(n) * 3 * o_.embed_dim + which * o_.embed_dim;
-  }
+  // Row layout as the host's (attention_base): q, k or v of sample n, heads D apart.
+  T* at(const Tensor<T, cuda_space>& t, std::int64_t n, int which) const { return t.data() + offset(n, 0, which); }
   const T* q(std::int64_t n) const { return at(qkv_, n, 0); }
   const T* k(std::int64_t n) const { return at(qkv_, n, 1); }
   const T* v(std::int64_t n) const { return at(qkv_, n, 2); }
@@ -183,14 +142,10 @@ class MultiheadAttention<T, cuda_space> {
     return out;
   }
 
-  options o_;
-  std::int64_t head_dim_;
-  std::int64_t seq_ = 0, batch_ = 0;
-  // Cached by forward for backward.
+  // Cached by forward for backward (and drop_, seq_, batch_ in the base).
   input x_;
   Tensor<T, cuda_space> qkv_;    // [rows, 3E]: q, k, v of every row
   Tensor<T, cuda_space> probs_;  // [N, H, L, L]: softmax weights before dropout
-  std::optional<counter_rng> drop_;
 };
 
 }  // namespace shardlib::nn

@@ -12,53 +12,25 @@
 
 namespace shardlib::nn {
 
-template <class T>
-class Dropout<T, cuda_space> {
- public:
-  using input = Tensor<T, cuda_space>;
-  using output = Tensor<T, cuda_space>;
-
-  explicit Dropout(double p = 0.5) : p_(p) {
-    require(p >= 0 && p <= 1, "Dropout: probability must be in [0, 1], got ", p);
-  }
-
-  double p() const { return p_; }
-
-  template <class V>
-  void parameters(V&&) {}
-
-  template <class Ctx>
-  output forward(Ctx& ctx, const input& x) {
-    shape_ = x.shape();
-    pending_ = true;
-    masked_ = ctx.training() && p_ > 0;
-    if (!masked_) return x;
-    stream_ = ctx.random_stream();
-    return apply(x);
-  }
-
-  template <class Ctx>
-  input backward(Ctx&, const output& dy) {
-    require<shape_error>(pending_ && dy.shape() == shape_, "Dropout(", p_,
-                         "): backward needs the gradient of the last forward's output (shape ", shape_, "), got shape ",
-                         dy.shape());
-    pending_ = false;
-    return masked_ ? apply(dy) : dy;
-  }
-
- private:
-  // Element i draws at index i, as the host layer: backward regenerates the mask.
-  output apply(const input& x) const {
-    output y(x.shape());
-    ops::cuda::dropout<T>(x.span(), y.span(), stream_, 0, p_, cuda::current_stream());
+namespace detail {
+// Element i draws at index i, as the host's mask: backward regenerates it.
+template <>
+struct dropout_mask<cuda_space> {
+  template <class T>
+  static Tensor<T, cuda_space> apply(const Tensor<T, cuda_space>& x, const counter_rng& stream, double p) {
+    Tensor<T, cuda_space> y(x.shape());
+    ops::cuda::dropout<T>(x.span(), y.span(), stream, 0, p, cuda::current_stream());
     return y;
   }
+};
+}  // namespace detail
 
-  double p_;
-  bool pending_ = false;  // a forward awaits its backward
-  bool masked_ = false;   // that forward applied a mask (training and p > 0)
-  Shape shape_{};
-  counter_rng stream_{0, 0};  // this forward's stream, kept for backward
+// The host layer (detail::dropout_base in nn/dropout.hpp) with the mask drawn
+// by a kernel on the current stream.
+template <class T>
+class Dropout<T, cuda_space> : public detail::dropout_base<T, cuda_space> {
+ public:
+  using detail::dropout_base<T, cuda_space>::dropout_base;
 };
 
 }  // namespace shardlib::nn

@@ -16,42 +16,25 @@
 
 namespace shardlib::nn {
 
-// The host layer's parameters and checks; the rows in float whatever T is
-// (ops/cuda/layer_norm.hpp), mean and rstd kept per row in float for backward.
+// The host layer's parameters and checks (detail::layer_norm_base in
+// nn/layer_norm.hpp); the rows in float whatever T is (ops/cuda/layer_norm.hpp),
+// mean and rstd kept per row in float for backward.
 // weight and bias gradients accumulate (+=), summed over rows deterministically.
 template <class T>
-class LayerNorm<T, cuda_space> {
+class LayerNorm<T, cuda_space> : public detail::layer_norm_base<T> {
+  using base = detail::layer_norm_base<T>;
+  using base::d_, base::eps_, base::affine_;
+
  public:
   using input = Tensor<T, cuda_space>;
   using output = Tensor<T, cuda_space>;
+  using base::weight, base::bias;
 
-  explicit LayerNorm(std::int64_t normalized_dim, double eps = 1e-5, bool elementwise_affine = true)
-      : d_(normalized_dim), eps_(eps), affine_(elementwise_affine) {
-    if (affine_) {
-      weight.shape = Shape{d_};
-      weight.init = init_rule::constant_one();
-      bias.shape = Shape{d_};
-      bias.init = init_rule::constant_zero();
-    }
-  }
-
-  Param<T> weight, bias;
-
-  std::int64_t normalized_dim() const { return d_; }
-  double eps() const { return eps_; }
-
-  template <class V>
-  void parameters(V&& v) {
-    if (affine_) {
-      v("weight", weight);
-      v("bias", bias);
-    }
-  }
+  using base::base;  // LayerNorm(normalized_dim, eps = 1e-5, elementwise_affine = true)
 
   template <class Ctx>
   output forward(Ctx&, const input& x) {
-    require<shape_error>(x.rank() >= 1 && x.dim(x.rank() - 1) == d_, "LayerNorm(", d_,
-                         "): input's last dimension must be ", d_, ", got shape ", x.shape());
+    this->check_input(x.shape());
     const std::int64_t rows = x.numel() / d_;
     x_ = x;
     stats_ = Tensor<ops::cuda::row_stats, cuda_space>(Shape{rows});
@@ -63,9 +46,7 @@ class LayerNorm<T, cuda_space> {
 
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require<shape_error>(!x_.empty() && dy.shape() == x_.shape(), "LayerNorm(", d_,
-                         "): backward needs the gradient of the last forward's output (shape ", x_.shape(),
-                         "), got shape ", dy.shape());
+    this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / d_;
     input dx(x_.shape());
     ops::cuda::layer_norm_backward(x_.data(), dy.data(), affine_ ? weight.value : nullptr, stats_.data(), dx.data(),
@@ -77,9 +58,6 @@ class LayerNorm<T, cuda_space> {
   }
 
  private:
-  std::int64_t d_;
-  double eps_;
-  bool affine_;
   input x_;                                         // cached for backward
   Tensor<ops::cuda::row_stats, cuda_space> stats_;  // per row, cached for backward
 };

@@ -53,29 +53,23 @@ struct mean_pool_backward_at {
 };
 }  // namespace detail
 
-// The host layer's rule and checks (see nn/pooling.hpp); the padding weights
-// are made on the host from the context's mask, in float, and copied over.
+// The host layer's rule and checks (detail::mean_pool_base in nn/pooling.hpp);
+// the padding weights are made on the host from the context's mask, in float,
+// and copied over.
 template <class T>
-class MeanPool<T, cuda_space> {
+class MeanPool<T, cuda_space> : public detail::mean_pool_base {
  public:
   using input = Tensor<T, cuda_space>;
   using output = Tensor<T, cuda_space>;
 
-  explicit MeanPool(int dim) : dim_(dim) {}
-
-  int dim() const { return dim_; }
-
-  template <class V>
-  void parameters(V&&) {}
+  using mean_pool_base::mean_pool_base;  // MeanPool(dim)
 
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
-    require<shape_error>(dim_ >= 0 && dim_ < x.rank(), "MeanPool(", dim_, "): the input has no dimension ", dim_,
-                         ", got shape ", x.shape());
-    shape_ = x.shape();
+    begin_forward(x.shape());
     const Tensor<float> w = detail::pool_padding_weights<float>(shape_, dim_, ctx.key_padding_mask());
     weights_ = w.empty() ? Tensor<float, cuda_space>{} : cuda::to_device(w);
-    output y(detail::pooled_shape(shape_, dim_));
+    output y(pooled_shape());
     ops::cuda::for_each_index(y.numel(), detail::mean_pool_at<T>{geometry(), x.data(), y.data()},
                               cuda::current_stream(), "MeanPool forward");
     return y;
@@ -83,8 +77,7 @@ class MeanPool<T, cuda_space> {
 
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require<shape_error>(shape_.rank() > 0 && dy.shape() == detail::pooled_shape(shape_, dim_), "MeanPool(", dim_,
-                         "): backward needs the gradient of the last forward's output, got shape ", dy.shape());
+    check_grad(dy.shape());
     input dx(shape_);
     ops::cuda::for_each_index(dx.numel(), detail::mean_pool_backward_at<T>{geometry(), dy.data(), dx.data()},
                               cuda::current_stream(), "MeanPool backward");
@@ -95,12 +88,10 @@ class MeanPool<T, cuda_space> {
 
  private:
   detail::mean_pool_geometry geometry() const {
-    return {shape_[dim_], detail::pool_inner_size(shape_, dim_), shape_.rank() == 3 ? shape_[2] : 1, dim_,
+    return {shape_[dim_], inner_size(), shape_.rank() == 3 ? shape_[2] : 1, dim_,
             weights_.empty() ? nullptr : weights_.data()};
   }
 
-  int dim_;
-  Shape shape_{};                      // the input's, cached for backward
   Tensor<float, cuda_space> weights_;  // padding weights [N, L], cached for backward
 };
 
