@@ -3,6 +3,7 @@
 #pragma once
 #include <shardlib/core/element.hpp>
 #include <shardlib/core/ledger.hpp>
+#include <shardlib/core/tensor.hpp>
 #include <shardlib/cuda/caching_allocator.hpp>
 #include <shardlib/cuda/copy.hpp>
 #include <shardlib/cuda/stream.hpp>
@@ -124,5 +125,13 @@ inline float max_abs(const std::vector<float>& v) {
   for (float x : v) m = std::max(m, std::abs(x));
   return m;
 }
+
+// Host tensors from values, and their values back.
+inline sl::Tensor<float> host_tensor(sl::Shape s, const std::vector<float>& v) {
+  sl::Tensor<float> t(s);
+  std::copy(v.begin(), v.end(), t.data());
+  return t;
+}
+inline std::vector<float> values(const sl::Tensor<float>& t) { return {t.data(), t.data() + t.numel()}; }
 
 }  // namespace device_test

@@ -59,13 +59,9 @@ static_assert(nn::check_layer<nn::Linear<float, cuda_space>>() && nn::check_laye
 
 namespace {
 
-// Host tensors from values, and device tensors (on the current stream) to and from them.
-Tensor<float> host_tensor(Shape s, const std::vector<float>& v) {
-  Tensor<float> t(s);
-  std::copy(v.begin(), v.end(), t.data());
-  return t;
-}
-std::vector<float> values(const Tensor<float>& t) { return {t.data(), t.data() + t.numel()}; }
+using device_test::values;  // beside the device overload below
+
+// Device tensors (on the current stream) to and from host values.
 
 template <class T>
 Tensor<T, cuda_space> device_tensor(Shape s, const std::vector<float>& v) {

@@ -29,13 +29,6 @@ using sl::Tensor;
 
 namespace {
 
-Tensor<float> tensor(Shape s, const std::vector<float>& v) {
-  Tensor<float> t(s);
-  std::copy(v.begin(), v.end(), t.data());
-  return t;
-}
-std::vector<float> values(const Tensor<float>& t) { return {t.data(), t.data() + t.numel()}; }
-
 // A stream and the allocator of device 0 for one test.
 struct device_fixture {
   sl::cuda::stream stream{0};
@@ -136,8 +129,8 @@ TEMPLATE_TEST_CASE("layer_norm forward and backward match nn::LayerNorm", "[cuda
     ln.weight.grad = hgw.data();
     ln.bias.grad = hgb.data();
     sl::nn::context ctx;
-    const auto y_host = values(ln.forward(ctx, tensor({rows, d}, x)));
-    const auto dx_host = values(ln.backward(ctx, tensor({rows, d}, dy)));
+    const auto y_host = values(ln.forward(ctx, host_tensor({rows, d}, x)));
+    const auto dx_host = values(ln.backward(ctx, host_tensor({rows, d}, dy)));
 
     auto dxv = upload(as<T>(x), f.stream), ddy = upload(as<T>(dy), f.stream);
     auto dw = upload(as<T>(w), f.stream), db = upload(as<T>(b), f.stream);
@@ -201,7 +194,7 @@ TEMPLATE_TEST_CASE("cross_entropy matches nn::cross_entropy_loss and reports bad
          {sl::nn::cross_entropy_options{}, sl::nn::cross_entropy_options{.label_smoothing = 0.1},
           sl::nn::cross_entropy_options{.reduction = sl::nn::loss_reduction::sum}}) {
       INFO("classes " << classes << ", smoothing " << o.label_smoothing);
-      const auto want = sl::nn::cross_entropy_loss{o}(tensor({rows, classes}, z), targets);
+      const auto want = sl::nn::cross_entropy_loss{o}(host_tensor({rows, classes}, z), targets);
       auto dz = upload(as<T>(z), f.stream);
       auto dy = upload(y, f.stream);
       auto grad = poisoned<T>(std::size_t(rows * classes), f.stream);
@@ -245,7 +238,7 @@ TEST_CASE("embedding forward and backward equal nn::Embedding bit for bit", "[cu
   std::copy(ids.begin(), ids.end(), tids.data());
   sl::nn::context ctx;
   const auto y_host = values(emb.forward(ctx, tids));
-  emb.backward(ctx, tensor({n, dim}, dyv));
+  emb.backward(ctx, host_tensor({n, dim}, dyv));
 
   auto dw = upload(w, f.stream), dg = upload(g, f.stream), ddy = upload(dyv, f.stream);
   auto did = upload(ids, f.stream);
@@ -343,7 +336,7 @@ TEST_CASE("dropout draws nn::Dropout's mask bit for bit", "[cuda][dropout]") {
   for (double p : {0.1, 0.5, 1.0}) {
     sl::nn::Dropout<float> drop(p);
     sl::nn::context ctx({.training = true, .seed = rnd.seed});
-    const auto want = values(drop.forward(ctx, tensor({n}, x)));
+    const auto want = values(drop.forward(ctx, host_tensor({n}, x)));
     const sl::counter_rng stream = sl::nn::context({.training = true, .seed = rnd.seed}).random_stream();
     auto dx = upload(x, f.stream);
     auto y = poisoned<float>(std::size_t(n), f.stream);
