@@ -8,6 +8,8 @@
 #include <shardlib/cuda/copy.hpp>
 #include <shardlib/cuda/stream.hpp>
 
+#include "support/random_inputs.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -36,20 +38,7 @@ inline bool have_device() {
   return problem.empty();
 }
 
-// Fresh inputs on every run; the seed is printed with failures and
-// SHARDLIB_TEST_SEED=<seed> replays it.
-struct random_inputs {
-  std::uint32_t seed = std::getenv("SHARDLIB_TEST_SEED") ? std::uint32_t(std::stoul(std::getenv("SHARDLIB_TEST_SEED")))
-                                                         : std::random_device{}();
-  std::mt19937 gen{seed};
-  std::vector<float> normal(std::size_t n, float scale = 1.0f) {
-    std::normal_distribution<float> d(0.0f, scale);
-    std::vector<float> v(n);
-    for (auto& x : v) x = d(gen);
-    return v;
-  }
-  std::int64_t integer(std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(gen); }
-};
+using test_support::random_inputs;
 
 // x rounded to T and back: the values a T input really holds.
 template <class T>
@@ -126,12 +115,7 @@ inline float max_abs(const std::vector<float>& v) {
   return m;
 }
 
-// Host tensors from values, and their values back.
-inline sl::Tensor<float> host_tensor(sl::Shape s, const std::vector<float>& v) {
-  sl::Tensor<float> t(s);
-  std::copy(v.begin(), v.end(), t.data());
-  return t;
-}
-inline std::vector<float> values(const sl::Tensor<float>& t) { return {t.data(), t.data() + t.numel()}; }
+using test_support::host_tensor;
+using test_support::values;
 
 }  // namespace device_test

@@ -30,6 +30,8 @@
 #include "shardlib/ops/cuda/softmax.hpp"
 #include "shardlib/optim/adam.hpp"
 
+#include "support/random_inputs.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -50,26 +52,7 @@ using sl::Tensor;
 
 namespace {
 
-// Fresh inputs on every run; the seed is printed with any failure, and
-// SHARDLIB_TEST_SEED=<seed> replays it.
-struct random_inputs {
-  std::uint32_t seed = std::getenv("SHARDLIB_TEST_SEED") ? std::uint32_t(std::stoul(std::getenv("SHARDLIB_TEST_SEED")))
-                                                         : std::random_device{}();
-  std::mt19937 gen{seed};
-  std::vector<float> normal(std::size_t n, float scale = 1.0f) {
-    std::normal_distribution<float> d(0.0f, scale);
-    std::vector<float> v(n);
-    for (auto& x : v) x = d(gen);
-    return v;
-  }
-  std::int64_t integer(std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(gen); }
-};
-
-Tensor<float> tensor(Shape s, const std::vector<float>& v) {
-  Tensor<float> t(s);
-  std::copy(v.begin(), v.end(), t.data());
-  return t;
-}
+using test_support::random_inputs;
 
 // |a - b| <= rtol |b| + atol, element by element; reports the worst index.
 void require_close(const float* got, const float* want, std::size_t n, double rtol, double atol = 0) {
@@ -103,7 +86,7 @@ TEST_CASE("layer_norm rows match nn::LayerNorm forward and backward", "[cuda_mat
   // An offset mean tests the two-pass variance.
   auto xv = rnd.normal(std::size_t(rows * d), 3.0f);
   for (auto& x : xv) x += 10.0f;
-  const Tensor<float> x = tensor({rows, d}, xv), dy = tensor({rows, d}, rnd.normal(std::size_t(rows * d)));
+  const Tensor<float> x = test_support::host_tensor({rows, d}, xv), dy = test_support::host_tensor({rows, d}, rnd.normal(std::size_t(rows * d)));
 
   sl::nn::context ctx;
   const Tensor<float> y_host = ln.forward(ctx, x);
@@ -182,7 +165,7 @@ TEST_CASE("cross_entropy rows match nn::cross_entropy_loss", "[cuda_math][cross_
   random_inputs rnd;
   INFO("seed " << rnd.seed);
   const std::int64_t rows = 9, classes = 13;
-  const Tensor<float> logits = tensor({rows, classes}, rnd.normal(std::size_t(rows * classes), 3.0f));
+  const Tensor<float> logits = test_support::host_tensor({rows, classes}, rnd.normal(std::size_t(rows * classes), 3.0f));
   Tensor<std::int64_t> targets(Shape{rows});
   for (std::int64_t r = 0; r < rows; ++r) targets[r] = rnd.integer(0, classes - 1);
   targets[2] = 0;  // with ignore_index 0 below, at least one row is ignored
@@ -231,7 +214,7 @@ TEST_CASE("embedding rows and sorted-run gradients match nn::Embedding bit for b
   emb.weight.grad = g.data();
   Tensor<std::int64_t> ids(Shape{n});
   for (std::int64_t i = 0; i < n; ++i) ids[i] = rnd.integer(0, num - 1);  // 40 ids over 11 rows: many repeats
-  const Tensor<float> dy = tensor({n, dim}, rnd.normal(std::size_t(n * dim)));
+  const Tensor<float> dy = test_support::host_tensor({n, dim}, rnd.normal(std::size_t(n * dim)));
 
   sl::nn::context ctx;
   const Tensor<float> y_host = emb.forward(ctx, ids);
@@ -259,7 +242,7 @@ TEST_CASE("dropout_element draws nn::Dropout's mask and scale", "[cuda_math][dro
   random_inputs rnd;
   INFO("seed " << rnd.seed);
   const std::int64_t n = 4096;
-  const Tensor<float> x = tensor({n}, rnd.normal(n));
+  const Tensor<float> x = test_support::host_tensor({n}, rnd.normal(n));
   for (double p : {0.1, 0.5, 1.0}) {
     sl::nn::Dropout<float> drop(p);
     sl::nn::context ctx({.training = true, .seed = rnd.seed});
@@ -277,7 +260,7 @@ TEST_CASE("GELU and ReLU in float, as every kernel computes them, match the laye
   random_inputs rnd;
   INFO("seed " << rnd.seed);
   const std::int64_t n = 10000;
-  const Tensor<float> x = tensor({n}, rnd.normal(n, 3.0f)), dy = tensor({n}, rnd.normal(n));
+  const Tensor<float> x = test_support::host_tensor({n}, rnd.normal(n, 3.0f)), dy = test_support::host_tensor({n}, rnd.normal(n));
   for (auto a : {sl::nn::gelu_approx::none, sl::nn::gelu_approx::tanh}) {
     // The kernels evaluate nn::gelu<float> for every element type: it is the layer's function ...
     sl::nn::GELU<float> layer(a);
