@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <string>
@@ -256,6 +257,27 @@ TEST_CASE("the shared-memory window is comm scratch in the rank's ledger", "[com
     CHECK(current_ledger().current(category::comm_scratch) == before + 2 * comm::detail::shm_piece_bytes);
   }
   CHECK(current_ledger().current(category::comm_scratch) == before);
+}
+
+TEST_CASE("the watchdog's limit: the option, else SHARDLIB_COMM_TIMEOUT, else 600 s", "[comm][mpi][watchdog]") {
+  using namespace std::chrono_literals;
+  const char* was = std::getenv("SHARDLIB_COMM_TIMEOUT");
+  const std::string saved = was ? was : "";
+  ::unsetenv("SHARDLIB_COMM_TIMEOUT");
+  CHECK(MpiComm::world().options().timeout == comm::default_comm_timeout);
+  CHECK(MpiComm::world({.timeout = 500s}).options().timeout == 500s);
+  ::setenv("SHARDLIB_COMM_TIMEOUT", "250.5", 1);
+  auto c = MpiComm::world();
+  CHECK(c.options().timeout == 250.5s);
+  CHECK(c.split(0, c.rank()).options().timeout == 250.5s);
+  CHECK(MpiComm::world({.timeout = 0s}).options().timeout == 0s);  // no limit
+  ::setenv("SHARDLIB_COMM_TIMEOUT", "ten", 1);
+  CHECK_THAT(error_of([] { MpiComm::world(); }),
+             Catch::Contains("SHARDLIB_COMM_TIMEOUT must be a number of seconds >= 0, got 'ten'"));
+  CHECK_THAT(error_of([] { MpiComm::world({.timeout = -1s}); }),
+             Catch::Contains("communicator timeout must be >= 0 s, got -1"));
+  if (was) ::setenv("SHARDLIB_COMM_TIMEOUT", saved.c_str(), 1);
+  else ::unsetenv("SHARDLIB_COMM_TIMEOUT");
 }
 
 TEST_CASE("a session under a running MPI neither initialises nor finalises it", "[comm][mpi][session]") {

@@ -5,6 +5,7 @@
 #include "shardlib/comm/executor.hpp"
 #include "shardlib/comm/reduce.hpp"
 #include "shardlib/comm/signature.hpp"
+#include "shardlib/comm/watchdog.hpp"
 #include "shardlib/comm/work.hpp"
 #include "shardlib/core/buffer.hpp"
 #include "shardlib/core/element.hpp"
@@ -15,14 +16,18 @@
 
 #include <algorithm>    // std::min, std::max
 #include <array>        // std::array
+#include <chrono>       // std::chrono::duration
 #include <climits>      // INT_MAX
 #include <cstddef>      // std::size_t, std::byte
 #include <cstdint>      // std::int64_t
+#include <cstdio>       // std::fputs
+#include <cstdlib>      // std::abort, std::exit
 #include <cstring>      // std::memcpy
-#include <exception>    // std::exception_ptr
+#include <exception>    // std::exception_ptr, std::uncaught_exceptions
 #include <functional>   // std::function
 #include <memory>       // std::shared_ptr, std::unique_ptr
 #include <mutex>        // std::mutex
+#include <optional>     // std::optional
 #include <span>         // std::span
 #include <string>       // std::string
 #include <string_view>  // std::string_view
@@ -40,6 +45,11 @@ struct mpi_options {
   // Reduce through an MPI-3 shared-memory window when all ranks share a node;
   // off, reductions use MPI's own collectives (as across nodes).
   bool shared_memory = true;
+  // How long a collective may wait for the other ranks before the process's
+  // watchdog prints what this rank waits in and ends the job with MPI_Abort.
+  // Unset: SHARDLIB_COMM_TIMEOUT (seconds) when set, else default_comm_timeout
+  // (600 s, as NCCL's); zero: no limit. options() reports the value in use.
+  std::optional<std::chrono::duration<double>> timeout = std::nullopt;
 };
 
 namespace detail {
@@ -148,6 +158,38 @@ inline std::shared_ptr<executor> process_executor() {
   return e;
 }
 
+// The watchdog's last act: MPI_Abort ends every process of the job, and mpirun
+// says which one called it.
+[[noreturn]] inline void abort_job() {
+  int running = 0;
+  MPI_Initialized(&running);
+  if (running && !mpi_finalized()) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();
+}
+
+// Why the job failed, as seen by a process that left a communicator cleanly while
+// a peer did not; an mpi_session that owns MPI then ends the process with status 1.
+struct job_failure {
+  std::mutex m;
+  std::string why;      // the first reason only
+  bool exits = false;   // an mpi_session will end the process
+
+  static job_failure& process() {
+    static job_failure f;
+    return f;
+  }
+  void record(const std::string& reason) {
+    std::lock_guard lock(m);
+    if (!why.empty()) return;
+    why = reason;
+    std::fputs((reason + (exits ? "; this process will exit with status 1\n" : "\n")).c_str(), stderr);
+  }
+  bool recorded() {
+    std::lock_guard lock(m);
+    return !why.empty();
+  }
+};
+
 // Bytes of one piece of a shared-memory reduction. Each rank's window segment
 // holds two pieces, used alternately (see mpi_group::shm_barrier). 4 MiB: at 64 MiB
 // messages, 1 MiB pieces lost to MPI_Allreduce on a busy 2-core machine (each piece
@@ -177,6 +219,9 @@ struct shm_window {
   shm_window() = default;
   shm_window(const shm_window&) = delete;
   shm_window& operator=(const shm_window&) = delete;
+  // When a rank has left the group early, the others would wait in MPI_Win_free
+  // for it: every member leaves the window to MPI_Finalize instead.
+  void abandon() { win = MPI_WIN_NULL; }
   ~shm_window() {
     if (win != MPI_WIN_NULL && !mpi_finalized()) {
       if (locked) MPI_Win_unlock_all(win);
@@ -186,8 +231,12 @@ struct shm_window {
   }
 };
 
+// What a rank brings to a collective's agreement besides its signature.
+enum class arrival : std::int64_t { ready, invalid, leaving, leaving_unwinding };
+
 // The ranks of one MpiComm and everything the collectives need. MpiComm handles
 // share it; async jobs point at it, so it drains the worker before it goes.
+// opts.timeout must be resolved (MpiComm's constructor does it).
 class mpi_group {
  public:
   mpi_group(MPI_Comm comm, const mpi_options& opts, std::shared_ptr<executor> exec, int parent_rank)
@@ -196,6 +245,7 @@ class mpi_group {
               "creating a communicator");
     mpi_check(MPI_Comm_rank(comm, &rank_), "MPI_Comm_rank", rank_, "creating a communicator");
     mpi_check(MPI_Comm_size(comm, &size_), "MPI_Comm_size", rank_, "creating a communicator");
+    mpi_check(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_), "MPI_Comm_rank", rank_, "creating a communicator");
     mpi_check(MPI_Query_thread(&thread_level_), "MPI_Query_thread", rank_, "creating a communicator");
     if (opts_.shared_memory && size_ > 1) {
       MPI_Comm node;
@@ -209,7 +259,10 @@ class mpi_group {
   }
   mpi_group(const mpi_group&) = delete;
   mpi_group& operator=(const mpi_group&) = delete;
-  ~mpi_group() { exec_->drain(); }
+  ~mpi_group() {
+    exec_->drain();
+    if (!mpi_finalized()) leave();
+  }
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -226,12 +279,14 @@ class mpi_group {
 
   void barrier() {
     const signature sig{op_kind::barrier};
+    const auto watched = begin(sig);
     agree(sig, [] {});
     if (!opts_.check) check(MPI_Barrier(comm_.c), "MPI_Barrier", sig);  // agree()'s all-reduce already synchronised
   }
 
   std::shared_ptr<mpi_group> split(int color, int key) {
     const signature sig{op_kind::split};
+    const auto watched = begin(sig);
     agree(sig, [&] { require<comm_error>(color >= 0, "rank ", rank_, ": split color must be >= 0, got ", color); });
     MPI_Comm out;
     check(MPI_Comm_split(comm_.c, color, key, &out), "MPI_Comm_split", sig);
@@ -242,6 +297,7 @@ class mpi_group {
   void all_gather(std::span<const T> send, std::span<T> recv) {
     const std::size_t n = send.size();
     const signature sig{op_kind::all_gather, dtype_of<T>, n};
+    const auto watched = begin(sig);
     agree(sig, [&] {
       require<shape_error>(recv.size() == n * size_, "rank ", rank_, ": all_gather of ", n, " elements per rank over ",
                            size_, " ranks needs a receive buffer of ", n * size_, ", got ", recv.size());
@@ -255,6 +311,7 @@ class mpi_group {
   void reduce_scatter(std::span<const T> send, std::span<T> recv, reduce_op op) {
     const std::size_t n = recv.size();
     const signature sig{op_kind::reduce_scatter, dtype_of<T>, n, op};
+    const auto watched = begin(sig);
     agree(sig, [&] {
       require<shape_error>(send.size() == n * size_, "rank ", rank_, ": reduce_scatter to ", n,
                            " elements per rank over ", size_, " ranks needs a send buffer of ", n * size_, ", got ",
@@ -276,6 +333,7 @@ class mpi_group {
   void all_reduce(std::span<const T> send, std::span<T> recv, reduce_op op) {
     const std::size_t n = send.size();
     const signature sig{op_kind::all_reduce, dtype_of<T>, n, op};
+    const auto watched = begin(sig);
     agree(sig, [&] {
       require<shape_error>(recv.size() == n, "rank ", rank_, ": all_reduce of ", n,
                            " elements needs a receive buffer of the same size, got ", recv.size());
@@ -292,6 +350,7 @@ class mpi_group {
   void broadcast(std::span<T> data, int root) {
     // MPI itself rejects a root outside the group (MPI_ERR_ROOT), on every rank since all pass the same.
     const signature sig{op_kind::broadcast, dtype_of<T>, data.size(), reduce_op::sum, root};
+    const auto watched = begin(sig);
     agree(sig, [] {});
     check(MPI_Bcast(data.data(), mpi_count(data.size(), sig), mpi_type<T>(), root, comm_.c), "MPI_Bcast", sig);
   }
@@ -309,12 +368,53 @@ class mpi_group {
     return int(n);
   }
 
-  // Raises on every rank, before any data moves, when the ranks post different
-  // signatures or a rank's validate() throws (its own buffers are wrong): that
-  // rank rethrows its error and the others raise comm_aborted. The cheap path is
+  // Every collective starts here: it is counted, refused at once on a group that a
+  // rank has left, and watched until the returned scope ends.
+  [[nodiscard]] watchdog::scope begin(const signature& sig) {
+    ++calls_;
+    if (!departure_.empty()) abandon(sig);
+    last_ = sig;
+    return watchdog::scope(watching(waiting_in::collective));
+  }
+
+  watch watching(waiting_in what) const {
+    return {what, rank_, size_, world_rank_, calls_, last_, *opts_.timeout, &abort_job};
+  }
+
+  // What each rank posts to the agreement: its signature and its arrival.
+  static constexpr int fields = 6;
+  using posting = std::array<std::int64_t, fields>;
+
+  static posting post(const signature& s, arrival a) {
+    return {std::int64_t(s.kind), std::int64_t(s.type), std::int64_t(s.count),
+            std::int64_t(s.op),   std::int64_t(s.root), std::int64_t(a)};
+  }
+  static signature signature_of(const posting& p) {
+    return {op_kind(p[0]), dtype(p[1]), std::size_t(p[2]), reduce_op(p[3]), int(p[4])};
+  }
+  static arrival arrival_of(const posting& p) { return arrival(p[5]); }
+
+  // Every rank's posting, or none when all ranks posted the same. The cheap path is
   // one MPI_Allreduce(MAX) of the fields and their negations, which yields every
-  // field's maximum and minimum over ranks; only on a mismatch do the ranks
-  // gather all signatures to say who called what.
+  // field's maximum and minimum over ranks; only on a mismatch do the ranks gather
+  // all postings to say who called what.
+  std::vector<posting> exchange(const posting& mine, const signature& sig) {
+    std::array<std::int64_t, 2 * fields> bounds;
+    for (int i = 0; i < fields; ++i) bounds[i] = mine[i], bounds[fields + i] = -mine[i];
+    check(MPI_Allreduce(MPI_IN_PLACE, bounds.data(), 2 * fields, MPI_INT64_T, MPI_MAX, comm_.c), "MPI_Allreduce", sig);
+    bool uniform = true;
+    for (int i = 0; i < fields; ++i) uniform = uniform && bounds[i] == -bounds[fields + i];
+    if (uniform) return {};
+    std::vector<posting> all(static_cast<std::size_t>(size_));
+    check(MPI_Allgather(mine.data(), fields, MPI_INT64_T, all.data(), fields, MPI_INT64_T, comm_.c), "MPI_Allgather",
+          sig);
+    return all;
+  }
+
+  // Raises on every rank, before any data moves, when the ranks post different
+  // signatures, when a rank's validate() throws (its own buffers are wrong: that
+  // rank rethrows its error and the others raise comm_aborted), or when a rank has
+  // left the group instead (see leave()).
   template <class Validate>
   void agree(const signature& sig, Validate&& validate) {
     std::exception_ptr invalid;
@@ -327,33 +427,87 @@ class mpi_group {
       if (invalid) std::rethrow_exception(invalid);
       return;
     }
-    constexpr int fields = 6;
-    const std::array<std::int64_t, fields> mine{std::int64_t(sig.kind), std::int64_t(sig.type), std::int64_t(sig.count),
-                                                std::int64_t(sig.op),   std::int64_t(sig.root), invalid ? 1 : 0};
-    std::array<std::int64_t, 2 * fields> bounds;
-    for (int i = 0; i < fields; ++i) bounds[i] = mine[i], bounds[fields + i] = -mine[i];
-    check(MPI_Allreduce(MPI_IN_PLACE, bounds.data(), 2 * fields, MPI_INT64_T, MPI_MAX, comm_.c), "MPI_Allreduce", sig);
-    bool uniform = true;
-    for (int i = 0; i < fields; ++i) uniform = uniform && bounds[i] == -bounds[fields + i];
-    if (uniform) {
-      if (invalid) std::rethrow_exception(invalid);  // every rank's own buffers were wrong
-      return;
-    }
-    std::vector<std::int64_t> all(std::size_t(fields) * size_);
-    check(MPI_Allgather(mine.data(), fields, MPI_INT64_T, all.data(), fields, MPI_INT64_T, comm_.c), "MPI_Allgather",
-          sig);
-    auto posted = [&](int r) {
-      const std::int64_t* f = all.data() + std::size_t(fields) * r;
-      return signature{op_kind(f[0]), dtype(f[1]), std::size_t(f[2]), reduce_op(f[3]), int(f[4])};
-    };
+    const auto all = exchange(post(sig, invalid ? arrival::invalid : arrival::ready), sig);
+    for (int r = 0; r < int(all.size()) && departure_.empty(); ++r)
+      if (arrival_of(all[r]) >= arrival::leaving) depart(r, all[r]);
+    if (invalid) std::rethrow_exception(invalid);  // its own error first, whatever the others did
+    if (all.empty()) return;
+    if (!departure_.empty()) abandon(sig);
     for (int r = 0; r < size_; ++r)
-      if (all[std::size_t(fields) * r + fields - 1] != 0) {
-        if (invalid) std::rethrow_exception(invalid);
+      if (arrival_of(all[r]) == arrival::invalid)
         throw comm_aborted(cat("rank ", rank_, ": ", describe(sig), " abandoned: rank ", r,
-                               " passed invalid arguments to ", describe(posted(r))));
-      }
+                               " passed invalid arguments to ", describe(signature_of(all[r]))));
     for (int r = 1; r < size_; ++r)
-      if (!(posted(r) == posted(0))) throw disagreement(rank_, posted(0), r, posted(r));
+      if (!(signature_of(all[r]) == signature_of(all[0])))
+        throw disagreement(rank_, signature_of(all[0]), r, signature_of(all[r]));
+  }
+
+  // "rank r", and its rank in MPI_COMM_WORLD where that differs: a process takes
+  // part in several communicators, and these messages name processes.
+  std::string name_of(int r) const {
+    MPI_Group group, world;
+    int w = r;
+    MPI_Comm_group(comm_.c, &group);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    MPI_Group_translate_ranks(group, 1, &r, world, &w);
+    MPI_Group_free(&group);
+    MPI_Group_free(&world);
+    return w == r ? cat("rank ", r) : cat("rank ", r, " (world rank ", w, ")");
+  }
+
+  // Rank r left the group where this rank called collective calls_: this call and
+  // every later one raises, naming it.
+  void depart(int r, const posting& left) {
+    const std::string after =
+        calls_ > 1 ? cat("after collective ", calls_ - 1, ", ", describe(signature_of(left))) : "before any collective";
+    departure_aborts_ = arrival_of(left) == arrival::leaving_unwinding;
+    departure_ = departure_aborts_
+                     ? cat("abandoned: ", name_of(r), " left the communicator while unwinding an exception, ", after)
+                     : cat("waits for ", name_of(r), ", which has left the communicator (its last handle is gone) ",
+                           after, ": the ranks issued different sequences of collectives");
+  }
+
+  [[noreturn]] void abandon(const signature& sig) const {
+    const std::string what =
+        cat(name_of(rank_), ": ", describe(sig), ", collective ", calls_, " on this communicator, ", departure_);
+    if (departure_aborts_) throw comm_aborted(what);
+    throw comm_error(what);
+  }
+
+  // The group's end is a collective too (MPI frees communicators and windows
+  // collectively): the leaving rank joins its peers' next agreement, so a peer that
+  // calls another collective there raises, naming it, instead of waiting forever.
+  // A rank that leaves cleanly while a peer did not (it called a collective, or
+  // left unwinding an exception) records the job as failed. When a rank stays,
+  // every member leaves the window to MPI_Finalize rather than wait in
+  // MPI_Win_free. Without the check there is no agreement to join, and a peer left
+  // waiting is ended by the watchdog.
+  void leave() noexcept {
+    const watchdog::scope watched(watching(waiting_in::leaving));
+    bool stays = !departure_.empty();
+    if (opts_.check && !stays) {
+      try {
+        const bool unwinding = std::uncaught_exceptions() > uncaught_at_creation_;
+        const auto all = exchange(post(last_, unwinding ? arrival::leaving_unwinding : arrival::leaving), last_);
+        std::string failure;
+        for (int r = 0; r < int(all.size()); ++r) {
+          const arrival a = arrival_of(all[r]);
+          stays = stays || a < arrival::leaving;
+          if (unwinding || a == arrival::leaving || !failure.empty()) continue;
+          failure = a == arrival::leaving_unwinding
+                        ? cat(name_of(rank_), ": ", name_of(r), " left a communicator of ", size_,
+                              " ranks while unwinding an exception, after collective ", calls_)
+                        : cat(name_of(rank_), ": left a communicator of ", size_, " ranks after collective ", calls_,
+                              ", where ", name_of(r), " called ", describe(signature_of(all[r])), " as collective ",
+                              calls_ + 1, ": the ranks issued different sequences of collectives");
+        }
+        if (!failure.empty()) job_failure::process().record(failure);
+      } catch (...) {
+        stays = true;  // an MPI error: do not wait for the others in MPI_Win_free
+      }
+    }
+    if (stays && shm_) shm_->abandon();
+    shm_.reset();  // MPI_Win_free, still watched
   }
 
   template <Element T>
@@ -472,6 +626,12 @@ class mpi_group {
   bool one_node_ = false;
   std::unique_ptr<shm_window> shm_;  // declared after comm_: freed before it
   std::uint64_t phase_ = 0;          // shared-memory pieces done so far
+  int world_rank_ = 0;
+  std::uint64_t calls_ = 0;  // collectives issued, the current one included
+  signature last_;           // the last one issued
+  std::string departure_;    // set once a rank has left while this one called a collective
+  bool departure_aborts_ = false;  // it left unwinding an exception
+  int uncaught_at_creation_ = std::uncaught_exceptions();
 };
 
 }  // namespace detail
@@ -483,7 +643,7 @@ class mpi_group {
 class mpi_session {
  public:
   mpi_session() : mpi_session(nullptr, nullptr) {}
-  mpi_session(int* argc, char*** argv) {
+  mpi_session(int* argc, char*** argv) : timeout_(detail::comm_timeout(std::nullopt)) {
     int initialised = 0;
     MPI_Initialized(&initialised);
     require<comm_error>(!detail::mpi_finalized(), "mpi_session: MPI has already been finalised and cannot start again");
@@ -494,26 +654,43 @@ class mpi_session {
     const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &thread_level_);
     require<comm_error>(rc == MPI_SUCCESS, "mpi_session: MPI_Init_thread failed: ", detail::mpi_error_text(rc));
     owner_ = true;
+    detail::job_failure::process().exits = true;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &size_);
   }
   mpi_session(const mpi_session&) = delete;
   mpi_session& operator=(const mpi_session&) = delete;
+  // MPI_Finalize waits for every process, so a stopped one ends the job through the
+  // watchdog. A process whose peers failed exits with status 1 here even when its
+  // own main succeeded: every process of a failed job says so.
   ~mpi_session() {
-    if (owner_ && !detail::mpi_finalized()) MPI_Finalize();
+    if (!owner_ || detail::mpi_finalized()) return;
+    {
+      const detail::watchdog::scope watched(
+          {detail::waiting_in::finalizing, rank_, size_, rank_, 0, {}, timeout_, &detail::abort_job});
+      MPI_Finalize();
+    }
+    if (detail::job_failure::process().recorded()) std::exit(1);
   }
 
   int thread_level() const { return thread_level_; }
   bool owns_mpi() const { return owner_; }  // this session initialised MPI and will finalise it
 
  private:
+  detail::seconds timeout_;
   int thread_level_ = MPI_THREAD_SINGLE;
   bool owner_ = false;
+  int rank_ = 0, size_ = 0;  // in MPI_COMM_WORLD
 };
 
 // Ranks as MPI processes. Collectives use MPI's own, except reductions among
 // ranks of one node, which go through shared memory in rank order (results
 // identical to ThreadComm's). Every MPI error and every disagreement between
 // ranks (checked before each collective unless options().check is off) raises
-// comm_error on the ranks concerned instead of aborting or hanging.
+// comm_error on the ranks concerned instead of aborting or hanging; so does a
+// rank leaving the communicator (dropping its last handle: returning, or
+// unwinding an exception) where the others call a collective. A wait longer than
+// options().timeout ends the job through the process's watchdog.
 // A handle: copies share the communicator, which MPI frees with the last copy
 // (a collective step, so ranks must drop their communicators in the same order).
 // Asynchronous forms run on one worker thread per process; blocking forms first
@@ -533,11 +710,17 @@ class MpiComm {
   // Works on a duplicate of `comm` (collective over it), so that neither its
   // error handler nor its messages are touched.
   explicit MpiComm(MPI_Comm comm, const mpi_options& opts = {}) {
-    int rank = -1;
+    int rank = -1, size = 0, world_rank = 0;
     detail::mpi_check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", rank, "wrapping a communicator");
+    detail::mpi_check(MPI_Comm_size(comm, &size), "MPI_Comm_size", rank, "wrapping a communicator");
+    detail::mpi_check(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "MPI_Comm_rank", rank, "wrapping a communicator");
+    mpi_options resolved = opts;
+    resolved.timeout = detail::comm_timeout(opts.timeout);
+    const detail::watchdog::scope watched(
+        {detail::waiting_in::creating, rank, size, world_rank, 0, {}, *resolved.timeout, &detail::abort_job});
     MPI_Comm dup;
     detail::mpi_check(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup", rank, "creating a communicator");
-    g_ = std::make_shared<detail::mpi_group>(dup, opts, detail::process_executor(), rank);
+    g_ = std::make_shared<detail::mpi_group>(dup, resolved, detail::process_executor(), rank);
   }
 
   int rank() const { return g_->rank(); }
