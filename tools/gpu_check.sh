@@ -90,9 +90,9 @@ last_line() { grep . "$1" | tail -n1 || true; } # the last non-empty line of a f
 
 # --- running programs: own session, own time limit, output to a log --------------------------------
 child=""
-running() { # PID: alive and not a zombie
+running() { # PID: alive and not a zombie (no fork: it is asked several times a second)
   local stat
-  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 1
   stat=${stat##*) }
   [[ ${stat%% *} != Z ]]
 }
@@ -101,7 +101,7 @@ running() { # PID: alive and not a zombie
 # behind, since a process stuck in the driver cannot be waited for. Sets rc (124: stopped at its limit,
 # 125: left behind) and took (seconds with one decimal).
 run_limited() {
-  local limit=$1 log=$2 t0=${EPOCHREALTIME/./} now signal=""
+  local limit=$1 log=$2 t0=${EPOCHREALTIME/./} now signal="" nap=0.05
   shift 2
   setsid -w stdbuf -oL -eL "$@" >"$log" 2>&1 </dev/null &
   child=$!
@@ -118,7 +118,8 @@ run_limited() {
       rc=125
       break
     fi
-    sleep 0.2
+    ((now - t0 < 2000000)) || nap=0.5 # short runs timed closely, long ones polled lightly
+    sleep "$nap"
   done
   if [[ -z $rc ]]; then
     rc=0
