@@ -18,22 +18,28 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include <fcntl.h>      // open: waking a reader blocked on a FIFO
 #include <sys/mount.h>  // mount, umount2: the full-disk test's small tmpfs
+#include <sys/stat.h>   // mkfifo
 #include <sys/wait.h>   // waitpid
 #include <unistd.h>     // getpid, fork, setuid, pipe
 
 using namespace shardlib;
 using Catch::Contains;
+using Catch::StartsWith;
 namespace fs = std::filesystem;
 
 namespace {
@@ -291,7 +297,7 @@ TEST_CASE("the step count and the fp16 loss scaler are restored", "[checkpoint][
   comm::launch(2, [&](comm::ThreadComm& c) {
     auto opts = wrap_blocks();
     opts.precision = {.param = dtype::f16, .reduce = dtype::f16};
-    opts.scaler = {.scale = 1024.f, .growth_interval = 2};
+    opts.scaler = {.scale = 1024.f, .growth_interval = 2, .min_scale = 2.f, .max_scale = 1e6f, .max_skipped_in_row = 7};
     Model m = make_model();
     auto model = shard::fully_shard(m, c, shard::FullShard{}, opts);
     optim::Adam adam;
@@ -311,6 +317,9 @@ TEST_CASE("the step count and the fp16 loss scaler are restored", "[checkpoint][
   CHECK(after.scale == before.scale);
   CHECK(after.good_steps == before.good_steps);
   CHECK(after.growth_interval == 2);
+  CHECK(after.min_scale == 2.f);
+  CHECK(after.max_scale == 1e6f);
+  CHECK(after.max_skipped_in_row == 7);
   CHECK(steps == 3);
 }
 
@@ -617,6 +626,12 @@ TEST_CASE("bad input: each case raises a clear error on every rank and changes n
     edit_metadata(fresh_copy(), [](nlohmann::json& m) { m["version"] = 2; });
     check_raised_everywhere(try_load(dir.path, load(work)), "unknown format version 2 (this build reads version 1)");
   }
+  SECTION("a loss scaler that could not work") {
+    edit_metadata(fresh_copy(), [](nlohmann::json& m) {
+      m["loss_scaler"] = io::detail::scaler_to_json({.scale = 8.f, .min_scale = 16.f});
+    });
+    check_raised_everywhere(try_load(dir.path, load(work)), "loss_scaler.scale must lie in [min_scale, max_scale]");
+  }
   SECTION("a model with another structure") {
     check_raised_everywhere(try_load(dir.path, load(ckpt), 12, 4),
                             "this model's parameter '1.layers.3.weight' [12, 12] is not in it");
@@ -689,6 +704,135 @@ TEST_CASE("bad input: each case raises a clear error on every rank and changes n
     fs::resize_file(dir / "model.safetensors", 100);
     check_raised_everywhere(try_load(dir.path, from_file), "runs past the end of the file");
   }
+}
+
+namespace {
+// read() on another thread. If it blocks on the FIFO (the bug this guards against), the
+// FIFO is opened for writing until read() returns, so that the test fails (nullopt)
+// instead of hanging.
+template <class Read>
+auto without_blocking(const fs::path& fifo, Read&& read) -> std::optional<decltype(read())> {
+  auto result = std::async(std::launch::async, read);
+  if (result.wait_for(std::chrono::seconds(10)) == std::future_status::ready) return result.get();
+  do {
+    if (const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC); fd >= 0) ::close(fd);
+  } while (result.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready);
+  result.get();
+  return std::nullopt;
+}
+}  // namespace
+
+TEST_CASE("a FIFO where a file is expected is refused at once by every reader", "[checkpoint][bad][fifo]") {
+  temp_dir dir("fifo");
+  const auto root = dir / "root";
+  make_checkpoint(root, dir / "model.safetensors");
+  const auto ckpt = root / "step-00000002";
+  const auto fifo_at = [](const fs::path& p) {
+    fs::remove(p);
+    REQUIRE(::mkfifo(p.c_str(), 0600) == 0);
+    return p;
+  };
+  // The io_error f raises, or what went wrong.
+  const auto error_of = [](const fs::path& fifo, auto f) -> std::string {
+    const auto e = without_blocking(fifo, [&]() -> std::string {
+      try {
+        f();
+      } catch (const io_error& e) {
+        return e.what();
+      }
+      return "no io_error";
+    });
+    return e ? *e : "blocked on the FIFO";
+  };
+  const std::string refused = ": not a regular file: it is a FIFO";
+
+  SECTION("a safetensors file") {
+    const auto f = fifo_at(dir / "model.safetensors");
+    CHECK_THAT(error_of(f, [&] { io::safetensors::load(f); }), StartsWith(f.string() + refused));
+    CHECK_THAT(error_of(f, [&] { io::read_safetensors_header(f); }), StartsWith(f.string() + refused));
+    CHECK_THAT(error_of(f, [&] { io::safetensors_to_checkpoint(f, dir / "converted", {}); }),
+               StartsWith(f.string() + refused));
+    const auto r = without_blocking(f, [&] {
+      return try_load(dir.path, [&](auto& model, auto&) { io::load_safetensors(f, model); });
+    });
+    REQUIRE(r);
+    check_raised_everywhere(*r, f.string() + refused);
+  }
+  SECTION("a checkpoint's metadata.json") {
+    const auto f = fifo_at(ckpt / "metadata.json");
+    CHECK_THAT(error_of(f, [&] { io::read_checkpoint_metadata(ckpt); }), StartsWith(f.string() + refused));
+    const auto listed = without_blocking(f, [&] { return io::list_checkpoints(root); });
+    REQUIRE(listed);
+    REQUIRE(listed->size() == 1);
+    CHECK_THAT(listed->at(0).error, StartsWith(f.string() + refused));
+    const auto r = without_blocking(f, [&] {
+      return try_load(dir.path, [&](auto& model, auto& adam) { io::load_checkpoint(ckpt, model, adam); });
+    });
+    REQUIRE(r);
+    check_raised_everywhere(*r, f.string() + refused);
+  }
+  SECTION("a shard file") {
+    const auto f = fifo_at(ckpt / "shard-00001-of-00003.safetensors");
+    const auto problems = without_blocking(f, [&] { return io::verify_checkpoint(ckpt); });
+    REQUIRE(problems);
+    REQUIRE(problems->size() == 1);
+    CHECK_THAT(problems->at(0), StartsWith(f.string() + refused));
+    const auto r = without_blocking(f, [&] {
+      return try_load(dir.path, [&](auto& model, auto& adam) { io::load_checkpoint(ckpt, model, adam); });
+    });
+    REQUIRE(r);
+    check_raised_everywhere(*r, f.string() + refused);
+  }
+}
+
+TEST_CASE("ranks saving different optimizers fail the save on every rank, naming the ranks and the difference",
+          "[checkpoint][bad]") {
+  temp_dir dir("mixed_optimizers");
+  const auto root = dir / "root";
+  // Rank 0 saves and exports with Adam, rank 1 with `other`; returns each rank's save error.
+  const auto save_mixed = [&](auto other) {
+    std::vector<std::string> errors(2), exported(2);
+    comm::launch(2, [&](comm::ThreadComm& c) {
+      Model m = make_model();
+      auto model = shard::fully_shard(m, c, shard::FullShard{}, wrap_blocks());
+      const auto save = [&](auto& opt) {
+        train(model, opt, 0, 1);
+        try {
+          io::save_checkpoint(root, model, opt);
+        } catch (const io_error& e) {
+          errors[std::size_t(c.rank())] = e.what();
+        }
+        try {
+          io::export_safetensors(dir / "model.safetensors", model, opt);
+        } catch (const io_error& e) {
+          exported[std::size_t(c.rank())] = e.what();
+        }
+      };
+      optim::Adam adam{{.lr = 1e-2}};
+      auto mine = other;
+      if (c.rank() == 0) save(adam);
+      else save(mine);
+    });
+    for (const auto& e : exported) CHECK_THAT(e, Contains("ranks 0 and 1 save different optimizers"));
+    CHECK(dir_names(root).empty());  // nothing written, no temporary directory left
+    CHECK(!fs::exists(dir / "model.safetensors"));
+    return errors;
+  };
+
+  const auto types = save_mixed(optim::SGD{{.lr = 0.1, .momentum = 0.9}});
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r << ": " << types[std::size_t(r)]);
+    CHECK_THAT(types[std::size_t(r)],
+               StartsWith(cat("rank ", r, ": saving checkpoint")) &&
+                   Contains(R"(ranks 0 and 1 save different optimizers, which one checkpoint cannot hold: )"
+                            R"(optimizer type "Adam" on rank 0, "SGD" on rank 1)"));
+  }
+  CHECK_THAT(types[0], Contains("stopped because rank 1 failed"));
+
+  const auto layouts = save_mixed(optim::Adam{{.lr = 1e-2, .amsgrad = true}});
+  for (const auto& e : layouts)
+    CHECK_THAT(e, Contains(R"(optimizer state ["exp_avg","exp_avg_sq"] on rank 0, )"
+                           R"(["exp_avg","exp_avg_sq","max_exp_avg_sq"] on rank 1)"));
 }
 
 TEST_CASE("randomized mutations of metadata and shard files never load silently wrong", "[checkpoint][mutation]") {
@@ -892,6 +1036,18 @@ TEST_CASE("a PyTorch-style safetensors file initialises a sharded model, convert
                             else as_is(b, n, s, v);
                           })),
                           "tensor \"2.bias\" has dtype I64");
+  // An F64 value beyond float's range is an error naming the tensor, the element and
+  // the value, with or without a model, rather than an inf.
+  const auto overflowing = rewrite([&](auto& b, const std::string& n, Shape s, const auto& v) {
+    if (n != "2.bias") return as_is(b, n, s, v);
+    std::vector<double> d(v.begin(), v.end());
+    d[1] = -1e39;
+    b.template add<double>(n, s, d);
+  });
+  const std::string beyond = "tensor \"2.bias\" element 1 is -1e+39, beyond float's range";
+  check_raised_everywhere(try_load(dir.path, overflowing), beyond);
+  CHECK_THROWS_WITH(io::safetensors_to_checkpoint(dir / "bad.safetensors", dir / "converted", {}),
+                    StartsWith((dir / "bad.safetensors").string()) && Contains(beyond));
 }
 
 TEST_CASE("sharded -> safetensors -> sharded at another world size without a model, then resume",

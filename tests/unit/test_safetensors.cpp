@@ -587,6 +587,37 @@ TEST_CASE("loading names the file in every error", "[io][safetensors]") {
   CHECK_THROWS_WITH(read_safetensors_header(bad), Contains("holds 2 bytes, fewer than the 8-byte header size"));
 }
 
+TEST_CASE("a huge sparse file is refused with io_error before anything is allocated", "[io][safetensors]") {
+  temp_dir dir;
+  const std::uint64_t data = std::uint64_t(40) << 30;  // 40 GiB, of which no block is written
+  const auto sparse_file = [&](const char* name, std::uint64_t claimed) {
+    const std::string header = R"({"w":{"dtype":"U8","shape":[)" + std::to_string(claimed) +
+                               R"(],"data_offsets":[0,)" + std::to_string(claimed) + "]}}";
+    const auto file = dir / name;
+    write_all(file, to_bytes(le64(header.size()) + header));
+    fs::resize_file(file, 8 + header.size() + data);
+    return file;
+  };
+  std::optional<fs::path> lying, exact;
+  try {
+    lying = sparse_file("lying.safetensors", std::uint64_t(1) << 40);  // a 1 TiB tensor in 40 GiB
+    exact = sparse_file("exact.safetensors", data);
+  } catch (const fs::filesystem_error& e) {
+    WARN("skipped: this file system holds no sparse 40 GiB file: " << e.what());
+    return;
+  }
+  CHECK_THROWS_WITH(safetensors::load(*lying), StartsWith(lying->string()) && Contains("run past the end of the file"));
+  CHECK_THROWS_WITH(read_safetensors_header(*lying), Contains("run past the end of the file"));
+
+  // A valid file larger than the cap: its header reads, the whole file does not.
+  CHECK(read_safetensors_header(*exact).tensors.at(0).end == data);
+  CHECK_THROWS_WITH(safetensors::load(*exact, std::uint64_t(1) << 30),
+                    StartsWith(exact->string()) &&
+                        Contains("bytes, more than the 1073741824 safetensors::load may hold in memory"));
+  if (io::detail::physical_memory_bytes() < fs::file_size(*exact))  // else the default cap lets it load
+    CHECK_THROWS_AS(safetensors::load(*exact), io_error);
+}
+
 // ---------------------------------------------------------------------------------------
 // Random mutants: every one is either rejected with io_error or parses into a consistent file
 

@@ -9,7 +9,7 @@
 //   checkpoint_writer.hpp       shard files in hashed chunks, the atomic rename, keep_last
 //   checkpoint_reader.hpp       checksum-verified reading by range, verify_checkpoint
 //   consolidated_file.hpp       one safetensors file holding a model: its metadata, safetensors_source
-//   optimizer_record.hpp        an optimizer's name, hyperparameters and buffers as recorded
+//   optimizer_record.hpp        an optimizer's name, hyperparameters and buffers; ranks save the same one
 //   rank_agreement.hpp          on_all_ranks: every rank fails together
 //   reshard.hpp                 which ranks read which ranges, and the load on every rank
 //   checkpoint_safetensors.hpp  export and import of one safetensors file, with a model or without
@@ -26,7 +26,7 @@
 #include "shardlib/io/checkpoint_safetensors.hpp"  // detail::export_impl, load_safetensors_impl, ...
 #include "shardlib/io/checkpoint_writer.hpp"       // write_callback, detail::prepare_save, write_shard_file, ...
 #include "shardlib/io/consolidated_file.hpp"       // consolidated_info, safetensors_source
-#include "shardlib/io/optimizer_record.hpp"        // detail::optimizer_name, buffer_names, hyperparameters_of
+#include "shardlib/io/optimizer_record.hpp"        // detail::optimizer_name, buffer_names, check_same_optimizer, ...
 #include "shardlib/io/rank_agreement.hpp"          // detail::on_all_ranks, broadcast_string
 #include "shardlib/io/reshard.hpp"                 // detail::partitions_of, written_partition, load_from, ...
 #include "shardlib/optim/optimizer.hpp"            // Optimizer
@@ -106,6 +106,7 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
     m.steps = model.steps();
     m.optimizer = checkpoint_optimizer{detail::optimizer_name<O>(), model.optimizer_state(opt, 0).step,
                                        detail::buffer_names(opt), detail::hyperparameters_of(opt)};
+    detail::check_same_optimizer(comm, *m.optimizer, what);
     m.scaler = model.scaler();
     m.user = o.user;
     m.chunk_bytes = o.chunk_bytes;

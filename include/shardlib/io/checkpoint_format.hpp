@@ -219,9 +219,19 @@ inline nlohmann::json shape_to_json(const Shape& s) {
 }
 
 inline nlohmann::json scaler_to_json(const shard::loss_scaler& s) {
-  return {{"scale", s.scale},           {"growth_factor", s.growth_factor}, {"backoff_factor", s.backoff_factor},
-          {"growth_interval", s.growth_interval}, {"good_steps", s.good_steps}, {"skipped", s.skipped}};
+  return {{"scale", s.scale},
+          {"growth_factor", s.growth_factor},
+          {"backoff_factor", s.backoff_factor},
+          {"growth_interval", s.growth_interval},
+          {"min_scale", s.min_scale},
+          {"max_scale", s.max_scale},
+          {"max_skipped_in_row", s.max_skipped_in_row},
+          {"good_steps", s.good_steps},
+          {"skipped", s.skipped},
+          {"skipped_in_row", s.skipped_in_row}};
 }
+// The bounds and the count of steps skipped in a row came after the first files of
+// version 1: where they are absent, a scaler takes its defaults.
 inline shard::loss_scaler scaler_from_json(const nlohmann::json& j, std::string_view origin) {
   constexpr std::string_view where = "loss_scaler: ";
   shard::loss_scaler s;
@@ -229,8 +239,18 @@ inline shard::loss_scaler scaler_from_json(const nlohmann::json& j, std::string_
   s.growth_factor = float(positive_field(j, "growth_factor", origin, where));
   s.backoff_factor = float(positive_field(j, "backoff_factor", origin, where));
   s.growth_interval = int(count_field(j, "growth_interval", INT_MAX, origin, where));
+  if (j.contains("min_scale")) s.min_scale = float(positive_field(j, "min_scale", origin, where));
+  if (j.contains("max_scale")) s.max_scale = float(positive_field(j, "max_scale", origin, where));
+  if (j.contains("max_skipped_in_row"))
+    s.max_skipped_in_row = int(count_field(j, "max_skipped_in_row", INT_MAX, origin, where));
   s.good_steps = int(count_field(j, "good_steps", INT_MAX, origin, where));
   s.skipped = long(count_field(j, "skipped", std::uint64_t(std::numeric_limits<long>::max()), origin, where));
+  if (j.contains("skipped_in_row")) s.skipped_in_row = int(count_field(j, "skipped_in_row", INT_MAX, origin, where));
+  try {
+    shard::check_scaler(s);
+  } catch (const error& e) {
+    fail(origin, e.what());
+  }
   return s;
 }
 

@@ -12,7 +12,7 @@
 #include "shardlib/io/checkpoint_reader.hpp"     // checkpoint_reader
 #include "shardlib/io/checkpoint_writer.hpp"     // detail::prepare_save, write_shard_file, commit_checkpoint, prune
 #include "shardlib/io/consolidated_file.hpp"     // safetensors_source, detail::consolidated_tensors, ...
-#include "shardlib/io/optimizer_record.hpp"      // detail::buffer_names, optimizer_name, hyperparameters_of
+#include "shardlib/io/optimizer_record.hpp"      // detail::buffer_names, optimizer_name, check_same_optimizer, ...
 #include "shardlib/io/rank_agreement.hpp"        // detail::on_all_ranks
 #include "shardlib/io/reshard.hpp"               // detail::model_t, request_range, check_parameters, load_from, ...
 #include "shardlib/io/safetensors.hpp"           // safetensors_stream_writer, tensor_info
@@ -65,6 +65,7 @@ void export_impl(const std::filesystem::path& file, model_t<M, C, S>& model, O* 
     kinds = buffer_names(*opt);
     info.optimizer = checkpoint_optimizer{optimizer_name<O>(), model.optimizer_state(*opt, 0).step, kinds,
                                           hyperparameters_of(*opt)};
+    check_same_optimizer(comm, *info.optimizer, what);
   }
   std::vector<std::vector<nn::flat_entry>> layouts;
   for (const auto& u : model.units()) layouts.push_back(u.layout.entries);

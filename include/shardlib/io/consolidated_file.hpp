@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>  // nlohmann::json
 
 #include <algorithm>    // std::sort
-#include <array>        // std::array
+#include <cmath>        // std::isinf, std::isfinite
 #include <cstddef>      // std::byte, std::size_t
 #include <cstdint>      // std::uint64_t
 #include <cstring>      // std::memcpy
@@ -77,14 +77,7 @@ std::vector<tensor_info> consolidated_tensors(const Units& units, const std::vec
 class safetensors_source {
  public:
   explicit safetensors_source(const std::filesystem::path& file) : origin_(file.string()), in_(file) {
-    detail::check_file_size(in_.size(), origin_);
-    std::array<std::byte, detail::size_field_bytes> field{};
-    in_.read_at(0, field);
-    const std::uint64_t n = detail::load_u64(field.data());
-    detail::check_header_size(n, in_.size(), origin_);
-    std::string text(std::size_t(n), '\0');
-    in_.read_at(detail::size_field_bytes, std::as_writable_bytes(std::span(text)));
-    auto header = detail::read_header(text, in_.size() - detail::size_field_bytes - n, origin_);
+    auto [n, header] = detail::read_file_header(in_);
     data_start_ = detail::size_field_bytes + n;
     tensors_ = std::move(header.tensors);
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
@@ -118,33 +111,41 @@ class safetensors_source {
     const std::string tensor = kind == "master" ? std::string(name) : detail::optimizer_tensor(name, kind);
     const tensor_info* t = find(tensor);
     if (!t) detail::fail(origin_, "has no tensor \"", tensor, "\"");
-    const std::uint64_t numel = std::uint64_t(t->shape.numel()), es = size_of(t->type);
+    const std::uint64_t numel = std::uint64_t(t->shape.numel());
     if (first > numel || out.size() > numel - first)
       detail::fail(origin_, "tensor \"", tensor, "\" has ", numel, " elements, not [", first, ", ", first + out.size(),
                    ")");
-    pending_.push_back({data_start_ + t->begin + first * es, t->type, out});
+    pending_.push_back({t, first, out});
   }
-  // Reads the requested pieces in file order (pread: no whole-file read), converting to float.
+  // Reads the requested pieces in file order (pread: no whole-file read), converting to
+  // float. An F64 value beyond float's range is an error, not an inf.
   void finish() {
-    std::sort(pending_.begin(), pending_.end(), [](const piece& a, const piece& b) { return a.offset < b.offset; });
+    const auto offset = [&](const piece& p) { return p.tensor->begin + p.first * size_of(p.tensor->type); };
+    std::sort(pending_.begin(), pending_.end(), [&](const piece& a, const piece& b) { return offset(a) < offset(b); });
     for (const auto& p : pending_) {
-      if (p.type == dtype::f32) {
-        in_.read_at(p.offset, std::as_writable_bytes(p.out));
-      } else {
-        const std::size_t es = size_of(p.type);
-        raw_.resize(p.out.size() * es);
-        in_.read_at(p.offset, raw_);
-        for (std::size_t i = 0; i < p.out.size(); ++i) p.out[i] = to_float(p.type, raw_.data() + i * es);
+      const std::uint64_t at = data_start_ + offset(p);
+      if (p.tensor->type == dtype::f32) {
+        in_.read_at(at, std::as_writable_bytes(p.out));
+        continue;
       }
+      const std::size_t es = size_of(p.tensor->type);
+      raw_.resize(p.out.size() * es);
+      in_.read_at(at, raw_);
+      for (std::size_t i = 0; i < p.out.size(); ++i) p.out[i] = to_float(*p.tensor, p.first + i, raw_.data() + i * es);
     }
     pending_.clear();
   }
 
  private:
-  static float to_float(dtype type, const std::byte* p) {
-    if (type == dtype::f64) return element_cast<float>(load<double>(p));
-    if (type == dtype::f16) return element_cast<float>(load<half>(p));
-    return element_cast<float>(load<bfloat16>(p));
+  float to_float(const tensor_info& t, std::uint64_t element, const std::byte* p) const {
+    if (t.type == dtype::f16) return element_cast<float>(load<half>(p));
+    if (t.type == dtype::bf16) return element_cast<float>(load<bfloat16>(p));
+    const double v = load<double>(p);
+    const float f = element_cast<float>(v);
+    if (std::isinf(f) && std::isfinite(v))
+      detail::fail(origin_, "tensor \"", t.name, "\" element ", element, " is ", v, ", beyond float's range (largest ",
+                   std::numeric_limits<float>::max(), "): it would load as inf");
+    return f;
   }
   template <class E>
   static E load(const std::byte* p) {
@@ -180,8 +181,8 @@ class safetensors_source {
   std::map<std::string, std::size_t, std::less<>> index_;
   std::optional<consolidated_info> info_;
   struct piece {
-    std::uint64_t offset;  // in the file
-    dtype type;
+    const tensor_info* tensor;
+    std::uint64_t first;  // element
     std::span<float> out;
   };
   std::vector<piece> pending_;

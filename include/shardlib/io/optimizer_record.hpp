@@ -1,11 +1,13 @@
 // shardlib/io/optimizer_record.hpp — an optimizer as checkpoints record it: its name,
-// its hyperparameters (Adam's and SGD's, saved and restored), its buffers' names, and
-// the checks that a recorded optimizer fits the one loading it.
+// its hyperparameters (Adam's and SGD's, saved and restored), its buffers' names, the
+// checks that a recorded optimizer fits the one loading it, and that every rank saving
+// holds the same one.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/buffer.hpp"           // Buffer
 #include "shardlib/core/error.hpp"            // io_error, cat
-#include "shardlib/io/checkpoint_format.hpp"  // checkpoint_optimizer
+#include "shardlib/io/checkpoint_format.hpp"  // checkpoint_optimizer, detail::optimizer_to_json
+#include "shardlib/io/rank_agreement.hpp"     // detail::on_all_ranks, broadcast_string
 #include "shardlib/io/safetensors.hpp"        // detail::fail
 #include "shardlib/optim/adam.hpp"            // BasicAdam, decay_style
 #include "shardlib/optim/sgd.hpp"             // SGD
@@ -106,6 +108,23 @@ void check_buffers(O& opt, const checkpoint_optimizer& saved, std::string_view s
   for (const auto& n : saved.state)
     if (std::find(names.begin(), names.end(), n) == names.end())
       throw io_error(cat(source, ": it holds optimizer state '", n, "', which this optimizer does not keep"));
+}
+
+// Every rank must save the optimizer rank 0 saves: one record (type, buffers, step,
+// hyperparameters) describes them all, and a rank with other buffers would write shard
+// files that record cannot load. Collective; raises io_error on every rank naming the
+// ranks and what differs.
+template <class Comm>
+void check_same_optimizer(Comm& comm, const checkpoint_optimizer& mine, std::string_view what) {
+  const nlohmann::json ours = optimizer_to_json(mine);
+  const nlohmann::json first = nlohmann::json::parse(broadcast_string(comm, ours.dump(), 0));
+  on_all_ranks(comm, what, [&] {
+    for (const char* key : {"type", "state", "step", "hyperparameters"})
+      if (ours[key] != first[key])
+        throw io_error(cat("ranks 0 and ", comm.rank(), " save different optimizers, which one checkpoint cannot ",
+                           "hold: optimizer ", key, " ", first[key].dump(), " on rank 0, ", ours[key].dump(),
+                           " on rank ", comm.rank()));
+  });
 }
 
 }  // namespace detail

@@ -27,6 +27,7 @@
 #include <ios>           // std::hex
 #include <limits>        // std::numeric_limits
 #include <map>           // std::map
+#include <new>           // std::bad_alloc
 #include <optional>      // std::optional
 #include <set>           // std::set
 #include <sstream>       // std::ostringstream
@@ -36,12 +37,12 @@
 #include <system_error>  // std::system_category
 #include <tuple>         // std::tie
 #include <type_traits>   // std::is_same_v
-#include <utility>       // std::move, std::exchange
+#include <utility>       // std::move, std::exchange, std::pair
 #include <vector>        // std::vector
 
-#include <fcntl.h>     // open
-#include <sys/stat.h>  // fstat
-#include <unistd.h>    // pread, write, fsync, close, unlink
+#include <fcntl.h>     // open, fcntl
+#include <sys/stat.h>  // stat, fstat
+#include <unistd.h>    // pread, write, fsync, close, unlink, sysconf
 
 namespace shardlib::io {
 
@@ -316,17 +317,38 @@ class fd_handle {
   int fd_ = -1;
 };
 
+inline std::string_view file_type_name(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "of an unknown type";
+}
+
+// A regular file opened for reading; every reader of this library opens files through it.
+// A FIFO (or a device) in a file's place is refused before it could block: stat first
+// (a device is never opened at all), then open with O_NONBLOCK, so that a FIFO swapped in
+// after the stat opens at once and fstat refuses it too.
 class input_file {
  public:
-  explicit input_file(const std::filesystem::path& file)
-      : origin_(file.string()), fd_(::open(file.c_str(), O_RDONLY | O_CLOEXEC)) {
-    if (!fd_) fail(origin_, "cannot open for reading: ", os_error(errno));
+  explicit input_file(const std::filesystem::path& file) : origin_(file.string()) {
     struct stat st {};
+    if (::stat(file.c_str(), &st) != 0) fail(origin_, "cannot open for reading: ", os_error(errno));
+    require_regular(st);
+    fd_ = fd_handle(::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
+    if (!fd_) fail(origin_, "cannot open for reading: ", os_error(errno));
     if (::fstat(fd_.get(), &st) != 0) fail(origin_, "cannot stat: ", os_error(errno));
-    if (!S_ISREG(st.st_mode)) fail(origin_, "not a regular file");
+    require_regular(st);
+    // Blocking reads again: local file systems ignore O_NONBLOCK on regular files, but
+    // network and FUSE ones may answer a read with EAGAIN.
+    const int flags = ::fcntl(fd_.get(), F_GETFL);
+    if (flags < 0 || ::fcntl(fd_.get(), F_SETFL, flags & ~O_NONBLOCK) != 0)
+      fail(origin_, "cannot make reads blocking: ", os_error(errno));
     size_ = static_cast<std::uint64_t>(st.st_size);
   }
 
+  const std::string& origin() const { return origin_; }
   std::uint64_t size() const { return size_; }
 
   void read_at(std::uint64_t offset, std::span<std::byte> out) const {
@@ -341,10 +363,35 @@ class input_file {
   }
 
  private:
+  void require_regular(const struct stat& st) const {
+    if (!S_ISREG(st.st_mode))
+      fail(origin_, "not a regular file: it is ", file_type_name(st.st_mode), ", where a file of bytes is expected");
+  }
+
   std::string origin_;
   fd_handle fd_;
   std::uint64_t size_ = 0;
 };
+
+// Reads and validates the header of an open file: its size field, then the JSON and
+// every tensor's byte range against the file's size. Returns N and the contents.
+inline std::pair<std::uint64_t, header_contents> read_file_header(const input_file& in) {
+  check_file_size(in.size(), in.origin());
+  std::array<std::byte, size_field_bytes> field{};
+  in.read_at(0, field);
+  const std::uint64_t n = load_u64(field.data());
+  check_header_size(n, in.size(), in.origin());
+  std::string text(static_cast<std::size_t>(n), '\0');
+  in.read_at(size_field_bytes, std::as_writable_bytes(std::span(text)));
+  return {n, read_header(text, in.size() - size_field_bytes - n, in.origin())};
+}
+
+// What safetensors::load may hold in memory by default: the machine's physical memory.
+inline std::uint64_t physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return std::numeric_limits<std::uint64_t>::max();
+  return static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page);
+}
 
 // A file written under "<target>.tmp" and renamed onto target by commit(), so the target
 // name never holds a half-written file. Until committed, an error or the destructor
@@ -460,12 +507,27 @@ inline std::span<const std::byte> as_bytes(const std::string& s) { return std::a
 // A whole safetensors file, validated and held in memory.
 class safetensors {
  public:
-  // Reads and validates file; errors name it.
-  static safetensors load(const std::filesystem::path& file) {
+  // Reads and validates file, holding all of it in memory; errors name it. The header
+  // is validated against the file's size before anything is allocated, and a file of
+  // more than max_bytes (default: the machine's physical memory) is refused: read such
+  // a file by range, at the offsets read_safetensors_header gives.
+  static safetensors load(const std::filesystem::path& file,
+                          std::uint64_t max_bytes = detail::physical_memory_bytes()) {
     const detail::input_file in(file);
-    std::vector<std::byte> bytes(static_cast<std::size_t>(in.size()));
+    auto [n, contents] = detail::read_file_header(in);
+    const auto too_large = [&](std::string_view why) {
+      detail::fail(in.origin(), "holds ", in.size(), " bytes, ", why,
+                   ": read it by range, at the offsets read_safetensors_header gives");
+    };
+    if (in.size() > max_bytes) too_large(cat("more than the ", max_bytes, " safetensors::load may hold in memory"));
+    std::vector<std::byte> bytes;
+    try {
+      bytes.resize(static_cast<std::size_t>(in.size()));
+    } catch (const std::bad_alloc&) {
+      too_large("more than can be allocated now");
+    }
     in.read_at(0, bytes);
-    return parse(std::move(bytes), file.string());
+    return safetensors(std::move(bytes), detail::size_field_bytes + n, in.origin(), std::move(contents));
   }
 
   // Validates the bytes of a file; origin names their source in errors.
@@ -544,16 +606,7 @@ struct safetensors_header {
 
 // Reads and validates only the header (the layout is checked against the file's size).
 inline safetensors_header read_safetensors_header(const std::filesystem::path& file) {
-  const std::string origin = file.string();
-  const detail::input_file in(file);
-  detail::check_file_size(in.size(), origin);
-  std::array<std::byte, detail::size_field_bytes> field{};
-  in.read_at(0, field);
-  const std::uint64_t n = detail::load_u64(field.data());
-  detail::check_header_size(n, in.size(), origin);
-  std::string text(static_cast<std::size_t>(n), '\0');
-  in.read_at(detail::size_field_bytes, std::as_writable_bytes(std::span(text)));
-  auto contents = detail::read_header(text, in.size() - detail::size_field_bytes - n, origin);
+  auto [n, contents] = detail::read_file_header(detail::input_file(file));
   return {n, std::move(contents.metadata), std::move(contents.tensors)};
 }
 

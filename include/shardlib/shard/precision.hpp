@@ -4,10 +4,11 @@
 #include "shardlib/core/element.hpp"
 #include "shardlib/core/error.hpp"
 
-#include <cmath>    // std::isfinite
-#include <cstddef>  // std::size_t
-#include <cstring>  // std::memcpy
-#include <span>     // std::span
+#include <algorithm>  // std::min, std::max
+#include <cmath>      // std::isfinite
+#include <cstddef>    // std::size_t
+#include <cstring>    // std::memcpy
+#include <span>       // std::span
 
 namespace shardlib::shard {
 
@@ -23,25 +24,67 @@ struct mixed_precision {
 
 // Dynamic loss scaling for fp16 (torch.cuda.amp.GradScaler's rule): gradients
 // of loss * scale; a step whose gradients hold inf or NaN on any rank is skipped
-// on every rank and halves the scale; `growth_interval` good steps in a row double it.
+// on every rank and multiplies the scale by backoff_factor; `growth_interval` good
+// steps in a row multiply it by growth_factor. Unlike GradScaler, the scale stays
+// within [min_scale, max_scale] (1: DeepSpeed's min_loss_scale; 2^24: apex's
+// max_loss_scale): at 0 every gradient would be 0/0 = NaN, at inf every step skipped.
+// More steps skipped in a row than backing off to min_scale takes (16 from the
+// default scale) mean inf/NaN that no scale avoids: the max_skipped_in_row-th raises
+// shardlib::error from update(). check_scaler refuses values that could not work.
 struct loss_scaler {
   float scale = 65536.f;
   float growth_factor = 2.f, backoff_factor = 0.5f;
   int growth_interval = 2000;
-  int good_steps = 0;
-  long skipped = 0;
+  float min_scale = 1.f, max_scale = 16777216.f;
+  int max_skipped_in_row = 50;
+  int good_steps = 0;      // since the last skipped step or growth
+  long skipped = 0;        // in all
+  int skipped_in_row = 0;  // since the last good step
 
   void update(bool found_inf) {
-    if (found_inf) {
-      scale *= backoff_factor;
-      good_steps = 0;
-      ++skipped;
-    } else if (++good_steps == growth_interval) {
-      scale *= growth_factor;
-      good_steps = 0;
+    if (!found_inf) {
+      skipped_in_row = 0;
+      if (++good_steps == growth_interval) {
+        scale = std::min(scale * growth_factor, max_scale);
+        good_steps = 0;
+      }
+      return;
     }
+    scale = std::max(scale * backoff_factor, min_scale);
+    good_steps = 0;
+    ++skipped;
+    ++skipped_in_row;
+    require(skipped_in_row < max_skipped_in_row, "loss scaling: ", skipped_in_row,
+            " steps in a row were skipped because their gradients held inf or NaN, and the loss scale fell to ", scale,
+            " (min_scale ", min_scale, "): the model or the data produce inf/NaN, which no loss scale avoids");
   }
 };
+
+// Refuses a scaler that could not work, naming the field: bounds that are not finite
+// and positive, a scale outside them, factors that do not grow or back off, counts
+// out of range.
+inline void check_scaler(const loss_scaler& s) {
+  const auto finite = [](float x) { return std::isfinite(x); };
+  require(finite(s.min_scale) && s.min_scale > 0, "loss_scaler.min_scale must be a positive finite number, got ",
+          s.min_scale);
+  require(finite(s.max_scale) && s.max_scale >= s.min_scale,
+          "loss_scaler.max_scale must be finite and at least min_scale (", s.min_scale, "), got ", s.max_scale);
+  require(s.scale >= s.min_scale && s.scale <= s.max_scale,
+          "loss_scaler.scale must lie in [min_scale, max_scale] = [", s.min_scale, ", ", s.max_scale, "], got ",
+          s.scale);
+  require(finite(s.growth_factor) && s.growth_factor > 1,
+          "loss_scaler.growth_factor must be a finite number above 1, got ", s.growth_factor);
+  require(s.backoff_factor > 0 && s.backoff_factor < 1, "loss_scaler.backoff_factor must lie in (0, 1), got ",
+          s.backoff_factor);
+  require(s.growth_interval >= 1, "loss_scaler.growth_interval must be at least 1, got ", s.growth_interval);
+  require(s.max_skipped_in_row >= 1, "loss_scaler.max_skipped_in_row must be at least 1, got ", s.max_skipped_in_row);
+  require(s.good_steps >= 0 && s.good_steps < s.growth_interval,
+          "loss_scaler.good_steps must lie in [0, growth_interval = ", s.growth_interval, "), got ", s.good_steps);
+  require(s.skipped >= 0, "loss_scaler.skipped must not be negative, got ", s.skipped);
+  require(s.skipped_in_row >= 0 && s.skipped_in_row <= s.max_skipped_in_row,
+          "loss_scaler.skipped_in_row must lie in [0, max_skipped_in_row = ", s.max_skipped_in_row, "], got ",
+          s.skipped_in_row);
+}
 
 inline void check_precision(const mixed_precision& p) {
   auto ok = [](dtype t) { return t == dtype::f32 || t == dtype::bf16 || t == dtype::f16; };
