@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "common/flags.hpp"
 #if SHARDLIB_BENCH_WITH_MPI
 #include "collectives_mpi.hpp"
 #endif
@@ -128,39 +129,33 @@ void run_threads(const options& o) {
   }
 }
 
-std::vector<int> parse_list(const char* s) {
-  std::vector<int> v;
-  for (const char* p = s; *p;) {
-    v.push_back(std::atoi(p));
-    while (*p && *p != ',') ++p;
-    if (*p == ',') ++p;
-  }
-  return v;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   options o;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto next = [&]() -> const char* {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--world") o.worlds = parse_list(next());
-    else if (a == "--min") o.min_bytes = std::strtoull(next(), nullptr, 10);
-    else if (a == "--max") o.max_bytes = std::strtoull(next(), nullptr, 10);
-    else if (a == "--json") o.json = std::fopen(next(), "w");
-    else if (a == "--quick") o.budget_s = 0.05, o.max_bytes = std::size_t(64) << 20;
-    else {
-      std::fprintf(stderr, "usage: %s [--world 2,4] [--min BYTES] [--max BYTES] [--json FILE] [--quick]\n", argv[0]);
-      return 2;
-    }
-  }
+  std::string json;
+  bool quick = false;
+  example::command_line cli("Bus bandwidth of all_gather, reduce_scatter and all_reduce against memcpy by the same "
+                            "threads; under mpirun, MpiComm against raw MPI.",
+                            "bench_collectives");
+  cli.add_option("--world", o.worlds, "world sizes of rank threads, comma-separated")
+      ->delimiter(',')
+      ->check(example::whole(1, example::max_thread_ranks));
+  // From 4 KiB, a float per rank at the most ranks, to 4 GiB.
+  const CLI::Validator bytes = example::whole(4096, 1LL << 32);
+  auto* min = cli.add_option("--min", o.min_bytes, "smallest message, bytes")->check(bytes);
+  auto* max = cli.add_option("--max", o.max_bytes, "largest message, bytes (64 MiB with --quick)")->check(bytes);
+  cli.add_option("--json", json, "writes one JSON line per measured row");
+  cli.add_flag("--quick", quick, "shorter measurements");
+  cli.callback([&] {
+    if (quick && max->count() == 0) o.max_bytes = std::size_t(64) << 20;
+    if (o.min_bytes > o.max_bytes)
+      throw CLI::ValidationError(min->get_name(), std::to_string(o.min_bytes) + " is above --max " +
+                                                     std::to_string(o.max_bytes));
+  });
+  cli.parse_or_exit(argc, argv);
+  if (quick) o.budget_s = 0.05;
+  if (!json.empty()) o.json = std::fopen(json.c_str(), "w");
   try {
 #if SHARDLIB_BENCH_WITH_MPI
     if (std::getenv("OMPI_COMM_WORLD_SIZE")) {

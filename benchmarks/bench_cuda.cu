@@ -21,8 +21,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -173,10 +171,9 @@ model_result model_step(const model_size& m, int warmup, int steps) {
     sl::cuda::stream compute(0);
     sl::cuda::stream_scope scope(compute.get());
     auto c = sl::comm::NcclComm::bootstrap(host, 0).on(compute.get());
-    const example::synthetic_task task{.seq = m.seq, .d = m.d, .classes = 10};
-    const example::flags f(0, nullptr, {{"layers", std::to_string(m.layers)}, {"heads", std::to_string(m.heads)},
-                                        {"ff", std::to_string(m.ff)}, {"dropout", "0.1"}});
-    auto model = example::reference_model<sl::bfloat16, sl::cuda_space>(f, task);
+    const example::model_flags sizes{.layers = m.layers, .d_model = m.d, .heads = m.heads, .ff = m.ff, .seq = m.seq};
+    const example::synthetic_task task = example::task_for(sizes);
+    auto model = example::reference_model<sl::bfloat16, sl::cuda_space>(sizes);
     auto sharded = sl::shard::fully_shard(
         model, c, sl::shard::FullShard{},
         {.wrap = sl::shard::wrap_types<example::EncoderOf<sl::bfloat16, sl::cuda_space>>{},
@@ -206,18 +203,19 @@ model_result model_step(const model_size& m, int warmup, int steps) {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::FILE* jf = nullptr;
+  std::string json_path;
   long model_layers = 24;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
-      jf = std::fopen(argv[++i], "w");
-      sl::require(jf != nullptr, "bench_cuda: cannot open ", argv[i]);
-    } else if (std::strcmp(argv[i], "--model-layers") == 0 && i + 1 < argc) {
-      model_layers = std::strtol(argv[++i], nullptr, 10);
-    } else {
-      std::fprintf(stderr, "usage: bench_cuda [--json FILE] [--model-layers N]\n");
-      return 2;
-    }
+  example::command_line cli("The GPU numbers (copy, fused Adam, NCCL, GEMM, the reference model's MFU), each "
+                            "against the limit it should approach.",
+                            "bench_cuda");
+  cli.add_option("--json", json_path, "writes one JSON line per measurement");
+  cli.add_option("--model-layers", model_layers, "encoder layers of the reference model (0 skips it)")
+      ->check(example::whole(0, example::max_size));
+  cli.parse_or_exit(argc, argv);
+  std::FILE* jf = nullptr;
+  if (!json_path.empty()) {
+    jf = std::fopen(json_path.c_str(), "w");
+    sl::require(jf != nullptr, "bench_cuda: cannot open ", json_path);
   }
   const std::string problem = sl::cuda::device_problem();
   sl::require(problem.empty(), "bench_cuda needs a GPU: ", problem);

@@ -29,14 +29,15 @@
 
 #include "bench_common.hpp"
 #include "common/flags.hpp"
+#include "common/reference_model.hpp"
 #include "common/synthetic.hpp"
 
 using namespace shardlib;
 
 namespace {
 
-using Encoder = nn::TransformerEncoderLayer<float>;
-using Model = nn::Sequential<nn::Stack<Encoder>, nn::MeanPool<float>, nn::Linear<float>>;
+using example::Encoder;
+using example::Model;
 
 struct sizes {
   long batch, seq, d, heads, ff, layers, classes;
@@ -163,24 +164,26 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  example::flags f(argc, argv,
-                   {{"batch", "32"}, {"seq", "10"}, {"d-model", "512"}, {"heads", "8"}, {"ff", "2048"},
-                    {"layers", "6"}, {"classes", "10"}, {"dropout", "0.1"}, {"steps", "10"}, {"json", ""}});
-  const sizes s{f.num("batch"), f.num("seq"), f.num("d-model"), f.num("heads"), f.num("ff"), f.num("layers"),
-                f.num("classes")};
-  const long steps = std::max(1L, f.num("steps"));
-  std::FILE* json = f.str("json").empty() ? nullptr : std::fopen(f.str("json").c_str(), "a");
+  example::model_flags m;
+  long batch = 32, steps = 10;
+  std::string json_path;
+  example::command_line cli("One training step of the reference model on one rank, unsharded, one thread, against "
+                            "the GEMM peak measured in the same run.",
+                            "bench_model");
+  example::add_model_flags(cli, m);
+  cli.add_option("--batch", batch, "sequences per step")->check(example::whole(1, example::max_size));
+  cli.add_option("--steps", steps, "measured steps")->check(example::whole(1, example::max_size));
+  cli.add_option("--json", json_path, "appends the results as JSON lines");
+  cli.callback([&] { example::check_model_flags(m); });
+  cli.parse_or_exit(argc, argv);
+  const sizes s{batch, m.seq, m.d_model, m.heads, m.ff, m.layers, m.classes};
+  std::FILE* json = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "a");
 
-  Model model{nn::Stack<Encoder>(std::size_t(s.layers), {.d_model = s.d,
-                                                         .nhead = s.heads,
-                                                         .dim_feedforward = s.ff,
-                                                         .dropout = f.real("dropout"),
-                                                         .batch_first = true}),
-              nn::MeanPool<float>(1), nn::Linear<float>(s.d, s.classes)};
+  Model model = example::reference_model(m);
   nn::Replicated<float, Model> params(model, 0);
   optim::Adam adam{{.lr = 1e-3}};
   auto state = adam.make_state(params.values().size());
-  const example::synthetic_task task{.seq = s.seq, .d = s.d, .classes = s.classes};
+  const example::synthetic_task task = example::task_for(m);
   const auto x = task.inputs(0, s.batch);
   const auto y = task.labels(0, s.batch);
 
@@ -210,7 +213,7 @@ int main(int argc, char** argv) {
   std::printf(
       "bench_model: %ld x TransformerEncoderLayer(d_model %ld, nhead %ld, ff %ld, dropout %g), batch %ld x seq "
       "%ld, mean pool, Linear to %ld; %zu parameters; Adam; one thread; float GEMM backend: %s\n",
-      s.layers, s.d, s.heads, s.ff, f.real("dropout"), s.batch, s.seq, s.classes, nn::parameter_count(model),
+      s.layers, s.d, s.heads, s.ff, m.dropout, s.batch, s.seq, s.classes, nn::parameter_count(model),
       std::string(ops::gemm_backend).c_str());
   std::printf(
       "matrix products of one forward+backward: %ld ops::gemm calls, %.2f GFLOP (2 M N K summed over the "
@@ -300,7 +303,7 @@ int main(int argc, char** argv) {
                  "\"gemm_gflop\":%.6g,\"gemm_gflops\":%.6g,\"gemm_replayed_s\":%.6g,\"peak_gflops\":%.6g,"
                  "\"vs_peak\":%.4g}\n",
                  std::string(ops::gemm_backend).c_str(), s.batch, s.seq, s.d, s.heads, s.ff, s.layers, s.classes,
-                 f.real("dropout"), steps, fb_s, opt_s, step_s, calls, gflop, rate, gemm_total, peak, rate / peak);
+                 m.dropout, steps, fb_s, opt_s, step_s, calls, gflop, rate, gemm_total, peak, rate / peak);
     std::fclose(json);
   }
   return 0;

@@ -14,13 +14,13 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "bench_common.hpp"
+#include "common/flags.hpp"
 
 using namespace shardlib;
 
@@ -88,29 +88,23 @@ row measure(const char* label, O opt, std::size_t n, double bytes_per_param, dou
   return {label, std::string(name(dtype_of<G>)), n, bytes_per_param, t};
 }
 
-std::vector<std::size_t> parse_sizes(const char* s) {
-  std::vector<std::size_t> out;
-  for (char* end = nullptr;; s = end + 1) {
-    out.push_back(std::strtoull(s, &end, 10));
-    if (*end != ',') break;
-  }
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--sizes" && i + 1 < argc) o.sizes = parse_sizes(argv[++i]);
-    else if (a == "--json" && i + 1 < argc) o.json = std::fopen(argv[++i], "a");
-    else if (a == "--quick") o.budget_s = 0.4;
-    else {
-      std::fprintf(stderr, "usage: %s [--sizes 16,64] [--json FILE] [--quick]\n", argv[0]);
-      return 2;
-    }
-  }
+  std::string json;
+  bool quick = false;
+  example::command_line cli("The fused host optimizer step on large spans, one thread, against memcpy.",
+                            "bench_optim");
+  // Up to 2^30 parameters: Adam's buffers of them take 16 GiB.
+  cli.add_option("--sizes", o.sizes, "parameters, in 2^20, comma-separated")
+      ->delimiter(',')
+      ->check(example::whole(1, 1024));
+  cli.add_option("--json", json, "appends one JSON line per measured row");
+  cli.add_flag("--quick", quick, "shorter measurements");
+  cli.parse_or_exit(argc, argv);
+  if (quick) o.budget_s = 0.4;
+  if (!json.empty()) o.json = std::fopen(json.c_str(), "a");
   std::printf("fused host optimizer step, one thread; traffic = bytes read + written; memcpy moves the same "
               "traffic per call\n");
   std::printf("%-14s %-5s %7s %10s %12s %10s %10s %9s\n", "optimizer", "grad", "params", "step_ms", "Mparams/s",

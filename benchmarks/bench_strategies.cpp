@@ -37,6 +37,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -46,35 +47,27 @@
 #include <unistd.h>
 
 #include "bench_common.hpp"
+#include "common/flags.hpp"
+#include "common/reference_model.hpp"
 #include "common/synthetic.hpp"
 #include "counting_comm.hpp"
 
 using namespace shardlib;
-using Encoder = nn::TransformerEncoderLayer<float>;
-using Model = nn::Sequential<nn::Stack<Encoder>, nn::MeanPool<float>, nn::Linear<float>>;
+using example::Encoder;
+using example::Model;
 using Comm = bench::counting_comm<comm::ThreadComm>;
 static_assert(comm::check_communicator<Comm>());
 
 namespace {
 
 struct config {
-  long layers = 4, d_model = 256, heads = 4, ff = 1024, seq = 16, batch = 8, classes = 10;
-  double dropout = 0.1;
+  example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .seq = 16};
+  long batch = 8;
   int prefetch = 1, group = 2, warmup = 2, steps = 8, rounds = 3;
   std::vector<int> worlds{1, 2, 4, 8};
   std::vector<std::string> strategies{"full", "grad-op", "optimizer", "none", "hybrid"};
   std::FILE* json = nullptr;
 };
-
-Model make_model(const config& c) {
-  return Model{nn::Stack<Encoder>(std::size_t(c.layers), {.d_model = c.d_model,
-                                                          .nhead = c.heads,
-                                                          .dim_feedforward = c.ff,
-                                                          .dropout = c.dropout,
-                                                          .batch_first = true}),
-               nn::MeanPool<float>(1), nn::Linear<float>(c.d_model, c.classes)};
-}
-example::synthetic_task make_task(const config& c) { return {.seq = c.seq, .d = c.d_model, .classes = c.classes}; }
 
 // Bytes by ledger category, then the total.
 constexpr int total_index = category_count;
@@ -125,10 +118,10 @@ struct measurement : totals {
 double reference_activations(const config& cfg) {
   ledger l;
   ledger_scope scope(l);
-  Model m = make_model(cfg);
+  Model m = example::reference_model(cfg.model);
   nn::Replicated<float, Model> owner(m, 1);
   nn::context ctx;
-  const auto task = make_task(cfg);
+  const auto task = example::task_for(cfg.model);
   auto x = task.inputs(0, cfg.batch);
   auto y = task.labels(0, cfg.batch);
   auto out = ctx.forward(m, x);
@@ -222,11 +215,11 @@ measurement run(const config& cfg, int w, Strategy strategy) {
   comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
     auto tally = std::make_shared<bench::traffic>();
     Comm counted(c, tally);
-    Model model = make_model(cfg);
+    Model model = example::reference_model(cfg.model);
     auto sharded = shard::fully_shard(model, counted, strategy,
                                       {.wrap = shard::wrap_types<Encoder>{}, .seed = 1, .prefetch = cfg.prefetch});
     optim::Adam adam{{.lr = 1e-3}};
-    const auto task = make_task(cfg);
+    const auto task = example::task_for(cfg.model);
     for (int step = 0; step < cfg.warmup + cfg.steps; ++step) {
       if (step == cfg.warmup) {  // setup and warm-up (order recording, optimizer state) are not measured
         l.reset_peaks();
@@ -328,11 +321,7 @@ void with_strategy(const std::string& s, const config& cfg, int w, Fn&& fn) {
   else if (s == "grad-op") fn(shard::ShardGradOp{});
   else if (s == "optimizer") fn(shard::ShardOptimizer{});
   else if (s == "none") fn(shard::NoShard{});
-  else if (s == "hybrid") {
-    if (w % cfg.group == 0) fn(shard::HybridShard{.group_size = cfg.group});
-  } else {
-    throw error(cat("bench_strategies: unknown strategy '", s, "' (full, grad-op, optimizer, none, hybrid)"));
-  }
+  else if (w % cfg.group == 0) fn(shard::HybridShard{.group_size = cfg.group});
 }
 
 std::string ratio(double measured, double formula) {
@@ -396,8 +385,9 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
                "\"step_times_s\":%s],\"peak_bytes\":%s,\"formula_bytes\":%s,\"sent_bytes\":%.9g,"
                "\"sent_formula_bytes\":%.9g,\"sent_by\":{\"all_gather\":%.9g,\"reduce_scatter\":%.9g,"
                "\"all_reduce\":%.9g,\"broadcast\":%.9g}}\n",
-               m.strategy.c_str(), m.world, m.group, cores, unsigned(m.world) > cores ? "true" : "false", cfg.layers,
-               cfg.d_model, cfg.heads, cfg.ff, cfg.seq, cfg.batch, cfg.classes, cfg.dropout, cfg.prefetch,
+               m.strategy.c_str(), m.world, m.group, cores, unsigned(m.world) > cores ? "true" : "false",
+               cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.model.seq, cfg.batch,
+               cfg.model.classes, cfg.model.dropout, cfg.prefetch,
                m.steps.size(), m.units, m.psi, m.median(&step_sample::wall_s), m.median(&step_sample::cpu_s),
                m.median(&step_sample::sys_s), m.median(&step_sample::faults), steps.c_str(), object(m.peak).c_str(),
                object(m.formula).c_str(), m.sent, m.sent_formula,
@@ -411,57 +401,35 @@ void print_load(const char* when) {
   if (getloadavg(load, 3) == 3) std::printf("# load average at %s: %.2f %.2f %.2f\n", when, load[0], load[1], load[2]);
 }
 
-template <class T>
-std::vector<T> parse_list(const std::string& s) {
-  std::vector<T> out;
-  for (std::size_t begin = 0; begin <= s.size();) {
-    const std::size_t end = std::min(s.find(',', begin), s.size());
-    const std::string item = s.substr(begin, end - begin);
-    if constexpr (std::is_same_v<T, int>) out.push_back(std::atoi(item.c_str()));
-    else out.push_back(item);
-    begin = end + 1;
-  }
-  return out;
-}
-
-[[noreturn]] void usage(const char* prog) {
-  std::fprintf(stderr,
-               "usage: %s [--worlds 1,2,4,8] [--strategies full,grad-op,optimizer,none,hybrid] [--article]\n"
-               "       [--layers 4] [--d-model 256] [--heads 4] [--ff 1024] [--seq 16] [--batch 8] [--classes 10]\n"
-               "       [--dropout 0.1] [--prefetch 1] [--group 2] [--warmup 2] [--steps 8] [--rounds 3] [--json FILE]\n",
-               prog);
-  std::exit(2);
-}
-
 config parse(int argc, char** argv) {
   config c;
-  for (int i = 1; i < argc; ++i)  // first the preset, so single sizes override it in any order
-    if (std::string(argv[i]) == "--article") c.layers = 6, c.d_model = 512, c.heads = 8, c.ff = 2048, c.seq = 10;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--article") continue;
-    if (i + 1 >= argc) usage(argv[0]);
-    const std::string v = argv[++i];
-    const long n = std::strtol(v.c_str(), nullptr, 10);
-    if (a == "--worlds") c.worlds = parse_list<int>(v);
-    else if (a == "--strategies") c.strategies = parse_list<std::string>(v);
-    else if (a == "--layers") c.layers = n;
-    else if (a == "--d-model") c.d_model = n;
-    else if (a == "--heads") c.heads = n;
-    else if (a == "--ff") c.ff = n;
-    else if (a == "--seq") c.seq = n;
-    else if (a == "--batch") c.batch = n;
-    else if (a == "--classes") c.classes = n;
-    else if (a == "--dropout") c.dropout = std::strtod(v.c_str(), nullptr);
-    else if (a == "--prefetch") c.prefetch = int(n);
-    else if (a == "--group") c.group = int(n);
-    else if (a == "--warmup") c.warmup = int(n);
-    else if (a == "--steps") c.steps = int(n);
-    else if (a == "--rounds") c.rounds = int(n);
-    else if (a == "--json") c.json = std::fopen(v.c_str(), "a");
-    else usage(argv[0]);
-  }
-  if (c.steps < 1 || c.warmup < 1 || c.rounds < 1 || c.group < 1) usage(argv[0]);  // warm-up records the unit order
+  // --article's sizes are the defaults that single size flags override, in any order.
+  bool article = std::find(argv + 1, argv + argc, std::string_view("--article")) != argv + argc;
+  if (article) c.model = {.layers = 6, .d_model = 512, .heads = 8, .ff = 2048, .seq = 10};
+  std::string json;
+  example::command_line cli("Every sharding strategy training a transformer classifier on W rank threads: step "
+                            "time, per-rank memory and bytes sent per step, beside their formulas.",
+                            "bench_strategies");
+  cli.add_option("--worlds", c.worlds, "world sizes, comma-separated")
+      ->delimiter(',')
+      ->check(example::whole(1, example::max_thread_ranks));
+  cli.add_option("--strategies", c.strategies, "strategies, comma-separated")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"full", "grad-op", "optimizer", "none", "hybrid"}));
+  cli.add_flag("--article", article, "the FSDP article's sizes (6 layers, d_model 512, 8 heads, ff 2048, seq 10)");
+  example::add_model_flags(cli, c.model);
+  cli.add_option("--batch", c.batch, "sequences per rank and step")->check(example::whole(1, example::max_size));
+  cli.add_option("--prefetch", c.prefetch, "units gathered ahead")->check(example::whole(0, example::max_size));
+  cli.add_option("--group", c.group, "HybridShard's group (where it divides W)")
+      ->check(example::whole(1, example::max_thread_ranks));
+  // At least one warm-up step: it records the unit order.
+  cli.add_option("--warmup", c.warmup, "warm-up steps")->check(example::whole(1, example::max_size));
+  cli.add_option("--steps", c.steps, "measured steps")->check(example::whole(1, example::max_size));
+  cli.add_option("--rounds", c.rounds, "runs of each strategy")->check(example::whole(1, example::max_size));
+  cli.add_option("--json", json, "appends one JSON line per strategy and world size");
+  cli.callback([&] { example::check_model_flags(c.model); });
+  cli.parse_or_exit(argc, argv);
+  if (!json.empty()) c.json = std::fopen(json.c_str(), "a");
   return c;
 }
 
@@ -471,15 +439,16 @@ int main(int argc, char** argv) {
   const config cfg = parse(argc, argv);
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   try {
-    Model probe = make_model(cfg);
+    Model probe = example::reference_model(cfg.model);
     std::printf("# bench_strategies: transformer classifier, %ld encoder layers (d_model %ld, %ld heads, ff %ld), "
                 "mean pool, Linear head: %zu parameters\n"
                 "# per-rank batch %ld x seq %ld, %ld classes, dropout %g; Adam; fp32; each encoder layer a unit, "
                 "prefetch %d; %d warm-up + %d measured steps, %d rounds\n"
                 "# ranks are threads (ThreadComm) on %u hardware threads; step = median over steps of the slowest "
                 "rank's train_step, pooled over rounds\n",
-                cfg.layers, cfg.d_model, cfg.heads, cfg.ff, nn::parameter_count(probe), cfg.batch, cfg.seq,
-                cfg.classes, cfg.dropout, cfg.prefetch, cfg.warmup, cfg.steps, cfg.rounds, cores);
+                cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, nn::parameter_count(probe),
+                cfg.batch, cfg.model.seq, cfg.model.classes, cfg.model.dropout, cfg.prefetch, cfg.warmup, cfg.steps,
+                cfg.rounds, cores);
     print_load("start");
     // results[s][j]: strategy s at world size worlds[j]; empty where it does not apply
     std::vector<std::vector<measurement>> results(cfg.strategies.size(), std::vector<measurement>(cfg.worlds.size()));

@@ -30,61 +30,94 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
+
+#include "common/flags.hpp"
+#include "common/reference_model.hpp"
 
 using namespace shardlib;
 
 namespace {
 
-// Model sizes default to bench_strategies' model under --encoder; --params needs them given.
-struct flags {
-  std::map<std::string, std::string> values{
-      {"params", "0"},      {"layers", ""},     {"hidden", ""},      {"heads", ""},         {"seq", ""},
-      {"batch", ""},        {"d-model", "256"}, {"ff", "1024"},      {"classes", "10"},     {"dropout", "0.1"},
-      {"world", "4"},       {"worlds", ""},     {"strategy", "all"}, {"group", "2"},        {"prefetch", "1"},
-      {"param", "f32"},     {"reduce", "f32"},  {"compute", ""},     {"optimizer", "adam"}, {"memory", "80"},
-      {"bandwidth", "100"}, {"flops", "100"},   {"json", ""}};
-  bool article = false, encoder = false;
+// Parameters the planner takes at the most: a thousand times today's largest models, so that
+// every byte count it computes (a few tens of bytes per parameter) stays far inside 64 bits.
+constexpr double max_params = 1e15;
 
-  std::string str(const std::string& k) const { return values.at(k); }
-  long num(const std::string& k, long fallback = 0) const {
-    return values.at(k).empty() ? fallback : std::strtol(values.at(k).c_str(), nullptr, 10);
-  }
-  double real(const std::string& k) const { return std::strtod(values.at(k).c_str(), nullptr); }
+struct settings {
+  bool article = false, encoder = false;
+  double params = 0;  // 0: the blocks alone
+  long hidden = 0, batch = 8;
+  // --encoder's model; --params reads its --layers, --heads and --seq.
+  example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .classes = 10, .seq = 16};
+  int world = 4, group = 2, prefetch = 1;
+  std::vector<int> worlds;
+  std::string strategy = "all", param = "f32", reduce = "f32", compute, optimizer = "adam", json;
+  double memory = 80, bandwidth = 100, flops = 100;
 };
 
-[[noreturn]] void usage(const char* prog) {
-  std::fprintf(
-      stderr,
-      "usage: %s --article\n"
-      "       %s --params N --layers L --hidden H [--heads A] --seq S [--batch B] [common flags]\n"
-      "       %s --encoder [--layers 4] [--d-model 256] [--heads 4] [--ff 1024] [--classes 10] [--seq 16]\n"
-      "                    [--batch 8] [--dropout 0.1] [common flags]\n"
-      "common: [--world 4 | --worlds 1,2,4,8] [--strategy all|full|grad-op|optimizer|none|hybrid] [--group 2]\n"
-      "        [--prefetch 1] [--param f32|bf16|f16] [--reduce f32|bf16|f16] [--compute f32|bf16|f16]\n"
-      "        [--optimizer adam|amsgrad|momentum|sgd] [--memory GB] [--bandwidth GB/s] [--flops TFLOP/s]\n"
-      "        [--json FILE]\n",
-      prog, prog, prog);
-  std::exit(2);
-}
-
-flags parse(int argc, char** argv) {
-  flags f;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--article")
-      f.article = true;
-    else if (a == "--encoder")
-      f.encoder = true;
-    else if (a.rfind("--", 0) == 0 && f.values.count(a.substr(2)) && i + 1 < argc)
-      f.values[a.substr(2)] = argv[++i];
-    else
-      usage(argv[0]);
-  }
-  return f;
+settings parse(int argc, char** argv) {
+  settings s;
+  using example::whole;
+  example::command_line cli("Per-rank memory by category and bytes sent per step for every sharding strategy, and "
+                            "which strategies fit a device, fastest first (docs/planner.md).",
+                            "shardlib-plan");
+  cli.footer(
+      "Models: --article, the FSDP article's scenario; --params N --layers L --hidden H --seq S [--heads A]\n"
+      "[--batch B], a coarse transformer of blocks of 12 hidden^2 parameters, the rest in the root (heads and batch\n"
+      "default to 1); --encoder [--layers --d-model --heads --ff --classes --seq --batch --dropout], the model\n"
+      "train_fsdp and bench_strategies train, walked exactly as fully_shard wraps it.");
+  auto* article = cli.add_flag("--article", s.article, "the FSDP article's scenario, with the arithmetic to check");
+  auto* encoder = cli.add_flag("--encoder", s.encoder, "train_fsdp's model")->excludes(article);
+  cli.add_option("--params", s.params, "parameters of the coarse transformer (default: its blocks alone)")
+      ->check(example::positive(max_params))
+      ->default_str("")
+      ->excludes(article)
+      ->excludes(encoder);
+  auto* hidden = cli.add_option("--hidden", s.hidden, "hidden size of the coarse transformer")
+                     ->check(whole(1, example::max_size))
+                     ->default_str("")
+                     ->excludes(encoder);
+  example::add_model_flags(cli, s.model);
+  auto* batch = cli.add_option("--batch", s.batch, "sequences per rank")->check(whole(1, example::max_size));
+  auto* world = cli.add_option("--world", s.world, "ranks")->check(whole(1, example::max_size));
+  cli.add_option("--worlds", s.worlds, "world sizes, comma-separated")
+      ->delimiter(',')
+      ->check(whole(1, example::max_size))
+      ->excludes(world);
+  cli.add_option("--strategy", s.strategy, "strategies to plan")
+      ->check(CLI::IsMember({"all", "full", "grad-op", "optimizer", "none", "hybrid"}));
+  cli.add_option("--group", s.group, "HybridShard: ranks one replica is sharded over")
+      ->check(whole(1, example::max_size));
+  cli.add_option("--prefetch", s.prefetch, "units gathered ahead")->check(whole(0, example::max_size));
+  const auto dtypes = CLI::IsMember({"f32", "bf16", "f16"}, CLI::ignore_case);
+  cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes);
+  cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes);
+  cli.add_option("--compute", s.compute, "compute dtype (default: --param's, f32 with --encoder)")->check(dtypes);
+  cli.add_option("--optimizer", s.optimizer, "optimizer state to plan for")
+      ->check(CLI::IsMember({"adam", "adamw", "amsgrad", "momentum", "sgd"}));
+  cli.add_option("--memory", s.memory, "device memory per rank, GB")->check(example::positive());
+  cli.add_option("--bandwidth", s.bandwidth, "what one rank sends, GB/s")->check(example::positive());
+  cli.add_option("--flops", s.flops, "sustained compute per rank, TFLOP/s")->check(example::positive());
+  cli.add_option("--json", s.json, "writes one JSON line per strategy and world size");
+  cli.callback([&] {
+    if (s.article) return;
+    if (s.encoder) {
+      example::check_model_flags(s.model);
+      return;
+    }
+    for (auto* o : {cli.get_option("--layers"), hidden, cli.get_option("--seq")})
+      if (o->count() == 0) throw CLI::ValidationError(o->get_name(), "a coarse transformer needs it (or --encoder)");
+    if (cli.get_option("--heads")->count() == 0) s.model.heads = 1;
+    if (batch->count() == 0) s.batch = 1;
+    const double blocks = 12 * double(s.hidden) * double(s.hidden) * double(s.model.layers);
+    if (blocks > max_params)
+      throw CLI::ValidationError("--hidden", cat(s.model.layers, " blocks of hidden size ", s.hidden, " have ", blocks,
+                                                 " parameters, more than ", max_params));
+  });
+  cli.parse_or_exit(argc, argv);
+  return s;
 }
 
 dtype parse_type(std::string s) {
@@ -96,8 +129,7 @@ std::size_t optimizer_bytes(const std::string& o) {
   if (o == "adam" || o == "adamw") return plan::adam_state_bytes;
   if (o == "amsgrad") return plan::adam_amsgrad_state_bytes;
   if (o == "momentum") return plan::sgd_momentum_state_bytes;
-  if (o == "sgd") return plan::sgd_state_bytes;
-  throw error(cat("shardlib-plan: unknown --optimizer '", o, "' (adam, amsgrad, momentum, sgd)"));
+  return plan::sgd_state_bytes;  // "sgd"
 }
 
 std::vector<plan::strategy> strategies(const std::string& s) {
@@ -108,40 +140,15 @@ std::vector<plan::strategy> strategies(const std::string& s) {
                                                 {"optimizer", strategy::shard_optimizer},
                                                 {"none", strategy::no_shard},
                                                 {"hybrid", strategy::hybrid_shard}};
-  auto it = by_flag.find(s);
-  require(it != by_flag.end(), "shardlib-plan: unknown --strategy '", s,
-          "' (all, full, grad-op, optimizer, none, hybrid)");
-  return {it->second};
-}
-
-std::vector<int> worlds(const flags& f) {
-  if (f.str("worlds").empty()) return {int(f.num("world"))};
-  std::vector<int> out;
-  for (const char* p = f.str("worlds").c_str(); *p;) {
-    out.push_back(std::atoi(p));
-    while (*p && *p != ',') ++p;
-    if (*p == ',') ++p;
-  }
-  return out;
+  return {by_flag.at(s)};
 }
 
 // The model train_fsdp and bench_strategies train, each encoder layer a unit.
-using Encoder = nn::TransformerEncoderLayer<float>;
-using EncoderModel = nn::Sequential<nn::Stack<Encoder>, nn::MeanPool<float>, nn::Linear<float>>;
-
-plan::model_desc encoder_model(const flags& f) {
-  const long layers = f.num("layers", 4), d = f.num("d-model"), seq = f.num("seq", 16), batch = f.num("batch", 8);
-  auto make = [&] {
-    return EncoderModel{nn::Stack<Encoder>(std::size_t(layers), {.d_model = d,
-                                                                 .nhead = f.num("heads", 4),
-                                                                 .dim_feedforward = f.num("ff"),
-                                                                 .dropout = f.real("dropout"),
-                                                                 .batch_first = true}),
-                        nn::MeanPool<float>(1), nn::Linear<float>(d, f.num("classes"))};
-  };
-  EncoderModel shape = make();
-  auto desc = plan::describe_model(shape, shard::wrap_types<Encoder>{});
-  EncoderModel probe = make();
+plan::model_desc encoder_model(const settings& s) {
+  const long layers = s.model.layers, d = s.model.d_model, seq = s.model.seq, batch = s.batch;
+  example::Model shape = example::reference_model(s.model);
+  auto desc = plan::describe_model(shape, shard::wrap_types<example::Encoder>{});
+  example::Model probe = example::reference_model(s.model);
   desc.activation_bytes = plan::measure_activations(probe, [&](nn::context& ctx) {
     Tensor<float> x({batch, seq, d});  // sizes, not values, decide what is allocated
     Tensor<std::int64_t> y({batch});
@@ -271,42 +278,40 @@ void article() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const flags f = parse(argc, argv);
+  const settings s = parse(argc, argv);
   try {
-    if (f.article) {
+    if (s.article) {
       article();
       return 0;
     }
-    plan::precision p{.param = parse_type(f.str("param")), .reduce = parse_type(f.str("reduce"))};
-    p.compute = !f.str("compute").empty() ? parse_type(f.str("compute")) : f.encoder ? dtype::f32 : p.param;
+    plan::precision p{.param = parse_type(s.param), .reduce = parse_type(s.reduce)};
+    p.compute = !s.compute.empty() ? parse_type(s.compute) : s.encoder ? dtype::f32 : p.param;
     plan::model_desc d;
-    if (f.encoder) {
-      d = encoder_model(f);
+    if (s.encoder) {
+      d = encoder_model(s);
     } else {
-      if (f.num("layers") < 1 || f.num("hidden") < 1 || f.num("seq") < 1) usage(argv[0]);
-      d = plan::transformer({.parameters = f.real("params"),
-                             .layers = f.num("layers"),
-                             .hidden = f.num("hidden"),
-                             .heads = f.num("heads", 1),
-                             .seq = f.num("seq"),
-                             .batch = f.num("batch", 1)},
+      d = plan::transformer({.parameters = s.params,
+                             .layers = s.model.layers,
+                             .hidden = s.hidden,
+                             .heads = s.model.heads,
+                             .seq = s.model.seq,
+                             .batch = s.batch},
                             p.compute);
     }
-    std::FILE* json = f.str("json").empty() ? nullptr : std::fopen(f.str("json").c_str(), "w");
-    require(f.str("json").empty() || json, "shardlib-plan: cannot write ", f.str("json"));
-    print_model(d, f.encoder ? "measured, one unsharded step" : "estimate");
-    const plan::machine mc{.memory_bytes = f.real("memory") * 1e9,
-                           .link_bytes_per_s = f.real("bandwidth") * 1e9,
-                           .flops_per_s = f.real("flops") * 1e12};
-    for (int w : worlds(f)) {
+    std::FILE* json = s.json.empty() ? nullptr : std::fopen(s.json.c_str(), "w");
+    require(s.json.empty() || json, "shardlib-plan: cannot write ", s.json);
+    print_model(d, s.encoder ? "measured, one unsharded step" : "estimate");
+    const plan::machine mc{
+        .memory_bytes = s.memory * 1e9, .link_bytes_per_s = s.bandwidth * 1e9, .flops_per_s = s.flops * 1e12};
+    for (int w : s.worlds.empty() ? std::vector<int>{s.world} : s.worlds) {
       const plan::setup base{.world = w,
-                             .group = int(f.num("group")),
-                             .prefetch = int(f.num("prefetch")),
+                             .group = s.group,
+                             .prefetch = s.prefetch,
                              .precision = p,
-                             .optimizer_bytes = optimizer_bytes(f.str("optimizer"))};
+                             .optimizer_bytes = optimizer_bytes(s.optimizer)};
       std::printf("\n");
       print_setup(base);
-      print_table(d, base, strategies(f.str("strategy")), json);
+      print_table(d, base, strategies(s.strategy), json);
       print_choice(d, base, mc);
     }
     if (json) std::fclose(json);

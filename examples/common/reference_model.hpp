@@ -21,18 +21,20 @@ using ModelOf = shardlib::nn::Sequential<shardlib::nn::Stack<EncoderOf<T, Space>
 using Encoder = EncoderOf<float>;
 using Model = ModelOf<float>;
 
-// --layers encoder layers of width task.d (--heads, --ff, --dropout), batch-first,
-// mean-pooled over the sequence, and a Linear head to task.classes.
+// m.layers encoder layers of width m.d_model (m.heads, m.ff, m.dropout), batch-first,
+// mean-pooled over the sequence, and a Linear head to m.classes.
 template <class T = float, class Space = shardlib::host_space>
-ModelOf<T, Space> reference_model(const flags& f, const synthetic_task& task) {
+ModelOf<T, Space> reference_model(const model_flags& m) {
   namespace nn = shardlib::nn;
-  return ModelOf<T, Space>{nn::Stack<EncoderOf<T, Space>>(std::size_t(f.num("layers")),
-                                                          {.d_model = task.d,
-                                                           .nhead = f.num("heads"),
-                                                           .dim_feedforward = f.num("ff"),
-                                                           .dropout = f.real("dropout"),
-                                                           .batch_first = true}),
-                           nn::MeanPool<T, Space>(1), nn::Linear<T, Space>(task.d, task.classes)};
+  return ModelOf<T, Space>{nn::Stack<EncoderOf<T, Space>>(std::size_t(m.layers), {.d_model = m.d_model,
+                                                                                 .nhead = m.heads,
+                                                                                 .dim_feedforward = m.ff,
+                                                                                 .dropout = m.dropout,
+                                                                                 .batch_first = true}),
+                           nn::MeanPool<T, Space>(1), nn::Linear<T, Space>(m.d_model, m.classes)};
 }
+
+// The synthetic task the model learns: m.seq tokens of width m.d_model, m.classes classes.
+inline synthetic_task task_for(const model_flags& m) { return {.seq = m.seq, .d = m.d_model, .classes = m.classes}; }
 
 }  // namespace example

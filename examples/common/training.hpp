@@ -36,18 +36,18 @@ inline void log_metrics(std::FILE* out, std::string_view program, std::string_vi
   std::fflush(out);
 }
 
-// --steps steps of `sharded` (a shard::ShardedModel) with `opt` on the synthetic
+// run.steps steps of `sharded` (a shard::ShardedModel) with `opt` on the synthetic
 // task; batch(first, count) gives the inputs and labels of rows [first, first +
 // count) of the global data set, in the model's memory space. finish(), when
 // given, waits for a step's asynchronous work (the GPU's), so that step times are
 // the steps' own.
 template <class Sharded, class Optimizer, class Batch>
-void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, const synthetic_task& task, const flags& f,
-                std::FILE* metrics, Batch&& batch, const std::function<void()>& finish = {}) {
+void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, const synthetic_task& task,
+                const train_flags& run, std::FILE* metrics, Batch&& batch, const std::function<void()>& finish = {}) {
   namespace sl = shardlib;
   auto& c = sharded.comm();
   const std::string_view strategy = std::remove_cvref_t<decltype(sharded.strategy())>::name;
-  const long steps = f.num("steps"), per_rank = f.num("batch"), every = f.num("every");
+  const long steps = run.steps, per_rank = run.batch, every = run.every;
   if (c.rank() == 0)
     std::printf("%s: %zu parameters in %zu units, %s over %d ranks, per-rank batch %ld\n", std::string(program).c_str(),
                 sl::nn::parameter_count(sharded.model()), sharded.units().size(), std::string(strategy).c_str(),
@@ -79,9 +79,9 @@ void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, cons
     sl::io::safetensors_writer out;
     for (auto& [name, t] : state) out.add<float>(name, t.shape(), t.span());
     out.set_metadata("format", "pt");
-    out.write(f.str("out"));
+    out.write(run.out);
     std::printf("%s: %.3f s per step; model written to %s\n", std::string(program).c_str(), seconds / double(steps),
-                f.str("out").c_str());
+                run.out.c_str());
   }
 }
 

@@ -31,38 +31,51 @@ using example::Model;
 
 namespace {
 
+struct settings {
+  int world = 4, group = 2;
+  std::string strategy = "full";
+  example::model_flags model;
+  example::train_flags run;
+};
+
 template <comm::Communicator Comm, shard::ShardingStrategy Strategy>
-void train(Comm& c, Strategy strategy, const example::flags& f, std::FILE* metrics) {
-  example::synthetic_task task{.seq = f.num("seq"), .d = f.num("d-model"), .classes = f.num("classes")};
-  Model model = example::reference_model(f, task);
-  auto sharded = shard::fully_shard(model, c, strategy,
-                                    {.wrap = shard::wrap_types<Encoder>{}, .seed = std::uint64_t(f.num("seed"))});
-  optim::Adam adam{{.lr = f.real("lr")}};
-  example::train_loop("train_fsdp", sharded, adam, task, f, metrics, [&](long first, long count) {
+void train(Comm& c, Strategy strategy, const settings& s, std::FILE* metrics) {
+  const example::synthetic_task task = example::task_for(s.model);
+  Model model = example::reference_model(s.model);
+  auto sharded = shard::fully_shard(model, c, strategy, {.wrap = shard::wrap_types<Encoder>{}, .seed = s.run.seed});
+  optim::Adam adam{{.lr = s.run.lr}};
+  example::train_loop("train_fsdp", sharded, adam, task, s.run, metrics, [&](long first, long count) {
     return std::pair(task.inputs(first, count), task.labels(first, count));
   });
 }
 
 template <comm::Communicator Comm>
-void train(Comm& c, const example::flags& f, std::FILE* metrics) {
-  const std::string s = f.str("strategy");
-  if (s == "full") train(c, shard::FullShard{}, f, metrics);
-  else if (s == "grad-op") train(c, shard::ShardGradOp{}, f, metrics);
-  else if (s == "optimizer") train(c, shard::ShardOptimizer{}, f, metrics);
-  else if (s == "none") train(c, shard::NoShard{}, f, metrics);
-  else if (s == "hybrid") train(c, shard::HybridShard{.group_size = int(f.num("group"))}, f, metrics);
-  else throw error(cat("train_fsdp: unknown --strategy '", s, "' (full, grad-op, optimizer, none, hybrid)"));
+void train(Comm& c, const settings& s, std::FILE* metrics) {
+  if (s.strategy == "full") train(c, shard::FullShard{}, s, metrics);
+  else if (s.strategy == "grad-op") train(c, shard::ShardGradOp{}, s, metrics);
+  else if (s.strategy == "optimizer") train(c, shard::ShardOptimizer{}, s, metrics);
+  else if (s.strategy == "none") train(c, shard::NoShard{}, s, metrics);
+  else train(c, shard::HybridShard{.group_size = s.group}, s, metrics);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  example::flags f(argc, argv,
-                   {{"world", "4"}, {"strategy", "full"}, {"group", "2"}, {"steps", "100"}, {"batch", "8"},
-                    {"seq", "10"}, {"d-model", "512"}, {"heads", "8"}, {"ff", "2048"}, {"layers", "6"},
-                    {"classes", "10"}, {"lr", "1e-3"}, {"dropout", "0.1"}, {"seed", "0"}, {"every", "10"},
-                    {"out", "model.safetensors"}, {"metrics", ""}});
-  const std::string metrics_path = f.str("metrics");
+  settings s;
+  example::command_line cli("The FSDP article's training script: a transformer encoder classifier, every encoder "
+                            "layer a sharded unit, on --world rank threads (or one rank per process under mpirun).",
+                            "train_fsdp");
+  cli.add_option("--world", s.world, "ranks, as threads of this process")
+      ->check(example::whole(1, example::max_thread_ranks));
+  cli.add_option("--strategy", s.strategy, "sharding strategy")
+      ->check(CLI::IsMember({"full", "grad-op", "optimizer", "none", "hybrid"}));
+  cli.add_option("--group", s.group, "HybridShard: ranks one replica is sharded over")
+      ->check(example::whole(1, example::max_thread_ranks));
+  example::add_model_flags(cli, s.model);
+  example::add_train_flags(cli, s.run);
+  cli.callback([&] { example::check_model_flags(s.model); });
+  cli.parse_or_exit(argc, argv);
+  const std::string& metrics_path = s.run.metrics;
   auto open_metrics = [&](const char* mode) {
     std::FILE* m = std::fopen(metrics_path.c_str(), mode);
     require(m != nullptr, "cannot write --metrics ", metrics_path);
@@ -79,13 +92,13 @@ int main(int argc, char** argv) {
         world.barrier();
         metrics = open_metrics("a");
       }
-      train(world, f, metrics);
+      train(world, s, metrics);
       if (metrics) std::fclose(metrics);
       return 0;
     }
 #endif
     if (!metrics_path.empty()) metrics = open_metrics("w");
-    comm::launch(int(f.num("world")), [&](comm::ThreadComm& c) { train(c, f, metrics); });
+    comm::launch(s.world, [&](comm::ThreadComm& c) { train(c, s, metrics); });
     if (metrics) std::fclose(metrics);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_fsdp: %s\n", e.what());

@@ -35,43 +35,52 @@ namespace sl = shardlib;  // not `using namespace`: CUDA declares a global `half
 
 namespace {
 
+struct settings {
+  std::string dtype = "bf16";
+  example::model_flags model;
+  example::train_flags run;
+};
+
 template <class T>
-void train(const sl::comm::NcclComm& nccl, const example::flags& f, std::FILE* metrics) {
+void train(const sl::comm::NcclComm& nccl, const settings& s, std::FILE* metrics) {
   sl::cuda::stream compute(nccl.device());
   sl::cuda::stream_scope on_compute(compute.get());  // where tensors are allocated and layers run
   auto c = nccl.on(compute.get());                   // collectives ordered after that stream's work
-  example::synthetic_task task{.seq = f.num("seq"), .d = f.num("d-model"), .classes = f.num("classes")};
-  auto model = example::reference_model<T, sl::cuda_space>(f, task);
+  const example::synthetic_task task = example::task_for(s.model);
+  auto model = example::reference_model<T, sl::cuda_space>(s.model);
   sl::shard::mixed_precision precision{};
   if constexpr (!std::is_same_v<T, float>) precision = {.param = sl::dtype_of<T>, .reduce = sl::dtype::f32};
   auto sharded = sl::shard::fully_shard(model, c, sl::shard::FullShard{},
                                         {.wrap = sl::shard::wrap_types<example::EncoderOf<T, sl::cuda_space>>{},
-                                         .seed = std::uint64_t(f.num("seed")),
+                                         .seed = s.run.seed,
                                          .precision = precision});
-  sl::optim::cuda::Adam adam{{.lr = f.real("lr")}};
+  sl::optim::cuda::Adam adam{{.lr = s.run.lr}};
   example::train_loop(
-      "train_fsdp_cuda", sharded, adam, task, f, metrics,
+      "train_fsdp_cuda", sharded, adam, task, s.run, metrics,
       [&](long first, long count) {
         return std::pair(example::to_device<T>(task.inputs(first, count)), sl::cuda::to_device(task.labels(first, count)));
       },
       [&] { sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (end of step)"); });
 }
 
-void train(const sl::comm::NcclComm& nccl, const example::flags& f, std::FILE* metrics) {
-  const std::string dtype = f.str("dtype");
-  if (dtype == "bf16") train<sl::bfloat16>(nccl, f, metrics);
-  else if (dtype == "fp32") train<float>(nccl, f, metrics);
-  else throw sl::error(sl::cat("train_fsdp_cuda: unknown --dtype '", dtype, "' (bf16, fp32)"));
+void train(const sl::comm::NcclComm& nccl, const settings& s, std::FILE* metrics) {
+  if (s.dtype == "bf16") train<sl::bfloat16>(nccl, s, metrics);
+  else train<float>(nccl, s, metrics);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  example::flags f(argc, argv,
-                   {{"dtype", "bf16"}, {"steps", "100"}, {"batch", "8"}, {"seq", "10"}, {"d-model", "512"},
-                    {"heads", "8"}, {"ff", "2048"}, {"layers", "6"}, {"classes", "10"}, {"lr", "1e-3"},
-                    {"dropout", "0.1"}, {"seed", "0"}, {"every", "10"}, {"out", "model.safetensors"}, {"metrics", ""}});
-  const std::string metrics_path = f.str("metrics");
+  settings s;
+  example::command_line cli("train_fsdp on GPUs: the same classifier, FullShard over NCCL, one GPU, or one process "
+                            "per GPU under mpirun.",
+                            "train_fsdp_cuda");
+  cli.add_option("--dtype", s.dtype, "compute dtype")->check(CLI::IsMember({"bf16", "fp32"}));
+  example::add_model_flags(cli, s.model);
+  example::add_train_flags(cli, s.run);
+  cli.callback([&] { example::check_model_flags(s.model); });
+  cli.parse_or_exit(argc, argv);
+  const std::string& metrics_path = s.run.metrics;
   auto open_metrics = [&](const char* mode) {
     std::FILE* m = std::fopen(metrics_path.c_str(), mode);
     sl::require(m != nullptr, "cannot write --metrics ", metrics_path);
@@ -93,7 +102,7 @@ int main(int argc, char** argv) {
         metrics = open_metrics("a");
       }
       sl::cuda::check(cudaSetDevice(device), "cudaSetDevice(", device, ")");
-      train(sl::comm::NcclComm::bootstrap(world, device), f, metrics);
+      train(sl::comm::NcclComm::bootstrap(world, device), s, metrics);
       if (metrics) std::fclose(metrics);
       return 0;
     }
@@ -101,7 +110,7 @@ int main(int argc, char** argv) {
     if (!metrics_path.empty()) metrics = open_metrics("w");
     sl::comm::launch(1, [&](sl::comm::ThreadComm& host) {  // one GPU: a world of one
       sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
-      train(sl::comm::NcclComm::bootstrap(host, 0), f, metrics);
+      train(sl::comm::NcclComm::bootstrap(host, 0), s, metrics);
     });
     if (metrics) std::fclose(metrics);
   } catch (const std::exception& e) {

@@ -24,18 +24,21 @@ using example::Encoder;
 using example::Model;
 
 int main(int argc, char** argv) {
-  example::flags f(argc, argv,
-                   {{"steps", "100"}, {"batch", "32"}, {"seq", "10"}, {"d-model", "512"}, {"heads", "8"},
-                    {"ff", "2048"}, {"layers", "6"}, {"classes", "10"}, {"lr", "1e-3"}, {"dropout", "0.1"},
-                    {"seed", "0"}, {"every", "10"}});
-  const long steps = f.num("steps"), batch = f.num("batch"), every = f.num("every");
-  example::synthetic_task task{.seq = f.num("seq"), .d = f.num("d-model"), .classes = f.num("classes")};
+  example::model_flags m;
+  example::train_flags run{.batch = 32};
+  example::command_line cli("The FSDP article's model trained on one rank, unsharded.", "train_reference");
+  example::add_model_flags(cli, m);
+  example::add_train_flags(cli, run, false);
+  cli.callback([&] { example::check_model_flags(m); });
+  cli.parse_or_exit(argc, argv);
+  const long steps = run.steps, batch = run.batch, every = run.every;
+  const example::synthetic_task task = example::task_for(m);
 
-  Model model = example::reference_model(f, task);
-  nn::Replicated<float, Model> params(model, std::uint64_t(f.num("seed")));
-  optim::Adam adam{{.lr = f.real("lr")}};
+  Model model = example::reference_model(m);
+  nn::Replicated<float, Model> params(model, run.seed);
+  optim::Adam adam{{.lr = run.lr}};
   auto state = adam.make_state(params.values().size());
-  nn::context ctx({.seed = std::uint64_t(f.num("seed"))});
+  nn::context ctx({.seed = run.seed});
 
   std::printf("train_reference: %zu parameters, batch %ld x seq %ld, %ld steps (chance loss ln %ld = %.3f)\n",
               nn::parameter_count(model), batch, task.seq, steps, task.classes, std::log(double(task.classes)));

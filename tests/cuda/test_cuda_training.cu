@@ -35,8 +35,8 @@ namespace shard = sl::shard;
 
 // A small classifier (2 encoder layers of width 32, 4 heads) so that a run takes
 // a second; the batch rows of rank r at step s are rows of the global batch.
-const example::synthetic_task task{.seq = 6, .d = 32, .classes = 5};
-const example::flags sizes(0, nullptr, {{"layers", "2"}, {"heads", "4"}, {"ff", "64"}, {"dropout", "0.1"}});
+const example::model_flags sizes{.layers = 2, .d_model = 32, .heads = 4, .ff = 64, .classes = 5, .seq = 6};
+const example::synthetic_task task = example::task_for(sizes);
 constexpr long per_rank = 4;
 constexpr int steps = 8;
 constexpr double lr = 1e-3;
@@ -87,7 +87,7 @@ template <class Strategy>
 trace host_run(int world, Strategy strategy) {
   std::vector<trace> out(world);
   sl::comm::launch(world, [&](sl::comm::ThreadComm& c) {
-    auto model = example::reference_model<float>(sizes, task);
+    auto model = example::reference_model<float>(sizes);
     auto sharded = shard::fully_shard(model, c, strategy, {.wrap = shard::wrap_types<example::Encoder>{}, .seed = 7});
     sl::optim::Adam adam{{.lr = lr}};
     out[c.rank()] = train(c, sharded, adam, [&](long first) {
@@ -113,7 +113,7 @@ trace device_run(int world, Strategy strategy, MakeComm&& make_comm) {
     sl::cuda::stream stream(0);
     sl::cuda::stream_scope scope(stream.get());
     auto c = make_comm(host, stream.get());
-    auto model = example::reference_model<T, sl::cuda_space>(sizes, task);
+    auto model = example::reference_model<T, sl::cuda_space>(sizes);
     auto sharded = shard::fully_shard(model, c, strategy,
                                       {.wrap = shard::wrap_types<example::EncoderOf<T, sl::cuda_space>>{},
                                        .seed = 7,

@@ -1,7 +1,7 @@
 // ckpt-demo — trains a small model on W thread ranks, saving or resuming sharded
 // checkpoints: the command-line round trip of docs/checkpoints.md.
 //
-//   ckpt-demo --world W [--strategy S] [--group-size G] --steps N [--resume PATH] [--save ROOT]
+//   ckpt-demo [--world W] [--strategy S] [--group-size G] [--steps N] [--resume PATH] [--save ROOT]
 //             [--chunk-bytes B] [--out FILE]
 //   ckpt-demo compare A B      compares two --out files: common steps' losses, final parameters
 //
@@ -19,12 +19,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "common/flags.hpp"
 
 namespace {
 
@@ -170,38 +171,44 @@ void train(const settings& s, Strategy strategy) {
   }
 }
 
-int run(int argc, char** argv) {
-  if (argc == 4 && std::string(argv[1]) == "compare") return compare(argv[2], argv[3]);
-  settings s;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--world") s.world = std::atoi(value.c_str());
-    else if (flag == "--strategy") s.strategy = value;
-    else if (flag == "--group-size") s.group_size = std::atoi(value.c_str());
-    else if (flag == "--steps") s.steps = std::atol(value.c_str());
-    else if (flag == "--resume") s.resume = value;
-    else if (flag == "--save") s.save = value;
-    else if (flag == "--out") s.out = value;
-    else if (flag == "--chunk-bytes") s.chunk_bytes = std::strtoull(value.c_str(), nullptr, 10);
-    else throw error(cat("unknown flag ", flag));
-  }
-  if (argc % 2 == 0 || s.world < 1 || global_rows % s.world != 0)
-    throw error("usage: ckpt-demo --world W (a divisor of 24) [--strategy S] [--group-size G] --steps N "
-                "[--resume PATH] [--save ROOT] [--chunk-bytes B] [--out FILE] | ckpt-demo compare A B");
-  if (s.strategy == "FullShard") train(s, shard::FullShard{});
-  else if (s.strategy == "ShardGradOp") train(s, shard::ShardGradOp{});
-  else if (s.strategy == "ShardOptimizer") train(s, shard::ShardOptimizer{});
-  else if (s.strategy == "NoShard") train(s, shard::NoShard{});
-  else if (s.strategy == "HybridShard") train(s, shard::HybridShard{.group_size = s.group_size});
-  else throw error(cat("unknown strategy ", s.strategy));
-  return 0;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
+  settings s;
+  std::string a, b;
+  example::command_line cli("Trains a small model on --world thread ranks, saving or resuming sharded checkpoints.",
+                            "ckpt-demo");
+  cli.add_option("--world", s.world, "ranks, a divisor of 24 (the rows of a global batch)")
+      ->check(example::whole(1, global_rows));
+  cli.add_option("--strategy", s.strategy, "sharding strategy")
+      ->check(CLI::IsMember({"FullShard", "ShardGradOp", "ShardOptimizer", "NoShard", "HybridShard"}));
+  cli.add_option("--group-size", s.group_size, "HybridShard: ranks one replica is sharded over")
+      ->check(example::whole(1, global_rows));
+  cli.add_option("--steps", s.steps, "training steps")->check(example::whole(1, example::max_size));
+  cli.add_option("--resume", s.resume, "a checkpoint, or a root of them, to resume from");
+  cli.add_option("--save", s.save, "a root to save a checkpoint under at the end");
+  cli.add_option("--chunk-bytes", s.chunk_bytes, "bytes per checksum")
+      ->check(example::whole(io::detail::min_chunk_bytes, io::detail::max_chunk_bytes));
+  cli.add_option("--out", s.out, "the losses and final parameters, for compare");
+  auto* compare_cmd = cli.add_subcommand("compare", "compares two --out files: common steps' losses, final parameters");
+  compare_cmd->add_option("A", a)->required();
+  compare_cmd->add_option("B", b)->required();
+  cli.require_subcommand(0, 1);
+  cli.callback([&] {
+    if (global_rows % s.world != 0)
+      throw CLI::ValidationError("--world", cat(s.world, " does not divide ", global_rows));
+    if (s.strategy == "HybridShard" && s.world % s.group_size != 0)
+      throw CLI::ValidationError("--group-size", cat(s.group_size, " does not divide --world ", s.world));
+  });
+  cli.parse_or_exit(argc, argv);
   try {
-    return run(argc, argv);
+    if (compare_cmd->parsed()) return compare(a, b);
+    if (s.strategy == "FullShard") train(s, shard::FullShard{});
+    else if (s.strategy == "ShardGradOp") train(s, shard::ShardGradOp{});
+    else if (s.strategy == "ShardOptimizer") train(s, shard::ShardOptimizer{});
+    else if (s.strategy == "NoShard") train(s, shard::NoShard{});
+    else train(s, shard::HybridShard{.group_size = s.group_size});
+    return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ckpt-demo: %s\n", e.what());
     return 1;

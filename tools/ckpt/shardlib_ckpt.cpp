@@ -12,30 +12,16 @@
 #include <shardlib/io/checkpoint.hpp>
 
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <string>
-#include <string_view>
 #include <vector>
+
+#include "common/flags.hpp"
 
 namespace {
 
 using namespace shardlib;
 namespace fs = std::filesystem;
-
-constexpr const char* usage =
-    "usage: shardlib-ckpt list PATH\n"
-    "       shardlib-ckpt verify PATH\n"
-    "       shardlib-ckpt to-safetensors PATH FILE [--optimizer]\n"
-    "       shardlib-ckpt from-safetensors FILE ROOT --world W --strategy S [--group-size G] [--tag T]\n"
-    "                                      [--chunk-bytes B]\n"
-    "PATH: a checkpoint directory, or a root holding several (its latest is used).\n"
-    "S: FullShard, ShardGradOp, ShardOptimizer, NoShard or HybridShard (with --group-size).\n";
-
-[[noreturn]] void bad_usage(const std::string& why) {
-  std::fprintf(stderr, "shardlib-ckpt: %s\n%s", why.c_str(), usage);
-  std::exit(2);
-}
 
 std::string describe_strategy(const io::checkpoint_metadata& m) {
   return m.strategy == "HybridShard" ? cat(m.strategy, " (groups of ", m.group_size, ")") : m.strategy;
@@ -97,17 +83,22 @@ void list_checkpoint(const fs::path& dir) {
                 f.chunks.size(), f.chunks.size() == 1 ? "" : "s");
 }
 
-int run(const std::vector<std::string_view>& args) {
-  if (args.empty()) bad_usage("no command");
-  const auto command = args[0];
-  if (command == "list" && args.size() == 2) {
-    const fs::path path(args[1]);
+// A command's operands and options, as parsed.
+struct operands {
+  std::string path, file;
+  bool with_optimizer = false;
+  io::convert_options convert{.strategy = ""};
+};
+
+int run(const std::string& command, const operands& a) {
+  if (command == "list") {
+    const fs::path path(a.path);
     if (io::resolve_checkpoint(path) == path) list_checkpoint(path);  // a checkpoint, not a root
     else list_root(path, io::list_checkpoints(path));
     return 0;
   }
-  if (command == "verify" && args.size() == 2) {
-    const auto dir = io::resolve_checkpoint(fs::path(args[1]));
+  if (command == "verify") {
+    const auto dir = io::resolve_checkpoint(fs::path(a.path));
     const auto problems = io::verify_checkpoint(dir);
     for (const auto& p : problems) std::printf("CORRUPT %s\n", p.c_str());
     if (!problems.empty()) return 1;
@@ -121,46 +112,64 @@ int run(const std::vector<std::string_view>& args) {
                 m.files.size(), static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(chunks));
     return 0;
   }
-  if (command == "to-safetensors" && (args.size() == 3 || (args.size() == 4 && args[3] == "--optimizer"))) {
-    const bool with_optimizer = args.size() == 4;
-    const auto used = io::checkpoint_to_safetensors(fs::path(args[1]), fs::path(args[2]), with_optimizer);
-    std::printf("wrote %s from %s (%s)\n", std::string(args[2]).c_str(), used.c_str(),
-                with_optimizer ? "parameters and optimizer state" : "parameters");
+  if (command == "to-safetensors") {
+    const auto used = io::checkpoint_to_safetensors(fs::path(a.path), fs::path(a.file), a.with_optimizer);
+    std::printf("wrote %s from %s (%s)\n", a.file.c_str(), used.c_str(),
+                a.with_optimizer ? "parameters and optimizer state" : "parameters");
     return 0;
   }
-  if (command == "from-safetensors" && args.size() >= 3) {
-    io::convert_options o{.strategy = ""};
-    for (std::size_t i = 3; i < args.size(); i += 2) {
-      if (i + 1 >= args.size()) bad_usage(cat("missing value after ", args[i]));
-      const std::string value(args[i + 1]);
-      if (args[i] == "--world") o.world = std::atoi(value.c_str());
-      else if (args[i] == "--strategy") o.strategy = value;
-      else if (args[i] == "--group-size") o.group_size = std::atoi(value.c_str());
-      else if (args[i] == "--tag") o.tag = value;
-      else if (args[i] == "--chunk-bytes") o.chunk_bytes = std::strtoull(value.c_str(), nullptr, 10);
-      else bad_usage(cat("unknown option ", args[i]));
-    }
-    if (o.strategy.empty()) bad_usage("from-safetensors needs --strategy");
-    const auto dir = io::safetensors_to_checkpoint(fs::path(args[1]), fs::path(args[2]), o);
-    const auto m = io::read_checkpoint_metadata(dir);
-    std::printf("wrote %s: %d shard file%s for %d ranks with %s, steps %llu, %s\n", dir.c_str(), m.partitions,
-                m.partitions == 1 ? "" : "s", m.world_size, describe_strategy(m).c_str(),
-                static_cast<unsigned long long>(m.steps), m.optimizer ? "with optimizer state" : "weights only");
-    return 0;
-  }
-  bad_usage(cat("cannot parse the arguments of '", command, "'"));
+  const auto dir = io::safetensors_to_checkpoint(fs::path(a.file), fs::path(a.path), a.convert);  // from-safetensors
+  const auto m = io::read_checkpoint_metadata(dir);
+  std::printf("wrote %s: %d shard file%s for %d ranks with %s, steps %llu, %s\n", dir.c_str(), m.partitions,
+              m.partitions == 1 ? "" : "s", m.world_size, describe_strategy(m).c_str(),
+              static_cast<unsigned long long>(m.steps), m.optimizer ? "with optimizer state" : "weights only");
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::string_view> args(argv + 1, argv + argc);
-  if (!args.empty() && (args[0] == "-h" || args[0] == "--help")) {
-    std::fputs(usage, stdout);
-    return 0;
-  }
+  operands a;
+  io::convert_options& o = a.convert;
+  example::command_line cli("Lists, verifies and converts sharded checkpoints, without the model's code.",
+                            "shardlib-ckpt");
+  cli.footer("PATH: a checkpoint directory, or a root holding several (its latest is used).");
+  // At most one command: an unknown word is then named as not expected before the callback asks for one.
+  cli.require_subcommand(0, 1);
+  cli.callback([&] {
+    if (cli.get_subcommands().empty())
+      throw CLI::RequiredError("a command (list, verify, to-safetensors, from-safetensors)");
+  });
+  auto* list = cli.add_subcommand("list", "a root: its checkpoints; a checkpoint: what it holds");
+  list->add_option("PATH", a.path)->required();
+  auto* verify = cli.add_subcommand("verify", "reads every byte against its checksum");
+  verify->add_option("PATH", a.path)->required();
+  auto* to = cli.add_subcommand("to-safetensors", "the consolidated parameters as one safetensors FILE");
+  to->add_option("PATH", a.path)->required();
+  to->add_option("FILE", a.file)->required();
+  to->add_flag("--optimizer", a.with_optimizer, "the optimizer state too");
+  auto* from = cli.add_subcommand("from-safetensors", "a checkpoint under ROOT from a safetensors FILE");
+  from->add_option("FILE", a.file)->required();
+  from->add_option("ROOT", a.path)->required();
+  // As many ranks as a checkpoint's metadata may claim (io/checkpoint_format.hpp).
+  from->add_option("--world", o.world, "ranks the checkpoint is for")->check(example::whole(1, 1 << 24));
+  from->add_option("--strategy", o.strategy, "the sharding strategy it is for")
+      ->required()
+      ->check(CLI::IsMember({"FullShard", "ShardGradOp", "ShardOptimizer", "NoShard", "HybridShard"}));
+  from->add_option("--group-size", o.group_size, "HybridShard: ranks one replica is sharded over (divides --world)")
+      ->check(example::whole(1, 1 << 24))
+      ->default_str("");
+  from->add_option("--tag", o.tag, "the checkpoint's directory name (default: step-<steps>)");
+  from->add_option("--chunk-bytes", o.chunk_bytes, "bytes per checksum")
+      ->check(example::whole(io::detail::min_chunk_bytes, io::detail::max_chunk_bytes));
+  from->callback([&] {
+    if (o.strategy == "HybridShard" && (o.group_size < 1 || o.world % o.group_size != 0))
+      throw CLI::ValidationError("--group-size", cat("HybridShard needs one that divides --world ", o.world, ", got ",
+                                                     o.group_size));
+  });
+  cli.parse_or_exit(argc, argv);
   try {
-    return run(args);
+    return run(cli.get_subcommands().front()->get_name(), a);
   } catch (const shardlib::error& e) {
     std::fprintf(stderr, "shardlib-ckpt: %s\n", e.what());
     return 1;
