@@ -174,7 +174,7 @@ model_result model_step(const model_size& m, int warmup, int steps) {
     const example::model_flags sizes{.layers = m.layers, .d_model = m.d, .heads = m.heads, .ff = m.ff, .seq = m.seq};
     const example::synthetic_task task = example::task_for(sizes);
     auto model = example::reference_model<sl::bfloat16, sl::cuda_space>(sizes);
-    auto sharded = sl::shard::fully_shard(
+    auto sharded = sl::shard::fully_shard<sl::optim::cuda::AdamW>(
         model, c, sl::shard::FullShard{},
         {.wrap = sl::shard::wrap_types<example::EncoderOf<sl::bfloat16, sl::cuda_space>>{},
          .precision = {.param = sl::dtype::bf16, .reduce = sl::dtype::f32}});

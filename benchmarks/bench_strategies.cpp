@@ -27,6 +27,8 @@
 #include <shardlib/nn/stack.hpp>
 #include <shardlib/nn/transformer.hpp>
 #include <shardlib/optim/adam.hpp>
+#include <shardlib/plan/describe.hpp>
+#include <shardlib/plan/memory_plan.hpp>
 #include <shardlib/shard/sharded_model.hpp>
 
 #include <algorithm>
@@ -39,7 +41,8 @@
 #include <string>
 #include <string_view>
 #include <thread>
-#include <type_traits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <sys/resource.h>
@@ -129,87 +132,28 @@ double reference_activations(const config& cfg) {
   return double(l.peak(category::activations));
 }
 
-// Per-rank peaks by category, from the units' padded sizes P_i (unit 0 is the root: the
-// classifier head and anything no encoder layer claims) and the shard group size G:
-//   sharded (FullShard, ShardGradOp, HybridShard): parameters ΣP/G, optimizer state
-//     2ΣP/G (Adam's moments); gradients ΣP/G plus the full gradients of the root (alive
-//     for the whole backward) and of two units adjacent in the recorded order (one
-//     reduce-scattering while the next computes); gathered: the root plus the largest
-//     1 + prefetch consecutive units (FullShard, HybridShard), every unit (ShardGradOp,
-//     which frees nothing between forward and backward);
-//   ShardOptimizer (ZeRO-1): parameters ΣP, gradients ΣP full plus the ΣP/W reduced
-//     slice, optimizer state 2ΣP/W;
-//   NoShard (DDP): parameters ΣP, gradients ΣP, optimizer state 2ΣP;
-//   activations: reference_activations, added by the caller; comm_scratch: 0 (reductions
-//     land in the gradient shard; scratch is only for accumulating without sync);
-//   total: the sum, an upper bound since categories peak at different moments.
-// P_i is padded to a multiple of G (of W for replicated strategies, so ZeRO-1 slices are equal).
+// The planner's formulas (include/shardlib/plan/memory_plan.hpp, docs/planner.md) for
+// this run: memory by category and bytes sent per step, read off the strategy's
+// policy and the wrapped model's units in their recorded order. Activations come
+// from reference_activations, added by the caller; the total is the sum of the
+// category peaks, an upper bound since categories peak at different moments.
 template <class Strategy, class Engine>
-per_category memory_formula(Engine& e, int g, int prefetch) {
-  const auto& units = e.units();
-  const double s = sizeof(float);
-  auto full = [&](int i) { return s * double(units[i].master->layout().padded_size()); };
-  std::vector<double> run;  // non-root units in the recorded forward order
-  for (int i = e.neighbor(0, +1); i >= 0; i = e.neighbor(i, +1)) run.push_back(full(i));
-  double all = 0, window = 0, pair = 0;
-  for (std::size_t i = 0; i < units.size(); ++i) all += full(int(i));
-  const std::size_t width = std::min(run.size(), std::size_t(1 + prefetch));
-  for (std::size_t i = 0; i + width <= run.size(); ++i) {
-    double sum = 0;
-    for (std::size_t k = i; k < i + width; ++k) sum += run[k];
-    window = std::max(window, sum);
-  }
-  for (std::size_t i = 0; i < run.size(); ++i) pair = std::max(pair, run[i] + (i + 1 < run.size() ? run[i + 1] : 0));
-
+std::pair<per_category, double> formulas(Engine& e, const Strategy& strategy, int w, int prefetch) {
+  const auto p = plan::make_plan(plan::describe(e), {.policy = strategy.policy(), .world = w, .prefetch = prefetch});
   per_category f{};
-  auto at = [&](category c) -> double& { return f[int(c)]; };
-  if constexpr (Strategy::shards_parameters) {
-    at(category::parameters) = all / g;
-    at(category::gradients) = all / g + full(0) + pair;
-    at(category::optimizer_state) = 2 * all / g;
-    at(category::gathered_parameters) = Strategy::frees_after_forward ? full(0) + window : all;
-  } else if constexpr (Strategy::shards_optimizer) {
-    at(category::parameters) = all;
-    at(category::gradients) = all + all / g;
-    at(category::optimizer_state) = 2 * all / g;
-  } else {
-    at(category::parameters) = all;
-    at(category::gradients) = all;
-    at(category::optimizer_state) = 2 * all;
+  for (int k = 0; k < category_count; ++k) {
+    if (category(k) == category::activations) continue;
+    f[k] = double(p.memory[category(k)]);
+    f[total_index] += f[k];
   }
-  for (int k = 0; k < category_count; ++k) f[total_index] += f[k];
-  return f;
-}
-
-// Bytes one rank sends per step under the ring model (f = (G-1)/G, s = 4, Ψ = ΣP):
-//   FullShard f(2s_param + s_grad)Ψ: all-gather in forward and again in backward, one
-//     reduce-scatter (the root stays gathered from forward into backward, so the
-//     measurement is lower by f·s·P_root);
-//   ShardGradOp f(s_param + s_grad)Ψ; ShardOptimizer (reduce-scatter + all-gather) and
-//   NoShard (all-reduce) 2f·s·Ψ;
-//   HybridShard FullShard inside the group of G plus an all-reduce of the gradient
-//     shard (Ψ/G) across the W/G replicas.
-template <class Strategy>
-double traffic_formula(double psi, int w, int g) {
-  const double s = sizeof(float), f = double(g - 1) / g;
-  if constexpr (std::is_same_v<Strategy, shard::HybridShard>) {
-    const double replicas = double(w) / g;
-    return f * 3 * s * psi + 2 * (replicas - 1) / replicas * s * psi / g;
-  } else if constexpr (std::is_same_v<Strategy, shard::FullShard>) {
-    return f * 3 * s * psi;
-  } else if constexpr (std::is_same_v<Strategy, shard::ShardGradOp>) {
-    return f * 2 * s * psi;
-  } else {
-    return 2 * f * s * psi;
-  }
+  return {f, p.sent.total()};
 }
 
 template <class Strategy>
 measurement run(const config& cfg, int w, Strategy strategy) {
   measurement m;
   m.world = w;
-  if constexpr (std::is_same_v<Strategy, shard::HybridShard>) m.group = strategy.group_size;
-  else m.group = w;
+  m.group = strategy.policy().group(w);
   std::vector<per_category> peaks(w);
   std::vector<std::array<double, 4>> sent(w);
   comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
@@ -239,10 +183,9 @@ measurement run(const config& cfg, int w, Strategy strategy) {
     sent[c.rank()] = {tally->all_gather / cfg.steps, tally->reduce_scatter / cfg.steps,
                       tally->all_reduce / cfg.steps, tally->broadcast / cfg.steps};
     if (c.rank() != 0) return;
-    m.units = sharded.units().size();
-    for (auto& u : sharded.units()) m.psi += u.master->layout().padded_size();
-    m.formula = memory_formula<Strategy>(sharded, m.group, cfg.prefetch);
-    m.sent_formula = traffic_formula<Strategy>(double(m.psi), w, m.group);
+    m.units = sharded.unit_count();
+    for (std::size_t i = 0; i < sharded.unit_count(); ++i) m.psi += sharded.partition(i).padded_size();
+    std::tie(m.formula, m.sent_formula) = formulas(sharded, strategy, w, cfg.prefetch);
   });
   for (int r = 0; r < w; ++r) {
     for (int k = 0; k <= total_index; ++k) m.peak[k] = std::max(m.peak[k], peaks[r][k]);

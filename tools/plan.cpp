@@ -197,6 +197,30 @@ void print_setup(const plan::setup& s) {
       std::string(name(s.precision.reduce)).c_str(), std::string(name(s.precision.compute)).c_str(), s.prefetch);
 }
 
+// With 16-bit parameters: the model states as the ZeRO paper counts them, read off
+// each strategy's policy (plan::zero_model_states), beside the plan's total. The rest
+// is what the paper leaves out: activations, gathered copies, full gradients in
+// flight, scratch, and the engine's fp32 reduced-gradient piece and 16-bit copy of
+// the master piece.
+void print_model_states(const plan::model_desc& d, const std::vector<plan::setup>& setups, const unit& u) {
+  const double psi = double(d.parameters()), b = double(size_of(setups.front().precision.param));
+  const double k = double(plan::master_bytes + setups.front().optimizer_bytes);
+  std::printf("\n# model states as the ZeRO paper counts them: %g B/parameter 16-bit parameters, %g 16-bit gradients,\n"
+              "# K = %g of optimizer state (fp32 master and moments), each / N_d where the policy shards it at the peak\n",
+              b, b, k);
+  std::printf("%-34s %10s %10s %10s %12s %10s %10s\n", cat("strategy (", u.name, " per rank)").c_str(), "parameters",
+              "gradients", "optimizer", "model states", "the rest", "total");
+  for (const plan::setup& s : setups) {
+    auto m = plan::zero_model_states(s.resolved(), s.world, psi, k);
+    m.parameters *= b / 2;
+    m.gradients *= b / 2;
+    const double total = double(plan::make_plan(d, s).memory.total());
+    std::printf("%-34s %10s %10s %10s %12s %10s %10s\n", plan::label(s).c_str(), in(u, m.parameters).c_str(),
+                in(u, m.gradients).c_str(), in(u, m.optimizer).c_str(), in(u, m.total()).c_str(),
+                in(u, total - m.total()).c_str(), in(u, total).c_str());
+  }
+}
+
 // "total" sums the category peaks: an upper bound of the peak.
 void print_table(const plan::model_desc& d, const plan::setup& base, const std::vector<plan::strategy>& which,
                  std::FILE* json) {
@@ -233,6 +257,7 @@ void print_table(const plan::model_desc& d, const plan::setup& base, const std::
                  std::string(name(s.precision.compute)).c_str(), d.units.size(), d.parameters(), bytes.c_str(),
                  p.sent.total(), p.sent.all_gather, p.sent.reduce_scatter, p.sent.all_reduce);
   }
+  if (!setups.empty() && base.precision.param != dtype::f32) print_model_states(d, setups, u);
 }
 
 void print_choice(const plan::model_desc& d, const plan::setup& base, const plan::machine& mc) {
@@ -250,7 +275,7 @@ void article() {
   std::printf(
       "# The FSDP article's scenario: a 6B-parameter transformer (28 blocks, hidden 4096, 16 heads) on 4 ranks,\n"
       "# Adam, one 2048-token sequence per rank. Per rank, GB = 1e9 bytes; 'sent' = bytes one rank sends per step.\n");
-  const plan::precision fp32{}, bf16 = plan::precision::device({.param = dtype::bf16, .reduce = dtype::bf16});
+  const plan::precision fp32{}, bf16 = plan::precision::param_layers({.param = dtype::bf16, .reduce = dtype::bf16});
   for (const auto& [title, p] :
        {std::pair{"fp32", fp32}, std::pair{"bf16 mixed precision (fp32 master and Adam)", bf16}}) {
     const auto d = plan::transformer(shape, p.compute);

@@ -50,7 +50,7 @@ void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, cons
   const long steps = run.steps, per_rank = run.batch, every = run.every;
   if (c.rank() == 0)
     std::printf("%s: %zu parameters in %zu units, %s over %d ranks, per-rank batch %ld\n", std::string(program).c_str(),
-                sl::nn::parameter_count(sharded.model()), sharded.units().size(), std::string(strategy).c_str(),
+                sl::nn::parameter_count(sharded.model()), sharded.unit_count(), std::string(strategy).c_str(),
                 c.size(), per_rank);
   auto since = [](auto t) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count(); };
   sl::ledger& l = sl::current_ledger();  // this rank's

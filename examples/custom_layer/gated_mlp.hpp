@@ -2,7 +2,9 @@
 // against the Layer concept: a gated MLP (SwiGLU, as in LLaMA's feed-forward),
 //   y = W_down (silu(W_gate x) * (W_up x)),   silu(g) = g * sigmoid(g).
 // It owns no storage: an owner (nn::Replicated, or a sharded unit) binds its
-// Param views, so it shards like any library layer without a line of change.
+// Param views, so it shards like any library layer without a line of change. It
+// checks they are bound before use, as the library's layers do: run outside the
+// context that gathers it, it raises naming the parameter instead of crashing.
 #pragma once
 #include <shardlib/core/error.hpp>
 #include <shardlib/core/tensor.hpp>
@@ -52,6 +54,7 @@ class GatedMLP {
   output forward(Ctx&, const input& x) {
     shardlib::require<shardlib::shape_error>(x.rank() >= 1 && x.dim(x.rank() - 1) == d_, "GatedMLP(", d_, ", ", h_,
                                              "): input's last dimension must be ", d_, ", got shape ", x.shape());
+    for (const auto* p : {&gate_proj, &up_proj, &down_proj}) p->require_bound("GatedMLP");
     using enum ops::trans;
     const std::int64_t rows = x.numel() / d_;
     x_ = x;
@@ -75,6 +78,7 @@ class GatedMLP {
     shardlib::require<shardlib::shape_error>(!x_.empty() && dy.shape() == x_.shape(), "GatedMLP(", d_, ", ", h_,
                                              "): backward needs the gradient of the last forward's output (shape ",
                                              x_.shape(), "), got shape ", dy.shape());
+    for (const auto* p : {&gate_proj, &up_proj, &down_proj}) p->require_bound("GatedMLP", true);
     using enum ops::trans;
     const std::int64_t rows = x_.numel() / d_;
     Tensor<T> a(Shape{rows, h_}), da(Shape{rows, h_}), dg(Shape{rows, h_}), du(Shape{rows, h_});

@@ -50,7 +50,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, std::FILE* metrics
   auto model = example::reference_model<T, sl::cuda_space>(s.model);
   sl::shard::mixed_precision precision{};
   if constexpr (!std::is_same_v<T, float>) precision = {.param = sl::dtype_of<T>, .reduce = sl::dtype::f32};
-  auto sharded = sl::shard::fully_shard(model, c, sl::shard::FullShard{},
+  auto sharded = sl::shard::fully_shard<sl::optim::cuda::Adam>(model, c, sl::shard::FullShard{},
                                         {.wrap = sl::shard::wrap_types<example::EncoderOf<T, sl::cuda_space>>{},
                                          .seed = s.run.seed,
                                          .precision = precision});

@@ -1,16 +1,45 @@
-// shardlib/shardlib.hpp — the host umbrella: core types, the thread communicator and
-// launch, sharded tensors. MPI, CUDA and NCCL have their own umbrellas
-// (shardlib/mpi.hpp, shardlib/cuda.hpp, shardlib/nccl.hpp).
+// shardlib/shardlib.hpp — the host umbrella: every part a trainer uses on the host
+// (core, thread ranks, layers, sharding engine, optimizers, checkpoints, planner).
+// MPI, CUDA and NCCL have their own umbrellas (shardlib/mpi.hpp, shardlib/cuda.hpp,
+// shardlib/nccl.hpp), since they need libraries the host build may lack.
 #pragma once
 #include "shardlib/config.hpp"
-#include "shardlib/comm/communicator.hpp"    // Communicator, reduce_op
-#include "shardlib/comm/launch.hpp"          // launch, rank_failure
-#include "shardlib/comm/thread_comm.hpp"     // ThreadComm
 #include "shardlib/core/buffer.hpp"          // Buffer
 #include "shardlib/core/element.hpp"         // bfloat16, half, dtype
 #include "shardlib/core/error.hpp"           // error and subclasses
 #include "shardlib/core/ledger.hpp"          // ledger, category
 #include "shardlib/core/memory_space.hpp"    // host_space, can_access
+#include "shardlib/core/random.hpp"          // counter_rng
 #include "shardlib/core/shape.hpp"           // Shape
 #include "shardlib/core/tensor.hpp"          // Tensor (owning, shared), TensorView
+#include "shardlib/comm/communicator.hpp"    // Communicator, reduce_op
+#include "shardlib/comm/launch.hpp"          // launch, rank_failure
+#include "shardlib/comm/thread_comm.hpp"     // ThreadComm
+#include "shardlib/nn/activation.hpp"        // ReLU, GELU
+#include "shardlib/nn/attention.hpp"         // MultiheadAttention
+#include "shardlib/nn/context.hpp"           // context
+#include "shardlib/nn/dropout.hpp"           // Dropout
+#include "shardlib/nn/embedding.hpp"         // Embedding
+#include "shardlib/nn/layer.hpp"             // Layer, Composite, check_layer
+#include "shardlib/nn/layer_norm.hpp"        // LayerNorm
+#include "shardlib/nn/linear.hpp"            // Linear
+#include "shardlib/nn/loss.hpp"              // cross_entropy, mse
+#include "shardlib/nn/pooling.hpp"           // MeanPool
+#include "shardlib/nn/replicated.hpp"        // Replicated (unsharded owner)
+#include "shardlib/nn/sequential.hpp"        // Sequential
+#include "shardlib/nn/stack.hpp"             // Stack
+#include "shardlib/nn/transformer.hpp"       // TransformerEncoderLayer
+#include "shardlib/optim/adam.hpp"           // Adam, AdamW
+#include "shardlib/optim/clip.hpp"           // clip_grad_norm
+#include "shardlib/optim/optimizer.hpp"      // Optimizer, check_optimizer
+#include "shardlib/optim/schedule.hpp"       // learning-rate schedules
+#include "shardlib/optim/sgd.hpp"            // SGD
+#include "shardlib/shard/sharded_model.hpp"  // fully_shard, ShardedModel, options
 #include "shardlib/shard/sharded_tensor.hpp" // shard_layout, ShardedTensor
+#include "shardlib/shard/strategy.hpp"       // policy, FullShard, ShardGradOp, ShardOptimizer, NoShard, HybridShard
+#include "shardlib/shard/wrap.hpp"           // wrap_types, wrap_names, wrap_none
+#include "shardlib/io/checkpoint.hpp"        // save_checkpoint, load_checkpoint, export/load_safetensors
+#include "shardlib/io/safetensors.hpp"       // safetensors files
+#include "shardlib/plan/chooser.hpp"         // choose
+#include "shardlib/plan/describe.hpp"        // describe, describe_model, measure_activations
+#include "shardlib/plan/memory_plan.hpp"     // make_plan, zero_model_states

@@ -15,6 +15,7 @@
 #include "shardlib/nn/stack.hpp"
 #include "shardlib/optim/adam.hpp"
 #include "shardlib/shard/sharded_model.hpp"
+#include "support/compare.hpp"
 
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
@@ -74,11 +75,9 @@ std::map<std::string, std::vector<float>> parameters(Sharded& model) {
 // scale (see worst_parameter_difference in tests/unit/test_checkpoint.cpp).
 double worst_relative(const std::map<std::string, std::vector<float>>& got,
                       const std::map<std::string, std::vector<float>>& want) {
-  double worst = 0;
-  for (const auto& [name, w] : want)
-    for (std::size_t i = 0; i < w.size(); ++i)
-      worst = std::max(worst, std::abs(double(got.at(name)[i]) - w[i]) / std::max(1e-2, std::abs(double(w[i]))));
-  return worst;
+  test_support::max_error worst;  // NaN and infinities count as +inf
+  for (const auto& [name, w] : want) worst.relative(got.at(name), w, 1e-2);
+  return worst.value();
 }
 
 // A directory every process names alike (rank 0's pid), removed at scope exit.

@@ -15,7 +15,7 @@ namespace {
 template <class Strategy>
 trace sharded(comm::MpiComm& c, int per_rank, int steps, Strategy strategy, shard::mixed_precision p = {}) {
   Model m = make_model();
-  auto model = shard::fully_shard(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42, .precision = p});
+  auto model = shard::fully_shard<sgd>(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42, .precision = p});
   sgd opt;
   trace t;
   for (int s = 0; s < steps; ++s) {

@@ -8,6 +8,7 @@
 #include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/sequential.hpp"
 #include "shardlib/nn/stack.hpp"
+#include "support/compare.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -70,17 +71,17 @@ struct trace {
 template <class H = float>
 trace unsharded(int world, int per_rank, int steps, float max_norm = 0);
 
-inline double rel(float a, float b) { return std::abs(double(a) - b) / std::max(1e-6, std::abs(double(b))); }
+// Relative difference of a loss or a norm; +inf when either is NaN or infinite.
+inline double rel(float a, float b) { return test_support::relative_error(a, b, 1e-6); }
 
 // Largest relative difference of losses and parameters (parameters relative to
-// max(|want|, 1e-3), so values near zero are compared absolutely).
-inline double worst_difference(const trace& got, const trace& want) {
-  double worst = 0;
-  for (std::size_t s = 0; s < want.losses.size(); ++s) worst = std::max(worst, rel(got.losses[s], want.losses[s]));
-  for (std::size_t s = 0; s < want.norms.size(); ++s) worst = std::max(worst, rel(got.norms[s], want.norms[s]));
-  for (std::size_t i = 0; i < want.params.size(); ++i)
-    worst = std::max(worst, std::abs(double(got.params[i]) - want.params[i]) /
-                                std::max(1e-3, std::abs(double(want.params[i]))));
+// max(|want|, 1e-3), so values near zero are compared absolutely); NaN, infinities
+// and different lengths count as +inf.
+inline test_support::max_error worst_difference(const trace& got, const trace& want) {
+  test_support::max_error worst;
+  worst.relative(got.losses, want.losses, 1e-6);
+  worst.relative(got.norms, want.norms, 1e-6);
+  worst.relative(got.params, want.params, 1e-3);
   return worst;
 }
 

@@ -2,6 +2,7 @@
 // wrap policies with training continuing as if uninterrupted; ranged reads; atomic saves
 // under injected failures and a full disk; keep-last-K; consolidation to and from
 // safetensors; and bad input of every kind, each raising on every rank and losing nothing.
+#include "custom_strategy/hybrid_zero2.hpp"
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/io/checkpoint.hpp"
 #include "shardlib/io/safetensors.hpp"
@@ -12,6 +13,7 @@
 #include "shardlib/optim/adam.hpp"
 #include "shardlib/optim/sgd.hpp"
 #include "shardlib/shard/sharded_model.hpp"
+#include "support/compare.hpp"
 
 #include <catch2/catch.hpp>
 #include <xxhash.h>
@@ -129,30 +131,30 @@ std::string first_difference(const snapshot& a, const snapshot& b) {
   return "";
 }
 
-double rel(double a, double b, double floor) { return std::abs(a - b) / std::max(floor, std::abs(b)); }
+double rel(double a, double b, double floor) { return test_support::relative_error(a, b, floor); }  // NaN: +inf
 // Worst relative difference of the parameters (not the optimizer state) of two
 // snapshots, for the fp32 tolerance of tests/unit/test_shard.cpp (1e-5: runs on other
 // world sizes sum the same terms in another order). Its floor there is 1e-3 for SGD,
 // whose steps scale with the gradient; Adam's steps are about lr in size whatever the
 // gradient's scale, so a rounding difference moves a parameter near zero by a few ulps
 // of lr: the floor here is lr = 1e-2. Observed: at most 1e-6 (3e-8 absolute).
-double worst_parameter_difference(const snapshot& got, const snapshot& want) {
-  double worst = 0;
+test_support::max_error worst_parameter_difference(const snapshot& got, const snapshot& want) {
+  test_support::max_error worst;  // NaN and infinities count as +inf
   for (const auto& [name, v] : want.tensors) {
     if (name.starts_with("optimizer.")) continue;
-    const auto& g = got.tensors.at(name);
-    for (std::size_t i = 0; i < v.size(); ++i) worst = std::max(worst, rel(g[i], v[i], 1e-2));
+    worst.relative(got.tensors.at(name), v, 1e-2);
   }
   return worst;
 }
 
-template <class Strategy, class Body>
+// body(model, optimizer, comm) on every rank, the model wrapped for optimizer O.
+template <class O = optim::Adam, class Strategy, class Body>
 void on_ranks(int world, Strategy strategy, shard::options opts, Body&& body, int hidden = 12, int blocks = 3) {
   comm::launch(world, [&](comm::ThreadComm& c) {
     Model m = make_model(hidden, blocks);
-    auto model = shard::fully_shard(m, c, strategy, opts);
-    optim::Adam adam{{.lr = 1e-2}};
-    body(model, adam, c);
+    auto model = shard::fully_shard<O>(m, c, strategy, opts);
+    O opt{{.lr = 1e-2}};
+    body(model, opt, c);
   });
 }
 
@@ -257,7 +259,7 @@ TEST_CASE("a checkpoint round trip at the same world size restores everything ex
   optim::AdamW::options_type restored_options;
   comm::launch(3, [&](comm::ThreadComm& c) {
     Model m = make_model();
-    auto model = shard::fully_shard(m, c, shard::FullShard{}, wrap_blocks());
+    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, wrap_blocks());
     optim::AdamW adamw{{.lr = 2e-2, .weight_decay = 0.1, .amsgrad = true}};
     train(model, adamw, 0, 3);
     const auto path = io::save_checkpoint(dir.path, model, adamw, {.user = user});
@@ -265,8 +267,8 @@ TEST_CASE("a checkpoint round trip at the same world size restores everything ex
     auto continued = train(model, adamw, 3, 2);
 
     Model m2 = make_model();
-    auto fresh = shard::fully_shard(m2, c, shard::FullShard{}, wrap_blocks(7));  // other initial values
-    optim::AdamW other;                                                         // default options
+    auto fresh = shard::fully_shard<optim::AdamW>(m2, c, shard::FullShard{}, wrap_blocks(7));  // other values
+    optim::AdamW other;                                                                        // default options
     auto r = io::load_checkpoint(path, fresh, other);
     auto l = take_snapshot(fresh, other, dir / "loaded.safetensors");
     auto continued_loaded = train(fresh, other, 3, 2);
@@ -364,9 +366,9 @@ void check_reshard(int wf, From sf, int wt, To st, shard::options to_opts = wrap
   });
   CHECK(first_difference(loaded, saved) == "");
   REQUIRE(losses.size() == std::size_t(n2));
-  double worst_loss = 0;
-  for (int s = 0; s < n2; ++s) worst_loss = std::max(worst_loss, rel(losses[std::size_t(s)], ref_losses[std::size_t(n1 + s)], 1e-6));
-  const double worst_param = worst_parameter_difference(final_state, ref);
+  test_support::max_error worst_loss;
+  for (int s = 0; s < n2; ++s) worst_loss.relative(losses[std::size_t(s)], ref_losses[std::size_t(n1 + s)], 1e-6);
+  const auto worst_param = worst_parameter_difference(final_state, ref);
   INFO("worst relative loss difference " << worst_loss << ", parameters " << worst_param);
   CHECK(worst_loss <= 1e-5);
   CHECK(worst_param <= 1e-5);
@@ -386,6 +388,40 @@ TEST_CASE("a resharding load continues training as if uninterrupted", "[checkpoi
   check_reshard(1, shard::FullShard{}, 4, shard::HybridShard{.group_size = 2});
   check_reshard(2, shard::ShardOptimizer{}, 3, shard::ShardGradOp{});
   check_reshard(3, shard::NoShard{}, 2, shard::ShardOptimizer{});
+}
+
+TEST_CASE("a strategy defined by the user saves, reshards and exports with no code of its own",
+          "[checkpoint][reshard][custom_strategy]") {
+  check_reshard(4, example::HybridShardZeRO2{.group_size = 2}, 3, shard::FullShard{});
+  check_reshard(2, shard::FullShard{}, 4, example::HybridShardZeRO2{.group_size = 2});
+  check_reshard(4, example::HybridShardZeRO2{.group_size = 2}, 2, example::HybridShardZeRO2{.group_size = 1});
+}
+
+TEST_CASE("ZeRO-1 in bf16 saves its sharded fp32 master, and loads it on any world and strategy",
+          "[checkpoint][reshard][precision]") {
+  temp_dir dir("zero1_bf16");
+  shard::options bf16 = wrap_blocks(7);
+  bf16.precision = {.param = dtype::bf16, .reduce = dtype::bf16};
+  snapshot saved;
+  on_ranks(2, shard::ShardOptimizer{}, bf16, [&](auto& model, auto& adam, comm::ThreadComm& c) {
+    train(model, adam, 0, 3);
+    io::save_checkpoint(dir / "ckpt", model, adam);
+    auto s = take_snapshot(model, adam, dir / "saved.safetensors");
+    if (c.rank() == 0) saved = std::move(s);
+  });
+  const auto check_load = [&](int world, auto strategy) {
+    snapshot loaded;
+    on_ranks(world, strategy, bf16, [&](auto& model, auto& adam, comm::ThreadComm& c) {
+      io::load_checkpoint(dir / "ckpt", model, adam);
+      auto s = take_snapshot(model, adam, dir / "loaded.safetensors");
+      if (c.rank() == 0) loaded = std::move(s);
+    });
+    INFO(world << " ranks " << decltype(strategy)::name);
+    CHECK(first_difference(loaded, saved) == "");
+  };
+  check_load(3, shard::ShardOptimizer{});
+  check_load(4, shard::FullShard{});
+  check_load(1, shard::NoShard{});
 }
 
 TEST_CASE("a resharding load maps parameters by name when the wrap policy differs", "[checkpoint][reshard]") {
@@ -640,7 +676,7 @@ TEST_CASE("bad input: each case raises a clear error on every rank and changes n
   }
   SECTION("another optimizer") {
     std::vector<std::string> errors(2);
-    on_ranks(2, shard::FullShard{}, wrap_blocks(), [&](auto& model, auto&, comm::ThreadComm& c) {
+    on_ranks<optim::SGD>(2, shard::FullShard{}, wrap_blocks(), [&](auto& model, auto&, comm::ThreadComm& c) {
       optim::SGD sgd{{.lr = 0.1, .momentum = 0.9}};
       try {
         io::load_checkpoint(ckpt, model, sgd);
@@ -794,8 +830,7 @@ TEST_CASE("ranks saving different optimizers fail the save on every rank, naming
     std::vector<std::string> errors(2), exported(2);
     comm::launch(2, [&](comm::ThreadComm& c) {
       Model m = make_model();
-      auto model = shard::fully_shard(m, c, shard::FullShard{}, wrap_blocks());
-      const auto save = [&](auto& opt) {
+      const auto save = [&](auto& model, auto& opt) {
         train(model, opt, 0, 1);
         try {
           io::save_checkpoint(root, model, opt);
@@ -808,10 +843,16 @@ TEST_CASE("ranks saving different optimizers fail the save on every rank, naming
           exported[std::size_t(c.rank())] = e.what();
         }
       };
-      optim::Adam adam{{.lr = 1e-2}};
-      auto mine = other;
-      if (c.rank() == 0) save(adam);
-      else save(mine);
+      // Each rank's engine keeps the state of its own optimizer type.
+      if (c.rank() == 0) {
+        optim::Adam adam{{.lr = 1e-2}};
+        auto model = shard::fully_shard(m, c, shard::FullShard{}, adam, wrap_blocks());
+        save(model, adam);
+      } else {
+        auto mine = other;
+        auto model = shard::fully_shard(m, c, shard::FullShard{}, mine, wrap_blocks());
+        save(model, mine);
+      }
     });
     for (const auto& e : exported) CHECK_THAT(e, Contains("ranks 0 and 1 save different optimizers"));
     CHECK(dir_names(root).empty());  // nothing written, no temporary directory left

@@ -1,19 +1,26 @@
 // The custom_layer example's GatedMLP (examples/custom_layer/gated_mlp.hpp, the
 // same header the example compiles): the Layer concept, names, forward against
-// the formula, and backward against finite differences.
+// the formula, backward against finite differences, and sharded training.
 #include "custom_layer/gated_mlp.hpp"
 
+#include "shardlib/comm/launch.hpp"
+#include "shardlib/core/random.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/sequential.hpp"
+#include "shardlib/optim/adam.hpp"
+#include "shardlib/shard/sharded_model.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include "support/gradcheck.hpp"
+#include "support/shard_fixture.hpp"
+#include "support/compare.hpp"
 
 using namespace shardlib;
 using example::GatedMLP;
@@ -78,4 +85,96 @@ TEST_CASE("GatedMLP: backward accumulates into the gradients", "[nn][custom_laye
   l.forward(ctx, x);
   l.backward(ctx, dy);
   for (std::size_t i = 0; i < once.size(); ++i) CHECK(owner.grads()[i] == Approx(2 * once[i]).margin(1e-15));
+}
+
+namespace {
+
+using Net = nn::Sequential<nn::Linear<float>, GatedMLP<float>, nn::Linear<float>>;
+Net make_net() { return Net{nn::Linear<float>(6, 8), GatedMLP<float>(8, 12), nn::Linear<float>(8, 3)}; }
+
+}  // namespace
+
+// The user's layer as a FullShard unit on W ranks, each with its rows of the global
+// batch, against one process training on the whole batch. Tolerance 1e-5 relative
+// (floor 1e-3): the ranks' partial gradients are averaged in another order, a float
+// rounding difference (observed ~1e-7).
+TEST_CASE("GatedMLP trains sharded (FullShard, W = 2 and 4) as it trains unsharded", "[nn][custom_layer][shard]") {
+  constexpr int steps = 10;
+  constexpr std::int64_t global = 8;
+  std::vector<float> want;
+  {
+    Net net = make_net();
+    nn::Replicated<float, Net> owner(net, 3);
+    optim::Adam adam{{.lr = 1e-2}};
+    auto st = adam.make_state(owner.values().size());
+    nn::context ctx;
+    for (int s = 0; s < steps; ++s) {
+      owner.zero_grad();
+      auto l = fixture::mse(ctx.forward(net, fixture::batch(s, global, 6, 1)), fixture::batch(s, global, 3, 2));
+      ctx.backward(net, l.grad);
+      adam.step(owner.values(), owner.grads(), st);
+    }
+    for (const auto& e : owner.layout().entries)
+      want.insert(want.end(), owner.values().begin() + std::ptrdiff_t(e.offset),
+                  owner.values().begin() + std::ptrdiff_t(e.offset + e.numel()));
+  }
+  for (int world : {2, 4}) {
+    std::vector<float> got;
+    comm::launch(world, [&](comm::ThreadComm& c) {
+      Net net = make_net();
+      auto sharded =
+          shard::fully_shard(net, c, shard::FullShard{}, {.wrap = shard::wrap_types<GatedMLP<float>>{}, .seed = 3});
+      if (sharded.unit_count() != 2 || sharded.unit_name(1) != "1") throw error("the GatedMLP is not its own unit");
+      optim::Adam adam{{.lr = 1e-2}};
+      const std::int64_t local = global / world, first = c.rank() * local;
+      for (int s = 0; s < steps; ++s)
+        sharded.train_step(adam, fixture::batch(s, local, 6, 1, first), fixture::batch(s, local, 3, 2, first),
+                           fixture::mse);
+      auto sd = sharded.full_state_dict();
+      if (c.rank() == 0)
+        for (auto& [name, t] : sd) got.insert(got.end(), t.span().begin(), t.span().end());
+    });
+    INFO("world " << world);
+    REQUIRE(got.size() == want.size());
+    test_support::max_error worst;  // NaN and infinities count as +inf
+    worst.relative(got, want, 1e-3);
+    CHECK(worst <= 1e-5);
+  }
+}
+
+namespace {
+// A composite that runs its child directly instead of through the context: the
+// child's unit is never gathered.
+struct bypass {
+  using input = Tensor<float>;
+  using output = Tensor<float>;
+  GatedMLP<float> inner{4, 6};
+  template <class V>
+  void children(V&& v) {
+    v("inner", inner);
+  }
+  template <class V>
+  void parameters(V&& v) {
+    nn::visit_parameters("inner", inner, v);
+  }
+  template <class Ctx>
+  output forward(Ctx& ctx, const input& x) {
+    return inner.forward(ctx, x);
+  }
+  template <class Ctx>
+  input backward(Ctx& ctx, const output& dy) {
+    return inner.backward(ctx, dy);
+  }
+};
+}  // namespace
+
+TEST_CASE("a composite that bypasses the context gets an error naming the parameter, not a crash",
+          "[nn][custom_layer][shard]") {
+  comm::launch(2, [](comm::ThreadComm& c) {
+    bypass model;
+    auto sharded = shard::fully_shard(model, c, shard::FullShard{}, {.wrap = shard::wrap_types<GatedMLP<float>>{}});
+    CHECK_THROWS_WITH(sharded.forward(fixture::batch(0, 2, 4, 1)),
+                      Catch::Contains("GatedMLP: parameter 'inner.gate_proj.weight' has no values bound") &&
+                          Catch::Contains("ctx.forward(child, x)"));
+  });
 }

@@ -58,7 +58,7 @@ TEST_CASE("200 steps of NaN input raise on every rank and leave the parameters f
   std::vector<int> steps_run(w, 0), finite(w, 0);
   comm::launch(w, [&](comm::ThreadComm& c) {
     Model m = make_model();
-    auto model = shard::fully_shard(m, c, shard::FullShard{},
+    auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{},
                                     {.wrap = shard::wrap_types<Block>{},
                                      .precision = {.param = dtype::f16, .reduce = dtype::f16},
                                      .scaler = {.max_skipped_in_row = 40}});
@@ -110,4 +110,14 @@ TEST_CASE("a scaler that could not work is refused, naming the field", "[scaler]
     CHECK_THROWS_WITH(shard::check_scaler(s), Contains(message));
   }
   CHECK_NOTHROW(shard::check_scaler({}));
+}
+
+TEST_CASE("the engine refuses an invalid initial scale at wrap time, naming the rank", "[scaler][shard]") {
+  comm::launch(2, [](comm::ThreadComm& c) {
+    Model m = make_model();
+    for (float bad : {0.f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()})
+      CHECK_THROWS_WITH(shard::fully_shard<sgd>(m, c, shard::FullShard{},
+                                                {.precision = {.param = dtype::f16}, .scaler = {.scale = bad}}),
+                        Catch::Contains(cat("rank ", c.rank(), ": loss_scaler.scale must lie in")));
+  });
 }

@@ -1,5 +1,6 @@
 // The sharding engine: equivalence with unsharded training for every strategy,
 // world sizes 1-4, and a parameter count that does not divide by W.
+#include "custom_strategy/hybrid_zero2.hpp"
 #include "shardlib/comm/launch.hpp"
 #include "support/shard_fixture.hpp"
 #include "shardlib/nn/linear.hpp"
@@ -32,7 +33,7 @@ std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy
   std::vector<trace> out(world);
   comm::launch(world, [&](comm::ThreadComm& c) {
     Model m = make_model();
-    auto model = shard::fully_shard(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+    auto model = shard::fully_shard<sgd>(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
     sgd opt;
     for (int s = 0; s < steps; ++s) {
       auto x = batch(s, world * per_rank, 5, 1), y = batch(s, world * per_rank, 3, 2);
@@ -68,17 +69,15 @@ void check_equivalence(int w, Strategy strategy, float max_norm = 0) {
   const int steps = 20, per_rank = 3;
   auto ref = unsharded(w, per_rank, steps, max_norm);
   auto got = sharded(w, per_rank, steps, strategy, max_norm);
-  double worst_loss = 0, worst_param = 0;
+  test_support::max_error worst_loss, worst_param;  // NaN and infinities count as +inf
   for (int r = 0; r < w; ++r) {
     INFO("world " << w << " rank " << r);
     REQUIRE(got[r].losses.size() == ref.losses.size());
     REQUIRE(got[r].params.size() == ref.params.size());
-    for (int s = 0; s < steps; ++s) worst_loss = std::max(worst_loss, rel(got[r].losses[s], ref.losses[s]));
+    worst_loss.relative(got[r].losses, ref.losses, 1e-6);
     REQUIRE(got[r].norms.size() == ref.norms.size());
-    for (std::size_t s = 0; s < ref.norms.size(); ++s) worst_loss = std::max(worst_loss, rel(got[r].norms[s], ref.norms[s]));
-    for (std::size_t i = 0; i < ref.params.size(); ++i)
-      worst_param = std::max(worst_param, std::abs(double(got[r].params[i]) - ref.params[i]) /
-                                              std::max(1e-3, std::abs(double(ref.params[i]))));
+    worst_loss.relative(got[r].norms, ref.norms, 1e-6);
+    worst_param.relative(got[r].params, ref.params, 1e-3);
   }
   INFO("world " << w << ": worst relative loss difference " << worst_loss << ", parameters " << worst_param);
   CHECK(worst_loss <= 1e-5);
@@ -105,9 +104,35 @@ TEST_CASE("hybrid sharding equals unsharded training", "[shard][equivalence][hyb
   check_equivalence(3, shard::HybridShard{.group_size = 3});
 }
 
-TEMPLATE_TEST_CASE("per-rank memory equals the strategy's formula exactly", "[shard][memory]", shard::FullShard,
-                   shard::ShardGradOp, shard::ShardOptimizer, shard::NoShard) {
-  const int w = 3, per_rank = 4;
+TEST_CASE("a strategy defined outside the library (hybrid ZeRO-2) equals unsharded training",
+          "[shard][equivalence][hybrid][custom_strategy]") {
+  check_equivalence(2, example::HybridShardZeRO2{.group_size = 1});
+  check_equivalence(4, example::HybridShardZeRO2{.group_size = 2});
+  check_equivalence(3, example::HybridShardZeRO2{.group_size = 3});
+  check_equivalence(4, example::HybridShardZeRO2{.group_size = 2}, 0.05f);
+}
+
+namespace {
+struct gradients_without_optimizer {
+  static constexpr std::string_view name = "Odd";
+  constexpr shard::policy policy() const {
+    return {.shard_parameters = false, .shard_gradients = true, .shard_optimizer = false,
+            .free = shard::free_point::never, .reduce = shard::reduction::all_reduce};
+  }
+};
+}  // namespace
+
+TEST_CASE("a policy the engine does not implement is refused, naming the strategy", "[shard][policy]") {
+  comm::launch(1, [](comm::ThreadComm& c) {
+    Model m = make_model();
+    CHECK_THROWS_WITH(shard::fully_shard<sgd>(m, c, gradients_without_optimizer{}),
+                      Catch::Matchers::Contains("sharding strategy Odd: sharded gradients need sharded optimizer state"));
+  });
+}
+
+template <class Strategy>
+void check_memory(int w, Strategy strategy, shard::mixed_precision mp = {}) {
+  const int per_rank = 4;
   std::vector<int> ok(w, 0);
   std::vector<std::string> report(w);
   std::size_t unsharded_activations = 0;
@@ -124,12 +149,14 @@ TEMPLATE_TEST_CASE("per-rank memory equals the strategy's formula exactly", "[sh
   comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
     Model m = make_model();
     // The stack's layers are units; the root keeps the first and last Linear.
-    auto model = shard::fully_shard(
-        m, c, TestType{}, {.wrap = shard::wrap_names{{"1.layers.0", "1.layers.1", "1.layers.2"}}, .seed = 42});
+    auto model = shard::fully_shard<sgd>(
+        m, c, strategy,
+        {.wrap = shard::wrap_names{{"1.layers.0", "1.layers.1", "1.layers.2"}}, .seed = 42, .precision = mp});
     sgd opt;
     for (int s = 0; s < 3; ++s) model.train_step(opt, batch(s, per_rank, 5, 1), batch(s, per_rank, 3, 2), mse);
     // The planner's formulas (docs/planner.md), from the units in their recorded order.
-    const auto want = plan::make_plan(plan::describe(model), {.strategy = plan::strategy_of<TestType>(), .world = w,
+    const auto want = plan::make_plan(plan::describe(model), {.policy = strategy.policy(), .world = w,
+                                                              .precision = plan::precision::fp32_layers(mp),
                                                               .optimizer_bytes = plan::sgd_state_bytes})
                           .memory;
     const std::size_t params = want.parameters, gradients = want.gradients, gathered = want.gathered_parameters;
@@ -140,7 +167,8 @@ TEMPLATE_TEST_CASE("per-rank memory equals the strategy's formula exactly", "[sh
     ok[c.rank()] = l.peak(category::parameters) == params && l.peak(category::gradients) == gradients &&
                    l.peak(category::gathered_parameters) == gathered &&
                    l.peak(category::activations) == unsharded_activations &&
-                   l.current(category::gathered_parameters) == 0;
+                   // gathered units are freed; replicated values rounded to 16 bits stay
+                   l.current(category::gathered_parameters) == (strategy.policy().shard_parameters ? 0 : gathered);
   });
   for (int r = 0; r < w; ++r) {
     INFO("rank " << r << ": " << report[r]);
@@ -148,15 +176,37 @@ TEMPLATE_TEST_CASE("per-rank memory equals the strategy's formula exactly", "[sh
   }
 }
 
+TEMPLATE_TEST_CASE("per-rank memory equals the strategy's formula exactly", "[shard][memory]", shard::FullShard,
+                   shard::ShardGradOp, shard::ShardOptimizer, shard::NoShard) {
+  check_memory(3, TestType{});
+}
+
+TEST_CASE("ZeRO-1 in bf16 keeps the fp32 master sharded with the optimizer state", "[shard][memory][precision]") {
+  check_memory(3, shard::ShardOptimizer{}, {.param = dtype::bf16, .reduce = dtype::bf16});
+  check_memory(3, shard::ShardOptimizer{}, {.param = dtype::bf16});
+  check_memory(3, shard::NoShard{}, {.param = dtype::bf16, .reduce = dtype::bf16});
+  // What the formula says, in bytes: the master is one third of the units, not all of them.
+  const plan::model_desc d{.units = {56, 72, 72, 72, 35}};
+  const auto zero1 = plan::make_plan(d, {.strategy = plan::strategy::shard_optimizer, .world = 3,
+                                         .precision = plan::precision::fp32_layers({.param = dtype::bf16})});
+  const std::size_t padded = 57 + 72 * 3 + 36;  // each unit padded to a multiple of 3
+  CHECK(zero1.memory.parameters == 4 * padded / 3);
+}
+
+TEST_CASE("per-rank memory equals the formula for groups, the library's and a user's", "[shard][memory][hybrid]") {
+  check_memory(4, shard::HybridShard{.group_size = 2});
+  check_memory(4, example::HybridShardZeRO2{.group_size = 2});
+}
+
 TEST_CASE("wrap policies choose the units; the root claims the rest", "[shard][wrap]") {
   comm::launch(1, [](comm::ThreadComm& c) {
     Model m = make_model();
-    auto by_name = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_names{{"1.layers.1"}}});
+    auto by_name = shard::fully_shard<sgd>(m, c, shard::FullShard{}, {.wrap = shard::wrap_names{{"1.layers.1"}}});
     std::vector<std::string> names;
     for (auto& u : by_name.units()) names.push_back(u.name + ":" + std::to_string(u.layout.entries.size()));
     if (names != std::vector<std::string>{":8", "1.layers.1:2"}) throw error(cat("wrap_names units: ", names[0], " ", names.back()));
     Model m2 = make_model();
-    auto whole = shard::fully_shard(m2, c, shard::FullShard{}, {});
+    auto whole = shard::fully_shard<sgd>(m2, c, shard::FullShard{}, {});
     if (whole.units().size() != 1 || whole.units()[0].layout.entries.size() != 10) throw error("wrap_none: one unit");
   });
 }
@@ -205,7 +255,7 @@ TEST_CASE("the next unit's all-gather and the previous unit's reduce-scatter run
     probe p;
     p.overlapped = &overlaps[c.rank()];
     M m{nn::Stack<probe>(4, p), nn::Linear<float>(64, 64)};
-    auto model = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<probe>{}});
+    auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<probe>{}});
     sgd opt;
     auto x = batch(0, 2, 64, 1);
     model.train_step(opt, x, x, mse);  // the first step records the order
@@ -230,7 +280,7 @@ TEST_CASE("sharded initialisation equals the unsharded one bit for bit", "[shard
     std::vector<int> same(w, 0);
     comm::launch(w, [&](comm::ThreadComm& c) {
       Model m = make_model();
-      auto model = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+      auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
       bool ok = true;
       for (auto& [name, t] : model.full_state_dict(false)) {
         auto v = ref.value(name);
@@ -248,7 +298,7 @@ TEST_CASE("full_state_dict on rank 0 only leaves the other ranks empty", "[shard
   std::vector<std::size_t> sizes(3);
   comm::launch(3, [&](comm::ThreadComm& c) {
     Model m = make_model();
-    auto model = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{}});
+    auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{}});
     sizes[c.rank()] = model.full_state_dict().size();
   });
   CHECK(sizes == std::vector<std::size_t>{10, 0, 0});
@@ -259,7 +309,7 @@ TEST_CASE("ranks wrapping different models raise on every rank, naming the param
   comm::launch(2, [&](comm::ThreadComm& c) {
     Model m{nn::Linear<float>(5, 8), nn::Stack<Block>(3, Block(8, 8)), nn::Linear<float>(8, c.rank() == 0 ? 3 : 4)};
     try {
-      auto model = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{}});
+      auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{}});
     } catch (const error& e) {
       errors[c.rank()] = e.what();
     }
@@ -276,7 +326,7 @@ std::vector<float> accumulate(int world, bool sync_each, Strategy strategy) {
   std::vector<float> params;
   comm::launch(world, [&](comm::ThreadComm& c) {
     Model m = make_model();
-    auto model = shard::fully_shard(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+    auto model = shard::fully_shard<sgd>(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
     sgd opt;
     for (int s = 0; s < 3; ++s) {
       model.zero_grad();
@@ -322,9 +372,8 @@ TEMPLATE_TEST_CASE("gradient accumulation, with and without no-sync, equals accu
   for (bool sync_each : {false, true}) {
     auto got = accumulate(w, sync_each, TestType{});
     REQUIRE(got.size() == want.size());
-    double worst = 0;
-    for (std::size_t i = 0; i < got.size(); ++i)
-      worst = std::max(worst, std::abs(double(got[i]) - want[i]) / std::max(1e-3, std::abs(double(want[i]))));
+    test_support::max_error worst;
+    worst.relative(got, want, 1e-3);
     INFO("sync each micro-batch: " << sync_each << ", worst relative difference " << worst);
     CHECK(worst <= 1e-5);
   }
@@ -336,7 +385,7 @@ std::vector<trace> sharded_mixed(int world, int per_rank, int steps, Strategy st
   std::vector<trace> out(world);
   comm::launch(world, [&](comm::ThreadComm& c) {
     Model m = make_model();
-    auto model = shard::fully_shard(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42, .precision = p});
+    auto model = shard::fully_shard<sgd>(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42, .precision = p});
     sgd opt;
     for (int s = 0; s < steps; ++s) {
       auto x = batch(s, per_rank, 5, 1, c.rank() * per_rank), y = batch(s, per_rank, 3, 2, c.rank() * per_rank);
@@ -389,7 +438,7 @@ TEST_CASE("fp16 loss scaling skips an overflowing step on every rank and backs o
   std::vector<int> ok(w, 0);
   comm::launch(w, [&](comm::ThreadComm& c) {
     Model m = make_model();
-    auto model = shard::fully_shard(m, c, shard::FullShard{},
+    auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{},
                                     {.wrap = shard::wrap_types<Block>{},
                                      .precision = {.param = dtype::f16, .reduce = dtype::f16},
                                      .scaler = {.scale = 1024.f}});
@@ -531,7 +580,7 @@ std::vector<trace> sharded16(int world, int per_rank, int steps, Strategy strate
   std::vector<trace> out(world);
   comm::launch(world, [&](comm::ThreadComm& c) {
     Model16 m = make_model16();
-    auto model = shard::fully_shard(m, c, strategy,
+    auto model = shard::fully_shard<sgd>(m, c, strategy,
                                     {.wrap = shard::wrap_types<Block16>{}, .seed = 42,
                                      .precision = {.param = dtype::bf16, .reduce = reduce}});
     static_assert(std::is_same_v<typename decltype(model)::compute_type, bfloat16>);
@@ -551,7 +600,7 @@ std::vector<trace> sharded16(int world, int per_rank, int steps, Strategy strate
 }  // namespace
 
 TEMPLATE_TEST_CASE("16-bit compute: bf16 layers over fp32 masters train as unsharded 16-bit compute",
-                   "[shard][precision][compute16]", shard::FullShard, shard::ShardGradOp) {
+                   "[shard][precision][compute16]", shard::FullShard, shard::ShardGradOp, shard::ShardOptimizer) {
   const int steps = 20, per_rank = 3;
   // One rank: the same rounded values, bf16 gradients and fp32 updates in the same
   // order as the unsharded loop, so the results are equal bit for bit.
@@ -576,13 +625,15 @@ TEMPLATE_TEST_CASE("16-bit compute: bf16 layers over fp32 masters train as unsha
 TEST_CASE("16-bit compute refuses a param dtype other than the layers' own", "[shard][precision][compute16]") {
   comm::launch(1, [&](comm::ThreadComm& c) {
     Model16 m = make_model16();
-    CHECK_THROWS_WITH(shard::fully_shard(m, c, shard::FullShard{}, {.precision = {.param = dtype::f16}}),
+    CHECK_THROWS_WITH(shard::fully_shard<sgd>(m, c, shard::FullShard{}, {.precision = {.param = dtype::f16}}),
                       Catch::Contains("mixed_precision.param must be BF16"));
+    CHECK_THROWS_WITH(shard::fully_shard<sgd>(m, c, shard::NoShard{}, {.precision = {.param = dtype::bf16}}),
+                      Catch::Contains("NoShard does not shard"));
   });
 }
 
 TEMPLATE_TEST_CASE("16-bit compute: per-rank memory equals the planner's formula exactly", "[shard][memory][compute16]",
-                   shard::FullShard, shard::ShardGradOp) {
+                   shard::FullShard, shard::ShardGradOp, shard::ShardOptimizer, example::HybridShardZeRO2) {
   const int w = 3, per_rank = 4;
   for (dtype reduce : {dtype::f32, dtype::bf16})
     for (int prefetch : {0, 1, 2}) {
@@ -591,17 +642,17 @@ TEMPLATE_TEST_CASE("16-bit compute: per-rank memory equals the planner's formula
       comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
         Model16 m = make_model16();
         const shard::mixed_precision mp{.param = dtype::bf16, .reduce = reduce};
-        auto model = shard::fully_shard(
+        auto model = shard::fully_shard<sgd>(
             m, c, TestType{}, {.wrap = shard::wrap_types<Block16>{}, .seed = 42, .prefetch = prefetch, .precision = mp});
         sgd opt;
         for (int s = 0; s < 3; ++s) {
           const auto first = c.rank() * per_rank;
           model.train_step(opt, to16(batch(s, per_rank, 5, 1, first)), to16(batch(s, per_rank, 3, 2, first)), mse16);
         }
-        const auto want = plan::make_plan(plan::describe(model), {.strategy = plan::strategy_of<TestType>(),
+        const auto want = plan::make_plan(plan::describe(model), {.policy = TestType{}.policy(),
                                                                   .world = w,
                                                                   .prefetch = prefetch,
-                                                                  .precision = plan::precision::device(mp),
+                                                                  .precision = plan::precision::param_layers(mp),
                                                                   .optimizer_bytes = plan::sgd_state_bytes})
                               .memory;
         const category checked[] = {category::parameters, category::gradients, category::optimizer_state,

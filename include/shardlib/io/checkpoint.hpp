@@ -75,7 +75,7 @@ struct load_result {
 // its file does rank 0 rename it into place: a failure on any rank raises io_error on
 // every rank and leaves earlier checkpoints as they were. Collective; returns root/<tag>.
 template <class M, class C, class S, optim::Optimizer O>
-std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::ShardedModel<M, C, S, float>& model,
+std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::ShardedModel<M, C, S, float, O>& model,
                                       O& opt, const save_options& o = {}) {
   auto& comm = model.comm();
   const int rank = comm.rank();
@@ -99,8 +99,8 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
     m.tag = tag;
     m.world_size = comm.size();
     m.strategy = std::string(S::name);
-    if constexpr (std::is_same_v<S, shard::HybridShard>) m.group_size = model.strategy().group_size;
-    m.partitions = detail::partitions_of(model);
+    m.group_size = model.policy().group_size;
+    m.partitions = model.partitions();
     m.param_dtype = std::string(name(model.precision().param));
     m.reduce_dtype = std::string(name(model.precision().reduce));
     m.steps = model.steps();
@@ -110,26 +110,27 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
     m.scaler = model.scaler();
     m.user = o.user;
     m.chunk_bytes = o.chunk_bytes;
-    for (const auto& u : model.units()) {
-      checkpoint_unit cu{u.name, u.numel(), {}};
-      for (const auto& e : u.layout.entries) cu.params.push_back({e.name, e.shape, e.offset});
+    for (std::size_t i = 0; i < model.unit_count(); ++i) {
+      const auto& l = model.unit_layout(i);
+      checkpoint_unit cu{model.unit_name(i), l.numel, {}};
+      for (const auto& e : l.entries) cu.params.push_back({e.name, e.shape, e.offset});
       m.units.push_back(std::move(cu));
     }
 
     // This rank's shard file: every element it writes lies in its local buffers.
-    const int part = detail::written_partition(model);
+    const int part = model.written_partition();
     checkpoint_file mine;
     detail::on_all_ranks(comm, what, [&] {
       if (part < 0) return;
       std::vector<std::map<std::string, std::span<const float>, std::less<>>> buffers;
-      for (std::size_t i = 0; i < model.units().size(); ++i)
+      for (std::size_t i = 0; i < model.unit_count(); ++i)
         buffers.push_back(detail::buffers_of(model.optimizer_state(opt, i)));
       mine = detail::write_shard_file(
           temp, part, m, rank, o.write_hook,
           [&](std::size_t u, std::string_view kind, std::uint64_t first, std::span<float> out) {
             const bool master = kind == "master";
-            const auto local = master ? model.units()[u].master->local() : buffers[u].find(kind)->second;
-            const std::uint64_t begin = master ? detail::master_begin(model, u) : detail::state_begin(model, u);
+            const auto local = master ? model.master_piece(u) : buffers[u].find(kind)->second;
+            const std::uint64_t begin = detail::piece_begin(model, u);
             std::copy_n(local.begin() + std::ptrdiff_t(first - begin), out.size(), out.begin());
           });
     });
@@ -177,7 +178,7 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
 // changes. A weights-only checkpoint (from a safetensors file without optimizer state)
 // leaves the optimizer state as it is. Collective.
 template <class M, class C, class S, optim::Optimizer O>
-load_result load_checkpoint(const std::filesystem::path& path, shard::ShardedModel<M, C, S, float>& model, O& opt) {
+load_result load_checkpoint(const std::filesystem::path& path, shard::ShardedModel<M, C, S, float, O>& model, O& opt) {
   auto& comm = model.comm();
   std::string resolved;
   detail::on_all_ranks(comm, cat("loading checkpoint ", path.string()), [&] {
@@ -188,7 +189,7 @@ load_result load_checkpoint(const std::filesystem::path& path, shard::ShardedMod
   std::optional<checkpoint_reader> reader;
   detail::on_all_ranks(comm, what, [&] {
     reader.emplace(resolved);
-    detail::check_parameters(model.units(), reader->parameters(), detail::src_name(*reader));
+    detail::check_parameters(model, reader->parameters(), detail::src_name(*reader));
   });
   const auto& m = reader->metadata();
   detail::load_from(model, *reader, &opt, m.optimizer, what);
@@ -201,12 +202,12 @@ load_result load_checkpoint(const std::filesystem::path& path, shard::ShardedMod
 // gathering one unit at a time so that no rank holds the whole model. With an
 // optimizer, also its state as optimizer.<param>.<buffer> and its step and
 // hyperparameters in the metadata. Collective.
-template <class M, class C, class S>
-void export_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float>& model) {
-  detail::export_impl<M, C, S, detail::no_optimizer>(file, model, nullptr);
+template <class M, class C, class S, class O>
+void export_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model) {
+  detail::export_impl<shard::ShardedModel<M, C, S, float, O>, detail::no_optimizer>(file, model, nullptr);
 }
 template <class M, class C, class S, optim::Optimizer O>
-void export_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float>& model, O& opt) {
+void export_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model, O& opt) {
   detail::export_impl(file, model, &opt);
 }
 
@@ -216,12 +217,12 @@ void export_safetensors(const std::filesystem::path& file, shard::ShardedModel<M
 // model lacks, or a parameter missing or shaped differently, is an error. With an
 // optimizer, its state, step and hyperparameters and the model's step count and loss
 // scaler come from the file too. Collective; on error nothing changes.
-template <class M, class C, class S>
-void load_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float>& model) {
-  detail::load_safetensors_impl<M, C, S, detail::no_optimizer>(file, model, nullptr);
+template <class M, class C, class S, class O>
+void load_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model) {
+  detail::load_safetensors_impl<shard::ShardedModel<M, C, S, float, O>, detail::no_optimizer>(file, model, nullptr);
 }
 template <class M, class C, class S, optim::Optimizer O>
-void load_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float>& model, O& opt) {
+void load_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model, O& opt) {
   detail::load_safetensors_impl(file, model, &opt);
 }
 

@@ -14,10 +14,9 @@
 #include "shardlib/io/consolidated_file.hpp"     // safetensors_source, detail::consolidated_tensors, ...
 #include "shardlib/io/optimizer_record.hpp"      // detail::buffer_names, optimizer_name, check_same_optimizer, ...
 #include "shardlib/io/rank_agreement.hpp"        // detail::on_all_ranks
-#include "shardlib/io/reshard.hpp"               // detail::model_t, request_range, check_parameters, load_from, ...
+#include "shardlib/io/reshard.hpp"               // request_range, check_parameters, load_from, ...
 #include "shardlib/io/safetensors.hpp"           // safetensors_stream_writer, tensor_info
 #include "shardlib/nn/flat.hpp"                  // nn::flat_entry
-#include "shardlib/shard/strategy.hpp"           // ShardOptimizer
 
 #include <nlohmann/json.hpp>  // nlohmann::json
 
@@ -45,17 +44,13 @@ std::span<const float> gather_into(Comm& group, std::span<const float> piece, Bu
   group.all_gather(piece, holder.span());
   return holder.span();
 }
-template <class M, class C, class S>
-std::span<const float> whole(model_t<M, C, S>& model, [[maybe_unused]] bool is_state, std::span<const float> piece,
-                             [[maybe_unused]] Buffer<float>& holder) {
-  if constexpr (S::shards_parameters) return gather_into(model.shard_group(), piece, holder);
-  else if constexpr (std::is_same_v<S, shard::ShardOptimizer>)
-    return is_state ? gather_into(model.comm(), piece, holder) : piece;
-  else return piece;
+template <class Engine>
+std::span<const float> whole(Engine& model, std::span<const float> piece, Buffer<float>& holder) {
+  return model.partitions() > 1 ? gather_into(model.shard_group(), piece, holder) : piece;
 }
 
-template <class M, class C, class S, class O>
-void export_impl(const std::filesystem::path& file, model_t<M, C, S>& model, O* opt) {
+template <class Engine, class O>
+void export_impl(const std::filesystem::path& file, Engine& model, O* opt) {
   auto& comm = model.comm();
   const bool root = comm.rank() == 0;
   const std::string what = cat("exporting to ", file.string());
@@ -68,7 +63,7 @@ void export_impl(const std::filesystem::path& file, model_t<M, C, S>& model, O* 
     check_same_optimizer(comm, *info.optimizer, what);
   }
   std::vector<std::vector<nn::flat_entry>> layouts;
-  for (const auto& u : model.units()) layouts.push_back(u.layout.entries);
+  for (std::size_t i = 0; i < model.unit_count(); ++i) layouts.push_back(model.unit_layout(i).entries);
   std::optional<safetensors_stream_writer> out;
   on_all_ranks(comm, what, [&] {
     if (root) out.emplace(file, consolidated_tensors(layouts, kinds), consolidated_metadata(info));
@@ -77,21 +72,21 @@ void export_impl(const std::filesystem::path& file, model_t<M, C, S>& model, O* 
   auto write_unit = [&](std::size_t i, std::string_view kind, std::span<const float> values) {
     on_all_ranks(comm, what, [&] {
       if (!root) return;
-      for (const auto& e : model.units()[i].layout.entries)
+      for (const auto& e : model.unit_layout(i).entries)
         out->write(kind == "master" ? e.name : optimizer_tensor(e.name, kind),
                    std::as_bytes(values.subspan(e.offset, e.numel())));
     });
   };
-  for (std::size_t i = 0; i < model.units().size(); ++i) {
-    if (model.units()[i].layout.entries.empty()) continue;  // a unit whose children claimed every parameter
+  for (std::size_t i = 0; i < model.unit_count(); ++i) {
+    if (model.unit_layout(i).entries.empty()) continue;  // a unit whose children claimed every parameter
     Buffer<float> holder;
-    write_unit(i, "master", whole(model, false, model.units()[i].master->local(), holder));
+    write_unit(i, "master", whole(model, model.master_piece(i), holder));
     if constexpr (!std::is_same_v<O, no_optimizer>) {
       const auto buffers = buffers_of(model.optimizer_state(*opt, i));
       for (const auto& k : kinds) {
         const auto b = buffers.find(k);
         require(b != buffers.end(), "rank ", comm.rank(), ": unit ", i, " has no optimizer buffer '", k, "'");
-        write_unit(i, k, whole(model, true, b->second, holder));
+        write_unit(i, k, whole(model, b->second, holder));
       }
     }
   }
@@ -100,22 +95,22 @@ void export_impl(const std::filesystem::path& file, model_t<M, C, S>& model, O* 
   });
 }
 
-template <class M, class C, class S, class O>
-void load_safetensors_impl(const std::filesystem::path& file, model_t<M, C, S>& model, O* opt) {
+template <class Engine, class O>
+void load_safetensors_impl(const std::filesystem::path& file, Engine& model, O* opt) {
   const std::string what = cat("loading ", file.string());
   std::optional<safetensors_source> src;
   std::optional<checkpoint_optimizer> saved;
   on_all_ranks(model.comm(), what, [&] {
     src.emplace(file);
     const std::string_view source = src_name(*src);
-    check_parameters(model.units(), src->parameters(), source);
+    check_parameters(model, src->parameters(), source);
     if (!opt) return;
     if (!src->info() || !src->info()->optimizer)
       throw io_error(cat(source, ": it holds no optimizer state (export it with export_safetensors(file, model, opt) "
                                  "or shardlib-ckpt to-safetensors --optimizer)"));
     saved = src->info()->optimizer;
-    for (const auto& u : model.units())
-      for (const auto& e : u.layout.entries)
+    for (std::size_t i = 0; i < model.unit_count(); ++i)
+      for (const auto& e : model.unit_layout(i).entries)
         for (const auto& k : saved->state) {
           const tensor_info* t = src->find(optimizer_tensor(e.name, k));
           if (!t || t->shape != e.shape)

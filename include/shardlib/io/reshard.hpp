@@ -16,7 +16,6 @@
 #include "shardlib/io/optimizer_record.hpp"   // detail::known_optimizer, restore_hyperparameters, check_buffers, ...
 #include "shardlib/io/rank_agreement.hpp"     // detail::on_all_ranks
 #include "shardlib/shard/sharded_model.hpp"   // ShardedModel
-#include "shardlib/shard/strategy.hpp"        // ShardOptimizer
 
 #include <algorithm>    // std::fill, std::min, std::max
 #include <cstddef>      // std::size_t
@@ -53,15 +52,15 @@ void request_range(const Entries& entries, Source& src, std::string_view kind, s
 
 // Throws io_error naming the first parameter that this model and a saved source
 // disagree on: missing on either side, or another shape.
-template <class Units>
-void check_parameters(const Units& units, const std::vector<std::pair<std::string, Shape>>& saved,
+template <class Engine>
+void check_parameters(const Engine& model, const std::vector<std::pair<std::string, Shape>>& saved,
                       std::string_view source) {
   constexpr std::string_view hint = " (the first difference: was it saved from another model?)";
   std::map<std::string_view, const Shape*> by_name;
   for (const auto& [n, s] : saved) by_name.emplace(n, &s);
   std::set<std::string_view> ours;
-  for (const auto& u : units)
-    for (const auto& e : u.layout.entries) {
+  for (std::size_t i = 0; i < model.unit_count(); ++i)
+    for (const auto& e : model.unit_layout(i).entries) {
       ours.insert(e.name);
       const auto it = by_name.find(e.name);
       if (it == by_name.end())
@@ -75,40 +74,11 @@ void check_parameters(const Units& units, const std::vector<std::pair<std::strin
       throw io_error(cat(source, ": it holds parameter '", n, "' ", s, ", which this model does not have", hint));
 }
 
-template <class M, class C, class S>
-using model_t = shard::ShardedModel<M, C, S, float>;
-
-// Shard files: one per distinct shard the strategy holds.
-template <class M, class C, class S>
-int partitions_of(model_t<M, C, S>& m) {
-  if constexpr (S::shards_parameters) return m.shard_group().size();
-  else if constexpr (std::is_same_v<S, shard::ShardOptimizer>) return m.comm().size();
-  else return 1;
-}
-// The partition this rank writes, or -1: HybridShard's replicas after the first and
-// NoShard's ranks after 0 hold copies of what others write.
-template <class M, class C, class S>
-int written_partition(model_t<M, C, S>& m) {
-  if constexpr (S::shards_parameters) return m.comm().rank() < m.shard_group().size() ? m.shard_group().rank() : -1;
-  else if constexpr (std::is_same_v<S, shard::ShardOptimizer>) return m.comm().rank();
-  else return m.comm().rank() == 0 ? 0 : -1;
-}
-// Where this rank's master values and optimizer state of unit i start in its flat vector.
-template <class M, class C, class S>
-std::uint64_t master_begin(model_t<M, C, S>& m, std::size_t i) {
-  if constexpr (S::shards_parameters) return std::uint64_t(m.shard_group().rank()) * m.units()[i].master->local().size();
-  else return 0;
-}
-template <class M, class C, class S>
-std::uint64_t state_size(model_t<M, C, S>& m, std::size_t i) {
-  const std::uint64_t n = m.units()[i].master->local().size();
-  if constexpr (std::is_same_v<S, shard::ShardOptimizer>) return n / std::uint64_t(m.comm().size());
-  else return n;
-}
-template <class M, class C, class S>
-std::uint64_t state_begin(model_t<M, C, S>& m, std::size_t i) {
-  if constexpr (std::is_same_v<S, shard::ShardOptimizer>) return std::uint64_t(m.comm().rank()) * state_size(m, i);
-  else return master_begin(m, i);
+// Where this rank's piece of unit i's master values and optimizer state starts in
+// the unit's flat vector (the engine's partition: docs/design.md, "The engine interface").
+template <class Engine>
+std::uint64_t piece_begin(const Engine& m, std::size_t i) {
+  return m.partition(i).begin(m.partition_rank());
 }
 
 // This rank's buffers of unit i's optimizer state, by name.
@@ -121,25 +91,24 @@ std::map<std::string, std::span<const float>, std::less<>> buffers_of(State& st)
 
 // New master shards and optimizer states for this rank, their pieces requested from
 // src (they arrive at src.finish()); the model is untouched until all ranks have them.
-template <class M, class C, class S, class Source>
-std::vector<Buffer<float>> request_masters(model_t<M, C, S>& model, Source& src) {
+template <class Engine, class Source>
+std::vector<Buffer<float>> request_masters(Engine& model, Source& src) {
   std::vector<Buffer<float>> out;
-  for (std::size_t i = 0; i < model.units().size(); ++i) {
-    const auto& u = model.units()[i];
-    Buffer<float> b(u.master->local().size(), category::parameters);
-    request_range(u.layout.entries, src, "master", master_begin(model, i), b.span());
+  for (std::size_t i = 0; i < model.unit_count(); ++i) {
+    Buffer<float> b(model.partition(i).shard_size(), category::parameters);
+    request_range(model.unit_layout(i).entries, src, "master", piece_begin(model, i), b.span());
     out.push_back(std::move(b));
   }
   return out;
 }
-template <class M, class C, class S, class Source, class O>
-std::vector<typename O::state> request_states(model_t<M, C, S>& model, Source& src, O& maker, std::int64_t step) {
+template <class Engine, class Source, class O>
+std::vector<typename O::state> request_states(Engine& model, Source& src, O& maker, std::int64_t step) {
   std::vector<typename O::state> out;
-  for (std::size_t i = 0; i < model.units().size(); ++i) {
-    auto st = maker.make_state(std::size_t(state_size(model, i)));
+  for (std::size_t i = 0; i < model.unit_count(); ++i) {
+    auto st = maker.make_state(model.partition(i).shard_size());
     st.step = step;
     st.for_each_buffer([&](std::string_view name, Buffer<float>& b) {
-      request_range(model.units()[i].layout.entries, src, name, state_begin(model, i), b.span());
+      request_range(model.unit_layout(i).entries, src, name, piece_begin(model, i), b.span());
     });
     out.push_back(std::move(st));
   }
@@ -157,8 +126,8 @@ struct no_optimizer {
 inline std::string_view src_name(const checkpoint_reader&) { return "the checkpoint"; }
 inline std::string_view src_name(const safetensors_source&) { return "the safetensors file"; }
 
-template <class M, class C, class S, class Source, class O>
-void load_from(model_t<M, C, S>& model, Source& src, O* opt, const std::optional<checkpoint_optimizer>& saved,
+template <class Engine, class Source, class O>
+void load_from(Engine& model, Source& src, O* opt, const std::optional<checkpoint_optimizer>& saved,
                std::string_view what) {
   std::vector<Buffer<float>> masters;
   std::vector<typename O::state> states;

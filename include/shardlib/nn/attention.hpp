@@ -78,9 +78,14 @@ class attention_base {
     const Tensor<std::uint8_t>& mask = ctx.key_padding_mask();
     require<shape_error>(mask.empty() || mask.shape() == Shape{N, L}, name(),
                          ": key_padding_mask must be [N, L] = ", Shape{N, L}, " (batch, keys), got ", mask.shape());
+    check_bound(false);
     seq_ = L;
     batch_ = N;
     return mask;
+  }
+  void check_bound(bool with_grad) const {
+    in_proj_weight.require_bound(name(), with_grad);
+    if (o_.bias) in_proj_bias.require_bound(name(), with_grad);
   }
   // backward's check of dy against the input x cached by forward.
   template <class X, class Y>
@@ -88,6 +93,7 @@ class attention_base {
     require<shape_error>(!x.empty() && dy.shape() == x.shape(), name(),
                          ": backward needs the gradient of the last forward's output (shape ", x.shape(), "), got ",
                          dy.shape());
+    check_bound(true);
   }
 
   // Checked before out_proj is built from it, so a bad size gets this message.

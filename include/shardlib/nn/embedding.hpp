@@ -41,6 +41,7 @@ class Embedding {
     require<shape_error>(!ids.empty() && ids.rank() < Shape::max_rank, "Embedding(", num_, ", ", dim_,
                          "): needs ids of rank below ", Shape::max_rank, ", got shape ", ids.shape(),
                          ids.empty() ? " (an empty tensor)" : "");
+    weight.require_bound("Embedding");
     output y(output_shape(ids.shape()));
     for (std::int64_t i = 0; i < ids.numel(); ++i) {
       const std::int64_t id = ids[i];
@@ -57,6 +58,7 @@ class Embedding {
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
     require<shape_error>(!ids_.empty(), "Embedding(", num_, ", ", dim_, "): backward without a forward");
+    weight.require_bound("Embedding", true);
     const Shape expected = output_shape(ids_.shape());
     require<shape_error>(dy.shape() == expected, "Embedding(", num_, ", ", dim_,
                          "): backward needs the gradient of the last forward's output (shape ", expected,

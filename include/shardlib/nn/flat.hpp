@@ -12,6 +12,7 @@
 #include <span>         // std::span
 #include <string>       // std::string
 #include <type_traits>  // std::is_same_v
+#include <utility>      // std::move
 #include <vector>       // std::vector
 
 namespace shardlib::nn {
@@ -27,20 +28,29 @@ struct flat_entry {
 // Parameters in visiting order, each starting at a multiple of `align` elements
 // (16 floats = one cache line, so every parameter starts vector-aligned). The
 // gaps stay zero in values and gradients, so optimizers may step them harmlessly.
+// This is the one place the rule is written: nn::flatten, the sharding engine's
+// units and the planner's unit sizes all lay parameters out through append().
 struct flat_layout {
+  static constexpr std::size_t alignment = 16;
   std::vector<flat_entry> entries;
   std::size_t numel = 0;  // including the alignment gaps
+
+  // Places one more parameter after the last, at the next aligned offset.
+  const flat_entry& append(std::string name, const Shape& shape, const init_rule& init) {
+    numel = (numel + alignment - 1) / alignment * alignment;
+    entries.push_back({std::move(name), shape, init, numel});
+    numel += entries.back().numel();
+    return entries.back();
+  }
 };
 
 template <class T, Layer L>
-flat_layout flatten(L& layer, std::size_t align = 16) {
+flat_layout flatten(L& layer) {
   flat_layout f;
   layer.parameters([&](std::string_view name, auto& p) {
     static_assert(std::is_same_v<typename std::remove_reference_t<decltype(p)>::value_type, T>,
                   "flatten<T>: the layer has a parameter of another element type");
-    f.numel = (f.numel + align - 1) / align * align;
-    f.entries.push_back({std::string(name), p.shape, p.init, f.numel});
-    f.numel += p.numel();
+    f.append(std::string(name), p.shape, p.init);
   });
   return f;
 }

@@ -46,6 +46,12 @@ class layer_norm_base {
   void check_input(const Shape& x) const {
     require<shape_error>(x.rank() >= 1 && x[x.rank() - 1] == d_, "LayerNorm(", d_,
                          "): input's last dimension must be ", d_, ", got shape ", x);
+    check_bound(false);
+  }
+  void check_bound(bool with_grad) const {
+    if (!affine_) return;
+    weight.require_bound("LayerNorm", with_grad);
+    bias.require_bound("LayerNorm", with_grad);
   }
   // backward's check of dy against the input x cached by forward.
   template <class X, class Y>
@@ -53,6 +59,7 @@ class layer_norm_base {
     require<shape_error>(!x.empty() && dy.shape() == x.shape(), "LayerNorm(", d_,
                          "): backward needs the gradient of the last forward's output (shape ", x.shape(),
                          "), got shape ", dy.shape());
+    check_bound(true);
   }
 
   std::int64_t d_;

@@ -55,6 +55,11 @@ class linear_base {
   void check_input(const Shape& x) const {
     require<shape_error>(x.rank() >= 1 && x[x.rank() - 1] == in_, "Linear(", in_, " -> ", out_,
                          "): input's last dimension must be ", in_, ", got shape ", x);
+    check_bound(false);
+  }
+  void check_bound(bool with_grad) const {
+    weight.require_bound("Linear", with_grad);
+    if (has_bias_) bias.require_bound("Linear", with_grad);
   }
   Shape output_shape(const Shape& x) const {
     Shape ys = x;
@@ -66,6 +71,7 @@ class linear_base {
   void check_grad(const X& x, const Y& dy) const {
     require<shape_error>(!x.empty() && dy.numel() == x.numel() / in_ * out_, "Linear(", in_, " -> ", out_,
                          "): backward needs the gradient of the last forward's output, got shape ", dy.shape());
+    check_bound(true);
   }
 
   std::int64_t in_, out_;

@@ -57,9 +57,20 @@ struct Param {
   init_rule init;
   T* value = nullptr;
   T* grad = nullptr;
+  std::string_view owner_name{};  // its dotted name, set by a sharded owner (for errors)
 
   std::size_t numel() const { return std::size_t(shape.numel()); }
   bool bound() const { return value != nullptr || numel() == 0; }
+  // Layers call this before reading a parameter: an unbound one means the layer
+  // ran outside the context that gathers it (a composite that called
+  // child.forward(...) directly instead of ctx.forward(child, ...)).
+  // Backward (with_grad) needs the gradient bound too.
+  void require_bound(std::string_view layer, bool with_grad = false) const {
+    if (bound() && (!with_grad || grad != nullptr || numel() == 0)) return;
+    throw error(cat(layer, ": parameter '", owner_name.empty() ? std::string_view("?") : owner_name, "' has no ",
+                    bound() ? "gradient" : "values", " bound — its layer ran outside the context that owns it; a ",
+                    "composite must run its children through ctx.forward(child, x) and ctx.backward(child, dy)"));
+  }
   std::span<T> values() const { return {value, numel()}; }
   std::span<T> grads() const { return {grad, numel()}; }
   TensorView<T> value_view() const { return {value, shape}; }

@@ -8,15 +8,12 @@
 #include "shardlib/nn/layer.hpp"          // nn::Layer, nn::Composite, nn::join_name
 #include "shardlib/nn/replicated.hpp"     // nn::Replicated
 #include "shardlib/plan/memory_plan.hpp"  // model_desc
+#include "shardlib/shard/discover.hpp"    // shard::discover_units, wrap_policy
 #include "shardlib/shard/wrap.hpp"        // shard::wrap_none
 
 #include <cstddef>        // std::size_t
-#include <functional>     // std::function
 #include <numeric>        // std::iota
-#include <string>         // std::string
 #include <string_view>    // std::string_view
-#include <typeindex>      // std::type_index
-#include <unordered_set>  // std::unordered_set
 #include <vector>         // std::vector
 
 namespace shardlib::plan {
@@ -24,58 +21,31 @@ namespace shardlib::plan {
 // The units of a ShardedModel, in the forward order it recorded (in the order they
 // were found before its first forward).
 template <class Engine>
-requires requires(const Engine& e) {
-  e.units();
-  e.neighbor(0, 1);
-}
+  requires requires(const Engine& e) {
+    e.unit_layout(0);
+    e.neighbor(0, 1);
+  }
 model_desc describe(const Engine& e, std::size_t activation_bytes = 0) {
-  const auto& units = e.units();
   std::vector<int> order{0};
   for (int i = e.neighbor(0, +1); i >= 0; i = e.neighbor(i, +1)) order.push_back(i);
-  if (order.size() != units.size()) {  // not recorded yet
-    order.resize(units.size());
+  if (order.size() != e.unit_count()) {  // not recorded yet
+    order.resize(e.unit_count());
     std::iota(order.begin(), order.end(), 0);
   }
   model_desc d;
-  for (int i : order) d.units.push_back(units[i].numel());
+  for (int i : order) d.units.push_back(e.unit_layout(std::size_t(i)).numel);
   d.activation_bytes = activation_bytes;
   return d;
 }
 
-namespace detail {
-// ShardedModel's discovery: every layer the policy picks (and the model) is a unit,
-// claiming the parameters no unit inside it claimed, each starting at a multiple of
-// 16 elements (nn::flatten's alignment).
-template <class T, class L>
-void walk(L& layer, const std::string& name, bool root,
-          const std::function<bool(std::string_view, std::type_index)>& wrap, std::vector<std::size_t>& units,
-          std::unordered_set<const void*>& claimed) {
-  int idx = -1;
-  if (root || wrap(name, std::type_index(typeid(L)))) {
-    idx = int(units.size());
-    units.push_back(0);
-  }
-  if constexpr (nn::Composite<L>)
-    layer.children(
-        [&](std::string_view child, auto& c) { walk<T>(c, nn::join_name(name, child), false, wrap, units, claimed); });
-  if (idx < 0) return;
-  layer.parameters([&](std::string_view, nn::Param<T>& p) {
-    if (!claimed.insert(&p).second) return;
-    units[idx] = (units[idx] + 15) / 16 * 16 + p.numel();
-  });
-}
-}  // namespace detail
-
-// The units fully_shard(model, comm, strategy, {.wrap = wrap}) makes, in the order it
-// finds them, which is the forward order for Sequential and Stack models. Layers hold
-// no parameter storage, so a model built only to be described costs nothing.
+// The units fully_shard(model, comm, strategy, {.wrap = wrap}) makes (the same walk:
+// shard/discover.hpp), in the order it finds them, which is the forward order for
+// Sequential and Stack models. Layers hold no parameter storage, so a model built
+// only to be described costs nothing.
 template <class T = float, nn::Layer Model>
-model_desc describe_model(Model& model,
-                          std::function<bool(std::string_view, std::type_index)> wrap = shard::wrap_none{},
-                          std::size_t activation_bytes = 0) {
+model_desc describe_model(Model& model, shard::wrap_policy wrap = shard::wrap_none{}, std::size_t activation_bytes = 0) {
   model_desc d;
-  std::unordered_set<const void*> claimed;
-  detail::walk<T>(model, std::string(), true, wrap, d.units, claimed);
+  for (const auto& u : shard::discover_units<T>(model, wrap)) d.units.push_back(u.layout.numel);
   d.activation_bytes = activation_bytes;
   return d;
 }

@@ -13,7 +13,7 @@
 #include <cstddef>      // std::size_t
 #include <numeric>      // std::accumulate
 #include <string_view>  // std::string_view
-#include <type_traits>  // std::is_same_v
+#include <optional>     // std::optional
 #include <vector>       // std::vector
 
 namespace shardlib::plan {
@@ -56,22 +56,21 @@ constexpr std::string_view alias(strategy s) {
   return "?";
 }
 
-template <shard::ShardingStrategy S>
-constexpr strategy strategy_of() {
-  if constexpr (std::is_same_v<S, shard::NoShard>)
-    return strategy::no_shard;
-  else if constexpr (std::is_same_v<S, shard::ShardOptimizer>)
-    return strategy::shard_optimizer;
-  else if constexpr (std::is_same_v<S, shard::ShardGradOp>)
-    return strategy::shard_grad_op;
-  else if constexpr (std::is_same_v<S, shard::FullShard>)
-    return strategy::full_shard;
-  else
-    return strategy::hybrid_shard;
-}
-
-constexpr bool shards_parameters(strategy s) {
-  return s == strategy::full_shard || s == strategy::shard_grad_op || s == strategy::hybrid_shard;
+// The policy of the library's strategy `s` (HybridShard with groups of `group`).
+constexpr shard::policy policy_of(strategy s, int group = 0) {
+  switch (s) {
+    case strategy::no_shard:
+      return shard::NoShard{}.policy();
+    case strategy::shard_optimizer:
+      return shard::ShardOptimizer{}.policy();
+    case strategy::shard_grad_op:
+      return shard::ShardGradOp{}.policy();
+    case strategy::full_shard:
+      return shard::FullShard{}.policy();
+    case strategy::hybrid_shard:
+      return shard::HybridShard{.group_size = group}.policy();
+  }
+  return {};
 }
 
 // Master parameters, gradient shards and the communication scratch copies are float
@@ -82,21 +81,23 @@ inline constexpr std::size_t master_bytes = 4;
 inline constexpr std::size_t adam_state_bytes = 8, adam_amsgrad_state_bytes = 12, sgd_momentum_state_bytes = 4,
                              sgd_state_bytes = 0;
 
+// shard::mixed_precision's two dtypes and the layers' own: the same three on every
+// memory space (docs/design.md, "Precision").
 struct precision {
-  dtype param =
-      dtype::f32;  // all-gather dtype (FSDP's param_dtype); not f32: replicated strategies keep a compute copy
+  dtype param = dtype::f32;    // parameters are gathered in it and rounded to it (FSDP's param_dtype)
   dtype reduce = dtype::f32;   // gradient reduction dtype
-  dtype compute = dtype::f32;  // gathered parameters and full (unreduced) gradients
+  dtype compute = dtype::f32;  // the layers' element type: their values and full (unreduced) gradients
 
-  // Layers of float: whatever the engine communicates in, they compute in fp32, so
-  // gathered buffers and full gradients stay float (docs/design.md, "Mixed precision on the host").
-  static constexpr precision host(shard::mixed_precision p) { return {p.param, p.reduce, dtype::f32}; }
-  // Layers of the param dtype (a bfloat16 or half model, as on GPUs): they compute
-  // in it, and the engine takes its 16-bit compute path.
-  static constexpr precision device(shard::mixed_precision p) { return {p.param, p.reduce, p.param}; }
+  // Layers of float: whatever the engine communicates in, they compute in fp32.
+  static constexpr precision fp32_layers(shard::mixed_precision p) { return {p.param, p.reduce, dtype::f32}; }
+  // Layers of the param dtype (a bfloat16 or half model): they compute in it.
+  static constexpr precision param_layers(shard::mixed_precision p) { return {p.param, p.reduce, p.param}; }
 };
 
 struct setup {
+  // A strategy's own policy (any ShardingStrategy: `.policy = MyStrategy{}.policy()`);
+  // when set, `strategy` and `group` are not read.
+  std::optional<shard::policy> policy{};
   plan::strategy strategy = strategy::full_shard;
   int world = 1;
   int group = 0;     // HybridShard: the ranks one replica is sharded over (divides world)
@@ -104,8 +105,9 @@ struct setup {
   plan::precision precision{};
   std::size_t optimizer_bytes = adam_state_bytes;
 
-  // Ranks one shard is split over: the world, or HybridShard's group.
-  int shard_group() const { return strategy == strategy::hybrid_shard ? group : world; }
+  shard::policy resolved() const { return policy ? *policy : policy_of(strategy, group); }
+  // Ranks one shard is split over: the world, or the policy's group.
+  int shard_group() const { return resolved().group(world); }
 };
 
 // A model as the planner sees it. Units are the root's descendants run one after
@@ -215,99 +217,112 @@ inline std::size_t scratch_peak(const std::vector<std::size_t>& send, const std:
 
 // The plan of one rank for one train_step (zero_grad, forward, backward, step; no
 // gradient accumulation) after the first, which records the order and runs no
-// prefetch (so it never holds more). P_i is unit i padded to a multiple of the shard
-// group G (sharded strategies) or of the world W (replicated ones, so ZeRO-1's
-// slices are equal); ΣP their sum; sizes in bytes: master m = 4, compute c,
-// param dtype g, reduce dtype r, optimizer state o per parameter.
+// prefetch (so it never holds more), read off the strategy's policy alone. P_i is
+// unit i padded to a multiple of the shard group G (the world W when the policy has
+// no groups); ΣP their sum; master and optimizer state are split into N pieces (N = G
+// when the policy shards optimizer state, else 1); sizes in bytes: master m = 4,
+// compute c, param dtype g, reduce dtype r, optimizer state o per parameter.
 //
-// Sharded strategies with 16-bit compute (precision::device) keep the shard's
-// 16-bit copy beside the master and gather it directly (no send scratch); in
-// fp32 reductions a unit's full gradients are widened into an fp32 scratch (4·P_i)
-// and freed at once, in 16-bit reductions they land in a 16-bit shard.
+// 16-bit compute (precision::param_layers) keeps each piece's 16-bit copy beside the
+// master and gathers it directly (no send scratch); in fp32 reductions a unit's full
+// gradients are widened into an fp32 scratch (4·P_i), in 16-bit reductions they land
+// in a 16-bit piece. Replicated fp32 values with fp32 gathers hold the master itself.
 inline rank_plan make_plan(const model_desc& d, const setup& s) {
   require(!d.units.empty(), "plan: the model has no units (the root is always one)");
   require(s.world >= 1 && s.prefetch >= 0, "plan: world ", s.world, " and prefetch ", s.prefetch,
           " must be at least 1 and 0");
-  require(s.strategy != strategy::hybrid_shard || (s.group >= 1 && s.world % s.group == 0),
-          "plan: HybridShard group size ", s.group, " must divide the world size ", s.world);
-  const bool sharded = shards_parameters(s.strategy);
-  const std::size_t W = std::size_t(s.world), G = std::size_t(s.shard_group());
+  const shard::policy pol = s.resolved();
+  require(pol.valid(), "plan: the strategy's policy: ", pol.problem() ? pol.problem() : "");
+  require(pol.group_size == 0 || s.world % pol.group_size == 0, "plan: HybridShard group size ", pol.group_size,
+          " must divide the world size ", s.world);
+  const bool sharded = pol.shard_parameters;
+  const std::size_t W = std::size_t(s.world), G = std::size_t(pol.group(s.world)),
+                    N = pol.shard_optimizer ? G : 1;
   std::vector<std::size_t> padded;
-  for (std::size_t n : d.units) padded.push_back(detail::round_up(n, sharded ? G : W));
+  for (std::size_t n : d.units) padded.push_back(detail::round_up(n, G));
   const std::size_t all = std::accumulate(padded.begin(), padded.end(), std::size_t(0));
   const std::size_t m = master_bytes, c = size_of(s.precision.compute), o = s.optimizer_bytes;
   const double g = double(size_of(s.precision.param)), r = double(size_of(s.precision.reduce));
   const bool narrow_param = s.precision.param != dtype::f32, narrow_reduce = s.precision.reduce != dtype::f32;
-  const bool compute16 = sharded && s.precision.compute != dtype::f32;
+  const bool compute16 = s.precision.compute != dtype::f32;
   require(!compute16 || s.precision.compute == s.precision.param, "plan: layers computing in ",
           name(s.precision.compute), " gather in that dtype, not ", name(s.precision.param));
+  const bool master_in_values = !sharded && !compute16 && !narrow_param;
 
   rank_plan p;
   rank_memory& mem = p.memory;
   mem.activations = d.activation_bytes;
-  std::vector<std::size_t> piece;  // fp32 bytes of each unit's shard (ZeRO-1: slice), the size of its scratch copies
-  for (std::size_t n : padded) piece.push_back(m * n / (sharded ? G : W));
+  // Persistent: the master pieces (unless the values hold them), their 16-bit
+  // copies, the optimizer state of the pieces, the reduced gradients of the pieces.
+  mem.parameters = (master_in_values ? c * all : m * all / N) + (compute16 && pol.shard_optimizer ? c * all / N : 0);
+  mem.optimizer_state = o * all / N;
   if (sharded) {
-    // Shards of everything; the root's full gradient lives through the whole backward,
-    // and two adjacent units' full gradients coexist (one reduce-scattering while the
-    // next computes). Gathered: the root all step, plus the unit running and the
-    // `prefetch` after it (FullShard, HybridShard), or every unit, none freed between
-    // forward and backward (ShardGradOp).
-    mem.parameters = m * all / G + (compute16 ? c * all / G : 0);
-    mem.optimizer_state = o * all / G;
-    const bool widened = compute16 && !narrow_reduce;  // full gradients freed once widened: one unit at a time
-    mem.gradients = m * all / G + c * (padded[0] + detail::widest(padded, widened ? 1 : 2));
-    const std::size_t held =
-        s.strategy == strategy::shard_grad_op ? all : padded[0] + detail::widest(padded, 1 + std::size_t(s.prefetch));
+    // Gathered: the root all step, plus the unit running and the `prefetch` after
+    // it — or every unit, none freed between forward and backward.
+    const std::size_t held = pol.free == shard::free_point::after_backward
+                                 ? all
+                                 : padded[0] + detail::widest(padded, 1 + std::size_t(s.prefetch));
     mem.gathered_parameters = c * held;
   } else {
-    // Full parameters (and a copy rounded to the param dtype for layers to read), full
-    // local gradients; ZeRO-1 adds the reduced slice it steps and keeps optimizer state
-    // for that slice only.
-    const bool zero1 = s.strategy == strategy::shard_optimizer;
-    mem.parameters = m * all;
-    mem.gathered_parameters = narrow_param ? c * all : 0;
-    mem.gradients = c * all + (zero1 ? m * all / W : 0);
-    mem.optimizer_state = o * all / (zero1 ? W : 1);
+    mem.gathered_parameters = master_in_values ? 0 : c * all;  // replicated values beside the master
+  }
+  if (!pol.shard_optimizer) {
+    mem.gradients = c * all;  // full gradients, reduced in place
+  } else if (!pol.shard_gradients) {
+    mem.gradients = c * all + m * all / N;  // full local gradients kept, and the reduced piece
+  } else {
+    // The root's full gradient lives through the whole backward, and two adjacent
+    // units' coexist (one reducing while the next computes) — one when widened.
+    const bool widened = compute16 && !narrow_reduce;
+    mem.gradients = m * all / N + c * (padded[0] + detail::widest(padded, widened ? 1 : 2));
   }
   std::vector<std::size_t> send(padded.size()), reduce_bytes(padded.size());
   for (std::size_t i = 0; i < padded.size(); ++i) {
-    send[i] = sharded && narrow_param && !compute16 ? piece[i] : 0;
-    if (compute16) reduce_bytes[i] = narrow_reduce ? c * padded[i] / G : m * padded[i];
-    else if (narrow_reduce && s.strategy != strategy::no_shard) reduce_bytes[i] = piece[i];
+    const std::size_t piece = m * padded[i] / N;  // fp32 bytes of this rank's piece
+    send[i] = sharded && narrow_param && !compute16 ? piece : 0;
+    if (!pol.shard_optimizer) continue;  // all-reduce in place
+    if (compute16) reduce_bytes[i] = narrow_reduce ? c * padded[i] / N : m * padded[i];
+    else if (narrow_reduce) reduce_bytes[i] = piece;
   }
-  mem.comm_scratch =
-      detail::scratch_peak(send, reduce_bytes, s.prefetch, s.strategy != strategy::shard_grad_op);
+  mem.comm_scratch = detail::scratch_peak(send, reduce_bytes, s.prefetch, pol.free == shard::free_point::after_forward);
+  if (!sharded && N > 1 && narrow_param && !compute16)  // the step's gathers of every piece, narrowed, at once
+    mem.comm_scratch = std::max(mem.comm_scratch, m * all / N);
 
   traffic& t = p.sent;
   const double fG = double(G - 1) / double(G), fW = double(W - 1) / double(W), P = double(all);
-  switch (s.strategy) {
-    case strategy::full_shard:
-    case strategy::hybrid_shard:  // every unit gathered in forward and, but the root, again in backward
-      t.all_gather = fG * g * (2 * P - double(padded[0]));
-      t.reduce_scatter = fG * r * P;
-      if (s.strategy == strategy::hybrid_shard) {  // then the reduced shard averaged across the W/G replicas, in fp32
-        const double replicas = double(W / G);
-        t.all_reduce = t.exposed = 2 * (replicas - 1) / replicas * double(m) * P / double(G);
-      }
-      break;
-    case strategy::shard_grad_op:
-      t.all_gather = fG * g * P;
-      t.reduce_scatter = fG * r * P;
-      break;
-    case strategy::shard_optimizer:  // after the step, every updated fp32 slice to every rank
-      t.reduce_scatter = fW * r * P;
-      t.all_gather = t.exposed = fW * double(m) * P;
-      break;
-    case strategy::no_shard:
-      t.all_reduce = 2 * fW * r * P;
-      break;
+  if (sharded)  // every unit gathered in forward and, when freed after it, but the root again in backward
+    t.all_gather = fG * g * (pol.free == shard::free_point::after_forward ? 2 * P - double(padded[0]) : P);
+  else if (N > 1)  // after the step, every updated piece to every rank
+    t.all_gather = t.exposed = fG * (master_in_values ? double(m) : g) * P;
+  if (pol.shard_optimizer) t.reduce_scatter = fG * r * P;
+  else t.all_reduce = 2 * fW * r * P;
+  if (pol.reduce == shard::reduction::hierarchical) {  // the reduced piece averaged across the W/G replicas, in fp32
+    const double replicas = double(W / G);
+    t.all_reduce = 2 * (replicas - 1) / replicas * double(m) * P / double(G);
+    t.exposed += t.all_reduce;
   }
   if (s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16) {  // loss scaling's overflow vote
     t.all_reduce += 2 * fW * 4;
     t.exposed += 2 * fW * 4;
   }
   return p;
+}
+
+// The model states as the ZeRO paper counts them (Rajbhandari et al. 2020, sec. 5):
+// 16-bit parameters 2Ψ, 16-bit gradients 2Ψ, and K·Ψ of optimizer state (fp32
+// master and moments: K = 12 for mixed-precision Adam), each divided by the shard
+// group where the policy keeps it sharded at the step's peak. Parameters count as
+// sharded only when freed after forward (FullShard); a strategy that holds them
+// gathered through backward (ShardGradOp) peaks with all of them, as ZeRO-2 does.
+struct model_states {
+  double parameters = 0, gradients = 0, optimizer = 0;
+  double total() const { return parameters + gradients + optimizer; }
+};
+inline model_states zero_model_states(const shard::policy& pol, int world, double psi, double k = 12) {
+  const double G = double(pol.group(world));
+  const bool params_sharded = pol.shard_parameters && pol.free == shard::free_point::after_forward;
+  return {2 * psi / (params_sharded ? G : 1), 2 * psi / (pol.shard_gradients ? G : 1),
+          k * psi / (pol.shard_optimizer ? G : 1)};
 }
 
 // A coarse transformer: `layers` blocks of 12·hidden² parameters each (attention

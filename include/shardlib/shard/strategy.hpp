@@ -1,58 +1,103 @@
-// shardlib/shard/strategy.hpp — sharding strategies as compile-time policies.
+// shardlib/shard/strategy.hpp — a sharding strategy is a type that states its policy
+// as data; the engine reads the policy and nothing else of it.
 #pragma once
 #include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
 
-#include <concepts>     // std::same_as
+#include <concepts>     // std::same_as, std::convertible_to
 #include <string_view>  // std::string_view
 
 namespace shardlib::shard {
 
-// What each strategy keeps sharded, and when gathered parameters are freed.
+// When a gathered unit's full parameters are freed (FSDP2's reshard_after_forward).
+enum class free_point { never, after_backward, after_forward };
+// How a unit's gradients are reduced across ranks.
+enum class reduction {
+  all_reduce,      // full gradients averaged in place on every rank (DDP)
+  reduce_scatter,  // each rank receives the average of its shard only (ZeRO-1/2/3)
+  hierarchical,    // reduce-scatter within the shard group, then all-reduce of the shard across groups (HSDP)
+};
+
+// What a strategy keeps sharded, over which ranks, when it frees gathered
+// parameters and how it reduces gradients. The engine (shard/sharded_model.hpp),
+// the planner (plan/) and checkpoints (io/) read only this.
+struct policy {
+  bool shard_parameters = true;  // parameters live as shards, gathered around each use
+  bool shard_gradients = true;   // reduced gradients live as shards; full gradients only until reduced
+  bool shard_optimizer = true;   // fp32 master weights and optimizer state live as shards
+  int group_size = 0;            // ranks one shard is split over: 0 = all; G = groups of G, replicated across groups
+  free_point free = free_point::after_forward;
+  reduction reduce = reduction::reduce_scatter;
+
+  // The ZeRO ladder: sharding parameters implies sharding gradients implies
+  // sharding optimizer state (the engine implements no other combination).
+  constexpr bool valid() const { return problem() == nullptr; }
+  constexpr const char* problem() const {
+    if (shard_parameters && !shard_gradients) return "sharded parameters need sharded gradients";
+    if (shard_gradients && !shard_optimizer) return "sharded gradients need sharded optimizer state";
+    if (shard_parameters == (free == free_point::never))
+      return "gathered parameters are freed (after forward or backward) exactly when parameters are sharded";
+    if (group_size < 0) return "group_size must be 0 (all ranks) or positive";
+    if (group_size > 0 && !shard_parameters) return "shard groups (group_size > 0) need sharded parameters";
+    if ((reduce == reduction::all_reduce) == shard_optimizer)
+      return "all-reduce is the reduction exactly when nothing is sharded";
+    if ((reduce == reduction::hierarchical) != (group_size > 0))
+      return "hierarchical reduction is the reduction exactly when shards live in groups";
+    return nullptr;
+  }
+  // The shard group's size in a world of `world` ranks.
+  constexpr int group(int world) const { return group_size > 0 ? group_size : world; }
+};
+
+// A strategy: a name and a policy. The policy may depend on the instance
+// (HybridShard's group size), so it is read from the value.
+template <class S>
+concept ShardingStrategy = std::copyable<S> && requires(const S& s) {
+  { S::name } -> std::convertible_to<std::string_view>;
+  { s.policy() } -> std::same_as<shard::policy>;
+};
+
+// The five the library ships: PyTorch FSDP's ShardingStrategy and DeepSpeed's ZeRO stages.
 //
-//                      parameters     gradients      optimizer state   gathered params freed
-//  FullShard (ZeRO-3)  sharded        sharded        sharded           after forward and after backward
-//  ShardGradOp (ZeRO-2) sharded       sharded        sharded           after backward only
-//  ShardOptimizer (ZeRO-1) replicated replicated     sharded           never (always full)
-//  NoShard (DDP)       replicated     replicated     replicated        never (always full)
-//  HybridShard         FullShard inside groups of group_size ranks, replicated across groups
+//                          parameters  gradients   optimizer   freed after       reduction
+//  FullShard (ZeRO-3)      sharded     sharded     sharded     forward+backward  reduce-scatter
+//  ShardGradOp (ZeRO-2)    sharded     sharded     sharded     backward          reduce-scatter
+//  ShardOptimizer (ZeRO-1) replicated  replicated  sharded     (never gathered)  reduce-scatter
+//  NoShard (DDP)           replicated  replicated  replicated  (never gathered)  all-reduce
+//  HybridShard (HSDP)      FullShard within groups of group_size ranks, replicated across groups
 struct FullShard {
   static constexpr std::string_view name = "FullShard";
-  static constexpr bool shards_parameters = true;
-  static constexpr bool shards_optimizer = true;
-  static constexpr bool frees_after_forward = true;
+  constexpr shard::policy policy() const { return {}; }
 };
 struct ShardGradOp {
   static constexpr std::string_view name = "ShardGradOp";
-  static constexpr bool shards_parameters = true;
-  static constexpr bool shards_optimizer = true;
-  static constexpr bool frees_after_forward = false;
+  constexpr shard::policy policy() const { return {.free = free_point::after_backward}; }
 };
 struct ShardOptimizer {
   static constexpr std::string_view name = "ShardOptimizer";
-  static constexpr bool shards_parameters = false;
-  static constexpr bool shards_optimizer = true;
-  static constexpr bool frees_after_forward = false;
+  constexpr shard::policy policy() const {
+    return {.shard_parameters = false, .shard_gradients = false, .free = free_point::never};
+  }
 };
 struct NoShard {
   static constexpr std::string_view name = "NoShard";
-  static constexpr bool shards_parameters = false;
-  static constexpr bool shards_optimizer = false;
-  static constexpr bool frees_after_forward = false;
+  constexpr shard::policy policy() const {
+    return {.shard_parameters = false, .shard_gradients = false, .shard_optimizer = false,
+            .free = free_point::never, .reduce = reduction::all_reduce};
+  }
 };
 struct HybridShard {
   static constexpr std::string_view name = "HybridShard";
-  static constexpr bool shards_parameters = true;
-  static constexpr bool shards_optimizer = true;
-  static constexpr bool frees_after_forward = true;
   int group_size = 1;  // ranks that shard one replica; must divide the world size
+  constexpr shard::policy policy() const { return {.group_size = group_size, .reduce = reduction::hierarchical}; }
 };
 
-template <class S>
-concept ShardingStrategy = requires {
-  { S::name } -> std::convertible_to<std::string_view>;
-  { S::shards_parameters } -> std::convertible_to<bool>;
-  { S::shards_optimizer } -> std::convertible_to<bool>;
-  { S::frees_after_forward } -> std::convertible_to<bool>;
-};
+// The policy, checked: raises naming the strategy and what is inconsistent.
+template <ShardingStrategy S>
+shard::policy checked_policy(const S& s) {
+  const shard::policy p = s.policy();
+  require(p.valid(), "sharding strategy ", S::name, ": ", p.problem() ? p.problem() : "");
+  return p;
+}
 
 }  // namespace shardlib::shard

@@ -1,0 +1,150 @@
+// shardlib/shard/reduce.hpp — gradient reduction: a unit's full local gradients
+// averaged across ranks into the gradients its optimizer steps, as the policy says.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/comm/communicator.hpp"
+#include "shardlib/shard/precision.hpp"
+#include "shardlib/shard/space_ops.hpp"
+#include "shardlib/shard/strategy.hpp"
+
+#include <span>         // std::span
+#include <type_traits>  // std::is_same_v
+#include <vector>       // std::vector, std::erase_if
+
+namespace shardlib::shard {
+
+// policy.reduce picks the collective:
+//   all_reduce       the full gradients (u.grad, which layers write) averaged in place
+//   reduce_scatter   u.full_grad averaged into this rank's shard of u.grad, over the shard group
+//   hierarchical     reduce_scatter, then the shard averaged across the replica groups
+// and the reduce dtype and the layers' dtype the buffers:
+//   same dtype (fp32 layers and reduction, or 16-bit both)
+//                    sent as they are; received in u.grad when it holds nothing yet,
+//                    else (or when 16-bit) in scratch, added (widened) after
+//   16-bit layers, fp32 reduction
+//                    widened into scratch.wide first
+//   fp32 layers, 16-bit reduction (host)
+//                    narrowed in place, received in the first half of scratch.reduce
+// At most one unit's reduction is in flight while the next unit computes.
+template <class Unit, class T, class C, class Space, class Comm>
+class gradient_reducer {
+  using ops = space_ops<Space>;
+  using unit_type = Unit;
+  static constexpr bool compute16 = !std::is_same_v<C, T>;
+  static constexpr bool on_host = std::is_same_v<Space, host_space>;
+
+ public:
+  gradient_reducer(const policy& p, const mixed_precision& m) : policy_(p), precision_(m) {}
+  // HybridShard's replica group (the ranks that hold the same shard), for hierarchical reduction.
+  void set_replicas(Comm* replicas) { replicas_ = replicas; }
+
+  void issue(unit_type& u, Comm& shard_group, Comm& world) {
+    finish_all_except(&u);
+    const dtype rd = precision_.reduce;
+    if (policy_.reduce == reduction::all_reduce) {
+      auto full = u.grad->local();
+      if (rd == dtype::f32) {
+        u.reduce_work = world.all_reduce_async(std::span<const T>(full), full, comm::reduce_op::avg);
+      } else if constexpr (on_host && !compute16) {
+        with_16bit(rd, [&](auto h) {
+          using H = decltype(h);
+          auto g = narrow_in_place<H>(full);
+          u.reduce_work = world.all_reduce_async(std::span<const H>(g), g, comm::reduce_op::avg);
+        });
+      }
+    } else if (compute16 && rd != dtype::f32) {
+      u.scratch.narrow = Buffer<C, Space>(u.grad->local().size(), category::comm_scratch);
+      u.reduce_work = shard_group.reduce_scatter_async(std::span<const C>(u.full_grad.span()), u.scratch.narrow.span(),
+                                                       comm::reduce_op::avg);
+    } else {
+      std::span<const T> send;
+      if constexpr (compute16) {
+        u.scratch.wide = Buffer<T, Space>(u.full_grad.size(), category::comm_scratch);
+        ops::widen_add(std::span<const C>(u.full_grad.span()), u.scratch.wide.span(), true);
+        release_full_grad(u);
+        send = u.scratch.wide.span();
+      } else {
+        send = std::span<const T>(u.full_grad.span());
+      }
+      auto into = u.grad->local();
+      if (!u.grad_clean || (!compute16 && rd != dtype::f32)) {
+        u.scratch.reduce = Buffer<T, Space>(into.size(), category::comm_scratch);
+        into = u.scratch.reduce.span();
+      }
+      if (rd == dtype::f32 || compute16) {
+        u.reduce_work = shard_group.reduce_scatter_async(send, into, comm::reduce_op::avg);
+      } else if constexpr (on_host && !compute16) {
+        with_16bit(rd, [&](auto h) {
+          using H = decltype(h);
+          auto narrow = narrow_in_place<H>(u.full_grad.span());
+          std::span<H> recv(reinterpret_cast<H*>(into.data()), into.size());
+          u.reduce_work = shard_group.reduce_scatter_async(std::span<const H>(narrow), recv, comm::reduce_op::avg);
+        });
+      }
+    }
+    u.reducing = true;
+    in_flight_.push_back(&u);
+  }
+
+  void finish(unit_type& u) {
+    if (!u.reducing) return;
+    u.reduce_work.wait();
+    u.reducing = false;
+    const dtype rd = precision_.reduce;
+    if (policy_.reduce == reduction::all_reduce) {
+      if constexpr (on_host && !compute16)
+        if (rd != dtype::f32) with_16bit(rd, [&](auto h) { widen_in_place<decltype(h)>(u.grad->local()); });
+    } else {
+      const bool widened = !u.scratch.wide.empty();  // full gradients released when widened
+      u.scratch.wide.reset();
+      if (!u.scratch.narrow.empty()) {
+        ops::widen_add(std::span<const C>(u.scratch.narrow.span()), u.grad->local(), u.grad_clean);
+        u.scratch.narrow.reset();
+      }
+      if (!u.scratch.reduce.empty()) {
+        if constexpr (on_host && !compute16)
+          if (rd != dtype::f32) with_16bit(rd, [&](auto h) { widen_in_place<decltype(h)>(u.scratch.reduce.span()); });
+        ops::add(std::span<const T>(u.scratch.reduce.span()), u.grad->local(), u.grad_clean);
+        u.scratch.reduce.reset();
+      }
+      if (!widened) release_full_grad(u);
+      if (policy_.reduce == reduction::hierarchical) replicas_->all_reduce(u.grad->local(), comm::reduce_op::avg);
+    }
+    u.grad_clean = false;
+  }
+
+  // Waits for every reduction in flight but `keep`'s (null: all of them).
+  void finish_all_except(const unit_type* keep) {
+    for (auto* u : in_flight_)
+      if (u != keep) finish(*u);
+    std::erase_if(in_flight_, [](const unit_type* u) { return !u->reducing; });
+  }
+  // Waits for every reduction in flight, whatever happens to the results: a rank
+  // that fails mid-step must not free buffers a collective still writes.
+  void drain() noexcept {
+    for (auto* u : in_flight_)
+      if (u->reducing) {
+        try {
+          u->reduce_work.wait();
+        } catch (...) {
+        }
+        u->reducing = false;
+      }
+    in_flight_.clear();
+  }
+
+ private:
+  // Full gradients are dropped once reduced when gradients are sharded; kept,
+  // zeroed, for the next backward when they are not (ZeRO-1).
+  void release_full_grad(unit_type& u) {
+    if (policy_.shard_gradients) u.full_grad.reset();
+    else ops::fill(u.full_grad.span(), C(0));
+  }
+
+  policy policy_;
+  mixed_precision precision_;
+  Comm* replicas_ = nullptr;
+  std::vector<unit_type*> in_flight_;
+};
+
+}  // namespace shardlib::shard
