@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "support/gradcheck.hpp"
+#include "support/compare.hpp"
 
 using namespace shardlib;
 using namespace shardlib::nn;
@@ -212,8 +213,8 @@ TEST_CASE("MultiheadAttention forward matches a naive reference", "[nn][attentio
       REQUIRE(y.shape() == x.shape());
       const auto want = reference_attention([&](std::string_view p) { return owner.value(p); }, x, H, batch_first,
                                             ctx.key_padding_mask());
-      double worst = 0;
-      for (std::int64_t i = 0; i < y.numel(); ++i) worst = std::max(worst, std::abs(y[i] - want[std::size_t(i)]));
+      test_support::max_error worst;  // NaN and infinities count as +inf
+      for (std::int64_t i = 0; i < y.numel(); ++i) worst.absolute(y[i], want[std::size_t(i)]);
       CHECK(worst < 1e-12);
       if (masked)  // all keys masked: zero weights, so the output is out_proj.bias
         for (std::int64_t l = 0; l < L; ++l)
@@ -367,8 +368,8 @@ TEST_CASE("TransformerEncoderLayer forward matches a naive reference", "[nn][att
         const auto y = layer.forward(ctx, x);
         const auto want = reference_encoder(owner, x, o, ctx.key_padding_mask());
         REQUIRE(y.shape() == x.shape());
-        double worst = 0;
-        for (std::int64_t i = 0; i < y.numel(); ++i) worst = std::max(worst, std::abs(y[i] - want[std::size_t(i)]));
+        test_support::max_error worst;  // NaN and infinities count as +inf
+        for (std::int64_t i = 0; i < y.numel(); ++i) worst.absolute(y[i], want[std::size_t(i)]);
         CHECK(worst < 1e-12);
       }
 }

@@ -1,6 +1,7 @@
 // ops::gemm through the configured backend (oneDNN, OpenBLAS or Eigen) on shapes
 // large enough to leave the small-product path, against a double-precision loop.
 #include "shardlib/ops/gemm.hpp"
+#include "support/compare.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -31,7 +32,7 @@ TEST_CASE("gemm matches a float64 reference for every transpose, beta and leadin
           c[i] = beta == 0 ? std::numeric_limits<float>::quiet_NaN() : value(std::int64_t(i), 3);
         const auto c0 = c;
         ops::gemm(ta, tb, m, n, k, 1.5f, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
-        double worst = 0;
+        test_support::max_error worst;  // NaN and infinities count as +inf
         for (std::int64_t i = 0; i < m; ++i)
           for (std::int64_t j = 0; j < n; ++j) {
             double want = beta == 0 ? 0.0 : double(beta) * c0[i * ldc + j];
@@ -40,7 +41,7 @@ TEST_CASE("gemm matches a float64 reference for every transpose, beta and leadin
               const double bv = tb == ops::trans::no ? b[p * ldb + j] : b[j * ldb + p];
               want += 1.5 * av * bv;
             }
-            worst = std::max(worst, std::abs(c[i * ldc + j] - want) / std::max(1.0, std::abs(want)));
+            worst.relative(c[i * ldc + j], want, 1.0);
           }
         // fp32 products summed over k = 66 terms: error ~ k * 2^-24 relative to the
         // magnitudes summed (~1e-5 here); 1e-4 bounds it for any summation order.

@@ -16,6 +16,7 @@
 #include "shardlib/optim/optimizer.hpp"
 #include "shardlib/optim/schedule.hpp"
 #include "shardlib/optim/sgd.hpp"
+#include "support/compare.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -161,24 +162,25 @@ const std::vector<variant_case>& variants() {
 // max_i |a_i - b_i| / max_i |b_i|
 double normwise_error(const std::vector<double>& a, const std::vector<double>& b) {
   REQUIRE(a.size() == b.size());
-  double diff = 0, scale = 0;
+  test_support::max_error diff;  // NaN and infinities count as +inf
+  double scale = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, std::abs(a[i] - b[i]));
-    scale = std::max(scale, std::abs(b[i]));
+    diff.absolute(a[i], b[i]);
+    scale = std::max(scale, std::abs(b[i]));  // finite when diff is
   }
-  return scale > 0 ? diff / scale : diff;
+  return scale > 0 ? diff.value() / scale : diff.value();
 }
 
 // Every array of `expected` against the same key of `actual`; returns the worst error.
 double worst_error(const trajectory& actual, const trajectory& expected) {
   REQUIRE(actual.size() == expected.size());
-  double worst = 0;
+  test_support::max_error worst;
   for (const auto& [key, values] : expected) {
     INFO(key);
     REQUIRE(actual.count(key) == 1);
-    worst = std::max(worst, normwise_error(actual.at(key), values));
+    worst.add(normwise_error(actual.at(key), values));
   }
-  return worst;
+  return worst.value();
 }
 
 // --- the golden file (format in make_optim_goldens.py) -----------------------------------------

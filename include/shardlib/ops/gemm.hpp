@@ -15,7 +15,12 @@
 // definition on shardlib::shardlib. Without one, Eigen's own kernels need nothing.
 #if defined(SHARDLIB_GEMM_ONEDNN)
 #include <oneapi/dnnl/dnnl.h>
+#if __has_include(<omp.h>)
 #include <omp.h>  // omp_set_num_threads: see float_gemm
+#else  // Clang without its OpenMP headers (Debian: libomp-dev) cannot see GCC's omp.h
+extern "C" int omp_get_max_threads();    // the OpenMP runtime's C functions, from the
+extern "C" void omp_set_num_threads(int);  // runtime oneDNN links (cmake/FindoneDNN.cmake)
+#endif
 #elif defined(SHARDLIB_GEMM_OPENBLAS)
 #include <cblas.h>
 #endif
