@@ -95,9 +95,11 @@ Net make_net() { return Net{nn::Linear<float>(6, 8), GatedMLP<float>(8, 12), nn:
 }  // namespace
 
 // The user's layer as a FullShard unit on W ranks, each with its rows of the global
-// batch, against one process training on the whole batch. Tolerance 1e-5 relative
-// (floor 1e-3): the ranks' partial gradients are averaged in another order, a float
-// rounding difference (observed ~1e-7).
+// batch, against one process training on the whole batch. Tolerance 1e-5 relative to
+// max(|want|, lr): the ranks' partial gradients are averaged in another order, a float
+// rounding difference, and Adam moves every parameter by about lr whatever its
+// gradient's scale, so a parameter near zero is compared against lr (as in
+// test_checkpoint).
 TEST_CASE("GatedMLP trains sharded (FullShard, W = 2 and 4) as it trains unsharded", "[nn][custom_layer][shard]") {
   constexpr int steps = 10;
   constexpr std::int64_t global = 8;
@@ -137,7 +139,7 @@ TEST_CASE("GatedMLP trains sharded (FullShard, W = 2 and 4) as it trains unshard
     INFO("world " << world);
     REQUIRE(got.size() == want.size());
     test_support::max_error worst;  // NaN and infinities count as +inf
-    worst.relative(got, want, 1e-3);
+    worst.relative(got, want, 1e-2);
     CHECK(worst <= 1e-5);
   }
 }

@@ -318,6 +318,26 @@ TEST_CASE("ranks wrapping different models raise on every rank, naming the param
   CHECK_THAT(errors[1], Catch::Contains("differs between ranks 0 and 1") && Catch::Contains("'2.weight' [4, 8]"));
 }
 
+// Replicas start from their own draws of (seed, name, index): different seeds would
+// leave NoShard's replicas different for good (0.87 apart after 3 steps, before this check).
+TEST_CASE("ranks wrapping with different seeds raise on every rank, naming the seed", "[shard][structure]") {
+  for (bool replicated : {true, false}) {
+    std::vector<std::string> errors(2);
+    comm::launch(2, [&](comm::ThreadComm& c) {
+      Model m = make_model();
+      const shard::options o{.wrap = shard::wrap_types<Block>{}, .seed = std::uint64_t(c.rank() == 0 ? 1 : 2)};
+      try {
+        if (replicated) auto model = shard::fully_shard<sgd>(m, c, shard::NoShard{}, o);
+        else auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{}, o);
+      } catch (const error& e) {
+        errors[c.rank()] = e.what();
+      }
+    });
+    for (int r = 0; r < 2; ++r)
+      CHECK_THAT(errors[r], Catch::Contains(cat("rank ", r, ": the model differs between ranks 0 and 1 at options.seed")));
+  }
+}
+
 namespace {
 // Two micro-batches per step: the first without synchronising (only local
 // accumulation) unless `sync_each`, the second synchronising everything.
