@@ -75,7 +75,7 @@ class executor {
       } catch (...) {
         failure = std::current_exception();
       }
-      j.state->finish(failure);
+      j.state->finish(std::move(failure));
       {
         std::lock_guard lock(m_);
         --pending_;

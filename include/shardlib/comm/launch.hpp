@@ -33,8 +33,12 @@ class rank_failure : public error {
 
 // Runs fn(ThreadComm&) on `world_size` threads, one per rank, each with its own
 // memory ledger. Returns when all ranks have returned. If any rank throws, the
-// others are woken out of any collective they wait in (they see comm_aborted),
-// and the first failure is re-raised here as rank_failure naming its rank.
+// others are woken out of any collective they wait in and refused any later one
+// (comm_aborted naming the rank), and the first failure is re-raised here as
+// rank_failure naming its rank. A rank's function has unwound (its buffers are
+// gone) before others are woken; a collective that completed, even with an
+// error, no longer reads this rank's buffers (ThreadComm), so unwinding only
+// needs to wait for what it issued.
 // fn may also take (ThreadComm&, ledger&) to read its rank's ledger afterwards.
 template <class Fn>
 void launch(int world_size, Fn&& fn) {
@@ -86,7 +90,8 @@ void launch(int world_size, Fn&& fn) {
           failure_is_consequence = consequence;
         }
       }
-      world->aborted.store(true);
+      int none = -1;
+      world->failed.compare_exchange_strong(none, r);  // the first rank to fail is the one others name
       world->wake_all();
     }
   };

@@ -41,14 +41,21 @@ struct world_state {
   explicit world_state(int n) : exited(n) {
     for (auto& e : exited) e.store(false);
   }
-  std::atomic<bool> aborted{false};
+  std::atomic<int> failed{-1};            // the first rank whose function threw, once one has
   std::vector<std::atomic<bool>> exited;  // rank has returned from the launched function
   std::mutex m;
   std::vector<std::weak_ptr<group>> groups;  // to wake their waiters
   void wake_all();
 };
 
-// The ranks of one communicator: posting slots and a barrier that can be broken.
+// The ranks of one communicator: posting slots and barriers. A collective enters
+// (every rank has posted its buffers), reads its peers' buffers, and leaves (no
+// peer reads this rank's buffers any more). Only entering can be abandoned: a rank
+// withdraws from an entry that has not completed, so that either every rank
+// passes it or none does, and whoever passes reaches the exits, which wait for
+// everyone whatever happens meanwhile (reading takes a bounded time). So a
+// collective that completes, normally or with an error, never leaves a peer
+// reading this rank's buffers, and its caller may free them.
 struct group {
   group(std::shared_ptr<world_state> w, std::vector<int> members)
       : world(std::move(w)), world_ranks(std::move(members)), posted(world_ranks.size(), 0) {
@@ -63,45 +70,67 @@ struct group {
   // rank has arrived at k + 1 and so finished reading k.
   std::vector<slot> slots[2];
   std::vector<std::uint64_t> posted;  // per rank: collectives posted so far
-  std::atomic<int> arrived{0};
-  std::atomic<unsigned> generation{0};
+  // Barrier: generation << 32 | ranks arrived, in one word, so that an arrival is
+  // withdrawn only while its barrier has not completed.
+  std::atomic<std::uint64_t> barrier{0};
   std::mutex m;
   std::condition_variable cv;
   int spin = 0;  // spin before sleeping only when every rank has a core
 
   int size() const { return int(world_ranks.size()); }
 
-  // Sense-counting barrier. It throws comm_aborted once any rank of the launch has
-  // failed, and comm_error when a member returned from its function while the
-  // others still wait (ranks issued different sequences of collectives).
-  void arrive_and_wait(int rank, const signature& what) {
-    const unsigned gen = generation.load(std::memory_order_acquire);
-    if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == size()) {
-      arrived.store(0, std::memory_order_relaxed);
-      generation.fetch_add(1, std::memory_order_release);
+  // Entry to a collective. Throws comm_aborted once a rank of the launch has
+  // failed, and comm_error once a member has returned from its function while the
+  // others still wait (the ranks issued different sequences of collectives).
+  void enter(int rank, const signature& what) {
+    if (broken()) abandon(rank, what);  // so a rank that withdrew never arrives again at the same barrier
+    const std::uint64_t arrival = barrier.fetch_add(1, std::memory_order_acq_rel) + 1;
+    if (await(arrival, true)) return;
+    for (std::uint64_t now = barrier.load(std::memory_order_acquire); generation(now) == generation(arrival);)
+      if (barrier.compare_exchange_weak(now, now - 1, std::memory_order_acq_rel, std::memory_order_acquire))
+        abandon(rank, what);
+    // the barrier completed before the withdrawal: every rank is in
+  }
+  // Exit from a collective's reading phase.
+  void leave() { await(barrier.fetch_add(1, std::memory_order_acq_rel) + 1, false); }
+
+ private:
+  static std::uint64_t generation(std::uint64_t b) { return b >> 32; }
+  int first_exited() const {
+    for (int r = 0; r < size(); ++r)
+      if (world->exited[world_ranks[r]].load()) return r;
+    return -1;
+  }
+  bool broken() const { return world->failed.load() >= 0 || first_exited() >= 0; }
+
+  [[noreturn]] void abandon(int rank, const signature& what) const {
+    if (const int f = world->failed.load(); f >= 0)
+      throw comm_aborted(cat("rank ", rank, ": ", describe(what), " abandoned: rank ", f, " failed"));
+    throw comm_error(cat("rank ", rank, ": ", describe(what), " waits for rank ", first_exited(),
+                         ", which has already returned: the ranks issued different sequences of collectives"));
+  }
+
+  // Waits until the barrier of `arrival` (the value this rank's arrival made)
+  // completes, or, when abortable, the launch breaks; returns whether it completed.
+  // The last arrival completes it, unless a withdrawal came first.
+  bool await(std::uint64_t arrival, bool abortable) {
+    const std::uint64_t gen = generation(arrival);
+    if ((arrival & 0xffffffffu) == std::uint64_t(size()) &&
+        barrier.compare_exchange_strong(arrival, (gen + 1) << 32, std::memory_order_acq_rel)) {
       { std::lock_guard lock(m); }  // a sleeper between its check and its wait sees the change
       cv.notify_all();
-      return;
+      return true;
     }
+    auto passed = [&] { return generation(barrier.load(std::memory_order_acquire)) != gen; };
     for (int i = 0; i < spin; ++i) {
-      if (generation.load(std::memory_order_acquire) != gen) return;
+      if (passed()) return true;
 #if defined(__x86_64__)
       __builtin_ia32_pause();
 #endif
     }
     std::unique_lock lock(m);
-    auto broken = [&] { return world->aborted.load() || first_exited() >= 0; };
-    cv.wait(lock, [&] { return generation.load(std::memory_order_acquire) != gen || broken(); });
-    if (generation.load(std::memory_order_acquire) != gen) return;
-    if (world->aborted.load()) throw comm_aborted(cat("rank ", rank, ": ", describe(what), " abandoned: another rank failed"));
-    throw comm_error(cat("rank ", rank, ": ", describe(what), " waits for rank ", first_exited(),
-                         ", which has already returned: the ranks issued different sequences of collectives"));
-  }
-
-  int first_exited() const {
-    for (int r = 0; r < size(); ++r)
-      if (world->exited[world_ranks[r]].load()) return r;
-    return -1;
+    cv.wait(lock, [&] { return passed() || (abortable && broken()); });
+    return passed();
   }
 };
 
@@ -132,7 +161,7 @@ class ThreadComm {
 
   void barrier() {
     exec_->drain();
-    post_and_meet({detail::op_kind::barrier});
+    post_and_enter({detail::op_kind::barrier});
   }
 
   template <Element T>
@@ -188,7 +217,7 @@ class ThreadComm {
     slots[rank_].color = color;
     slots[rank_].key = key;
     slots[rank_].made = nullptr;
-    post_and_meet({detail::op_kind::split});
+    post_and_enter({detail::op_kind::split});
     std::vector<int> members;  // group ranks of this color, in new-rank order
     for (int r = 0; r < size(); ++r)
       if (slots[r].color == color) members.push_back(r);
@@ -201,25 +230,25 @@ class ThreadComm {
       std::lock_guard lock(g_->world->m);
       g_->world->groups.push_back(slots[rank_].made);
     }
-    meet({detail::op_kind::split});
+    g_->leave();
     return ThreadComm(slots[members[0]].made, new_rank, exec_);
   }
 
  private:
-  void meet(const detail::signature& sig) { g_->arrive_and_wait(rank_, sig); }
-
   std::vector<detail::slot>& next_slots() { return g_->slots[g_->posted[rank_] % 2]; }
   const std::vector<detail::slot>& peers() const { return g_->slots[(g_->posted[rank_] - 1) % 2]; }
 
-  // Posts this rank's signature, waits for all, and checks that all agree; on a
-  // mismatch every rank sees the same slots and raises the same error.
-  void post_and_meet(const detail::signature& sig, const void* send = nullptr, void* recv = nullptr) {
+  // Posts this rank's signature, enters with all, and checks that all agree; on a
+  // mismatch every rank sees the same slots and raises the same error, before
+  // anyone reads. From here to the collective's last leave() nothing may throw:
+  // every peer waits there for this rank.
+  void post_and_enter(const detail::signature& sig, const void* send = nullptr, void* recv = nullptr) {
     auto& mine = next_slots()[rank_];
     mine.sig = sig;
     mine.send = send;
     mine.recv = recv;
     ++g_->posted[rank_];
-    meet(sig);
+    g_->enter(rank_, sig);
     const auto& slots = peers();
     for (int r = 1; r < size(); ++r)
       if (!(slots[r].sig == slots[0].sig)) throw detail::disagreement(rank_, slots[0].sig, r, slots[r].sig);
@@ -230,14 +259,14 @@ class ThreadComm {
     const std::size_t n = send.size();
     require<shape_error>(recv.size() == n * size(), "rank ", rank_, ": all_gather of ", n, " elements per rank over ",
                          size(), " ranks needs a receive buffer of ", n * size(), ", got ", recv.size());
-    post_and_meet({detail::op_kind::all_gather, dtype_of<T>, n}, send.data(), recv.data());
+    post_and_enter({detail::op_kind::all_gather, dtype_of<T>, n}, send.data(), recv.data());
     for (int i = 0; i < size(); ++i) {
       const int r = (rank_ + i) % size();  // start at a different peer on each rank
       T* dst = recv.data() + r * n;
       const T* src = static_cast<const T*>(peers()[r].send);
       if (dst != src && n) std::memcpy(dst, src, n * sizeof(T));
     }
-    meet({detail::op_kind::all_gather});
+    g_->leave();
   }
 
   template <class T>
@@ -246,11 +275,12 @@ class ThreadComm {
     require<shape_error>(send.size() == n * size(), "rank ", rank_, ": reduce_scatter to ", n,
                          " elements per rank over ", size(), " ranks needs a send buffer of ", n * size(), ", got ",
                          send.size());
-    post_and_meet({detail::op_kind::reduce_scatter, dtype_of<T>, n, op}, send.data(), recv.data());
+    check_reducible(op, dtype_of<T>);
     std::vector<const T*> srcs(size());
+    post_and_enter({detail::op_kind::reduce_scatter, dtype_of<T>, n, op}, send.data(), recv.data());
     for (int r = 0; r < size(); ++r) srcs[r] = static_cast<const T*>(peers()[r].send) + rank_ * n;
     reduce_into(recv.data(), std::span<const T* const>(srcs), n, op);
-    meet({detail::op_kind::reduce_scatter});
+    g_->leave();
   }
 
   // Reduce-scatter then all-gather over shared memory: rank r reduces range r of
@@ -260,30 +290,31 @@ class ThreadComm {
     const std::size_t n = send.size();
     require<shape_error>(recv.size() == n, "rank ", rank_, ": all_reduce of ", n,
                          " elements needs a receive buffer of the same size, got ", recv.size());
-    post_and_meet({detail::op_kind::all_reduce, dtype_of<T>, n, op}, send.data(), recv.data());
+    check_reducible(op, dtype_of<T>);
+    std::vector<const T*> srcs(size());
+    post_and_enter({detail::op_kind::all_reduce, dtype_of<T>, n, op}, send.data(), recv.data());
     auto range = [&](int r) { return std::pair{n * r / size(), n * (r + 1) / size()}; };
     auto [lo, hi] = range(rank_);
-    std::vector<const T*> srcs(size());
     for (int r = 0; r < size(); ++r) srcs[r] = static_cast<const T*>(peers()[r].send) + lo;
     reduce_into(recv.data() + lo, std::span<const T* const>(srcs), hi - lo, op);
-    meet({detail::op_kind::all_reduce});
+    g_->leave();
     for (int i = 1; i < size(); ++i) {
       const int r = (rank_ + i) % size();
       auto [a, b] = range(r);
       if (b > a) std::memcpy(recv.data() + a, static_cast<const T*>(peers()[r].recv) + a, (b - a) * sizeof(T));
     }
-    meet({detail::op_kind::all_reduce});
+    g_->leave();
   }
 
   template <class T>
   void do_broadcast(std::span<T> data, int root) {
     require<comm_error>(root >= 0 && root < size(), "rank ", rank_, ": broadcast root ", root, " is not a rank of ",
                         size());
-    post_and_meet({detail::op_kind::broadcast, dtype_of<T>, data.size(), reduce_op::sum, root}, data.data(),
-                  data.data());
+    post_and_enter({detail::op_kind::broadcast, dtype_of<T>, data.size(), reduce_op::sum, root}, data.data(),
+                   data.data());
     if (rank_ != root && !data.empty())
       std::memcpy(data.data(), peers()[root].send, data.size() * sizeof(T));
-    meet({detail::op_kind::broadcast});
+    g_->leave();
   }
 
   std::shared_ptr<detail::group> g_;

@@ -19,10 +19,13 @@ struct work_state {
   std::mutex m;
   std::condition_variable cv;
 
+  // Takes the worker's only reference to the error: the thread that rethrows it
+  // then releases it last (ThreadSanitizer cannot see exception_ptr's reference
+  // count, so a release on the worker after the catch reads as a race).
   void finish(std::exception_ptr e = nullptr) {
     {
       std::lock_guard lock(m);
-      failure = e;
+      failure = std::move(e);
       done.store(true, std::memory_order_release);
     }
     cv.notify_all();

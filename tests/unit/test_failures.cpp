@@ -1,0 +1,198 @@
+// Failures mid-step: a rank that throws — in a layer's forward or backward, in its
+// optimizer's step, or while saving a checkpoint — leaves every other rank with an
+// error naming it, for every strategy and prefetch depth, and no rank touches the
+// buffers of a rank that has gone (run under the asan preset to see that). Misuse
+// (backward twice) raises instead of crashing.
+#include "shardlib/comm/launch.hpp"
+#include "shardlib/io/checkpoint.hpp"
+#include "shardlib/nn/linear.hpp"
+#include "shardlib/nn/sequential.hpp"
+#include "shardlib/nn/stack.hpp"
+#include "shardlib/optim/sgd.hpp"
+#include "shardlib/shard/sharded_model.hpp"
+#include "support/shard_fixture.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cerrno>
+#include <filesystem>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+using namespace shardlib;
+
+namespace {
+
+enum class failure_point { forward, backward, step, checkpoint };
+constexpr const char* point_names[] = {"forward", "backward", "step", "checkpoint"};
+
+// A Linear that throws in forward or backward once armed (on the failing rank only).
+struct tripwire : nn::Linear<float> {
+  using nn::Linear<float>::Linear;
+  std::optional<failure_point> armed;
+
+  template <class Ctx>
+  output forward(Ctx& ctx, const input& x) {
+    if (armed == failure_point::forward) throw std::runtime_error("tripwire: forward");
+    return nn::Linear<float>::forward(ctx, x);
+  }
+  template <class Ctx>
+  input backward(Ctx& ctx, const output& dy) {
+    if (armed == failure_point::backward) throw std::runtime_error("tripwire: backward");
+    return nn::Linear<float>::backward(ctx, dy);
+  }
+};
+using Model = nn::Sequential<nn::Linear<float>, nn::Stack<tripwire>, nn::Linear<float>>;
+Model make_model() {
+  return Model{nn::Linear<float>(5, 8), nn::Stack<tripwire>(3, tripwire(8, 8)), nn::Linear<float>(8, 3)};
+}
+
+constexpr int world = 4;
+
+template <class F>
+void for_each_strategy(F&& f) {
+  f(shard::FullShard{});
+  f(shard::ShardGradOp{});
+  f(shard::ShardOptimizer{});
+  f(shard::NoShard{});
+  f(shard::HybridShard{.group_size = 2});
+}
+
+// Trains 3 steps on `world` ranks; in step 1 rank `failing` fails at `where`, after a
+// first step has recorded the order (so later gathers are prefetched). Returns each
+// rank's error message.
+template <class Strategy>
+std::vector<std::string> fail_once(Strategy strategy, int prefetch, failure_point where, int failing) {
+  const auto dir = std::filesystem::temp_directory_path() / cat("shardlib_test_failures_", ::getpid());
+  std::vector<std::string> errors(world);
+  try {
+    comm::launch(world, [&](comm::ThreadComm& c) {
+      Model m = make_model();
+      auto model = shard::fully_shard<optim::SGD>(
+          m, c, strategy, {.wrap = shard::wrap_types<tripwire>{}, .seed = 42, .prefetch = prefetch});
+      optim::SGD opt{{.lr = 0.05}};
+      const bool fails = c.rank() == failing;
+      try {
+        for (int s = 0; s < 3; ++s) {
+          if (s == 1 && fails) {
+            if (where == failure_point::step) opt.options.lr = -1;  // SGD::step refuses it
+            if (where == failure_point::forward || where == failure_point::backward) m.get<1>()[1].armed = where;
+          }
+          auto x = fixture::batch(s, 2, 5, 1, 2 * c.rank()), y = fixture::batch(s, 2, 3, 2, 2 * c.rank());
+          model.train_step(opt, x, y, fixture::mse);
+          if (s == 1 && where == failure_point::checkpoint)
+            io::save_checkpoint(dir, model, opt, {.write_hook = [&](const io::write_event& e) {
+                                  return e.rank == failing ? ENOSPC : 0;
+                                }});
+        }
+      } catch (const std::exception& e) {
+        errors[std::size_t(c.rank())] = e.what();
+        throw;
+      }
+    });
+    FAIL("launch returned although rank " << failing << " failed");
+  } catch (const comm::rank_failure& e) {
+    // Checkpoint errors are raised on every rank alike; otherwise the others' are consequences.
+    if (where != failure_point::checkpoint) CHECK(e.rank() == failing);
+  }
+  std::filesystem::remove_all(dir);
+  return errors;
+}
+
+// Every strategy and prefetch depth, failing at `where`: the failing rank sees its
+// own error, every other rank one that names it.
+void check_failure(failure_point where) {
+  for_each_strategy([&](auto s) {
+    for (int prefetch : {0, 1, 2}) {
+      const int failing = where == failure_point::checkpoint ? 0 : 2;  // rank 0 writes in every strategy
+      INFO(decltype(s)::name << ", prefetch " << prefetch << ", rank " << failing << " fails in "
+                             << point_names[int(where)]);
+      const auto errors = fail_once(s, prefetch, where, failing);
+      const char* own = where == failure_point::step         ? "SGD: invalid learning rate"
+                        : where == failure_point::checkpoint ? "No space left"
+                                                             : "tripwire";
+      for (int r = 0; r < world; ++r) {
+        INFO("rank " << r << ": " << errors[std::size_t(r)]);
+        CHECK_THAT(errors[std::size_t(r)],
+                   Catch::Contains(r == failing ? std::string(own) : cat("rank ", failing, " failed")));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TEST_CASE("a rank whose layer throws in forward is named in every other rank's error", "[failures]") {
+  check_failure(failure_point::forward);
+}
+TEST_CASE("a rank whose layer throws in backward is named in every other rank's error", "[failures]") {
+  check_failure(failure_point::backward);
+}
+TEST_CASE("a rank whose optimizer step throws is named in every other rank's error", "[failures]") {
+  check_failure(failure_point::step);
+}
+TEST_CASE("a rank whose checkpoint write fails is named in every other rank's error", "[failures]") {
+  check_failure(failure_point::checkpoint);
+}
+
+TEST_CASE("collectives queued when a rank fails all raise naming it and none completes without it",
+          "[failures][comm]") {
+  // The others' workers hold three all-gathers each; the first waits for rank 0,
+  // which never posts. Each must end with an error naming rank 0: none may count a
+  // withdrawn arrival and run with stale posts (rank 0's slots hold nothing).
+  std::vector<std::vector<std::string>> errors(world);
+  auto body = [&](comm::ThreadComm& c) {
+    if (c.rank() == 0) throw std::runtime_error("rank 0 fails at once");
+    std::vector<float> send(16, float(c.rank())), recv(16 * world);
+    std::vector<comm::work> works;
+    for (int i = 0; i < 3; ++i)
+      works.push_back(c.all_gather_async(std::span<const float>(send), std::span<float>(recv)));
+    for (auto& w : works) {
+      try {
+        w.wait();
+        errors[std::size_t(c.rank())].push_back("completed");
+      } catch (const comm_error& e) {
+        errors[std::size_t(c.rank())].push_back(e.what());
+      }
+    }
+  };
+  CHECK_THROWS_AS(comm::launch(world, body), comm::rank_failure);
+  for (int r = 1; r < world; ++r) {
+    REQUIRE(errors[std::size_t(r)].size() == 3);
+    for (const auto& e : errors[std::size_t(r)]) CHECK_THAT(e, Catch::Contains("abandoned: rank 0 failed"));
+  }
+}
+
+TEST_CASE("backward twice without a forward raises on every rank and leaves the model usable", "[failures][misuse]") {
+  for_each_strategy([](auto s) {
+    INFO(decltype(s)::name);
+    std::vector<std::string> errors(world);
+    auto run = [&] {
+      comm::launch(world, [&](comm::ThreadComm& c) {
+        fixture::Model m = fixture::make_model();  // every Linear a unit, the last one too
+        auto model = shard::fully_shard<optim::SGD>(m, c, s, {.wrap = shard::wrap_types<fixture::Block>{}});
+        optim::SGD opt{{.lr = 0.05}};
+        auto x = fixture::batch(0, 2, 5, 1, 2 * c.rank()), y = fixture::batch(0, 2, 3, 2, 2 * c.rank());
+        model.train_step(opt, x, y, fixture::mse);  // records the order: a later backward would prefetch
+        auto l = fixture::mse(model.forward(x), y);
+        model.backward(l.grad);
+        try {
+          model.backward(l.grad);
+        } catch (const error& e) {
+          errors[std::size_t(c.rank())] = e.what();
+        }
+        model.step(opt);
+        model.train_step(opt, x, y, fixture::mse);
+        l = fixture::mse(model.forward(x), y);
+        model.backward(l.grad);
+        model.backward(l.grad);  // uncaught on every rank this time
+      });
+    };
+    CHECK_THROWS_WITH(run(), Catch::Contains("backward without a forward"));
+    for (int r = 0; r < world; ++r)
+      CHECK_THAT(errors[std::size_t(r)], Catch::Contains(cat("rank ", r, ": backward without a forward")));
+  });
+}
