@@ -109,9 +109,13 @@ inline void require_close(const std::vector<float>& got, const std::vector<float
   REQUIRE(excess < 0);
 }
 
+// NaN if any element is NaN (std::max would drop it).
 inline float max_abs(const std::vector<float>& v) {
   float m = 0;
-  for (float x : v) m = std::max(m, std::abs(x));
+  for (float x : v) {
+    if (std::isnan(x)) return x;
+    m = std::max(m, std::abs(x));
+  }
   return m;
 }
 
