@@ -10,6 +10,22 @@
 
 namespace shardlib::nn {
 
+// The batch's attention mask, with the meaning of torch's
+// scaled_dot_product_attention(attn_mask=...): a shape that broadcasts to
+// [batch, heads, queries, keys] (rank 2 to 4, aligned on the right, each
+// dimension equal or 1), either boolean (`allowed`: nonzero = the query may
+// attend to the key) or additive (`bias`: added to the scaled scores; -inf
+// forbids the pair). At most one of the two is set; both empty = no mask. The
+// additive mask is float whatever the layers' type (as the masks Hugging Face
+// builds; a double layer widens it exactly).
+struct attn_mask {
+  Tensor<std::uint8_t> allowed{};
+  Tensor<float> bias{};
+
+  bool empty() const { return allowed.empty() && bias.empty(); }
+  const Shape& shape() const { return allowed.empty() ? bias.shape() : allowed.shape(); }
+};
+
 // Composite layers call their children through the context, never directly:
 // ctx.forward(child, x) and ctx.backward(child, dy). The plain context just
 // calls the child; the sharded context (shard/) runs a unit's gather, bind,
@@ -17,7 +33,8 @@ namespace shardlib::nn {
 // Layers also ask the context whether they are training, for random numbers, and
 // for the batch's key-padding mask (side data of the batch, like torch's
 // src_key_padding_mask: [batch, sequence], nonzero = a padding position that
-// attention ignores as a key; empty = no padding).
+// attention ignores as a key; empty = no padding) and attention mask (attn_mask
+// above; decoder attention applies both).
 class context {
  public:
   struct options {
@@ -42,6 +59,11 @@ class context {
   void set_training(bool on) { o_.training = on; }
   const Tensor<std::uint8_t>& key_padding_mask() const { return mask_; }
   void set_key_padding_mask(Tensor<std::uint8_t> mask) { mask_ = std::move(mask); }
+  const attn_mask& attention_mask() const { return attn_; }
+  // A boolean mask (nonzero = may attend) or an additive one; each replaces the other.
+  void set_attention_mask(Tensor<std::uint8_t> allowed) { attn_ = {std::move(allowed), {}}; }
+  void set_attention_mask(Tensor<float> bias) { attn_ = {{}, std::move(bias)}; }
+  void clear_attention_mask() { attn_ = {}; }
   void set_step(std::uint64_t step) {
     o_.step = step;
     draws_ = 0;
@@ -58,6 +80,7 @@ class context {
   options o_{};
   std::uint64_t draws_ = 0;
   Tensor<std::uint8_t> mask_;
+  attn_mask attn_;
 };
 
 // Exactly what a layer may use of its context; the Layer concept checks layers
@@ -70,6 +93,7 @@ struct context_archetype {
   bool training() const;
   counter_rng random_stream();
   const Tensor<std::uint8_t>& key_padding_mask() const;
+  const attn_mask& attention_mask() const;
 };
 
 }  // namespace shardlib::nn

@@ -1,0 +1,163 @@
+// shardlib/nn/decoder_attention.hpp — what the decoder attention layers
+// (nn/gpt2_attention.hpp, nn/llama_attention.hpp) share: the KV cache and the
+// causal attention between their projections.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/rotary.hpp"
+#include "shardlib/nn/sdpa.hpp"
+
+#include <algorithm>    // std::copy_n
+#include <cstdint>      // std::int64_t
+#include <optional>     // std::optional
+#include <string>       // std::string
+#include <string_view>  // std::string_view
+#include <utility>      // std::move, std::pair
+
+namespace shardlib::nn {
+
+// The keys and values (after RoPE) of every position a layer has seen since the
+// last reset, for generating one step at a time: [batch, capacity, heads * dim]
+// each, allocated by the first append after a reset.
+template <class T>
+class kv_cache {
+ public:
+  explicit kv_cache(std::int64_t capacity) : capacity_(capacity) {
+    require(capacity > 0, "kv_cache: capacity (max_seq) must be positive, got ", capacity);
+  }
+
+  std::int64_t capacity() const { return capacity_; }
+  std::int64_t length() const { return length_; }
+  void reset() { length_ = 0; }
+
+  // Copies the s_new positions of k and v after the cached ones and returns
+  // views of all of them.
+  std::pair<head_view<T>, head_view<T>> append(const head_view<T>& k, const head_view<T>& v, std::string_view who) {
+    const std::int64_t B = k.batch, H = k.heads, D = k.dim, S = k.seq;
+    if (length_ == 0 && (k_.empty() || k_.dim(0) != B || k_.dim(2) != H * D)) {
+      k_ = Tensor<T>({B, capacity_, H * D});
+      v_ = Tensor<T>({B, capacity_, H * D});
+    }
+    require<shape_error>(k_.dim(0) == B && k_.dim(2) == H * D, who, ": the KV cache holds a batch of ", k_.dim(0),
+                         " and ", k_.dim(2), " key columns; this step has ", B, " and ", H * D,
+                         " (reset_kv_cache() before a new batch)");
+    require<shape_error>(length_ + S <= capacity_, who, ": the KV cache holds ", capacity_, " positions (max_seq); ",
+                         length_, " cached + ", S, " new exceed it");
+    const auto all = [&](const Tensor<T>& t) {
+      head_view<T> c = head_view<T>::rows(t.data(), B, length_ + S, H, D, H * D);
+      c.batch_stride = capacity_ * H * D;
+      return c;
+    };
+    const head_view<T> kc = all(k_), vc = all(v_);
+    for (std::int64_t n = 0; n < B; ++n)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t l = 0; l < S; ++l) {
+          std::copy_n(k.at(n, h) + l * k.row_stride, D, kc.at(n, h) + (length_ + l) * kc.row_stride);
+          std::copy_n(v.at(n, h) + l * v.row_stride, D, vc.at(n, h) + (length_ + l) * vc.row_stride);
+        }
+    length_ += S;
+    return {kc, vc};
+  }
+
+ private:
+  std::int64_t capacity_, length_ = 0;
+  Tensor<T> k_, v_;
+};
+
+namespace detail {
+// Causal self-attention between a decoder layer's projections and its output
+// projection: takes the context's masks, applies RoPE (when configured), runs
+// SDPA, keeps what backward needs, and owns the KV cache. The views passed to
+// forward must stay valid until backward (the layer keeps their tensors).
+template <class T>
+class decoder_attention {
+ public:
+  struct options {
+    std::int64_t heads = 1, kv_heads = 1, head_dim = 0;
+    double dropout = 0;
+    std::optional<rotary_options> rotary{};
+  };
+
+  decoder_attention(std::string name, const options& o) : name_(std::move(name)), o_(o) {
+    require<shape_error>(o.heads > 0 && o.kv_heads > 0 && o.heads % o.kv_heads == 0, name_,
+                         ": the number of heads (", o.heads, ") must be a positive multiple of the key/value heads (",
+                         o.kv_heads, ")");
+    require<shape_error>(o.head_dim > 0, name_, ": head_dim must be positive, got ", o.head_dim);
+    require<shape_error>(!o.rotary || o.head_dim % 2 == 0, name_, ": rotary embeddings need an even head_dim, got ",
+                         o.head_dim);
+    require(o.dropout >= 0 && o.dropout < 1, name_, ": attention dropout must be in [0, 1), got ", o.dropout);
+  }
+
+  const std::string& name() const { return name_; }
+
+  void enable_kv_cache(std::int64_t max_seq) { cache_.emplace(max_seq); }
+  void disable_kv_cache() { cache_.reset(); }
+  void reset_kv_cache() {
+    require(cache_.has_value(), name_, ": reset_kv_cache() needs enable_kv_cache(max_seq) first");
+    cache_->reset();
+  }
+  // Positions cached so far (0 without a cache).
+  std::int64_t kv_cache_length() const { return cache_ ? cache_->length() : 0; }
+
+  // out = attention of q over k, v (rows views of this forward's projections,
+  // [B, S, heads of head_dim]); q and k are rotated in place. With the cache on,
+  // the new positions follow the cached ones: RoPE and the causal rule are offset
+  // by the cached length and k, v are appended first.
+  template <class Ctx>
+  void forward(Ctx& ctx, const head_view<T>& q, const head_view<T>& k, const head_view<T>& v, const head_view<T>& out) {
+    require(!(cache_ && ctx.training()), name_,
+            ": the KV cache is for inference; forward with it on needs ctx.training() false (disable_kv_cache() to "
+            "train)");
+    const std::int64_t offset = kv_cache_length(), B = q.batch, S = q.seq;
+    if (o_.rotary) {
+      const rotary_table<T> table(*o_.rotary, offset, S);
+      table.apply(q);
+      table.apply(k);
+    }
+    sdpa_ = {.is_causal = true,
+             .query_offset = offset,
+             .scale = 0,
+             .dropout_p = o_.dropout,
+             .dropout = std::nullopt,
+             .key_padding_mask = ctx.key_padding_mask(),
+             .mask = ctx.attention_mask(),
+             .who = name_};
+    if (ctx.training() && o_.dropout > 0) sdpa_.dropout = ctx.random_stream();
+    auto [keys, values] = cache_ ? cache_->append(k, v, name_) : std::pair{k, v};
+    probs_ = Tensor<T>({B, o_.heads, S, keys.seq});
+    sdpa_forward(q, keys, values, out, probs_.data(), sdpa_);
+    if (cache_) {
+      probs_ = {};
+      return;
+    }
+    q_ = q;
+    k_ = k;
+    v_ = v;
+  }
+
+  // dq, dk, dv (views shaped as forward's q, k, v) from dout, overwritten.
+  void backward(const head_view<T>& dout, const head_view<T>& dq, const head_view<T>& dk, const head_view<T>& dv) {
+    require(!cache_, name_, ": backward with the KV cache on: the cache is for inference (disable_kv_cache() to train)");
+    require(!probs_.empty(), name_, ": backward needs a forward first");
+    sdpa_backward(dout, q_, k_, v_, probs_.data(), dq, dk, dv, sdpa_);
+    if (o_.rotary) {
+      const rotary_table<T> table(*o_.rotary, 0, q_.seq);
+      table.apply(dq, true);
+      table.apply(dk, true);
+    }
+    probs_ = {};
+  }
+
+ private:
+  std::string name_;
+  options o_;
+  std::optional<kv_cache<T>> cache_;
+  // Cached by forward for backward.
+  sdpa_options sdpa_;
+  head_view<T> q_, k_, v_;
+  Tensor<T> probs_;  // [B, heads, S, S]: the weights before dropout
+};
+}  // namespace detail
+
+}  // namespace shardlib::nn
