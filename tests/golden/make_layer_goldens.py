@@ -1,10 +1,18 @@
 #!/usr/bin/python3
 """Writes tests/golden/layers/<case>.<f64|f32>.safetensors: PyTorch's forward and
 backward of each nn primitive, a few losses and a small encoder classifier, which
-tests/unit/test_parity.cpp compares shardlib against. Run by hand (CI only reads
+tests/unit/test_parity.cpp compares shardlib against, and of the decoder layers
+(RMSNorm, SiLU, LLaMA's and GPT-2's MLPs, learned positions, token-level
+cross-entropy and a small stack of them), which tests/unit/test_decoder_layers.cpp
+compares (tests/support/golden.hpp lists every case). Run by hand (CI only reads
 the files), with Debian's CPU torch (apt-get install python3-torch python3-numpy):
 
-    /usr/bin/python3 tests/golden/make_layer_goldens.py
+    /usr/bin/python3 tests/golden/make_layer_goldens.py [CASE ...]
+
+Named cases only, or every case without arguments. Regenerate only the cases you
+add or change: torch's kernels differ by CPU, so another machine rewrites the
+other files with differences of a few ulps (seen: 1e-16 in float64 between two
+x86 machines).
 
 Each case builds its module in float64 with torch's default init, moves every
 parameter by U(-0.2, 0.2) (so zero biases and unit LayerNorm weights are
@@ -28,6 +36,7 @@ import copy
 import json
 import os
 import struct
+import sys
 import zlib
 
 import torch
@@ -36,11 +45,14 @@ from torch import nn
 
 D_MODEL, NHEAD, DIM_FF, SEQ, BATCH = 16, 4, 32, 5, 3
 VOCAB, CLASSES = 10, 4
+MAX_POSITIONS, POSITION_OFFSET = 8, 2  # positions 2..6 of 8
 LENGTHS = (5, 3, 4)  # of each padded sample: at least one key, where torch gives NaN (docs/parity.md)
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "layers")
 ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.int64: "I64", torch.uint8: "U8"}
 PRECISIONS = ((torch.float64, "f64"), (torch.float32, "f32"))
+ONLY = set(sys.argv[1:])  # the cases to write; empty = all
+WRITTEN = set()
 
 
 def write_safetensors(path, tensors, metadata):
@@ -74,6 +86,65 @@ def padding_mask():
     return torch.arange(SEQ).expand(BATCH, SEQ) >= torch.tensor(LENGTHS).unsqueeze(1)  # True = padding
 
 
+class RMSNorm(nn.Module):
+    """LLaMA's RMSNorm (torch 1.13 has none): weight * x / sqrt(mean(x^2) + eps)."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class LlamaMLP(nn.Module):
+    """LLaMA's feed-forward under Hugging Face's names: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim, inner):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inner, bias=False)
+        self.up_proj = nn.Linear(dim, inner, bias=False)
+        self.down_proj = nn.Linear(inner, dim, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GPT2MLP(nn.Module):
+    """GPT-2's feed-forward under Hugging Face's names, with nn.Linear where HF has
+    Conv1D (shardlib's weights are Linear's [out, in]): dropout(c_proj(gelu_tanh(c_fc(x))))."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.c_fc = nn.Linear(dim, 4 * dim)
+        self.c_proj = nn.Linear(4 * dim, dim)
+        self.act = nn.GELU(approximate="tanh")
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class PositionEmbedding(nn.Module):
+    """GPT-2's wpe added to hidden states [..., seq, D]: x + weight[offset : offset + seq]."""
+
+    def __init__(self, max_positions, dim, offset=0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(max_positions, dim))  # nn.Embedding's N(0, 1)
+        self.offset = offset
+
+    def forward(self, x):
+        return x + self.weight[self.offset:self.offset + x.shape[-2]]
+
+
+def token_cross_entropy(logits, target):
+    """F.cross_entropy over logits [batch, seq, vocab] and targets [batch, seq]
+    (torch wants the classes second), ignore_index -100 by default."""
+    return F.cross_entropy(logits.transpose(1, 2), target)
+
+
 class MeanPool(nn.Module):
     """shardlib's nn::MeanPool without a mask: x.mean(dim)."""
 
@@ -89,6 +160,9 @@ def emit(case, x, module=None, call=None, mask=None, target=None, loss=None, abo
     """Runs `module` (float64; None for a bare loss) on x as call(module, x, mask)
     in both precisions and writes the two files. With `loss`, the objective is
     loss(y, target); otherwise sum(y * r)."""
+    if ONLY and case not in ONLY:
+        return
+    WRITTEN.add(case)
     gen = generator(case)
     if module is not None:
         torch.manual_seed(zlib.crc32(case.encode()))  # torch's default init draws from the global stream
@@ -216,5 +290,39 @@ def main():
          target=lambda g: torch.randint(0, CLASSES, (BATCH,), generator=g), loss=F.cross_entropy)
 
 
+    decoder_cases()
+
+
+def decoder_cases():
+    emit("rms_norm", lambda g: 2 * batch_first_input(g) + 1, lambda: RMSNorm(D_MODEL), plain)
+    emit("silu", lambda g: 3 * batch_first_input(g), nn.SiLU, plain)
+    emit("llama_mlp", batch_first_input, lambda: LlamaMLP(D_MODEL, DIM_FF), plain)
+    emit("gpt2_mlp", batch_first_input, lambda: GPT2MLP(D_MODEL), plain)
+    emit("position_embedding_offset", batch_first_input,
+         lambda: PositionEmbedding(MAX_POSITIONS, D_MODEL, POSITION_OFFSET), plain)
+
+    def tokens(g):
+        return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+    def next_tokens(g):
+        t = tokens(g)
+        t[:, -1] = -100  # no next token after the last position
+        t[1, 1] = -100   # and one padding position inside a sequence
+        return t
+
+    emit("token_cross_entropy", lambda g: 2 * torch.randn(BATCH, SEQ, VOCAB, generator=g, dtype=torch.float64),
+         target=next_tokens, loss=token_cross_entropy,
+         about="F.cross_entropy(input.transpose(1, 2), target), ignore_index -100")
+
+    def decoder_stack():
+        return nn.Sequential(nn.Embedding(VOCAB, D_MODEL), PositionEmbedding(MAX_POSITIONS, D_MODEL),
+                             RMSNorm(D_MODEL), LlamaMLP(D_MODEL, DIM_FF), RMSNorm(D_MODEL), GPT2MLP(D_MODEL),
+                             nn.Linear(D_MODEL, VOCAB))
+
+    emit("decoder_stack", tokens, decoder_stack, plain, target=next_tokens, loss=token_cross_entropy)
+
+
 if __name__ == "__main__":
     main()
+    if ONLY - WRITTEN:
+        sys.exit(f"no such case: {', '.join(sorted(ONLY - WRITTEN))}")

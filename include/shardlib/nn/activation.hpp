@@ -1,5 +1,6 @@
-// shardlib/nn/activation.hpp — ReLU and GELU (torch.nn.ReLU, torch.nn.GELU), and the
-// per-element functions they are made of, shared with the CUDA kernels.
+// shardlib/nn/activation.hpp — ReLU, GELU and SiLU (torch.nn.ReLU, torch.nn.GELU,
+// torch.nn.SiLU), and the per-element functions they are made of, shared with the
+// CUDA kernels.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
@@ -50,6 +51,18 @@ SHARDLIB_HD T gelu_backward(T x, T dy, gelu_approx approx = gelu_approx::none) {
   return dy * (cdf + x * pdf);
 }
 
+// silu(x) = x sigmoid(x) (LLaMA's activation); for x -> -inf, exp(-x) -> inf and
+// both the value and the gradient go to 0 without a NaN.
+template <class T>
+SHARDLIB_HD T silu(T x) {
+  return x / (T(1) + std::exp(-x));
+}
+template <class T>
+SHARDLIB_HD T silu_backward(T x, T dy) {
+  const T s = T(1) / (T(1) + std::exp(-x));
+  return dy * s * (T(1) + x * (T(1) - s));  // silu'(x) = s (1 + x (1 - s))
+}
+
 namespace detail {
 // What the element-wise layers' two versions share (the host's below, the
 // device's in nn/cuda/activation.cuh): no parameters, GELU's approximation, and
@@ -86,6 +99,17 @@ Tensor<T> elementwise(const Tensor<T>& x, F f) {
   const std::int64_t n = x.numel();
   for (std::int64_t i = 0; i < n; ++i) yp[i] = f(xp[i]);
   return y;
+}
+// out[i] = f(a[i], b[i]) for two tensors of one shape (the gated product and the
+// sums of branch gradients in nn/feed_forward.hpp).
+template <class T, class F>
+Tensor<T> elementwise(const Tensor<T>& a, const Tensor<T>& b, F f) {
+  Tensor<T> out(a.shape());
+  const T *ap = a.data(), *bp = b.data();
+  T* op = out.data();
+  const std::int64_t n = a.numel();
+  for (std::int64_t i = 0; i < n; ++i) op[i] = f(ap[i], bp[i]);
+  return out;
 }
 template <class T, class F>
 Tensor<T> elementwise_backward(const char* layer, const Tensor<T>& x, const Tensor<T>& dy, F df) {
@@ -143,6 +167,31 @@ class GELU : public detail::gelu_base {
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
     input dx = detail::elementwise_backward("GELU", x_, dy, [a = approx_](T v, T g) { return gelu_backward(v, g, a); });
+    x_ = {};
+    return dx;
+  }
+
+ private:
+  input x_;  // cached for backward
+};
+
+// torch.nn.SiLU: y = x sigmoid(x).
+template <class T, class Space = host_space>
+class SiLU : public detail::activation_base {
+  static_assert(std::is_same_v<Space, host_space>, "nn::SiLU: a host layer only (no device version yet)");
+
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  template <class Ctx>
+  output forward(Ctx&, const input& x) {
+    x_ = x;
+    return detail::elementwise(x, [](T v) { return silu(v); });
+  }
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    input dx = detail::elementwise_backward("SiLU", x_, dy, [](T v, T g) { return silu_backward(v, g); });
     x_ = {};
     return dx;
   }

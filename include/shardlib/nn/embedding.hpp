@@ -1,14 +1,16 @@
-// shardlib/nn/embedding.hpp — Embedding: a lookup table of rows (torch.nn.Embedding).
+// shardlib/nn/embedding.hpp — Embedding: a lookup table of rows (torch.nn.Embedding);
+// PositionEmbedding: learned positions added to hidden states (GPT-2's wpe).
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/param.hpp"
 
-#include <algorithm>  // std::copy_n
-#include <array>      // std::array
-#include <cstdint>    // std::int64_t
-#include <span>       // std::span
+#include <algorithm>    // std::copy_n
+#include <array>        // std::array
+#include <cstdint>      // std::int64_t
+#include <span>         // std::span
+#include <type_traits>  // std::is_same_v
 
 namespace shardlib::nn {
 
@@ -92,6 +94,92 @@ class Embedding {
 
   std::int64_t num_, dim_;
   input ids_;  // cached for backward
+};
+
+// GPT-2's learned positions, h = wte(ids) + wpe(positions), as a layer on the
+// hidden states: x [..., seq, D] -> x + weight[offset + s] at sequence position s,
+// with weight [max_positions, D] initialised N(0, 1) as torch.nn.Embedding's.
+// The offset (0 by default) is where the sequence starts: decoding with a KV
+// cache sets it to the number of cached tokens. Backward adds dy, summed over
+// the leading dimensions, into the rows the last forward used, and passes dy on.
+template <class T, class Space = host_space>
+class PositionEmbedding {
+  static_assert(std::is_same_v<Space, host_space>, "nn::PositionEmbedding: a host layer only (no device version yet)");
+
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  PositionEmbedding(std::int64_t max_positions, std::int64_t embedding_dim) : max_(max_positions), dim_(embedding_dim) {
+    require<shape_error>(max_ > 0 && dim_ > 0, "PositionEmbedding: max_positions and embedding_dim must be positive, got ",
+                         max_, " and ", dim_);
+    weight.shape = Shape{max_, dim_};
+    weight.init = init_rule::normal_with(0, 1);
+  }
+
+  Param<T> weight;
+
+  std::int64_t max_positions() const { return max_; }
+  std::int64_t embedding_dim() const { return dim_; }
+  std::int64_t offset() const { return offset_; }
+  // The position of the next forward's first token (checked against max_positions there).
+  void set_offset(std::int64_t offset) {
+    require<shape_error>(offset >= 0, "PositionEmbedding(", max_, ", ", dim_, "): offset must not be negative, got ",
+                         offset);
+    offset_ = offset;
+  }
+
+  template <class V>
+  void parameters(V&& v) {
+    v("weight", weight);
+  }
+
+  template <class Ctx>
+  output forward(Ctx&, const input& x) {
+    require<shape_error>(x.rank() >= 2 && x.dim(x.rank() - 1) == dim_, "PositionEmbedding(", max_, ", ", dim_,
+                         "): input must be [..., sequence, ", dim_, "], got shape ", x.shape());
+    const std::int64_t seq = x.dim(x.rank() - 2);
+    require<shape_error>(offset_ + seq <= max_, "PositionEmbedding(", max_, ", ", dim_, "): positions ", offset_, "..",
+                         offset_ + seq - 1, " (offset ", offset_, ", sequence ", seq,
+                         ") exceed the table's max_positions ", max_);
+    weight.require_bound("PositionEmbedding");
+    const std::int64_t rows = x.numel() / (seq * dim_), block = seq * dim_;
+    const T* w = weight.value + offset_ * dim_;
+    output y(x.shape());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* xr = x.data() + r * block;
+      T* yr = y.data() + r * block;
+      for (std::int64_t i = 0; i < block; ++i) yr[i] = xr[i] + w[i];
+    }
+    shape_ = x.shape();
+    used_offset_ = offset_;
+    pending_ = true;
+    return y;
+  }
+
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    require<shape_error>(pending_ && dy.shape() == shape_, "PositionEmbedding(", max_, ", ", dim_,
+                         "): backward needs the gradient of the last forward's output (shape ", shape_,
+                         "), got shape ", dy.shape());
+    weight.require_bound("PositionEmbedding", true);
+    const std::int64_t block = shape_[shape_.rank() - 2] * dim_, rows = dy.numel() / block;
+    T* g = weight.grad + used_offset_ * dim_;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* d = dy.data() + r * block;
+      for (std::int64_t i = 0; i < block; ++i) g[i] += d[i];
+    }
+    pending_ = false;
+    return dy;
+  }
+
+ private:
+  std::int64_t max_, dim_;
+  std::int64_t offset_ = 0;
+  // What the last forward saw, for its backward (no tensor is kept).
+  Shape shape_{};
+  std::int64_t used_offset_ = 0;
+  bool pending_ = false;
 };
 
 }  // namespace shardlib::nn

@@ -1,0 +1,100 @@
+// shardlib/nn/rms_norm.hpp — RMSNorm over the last dimension (LLaMA's, as Hugging
+// Face's LlamaRMSNorm and torch.nn.RMSNorm with a weight).
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/param.hpp"
+
+#include <cmath>        // std::sqrt
+#include <cstdint>      // std::int64_t
+#include <type_traits>  // std::is_same_v
+
+namespace shardlib::nn {
+
+// y = weight * x / sqrt(mean(x^2) + eps) per row of the last dimension, in T
+// (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467): no mean is
+// subtracted and there is no bias. weight [D] starts at ones, as LlamaRMSNorm's;
+// eps defaults to LLaMA's 1e-6 (torch.nn.RMSNorm's default is the dtype's epsilon).
+template <class T, class Space = host_space>
+class RMSNorm {
+  static_assert(std::is_same_v<Space, host_space>, "nn::RMSNorm: a host layer only (no device version yet)");
+
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  explicit RMSNorm(std::int64_t normalized_dim, double eps = 1e-6) : d_(normalized_dim), eps_(eps) {
+    require<shape_error>(d_ > 0, "RMSNorm: normalized_dim must be positive, got ", d_);
+    require(eps_ >= 0, "RMSNorm(", d_, "): eps must not be negative, got ", eps_);
+    weight.shape = Shape{d_};
+    weight.init = init_rule::constant_one();
+  }
+
+  Param<T> weight;
+
+  std::int64_t normalized_dim() const { return d_; }
+  double eps() const { return eps_; }
+
+  template <class V>
+  void parameters(V&& v) {
+    v("weight", weight);
+  }
+
+  template <class Ctx>
+  output forward(Ctx&, const input& x) {
+    require<shape_error>(x.rank() >= 1 && x.dim(x.rank() - 1) == d_, "RMSNorm(", d_,
+                         "): input's last dimension must be ", d_, ", got shape ", x.shape());
+    weight.require_bound("RMSNorm");
+    const std::int64_t rows = x.numel() / d_;
+    x_ = x;
+    rstd_ = Tensor<T>(Shape{rows});
+    output y(x.shape());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* xr = x.data() + r * d_;
+      T sq = 0;
+      for (std::int64_t i = 0; i < d_; ++i) sq += xr[i] * xr[i];
+      const T rstd = T(1) / std::sqrt(sq / T(d_) + T(eps_));
+      rstd_[r] = rstd;
+      T* yr = y.data() + r * d_;
+      for (std::int64_t i = 0; i < d_; ++i) yr[i] = weight.value[i] * (xr[i] * rstd);
+    }
+    return y;
+  }
+
+  // With g = dy * weight and xhat = x * rstd (rstd depends on every x of the row):
+  // dx = rstd * (g - xhat * mean(g * xhat)); dweight += dy * xhat.
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    require<shape_error>(!x_.empty() && dy.shape() == x_.shape(), "RMSNorm(", d_,
+                         "): backward needs the gradient of the last forward's output (shape ", x_.shape(),
+                         "), got shape ", dy.shape());
+    weight.require_bound("RMSNorm", true);
+    const std::int64_t rows = x_.numel() / d_;
+    input dx(x_.shape());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* xr = x_.data() + r * d_;
+      const T* dyr = dy.data() + r * d_;
+      const T rstd = rstd_[r];
+      T gx_mean = 0;
+      for (std::int64_t i = 0; i < d_; ++i) gx_mean += dyr[i] * weight.value[i] * xr[i] * rstd;
+      gx_mean /= T(d_);
+      T* dxr = dx.data() + r * d_;
+      for (std::int64_t i = 0; i < d_; ++i) {
+        const T xhat = xr[i] * rstd;
+        dxr[i] = rstd * (dyr[i] * weight.value[i] - xhat * gx_mean);
+        weight.grad[i] += dyr[i] * xhat;
+      }
+    }
+    x_ = rstd_ = {};
+    return dx;
+  }
+
+ private:
+  std::int64_t d_;
+  double eps_;
+  input x_;         // cached for backward
+  Tensor<T> rstd_;  // 1 / rms per row, cached for backward
+};
+
+}  // namespace shardlib::nn
