@@ -1,0 +1,322 @@
+// Launching without mpirun: the launcher's environment, the TCP store and SocketComm,
+// here with ranks as threads of one process on the loopback (tests/launch runs them
+// as processes through tools/launch).
+#include "shardlib/comm/environment.hpp"
+#include "shardlib/comm/run.hpp"
+#include "shardlib/comm/socket_comm.hpp"
+#include "shardlib/comm/store.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../support/comm_conformance.hpp"
+
+using namespace shardlib;
+using namespace std::chrono_literals;
+using comm::reduce_op;
+using comm::SocketComm;
+using comm::TcpStore;
+
+namespace {
+
+comm::env_lookup from(std::map<std::string, std::string> vars) {
+  return [vars = std::move(vars)](const std::string& k) -> std::optional<std::string> {
+    auto it = vars.find(k);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+std::string error_of(const std::map<std::string, std::string>& vars) {
+  try {
+    comm::discover_environment(from(vars));
+  } catch (const error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+// Runs fn(rank) on w threads and returns what each threw ("" for none).
+template <class Fn>
+std::vector<std::string> on_threads(int w, Fn fn) {
+  std::vector<std::string> errors(w);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < w; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+// w ranks as threads, each with its own store client and SocketComm over the loopback.
+template <class Fn>
+std::vector<std::string> socket_ranks(int w, Fn fn, comm::socket_options options = {}, comm::seconds join = 20s) {
+  comm::store_server server(0, w, 5s);
+  return on_threads(w, [&](int r) {
+    TcpStore store("127.0.0.1", server.port(), r, w, false, join);
+    SocketComm c(store, options);
+    fn(c);
+  });
+}
+
+void require_clean(const std::vector<conformance::report>& reports, const std::vector<std::string>& errors) {
+  for (std::size_t r = 0; r < reports.size(); ++r) {
+    INFO("rank " << r);
+    CHECK(errors[r].empty());
+    CHECK(reports[r].checks > 0);
+    for (auto& f : reports[r].failures) FAIL_CHECK(f);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("each launcher's variables give rank, size and local rank", "[launch][environment]") {
+  auto none = comm::discover_environment(from({}));
+  CHECK(none.kind == comm::launcher::none);
+  CHECK((none.rank == 0 && none.size == 1 && none.local_rank == 0 && !none.local_size && !none.master_addr));
+
+  auto torch = comm::discover_environment(from({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
+                                                {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "node0"},
+                                                {"MASTER_PORT", "29500"}}));
+  CHECK(torch.kind == comm::launcher::torchrun);
+  CHECK((torch.rank == 5 && torch.size == 8 && torch.local_rank == 1 && torch.local_size == 4));
+  CHECK((torch.master_addr == "node0" && torch.master_port == 29500));
+
+  auto ompi = comm::discover_environment(from({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                                               {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                               {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}));
+  CHECK(ompi.kind == comm::launcher::openmpi);
+  CHECK((ompi.rank == 3 && ompi.size == 4 && ompi.local_rank == 1 && ompi.local_size == 2 && ompi.is_mpi()));
+
+  auto pmi = comm::discover_environment(from({{"PMI_RANK", "2"}, {"PMI_SIZE", "3"}, {"MPI_LOCALRANKID", "0"}}));
+  CHECK(pmi.kind == comm::launcher::pmi);
+  CHECK((pmi.rank == 2 && pmi.size == 3 && pmi.local_rank == 0 && !pmi.local_size && pmi.is_mpi()));
+  auto pmi_bare = comm::discover_environment(from({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}}));
+  CHECK(pmi_bare.local_rank == 1);  // no MPI_LOCALRANKID: one node
+
+  auto slurm = comm::discover_environment(from({{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "2"},
+                                                {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"}}));
+  CHECK(slurm.kind == comm::launcher::slurm);
+  CHECK((slurm.rank == 6 && slurm.size == 8 && slurm.local_rank == 2 && !slurm.is_mpi()));
+  CHECK((slurm.master_addr == "10.0.0.1" && slurm.master_port == 1234));
+}
+
+TEST_CASE("the innermost launcher wins: torchrun, then OpenMPI, then MPICH/PMI, then Slurm",
+          "[launch][environment]") {
+  const std::map<std::string, std::string> slurm{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}};
+  auto with = [](std::map<std::string, std::string> a, const std::map<std::string, std::string>& b) {
+    a.insert(b.begin(), b.end());
+    return a;
+  };
+  const std::map<std::string, std::string> pmi{{"PMI_RANK", "1"}, {"PMI_SIZE", "3"}};
+  const std::map<std::string, std::string> ompi{
+      {"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "2"}};
+  const std::map<std::string, std::string> torch{{"RANK", "3"}, {"WORLD_SIZE", "5"}};
+  CHECK(comm::discover_environment(from(with(slurm, pmi))).kind == comm::launcher::pmi);
+  CHECK(comm::discover_environment(from(with(with(slurm, pmi), ompi))).kind == comm::launcher::openmpi);
+  const auto all = comm::discover_environment(from(with(with(with(slurm, pmi), ompi), torch)));
+  CHECK((all.kind == comm::launcher::torchrun && all.rank == 3 && all.size == 5));
+}
+
+TEST_CASE("bad launcher variables raise naming the variable and its value", "[launch][environment]") {
+  CHECK_THAT(error_of({{"RANK", "x1"}, {"WORLD_SIZE", "4"}}), Catch::Contains("RANK=\"x1\" is not a whole number"));
+  CHECK_THAT(error_of({{"RANK", "1"}, {"WORLD_SIZE", ""}}), Catch::Contains("WORLD_SIZE=\"\" is not a whole number"));
+  CHECK_THAT(error_of({{"RANK", "4"}, {"WORLD_SIZE", "4"}}), Catch::Contains("RANK=4 is not below WORLD_SIZE=4"));
+  CHECK_THAT(error_of({{"RANK", "-1"}, {"WORLD_SIZE", "4"}}), Catch::Contains("RANK=-1 is outside [0, "));
+  CHECK_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}), Catch::Contains("WORLD_SIZE=0 is outside [1, "));
+  CHECK_THAT(error_of({{"RANK", "1"}}), Catch::Contains("WORLD_SIZE is not set, though other torchrun variables are"));
+  CHECK_THAT(error_of({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}),
+             Catch::Contains("OMPI_COMM_WORLD_LOCAL_RANK is not set"));
+  CHECK_THAT(error_of({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "2"}}),
+             Catch::Contains("SLURM_LOCALID=2 is outside [0, 1]"));
+  CHECK_THAT(error_of({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}}),
+             Catch::Contains("LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2"));
+  CHECK_THAT(error_of({{"PMI_RANK", "3"}, {"PMI_SIZE", "2"}}), Catch::Contains("PMI_RANK=3 is not below PMI_SIZE=2"));
+  CHECK_THAT(error_of({{"MASTER_PORT", "70000"}}), Catch::Contains("MASTER_PORT=70000 is outside [1, 65535]"));
+  CHECK_THAT(error_of({{"MASTER_PORT", "29500 "}}), Catch::Contains("MASTER_PORT=\"29500 \" is not a whole number"));
+  CHECK_THAT(error_of({{"MASTER_ADDR", ""}}), Catch::Contains("MASTER_ADDR is set but empty"));
+}
+
+TEST_CASE("the store sets, gets, adds, checks and holds a barrier", "[launch][store]") {
+  comm::store_server server(0, 3);
+  const auto errors = on_threads(3, [&](int r) {
+    TcpStore s("127.0.0.1", server.port(), r, 3, false, 20s);
+    s.set("from/" + std::to_string(r), std::string("value\0of ", 9) + std::to_string(r));  // bytes, not C strings
+    const auto all = s.get(std::vector<std::string>{"from/0", "from/1", "from/2"});
+    for (int p = 0; p < 3; ++p)
+      require<error>(all[p] == std::string("value\0of ", 9) + std::to_string(p), "rank ", r, " read ", all[p]);
+    s.add("counter", r + 1);
+    s.barrier();
+    require<error>(s.add("counter", 0) == 6, "rank ", r, ": the counter is not 1 + 2 + 3");
+    require<error>(s.check({"from/0", "counter"}) && !s.check({"never"}), "rank ", r, ": check is wrong");
+    s.barrier();
+  });
+  for (auto& e : errors) CHECK(e == "");
+}
+
+TEST_CASE("a store wait that outlasts its timeout names the key and the ranks that never came", "[launch][store]") {
+  comm::store_server server(0, 3);
+  TcpStore s("127.0.0.1", server.port(), 0, 3, false, 0.3s);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(s.get("addr/2"), Catch::Contains("rank 0: the store at 127.0.0.1:" +
+                                                     std::to_string(server.port()) + " has no key 'addr/2' after 0.3 s") &&
+                                         Catch::Contains("ranks that never connected: 1, 2"));
+  CHECK_THROWS_WITH(s.barrier(), Catch::Contains("store barrier 0") &&
+                                     Catch::Contains("ranks that never arrived within 0.3 s: 1, 2"));
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
+
+TEST_CASE("a store nobody serves is an error naming its address, not a hang", "[launch][store]") {
+  std::uint16_t port = 0;
+  {
+    comm::store_server probe(0, 1);  // a port that was free a moment ago, and is closed now
+    port = probe.port();
+  }
+  CHECK_THROWS_WITH(TcpStore("127.0.0.1", port, 1, 2, false, 0.3s),
+                    Catch::Contains("rank 1: the store: cannot connect to 127.0.0.1:" + std::to_string(port)));
+}
+
+TEST_CASE("SocketComm passes the conformance suite", "[launch][socket]") {
+  for (int w : {1, 2, 3, 4}) {
+    DYNAMIC_SECTION("world size " << w) {
+      std::vector<conformance::report> reports(w);
+      const auto errors = socket_ranks(w, [&](SocketComm& c) {
+        conformance::full_suite(c, reports[c.rank()]);
+        conformance::split_suite(c, reports[c.rank()]);
+        conformance::ordered_sum_suite(c, reports[c.rank()]);
+      });
+      require_clean(reports, errors);
+    }
+  }
+}
+
+TEST_CASE("SocketComm ranks that disagree about a collective raise the same error, and go on", "[launch][socket]") {
+  std::vector<std::string> caught(3);
+  const auto errors = socket_ranks(3, [&](SocketComm& c) {
+    std::vector<float> x(4 + (c.rank() == 1 ? 1 : 0)), all(x.size() * 3);
+    try {
+      c.all_gather(std::span<const float>(x), std::span<float>(all));
+    } catch (const comm_error& e) {
+      caught[c.rank()] = e.what();
+    }
+    std::vector<float> y(3, float(c.rank()));
+    c.all_reduce(std::span<float>(y), reduce_op::sum);  // the streams still line up
+    require<error>(y[0] == 3.f, "rank ", c.rank(), ": all_reduce after the disagreement gave ", y[0]);
+  });
+  for (int r = 0; r < 3; ++r) {
+    CHECK(errors[r].empty());
+    CHECK_THAT(caught[r], Catch::Contains("rank " + std::to_string(r) + ": ranks disagree") &&
+                              Catch::Contains("rank 0 called all_gather(4 x F32), rank 1 called all_gather(5 x F32)"));
+  }
+}
+
+TEST_CASE("a rank that leaves makes the others raise naming it, at once", "[launch][socket][failure]") {
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = socket_ranks(
+      3,
+      [&](SocketComm& c) {
+        std::vector<float> x(1000, 1.f);
+        c.all_reduce(std::span<float>(x), reduce_op::sum);
+        if (c.rank() == 1) throw std::runtime_error("rank 1 stops here");  // its connections close as it unwinds
+        c.all_reduce(std::span<float>(x), reduce_op::sum);
+      },
+      {.timeout = 60s});
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  CHECK(errors[1] == "rank 1 stops here");
+  for (int r : {0, 2})
+    CHECK_THAT(errors[r], Catch::Contains("rank " + std::to_string(r) + ": all_reduce(1000 x F32, sum), collective 2") &&
+                              Catch::Contains("the connection to rank 1 (127.0.0.1:") &&
+                              Catch::Contains("closed: rank 1 exited, failed, or left the communicator"));
+}
+
+TEST_CASE("a rank that stops answering makes the others raise naming it after the timeout",
+          "[launch][socket][failure]") {
+  std::atomic<bool> released{false};
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = socket_ranks(
+      3,
+      [&](SocketComm& c) {
+        std::vector<float> x(8, 1.f), all(24);
+        if (c.rank() == 2) {  // alive, connected, but never calls the collective
+          while (!released) std::this_thread::sleep_for(10ms);
+          return;
+        }
+        try {
+          c.all_gather(std::span<const float>(x), std::span<float>(all));
+        } catch (...) {
+          released = true;
+          throw;
+        }
+      },
+      {.timeout = 0.5s});
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  for (int r : {0, 1})
+    CHECK_THAT(errors[r], Catch::Contains("rank " + std::to_string(r) + ": all_gather(8 x F32), collective 1") &&
+                              Catch::Contains("nothing from or to rank 2 (127.0.0.1:") &&
+                              Catch::Contains("for 0.5 s"));
+}
+
+TEST_CASE("a rank that never joins makes the others raise naming it, not hang", "[launch][socket][failure]") {
+  comm::store_server server(0, 3);
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = on_threads(2, [&](int r) {  // rank 2 never comes
+    TcpStore store("127.0.0.1", server.port(), r, 3, false, 0.5s);
+    SocketComm c(store);
+  });
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  for (int r : {0, 1})
+    CHECK_THAT(errors[r], Catch::Contains("rank " + std::to_string(r) + ": the store at 127.0.0.1:") &&
+                              Catch::Contains("'socket_comm/0/2'") && Catch::Contains("never connected: 2"));
+}
+
+TEST_CASE("run_from_environment: threads without a launcher, SocketComm under torchrun variables",
+          "[launch][run]") {
+  std::atomic<int> ranks{0};
+  comm::run_from_environment(
+      [&](auto& c) {
+        static_assert(std::is_same_v<std::decay_t<decltype(c)>, comm::ThreadComm> ||
+                      std::is_same_v<std::decay_t<decltype(c)>, SocketComm>);
+        if (std::is_same_v<std::decay_t<decltype(c)>, comm::ThreadComm> && c.size() == 3) ++ranks;
+      },
+      {.threads = 3, .environment = comm::launch_environment{}});
+  CHECK(ranks == 3);
+
+  std::uint16_t port = 0;
+  {
+    comm::store_server probe(0, 1);
+    port = probe.port();
+  }
+  std::vector<double> sums(4);
+  const auto errors = on_threads(4, [&](int r) {
+    comm::launch_environment env{.kind = comm::launcher::torchrun, .rank = r, .size = 4, .local_rank = r,
+                                 .local_size = 4, .master_addr = "127.0.0.1", .master_port = port};
+    comm::run_from_environment(
+        [&](auto& c) {
+          if constexpr (std::is_same_v<std::decay_t<decltype(c)>, SocketComm>) {
+            double x = c.rank() + 1;
+            c.all_reduce(std::span<double>(&x, 1), reduce_op::sum);
+            sums[c.rank()] = x;
+          }
+        },
+        {.environment = env, .join_timeout = 20s});
+  });
+  for (int r = 0; r < 4; ++r) {
+    CHECK(errors[r].empty());
+    CHECK(sums[r] == 10.0);
+  }
+  // A launched process without a rendezvous is told which variable is missing.
+  comm::launch_environment slurm{.kind = comm::launcher::slurm, .rank = 0, .size = 2};
+  CHECK_THROWS_WITH(comm::run_from_environment([](auto&) {}, {.environment = slurm}),
+                    Catch::Contains("started by Slurm as rank 0 of 2, but MASTER_ADDR is not set"));
+}
