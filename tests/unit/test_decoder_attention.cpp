@@ -21,10 +21,10 @@
 #include <set>
 #include <span>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "support/compare.hpp"
+#include "support/golden.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace shardlib;
@@ -566,69 +566,49 @@ TEST_CASE("Decoder attention names what is wrong with options and shapes", "[nn]
 
 namespace {
 
-template <class T>
-constexpr const char* precision = std::is_same_v<T, double> ? "f64" : "f32";
-// Norm-wise relative error per tensor against torch's eager attention: float64
-// agrees to rounding (sums ordered differently: ~1e-15), float32 to a few units
-// of its 6e-8 rounding through a projection, softmax and a second projection
-// (~1e-7); the bounds leave room for other BLAS orderings.
-template <class T>
-constexpr double golden_tolerance = std::is_same_v<T, double> ? 1e-10 : 1e-5;
-
-template <class E>
-Tensor<E> read(const io::safetensors& f, std::string_view name) {
-  const std::vector<E> v = f.get<E>(name);
-  Tensor<E> t(f.info(name).shape);
-  std::copy(v.begin(), v.end(), t.data());
-  return t;
-}
-
 // Loads tests/golden/decoder/<name>.<f64|f32>.safetensors (written by
 // tests/golden/make_decoder_goldens.py), copies torch's parameters in by name,
-// runs forward and backward (dL/dy = r) with the file's masks, and compares the
-// output, dL/dx and every parameter's gradient.
+// runs forward and backward (dL/dy = r) with the file's key padding and additive
+// masks, and compares the output, dL/dx and every parameter's gradient within
+// golden::tolerance (float64 agrees to rounding; float32 to a few roundings of
+// 6e-8 through two projections and a softmax).
 template <class T, Layer L>
-void check_golden(const std::string& name, L layer) {
+golden::comparison<T> against_torch(const std::string& name, L layer) {
   const io::safetensors f = io::safetensors::load(std::filesystem::path(SHARDLIB_GOLDEN_DIR) / "decoder" /
-                                                  (name + "." + precision<T> + ".safetensors"));
+                                                  (name + "." + golden::precision<T> + ".safetensors"));
   Replicated<T, L> owner(layer, 0);
-  const std::set<std::string> data{"input", "input.grad", "r", "output", "mask", "attn_mask"};
   std::set<std::string> ours, theirs;
   for (const auto& e : owner.layout().entries) ours.insert(e.name);
   for (const auto& t : f.tensors())
-    if (!data.contains(t.name) && !t.name.ends_with(".grad")) theirs.insert(t.name);
+    if (!golden::data_tensors.contains(t.name) && t.name != "attn_mask" && !t.name.ends_with(".grad"))
+      theirs.insert(t.name);
   REQUIRE(ours == theirs);  // Hugging Face's names, every one
   for (const auto& e : owner.layout().entries) {
     REQUIRE(f.info(e.name).shape == e.shape);
     const std::vector<T> v = f.get<T>(e.name);
     std::copy(v.begin(), v.end(), owner.value(e.name).begin());
   }
-  auto compare = [&](const std::string& what, std::span<const T> got) {
-    INFO(name << " (" << precision<T> << "): " << what);
-    const std::vector<T> want = f.get<T>(what);
-    REQUIRE(got.size() == want.size());
-    test_support::max_error e;  // a NaN error counts as +inf
-    e.add(gradcheck::rel_error(vec(got.begin(), got.end()), vec(want.begin(), want.end())));
-    CHECK(e <= golden_tolerance<T>);
-  };
   context ctx({.training = false});
-  if (f.contains("mask")) ctx.set_key_padding_mask(read<std::uint8_t>(f, "mask"));
-  if (f.contains("attn_mask")) ctx.set_attention_mask(read<float>(f, "attn_mask"));
-  const auto y = ctx.forward(layer, read<T>(f, "input"));
-  compare("output", y.span());
-  const auto dx = ctx.backward(layer, read<T>(f, "r"));
-  compare("input.grad", dx.span());
-  for (const auto& e : owner.layout().entries) compare(e.name + ".grad", owner.grad(e.name));
+  if (f.contains("mask")) ctx.set_key_padding_mask(golden::read<std::uint8_t>(f, "mask"));
+  if (f.contains("attn_mask")) ctx.set_attention_mask(golden::read<float>(f, "attn_mask"));
+  golden::comparison<T> cmp{name};
+  cmp("output", ctx.forward(layer, golden::read<T>(f, "input")), f);
+  cmp("input.grad", ctx.backward(layer, golden::read<T>(f, "r")), f);
+  for (const auto& e : owner.layout().entries)
+    cmp(e.name + ".grad", std::span<const T>(owner.grad(e.name)), f.get<T>(e.name + ".grad"));
+  return cmp;
 }
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("Decoder attention matches PyTorch's forward and gradients", "[nn][decoder][golden]", double,
-                   float) {
-  check_golden<TestType>("gpt2_causal_padding", GPT2Attention<TestType>({.n_embd = 16, .n_head = 4}));
-  check_golden<TestType>("llama_gqa_rope",
-                         LlamaAttention<TestType>({.hidden_size = 16, .num_attention_heads = 4, .num_key_value_heads = 2}));
-  check_golden<TestType>("llama_mqa_bias",
-                         LlamaAttention<TestType>({.hidden_size = 16, .num_attention_heads = 2, .num_key_value_heads = 1,
-                                                   .head_dim = 8, .rope_theta = 500000, .attention_bias = true}));
+TEST_CASE("Decoder attention matches PyTorch's forward and gradients", "[nn][decoder][golden]") {
+  golden::report(against_torch<double>("gpt2_causal_padding", GPT2Attention<double>({.n_embd = 16, .n_head = 4})),
+                 against_torch<float>("gpt2_causal_padding", GPT2Attention<float>({.n_embd = 16, .n_head = 4})));
+  const llama_attention_options gqa{.hidden_size = 16, .num_attention_heads = 4, .num_key_value_heads = 2};
+  golden::report(against_torch<double>("llama_gqa_rope", LlamaAttention<double>(gqa)),
+                 against_torch<float>("llama_gqa_rope", LlamaAttention<float>(gqa)));
+  const llama_attention_options mqa{.hidden_size = 16, .num_attention_heads = 2, .num_key_value_heads = 1,
+                                    .head_dim = 8, .rope_theta = 500000, .attention_bias = true};
+  golden::report(against_torch<double>("llama_mqa_bias", LlamaAttention<double>(mqa)),
+                 against_torch<float>("llama_mqa_bias", LlamaAttention<float>(mqa)));
 }
