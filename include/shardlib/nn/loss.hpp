@@ -47,6 +47,10 @@ struct cross_entropy_rows;
 // Classes are the last dimension: logits [..., C] are N = numel / C rows, and
 // targets (class indices) have the leading shape [...] or are flattened to [N].
 // (torch puts C second for rank > 2 inputs; shardlib models emit [..., C].)
+// A language model's token-level loss is this call as it stands: logits
+// [batch, seq, vocab], targets [batch, seq] holding the next token, or -100 (the
+// default ignore_index) at padding and after the last token; the mean is over
+// the tokens not ignored.
 //
 // Per row, with log-probabilities lp = log_softmax(z) computed as z - logsumexp(z)
 // (stable), target y and smoothing e over C classes
@@ -54,7 +58,8 @@ struct cross_entropy_rows;
 //   loss = (1 - e) * -lp[y] + (e / C) * sum_c -lp[c]
 //   dloss/dz[c] = softmax(z)[c] - (1 - e) [c == y] - e / C.
 // The mean divides by the number of rows not ignored; with none it is NaN (0/0),
-// as torch's, and the gradient is zero.
+// as torch's, and the gradient is zero: such a batch adds nothing to the
+// gradients, and the NaN in the log says it had no tokens rather than a loss of 0.
 struct cross_entropy_loss {
   cross_entropy_options options{};
 
