@@ -6,6 +6,9 @@
 //       and bf16 mixed precision, DDP / ZeRO-1 / ZeRO-2 / FSDP, with the arithmetic to check
 //   shardlib-plan --params 6e9 --layers 28 --hidden 4096 --heads 16 --seq 2048 --batch 1 [common flags]
 //       a coarse transformer: blocks of 12·hidden² parameters, the rest in the root
+//   shardlib-plan --model gpt2-124m|gpt2-350m|llama-7b|llama-70b [--seq 2048] [--batch 1] [common flags]
+//       a published decoder's architecture, its parameters counted tensor by tensor, each
+//       block a unit; --seq defaults to the context it was trained with
 //   shardlib-plan --encoder --layers 4 --d-model 256 --heads 4 --ff 1024 --classes 10 --seq 16 --batch 8
 //                 [--dropout 0.1] [common flags]
 //       the model train_fsdp and bench_strategies train, walked exactly as fully_shard wraps
@@ -26,6 +29,7 @@
 #include <shardlib/plan/chooser.hpp>
 #include <shardlib/plan/describe.hpp>
 #include <shardlib/plan/memory_plan.hpp>
+#include <shardlib/plan/presets.hpp>
 
 #include <algorithm>
 #include <cctype>
@@ -47,6 +51,7 @@ constexpr double max_params = 1e15;
 
 struct settings {
   bool article = false, encoder = false;
+  std::string preset;  // --model
   double params = 0;  // 0: the blocks alone
   long hidden = 0, batch = 8;
   // --encoder's model; --params reads its --layers, --heads and --seq.
@@ -64,22 +69,33 @@ settings parse(int argc, char** argv) {
                             "which strategies fit a device, fastest first (docs/planner.md).",
                             "shardlib-plan");
   cli.footer(
-      "Models: --article, the FSDP article's scenario; --params N --layers L --hidden H --seq S [--heads A]\n"
+      "Models: --article, the FSDP article's scenario; --model NAME, a published GPT-2 or LLaMA (--seq defaults to\n"
+      "its context, --batch to 1); --params N --layers L --hidden H --seq S [--heads A]\n"
       "[--batch B], a coarse transformer of blocks of 12 hidden^2 parameters, the rest in the root (heads and batch\n"
       "default to 1); --encoder [--layers --d-model --heads --ff --classes --seq --batch --dropout], the model\n"
       "train_fsdp and bench_strategies train, walked exactly as fully_shard wraps it.");
   auto* article = cli.add_flag("--article", s.article, "the FSDP article's scenario, with the arithmetic to check");
   auto* encoder = cli.add_flag("--encoder", s.encoder, "train_fsdp's model")->excludes(article);
+  std::vector<std::string> presets;
+  for (const auto& m : plan::decoder_presets) presets.emplace_back(m.name);
+  auto* preset = cli.add_option("--model", s.preset, "a published decoder language model")
+                     ->check(CLI::IsMember(presets))
+                     ->excludes(article)
+                     ->excludes(encoder);
   cli.add_option("--params", s.params, "parameters of the coarse transformer (default: its blocks alone)")
       ->check(example::positive(max_params))
       ->default_str("")
       ->excludes(article)
-      ->excludes(encoder);
+      ->excludes(encoder)
+      ->excludes(preset);
   auto* hidden = cli.add_option("--hidden", s.hidden, "hidden size of the coarse transformer")
                      ->check(whole(1, example::max_size))
                      ->default_str("")
-                     ->excludes(encoder);
+                     ->excludes(encoder)
+                     ->excludes(preset);
   example::add_model_flags(cli, s.model);
+  for (const char* shape_flag : {"--layers", "--d-model", "--heads", "--ff", "--classes", "--dropout"})
+    preset->excludes(cli.get_option(shape_flag));  // the preset fixes the architecture; --seq may change
   auto* batch = cli.add_option("--batch", s.batch, "sequences per rank")->check(whole(1, example::max_size));
   auto* world = cli.add_option("--world", s.world, "ranks")->check(whole(1, example::max_size));
   cli.add_option("--worlds", s.worlds, "world sizes, comma-separated")
@@ -103,6 +119,11 @@ settings parse(int argc, char** argv) {
   cli.add_option("--json", s.json, "writes one JSON line per strategy and world size");
   cli.callback([&] {
     if (s.article) return;
+    if (!s.preset.empty()) {
+      if (cli.get_option("--seq")->count() == 0) s.model.seq = 0;  // the preset's
+      if (batch->count() == 0) s.batch = 1;
+      return;
+    }
     if (s.encoder) {
       example::check_model_flags(s.model);
       return;
@@ -161,6 +182,16 @@ plan::model_desc encoder_model(const settings& s) {
   const double tokens = double(batch * seq);
   desc.flops = 6 * double(desc.parameters()) * tokens + 12 * double(layers * d * seq) * tokens;
   return desc;
+}
+
+// 124439808 -> "124,439,808".
+std::string grouped(std::size_t n) {
+  std::string digits = std::to_string(n), out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
 }
 
 // Decimal units, one for the whole table, so every column reads alike.
@@ -312,7 +343,15 @@ int main(int argc, char** argv) {
     plan::precision p{.param = parse_type(s.param), .reduce = parse_type(s.reduce)};
     p.compute = !s.compute.empty() ? parse_type(s.compute) : s.encoder ? dtype::f32 : p.param;
     plan::model_desc d;
-    if (s.encoder) {
+    if (!s.preset.empty()) {
+      const auto& m = plan::decoder_preset(s.preset);
+      d = plan::decoder(m, s.batch, s.model.seq, p.compute);
+      std::printf("# %s: %s, %ld layers, hidden %ld, %ld heads (%ld kv), vocab %ld, intermediate %ld, seq %ld, %s: "
+                  "%s parameters\n",
+                  std::string(m.name).c_str(), m.family == plan::family::gpt2 ? "GPT-2" : "LLaMA", m.layers, m.hidden,
+                  m.heads, m.kv_heads, m.vocab, m.intermediate, s.model.seq > 0 ? s.model.seq : m.seq,
+                  m.tied ? "head tied to the embedding" : "untied head", grouped(plan::parameters(m)).c_str());
+    } else if (s.encoder) {
       d = encoder_model(s);
     } else {
       d = plan::transformer({.parameters = s.params,

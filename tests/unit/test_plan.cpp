@@ -1,7 +1,8 @@
 // The memory planner: its per-rank plan equals the ledger's peaks, category by
 // category, and the bytes a rank sends per step, for every strategy, world sizes that
 // do not divide the units, prefetch 0-2 and 16-bit gathers and reductions; the FSDP
-// article's scenario by hand arithmetic; the chooser's ranking.
+// article's scenario by hand arithmetic; the chooser's ranking; the GPT-2 and LLaMA
+// presets' parameter counts and LLaMA-2-7B's model states.
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/loss.hpp"
@@ -13,6 +14,7 @@
 #include "shardlib/plan/chooser.hpp"
 #include "shardlib/plan/describe.hpp"
 #include "shardlib/plan/memory_plan.hpp"
+#include "shardlib/plan/presets.hpp"
 #include "shardlib/shard/sharded_model.hpp"
 
 #include "../../benchmarks/counting_comm.hpp"  // bytes sent per rank, ring model
@@ -338,4 +340,63 @@ TEST_CASE("model states per rank reproduce the ZeRO paper's 7.5B example", "[pla
   CHECK(double(zero1.memory.optimizer_state) == Approx(8 * padded / 64).epsilon(1e-12));
   CHECK(padded >= psi);
   CHECK(padded < psi + 64 * 33);  // at most 63 padding elements per unit
+}
+
+// The presets' parameter counts, tensor by tensor as Hugging Face's models hold them
+// (the published totals: gpt2 124,439,808 with the head tied, gpt2-medium 354,823,168,
+// Llama-2-7b 6,738,415,616, Llama-2-70b 68,976,648,192 with 8 kv heads).
+TEST_CASE("decoder presets count their parameters from the architecture", "[plan][presets]") {
+  const auto& gpt2 = plan::decoder_preset("gpt2-124m");
+  // A GPT-2 block: c_attn h×3h + 3h, c_proj h² + h, c_fc h×4h + 4h, c_proj 4h×h + h, two LayerNorms 2h each.
+  const std::size_t h = 768;
+  CHECK(plan::block_parameters(gpt2) == 12 * h * h + 13 * h);
+  // wte 50257×768, wpe 1024×768, ln_f; lm_head is wte.
+  CHECK(plan::root_parameters(gpt2) == 50257 * h + 1024 * h + 2 * h);
+  CHECK(plan::parameters(gpt2) == 124'439'808);
+  CHECK(plan::parameters(plan::decoder_preset("gpt2-350m")) == 354'823'168);
+
+  // LLaMA-2-7B: q, k, v, o 4096², gate, up, down 4096×11008, two RMSNorms; embed and lm_head 32000×4096.
+  const auto& l7 = plan::decoder_preset("llama-7b");
+  CHECK(plan::block_parameters(l7) == 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096);
+  CHECK(plan::parameters(l7) == 6'738'415'616);
+  // LLaMA-2-70B: k and v are 8192 × (8 kv heads × 128).
+  const auto& l70 = plan::decoder_preset("llama-70b");
+  CHECK(plan::block_parameters(l70) == std::size_t(2) * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * std::size_t(28672) +
+                                           2 * 8192);
+  CHECK(plan::parameters(l70) == 68'976'648'192);
+  auto untied = gpt2;
+  untied.tied = false;
+  CHECK(plan::parameters(untied) - plan::parameters(gpt2) == 50257 * h);  // a tied head is counted once
+
+  const auto d = plan::decoder(l70, 1);
+  CHECK(d.units.size() == 81);
+  CHECK(d.parameters() == 68'976'648'192);
+  CHECK(d.units[1] == plan::block_parameters(l70));
+  CHECK(d.activation_bytes == std::size_t(80) * 4096 * 8192 * (34 + 5 * 64 * 4096 / 8192));  // seq 4096, 16 bits
+  CHECK_THROWS_WITH(plan::decoder_preset("gpt3"), Catch::Contains("no model preset 'gpt3' (known: gpt2-124m, "));
+}
+
+// Mixed-precision Adam holds 16 bytes a parameter (ZeRO paper, sec. 3.1): 2 (bf16
+// parameters) + 2 (bf16 gradients) + 12 (fp32 master, two moments). LLaMA-2-7B's
+// model states by that arithmetic, and the plan's DDP at 16 B a parameter exactly.
+TEST_CASE("LLaMA-2-7B's model states follow the ZeRO paper's 2 + 2 + 12 bytes", "[plan][presets][zero]") {
+  const auto& l7 = plan::decoder_preset("llama-7b");
+  const double psi = double(plan::parameters(l7)), n = 64;
+  const auto gb = [&](plan::strategy s) { return plan::zero_model_states(plan::policy_of(s), 64, psi).total() / 1e9; };
+  CHECK(gb(plan::strategy::no_shard) == Approx(16 * psi / 1e9).epsilon(1e-12));  // 107.81 GB
+  CHECK(gb(plan::strategy::no_shard) == Approx(107.814649856).epsilon(1e-12));
+  CHECK(gb(plan::strategy::shard_optimizer) == Approx((4 + 12 / n) * psi / 1e9).epsilon(1e-12));  // 28.22
+  CHECK(gb(plan::strategy::shard_grad_op) == Approx((2 + 14 / n) * psi / 1e9).epsilon(1e-12));    // 14.95
+  CHECK(gb(plan::strategy::full_shard) == Approx(16 / n * psi / 1e9).epsilon(1e-12));             // 1.68
+
+  // Every unit divides by 8 (no padding): DDP in bf16 holds exactly 16 bytes a parameter
+  // beside its activations, FullShard at W = 8 its fp32 master and bf16 copy sharded (6 B / 8).
+  const auto bf16 = plan::precision::param_layers({.param = dtype::bf16, .reduce = dtype::bf16});
+  const auto d = plan::decoder(l7, 1, 0, dtype::bf16);
+  for (std::size_t u : d.units) CHECK(u % 8 == 0);
+  const auto ddp = plan::make_plan(d, {.strategy = plan::strategy::no_shard, .world = 8, .precision = bf16});
+  CHECK(ddp.memory.total() - ddp.memory.activations == 16 * plan::parameters(l7));
+  const auto fsdp = plan::make_plan(d, {.strategy = plan::strategy::full_shard, .world = 8, .precision = bf16});
+  CHECK(fsdp.memory.parameters == 6 * plan::parameters(l7) / 8);
+  CHECK(fsdp.memory.optimizer_state == 8 * plan::parameters(l7) / 8);
 }

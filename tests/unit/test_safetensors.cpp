@@ -1,5 +1,16 @@
-// safetensors: round trips, the on-disk layout, every validation rule, and random mutants.
+// safetensors: round trips, the on-disk layout, every validation rule, and random mutants;
+// state dicts under other names and layouts (io/state_dict.hpp, io/hf_checkpoint.hpp),
+// sharded and plain, and the files transformers wrote (tests/golden/hf).
+#include "shardlib/comm/launch.hpp"
+#include "shardlib/io/hf_checkpoint.hpp"
 #include "shardlib/io/safetensors.hpp"
+#include "shardlib/io/state_dict.hpp"
+#include "shardlib/nn/embedding.hpp"
+#include "shardlib/nn/linear.hpp"
+#include "shardlib/nn/replicated.hpp"
+#include "shardlib/nn/sequential.hpp"
+#include "shardlib/nn/stack.hpp"
+#include "shardlib/shard/sharded_model.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -878,4 +889,383 @@ TEST_CASE("random mutants are rejected with io_error or parse consistently", "[i
   CHECK(accepted >= mutants / 40);
   CHECK(rejected >= mutants / 2);
   CHECK(unchanged < mutants / 10);
+}
+
+// ---------------------------------------------------------------------------------------
+// State dicts: name maps, transposes, dtypes, ties, strictness, Hugging Face's layouts
+
+namespace {
+
+// Embedding [7, 5] -> two Linear(5, 5) -> Linear(5, 7): "0.weight", "1.layers.k.weight",
+// "1.layers.k.bias", "2.weight", "2.bias"; odd sizes, so shards split parameters at W = 2, 3.
+// Float masters (the engine's); the plain holder below covers double ones.
+using Lm = nn::Sequential<nn::Embedding<float>, nn::Stack<nn::Linear<float>>, nn::Linear<float>>;
+constexpr std::int64_t V = 7, D = 5;
+Lm make_lm() {
+  return Lm{nn::Embedding<float>(V, D), nn::Stack<nn::Linear<float>>(2, nn::Linear<float>(D, D)),
+            nn::Linear<float>(D, V)};
+}
+
+// The file's side: GPT-2-like names, the hidden layers stored [in, out], mixed dtypes.
+const name_map lm_names = name_map::table({{"transformer.wte.weight", "0.weight"},
+                                           {"transformer.h.0.mlp.c_fc.weight", "1.layers.0.weight"},
+                                           {"transformer.h.0.mlp.c_fc.bias", "1.layers.0.bias"},
+                                           {"transformer.h.1.mlp.c_fc.weight", "1.layers.1.weight"},
+                                           {"transformer.h.1.mlp.c_fc.bias", "1.layers.1.bias"},
+                                           {"lm_head.weight", "2.weight"},
+                                           {"lm_head.bias", "2.bias"}});
+state_dict_options lm_options(bool strict = true) {
+  return {.names = lm_names, .transposed = {"layers.0.weight", "layers.1.weight"}, .tied = {{"2.weight", "0.weight"}},
+          .strict = strict};
+}
+
+// Values exact in every dtype used (eighths below 4): the expected loads are exact.
+double value_of(int tensor, std::int64_t i) { return double((i * 7 + tensor * 3) % 29 - 14) / 8; }
+
+struct file_tensor {
+  std::string name;
+  dtype type;
+  Shape shape;
+};
+const std::vector<file_tensor> lm_file = {{"transformer.wte.weight", dtype::f64, {V, D}},
+                                          {"transformer.h.0.mlp.c_fc.weight", dtype::f32, {D, D}},
+                                          {"transformer.h.0.mlp.c_fc.bias", dtype::f16, {D}},
+                                          {"transformer.h.1.mlp.c_fc.weight", dtype::bf16, {D, D}},
+                                          {"transformer.h.1.mlp.c_fc.bias", dtype::f32, {D}},
+                                          {"lm_head.bias", dtype::f64, {V}}};  // lm_head.weight: tied, absent
+
+void write_lm_file(const fs::path& file, const std::vector<file_tensor>& tensors = lm_file) {
+  safetensors_writer w;
+  for (std::size_t k = 0; k < tensors.size(); ++k) {
+    const auto& t = tensors[k];
+    std::vector<std::byte> bytes;
+    for (std::int64_t i = 0; i < t.shape.numel(); ++i) io::detail::append_converted(bytes, t.type, value_of(int(k), i));
+    w.add(t.name, t.type, t.shape, bytes);
+  }
+  w.write(file);
+}
+
+// What each model parameter must hold after loading lm_file: transposed where stored so,
+// lm_head.weight from the embedding.
+std::map<std::string, std::vector<double>> lm_expected() {
+  const auto file = [](int k, std::int64_t n) {
+    std::vector<double> v;
+    for (std::int64_t i = 0; i < n; ++i) v.push_back(value_of(k, i));
+    return v;
+  };
+  const auto transposed = [&](int k) {  // file [in, out] -> model [out, in]
+    const auto f = file(k, D * D);
+    std::vector<double> v(f.size());
+    for (std::int64_t o = 0; o < D; ++o)
+      for (std::int64_t i = 0; i < D; ++i) v[std::size_t(o * D + i)] = f[std::size_t(i * D + o)];
+    return v;
+  };
+  return {{"0.weight", file(0, V * D)},      {"1.layers.0.weight", transposed(1)}, {"1.layers.0.bias", file(2, D)},
+          {"1.layers.1.weight", transposed(3)}, {"1.layers.1.bias", file(4, D)},  {"2.weight", file(0, V * D)},
+          {"2.bias", file(5, V)}};
+}
+
+template <class Owner>
+std::map<std::string, std::vector<double>> values_of(Owner& owner) {
+  std::map<std::string, std::vector<double>> out;
+  for (const auto& e : owner.layout().entries) {
+    const auto v = owner.value(e.name);
+    out[e.name].assign(v.begin(), v.end());
+  }
+  return out;
+}
+
+template <class Engine>
+std::map<std::string, std::vector<double>> values_of_sharded(Engine& model) {
+  std::map<std::string, std::vector<double>> out;
+  for (const auto& t : model.full_state_dict(false)) out[t.name].assign(t.value.span().begin(), t.value.span().end());
+  return out;
+}
+
+// Runs f(model) on every rank of a W-rank FullShard (each Linear a unit) or NoShard model.
+template <class Strategy, class F>
+void on_sharded_lm(int world, Strategy strategy, F&& f) {
+  comm::launch(world, [&](comm::ThreadComm& c) {
+    Lm m = make_lm();
+    auto model =
+        shard::fully_shard(m, c, strategy, {.wrap = shard::wrap_types<nn::Linear<float>>{}, .seed = 3});
+    f(model, c);
+  });
+}
+
+// A layer that only holds parameters under given names (the shapes of a file it mirrors).
+template <class T>
+struct holder {
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+  std::vector<std::pair<std::string, nn::Param<T>>> params;
+  template <class V_>
+  void parameters(V_&& v) {
+    for (auto& [n, p] : params) v(n, p);
+  }
+  template <class Ctx>
+  output forward(Ctx&, const input& x) { return x; }
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) { return dy; }
+};
+
+// A holder with the parameters a Hugging Face file holds, in the model's layout, plus extra.
+template <class T>
+holder<T> mirror(const std::map<std::string, tensor_info>& tensors, const state_dict_options& o,
+                 const std::vector<std::pair<std::string, Shape>>& extra = {}) {
+  holder<T> h;
+  for (const auto& [n, t] : tensors) {
+    const bool transpose = t.shape.rank() == 2 && io::detail::ends_with_any(n, o.transposed);
+    h.params.push_back({n, {.shape = transpose ? io::detail::reversed(t.shape) : t.shape, .init = {}}});
+  }
+  for (const auto& [n, s] : extra) h.params.push_back({n, {.shape = s, .init = {}}});
+  return h;
+}
+
+// The tensors of one file, or of every file an index lists, with their values as double.
+struct read_back {
+  std::map<std::string, tensor_info> tensors;
+  std::map<std::string, std::vector<double>> values;
+  std::map<std::string, std::string> metadata;
+};
+read_back read_files(const std::vector<fs::path>& files) {
+  read_back r;
+  for (const auto& f : files) {
+    const auto st = safetensors::load(f);
+    for (const auto& t : st.tensors()) {
+      r.tensors[t.name] = t;
+      auto& v = r.values[t.name];
+      visit_dtype(t.type, [&](auto x) {
+        using E = decltype(x);
+        if constexpr (FloatingElement<E>)
+          for (E e : st.get<E>(t.name)) v.push_back(element_cast<double>(e));
+      });
+    }
+    r.metadata = st.metadata();
+  }
+  return r;
+}
+std::vector<fs::path> shard_files(const fs::path& dir) {
+  std::vector<fs::path> out;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".safetensors") out.push_back(e.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+const fs::path hf_goldens = fs::path(__FILE__).parent_path().parent_path() / "golden" / "hf";
+
+}  // namespace
+
+TEST_CASE("a sharded model loads through a name map, transposes, dtypes and a tie at every world size",
+          "[io][state_dict]") {
+  temp_dir dir;
+  write_lm_file(dir / "lm.safetensors");
+  const auto want = lm_expected();
+  for (int world : {1, 2, 3}) {
+    INFO("W = " << world);
+    on_sharded_lm(world, shard::FullShard{}, [&](auto& model, comm::ThreadComm&) {
+      const auto r = load_state_dict(dir / "lm.safetensors", model, lm_options());
+      CHECK(r.ok());
+      CHECK(r.from_tied == std::vector<std::string>{"2.weight"});
+      CHECK(values_of_sharded(model) == want);
+    });
+  }
+  on_sharded_lm(2, shard::NoShard{}, [&](auto& model, comm::ThreadComm&) {
+    load_state_dict(dir / "lm.safetensors", model, lm_options());
+    CHECK(values_of_sharded(model) == want);
+  });
+  Lm m = make_lm();
+  nn::Replicated<float, Lm> plain(m, 3);
+  load_state_dict(dir / "lm.safetensors", plain, lm_options());
+  CHECK(values_of(plain) == want);
+}
+
+TEST_CASE("strict loads name every missing, unexpected and misshapen tensor; non-strict ones report them",
+          "[io][state_dict]") {
+  temp_dir dir;
+  auto bad = lm_file;
+  bad.erase(bad.begin() + 2);                                       // transformer.h.0.mlp.c_fc.bias: missing
+  bad[1].shape = {D, D + 1};                                         // c_fc.0 weight misshapen
+  bad.push_back({"transformer.h.9.mlp.c_fc.bias", dtype::f32, {D}});  // unexpected
+  write_lm_file(dir / "bad.safetensors", bad);
+  const auto file = (dir / "bad.safetensors").string();
+
+  Lm m = make_lm();
+  nn::Replicated<float, Lm> plain(m, 3);
+  const auto before = values_of(plain);
+  CHECK_THROWS_WITH(load_state_dict(dir / "bad.safetensors", plain, lm_options()),
+                    StartsWith(file + ": does not match the model (strict load): ") &&
+                        Contains("missing (1): 1.layers.0.bias") &&
+                        Contains("unexpected (1): transformer.h.9.mlp.c_fc.bias") &&
+                        Contains("shape mismatch (1): 1.layers.0.weight is [5, 6] in the file but [5, 5] in the "
+                                 "model (stored transposed)"));
+  CHECK(values_of(plain) == before);  // a failed load changes nothing
+
+  const auto r = load_state_dict(dir / "bad.safetensors", plain, lm_options(false));
+  CHECK(r.missing == std::vector<std::string>{"1.layers.0.bias"});
+  CHECK(r.unexpected == std::vector<std::string>{"transformer.h.9.mlp.c_fc.bias"});
+  CHECK(r.mismatched == std::vector<shape_mismatch>{{"1.layers.0.weight", {D, D + 1}, {D, D}, true}});
+  auto after = values_of(plain), want = lm_expected();
+  CHECK(after["1.layers.0.bias"] == before.at("1.layers.0.bias"));  // not loaded: unchanged
+  CHECK(after["1.layers.0.weight"] == before.at("1.layers.0.weight"));
+  CHECK(after["0.weight"] == want["0.weight"]);  // the rest loaded
+  CHECK(after["2.weight"] == want["2.weight"]);
+
+  // Without the tie, the absent lm_head.weight is missing; a second name for one parameter is an error.
+  auto untied = lm_options(false);
+  untied.tied.clear();
+  CHECK(load_state_dict(dir / "bad.safetensors", plain, untied).missing ==
+        std::vector<std::string>{"1.layers.0.bias", "2.weight"});
+  const auto both = name_map::prefixes({{"transformer.h.9.", "1.layers.1."}, {"transformer.h.1.", "1.layers.1."}});
+  CHECK_THROWS_WITH(load_state_dict(dir / "bad.safetensors", plain, {.names = both}),
+                    Contains("both map to the model's '1.layers.1.mlp.c_fc.bias'"));
+
+  // Sharded: every rank raises, naming the file.
+  on_sharded_lm(2, shard::FullShard{}, [&](auto& model, comm::ThreadComm& c) {
+    CHECK_THROWS_WITH(load_state_dict(dir / "bad.safetensors", model, lm_options()),
+                      StartsWith("rank " + std::to_string(c.rank()) + ": loading " + file + ": " + file +
+                                 ": does not match the model") &&
+                          Contains("missing (1): 1.layers.0.bias"));
+  });
+}
+
+TEST_CASE("save_state_dict writes the file's names, layouts and dtype, the tie once, and loads back",
+          "[io][state_dict]") {
+  temp_dir dir;
+  write_lm_file(dir / "lm.safetensors");
+  const auto want = lm_expected();
+  for (int world : {1, 3}) {
+    INFO("W = " << world);
+    on_sharded_lm(world, shard::FullShard{}, [&](auto& model, comm::ThreadComm& c) {
+      load_state_dict(dir / "lm.safetensors", model, lm_options());
+      auto f32 = lm_options();
+      f32.save_dtype = dtype::f32;
+      save_state_dict(dir / "out.safetensors", model, f32);
+      auto sharded = lm_options();
+      sharded.save_dtype = dtype::bf16;  // the values are exact in it
+      sharded.max_shard_bytes = 80;  // BF16: the embedding (70 B), then 50 + 10, then 50 + 10 + 14
+      save_state_dict(dir / "out", model, sharded);
+      c.barrier();
+      if (c.rank() == 0) {
+        // The file as another reader sees it: the file's names, [in, out] layouts, no lm_head.weight.
+        const auto out = read_files({dir / "out.safetensors"});
+        CHECK(out.metadata == std::map<std::string, std::string>{{"format", "pt"}});
+        CHECK(out.tensors.size() == lm_file.size());
+        for (std::size_t k = 0; k < lm_file.size(); ++k) {
+          const auto& t = out.tensors.at(lm_file[k].name);
+          CHECK(t.type == dtype::f32);
+          CHECK(t.shape == lm_file[k].shape);
+          std::vector<double> v;
+          for (std::int64_t i = 0; i < t.shape.numel(); ++i) v.push_back(value_of(int(k), i));
+          CHECK(out.values.at(lm_file[k].name) == v);
+        }
+        const auto files = shard_files(dir / "out");
+        CHECK(files.size() == 3);
+        CHECK(files[0].filename() == "model-00001-of-00003.safetensors");
+        const auto sharded_back = read_files(files);
+        CHECK(sharded_back.values == out.values);
+        CHECK(sharded_back.tensors.at("transformer.wte.weight").type == dtype::bf16);
+      }
+      c.barrier();
+      // And back: into a fresh model at another world size's layout, through the index.
+      Lm m2 = make_lm();
+      auto fresh = shard::fully_shard(m2, c, shard::ShardOptimizer{}, {.seed = 9});
+      CHECK(load_state_dict(dir / "out", fresh, lm_options()).ok());
+      CHECK(values_of_sharded(fresh) == want);
+      CHECK(load_state_dict(dir / "out.safetensors", fresh, lm_options()).ok());
+      CHECK(values_of_sharded(fresh) == want);
+      c.barrier();
+    });
+  }
+  // Tied parameters that differ cannot be written once.
+  Lm m = make_lm();
+  nn::Replicated<float, Lm> plain(m, 3);
+  CHECK_THROWS_WITH(save_state_dict(dir / "x.safetensors", plain, lm_options()),
+                    Contains("tied parameters '2.weight' and '0.weight' hold different values"));
+  CHECK(!fs::exists(dir / "x.safetensors"));
+}
+
+TEST_CASE("Hugging Face's sharded index: shards are found by name and a bad index is refused", "[io][state_dict]") {
+  temp_dir dir;
+  auto first = lm_file;
+  first.resize(3);
+  write_lm_file(dir / "a.safetensors", first);
+  write_lm_file(dir / "b.safetensors", lm_file);
+  // b holds every tensor (values depend on the position, the same in both); the index
+  // takes the first three from a, the rest from b.
+  std::string index = R"({"metadata": {"total_size": 0}, "weight_map": {)";
+  for (std::size_t k = 0; k < lm_file.size(); ++k)
+    index += (k ? "," : "") + ("\"" + lm_file[k].name + "\": \"") + (k < 3 ? "a" : "b") + ".safetensors\"";
+  write_all(dir / "model.safetensors.index.json", to_bytes(index + "}}"));
+  Lm m = make_lm();
+  nn::Replicated<float, Lm> plain(m, 3);
+  CHECK(load_state_dict(dir.path, plain, lm_options()).ok());
+  CHECK(values_of(plain) == lm_expected());
+
+  write_all(dir / "bad.json", to_bytes(R"({"weight_map": {"lm_head.bias": "../b.safetensors"}})"));
+  CHECK_THROWS_WITH(load_state_dict(dir / "bad.json", plain, lm_options()),
+                    Contains("\"../b.safetensors\" is not a file name beside the index"));
+  write_all(dir / "bad.json", to_bytes(R"({"weight_map": {"lm_head.weight": "a.safetensors"}})"));
+  CHECK_THROWS_WITH(load_state_dict(dir / "bad.json", plain, lm_options()),
+                    Contains("maps tensor \"lm_head.weight\" to a.safetensors, which does not hold it"));
+  CHECK_THROWS_WITH(load_state_dict(dir / "a.safetensors.missing", plain, lm_options()), Contains("cannot open"));
+}
+
+TEST_CASE("files transformers wrote load with the Hugging Face conventions, and save back the same",
+          "[io][state_dict][hf]") {
+  temp_dir dir;
+  // GPT-2: one file, Conv1D weights transposed, lm_head.weight absent (tied to transformer.wte.weight).
+  const auto gpt2_dir = hf_goldens / "gpt2" / "initial";
+  const auto gpt2 = read_files({gpt2_dir / "model.safetensors"});
+  REQUIRE(gpt2.tensors.size() == 28);  // 2 + 12 per block + ln_f's 2
+  CHECK(!gpt2.tensors.contains("lm_head.weight"));
+  CHECK(gpt2.tensors.at("transformer.h.0.attn.c_attn.weight").shape == Shape{32, 96});  // [in, out]
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    auto h = mirror<float>(gpt2.tensors, io::hf::gpt2(), {{"lm_head.weight", {96, 32}}});
+    auto model = shard::fully_shard(h, c, shard::FullShard{});
+    const auto r = load_state_dict(gpt2_dir, model, io::hf::gpt2());
+    CHECK(r.ok());
+    CHECK(r.from_tied == std::vector<std::string>{"lm_head.weight"});
+    const auto got = values_of_sharded(model);
+    CHECK(got.at("lm_head.weight") == gpt2.values.at("transformer.wte.weight"));
+    const auto& w = got.at("transformer.h.1.mlp.c_fc.weight");  // [128, 32] here, [32, 128] in the file
+    const auto& f = gpt2.values.at("transformer.h.1.mlp.c_fc.weight");
+    CHECK(w[3 * 32 + 5] == f[5 * 128 + 3]);
+    CHECK(got.at("transformer.h.0.ln_1.bias") == gpt2.values.at("transformer.h.0.ln_1.bias"));
+    save_state_dict(dir / "gpt2.safetensors", model, io::hf::gpt2());
+  });
+  const auto back = read_files({dir / "gpt2.safetensors"});
+  CHECK(back.values == gpt2.values);  // every tensor, bit for bit, under the same names and shapes
+  CHECK(back.tensors.size() == gpt2.tensors.size());
+  for (const auto& [n, t] : gpt2.tensors) {
+    CHECK(back.tensors.at(n).shape == t.shape);
+    CHECK(back.tensors.at(n).type == dtype::f32);  // as save_pretrained writes a float32 model
+  }
+  CHECK(back.metadata == gpt2.metadata);  // {"format": "pt"}
+
+  // A GPT2Model file (no "transformer." prefix, with the causal-mask buffers) loads too.
+  {
+    safetensors_writer w;
+    const auto& wte = gpt2.values.at("transformer.wte.weight");
+    w.add<double>("wte.weight", {96, 32}, wte);
+    w.add<float>("h.0.attn.bias", {1, 1, 2, 2}, std::vector<float>{1, 0, 1, 1});
+    w.write(dir / "gpt2model.safetensors");
+    auto h = mirror<double>({{"transformer.wte.weight", gpt2.tensors.at("transformer.wte.weight")}}, io::hf::gpt2());
+    nn::Replicated<double, holder<double>> plain(h, 0);
+    CHECK(load_state_dict(dir / "gpt2model.safetensors", plain, io::hf::gpt2()).ok());
+    const auto v = plain.value("transformer.wte.weight");
+    CHECK(std::vector<double>(v.begin(), v.end()) == wte);
+  }
+
+  // LLaMA: transformers' sharded layout (4 files and the index), untied lm_head.
+  const auto llama_dir = hf_goldens / "llama" / "initial";
+  const auto llama = read_files(shard_files(llama_dir));
+  REQUIRE(llama.tensors.size() == 21);  // embed, 9 per layer, norm, lm_head
+  auto h = mirror<double>(llama.tensors, io::hf::llama());  // double masters, from the F32 file
+  nn::Replicated<double, holder<double>> plain(h, 0);
+  CHECK(load_state_dict(llama_dir, plain, io::hf::llama()).ok());
+  CHECK(values_of(plain) == llama.values);
+  save_state_dict(dir / "llama", plain, {.save_dtype = dtype::f32, .max_shard_bytes = 40'000});
+  CHECK(read_files(shard_files(dir / "llama")).values == llama.values);
 }

@@ -1,0 +1,577 @@
+// shardlib/io/state_dict.hpp — a model's parameters from and to safetensors files under
+// another framework's names and layouts, as PyTorch's load_state_dict and Hugging Face's
+// save_pretrained / from_pretrained exchange them:
+//   - a name map between the file's names and the model's dotted names (identity by default),
+//   - tensors stored transposed (Hugging Face GPT-2's Conv1D keeps [in, out]; Linear [out, in]),
+//   - any of F32, F64, F16, BF16 in the file, converted to the model's master dtype,
+//   - tied parameters (a name the file leaves out because it shares its partner's values),
+//   - strict loading (an error listing every missing, unexpected and misshapen tensor) or a report,
+//   - one file, or Hugging Face's sharded layout (model-0000k-of-0000n.safetensors and
+//     model.safetensors.index.json).
+// Works on a ShardedModel (every rank reads only the ranges its master piece needs; collective)
+// and on a plain model whose parameters an nn::Replicated holds.
+// Hugging Face's GPT-2 and LLaMA conventions: io/hf_checkpoint.hpp.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/element.hpp"          // dtype, element_cast, half, bfloat16, size_of, name
+#include "shardlib/core/error.hpp"            // io_error, cat
+#include "shardlib/core/shape.hpp"            // Shape
+#include "shardlib/io/rank_agreement.hpp"     // detail::on_all_ranks
+#include "shardlib/io/safetensors.hpp"        // tensor_info, safetensors_writer, detail::input_file, ...
+#include "shardlib/nn/flat.hpp"               // nn::flat_entry
+#include "shardlib/nn/replicated.hpp"         // nn::Replicated
+#include "shardlib/shard/space_ops.hpp"       // shard::space_ops (a master piece to host memory)
+
+#include <nlohmann/json.hpp>  // nlohmann::json, nlohmann::ordered_json
+
+#include <algorithm>    // std::copy, std::reverse
+#include <cmath>        // std::isinf, std::isfinite
+#include <cstddef>      // std::byte, std::size_t
+#include <cstdint>      // std::uint64_t, std::int64_t
+#include <cstdio>       // std::snprintf
+#include <cstring>      // std::memcpy
+#include <filesystem>   // std::filesystem
+#include <fstream>      // std::ifstream, std::ofstream
+#include <functional>   // std::function, std::less
+#include <iterator>     // std::istreambuf_iterator
+#include <limits>       // std::numeric_limits
+#include <map>          // std::map
+#include <memory>       // std::make_shared
+#include <optional>     // std::optional, std::nullopt
+#include <set>          // std::set
+#include <span>         // std::span
+#include <string>       // std::string
+#include <string_view>  // std::string_view
+#include <type_traits>  // std::remove_cvref_t
+#include <utility>      // std::move, std::pair
+#include <vector>       // std::vector
+
+namespace shardlib::io {
+
+// Between the file's tensor names and the model's parameter names. to_model returning
+// nullopt ignores a tensor on purpose (a buffer the model does not keep): it is then
+// neither loaded nor reported. Saving writes each parameter under to_file(name).
+class name_map {
+ public:
+  using to_model_fn = std::function<std::optional<std::string>(std::string_view file_name)>;
+  using to_file_fn = std::function<std::string(std::string_view model_name)>;
+
+  name_map() = default;  // the same names on both sides
+  name_map(to_model_fn to_model, to_file_fn to_file) : to_model_(std::move(to_model)), to_file_(std::move(to_file)) {}
+
+  // Exact pairs {file name, model name}; names not listed are the same on both sides.
+  static name_map table(std::vector<std::pair<std::string, std::string>> pairs) {
+    auto to_model = std::make_shared<std::map<std::string, std::string, std::less<>>>();
+    auto to_file = std::make_shared<std::map<std::string, std::string, std::less<>>>();
+    for (auto& [f, m] : pairs) {
+      require<io_error>(to_model->emplace(f, m).second && to_file->emplace(m, f).second,
+                        "name_map::table: '", f, "' <-> '", m, "' repeats a name (the map must be one-to-one)");
+    }
+    return {[to_model](std::string_view n) -> std::optional<std::string> {
+              const auto it = to_model->find(n);
+              return it == to_model->end() ? std::string(n) : it->second;
+            },
+            [to_file](std::string_view n) {
+              const auto it = to_file->find(n);
+              return it == to_file->end() ? std::string(n) : it->second;
+            }};
+  }
+  // Prefix rules {file prefix, model prefix}, the first that matches applying (loading
+  // reads the file side, saving the model side); names no rule matches stay as they are.
+  static name_map prefixes(std::vector<std::pair<std::string, std::string>> rules) {
+    auto r = std::make_shared<const std::vector<std::pair<std::string, std::string>>>(std::move(rules));
+    const auto swap = [](std::string_view n, const std::string& from, const std::string& to) {
+      return to + std::string(n.substr(from.size()));
+    };
+    return {[r, swap](std::string_view n) -> std::optional<std::string> {
+              for (const auto& [f, m] : *r)
+                if (n.starts_with(f)) return swap(n, f, m);
+              return std::string(n);
+            },
+            [r, swap](std::string_view n) {
+              for (const auto& [f, m] : *r)
+                if (n.starts_with(m)) return swap(n, m, f);
+              return std::string(n);
+            }};
+  }
+
+  std::optional<std::string> to_model(std::string_view file_name) const {
+    return to_model_ ? to_model_(file_name) : std::optional<std::string>(std::string(file_name));
+  }
+  std::string to_file(std::string_view model_name) const {
+    return to_file_ ? to_file_(model_name) : std::string(model_name);
+  }
+
+ private:
+  to_model_fn to_model_;
+  to_file_fn to_file_;
+};
+
+struct state_dict_options {
+  name_map names{};
+  // The model's 2-D parameters whose name ends with one of these are stored transposed
+  // in the file ([in, out] for a model's [out, in]): read and written transposed.
+  std::vector<std::string> transposed{};
+  // Tied parameters {alias, target}, both the model's names: the file may leave the alias
+  // out (Hugging Face does: GPT-2's lm_head.weight is transformer.wte.weight). Loading, an
+  // alias the file lacks takes its target's tensor and is not missing, and the alias's
+  // tensor is not unexpected when the model has only the target. Saving writes the target
+  // only (values of a model holding both must then be equal).
+  std::vector<std::pair<std::string, std::string>> tied{};
+  // Loading: any missing, unexpected or misshapen tensor is an io_error naming them all
+  // (PyTorch's strict=True); otherwise they are returned in the report and the model
+  // keeps its values where nothing was loaded.
+  bool strict = true;
+  // Saving: the file's dtype (F32, F64, F16 or BF16); the master dtype when unset.
+  std::optional<dtype> save_dtype{};
+  // Saving: 0 writes one file at the path given; otherwise the path is a directory that
+  // gets Hugging Face's sharded layout, each file at most this many bytes of tensor data
+  // (a larger tensor gets a file of its own).
+  std::uint64_t max_shard_bytes = 0;
+};
+
+struct shape_mismatch {
+  std::string name;  // the model's
+  Shape in_file, in_model;
+  bool transposed = false;  // stored transposed: in_file should have been in_model reversed
+  friend bool operator==(const shape_mismatch&, const shape_mismatch&) = default;
+};
+
+// What a load found, as PyTorch's load_state_dict returns it (names sorted).
+struct load_report {
+  std::vector<std::string> missing;     // the model's parameters nothing in the file provides
+  std::vector<std::string> unexpected;  // the file's tensors (file names) no parameter takes
+  std::vector<shape_mismatch> mismatched;
+  std::vector<std::string> from_tied;  // the model's parameters loaded from their tie partner's tensor
+
+  bool ok() const { return missing.empty() && unexpected.empty() && mismatched.empty(); }
+  // "missing: a, b; unexpected: c; shape mismatch: d is [3, 2] in the file, [2, 3] in the model"
+  std::string describe() const {
+    std::string s;
+    const auto list = [&](std::string_view what, const std::vector<std::string>& names) {
+      if (names.empty()) return;
+      s += cat(s.empty() ? "" : "; ", what, " (", names.size(), "): ");
+      for (std::size_t i = 0; i < names.size(); ++i) s += cat(i ? ", " : "", names[i]);
+    };
+    list("missing", missing);
+    list("unexpected", unexpected);
+    if (!mismatched.empty()) s += cat(s.empty() ? "" : "; ", "shape mismatch (", mismatched.size(), "): ");
+    for (std::size_t i = 0; i < mismatched.size(); ++i) {
+      const auto& m = mismatched[i];
+      s += cat(i ? ", " : "", m.name, " is ", m.in_file, " in the file but ", m.in_model, " in the model",
+               m.transposed ? " (stored transposed)" : "");
+    }
+    return s;
+  }
+};
+
+namespace detail {
+
+inline constexpr std::string_view hf_index_name = "model.safetensors.index.json";
+inline constexpr std::string_view hf_single_name = "model.safetensors";
+
+// The tensors of one safetensors file, or of Hugging Face's sharded layout through its
+// index, read by element range with conversion to the model's dtype.
+class state_dict_files {
+ public:
+  struct stored {
+    std::size_t file;
+    tensor_info info;
+  };
+
+  // path: a .safetensors file, an index .json, or a directory holding model.safetensors
+  // or model.safetensors.index.json.
+  explicit state_dict_files(const std::filesystem::path& path) {
+    namespace fs = std::filesystem;
+    fs::path p = path;
+    if (fs::is_directory(p)) {
+      if (fs::exists(p / hf_single_name)) p /= hf_single_name;
+      else if (fs::exists(p / hf_index_name)) p /= hf_index_name;
+      else fail(path.string(), "the directory holds neither ", hf_single_name, " nor ", hf_index_name);
+    }
+    origin_ = p.string();
+    if (p.extension() == ".json") open_index(p);
+    else open_file(p, nullptr);
+  }
+
+  const std::string& origin() const { return origin_; }
+  const std::map<std::string, stored, std::less<>>& tensors() const { return tensors_; }
+
+  // Elements [first, first + out.size()) of t in its row-major order, converted to T.
+  template <class T>
+  void read(const stored& t, std::uint64_t first, std::span<T> out) const {
+    const auto& f = files_[t.file];
+    const std::size_t es = size_of(t.info.type);
+    raw_.resize(out.size() * es);
+    f.in.read_at(f.data_start + t.info.begin + first * es, raw_);
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = convert<T>(t, first + i, raw_.data() + i * es);
+  }
+
+ private:
+  struct file {
+    input_file in;
+    std::uint64_t data_start;
+  };
+
+  // Adds the tensors of one file: all of them, or (from an index) those it maps to this file.
+  void open_file(const std::filesystem::path& p, const std::set<std::string, std::less<>>* wanted) {
+    input_file in(p);
+    auto [n, header] = read_file_header(in);
+    const std::size_t k = files_.size();
+    files_.push_back({std::move(in), size_field_bytes + n});
+    std::size_t found = 0;
+    for (auto& t : header.tensors) {
+      if (wanted && !wanted->contains(t.name)) continue;
+      ++found;
+      if (!tensors_.emplace(t.name, stored{k, t}).second)
+        fail(origin_, "tensor \"", t.name, "\" is in more than one file");
+    }
+    if (wanted && found != wanted->size())
+      for (const auto& w : *wanted)
+        if (!tensors_.contains(w) || tensors_.find(w)->second.file != k)
+          fail(origin_, "the index maps tensor \"", w, "\" to ", p.filename().string(), ", which does not hold it");
+  }
+
+  void open_index(const std::filesystem::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    if (!in) fail(origin_, "cannot open for reading");
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(std::string(std::istreambuf_iterator<char>(in), {}));
+    } catch (const nlohmann::json::exception& e) {
+      fail(origin_, "not valid JSON: ", e.what());
+    }
+    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+      fail(origin_, "a safetensors index needs an object \"weight_map\" {tensor name: file name}");
+    std::map<std::string, std::set<std::string, std::less<>>> by_file;
+    for (const auto& [name, f] : j["weight_map"].items()) {
+      if (!f.is_string()) fail(origin_, "\"weight_map\" entry \"", name, "\" must name a file, found ", f.type_name());
+      const auto& fn = f.get_ref<const std::string&>();
+      // A shard lies beside its index: no directories, so an index cannot reach elsewhere.
+      if (fn.empty() || fn.find('/') != std::string::npos || fn == "." || fn == "..")
+        fail(origin_, "\"weight_map\" entry \"", name, "\": \"", fn, "\" is not a file name beside the index");
+      by_file[fn].insert(name);
+    }
+    for (const auto& [fn, names] : by_file) open_file(p.parent_path() / fn, &names);
+  }
+
+  template <class T>
+  T convert(const stored& t, std::uint64_t element, const std::byte* p) const {
+    switch (t.info.type) {
+      case dtype::f32: return element_cast<T>(load<float>(p));
+      case dtype::f16: return element_cast<T>(load<half>(p));
+      case dtype::bf16: return element_cast<T>(load<bfloat16>(p));
+      case dtype::f64: {
+        const double v = load<double>(p);
+        const T x = element_cast<T>(v);
+        if (std::isinf(double(x)) && std::isfinite(v))
+          fail(origin_, "tensor \"", t.info.name, "\" element ", element, " is ", v, ", beyond ", shardlib::name(dtype_of<T>),
+               "'s range: it would load as inf");
+        return x;
+      }
+      default:
+        fail(origin_, "tensor \"", t.info.name, "\" has dtype ", shardlib::name(t.info.type),
+             "; parameters load from F32, F64, F16 or BF16");
+    }
+  }
+  template <class E>
+  static E load(const std::byte* p) {
+    E e;
+    std::memcpy(&e, p, sizeof e);
+    return e;
+  }
+
+  std::string origin_;
+  std::vector<file> files_;
+  std::map<std::string, stored, std::less<>> tensors_;
+  mutable std::vector<std::byte> raw_;
+};
+
+inline bool ends_with_any(std::string_view name, const std::vector<std::string>& suffixes) {
+  for (const auto& s : suffixes)
+    if (name.ends_with(s)) return true;
+  return false;
+}
+
+inline Shape reversed(const Shape& s) {
+  std::vector<std::int64_t> e(s.extents().begin(), s.extents().end());
+  std::reverse(e.begin(), e.end());
+  return Shape(std::span<const std::int64_t>(e));
+}
+
+// A parameter of the model and where its values come from in the file.
+struct load_plan {
+  std::map<std::string, const state_dict_files::stored*, std::less<>> source;  // model name -> tensor
+  std::set<std::string, std::less<>> transposed;                              // model names
+  load_report report;
+};
+
+// Matches the model's parameters (name, shape) with the file's tensors.
+inline load_plan plan_load(const std::vector<std::pair<std::string, Shape>>& params, const state_dict_files& files,
+                           const state_dict_options& o) {
+  load_plan plan;
+  std::map<std::string, const state_dict_files::stored*, std::less<>> by_model;  // mapped file tensors
+  std::map<std::string, std::string, std::less<>> file_name_of;
+  for (const auto& [fname, t] : files.tensors()) {
+    const auto m = o.names.to_model(fname);
+    if (!m) continue;
+    if (const auto [it, fresh] = file_name_of.emplace(*m, fname); !fresh)
+      fail(files.origin(), "tensors \"", it->second, "\" and \"", fname, "\" both map to the model's '", *m, "'");
+    by_model.emplace(*m, &t);
+  }
+  std::set<std::string, std::less<>> ours;
+  for (const auto& [n, s] : params) ours.insert(n);
+  std::map<std::string, std::string, std::less<>> target_of;
+  for (const auto& [alias, target] : o.tied) target_of.emplace(alias, target);
+
+  for (const auto& [n, shape] : params) {
+    auto it = by_model.find(n);
+    if (it == by_model.end())
+      if (const auto t = target_of.find(n); t != target_of.end() && by_model.contains(t->second)) {
+        it = by_model.find(t->second);
+        plan.report.from_tied.push_back(n);
+      }
+    if (it == by_model.end()) {
+      plan.report.missing.push_back(n);
+      continue;
+    }
+    const Shape& stored = it->second->info.shape;
+    const bool transpose = shape.rank() == 2 && ends_with_any(n, o.transposed);
+    if (stored != (transpose ? reversed(shape) : shape)) {
+      plan.report.mismatched.push_back({n, stored, shape, transpose});
+      continue;
+    }
+    if (transpose) plan.transposed.insert(n);
+    plan.source.emplace(n, it->second);
+  }
+  for (const auto& [m, fname] : file_name_of) {
+    if (ours.contains(m)) continue;
+    if (const auto t = target_of.find(m); t != target_of.end() && ours.contains(t->second)) continue;
+    plan.report.unexpected.push_back(fname);
+  }
+  return plan;
+}
+
+// Elements [first, first + out.size()) of parameter n (shape `shape`) from its tensor.
+template <class T>
+void read_parameter(const state_dict_files& files, const load_plan& plan, const std::string& n, const Shape& shape,
+                    std::uint64_t first, std::span<T> out) {
+  const auto& t = *plan.source.at(n);
+  if (!plan.transposed.contains(n)) {
+    files.read(t, first, out);
+    return;
+  }
+  // Model element (r, c) of [rows, cols] is file element (c, r) of [cols, rows]: the range
+  // is strided in the file, so the whole tensor is read (one parameter at a time).
+  const auto rows = std::uint64_t(shape[0]), cols = std::uint64_t(shape[1]);
+  std::vector<T> whole(rows * cols);
+  files.read(t, 0, std::span<T>(whole));
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const std::uint64_t e = first + i, r = e / cols, c = e % cols;
+    out[i] = whole[c * rows + r];
+  }
+}
+
+// Reads into `out` (elements [begin, begin + out.size()) of a flat vector laid out as
+// `entries`) every overlapping parameter the plan has a source for; the rest is untouched.
+template <class T, class Entries>
+void read_range(const state_dict_files& files, const load_plan& plan, const Entries& entries, std::uint64_t begin,
+                std::span<T> out) {
+  const std::uint64_t end = begin + out.size();
+  for (const nn::flat_entry& e : entries) {
+    const std::uint64_t lo = std::max<std::uint64_t>(begin, e.offset), hi = std::min<std::uint64_t>(end, e.offset + e.numel());
+    if (lo >= hi || !plan.source.contains(e.name)) continue;
+    read_parameter(files, plan, e.name, e.shape, lo - e.offset,
+                   out.subspan(std::size_t(lo - begin), std::size_t(hi - lo)));
+  }
+}
+
+inline void check_plan(const load_plan& plan, const state_dict_files& files, const state_dict_options& o) {
+  if (o.strict && !plan.report.ok())
+    throw io_error(cat(files.origin(), ": does not match the model (strict load): ", plan.report.describe()));
+}
+
+// A tensor to write: the model's name and shape, and its values (row-major, host memory).
+template <class T>
+struct tensor_to_save {
+  std::string name;
+  Shape shape;
+  std::span<const T> values;
+};
+
+template <class T>
+void append_converted(std::vector<std::byte>& out, dtype type, T v) {
+  const auto put = [&](auto x) {
+    const auto* b = reinterpret_cast<const std::byte*>(&x);
+    out.insert(out.end(), b, b + sizeof x);
+  };
+  switch (type) {
+    case dtype::f32: return put(element_cast<float>(v));
+    case dtype::f64: return put(element_cast<double>(v));
+    case dtype::f16: return put(element_cast<half>(v));
+    case dtype::bf16: return put(element_cast<bfloat16>(v));
+    default: break;
+  }
+}
+
+inline std::string shard_file_name(std::size_t k, std::size_t n) {
+  char b[64];
+  std::snprintf(b, sizeof b, "model-%05zu-of-%05zu.safetensors", k, n);
+  return b;
+}
+
+// Writes tensors under the file's names and layout (one file, or the sharded layout).
+template <class T>
+void write_state_dict(const std::filesystem::path& path, const std::vector<tensor_to_save<T>>& all,
+                      const state_dict_options& o) {
+  const dtype type = o.save_dtype.value_or(dtype_of<T>);
+  if (type != dtype::f32 && type != dtype::f64 && type != dtype::f16 && type != dtype::bf16)
+    fail(path.string(), "save_dtype ", shardlib::name(type), ": parameters are saved as F32, F64, F16 or BF16");
+  std::map<std::string_view, const tensor_to_save<T>*, std::less<>> by_name;
+  for (const auto& t : all) by_name.emplace(t.name, &t);
+  struct converted {
+    std::string name;
+    Shape shape;
+    std::vector<std::byte> bytes;
+  };
+  std::vector<converted> out;
+  for (const auto& t : all) {
+    bool skip = false;
+    for (const auto& [alias, target] : o.tied) {
+      if (t.name != alias || !by_name.contains(target)) continue;
+      const auto& other = *by_name.at(target);
+      if (other.shape != t.shape || !std::equal(t.values.begin(), t.values.end(), other.values.begin()))
+        fail(path.string(), "tied parameters '", alias, "' and '", target,
+             "' hold different values: only the target is written, so the alias would be lost");
+      skip = true;
+    }
+    if (skip) continue;
+    const bool transpose = t.shape.rank() == 2 && ends_with_any(t.name, o.transposed);
+    converted c{o.names.to_file(t.name), transpose ? reversed(t.shape) : t.shape, {}};
+    c.bytes.reserve(t.values.size() * size_of(type));
+    const auto rows = std::size_t(transpose ? t.shape[0] : 0), cols = std::size_t(transpose ? t.shape[1] : 0);
+    for (std::size_t i = 0; i < t.values.size(); ++i)  // file element i is model element (i % rows, i / rows)
+      append_converted(c.bytes, type, transpose ? t.values[(i % rows) * cols + i / rows] : t.values[i]);
+    out.push_back(std::move(c));
+  }
+  const auto write_file = [&](const std::filesystem::path& file, std::size_t from, std::size_t to) {
+    safetensors_writer w;
+    w.set_metadata("format", "pt");
+    for (std::size_t i = from; i < to; ++i) w.add(out[i].name, type, out[i].shape, out[i].bytes);
+    w.write(file);
+  };
+  if (o.max_shard_bytes == 0) return write_file(path, 0, out.size());
+  std::vector<std::size_t> starts{0};  // files hold out[starts[k], starts[k + 1])
+  std::uint64_t in_file = 0, total = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const std::uint64_t b = out[i].bytes.size();
+    if (in_file > 0 && in_file + b > o.max_shard_bytes) {
+      starts.push_back(i);
+      in_file = 0;
+    }
+    in_file += b;
+    total += b;
+  }
+  starts.push_back(out.size());
+  std::filesystem::create_directories(path);
+  const std::size_t n = starts.size() - 1;
+  nlohmann::ordered_json index{{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::ordered_json::object()}};
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::string fn = shard_file_name(k + 1, n);
+    write_file(path / fn, starts[k], starts[k + 1]);
+    for (std::size_t i = starts[k]; i < starts[k + 1]; ++i) index["weight_map"][out[i].name] = fn;
+  }
+  atomic_file f(path / hf_index_name);
+  f.write(as_bytes(index.dump(2) + "\n"));
+  f.commit();
+}
+
+}  // namespace detail
+
+// A sharded model's engine (shard::ShardedModel), as the loaders read it.
+template <class E>
+concept StateDictEngine = requires(E& e, std::size_t i) {
+  e.comm();
+  e.unit_count();
+  e.unit_layout(i).entries;
+  e.partition(i).shard_size();
+  e.partition_rank();
+  e.master_piece(i);
+  e.full_state_dict();
+};
+
+// Loads the parameters of a sharded model from `path` (a .safetensors file, a
+// model.safetensors.index.json, or a directory holding either). Collective: every rank
+// reads only what its master piece needs and the model changes only when every rank
+// succeeded; any failure raises io_error on every rank. Strict (the default) raises
+// naming every missing, unexpected and misshapen tensor; otherwise those are reported
+// and their parameters keep their values.
+template <StateDictEngine Engine>
+load_report load_state_dict(const std::filesystem::path& path, Engine& model, const state_dict_options& o = {}) {
+  using T = typename std::remove_cvref_t<decltype(model.master_piece(0))>::value_type;
+  using ops = shard::space_ops<typename Engine::space>;
+  std::vector<std::vector<T>> pieces(model.unit_count());
+  load_report report;
+  detail::on_all_ranks(model.comm(), cat("loading ", path.string()), [&] {
+    const detail::state_dict_files files(path);
+    std::vector<std::pair<std::string, Shape>> params;
+    for (std::size_t i = 0; i < model.unit_count(); ++i)
+      for (const auto& e : model.unit_layout(i).entries) params.emplace_back(e.name, e.shape);
+    auto plan = detail::plan_load(params, files, o);
+    detail::check_plan(plan, files, o);
+    for (std::size_t i = 0; i < model.unit_count(); ++i) {
+      const auto piece = model.master_piece(i);
+      pieces[i].resize(piece.size());
+      ops::to_host(piece, std::span<T>(pieces[i]));  // what nothing loads keeps its value
+      const std::uint64_t begin = model.partition(i).begin(model.partition_rank());
+      detail::read_range(files, plan, model.unit_layout(i).entries, begin, std::span<T>(pieces[i]));
+    }
+    report = std::move(plan.report);
+  });
+  for (std::size_t i = 0; i < pieces.size(); ++i) model.load_master(i, std::span<const T>(pieces[i]));
+  return report;
+}
+
+// The same for a plain model whose parameters `owner` holds (nothing changes on failure;
+// errors name the file).
+template <class T, nn::Layer L>
+load_report load_state_dict(const std::filesystem::path& path, nn::Replicated<T, L>& owner,
+                            const state_dict_options& o = {}) {
+  const detail::state_dict_files files(path);
+  std::vector<std::pair<std::string, Shape>> params;
+  for (const auto& e : owner.layout().entries) params.emplace_back(e.name, e.shape);
+  auto plan = detail::plan_load(params, files, o);
+  detail::check_plan(plan, files, o);
+  std::vector<T> values(owner.values().begin(), owner.values().end());
+  detail::read_range(files, plan, owner.layout().entries, 0, std::span<T>(values));
+  std::copy(values.begin(), values.end(), owner.values().begin());
+  return std::move(plan.report);
+}
+
+// Writes a sharded model's parameters under the file's names and layout (options.names,
+// transposed, tied, save_dtype, max_shard_bytes), with metadata {"format": "pt"}, as
+// save_pretrained does. Collective: the full parameters are gathered to rank 0 (one unit
+// at a time, model.full_state_dict()), which writes; a failure raises on every rank.
+template <StateDictEngine Engine>
+void save_state_dict(const std::filesystem::path& path, Engine& model, const state_dict_options& o = {}) {
+  auto full = model.full_state_dict();
+  detail::on_all_ranks(model.comm(), cat("saving ", path.string()), [&] {
+    if (model.comm().rank() != 0) return;
+    using T = typename std::remove_cvref_t<decltype(model.master_piece(0))>::value_type;
+    std::vector<detail::tensor_to_save<T>> all;
+    for (const auto& t : full) all.push_back({t.name, t.value.shape(), t.value.span()});
+    detail::write_state_dict(path, all, o);
+  });
+}
+
+// The same for a plain model whose parameters `owner` holds.
+template <class T, nn::Layer L>
+void save_state_dict(const std::filesystem::path& path, nn::Replicated<T, L>& owner,
+                     const state_dict_options& o = {}) {
+  std::vector<detail::tensor_to_save<T>> all;
+  for (const auto& e : owner.layout().entries)
+    all.push_back({e.name, e.shape, std::span<const T>(owner.values().subspan(e.offset, e.numel()))});
+  detail::write_state_dict(path, all, o);
+}
+
+}  // namespace shardlib::io

@@ -1,0 +1,93 @@
+// shardlib/plan/presets.hpp — decoder language models by architecture (GPT-2, LLaMA):
+// their parameters counted from the shapes of every tensor, each block a unit and the
+// embeddings, final norm and head in the root, and the published sizes as presets.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/element.hpp"      // dtype
+#include "shardlib/core/error.hpp"        // require, cat
+#include "shardlib/plan/memory_plan.hpp"  // model_desc, transformer_shape, transformer
+
+#include <cstddef>      // std::size_t
+#include <string>       // std::string
+#include <string_view>  // std::string_view
+
+namespace shardlib::plan {
+
+// GPT-2: learned positions, LayerNorms and Linear layers with biases, a 4·hidden GELU MLP.
+// LLaMA: rotary positions (no table), RMSNorms, no biases, grouped-query attention
+// (kv_heads ≤ heads), a SwiGLU MLP (gate, up, down).
+enum class family { gpt2, llama };
+
+struct decoder_shape {
+  std::string_view name;
+  plan::family family = family::gpt2;
+  long layers = 0, hidden = 0, heads = 0, kv_heads = 0, vocab = 0, intermediate = 0;
+  long positions = 0;  // GPT-2's learned position table (n_positions); 0 for LLaMA
+  long seq = 0;        // the context length it was trained with: the planner's default
+  bool tied = false;   // the LM head shares the token embedding (counted once)
+};
+
+// One block's parameters: attention, MLP and its two norms.
+constexpr std::size_t block_parameters(const decoder_shape& m) {
+  const std::size_t h = std::size_t(m.hidden), i = std::size_t(m.intermediate);
+  const std::size_t kv = std::size_t(m.hidden / m.heads * m.kv_heads);  // K and V widths: kv heads × head size
+  if (m.family == family::gpt2)
+    return (h * 3 * h + 3 * h) + (h * h + h)  // c_attn (q, k, v fused), c_proj
+           + (h * i + i) + (i * h + h)        // c_fc, c_proj
+           + 2 * (2 * h);                     // ln_1, ln_2: weight and bias
+  return h * h + 2 * h * kv + h * h  // q_proj, k_proj, v_proj, o_proj
+         + 3 * h * i                 // gate_proj, up_proj, down_proj
+         + 2 * h;                    // input_layernorm, post_attention_layernorm
+}
+
+// Everything outside the blocks: token (and position) embeddings, the final norm, the
+// head unless tied.
+constexpr std::size_t root_parameters(const decoder_shape& m) {
+  const std::size_t h = std::size_t(m.hidden), v = std::size_t(m.vocab);
+  const std::size_t norm = m.family == family::gpt2 ? 2 * h : h;
+  return v * h + std::size_t(m.positions) * h + norm + (m.tied ? 0 : v * h);
+}
+
+constexpr std::size_t parameters(const decoder_shape& m) {
+  return root_parameters(m) + std::size_t(m.layers) * block_parameters(m);
+}
+
+// The published configurations (Hugging Face's gpt2, gpt2-medium, Llama-2-7b, Llama-2-70b).
+inline constexpr decoder_shape decoder_presets[] = {
+    {.name = "gpt2-124m", .family = family::gpt2, .layers = 12, .hidden = 768, .heads = 12, .kv_heads = 12,
+     .vocab = 50257, .intermediate = 3072, .positions = 1024, .seq = 1024, .tied = true},
+    {.name = "gpt2-350m", .family = family::gpt2, .layers = 24, .hidden = 1024, .heads = 16, .kv_heads = 16,
+     .vocab = 50257, .intermediate = 4096, .positions = 1024, .seq = 1024, .tied = true},
+    {.name = "llama-7b", .family = family::llama, .layers = 32, .hidden = 4096, .heads = 32, .kv_heads = 32,
+     .vocab = 32000, .intermediate = 11008, .positions = 0, .seq = 4096, .tied = false},
+    {.name = "llama-70b", .family = family::llama, .layers = 80, .hidden = 8192, .heads = 64, .kv_heads = 8,
+     .vocab = 32000, .intermediate = 28672, .positions = 0, .seq = 4096, .tied = false},
+};
+
+inline const decoder_shape& decoder_preset(std::string_view name) {
+  for (const auto& m : decoder_presets)
+    if (m.name == name) return m;
+  std::string known;
+  for (const auto& m : decoder_presets) known += cat(known.empty() ? "" : ", ", m.name);
+  throw error(cat("plan: no model preset '", name, "' (known: ", known, ")"));
+}
+
+// The model as the planner sees it: the root, then each block a unit (an exact count,
+// where plan::transformer approximates a block as 12·hidden²). Activations and FLOPs
+// as plan::transformer estimates them, for `seq` tokens (the preset's when 0) per sequence.
+inline model_desc decoder(const decoder_shape& m, long batch = 1, long seq = 0, dtype activations = dtype::bf16) {
+  require(m.layers >= 1 && m.hidden >= 1 && m.heads >= 1 && m.kv_heads >= 1 && m.hidden % m.heads == 0 &&
+              m.heads % m.kv_heads == 0,
+          "plan::decoder ", m.name, ": layers, hidden, heads and kv heads must be positive, heads must divide hidden ",
+          "and kv heads must divide heads");
+  model_desc d = transformer({.parameters = 0, .layers = m.layers, .hidden = m.hidden, .heads = m.heads,
+                              .seq = seq > 0 ? seq : m.seq, .batch = batch},
+                             activations);
+  d.units.assign(std::size_t(m.layers) + 1, block_parameters(m));
+  d.units[0] = root_parameters(m);
+  const double s = double(seq > 0 ? seq : m.seq), b = double(batch);
+  d.flops = 6 * double(parameters(m)) * s * b + 12 * double(m.layers) * double(m.hidden) * s * s * b;
+  return d;
+}
+
+}  // namespace shardlib::plan
