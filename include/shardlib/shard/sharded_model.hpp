@@ -111,6 +111,7 @@ class ShardedModel {
       u.name = std::move(spec.name);
       u.params = std::move(spec.params);
       u.layout = std::move(spec.layout);
+      u.aliases = std::move(spec.aliases);
     }
     for (auto& u : units_)  // names for errors: the layouts no longer move
       for (std::size_t k = 0; k < u.params.size(); ++k) u.params[k]->owner_name = u.layout.entries[k].name;
@@ -234,7 +235,9 @@ class ShardedModel {
   const std::optional<loss_scaler>& scaler() const { return scaler_; }
 
   // The full parameters under their unsharded names, in the model's parameter
-  // order — on rank 0 only (others return an empty list) or on every rank.
+  // order — on rank 0 only (others return an empty list) or on every rank. A
+  // tied parameter appears under each of its names, the entries sharing one
+  // tensor (as PyTorch's state_dict()).
   // Units are gathered one at a time, so a rank holds at most one extra full unit
   // beyond what it returns.
   struct named_tensor {
@@ -266,6 +269,8 @@ class ShardedModel {
         ops::to_host(values.subspan(e.offset, e.numel()), t.span());
         out[position.at(e.name)] = {e.name, std::move(t)};
       }
+      for (const auto& a : units_[i].aliases)
+        out[position.at(a.name)] = {a.name, out[position.at(units_[i].layout.entries[a.entry].name)].value};
     }
     return out;
   }
@@ -465,6 +470,8 @@ class ShardedModel {
     for (const auto& u : units_)
       for (const auto& e : u.layout.entries)
         mine.push_back(std::int64_t(fnv1a(cat(u.name, "|", e.name, e.shape, "|", sizeof(T), sizeof(C)))));
+    for (const auto& u : units_)  // ties: ranks that tie differently would lay units out differently
+      for (const auto& a : u.aliases) mine.push_back(std::int64_t(fnv1a(cat(u.name, "|", a.name, "=", a.entry))));
     std::vector<std::int64_t> most{std::int64_t(mine.size())};
     ops::all_reduce_values(*comm_, std::span<std::int64_t>(most), comm::reduce_op::max);
     mine.resize(std::size_t(most[0]), 0);  // absent entries hash to 0
@@ -485,6 +492,9 @@ class ShardedModel {
     for (const auto& u : units_)
       for (const auto& e : u.layout.entries)
         if (k-- == 0) return cat("'", e.name, "' ", e.shape);
+    for (const auto& u : units_)
+      for (const auto& a : u.aliases)
+        if (k-- == 0) return cat("the tie of '", a.name, "' to '", u.layout.entries[a.entry].name, "'");
     return "no such parameter on this rank";
   }
 

@@ -5,6 +5,7 @@
 #include "shardlib/core/buffer.hpp"
 #include "shardlib/nn/flat.hpp"
 #include "shardlib/nn/param.hpp"
+#include "shardlib/shard/discover.hpp"
 #include "shardlib/shard/sharded_tensor.hpp"
 
 #include <cstddef>   // std::size_t
@@ -31,6 +32,7 @@ struct unit {
   std::string name;                   // the layer's dotted name; "" for the root
   std::vector<nn::Param<C>*> params;  // in layout order
   nn::flat_layout layout;
+  std::vector<param_alias> aliases;  // further names of tied parameters (shard/discover.hpp)
 
   // fp32 master values this rank steps. Absent when they live inside `values`
   // (replicated parameters kept in the master dtype: NoShard, ZeRO-1 in fp32).
