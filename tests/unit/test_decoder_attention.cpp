@@ -2,6 +2,7 @@
 // and key-padding masks and grouped-query attention, rotary embeddings, GPT-2's
 // and LLaMA's attention layers (Hugging Face's names), the KV cache, against
 // naive float64 loops, finite differences and PyTorch's goldens.
+#include "shardlib/comm/launch.hpp"
 #include "shardlib/io/safetensors.hpp"
 #include "shardlib/nn/context.hpp"
 #include "shardlib/nn/gpt2_attention.hpp"
@@ -10,6 +11,7 @@
 #include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/rotary.hpp"
 #include "shardlib/nn/sdpa.hpp"
+#include "shardlib/shard/sharded_model.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -26,6 +28,7 @@
 #include "support/compare.hpp"
 #include "support/golden.hpp"
 #include "support/gradcheck.hpp"
+#include "support/shard_fixture.hpp"
 
 using namespace shardlib;
 using namespace shardlib::nn;
@@ -542,7 +545,7 @@ TEST_CASE("Decoder attention names what is wrong with options and shapes", "[nn]
 
   GPT2Attention<float> m({.n_embd = 8, .n_head = 2});
   CHECK_THROWS_WITH(context{}.forward(m, Tensor<float>::zeros({2, 3, 8})),
-                    Catch::Contains("GPT2Attention(n_embd 8, n_head 2): parameter '?' has no values bound"));
+                    Catch::Contains("Linear: parameter '?' has no values bound"));
   Replicated<float, GPT2Attention<float>> owner(m, 0);
   context ctx;
   CHECK_THROWS_WITH(ctx.forward(m, Tensor<float>({2, 3, 6})),
@@ -562,6 +565,66 @@ TEST_CASE("Decoder attention names what is wrong with options and shapes", "[nn]
   CHECK(ctx.forward(m, Tensor<float>::zeros({2, 3, 8})).shape() == Shape{2, 3, 8});
   CHECK_THROWS_WITH(ctx.backward(m, Tensor<float>({2, 4, 8})),
                     Catch::Contains("backward needs the gradient of the last forward's output, got shape [2, 4, 8]"));
+}
+
+namespace {
+
+// Each projection its own FullShard unit (wrap_types<Linear>), so the engine
+// gathers and frees them around the layer's ctx.forward / ctx.backward calls:
+// ten SGD steps equal unsharded training on the global batch (to float32
+// rounding of the reduced gradients, ~1e-7; bound 1e-5 relative, 1e-3 floor).
+template <class L>
+void check_sharded(const typename L::options& o, std::int64_t E) {
+  constexpr int steps = 10;
+  constexpr std::int64_t global = 4, S = 5;
+  const auto data = [&](int s, std::int64_t rows, std::int64_t first, std::uint64_t stream) {
+    return fixture::batch(s, rows * S, E, stream, first * S).reshape({rows, S, E});
+  };
+  std::vector<float> want;
+  {
+    L layer(o);
+    Replicated<float, L> owner(layer, 3);
+    fixture::sgd sgd;
+    auto st = sgd.make_state(owner.values().size());
+    context ctx;
+    for (int s = 0; s < steps; ++s) {
+      owner.zero_grad();
+      auto l = fixture::mse(ctx.forward(layer, data(s, global, 0, 1)), data(s, global, 0, 2));
+      ctx.backward(layer, l.grad);
+      sgd.step(owner.values(), owner.grads(), st);
+    }
+    for (const auto& e : owner.layout().entries) {
+      const auto v = owner.value(e.name);
+      want.insert(want.end(), v.begin(), v.end());
+    }
+  }
+  std::vector<float> got;
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    L layer(o);
+    auto sharded = shard::fully_shard<fixture::sgd>(layer, c, shard::FullShard{},
+                                                    {.wrap = shard::wrap_types<Linear<float>>{}, .seed = 3});
+    if (sharded.unit_count() < 3) throw error("the projections are not units");
+    fixture::sgd sgd;
+    const std::int64_t local = global / 2, first = c.rank() * local;
+    for (int s = 0; s < steps; ++s)
+      sharded.train_step(sgd, data(s, local, first, 1), data(s, local, first, 2), fixture::mse);
+    auto sd = sharded.full_state_dict();
+    if (c.rank() == 0)
+      for (auto& [name, t] : sd) got.insert(got.end(), t.span().begin(), t.span().end());
+  });
+  REQUIRE(got.size() == want.size());
+  test_support::max_error worst;  // NaN and infinities count as +inf
+  worst.relative(got, want, 1e-3);
+  CHECK(worst <= 1e-5);
+}
+
+}  // namespace
+
+TEST_CASE("GPT2Attention and LlamaAttention train sharded (FullShard, W = 2) as unsharded", "[nn][decoder][shard]") {
+  SECTION("GPT-2") { check_sharded<GPT2Attention<float>>({.n_embd = 8, .n_head = 2}, 8); }
+  SECTION("LLaMA, GQA") {
+    check_sharded<LlamaAttention<float>>({.hidden_size = 8, .num_attention_heads = 4, .num_key_value_heads = 2}, 8);
+  }
 }
 
 namespace {

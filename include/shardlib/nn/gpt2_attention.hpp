@@ -39,6 +39,11 @@ struct gpt2_attention_options {
 // scaled c_proj init (std / sqrt(2 n_layer)) is the model's to set on
 // c_proj.weight.init.
 //
+// The parameters are the children's, and each Linear checks its own binding
+// (Param::require_bound) when the context runs it: checked here up front they
+// would fail under FullShard, where a child that is a unit is gathered only
+// when ctx.forward reaches it.
+//
 // KV cache: enable_kv_cache(max_seq) and, not training, each forward takes only
 // the new positions and attends to every cached one (key padding mask [batch,
 // cached + new]); reset_kv_cache() starts a new sequence. Backward then raises.
@@ -83,7 +88,6 @@ class GPT2Attention {
     const std::int64_t E = o_.n_embd;
     require<shape_error>(x.rank() == 3 && x.dim(2) == E, core_.name(), ": input must be [batch, seq, ", E,
                          "], got shape ", x.shape());
-    check_bound(false);
     qkv_ = ctx.forward(c_attn, x);
     Tensor<T> attn(x.shape());
     const auto [q, k, v] = thirds(qkv_);
@@ -97,7 +101,6 @@ class GPT2Attention {
                              dy.dim(2) == o_.n_embd,
                          core_.name(), ": backward needs the gradient of the last forward's output, got shape ",
                          dy.shape());
-    check_bound(true);
     const Tensor<T> dattn = ctx.backward(c_proj, ctx.backward(resid_dropout, dy));
     Tensor<T> dqkv(qkv_.shape());
     const auto [dq, dk, dv] = thirds(dqkv);
@@ -110,13 +113,11 @@ class GPT2Attention {
   static typename detail::decoder_attention<T>::options core_options(const options& o) {
     require<shape_error>(o.n_embd > 0 && o.n_head > 0 && o.n_embd % o.n_head == 0, "GPT2Attention: n_embd (", o.n_embd,
                          ") must be a positive multiple of n_head (", o.n_head, ")");
-    return {.heads = o.n_head, .kv_heads = o.n_head, .head_dim = o.n_embd / o.n_head, .dropout = o.attn_pdrop, .rotary = std::nullopt};
-  }
-  void check_bound(bool with_grad) const {
-    for (const Linear<T>* l : {&c_attn, &c_proj}) {
-      l->weight.require_bound(core_.name(), with_grad);
-      l->bias.require_bound(core_.name(), with_grad);
-    }
+    return {.heads = o.n_head,
+            .kv_heads = o.n_head,
+            .head_dim = o.n_embd / o.n_head,
+            .dropout = o.attn_pdrop,
+            .rotary = std::nullopt};
   }
   // The heads of rows [B, S, ...] of `row_stride` columns starting at data.
   head_view<T> heads(T* data, std::int64_t row_stride) const {

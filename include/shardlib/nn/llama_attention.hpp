@@ -35,7 +35,7 @@ struct llama_attention_options {
 // (nn/rotary.hpp, base rope_theta) turns q and k at positions 0.. (or after
 // the cached ones), query head h reads kv head h / (H / Hkv), scores are
 // q.k / sqrt(hd), causal, with the context's key padding and attention masks.
-// KV cache as GPT2Attention's.
+// Parameter binding checks and the KV cache as GPT2Attention's.
 template <class T>
 class LlamaAttention {
  public:
@@ -94,7 +94,6 @@ class LlamaAttention {
   output forward(Ctx& ctx, const input& x) {
     require<shape_error>(x.rank() == 3 && x.dim(2) == o_.hidden_size, core_.name(), ": input must be [batch, seq, ",
                          o_.hidden_size, "], got shape ", x.shape());
-    check_bound(false);
     q_ = ctx.forward(q_proj, x);
     k_ = ctx.forward(k_proj, x);
     v_ = ctx.forward(v_proj, x);
@@ -109,7 +108,6 @@ class LlamaAttention {
                              dy.dim(2) == o_.hidden_size,
                          core_.name(), ": backward needs the gradient of the last forward's output, got shape ",
                          dy.shape());
-    check_bound(true);
     const Tensor<T> dattn = ctx.backward(o_proj, dy);
     Tensor<T> dq(q_.shape()), dk(k_.shape()), dv(v_.shape());
     core_.backward(heads(dattn), heads(dq), heads(dk), heads(dv));
@@ -134,12 +132,6 @@ class LlamaAttention {
     return o;
   }
   std::array<Linear<T>*, 4> projections() { return {&q_proj, &k_proj, &v_proj, &o_proj}; }
-  void check_bound(bool with_grad) const {
-    for (const Linear<T>* l : {&q_proj, &k_proj, &v_proj, &o_proj}) {
-      l->weight.require_bound(core_.name(), with_grad);
-      if (o_.attention_bias) l->bias.require_bound(core_.name(), with_grad);
-    }
-  }
   // The heads of a [B, S, heads * head_dim] projection.
   head_view<T> heads(const Tensor<T>& t) const {
     return head_view<T>::rows(t.data(), t.dim(0), t.dim(1), t.dim(2) / o_.head_dim, o_.head_dim, t.dim(2));
