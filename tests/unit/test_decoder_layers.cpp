@@ -500,7 +500,7 @@ TEST_CASE("a tiny decoder of these layers trains sharded (FullShard, W = 2) as i
     shard::wrap_policy policy;
     std::size_t units;
   };
-  for (const auto& [what, policy, units] :
+  for (const wrapping& w :
        {wrapping{"each block a unit", shard::wrap_types<LlamaBlock, GPT2Block>{}, 4},
         wrapping{"each Linear a unit", shard::wrap_types<Linear<float>>{}, 10}}) {
     std::vector<float> got;
@@ -508,7 +508,7 @@ TEST_CASE("a tiny decoder of these layers trains sharded (FullShard, W = 2) as i
     std::size_t unit_count = 0;
     comm::launch(world, [&](comm::ThreadComm& c) {
       TinyDecoder net = make_tiny_decoder();
-      auto sharded = shard::fully_shard(net, c, shard::FullShard{}, {.wrap = policy, .seed = 3});
+      auto sharded = shard::fully_shard(net, c, shard::FullShard{}, {.wrap = w.policy, .seed = 3});
       optim::Adam adam{{.lr = lr}};
       const std::int64_t local = global / world, first = c.rank() * local;
       for (int s = 0; s < steps; ++s) {
@@ -521,8 +521,8 @@ TEST_CASE("a tiny decoder of these layers trains sharded (FullShard, W = 2) as i
         for (auto& [name, t] : sd) got.insert(got.end(), t.span().begin(), t.span().end());
       }
     });
-    INFO(what);
-    CHECK(unit_count == units);  // with the root
+    INFO(w.what);
+    CHECK(unit_count == w.units);  // with the root
     REQUIRE(got.size() == want.size());
     test_support::max_error worst, worst_loss;  // NaN and infinities count as +inf
     worst.relative(got, want, lr);
