@@ -525,6 +525,11 @@ TEST_CASE("KV cache: training, backward, overflow and a new batch raise", "[nn][
                     Catch::Contains("the KV cache holds a batch of 1"));
   m.reset_kv_cache();
   CHECK(eval.forward(m, Tensor<float>::zeros({2, 4, 4})).shape() == Shape{2, 4, 4});
+  LlamaAttention<float> copy = m;  // a copy's cache starts empty and is its own
+  CHECK(copy.kv_cache_length() == 0);
+  CHECK(eval.forward(copy, Tensor<float>::zeros({2, 2, 4})).shape() == Shape{2, 2, 4});
+  CHECK(copy.kv_cache_length() == 2);
+  CHECK(m.kv_cache_length() == 4);
   m.disable_kv_cache();
   CHECK_THROWS_WITH(m.reset_kv_cache(), Catch::Contains("reset_kv_cache() needs enable_kv_cache(max_seq) first"));
 }

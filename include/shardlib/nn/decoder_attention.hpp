@@ -26,6 +26,15 @@ class kv_cache {
   explicit kv_cache(std::int64_t capacity) : capacity_(capacity) {
     require(capacity > 0, "kv_cache: capacity (max_seq) must be positive, got ", capacity);
   }
+  // A copy starts empty with the same capacity: layers are copyable descriptions
+  // (Stack copies a prototype), and copies must not share one cache's storage.
+  kv_cache(const kv_cache& other) : capacity_(other.capacity_) {}
+  kv_cache& operator=(const kv_cache& other) {
+    if (this != &other) *this = kv_cache(other);
+    return *this;
+  }
+  kv_cache(kv_cache&&) = default;
+  kv_cache& operator=(kv_cache&&) = default;
 
   std::int64_t capacity() const { return capacity_; }
   std::int64_t length() const { return length_; }

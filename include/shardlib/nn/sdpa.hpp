@@ -12,7 +12,7 @@
 
 #include <algorithm>    // std::fill_n, std::max
 #include <array>        // std::array
-#include <cmath>        // std::exp, std::isinf, std::sqrt
+#include <cmath>        // std::exp, std::sqrt
 #include <cstdint>      // std::int64_t, std::uint8_t, std::uint64_t
 #include <limits>       // std::numeric_limits
 #include <optional>     // std::optional
@@ -50,8 +50,9 @@ struct head_view {
 
 // Everything scaled_dot_product_attention takes besides q, k and v.
 struct sdpa_options {
-  // torch's is_causal: query i sees keys j <= i + query_offset, where
-  // query_offset counts the keys before the first query (a KV cache's length).
+  // Causal: query i sees keys j <= i + query_offset. Offset 0 is torch's
+  // is_causal (aligned top-left, also when queries and keys differ in number);
+  // a KV cache's length of earlier keys aligns the new queries at the end.
   bool is_causal = false;
   std::int64_t query_offset = 0;
   double scale = 0;  // of q.k; 0 = 1 / sqrt(head_dim), torch's default
@@ -155,7 +156,7 @@ void sdpa_forward(const head_view<T>& q, const head_view<T>& k, const head_view<
           const bool off = (o.is_causal && j > i + o.query_offset) || (pad && pad[j]) ||
                            (allowed && !allowed[m0 + j * ms[3]]);
           if (bias && !off) row[j] += T(bias[m0 + j * ms[3]]);
-          if (off || std::isinf(row[j])) row[j] = minus_inf;
+          if (off || row[j] == minus_inf) row[j] = minus_inf;
           else mx = std::max(mx, row[j]);
         }
         if (mx == minus_inf) {  // no key left: zero weights (see above)
