@@ -10,6 +10,7 @@
 #include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/sequential.hpp"
 #include "shardlib/nn/stack.hpp"
+#include "shardlib/nn/tied_linear.hpp"
 #include "shardlib/shard/sharded_model.hpp"
 
 #include <catch2/catch.hpp>
@@ -1186,6 +1187,38 @@ TEST_CASE("save_state_dict writes the file's names, layouts and dtype, the tie o
   CHECK(!fs::exists(dir / "x.safetensors"));
 }
 
+TEST_CASE("a model whose engine ties parameters loads and saves them once, under either name", "[io][state_dict]") {
+  temp_dir dir;
+  auto hf = lm_file, both = lm_file;
+  hf.pop_back();                                            // no lm_head at all, as Hugging Face writes it
+  both.back() = {"lm_head.weight", dtype::f32, {V, D}};  // PyTorch's state_dict lists a tied weight under both names
+  write_lm_file(dir / "hf.safetensors", hf);
+  write_lm_file(dir / "both.safetensors", both);
+  const state_dict_options o{.names = lm_names, .transposed = {"layers.0.weight", "layers.1.weight"}};  // no tie given
+  auto want = lm_expected();
+  want.erase("2.bias");
+  using TiedLm = nn::Sequential<nn::Embedding<float>, nn::Stack<nn::Linear<float>>, nn::TiedLinear<float>>;
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    TiedLm m{nn::Embedding<float>(V, D), nn::Stack<nn::Linear<float>>(2, nn::Linear<float>(D, D)),
+             nn::TiedLinear<float>(D, V)};
+    m.get<2>().tie(m.get<0>().weight);
+    auto model = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<nn::Linear<float>>{}});
+    for (const char* f : {"hf.safetensors", "both.safetensors"}) {
+      INFO(f);
+      const auto r = load_state_dict(dir / f, model, o);
+      CHECK(r.ok());
+      CHECK(values_of_sharded(model) == want);  // "2.weight" is "0.weight": the layout's name is read
+    }
+    save_state_dict(dir / "out.safetensors", model, o);
+    if (c.rank() == 0) {
+      const auto out = read_files({dir / "out.safetensors"});
+      CHECK(out.tensors.size() == 5);  // the tied weight once, under its first name
+      CHECK(out.values.at("transformer.wte.weight") == want.at("0.weight"));
+      CHECK(!out.tensors.contains("lm_head.weight"));
+    }
+  });
+}
+
 TEST_CASE("Hugging Face's sharded index: shards are found by name and a bad index is refused", "[io][state_dict]") {
   temp_dir dir;
   auto first = lm_file;
@@ -1266,6 +1299,16 @@ TEST_CASE("files transformers wrote load with the Hugging Face conventions, and 
   nn::Replicated<double, holder<double>> plain(h, 0);
   CHECK(load_state_dict(llama_dir, plain, io::hf::llama()).ok());
   CHECK(values_of(plain) == llama.values);
+  {  // a file converted by transformers < 4.31 holds RoPE's inv_freq buffers: ignored
+    safetensors_writer w;
+    for (const auto& [n, t] : llama.tensors)
+      w.add<double>(n, t.shape, llama.values.at(n));
+    w.add<float>("model.layers.0.self_attn.rotary_emb.inv_freq", {4}, std::vector<float>{1, 0.1f, 0.01f, 0.001f});
+    w.write(dir / "old_llama.safetensors");
+    const auto r = load_state_dict(dir / "old_llama.safetensors", plain, io::hf::llama());
+    CHECK(r.ok());
+    CHECK(r.unexpected.empty());
+  }
   save_state_dict(dir / "llama", plain, {.save_dtype = dtype::f32, .max_shard_bytes = 40'000});
   CHECK(read_files(shard_files(dir / "llama")).values == llama.values);
 }

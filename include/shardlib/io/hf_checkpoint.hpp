@@ -45,8 +45,15 @@ inline state_dict_options gpt2(bool strict = true) {
 // LlamaForCausalLM: every projection is an nn.Linear ([out, in], as shardlib's), so the
 // names and layouts are the model's own; lm_head.weight is tied to model.embed_tokens.weight
 // only when the config says tie_word_embeddings (LLaMA-2 does not tie; some derivatives do).
+// Files converted by transformers before 4.31 keep RoPE's inv_freq buffers: ignored.
 inline state_dict_options llama(bool tie_word_embeddings = false, bool strict = true) {
-  state_dict_options o{.strict = strict, .save_dtype = dtype::f32};
+  name_map names(
+      [](std::string_view n) -> std::optional<std::string> {
+        if (n.ends_with(".rotary_emb.inv_freq")) return std::nullopt;
+        return std::string(n);
+      },
+      [](std::string_view n) { return std::string(n); });
+  state_dict_options o{.names = std::move(names), .strict = strict, .save_dtype = dtype::f32};
   if (tie_word_embeddings) o.tied = {{"lm_head.weight", "model.embed_tokens.weight"}};
   return o;
 }

@@ -112,11 +112,12 @@ struct state_dict_options {
   // The model's 2-D parameters whose name ends with one of these are stored transposed
   // in the file ([in, out] for a model's [out, in]): read and written transposed.
   std::vector<std::string> transposed{};
-  // Tied parameters {alias, target}, both the model's names: the file may leave the alias
-  // out (Hugging Face does: GPT-2's lm_head.weight is transformer.wte.weight). Loading, an
-  // alias the file lacks takes its target's tensor and is not missing, and the alias's
-  // tensor is not unexpected when the model has only the target. Saving writes the target
-  // only (values of a model holding both must then be equal).
+  // Tied parameters {alias, target}, both the model's names: the file may hold only one
+  // of them (Hugging Face keeps the target: GPT-2's lm_head.weight is transformer.wte.weight).
+  // Loading, a parameter the file lacks takes its partner's tensor (either way round) and is
+  // not missing, and a tensor of a name whose partner the model has is not unexpected.
+  // Saving writes the target only (a model holding both as two parameters must hold equal
+  // values). A ShardedModel's own ties (shard/discover.hpp's aliases) are added to these.
   std::vector<std::pair<std::string, std::string>> tied{};
   // Loading: any missing, unexpected or misshapen tensor is an io_error naming them all
   // (PyTorch's strict=True); otherwise they are returned in the report and the model
@@ -321,14 +322,22 @@ inline load_plan plan_load(const std::vector<std::pair<std::string, Shape>>& par
   }
   std::set<std::string, std::less<>> ours;
   for (const auto& [n, s] : params) ours.insert(n);
-  std::map<std::string, std::string, std::less<>> target_of;
-  for (const auto& [alias, target] : o.tied) target_of.emplace(alias, target);
+  std::multimap<std::string, std::string, std::less<>> partners;  // both ways round
+  for (const auto& [alias, target] : o.tied) {
+    partners.emplace(alias, target);
+    partners.emplace(target, alias);
+  }
+  const auto partner_where = [&](std::string_view n, const auto& has) -> std::optional<std::string> {
+    for (auto [it, end] = partners.equal_range(n); it != end; ++it)
+      if (has(it->second)) return it->second;
+    return std::nullopt;
+  };
 
   for (const auto& [n, shape] : params) {
     auto it = by_model.find(n);
     if (it == by_model.end())
-      if (const auto t = target_of.find(n); t != target_of.end() && by_model.contains(t->second)) {
-        it = by_model.find(t->second);
+      if (const auto p = partner_where(n, [&](const std::string& q) { return by_model.contains(q); })) {
+        it = by_model.find(*p);
         plan.report.from_tied.push_back(n);
       }
     if (it == by_model.end()) {
@@ -344,11 +353,9 @@ inline load_plan plan_load(const std::vector<std::pair<std::string, Shape>>& par
     if (transpose) plan.transposed.insert(n);
     plan.source.emplace(n, it->second);
   }
-  for (const auto& [m, fname] : file_name_of) {
-    if (ours.contains(m)) continue;
-    if (const auto t = target_of.find(m); t != target_of.end() && ours.contains(t->second)) continue;
-    plan.report.unexpected.push_back(fname);
-  }
+  for (const auto& [m, fname] : file_name_of)
+    if (!ours.contains(m) && !partner_where(m, [&](const std::string& q) { return ours.contains(q); }))
+      plan.report.unexpected.push_back(fname);
   return plan;
 }
 
@@ -488,6 +495,19 @@ void write_state_dict(const std::filesystem::path& path, const std::vector<tenso
 
 }  // namespace detail
 
+namespace detail {
+// The options plus the ties the engine found (shard/discover.hpp: a Param listed under
+// several names is laid out under the first, the others are aliases).
+template <class Engine>
+state_dict_options with_engine_ties(const Engine& model, const state_dict_options& options) {
+  state_dict_options o = options;
+  if constexpr (requires { model.units().front().aliases; })
+    for (const auto& u : model.units())
+      for (const auto& a : u.aliases) o.tied.emplace_back(a.name, u.layout.entries.at(a.entry).name);
+  return o;
+}
+}  // namespace detail
+
 // A sharded model's engine (shard::ShardedModel), as the loaders read it.
 template <class E>
 concept StateDictEngine = requires(E& e, std::size_t i) {
@@ -507,9 +527,10 @@ concept StateDictEngine = requires(E& e, std::size_t i) {
 // naming every missing, unexpected and misshapen tensor; otherwise those are reported
 // and their parameters keep their values.
 template <StateDictEngine Engine>
-load_report load_state_dict(const std::filesystem::path& path, Engine& model, const state_dict_options& o = {}) {
+load_report load_state_dict(const std::filesystem::path& path, Engine& model, const state_dict_options& options = {}) {
   using T = typename std::remove_cvref_t<decltype(model.master_piece(0))>::value_type;
   using ops = shard::space_ops<typename Engine::space>;
+  const state_dict_options o = detail::with_engine_ties(model, options);
   std::vector<std::vector<T>> pieces(model.unit_count());
   load_report report;
   detail::on_all_ranks(model.comm(), cat("loading ", path.string()), [&] {
@@ -550,10 +571,13 @@ load_report load_state_dict(const std::filesystem::path& path, nn::Replicated<T,
 
 // Writes a sharded model's parameters under the file's names and layout (options.names,
 // transposed, tied, save_dtype, max_shard_bytes), with metadata {"format": "pt"}, as
-// save_pretrained does. Collective: the full parameters are gathered to rank 0 (one unit
-// at a time, model.full_state_dict()), which writes; a failure raises on every rank.
+// save_pretrained does; a parameter the model ties is written once, under its first name
+// (safetensors holds no shared tensors). Collective: the full parameters are gathered to
+// rank 0 (one unit at a time, model.full_state_dict()), which writes; a failure raises on
+// every rank.
 template <StateDictEngine Engine>
-void save_state_dict(const std::filesystem::path& path, Engine& model, const state_dict_options& o = {}) {
+void save_state_dict(const std::filesystem::path& path, Engine& model, const state_dict_options& options = {}) {
+  const state_dict_options o = detail::with_engine_ties(model, options);
   auto full = model.full_state_dict();
   detail::on_all_ranks(model.comm(), cat("saving ", path.string()), [&] {
     if (model.comm().rank() != 0) return;
