@@ -29,7 +29,7 @@
 #include "shardlib/io/optimizer_record.hpp"        // detail::optimizer_name, buffer_names, check_same_optimizer, ...
 #include "shardlib/io/rank_agreement.hpp"          // detail::on_all_ranks, broadcast_string
 #include "shardlib/io/reshard.hpp"                 // detail::partitions_of, written_partition, load_from, ...
-#include "shardlib/optim/optimizer.hpp"            // Optimizer
+#include "shardlib/optim/param_groups.hpp"         // OptimizerOrGroups
 #include "shardlib/shard/sharded_model.hpp"        // ShardedModel
 #include "shardlib/shard/strategy.hpp"             // HybridShard
 
@@ -74,7 +74,7 @@ struct load_result {
 // All of it goes into root/.tmp-<tag>, and only once every rank has written and synced
 // its file does rank 0 rename it into place: a failure on any rank raises io_error on
 // every rank and leaves earlier checkpoints as they were. Collective; returns root/<tag>.
-template <class M, class C, class S, optim::Optimizer O>
+template <class M, class C, class S, optim::OptimizerOrGroups O>
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::ShardedModel<M, C, S, float, O>& model,
                                       O& opt, const save_options& o = {}) {
   auto& comm = model.comm();
@@ -105,7 +105,7 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
     m.reduce_dtype = std::string(name(model.precision().reduce));
     m.steps = model.steps();
     m.optimizer = checkpoint_optimizer{detail::optimizer_name<O>(), model.optimizer_state(opt, 0).step,
-                                       detail::buffer_names(opt), detail::hyperparameters_of(opt)};
+                                       detail::buffer_names(opt), detail::hyperparameters_of(model, opt)};
     detail::check_same_optimizer(comm, *m.optimizer, what);
     m.scaler = model.scaler();
     m.user = o.user;
@@ -177,7 +177,7 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
 // step count and loss scaler. On any error every rank raises io_error and nothing
 // changes. A weights-only checkpoint (from a safetensors file without optimizer state)
 // leaves the optimizer state as it is. Collective.
-template <class M, class C, class S, optim::Optimizer O>
+template <class M, class C, class S, optim::OptimizerOrGroups O>
 load_result load_checkpoint(const std::filesystem::path& path, shard::ShardedModel<M, C, S, float, O>& model, O& opt) {
   auto& comm = model.comm();
   std::string resolved;
@@ -206,7 +206,7 @@ template <class M, class C, class S, class O>
 void export_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model) {
   detail::export_impl<shard::ShardedModel<M, C, S, float, O>, detail::no_optimizer>(file, model, nullptr);
 }
-template <class M, class C, class S, optim::Optimizer O>
+template <class M, class C, class S, optim::OptimizerOrGroups O>
 void export_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model, O& opt) {
   detail::export_impl(file, model, &opt);
 }
@@ -221,7 +221,7 @@ template <class M, class C, class S, class O>
 void load_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model) {
   detail::load_safetensors_impl<shard::ShardedModel<M, C, S, float, O>, detail::no_optimizer>(file, model, nullptr);
 }
-template <class M, class C, class S, optim::Optimizer O>
+template <class M, class C, class S, optim::OptimizerOrGroups O>
 void load_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model, O& opt) {
   detail::load_safetensors_impl(file, model, &opt);
 }

@@ -59,7 +59,7 @@ void export_impl(const std::filesystem::path& file, Engine& model, O* opt) {
   if constexpr (!std::is_same_v<O, no_optimizer>) {
     kinds = buffer_names(*opt);
     info.optimizer = checkpoint_optimizer{optimizer_name<O>(), model.optimizer_state(*opt, 0).step, kinds,
-                                          hyperparameters_of(*opt)};
+                                          hyperparameters_of(model, *opt)};
     check_same_optimizer(comm, *info.optimizer, what);
   }
   std::vector<std::vector<nn::flat_entry>> layouts;

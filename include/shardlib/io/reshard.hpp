@@ -138,7 +138,7 @@ void load_from(Engine& model, Source& src, O* opt, const std::optional<checkpoin
         check_optimizer_type<O>(*saved, src_name(src));
         if constexpr (known_optimizer<O>) {
           restored.emplace(*opt);
-          restore_hyperparameters(*restored, saved->hyperparameters, src_name(src));
+          restore_hyperparameters(model, *restored, saved->hyperparameters, src_name(src));
         }
         O& maker = restored ? *restored : *opt;
         check_buffers(maker, *saved, src_name(src));

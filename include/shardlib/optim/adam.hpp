@@ -186,24 +186,40 @@ struct BasicAdam {
   // Gradients in another dtype (the reduction dtype) are widened per element in the same pass.
   template <FloatingElement G>
   void step(std::span<float> params, std::span<const G> grads, state& s) const {
-    const auto& o = options;
-    const detail::adam_scalars k = step_scalars(s.step + 1);
     const std::size_t n = params.size();
     detail::require_size(name, "gradients", grads.size(), n);
     detail::require_size(name, "exp_avg entries", s.exp_avg.size(), n);
     detail::require_size(name, "exp_avg_sq entries", s.exp_avg_sq.size(), n);
+    if (options.amsgrad && !s.max_exp_avg_sq.empty())
+      detail::require_size(name, "max_exp_avg_sq entries", s.max_exp_avg_sq.size(), n);
+    step_segment(params, grads, s, 0);
+    ++s.step;
+  }
+
+  // Elements [first, first + params.size()) of the state, updated as step number
+  // s.step + 1 without counting it: parameter groups (optim/param_groups.hpp) step
+  // the segments of one shard with their own options, then count the step once.
+  template <FloatingElement G>
+  void step_segment(std::span<float> params, std::span<const G> grads, state& s, std::size_t first) const {
+    const auto& o = options;
+    const detail::adam_scalars k = step_scalars(s.step + 1);
+    const std::size_t n = params.size();
+    detail::require_size(name, "gradients", grads.size(), n);
+    require<shape_error>(first + n <= s.exp_avg.size() && first + n <= s.exp_avg_sq.size(), name,
+                         "::step: elements [", first, ", ", first + n, ") of a state of ", s.exp_avg.size(),
+                         " (exp_avg) and ", s.exp_avg_sq.size(), " (exp_avg_sq)");
     if (o.amsgrad) {
       require(!s.max_exp_avg_sq.empty() || n == 0, name,
               ": amsgrad is set but the state was made without it (no max_exp_avg_sq); make the state after "
               "setting options.amsgrad");
-      detail::require_size(name, "max_exp_avg_sq entries", s.max_exp_avg_sq.size(), n);
+      require<shape_error>(first + n <= s.max_exp_avg_sq.size(), name, "::step: elements [", first, ", ", first + n,
+                           ") of ", s.max_exp_avg_sq.size(), " max_exp_avg_sq entries");
     }
-
-    ++s.step;
+    float* vmax = o.amsgrad ? s.max_exp_avg_sq.data() + first : nullptr;
     detail::with_flag(o.weight_decay != 0, [&](auto decay) {
       detail::with_flag(o.amsgrad, [&](auto amsgrad) {
-        detail::adam_pass<decoupled, decay(), amsgrad()>(params, grads, s.exp_avg.data(), s.exp_avg_sq.data(),
-                                                         s.max_exp_avg_sq.data(), k);
+        detail::adam_pass<decoupled, decay(), amsgrad()>(params, grads, s.exp_avg.data() + first,
+                                                         s.exp_avg_sq.data() + first, vmax, k);
       });
     });
   }

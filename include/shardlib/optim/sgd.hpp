@@ -95,6 +95,18 @@ struct SGD {
   // Gradients in another dtype (the reduction dtype) are widened per element in the same pass.
   template <FloatingElement G>
   void step(std::span<float> params, std::span<const G> grads, state& s) const {
+    detail::require_size(name, "gradients", grads.size(), params.size());
+    if (options.momentum != 0 && !s.momentum_buffer.empty())
+      detail::require_size(name, "momentum_buffer entries", s.momentum_buffer.size(), params.size());
+    step_segment(params, grads, s, 0);
+    ++s.step;
+  }
+
+  // Elements [first, first + params.size()) of the state, updated as step number
+  // s.step + 1 without counting it: parameter groups (optim/param_groups.hpp) step
+  // the segments of one shard with their own options, then count the step once.
+  template <FloatingElement G>
+  void step_segment(std::span<float> params, std::span<const G> grads, state& s, std::size_t first) const {
     const auto& o = options;
     require(o.lr >= 0, name, ": invalid learning rate ", o.lr);
     require(o.momentum >= 0, name, ": invalid momentum ", o.momentum);
@@ -109,22 +121,23 @@ struct SGD {
       require(!s.momentum_buffer.empty() || n == 0, name, ": momentum is ", o.momentum,
               " but the state was made with momentum 0 (no momentum buffer); make the state after setting "
               "options.momentum");
-      detail::require_size(name, "momentum_buffer entries", s.momentum_buffer.size(), n);
+      require<shape_error>(first + n <= s.momentum_buffer.size(), name, "::step: elements [", first, ", ", first + n,
+                           ") of ", s.momentum_buffer.size(), " momentum_buffer entries");
     }
 
-    const bool first = s.step == 0;
-    ++s.step;
+    const bool first_step = s.step == 0;
     const detail::sgd_scalars k{
         static_cast<float>(-o.lr),
         static_cast<float>(o.weight_decay),
-        first ? 0.0f : static_cast<float>(o.momentum),
-        first ? 1.0f : static_cast<float>(1 - o.dampening),
+        first_step ? 0.0f : static_cast<float>(o.momentum),
+        first_step ? 1.0f : static_cast<float>(1 - o.dampening),
         static_cast<float>(o.momentum),
     };
+    float* buf = momentum ? s.momentum_buffer.data() + first : nullptr;
     detail::with_flag(o.weight_decay != 0, [&](auto decay) {
       detail::with_flag(momentum, [&](auto with_momentum) {
         detail::with_flag(o.nesterov, [&](auto nesterov) {
-          detail::sgd_pass<decay(), with_momentum(), nesterov()>(params, grads, s.momentum_buffer.data(), k);
+          detail::sgd_pass<decay(), with_momentum(), nesterov()>(params, grads, buf, k);
         });
       });
     });

@@ -1,5 +1,5 @@
 // shardlib/shard/reduce.hpp — gradient reduction: a unit's full local gradients
-// averaged across ranks into the gradients its optimizer steps, as the policy says.
+// averaged (or summed) across ranks into the gradients its optimizer steps, as the policy says.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/comm/communicator.hpp"
@@ -37,6 +37,8 @@ class gradient_reducer {
   gradient_reducer(const policy& p, const mixed_precision& m) : policy_(p), precision_(m) {}
   // HybridShard's replica group (the ranks that hold the same shard), for hierarchical reduction.
   void set_replicas(Comm* replicas) { replicas_ = replicas; }
+  // avg (the default) or sum over every rank; hierarchical reduction applies it in both stages.
+  void set_op(comm::reduce_op op) { op_ = op; }
 
   void issue(unit_type& u, Comm& shard_group, Comm& world) {
     finish_all_except(&u);
@@ -44,18 +46,18 @@ class gradient_reducer {
     if (policy_.reduce == reduction::all_reduce) {
       auto full = u.grad->local();
       if (rd == dtype::f32) {
-        u.reduce_work = world.all_reduce_async(std::span<const T>(full), full, comm::reduce_op::avg);
+        u.reduce_work = world.all_reduce_async(std::span<const T>(full), full, op_);
       } else if constexpr (on_host && !compute16) {
         with_16bit(rd, [&](auto h) {
           using H = decltype(h);
           auto g = narrow_in_place<H>(full);
-          u.reduce_work = world.all_reduce_async(std::span<const H>(g), g, comm::reduce_op::avg);
+          u.reduce_work = world.all_reduce_async(std::span<const H>(g), g, op_);
         });
       }
     } else if (compute16 && rd != dtype::f32) {
       u.scratch.narrow = Buffer<C, Space>(u.grad->local().size(), category::comm_scratch);
-      u.reduce_work = shard_group.reduce_scatter_async(std::span<const C>(u.full_grad.span()), u.scratch.narrow.span(),
-                                                       comm::reduce_op::avg);
+      u.reduce_work =
+          shard_group.reduce_scatter_async(std::span<const C>(u.full_grad.span()), u.scratch.narrow.span(), op_);
     } else {
       std::span<const T> send;
       if constexpr (compute16) {
@@ -72,13 +74,13 @@ class gradient_reducer {
         into = u.scratch.reduce.span();
       }
       if (rd == dtype::f32 || compute16) {
-        u.reduce_work = shard_group.reduce_scatter_async(send, into, comm::reduce_op::avg);
+        u.reduce_work = shard_group.reduce_scatter_async(send, into, op_);
       } else if constexpr (on_host && !compute16) {
         with_16bit(rd, [&](auto h) {
           using H = decltype(h);
           auto narrow = narrow_in_place<H>(u.full_grad.span());
           std::span<H> recv(reinterpret_cast<H*>(into.data()), into.size());
-          u.reduce_work = shard_group.reduce_scatter_async(std::span<const H>(narrow), recv, comm::reduce_op::avg);
+          u.reduce_work = shard_group.reduce_scatter_async(std::span<const H>(narrow), recv, op_);
         });
       }
     }
@@ -108,7 +110,7 @@ class gradient_reducer {
         u.scratch.reduce.reset();
       }
       if (!widened) release_full_grad(u);
-      if (policy_.reduce == reduction::hierarchical) replicas_->all_reduce(u.grad->local(), comm::reduce_op::avg);
+      if (policy_.reduce == reduction::hierarchical) replicas_->all_reduce(u.grad->local(), op_);
     }
     u.grad_clean = false;
   }
@@ -144,6 +146,7 @@ class gradient_reducer {
   policy policy_;
   mixed_precision precision_;
   Comm* replicas_ = nullptr;
+  comm::reduce_op op_ = comm::reduce_op::avg;
   std::vector<unit_type*> in_flight_;
 };
 

@@ -11,6 +11,7 @@
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/optim/adam.hpp"
 #include "shardlib/optim/clip.hpp"
+#include "shardlib/optim/param_groups.hpp"
 #include "shardlib/shard/discover.hpp"
 #include "shardlib/shard/gather.hpp"
 #include "shardlib/shard/precision.hpp"
@@ -20,7 +21,7 @@
 #include "shardlib/shard/unit.hpp"
 #include "shardlib/shard/wrap.hpp"
 
-#include <cmath>        // std::sqrt
+#include <cmath>        // std::sqrt, std::isfinite
 #include <cstdint>      // std::uint64_t
 #include <map>          // std::map
 #include <optional>     // std::optional
@@ -41,6 +42,27 @@ struct options {
   mixed_precision precision{};  // gather / reduce dtypes; F16 turns on dynamic loss scaling in train_step
   loss_scaler scaler{};         // its initial scale and growth rule
   nn::context::options context{};  // training flag, dropout seed (rank and step are set by the model)
+};
+
+// train_step's options and what it returns.
+enum class loss_report { global_mean, local };
+enum class grad_reduction { average, sum };
+struct step_options {
+  float max_norm = 0;  // > 0: clip the global gradient norm to it, after fp16 unscaling; 0: no clipping
+  // global_mean: the mean of every rank's loss, by one all-reduce of a scalar (carried
+  // by fp16's overflow all-reduce when loss scaling is on). With averaged gradients it is
+  // the loss whose gradient the step followed, and every rank reports the same number,
+  // as torchtitan logs it. local: this rank's own loss, no collective (PyTorch's loss).
+  loss_report loss = loss_report::global_mean;
+  // average: each rank steps the mean of all ranks' gradients (DDP's and FSDP's rule);
+  // sum: their sum, W times the mean (for losses summed, not averaged, over the global batch).
+  grad_reduction reduction = grad_reduction::average;
+};
+struct step_result {
+  float loss = 0;                  // as step_options::loss says
+  std::optional<float> grad_norm;  // when clipping: the global gradient norm before clipping
+  bool skipped = false;            // fp16 overflow, or a non-finite norm when clipping: nothing was stepped
+  operator float() const { return loss; }  // `float loss = model.train_step(...)` as before the options
 };
 
 template <class Engine>
@@ -163,17 +185,21 @@ class ShardedModel {
     }
   }
 
-  // Scales all gradients so their global 2-norm is at most max_norm (PyTorch's
-  // clip_grad_norm_) and returns the norm before clipping. Each rank sums the
+  // The global 2-norm of the gradients the optimizer steps. Each rank sums the
   // squares of the gradients it owns, over the ranks that hold different shards
-  // only: replicas hold the same values and must not be counted twice. Call
-  // after backward.
-  float clip_grad_norm(float max_norm) {
+  // only: replicas hold the same values and must not be counted twice. Collective;
+  // call after backward.
+  double grad_norm() {
     double local = 0;
     for (auto& u : units_) local += ops::sum_squares(std::span<const T>(u.grad->local()));
     std::vector<double> sum{local};
     if (policy_.shard_optimizer) ops::all_reduce_values(shard_comm(), std::span<double>(sum), comm::reduce_op::sum);
-    const double total = std::sqrt(sum[0]);
+    return std::sqrt(sum[0]);
+  }
+  // Scales all gradients so their global 2-norm is at most max_norm (PyTorch's
+  // clip_grad_norm_) and returns the norm before clipping.
+  float clip_grad_norm(float max_norm) {
+    const double total = grad_norm();
     const float coefficient = optim::clip_coefficient(total, max_norm);
     for (auto& u : units_) ops::scale(u.grad->local(), coefficient);
     return float(total);
@@ -181,6 +207,7 @@ class ShardedModel {
 
   // Every rank steps its own partition with its own optimizer state; replicated
   // full values then take the update (ZeRO-1: every rank's slice to every rank).
+  // Parameter groups step each unit's piece as runs of one group each.
   template <class O>
   void step(O& opt) {
     static_assert(std::is_same_v<std::remove_cvref_t<O>, Optimizer>,
@@ -190,47 +217,59 @@ class ShardedModel {
       auto& st = optimizer_state(opt, u);
       auto values = master_local(u);
       const std::span<const T> grads(u.grad->local());
-      if constexpr (compute16) {  // the compute copy for the next gather, in the same pass where the optimizer can
-        if constexpr (requires { opt.step(values, grads, st, u.compute_shard.span()); }) {
-          opt.step(values, grads, st, u.compute_shard.span());
-        } else {
-          opt.step(values, grads, st);
-          ops::narrow(std::span<const T>(values), u.compute_shard.span());
-        }
+      // the compute copy for the next gather, in the same pass where the optimizer can
+      if constexpr (compute16 && requires { opt.step(values, grads, st, u.compute_shard.span()); }) {
+        opt.step(values, grads, st, u.compute_shard.span());
       } else {
-        opt.step(values, grads, st);
+        if constexpr (optim::is_param_groups<Optimizer>) opt.step(values, grads, st, segments(opt, u));
+        else opt.step(values, grads, st);
+        if constexpr (compute16) ops::narrow(std::span<const T>(values), u.compute_shard.span());
       }
     }
     if (!policy_.shard_parameters) refresh_values();
     ++step_;
   }
 
-  // One optimisation step on this rank's batch: zero, forward, loss, backward,
-  // step. Returns this rank's loss (averaged over its own batch).
-  // With fp16, the loss gradient is multiplied by the loss scale; a step whose
-  // gradients overflowed on any rank is skipped on every rank (see loss_scaler).
+  // One optimisation step on this rank's batch: zero, forward, loss, backward, step
+  // (step_options: clipping, the loss reported, the reduction). Gradients are averaged
+  // across ranks by default, so with each rank's loss a mean over equal batches the
+  // step follows the gradient of the global mean loss. With fp16, the loss gradient is
+  // multiplied by the loss scale and the gradients are unscaled before clipping; a step
+  // whose gradients overflowed on any rank is skipped on every rank (see loss_scaler),
+  // as is one whose clipped norm is not finite, and the result says so.
   template <class O, class Target, class LossFn>
-  auto train_step(O& opt, const input& x, const Target& y, LossFn&& loss_fn) {
+  step_result train_step(O& opt, const input& x, const Target& y, LossFn&& loss_fn, const step_options& so = {}) {
+    require(so.max_norm >= 0, "rank ", comm_->rank(), ": step_options.max_norm must be >= 0 (0: no clipping), got ",
+            so.max_norm);
     zero_grad();
     auto out = forward(x);
     auto l = loss_fn(out, y);
     if (scaler_) scale_loss_gradient(l.grad.span(), scaler_->scale);
+    reducer_.set_op(so.reduction == grad_reduction::sum ? comm::reduce_op::sum : comm::reduce_op::avg);
     backward(l.grad);
-    if (!scaler_) {
-      step(opt);
-      return l.loss;
-    }
-    std::vector<float> overflow{0.f};
-    for (auto& u : units_) overflow[0] = std::max(overflow[0], ops::all_finite(u.grad->local()) ? 0.f : 1.f);
-    ops::all_reduce_values(*comm_, std::span<float>(overflow), comm::reduce_op::max);  // every rank decides alike
-    if (overflow[0] == 0.f) {
+    reducer_.set_op(comm::reduce_op::avg);
+    std::vector<float> shared{float(l.loss), 0.f};  // the loss, and units whose gradients overflowed
+    if (scaler_)
+      for (auto& u : units_) shared[1] += ops::all_finite(u.grad->local()) ? 0.f : 1.f;
+    if (scaler_ || so.loss == loss_report::global_mean)  // every rank decides alike
+      ops::all_reduce_values(*comm_, std::span<float>(shared), comm::reduce_op::sum);
+    const bool overflow = shared[1] != 0.f;
+    step_result r{so.loss == loss_report::global_mean ? shared[0] / float(comm_->size()) : float(l.loss), {}, overflow};
+    if (scaler_)  // also after an overflow, so that the norm reported is the unscaled one (inf or NaN)
       for (auto& u : units_) ops::scale(u.grad->local(), 1.f / scaler_->scale);
-      step(opt);
-    } else {
-      ++step_;  // skipped: parameters and optimizer state stay as they were
+    if (so.max_norm > 0) {
+      const double norm = grad_norm();
+      r.grad_norm = float(norm);
+      r.skipped = r.skipped || !std::isfinite(norm);
+      if (!r.skipped) {
+        const float coefficient = optim::clip_coefficient(norm, so.max_norm);
+        for (auto& u : units_) ops::scale(u.grad->local(), coefficient);
+      }
     }
-    with_rank([&] { scaler_->update(overflow[0] != 0.f); });  // raises on every rank alike: the flag is shared
-    return l.loss;
+    if (r.skipped) ++step_;  // parameters and optimizer state stay as they were
+    else step(opt);
+    if (scaler_) with_rank([&] { scaler_->update(overflow); });  // raises on every rank alike: the flag is shared
+    return r;
   }
   const std::optional<loss_scaler>& scaler() const { return scaler_; }
 
@@ -570,6 +609,17 @@ class ShardedModel {
     return *u.optimizer_state;
   }
 
+  // Each unit's runs of parameter groups over this rank's piece, made at the first grouped step.
+  const std::vector<optim::segment>& segments(const Optimizer& opt, const unit_type& u) {
+    if (segments_.empty())
+      for (std::size_t i = 0; i < units_.size(); ++i)
+        with_rank([&] {
+          segments_.push_back(opt.segments(units_[i].layout, partition(i).begin(partition_rank()),
+                                           partition(i).shard_size()));
+        });
+    return segments_[std::size_t(index_of(u))];
+  }
+
   // The loss gradient times the fp16 loss scale (in fp32 when the layers compute in 16 bits).
   void scale_loss_gradient(std::span<C> g, float factor) {
     if constexpr (compute16) {
@@ -595,6 +645,7 @@ class ShardedModel {
   bool sync_ = true;
   bool forwarded_ = false;  // a forward completed since the last backward
   std::optional<loss_scaler> scaler_;
+  std::vector<std::vector<optim::segment>> segments_;  // parameter groups' runs per unit (segments())
   std::uint64_t step_ = 0;
   sharded_context<ShardedModel> ctx_;
 };
