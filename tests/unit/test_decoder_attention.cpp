@@ -523,6 +523,11 @@ TEST_CASE("KV cache: training, backward, overflow and a new batch raise", "[nn][
                     Catch::Contains("the KV cache holds 4 positions (max_seq); 3 cached + 2 new exceed it"));
   CHECK_THROWS_WITH(eval.forward(m, Tensor<float>::zeros({2, 1, 4})),
                     Catch::Contains("the KV cache holds a batch of 1"));
+  eval.set_key_padding_mask(Tensor<std::uint8_t>::zeros({1, 1}));  // [batch, cached + new] = [1, 4] expected
+  CHECK_THROWS_WITH(eval.forward(m, Tensor<float>::zeros({1, 1, 4})),
+                    Catch::Contains("key_padding_mask must be [batch, keys] = [1, 4], got [1, 1]"));
+  CHECK(m.kv_cache_length() == 3);  // unchanged by the failed step
+  eval.set_key_padding_mask({});
   m.reset_kv_cache();
   CHECK(eval.forward(m, Tensor<float>::zeros({2, 4, 4})).shape() == Shape{2, 4, 4});
   LlamaAttention<float> copy = m;  // a copy's cache starts empty and is its own

@@ -119,11 +119,6 @@ class decoder_attention {
             ": the KV cache is for inference; forward with it on needs ctx.training() false (disable_kv_cache() to "
             "train)");
     const std::int64_t offset = kv_cache_length(), B = q.batch, S = q.seq;
-    if (o_.rotary) {
-      const rotary_table<T> table(*o_.rotary, offset, S);
-      table.apply(q);
-      table.apply(k);
-    }
     sdpa_ = {.is_causal = true,
              .query_offset = offset,
              .scale = 0,
@@ -132,7 +127,15 @@ class decoder_attention {
              .key_padding_mask = ctx.key_padding_mask(),
              .mask = ctx.attention_mask(),
              .who = name_};
+    // The masks are checked before the cache grows, so a bad one leaves it as it was.
+    const Shape all_keys{B, k.heads, offset + S, k.dim};
+    detail::check_sdpa_shapes(q.shape(), all_keys, all_keys, sdpa_);
     if (ctx.training() && o_.dropout > 0) sdpa_.dropout = ctx.random_stream();
+    if (o_.rotary) {
+      const rotary_table<T> table(*o_.rotary, offset, S);
+      table.apply(q);
+      table.apply(k);
+    }
     auto [keys, values] = cache_ ? cache_->append(k, v, name_) : std::pair{k, v};
     probs_ = Tensor<T>({B, o_.heads, S, keys.seq});
     sdpa_forward(q, keys, values, out, probs_.data(), sdpa_);
