@@ -6,13 +6,14 @@
 // after each printout; --metrics FILE writes one JSON line per step and rank (loss,
 // tokens/s, and the step's ledger peaks by category) for tools/plot.py.
 //
-// Ranks are threads of this process by default; started under mpirun (and built
-// with MPI), each process is one rank.
-#include <shardlib/comm/launch.hpp>
+// Ranks are threads of this process by default; started by tools/launch, torchrun
+// or Slurm (with MASTER_ADDR and MASTER_PORT), each process is one rank over
+// SocketComm; under mpirun (built with MPI), one rank over MpiComm.
+#include <shardlib/comm/run.hpp>
 #include <shardlib/optim/adam.hpp>
 #include <shardlib/shard/sharded_model.hpp>
 #if SHARDLIB_EXAMPLE_WITH_MPI
-#include <shardlib/mpi.hpp>
+#include <shardlib/comm/mpi_backend.hpp>
 #endif
 
 #include <cstdio>
@@ -63,7 +64,8 @@ void train(Comm& c, const settings& s, std::FILE* metrics) {
 int main(int argc, char** argv) {
   settings s;
   example::command_line cli("The FSDP article's training script: a transformer encoder classifier, every encoder "
-                            "layer a sharded unit, on --world rank threads (or one rank per process under mpirun).",
+                            "layer a sharded unit, on --world rank threads (or one rank per process under tools/launch, "
+                            "torchrun, Slurm or mpirun).",
                             "train_fsdp");
   cli.add_option("--world", s.world, "ranks, as threads of this process")
       ->check(example::whole(1, example::max_thread_ranks));
@@ -83,22 +85,26 @@ int main(int argc, char** argv) {
   };
   std::FILE* metrics = nullptr;
   try {
-#if SHARDLIB_EXAMPLE_WITH_MPI
-    if (std::getenv("OMPI_COMM_WORLD_SIZE")) {  // one rank per process
-      comm::mpi_session mpi(&argc, &argv);
-      auto world = comm::MpiComm::world();
+    const comm::launch_environment env = comm::discover_environment();
+    const bool processes = env.kind != comm::launcher::none;  // one rank per process
+    if (!metrics_path.empty() && !processes) metrics = open_metrics("w");
+    auto body = [&](auto& c) {
+      if (!processes) return train(c, s, metrics);
+      std::FILE* own = nullptr;
       if (!metrics_path.empty()) {  // rank 0 empties the file, then every process appends
-        if (world.rank() == 0) std::fclose(open_metrics("w"));
-        world.barrier();
-        metrics = open_metrics("a");
+        if (c.rank() == 0) std::fclose(open_metrics("w"));
+        c.barrier();
+        own = open_metrics("a");
       }
-      train(world, s, metrics);
-      if (metrics) std::fclose(metrics);
-      return 0;
-    }
+      train(c, s, own);
+      if (own) std::fclose(own);
+    };
+    const comm::run_options options{.threads = s.world, .environment = env};
+#if SHARDLIB_EXAMPLE_WITH_MPI
+    comm::run_from_environment(body, options, comm::mpi_backend{});
+#else
+    comm::run_from_environment(body, options);
 #endif
-    if (!metrics_path.empty()) metrics = open_metrics("w");
-    comm::launch(s.world, [&](comm::ThreadComm& c) { train(c, s, metrics); });
     if (metrics) std::fclose(metrics);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_fsdp: %s\n", e.what());

@@ -234,10 +234,19 @@ TEST_CASE("a rank that leaves makes the others raise naming it, at once", "[laun
       {.timeout = 60s});
   CHECK(std::chrono::steady_clock::now() - start < 10s);
   CHECK(errors[1] == "rank 1 stops here");
-  for (int r : {0, 2})
+  // The first survivor to notice names rank 1 and tells the other (an out-of-band
+  // byte), which then names rank 1 too, unless the first has hung up before the
+  // notice could be read: then it names the first. So: both raise, at least one
+  // names rank 1 directly.
+  int direct = 0;
+  for (int r : {0, 2}) {
     CHECK_THAT(errors[r], Catch::Contains("rank " + std::to_string(r) + ": all_reduce(1000 x F32, sum), collective 2") &&
-                              Catch::Contains("the connection to rank 1 (127.0.0.1:") &&
-                              Catch::Contains("closed: rank 1 exited, failed, or left the communicator"));
+                              Catch::Contains("the connection to rank ") &&
+                              Catch::Contains("exited, failed, or left the communicator"));
+    direct += errors[r].find("the connection to rank 1 (127.0.0.1:") != std::string::npos &&
+              errors[r].find("closed: rank 1 exited") != std::string::npos;
+  }
+  CHECK(direct >= 1);
 }
 
 TEST_CASE("a rank that stops answering makes the others raise naming it after the timeout",

@@ -6,6 +6,7 @@
 #include "shardlib/comm/communicator.hpp"  // Communicator, reduce_op, check_communicator
 #include "shardlib/comm/reduce.hpp"        // check_reducible
 #include "shardlib/comm/signature.hpp"     // detail::signature, detail::describe
+#include "shardlib/comm/store.hpp"         // TcpStore (from_store)
 #include "shardlib/core/buffer.hpp"        // Buffer
 #include "shardlib/core/element.hpp"       // Element, dtype_of
 #include "shardlib/core/error.hpp"         // comm_error, shape_error, require, cat
@@ -389,6 +390,27 @@ class NcclComm {
     ncclUniqueId id;
     std::memcpy(&id, message.data() + 1, sizeof id);
     return NcclComm(id, host.rank(), host.size(), device, options);
+  }
+
+  // Every rank of the store's job calls it (processes started without MPI: see
+  // comm/run.hpp); rank 0 makes the NCCL id and sets it in the store, the others
+  // wait for it there, within the store's timeout. Rank 0 publishes a failure too,
+  // so that no rank waits for an id that never comes. Ranks keep their store rank;
+  // one rank per device, device = the launcher's LOCAL_RANK.
+  static NcclComm from_store(TcpStore& store, int device, const nccl_options& options = {}) {
+    const std::string key = store.fresh_prefix("nccl") + "id";
+    if (store.rank() == 0) {
+      ncclUniqueId id{};
+      const ncclResult_t r = ncclGetUniqueId(&id);
+      store.set(key, r == ncclSuccess ? '\1' + std::string(reinterpret_cast<const char*>(&id), sizeof id)
+                                      : '\0' + cat("ncclGetUniqueId failed: ", detail::nccl_text(r, nullptr)));
+    }
+    const std::string message = store.get(key);  // byte 0: whether rank 0 made an id
+    require<comm_error>(message.size() == 1 + sizeof(ncclUniqueId) && message[0] == '\1', "rank ", store.rank(),
+                        ": rank 0 could not make an NCCL id: ", message.substr(1));
+    ncclUniqueId id;
+    std::memcpy(&id, message.data() + 1, sizeof id);
+    return NcclComm(id, store.rank(), store.size(), device, options);
   }
 
   // torchrun-style: RANK, WORLD_SIZE and LOCAL_RANK from the environment

@@ -65,6 +65,30 @@ struct socket_mesh {
   std::vector<std::string> addresses;  // "ip:port" by mesh rank
   seconds timeout{};
   std::string broken;  // why, once broken
+
+  // Closing over unread bytes resets a connection, and a reset discards the
+  // out-of-band notice this rank may have sent just before (socket_group::lost).
+  // So the mesh says it sends no more, reads what comes, and, once broken, waits
+  // (a second at most) for its peers to hang up too.
+  ~socket_mesh() {
+    std::vector<pollfd> open;
+    for (auto& s : peers)
+      if (s) {
+        ::shutdown(s.get(), SHUT_WR);
+        open.push_back({s.get(), POLLIN, 0});
+      }
+    const auto deadline = tcp_clock::now() + std::chrono::seconds(broken.empty() ? 0 : 1);
+    char scratch[4096];
+    do {
+      for (auto& p : open) {
+        ssize_t k;
+        while ((k = ::recv(p.fd, scratch, sizeof scratch, MSG_DONTWAIT)) > 0) {
+        }
+        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) p.fd = -1;  // hung up
+      }
+      std::erase_if(open, [](const pollfd& p) { return p.fd < 0; });
+    } while (!open.empty() && ::poll(open.data(), open.size(), ms_until(deadline)) > 0);
+  }
 };
 
 // A contiguous piece to send to, or receive from, one peer (a group rank).
@@ -114,7 +138,7 @@ struct socket_group {
         short events = 0;
         if (!to[p].empty()) events |= POLLOUT;
         if (!from[p].empty()) events |= POLLIN;
-        if (events) polls.push_back({fd(p), events, 0}), polled.push_back(p);
+        if (events) polls.push_back({fd(p), short(events | POLLPRI), 0}), polled.push_back(p);
       }
       if (polls.empty()) return;
       const int n = ::poll(polls.data(), polls.size(), ms_until(deadline));
@@ -130,32 +154,56 @@ struct socket_group {
         const int p = polled[i];
         const short got = polls[i].revents;
         if (!got) continue;
+        bool moved = false;
         if (!from[p].empty() && (got & (POLLIN | POLLERR | POLLHUP))) {
           part& x = *from[p].front();
           const ssize_t k = ::recv(fd(p), x.in + recv_next[p], x.len - recv_next[p], MSG_DONTWAIT);
-          if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) closed(p, sig);
+          if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) lost(p, sig);
           if (k > 0) {
+            moved = true;
             deadline = tcp_clock::now() + limit;
             if ((recv_next[p] += std::size_t(k)) == x.len) from[p].erase(from[p].begin()), recv_next[p] = 0;
           }
         } else if (got & (POLLERR | POLLHUP)) {
-          closed(p, sig);
+          lost(p, sig);
         }
         if (!to[p].empty() && (got & POLLOUT)) {
           part& x = *to[p].front();
           const ssize_t k = ::send(fd(p), x.out + send_next[p], x.len - send_next[p], MSG_NOSIGNAL | MSG_DONTWAIT);
-          if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) closed(p, sig);
+          if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) lost(p, sig);
           if (k > 0) {
+            moved = true;
             deadline = tcp_clock::now() + limit;
             if ((send_next[p] += std::size_t(k)) == x.len) to[p].erase(to[p].begin()), send_next[p] = 0;
           }
         }
+        // p's notice that some rank has gone: p sends nothing after it, so once what
+        // it sent before is read and nothing moves, this collective cannot finish.
+        if ((got & POLLPRI) && !moved) lost(p, sig);
       }
     }
   }
 
-  [[noreturn]] void closed(int p, const signature& sig) {
-    fail(comm_aborted(cat(where(sig), ": the connection to rank ", p, " (", address(p), ") closed: rank ", p,
+  // The connection to peer p closed, or p sent a notice (one out-of-band byte,
+  // outside the byte stream) that the connection to another rank closed. Names the
+  // rank that has gone and passes the notice on, so that every rank names the same
+  // one rather than the peers that left after it.
+  [[noreturn]] void lost(int p, const signature& sig) {
+    const int from_rank = members[p];
+    int gone = from_rank;  // mesh ranks
+    unsigned char notice = 0;
+    if (::recv(fd(p), &notice, 1, MSG_OOB | MSG_DONTWAIT) == 1 && notice != 255 && int(notice) != mesh->rank &&
+        int(notice) < int(mesh->peers.size()))
+      gone = notice;
+    if (mesh->broken.empty()) {
+      notice = gone < 255 ? (unsigned char)(gone) : 255;  // 255: "some rank"
+      for (int q = 0; q < int(mesh->peers.size()); ++q)
+        if (q != gone && mesh->peers[q]) ::send(mesh->peers[q].get(), &notice, 1, MSG_OOB | MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+    const auto it = std::find(members.begin(), members.end(), gone);
+    const std::string who = it != members.end() ? cat("rank ", it - members.begin()) : cat("process rank ", gone);
+    fail(comm_aborted(cat(where(sig), ": the connection to ", who, " (", mesh->addresses[gone], ") closed",
+                          gone != from_rank ? cat(" (rank ", p, " reports it)") : std::string(), ": ", who,
                           " exited, failed, or left the communicator")));
   }
   template <class E>
