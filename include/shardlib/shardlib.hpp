@@ -15,17 +15,23 @@
 #include "shardlib/comm/communicator.hpp"    // Communicator, reduce_op
 #include "shardlib/comm/launch.hpp"          // launch, rank_failure
 #include "shardlib/comm/thread_comm.hpp"     // ThreadComm
-#include "shardlib/nn/activation.hpp"        // ReLU, GELU
+#include "shardlib/nn/activation.hpp"        // ReLU, GELU (erf or tanh), SiLU
 #include "shardlib/nn/attention.hpp"         // MultiheadAttention
 #include "shardlib/nn/context.hpp"           // context
 #include "shardlib/nn/dropout.hpp"           // Dropout
-#include "shardlib/nn/embedding.hpp"         // Embedding
+#include "shardlib/nn/embedding.hpp"         // Embedding, PositionEmbedding
+#include "shardlib/nn/feed_forward.hpp"      // LlamaMLP (SwiGLU), GPT2MLP
+#include "shardlib/nn/gpt2_attention.hpp"    // GPT2Attention (causal, c_attn/c_proj)
 #include "shardlib/nn/layer.hpp"             // Layer, Composite, check_layer
 #include "shardlib/nn/layer_norm.hpp"        // LayerNorm
 #include "shardlib/nn/linear.hpp"            // Linear
+#include "shardlib/nn/llama_attention.hpp"   // LlamaAttention (GQA, RoPE, KV cache)
 #include "shardlib/nn/loss.hpp"              // cross_entropy, mse
 #include "shardlib/nn/pooling.hpp"           // MeanPool
 #include "shardlib/nn/replicated.hpp"        // Replicated (unsharded owner)
+#include "shardlib/nn/rms_norm.hpp"          // RMSNorm
+#include "shardlib/nn/rotary.hpp"            // rotary_table (RoPE)
+#include "shardlib/nn/sdpa.hpp"              // sdpa_forward, sdpa_backward
 #include "shardlib/nn/sequential.hpp"        // Sequential
 #include "shardlib/nn/stack.hpp"             // Stack
 #include "shardlib/nn/transformer.hpp"       // TransformerEncoderLayer
