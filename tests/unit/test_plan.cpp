@@ -158,8 +158,9 @@ TEST_CASE("the planner's walk finds the units fully_shard makes", "[plan][descri
   using Block = nn::Linear<float>;
   using Mlp = nn::Sequential<nn::Linear<float>, nn::Stack<Block>, nn::Linear<float>>;
   auto mlp = [] { return Mlp{nn::Linear<float>(5, 8), nn::Stack<Block>(3, Block(8, 8)), nn::Linear<float>(8, 3)}; };
-  const std::vector<std::function<bool(std::string_view, std::type_index)>> policies{
-      shard::wrap_none{}, shard::wrap_types<Block>{}, shard::wrap_names{{"1.layers.1", "2"}}};
+  const std::vector<shard::wrap_policy> policies{
+      shard::wrap_none{}, shard::wrap_types<Block>{}, shard::wrap_names{{"1.layers.1", "2"}},
+      shard::wrap_min_params{48}, shard::wrap_any{shard::wrap_names{{"2"}}, shard::wrap_min_params{200}}};
   for (const auto& wrap : policies) {
     Mlp shape = mlp();
     const auto walked = plan::describe_model(shape, wrap);

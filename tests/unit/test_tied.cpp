@@ -3,6 +3,7 @@
 // users, every strategy trains a tied model as unsharded training does, the tied
 // gradient is the sum of both uses, state dicts list every name, checkpoints
 // round-trip, the planner counts the Param once, and ties that cannot hold raise.
+// Then the engine around them: size-based wrapping, eval mode, summon_full_params.
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/io/checkpoint.hpp"
 #include "shardlib/nn/embedding.hpp"
@@ -20,6 +21,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <filesystem>
 #include <string>
@@ -109,10 +111,30 @@ struct reference_owner {
 
 struct trace {
   std::vector<double> losses, params;
+  bool edit_seen = false;  // the state dict right after the edit showed it
 };
 
-// Unsharded training in double on the global batch (world * per_rank tokens a step).
-trace unsharded(int world, int per_rank, int steps) {
+// The edit summon_full_params tests make between steps: a row of the tied weight
+// (read by both users) and one bias element.
+template <class T>
+void edit(Model<T>& m) {
+  std::fill_n(m.template get<0>().weight.value, dim, T(0.25));
+  m.template get<1>()[1].bias.value[2] = T(-0.5);
+}
+bool shows_edit(const auto& state_dict) {
+  auto at = [&](std::string_view name) {
+    for (const auto& e : state_dict)
+      if (e.name == name) return e.value.span();
+    throw error(cat("no parameter ", name));
+  };
+  const auto emb = at("0.weight"), head = at("2.weight"), bias = at("1.layers.1.bias");
+  return std::all_of(emb.begin(), emb.begin() + dim, [](float v) { return v == 0.25f; }) &&
+         std::all_of(head.begin(), head.begin() + dim, [](float v) { return v == 0.25f; }) && bias[2] == -0.5f;
+}
+
+// Unsharded training in double on the global batch (world * per_rank tokens a
+// step), edited before step edit_at (if any).
+trace unsharded(int world, int per_rank, int steps, int edit_at = -1) {
   auto m = make_model<double>();
   tie(m);
   reference_owner<double, Model<double>> owner(m, 42);
@@ -121,6 +143,7 @@ trace unsharded(int world, int per_rank, int steps) {
   sgd<double>::state st;
   trace t;
   for (int s = 0; s < steps; ++s) {
+    if (s == edit_at) edit(m);
     std::fill(owner.grads.begin(), owner.grads.end(), 0.0);
     const auto l = nn::cross_entropy(ctx.forward(m, tokens(s, world * per_rank, 1)), tokens(s, world * per_rank, 2));
     ctx.backward(m, l.grad);
@@ -132,15 +155,20 @@ trace unsharded(int world, int per_rank, int steps) {
 }
 
 template <class Strategy>
-std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy) {
+std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy, shard::wrap_policy wrap,
+                           int edit_at = -1) {
   std::vector<trace> out(static_cast<std::size_t>(world));
   comm::launch(world, [&](comm::ThreadComm& c) {
     auto m = make_model<float>();
     tie(m);
-    auto model = shard::fully_shard<sgd<float>>(m, c, strategy, each_layer_a_unit<float>());
+    auto model = shard::fully_shard<sgd<float>>(m, c, strategy, {.wrap = wrap, .seed = 42});
     sgd<float> opt;
     auto& t = out[std::size_t(c.rank())];
     for (int s = 0; s < steps; ++s) {
+      if (s == edit_at) {
+        model.summon_full_params([&] { edit(m); });
+        t.edit_seen = shows_edit(model.full_state_dict(false));
+      }
       model.zero_grad();
       const auto l = nn::cross_entropy(model.forward(tokens(s, per_rank, 1, c.rank() * per_rank)),
                                        tokens(s, per_rank, 2, c.rank() * per_rank));
@@ -163,13 +191,15 @@ std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy
 // leaves room for that and fails on any missed or doubled gradient term (the
 // head's and the embedding's parts of the tied gradient are each ~1e-1).
 template <class Strategy>
-void check_equivalence(int w, Strategy strategy) {
+void check_equivalence(int w, Strategy strategy, shard::wrap_policy wrap = each_layer_a_unit<float>().wrap,
+                       int edit_at = -1) {
   const int steps = 12, per_rank = 4;
-  const auto want = unsharded(w, per_rank, steps);
-  const auto got = sharded(w, per_rank, steps, strategy);
+  const auto want = unsharded(w, per_rank, steps, edit_at);
+  const auto got = sharded(w, per_rank, steps, strategy, wrap, edit_at);
   test_support::max_error worst_loss, worst_param;
   for (int r = 0; r < w; ++r) {
     REQUIRE(got[std::size_t(r)].params.size() == want.params.size());
+    CHECK(got[std::size_t(r)].edit_seen == (edit_at >= 0));
     worst_loss.relative(got[std::size_t(r)].losses, want.losses, 1e-6);
     worst_param.relative(got[std::size_t(r)].params, want.params, 1e-3);
   }
@@ -425,4 +455,156 @@ TEST_CASE("per-rank memory of a tied model equals the planner's", "[tied][memory
   check_memory(2, shard::ShardOptimizer{});
   check_memory(2, shard::NoShard{});
   check_memory(4, shard::HybridShard{.group_size = 2});
+}
+
+TEST_CASE("size-based wrapping: a layer is a unit when the parameters it would own reach the minimum",
+          "[wrap][size]") {
+  using Mlp = nn::Sequential<nn::Linear<float>, nn::Stack<nn::Linear<float>>, nn::Linear<float>>;
+  auto units_of = [](shard::wrap_policy wrap) {
+    Mlp m{nn::Linear<float>(5, 8), nn::Stack<nn::Linear<float>>(3, nn::Linear<float>(8, 8)), nn::Linear<float>(8, 3)};
+    std::vector<std::string> names;
+    for (const auto& u : shard::discover_units<float>(m, wrap)) names.push_back(u.name);
+    return names;
+  };
+  using names = std::vector<std::string>;
+  // Linear(5, 8) owns 40 + 8 = 48 elements (56 in the aligned layout: the count
+  // has no gaps), each block 64 + 8 = 72, Linear(8, 3) 27.
+  CHECK(units_of(shard::wrap_min_params{48}) == names{"", "0", "1.layers.0", "1.layers.1", "1.layers.2"});
+  CHECK(units_of(shard::wrap_min_params{49}) == names{"", "1.layers.0", "1.layers.1", "1.layers.2"});
+  // Nested units claim first: the stack owns 216 without its blocks, nothing with them.
+  CHECK(units_of(shard::wrap_min_params{73}) == names{"", "1"});
+  CHECK(units_of(shard::wrap_min_params{217}) == names{""});
+  CHECK(units_of(shard::wrap_any{shard::wrap_names{{"2"}}, shard::wrap_min_params{200}}) == names{"", "1", "2"});
+  CHECK(units_of(shard::wrap_any{shard::wrap_names{{"1"}}, shard::wrap_min_params{72}}) ==
+        names{"", "1", "1.layers.0", "1.layers.1", "1.layers.2"});
+
+  // A tied weight counts only for a layer holding both its users: neither the
+  // embedding nor the head owns anything here, the inner model owns it below.
+  auto m = make_model<float>();
+  tie(m);
+  std::vector<std::string> tied;
+  for (const auto& u : shard::discover_units<float>(m, shard::wrap_min_params{1})) tied.push_back(u.name);
+  CHECK(tied == names{"", "1.layers.0", "1.layers.1"});
+  using Outer = nn::Sequential<Model<float>, nn::Linear<float>>;
+  Outer outer{make_model<float>(), nn::Linear<float>(vocab, 3)};
+  outer.get<0>().get<2>().tie(outer.get<0>().get<0>().weight);
+  std::vector<std::string> nested;  // blocks 42 each, the stack 84, the inner model 78, the outer Linear 42
+  for (const auto& u : shard::discover_units<float>(outer, shard::wrap_min_params{70})) nested.push_back(u.name);
+  CHECK(nested == names{"", "0", "0.1"});
+
+  // Training under a size-based policy: the blocks are units, the root owns the tied weight.
+  check_equivalence(2, shard::FullShard{}, shard::wrap_min_params{40});
+  check_equivalence(2, shard::ShardGradOp{}, shard::wrap_any{shard::wrap_types<nn::Embedding<float>>{},
+                                                            shard::wrap_min_params{40}});
+}
+
+TEST_CASE("eval mode frees every unit after its forward, keeps no activations and refuses backward",
+          "[eval]") {
+  const int w = 2, per_rank = 4;
+  // The unsharded logits of step 0's global batch, in double.
+  auto ref = make_model<double>();
+  tie(ref);
+  reference_owner<double, Model<double>> owner(ref, 42);
+  nn::context plain;
+  const auto want = ref.get<2>().forward(
+      plain, plain.forward(ref.get<1>(), plain.forward(ref.get<0>(), tokens(0, w * per_rank, 1))));
+  auto run = [&](auto strategy) {
+    std::vector<std::string> failures(w);
+    comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
+      auto m = make_model<float>();
+      tie(m);
+      auto model = shard::fully_shard<sgd<float>>(m, c, strategy, each_layer_a_unit<float>());
+      auto& why = failures[std::size_t(c.rank())];
+      const auto x = tokens(0, per_rank, 1, c.rank() * per_rank), y = tokens(0, per_rank, 2, c.rank() * per_rank);
+      model.forward(x);  // a training forward without its backward (ShardGradOp keeps its units gathered)
+      model.eval();
+      const auto logits = model.forward(x);
+      if (model.context().training() || model.training()) why += "eval left the training flag on; ";
+      for (const auto& u : model.units())
+        if (strategy.policy().shard_parameters && u.where != std::decay_t<decltype(model)>::state::sharded) why += cat("unit '", u.name, "' gathered; ");
+      if (l.current(category::gathered_parameters) != 0) why += "gathered bytes remain; ";
+      test_support::max_error err;
+      err.relative(logits.span(), std::span(want.data() + c.rank() * per_rank * vocab, std::size_t(per_rank * vocab)),
+                   1e-3);
+      if (!(err <= 1e-5)) why += cat("eval logits differ from the unsharded ones by ", err, "; ");
+      try {
+        model.backward(nn::cross_entropy(logits, y).grad);
+        why += "backward in eval did not raise; ";
+      } catch (const error& e) {
+        if (std::string(e.what()).find("backward in eval mode: its forwards keep no activations") == std::string::npos)
+          why += cat("unexpected message: ", e.what(), "; ");
+      }
+      try {
+        m.get<2>().backward(model.context(), logits);
+        why += "the head kept its input in eval; ";
+      } catch (const shape_error&) {
+      }
+      const auto piece = model.master_piece(0);
+      model.load_master(0, std::vector<float>(piece.begin(), piece.end()));  // refused while units are gathered
+      model.train();
+      sgd<float> opt;
+      model.zero_grad();
+      model.backward(nn::cross_entropy(model.forward(x), y).grad);
+      model.step(opt);
+      if (!model.training()) why += "train() did not restore training; ";
+    });
+    for (int r = 0; r < w; ++r) {
+      INFO(decltype(strategy)::name << " rank " << r << ": " << failures[std::size_t(r)]);
+      CHECK(failures[std::size_t(r)].empty());
+    }
+  };
+  run(shard::FullShard{});
+  run(shard::ShardGradOp{});
+  run(shard::ShardOptimizer{});
+  run(shard::NoShard{});
+}
+
+TEST_CASE("summon_full_params: edits reach every strategy's shards and training continues as unsharded",
+          "[summon]") {
+  for (int w : {2, 4}) {
+    check_equivalence(w, shard::FullShard{}, each_layer_a_unit<float>().wrap, 5);
+    check_equivalence(w, shard::ShardGradOp{}, each_layer_a_unit<float>().wrap, 5);
+    check_equivalence(w, shard::ShardOptimizer{}, each_layer_a_unit<float>().wrap, 5);
+    check_equivalence(w, shard::NoShard{}, each_layer_a_unit<float>().wrap, 5);
+  }
+  check_equivalence(4, shard::HybridShard{.group_size = 2}, each_layer_a_unit<float>().wrap, 5);
+}
+
+TEST_CASE("summon_full_params without writeback, on rank 0 only, and over 16-bit gathers", "[summon]") {
+  auto same_bits = [](const auto& a, const auto& b) {
+    if (a.size() != b.size()) return false;
+    for (std::size_t i = 0; i < a.size(); ++i)
+      if (a[i].name != b[i].name || !std::equal(a[i].value.span().begin(), a[i].value.span().end(),
+                                                b[i].value.span().begin(), b[i].value.span().end(),
+                                                [](float x, float y) { return std::bit_cast<std::uint32_t>(x) ==
+                                                                              std::bit_cast<std::uint32_t>(y); }))
+        return false;
+    return true;
+  };
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    auto m = make_model<float>();
+    tie(m);
+    auto model = shard::fully_shard<sgd<float>>(m, c, shard::FullShard{}, each_layer_a_unit<float>());
+    const auto before = model.full_state_dict(false);
+    bool bound = false;
+    model.summon_full_params([&] { edit(m); }, {.writeback = false});
+    if (!same_bits(model.full_state_dict(false), before)) throw error("writeback = false changed the masters");
+    model.summon_full_params([&] { bound = m.get<0>().weight.value != nullptr; }, {.writeback = false, .rank0_only = true});
+    if (bound != (c.rank() == 0)) throw error(cat("rank ", c.rank(), ": rank0_only bound the Params: ", bound));
+    CHECK_THROWS_WITH(model.summon_full_params([] {}, {.rank0_only = true}),
+                      Contains("summon_full_params: rank0_only needs writeback = false"));
+
+    // bf16 gathers of fp32 layers: the scope shows the rounded values; writeback
+    // changes the elements written and leaves every other fp32 bit as it was.
+    auto m16 = make_model<float>();
+    tie(m16);
+    auto opts = each_layer_a_unit<float>();
+    opts.precision = {.param = dtype::bf16};
+    auto half = shard::fully_shard<sgd<float>>(m16, c, shard::FullShard{}, opts);
+    auto want = half.full_state_dict(false);
+    half.summon_full_params([&] { edit(m16); });
+    std::fill_n(want[0].value.data(), dim, 0.25f);
+    want[4].value[2] = -0.5f;  // "1.layers.1.bias"; want[5] ("2.weight") shares want[0]'s tensor
+    if (!same_bits(half.full_state_dict(false), want)) throw error("bf16 writeback touched elements not written");
+  });
 }

@@ -5,6 +5,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/param.hpp"
 #include "shardlib/ops/gemm.hpp"
 
@@ -71,12 +72,13 @@ class TiedLinear {
     v("weight", weight_);
   }
 
+  // Caches x for backward unless the context says none follows (nn::grad_enabled).
   template <class Ctx>
-  output forward(Ctx&, const input& x) {
+  output forward(Ctx& ctx, const input& x) {
     require<shape_error>(x.rank() >= 1 && x.shape()[x.rank() - 1] == in_, "TiedLinear(", in_, " -> ", out_,
                          "): input's last dimension must be ", in_, ", got shape ", x.shape());
     check_tied(false);
-    x_ = x;
+    x_ = grad_enabled(ctx) ? x : input{};
     Shape ys = x.shape();
     ys[ys.rank() - 1] = out_;
     output y(ys);

@@ -164,10 +164,76 @@ class ShardedModel {
   // Refused before anything is gathered unless a forward completed since the last
   // backward: the layers' cached activations are gone.
   input backward(const output& dy) {
+    require(ctx_.grad_enabled(), "rank ", comm_->rank(), ": backward in eval mode: its forwards keep no "
+            "activations and free every unit; call train() and run the forward again");
     require(forwarded_, "rank ", comm_->rank(), ": backward without a forward: each backward needs a forward "
             "completed after the previous backward");
     forwarded_ = false;
     return ctx_.backward(*model_, dy);
+  }
+
+  // Evaluation (PyTorch's model.eval() and torch.no_grad() at once): every forward
+  // frees each gathered unit, the root included, as soon as it has run; the context
+  // answers training() == false (dropout off) and grad_enabled() == false, which
+  // layers may read to keep no activations (nn::grad_enabled; nn::TiedLinear does);
+  // backward raises. eval() also frees what a forward without backward left gathered
+  // (ShardGradOp keeps units until their backward) and forgets that forward.
+  void eval() {
+    if (policy_.shard_parameters)
+      for (auto& u : units_) {
+        if (u.where == state::gathering) gathers_.complete(u);
+        if (u.where == state::gathered) gathers_.free(u);
+      }
+    forwarded_ = false;
+    ctx_.set_training(false);
+    ctx_.set_grad_enabled(false);
+  }
+  // Back to training: the context's training flag as options.context set it.
+  void train() {
+    ctx_.set_training(opts_.context.training);
+    ctx_.set_grad_enabled(true);
+  }
+  bool training() const { return ctx_.grad_enabled(); }
+
+  // FSDP's summon_full_params: runs f() with every unit's full parameters readable
+  // and writable through the model's Params, on every rank or, with rank0_only, on
+  // rank 0 alone (the others' Params stay unbound). With writeback (the default)
+  // what f() leaves in them goes back to the masters on return; without, the
+  // masters are untouched. The full values are what layers read: with 16-bit
+  // gathers or 16-bit compute they are the masters rounded, and writeback changes
+  // only the master elements whose rounded value f() replaced, so the elements it
+  // left alone keep their fp32 bits. Collective; between steps. If f() throws, the
+  // units are released and nothing is written back.
+  struct summon_options {
+    bool writeback = true;
+    bool rank0_only = false;  // refused with writeback, as FSDP: the other ranks would lose rank 0's writes
+  };
+  template <class F>
+  void summon_full_params(F&& f, summon_options o = {}) {
+    const int r = comm_->rank();
+    require(!(o.rank0_only && o.writeback), "rank ", r, ": summon_full_params: rank0_only needs writeback = false");
+    if constexpr (!std::is_same_v<space, host_space>)
+      require(!o.writeback || (!compute16 && opts_.precision.param == dtype::f32), "rank ", r,
+              ": summon_full_params: writing back 16-bit values is a host path; use writeback = false");
+    for (auto& u : units_)
+      require(!policy_.shard_parameters || u.where == state::sharded, "rank ", r, ": summon_full_params while unit '",
+              u.name, "' is gathered: call it between steps (eval() releases a forward without its backward)");
+    const bool keep = !o.rank0_only || r == 0;
+    if (policy_.shard_parameters)
+      for (auto& u : units_) {
+        gather(u, true);
+        if (keep) u.bind(u.values.data(), nullptr);
+        else gathers_.free(u);
+      }
+    try {
+      f();
+    } catch (...) {
+      release_full_params();
+      throw;
+    }
+    if (o.writeback)
+      for (auto& u : units_) write_back(u);
+    release_full_params();
   }
 
   // Micro-batches run with sync(false) only accumulate gradients locally (in the
@@ -396,8 +462,10 @@ class ShardedModel {
     u.bind(u.values.data(), nullptr);
   }
   void post_forward(unit_type& u) {
-    if (&u == &units_[0]) gathers_.stop_recording();  // the root finishes last: the order is complete
-    else if (policy_.free == free_point::after_forward) gathers_.free(u);
+    const bool root = &u == &units_[0];
+    if (root) gathers_.stop_recording();  // the root finishes last: the order is complete
+    if (policy_.shard_parameters && (!ctx_.grad_enabled() || (!root && policy_.free == free_point::after_forward)))
+      gathers_.free(u);
   }
   void pre_backward(unit_type& u) {
     if (policy_.shard_parameters) {
@@ -582,6 +650,36 @@ class ShardedModel {
     for (auto& u : units_) gathers_.complete(u);
   }
 
+  // summon_full_params' writeback: this rank's piece of unit u's full values into
+  // its master piece (nothing to do where the values are the master), then the
+  // replicated values or the 16-bit compute copy refreshed from the master.
+  void write_back(unit_type& u) {
+    const auto part = partition(std::size_t(index_of(u)));
+    auto master = master_local(u);
+    const auto full = std::span<const C>(u.values.span()).subspan(part.begin(partition_rank()), master.size());
+    if constexpr (compute16) {
+      if constexpr (std::is_same_v<space, host_space>) {
+        for (std::size_t k = 0; k < master.size(); ++k)
+          if (float(full[k]) != float(C(master[k]))) master[k] = T(float(full[k]));
+        ops::narrow(std::span<const T>(master), u.compute_shard.span());
+      }
+    } else if (opts_.precision.param == dtype::f32) {
+      if (!master_in_values()) ops::copy(full, master);
+    } else if constexpr (std::is_same_v<space, host_space>) {
+      with_16bit(opts_.precision.param, [&](auto h) {
+        using H = decltype(h);
+        for (std::size_t k = 0; k < master.size(); ++k)
+          if (full[k] != T(H(master[k]))) master[k] = full[k];
+      });
+    }
+    if (!policy_.shard_parameters) refresh_values(u);
+  }
+  void release_full_params() {
+    if (policy_.shard_parameters)
+      for (auto& u : units_)
+        if (u.where == state::gathered) gathers_.free(u);
+  }
+
   // --- gradients -------------------------------------------------------------------------------
   void finish_backward() {
     reducer_.finish_all_except(nullptr);
@@ -676,8 +774,13 @@ class sharded_context : public nn::context {
     return dx;
   }
 
+  // False in eval mode: no backward follows, so layers need keep no activations (nn::grad_enabled).
+  bool grad_enabled() const { return grad_; }
+  void set_grad_enabled(bool on) { grad_ = on; }
+
  private:
   Engine* e_;
+  bool grad_ = true;
 };
 
 // Wraps `model` for training on the ranks of `comm` with a sharding strategy and
