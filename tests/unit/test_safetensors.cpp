@@ -1122,6 +1122,13 @@ TEST_CASE("strict loads name every missing, unexpected and misshapen tensor; non
   CHECK_THROWS_WITH(load_state_dict(dir / "bad.safetensors", plain, {.names = both}),
                     Contains("both map to the model's '1.layers.1.mlp.c_fc.bias'"));
 
+  // An F64 value beyond float's range is an error, not an inf.
+  safetensors_writer huge;
+  huge.add<double>("transformer.wte.weight", {V, D}, std::vector<double>(V * D, 1e300));
+  huge.write(dir / "huge.safetensors");
+  CHECK_THROWS_WITH(load_state_dict(dir / "huge.safetensors", plain, lm_options(false)),
+                    Contains("tensor \"transformer.wte.weight\" element 0 is 1e+300, beyond F32's range"));
+
   // Sharded: every rank raises, naming the file.
   on_sharded_lm(2, shard::FullShard{}, [&](auto& model, comm::ThreadComm& c) {
     CHECK_THROWS_WITH(load_state_dict(dir / "bad.safetensors", model, lm_options()),
