@@ -22,7 +22,9 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using namespace shardlib;
@@ -199,6 +201,41 @@ TEST_CASE("a shard cutting through parameters of different groups steps as segme
                     Contains("parameter '0.bias' [8] is in no group (decay)"));
   CHECK_THROWS_WITH(Groups({{.name = "a", .rule = optim::no_decay}, {.name = "a", .rule = optim::no_decay}}),
                     Contains("two groups are named 'a'"));
+}
+
+// Bit for bit: a segment is the same per-element update with the same scalars.
+TEST_CASE("groups step each segment as that group's own optimizer steps it alone (SGD and Adam)",
+          "[param_groups][segments]") {
+  auto check = [](auto groups, auto first, auto second) {
+    using O = decltype(first);
+    const std::size_t n = 37, cut = 13;  // [0, 13) in group 0, [13, 37) in group 1
+    std::vector<float> p(n), alone(n);
+    for (std::size_t i = 0; i < n; ++i) p[i] = alone[i] = std::sin(float(i));
+    auto st = groups.make_state(n);
+    auto st0 = first.make_state(cut), st1 = second.make_state(n - cut);
+    const std::vector<optim::segment> runs{{0, cut, 0}, {cut, n - cut, 1}};
+    for (int t = 0; t < 3; ++t) {
+      std::vector<float> g(n);
+      for (std::size_t i = 0; i < n; ++i) g[i] = std::cos(float(i * 7 + std::size_t(t)));
+      groups.step(std::span<float>(p), std::span<const float>(g), st, runs);
+      first.step(std::span<float>(alone).first(cut), std::span<const float>(g).first(cut), st0);
+      second.step(std::span<float>(alone).subspan(cut), std::span<const float>(g).subspan(cut), st1);
+    }
+    CHECK(p == alone);
+    CHECK(st.step == 3);
+    static_assert(std::is_same_v<typename decltype(groups)::optimizer, O>);
+  };
+  using SGDGroups = optim::param_groups<optim::SGD>;
+  const optim::SGD::options_type heavy{.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true};
+  const optim::SGD::options_type plain{.lr = 0.03};
+  check(SGDGroups({{.name = "heavy", .rule = optim::no_decay, .options = heavy},
+                   {.name = "plain", .rule = optim::no_decay, .options = plain}}),
+        optim::SGD{heavy}, optim::SGD{plain});
+  const optim::Adam::options_type ams{.lr = 0.01, .beta2 = 0.9, .weight_decay = 0.1, .amsgrad = true};
+  const optim::Adam::options_type usual{.lr = 0.002, .beta1 = 0.5, .eps = 1e-4};
+  check(optim::param_groups<optim::Adam>({{.name = "usual", .rule = optim::no_decay, .options = usual},
+                                          {.name = "ams", .rule = optim::no_decay, .options = ams}}),
+        optim::Adam{usual}, optim::Adam{ams});
 }
 
 TEST_CASE("the no-decay split on the encoder classifier: matrices decay, biases and norm weights do not",
