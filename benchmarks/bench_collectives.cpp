@@ -4,6 +4,7 @@
 // the MPI communicator against raw MPI calls instead.
 //
 //   bench_collectives [--world 2,4] [--min 4096] [--max 268435456] [--json FILE] [--quick]
+#include <shardlib/comm/environment.hpp>
 #include <shardlib/shardlib.hpp>
 
 #include <cstdio>
@@ -158,7 +159,7 @@ int main(int argc, char** argv) {
   if (!json.empty()) o.json = std::fopen(json.c_str(), "w");
   try {
 #if SHARDLIB_BENCH_WITH_MPI
-    if (std::getenv("OMPI_COMM_WORLD_SIZE")) {
+    if (comm::discover_environment().is_mpi()) {  // OpenMPI's or MPICH's variables
       std::vector<std::size_t> sizes;
       for (std::size_t s = o.min_bytes; s <= o.max_bytes; s *= 4) sizes.push_back(s);
       bench::run_mpi_collectives(sizes, o.json);

@@ -155,28 +155,30 @@ struct socket_group {
         const short got = polls[i].revents;
         if (!got) continue;
         bool moved = false;
+        // As much as the socket takes or holds now: fewer polls for large messages.
         if (!from[p].empty() && (got & (POLLIN | POLLERR | POLLHUP))) {
-          part& x = *from[p].front();
-          const ssize_t k = ::recv(fd(p), x.in + recv_next[p], x.len - recv_next[p], MSG_DONTWAIT);
-          if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) lost(p, sig);
-          if (k > 0) {
+          while (!from[p].empty()) {
+            part& x = *from[p].front();
+            const ssize_t k = ::recv(fd(p), x.in + recv_next[p], x.len - recv_next[p], MSG_DONTWAIT);
+            if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) lost(p, sig);
+            if (k < 0) break;
             moved = true;
-            deadline = tcp_clock::now() + limit;
             if ((recv_next[p] += std::size_t(k)) == x.len) from[p].erase(from[p].begin()), recv_next[p] = 0;
           }
         } else if (got & (POLLERR | POLLHUP)) {
           lost(p, sig);
         }
         if (!to[p].empty() && (got & POLLOUT)) {
-          part& x = *to[p].front();
-          const ssize_t k = ::send(fd(p), x.out + send_next[p], x.len - send_next[p], MSG_NOSIGNAL | MSG_DONTWAIT);
-          if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) lost(p, sig);
-          if (k > 0) {
+          while (!to[p].empty()) {
+            part& x = *to[p].front();
+            const ssize_t k = ::send(fd(p), x.out + send_next[p], x.len - send_next[p], MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) lost(p, sig);
+            if (k <= 0) break;
             moved = true;
-            deadline = tcp_clock::now() + limit;
             if ((send_next[p] += std::size_t(k)) == x.len) to[p].erase(to[p].begin()), send_next[p] = 0;
           }
         }
+        if (moved) deadline = tcp_clock::now() + limit;
         // p's notice that some rank has gone: p sends nothing after it, so once what
         // it sent before is read and nothing moves, this collective cannot finish.
         if ((got & POLLPRI) && !moved) lost(p, sig);
