@@ -187,9 +187,12 @@ std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy
 }
 
 // fp32 sharded training against the float64 unsharded reference, 12 steps: they
-// differ by fp32 rounding (~1e-7 a step, growing over the steps); 2e-5 relative
-// leaves room for that and fails on any missed or doubled gradient term (the
-// head's and the embedding's parts of the tied gradient are each ~1e-1).
+// differ by fp32 rounding (~1e-7 a step, growing over the steps), seen relative
+// to max(|value|, 1e-3) for parameters, which makes small ones the worst: 4.6e-6
+// with GCC -march=native, 2.7e-5 with Clang's generic x86-64 GEMM. Losses within
+// 2e-5 and parameters within 1e-4 leave room for that and fail on any missed or
+// doubled gradient term (the head's and the embedding's parts of the tied
+// gradient are each ~1e-1).
 template <class Strategy>
 void check_equivalence(int w, Strategy strategy, shard::wrap_policy wrap = each_layer_a_unit<float>().wrap,
                        int edit_at = -1) {
@@ -206,7 +209,7 @@ void check_equivalence(int w, Strategy strategy, shard::wrap_policy wrap = each_
   INFO(Strategy::name << " world " << w << ": worst relative loss difference " << worst_loss << ", parameters "
                       << worst_param);
   CHECK(worst_loss <= 2e-5);
-  CHECK(worst_param <= 2e-5);
+  CHECK(worst_param <= 1e-4);
   CHECK(want.losses.back() < want.losses.front());  // it trained
 }
 
