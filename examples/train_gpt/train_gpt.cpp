@@ -1,0 +1,225 @@
+// train_gpt — a byte-level GPT-2 (models::GPT2LMHeadModel, vocabulary 256: one token
+// per byte) trained on a text file, sharded over --world rank threads (FullShard, every
+// transformer block its own unit, the tied head with the embedding in the root), AdamW
+// with linear warmup and cosine decay, gradients clipped to norm 1. It prints
+// "Rank r, Step s, Loss: x" every --every steps as train_fsdp does, the loss on a
+// held-out tail of the text every --eval-every steps, the text's unigram entropy (the
+// loss of the best model that ignores context: what "learned something" must beat), a
+// continuation sampled with the KV cache at the end, and saves the model as Hugging
+// Face's GPT2LMHeadModel would (config.json + model.safetensors, --save DIR), which
+// transformers loads with GPT2LMHeadModel.from_pretrained(DIR).
+#include <shardlib/comm/launch.hpp>
+#include <shardlib/models/gpt2.hpp>
+#include <shardlib/models/hf.hpp>
+#include <shardlib/nn/loss.hpp>
+#include <shardlib/optim/adam.hpp>
+#include <shardlib/optim/schedule.hpp>
+#include <shardlib/shard/sharded_model.hpp>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "common/flags.hpp"
+
+using namespace shardlib;
+
+namespace {
+
+struct settings {
+  std::string data = "/usr/share/common-licenses/GPL-3", save = "train_gpt_model";
+  long world = 4, layers = 4, d_model = 128, heads = 4, seq = 128, batch = 4, steps = 500, every = 25,
+       eval_every = 100, warmup = 30, sample = 96, top_k = 8;
+  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, dropout = 0, val_fraction = 0.1, temperature = 0.8;
+  std::uint64_t seed = 0;
+};
+
+// The text as bytes, split into a training head and a held-out tail.
+struct corpus {
+  std::string train, val;
+
+  corpus(const std::string& path, double val_fraction, long seq) {
+    std::ifstream in(path, std::ios::binary);
+    require(bool(in), "train_gpt: cannot read --data ", path);
+    const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    const auto tail = std::size_t(double(text.size()) * val_fraction);
+    train = text.substr(0, text.size() - tail);
+    val = text.substr(text.size() - tail);
+    require(train.size() > std::size_t(seq + 1) && val.size() > std::size_t(seq + 1), "train_gpt: ", path, " (",
+            text.size(), " bytes) is too short for training and held-out windows of --seq ", seq,
+            " + 1 bytes at --val-fraction ", val_fraction);
+  }
+
+  // H = -sum p(b) ln p(b) over the training bytes, in nats.
+  double unigram_entropy() const {
+    std::array<double, 256> count{};
+    for (unsigned char b : train) count[b] += 1;
+    double h = 0;
+    for (double c : count)
+      if (c > 0) h -= c / double(train.size()) * std::log(c / double(train.size()));
+    return h;
+  }
+};
+
+// ids = text[start, start + seq), targets = the bytes after them, for each start.
+std::pair<Tensor<std::int64_t>, Tensor<std::int64_t>> windows(const std::string& text,
+                                                              const std::vector<std::size_t>& starts, long seq) {
+  const auto n = std::int64_t(starts.size());
+  Tensor<std::int64_t> ids({n, seq}), targets({n, seq});
+  for (std::int64_t i = 0; i < n; ++i)
+    for (long t = 0; t < seq; ++t) {
+      ids[i * seq + t] = static_cast<unsigned char>(text[starts[std::size_t(i)] + std::size_t(t)]);
+      targets[i * seq + t] = static_cast<unsigned char>(text[starts[std::size_t(i)] + std::size_t(t) + 1]);
+    }
+  return {ids, targets};
+}
+
+template <class Sharded>
+double validation_loss(Sharded& sharded, comm::ThreadComm& c, const corpus& data, long seq, long per_rank) {
+  // Windows evenly spread over the tail, split between the ranks; the mean over all.
+  const long total = per_rank * c.size();
+  const std::size_t span = data.val.size() - std::size_t(seq) - 1;
+  std::vector<std::size_t> starts;
+  for (long i = c.rank() * per_rank; i < (c.rank() + 1) * per_rank; ++i) starts.push_back(span * std::size_t(i) / std::size_t(total));
+  const auto [x, y] = windows(data.val, starts, seq);
+  sharded.eval();  // no activations kept, every unit freed after use
+  std::vector<double> loss{double(nn::cross_entropy(sharded.forward(x), y).loss)};
+  sharded.train();
+  c.all_reduce(std::span<double>(loss), comm::reduce_op::avg);
+  return loss[0];
+}
+
+void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
+  const models::gpt2_config config{.vocab_size = 256,
+                                   .n_positions = s.seq,
+                                   .n_embd = s.d_model,
+                                   .n_layer = s.layers,
+                                   .n_head = s.heads,
+                                   .resid_pdrop = s.dropout,
+                                   .embd_pdrop = s.dropout,
+                                   .attn_pdrop = s.dropout};
+  models::GPT2LMHeadModel<float> model(config);
+  auto sharded = shard::fully_shard<optim::AdamW>(
+      model, c, shard::FullShard{}, {.wrap = shard::wrap_types<models::GPT2Block<float>>{}, .seed = s.seed});
+  optim::AdamW adamw{{.lr = s.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = s.weight_decay}};
+  const optim::warmup_cosine schedule{
+      .peak_lr = s.lr, .min_lr = s.min_lr, .warmup_steps = std::min(s.warmup, s.steps), .total_steps = s.steps};
+  const double entropy = data.unigram_entropy();
+  const std::size_t parameters =  // the tied head's weight is the embedding's, counted once
+      nn::parameter_count(model) - (model.lm_head.tied() ? std::size_t(256 * s.d_model) : 0);
+  if (c.rank() == 0)
+    std::printf("train_gpt: %s, %zu bytes (%zu training, %zu held out); unigram entropy %.4f nats = %.4f bits per "
+                "byte\ntrain_gpt: %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld) in %zu units, "
+                "FullShard over %d ranks, %ld sequences per rank\n",
+                s.data.c_str(), data.train.size() + data.val.size(), data.train.size(), data.val.size(), entropy,
+                entropy / std::log(2.0), parameters,
+                s.layers, s.d_model, s.heads, s.seq, sharded.unit_count(), c.size(), s.batch);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  const counter_rng draws(s.seed, fnv1a("train_gpt batches"));
+  const std::size_t positions = data.train.size() - std::size_t(s.seq) - 1;
+  float loss = 0;
+  double val = 0;
+  for (long step = 0; step < s.steps; ++step) {
+    std::vector<std::size_t> starts;  // this rank's windows of the step
+    for (long i = 0; i < s.batch; ++i)
+      starts.push_back(std::size_t(draws.uniform_double(std::uint64_t((step * c.size() + c.rank()) * s.batch + i)) *
+                                   double(positions)));
+    const auto [x, y] = windows(data.train, starts, s.seq);
+    adamw.options.lr = schedule(step);
+    sharded.zero_grad();
+    auto l = nn::cross_entropy(sharded.forward(x), y);
+    sharded.backward(l.grad);
+    sharded.clip_grad_norm(1.0f);
+    sharded.step(adamw);
+    loss = l.loss;
+    if (step % s.every == 0 || step + 1 == s.steps) std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
+    if ((step + 1) % s.eval_every == 0 || step + 1 == s.steps) {
+      val = validation_loss(sharded, c, data, s.seq, s.batch);
+      if (c.rank() == 0)
+        std::printf("train_gpt: step %ld, %.1f s, validation loss %.4f nats per byte (unigram entropy %.4f)\n",
+                    step + 1, seconds(), val, entropy);
+    }
+  }
+  const double trained_s = seconds();
+
+  // A continuation of the held-out tail's first paragraph (or its first bytes), every rank
+  // alike (each forward is collective).
+  const long prompt_len = std::min<long>(32, s.seq - 1);
+  std::size_t from = data.val.find("\n\n");
+  from = from == std::string::npos || from + 2 + std::size_t(prompt_len) > data.val.size() ? 0 : from + 2;
+  Tensor<std::int64_t> prompt({1, prompt_len});
+  for (long t = 0; t < prompt_len; ++t) prompt[t] = static_cast<unsigned char>(data.val[from + std::size_t(t)]);
+  sharded.eval();
+  const auto out = models::generate(model, [&](const Tensor<std::int64_t>& ids) { return sharded.forward(ids); }, prompt,
+                                    {.max_new_tokens = std::min(s.sample, s.seq - prompt_len),
+                                     .top_k = s.top_k,
+                                     .temperature = s.temperature,
+                                     .seed = s.seed});
+  if (!s.save.empty()) models::save_hf(sharded, s.save);
+  if (c.rank() != 0) return;
+  std::string prompt_text, continuation;
+  for (std::int64_t t = 0; t < out.numel(); ++t) (t < prompt_len ? prompt_text : continuation) += char(out[t]);
+  std::printf("train_gpt: %ld steps in %.1f s (%.3f s/step); final training loss %.4f (rank 0's batch), "
+              "validation %.4f nats per byte = %.2f bits, unigram entropy %.4f nats = %.2f bits\n",
+              s.steps, trained_s, trained_s / double(s.steps), double(loss), val, val / std::log(2.0), entropy,
+              entropy / std::log(2.0));
+  std::printf("train_gpt: sample (top-%ld, temperature %.2f)\n--- prompt ---\n%s\n--- continuation ---\n%s\n---\n",
+              s.top_k, s.temperature, prompt_text.c_str(), continuation.c_str());
+  if (!s.save.empty()) std::printf("train_gpt: Hugging Face checkpoint written to %s\n", s.save.c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  settings s;
+  example::command_line cli("A byte-level GPT-2 trained on a text file, FullShard over --world rank threads, every "
+                            "block a unit; validation on the text's tail, a sample, a Hugging Face checkpoint.",
+                            "train_gpt");
+  const CLI::Validator size = example::whole(1, example::max_size);
+  cli.add_option("--data", s.data, "the text to train on")->check(CLI::ExistingFile);
+  cli.add_option("--world", s.world, "ranks, as threads of this process")
+      ->check(example::whole(1, example::max_thread_ranks));
+  cli.add_option("--layers", s.layers, "transformer blocks")->check(size);
+  cli.add_option("--d-model", s.d_model, "model width (n_embd)")->check(size);
+  cli.add_option("--heads", s.heads, "attention heads (divides --d-model)")->check(size);
+  cli.add_option("--seq", s.seq, "context length in bytes (n_positions)")->check(example::whole(2, example::max_size));
+  cli.add_option("--batch", s.batch, "sequences per rank and step")->check(size);
+  cli.add_option("--steps", s.steps, "training steps")->check(size);
+  cli.add_option("--every", s.every, "print the loss every this many steps")->check(size);
+  cli.add_option("--eval-every", s.eval_every, "validation loss every this many steps")->check(size);
+  cli.add_option("--warmup", s.warmup, "linear warmup steps")->check(example::whole(0, example::max_size));
+  cli.add_option("--lr", s.lr, "peak learning rate")->check(example::positive());
+  cli.add_option("--min-lr", s.min_lr, "learning rate at the end of the cosine decay")->check(example::real(0, 1));
+  cli.add_option("--weight-decay", s.weight_decay, "AdamW's decoupled weight decay")->check(example::real(0, 1));
+  cli.add_option("--dropout", s.dropout, "residual, embedding and attention dropout")->check(example::real(0, 0.99));
+  cli.add_option("--val-fraction", s.val_fraction, "the held-out tail's share of the text")->check(example::real(0.01, 0.5));
+  cli.add_option("--sample", s.sample, "bytes to generate at the end (at most --seq minus the prompt)")
+      ->check(example::whole(0, example::max_size));
+  cli.add_option("--top-k", s.top_k, "sample among the k most likely bytes (1 = greedy)")->check(example::whole(1, 256));
+  cli.add_option("--temperature", s.temperature, "divides the logits before sampling")->check(example::positive(100));
+  cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
+      ->check(example::whole(0, std::numeric_limits<long long>::max()));
+  cli.add_option("--save", s.save, "directory for the Hugging Face checkpoint (empty: none)");
+  cli.callback([&] {
+    if (s.d_model % s.heads != 0)
+      throw CLI::ValidationError("--heads", std::to_string(s.heads) + " does not divide --d-model " +
+                                                std::to_string(s.d_model));
+  });
+  cli.parse_or_exit(argc, argv);
+  try {
+    const corpus data(s.data, s.val_fraction, s.seq);
+    comm::launch(int(s.world), [&](comm::ThreadComm& c) { train(c, s, data); });
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,184 @@
+// shardlib/models/causal_lm.hpp — what the decoder language models (models/gpt2.hpp,
+// models/llama.hpp) share: the LM head (owned or tied to the token embedding), the
+// shifted next-token targets Hugging Face's loss uses, and generation (greedy or
+// top-k) with the attention layers' KV cache.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/random.hpp"
+#include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/context.hpp"
+#include "shardlib/nn/layer.hpp"
+#include "shardlib/nn/linear.hpp"
+#include "shardlib/nn/param.hpp"
+#include "shardlib/nn/tied_linear.hpp"
+
+#include <algorithm>    // std::copy_n, std::partial_sort
+#include <cmath>        // std::exp
+#include <concepts>     // std::convertible_to, std::invocable, std::same_as
+#include <cstdint>      // std::int64_t, std::uint64_t
+#include <numeric>      // std::iota
+#include <optional>     // std::optional
+#include <vector>       // std::vector
+
+namespace shardlib::models {
+
+// `lm_head`: logits = h W^T, no bias, W [vocab, hidden] — the model's own
+// parameter, or the token embedding's (tied: Hugging Face's tie_word_embeddings,
+// GPT-2's default), listed as "weight" either way so the state dict names both.
+// A leaf layer: it runs its Linear or TiedLinear itself.
+template <class T>
+class LMHead {
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  LMHead(std::int64_t hidden, std::int64_t vocab, bool tied) : own_(hidden, vocab, false), tied_(hidden, vocab), is_tied_(tied) {}
+
+  bool tied() const { return is_tied_; }
+  // Points a tied head at the embedding's weight (again after every copy or move
+  // of the model: TiedLinear drops its tie when copied).
+  void tie(nn::Param<T>& embedding) {
+    require(is_tied_, "lm_head: tie() on a head that owns its weight (tie_word_embeddings is false)");
+    tied_.tie(embedding);
+  }
+  // The owned weight (untied heads only), for its init rule.
+  nn::Param<T>& own_weight() { return own_.weight; }
+
+  template <class V>
+  void parameters(V&& v) {
+    if (is_tied_) tied_.parameters(v);
+    else own_.parameters(v);
+  }
+  template <class V>
+  void borrowed_parameters(V&& v) {
+    if (is_tied_) tied_.borrowed_parameters(v);
+  }
+
+  template <class Ctx>
+  output forward(Ctx& ctx, const input& h) {
+    return is_tied_ ? tied_.forward(ctx, h) : own_.forward(ctx, h);
+  }
+  template <class Ctx>
+  input backward(Ctx& ctx, const output& dy) {
+    return is_tied_ ? tied_.backward(ctx, dy) : own_.backward(ctx, dy);
+  }
+
+ private:
+  nn::Linear<T> own_;
+  nn::TiedLinear<T> tied_;
+  bool is_tied_;
+};
+
+// Hugging Face's causal-LM loss compares logits[:, t] with labels[:, t + 1]
+// (the model shifts inside): the targets for nn::cross_entropy over logits
+// [batch, seq, vocab] are labels shifted left by one, the last position ignored.
+inline Tensor<std::int64_t> causal_lm_targets(const Tensor<std::int64_t>& labels, std::int64_t ignore_index = -100) {
+  require<shape_error>(labels.rank() == 2, "causal_lm_targets: labels must be [batch, seq], got ", labels.shape());
+  const std::int64_t B = labels.dim(0), S = labels.dim(1);
+  Tensor<std::int64_t> t(labels.shape());
+  for (std::int64_t n = 0; n < B; ++n) {
+    for (std::int64_t s = 0; s + 1 < S; ++s) t[n * S + s] = labels[n * S + s + 1];
+    if (S > 0) t[n * S + S - 1] = ignore_index;
+  }
+  return t;
+}
+
+// A decoder language model generate() can drive: token ids [batch, seq] in,
+// logits [batch, seq, vocab] out, and a KV cache in every attention layer.
+template <class M>
+concept CausalLM = nn::Layer<M> && std::same_as<typename M::input, Tensor<std::int64_t>> &&
+                   requires(M& m, const M& cm, std::int64_t n) {
+                     m.enable_kv_cache(n);
+                     m.disable_kv_cache();
+                     { cm.max_positions() } -> std::convertible_to<std::int64_t>;
+                   };
+
+struct generate_options {
+  std::int64_t max_new_tokens = 32;
+  std::int64_t top_k = 0;    // 0: greedy (the most likely token); k: sample among the k most likely
+  double temperature = 1.0;  // top-k divides the logits by it before the softmax
+  std::uint64_t seed = 0;    // top-k's draws: (seed, sample, position), the same on every rank
+  bool use_cache = true;     // false: every token by a forward over the whole sequence so far
+};
+
+namespace detail {
+// The token chosen from one row of logits: the first maximum (greedy), or a draw
+// u in [0, 1) against the softmax of the k largest (ties: the lower id first).
+template <class T>
+std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& o, double u) {
+  if (o.top_k == 0) return std::int64_t(std::max_element(z, z + vocab) - z);
+  const std::int64_t k = std::min(o.top_k, vocab);
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(vocab));
+  std::iota(ids.begin(), ids.end(), std::int64_t(0));
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                    [&](std::int64_t a, std::int64_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
+  std::vector<double> w(static_cast<std::size_t>(k));
+  double sum = 0;
+  for (std::int64_t i = 0; i < k; ++i)
+    sum += w[std::size_t(i)] = std::exp((double(z[ids[std::size_t(i)]]) - double(z[ids[0]])) / o.temperature);
+  double acc = 0;
+  for (std::int64_t i = 0; i < k; ++i)
+    if (u * sum < (acc += w[std::size_t(i)])) return ids[std::size_t(i)];
+  return ids[std::size_t(k - 1)];  // u * sum rounded up to the total
+}
+}  // namespace detail
+
+// Continues every prompt row [batch, prompt_len] by max_new_tokens tokens and
+// returns prompt and continuation [batch, prompt_len + max_new_tokens]. `forward`
+// maps ids to logits in inference mode: ctx.training() false (a plain context, or
+// a sharded model's forward in eval), so dropout is off and the KV cache may be
+// used. With the cache, the prompt runs once and each new token alone (its
+// position after the cached ones); the cache is disabled again on return, also
+// when forward throws. Every rank of a sharded model must call this alike (same
+// prompt and options): each forward gathers units collectively.
+template <CausalLM M, class Forward>
+  requires std::invocable<Forward&, const Tensor<std::int64_t>&>
+Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int64_t>& prompt,
+                              const generate_options& o = {}) {
+  require<shape_error>(prompt.rank() == 2 && prompt.dim(0) > 0 && prompt.dim(1) > 0,
+                       "generate: the prompt must be [batch, seq] token ids with both positive, got ", prompt.shape());
+  require(o.max_new_tokens >= 0 && o.top_k >= 0 && o.temperature > 0,
+          "generate: needs max_new_tokens >= 0, top_k >= 0 and temperature > 0, got ", o.max_new_tokens, ", ", o.top_k,
+          " and ", o.temperature);
+  const std::int64_t B = prompt.dim(0), P = prompt.dim(1), total = P + o.max_new_tokens;
+  require<shape_error>(total <= model.max_positions(), "generate: prompt (", P, ") + max_new_tokens (",
+                       o.max_new_tokens, ") = ", total, " positions exceed the model's ", model.max_positions());
+  Tensor<std::int64_t> out({B, total});
+  for (std::int64_t n = 0; n < B; ++n) std::copy_n(prompt.data() + n * P, P, out.data() + n * total);
+  if (o.max_new_tokens == 0) return out;
+
+  struct cache_scope {  // the cache is off again however this returns
+    explicit cache_scope(M& m, std::int64_t capacity) : m_(&m) { m.enable_kv_cache(capacity); }
+    cache_scope(const cache_scope&) = delete;
+    cache_scope& operator=(const cache_scope&) = delete;
+    ~cache_scope() { m_->disable_kv_cache(); }
+    M* m_;
+  };
+  std::optional<cache_scope> scope;
+  if (o.use_cache) scope.emplace(model, total);
+  const counter_rng draws(o.seed, fnv1a("generate"));
+  auto logits = forward(prompt);
+  for (std::int64_t t = P;; ++t) {
+    require<shape_error>(logits.rank() == 3 && logits.dim(0) == B, "generate: the model returned logits ",
+                         logits.shape(), " for ", B, " sequences");
+    const std::int64_t seq = logits.dim(1), vocab = logits.dim(2);
+    for (std::int64_t n = 0; n < B; ++n)
+      out[n * total + t] = detail::pick_token(logits.data() + (n * seq + seq - 1) * vocab, vocab, o,
+                                              draws.uniform_double(std::uint64_t(n * total + t)));
+    if (t + 1 == total) return out;
+    const std::int64_t len = o.use_cache ? 1 : t + 1, first = o.use_cache ? t : 0;
+    Tensor<std::int64_t> ids({B, len});
+    for (std::int64_t n = 0; n < B; ++n) std::copy_n(out.data() + n * total + first, len, ids.data() + n * len);
+    logits = forward(ids);
+  }
+}
+
+// generate() on an unsharded model: forwards in a plain context, not training.
+template <CausalLM M>
+Tensor<std::int64_t> generate(M& model, const Tensor<std::int64_t>& prompt, const generate_options& o = {}) {
+  nn::context ctx({.training = false});
+  return generate(model, [&](const Tensor<std::int64_t>& ids) { return ctx.forward(model, ids); }, prompt, o);
+}
+
+}  // namespace shardlib::models

@@ -1,0 +1,180 @@
+// shardlib/models/hf.hpp — GPT-2 and LLaMA checkpoints in Hugging Face's layout, as
+// from_pretrained / save_pretrained exchange them: config.json to and from the
+// models' config structs, and the parameters through io::load_state_dict /
+// io::save_state_dict with Hugging Face's conventions (io/hf_checkpoint.hpp:
+// GPT-2's transposed Conv1D weights, the tied lm_head.weight left out of the file).
+//
+//   auto config = models::read_hf_config<models::gpt2_config>("gpt2-dir");
+//   models::GPT2LMHeadModel<float> model(config);
+//   auto sharded = shard::fully_shard(model, comm, shard::FullShard{}, {...});
+//   models::load_hf(sharded, "gpt2-dir");   // or an nn::Replicated holding the model
+//   models::save_hf(sharded, "out-dir");    // config.json + model.safetensors
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/io/hf_checkpoint.hpp"
+#include "shardlib/io/safetensors.hpp"
+#include "shardlib/io/state_dict.hpp"
+#include "shardlib/models/gpt2.hpp"
+#include "shardlib/models/llama.hpp"
+
+#include <nlohmann/json.hpp>  // nlohmann::json, nlohmann::ordered_json
+
+#include <cstdint>      // std::uint64_t
+#include <filesystem>   // std::filesystem::path
+#include <fstream>      // std::ifstream
+#include <string>       // std::string
+#include <type_traits>  // std::is_same_v
+
+namespace shardlib::models {
+
+// config.json's fields for each model (transformers' names); absent fields keep
+// the struct's defaults, as PretrainedConfig does.
+inline void from_json(const nlohmann::json& j, gpt2_config& c) {
+  const auto get = [&](const char* key, auto& field) {
+    if (j.contains(key) && !j[key].is_null()) j[key].get_to(field);
+  };
+  get("vocab_size", c.vocab_size);
+  get("n_positions", c.n_positions);
+  get("n_embd", c.n_embd);
+  get("n_layer", c.n_layer);
+  get("n_head", c.n_head);
+  get("n_inner", c.n_inner);
+  get("resid_pdrop", c.resid_pdrop);
+  get("embd_pdrop", c.embd_pdrop);
+  get("attn_pdrop", c.attn_pdrop);
+  get("layer_norm_epsilon", c.layer_norm_epsilon);
+  get("initializer_range", c.initializer_range);
+  get("tie_word_embeddings", c.tie_word_embeddings);
+  if (j.contains("activation_function"))
+    require(j["activation_function"] == "gelu_new", "gpt2_config: activation_function ", j["activation_function"].dump(),
+            " is not supported (GPT-2's MLP uses gelu_new, the tanh approximation)");
+}
+inline void from_json(const nlohmann::json& j, llama_config& c) {
+  const auto get = [&](const char* key, auto& field) {
+    if (j.contains(key) && !j[key].is_null()) j[key].get_to(field);
+  };
+  get("vocab_size", c.vocab_size);
+  get("hidden_size", c.hidden_size);
+  get("intermediate_size", c.intermediate_size);
+  get("num_hidden_layers", c.num_hidden_layers);
+  get("num_attention_heads", c.num_attention_heads);
+  get("num_key_value_heads", c.num_key_value_heads);
+  get("max_position_embeddings", c.max_position_embeddings);
+  get("rms_norm_eps", c.rms_norm_eps);
+  get("rope_theta", c.rope_theta);
+  get("initializer_range", c.initializer_range);
+  get("attention_bias", c.attention_bias);
+  get("mlp_bias", c.mlp_bias);
+  get("tie_word_embeddings", c.tie_word_embeddings);
+  require(!j.contains("rope_scaling") || j["rope_scaling"].is_null(), "llama_config: rope_scaling ",
+          j.contains("rope_scaling") ? j["rope_scaling"].dump() : "", " is not supported");
+  if (j.contains("hidden_act"))
+    require(j["hidden_act"] == "silu", "llama_config: hidden_act ", j["hidden_act"].dump(), " is not supported (silu)");
+}
+
+// What transformers needs to rebuild the model with from_pretrained.
+inline nlohmann::ordered_json hf_config_json(const gpt2_config& c) {
+  return {{"architectures", {"GPT2LMHeadModel"}},
+          {"model_type", "gpt2"},
+          {"activation_function", "gelu_new"},
+          {"vocab_size", c.vocab_size},
+          {"n_positions", c.n_positions},
+          {"n_embd", c.n_embd},
+          {"n_layer", c.n_layer},
+          {"n_head", c.n_head},
+          {"n_inner", c.n_inner > 0 ? nlohmann::ordered_json(c.n_inner) : nlohmann::ordered_json()},
+          {"resid_pdrop", c.resid_pdrop},
+          {"embd_pdrop", c.embd_pdrop},
+          {"attn_pdrop", c.attn_pdrop},
+          {"layer_norm_epsilon", c.layer_norm_epsilon},
+          {"initializer_range", c.initializer_range},
+          {"tie_word_embeddings", c.tie_word_embeddings},
+          {"torch_dtype", "float32"}};
+}
+inline nlohmann::ordered_json hf_config_json(const llama_config& c) {
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"model_type", "llama"},
+          {"hidden_act", "silu"},
+          {"vocab_size", c.vocab_size},
+          {"hidden_size", c.hidden_size},
+          {"intermediate_size", c.intermediate_size},
+          {"num_hidden_layers", c.num_hidden_layers},
+          {"num_attention_heads", c.num_attention_heads},
+          {"num_key_value_heads", c.num_key_value_heads > 0 ? c.num_key_value_heads : c.num_attention_heads},
+          {"max_position_embeddings", c.max_position_embeddings},
+          {"rms_norm_eps", c.rms_norm_eps},
+          {"rope_theta", c.rope_theta},
+          {"initializer_range", c.initializer_range},
+          {"attention_bias", c.attention_bias},
+          {"mlp_bias", c.mlp_bias},
+          {"tie_word_embeddings", c.tie_word_embeddings},
+          {"torch_dtype", "float32"}};
+}
+
+// The config in `dir`/config.json (or the file itself).
+template <class Config>
+Config read_hf_config(const std::filesystem::path& dir_or_file) {
+  const auto path = std::filesystem::is_directory(dir_or_file) ? dir_or_file / "config.json" : dir_or_file;
+  std::ifstream in(path);
+  if (!in) throw io_error(cat(path.string(), ": cannot open the model's config.json"));
+  Config c;
+  try {
+    from_json(nlohmann::json::parse(in), c);
+  } catch (const nlohmann::json::exception& e) {
+    throw io_error(cat(path.string(), ": ", e.what()));
+  }
+  return c;
+}
+
+// Hugging Face's load/save conventions for each model, from its config.
+template <class T>
+io::state_dict_options hf_options(const GPT2LMHeadModel<T>& m, bool strict = true) {
+  io::state_dict_options o = io::hf::gpt2(strict);
+  if (!m.config().tie_word_embeddings) o.tied.clear();
+  return o;
+}
+template <class T>
+io::state_dict_options hf_options(const LlamaForCausalLM<T>& m, bool strict = true) {
+  return io::hf::llama(m.config().tie_word_embeddings, strict);
+}
+
+namespace detail {
+// The model a parameter holder holds: a ShardedModel's model(), an nn::Replicated's layer().
+template <class Holder>
+auto& held_model(Holder& h) {
+  if constexpr (requires { h.model(); }) return h.model();
+  else return h.layer();
+}
+}  // namespace detail
+
+// Loads a checkpoint transformers wrote (a directory with model.safetensors or the
+// sharded index, or one file) into the GPT-2 or LLaMA parameters `holder` keeps: a
+// shard::ShardedModel (collective: every rank reads its own piece) or an
+// nn::Replicated. Strict by default: every missing, unexpected or misshapen tensor
+// raises io_error naming it; otherwise the report lists them.
+template <class Holder>
+io::load_report load_hf(Holder& holder, const std::filesystem::path& dir_or_file, bool strict = true) {
+  return io::load_state_dict(dir_or_file, holder, hf_options(detail::held_model(holder), strict));
+}
+
+// Writes what save_pretrained writes into `dir`: config.json and model.safetensors
+// (F32, metadata {"format": "pt"}, a tied lm_head.weight left out), or with
+// max_shard_bytes > 0 the sharded layout with model.safetensors.index.json.
+// Collective for a ShardedModel (rank 0 writes).
+template <class Holder>
+void save_hf(Holder& holder, const std::filesystem::path& dir, std::uint64_t max_shard_bytes = 0) {
+  auto& model = detail::held_model(holder);
+  io::state_dict_options o = hf_options(model);
+  o.max_shard_bytes = max_shard_bytes;
+  bool writer = true;
+  if constexpr (requires { holder.comm(); }) writer = holder.comm().rank() == 0;
+  if (writer) std::filesystem::create_directories(dir);
+  io::save_state_dict(max_shard_bytes > 0 ? dir : dir / "model.safetensors", holder, o);
+  if (!writer) return;
+  io::detail::atomic_file f(dir / "config.json");
+  f.write(io::detail::as_bytes(hf_config_json(model.config()).dump(2) + "\n"));
+  f.commit();
+}
+
+}  // namespace shardlib::models

@@ -1,0 +1,497 @@
+// The reference decoder language models (models/gpt2.hpp, models/llama.hpp):
+// Hugging Face's parameter names, its checkpoints (tests/golden/hf, written by
+// transformers: same logits, same losses over 20 AdamW steps, unsharded and
+// sharded), save -> load round trips, generation with and without the KV cache.
+#include <shardlib/comm/launch.hpp>
+#include <shardlib/io/safetensors.hpp>
+#include <shardlib/models/gpt2.hpp>
+#include <shardlib/models/hf.hpp>
+#include <shardlib/models/llama.hpp>
+#include <shardlib/nn/replicated.hpp>
+#include <shardlib/optim/adam.hpp>
+#include <shardlib/plan/describe.hpp>
+#include <shardlib/plan/memory_plan.hpp>
+#include <shardlib/shard/sharded_model.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "support/compare.hpp"
+#include "support/golden.hpp"
+#include "support/shard_fixture.hpp"
+
+using namespace shardlib;
+namespace fs = std::filesystem;
+using fixture_sgd = fixture::sgd;
+
+namespace {
+
+const fs::path hf_dir = fs::path(SHARDLIB_GOLDEN_DIR) / "hf";
+
+template <class M>
+constexpr const char* golden_name = std::is_same_v<typename M::config_type, models::gpt2_config> ? "gpt2" : "llama";
+
+// The model make_hf_goldens.py built, from the config.json transformers wrote.
+template <class M>
+M golden_model() {
+  return M(models::read_hf_config<typename M::config_type>(hf_dir / golden_name<M> / "initial"));
+}
+
+// What make_hf_goldens.py computed with transformers in float64 (see its docstring).
+// transformers 4.40's LlamaForCausalLM returns logits.float(): LLaMA's logits and
+// loss are float32 roundings of float64 results, GPT-2's float64.
+struct hf_expected {
+  Tensor<std::int64_t> ids, targets;  // targets: the labels shifted as Hugging Face's loss shifts them
+  Tensor<double> logits;              // [2, 8, 96] of the initial model
+  std::vector<double> losses;         // losses[k] after k AdamW steps on this batch
+  double precision = 0;               // the relative rounding of logits and losses in the file
+};
+template <class M>
+hf_expected expected() {
+  const auto f = io::safetensors::load(hf_dir / golden_name<M> / "expected.safetensors");
+  hf_expected e{golden::read<std::int64_t>(f, "input_ids"),
+                models::causal_lm_targets(golden::read<std::int64_t>(f, "labels")), {}, {}, 0};
+  e.logits = Tensor<double>(f.info("logits").shape);
+  if (f.info("logits").type == dtype::f32) {
+    const auto v = f.template get<float>("logits");
+    std::copy(v.begin(), v.end(), e.logits.data());
+    e.precision = 0x1p-24;
+  } else {
+    const auto v = f.template get<double>("logits");
+    std::copy(v.begin(), v.end(), e.logits.data());
+    e.precision = 0x1p-53;
+  }
+  e.losses = f.template get<double>("losses");
+  return e;
+}
+// The step transformers took: torch.optim.AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01).
+optim::AdamW golden_adamw() { return {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01}}; }
+
+// Rows [first, first + count) of a [batch, ...] tensor.
+template <class E>
+Tensor<E> rows(const Tensor<E>& t, std::int64_t first, std::int64_t count) {
+  Shape s = t.shape();
+  s[0] = count;
+  Tensor<E> r(s);
+  const std::int64_t row = t.numel() / t.dim(0);
+  std::copy_n(t.data() + first * row, count * row, r.data());
+  return r;
+}
+
+// One training step of a sharded model on this rank's batch; its loss (this rank's mean).
+template <class Sharded, class Opt>
+double train_step(Sharded& sharded, Opt& opt, const Tensor<std::int64_t>& x, const Tensor<std::int64_t>& y) {
+  sharded.zero_grad();
+  auto l = nn::cross_entropy(sharded.forward(x), y);
+  sharded.backward(l.grad);
+  sharded.step(opt);
+  return double(l.loss);
+}
+
+// The largest difference of logits from transformers', relative to the largest
+// logit (the scale of the softmax's input: an error that small changes no
+// probability by more than it).
+template <class T>
+test_support::max_error logits_error(const Tensor<T>& ours, const Tensor<double>& want, std::int64_t first_row = 0) {
+  double scale = 0;
+  for (double v : want.span()) scale = std::max(scale, std::abs(v));
+  const std::int64_t row = want.numel() / want.dim(0), n = ours.numel();
+  test_support::max_error e;
+  for (std::int64_t i = 0; i < n; ++i) e.relative(double(ours[i]), want[first_row * row + i], scale);
+  return e;
+}
+
+template <class M>
+std::vector<std::string> parameter_names(M& m) {
+  std::vector<std::string> names;
+  m.parameters([&](std::string_view name, auto&) { names.emplace_back(name); });
+  return names;
+}
+
+// The tensor names of every safetensors file in a directory.
+std::set<std::string> file_names(const fs::path& dir) {
+  std::set<std::string> names;
+  for (const auto& f : fs::directory_iterator(dir))
+    if (f.path().extension() == ".safetensors") {
+      const auto file = io::safetensors::load(f.path());
+      for (const auto& t : file.tensors()) names.insert(t.name);
+    }
+  return names;
+}
+
+Tensor<std::int64_t> tokens(std::int64_t batch, std::int64_t seq, std::int64_t vocab, std::uint64_t seed) {
+  Tensor<std::int64_t> t({batch, seq});
+  const counter_rng rng(seed, 1);
+  for (std::int64_t i = 0; i < t.numel(); ++i) t[i] = std::int64_t(rng.uniform_double(std::uint64_t(i)) * double(vocab));
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("GPT-2 and LLaMA carry Hugging Face's parameter names", "[models]") {
+  auto gpt2 = golden_model<models::GPT2LMHeadModel<float>>();
+  const auto g = parameter_names(gpt2);
+  // Hugging Face's state-dict order; the file leaves out lm_head.weight (tied to wte).
+  CHECK(g.front() == "transformer.wte.weight");
+  CHECK(g[1] == "transformer.wpe.weight");
+  CHECK(g[2] == "transformer.h.0.ln_1.weight");
+  CHECK(g.back() == "lm_head.weight");
+  std::set<std::string> gs(g.begin(), g.end());
+  gs.erase("lm_head.weight");
+  CHECK(gs == file_names(hf_dir / "gpt2" / "initial"));
+  CHECK(g.size() == gs.size() + 1);
+
+  auto llama = golden_model<models::LlamaForCausalLM<float>>();
+  const auto l = parameter_names(llama);
+  CHECK(l.front() == "model.embed_tokens.weight");
+  CHECK(l[1] == "model.layers.0.self_attn.q_proj.weight");
+  CHECK(l.back() == "lm_head.weight");
+  CHECK(std::set<std::string>(l.begin(), l.end()) == file_names(hf_dir / "llama" / "initial"));
+  CHECK(std::set<std::string>(l.begin(), l.end()).size() == l.size());
+}
+
+TEMPLATE_TEST_CASE("generation with the KV cache equals generation by full forwards", "[models][generate]",
+                   models::GPT2LMHeadModel<double>, models::LlamaForCausalLM<double>) {
+  using Model = TestType;
+  Model model = golden_model<Model>();
+  nn::Replicated<double, Model> owner(model, 5);
+  const auto prompt = tokens(2, 5, 96, 3);
+  const auto cached = models::generate(model, prompt, {.max_new_tokens = 12});
+  const auto full = models::generate(model, prompt, {.max_new_tokens = 12, .use_cache = false});
+  REQUIRE(cached.shape() == Shape{2, 17});
+  CHECK(std::vector<std::int64_t>(cached.span().begin(), cached.span().end()) ==
+        std::vector<std::int64_t>(full.span().begin(), full.span().end()));
+  for (std::int64_t n = 0; n < 2; ++n)
+    for (std::int64_t t = 0; t < 5; ++t) CHECK(cached[n * 17 + t] == prompt[n * 5 + t]);
+
+  // top-k with k = 1 is greedy; larger k draws reproducibly from the seed, with or without the cache.
+  const auto top1 = models::generate(model, prompt, {.max_new_tokens = 12, .top_k = 1, .seed = 9});
+  CHECK(std::vector<std::int64_t>(top1.span().begin(), top1.span().end()) ==
+        std::vector<std::int64_t>(cached.span().begin(), cached.span().end()));
+  const auto a = models::generate(model, prompt, {.max_new_tokens = 12, .top_k = 8, .seed = 4});
+  const auto b = models::generate(model, prompt, {.max_new_tokens = 12, .top_k = 8, .seed = 4, .use_cache = false});
+  CHECK(std::vector<std::int64_t>(a.span().begin(), a.span().end()) ==
+        std::vector<std::int64_t>(b.span().begin(), b.span().end()));
+  const auto c = models::generate(model, prompt, {.max_new_tokens = 12, .top_k = 8, .seed = 5});
+  CHECK(std::vector<std::int64_t>(a.span().begin(), a.span().end()) !=
+        std::vector<std::int64_t>(c.span().begin(), c.span().end()));
+
+  // Too long a request is refused; the cache is off again afterwards, so training forwards work.
+  CHECK_THROWS_WITH(models::generate(model, prompt, {.max_new_tokens = 28}),
+                    Catch::Contains("33 positions exceed the model's 32"));
+  nn::context training;
+  CHECK(training.forward(model, prompt).shape() == Shape{2, 5, 96});
+}
+
+// float64 layers reproduce transformers' float64 logits up to the rounding of a
+// two-layer forward (~1e-15 relative; 1e-12 leaves room for other summation
+// orders), and its float32 logits (LLaMA's) up to their rounding (2^-24, so 1e-7);
+// float32 layers to 1e-5, their own rounding through the same layers.
+TEMPLATE_TEST_CASE("GPT-2 and LLaMA loaded from transformers' files give its logits and loss", "[models][hf]",
+                   models::GPT2LMHeadModel<double>, models::LlamaForCausalLM<double>, models::GPT2LMHeadModel<float>,
+                   models::LlamaForCausalLM<float>) {
+  using Model = TestType;
+  using T = typename Model::output::value_type;
+  const hf_expected e = expected<Model>();
+  const double tolerance = std::is_same_v<T, double> ? (e.precision > 1e-12 ? 1e-7 : 1e-12) : 1e-5;
+  Model model = golden_model<Model>();
+  nn::Replicated<T, Model> owner(model, 0);
+  const io::load_report report = models::load_hf(owner, hf_dir / golden_name<Model> / "initial");
+  CHECK(report.ok());
+  if (model.config().tie_word_embeddings)  // GPT-2's file leaves lm_head.weight out
+    CHECK(report.from_tied == std::vector<std::string>{"lm_head.weight"});
+
+  nn::context ctx({.training = false});
+  const Tensor<T> logits = ctx.forward(model, e.ids);
+  REQUIRE(logits.shape() == e.logits.shape());
+  const auto err = logits_error(logits, e.logits);
+  INFO(golden_name<Model> << ": logits differ by " << err << " of the largest");
+  CHECK(err <= tolerance);
+  const T loss = nn::cross_entropy(logits, e.targets).loss;
+  // The file's loss carries its own rounding too (float32 for LLaMA: a few ulps of a mean).
+  CHECK(test_support::relative_error(double(loss), e.losses[0], 0) <= 10 * tolerance);
+}
+
+// Losses over 20 AdamW steps (float32 layers, shardlib's AdamW in float32; the
+// reference is float64): within 1e-4 relative, the brief's bound; the measured
+// difference is printed.
+TEMPLATE_TEST_CASE("GPT-2 and LLaMA train as transformers trains them: 20 AdamW steps, unsharded", "[models][hf]",
+                   models::GPT2LMHeadModel<float>, models::LlamaForCausalLM<float>) {
+  using Model = TestType;
+  const hf_expected e = expected<Model>();
+  Model model = golden_model<Model>();
+  nn::Replicated<float, Model> owner(model, 0);
+  models::load_hf(owner, hf_dir / golden_name<Model> / "initial");
+  nn::context ctx;
+  const optim::AdamW adamw = golden_adamw();
+  auto state = adamw.make_state(owner.values().size());
+  test_support::max_error err;
+  for (std::size_t k = 0; k < e.losses.size(); ++k) {
+    owner.zero_grad();
+    auto l = nn::cross_entropy(ctx.forward(model, e.ids), e.targets);
+    err.relative(double(l.loss), e.losses[k], 0);
+    if (k + 1 == e.losses.size()) break;
+    ctx.backward(model, l.grad);
+    adamw.step(owner.values(), std::span<const float>(owner.grads()), state);
+  }
+  std::printf("hf %-5s unsharded: 20 AdamW steps, loss %.6f -> %.6f, largest relative difference %.2e\n",
+              golden_name<Model>, e.losses.front(), e.losses.back(), err.value());
+  CHECK(err.count() == 21);
+  CHECK(err <= 1e-4);
+}
+
+// The same run sharded: FullShard over 2 thread ranks, every block a unit (the
+// tied GPT-2 head in the root with the embedding), each rank one of the batch's
+// two samples. Both samples count 6 tokens, so the mean of the ranks' losses is
+// the batch's loss and the averaged gradient the batch's gradient.
+TEMPLATE_TEST_CASE("GPT-2 and LLaMA sharded (FullShard, W = 2) match transformers: logits and 20 AdamW steps",
+                   "[models][hf][shard]", models::GPT2LMHeadModel<float>, models::LlamaForCausalLM<float>) {
+  using Model = TestType;
+  const hf_expected e = expected<Model>();
+  for (std::int64_t n = 0; n < 2; ++n) {
+    std::int64_t counted = 0;
+    for (std::int64_t t = 0; t < 8; ++t) counted += e.targets[n * 8 + t] != -100;
+    REQUIRE(counted == 6);
+  }
+  std::vector<std::vector<double>> losses(2);
+  std::vector<test_support::max_error> logits(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model model = golden_model<Model>();
+    auto sharded = shard::fully_shard<optim::AdamW>(model, c, shard::FullShard{},
+                                                    {.wrap = shard::wrap_types<typename Model::block_type>{}});
+    REQUIRE(sharded.unit_count() == 3);  // the root and two blocks
+    models::load_hf(sharded, hf_dir / golden_name<Model> / "initial");
+    const int r = c.rank();
+    const auto x = rows(e.ids, r, 1), y = rows(e.targets, r, 1);
+    logits[std::size_t(r)] = logits_error(sharded.forward(x), e.logits, r);
+    optim::AdamW adamw = golden_adamw();
+    for (std::size_t k = 0; k + 1 < e.losses.size(); ++k)
+      losses[std::size_t(r)].push_back(train_step(sharded, adamw, x, y));
+    losses[std::size_t(r)].push_back(nn::cross_entropy(sharded.forward(x), y).loss);
+  });
+  for (const auto& l : logits) CHECK(l <= 1e-5);
+  test_support::max_error err;
+  for (std::size_t k = 0; k < e.losses.size(); ++k) err.relative((losses[0][k] + losses[1][k]) / 2, e.losses[k], 0);
+  std::printf("hf %-5s FullShard W=2: 20 AdamW steps, largest relative difference of the loss %.2e\n",
+              golden_name<Model>, err.value());
+  CHECK(err.count() == 21);
+  CHECK(err <= 1e-4);
+}
+
+// Saved as save_pretrained saves (the names and layout of transformers' own files,
+// GPT-2's tied head left out) and loaded back: the same values, sharded or not.
+TEMPLATE_TEST_CASE("GPT-2 and LLaMA save in Hugging Face's layout and load back", "[models][hf][shard]",
+                   models::GPT2LMHeadModel<float>, models::LlamaForCausalLM<float>) {
+  using Model = TestType;
+  const fs::path out = fs::temp_directory_path() / (std::string("shardlib_test_models_") + golden_name<Model>);
+  fs::remove_all(out);
+  std::vector<std::vector<float>> saved(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model model = golden_model<Model>();
+    auto sharded = shard::fully_shard<optim::AdamW>(model, c, shard::FullShard{},
+                                                    {.wrap = shard::wrap_types<typename Model::block_type>{}, .seed = 3});
+    models::save_hf(sharded, out / "single");
+    models::save_hf(sharded, out / "sharded", 20'000);  // several files and the index
+    for (const auto& t : sharded.full_state_dict(false))
+      saved[std::size_t(c.rank())].insert(saved[std::size_t(c.rank())].end(), t.value.span().begin(),
+                                          t.value.span().end());
+  });
+  CHECK(file_names(out / "single") == file_names(hf_dir / golden_name<Model> / "initial"));
+  CHECK(file_names(out / "sharded") == file_names(hf_dir / golden_name<Model> / "initial"));
+  CHECK(fs::exists(out / "sharded" / "model.safetensors.index.json"));
+  const auto config = models::read_hf_config<typename Model::config_type>(out / "single");
+  CHECK(models::hf_config_json(config) == models::hf_config_json(golden_model<Model>().config()));
+
+  for (const char* layout : {"single", "sharded"}) {
+    INFO(layout);
+    Model model(config);
+    nn::Replicated<float, Model> owner(model, 99);  // other values until loaded
+    CHECK(models::load_hf(owner, out / layout).ok());
+    std::vector<float> loaded;
+    model.parameters([&](std::string_view, nn::Param<float>& p) {
+      loaded.insert(loaded.end(), p.values().begin(), p.values().end());
+    });
+    CHECK(loaded == saved[0]);
+  }
+  CHECK(saved[0] == saved[1]);
+  fs::remove_all(out);
+}
+
+namespace {
+
+// The unsharded reference's SGD in float64, at the sharded runs' learning rate (fixture::sgd's).
+struct sgd64 {
+  double lr = double(fixture_sgd{}.lr);
+  struct state {};
+  state make_state(std::size_t) const { return {}; }
+  void step(std::span<double> p, std::span<const double> g, state&) const {
+    for (std::size_t i = 0; i < p.size(); ++i) p[i] -= lr * g[i];
+  }
+};
+
+constexpr int equivalence_steps = 3;
+
+// Step s's global batch: 4 sequences of 8 tokens and their next tokens.
+std::pair<Tensor<std::int64_t>, Tensor<std::int64_t>> step_batch(int s) {
+  const auto ids = tokens(4, 9, 96, 100 + std::uint64_t(s));
+  Tensor<std::int64_t> x({4, 8}), y({4, 8});
+  for (std::int64_t n = 0; n < 4; ++n)
+    for (std::int64_t t = 0; t < 8; ++t) {
+      x[n * 8 + t] = ids[n * 9 + t];
+      y[n * 8 + t] = ids[n * 9 + t + 1];
+    }
+  return {x, y};
+}
+
+// Losses and final parameters (in the model's parameter order, the tied weight under
+// both names) of SGD steps on the whole batch, unsharded and in float64.
+std::pair<std::vector<double>, std::vector<double>> unsharded_run() {
+  using Model = models::GPT2LMHeadModel<double>;
+  Model model = golden_model<Model>();
+  nn::Replicated<double, Model> owner(model, 11);
+  // Replicated lays the tied weight out under both names, and the Param reads the
+  // last (lm_head.weight's, drawn from that name); the engine lays it out once under
+  // its first name and draws it from transformer.wte.weight's stream: start alike.
+  std::ranges::copy(owner.value("transformer.wte.weight"), owner.value("lm_head.weight").begin());
+  nn::context ctx;
+  const sgd64 sgd;
+  sgd64::state st;
+  std::vector<double> losses, params;
+  for (int s = 0; s < equivalence_steps; ++s) {
+    owner.zero_grad();
+    const auto [x, y] = step_batch(s);
+    auto l = nn::cross_entropy(ctx.forward(model, x), y);
+    ctx.backward(model, l.grad);
+    sgd.step(owner.values(), owner.grads(), st);
+    losses.push_back(l.loss);
+  }
+  model.parameters([&](std::string_view, nn::Param<double>& p) {
+    params.insert(params.end(), p.values().begin(), p.values().end());
+  });
+  return {losses, params};
+}
+
+template <class Strategy>
+void check_equivalence(int world, Strategy strategy) {
+  static const auto want = unsharded_run();
+  const int per_rank = 4 / world;
+  std::vector<std::vector<double>> losses(static_cast<std::size_t>(world)), params(static_cast<std::size_t>(world));
+  comm::launch(world, [&](comm::ThreadComm& c) {
+    using Model = models::GPT2LMHeadModel<float>;
+    Model model = golden_model<Model>();
+    auto sharded = shard::fully_shard<fixture_sgd>(model, c, strategy,
+                                                   {.wrap = shard::wrap_types<models::GPT2Block<float>>{}, .seed = 11});
+    fixture_sgd sgd;
+    for (int s = 0; s < equivalence_steps; ++s) {
+      const auto [x, y] = step_batch(s);
+      losses[std::size_t(c.rank())].push_back(
+          train_step(sharded, sgd, rows(x, c.rank() * per_rank, per_rank), rows(y, c.rank() * per_rank, per_rank)));
+    }
+    for (const auto& t : sharded.full_state_dict(false))
+      params[std::size_t(c.rank())].insert(params[std::size_t(c.rank())].end(), t.value.span().begin(),
+                                           t.value.span().end());
+  });
+  test_support::max_error loss, param;
+  for (int s = 0; s < equivalence_steps; ++s) {
+    double mean = 0;  // every rank's tokens count alike: the mean of the ranks' means is the batch's
+    for (const auto& l : losses) mean += l[std::size_t(s)] / world;
+    loss.relative(mean, want.first[std::size_t(s)], 1e-6);
+  }
+  for (const auto& p : params) param.relative(p, want.second, 1e-2);
+  INFO(Strategy::name << " at W = " << world << ": losses differ by " << loss << ", parameters by " << param);
+  CHECK(loss <= 1e-5);
+  CHECK(param <= 1e-5);
+}
+
+}  // namespace
+
+// float32 sharded training against a float64 unsharded reference (the engine's
+// masters are float32: its collectives and optimizers step float). They differ by
+// float32 rounding, ~1e-7 relative a step; 1e-5 (parameters relative to
+// max(|w|, 1e-2)) leaves room for three steps and fails on a lost or doubled
+// gradient term of the tied weight: the head's and the embedding's shares of its
+// gradient are each of order 1e-1 of it.
+TEMPLATE_TEST_CASE("the tied GPT-2 trains sharded as unsharded under every strategy", "[models][shard][tied]",
+                   shard::FullShard, shard::ShardGradOp, shard::ShardOptimizer, shard::NoShard, shard::HybridShard) {
+  check_equivalence(2, TestType{});
+  if constexpr (std::is_same_v<TestType, shard::HybridShard>) check_equivalence(4, shard::HybridShard{.group_size = 2});
+}
+
+// Per-rank memory of the tied GPT-2 (float32, SGD) equals the planner's, the tied
+// weight counted once: parameters, gradients and gathered parameters at their peaks.
+TEMPLATE_TEST_CASE("the tied GPT-2's memory per rank equals the planner's", "[models][shard][memory]",
+                   shard::FullShard, shard::ShardGradOp, shard::ShardOptimizer, shard::NoShard, shard::HybridShard) {
+  constexpr int world = 2;
+  std::vector<std::string> report(world);
+  std::vector<int> ok(world, 0);
+  comm::launch(world, [&](comm::ThreadComm& c, ledger& l) {
+    using Model = models::GPT2LMHeadModel<float>;
+    Model model = golden_model<Model>();
+    auto sharded = shard::fully_shard<fixture_sgd>(model, c, TestType{},
+                                                   {.wrap = shard::wrap_types<models::GPT2Block<float>>{}});
+    fixture_sgd sgd;
+    for (int s = 0; s < 2; ++s) {
+      const auto [x, y] = step_batch(s);
+      train_step(sharded, sgd, rows(x, c.rank() * 2, 2), rows(y, c.rank() * 2, 2));
+    }
+    const auto want = plan::make_plan(plan::describe(sharded), {.policy = TestType{}.policy(), .world = world,
+                                                                .precision = plan::precision::fp32_layers({}),
+                                                                .optimizer_bytes = plan::sgd_state_bytes})
+                          .memory;
+    std::size_t unique = 0;  // the model's parameters, the tied weight once
+    for (std::size_t i = 0; i < sharded.unit_count(); ++i)
+      for (const auto& e : sharded.unit_layout(i).entries) unique += e.numel();
+    report[std::size_t(c.rank())] =
+        cat("parameters ", l.peak(category::parameters), " vs ", want.parameters, "; gradients ",
+            l.peak(category::gradients), " vs ", want.gradients, "; gathered ", l.peak(category::gathered_parameters),
+            " vs ", want.gathered_parameters, "; parameters in the layouts ", unique, " = all ",
+            nn::parameter_count(model), " less the tied ", 96 * 32);
+    ok[std::size_t(c.rank())] = l.peak(category::parameters) == want.parameters &&
+                                l.peak(category::gradients) == want.gradients &&
+                                l.peak(category::gathered_parameters) == want.gathered_parameters &&
+                                unique == nn::parameter_count(model) - 96 * 32;
+  });
+  for (int r = 0; r < world; ++r) {
+    INFO(TestType::name << ", rank " << r << ": " << report[std::size_t(r)]);
+    CHECK(ok[std::size_t(r)] == 1);
+  }
+}
+
+// Inference on a sharded model: eval() frees every unit after use and keeps no
+// activations; the logits are transformers', and generation with the KV cache
+// (each forward gathering the units) gives the unsharded model's tokens.
+TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates as the unsharded one",
+          "[models][shard][generate]") {
+  using Model = models::GPT2LMHeadModel<float>;
+  const hf_expected e = expected<Model>();
+  const auto prompt = rows(e.ids, 0, 2);
+  Model plain = golden_model<Model>();
+  nn::Replicated<float, Model> owner(plain, 0);
+  models::load_hf(owner, hf_dir / "gpt2" / "initial");
+  const auto want = models::generate(plain, prompt, {.max_new_tokens = 16, .top_k = 4, .seed = 1});
+
+  std::vector<test_support::max_error> logits(2);
+  std::vector<std::vector<std::int64_t>> got(2);
+  comm::launch(2, [&](comm::ThreadComm& c, ledger& l) {
+    Model model = golden_model<Model>();
+    auto sharded = shard::fully_shard<fixture_sgd>(model, c, shard::FullShard{},
+                                                   {.wrap = shard::wrap_types<models::GPT2Block<float>>{}});
+    models::load_hf(sharded, hf_dir / "gpt2" / "initial");
+    sharded.eval();
+    logits[std::size_t(c.rank())] = logits_error(sharded.forward(e.ids), e.logits);
+    CHECK(l.current(category::gathered_parameters) == 0);
+    const auto out = models::generate(model, [&](const Tensor<std::int64_t>& ids) { return sharded.forward(ids); },
+                                      prompt, {.max_new_tokens = 16, .top_k = 4, .seed = 1});
+    got[std::size_t(c.rank())].assign(out.span().begin(), out.span().end());
+    CHECK(l.current(category::gathered_parameters) == 0);
+    CHECK_THROWS_WITH(sharded.backward(Tensor<float>({2, 8, 96})), Catch::Contains("backward in eval mode"));
+  });
+  for (const auto& err : logits) CHECK(err <= 1e-5);
+  for (const auto& g : got) CHECK(g == std::vector<std::int64_t>(want.span().begin(), want.span().end()));
+}
