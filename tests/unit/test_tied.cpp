@@ -9,6 +9,7 @@
 #include "shardlib/nn/embedding.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/loss.hpp"
+#include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/sequential.hpp"
 #include "shardlib/nn/stack.hpp"
 #include "shardlib/nn/tied_linear.hpp"
@@ -78,36 +79,15 @@ struct sgd {
   }
 };
 
-// Unsharded storage for a model, written without the engine: one slot per
-// distinct Param (by address) under the first name the model lists it by,
-// initialised as the engine initialises (element j of `name` from (seed, name, j)).
+// The values under every name the model lists, in its order (as full_state_dict);
+// the unsharded reference is nn::Replicated, which lays a tied weight out once
+// under its first name, as the engine does.
 template <class T, class M>
-struct reference_owner {
-  nn::flat_layout layout;
-  std::vector<nn::Param<T>*> params;
-  std::vector<T> values, grads;
-
-  reference_owner(M& m, std::uint64_t seed) {
-    m.parameters([&](std::string_view name, nn::Param<T>& p) {
-      if (std::find(params.begin(), params.end(), &p) != params.end()) return;
-      params.push_back(&p);
-      layout.append(std::string(name), p.shape, p.init);
-    });
-    values.resize(layout.numel);
-    grads.assign(layout.numel, T(0));
-    nn::initialize_range<T>(layout, seed, 0, std::span<T>(values));
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      params[i]->value = values.data() + layout.entries[i].offset;
-      params[i]->grad = grads.data() + layout.entries[i].offset;
-    }
-  }
-  // The values under every name the model lists, in its order (as full_state_dict).
-  std::vector<T> listed(M& m) const {
-    std::vector<T> out;
-    m.parameters([&](std::string_view, nn::Param<T>& p) { out.insert(out.end(), p.value, p.value + p.numel()); });
-    return out;
-  }
-};
+std::vector<T> listed(M& m) {
+  std::vector<T> out;
+  m.parameters([&](std::string_view, nn::Param<T>& p) { out.insert(out.end(), p.value, p.value + p.numel()); });
+  return out;
+}
 
 struct trace {
   std::vector<double> losses, params;
@@ -137,20 +117,20 @@ bool shows_edit(const auto& state_dict) {
 trace unsharded(int world, int per_rank, int steps, int edit_at = -1) {
   auto m = make_model<double>();
   tie(m);
-  reference_owner<double, Model<double>> owner(m, 42);
+  nn::Replicated<double, Model<double>> owner(m, 42);
   nn::context ctx;
   sgd<double> opt;
   sgd<double>::state st;
   trace t;
   for (int s = 0; s < steps; ++s) {
     if (s == edit_at) edit(m);
-    std::fill(owner.grads.begin(), owner.grads.end(), 0.0);
+    owner.zero_grad();
     const auto l = nn::cross_entropy(ctx.forward(m, tokens(s, world * per_rank, 1)), tokens(s, world * per_rank, 2));
     ctx.backward(m, l.grad);
-    opt.step(owner.values, owner.grads, st);
+    opt.step(owner.values(), owner.grads(), st);
     t.losses.push_back(l.loss);
   }
-  t.params = owner.listed(m);
+  t.params = listed<double>(m);
   return t;
 }
 
@@ -287,27 +267,27 @@ TEST_CASE("the tied weight's gradient is the sum of both uses", "[tied][gradient
   // Central differences of the unsharded loss on the global batch, and each use's own part.
   auto m = make_model<double>();
   tie(m);
-  reference_owner<double, Model<double>> owner(m, 42);
+  nn::Replicated<double, Model<double>> owner(m, 42);
   nn::context ctx;
   const auto x = tokens(0, w * per_rank, 1), y = tokens(0, w * per_rank, 2);
   auto loss = [&] { return nn::cross_entropy(ctx.forward(m, x), y).loss; };
   const double h = 1e-5;
   std::vector<double> numeric(engine.size());
   for (std::size_t i = 0; i < numeric.size(); ++i) {
-    const double v = owner.values[i];
-    owner.values[i] = v + h;
+    const double v = owner.values()[i];
+    owner.values()[i] = v + h;
     const double up = loss();
-    owner.values[i] = v - h;
+    owner.values()[i] = v - h;
     const double down = loss();
-    owner.values[i] = v;
+    owner.values()[i] = v;
     numeric[i] = (up - down) / (2 * h);
   }
   const auto l = nn::cross_entropy(ctx.forward(m, x), y);
   auto g = m.get<2>().backward(ctx, l.grad);  // the head's use alone
-  const std::vector<double> head(owner.grads.begin(), owner.grads.begin() + vocab * dim);
+  const std::vector<double> head(owner.grads().begin(), owner.grads().begin() + vocab * dim);
   ctx.backward(m.get<0>(), ctx.backward(m.get<1>(), g));
   std::vector<double> embedding(head.size());
-  for (std::size_t i = 0; i < head.size(); ++i) embedding[i] = owner.grads[i] - head[i];
+  for (std::size_t i = 0; i < head.size(); ++i) embedding[i] = owner.grads()[i] - head[i];
 
   // Central differences in double with h = 1e-5: truncation ~h^2 and rounding
   // ~1e-16 / h, both far below the engine's fp32 rounding of a step with lr 1
@@ -507,7 +487,7 @@ TEST_CASE("eval mode frees every unit after its forward, keeps no activations an
   // The unsharded logits of step 0's global batch, in double.
   auto ref = make_model<double>();
   tie(ref);
-  reference_owner<double, Model<double>> owner(ref, 42);
+  nn::Replicated<double, Model<double>> owner(ref, 42);
   nn::context plain;
   const auto want = ref.get<2>().forward(
       plain, plain.forward(ref.get<1>(), plain.forward(ref.get<0>(), tokens(0, w * per_rank, 1))));

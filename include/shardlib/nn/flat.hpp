@@ -12,6 +12,7 @@
 #include <span>         // std::span
 #include <string>       // std::string
 #include <type_traits>  // std::is_same_v
+#include <unordered_set>  // std::unordered_set
 #include <utility>      // std::move
 #include <vector>       // std::vector
 
@@ -44,13 +45,16 @@ struct flat_layout {
   }
 };
 
+// A Param the layer lists under several names (a tied weight, nn/tied_linear.hpp)
+// is laid out once, under its first name, as the sharding engine does.
 template <class T, Layer L>
 flat_layout flatten(L& layer) {
   flat_layout f;
+  std::unordered_set<const void*> seen;
   layer.parameters([&](std::string_view name, auto& p) {
     static_assert(std::is_same_v<typename std::remove_reference_t<decltype(p)>::value_type, T>,
                   "flatten<T>: the layer has a parameter of another element type");
-    f.append(std::string(name), p.shape, p.init);
+    if (seen.insert(&p).second) f.append(std::string(name), p.shape, p.init);
   });
   return f;
 }
@@ -60,7 +64,9 @@ flat_layout flatten(L& layer) {
 template <class T, Layer L>
 void bind(L& layer, const flat_layout& f, T* values, T* grads) {
   std::size_t i = 0;
+  std::unordered_set<const void*> seen;
   layer.parameters([&](std::string_view name, Param<T>& p) {
+    if (!seen.insert(&p).second) return;  // a tied weight's later name: bound under its first
     require(i < f.entries.size() && f.entries[i].name == name && f.entries[i].shape == p.shape,
             "bind: parameter ", name, " ", p.shape, " does not match the flat layout's entry ", i);
     p.value = values + f.entries[i].offset;
