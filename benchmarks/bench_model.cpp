@@ -1,15 +1,24 @@
-// bench_model — one training step of the reference model (the FSDP article's 6-layer
-// transformer encoder, d_model 512, 8 heads, feed-forward 2048, batch 32 x seq 10, mean
-// pool, Linear to 10 classes, Adam) on one rank, unsharded, one thread: forward+backward
-// and the optimizer step timed apart, and the rate its matrix products reach against the
-// GEMM peak measured in the same run through the same seam (ops::gemm, on the model's
-// largest product). A profiled pass then shows where forward+backward goes, per kind of
-// layer, with that kind's matrix products replayed alone. Run it pinned to one core:
+// bench_model — one training step of a model on one rank, unsharded, one thread:
+// forward+backward and the optimizer step timed apart, and the rate its matrix products
+// reach against the GEMM peak measured in the same run through the same seam (ops::gemm, on
+// the model's largest product). A profiled pass then shows where forward+backward goes,
+// per kind of layer, with that kind's matrix products replayed alone. The model:
+//   --model encoder  the FSDP article's 6-layer transformer encoder (d_model 512, 8 heads,
+//                    feed-forward 2048, batch 32 x seq 10, mean pool, Linear to 10 classes), Adam
+//   --model gpt2     models::GPT2LMHeadModel (tied head) of --layers, --d-model, --heads,
+//                    --ff (n_inner), --seq, --vocab, AdamW
+//   --model llama    models::LlamaForCausalLM of the same, --kv-heads for grouped-query
+//                    attention, --ff the SwiGLU width, AdamW
+// Run it pinned to one core:
 //
-//   taskset -c 0 bench_model [--batch 32] [--seq 10] [--d-model 512] [--heads 8] [--ff 2048]
-//                            [--layers 6] [--classes 10] [--dropout 0.1] [--steps 10] [--json FILE]
+//   taskset -c 0 bench_model [--model encoder] [--batch 32] [--seq 10] [--d-model 512] [--heads 8]
+//                            [--ff 2048] [--layers 6] [--classes 10] [--vocab 8192] [--kv-heads 0]
+//                            [--dropout 0.1] [--steps 10] [--json FILE]
 //
-// PyTorch's figure for the same step: benchmarks/torch_reference_step.py.
+// PyTorch's figure for the same step: benchmarks/torch_reference_step.py (encoder) and
+// benchmarks/compare_pytorch.py --model gpt2.
+#include <shardlib/models/gpt2.hpp>
+#include <shardlib/models/llama.hpp>
 #include <shardlib/nn/linear.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/pooling.hpp>
@@ -39,30 +48,36 @@ namespace {
 using example::Encoder;
 using example::Model;
 
+using GPT2 = models::GPT2LMHeadModel<float>;
+using Llama = models::LlamaForCausalLM<float>;
+
 struct sizes {
-  long batch, seq, d, heads, ff, layers, classes;
+  long batch, seq, d, heads, ff, layers, classes, vocab, kv_heads;
 };
 
 // Where forward+backward goes, by the kind of layer that spends the time.
-enum kind { linear, attention, layer_norm, activation, dropout, encoder_own, other, loss, kinds };
+enum kind { linear, attention, layer_norm, activation, dropout, block_own, other, loss, kinds };
 constexpr std::array<const char*, kinds> kind_names{
-    "Linear",  "MultiheadAttention", "LayerNorm",       "ReLU/GELU",
-    "Dropout", "residual adds",      "MeanPool, Stack", "cross_entropy"};
+    "Linear, LM head", "attention",    "LayerNorm/RMSNorm",  "ReLU/GELU/SiLU",
+    "Dropout",         "residual adds, gating", "pool, embeddings", "cross_entropy"};
 
 template <class L>
 constexpr kind kind_of() {
-  if constexpr (std::is_same_v<L, nn::Linear<float>>)
+  if constexpr (std::is_same_v<L, nn::Linear<float>> || std::is_same_v<L, models::LMHead<float>>)
     return linear;
-  else if constexpr (std::is_same_v<L, nn::MultiheadAttention<float>>)
+  else if constexpr (std::is_same_v<L, nn::MultiheadAttention<float>> || std::is_same_v<L, nn::GPT2Attention<float>> ||
+                     std::is_same_v<L, nn::LlamaAttention<float>>)
     return attention;
-  else if constexpr (std::is_same_v<L, nn::LayerNorm<float>>)
+  else if constexpr (std::is_same_v<L, nn::LayerNorm<float>> || std::is_same_v<L, nn::RMSNorm<float>>)
     return layer_norm;
-  else if constexpr (std::is_same_v<L, nn::ReLU<float>> || std::is_same_v<L, nn::GELU<float>>)
+  else if constexpr (std::is_same_v<L, nn::ReLU<float>> || std::is_same_v<L, nn::GELU<float>> ||
+                     std::is_same_v<L, nn::SiLU<float>>)
     return activation;
   else if constexpr (std::is_same_v<L, nn::Dropout<float>>)
     return dropout;
-  else if constexpr (std::is_same_v<L, Encoder>)
-    return encoder_own;  // its own work: the residual sums
+  else if constexpr (std::is_same_v<L, Encoder> || std::is_same_v<L, models::GPT2Block<float>> ||
+                     std::is_same_v<L, models::LlamaDecoderLayer<float>> || std::is_same_v<L, nn::LlamaMLP<float>>)
+    return block_own;  // its own work: the residual sums (and SwiGLU's product)
   else
     return other;
 }
@@ -109,30 +124,60 @@ struct product {
 };
 
 // Every ops::gemm call of one forward+backward, from the sizes, as nn/linear.hpp and
-// nn/attention.hpp (batch first) make them. Linear(in -> out) on R rows: y = b + x W^T
-// [R x out x in], dW += dy^T x [out x in x R], dx = dy W [R x in x out]. Attention: its
-// in_proj, the same three on (E -> 3E), and per (sample, head) the scores Q K^T and P V
-// forward, then dP = dO V^T, dV = P^T dO, dQ = dS K and dK = dS^T Q.
-std::vector<product> model_products(const sizes& s) {
+// nn/attention.hpp (batch first), nn/sdpa.hpp and the models make them. Linear(in -> out)
+// on R rows: y = b + x W^T [R x out x in], dW += dy^T x [out x in x R], dx = dy W
+// [R x in x out]. Attention per (sample, query head): the scores Q K^T and P V forward,
+// then dP = dO V^T, dV = P^T dO, dQ = dS K and dK = dS^T Q, reading q, k, v and writing
+// the output as rows of their projections (leading dimensions q_ld, kv_ld, o_ld).
+void linear_products(std::vector<product>& p, kind owner, long rows, long in, long out, long count) {
   using ops::trans;
-  const long R = s.batch * s.seq, E = s.d, F = s.ff, L = s.seq, D = s.d / s.heads, NH = s.layers * s.batch * s.heads;
+  p.push_back({owner, trans::no, trans::yes, rows, out, in, in, in, out, 1, count});
+  p.push_back({owner, trans::yes, trans::no, out, in, rows, out, in, in, 1, count});
+  p.push_back({owner, trans::no, trans::no, rows, in, out, out, in, in, 0, count});
+}
+void attention_products(std::vector<product>& p, long L, long D, long count, long q_ld, long kv_ld, long o_ld) {
+  using ops::trans;
+  p.push_back({attention, trans::no, trans::yes, L, L, D, q_ld, kv_ld, L, 0, count});  // S = Q K^T
+  p.push_back({attention, trans::no, trans::no, L, D, L, L, kv_ld, o_ld, 0, count});   // O = P V
+  p.push_back({attention, trans::no, trans::yes, L, L, D, o_ld, kv_ld, L, 0, count});  // dP = dO V^T
+  p.push_back({attention, trans::yes, trans::no, L, D, L, L, o_ld, kv_ld, 0, count});  // dV = P^T dO
+  p.push_back({attention, trans::no, trans::no, L, D, L, L, kv_ld, q_ld, 0, count});   // dQ = dS K
+  p.push_back({attention, trans::yes, trans::no, L, D, L, L, q_ld, kv_ld, 0, count});  // dK = dS^T Q
+}
+
+std::vector<product> encoder_products(const sizes& s) {
+  const long R = s.batch * s.seq, E = s.d, F = s.ff, D = s.d / s.heads, NH = s.layers * s.batch * s.heads;
   std::vector<product> p;
-  auto linear_layer = [&](kind owner, long rows, long in, long out, long count) {
-    p.push_back({owner, trans::no, trans::yes, rows, out, in, in, in, out, 1, count});
-    p.push_back({owner, trans::yes, trans::no, out, in, rows, out, in, in, 1, count});
-    p.push_back({owner, trans::no, trans::no, rows, in, out, out, in, in, 0, count});
-  };
-  linear_layer(attention, R, E, 3 * E, s.layers);
-  p.push_back({attention, trans::no, trans::yes, L, L, D, 3 * E, 3 * E, L, 0, NH});  // S = Q K^T
-  p.push_back({attention, trans::no, trans::no, L, D, L, L, 3 * E, E, 0, NH});       // O = P V
-  p.push_back({attention, trans::no, trans::yes, L, L, D, E, 3 * E, L, 0, NH});      // dP = dO V^T
-  p.push_back({attention, trans::yes, trans::no, L, D, L, L, E, 3 * E, 0, NH});      // dV = P^T dO
-  p.push_back({attention, trans::no, trans::no, L, D, L, L, 3 * E, 3 * E, 0, NH});   // dQ = dS K
-  p.push_back({attention, trans::yes, trans::no, L, D, L, L, 3 * E, 3 * E, 0, NH});  // dK = dS^T Q
-  linear_layer(linear, R, E, E, s.layers);                                           // out_proj
-  linear_layer(linear, R, E, F, s.layers);                                           // linear1
-  linear_layer(linear, R, F, E, s.layers);                                           // linear2
-  linear_layer(linear, s.batch, E, s.classes, 1);                                    // the head, after the mean pool
+  linear_products(p, attention, R, E, 3 * E, s.layers);  // in_proj
+  attention_products(p, s.seq, D, NH, 3 * E, 3 * E, E);
+  linear_products(p, linear, R, E, E, s.layers);              // out_proj
+  linear_products(p, linear, R, E, F, s.layers);              // linear1
+  linear_products(p, linear, R, F, E, s.layers);              // linear2
+  linear_products(p, linear, s.batch, E, s.classes, 1);       // the head, after the mean pool
+  return p;
+}
+
+// GPT-2: c_attn (E -> 3E, q k v side by side), c_proj, c_fc (E -> F), c_proj (F -> E) per
+// block, the tied head (E -> vocab). LLaMA: q_proj, k_proj, v_proj (E -> kv heads x D),
+// o_proj, gate_proj and up_proj (E -> F), down_proj per layer, the head.
+std::vector<product> decoder_products(const sizes& s, bool llama) {
+  const long R = s.batch * s.seq, E = s.d, F = s.ff, D = s.d / s.heads, NH = s.layers * s.batch * s.heads;
+  const long KV = (s.kv_heads > 0 ? s.kv_heads : s.heads) * D;
+  std::vector<product> p;
+  if (llama) {
+    linear_products(p, linear, R, E, E, s.layers);
+    linear_products(p, linear, R, E, KV, 2 * s.layers);
+    attention_products(p, s.seq, D, NH, E, KV, E);
+    linear_products(p, linear, R, E, E, s.layers);
+    linear_products(p, linear, R, E, F, 2 * s.layers);
+  } else {
+    linear_products(p, linear, R, E, 3 * E, s.layers);
+    attention_products(p, s.seq, D, NH, 3 * E, 3 * E, E);
+    linear_products(p, linear, R, E, E, s.layers);
+    linear_products(p, linear, R, E, F, s.layers);
+  }
+  linear_products(p, linear, R, F, E, s.layers);
+  linear_products(p, linear, R, E, s.vocab, 1);
   return p;
 }
 
@@ -161,34 +206,16 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  example::model_flags m;
-  long batch = 32, steps = 10;
-  std::string json_path;
-  example::command_line cli("One training step of the reference model on one rank, unsharded, one thread, against "
-                            "the GEMM peak measured in the same run.",
-                            "bench_model");
-  example::add_model_flags(cli, m);
-  cli.add_option("--batch", batch, "sequences per step")->check(example::whole(1, example::max_size));
-  cli.add_option("--steps", steps, "measured steps")->check(example::whole(1, example::max_size));
-  cli.add_option("--json", json_path, "appends the results as JSON lines");
-  cli.callback([&] { example::check_model_flags(m); });
-  cli.parse_or_exit(argc, argv);
-  const sizes s{batch, m.seq, m.d_model, m.heads, m.ff, m.layers, m.classes};
-  std::FILE* json = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "a");
-
-  Model model = example::reference_model(m);
-  nn::Replicated<float, Model> params(model, 0);
-  optim::Adam adam{{.lr = 1e-3}};
-  auto state = adam.make_state(params.values().size());
-  const example::synthetic_task task = example::task_for(m);
-  const auto x = task.inputs(0, s.batch);
-  const auto y = task.labels(0, s.batch);
+// Times `model`'s training step on (x, y) with `opt` (the steps and the profiled pass),
+// against the GEMM peak on the largest of `products`, and prints and records the results.
+template <class M, class X, class Y, class Opt>
+void measure(const std::string& model_name, const std::string& description, M& model, const X& x, const Y& y,
+             Opt opt, const std::vector<product>& products, const sizes& s, double dropout, long steps,
+             std::FILE* json) {
+  nn::Replicated<float, M> params(model, 0);
+  auto state = opt.make_state(params.values().size());
 
   // Matrix products: counted from the sizes, and the peak on the largest one.
-  const std::vector<product> products = model_products(s);
   double gflop = 0;
   long calls = 0;
   for (const auto& p : products) {
@@ -210,11 +237,8 @@ int main(int argc, char** argv) {
   }
   const double peak = 2 * double(big.m * big.n * big.k) / peak_s / 1e9;
 
-  std::printf(
-      "bench_model: %ld x TransformerEncoderLayer(d_model %ld, nhead %ld, ff %ld, dropout %g), batch %ld x seq "
-      "%ld, mean pool, Linear to %ld; %zu parameters; Adam; one thread; float GEMM backend: %s\n",
-      s.layers, s.d, s.heads, s.ff, m.dropout, s.batch, s.seq, s.classes, nn::parameter_count(model),
-      std::string(ops::gemm_backend).c_str());
+  std::printf("bench_model: %s; %zu parameters; %s; one thread; float GEMM backend: %s\n", description.c_str(),
+              nn::parameter_count(model), std::string(Opt::name).c_str(), std::string(ops::gemm_backend).c_str());
   std::printf(
       "matrix products of one forward+backward: %ld ops::gemm calls, %.2f GFLOP (2 M N K summed over the "
       "shapes the sizes give)\n",
@@ -224,7 +248,7 @@ int main(int argc, char** argv) {
       "second's repeats)\n\n",
       peak, big.m, big.n, big.k);
 
-  // train_reference's step, on one batch made once outside the timing (zero_grad after Adam, not before the forward).
+  // train_reference's step, on one batch made once outside the timing (zero_grad after the optimizer, not before the forward).
   auto step = [&](auto& ctx, long i, double& fwd_bwd_s, double& optimizer_s) {
     ctx.set_step(std::uint64_t(i));
     const double t0 = bench::now_s();
@@ -232,7 +256,7 @@ int main(int argc, char** argv) {
     const auto l = nn::cross_entropy(logits, y);
     ctx.backward(model, l.grad);
     const double t1 = bench::now_s();
-    adam.step(params.values(), std::span<const float>(params.grads()), state);
+    opt.step(params.values(), std::span<const float>(params.grads()), state);
     params.zero_grad();
     fwd_bwd_s = t1 - t0;
     optimizer_s = bench::now_s() - t1;
@@ -250,7 +274,8 @@ int main(int argc, char** argv) {
   std::printf("%-36s %9s\n", "part (median of steps)", "ms");
   std::printf("%-36s %9.1f   matrix products at %.1f GFLOP/s = %.2f of the GEMM peak\n", "forward+backward", fb_s * 1e3,
               rate, rate / peak);
-  std::printf("%-36s %9.1f\n", "optimizer (Adam step + zero_grad)", opt_s * 1e3);
+  std::printf("%-36s %9.1f\n", (std::string("optimizer (") + std::string(Opt::name) + " step + zero_grad)").c_str(),
+              opt_s * 1e3);
   std::printf("%-36s %9.1f\n\n", "training step", step_s * 1e3);
 
   // Where forward+backward goes: a profiled pass, and each kind's products replayed alone.
@@ -288,23 +313,89 @@ int main(int argc, char** argv) {
     std::printf("%-22s %9.1f %9.1f %9.1f %6.1f%%\n", kind_names[std::size_t(k)], ms, g, ms - g,
                 100 * ms / (fb_s * 1e3));
     if (json)
-      std::fprintf(
-          json, "{\"bench\":\"model\",\"what\":\"breakdown\",\"kind\":\"%s\",\"seconds\":%.6g,\"gemm_seconds\":%.6g}\n",
-          kind_names[std::size_t(k)], ms / 1e3, g / 1e3);
+      std::fprintf(json,
+                   "{\"bench\":\"model\",\"model\":\"%s\",\"what\":\"breakdown\",\"kind\":\"%s\",\"seconds\":%.6g,"
+                   "\"gemm_seconds\":%.6g}\n",
+                   model_name.c_str(), kind_names[std::size_t(k)], ms / 1e3, g / 1e3);
   }
   std::printf("%-22s %9.1f %9.1f %9.1f %6.1f%%   (all products replayed alone: %.1f GFLOP/s)\n", "forward+backward",
               fb_s * 1e3, gemm_total * 1e3, (fb_s - gemm_total) * 1e3, 100.0, gflop / gemm_total);
 
-  if (json) {
+  if (json)
     std::fprintf(json,
-                 "{\"bench\":\"model\",\"what\":\"step\",\"backend\":\"%s\",\"batch\":%ld,\"seq\":%ld,\"d_model\":%ld,"
-                 "\"heads\":%ld,\"ff\":%ld,\"layers\":%ld,\"classes\":%ld,\"dropout\":%g,\"steps\":%ld,"
-                 "\"forward_backward_s\":%.6g,\"optimizer_s\":%.6g,\"step_s\":%.6g,\"gemm_calls\":%ld,"
-                 "\"gemm_gflop\":%.6g,\"gemm_gflops\":%.6g,\"gemm_replayed_s\":%.6g,\"peak_gflops\":%.6g,"
-                 "\"vs_peak\":%.4g}\n",
-                 std::string(ops::gemm_backend).c_str(), s.batch, s.seq, s.d, s.heads, s.ff, s.layers, s.classes,
-                 m.dropout, steps, fb_s, opt_s, step_s, calls, gflop, rate, gemm_total, peak, rate / peak);
-    std::fclose(json);
+                 "{\"bench\":\"model\",\"model\":\"%s\",\"what\":\"step\",\"backend\":\"%s\",\"batch\":%ld,\"seq\":%ld,"
+                 "\"d_model\":%ld,\"heads\":%ld,\"kv_heads\":%ld,\"ff\":%ld,\"layers\":%ld,\"classes\":%ld,"
+                 "\"vocab\":%ld,\"dropout\":%g,\"steps\":%ld,\"forward_backward_s\":%.6g,\"optimizer_s\":%.6g,"
+                 "\"step_s\":%.6g,\"gemm_calls\":%ld,\"gemm_gflop\":%.6g,\"gemm_gflops\":%.6g,"
+                 "\"gemm_replayed_s\":%.6g,\"peak_gflops\":%.6g,\"vs_peak\":%.4g}\n",
+                 model_name.c_str(), std::string(ops::gemm_backend).c_str(), s.batch, s.seq, s.d, s.heads, s.kv_heads,
+                 s.ff, s.layers, s.classes, s.vocab, dropout, steps, fb_s, opt_s, step_s, calls, gflop, rate,
+                 gemm_total, peak, rate / peak);
+}
+
+// Token ids [batch, seq] uniform over the vocabulary.
+Tensor<std::int64_t> token_ids(long batch, long seq, long vocab, std::uint64_t stream) {
+  Tensor<std::int64_t> t({batch, seq});
+  const counter_rng rng(7, stream);
+  for (std::int64_t i = 0; i < t.numel(); ++i)
+    t[i] = std::min<std::int64_t>(vocab - 1, std::int64_t(rng.uniform_double(std::uint64_t(i)) * double(vocab)));
+  return t;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  example::model_flags m;
+  long batch = 32, steps = 10, vocab = 8192, kv_heads = 0;
+  std::string model_name = "encoder", json_path;
+  example::command_line cli("One training step of a model (the reference encoder, GPT-2 or LLaMA) on one rank, "
+                            "unsharded, one thread, against the GEMM peak measured in the same run.",
+                            "bench_model");
+  cli.add_option("--model", model_name, "the model")->check(CLI::IsMember({"encoder", "gpt2", "llama"}));
+  example::add_model_flags(cli, m);
+  cli.add_option("--batch", batch, "sequences per step")->check(example::whole(1, example::max_size));
+  cli.add_option("--vocab", vocab, "gpt2, llama: vocabulary size")->check(example::whole(1, example::max_size));
+  cli.add_option("--kv-heads", kv_heads, "llama: key/value heads (divides --heads; 0 = --heads)")
+      ->check(example::whole(0, example::max_size));
+  cli.add_option("--steps", steps, "measured steps")->check(example::whole(1, example::max_size));
+  cli.add_option("--json", json_path, "appends the results as JSON lines");
+  cli.callback([&] {
+    example::check_model_flags(m);
+    if (kv_heads > 0 && m.heads % kv_heads != 0)
+      throw CLI::ValidationError("--kv-heads", std::to_string(kv_heads) + " does not divide --heads " +
+                                                   std::to_string(m.heads));
+  });
+  cli.parse_or_exit(argc, argv);
+  const sizes s{batch, m.seq, m.d_model, m.heads, m.ff, m.layers, m.classes, vocab, kv_heads};
+  std::FILE* json = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "a");
+
+  if (model_name == "encoder") {
+    Model model = example::reference_model(m);
+    const example::synthetic_task task = example::task_for(m);
+    measure(model_name,
+            cat(s.layers, " x TransformerEncoderLayer(d_model ", s.d, ", nhead ", s.heads, ", ff ", s.ff, ", dropout ",
+                m.dropout, "), batch ", s.batch, " x seq ", s.seq, ", mean pool, Linear to ", s.classes),
+            model, task.inputs(0, s.batch), task.labels(0, s.batch), optim::Adam{{.lr = 1e-3}}, encoder_products(s), s,
+            m.dropout, steps, json);
+  } else {
+    const auto x = token_ids(s.batch, s.seq, s.vocab, 1), y = token_ids(s.batch, s.seq, s.vocab, 2);
+    const std::string shape = cat(", batch ", s.batch, " x seq ", s.seq, ", vocabulary ", s.vocab);
+    if (model_name == "gpt2") {
+      GPT2 model({.vocab_size = s.vocab, .n_positions = s.seq, .n_embd = s.d, .n_layer = s.layers, .n_head = s.heads,
+                  .n_inner = s.ff, .resid_pdrop = m.dropout, .embd_pdrop = m.dropout, .attn_pdrop = m.dropout});
+      measure(model_name,
+              cat("GPT2LMHeadModel(", s.layers, " blocks, n_embd ", s.d, ", ", s.heads, " heads, n_inner ", s.ff,
+                  ", dropout ", m.dropout, ", tied head)", shape),
+              model, x, y, optim::AdamW{{.lr = 1e-3}}, decoder_products(s, false), s, m.dropout, steps, json);
+    } else {
+      Llama model({.vocab_size = s.vocab, .hidden_size = s.d, .intermediate_size = s.ff, .num_hidden_layers = s.layers,
+                   .num_attention_heads = s.heads, .num_key_value_heads = s.kv_heads, .max_position_embeddings = s.seq});
+      measure(model_name,
+              cat("LlamaForCausalLM(", s.layers, " layers, hidden ", s.d, ", ", s.heads, " heads, ",
+                  s.kv_heads > 0 ? s.kv_heads : s.heads, " kv heads, intermediate ", s.ff, ")", shape),
+              model, x, y, optim::AdamW{{.lr = 1e-3}}, decoder_products(s, true), s, 0.0, steps, json);
+    }
   }
+  if (json) std::fclose(json);
   return 0;
 }
