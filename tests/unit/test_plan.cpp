@@ -207,13 +207,14 @@ TEST_CASE("the article's scenario in fp32, by hand", "[plan][article]") {
   CHECK(ddp.memory.gradients == 24'000'000'000);
   CHECK(ddp.memory.optimizer_state == 48'000'000'000);  // two fp32 moments
   CHECK(ddp.memory.gathered_parameters == 0);
-  CHECK(ddp.sent.total() == 2 * 0.75 * 24e9);  // all-reduce: 2(W-1)/W of the gradients
+  const double loss = 2 * 0.75 * 8;  // train_step's global-mean loss: one all-reduce of two floats
+  CHECK(ddp.sent.total() == 2 * 0.75 * 24e9 + loss);  // all-reduce: 2(W-1)/W of the gradients
 
   auto zero1 = article(plan::strategy::shard_optimizer, fp32);
   CHECK(zero1.memory.parameters == 24'000'000'000);
   CHECK(zero1.memory.gradients == 24'000'000'000 + 6'000'000'000);  // full local + the reduced quarter
   CHECK(zero1.memory.optimizer_state == 12'000'000'000);            // ZeRO-1 shards only this
-  CHECK(zero1.sent.total() == 0.75 * 24e9 + 0.75 * 24e9);           // reduce-scatter, then all-gather the update
+  CHECK(zero1.sent.total() == 0.75 * 24e9 + 0.75 * 24e9 + loss);    // reduce-scatter, then all-gather the update
 
   // ZeRO-2 (ShardGradOp): sharded at rest, but every unit gathered from forward to backward.
   const std::size_t full_grads = 4 * (root + 2 * block);  // the root's and two adjacent blocks' full gradients
@@ -223,7 +224,7 @@ TEST_CASE("the article's scenario in fp32, by hand", "[plan][article]") {
   CHECK(full_grads == 3'062'034'432);
   CHECK(zero2.memory.optimizer_state == 12'000'000'000);  // sharded too: ZeRO-2 shards the optimizer state
   CHECK(zero2.memory.gathered_parameters == 24'000'000'000);
-  CHECK(zero2.sent.total() == 0.75 * 24e9 + 0.75 * 24e9);
+  CHECK(zero2.sent.total() == 0.75 * 24e9 + 0.75 * 24e9 + loss);
 
   auto fsdp = article(plan::strategy::full_shard, fp32);
   CHECK(fsdp.memory.parameters == 6'000'000'000);
@@ -247,7 +248,7 @@ TEST_CASE("the article's scenario in bf16 mixed precision, by hand", "[plan][art
   CHECK(ddp.memory.gradients == 12'000'000'000);
   CHECK(ddp.memory.optimizer_state == 48'000'000'000);
   CHECK(ddp.memory.total() - ddp.memory.activations == 16 * std::size_t(6'000'000'000));  // 16 B per parameter
-  CHECK(ddp.sent.total() == 2 * 0.75 * 12e9);
+  CHECK(ddp.sent.total() == 2 * 0.75 * 12e9 + 2 * 0.75 * 8);  // and the global loss's two floats
 
   auto zero1 = article(plan::strategy::shard_optimizer, bf16);
   CHECK(zero1.memory.parameters == 6'000'000'000 + 3'000'000'000);  // fp32 master quarter (ZeRO's P_os) and its bf16 copy
@@ -277,7 +278,7 @@ TEST_CASE("HybridShard shards over its group and all-reduces the shard across gr
   auto h = plan::make_plan(d, {.strategy = plan::strategy::hybrid_shard, .world = 8, .group = 2, .optimizer_bytes = 0});
   CHECK(h.memory.parameters == 4 * 144 / 2);
   CHECK(h.sent.all_gather == 0.5 * 4 * (2 * 144 - 16));
-  CHECK(h.sent.all_reduce == 2 * 0.75 * 4 * 144 / 2);  // 4 replicas of a 72-element shard
+  CHECK(h.sent.all_reduce == 2 * 0.75 * 4 * 144 / 2 + 2 * 0.875 * 8);  // 4 replicas of a 72-element shard; the loss
   CHECK(h.sent.exposed == h.sent.all_reduce);
   CHECK_THROWS_WITH(plan::make_plan(d, {.strategy = plan::strategy::hybrid_shard, .world = 8, .group = 3}),
                     Catch::Contains("group size 3 must divide the world size 8"));
