@@ -13,7 +13,11 @@
 #include "shardlib/core/shape.hpp"           // Shape
 #include "shardlib/core/tensor.hpp"          // Tensor (owning, shared), TensorView
 #include "shardlib/comm/communicator.hpp"    // Communicator, reduce_op
+#include "shardlib/comm/environment.hpp"     // discover_environment (torchrun, OpenMPI, MPICH/PMI, Slurm)
 #include "shardlib/comm/launch.hpp"          // launch, rank_failure
+#include "shardlib/comm/run.hpp"             // run_from_environment (threads, sockets or MPI)
+#include "shardlib/comm/socket_comm.hpp"     // SocketComm (processes over TCP)
+#include "shardlib/comm/store.hpp"           // TcpStore, store_server
 #include "shardlib/comm/thread_comm.hpp"     // ThreadComm
 #include "shardlib/nn/activation.hpp"        // ReLU, GELU (erf or tanh), SiLU
 #include "shardlib/nn/attention.hpp"         // MultiheadAttention
@@ -21,6 +25,7 @@
 #include "shardlib/nn/dropout.hpp"           // Dropout
 #include "shardlib/nn/embedding.hpp"         // Embedding, PositionEmbedding
 #include "shardlib/nn/feed_forward.hpp"      // LlamaMLP (SwiGLU), GPT2MLP
+#include "shardlib/nn/grad_mode.hpp"         // grad_enabled (layers skip caching when off)
 #include "shardlib/nn/gpt2_attention.hpp"    // GPT2Attention (causal, c_attn/c_proj)
 #include "shardlib/nn/layer.hpp"             // Layer, Composite, check_layer
 #include "shardlib/nn/layer_norm.hpp"        // LayerNorm
@@ -34,18 +39,23 @@
 #include "shardlib/nn/sdpa.hpp"              // sdpa_forward, sdpa_backward
 #include "shardlib/nn/sequential.hpp"        // Sequential
 #include "shardlib/nn/stack.hpp"             // Stack
+#include "shardlib/nn/tied_linear.hpp"       // TiedLinear (a head borrowing an embedding's weight)
 #include "shardlib/nn/transformer.hpp"       // TransformerEncoderLayer
 #include "shardlib/optim/adam.hpp"           // Adam, AdamW
 #include "shardlib/optim/clip.hpp"           // clip_grad_norm
 #include "shardlib/optim/optimizer.hpp"      // Optimizer, check_optimizer
+#include "shardlib/optim/param_groups.hpp"   // param_groups, no_decay_split
 #include "shardlib/optim/schedule.hpp"       // learning-rate schedules
 #include "shardlib/optim/sgd.hpp"            // SGD
 #include "shardlib/shard/sharded_model.hpp"  // fully_shard, ShardedModel, options
 #include "shardlib/shard/sharded_tensor.hpp" // shard_layout, ShardedTensor
 #include "shardlib/shard/strategy.hpp"       // policy, FullShard, ShardGradOp, ShardOptimizer, NoShard, HybridShard
-#include "shardlib/shard/wrap.hpp"           // wrap_types, wrap_names, wrap_none
+#include "shardlib/shard/wrap.hpp"           // wrap_types, wrap_names, wrap_none, wrap_min_params, wrap_any
 #include "shardlib/io/checkpoint.hpp"        // save_checkpoint, load_checkpoint, export/load_safetensors
+#include "shardlib/io/hf_checkpoint.hpp"     // hf::gpt2, hf::llama (Hugging Face names, transposes, ties)
 #include "shardlib/io/safetensors.hpp"       // safetensors files
+#include "shardlib/io/state_dict.hpp"        // load_state_dict, save_state_dict (name maps, strict or a report)
 #include "shardlib/plan/chooser.hpp"         // choose
 #include "shardlib/plan/describe.hpp"        // describe, describe_model, measure_activations
 #include "shardlib/plan/memory_plan.hpp"     // make_plan, zero_model_states
+#include "shardlib/plan/presets.hpp"         // decoder presets: gpt2-124m ... llama-70b
