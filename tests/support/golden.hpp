@@ -1,8 +1,9 @@
 // tests/support/golden.hpp — reading the PyTorch goldens that
-// tests/golden/make_layer_goldens.py writes, and comparing a layer or a loss with
-// them: parameters are loaded by torch's state_dict names (so names and layouts
-// must match torch's exactly), then the output, the loss, dL/dx and every
-// parameter's gradient are compared in float64 and float32.
+// tests/golden/make_layer_goldens.py (tests/golden/layers) and
+// make_decoder_goldens.py (tests/golden/decoder) write, and comparing a layer or
+// a loss with them: parameters are loaded by torch's state_dict names (so names
+// and layouts must match torch's exactly), then the output, the loss, dL/dx and
+// every parameter's gradient are compared in float64 and float32.
 #pragma once
 #include "shardlib/io/safetensors.hpp"
 #include "shardlib/nn/context.hpp"
@@ -41,8 +42,9 @@ inline const std::set<std::string> layer_cases{
     "rms_norm", "silu", "llama_mlp", "gpt2_mlp", "position_embedding_offset", "token_cross_entropy",
     "decoder_stack"};
 
-// The golden tensors that are not parameters (parameter gradients end in ".grad").
-inline const std::set<std::string> data_tensors{"input", "mask", "target", "r", "output", "loss"};
+// The golden tensors that are not parameters (parameter gradients end in ".grad"):
+// "mask" is the key padding mask, "attn_mask" an additive attention mask.
+inline const std::set<std::string> data_tensors{"input", "mask", "attn_mask", "target", "r", "output", "loss"};
 
 template <class T>
 constexpr const char* precision = std::is_same_v<T, double> ? "f64" : "f32";
@@ -52,11 +54,13 @@ template <class T>
 constexpr double tolerance = std::is_same_v<T, double> ? 1e-10 : 1e-5;
 
 inline std::filesystem::path layers_dir() { return std::filesystem::path(SHARDLIB_GOLDEN_DIR) / "layers"; }
+inline std::filesystem::path decoder_dir() { return std::filesystem::path(SHARDLIB_GOLDEN_DIR) / "decoder"; }
 
+// <dir>/<name>.<f64|f32>.safetensors; a case of layers_dir() must be listed in layer_cases.
 template <class T>
-safetensors load(const std::string& name) {
-  REQUIRE(layer_cases.contains(name));
-  return safetensors::load(layers_dir() / (name + "." + precision<T> + ".safetensors"));
+safetensors load(const std::string& name, const std::filesystem::path& dir = layers_dir()) {
+  if (dir == layers_dir()) REQUIRE(layer_cases.contains(name));
+  return safetensors::load(dir / (name + "." + precision<T> + ".safetensors"));
 }
 
 template <class E>
@@ -93,12 +97,14 @@ struct comparison {
 // Objective of the cases without a loss: sum(y * r), so dL/dy = r.
 struct weighted_sum {};
 
-// Copies torch's parameters into the layer by name, runs forward and backward
-// (dL/dy = r, or the loss's gradient), and compares the output, the loss, dL/dx
-// and every parameter's gradient with torch's.
+// Copies torch's parameters into the layer by name (every one, no more), runs
+// forward and backward with the file's masks in the context (dL/dy = r, or the
+// loss's gradient), and compares the output, the loss, dL/dx and every
+// parameter's gradient with torch's.
 template <class T, nn::Layer L, class Loss>
-comparison<T> against_torch(const std::string& name, L layer, Loss loss) {
-  const safetensors f = load<T>(name);
+comparison<T> against_torch(const std::string& name, L layer, Loss loss,
+                            const std::filesystem::path& dir = layers_dir()) {
+  const safetensors f = load<T>(name, dir);
   nn::Replicated<T, L> owner(layer, 0);
   std::set<std::string> ours, theirs;
   for (const auto& e : owner.layout().entries) ours.insert(e.name);
@@ -114,6 +120,7 @@ comparison<T> against_torch(const std::string& name, L layer, Loss loss) {
 
   nn::context ctx({.training = false});
   if (f.contains("mask")) ctx.set_key_padding_mask(read<std::uint8_t>(f, "mask"));
+  if (f.contains("attn_mask")) ctx.set_attention_mask(read<float>(f, "attn_mask"));
   comparison<T> cmp{name};
   const auto y = ctx.forward(layer, read<typename L::input::value_type>(f, "input"));
   cmp("output", y, f);
@@ -155,8 +162,8 @@ inline void report(const comparison<double>& f64, const comparison<float>& f32) 
 
 // make(T{}) builds the layer in precision T with the golden case's options.
 template <class Make, class Loss = weighted_sum>
-void parity(const std::string& name, Make make, Loss loss = {}) {
-  report(against_torch<double>(name, make(double{}), loss), against_torch<float>(name, make(float{}), loss));
+void parity(const std::string& name, Make make, Loss loss = {}, const std::filesystem::path& dir = layers_dir()) {
+  report(against_torch<double>(name, make(double{}), loss, dir), against_torch<float>(name, make(float{}), loss, dir));
 }
 
 template <class Loss>

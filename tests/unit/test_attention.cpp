@@ -263,6 +263,22 @@ TEST_CASE("MultiheadAttention dropout acts on the weights in training only", "[n
   CHECK(steps_differ > x.numel() / 2);
 }
 
+TEST_CASE("MultiheadAttention dropout 1 drops every weight", "[nn][attention][dropout]") {
+  // torch and nn::Dropout allow p = 1: the attention output is zero, so y is
+  // out_proj.bias alone and no gradient reaches x or in_proj.
+  const std::int64_t L = 3, N = 2, E = 4;
+  MultiheadAttention<double> m({.embed_dim = E, .num_heads = 2, .dropout = 1});
+  Replicated<double, MultiheadAttention<double>> owner(m, 2);
+  randomise_biases(owner);
+  context train({.training = true, .seed = 9});
+  const auto y = m.forward(train, gradcheck::random_tensor({L, N, E}, 3));
+  for (std::int64_t i = 0; i < y.numel(); ++i) CHECK(y[i] == owner.value("out_proj.bias")[std::size_t(i % E)]);
+  const auto dx = m.backward(train, gradcheck::random_tensor({L, N, E}, 4));
+  for (std::int64_t i = 0; i < dx.numel(); ++i) CHECK(dx[i] == 0);
+  for (const char* p : {"in_proj_weight", "in_proj_bias", "out_proj.weight"})
+    for (double g : owner.grad(p)) CHECK(g == 0);
+}
+
 TEST_CASE("MultiheadAttention backward matches finite differences", "[nn][attention][gradcheck]") {
   const std::int64_t L = 5, N = 3, E = 8, H = 2;
   struct variant {

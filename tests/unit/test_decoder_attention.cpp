@@ -3,7 +3,6 @@
 // and LLaMA's attention layers (Hugging Face's names), the KV cache, against
 // naive float64 loops, finite differences and PyTorch's goldens.
 #include "shardlib/comm/launch.hpp"
-#include "shardlib/io/safetensors.hpp"
 #include "shardlib/nn/context.hpp"
 #include "shardlib/nn/gpt2_attention.hpp"
 #include "shardlib/nn/layer.hpp"
@@ -18,9 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <filesystem>
 #include <limits>
-#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -637,51 +634,17 @@ TEST_CASE("GPT2Attention and LlamaAttention train sharded (FullShard, W = 2) as 
   }
 }
 
-namespace {
-
-// Loads tests/golden/decoder/<name>.<f64|f32>.safetensors (written by
-// tests/golden/make_decoder_goldens.py), copies torch's parameters in by name,
-// runs forward and backward (dL/dy = r) with the file's key padding and additive
-// masks, and compares the output, dL/dx and every parameter's gradient within
-// golden::tolerance (float64 agrees to rounding; float32 to a few roundings of
-// 6e-8 through two projections and a softmax).
-template <class T, Layer L>
-golden::comparison<T> against_torch(const std::string& name, L layer) {
-  const io::safetensors f = io::safetensors::load(std::filesystem::path(SHARDLIB_GOLDEN_DIR) / "decoder" /
-                                                  (name + "." + golden::precision<T> + ".safetensors"));
-  Replicated<T, L> owner(layer, 0);
-  std::set<std::string> ours, theirs;
-  for (const auto& e : owner.layout().entries) ours.insert(e.name);
-  for (const auto& t : f.tensors())
-    if (!golden::data_tensors.contains(t.name) && t.name != "attn_mask" && !t.name.ends_with(".grad"))
-      theirs.insert(t.name);
-  REQUIRE(ours == theirs);  // Hugging Face's names, every one
-  for (const auto& e : owner.layout().entries) {
-    REQUIRE(f.info(e.name).shape == e.shape);
-    const std::vector<T> v = f.get<T>(e.name);
-    std::copy(v.begin(), v.end(), owner.value(e.name).begin());
-  }
-  context ctx({.training = false});
-  if (f.contains("mask")) ctx.set_key_padding_mask(golden::read<std::uint8_t>(f, "mask"));
-  if (f.contains("attn_mask")) ctx.set_attention_mask(golden::read<float>(f, "attn_mask"));
-  golden::comparison<T> cmp{name};
-  cmp("output", ctx.forward(layer, golden::read<T>(f, "input")), f);
-  cmp("input.grad", ctx.backward(layer, golden::read<T>(f, "r")), f);
-  for (const auto& e : owner.layout().entries)
-    cmp(e.name + ".grad", std::span<const T>(owner.grad(e.name)), f.get<T>(e.name + ".grad"));
-  return cmp;
-}
-
-}  // namespace
-
 TEST_CASE("Decoder attention matches PyTorch's forward and gradients", "[nn][decoder][golden]") {
-  golden::report(against_torch<double>("gpt2_causal_padding", GPT2Attention<double>({.n_embd = 16, .n_head = 4})),
-                 against_torch<float>("gpt2_causal_padding", GPT2Attention<float>({.n_embd = 16, .n_head = 4})));
+  // tests/golden/decoder (make_decoder_goldens.py): Hugging Face's names, the
+  // files' key padding and additive masks, dL/dy = r; within golden::tolerance
+  // (float64 agrees to rounding; float32 to a few roundings of 6e-8 through two
+  // projections and a softmax).
+  using golden::parity, golden::weighted_sum, golden::decoder_dir;
+  parity("gpt2_causal_padding", [](auto t) { return GPT2Attention<decltype(t)>({.n_embd = 16, .n_head = 4}); },
+         weighted_sum{}, decoder_dir());
   const llama_attention_options gqa{.hidden_size = 16, .num_attention_heads = 4, .num_key_value_heads = 2};
-  golden::report(against_torch<double>("llama_gqa_rope", LlamaAttention<double>(gqa)),
-                 against_torch<float>("llama_gqa_rope", LlamaAttention<float>(gqa)));
+  parity("llama_gqa_rope", [&](auto t) { return LlamaAttention<decltype(t)>(gqa); }, weighted_sum{}, decoder_dir());
   const llama_attention_options mqa{.hidden_size = 16, .num_attention_heads = 2, .num_key_value_heads = 1,
                                     .head_dim = 8, .rope_theta = 500000, .attention_bias = true};
-  golden::report(against_torch<double>("llama_mqa_bias", LlamaAttention<double>(mqa)),
-                 against_torch<float>("llama_mqa_bias", LlamaAttention<float>(mqa)));
+  parity("llama_mqa_bias", [&](auto t) { return LlamaAttention<decltype(t)>(mqa); }, weighted_sum{}, decoder_dir());
 }

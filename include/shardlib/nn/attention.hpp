@@ -5,19 +5,17 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/random.hpp"
 #include "shardlib/core/tensor.hpp"
-#include "shardlib/nn/dropout.hpp"
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/param.hpp"
+#include "shardlib/nn/sdpa.hpp"  // sdpa_forward, sdpa_backward, head_view
 #include "shardlib/ops/gemm.hpp"
 
-#include <algorithm>    // std::copy_n, std::max
-#include <cmath>        // std::exp, std::sqrt
-#include <cstdint>      // std::int64_t, std::uint8_t, std::uint64_t
+#include <algorithm>    // std::copy_n
+#include <cstdint>      // std::int64_t, std::uint8_t
 #include <optional>     // std::optional
 #include <string>       // std::string
 #include <type_traits>  // std::is_same_v
-#include <vector>       // std::vector
 
 namespace shardlib::nn {
 
@@ -128,8 +126,11 @@ class attention_base {
 // Parameters as torch names and packs them, so a state dict moves unchanged:
 // in_proj_weight [3E, E] stacks W_q, W_k, W_v (in that order), in_proj_bias [3E]
 // likewise, and out_proj is a child Linear(E, E). Head h uses the contiguous
-// slice [h D, (h + 1) D) of each projection, D = E / num_heads. Scores are
-// q.k / sqrt(D) (torch scales q before the product: equal up to rounding).
+// slice [h D, (h + 1) D) of each projection, D = E / num_heads. Between the
+// projections the attention itself is sdpa_forward / sdpa_backward (nn/sdpa.hpp)
+// on strided views of the projected rows: scores q.k / sqrt(D) (torch scales q
+// before the product: equal up to rounding), dropout on the weights drawn by
+// their index in [N, H, L, L] from one ctx.random_stream() per forward.
 //
 // Key padding: ctx.key_padding_mask() ([N, L], nonzero = ignore that key) gives
 // those keys zero weight, as torch's -inf before the softmax does. A query whose
@@ -137,14 +138,15 @@ class attention_base {
 // out_proj.bias alone and no gradient flows through it. torch returns NaN there
 // (softmax of all -inf, pytorch/pytorch#40932); we give the finite answer so one
 // fully padded sample cannot turn a whole step's loss and gradients into NaN.
-// Compare with torch only on samples that keep at least one key.
+// Compare with torch only on samples that keep at least one key. The context's
+// attention mask (ctx.attention_mask()) is not read: it belongs to the decoder
+// layers (nn/decoder_attention.hpp).
 template <class T, class Space = host_space>
 class MultiheadAttention : public detail::attention_base<T, Space> {
   static_assert(std::is_same_v<Space, host_space>,
                 "nn::MultiheadAttention: the host layer; for cuda_space include shardlib/nn/cuda/attention.cuh");
   using base = detail::attention_base<T, Space>;
-  using base::o_, base::head_dim_, base::seq_, base::batch_, base::drop_, base::name, base::check_grad;
-  using base::row0, base::ld_qkv, base::ld_x, base::offset;
+  using base::o_, base::head_dim_, base::seq_, base::batch_, base::drop_, base::check_grad, base::row0, base::step;
 
  public:
   using input = Tensor<T>;
@@ -156,9 +158,9 @@ class MultiheadAttention : public detail::attention_base<T, Space> {
 
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
-    const std::int64_t E = o_.embed_dim, H = o_.num_heads, D = head_dim_;
+    const std::int64_t E = o_.embed_dim;
     const Tensor<std::uint8_t>& mask = this->begin_forward(ctx, x.shape());
-    const std::int64_t L = seq_, N = batch_, R = L * N;
+    const std::int64_t R = seq_ * batch_;
 
     // qkv = x W_in^T + b_in: all three projections of all rows in one product.
     x_ = x;
@@ -168,58 +170,25 @@ class MultiheadAttention : public detail::attention_base<T, Space> {
     ops::gemm(ops::trans::no, ops::trans::yes, R, 3 * E, E, T(1), x.data(), E, in_proj_weight.value, E,
               T(o_.bias ? 1 : 0), qkv_.data(), 3 * E);
 
-    probs_ = Tensor<T>({N, H, L, L});
     drop_.reset();
     if (ctx.training() && o_.dropout > 0) drop_ = ctx.random_stream();
-    std::vector<T> scales(drop_ ? L * L : 0), dropped(drop_ ? L * L : 0);
+    probs_ = Tensor<T>({batch_, o_.num_heads, seq_, seq_});
     Tensor<T> attn(x.shape());  // heads concatenated, rows laid out as x's
-    for (std::int64_t n = 0; n < N; ++n)
-      for (std::int64_t h = 0; h < H; ++h) {
-        T* p = probs(n, h);
-        ops::gemm(ops::trans::no, ops::trans::yes, L, L, D, scale(), q(n, h), ld_qkv(), k(n, h), ld_qkv(), T(0), p, L);
-        softmax_rows(p, mask.empty() ? nullptr : mask.data() + n * L);
-        const T* pv = p;
-        if (drop_) {
-          keep_scales(n, h, scales.data());
-          for (std::int64_t i = 0; i < L * L; ++i) dropped[i] = p[i] * scales[i];
-          pv = dropped.data();
-        }
-        ops::gemm(ops::trans::no, ops::trans::no, L, D, L, T(1), pv, L, v(n, h), ld_qkv(), T(0),
-                  attn.data() + row0(n) * E + h * D, ld_x());
-      }
+    sdpa_forward(heads(qkv_, 0), heads(qkv_, 1), heads(qkv_, 2), heads(attn, 0), probs_.data(), sdpa(mask));
     return ctx.forward(out_proj, attn);
   }
 
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
     check_grad(x_, dy);
-    const std::int64_t E = o_.embed_dim, H = o_.num_heads, D = head_dim_, L = seq_, N = batch_, R = L * N;
+    const std::int64_t E = o_.embed_dim, R = seq_ * batch_;
     const Tensor<T> dattn = ctx.backward(out_proj, dy);
 
-    // Per (batch, head): dP' = dO V^T, dV = P'^T dO, back through dropout and
-    // softmax to dS, then dQ = s dS K and dK = s dS^T Q, written into dqkv.
+    // dq, dk, dv written into their thirds of dqkv; the masks are not needed
+    // again (masked weights are zero in probs_).
     Tensor<T> dqkv({R, 3 * E});
-    std::vector<T> scales(drop_ ? L * L : 0), dropped(drop_ ? L * L : 0), dp(L * L);
-    for (std::int64_t n = 0; n < N; ++n)
-      for (std::int64_t h = 0; h < H; ++h) {
-        const T* p = probs(n, h);
-        const T* pv = p;
-        if (drop_) {
-          keep_scales(n, h, scales.data());
-          for (std::int64_t i = 0; i < L * L; ++i) dropped[i] = p[i] * scales[i];
-          pv = dropped.data();
-        }
-        const T* dout = dattn.data() + row0(n) * E + h * D;
-        ops::gemm(ops::trans::no, ops::trans::yes, L, L, D, T(1), dout, ld_x(), v(n, h), ld_qkv(), T(0), dp.data(), L);
-        ops::gemm(ops::trans::yes, ops::trans::no, L, D, L, T(1), pv, L, dout, ld_x(), T(0), dv(dqkv, n, h), ld_qkv());
-        if (drop_)
-          for (std::int64_t i = 0; i < L * L; ++i) dp[i] *= scales[i];
-        softmax_backward_rows(p, dp.data());
-        ops::gemm(ops::trans::no, ops::trans::no, L, D, L, scale(), dp.data(), L, k(n, h), ld_qkv(), T(0),
-                  dq(dqkv, n, h), ld_qkv());
-        ops::gemm(ops::trans::yes, ops::trans::no, L, D, L, scale(), dp.data(), L, q(n, h), ld_qkv(), T(0),
-                  dk(dqkv, n, h), ld_qkv());
-      }
+    sdpa_backward(heads(dattn, 0), heads(qkv_, 0), heads(qkv_, 1), heads(qkv_, 2), probs_.data(), heads(dqkv, 0),
+                  heads(dqkv, 1), heads(dqkv, 2), sdpa({}));
 
     // The three projections read the same x, so dx = dqkv W_in sums their contributions.
     ops::gemm(ops::trans::yes, ops::trans::no, 3 * E, E, R, T(1), dqkv.data(), 3 * E, x_.data(), E, T(1),
@@ -235,59 +204,17 @@ class MultiheadAttention : public detail::attention_base<T, Space> {
   }
 
  private:
-  T scale() const { return T(1.0 / std::sqrt(double(head_dim_))); }
-
-  const T* q(std::int64_t n, std::int64_t h) const { return qkv_.data() + offset(n, h, 0); }
-  const T* k(std::int64_t n, std::int64_t h) const { return qkv_.data() + offset(n, h, 1); }
-  const T* v(std::int64_t n, std::int64_t h) const { return qkv_.data() + offset(n, h, 2); }
-  T* dq(const Tensor<T>& d, std::int64_t n, std::int64_t h) const { return d.data() + offset(n, h, 0); }
-  T* dk(const Tensor<T>& d, std::int64_t n, std::int64_t h) const { return d.data() + offset(n, h, 1); }
-  T* dv(const Tensor<T>& d, std::int64_t n, std::int64_t h) const { return d.data() + offset(n, h, 2); }
-  T* probs(std::int64_t n, std::int64_t h) const { return probs_.data() + (n * o_.num_heads + h) * seq_ * seq_; }
-
-  // Inverted dropout on head h of sample n's weights: s[i] = 0 or 1/(1-p), with
-  // Dropout's keep rule. Drawn by the element's index in probs_, so backward
-  // regenerates forward's mask instead of storing it. One loop with the stream and
-  // the scale hoisted, so that it vectorises.
-  void keep_scales(std::int64_t n, std::int64_t h, T* s) const {
-    const counter_rng stream = *drop_;
-    const auto first = std::uint64_t((n * o_.num_heads + h) * seq_ * seq_);
-    const float p = float(o_.dropout);
-    const T kept = T(1.0 / (1.0 - o_.dropout));
-    for (std::int64_t i = 0; i < seq_ * seq_; ++i)
-      s[i] = dropout_keep(stream, first + std::uint64_t(i), p) ? kept : T(0);
+  // The heads of q (third 0 of qkv's columns), k (1) or v (2), or of the
+  // attention output or its gradient (a tensor shaped as x, third 0): rows laid
+  // out as x's (attention_base::row0, step), head h at column h D of the third.
+  head_view<T> heads(const Tensor<T>& t, std::int64_t third) const {
+    const std::int64_t width = t.numel() / (seq_ * batch_);  // 3E for qkv, E for the output
+    return {t.data() + third * o_.embed_dim, batch_, o_.num_heads, seq_, head_dim_, row0(1) * width, head_dim_,
+            step() * width};
   }
-
-  // Row-wise softmax over keys, subtracting the row's maximum so exp never
-  // overflows; masked keys (mask[j] != 0) get weight 0.
-  void softmax_rows(T* p, const std::uint8_t* mask) const {
-    const std::int64_t L = seq_;
-    for (std::int64_t i = 0; i < L; ++i) {
-      T* row = p + i * L;
-      bool any = false;
-      T mx = T(0);
-      for (std::int64_t j = 0; j < L; ++j) {
-        if (mask && mask[j]) continue;
-        mx = any ? std::max(mx, row[j]) : row[j];
-        any = true;
-      }
-      T sum = T(0);
-      for (std::int64_t j = 0; j < L; ++j) {
-        row[j] = (mask && mask[j]) ? T(0) : T(std::exp(row[j] - mx));
-        sum += row[j];
-      }
-      if (any)
-        for (std::int64_t j = 0; j < L; ++j) row[j] /= sum;
-    }
-  }
-  // dS_ij = P_ij (dP_ij - sum_k dP_ik P_ik), in place over dp.
-  void softmax_backward_rows(const T* p, T* dp) const {
-    const std::int64_t L = seq_;
-    for (std::int64_t i = 0; i < L; ++i) {
-      T dot = T(0);
-      for (std::int64_t j = 0; j < L; ++j) dot += dp[i * L + j] * p[i * L + j];
-      for (std::int64_t j = 0; j < L; ++j) dp[i * L + j] = p[i * L + j] * (dp[i * L + j] - dot);
-    }
+  // The default scale 1 / sqrt(D); the dropout stream of this forward, if it drops.
+  sdpa_options sdpa(const Tensor<std::uint8_t>& key_padding) const {
+    return {.dropout_p = o_.dropout, .dropout = drop_, .key_padding_mask = key_padding, .who = "MultiheadAttention"};
   }
 
   // Cached by forward for backward (and drop_, seq_, batch_ in the base).

@@ -58,6 +58,7 @@ struct sdpa_options {
   double scale = 0;  // of q.k; 0 = 1 / sqrt(head_dim), torch's default
   // Inverted dropout on the weights with probability dropout_p, drawn from
   // `dropout` by the weight's index in [B, H, Lq, Lk]; no stream = no dropout.
+  // dropout_p = 1 drops every weight (torch's dropout and nn::Dropout allow it).
   double dropout_p = 0;
   std::optional<counter_rng> dropout{};
   Tensor<std::uint8_t> key_padding_mask{};  // [B, Lk], nonzero = a padding key; empty = none
@@ -96,7 +97,7 @@ inline void check_sdpa_shapes(const Shape& q, const Shape& k, const Shape& v, co
   require<shape_error>(o.mask.allowed.empty() || o.mask.bias.empty(), who,
                        ": the attention mask is either boolean or additive, not both");
   if (!o.mask.empty()) mask_strides(o.mask.shape(), Shape{q[0], q[1], q[2], k[2]}, who);
-  require(o.dropout_p >= 0 && o.dropout_p < 1, who, ": dropout_p must be in [0, 1), got ", o.dropout_p);
+  require(o.dropout_p >= 0 && o.dropout_p <= 1, who, ": dropout_p must be in [0, 1], got ", o.dropout_p);
 }
 
 template <class T>
@@ -104,12 +105,13 @@ T sdpa_scale(const sdpa_options& o, std::int64_t dim) {
   return T(o.scale != 0 ? o.scale : 1.0 / std::sqrt(double(dim)));
 }
 
-// Dropout's scales for the weights of head h of batch element n: 0 or 1/(1-p).
+// Dropout's scales for the weights of head h of batch element n: 0 or 1/(1-p)
+// (none is kept when p = 1).
 template <class T>
 void sdpa_keep_scales(const sdpa_options& o, std::int64_t first, std::int64_t count, T* s) {
   const counter_rng stream = *o.dropout;
   const float p = float(o.dropout_p);
-  const T kept = T(1.0 / (1.0 - o.dropout_p));
+  const T kept = o.dropout_p < 1 ? T(1.0 / (1.0 - o.dropout_p)) : T(0);
   for (std::int64_t i = 0; i < count; ++i) s[i] = dropout_keep(stream, std::uint64_t(first + i), p) ? kept : T(0);
 }
 }  // namespace detail
