@@ -6,6 +6,8 @@
 #include <array>        // std::array
 #include <atomic>       // std::atomic
 #include <cstddef>      // std::size_t
+#include <memory>       // std::unique_ptr
+#include <mutex>        // std::once_flag, std::call_once
 #include <string_view>  // std::string_view
 
 namespace shardlib {
@@ -56,10 +58,21 @@ class ledger {
   std::size_t current() const { return total_.current.load(); }  // all categories
   std::size_t peak() const { return total_.peak.load(); }        // peak of the sum, not the sum of peaks
 
-  // Restarts the high-water marks from what is allocated now (e.g. after setup).
+  // Restarts the high-water marks from what is allocated now (e.g. after setup);
+  // the offload ledger's too.
   void reset_peaks() {
     for (auto& e : entries_) e.peak.store(e.current.load());
     total_.peak.store(total_.current.load());
+    if (offload_) offload_->reset_peaks();
+  }
+
+  // The same categories for the rank's second memory space: where shard::options::offload
+  // keeps fp32 masters, reduced gradients and optimizer state (pinned host memory beside
+  // a device, host_offload_space in host tests). Allocations are recorded here while a
+  // ledger_scope points the thread at it; this ledger's totals never include it.
+  ledger& offload() {
+    std::call_once(offload_made_, [&] { offload_ = std::make_unique<ledger>(); });
+    return *offload_;
   }
 
  private:
@@ -75,6 +88,8 @@ class ledger {
   }
   std::array<entry, category_count> entries_{};
   entry total_{};
+  std::once_flag offload_made_;
+  std::unique_ptr<ledger> offload_;
 };
 
 namespace detail {

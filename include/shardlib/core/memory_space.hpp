@@ -102,6 +102,32 @@ struct host_space {
   static void release_cached() { detail::host_block_cache::instance().release(); }
 };
 
+// Host memory under a second tag: the offload space of host models. It has no
+// use in a real host-only run (the masters are host memory already); it lets
+// tests run shard::options::offload's whole path — copies both ways, the second
+// ledger, their order — without a device, as pinned_space does beside cuda_space.
+struct host_offload_space {
+  static constexpr std::string_view name = "host-offload (test)";
+  static constexpr std::size_t alignment = host_space::alignment;
+  static void* allocate(std::size_t bytes) { return host_space::allocate(bytes); }
+  static void deallocate(void* p, std::size_t bytes) noexcept { host_space::deallocate(p, bytes); }
+};
+
+// offload_space_t<Space>: where shard::options::offload keeps a model's fp32 masters,
+// reduced gradients and optimizer state when the model lives in Space. It must be
+// host memory (the optimizer steps there on the CPU). Backends specialise it
+// (cuda_space: pinned_space, in shard/cuda/offload.cuh).
+template <class Space>
+struct offload_space_of {
+  using type = host_space;
+};
+template <>
+struct offload_space_of<host_space> {
+  using type = host_offload_space;
+};
+template <class Space>
+using offload_space_t = typename offload_space_of<Space>::type;
+
 // can_access<Accessor, Space>: code running where memory space Accessor lives can
 // dereference pointers into Space (after Kokkos' SpaceAccessibility). Backends
 // specialise it for their pairs; anything not specialised is unreachable.
@@ -109,5 +135,11 @@ template <class Accessor, class Space>
 inline constexpr bool can_access = false;
 template <>
 inline constexpr bool can_access<host_space, host_space> = true;
+template <>
+inline constexpr bool can_access<host_space, host_offload_space> = true;
+template <>
+inline constexpr bool can_access<host_offload_space, host_offload_space> = true;
+template <>
+inline constexpr bool can_access<host_offload_space, host_space> = true;
 
 }  // namespace shardlib

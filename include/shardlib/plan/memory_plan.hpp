@@ -104,6 +104,8 @@ struct setup {
   int prefetch = 1;  // shard::options::prefetch
   plan::precision precision{};
   std::size_t optimizer_bytes = adam_state_bytes;
+  bool offload = false;  // shard::options::offload: see rank_plan::offloaded
+  bool global_loss = true;  // shard::step_options::loss is loss_report::global_mean (train_step's default)
 
   shard::policy resolved() const { return policy ? *policy : policy_of(strategy, group); }
   // Ranks one shard is split over: the world, or the policy's group.
@@ -149,7 +151,11 @@ struct traffic {
 };
 
 struct rank_plan {
-  rank_memory memory;
+  rank_memory memory;  // in the model's memory space (ledger::peak)
+  // With setup::offload, in the offload space (ledger::offload().peak): the master
+  // pieces, their reduced gradients' copies, the optimizer state and, for 16-bit
+  // layers, the pieces rounded to their dtype on the way back. All persistent.
+  rank_memory offloaded;
   traffic sent;
 };
 
@@ -254,8 +260,12 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   mem.activations = d.activation_bytes;
   // Persistent: the master pieces (unless the values hold them), their 16-bit
   // copies, the optimizer state of the pieces, the reduced gradients of the pieces.
-  mem.parameters = (master_in_values ? c * all : m * all / N) + (compute16 && pol.shard_optimizer ? c * all / N : 0);
-  mem.optimizer_state = o * all / N;
+  // Offloaded, the optimizer's side moves to the offload space; the model's space keeps
+  // the parameters layers need: the fp32 piece (fp32 layers) or its 16-bit copy.
+  const std::size_t copy16 = compute16 && pol.shard_optimizer ? c * all / N : 0;
+  mem.parameters = (master_in_values ? c * all : s.offload && compute16 ? 0 : m * all / N) + copy16;
+  mem.optimizer_state = s.offload ? 0 : o * all / N;
+  if (s.offload) p.offloaded = {.parameters = m * all / N + copy16, .gradients = m * all / N, .optimizer_state = o * all / N};
   if (sharded) {
     // Gathered: the root all step, plus the unit running and the `prefetch` after
     // it — or every unit, none freed between forward and backward.
@@ -301,9 +311,11 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
     t.all_reduce = 2 * (replicas - 1) / replicas * double(m) * P / double(G);
     t.exposed += t.all_reduce;
   }
-  if (s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16) {  // loss scaling's overflow vote
-    t.all_reduce += 2 * fW * 4;
-    t.exposed += 2 * fW * 4;
+  // train_step's one scalar all-reduce: the global mean loss and fp16 loss scaling's
+  // overflow vote, two floats, sent when either is on.
+  if (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16) {
+    t.all_reduce += 2 * fW * 8;
+    t.exposed += 2 * fW * 8;
   }
   return p;
 }

@@ -42,6 +42,12 @@ struct options {
   mixed_precision precision{};  // gather / reduce dtypes; F16 turns on dynamic loss scaling in train_step
   loss_scaler scaler{};         // its initial scale and growth rule
   nn::context::options context{};  // training flag, dropout seed (rank and step are set by the model)
+  // ZeRO-Offload / FSDP's CPUOffload: this rank's fp32 master piece, a copy of its reduced
+  // gradients and its optimizer state live in host memory (offload_space_t of the model's
+  // space: pinned memory beside a device) and the optimizer steps there, unit by unit; the
+  // updated piece (rounded to the layers' dtype when they compute in 16 bits) is copied back
+  // to the model's space. Bit for bit the same training as without it.
+  bool offload = false;
 };
 
 // train_step's options and what it returns.
@@ -99,6 +105,7 @@ class ShardedModel {
   using work_type = decltype(std::declval<Comm&>().all_gather_async(std::span<const T>{}, std::span<T>{}));
   using unit_type = unit<T, compute_type, space, work_type, typename Optimizer::state>;
   using state = typename unit_type::state;
+  using offload_space = typename unit_type::offload_space;
 
  private:
   using C = compute_type;
@@ -108,6 +115,9 @@ class ShardedModel {
                                     "include shardlib/shard/cuda/space_ops.cuh)");
   static_assert(!compute16 || (std::is_same_v<T, float> && (std::is_same_v<C, bfloat16> || std::is_same_v<C, half>)),
                 "ShardedModel: layers compute in the master dtype or, with float masters, in bfloat16 or half");
+  static_assert(OffloadSpace<space>, "ShardedModel: the model's memory space has no offload space and channel "
+                                     "(offload_space_t, space_ops<Space>::offload_channel)");
+  using offload_ops = space_ops<host_space>;  // the offload space is host memory: the optimizer's side runs there
 
  public:
   ShardedModel(Model& model, Comm& comm, Strategy strategy, options o)
@@ -127,6 +137,7 @@ class ShardedModel {
       scaler_ = opts_.scaler;
     }
     make_groups();
+    if (opts_.offload) offload_.emplace();
     for (auto& spec : discover_units<C>(model, opts_.wrap)) {
       index_[{spec.address, spec.type}] = int(units_.size());
       auto& u = units_.emplace_back();
@@ -279,19 +290,10 @@ class ShardedModel {
     static_assert(std::is_same_v<std::remove_cvref_t<O>, Optimizer>,
                   "ShardedModel::step: the model keeps optimizer state of the type it was wrapped for; wrap it "
                   "with fully_shard<YourOptimizer>(...) or fully_shard(model, comm, strategy, optimizer, options)");
-    for (auto& u : units_) {
-      auto& st = optimizer_state(opt, u);
-      auto values = master_local(u);
-      const std::span<const T> grads(u.grad->local());
-      // the compute copy for the next gather, in the same pass where the optimizer can
-      if constexpr (compute16 && requires { opt.step(values, grads, st, u.compute_shard.span()); }) {
-        opt.step(values, grads, st, u.compute_shard.span());
-      } else {
-        if constexpr (optim::is_param_groups<Optimizer>) opt.step(values, grads, st, segments(opt, u));
-        else opt.step(values, grads, st);
-        if constexpr (compute16) ops::narrow(std::span<const T>(values), u.compute_shard.span());
-      }
-    }
+    if (offload_) offloaded_step(opt);
+    else
+      for (auto& u : units_)
+        update<ops>(opt, u, master_local(u), std::span<const T>(u.grad->local()), u.compute_shard.span());
     if (!policy_.shard_parameters) refresh_values();
     ++step_;
   }
@@ -423,8 +425,10 @@ class ShardedModel {
             u.name, "' while it is gathered (load between steps)");
     ops::from_host(values, local);
     if constexpr (compute16) ops::narrow(std::span<const T>(local), u.compute_shard.span());
+    else if (u.offload) offload_ops::copy(values, u.offload->master.span());
     if (!policy_.shard_parameters) refresh_values(u);
   }
+  bool offloaded() const { return offload_.has_value(); }
   // Resuming: the step counter (dropout streams depend on it) and the fp16 loss scaler.
   void set_steps(std::uint64_t steps) { step_ = steps; }
   void set_scaler(const loss_scaler& s) {
@@ -522,7 +526,9 @@ class ShardedModel {
     return !policy_.shard_parameters && !compute16 && opts_.precision.param == dtype::f32;
   }
   std::span<T> master_local(unit_type& u) {
-    if constexpr (!compute16) {
+    if constexpr (compute16) {
+      if (u.offload) return u.offload->master.span();
+    } else {
       if (master_in_values()) {
         const auto l = partition(std::size_t(index_of(u)));
         return u.values.span().subspan(l.begin(partition_rank()), l.shard_size());
@@ -537,13 +543,21 @@ class ShardedModel {
     const std::size_t i = std::size_t(index_of(u));
     const shard_layout part = partition(i);
     const int pr = partition_rank();
-    if (!master_in_values()) {
+    if (offload_) {  // the optimizer's side, drawn in place as the model's space draws it
+      ledger_scope in_offload(current_ledger().offload());
+      auto& o = u.offload.emplace();
+      o.master = Buffer<T, offload_space>(part.shard_size(), category::parameters);
+      offload_ops::initialize(u.layout, opts_.seed, part.begin(pr), o.master.span());
+      o.grad = Buffer<T, offload_space>(part.shard_size(), category::gradients);
+      if constexpr (compute16) o.compute_copy = Buffer<C, offload_space>(part.shard_size(), category::parameters);
+    }
+    if (!master_in_values() && !(compute16 && offload_)) {
       u.master.emplace(part.numel, part.world, pr, category::parameters);
       ops::initialize(u.layout, opts_.seed, part.begin(pr), u.master->local());
     }
     if constexpr (compute16) {
       u.compute_shard = Buffer<C, space>(part.shard_size(), category::parameters);
-      ops::narrow(std::span<const T>(u.master->local()), u.compute_shard.span());
+      ops::narrow(std::span<const T>(master_local(u)), u.compute_shard.span());
     }
     u.grad.emplace(part.numel, part.world, pr, category::gradients);
     if (policy_.shard_parameters) return;
@@ -672,6 +686,7 @@ class ShardedModel {
           if (full[k] != T(H(master[k]))) master[k] = full[k];
       });
     }
+    if (u.offload && !compute16) offload_->wait(offload_->to_offload(std::span<const T>(master), u.offload->master.span()));
     if (!policy_.shard_parameters) refresh_values(u);
   }
   void release_full_params() {
@@ -703,8 +718,49 @@ class ShardedModel {
   // --- optimizer -------------------------------------------------------------------------------
   template <class O>
   typename Optimizer::state& optimizer_state(O& opt, unit_type& u) {
-    if (!u.optimizer_state) u.optimizer_state.emplace(opt.make_state(master_local(u).size()));
+    if (!u.optimizer_state) {
+      std::optional<ledger_scope> in_offload;
+      if (u.offload) in_offload.emplace(current_ledger().offload());
+      u.optimizer_state.emplace(opt.make_state(master_local(u).size()));
+    }
     return *u.optimizer_state;
+  }
+
+  // One unit's optimizer step over values and grads in the memory Ops works on, and
+  // the 16-bit compute copy for the next gather (in the same pass where the optimizer can).
+  template <class Ops, class O>
+  void update(O& opt, unit_type& u, std::span<T> values, std::span<const T> grads, std::span<C> copy16) {
+    auto& st = optimizer_state(opt, u);
+    if constexpr (compute16 && requires { opt.step(values, grads, st, copy16); }) {
+      opt.step(values, grads, st, copy16);
+    } else {
+      if constexpr (optim::is_param_groups<Optimizer>) opt.step(values, grads, st, segments(opt, u));
+      else opt.step(values, grads, st);
+      if constexpr (compute16) Ops::narrow(std::span<const T>(values), copy16);
+    }
+  }
+  // options.offload's step, pipelined per unit: unit i+1's reduced gradients travel to
+  // the offload space while unit i steps there, and unit i's updated piece travels back
+  // while unit i+1 steps (on the device, on the channel's side stream; the host copies
+  // in the same order, one at a time). The next forward's gathers run after fence().
+  template <class O>
+  void offloaded_step(O& opt) {
+    auto& channel = *offload_;
+    std::vector<typename space_ops<space>::offload_channel::ticket> sent(units_.size());
+    auto send = [&](std::size_t i) {
+      sent[i] = channel.to_offload(std::span<const T>(units_[i].grad->local()), units_[i].offload->grad.span());
+    };
+    if (!units_.empty()) send(0);
+    for (std::size_t i = 0; i < units_.size(); ++i) {
+      if (i + 1 < units_.size()) send(i + 1);
+      channel.wait(sent[i]);
+      auto& u = units_[i];
+      auto& o = *u.offload;
+      update<offload_ops>(opt, u, o.master.span(), std::span<const T>(o.grad.span()), o.compute_copy.span());
+      if constexpr (compute16) channel.from_offload(std::span<const C>(o.compute_copy.span()), u.compute_shard.span());
+      else channel.from_offload(std::span<const T>(o.master.span()), master_local(u));
+    }
+    channel.fence();
   }
 
   // Each unit's runs of parameter groups over this rank's piece, made at the first grouped step.
@@ -744,6 +800,7 @@ class ShardedModel {
   bool forwarded_ = false;  // a forward completed since the last backward
   std::optional<loss_scaler> scaler_;
   std::vector<std::vector<optim::segment>> segments_;  // parameter groups' runs per unit (segments())
+  std::optional<typename space_ops<space>::offload_channel> offload_;  // options.offload
   std::uint64_t step_ = 0;
   sharded_context<ShardedModel> ctx_;
 };

@@ -5,12 +5,14 @@
 #include "shardlib/config.hpp"
 #include "shardlib/comm/communicator.hpp"
 #include "shardlib/core/element.hpp"
+#include "shardlib/core/error.hpp"
 #include "shardlib/core/memory_space.hpp"
 #include "shardlib/nn/flat.hpp"
 #include "shardlib/optim/clip.hpp"
 #include "shardlib/shard/precision.hpp"
 
 #include <algorithm>  // std::copy_n, std::fill_n
+#include <cstddef>    // std::size_t
 #include <cstdint>    // std::uint64_t
 #include <span>       // std::span
 #include <type_traits>  // std::is_same_v
@@ -43,6 +45,16 @@ namespace shardlib::shard {
 //                                              would not be ordered after the work the
 //                                              engine issues (device: its compute stream
 //                                              must be the thread's current stream)
+//   offload_channel                            options.offload's copies between Space and
+//                                              O = offload_space_t<Space> (host memory):
+//     to_offload(span<const T>, span<T> in O) -> ticket
+//                                              issued after the work issued on Space so far
+//     wait(ticket)                             the host waits for that copy alone
+//     from_offload(span<const T> in O, span<T>)  issued now; the host may reuse the
+//                                              source only after fence()
+//     fence()                                  work issued on Space from now on runs after
+//                                              every from_offload copy, and the host waits
+//                                              for them
 //
 // Device implementations run on the thread's current stream and may return
 // before the work is done, except where "complete on return" is said.
@@ -104,10 +116,38 @@ struct space_ops<host_space> {
   }
   template <class Comm>
   static void check_stream(const Comm&, int) {}
+
+  // Both spaces are host memory: each copy is complete when the call returns, so
+  // nothing overlaps here; the engine issues and waits in the device's order
+  // (a unit's gradients go out before the previous unit's optimizer step, its
+  // parameters come back right after its own), which the host tests run.
+  class offload_channel {
+   public:
+    using ticket = std::size_t;
+    template <class T>
+    ticket to_offload(std::span<const T> src, std::span<T> dst) {
+      copy(src, dst);
+      return issued_++;
+    }
+    void wait(ticket t) const { require(t < issued_, "offload_channel: waiting for copy ", t, " never issued"); }
+    template <class T>
+    void from_offload(std::span<const T> src, std::span<T> dst) {
+      copy(src, dst);
+    }
+    void fence() {}
+
+   private:
+    ticket issued_ = 0;
+  };
 };
 
 // The spaces the engine can keep a model's shards in.
 template <class Space>
 concept EngineSpace = MemorySpace<Space> && requires { sizeof(space_ops<Space>); };
+
+// What options.offload needs besides: a host-reachable offload space and a channel to it.
+template <class Space>
+concept OffloadSpace = EngineSpace<Space> && can_access<host_space, offload_space_t<Space>> &&
+                       requires { typename space_ops<Space>::offload_channel; };
 
 }  // namespace shardlib::shard

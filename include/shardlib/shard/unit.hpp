@@ -35,11 +35,23 @@ struct unit {
   std::vector<param_alias> aliases;  // further names of tied parameters (shard/discover.hpp)
 
   // fp32 master values this rank steps. Absent when they live inside `values`
-  // (replicated parameters kept in the master dtype: NoShard, ZeRO-1 in fp32).
+  // (replicated parameters kept in the master dtype: NoShard, ZeRO-1 in fp32), or
+  // in `offload` (16-bit compute with options.offload).
   std::optional<ShardedTensor<T, Space>> master;
   std::optional<ShardedTensor<T, Space>> grad;  // reduced gradients, the same partition as the master
   Buffer<C, Space> compute_shard;               // 16-bit compute: the master rounded to C
-  std::optional<State> optimizer_state;         // made on the first step
+  std::optional<State> optimizer_state;         // made on the first step (in `offload`'s space when offloaded)
+
+  // options.offload: the optimizer's side of this rank's piece, in host memory of
+  // offload_space_t<Space>. With fp32 layers, `master` (or `values`) stays as the
+  // parameters' copy in Space, equal to offload->master after every step.
+  using offload_space = offload_space_t<Space>;
+  struct offloaded {
+    Buffer<T, offload_space> master;        // the master the optimizer steps
+    Buffer<T, offload_space> grad;          // the reduced gradients, copied from `grad` at the step
+    Buffer<C, offload_space> compute_copy;  // 16-bit compute: the master rounded, copied to compute_shard
+  };
+  std::optional<offloaded> offload;
 
   // Full values layers read: while gathered (sharded parameters) or always
   // (replicated). Full local gradients layers write: from pre-backward until

@@ -12,7 +12,8 @@
 #include "shardlib/cuda/copy.hpp"               // copy_async
 #include "shardlib/cuda/current.hpp"            // current_stream
 #include "shardlib/cuda/error.hpp"              // check, current_device
-#include "shardlib/cuda/memory_space.hpp"       // cuda_space
+#include "shardlib/cuda/memory_space.hpp"       // cuda_space, pinned_space
+#include "shardlib/cuda/stream.hpp"             // stream, event
 #include "shardlib/nn/flat.hpp"                 // flat_layout, initialize_range
 #include "shardlib/ops/cuda/elementwise.cuh"    // cast
 #include "shardlib/ops/cuda/launch.cuh"         // for_each_index
@@ -29,6 +30,15 @@
 #include <span>       // std::span
 #include <thread>     // std::thread
 #include <vector>     // std::vector
+
+// options.offload beside device memory: pinned host memory, which the copies reach
+// asynchronously and the host optimizer steps in place.
+namespace shardlib {
+template <>
+struct offload_space_of<cuda_space> {
+  using type = pinned_space;
+};
+}  // namespace shardlib
 
 namespace shardlib::shard {
 
@@ -229,8 +239,50 @@ struct space_ops<cuda_space> {
               "where the model's tensors and layers work: pass comm.on(stream) for the stream of the "
               "cuda::stream_scope the model runs in");
   }
+
+  // options.offload's copies between device memory and pinned host memory, on a side
+  // stream of the current device, so that they overlap the compute stream's work and
+  // the host's optimizer steps: a copy to the offload space first waits (an event) for
+  // what the compute stream has issued; fence() makes the compute stream wait (an
+  // event) for every copy back, and the host too, since its next step rewrites the
+  // pinned sources. Both directions share the side stream, so they run in issue order.
+  class offload_channel {
+   public:
+    using ticket = std::size_t;
+    offload_channel() : side_(cuda::current_device()) {}
+
+    template <class T>
+    ticket to_offload(std::span<const T> src, std::span<T> dst) {
+      cuda::event issued;
+      issued.record(cuda::current_stream());
+      issued.make_wait(side_);
+      cuda::copy_async(dst, src, side_);
+      copied_.emplace_back().record(side_);
+      return copied_.size() - 1;
+    }
+    void wait(ticket t) const {
+      require(t < copied_.size(), "offload_channel: waiting for copy ", t, " never issued");
+      copied_[t].synchronize();
+    }
+    template <class T>
+    void from_offload(std::span<const T> src, std::span<T> dst) {
+      cuda::copy_async(dst, src, side_);
+    }
+    void fence() {
+      cuda::event back;
+      back.record(side_);
+      back.make_wait(cuda::current_stream());
+      back.synchronize();
+      copied_.clear();
+    }
+
+   private:
+    cuda::stream side_;
+    std::vector<cuda::event> copied_;
+  };
 };
 
 static_assert(EngineSpace<cuda_space>);
+static_assert(OffloadSpace<cuda_space>);
 
 }  // namespace shardlib::shard
