@@ -13,6 +13,7 @@
 //   rank_agreement.hpp          on_all_ranks: every rank fails together
 //   reshard.hpp                 which ranks read which ranges, and the load on every rank
 //   checkpoint_safetensors.hpp  export and import of one safetensors file, with a model or without
+//   sharded_state.hpp           state dicts in memory (sharded or full); a save writes their pieces
 //
 // The format, the guarantees and the resharding algorithm: docs/checkpoints.md.
 #pragma once
@@ -28,19 +29,17 @@
 #include "shardlib/io/consolidated_file.hpp"       // consolidated_info, safetensors_source
 #include "shardlib/io/optimizer_record.hpp"        // detail::optimizer_name, buffer_names, check_same_optimizer, ...
 #include "shardlib/io/rank_agreement.hpp"          // detail::on_all_ranks, broadcast_string
-#include "shardlib/io/reshard.hpp"                 // detail::partitions_of, written_partition, load_from, ...
+#include "shardlib/io/reshard.hpp"                 // detail::load_from, request_range, check_parameters, ...
+#include "shardlib/io/sharded_state.hpp"           // get_model_state, get_optimizer_state, detail::offered_pieces
 #include "shardlib/optim/param_groups.hpp"         // OptimizerOrGroups
 #include "shardlib/shard/sharded_model.hpp"        // ShardedModel
 #include "shardlib/shard/strategy.hpp"             // HybridShard
 
 #include <nlohmann/json.hpp>  // nlohmann::json
 
-#include <algorithm>    // std::copy_n
-#include <cstddef>      // std::size_t, std::ptrdiff_t
+#include <cstddef>      // std::size_t
 #include <cstdint>      // std::uint64_t, std::int64_t
 #include <filesystem>   // std::filesystem
-#include <functional>   // std::less
-#include <map>          // std::map
 #include <optional>     // std::optional
 #include <span>         // std::span
 #include <string>       // std::string
@@ -104,8 +103,14 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
     m.param_dtype = std::string(name(model.precision().param));
     m.reduce_dtype = std::string(name(model.precision().reduce));
     m.steps = model.steps();
-    m.optimizer = checkpoint_optimizer{detail::optimizer_name<O>(), model.optimizer_state(opt, 0).step,
-                                       detail::buffer_names(opt), detail::hyperparameters_of(model, opt)};
+    // What this rank holds, as the in-memory sharded state dict: its file holds these pieces.
+    model_state_dict params;
+    optim_state_dict state;
+    detail::on_all_ranks(comm, what, [&] {
+      params = get_model_state(model);
+      state = get_optimizer_state(model, opt);
+    });
+    m.optimizer = state.record;
     detail::check_same_optimizer(comm, *m.optimizer, what);
     m.scaler = model.scaler();
     m.user = o.user;
@@ -117,21 +122,16 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
       m.units.push_back(std::move(cu));
     }
 
-    // This rank's shard file: every element it writes lies in its local buffers.
+    // This rank's shard file: its partition is exactly the pieces it holds.
     const int part = model.written_partition();
     checkpoint_file mine;
     detail::on_all_ranks(comm, what, [&] {
       if (part < 0) return;
-      std::vector<std::map<std::string, std::span<const float>, std::less<>>> buffers;
-      for (std::size_t i = 0; i < model.unit_count(); ++i)
-        buffers.push_back(detail::buffers_of(model.optimizer_state(opt, i)));
+      const detail::offered_pieces src(std::span(&params, 1), std::span(&state, 1));
       mine = detail::write_shard_file(
           temp, part, m, rank, o.write_hook,
           [&](std::size_t u, std::string_view kind, std::uint64_t first, std::span<float> out) {
-            const bool master = kind == "master";
-            const auto local = master ? model.master_piece(u) : buffers[u].find(kind)->second;
-            const std::uint64_t begin = detail::piece_begin(model, u);
-            std::copy_n(local.begin() + std::ptrdiff_t(first - begin), out.size(), out.begin());
+            detail::request_range(m.units[u].params, src, kind, first, out);
           });
     });
 

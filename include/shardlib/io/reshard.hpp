@@ -1,7 +1,8 @@
 // shardlib/io/reshard.hpp — the resharding load: where each rank's master values and
 // optimizer state lie in a unit's flat vector under each strategy, the ranges of saved
-// parameters each rank requests by name (from a checkpoint or a safetensors file), the
-// checks that the model and the source agree, and loading the result on every rank.
+// parameters each rank requests by name (from a checkpoint, a safetensors file, or the
+// pieces of in-memory state dicts: sharded_state.hpp), the checks that the model and the
+// source agree, and loading the result on every rank.
 //
 // The algorithm: docs/checkpoints.md.
 #pragma once
