@@ -62,7 +62,8 @@ void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, cons
     l.reset_peaks();  // the peaks of this step alone
     const auto t_step = std::chrono::steady_clock::now();
     auto [x, y] = batch(first, per_rank);
-    const float loss = sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+    // Each rank prints its own loss, as the article's script does (train_step's default is the global mean).
+    const float loss = sharded.train_step(opt, x, y, sl::nn::cross_entropy, {.loss = sl::shard::loss_report::local});
     if (finish) finish();
     if (metrics) log_metrics(metrics, program, strategy, c.size(), c.rank(), step, loss, since(t_step), tokens, l);
     if (step % every == 0) std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
