@@ -5,6 +5,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 
 #include <cmath>        // std::erf, std::exp, std::tanh
 #include <cstdint>      // std::int64_t
@@ -83,7 +84,8 @@ class gelu_base : public activation_base {
 };
 template <class X, class Y>
 void require_backward_of(const char* layer, const X& x, const Y& dy) {
-  require<shape_error>(!x.empty() && dy.shape() == x.shape(), layer,
+  require_activations(!x.empty(), layer);
+  require<shape_error>(dy.shape() == x.shape(), layer,
                        ": backward needs the gradient of the last forward's output (shape ", x.shape(), "), got shape ",
                        dy.shape());
 }
@@ -133,8 +135,8 @@ class ReLU : public detail::activation_base {
   using output = Tensor<T>;
 
   template <class Ctx>
-  output forward(Ctx&, const input& x) {
-    x_ = x;
+  output forward(Ctx& ctx, const input& x) {
+    x_ = grad_enabled(ctx) ? x : input{};
     return detail::elementwise(x, [](T v) { return relu(v); });
   }
   template <class Ctx>
@@ -160,8 +162,8 @@ class GELU : public detail::gelu_base {
   using gelu_base::gelu_base;  // GELU(), GELU(approximate)
 
   template <class Ctx>
-  output forward(Ctx&, const input& x) {
-    x_ = x;
+  output forward(Ctx& ctx, const input& x) {
+    x_ = grad_enabled(ctx) ? x : input{};
     return detail::elementwise(x, [a = approx_](T v) { return gelu(v, a); });
   }
   template <class Ctx>
@@ -185,8 +187,8 @@ class SiLU : public detail::activation_base {
   using output = Tensor<T>;
 
   template <class Ctx>
-  output forward(Ctx&, const input& x) {
-    x_ = x;
+  output forward(Ctx& ctx, const input& x) {
+    x_ = grad_enabled(ctx) ? x : input{};
     return detail::elementwise(x, [](T v) { return silu(v); });
   }
   template <class Ctx>

@@ -5,6 +5,7 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/random.hpp"
 #include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/param.hpp"
@@ -175,6 +176,7 @@ class MultiheadAttention : public detail::attention_base<T, Space> {
     probs_ = Tensor<T>({batch_, o_.num_heads, seq_, seq_});
     Tensor<T> attn(x.shape());  // heads concatenated, rows laid out as x's
     sdpa_forward(heads(qkv_, 0), heads(qkv_, 1), heads(qkv_, 2), heads(attn, 0), probs_.data(), sdpa(mask));
+    if (!grad_enabled(ctx)) x_ = qkv_ = probs_ = {};  // kept only for backward
     return ctx.forward(out_proj, attn);
   }
 

@@ -75,6 +75,10 @@ class context {
   counter_rng random_stream() {
     return counter_rng(o_.seed ^ (std::uint64_t(o_.rank) << 48), (o_.step << 20) + draws_++);
   }
+  // How many streams this step has drawn; rewinding replays the same streams
+  // (a checkpointed layer's recompute draws its dropout masks again).
+  std::uint64_t draws() const { return draws_; }
+  void rewind_draws(std::uint64_t n) { draws_ = n; }
 
  private:
   options o_{};

@@ -5,6 +5,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/rotary.hpp"
 #include "shardlib/nn/sdpa.hpp"
 
@@ -139,7 +140,7 @@ class decoder_attention {
     auto [keys, values] = cache_ ? cache_->append(k, v, name_) : std::pair{k, v};
     probs_ = Tensor<T>({B, o_.heads, S, keys.seq});
     sdpa_forward(q, keys, values, out, probs_.data(), sdpa_);
-    if (cache_) {
+    if (cache_ || !grad_enabled(ctx)) {  // no backward follows
       probs_ = {};
       return;
     }
@@ -151,7 +152,7 @@ class decoder_attention {
   // dq, dk, dv (views shaped as forward's q, k, v) from dout, overwritten.
   void backward(const head_view<T>& dout, const head_view<T>& dq, const head_view<T>& dk, const head_view<T>& dv) {
     require(!cache_, name_, ": backward with the KV cache on: the cache is for inference (disable_kv_cache() to train)");
-    require(!probs_.empty(), name_, ": backward needs a forward first");
+    require_activations(!probs_.empty(), name_);
     sdpa_backward(dout, q_, k_, v_, probs_.data(), dq, dk, dv, sdpa_);
     if (o_.rotary) {
       const rotary_table<T> table(*o_.rotary, 0, q_.seq);

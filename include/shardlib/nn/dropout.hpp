@@ -4,6 +4,7 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/random.hpp"
 #include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 
 #include <cstdint>      // std::int64_t, std::uint64_t
 #include <type_traits>  // std::is_same_v
@@ -64,7 +65,7 @@ class dropout_base {
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
     shape_ = x.shape();
-    pending_ = true;
+    pending_ = grad_enabled(ctx);  // the stream is all backward needs: no mask is kept
     masked_ = ctx.training() && p_ > 0;
     if (!masked_) return x;
     stream_ = ctx.random_stream();
@@ -73,7 +74,8 @@ class dropout_base {
 
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require<shape_error>(pending_ && dy.shape() == shape_, "Dropout(", p_,
+    require_activations(pending_, "Dropout(", p_, ")");
+    require<shape_error>(dy.shape() == shape_, "Dropout(", p_,
                          "): backward needs the gradient of the last forward's output (shape ", shape_, "), got shape ",
                          dy.shape());
     pending_ = false;

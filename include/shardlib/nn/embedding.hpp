@@ -4,6 +4,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/param.hpp"
 
 #include <algorithm>    // std::copy_n
@@ -39,7 +40,7 @@ class Embedding {
   }
 
   template <class Ctx>
-  output forward(Ctx&, const input& ids) {
+  output forward(Ctx& ctx, const input& ids) {
     require<shape_error>(!ids.empty() && ids.rank() < Shape::max_rank, "Embedding(", num_, ", ", dim_,
                          "): needs ids of rank below ", Shape::max_rank, ", got shape ", ids.shape(),
                          ids.empty() ? " (an empty tensor)" : "");
@@ -52,14 +53,14 @@ class Embedding {
                               " of the input ", ids.shape(), " is out of range for a table of ", num_, " rows"));
       std::copy_n(weight.value + id * dim_, dim_, y.data() + i * dim_);
     }
-    ids_ = ids;
+    ids_ = grad_enabled(ctx) ? ids : input{};
     return y;
   }
 
   // Rows used several times accumulate every use's gradient.
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require<shape_error>(!ids_.empty(), "Embedding(", num_, ", ", dim_, "): backward without a forward");
+    require_activations(!ids_.empty(), "Embedding(", num_, ", ", dim_, ")");
     weight.require_bound("Embedding", true);
     const Shape expected = output_shape(ids_.shape());
     require<shape_error>(dy.shape() == expected, "Embedding(", num_, ", ", dim_,
@@ -135,7 +136,7 @@ class PositionEmbedding {
   }
 
   template <class Ctx>
-  output forward(Ctx&, const input& x) {
+  output forward(Ctx& ctx, const input& x) {
     require<shape_error>(x.rank() >= 2 && x.dim(x.rank() - 1) == dim_, "PositionEmbedding(", max_, ", ", dim_,
                          "): input must be [..., sequence, ", dim_, "], got shape ", x.shape());
     const std::int64_t seq = x.dim(x.rank() - 2);
@@ -153,13 +154,14 @@ class PositionEmbedding {
     }
     shape_ = x.shape();
     used_offset_ = offset_;
-    pending_ = true;
+    pending_ = grad_enabled(ctx);
     return y;
   }
 
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require<shape_error>(pending_ && dy.shape() == shape_, "PositionEmbedding(", max_, ", ", dim_,
+    require_activations(pending_, "PositionEmbedding(", max_, ", ", dim_, ")");
+    require<shape_error>(dy.shape() == shape_, "PositionEmbedding(", max_, ", ", dim_,
                          "): backward needs the gradient of the last forward's output (shape ", shape_,
                          "), got shape ", dy.shape());
     weight.require_bound("PositionEmbedding", true);

@@ -6,6 +6,7 @@
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/activation.hpp"
 #include "shardlib/nn/dropout.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/nn/linear.hpp"
 
@@ -68,7 +69,9 @@ class LlamaMLP {
                          x.shape());
     a_ = ctx.forward(act_fn, ctx.forward(gate_proj, x));
     u_ = ctx.forward(up_proj, x);
-    return ctx.forward(down_proj, detail::elementwise(a_, u_, std::multiplies<T>{}));
+    const Tensor<T> h = detail::elementwise(a_, u_, std::multiplies<T>{});
+    if (!grad_enabled(ctx)) a_ = u_ = {};  // kept only for backward
+    return ctx.forward(down_proj, h);
   }
 
   // h = a * u with a = silu(gate), so dh flows to a as dh * u and to u as dh * a;

@@ -6,6 +6,7 @@
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/decoder_attention.hpp"
 #include "shardlib/nn/dropout.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/param.hpp"
@@ -92,12 +93,14 @@ class GPT2Attention {
     Tensor<T> attn(x.shape());
     const auto [q, k, v] = thirds(qkv_);
     core_.forward(ctx, q, k, v, heads(attn.data(), E));
+    if (!grad_enabled(ctx)) qkv_ = {};  // kept only for backward
     return ctx.forward(resid_dropout, ctx.forward(c_proj, attn));
   }
 
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    require<shape_error>(!qkv_.empty() && dy.rank() == 3 && dy.dim(0) == qkv_.dim(0) && dy.dim(1) == qkv_.dim(1) &&
+    require_activations(!qkv_.empty(), core_.name());
+    require<shape_error>(dy.rank() == 3 && dy.dim(0) == qkv_.dim(0) && dy.dim(1) == qkv_.dim(1) &&
                              dy.dim(2) == o_.n_embd,
                          core_.name(), ": backward needs the gradient of the last forward's output, got shape ",
                          dy.shape());

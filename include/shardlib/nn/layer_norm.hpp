@@ -3,6 +3,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/param.hpp"
 
 #include <cmath>        // std::sqrt
@@ -86,12 +87,13 @@ class LayerNorm : public detail::layer_norm_base<T> {
   using base::base;  // LayerNorm(normalized_dim, eps = 1e-5, elementwise_affine = true)
 
   template <class Ctx>
-  output forward(Ctx&, const input& x) {
+  output forward(Ctx& ctx, const input& x) {
     this->check_input(x.shape());
     const std::int64_t rows = x.numel() / d_;
-    x_ = x;
-    mean_ = Tensor<T>(Shape{rows});
-    rstd_ = Tensor<T>(Shape{rows});
+    const bool keep = grad_enabled(ctx);  // x, mean and rstd for backward
+    x_ = keep ? x : input{};
+    mean_ = keep ? Tensor<T>(Shape{rows}) : Tensor<T>{};
+    rstd_ = keep ? Tensor<T>(Shape{rows}) : Tensor<T>{};
     output y(x.shape());
     for (std::int64_t r = 0; r < rows; ++r) {
       const T* xr = x.data() + r * d_;
@@ -101,8 +103,10 @@ class LayerNorm : public detail::layer_norm_base<T> {
       T sq = 0;  // two passes: no cancellation when |mean| >> std
       for (std::int64_t i = 0; i < d_; ++i) sq += (xr[i] - mean) * (xr[i] - mean);
       const T rstd = T(1) / std::sqrt(sq / T(d_) + T(eps_));
-      mean_[r] = mean;
-      rstd_[r] = rstd;
+      if (keep) {
+        mean_[r] = mean;
+        rstd_[r] = rstd;
+      }
       T* yr = y.data() + r * d_;
       for (std::int64_t i = 0; i < d_; ++i) {
         const T xhat = (xr[i] - mean) * rstd;
@@ -116,6 +120,7 @@ class LayerNorm : public detail::layer_norm_base<T> {
   // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dweight += dy * xhat; dbias += dy.
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
+    require_activations(!x_.empty(), "LayerNorm(", d_, ")");
     this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / d_;
     input dx(x_.shape());

@@ -3,6 +3,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/param.hpp"
 #include "shardlib/ops/gemm.hpp"
 
@@ -96,10 +97,11 @@ class Linear : public detail::linear_base<T> {
 
   using base::base;  // Linear(in_features, out_features, bias = true)
 
+  // Caches x for backward unless the context says none follows (nn::grad_enabled).
   template <class Ctx>
-  output forward(Ctx&, const input& x) {
+  output forward(Ctx& ctx, const input& x) {
     this->check_input(x.shape());
-    x_ = x;
+    x_ = grad_enabled(ctx) ? x : input{};
     const std::int64_t rows = x.numel() / in_;
     output y(this->output_shape(x.shape()));
     if (has_bias_)  // y starts as the bias, which the product adds to (beta 1)
@@ -111,6 +113,7 @@ class Linear : public detail::linear_base<T> {
 
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
+    require_activations(!x_.empty(), "Linear(", in_, " -> ", out_, ")");
     this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / in_;
     ops::gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, T(1), dy.data(), out_, x_.data(), in_, T(1),

@@ -6,6 +6,7 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/decoder_attention.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/param.hpp"
@@ -99,12 +100,14 @@ class LlamaAttention {
     v_ = ctx.forward(v_proj, x);
     Tensor<T> attn({x.dim(0), x.dim(1), o_.num_attention_heads * o_.head_dim});
     core_.forward(ctx, heads(q_), heads(k_), heads(v_), heads(attn));
+    if (!grad_enabled(ctx)) q_ = k_ = v_ = {};  // kept only for backward
     return ctx.forward(o_proj, attn);
   }
 
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    require<shape_error>(!q_.empty() && dy.rank() == 3 && dy.dim(0) == q_.dim(0) && dy.dim(1) == q_.dim(1) &&
+    require_activations(!q_.empty(), core_.name());
+    require<shape_error>(dy.rank() == 3 && dy.dim(0) == q_.dim(0) && dy.dim(1) == q_.dim(1) &&
                              dy.dim(2) == o_.hidden_size,
                          core_.name(), ": backward needs the gradient of the last forward's output, got shape ",
                          dy.shape());

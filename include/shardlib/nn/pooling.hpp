@@ -4,6 +4,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 
 #include <array>        // std::array
 #include <cstdint>      // std::int64_t, std::uint8_t
@@ -74,7 +75,8 @@ class mean_pool_base {
   }
   // backward's check of dy's shape.
   void check_grad(const Shape& dy) const {
-    require<shape_error>(shape_.rank() > 0 && dy == pooled_shape(), "MeanPool(", dim_,
+    require_activations(shape_.rank() > 0, "MeanPool(", dim_, ")");
+    require<shape_error>(dy == pooled_shape(), "MeanPool(", dim_,
                          "): backward needs the gradient of the last forward's output, got shape ", dy);
   }
 
@@ -122,6 +124,10 @@ class MeanPool : public detail::mean_pool_base {
         for (std::int64_t l = 0; l < len; ++l) s += weight(o, l, i) * x[(o * len + l) * inner + i];
         y[o * inner + i] = s;
       }
+    if (!grad_enabled(ctx)) {  // nothing kept for a backward
+      shape_ = {};
+      weights_ = {};
+    }
     return y;
   }
 

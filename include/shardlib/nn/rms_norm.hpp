@@ -4,6 +4,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/param.hpp"
 
 #include <cmath>        // std::sqrt
@@ -42,20 +43,21 @@ class RMSNorm {
   }
 
   template <class Ctx>
-  output forward(Ctx&, const input& x) {
+  output forward(Ctx& ctx, const input& x) {
     require<shape_error>(x.rank() >= 1 && x.dim(x.rank() - 1) == d_, "RMSNorm(", d_,
                          "): input's last dimension must be ", d_, ", got shape ", x.shape());
     weight.require_bound("RMSNorm");
     const std::int64_t rows = x.numel() / d_;
-    x_ = x;
-    rstd_ = Tensor<T>(Shape{rows});
+    const bool keep = grad_enabled(ctx);  // x and rstd for backward
+    x_ = keep ? x : input{};
+    rstd_ = keep ? Tensor<T>(Shape{rows}) : Tensor<T>{};
     output y(x.shape());
     for (std::int64_t r = 0; r < rows; ++r) {
       const T* xr = x.data() + r * d_;
       T sq = 0;
       for (std::int64_t i = 0; i < d_; ++i) sq += xr[i] * xr[i];
       const T rstd = T(1) / std::sqrt(sq / T(d_) + T(eps_));
-      rstd_[r] = rstd;
+      if (keep) rstd_[r] = rstd;
       T* yr = y.data() + r * d_;
       for (std::int64_t i = 0; i < d_; ++i) yr[i] = weight.value[i] * (xr[i] * rstd);
     }
@@ -66,7 +68,8 @@ class RMSNorm {
   // dx = rstd * (g - xhat * mean(g * xhat)); dweight += dy * xhat.
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require<shape_error>(!x_.empty() && dy.shape() == x_.shape(), "RMSNorm(", d_,
+    require_activations(!x_.empty(), "RMSNorm(", d_, ")");
+    require<shape_error>(dy.shape() == x_.shape(), "RMSNorm(", d_,
                          "): backward needs the gradient of the last forward's output (shape ", x_.shape(),
                          "), got shape ", dy.shape());
     weight.require_bound("RMSNorm", true);

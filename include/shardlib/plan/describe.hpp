@@ -9,6 +9,7 @@
 #include "shardlib/nn/replicated.hpp"     // nn::Replicated
 #include "shardlib/plan/memory_plan.hpp"  // model_desc
 #include "shardlib/shard/discover.hpp"    // shard::discover_units, wrap_policy
+#include "shardlib/shard/sharded_model.hpp"  // shard::checkpoint_context, shard::checkpoints
 #include "shardlib/shard/wrap.hpp"        // shard::wrap_none
 
 #include <cstddef>        // std::size_t
@@ -62,6 +63,23 @@ std::size_t measure_activations(Model& model, Run&& run) {
   ledger_scope scope(l);
   nn::Replicated<T, Model> owner(model, 0);
   nn::context ctx;
+  run(ctx);
+  return l.peak(category::activations);
+}
+
+// The same with activation checkpointing as options.checkpoint = `checkpoint` runs
+// it (the engine's own recompute, without sharding); run takes `auto& ctx`. The peak
+// is then, where the engine reaches it: the inputs the checkpointed layers keep, plus
+// one checkpointed layer's full activations while it recomputes and runs backward
+// (its kept input handed back, its output recomputed and dropped), plus what the
+// layers outside them keep — a sum over the step's order, which is why it is
+// measured here rather than added from per-layer figures.
+template <class T = float, nn::Layer Model, class Run>
+std::size_t measure_activations(Model& model, const shard::wrap_policy& checkpoint, Run&& run) {
+  ledger l;
+  ledger_scope scope(l);
+  nn::Replicated<T, Model> owner(model, 0);
+  shard::checkpoint_context ctx({}, shard::checkpoints(model, checkpoint));
   run(ctx);
   return l.peak(category::activations);
 }

@@ -118,8 +118,10 @@ struct model_desc {
   // Flat elements of each unit (alignment gaps included, padding to the world not):
   // the root first, then the other units in forward order.
   std::vector<std::size_t> units;
-  std::size_t activation_bytes = 0;  // peak activations of one rank's local batch: no strategy changes them
-  double flops = 0;                  // forward + backward of one rank's local batch (the chooser's compute time)
+  // Peak activations of one rank's local batch: no strategy changes them. With
+  // activation checkpointing, the peak measure_activations(model, checkpoint, run) gives.
+  std::size_t activation_bytes = 0;
+  double flops = 0;  // forward + backward of one rank's local batch (the chooser's compute time)
 
   std::size_t parameters() const { return std::accumulate(units.begin(), units.end(), std::size_t(0)); }
 };

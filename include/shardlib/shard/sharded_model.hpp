@@ -21,12 +21,14 @@
 #include "shardlib/shard/unit.hpp"
 #include "shardlib/shard/wrap.hpp"
 
+#include <any>          // std::any (a checkpointed layer's kept input)
 #include <cmath>        // std::sqrt, std::isfinite
 #include <cstdint>      // std::uint64_t
 #include <map>          // std::map
 #include <optional>     // std::optional
 #include <span>         // std::span
 #include <string>       // std::string
+#include <string_view>  // std::string_view
 #include <type_traits>  // std::is_same_v, std::remove_cvref_t
 #include <typeindex>    // std::type_index
 #include <utility>      // std::declval, std::move
@@ -37,6 +39,10 @@ namespace shardlib::shard {
 struct options {
   // Which layers become units; the model is always the root unit.
   wrap_policy wrap = wrap_none{};
+  // Which layers are checkpointed (units or not; the same policies as `wrap`, whose
+  // count is then every element of the Params the layer lists): their forward keeps
+  // only their input, and their backward runs the forward again first.
+  wrap_policy checkpoint = wrap_none{};
   std::uint64_t seed = 0;  // initial values: element i of parameter p is drawn from (seed, p, i) on every rank
   int prefetch = 1;        // units whose all-gather is issued ahead of the one running
   mixed_precision precision{};  // gather / reduce dtypes; F16 turns on dynamic loss scaling in train_step
@@ -70,6 +76,78 @@ struct step_result {
   bool skipped = false;            // fp16 overflow, or a non-finite norm when clipping: nothing was stepped
   operator float() const { return loss; }  // `float loss = model.train_step(...)` as before the options
 };
+
+// The layers a checkpoint policy picks (the root never: recomputing the whole model
+// saves nothing), and the inputs their forwards keep until their backward.
+class checkpoints {
+ public:
+  checkpoints() = default;
+  template <nn::Layer Model>
+  checkpoints(Model& model, const wrap_policy& policy) {
+    if constexpr (nn::Composite<Model>)
+      model.children([&](std::string_view name, auto& child) { pick(child, std::string(name), policy); });
+  }
+
+  template <class L>
+  bool picked(const L& layer) const {
+    return picked_.contains(key(layer));
+  }
+  // Keeps x (a tensor's copy shares its storage) and the context's draw count.
+  template <class L>
+  void keep(const L& layer, const typename L::input& x, std::uint64_t draws) {
+    const bool fresh = kept_.try_emplace(key(layer), std::any(x), draws).second;
+    require(fresh, "checkpointing: layer ", name_of(layer), " ran forward twice before its backward; a "
+            "checkpointed layer keeps one input (call it once per step, or do not checkpoint it)");
+  }
+  template <class L>
+  bool holds(const L& layer) const {
+    return kept_.contains(key(layer));
+  }
+  // Hands back (and forgets) what keep() kept.
+  template <class L>
+  std::pair<typename L::input, std::uint64_t> take(const L& layer) {
+    auto node = kept_.extract(key(layer));
+    return {std::any_cast<typename L::input>(std::move(node.mapped().first)), node.mapped().second};
+  }
+  void clear() { kept_.clear(); }
+
+ private:
+  using layer_key = std::pair<const void*, std::type_index>;
+  template <class L>
+  static layer_key key(const L& layer) {
+    return {static_cast<const void*>(&layer), std::type_index(typeid(L))};
+  }
+  template <class L>
+  std::string name_of(const L& layer) const {
+    auto it = picked_.find(key(layer));
+    return it == picked_.end() ? std::string("?") : cat("'", it->second, "'");
+  }
+  template <class L>
+  void pick(L& layer, const std::string& name, const wrap_policy& policy) {
+    if constexpr (nn::Composite<L>)
+      layer.children([&](std::string_view child, auto& c) { pick(c, nn::join_name(name, child), policy); });
+    if (policy(name, std::type_index(typeid(L)), nn::parameter_count(layer))) picked_.emplace(key(layer), name);
+  }
+
+  std::map<layer_key, std::string> picked_;  // with their dotted names, for errors
+  std::map<layer_key, std::pair<std::any, std::uint64_t>> kept_;
+};
+
+namespace detail {
+// An engine without units: checkpoint_context's.
+struct no_units {
+  struct unit {};
+  template <class L>
+  unit* find(const L&) {
+    return nullptr;
+  }
+  void pre_forward(unit&) {}
+  void post_forward(unit&) {}
+  void pre_backward(unit&) {}
+  void post_backward(unit&) {}
+};
+inline no_units no_units_engine;
+}  // namespace detail
 
 template <class Engine>
 class sharded_context;
@@ -128,7 +206,7 @@ class ShardedModel {
         opts_(std::move(o)),
         gathers_(opts_.precision, opts_.prefetch),
         reducer_(policy_, opts_.precision),
-        ctx_(this, opts_.context) {
+        ctx_(this, opts_.context, checkpoints(model, opts_.checkpoint)) {
     check_precision(opts_.precision);
     ops::check_stream(comm, comm.rank());
     check_options();
@@ -167,6 +245,7 @@ class ShardedModel {
   output forward(const input& x) {
     ops::check_stream(*comm_, comm_->rank());
     ctx_.set_step(step_);
+    ctx_.forget_kept();  // a forward without its backward leaves checkpointed inputs
     forwarded_ = false;
     auto y = ctx_.forward(*model_, x);
     forwarded_ = true;
@@ -186,7 +265,7 @@ class ShardedModel {
   // Evaluation (PyTorch's model.eval() and torch.no_grad() at once): every forward
   // frees each gathered unit, the root included, as soon as it has run; the context
   // answers training() == false (dropout off) and grad_enabled() == false, which
-  // layers may read to keep no activations (nn::grad_enabled; nn::TiedLinear does);
+  // layers read to keep no activations (nn::grad_enabled; the library's host layers do);
   // backward raises. eval() also frees what a forward without backward left gathered
   // (ShardGradOp keeps units until their backward) and forgets that forward.
   void eval() {
@@ -461,14 +540,16 @@ class ShardedModel {
     gathers_.record(i);
     if (policy_.shard_parameters) {
       gather(u, true);
-      gathers_.for_each_ahead(i, +1, [&](int k) { gather(units_[std::size_t(k)], false); });
+      // a recompute runs inside backward: the units after this one have run theirs already
+      if (!ctx_.recomputing())
+        gathers_.for_each_ahead(i, +1, [&](int k) { gather(units_[std::size_t(k)], false); });
     }
     u.bind(u.values.data(), nullptr);
   }
   void post_forward(unit_type& u) {
     const bool root = &u == &units_[0];
     if (root) gathers_.stop_recording();  // the root finishes last: the order is complete
-    if (policy_.shard_parameters && (!ctx_.grad_enabled() || (!root && policy_.free == free_point::after_forward)))
+    if (policy_.shard_parameters && (ctx_.evaluating() || (!root && policy_.free == free_point::after_forward)))
       gathers_.free(u);
   }
   void pre_backward(unit_type& u) {
@@ -807,37 +888,85 @@ class ShardedModel {
 
 // The context layers see inside a ShardedModel: running a child that is a unit
 // runs the unit's hooks around it; anything else runs as in the plain context.
+//
+// Activation checkpointing: the forward of a picked layer runs with grad_enabled()
+// false (layers cache nothing; a nested unit is gathered and freed as in any
+// forward) and keeps its input and the draw count of random_stream(). Its backward
+// gathers its unit (pre_backward, as always), runs the forward again from the kept
+// input with the draw count rewound, so dropout draws the same masks, and then the
+// backward: the same operations in the same order as without checkpointing.
 template <class Engine>
 class sharded_context : public nn::context {
  public:
-  sharded_context(Engine* e, nn::context::options o) : nn::context(o), e_(e) {}
+  sharded_context(Engine* e, nn::context::options o, checkpoints c = {}) : nn::context(o), e_(e), ckpt_(std::move(c)) {}
 
   template <class L, class X>
   auto forward(L& layer, const X& x) {
     auto* u = e_->find(layer);
-    if (!u) return layer.forward(*this, x);
-    e_->pre_forward(*u);
-    auto y = layer.forward(*this, x);
-    e_->post_forward(*u);
+    if (u) e_->pre_forward(*u);
+    auto y = grad_enabled() && ckpt_.picked(layer) ? forward_keeping_input(layer, x) : layer.forward(*this, x);
+    if (u) e_->post_forward(*u);
     return y;
   }
   template <class L, class DY>
   auto backward(L& layer, const DY& dy) {
     auto* u = e_->find(layer);
-    if (!u) return layer.backward(*this, dy);
-    e_->pre_backward(*u);
+    if (u) e_->pre_backward(*u);
+    if (ckpt_.holds(layer)) recompute(layer);
     auto dx = layer.backward(*this, dy);
-    e_->post_backward(*u);
+    if (u) e_->post_backward(*u);
     return dx;
   }
 
-  // False in eval mode: no backward follows, so layers need keep no activations (nn::grad_enabled).
-  bool grad_enabled() const { return grad_; }
-  void set_grad_enabled(bool on) { grad_ = on; }
+  // False in eval mode (no backward follows) and inside a checkpointed layer's first
+  // forward: layers then keep no activations (nn::grad_enabled).
+  bool grad_enabled() const { return grad_ && no_grad_ == 0; }
+  void set_grad_enabled(bool on) {
+    grad_ = on;
+    if (!on) ckpt_.clear();  // eval(): a forward without its backward keeps nothing
+  }
+  bool evaluating() const { return !grad_; }
+  void forget_kept() { ckpt_.clear(); }
+  bool recomputing() const { return recomputing_ > 0; }
 
  private:
+  struct depth {
+    int& n;
+    explicit depth(int& d) : n(d) { ++n; }
+    ~depth() { --n; }
+    depth(const depth&) = delete;
+    depth& operator=(const depth&) = delete;
+  };
+  template <class L>
+  typename L::output forward_keeping_input(L& layer, const typename L::input& x) {
+    ckpt_.keep(layer, x, draws());
+    depth off(no_grad_);
+    return layer.forward(*this, x);
+  }
+  template <class L>
+  void recompute(L& layer) {
+    auto [x, at] = ckpt_.take(layer);
+    const std::uint64_t now = draws();
+    rewind_draws(at);
+    {
+      depth on(recomputing_);
+      layer.forward(*this, x);  // caches what backward needs; the output goes
+    }
+    rewind_draws(now);
+  }
+
   Engine* e_;
+  checkpoints ckpt_;
   bool grad_ = true;
+  int no_grad_ = 0, recomputing_ = 0;
+};
+
+// The plain context with the same activation checkpointing, for unsharded training
+// and plan::measure_activations: checkpoint_context ctx({}, checkpoints(model, wrap_types<Block>{})).
+class checkpoint_context : public sharded_context<detail::no_units> {
+ public:
+  explicit checkpoint_context(nn::context::options o = {}, checkpoints c = {})
+      : sharded_context(&detail::no_units_engine, o, std::move(c)) {}
 };
 
 // Wraps `model` for training on the ranks of `comm` with a sharding strategy and
