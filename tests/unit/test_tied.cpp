@@ -134,15 +134,15 @@ trace unsharded(int world, int per_rank, int steps, int edit_at = -1) {
   return t;
 }
 
-template <class Strategy>
+template <class T = float, class Strategy>
 std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy, shard::wrap_policy wrap,
                            int edit_at = -1) {
   std::vector<trace> out(static_cast<std::size_t>(world));
   comm::launch(world, [&](comm::ThreadComm& c) {
-    auto m = make_model<float>();
+    auto m = make_model<T>();
     tie(m);
-    auto model = shard::fully_shard<sgd<float>>(m, c, strategy, {.wrap = wrap, .seed = 42});
-    sgd<float> opt;
+    auto model = shard::fully_shard<sgd<T>, T>(m, c, strategy, {.wrap = wrap, .seed = 42});
+    sgd<T> opt;
     auto& t = out[std::size_t(c.rank())];
     for (int s = 0; s < steps; ++s) {
       if (s == edit_at) {
@@ -154,10 +154,10 @@ std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy
                                        tokens(s, per_rank, 2, c.rank() * per_rank));
       model.backward(l.grad);
       model.step(opt);
-      std::vector<float> all(static_cast<std::size_t>(c.size()));
-      c.all_gather(std::span<const float>(&l.loss, 1), std::span<float>(all));
+      std::vector<T> all(static_cast<std::size_t>(c.size()));
+      c.all_gather(std::span<const T>(&l.loss, 1), std::span<T>(all));
       double mean = 0;
-      for (float v : all) mean += double(v) / double(c.size());
+      for (T v : all) mean += double(v) / double(c.size());
       t.losses.push_back(mean);
     }
     for (auto& [name, value] : model.full_state_dict(false))
@@ -204,6 +204,38 @@ TEST_CASE("a tied model trains under every strategy as unsharded training does",
   }
   check_equivalence(2, shard::HybridShard{.group_size = 1});
   check_equivalence(4, shard::HybridShard{.group_size = 2});
+}
+
+// float64 masters and layers on the host: the sharded run is the unsharded one up
+// to the order of the gradient averaging (~1e-16 a step), so 1e-12 leaves no room
+// for a missed term; 16-bit gathers or reductions, which would round a float64
+// master, are refused at wrap time.
+TEST_CASE("a tied model trains with float64 masters under every strategy", "[tied][equivalence][f64]") {
+  const int w = 2, steps = 6, per_rank = 4;
+  const auto want = unsharded(w, per_rank, steps);
+  auto check = [&](auto strategy) {
+    const auto got = sharded<double>(w, per_rank, steps, strategy, each_layer_a_unit<double>().wrap);
+    for (int r = 0; r < w; ++r) {
+      test_support::max_error loss, param;
+      loss.relative(got[std::size_t(r)].losses, want.losses, 1e-6);
+      param.relative(got[std::size_t(r)].params, want.params, 1e-3);
+      INFO(decltype(strategy)::name << " rank " << r << ": loss " << loss << ", parameters " << param);
+      CHECK(loss <= 1e-12);
+      CHECK(param <= 1e-12);
+    }
+  };
+  check(shard::FullShard{});
+  check(shard::ShardGradOp{});
+  check(shard::ShardOptimizer{});
+  check(shard::NoShard{});
+  check(shard::HybridShard{.group_size = 1});
+  comm::launch(1, [](comm::ThreadComm& c) {
+    auto m = make_model<double>();
+    tie(m);
+    CHECK_THROWS_WITH((shard::fully_shard<sgd<double>, double>(m, c, shard::FullShard{},
+                                                               {.precision = {.param = dtype::bf16}})),
+                      Contains("float64 masters gather and reduce in float64") && Contains("BF16"));
+  });
 }
 
 TEST_CASE("the tied weight is owned once, by the lowest unit around both users", "[tied][discover]") {

@@ -11,10 +11,9 @@
 
 namespace shardlib::optim {
 
-// The sum of squares of g, accumulated in double. Eight partial sums in a fixed
-// order keep the result independent of how the loop is vectorised (and let it
-// vectorise: a single running sum could not be reordered).
-inline double grad_norm_squared(std::span<const float> g) {
+namespace detail {
+template <class T>
+double norm_squared(std::span<const T> g) {
   constexpr std::size_t lanes = 8;
   double acc[lanes] = {};
   const std::size_t n = g.size();
@@ -26,6 +25,14 @@ inline double grad_norm_squared(std::span<const float> g) {
   for (double a : acc) sum += a;
   return sum;
 }
+}  // namespace detail
+
+// The sum of squares of g, accumulated in double. Eight partial sums in a fixed
+// order keep the result independent of how the loop is vectorised (and let it
+// vectorise: a single running sum could not be reordered). Float gradients, or
+// double ones (float64 masters on the host).
+inline double grad_norm_squared(std::span<const float> g) { return detail::norm_squared(g); }
+inline double grad_norm_squared(std::span<const double> g) { return detail::norm_squared(g); }
 
 // torch.nn.utils.clip_grad_norm_'s factor: max_norm / (total_norm + 1e-6),
 // clamped to at most 1. A non-finite norm throws (PyTorch's

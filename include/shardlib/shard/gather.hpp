@@ -38,7 +38,7 @@ class gather_schedule {
     } else if (precision_.param == dtype::f32) {
       u.gather_work = group.all_gather_async(shard, full);
     } else if constexpr (std::is_same_v<Space, host_space>) {
-      with_16bit(precision_.param, [&](auto h) {
+      with_16bit<T>(precision_.param, [&](auto h) {
         using H = decltype(h);
         u.scratch.send = Buffer<T, Space>(shard.size(), category::comm_scratch);
         std::copy_n(shard.data(), shard.size(), u.scratch.send.data());
@@ -55,7 +55,7 @@ class gather_schedule {
     u.gather_work.wait();
     if constexpr (std::is_same_v<Space, host_space> && !compute16)
       if (precision_.param != dtype::f32) {
-        with_16bit(precision_.param, [&](auto h) { widen_in_place<decltype(h)>(u.values.span()); });
+        with_16bit<T>(precision_.param, [&](auto h) { widen_in_place<decltype(h)>(u.values.span()); });
         u.scratch.send.reset();
       }
     u.where = state::gathered;

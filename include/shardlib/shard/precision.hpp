@@ -9,6 +9,7 @@
 #include <cstddef>    // std::size_t
 #include <cstring>    // std::memcpy
 #include <span>       // std::span
+#include <type_traits>  // std::is_same_v
 
 namespace shardlib::shard {
 
@@ -93,11 +94,17 @@ inline void check_precision(const mixed_precision& p) {
 }
 
 // Calls f with a value of the 16-bit element type t names (bfloat16 or half).
-template <class F>
+// 16-bit gathers and reductions round float masters; float64 masters (the host's
+// reference precision) have none, and f is not instantiated for them.
+template <class Master, class F>
 void with_16bit(dtype t, F&& f) {
   require(t == dtype::bf16 || t == dtype::f16, "mixed_precision: expected BF16 or F16, got ", name(t));
-  if (t == dtype::bf16) f(bfloat16{});
-  else f(half{});
+  if constexpr (std::is_same_v<Master, float>) {
+    if (t == dtype::bf16) f(bfloat16{});
+    else f(half{});
+  } else {
+    throw error(cat("mixed_precision: ", name(t), " gathers and reductions need float masters; this model's are F64"));
+  }
 }
 
 // The first n elements of a float buffer rewritten as n 16-bit values in its
@@ -125,9 +132,10 @@ void widen_in_place(std::span<float> x) {
   }
 }
 
-inline bool all_finite(std::span<const float> x) {
+template <class T>
+bool all_finite(std::span<const T> x) {
   bool ok = true;
-  for (float v : x) ok &= std::isfinite(v);
+  for (T v : x) ok &= std::isfinite(v);
   return ok;
 }
 

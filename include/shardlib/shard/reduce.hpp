@@ -48,7 +48,7 @@ class gradient_reducer {
       if (rd == dtype::f32) {
         u.reduce_work = world.all_reduce_async(std::span<const T>(full), full, op_);
       } else if constexpr (on_host && !compute16) {
-        with_16bit(rd, [&](auto h) {
+        with_16bit<T>(rd, [&](auto h) {
           using H = decltype(h);
           auto g = narrow_in_place<H>(full);
           u.reduce_work = world.all_reduce_async(std::span<const H>(g), g, op_);
@@ -76,7 +76,7 @@ class gradient_reducer {
       if (rd == dtype::f32 || compute16) {
         u.reduce_work = shard_group.reduce_scatter_async(send, into, op_);
       } else if constexpr (on_host && !compute16) {
-        with_16bit(rd, [&](auto h) {
+        with_16bit<T>(rd, [&](auto h) {
           using H = decltype(h);
           auto narrow = narrow_in_place<H>(u.full_grad.span());
           std::span<H> recv(reinterpret_cast<H*>(into.data()), into.size());
@@ -95,17 +95,18 @@ class gradient_reducer {
     const dtype rd = precision_.reduce;
     if (policy_.reduce == reduction::all_reduce) {
       if constexpr (on_host && !compute16)
-        if (rd != dtype::f32) with_16bit(rd, [&](auto h) { widen_in_place<decltype(h)>(u.grad->local()); });
+        if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(u.grad->local()); });
     } else {
       const bool widened = !u.scratch.wide.empty();  // full gradients released when widened
       u.scratch.wide.reset();
-      if (!u.scratch.narrow.empty()) {
-        ops::widen_add(std::span<const C>(u.scratch.narrow.span()), u.grad->local(), u.grad_clean);
-        u.scratch.narrow.reset();
-      }
+      if constexpr (compute16)  // the 16-bit reduction's target
+        if (!u.scratch.narrow.empty()) {
+          ops::widen_add(std::span<const C>(u.scratch.narrow.span()), u.grad->local(), u.grad_clean);
+          u.scratch.narrow.reset();
+        }
       if (!u.scratch.reduce.empty()) {
         if constexpr (on_host && !compute16)
-          if (rd != dtype::f32) with_16bit(rd, [&](auto h) { widen_in_place<decltype(h)>(u.scratch.reduce.span()); });
+          if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(u.scratch.reduce.span()); });
         ops::add(std::span<const T>(u.scratch.reduce.span()), u.grad->local(), u.grad_clean);
         u.scratch.reduce.reset();
       }

@@ -105,7 +105,9 @@ struct space_ops<host_space> {
     else for (auto& v : x) v *= c;
   }
   static double sum_squares(std::span<const float> x) { return optim::grad_norm_squared(x); }
+  static double sum_squares(std::span<const double> x) { return optim::grad_norm_squared(x); }
   static bool all_finite(std::span<const float> x) { return shard::all_finite(x); }
+  static bool all_finite(std::span<const double> x) { return shard::all_finite(x); }
   template <class T, comm::Communicator Comm>
   static void all_reduce_values(Comm& comm, std::span<T> values, comm::reduce_op op) {
     comm.all_reduce(values, op);
