@@ -208,6 +208,13 @@ class ShardedModel {
         reducer_(policy_, opts_.precision),
         ctx_(this, opts_.context, checkpoints(model, opts_.checkpoint)) {
     check_precision(opts_.precision);
+    if constexpr (!std::is_same_v<T, float>)
+      with_rank([&] {
+        require(opts_.precision.param == dtype::f32 && opts_.precision.reduce == dtype::f32,
+                "ShardedModel: float64 masters gather and reduce in float64; precision.param and precision.reduce "
+                "must stay F32 (no 16-bit rounding), got ", name(opts_.precision.param), " and ",
+                name(opts_.precision.reduce));
+      });
     ops::check_stream(comm, comm.rank());
     check_options();
     if (opts_.precision.param == dtype::f16 || opts_.precision.reduce == dtype::f16) {
@@ -730,7 +737,7 @@ class ShardedModel {
       if constexpr (compute16) {
         ops::copy(std::span<const C>(u.compute_shard.span()), u.values.span());
       } else {
-        with_16bit(opts_.precision.param, [&](auto h) {
+        with_16bit<T>(opts_.precision.param, [&](auto h) {
           ops::template round_to<decltype(h)>(std::span<const T>(u.master->local()), u.values.span());
         });
       }
@@ -761,7 +768,7 @@ class ShardedModel {
     } else if (opts_.precision.param == dtype::f32) {
       if (!master_in_values()) ops::copy(full, master);
     } else if constexpr (std::is_same_v<space, host_space>) {
-      with_16bit(opts_.precision.param, [&](auto h) {
+      with_16bit<T>(opts_.precision.param, [&](auto h) {
         using H = decltype(h);
         for (std::size_t k = 0; k < master.size(); ++k)
           if (full[k] != T(H(master[k]))) master[k] = full[k];
