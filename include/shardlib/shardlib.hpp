@@ -1,5 +1,6 @@
 // shardlib/shardlib.hpp — the host umbrella: every part a trainer uses on the host
-// (core, thread ranks, layers, sharding engine, optimizers, checkpoints, planner).
+// (core, thread ranks and launching, layers, GPT-2 and LLaMA, sharding engine,
+// optimizers, checkpoints and state dicts, planner).
 // MPI, CUDA and NCCL have their own umbrellas (shardlib/mpi.hpp, shardlib/cuda.hpp,
 // shardlib/nccl.hpp), since they need libraries the host build may lack.
 #pragma once
@@ -54,7 +55,12 @@
 #include "shardlib/io/checkpoint.hpp"        // save_checkpoint, load_checkpoint, export/load_safetensors
 #include "shardlib/io/hf_checkpoint.hpp"     // hf::gpt2, hf::llama (Hugging Face names, transposes, ties)
 #include "shardlib/io/safetensors.hpp"       // safetensors files
+#include "shardlib/io/sharded_state.hpp"     // state dicts in memory: sharded or full, model and optimizer
 #include "shardlib/io/state_dict.hpp"        // load_state_dict, save_state_dict (name maps, strict or a report)
+#include "shardlib/models/gpt2.hpp"          // GPT2LMHeadModel, GPT2Block, gpt2_config
+#include "shardlib/models/hf.hpp"            // load_hf, save_hf, read_hf_config
+#include "shardlib/models/llama.hpp"         // LlamaForCausalLM, LlamaDecoderLayer, llama_config
+#include "shardlib/models/causal_lm.hpp"     // generate (greedy, top-k, KV cache), causal_lm_targets
 #include "shardlib/plan/chooser.hpp"         // choose
 #include "shardlib/plan/describe.hpp"        // describe, describe_model, measure_activations
 #include "shardlib/plan/memory_plan.hpp"     // make_plan, zero_model_states
