@@ -1,5 +1,5 @@
-// bench_strategies — every sharding strategy training a transformer classifier on W rank
-// threads: the step time, each rank's peak memory by ledger category beside the
+// bench_strategies — every sharding strategy training a model on W rank threads (the
+// transformer classifier, or with --model gpt2 a GPT2LMHeadModel): the step time, each rank's peak memory by ledger category beside the
 // strategy's memory formula (derived from the units' padded sizes), and the bytes each
 // rank sends per step (counted by a communicator decorator, ring model) beside the
 // strategy's traffic formula.
@@ -8,10 +8,14 @@
 //                    [--article] [--layers 4] [--d-model 256] [--heads 4] [--ff 1024] [--seq 16]
 //                    [--batch 8] [--classes 10] [--dropout 0.1] [--prefetch 1] [--group 2]
 //                    [--warmup 2] [--steps 8] [--rounds 3] [--json FILE]
+//                    [--model encoder|gpt2] [--vocab 8192]
 //
 // The default model is reduced so that the whole run takes a few minutes on 2 cores;
 // --article selects the FSDP article's sizes (6 layers, d_model 512, 8 heads, ff 2048,
-// seq 10), and size flags override single values whatever their position.
+// seq 10), and size flags override single values whatever their position. --model gpt2
+// trains models::GPT2LMHeadModel (tied head, each GPT2Block a unit, n_inner = --ff,
+// --dropout for all three dropouts) with AdamW on next-token cross-entropy over random
+// token ids, the sizes above and --vocab; --classes does not apply to it.
 //
 // Strategies run in turns, `rounds` times each, each run in a fresh child process, and
 // step times are pooled over the rounds: other work on a shared machine then slows all
@@ -19,6 +23,7 @@
 // process's CPU time, system time and minor page faults per step (all ranks and their
 // communication workers) show where time goes even when the machine is shared.
 #include <shardlib/comm/launch.hpp>
+#include <shardlib/models/gpt2.hpp>
 #include <shardlib/nn/linear.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/pooling.hpp>
@@ -56,20 +61,59 @@
 #include "counting_comm.hpp"
 
 using namespace shardlib;
-using example::Encoder;
-using example::Model;
 using Comm = bench::counting_comm<comm::ThreadComm>;
 static_assert(comm::check_communicator<Comm>());
 
 namespace {
 
 struct config {
+  std::string model_name = "encoder";  // or "gpt2"
+  long vocab = 8192;              // gpt2 only
   example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .seq = 16};
   long batch = 8;
   int prefetch = 1, group = 2, warmup = 2, steps = 8, rounds = 3;
   std::vector<int> worlds{1, 2, 4, 8};
   std::vector<std::string> strategies{"full", "grad-op", "optimizer", "none", "hybrid"};
   std::FILE* json = nullptr;
+};
+
+// What a run trains: the model, the units to wrap, the optimizer and each rank's
+// batches. The encoder classifier on the synthetic task with Adam ...
+struct encoder_workload {
+  using model_type = example::Model;
+  using unit = example::Encoder;
+  using optimizer = optim::Adam;
+  const config& cfg;
+  example::synthetic_task task = example::task_for(cfg.model);
+
+  model_type make() const { return example::reference_model(cfg.model); }
+  auto inputs(long first) const { return task.inputs(first, cfg.batch); }
+  auto targets(long first) const { return task.labels(first, cfg.batch); }
+};
+
+// ... or GPT-2 with AdamW on uniform random token ids (seeded by the batch's first
+// sequence), predicting each next token as Hugging Face's labels = input_ids does.
+struct gpt2_workload {
+  using model_type = models::GPT2LMHeadModel<float>;
+  using unit = models::GPT2Block<float>;
+  using optimizer = optim::AdamW;
+  const config& cfg;
+
+  model_type make() const {
+    const auto& m = cfg.model;
+    return model_type({.vocab_size = cfg.vocab, .n_positions = m.seq, .n_embd = m.d_model, .n_layer = m.layers,
+                       .n_head = m.heads, .n_inner = m.ff, .resid_pdrop = m.dropout, .embd_pdrop = m.dropout,
+                       .attn_pdrop = m.dropout});
+  }
+  Tensor<std::int64_t> inputs(long first) const {
+    Tensor<std::int64_t> t({cfg.batch, cfg.model.seq});
+    const counter_rng rng(7, std::uint64_t(first));
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      t[i] = std::min<std::int64_t>(cfg.vocab - 1,
+                                    std::int64_t(rng.uniform_double(std::uint64_t(i)) * double(cfg.vocab)));
+    return t;
+  }
+  Tensor<std::int64_t> targets(long first) const { return models::causal_lm_targets(inputs(first)); }
 };
 
 // Bytes by ledger category, then the total.
@@ -118,15 +162,15 @@ struct measurement : totals {
 // Activations are not a formula of the strategy: the same local batch through the
 // unsharded model (plain context, replicated parameters) peaks at what every
 // strategy should, since sharding only changes where parameters live.
-double reference_activations(const config& cfg) {
+template <class Workload>
+double reference_activations(const Workload& work) {
   ledger l;
   ledger_scope scope(l);
-  Model m = example::reference_model(cfg.model);
-  nn::Replicated<float, Model> owner(m, 1);
+  auto m = work.make();
+  nn::Replicated<float, typename Workload::model_type> owner(m, 1);
   nn::context ctx;
-  const auto task = example::task_for(cfg.model);
-  auto x = task.inputs(0, cfg.batch);
-  auto y = task.labels(0, cfg.batch);
+  auto x = work.inputs(0);
+  auto y = work.targets(0);
   auto out = ctx.forward(m, x);
   ctx.backward(m, nn::cross_entropy(out, y).grad);
   return double(l.peak(category::activations));
@@ -149,8 +193,9 @@ std::pair<per_category, double> formulas(Engine& e, const Strategy& strategy, in
   return {f, p.sent.total()};
 }
 
-template <class Strategy>
-measurement run(const config& cfg, int w, Strategy strategy) {
+template <class Workload, class Strategy>
+measurement run(const Workload& work, int w, Strategy strategy) {
+  const config& cfg = work.cfg;
   measurement m;
   m.world = w;
   m.group = strategy.policy().group(w);
@@ -159,22 +204,22 @@ measurement run(const config& cfg, int w, Strategy strategy) {
   comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
     auto tally = std::make_shared<bench::traffic>();
     Comm counted(c, tally);
-    Model model = example::reference_model(cfg.model);
-    auto sharded = shard::fully_shard(model, counted, strategy,
-                                      {.wrap = shard::wrap_types<Encoder>{}, .seed = 1, .prefetch = cfg.prefetch});
-    optim::Adam adam{{.lr = 1e-3}};
-    const auto task = example::task_for(cfg.model);
+    auto model = work.make();
+    typename Workload::optimizer opt{{.lr = 1e-3}};
+    auto sharded = shard::fully_shard(
+        model, counted, strategy, opt,
+        {.wrap = shard::wrap_types<typename Workload::unit>{}, .seed = 1, .prefetch = cfg.prefetch});
     for (int step = 0; step < cfg.warmup + cfg.steps; ++step) {
       if (step == cfg.warmup) {  // setup and warm-up (order recording, optimizer state) are not measured
         l.reset_peaks();
         tally->reset();
       }
       const long first = (long(step) * w + c.rank()) * cfg.batch;  // this rank's slice of the global batch
-      auto x = task.inputs(first, cfg.batch);
-      auto y = task.labels(first, cfg.batch);
+      auto x = work.inputs(first);
+      auto y = work.targets(first);
       c.barrier();  // (not counted: raw communicator) ranks start together, not waiting for a straggler
       const auto before = step_sample::now();
-      sharded.train_step(adam, x, y, nn::cross_entropy);
+      sharded.train_step(opt, x, y, nn::cross_entropy);
       c.barrier();  // a step ends when its slowest rank does
       if (step >= cfg.warmup && c.rank() == 0) m.steps.push_back(step_sample::now() - before);
     }
@@ -192,7 +237,7 @@ measurement run(const config& cfg, int w, Strategy strategy) {
     for (int k = 0; k < 4; ++k) m.sent_by[k] = std::max(m.sent_by[k], sent[r][k]);
   }
   for (double b : m.sent_by) m.sent += b;
-  const double activations = reference_activations(cfg);  // after the run, which it must not disturb
+  const double activations = reference_activations(work);  // after the run, which it must not disturb
   m.formula[int(category::activations)] = activations;
   m.formula[total_index] += activations;
   return m;
@@ -321,14 +366,14 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
   std::string steps = "[";
   for (const auto& t : m.steps) steps += cat(steps.size() > 1 ? "," : "", t.wall_s);
   std::fprintf(f,
-               "{\"bench\":\"strategies\",\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"cores\":%u,"
+               "{\"bench\":\"strategies\",\"model\":\"%s\",\"vocab\":%ld,\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"cores\":%u,"
                "\"oversubscribed\":%s,\"layers\":%ld,\"d_model\":%ld,\"heads\":%ld,\"ff\":%ld,\"seq\":%ld,"
                "\"batch\":%ld,\"classes\":%ld,\"dropout\":%g,\"prefetch\":%d,\"steps\":%zu,\"units\":%zu,"
                "\"padded_params\":%zu,\"step_s\":%.9g,\"cpu_s\":%.9g,\"sys_s\":%.9g,\"minor_faults\":%.9g,"
                "\"step_times_s\":%s],\"peak_bytes\":%s,\"formula_bytes\":%s,\"sent_bytes\":%.9g,"
                "\"sent_formula_bytes\":%.9g,\"sent_by\":{\"all_gather\":%.9g,\"reduce_scatter\":%.9g,"
                "\"all_reduce\":%.9g,\"broadcast\":%.9g}}\n",
-               m.strategy.c_str(), m.world, m.group, cores, unsigned(m.world) > cores ? "true" : "false",
+               cfg.model_name.c_str(), cfg.model_name == "gpt2" ? cfg.vocab : 0L, m.strategy.c_str(), m.world, m.group, cores, unsigned(m.world) > cores ? "true" : "false",
                cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.model.seq, cfg.batch,
                cfg.model.classes, cfg.model.dropout, cfg.prefetch,
                m.steps.size(), m.units, m.psi, m.median(&step_sample::wall_s), m.median(&step_sample::cpu_s),
@@ -359,6 +404,8 @@ config parse(int argc, char** argv) {
   cli.add_option("--strategies", c.strategies, "strategies, comma-separated")
       ->delimiter(',')
       ->check(CLI::IsMember({"full", "grad-op", "optimizer", "none", "hybrid"}));
+  cli.add_option("--model", c.model_name, "the model trained")->check(CLI::IsMember({"encoder", "gpt2"}));
+  cli.add_option("--vocab", c.vocab, "gpt2: vocabulary size")->check(example::whole(1, example::max_size));
   cli.add_flag("--article", article, "the FSDP article's sizes (6 layers, d_model 512, 8 heads, ff 2048, seq 10)");
   example::add_model_flags(cli, c.model);
   cli.add_option("--batch", c.batch, "sequences per rank and step")->check(example::whole(1, example::max_size));
@@ -376,45 +423,68 @@ config parse(int argc, char** argv) {
   return c;
 }
 
+// The model's line of the header.
+void print_model(const encoder_workload& work) {
+  const config& cfg = work.cfg;
+  auto probe = work.make();
+  std::printf("# bench_strategies: transformer classifier, %ld encoder layers (d_model %ld, %ld heads, ff %ld), "
+              "mean pool, Linear head: %zu parameters\n"
+              "# per-rank batch %ld x seq %ld, %ld classes, dropout %g; Adam; fp32; each encoder layer a unit, ",
+              cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, nn::parameter_count(probe),
+              cfg.batch, cfg.model.seq, cfg.model.classes, cfg.model.dropout);
+}
+void print_model(const gpt2_workload& work) {
+  const config& cfg = work.cfg;
+  auto probe = work.make();
+  std::printf("# bench_strategies: GPT2LMHeadModel, %ld blocks (n_embd %ld, %ld heads, n_inner %ld), vocabulary %ld, "
+              "tied head: %zu parameters\n"
+              "# per-rank batch %ld x seq %ld, next-token cross-entropy on random ids, dropout %g; AdamW; fp32; "
+              "each GPT2Block a unit, ",
+              cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.vocab,
+              nn::parameter_count(probe), cfg.batch, cfg.model.seq, cfg.model.dropout);
+}
+
+template <class Workload>
+void measure_all(const Workload& work, unsigned cores) {
+  const config& cfg = work.cfg;
+  print_model(work);
+  std::printf("prefetch %d; %d warm-up + %d measured steps, %d rounds\n"
+              "# ranks are threads (ThreadComm) on %u hardware threads; step = median over steps of the slowest "
+              "rank's train_step, pooled over rounds\n",
+              cfg.prefetch, cfg.warmup, cfg.steps, cfg.rounds, cores);
+  print_load("start");
+  // results[s][j]: strategy s at world size worlds[j]; empty where it does not apply
+  std::vector<std::vector<measurement>> results(cfg.strategies.size(), std::vector<measurement>(cfg.worlds.size()));
+  for (std::size_t j = 0; j < cfg.worlds.size(); ++j)
+    for (int round = 0; round < cfg.rounds; ++round)
+      for (std::size_t s = 0; s < cfg.strategies.size(); ++s)
+        with_strategy(cfg.strategies[s], cfg, cfg.worlds[j], [&](auto strategy) {
+          auto m = in_fresh_process([&] { return run(work, cfg.worlds[j], strategy); });
+          m.strategy = std::string(decltype(strategy)::name);
+          std::fprintf(stderr, "bench_strategies: %s W=%d round %d: %.1f ms/step\n", m.strategy.c_str(), m.world,
+                       round + 1, m.median(&step_sample::wall_s) * 1e3);
+          m.steps.insert(m.steps.begin(), results[s][j].steps.begin(), results[s][j].steps.end());
+          results[s][j] = std::move(m);
+        });
+  std::vector<measurement> all;
+  for (auto& row : results)
+    for (auto& m : row)
+      if (!m.steps.empty()) {
+        json_row(cfg.json, cfg, m, cores);
+        all.push_back(std::move(m));
+      }
+  print_tables(all, cores);
+  print_load("end");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const config cfg = parse(argc, argv);
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   try {
-    Model probe = example::reference_model(cfg.model);
-    std::printf("# bench_strategies: transformer classifier, %ld encoder layers (d_model %ld, %ld heads, ff %ld), "
-                "mean pool, Linear head: %zu parameters\n"
-                "# per-rank batch %ld x seq %ld, %ld classes, dropout %g; Adam; fp32; each encoder layer a unit, "
-                "prefetch %d; %d warm-up + %d measured steps, %d rounds\n"
-                "# ranks are threads (ThreadComm) on %u hardware threads; step = median over steps of the slowest "
-                "rank's train_step, pooled over rounds\n",
-                cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, nn::parameter_count(probe),
-                cfg.batch, cfg.model.seq, cfg.model.classes, cfg.model.dropout, cfg.prefetch, cfg.warmup, cfg.steps,
-                cfg.rounds, cores);
-    print_load("start");
-    // results[s][j]: strategy s at world size worlds[j]; empty where it does not apply
-    std::vector<std::vector<measurement>> results(cfg.strategies.size(), std::vector<measurement>(cfg.worlds.size()));
-    for (std::size_t j = 0; j < cfg.worlds.size(); ++j)
-      for (int round = 0; round < cfg.rounds; ++round)
-        for (std::size_t s = 0; s < cfg.strategies.size(); ++s)
-          with_strategy(cfg.strategies[s], cfg, cfg.worlds[j], [&](auto strategy) {
-            auto m = in_fresh_process([&] { return run(cfg, cfg.worlds[j], strategy); });
-            m.strategy = std::string(decltype(strategy)::name);
-            std::fprintf(stderr, "bench_strategies: %s W=%d round %d: %.1f ms/step\n", m.strategy.c_str(),
-                         m.world, round + 1, m.median(&step_sample::wall_s) * 1e3);
-            m.steps.insert(m.steps.begin(), results[s][j].steps.begin(), results[s][j].steps.end());
-            results[s][j] = std::move(m);
-          });
-    std::vector<measurement> all;
-    for (auto& row : results)
-      for (auto& m : row)
-        if (!m.steps.empty()) {
-          json_row(cfg.json, cfg, m, cores);
-          all.push_back(std::move(m));
-        }
-    print_tables(all, cores);
-    print_load("end");
+    if (cfg.model_name == "gpt2") measure_all(gpt2_workload{cfg}, cores);
+    else measure_all(encoder_workload{cfg}, cores);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_strategies: %s\n", e.what());
     return 1;

@@ -15,12 +15,21 @@ PyTorch, the one process's peak (GNU time's %M) divided by W for shardlib, whose
 are threads of one process. (A child's ru_maxrss would count the pages of the parent
 it was forked from, here a Python with torch loaded, hence VmHWM and GNU time.)
 
+--model gpt2: Hugging Face's transformers.GPT2LMHeadModel (GPT2Config of the same sizes:
+n_layer --layers, n_embd --d-model, n_head --heads, n_inner --ff, n_positions --seq,
+vocab_size --vocab, all three dropouts --dropout, 0 by default) against shardlib's
+models::GPT2LMHeadModel, AdamW (lr 1e-3), loss = the model's own with labels = input_ids
+(next-token cross-entropy) on uniform random token ids, each GPT2Block an FSDP unit.
+
 Run by hand, PyTorch is never a dependency. torch 2.x from pip runs FSDP on the CPU
 when given device_id=cpu (Debian's torch 1.13 cannot: its FSDP needs CUDA and does not
-import on Python 3.11); GNU time (Debian package `time`) measures shardlib's RSS:
+import on Python 3.11: the script then leaves the FSDP rows out); Debian's torch multiplies
+through libblas.so.3, the reference BLAS unless OpenBLAS is installed or its directory
+(libopenblas0-pthread's openblas-pthread/) is put first on LD_LIBRARY_PATH; the table names
+the BLAS the ranks loaded. GNU time (Debian package `time`) measures shardlib's RSS:
     python3 -m venv /tmp/torchenv && /tmp/torchenv/bin/pip install torch
     cmake --build build/release --target bench_strategies
-    /tmp/torchenv/bin/python benchmarks/compare_pytorch.py [--worlds 1,2,4]
+    /tmp/torchenv/bin/python benchmarks/compare_pytorch.py [--model encoder|gpt2] [--vocab 8192] [--worlds 1,2,4]
         [--strategies full,grad-op,optimizer,none] [--article] [--layers 4] [--d-model 256]
         [--heads 4] [--ff 1024] [--seq 16] [--batch 8] [--classes 10] [--dropout 0.1]
         [--warmup 2] [--steps 8] [--rounds 2] [--bench build/release/benchmarks/bench_strategies]
@@ -45,18 +54,20 @@ STRATEGIES = {
     "none": ("NoShard", "DDP"),
 }
 GNU_TIME = "/usr/bin/time"
-MODEL_FLAGS = ("layers", "d_model", "heads", "ff", "seq", "batch", "classes", "dropout")
+MODEL_FLAGS = ("model", "vocab", "layers", "d_model", "heads", "ff", "seq", "batch", "classes", "dropout")
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("encoder", "gpt2"), default="encoder")
+    p.add_argument("--vocab", type=int, default=8192, help="gpt2: vocabulary size")
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--strategies", default="full,grad-op,optimizer,none")
     p.add_argument("--article", action="store_true", help="the FSDP article's sizes (6 x d512, 8 heads, ff 2048, seq 10)")
     for name, default in (("layers", None), ("d-model", None), ("heads", None), ("ff", None), ("seq", None),
                           ("batch", 8), ("classes", 10)):
         p.add_argument("--" + name, type=int, default=default)
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dropout", type=float, default=None, help="0.1 for the encoder, 0 for gpt2 unless given")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
@@ -69,6 +80,8 @@ def parse_args():
     for k, v in sizes.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.dropout is None:
+        a.dropout = 0.0 if a.model == "gpt2" else 0.1
     a.worlds = [int(w) for w in a.worlds.split(",")]
     a.strategies = a.strategies.split(",")
     for s in a.strategies:
@@ -86,6 +99,15 @@ def vm_hwm_kib():
     """This process's own peak resident set (ru_maxrss also counts the forking parent's)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def blas_library():
+    """The BLAS this process loaded: Debian's torch 1.13 calls whatever libblas.so.3 resolves
+    to, the reference BLAS unless an optimised one is installed or put first on
+    LD_LIBRARY_PATH, and its matrix products run several times slower on the reference one."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "blas" in line.split()[-1]}
+    return ", ".join(sorted(paths)) or "none mapped"
 
 
 def free_port():
@@ -121,7 +143,31 @@ def torch_rank(rank, cfg, strategy, world, port, out_path):
             return self.head(x.mean(dim=1))
 
     torch.manual_seed(1)
-    model = Classifier()
+    if cfg["model"] == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+        model = GPT2LMHeadModel(GPT2Config(
+            vocab_size=cfg["vocab"], n_positions=cfg["seq"], n_embd=cfg["d_model"], n_layer=cfg["layers"],
+            n_head=cfg["heads"], n_inner=cfg["ff"], resid_pdrop=cfg["dropout"], embd_pdrop=cfg["dropout"],
+            attn_pdrop=cfg["dropout"]))
+        unit, optimizer_class = GPT2Block, torch.optim.AdamW
+
+        def batch(gen):
+            ids = torch.randint(cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
+            return ids, ids
+
+        def loss(x, y):
+            return model(input_ids=x, labels=y).loss  # shifts the labels inside: next-token cross-entropy
+    else:
+        model = Classifier()
+        unit, optimizer_class = nn.TransformerEncoderLayer, torch.optim.Adam
+
+        def batch(gen):
+            return (torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], generator=gen),
+                    torch.randint(cfg["classes"], (cfg["batch"],), generator=gen))
+
+        def loss(x, y):
+            return F.cross_entropy(model(x), y)
     params = sum(p.numel() for p in model.parameters())
     if strategy in ("full", "grad-op"):
         import functools
@@ -131,29 +177,30 @@ def torch_rank(rank, cfg, strategy, world, port, out_path):
             model,
             sharding_strategy=ShardingStrategy.FULL_SHARD if strategy == "full" else ShardingStrategy.SHARD_GRAD_OP,
             auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
-                                               transformer_layer_cls={nn.TransformerEncoderLayer}),
+                                               transformer_layer_cls={unit}),
             forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
             device_id=torch.device("cpu"))  # without it, FSDP refuses to run where no accelerator is found
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        opt = optimizer_class(model.parameters(), lr=1e-3)
     else:
         from torch.nn.parallel import DistributedDataParallel
+        # GPT-2's constant buffers (the causal mask is bool, which gloo cannot broadcast) stay out of DDP's sync
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in model.named_buffers()])
         model = DistributedDataParallel(model)
         if strategy == "optimizer":
             from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=1e-3)
         else:
-            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            opt = optimizer_class(model.parameters(), lr=1e-3)
     model.train()
 
     gen = torch.Generator().manual_seed(1000 + rank)
     times = []
     for step in range(cfg["warmup"] + cfg["steps"]):
-        x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], generator=gen)
-        y = torch.randint(cfg["classes"], (cfg["batch"],), generator=gen)
+        x, y = batch(gen)
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        loss(x, y).backward()
         opt.step()
         if step >= cfg["warmup"]:
             times.append(time.perf_counter() - t0)
@@ -164,7 +211,7 @@ def torch_rank(rank, cfg, strategy, world, port, out_path):
     if rank == 0:
         with open(out_path + ".tmp", "w") as f:
             json.dump({"step_times_s": t.tolist(), "peak_rss_kib": mem[0].item(), "baseline_rss_kib": mem[1].item(),
-                       "params": params, "torch": torch.__version__}, f)
+                       "params": params, "torch": torch.__version__, "blas": blas_library()}, f)
         os.rename(out_path + ".tmp", out_path)  # complete or absent
     dist.destroy_process_group()
 
@@ -213,6 +260,19 @@ def run_shardlib(args, strategy, world, cores):
     return row
 
 
+def fsdp_unavailable():
+    """Why this torch cannot run FSDP on the CPU, or None: torch 1.13's FSDP needs CUDA
+    (and on Python 3.11 does not even import)."""
+    import torch
+    if int(torch.__version__.split(".")[0]) < 2:
+        return f"torch {torch.__version__}: FSDP needs CUDA before torch 2"
+    try:
+        import torch.distributed.fsdp  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means no FSDP rows
+        return f"importing torch.distributed.fsdp failed: {type(e).__name__}: {e}"
+    return None
+
+
 def mib_from_kib(kib):
     return kib / 1024
 
@@ -223,6 +283,7 @@ def main():
         sys.exit(f"compare_pytorch: no bench_strategies at {args.bench} (build it, or pass --bench)")
     if not os.access(GNU_TIME, os.X_OK):
         sys.exit(f"compare_pytorch: needs GNU time at {GNU_TIME} (apt-get install time)")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # one compute thread per rank; spawned ranks inherit it
     import torch
 
     ncores = len(os.sched_getaffinity(0))
@@ -230,9 +291,20 @@ def main():
     print(f"# run as: {' '.join(shlex.quote(a) for a in [sys.executable] + sys.argv)}")
     print(f"# python {platform.python_version()}, torch {torch.__version__}, {ncores} usable cores "
           f"({platform.processor() or platform.machine()})")
-    print(f"# model: {args.layers} x TransformerEncoderLayer(d_model {args.d_model}, {args.heads} heads, ff {args.ff}, "
-          f"dropout {args.dropout}, batch_first), mean pool, Linear -> {args.classes}; per-rank batch {args.batch} x "
-          f"seq {args.seq}; Adam lr 1e-3; fp32")
+    if args.model == "gpt2":
+        import transformers
+        print(f"# model: GPT2LMHeadModel({args.layers} blocks, n_embd {args.d_model}, {args.heads} heads, n_inner "
+              f"{args.ff}, vocab {args.vocab}, dropout {args.dropout}, tied head), transformers "
+              f"{transformers.__version__} ({'eager attention: this torch has no F.scaled_dot_product_attention' if not hasattr(torch.nn.functional, 'scaled_dot_product_attention') else 'its default attention'}); "
+              f"per-rank batch {args.batch} x seq {args.seq}; AdamW lr 1e-3; fp32")
+    else:
+        print(f"# model: {args.layers} x TransformerEncoderLayer(d_model {args.d_model}, {args.heads} heads, ff "
+              f"{args.ff}, dropout {args.dropout}, batch_first), mean pool, Linear -> {args.classes}; per-rank batch "
+              f"{args.batch} x seq {args.seq}; Adam lr 1e-3; fp32")
+    fsdp_missing = fsdp_unavailable()
+    if fsdp_missing:
+        print(f"# PyTorch's FSDP cannot run here ({fsdp_missing}): the full and grad-op rows are left out")
+        args.strategies = [s for s in args.strategies if s not in ("full", "grad-op")]
     print(f"# {args.warmup} warm-up + {args.steps} measured steps per run, {args.rounds} rounds alternating the "
           f"sides; step = median of the slowest rank's step; both sides pinned to the same cores, one compute "
           f"thread per rank (torch.set_num_threads(1))")
@@ -261,7 +333,7 @@ def main():
                        torch_base=mib_from_kib(theirs["baseline_rss_kib"]),
                        ours_rss=mib_from_kib(ours["process_peak_rss_kib"]) / world,
                        ours_ledger=ours["peak_bytes"]["total"] / 2**20,
-                       params=theirs["params"])
+                       params=theirs["params"], blas=theirs["blas"])
             rows.append(row)
             print(f"# done: {strategy} W={world}: PyTorch {row['torch_ms']:.1f} ms, shardlib {row['ours_ms']:.1f} ms",
                   file=sys.stderr, flush=True)
@@ -279,6 +351,7 @@ def main():
               f"| {r['ours_ms']:.1f} | {r['ours_ms'] / r['torch_ms']:.2f} "
               f"| {r['torch_rss']:.0f} ({r['torch_rss'] - r['torch_base']:+.0f}) | {r['ours_rss']:.1f} "
               f"| {r['ours_ledger']:.1f} |")
+    print(f"\nPyTorch's BLAS: {rows[0]['blas']}")
     if any(r["world"] > len(r["cores"]) for r in rows):
         print("\n\\* more ranks than cores: both sides share the cores (contention, not scaling).")
     print("\n# load average at end: %.2f %.2f %.2f" % os.getloadavg())
