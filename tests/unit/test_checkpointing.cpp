@@ -97,14 +97,16 @@ struct outcome {
   std::string report;
 };
 
-// Three train_steps on `world` ranks; the planner is given `activation_bytes`.
+// Three train_steps on `world` ranks; the planner is given `activation_bytes`. With
+// `offload`, both ledgers (the model's space and the offload space) meet the plan.
 template <class Make, class Data, class Strategy>
 std::vector<outcome> train(Make make, Data data, int world, Strategy strategy, shard::wrap_policy wrap,
-                           shard::wrap_policy checkpoint, std::size_t activation_bytes = 0) {
+                           shard::wrap_policy checkpoint, std::size_t activation_bytes = 0, bool offload = false) {
   auto out = std::vector<outcome>(std::size_t(world));
   comm::launch(world, [&](comm::ThreadComm& c, ledger& l) {
     auto net = make();
-    auto model = shard::fully_shard<fixture::sgd>(net, c, strategy, {.wrap = wrap, .checkpoint = checkpoint, .seed = 7});
+    auto model = shard::fully_shard<fixture::sgd>(
+        net, c, strategy, {.wrap = wrap, .checkpoint = checkpoint, .seed = 7, .offload = offload});
     fixture::sgd opt;
     auto& o = out[std::size_t(c.rank())];
     for (int s = 0; s < 3; ++s) {
@@ -112,15 +114,16 @@ std::vector<outcome> train(Make make, Data data, int world, Strategy strategy, s
       o.losses.push_back(model.train_step(opt, x, y, loss, {.loss = shard::loss_report::local}));
     }
     o.activations = l.peak(category::activations);
-    const auto want = plan::make_plan(plan::describe(model, activation_bytes),
+    const auto plan = plan::make_plan(plan::describe(model, activation_bytes),
                                       {.policy = strategy.policy(), .world = world,
-                                       .optimizer_bytes = plan::sgd_state_bytes})
-                          .memory;
+                                       .optimizer_bytes = plan::sgd_state_bytes, .offload = offload});
     o.planner_agrees = true;
     for (int k = 0; k < category_count; ++k) {
       const auto cat_k = static_cast<category>(k);
-      o.planner_agrees = o.planner_agrees && l.peak(cat_k) == want[cat_k];
-      o.report += cat(" ", k, ": ", l.peak(cat_k), " vs ", want[cat_k], ";");
+      o.planner_agrees = o.planner_agrees && l.peak(cat_k) == plan.memory[cat_k] &&
+                         l.offload().peak(cat_k) == plan.offloaded[cat_k];
+      o.report += cat(" ", k, ": ", l.peak(cat_k), " vs ", plan.memory[cat_k], ", offloaded ", l.offload().peak(cat_k),
+                      " vs ", plan.offloaded[cat_k], ";");
     }
     for (const auto& t : model.full_state_dict(false))
       for (std::int64_t i = 0; i < t.value.numel(); ++i) o.params.push_back(t.value[i]);
@@ -189,11 +192,12 @@ void check_activation_peak(int world, Strategy strategy) {
   const std::size_t kept = plan::measure_activations(probe2, encoders, [&](auto& ctx) { run(ctx, probe2); });
   INFO(Strategy::name << ": activations " << kept << " with checkpointing, " << full << " without");
   CHECK(kept < full);
-  for (const auto& o : train(make_classifier, classifier_batch, world, strategy, encoders, encoders, kept)) {
-    INFO(o.report);
-    CHECK(o.activations == kept);
-    CHECK(o.planner_agrees);
-  }
+  for (bool offload : {false, true})  // the planner's memory with checkpointing and offload on together
+    for (const auto& o : train(make_classifier, classifier_batch, world, strategy, encoders, encoders, kept, offload)) {
+      INFO("offload " << offload << ":" << o.report);
+      CHECK(o.activations == kept);
+      CHECK(o.planner_agrees);
+    }
 }
 }  // namespace
 
