@@ -7,8 +7,9 @@
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/grad_mode.hpp"
 
+#include <bit>          // std::bit_cast
 #include <cmath>        // std::erf, std::exp, std::tanh
-#include <cstdint>      // std::int64_t
+#include <cstdint>      // std::int32_t, std::int64_t
 #include <type_traits>  // std::is_same_v
 
 namespace shardlib::nn {
@@ -65,6 +66,38 @@ SHARDLIB_HD T silu_backward(T x, T dy) {
 }
 
 namespace detail {
+// The host's float tanh-GELU, written so that its loops vectorise: std::tanh and
+// std::exp are scalar library calls, which made GELU a quarter of GPT-2's step
+// (bench_model --model gpt2). 0.5 (1 + tanh(u)) = sigmoid(2u) and 1 - tanh(u)^2 =
+// 4 sigmoid(2u) (1 - sigmoid(2u)), so one exp serves value and gradient.
+//
+// e^v for v in [-87, 88] (outside, clamped: the sigmoid is then 0 or 1 to float
+// precision): e^v = 2^n e^r, n = round(v / ln 2), |r| <= ln 2 / 2 (ln 2 split in two
+// parts so that r is exact), e^r by its Taylor series to r^7 (remainder < 1e-8,
+// below float's half ulp), 2^n built in the exponent bits.
+inline float exp_clamped(float v) {
+  v = v > 88 ? 88.0f : v >= -87 ? v : -87.0f;  // NaN to -87 (a NaN x still makes a NaN result); not std::clamp,
+                                               // whose references keep the loop scalar
+  // round to nearest by adding and taking away 1.5 * 2^23 (std::nearbyint and std::floor keep the loop scalar)
+  const float n = (v * 1.44269504f + 12582912.0f) - 12582912.0f;
+  const float r = (v - n * 0.693359375f) + n * 2.12194440e-4f;  // 0.693359375 - 2.12194440e-4 = ln 2
+  const float p =
+      1 + r * (1 + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r / 5040))))));
+  return p * std::bit_cast<float>((std::int32_t(n) + 127) << 23);
+}
+// sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), and du/dx.
+struct gelu_tanh_parts {
+  float s, du;
+  explicit gelu_tanh_parts(float x)
+      : s(1.0f / (1.0f + exp_clamped(-2.0f * 0.7978845608f * (x + 0.044715f * x * x * x)))),
+        du(0.7978845608f * (1.0f + 3.0f * 0.044715f * x * x)) {}
+};
+inline float gelu_tanh(float x) { return x * gelu_tanh_parts(x).s; }
+inline float gelu_tanh_backward(float x, float dy) {
+  const gelu_tanh_parts g(x);
+  return dy * (g.s + 2.0f * x * g.s * (1.0f - g.s) * g.du);
+}
+
 // What the element-wise layers' two versions share (the host's below, the
 // device's in nn/cuda/activation.cuh): no parameters, GELU's approximation, and
 // the check that backward gets the gradient of the last forward's output x.
@@ -164,11 +197,18 @@ class GELU : public detail::gelu_base {
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
     x_ = grad_enabled(ctx) ? x : input{};
+    if constexpr (std::is_same_v<T, float>)
+      if (approx_ == gelu_approx::tanh) return detail::elementwise(x, [](T v) { return detail::gelu_tanh(v); });
     return detail::elementwise(x, [a = approx_](T v) { return gelu(v, a); });
   }
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    input dx = detail::elementwise_backward("GELU", x_, dy, [a = approx_](T v, T g) { return gelu_backward(v, g, a); });
+    input dx;
+    if constexpr (std::is_same_v<T, float>)
+      if (approx_ == gelu_approx::tanh)
+        dx = detail::elementwise_backward("GELU", x_, dy, [](T v, T g) { return detail::gelu_tanh_backward(v, g); });
+    if (dx.empty())
+      dx = detail::elementwise_backward("GELU", x_, dy, [a = approx_](T v, T g) { return gelu_backward(v, g, a); });
     x_ = {};
     return dx;
   }
