@@ -27,64 +27,9 @@ using namespace fixture;
 
 namespace {
 
-// The same layer as test_shard.cpp's: bf16 values, inputs and gradients, fp32
-// accumulation, so the engine takes its 16-bit compute path on the host.
-struct Linear16 {
-  using input = Tensor<bfloat16>;
-  using output = Tensor<bfloat16>;
-  nn::Param<bfloat16> weight, bias;
-  std::int64_t in, out;
-  Tensor<bfloat16> x_;
-
-  Linear16(std::int64_t i, std::int64_t o) : in(i), out(o) {
-    weight.shape = Shape{o, i};
-    weight.init = nn::init_rule::linear_default(i);
-    bias.shape = Shape{o};
-    bias.init = nn::init_rule::linear_default(i);
-  }
-  template <class V>
-  void parameters(V&& v) {
-    v("weight", weight);
-    v("bias", bias);
-  }
-  template <class Ctx>
-  output forward(Ctx&, const input& x) {
-    x_ = x;
-    const std::int64_t rows = x.numel() / in;
-    output y({rows, out});
-    for (std::int64_t r = 0; r < rows; ++r)
-      for (std::int64_t o = 0; o < out; ++o) {
-        float acc = float(bias.value[o]);
-        for (std::int64_t k = 0; k < in; ++k) acc += float(x[r * in + k]) * float(weight.value[o * in + k]);
-        y[r * out + o] = bfloat16(acc);
-      }
-    return y;
-  }
-  template <class Ctx>
-  input backward(Ctx&, const output& dy) {
-    const std::int64_t rows = x_.numel() / in;
-    input dx({rows, in});
-    for (std::int64_t r = 0; r < rows; ++r)
-      for (std::int64_t k = 0; k < in; ++k) {
-        float acc = 0;
-        for (std::int64_t o = 0; o < out; ++o) acc += float(dy[r * out + o]) * float(weight.value[o * in + k]);
-        dx[r * in + k] = bfloat16(acc);
-      }
-    for (std::int64_t o = 0; o < out; ++o) {
-      float db = 0;
-      for (std::int64_t r = 0; r < rows; ++r) db += float(dy[r * out + o]);
-      bias.grad[o] = bfloat16(float(bias.grad[o]) + db);
-      for (std::int64_t k = 0; k < in; ++k) {
-        float dw = 0;
-        for (std::int64_t r = 0; r < rows; ++r) dw += float(dy[r * out + o]) * float(x_[r * in + k]);
-        weight.grad[o * in + k] = bfloat16(float(weight.grad[o * in + k]) + dw);
-      }
-    }
-    return dx;
-  }
-};
-using Model16 = nn::Sequential<Linear16, nn::Stack<Linear16>, Linear16>;
-Model16 make_model16() { return Model16{Linear16(5, 8), nn::Stack<Linear16>(3, Linear16(8, 8)), Linear16(8, 3)}; }
+using Linear16b = Linear16<bfloat16>;  // tests/support/shard_fixture.hpp
+using Model16 = nn::Sequential<Linear16b, nn::Stack<Linear16b>, Linear16b>;
+Model16 make_model16() { return Model16{Linear16b(5, 8), nn::Stack<Linear16b>(3, Linear16b(8, 8)), Linear16b(8, 3)}; }
 
 template <class H, class X>
 Tensor<H> as(const Tensor<X>& x) {

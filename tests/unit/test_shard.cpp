@@ -489,64 +489,6 @@ TEST_CASE("fp16 loss scaling skips an overflowing step on every rank and backs o
 }
 
 namespace {
-// A Linear layer that keeps its parameters, inputs, outputs and gradients in 16
-// bits and computes in fp32, as the GPU layers do: the host's stand-in for a
-// model that computes in bfloat16, which takes the engine's 16-bit compute path.
-template <class H>
-struct Linear16 {
-  using input = Tensor<H>;
-  using output = Tensor<H>;
-  nn::Param<H> weight, bias;
-  std::int64_t in, out;
-  Tensor<H> x_;
-
-  Linear16(std::int64_t i, std::int64_t o) : in(i), out(o) {
-    weight.shape = Shape{o, i};
-    weight.init = nn::init_rule::linear_default(i);
-    bias.shape = Shape{o};
-    bias.init = nn::init_rule::linear_default(i);
-  }
-  template <class V>
-  void parameters(V&& v) {
-    v("weight", weight);
-    v("bias", bias);
-  }
-  template <class Ctx>
-  output forward(Ctx&, const input& x) {
-    x_ = x;
-    const std::int64_t rows = x.numel() / in;
-    output y({rows, out});
-    for (std::int64_t r = 0; r < rows; ++r)
-      for (std::int64_t o = 0; o < out; ++o) {
-        float acc = float(bias.value[o]);
-        for (std::int64_t k = 0; k < in; ++k) acc += float(x[r * in + k]) * float(weight.value[o * in + k]);
-        y[r * out + o] = H(acc);
-      }
-    return y;
-  }
-  template <class Ctx>
-  input backward(Ctx&, const output& dy) {
-    const std::int64_t rows = x_.numel() / in;
-    input dx({rows, in});
-    for (std::int64_t r = 0; r < rows; ++r)
-      for (std::int64_t k = 0; k < in; ++k) {
-        float acc = 0;
-        for (std::int64_t o = 0; o < out; ++o) acc += float(dy[r * out + o]) * float(weight.value[o * in + k]);
-        dx[r * in + k] = H(acc);
-      }
-    for (std::int64_t o = 0; o < out; ++o) {
-      float db = 0;
-      for (std::int64_t r = 0; r < rows; ++r) db += float(dy[r * out + o]);
-      bias.grad[o] = H(float(bias.grad[o]) + db);
-      for (std::int64_t k = 0; k < in; ++k) {
-        float dw = 0;
-        for (std::int64_t r = 0; r < rows; ++r) dw += float(dy[r * out + o]) * float(x_[r * in + k]);
-        weight.grad[o * in + k] = H(float(weight.grad[o * in + k]) + dw);
-      }
-    }
-    return dx;
-  }
-};
 using Block16 = Linear16<bfloat16>;
 using Model16 = nn::Sequential<Block16, nn::Stack<Block16>, Block16>;
 Model16 make_model16() { return Model16{Block16(5, 8), nn::Stack<Block16>(3, Block16(8, 8)), Block16(8, 3)}; }
