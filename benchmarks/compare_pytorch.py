@@ -305,6 +305,8 @@ def main():
     if fsdp_missing:
         print(f"# PyTorch's FSDP cannot run here ({fsdp_missing}): the full and grad-op rows are left out")
         args.strategies = [s for s in args.strategies if s not in ("full", "grad-op")]
+        if not args.strategies:
+            sys.exit("compare_pytorch: no strategy left that this torch can run (optimizer, none)")
     print(f"# {args.warmup} warm-up + {args.steps} measured steps per run, {args.rounds} rounds alternating the "
           f"sides; step = median of the slowest rank's step; both sides pinned to the same cores, one compute "
           f"thread per rank (torch.set_num_threads(1))")
