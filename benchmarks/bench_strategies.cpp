@@ -43,7 +43,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -437,16 +436,11 @@ void print_model(const encoder_workload& work) {
 void print_model(const gpt2_workload& work) {
   const config& cfg = work.cfg;
   auto probe = work.make();
-  std::set<const void*> seen;  // the tied head lists the embedding's weight again: count it once, as Hugging Face
-  std::size_t parameters = 0;
-  probe.parameters([&](std::string_view, auto& p) {
-    if (seen.insert(&p).second) parameters += p.numel();
-  });
   std::printf("# bench_strategies: GPT2LMHeadModel, %ld blocks (n_embd %ld, %ld heads, n_inner %ld), vocabulary %ld, "
               "tied head: %zu parameters\n"
               "# per-rank batch %ld x seq %ld, next-token cross-entropy on random ids, dropout %g; AdamW; fp32; "
               "each GPT2Block a unit, ",
-              cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.vocab, parameters, cfg.batch, cfg.model.seq, cfg.model.dropout);
+              cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.vocab, nn::parameter_count(probe), cfg.batch, cfg.model.seq, cfg.model.dropout);
 }
 
 template <class Workload>

@@ -111,8 +111,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   const optim::warmup_cosine schedule{
       .peak_lr = s.lr, .min_lr = s.min_lr, .warmup_steps = std::min(s.warmup, s.steps), .total_steps = s.steps};
   const double entropy = data.unigram_entropy();
-  const std::size_t parameters =  // the tied head's weight is the embedding's, counted once
-      nn::parameter_count(model) - (model.lm_head.tied() ? std::size_t(256 * s.d_model) : 0);
+  const std::size_t parameters = nn::parameter_count(model);  // the tied head's weight once
   if (c.rank() == 0)
     std::printf("train_gpt: %s, %zu bytes (%zu training, %zu held out); unigram entropy %.4f nats = %.4f bits per "
                 "byte\ntrain_gpt: %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld) in %zu units, "

@@ -8,6 +8,7 @@
 #include <cstddef>      // std::size_t
 #include <string>       // std::string
 #include <string_view>  // std::string_view
+#include <unordered_set>  // std::unordered_set
 #include <utility>      // std::forward
 
 namespace shardlib::nn {
@@ -78,10 +79,15 @@ void visit_parameters(std::string_view prefix, Child& child, Visitor&& v) {
   child.parameters([&](std::string_view name, auto& p) { v(join_name(prefix, name), p); });
 }
 
+// Elements of the layer's distinct Params: a tied weight, listed under two names,
+// counts once (as Hugging Face and the sharded layout count it).
 template <Layer L>
 std::size_t parameter_count(L& layer) {
   std::size_t n = 0;
-  layer.parameters([&](std::string_view, auto& p) { n += p.numel(); });
+  std::unordered_set<const void*> seen;
+  layer.parameters([&](std::string_view, auto& p) {
+    if (seen.insert(&p).second) n += p.numel();
+  });
   return n;
 }
 
