@@ -263,7 +263,7 @@ TEMPLATE_TEST_CASE("GPT-2 and LLaMA sharded (FullShard, W = 2) match transformer
     Model model = golden_model<Model>();
     auto sharded = shard::fully_shard<optim::AdamW>(model, c, shard::FullShard{},
                                                     {.wrap = shard::wrap_types<typename Model::block_type>{}});
-    REQUIRE(sharded.unit_count() == 3);  // the root and two blocks
+    require(sharded.unit_count() == 3, "expected 3 units (the root and two blocks), got ", sharded.unit_count());
     models::load_hf(sharded, hf_dir / golden_name<Model> / "initial");
     const int r = c.rank();
     const auto x = rows(e.ids, r, 1), y = rows(e.targets, r, 1);
