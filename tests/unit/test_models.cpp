@@ -472,20 +472,28 @@ TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates
 
   std::vector<test_support::max_error> logits(2);
   std::vector<std::vector<std::int64_t>> got(2);
+  std::vector<std::string> why(2);  // each rank's findings (Catch's assertions are not thread-safe)
   comm::launch(2, [&](comm::ThreadComm& c, ledger& l) {
+    auto& w = why[std::size_t(c.rank())];
     Model model = golden_model<Model>();
     auto sharded = shard::fully_shard<fixture_sgd>(model, c, shard::FullShard{},
                                                    {.wrap = shard::wrap_types<models::GPT2Block<float>>{}});
     models::load_hf(sharded, hf_dir / "gpt2" / "initial");
     sharded.eval();
     logits[std::size_t(c.rank())] = logits_error(sharded.forward(e.ids), e.logits);
-    CHECK(l.current(category::gathered_parameters) == 0);
+    if (l.current(category::gathered_parameters) != 0) w += "gathered bytes after an eval forward; ";
     const auto out = models::generate(model, [&](const Tensor<std::int64_t>& ids) { return sharded.forward(ids); },
                                       prompt, {.max_new_tokens = 16, .top_k = 4, .seed = 1});
     got[std::size_t(c.rank())].assign(out.span().begin(), out.span().end());
-    CHECK(l.current(category::gathered_parameters) == 0);
-    CHECK_THROWS_WITH(sharded.backward(Tensor<float>({2, 8, 96})), Catch::Contains("backward in eval mode"));
+    if (l.current(category::gathered_parameters) != 0) w += "gathered bytes after generate; ";
+    try {
+      sharded.backward(Tensor<float>({2, 8, 96}));
+      w += "backward in eval did not raise; ";
+    } catch (const std::exception& ex) {
+      if (std::string(ex.what()).find("backward in eval mode") == std::string::npos) w += cat("backward: ", ex.what());
+    }
   });
+  for (const auto& w : why) CHECK(w == "");
   for (const auto& err : logits) CHECK(err <= 1e-5);
   for (const auto& g : got) CHECK(g == std::vector<std::int64_t>(want.span().begin(), want.span().end()));
 }
