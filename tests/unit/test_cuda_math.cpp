@@ -273,8 +273,15 @@ TEST_CASE("GELU and ReLU in float, as every kernel computes them, match the laye
       bf[i] = sl::nn::gelu_backward(x[i], dy[i], a);
       bd[i] = float(sl::nn::gelu_backward(double(x[i]), double(dy[i]), a));
     }
-    REQUIRE(std::memcmp(f.data(), y_layer.data(), f.size() * sizeof(float)) == 0);
-    REQUIRE(std::memcmp(bf.data(), dx_layer.data(), bf.size() * sizeof(float)) == 0);
+    if (a == sl::nn::gelu_approx::none) {
+      REQUIRE(std::memcmp(f.data(), y_layer.data(), f.size() * sizeof(float)) == 0);
+      REQUIRE(std::memcmp(bf.data(), dx_layer.data(), bf.size() * sizeof(float)) == 0);
+    } else {
+      // except the host's float tanh-GELU, which is vectorised (sigmoid(2u) with its own
+      // exp, nn/activation.hpp): the same function to float rounding, not bit for bit.
+      require_close(y_layer.data(), d.data(), f.size(), 1e-5, 1e-5);
+      require_close(dx_layer.data(), bd.data(), bf.size(), 1e-5, 1e-5);
+    }
     // ... and float is accurate enough to stand for bf16 and fp16 inputs. The
     // absolute slack covers x << 0, where 1 + erf(x) and the backward's
     // cdf + x pdf cancel (ulps of 1, about 1e-7, times |x| and |dy|).
