@@ -1,0 +1,2 @@
+// Being written (issue #15).
+#include <catch2/catch.hpp>
