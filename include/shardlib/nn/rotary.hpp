@@ -7,6 +7,7 @@
 
 #include <cmath>    // std::cos, std::pow, std::sin
 #include <cstdint>  // std::int64_t
+#include <span>     // std::span
 #include <vector>   // std::vector
 
 namespace shardlib::nn {
@@ -42,6 +43,13 @@ class rotary_table {
       }
     }
   }
+
+  std::int64_t head_dim() const { return 2 * half_; }
+  std::int64_t positions() const { return seq_; }
+  // [positions, head_dim / 2] row-major: what the device's copy of a table holds
+  // (ops/cuda/rotary.cuh).
+  std::span<const T> cosines() const { return cos_; }
+  std::span<const T> sines() const { return sin_; }
 
   // Rotates every head of x in place by its position's angles (forward), or
   // by their negatives (inverse = true: backward, since a rotation's transpose
