@@ -1,2 +1,229 @@
-// Being written (issue #15).
+// The fused attention's tile arithmetic (ops/attention_tiles.hpp), run on the host
+// with the kernels' loop structure, against nn::sdpa_forward / sdpa_backward (the
+// host attention that materialises the weights) and finite differences.
+//
+// Tolerances, relative to the largest element of the reference tensor: float64
+// 1e-12 — both sides sum at most a few hundred products of order-1 terms in a
+// different order (online softmax, rescaled accumulators, the tile order), each
+// rounding at 1.1e-16; float 1e-5 — the same with float's 6e-8 (the observed
+// worst is a few 1e-7), well below what a wrong mask, a missed rescale or a lost
+// tile would cost (a weight of order 1 / Lk >= 1e-2).
+#include "shardlib/core/random.hpp"
+#include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/sdpa.hpp"
+#include "shardlib/ops/attention_tiles.hpp"
 #include <catch2/catch.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+#include "support/compare.hpp"
+#include "support/random_inputs.hpp"
+
+namespace {
+
+using namespace shardlib;
+namespace flash = shardlib::ops::flash;
+using nn::head_view;
+
+struct attention_case {
+  std::string name;
+  std::int64_t batch, heads, kv_heads, queries, keys, dim;
+  bool causal = false;
+  std::int64_t offset = 0;
+  int padding = 0;  // 0 none, 1 random keys, 2 random keys and sample 0 wholly padded
+  double dropout_p = -1;  // < 0: no dropout stream
+  std::int64_t block_q = 32, block_k = 32;
+};
+
+template <class T>
+Tensor<T> random_tensor(test_support::random_inputs& rng, Shape s) {
+  Tensor<T> t(s);
+  const std::vector<float> v = rng.normal(std::size_t(t.numel()));
+  for (std::int64_t i = 0; i < t.numel(); ++i) t[i] = T(v[std::size_t(i)]);
+  return t;
+}
+template <class T>
+head_view<const T> cview(const Tensor<T>& t) {
+  const head_view<T> v = head_view<T>::bhsd(t);
+  return {v.data, v.batch, v.heads, v.seq, v.dim, v.batch_stride, v.head_stride, v.row_stride};
+}
+
+// The reference and the tiles on one case: forward and backward.
+template <class T>
+struct run {
+  Tensor<T> q, k, v, dout, out_ref, dq_ref, dk_ref, dv_ref, out, dq, dk, dv;
+  std::vector<T> lse;
+  nn::sdpa_options o;
+  flash::tile_problem p;
+  T scale;
+};
+
+template <class T>
+run<T> run_case(const attention_case& c, test_support::random_inputs& rng) {
+  const std::int64_t B = c.batch, H = c.heads, G = c.kv_heads, Lq = c.queries, Lk = c.keys, D = c.dim;
+  run<T> r;
+  r.q = random_tensor<T>(rng, {B, H, Lq, D});
+  r.k = random_tensor<T>(rng, {B, G, Lk, D});
+  r.v = random_tensor<T>(rng, {B, G, Lk, D});
+  r.dout = random_tensor<T>(rng, {B, H, Lq, D});
+  r.o = {.is_causal = c.causal, .query_offset = c.offset};
+  if (c.padding) {
+    r.o.key_padding_mask = Tensor<std::uint8_t>::zeros({B, Lk});
+    for (std::int64_t i = 0; i < B * Lk; ++i) r.o.key_padding_mask[i] = std::uint8_t(rng.integer(0, 3) == 0 ? 7 : 0);
+    if (c.padding == 2)
+      for (std::int64_t j = 0; j < Lk; ++j) r.o.key_padding_mask[j] = 1;
+  }
+  if (c.dropout_p >= 0) {
+    r.o.dropout_p = c.dropout_p;
+    r.o.dropout = counter_rng(std::uint64_t(rng.integer(0, 1 << 30)), 42);
+  }
+  for (auto* t : {&r.out_ref, &r.out, &r.dq_ref, &r.dq}) *t = Tensor<T>({B, H, Lq, D});
+  for (auto* t : {&r.dk_ref, &r.dv_ref, &r.dk, &r.dv}) *t = Tensor<T>({B, G, Lk, D});
+  Tensor<T> probs({B, H, Lq, Lk});
+  const auto view = head_view<T>::bhsd;
+  nn::sdpa_forward(view(r.q), view(r.k), view(r.v), view(r.out_ref), probs.data(), r.o);
+  nn::sdpa_backward(view(r.dout), view(r.q), view(r.k), view(r.v), probs.data(), view(r.dq_ref), view(r.dk_ref),
+                    view(r.dv_ref), r.o);
+
+  r.p = flash::make_problem(B, H, G, Lq, Lk, c.causal, c.offset,
+                            c.padding ? r.o.key_padding_mask.data() : nullptr, r.o.dropout, r.o.dropout_p);
+  r.scale = T(1.0 / std::sqrt(double(D)));
+  r.lse.assign(std::size_t(B * H * Lq), T(0));
+  flash::forward_tiles<T>(cview(r.q), cview(r.k), cview(r.v), view(r.out), r.lse.data(), r.p, r.scale, c.block_q,
+                          c.block_k);
+  flash::backward_tiles<T>(cview(r.q), cview(r.k), cview(r.v), cview(r.out), cview(r.dout), r.lse.data(),
+                           view(r.dq), view(r.dk), view(r.dv), r.p, r.scale, c.block_q, c.block_k);
+  return r;
+}
+
+// Largest |got - want| over the largest |want| (NaN counts as +inf).
+template <class T>
+test_support::max_error normwise(const Tensor<T>& got, const Tensor<T>& want) {
+  double m = 0;
+  for (const T& w : want.span()) m = std::max(m, std::abs(double(w)));
+  test_support::max_error e;
+  e.relative(got.span(), want.span(), m > 0 ? m : 1.0);
+  return e;
+}
+
+std::vector<attention_case> cases() {
+  return {
+      {"plain, tiles dividing nothing", 2, 4, 4, 37, 37, 16, false, 0, 0, -1, 16, 8},
+      {"causal, L 50, D 64", 1, 2, 2, 50, 50, 64, true},
+      {"causal, Lq 20 < Lk 25, offset 5 (a cache)", 2, 2, 2, 20, 25, 16, true, 5, 0, -1, 8, 16},
+      {"causal, offset -7: rows without keys", 1, 3, 3, 30, 30, 16, true, -7, 0, -1, 16, 16},
+      {"GQA 6 over 2, Lq 19, Lk 41, D 128, key padding, a sample all padding", 2, 6, 2, 19, 41, 128, false, 0, 2},
+      {"GQA 4 over 1, causal, padding, dropout 0.3", 2, 4, 1, 33, 33, 64, true, 0, 1, 0.3, 16, 32},
+      {"dropout 0.5, Lq 45 > Lk 13, tiles of one", 1, 2, 2, 45, 13, 16, false, 0, 0, 0.5, 1, 1},
+      {"dropout 1: every weight dropped", 1, 2, 1, 9, 11, 16, true, 3, 1, 1.0, 4, 4},
+      {"dropout stream with p 0, one tile bigger than L", 1, 1, 1, 7, 9, 16, false, 0, 1, 0.0, 64, 64},
+  };
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("fused attention tiles equal nn::sdpa forward and backward", "[ops][flash]", double, float) {
+  test_support::random_inputs rng;
+  const double tol = std::is_same_v<TestType, double> ? 1e-12 : 1e-5;
+  for (const attention_case& c : cases()) {
+    INFO(c.name << " (seed " << rng.seed << ")");
+    const run<TestType> r = run_case<TestType>(c, rng);
+    CHECK(normwise(r.out, r.out_ref) <= tol);
+    CHECK(normwise(r.dq, r.dq_ref) <= tol);
+    CHECK(normwise(r.dk, r.dk_ref) <= tol);
+    CHECK(normwise(r.dv, r.dv_ref) <= tol);
+  }
+}
+
+TEST_CASE("fused attention tiles: lse, and rows without a key", "[ops][flash]") {
+  test_support::random_inputs rng;
+  INFO("seed " << rng.seed);
+  // Causal with offset -3 and sample 0 all padding: rows 0-2 of sample 1 and
+  // every row of sample 0 see no key.
+  const attention_case c{"", 2, 2, 1, 12, 12, 16, true, -3, 2, -1, 8, 8};
+  const run<double> r = run_case<double>(c, rng);
+  test_support::max_error lse_error;
+  for (std::int64_t n = 0; n < 2; ++n)
+    for (std::int64_t h = 0; h < 2; ++h)
+      for (std::int64_t i = 0; i < 12; ++i) {
+        // log sum exp(s) over the visible keys, directly.
+        double m = -INFINITY, sum = 0;
+        std::vector<double> s;
+        for (std::int64_t j = 0; j < 12; ++j) {
+          if (!flash::visible(r.p, n, i, j)) continue;
+          double dot = 0;
+          for (std::int64_t d = 0; d < 16; ++d) dot += r.q[((n * 2 + h) * 12 + i) * 16 + d] * r.k[(n * 12 + j) * 16 + d];
+          s.push_back(dot * r.scale);
+          m = std::max(m, s.back());
+        }
+        for (double x : s) sum += std::exp(x - m);
+        const double got = r.lse[std::size_t((n * 2 + h) * 12 + i)];
+        if (s.empty()) {
+          CHECK(got == INFINITY);
+          for (std::int64_t d = 0; d < 16; ++d) {
+            CHECK(r.out[((n * 2 + h) * 12 + i) * 16 + d] == 0.0);
+            CHECK(r.dq[((n * 2 + h) * 12 + i) * 16 + d] == 0.0);
+          }
+        } else {
+          lse_error.relative(got, m + std::log(sum), 1.0);
+        }
+      }
+  CHECK(lse_error.count() > 0);
+  CHECK(lse_error <= 1e-13);
+}
+
+TEST_CASE("fused attention tiles: dropout draws the host's mask bit for bit", "[ops][flash]") {
+  const std::int64_t B = 2, H = 3, Lq = 17, Lk = 23;
+  const nn::sdpa_options o{.dropout_p = 0.4, .dropout = counter_rng(1234, 5)};
+  const flash::tile_problem p = flash::make_problem(B, H, H, Lq, Lk, false, 0, nullptr, o.dropout, o.dropout_p);
+  std::vector<double> want(std::size_t(Lq * Lk));
+  std::int64_t mismatches = 0, dropped = 0;
+  for (std::int64_t n = 0; n < B; ++n)
+    for (std::int64_t h = 0; h < H; ++h) {
+      nn::detail::sdpa_keep_scales(o, (n * H + h) * Lq * Lk, Lq * Lk, want.data());
+      for (std::int64_t i = 0; i < Lq; ++i)
+        for (std::int64_t j = 0; j < Lk; ++j) {
+          const double got = flash::keep_scale(p, p.kept, n, h, i, j);
+          mismatches += got != want[std::size_t(i * Lk + j)];
+          dropped += got == 0;
+        }
+    }
+  CHECK(mismatches == 0);
+  CHECK(dropped > B * H * Lq * Lk / 4);  // p 0.4: the mask does drop
+  CHECK(dropped < B * H * Lq * Lk / 2 + B * H * Lq * Lk / 20);
+}
+
+TEST_CASE("fused attention tiles: backward equals finite differences (float64)", "[ops][flash]") {
+  test_support::random_inputs rng;
+  INFO("seed " << rng.seed);
+  // Causal with an offset, GQA, key padding and dropout at once.
+  const attention_case c{"", 1, 4, 2, 9, 11, 16, true, 2, 1, 0.25, 4, 8};
+  run<double> r = run_case<double>(c, rng);
+  // loss = sum(out * dout): its gradients are backward's dq, dk, dv.
+  const auto loss = [&] {
+    Tensor<double> out(r.out.shape());
+    std::vector<double> lse(r.lse.size());
+    flash::forward_tiles<double>(cview(r.q), cview(r.k), cview(r.v), head_view<double>::bhsd(out), lse.data(), r.p,
+                                 r.scale, c.block_q, c.block_k);
+    double s = 0;
+    for (std::int64_t i = 0; i < out.numel(); ++i) s += out[i] * r.dout[i];
+    return s;
+  };
+  test_support::max_error worst;
+  const double h = 1e-6;
+  for (auto [x, g] : {std::pair{&r.q, &r.dq}, std::pair{&r.k, &r.dk}, std::pair{&r.v, &r.dv}})
+    for (std::int64_t e = 0; e < x->numel(); e += 7) {
+      const double keep = (*x)[e];
+      (*x)[e] = keep + h;
+      const double up = loss();
+      (*x)[e] = keep - h;
+      const double down = loss();
+      (*x)[e] = keep;
+      worst.relative((*g)[e], (up - down) / (2 * h), 1.0);
+    }
+  CHECK(worst.count() > 100);
+  CHECK(worst <= 1e-7);  // central differences: h^2 truncation and 1e-16 / h rounding
+}
