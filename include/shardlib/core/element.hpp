@@ -11,6 +11,11 @@
 #include <string_view>
 #include <type_traits>  // std::is_same_v
 
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>  // __float2bfloat16_rn, __bfloat162float (device conversions)
+#include <cuda_fp16.h>  // __float2half_rn, __half2float
+#endif
+
 namespace shardlib {
 
 namespace detail {
@@ -69,16 +74,44 @@ SHARDLIB_HD constexpr std::uint16_t round_to_16(std::uint64_t x) {
   return static_cast<std::uint16_t>(sign | r);
 }
 
-SHARDLIB_HD constexpr std::uint16_t float_to_half_bits(float f) { return round_to_16<8, 23, 5, 10>(bits_of(f)); }
+// Device code converts float <-> 16 bits with the hardware's single cvt
+// instructions (the same bits as round_to_16 on every float, which
+// tests/cuda/test_cuda_ops.cu checks over all 2^32 patterns); the host, and
+// constant evaluation anywhere, use the portable arithmetic here.
+SHARDLIB_HD constexpr bool device_conversions() {
+#if defined(__CUDA_ARCH__)
+  return !__builtin_is_constant_evaluated();
+#else
+  return false;
+#endif
+}
+
+SHARDLIB_HD constexpr std::uint16_t float_to_half_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  if (device_conversions()) return __half_as_ushort(__float2half_rn(f));
+#endif
+  return round_to_16<8, 23, 5, 10>(bits_of(f));
+}
 SHARDLIB_HD constexpr std::uint16_t double_to_half_bits(double d) { return round_to_16<11, 52, 5, 10>(bits_of(d)); }
-SHARDLIB_HD constexpr std::uint16_t float_to_bf16_bits(float f) { return round_to_16<8, 23, 8, 7>(bits_of(f)); }
+SHARDLIB_HD constexpr std::uint16_t float_to_bf16_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  if (device_conversions()) return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#endif
+  return round_to_16<8, 23, 8, 7>(bits_of(f));
+}
 SHARDLIB_HD constexpr std::uint16_t double_to_bf16_bits(double d) { return round_to_16<11, 52, 8, 7>(bits_of(d)); }
 
+// Not __bfloat162float on the device: this shift is exact, keeps NaN payloads
+// (as CUDA's host path does) and is one instruction, where sm_90's
+// cvt.f32.bf16 gives no more and documents no NaN rule.
 SHARDLIB_HD constexpr float bf16_bits_to_float(std::uint16_t b) {
-  return float_from_bits(static_cast<std::uint32_t>(b) << 16);  // keeps NaN payloads, as CUDA does
+  return float_from_bits(static_cast<std::uint32_t>(b) << 16);
 }
 
 SHARDLIB_HD constexpr float half_bits_to_float(std::uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  if (device_conversions()) return __half2float(__ushort_as_half(h));
+#endif
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
   const std::uint32_t exp = (h >> 10) & 0x1FU;
   const std::uint32_t man = h & 0x3FFU;

@@ -2,16 +2,14 @@
 // thread's current stream and parameter-gradient column sums.
 #pragma once
 #include "shardlib/config.hpp"
-#include "shardlib/core/tensor.hpp"
-#include "shardlib/cuda/current.hpp"          // current_stream, current_blas
-#include "shardlib/cuda/memory_space.hpp"     // cuda_space
-#include "shardlib/ops/cuda/elementwise.cuh"  // fill
-#include "shardlib/ops/cuda/gemm.hpp"         // gemm, gemm_strided_batched
+#include "shardlib/cuda/current.hpp"            // current_stream, current_blas
+#include "shardlib/cuda/caching_allocator.hpp"  // device_allocator
+#include "shardlib/ops/cuda/gemm.hpp"           // gemm, gemm_strided_batched
+#include "shardlib/ops/cuda/reduce.cuh"         // add_column_sums
 
 #include <cuda_runtime.h>
 
 #include <cstdint>  // std::int64_t
-#include <span>     // std::span
 
 namespace shardlib::nn::detail {
 
@@ -32,14 +30,11 @@ void device_gemm_batched(ops::trans ta, ops::trans tb, std::int64_t m, std::int6
                                   ldb, stride_b, beta, c, ldc, stride_c, batch);
 }
 
-// g[c] += sum over r of d[r, c] for a [rows, cols] row-major d on the device:
-// d^T times a vector of ones, accumulated in fp32 by cuBLAS and added to g (beta 1).
+// g[c] += sum over r of d[r, c] for a [rows, cols] row-major d on the device
+// (a bias gradient), on the current stream, summed in fp32.
 template <class T>
 void add_column_sums_device(const T* d, std::int64_t rows, std::int64_t cols, T* g) {
-  if (rows == 0) return;
-  Tensor<T, cuda_space> ones(Shape{rows});
-  ops::cuda::fill(ones.span(), T(1.0f), cuda::current_stream());
-  device_gemm(ops::trans::yes, ops::trans::no, cols, 1, rows, 1.0f, d, cols, ones.data(), 1, 1.0f, g, 1);
+  ops::cuda::add_column_sums(d, rows, cols, g, cuda::current_stream(), cuda::device_allocator(cuda::current_device()));
 }
 
 }  // namespace shardlib::nn::detail

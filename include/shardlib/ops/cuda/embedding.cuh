@@ -9,7 +9,7 @@
 #include "shardlib/cuda/error.hpp"               // check
 #include "shardlib/ops/cuda/embedding.hpp"       // row math
 #include "shardlib/ops/cuda/index_report.hpp"    // index_report
-#include "shardlib/ops/cuda/launch.cuh"          // block_team, row_threads, for_each_index, report_index, with_cub_scratch
+#include "shardlib/ops/cuda/launch.cuh"          // block_team, row_threads, map_elements, report_index, with_cub_scratch
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -34,9 +34,8 @@ __global__ void embedding_forward_kernel(const T* weight, std::int64_t num, int 
   embedding_row(block_team{}, weight, id, dim, out + i * dim);
 }
 
-struct iota_at {
-  std::int64_t* out;
-  __device__ void operator()(std::int64_t i) const { out[i] = i; }
+struct index_of {
+  __device__ std::int64_t operator()(std::int64_t i) const { return i; }
 };
 
 // Block k handles the run of equal sorted ids starting at k, if one starts there.
@@ -73,7 +72,7 @@ void embedding_backward(const std::int64_t* ids, std::int64_t n, const T* dy, T*
   device_buffer<std::int64_t> positions(std::size_t(n), category::activations, stream, alloc);
   device_buffer<std::int64_t> sorted_ids(std::size_t(n), category::activations, stream, alloc);
   device_buffer<std::int64_t> sorted_positions(std::size_t(n), category::activations, stream, alloc);
-  for_each_index(n, detail::iota_at{positions.data()}, stream, "embedding_backward (positions)");
+  map_elements(n, detail::index_of{}, stream, "embedding_backward (positions)", positions.data());
   detail::with_cub_scratch(
       [&](void* scratch, std::size_t& bytes) {
         return cub::DeviceRadixSort::SortPairs(scratch, bytes, ids, sorted_ids.data(), positions.data(),

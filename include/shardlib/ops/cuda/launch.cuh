@@ -1,5 +1,6 @@
 // shardlib/ops/cuda/launch.cuh — what every shardlib kernel shares: block_team
-// (a Team of one CUDA block), launch shapes, and the element-wise loop.
+// (a Team of one CUDA block), launch shapes, and the element-wise loops
+// (map_elements with 16-byte vectors, for_each_index for the rest).
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/ledger.hpp"             // category
@@ -9,10 +10,10 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>  // std::clamp
+#include <algorithm>  // std::clamp, std::max
 #include <cmath>      // INFINITY
 #include <cstddef>    // std::size_t, std::byte
-#include <cstdint>    // std::int64_t
+#include <cstdint>    // std::int64_t, std::uintptr_t
 
 namespace shardlib::ops::cuda {
 
@@ -45,13 +46,16 @@ struct block_team {
 // whole warps, at most 512 (then each thread takes several elements).
 inline int row_threads(std::int64_t n) { return int(std::clamp<std::int64_t>((n + 31) / 32 * 32, 32, 512)); }
 
-// Blocks for a grid-stride loop over n items: enough to fill any current GPU
-// several times over, without launching one block per item on huge inputs.
+// Blocks for a grid-stride loop over n items: enough to fill the largest
+// current GPU several times over (an H200 keeps 132 x 8 blocks of 256 threads
+// resident), no more: past that each thread loops, which costs nothing for
+// memory-bound kernels and keeps launches small on huge inputs.
 inline unsigned grid_blocks(std::int64_t n, int threads) {
-  return unsigned(std::clamp<std::int64_t>((n + threads - 1) / threads, 1, 65536));
+  return unsigned(std::clamp<std::int64_t>((n + threads - 1) / threads, 1, 4096));
 }
 
-// f(i) for every i in [0, n): the body of every element-wise kernel.
+// f(i) for every i in [0, n): for kernels whose elements are not a plain map
+// of equal-length arrays (gathers, strided layouts); map_elements is faster.
 template <class F>
 __global__ void for_each_index_kernel(std::int64_t n, F f) {
   const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
@@ -63,6 +67,91 @@ void for_each_index(std::int64_t n, F f, cudaStream_t stream, const char* name) 
   if (n <= 0) return;
   constexpr int threads = 256;
   for_each_index_kernel<<<grid_blocks(n, threads), threads, 0, stream>>>(n, f);
+  shardlib::cuda::check_launch(name);
+}
+
+namespace detail {
+// N consecutive elements of T as one aligned access: 16 bytes (one 128-bit
+// load or store) for the widest type of a map, narrower for the others.
+template <class T, int N>
+struct alignas(sizeof(T) * N) vec {
+  T v[N];
+};
+
+template <class... T>
+inline constexpr int vector_width = int(16 / std::max({sizeof(T)...}));
+
+// The accesses go through plain integer types of the vector's size: copied as
+// a struct of 16-bit elements, nvcc would load element by element.
+template <std::size_t Bytes>
+struct raw_bits;
+template <> struct raw_bits<16> { using type = uint4; };
+template <> struct raw_bits<8> { using type = uint2; };
+template <> struct raw_bits<4> { using type = unsigned; };
+template <> struct raw_bits<2> { using type = unsigned short; };
+template <> struct raw_bits<1> { using type = unsigned char; };
+template <class T, int N>
+using raw_vec = typename raw_bits<sizeof(vec<T, N>)>::type;
+
+template <int N, class T>
+__device__ __forceinline__ vec<T, N> load_vector(const T* p) {
+  return __builtin_bit_cast(vec<T, N>, *reinterpret_cast<const raw_vec<T, N>*>(p));
+}
+
+template <int N, class Out, class Op, class... In>
+__device__ __forceinline__ void map_vector(std::int64_t i, const Op& op, Out* out, const vec<In, N>&... x) {
+  vec<Out, N> y;
+#pragma unroll
+  for (int j = 0; j < N; ++j) y.v[j] = op(i + j, x.v[j]...);
+  *reinterpret_cast<raw_vec<Out, N>*>(out + i) = __builtin_bit_cast(raw_vec<Out, N>, y);
+}
+
+// Elements [head, head + vectors * N) in vectors of N, the rest ("edges": the
+// head before the first aligned element and the tail after the last whole
+// vector) one by one; both grid-stride with 64-bit indices.
+template <int N, class Out, class Op, class... In>
+__global__ void map_kernel(std::int64_t n, std::int64_t head, std::int64_t vectors, Op op, Out* out,
+                           const In*... in) {
+  const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
+  const std::int64_t first = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (std::int64_t v = first; v < vectors; v += stride) {
+    const std::int64_t i = head + v * N;
+    map_vector<N>(i, op, out, load_vector<N>(in + i)...);
+  }
+  const std::int64_t tail = head + vectors * N, edges = head + (n - tail);
+  for (std::int64_t e = first; e < edges; e += stride) {
+    const std::int64_t i = e < head ? e : tail + (e - head);
+    out[i] = op(i, in[i]...);
+  }
+}
+
+// Whether p + i starts an aligned vector of N elements of T.
+template <class T>
+bool vector_aligned(const T* p, std::int64_t i, int n) {
+  return (reinterpret_cast<std::uintptr_t>(p + i) % (sizeof(T) * std::size_t(n))) == 0;
+}
+}  // namespace detail
+
+// out[i] = op(i, in[i]...) for every i in [0, n): the loop of every
+// element-wise kernel. The body moves N = 16 / (largest element size)
+// elements per access (8 bf16 or 4 floats in 16 bytes) once out is aligned,
+// when every input is aligned at the same element; pointers that are not
+// (a view one element in) start with up to N - 1 single elements, and the
+// remainder of n ends with them. op computes each element alone, so results
+// are the same bits whichever path an element takes.
+template <class Out, class Op, class... In>
+void map_elements(std::int64_t n, Op op, cudaStream_t stream, const char* name, Out* out, const In*... in) {
+  if (n <= 0) return;
+  constexpr int N = detail::vector_width<Out, In...>;
+  const auto out_at = reinterpret_cast<std::uintptr_t>(out);
+  std::int64_t head = out_at % sizeof(Out) != 0
+                          ? n
+                          : std::int64_t((N - out_at / sizeof(Out) % N) % N);  // elements before out is aligned
+  if (head >= n || !(detail::vector_aligned(in, head, N) && ...)) head = n;      // all one by one
+  const std::int64_t vectors = (n - head) / N, edges = n - vectors * N;
+  constexpr int threads = 256;
+  detail::map_kernel<N><<<grid_blocks(std::max(vectors, edges), threads), threads, 0, stream>>>(n, head, vectors, op,
+                                                                                              out, in...);
   shardlib::cuda::check_launch(name);
 }
 
