@@ -14,6 +14,7 @@
 #include <optional>     // std::optional
 #include <string>       // std::string
 #include <string_view>  // std::string_view
+#include <type_traits>  // std::is_same_v
 #include <utility>      // std::move, std::pair
 
 namespace shardlib::nn {
@@ -76,27 +77,40 @@ class kv_cache {
 };
 
 namespace detail {
+// What the decoder attention's core takes besides its name.
+struct decoder_attention_options {
+  std::int64_t heads = 1, kv_heads = 1, head_dim = 0;
+  double dropout = 0;
+  std::optional<rotary_options> rotary{};
+};
+
+inline void check_decoder_attention_options(const std::string& name, const decoder_attention_options& o) {
+  require<shape_error>(o.heads > 0 && o.kv_heads > 0 && o.heads % o.kv_heads == 0, name,
+                       ": the number of heads (", o.heads, ") must be a positive multiple of the key/value heads (",
+                       o.kv_heads, ")");
+  require<shape_error>(o.head_dim > 0, name, ": head_dim must be positive, got ", o.head_dim);
+  require<shape_error>(!o.rotary || o.head_dim % 2 == 0, name, ": rotary embeddings need an even head_dim, got ",
+                       o.head_dim);
+  require(o.dropout >= 0 && o.dropout < 1, name, ": attention dropout must be in [0, 1), got ", o.dropout);
+}
+
 // Causal self-attention between a decoder layer's projections and its output
 // projection: takes the context's masks, applies RoPE (when configured), runs
 // SDPA, keeps what backward needs, and owns the KV cache. The views passed to
 // forward must stay valid until backward (the layer keeps their tensors).
-template <class T>
+// Space is where the views point: this is the host's core; the device's
+// (fused attention, no KV cache) is in nn/cuda/decoder_attention.cuh.
+template <class T, class Space = host_space>
 class decoder_attention {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::detail::decoder_attention: the host core; for cuda_space include "
+                "shardlib/nn/cuda/decoder_attention.cuh");
+
  public:
-  struct options {
-    std::int64_t heads = 1, kv_heads = 1, head_dim = 0;
-    double dropout = 0;
-    std::optional<rotary_options> rotary{};
-  };
+  using options = decoder_attention_options;
 
   decoder_attention(std::string name, const options& o) : name_(std::move(name)), o_(o) {
-    require<shape_error>(o.heads > 0 && o.kv_heads > 0 && o.heads % o.kv_heads == 0, name_,
-                         ": the number of heads (", o.heads, ") must be a positive multiple of the key/value heads (",
-                         o.kv_heads, ")");
-    require<shape_error>(o.head_dim > 0, name_, ": head_dim must be positive, got ", o.head_dim);
-    require<shape_error>(!o.rotary || o.head_dim % 2 == 0, name_, ": rotary embeddings need an even head_dim, got ",
-                         o.head_dim);
-    require(o.dropout >= 0 && o.dropout < 1, name_, ": attention dropout must be in [0, 1), got ", o.dropout);
+    check_decoder_attention_options(name_, o);
   }
 
   const std::string& name() const { return name_; }

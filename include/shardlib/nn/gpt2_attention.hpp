@@ -48,24 +48,29 @@ struct gpt2_attention_options {
 // KV cache: enable_kv_cache(max_seq) and, not training, each forward takes only
 // the new positions and attends to every cached one (key padding mask [batch,
 // cached + new]); reset_kv_cache() starts a new sequence. Backward then raises.
-template <class T>
+//
+// Space: the host's layer by default; with cuda_space (include
+// shardlib/nn/cuda/decoder_attention.cuh) the projections are device Linears and
+// the attention between them the fused kernel (detail::decoder_attention<T,
+// cuda_space>: causal and key padding only, no KV cache).
+template <class T, class Space = host_space>
 class GPT2Attention {
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
+  using input = Tensor<T, Space>;
+  using output = Tensor<T, Space>;
   using options = gpt2_attention_options;
 
   explicit GPT2Attention(const options& o)
       : c_attn(o.n_embd, 3 * o.n_embd), c_proj(o.n_embd, o.n_embd), resid_dropout(o.resid_pdrop), o_(o),
         core_(cat("GPT2Attention(n_embd ", o.n_embd, ", n_head ", o.n_head, ")"), core_options(o)) {
-    for (Linear<T>* l : {&c_attn, &c_proj}) {
+    for (Linear<T, Space>* l : {&c_attn, &c_proj}) {
       l->weight.init = init_rule::normal_with(0, o.initializer_range);
       l->bias.init = init_rule::constant_zero();
     }
   }
 
-  Linear<T> c_attn, c_proj;
-  Dropout<T> resid_dropout;
+  Linear<T, Space> c_attn, c_proj;
+  Dropout<T, Space> resid_dropout;
 
   template <class V>
   void children(V&& v) {
@@ -90,10 +95,11 @@ class GPT2Attention {
     require<shape_error>(x.rank() == 3 && x.dim(2) == E, core_.name(), ": input must be [batch, seq, ", E,
                          "], got shape ", x.shape());
     qkv_ = ctx.forward(c_attn, x);
-    Tensor<T> attn(x.shape());
+    attn_ = Tensor<T, Space>(x.shape());
     const auto [q, k, v] = thirds(qkv_);
-    core_.forward(ctx, q, k, v, heads(attn.data(), E));
-    if (!grad_enabled(ctx)) qkv_ = {};  // kept only for backward
+    core_.forward(ctx, q, k, v, heads(attn_.data(), E));
+    const Tensor<T, Space> attn = attn_;
+    if (!grad_enabled(ctx)) qkv_ = attn_ = {};  // kept only for backward
     return ctx.forward(resid_dropout, ctx.forward(c_proj, attn));
   }
 
@@ -104,16 +110,16 @@ class GPT2Attention {
                              dy.dim(2) == o_.n_embd,
                          core_.name(), ": backward needs the gradient of the last forward's output, got shape ",
                          dy.shape());
-    const Tensor<T> dattn = ctx.backward(c_proj, ctx.backward(resid_dropout, dy));
-    Tensor<T> dqkv(qkv_.shape());
+    const Tensor<T, Space> dattn = ctx.backward(c_proj, ctx.backward(resid_dropout, dy));
+    Tensor<T, Space> dqkv(qkv_.shape());
     const auto [dq, dk, dv] = thirds(dqkv);
     core_.backward(heads(dattn.data(), o_.n_embd), dq, dk, dv);
-    qkv_ = {};
+    qkv_ = attn_ = {};
     return ctx.backward(c_attn, dqkv);
   }
 
  private:
-  static typename detail::decoder_attention<T>::options core_options(const options& o) {
+  static detail::decoder_attention_options core_options(const options& o) {
     require<shape_error>(o.n_embd > 0 && o.n_head > 0 && o.n_embd % o.n_head == 0, "GPT2Attention: n_embd (", o.n_embd,
                          ") must be a positive multiple of n_head (", o.n_head, ")");
     return {.heads = o.n_head,
@@ -127,14 +133,16 @@ class GPT2Attention {
     return head_view<T>::rows(data, qkv_.dim(0), qkv_.dim(1), o_.n_head, o_.n_embd / o_.n_head, row_stride);
   }
   // q, k, v of a [B, S, 3E] tensor.
-  std::array<head_view<T>, 3> thirds(const Tensor<T>& t) const {
+  std::array<head_view<T>, 3> thirds(const Tensor<T, Space>& t) const {
     const std::int64_t E = o_.n_embd;
     return {heads(t.data(), 3 * E), heads(t.data() + E, 3 * E), heads(t.data() + 2 * E, 3 * E)};
   }
 
   options o_;
-  detail::decoder_attention<T> core_;
-  Tensor<T> qkv_;  // [B, S, 3E]: c_attn's output, q and k as attention read them (cached for backward)
+  detail::decoder_attention<T, Space> core_;
+  // Cached for backward: c_attn's output [B, S, 3E] (q and k as attention read
+  // them) and the attention's output [B, S, E] (the device's fused backward reads it).
+  Tensor<T, Space> qkv_, attn_;
 };
 
 }  // namespace shardlib::nn

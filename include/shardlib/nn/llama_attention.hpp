@@ -11,6 +11,7 @@
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/param.hpp"
 #include "shardlib/nn/rotary.hpp"
+#include "shardlib/nn/transformer.hpp"  // detail::residual: the sum of the three projections' dx
 
 #include <array>    // std::array
 #include <cstdint>  // std::int64_t
@@ -36,12 +37,13 @@ struct llama_attention_options {
 // (nn/rotary.hpp, base rope_theta) turns q and k at positions 0.. (or after
 // the cached ones), query head h reads kv head h / (H / Hkv), scores are
 // q.k / sqrt(hd), causal, with the context's key padding and attention masks.
-// Parameter binding checks and the KV cache as GPT2Attention's.
-template <class T>
+// Parameter binding checks, the KV cache and Space as GPT2Attention's (on the
+// device RoPE is ops::cuda's rotary kernel).
+template <class T, class Space = host_space>
 class LlamaAttention {
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
+  using input = Tensor<T, Space>;
+  using output = Tensor<T, Space>;
   using options = llama_attention_options;
 
   explicit LlamaAttention(const options& o)
@@ -57,7 +59,7 @@ class LlamaAttention {
                .head_dim = o_.head_dim,
                .dropout = o_.attention_dropout,
                .rotary = rotary_options{.head_dim = o_.head_dim, .base = o_.rope_theta}}) {
-    for (Linear<T>* l : projections()) {
+    for (Linear<T, Space>* l : projections()) {
       l->weight.init = init_rule::normal_with(0, o_.initializer_range);
       l->bias.init = init_rule::constant_zero();
     }
@@ -67,7 +69,7 @@ class LlamaAttention {
   options o_;  // resolved: no zeros standing for defaults; before the children, which it sizes
 
  public:
-  Linear<T> q_proj, k_proj, v_proj, o_proj;
+  Linear<T, Space> q_proj, k_proj, v_proj, o_proj;
 
   const options& config() const { return o_; }
 
@@ -98,9 +100,10 @@ class LlamaAttention {
     q_ = ctx.forward(q_proj, x);
     k_ = ctx.forward(k_proj, x);
     v_ = ctx.forward(v_proj, x);
-    Tensor<T> attn({x.dim(0), x.dim(1), o_.num_attention_heads * o_.head_dim});
-    core_.forward(ctx, heads(q_), heads(k_), heads(v_), heads(attn));
-    if (!grad_enabled(ctx)) q_ = k_ = v_ = {};  // kept only for backward
+    attn_ = Tensor<T, Space>({x.dim(0), x.dim(1), o_.num_attention_heads * o_.head_dim});
+    core_.forward(ctx, heads(q_), heads(k_), heads(v_), heads(attn_));
+    const Tensor<T, Space> attn = attn_;
+    if (!grad_enabled(ctx)) q_ = k_ = v_ = attn_ = {};  // kept only for backward
     return ctx.forward(o_proj, attn);
   }
 
@@ -111,14 +114,12 @@ class LlamaAttention {
                              dy.dim(2) == o_.hidden_size,
                          core_.name(), ": backward needs the gradient of the last forward's output, got shape ",
                          dy.shape());
-    const Tensor<T> dattn = ctx.backward(o_proj, dy);
-    Tensor<T> dq(q_.shape()), dk(k_.shape()), dv(v_.shape());
+    const Tensor<T, Space> dattn = ctx.backward(o_proj, dy);
+    Tensor<T, Space> dq(q_.shape()), dk(k_.shape()), dv(v_.shape());
     core_.backward(heads(dattn), heads(dq), heads(dk), heads(dv));
-    q_ = k_ = v_ = {};
-    input dx = ctx.backward(v_proj, dv);
-    for (const Tensor<T>& d : {ctx.backward(k_proj, dk), ctx.backward(q_proj, dq)})
-      for (std::int64_t i = 0; i < dx.numel(); ++i) dx[i] += d[i];
-    return dx;
+    q_ = k_ = v_ = attn_ = {};
+    const input dx_v = ctx.backward(v_proj, dv), dx_k = ctx.backward(k_proj, dk);
+    return detail::residual<Space>::sum(detail::residual<Space>::sum(dx_v, dx_k), ctx.backward(q_proj, dq));
   }
 
  private:
@@ -134,15 +135,16 @@ class LlamaAttention {
     }
     return o;
   }
-  std::array<Linear<T>*, 4> projections() { return {&q_proj, &k_proj, &v_proj, &o_proj}; }
+  std::array<Linear<T, Space>*, 4> projections() { return {&q_proj, &k_proj, &v_proj, &o_proj}; }
   // The heads of a [B, S, heads * head_dim] projection.
-  head_view<T> heads(const Tensor<T>& t) const {
+  head_view<T> heads(const Tensor<T, Space>& t) const {
     return head_view<T>::rows(t.data(), t.dim(0), t.dim(1), t.dim(2) / o_.head_dim, o_.head_dim, t.dim(2));
   }
 
-  detail::decoder_attention<T> core_;
-  // Cached by forward for backward: the projections, q and k rotated.
-  Tensor<T> q_, k_, v_;
+  detail::decoder_attention<T, Space> core_;
+  // Cached by forward for backward: the projections, q and k rotated, and the
+  // attention's output (the device's fused backward reads it).
+  Tensor<T, Space> q_, k_, v_, attn_;
 };
 
 }  // namespace shardlib::nn

@@ -12,6 +12,7 @@
 #include <concepts>     // std::convertible_to
 #include <cstdint>      // std::int64_t
 #include <string_view>  // std::string_view
+#include <type_traits>  // std::is_same_v
 
 namespace shardlib::nn {
 
@@ -28,28 +29,19 @@ struct borrow_visitor_archetype {
 template <class L>
 concept BorrowsParameters = requires(L& l, borrow_visitor_archetype v) { l.borrowed_parameters(v); };
 
-// y = x W^T over the last dimension, no bias, W [out, in] borrowed: tie(weight)
-// points it at another layer's Param, e.g. an Embedding(vocab, D)'s weight for
-// TiedLinear(D, vocab): logits = h W_te^T. It lists that Param as "weight", so a
-// whole-model walk sees it under both names; backward adds dW into the same
-// gradient the embedding adds into, so the two uses' gradients sum.
-//
-// Copies and moves are untied: a copied model would otherwise read the
-// original's parameter (or a destroyed one). Tie once the model is in place;
-// forward on an untied layer and fully_shard of a model holding one raise.
+namespace detail {
+// What TiedLinear's two versions share (the host's below, the device's in
+// nn/cuda/tied_linear.cuh): the tie, parameters(), borrowed_parameters() and
+// the checks with their messages.
 template <class T>
-class TiedLinear {
+class tied_linear_base {
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
-
-  TiedLinear(std::int64_t in_features, std::int64_t out_features) : in_(in_features), out_(out_features) {}
-  TiedLinear(const TiedLinear& o) : in_(o.in_), out_(o.out_) {}
-  TiedLinear& operator=(const TiedLinear& o) {
+  tied_linear_base(std::int64_t in_features, std::int64_t out_features) : in_(in_features), out_(out_features) {}
+  tied_linear_base(const tied_linear_base& o) : in_(o.in_), out_(o.out_) {}
+  tied_linear_base& operator=(const tied_linear_base& o) {
     in_ = o.in_;
     out_ = o.out_;
     weight_ = nullptr;
-    x_ = {};
     return *this;
   }
 
@@ -72,16 +64,68 @@ class TiedLinear {
     v("weight", weight_);
   }
 
+ protected:
+  // forward's check of x; the output's shape: x's with the last dimension out.
+  Shape check_input(const Shape& x) const {
+    require<shape_error>(x.rank() >= 1 && x[x.rank() - 1] == in_, "TiedLinear(", in_, " -> ", out_,
+                         "): input's last dimension must be ", in_, ", got shape ", x);
+    check_tied(false);
+    Shape ys = x;
+    ys[ys.rank() - 1] = out_;
+    return ys;
+  }
+  // backward's check of dy against the input x cached by forward.
+  template <class X, class Y>
+  void check_grad(const X& x, const Y& dy) const {
+    require<shape_error>(!x.empty() && dy.numel() == x.numel() / in_ * out_, "TiedLinear(", in_, " -> ", out_,
+                         "): backward needs the gradient of the last forward's output, got shape ", dy.shape());
+    check_tied(true);
+  }
+  void check_tied(bool with_grad) const {
+    require(weight_ != nullptr, "TiedLinear(", in_, " -> ", out_, "): not tied to a weight (copies and moves are ",
+            "untied: call tie(weight) once the model is in place)");
+    weight_->require_bound("TiedLinear", with_grad);
+  }
+
+  std::int64_t in_, out_;
+  Param<T>* weight_ = nullptr;
+};
+}  // namespace detail
+
+// y = x W^T over the last dimension, no bias, W [out, in] borrowed: tie(weight)
+// points it at another layer's Param, e.g. an Embedding(vocab, D)'s weight for
+// TiedLinear(D, vocab): logits = h W_te^T. It lists that Param as "weight", so a
+// whole-model walk sees it under both names; backward adds dW into the same
+// gradient the embedding adds into, so the two uses' gradients sum.
+//
+// Copies and moves are untied: a copied model would otherwise read the
+// original's parameter (or a destroyed one). Tie once the model is in place;
+// forward on an untied layer and fully_shard of a model holding one raise.
+// Space: the host's layer; the device's (cuda_space) is in nn/cuda/tied_linear.cuh.
+template <class T, class Space = host_space>
+class TiedLinear : public detail::tied_linear_base<T> {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::TiedLinear: the host layer; for cuda_space include shardlib/nn/cuda/tied_linear.cuh");
+  using base = detail::tied_linear_base<T>;
+  using base::in_, base::out_, base::weight_;
+
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  using base::base;  // TiedLinear(in_features, out_features)
+  TiedLinear(const TiedLinear& o) : base(o) {}
+  TiedLinear& operator=(const TiedLinear& o) {
+    base::operator=(o);
+    x_ = {};
+    return *this;
+  }
+
   // Caches x for backward unless the context says none follows (nn::grad_enabled).
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
-    require<shape_error>(x.rank() >= 1 && x.shape()[x.rank() - 1] == in_, "TiedLinear(", in_, " -> ", out_,
-                         "): input's last dimension must be ", in_, ", got shape ", x.shape());
-    check_tied(false);
+    output y(this->check_input(x.shape()));
     x_ = grad_enabled(ctx) ? x : input{};
-    Shape ys = x.shape();
-    ys[ys.rank() - 1] = out_;
-    output y(ys);
     const std::int64_t rows = x.numel() / in_;
     ops::gemm(ops::trans::no, ops::trans::yes, rows, out_, in_, T(1), x.data(), in_, weight_->value, in_, T(0),
               y.data(), out_);
@@ -90,9 +134,7 @@ class TiedLinear {
 
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require<shape_error>(!x_.empty() && dy.numel() == x_.numel() / in_ * out_, "TiedLinear(", in_, " -> ", out_,
-                         "): backward needs the gradient of the last forward's output, got shape ", dy.shape());
-    check_tied(true);
+    this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / in_;
     ops::gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, T(1), dy.data(), out_, x_.data(), in_, T(1),
               weight_->grad, in_);  // dW += dy^T x
@@ -104,14 +146,6 @@ class TiedLinear {
   }
 
  private:
-  void check_tied(bool with_grad) const {
-    require(weight_ != nullptr, "TiedLinear(", in_, " -> ", out_, "): not tied to a weight (copies and moves are ",
-            "untied: call tie(weight) once the model is in place)");
-    weight_->require_bound("TiedLinear", with_grad);
-  }
-
-  std::int64_t in_, out_;
-  Param<T>* weight_ = nullptr;
   input x_;  // cached for backward
 };
 

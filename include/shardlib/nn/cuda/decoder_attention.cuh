@@ -1,0 +1,135 @@
+// shardlib/nn/cuda/decoder_attention.cuh — the decoder attention's core on the
+// device: nn::detail::decoder_attention<T, cuda_space>, which makes
+// GPT2Attention<T, cuda_space> and LlamaAttention<T, cuda_space> (their
+// projections are device Linears).
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/tensor.hpp"
+#include "shardlib/cuda/copy.hpp"               // to_device
+#include "shardlib/cuda/current.hpp"            // current_stream
+#include "shardlib/cuda/memory_space.hpp"       // cuda_space
+#include "shardlib/nn/cuda/dropout.cuh"         // Dropout (GPT-2's resid_dropout)
+#include "shardlib/nn/cuda/linear.cuh"          // Linear: the projections
+#include "shardlib/nn/cuda/transformer.cuh"     // residual: LLaMA's sum of the projections' dx
+#include "shardlib/nn/decoder_attention.hpp"    // the host core, decoder_attention_options
+#include "shardlib/nn/gpt2_attention.hpp"
+#include "shardlib/nn/grad_mode.hpp"
+#include "shardlib/nn/llama_attention.hpp"
+#include "shardlib/nn/sdpa.hpp"                 // head_view
+#include "shardlib/ops/cuda/flash_attention.cuh"  // flash_attention_forward, _backward
+#include "shardlib/ops/cuda/rotary.cuh"           // rotary_device_table, apply_rotary
+
+#include <cstdint>   // std::int64_t, std::uint8_t
+#include <optional>  // std::optional, std::nullopt
+#include <string>    // std::string
+#include <utility>   // std::move
+
+namespace shardlib::nn::detail {
+
+// The host core's contract (the views passed to forward stay valid until
+// backward: the layer keeps their tensors, the output's included) over device
+// memory: RoPE by ops::cuda::apply_rotary with a float table of the positions
+// seen so far (uploaded when a longer sequence comes), then the fused attention
+// (ops/cuda/flash_attention.cuh: causal, the context's key padding, dropout drawn
+// as nn::sdpa draws it, by the weight's index in [B, H, Lq, Lk] from the
+// context's stream), which keeps only the row log-sum-exps [B, H, S] for
+// backward, never the [S, S] weights. Backward runs the fused backward, then the
+// inverse rotation of dq and dk.
+//
+// Not on the device, refused with an error naming the layer: attention masks
+// other than causal and key padding (ctx.attention_mask()), and the KV cache
+// (generation runs on the host model; enable_kv_cache raises).
+template <class T>
+class decoder_attention<T, cuda_space> {
+ public:
+  using options = decoder_attention_options;
+
+  decoder_attention(std::string name, const options& o) : name_(std::move(name)), o_(o) {
+    check_decoder_attention_options(name_, o);
+  }
+  // Copies share no device state (layers are copyable descriptions; Stack and
+  // the models copy a prototype block).
+  decoder_attention(const decoder_attention& other) : name_(other.name_), o_(other.o_) {}
+  decoder_attention& operator=(const decoder_attention& other) {
+    if (this != &other) *this = decoder_attention(other);
+    return *this;
+  }
+  decoder_attention(decoder_attention&&) = default;
+  decoder_attention& operator=(decoder_attention&&) = default;
+
+  const std::string& name() const { return name_; }
+
+  void enable_kv_cache(std::int64_t) {
+    throw error(cat(name_, ": the KV cache is not supported on the device (cuda_space); generate with the host "
+                           "model (the same parameters, e.g. through a state dict)"));
+  }
+  void disable_kv_cache() {}
+  void reset_kv_cache() { enable_kv_cache(0); }
+  std::int64_t kv_cache_length() const { return 0; }
+
+  template <class Ctx>
+  void forward(Ctx& ctx, const head_view<T>& q, const head_view<T>& k, const head_view<T>& v, const head_view<T>& out) {
+    const attn_mask& mask = ctx.attention_mask();
+    require(mask.empty(), name_, ": on the device only the causal rule and a key padding mask are supported, not an ",
+            "attention mask (got one of shape ", mask.shape(), "); run the host layer for arbitrary masks");
+    const std::int64_t B = q.batch, S = q.seq;
+    const cudaStream_t s = cuda::current_stream();
+    const Tensor<std::uint8_t>& padding = ctx.key_padding_mask();
+    require<shape_error>(padding.empty() || padding.shape() == Shape{B, S}, name_,
+                         ": key_padding_mask must be [batch, keys] = ", Shape{B, S}, ", got ", padding.shape());
+    flash_ = {.is_causal = true,
+              .query_offset = 0,
+              .scale = 0,
+              .dropout_p = float(o_.dropout),
+              .dropout = std::nullopt,
+              .key_padding = nullptr};
+    padding_ = padding.empty() ? Tensor<std::uint8_t, cuda_space>{} : cuda::to_device(padding);
+    flash_.key_padding = padding_.data();
+    if (ctx.training() && o_.dropout > 0) flash_.dropout = ctx.random_stream();
+    if (o_.rotary) {
+      if (!table_ || table_->positions() < S) table_.emplace(*o_.rotary, S, s);
+      ops::cuda::apply_rotary(q, q, *table_, 0, false, s);
+      ops::cuda::apply_rotary(k, k, *table_, 0, false, s);
+    }
+    lse_ = Tensor<float, cuda_space>({B, o_.heads, S});
+    ops::cuda::flash_attention_forward<T>(ops::cuda::as_const(q), ops::cuda::as_const(k), ops::cuda::as_const(v), out,
+                                          lse_.data(), flash_, s);
+    if (!grad_enabled(ctx)) {  // no backward follows
+      lse_ = {};
+      padding_ = {};
+      return;
+    }
+    q_ = q;
+    k_ = k;
+    v_ = v;
+    out_ = out;
+  }
+
+  // dq, dk, dv (views shaped as forward's q, k, v) from dout, overwritten.
+  void backward(const head_view<T>& dout, const head_view<T>& dq, const head_view<T>& dk, const head_view<T>& dv) {
+    require_activations(!lse_.empty(), name_);
+    const cudaStream_t s = cuda::current_stream();
+    ops::cuda::flash_attention_backward<T>(ops::cuda::as_const(q_), ops::cuda::as_const(k_), ops::cuda::as_const(v_),
+                                           ops::cuda::as_const(out_), ops::cuda::as_const(dout), lse_.data(), dq, dk,
+                                           dv, flash_, s);
+    if (o_.rotary) {
+      ops::cuda::apply_rotary(dq, dq, *table_, 0, true, s);
+      ops::cuda::apply_rotary(dk, dk, *table_, 0, true, s);
+    }
+    lse_ = {};
+    padding_ = {};
+  }
+
+ private:
+  std::string name_;
+  options o_;
+  std::optional<ops::cuda::rotary_device_table> table_;  // cos, sin of positions [0, longest sequence so far)
+  // Cached by forward for backward.
+  ops::cuda::flash_options flash_;
+  head_view<T> q_, k_, v_, out_;
+  Tensor<float, cuda_space> lse_;               // [B, heads, S]: each query row's log-sum-exp of scores
+  Tensor<std::uint8_t, cuda_space> padding_;  // the key padding mask flash_ points at
+};
+
+}  // namespace shardlib::nn::detail
