@@ -240,8 +240,10 @@ row configure ok "$took" "backends on: $backends${off:+ (off: $off)}; CUDA archi
 declare -A program=([test_cuda_device]=tests/cuda/test_cuda_device [test_cuda_runtime]=tests/cuda/test_cuda_runtime
   [test_cuda_ops]=tests/cuda/test_cuda_ops [test_cuda_layers]=tests/cuda/test_cuda_layers
   [test_cuda_engine]=tests/cuda/test_cuda_engine [test_nccl]=tests/cuda/test_nccl
-  [test_cuda_training]=tests/cuda/test_cuda_training [train_fsdp_cuda]=examples/train_fsdp_cuda
-  [bench_cuda]=benchmarks/bench_cuda)
+  [test_cuda_training]=tests/cuda/test_cuda_training [test_cuda_attention]=tests/cuda/test_cuda_attention
+  [test_cuda_gemm]=tests/cuda/test_cuda_gemm [test_cuda_decoder]=tests/cuda/test_cuda_decoder
+  [test_cuda_checkpoint]=tests/cuda/test_cuda_checkpoint [train_fsdp_cuda]=examples/train_fsdp_cuda
+  [train_gpt_cuda]=examples/train_gpt_cuda [bench_cuda]=benchmarks/bench_cuda)
 targets=()
 for t in "${!program[@]}"; do
   if ninja -C "$build" -t query "$t" >/dev/null 2>&1; then targets+=("$t"); fi
@@ -319,10 +321,14 @@ step test_cuda_device 60 test_cuda_device "${catch[@]}"
 step test_cuda_runtime 120 test_cuda_runtime "${catch[@]}"
 step test_cuda_ops 150 test_cuda_ops "${catch[@]}"
 step test_cuda_layers 180 test_cuda_layers "${catch[@]}"
+step test_cuda_gemm 120 test_cuda_gemm "${catch[@]}"
+step test_cuda_attention 150 test_cuda_attention "${catch[@]}"
 step test_cuda_engine 180 test_cuda_engine "${catch[@]}"
 step test_nccl 150 test_nccl "${catch[@]}" '~[timeout]'
 step 'test_nccl [timeout]' 75 test_nccl "${catch[@]}" '[timeout]' # may hang: alone, and last of the NCCL tests
 step test_cuda_training 240 test_cuda_training "${catch[@]}"
+step test_cuda_decoder 180 test_cuda_decoder "${catch[@]}"
+step test_cuda_checkpoint 120 test_cuda_checkpoint "${catch[@]}"
 # The article's script, 100 steps; the model goes to a temporary folder, not into the logs.
 step train_fsdp_cuda 180 train_fsdp_cuda --seed 0 --out "$tmp/model.safetensors" --metrics "$logs/train_fsdp_cuda.jsonl"
 if ((gpus > 1)) && [[ $backends == *mpi* ]] && command -v mpirun >/dev/null; then
