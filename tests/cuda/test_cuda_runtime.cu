@@ -1,5 +1,6 @@
-// Device tests of the runtime layer: the caching allocator's reuse rules and
-// ledger, errors that name the call and the device, copies between spaces.
+// Device tests of the runtime layer: the caching allocator's reuse rules,
+// splitting and merging over real cudaMalloc, device guard and ledger; errors
+// that name the call and the device; copies between spaces.
 #include <shardlib/core/buffer.hpp>
 #include <shardlib/core/ledger.hpp>
 #include <shardlib/cuda/caching_allocator.hpp>
@@ -12,6 +13,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <numeric>
 #include <vector>
 
@@ -52,37 +54,140 @@ TEST_CASE("a freed block is reused at once on its own stream", "[cuda][allocator
   s.synchronize();
 }
 
-TEST_CASE("a freed block is reused on another stream only after the streams that used it are done",
+TEST_CASE("a block never serves another stream, and one used by another stream returns once that stream is done",
           "[cuda][allocator]") {
   if (!have_device()) return;
   sl::cuda::caching_allocator alloc(0);
   sl::cuda::stream s1(0), s2(0), s3(0);
 
-  void* a = alloc.allocate(4 << 20, s1, sl::category::gathered_parameters);
+  char* a = static_cast<char*>(alloc.allocate(4 << 20, s1, sl::category::gathered_parameters));
   keep_busy(s1, a);
   alloc.deallocate(a);
-  void* b = alloc.allocate(4 << 20, s2, sl::category::gathered_parameters);
-  CHECK(b != a);  // s1 still uses a
-  s1.synchronize();
-  void* c = alloc.allocate(4 << 20, s2, sl::category::gathered_parameters);
-  CHECK(c == a);  // s1 is done with it
+  char* b = static_cast<char*>(alloc.allocate(4 << 20, s2, sl::category::gathered_parameters));
+  CHECK((b >= a + (20 << 20) || b + (20 << 20) <= a));  // s2 has a segment of its own
+  CHECK(alloc.stats().cuda_mallocs == 2);
+  void* c = alloc.allocate(4 << 20, s1, sl::category::gathered_parameters);
+  CHECK(c == a);  // s1 takes its block back at once: its own work is ordered
   alloc.deallocate(b);
   alloc.deallocate(c);
 
-  SECTION("record_stream: a use on another stream holds the block back on the allocation's own stream too") {
+  SECTION("record_stream: a use on another stream holds the block back until that work is done") {
     void* d = alloc.allocate(4 << 20, s1, sl::category::gathered_parameters);
     alloc.record_stream(d, s3);
     keep_busy(s3, d);
     alloc.deallocate(d);
-    void* e = alloc.allocate(4 << 20, s1, sl::category::gathered_parameters);
-    CHECK(e != d);
+    CHECK(alloc.stats().in_use == std::size_t(4 << 20));  // freed, still used by s3
+    char* e = static_cast<char*>(alloc.allocate(4 << 20, s1, sl::category::gathered_parameters));
+    CHECK((e >= static_cast<char*>(d) + (4 << 20) || e + (4 << 20) <= static_cast<char*>(d)));
     s3.synchronize();
     void* g = alloc.allocate(4 << 20, s1, sl::category::gathered_parameters);
-    CHECK(g == d);
+    CHECK(g == d);  // back in s1's cache, the best fit
     alloc.deallocate(e);
     alloc.deallocate(g);
   }
   cudaDeviceSynchronize();
+}
+
+namespace {
+__global__ void fill_kernel(unsigned char* p, std::size_t n, unsigned char v) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x)
+    p[i] = v;
+}
+// Writes v over n bytes at p on s, then reads them back: all v, or the block
+// is not the memory it claims to be.
+bool holds_writes(void* p, std::size_t n, unsigned char v, cudaStream_t s) {
+  fill_kernel<<<64, 256, 0, s>>>(static_cast<unsigned char*>(p), n, v);
+  sl::cuda::check_launch("fill_kernel");
+  std::vector<unsigned char> back(n);
+  sl::cuda::check(cudaMemcpyAsync(back.data(), p, n, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync");
+  sl::cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  return std::all_of(back.begin(), back.end(), [v](unsigned char x) { return x == v; });
+}
+}  // namespace
+
+TEST_CASE("cached segments split for smaller requests and merge again when freed", "[cuda][allocator]") {
+  if (!have_device()) return;
+  sl::cuda::caching_allocator alloc(0);
+  sl::cuda::stream s(0);
+  // Small requests share a 2 MiB segment, one after the other.
+  char* a = static_cast<char*>(alloc.allocate(1000, s, sl::category::activations));
+  char* b = static_cast<char*>(alloc.allocate(3000, s, sl::category::activations));
+  CHECK(b == a + 1024);
+  CHECK(alloc.stats().cuda_mallocs == 1);
+  CHECK(alloc.stats().in_use == 1024 + 3072);
+  CHECK(holds_writes(a, 1024, 0x11, s));
+  CHECK(holds_writes(b, 3072, 0x22, s));
+  CHECK(holds_writes(a, 1024, 0x11, s));  // b's writes did not reach a
+  alloc.deallocate(a);
+  alloc.deallocate(b);
+  CHECK(alloc.stats().largest_free == std::size_t(2 << 20));  // merged into the whole segment again
+
+  // Large requests: two 5 MiB blocks from one 20 MiB segment; freed, they
+  // merge and serve a 12 MiB request without cudaMalloc.
+  char* x = static_cast<char*>(alloc.allocate(5 << 20, s, sl::category::activations));
+  char* y = static_cast<char*>(alloc.allocate(5 << 20, s, sl::category::activations));
+  CHECK(y == x + (5 << 20));
+  CHECK(alloc.stats().cuda_mallocs == 2);
+  CHECK(holds_writes(y, 5 << 20, 0x33, s));
+  alloc.deallocate(x);
+  alloc.deallocate(y);
+  CHECK(alloc.stats().largest_free == std::size_t(20 << 20));
+  void* z = alloc.allocate(12 << 20, s, sl::category::activations);
+  CHECK(z == x);
+  CHECK(alloc.stats().cuda_mallocs == 2);
+  CHECK(holds_writes(z, 12 << 20, 0x44, s));
+  alloc.deallocate(z);
+  alloc.empty_cache();
+  CHECK(alloc.stats().reserved == 0);
+  CHECK(alloc.stats().segments == 0);
+  CHECK(alloc.stats().cuda_frees == 2);
+}
+
+TEST_CASE("the allocator works on its own device and leaves the caller's current", "[cuda][allocator]") {
+  if (!have_device()) return;
+  SECTION("on its own device") {
+    sl::cuda::caching_allocator alloc(0);
+    sl::cuda::stream s(0);
+    void* p = alloc.allocate(1 << 20, s, sl::category::activations);
+    CHECK(sl::cuda::current_device() == 0);
+    alloc.deallocate(p);
+    alloc.empty_cache();
+    CHECK(sl::cuda::current_device() == 0);
+    CHECK(alloc.stats().reserved == 0);
+  }
+  SECTION("called from another device") {
+    if (sl::cuda::device_count() < 2) {
+      WARN("SKIPPED: the device guard across devices needs two GPUs, this machine has one");
+      return;
+    }
+    sl::cuda::caching_allocator alloc(0);
+    sl::cuda::stream s(0);
+    sl::cuda::check(cudaSetDevice(1), "cudaSetDevice(1)");
+    void* p = alloc.allocate(1 << 20, s, sl::category::activations);
+    CHECK(sl::cuda::current_device() == 1);
+    cudaPointerAttributes attr{};
+    sl::cuda::check(cudaPointerGetAttributes(&attr, p), "cudaPointerGetAttributes");
+    CHECK(attr.device == 0);  // cudaMalloc ran on the allocator's device
+    sl::cuda::stream other(0);
+    alloc.record_stream(p, other);  // the free records an event: on device 0 too
+    alloc.deallocate(p);
+    alloc.empty_cache();
+    CHECK(sl::cuda::current_device() == 1);
+    CHECK(alloc.stats().reserved == 0);
+    sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
+  }
+}
+
+TEST_CASE("device_allocator_of finds the allocator of a pointer from its own books", "[cuda][allocator]") {
+  if (!have_device()) return;
+  sl::cuda::stream s(0);
+  auto& alloc = sl::cuda::device_allocator(0);
+  void* p = alloc.allocate(4096, s, sl::category::activations);
+  CHECK(&sl::cuda::device_allocator_of(p) == &alloc);
+  CHECK(alloc.owns(p));
+  alloc.deallocate(p);
+  CHECK_FALSE(alloc.owns(p));
+  CHECK_THROWS_AS(sl::cuda::device_allocator_of(p), sl::error);  // freed: no longer anyone's
 }
 
 TEST_CASE("steady-state steps do not call cudaMalloc, and the ledger sees every allocation", "[cuda][allocator]") {
@@ -91,8 +196,8 @@ TEST_CASE("steady-state steps do not call cudaMalloc, and the ledger sees every 
   sl::ledger_scope scope(l);
   sl::cuda::caching_allocator alloc(0);
   sl::cuda::stream s(0);
-  // Floats: 12 kB (rounded to 512 B), exactly 1 MiB (the first large size,
-  // rounded to 2 MiB), 5 MiB and a bit.
+  // Floats: 12 kB and exactly 1 MiB (small: both cut from one 2 MiB
+  // segment), 5 MiB and a bit (large: a 20 MiB segment).
   const std::size_t sizes[] = {3000, 1 << 18, (5 << 18) + 17};
   const std::size_t total = (3000 + (1 << 18) + (5 << 18) + 17) * sizeof(float);
   std::size_t mallocs_after_first_step = 0;
@@ -102,15 +207,15 @@ TEST_CASE("steady-state steps do not call cudaMalloc, and the ledger sees every 
     CHECK(l.current(sl::category::gathered_parameters) == total);
     if (step == 0) mallocs_after_first_step = alloc.stats().cuda_mallocs;
   }
-  CHECK(mallocs_after_first_step == 3);
-  CHECK(alloc.stats().cuda_mallocs == 3);
-  CHECK(alloc.stats().reuses == 3 * 49);
+  CHECK(mallocs_after_first_step == 2);
+  CHECK(alloc.stats().cuda_mallocs == 2);
+  CHECK(alloc.stats().reuses == 1 + 3 * 49);  // step 0's 1 MiB buffer came from the small segment's rest
   CHECK(l.current(sl::category::gathered_parameters) == 0);
   CHECK(l.peak(sl::category::gathered_parameters) == total);
   CHECK(alloc.stats().in_use == 0);
   alloc.empty_cache();
   CHECK(alloc.stats().reserved == 0);
-  CHECK(alloc.stats().cuda_frees == 3);
+  CHECK(alloc.stats().cuda_frees == 2);
 }
 
 TEST_CASE("running out of device memory raises cuda_error naming the request and the device", "[cuda][allocator]") {

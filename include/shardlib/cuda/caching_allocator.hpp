@@ -3,22 +3,22 @@
 // device_buffer<T>, the owning buffer that allocates from it.
 #pragma once
 #include "shardlib/config.hpp"
-#include "shardlib/core/error.hpp"          // cat
+#include "shardlib/core/error.hpp"          // cat, error, require
 #include "shardlib/core/ledger.hpp"         // ledger, category, current_ledger
-#include "shardlib/cuda/error.hpp"          // check, cuda_error
-#include "shardlib/cuda/stream.hpp"         // device_guard
+#include "shardlib/cuda/block_pool.hpp"     // block_pool, block_pool_stats
+#include "shardlib/cuda/error.hpp"          // check, current_device, cuda_error
+#include "shardlib/cuda/stream.hpp"         // stream, device_guard: what this header's users pair it with
 
 #include <cuda_runtime.h>
 
 #include <algorithm>      // std::find
 #include <cstddef>        // std::size_t
-#include <map>            // std::multimap
 #include <memory>         // std::unique_ptr
 #include <mutex>          // std::mutex
 #include <span>           // std::span
 #include <type_traits>    // std::is_trivially_copyable_v
 #include <unordered_map>  // std::unordered_map
-#include <utility>        // std::exchange, std::pair
+#include <utility>        // std::exchange
 #include <vector>         // std::vector
 
 namespace shardlib {
@@ -28,27 +28,61 @@ struct cuda_space;  // cuda/memory_space.hpp, which allocates from here
 namespace shardlib::cuda {
 
 struct allocator_stats {
-  std::size_t cuda_mallocs = 0;  // blocks obtained from cudaMalloc, ever
-  std::size_t cuda_frees = 0;    // blocks returned with cudaFree, ever
-  std::size_t reuses = 0;        // allocations served from the cache
+  std::size_t cuda_mallocs = 0;  // segments obtained from cudaMalloc, ever
+  std::size_t cuda_frees = 0;    // segments returned with cudaFree, ever
+  std::size_t reuses = 0;        // allocations served from cached blocks, no cudaMalloc
   std::size_t reserved = 0;      // bytes held from cudaMalloc now (in use + cached)
-  std::size_t in_use = 0;        // bytes of blocks handed out now (rounded sizes)
+  std::size_t in_use = 0;        // bytes of blocks handed out now (rounded sizes), freed ones still in use by other streams included
+  std::size_t segments = 0;      // cudaMalloc'd segments held now
+  std::size_t largest_free = 0;  // the largest cached block: how much one request gets without cudaMalloc
 };
 
-// A per-device cache of cudaMalloc'd blocks, after PyTorch's CUDA caching
-// allocator (https://pytorch.org/docs/stable/notes/cuda.html#memory-management).
+// Makes `device` current for the allocator's CUDA calls (cudaMalloc, cudaFree
+// and events act on the current device) and gives the caller's back after:
+// a caller working on device 1 may free memory of device 0. Never throws, so
+// that frees and destructors can use it; error() says whether it worked.
+class device_scope {
+ public:
+  explicit device_scope(int device) noexcept {
+    int current = -1;
+    error_ = cudaGetDevice(&current);
+    if (error_ == cudaSuccess && current != device) {
+      error_ = cudaSetDevice(device);
+      if (error_ == cudaSuccess) previous_ = current;
+    }
+    if (error_ != cudaSuccess) (void)cudaGetLastError();
+  }
+  ~device_scope() {
+    if (previous_ >= 0) (void)cudaSetDevice(previous_);
+  }
+  device_scope(const device_scope&) = delete;
+  device_scope& operator=(const device_scope&) = delete;
+  cudaError_t error() const noexcept { return error_; }
+
+ private:
+  int previous_ = -1;  // the caller's device, when it had to be changed
+  cudaError_t error_ = cudaSuccess;
+};
+
+// A per-device cache of device memory, after PyTorch's CUDA caching allocator
+// (https://pytorch.org/docs/stable/notes/cuda.html#memory-management).
+// block_pool (cuda/block_pool.hpp) keeps the books: cudaMalloc'd segments cut
+// into blocks, best fit, splitting, merging, sizes and rounding; this class
+// adds the CUDA calls, the streams' events and the ledger.
 //
-// An allocation belongs to the stream it was made on; record_stream adds the
-// other streams that use it. Freeing records an event on each of those streams
-// and returns the block to the cache; no host synchronisation. A cached block
-// serves a new allocation on stream s once every event recorded on a stream
-// other than s has completed — work on s itself is ordered after the old work
-// by the stream, so the same stream reuses a block at once, as PyTorch does.
+// An allocation belongs to the stream it was made on, and so does its memory
+// for good: a freed block serves later requests on that stream only, at once
+// (work on the stream is ordered after the old work). record_stream adds
+// other streams that use it; freeing such a block records an event on each,
+// and the block returns to its stream's cache once they have all completed
+// (checked at the next allocation; no host synchronisation). Other streams
+// get memory a stream no longer needs through empty_cache, which also runs
+// when cudaMalloc fails: cached segments are given back (after their events)
+// and the request is tried again.
 //
-// Sizes are rounded (512 bytes below 1 MiB, 2 MiB above) so that a step's
-// repeated requests meet blocks of the same class; a request takes a cached
-// block of at most 1.25 times its rounded size. When cudaMalloc runs out of
-// memory, cached blocks are freed (after their events) and it is tried again.
+// The allocator knows its blocks: freeing asks no driver query, and
+// device_allocator_of finds the owner of a pointer among the devices'
+// allocators. Every CUDA call runs under device_scope(device()).
 //
 // Every allocation is recorded in the ledger of the calling thread's rank,
 // under the category the caller names (the requested bytes, as host Buffers
@@ -60,6 +94,7 @@ class caching_allocator {
   caching_allocator& operator=(const caching_allocator&) = delete;
   ~caching_allocator() {
     std::lock_guard lock(m_);
+    device_scope g(device_);
     release_cached();
     for (cudaEvent_t e : event_pool_) (void)cudaEventDestroy(e);
   }
@@ -75,9 +110,11 @@ class caching_allocator {
   // p, allocated here, is also used by work on `other`: freeing it waits for that work too.
   void record_stream(void* p, cudaStream_t other) {
     std::lock_guard lock(m_);
-    block& b = live(p);
-    if (other != b.stream && std::find(b.users.begin(), b.users.end(), other) == b.users.end())
-      b.users.push_back(other);
+    auto it = live_.find(p);
+    require(it != live_.end(), "caching_allocator on device ", device_, ": ", p, " was not allocated here");
+    auto& users = it->second.users;
+    if (other != pool_.stream_of(p) && std::find(users.begin(), users.end(), other) == users.end())
+      users.push_back(other);
   }
 
   // Returns p to the cache. The memory is reused only as described above, so
@@ -87,143 +124,138 @@ class caching_allocator {
     std::lock_guard lock(m_);
     auto it = live_.find(p);
     if (it == live_.end()) return;  // not ours: a bug in the caller, but not one to crash in a destructor for
-    block b = std::move(it->second);
+    const live_block b = std::move(it->second);
     live_.erase(it);
     if (b.owner) b.owner->release(b.kind, b.requested);
-    stats_.in_use -= b.size;
-    b.users.push_back(b.stream);
+    if (b.users.empty()) {  // its own stream only: stream order protects the next user
+      pool_.free(p);
+      return;
+    }
+    device_scope g(device_);
+    pending_free pf{p, {}};
     for (cudaStream_t s : b.users) {
       cudaEvent_t e = nullptr;
-      if (!pooled_event(e) || cudaEventRecord(e, s) != cudaSuccess) {
+      if (g.error() != cudaSuccess || !pooled_event(e) || cudaEventRecord(e, s) != cudaSuccess) {
         // Cannot order the reuse (the context is going away, or it failed):
-        // give the block back to the driver, whose cudaFree waits for the device.
+        // wait for the device instead, then the block is free.
         (void)cudaGetLastError();
         if (e) event_pool_.push_back(e);
-        for (auto& [st, ev] : b.pending) event_pool_.push_back(ev);
-        free_block(b);
+        event_pool_.insert(event_pool_.end(), pf.events.begin(), pf.events.end());
+        (void)cudaDeviceSynchronize();
+        (void)cudaGetLastError();
+        pool_.free(p);
         return;
       }
-      b.pending.emplace_back(s, e);
+      pf.events.push_back(e);
     }
-    b.users.clear();
-    free_.emplace(b.size, std::move(b));
+    pending_.push_back(std::move(pf));
   }
 
-  // Frees every cached block back to the driver (waiting for their events).
+  // Gives every cached segment back to the driver (after the events of
+  // blocks other streams still used), so that other streams and processes
+  // can have the memory.
   void empty_cache() {
     std::lock_guard lock(m_);
+    device_scope g(device_);
+    check(g.error(), "cudaSetDevice(", device_, ") for caching_allocator::empty_cache");
     release_cached();
+  }
+
+  // Whether p is an allocation of this allocator not yet freed.
+  bool owns(const void* p) const {
+    std::lock_guard lock(m_);
+    return live_.contains(p);
   }
 
   allocator_stats stats() const {
     std::lock_guard lock(m_);
-    return stats_;
+    const block_pool_stats s = pool_.stats();
+    return {.cuda_mallocs = s.segments_obtained,
+            .cuda_frees = s.segments_released,
+            .reuses = s.reuses,
+            .reserved = s.reserved,
+            .in_use = s.allocated,
+            .segments = s.segments,
+            .largest_free = s.largest_free};
   }
 
  private:
   void* allocate(std::size_t bytes, cudaStream_t stream, const category* kind) {
     if (bytes == 0) return nullptr;
-    const std::size_t size = round_size(bytes);
     std::lock_guard lock(m_);
-    block b = take_cached(size, stream);
-    if (!b.ptr) b = fresh(size, bytes);
-    b.stream = stream;
+    device_scope g(device_);
+    check(g.error(), "cudaSetDevice(", device_, ") for caching_allocator");
+    collect_pending(false);
+    std::size_t tried = 0;  // the last segment cudaMalloc refused
+    auto cuda_malloc = [&](std::size_t n) -> void* {
+      void* p = nullptr;
+      const cudaError_t e = cudaMalloc(&p, n);
+      if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        tried = n;
+        return nullptr;
+      }
+      check(e, "caching_allocator: cudaMalloc(", n, " bytes)");
+      return p;
+    };
+    void* p = pool_.allocate(bytes, stream, cuda_malloc);
+    if (!p) {
+      release_cached();
+      p = pool_.allocate(bytes, stream, cuda_malloc);
+    }
+    if (!p)
+      detail::throw_cuda(cudaErrorMemoryAllocation, "caching_allocator: cudaMalloc(", tried,
+                         " bytes) for a request of ", bytes, " bytes, with ", pool_.stats().allocated,
+                         " bytes in use and the cache emptied,");
+    live_block& b = live_[p];
     b.requested = bytes;
     if (kind) {
       b.kind = *kind;
       b.owner = &current_ledger();
       b.owner->allocate(b.kind, bytes);
     }
-    stats_.in_use += b.size;
-    void* p = b.ptr;
-    live_.emplace(p, std::move(b));
     return p;
   }
 
-  struct block {
-    void* ptr = nullptr;
-    std::size_t size = 0;       // rounded, as obtained from cudaMalloc
-    std::size_t requested = 0;  // what the ledger was told
-    cudaStream_t stream = nullptr;       // the allocation's stream
-    std::vector<cudaStream_t> users;     // other streams that use it (record_stream)
-    std::vector<std::pair<cudaStream_t, cudaEvent_t>> pending;  // once freed: an event per user stream
+  struct live_block {
+    std::size_t requested = 0;        // what the ledger was told
+    std::vector<cudaStream_t> users;  // streams other than its own that use it (record_stream)
     category kind = category::comm_scratch;
     ledger* owner = nullptr;  // null: not recorded here
   };
+  // A freed block still used by other streams: free once every event has completed.
+  struct pending_free {
+    void* ptr;
+    std::vector<cudaEvent_t> events;
+  };
 
-  static constexpr std::size_t small_limit = std::size_t{1} << 20;
-  static std::size_t round_size(std::size_t bytes) {
-    const std::size_t unit = bytes < small_limit ? 512 : (std::size_t{2} << 20);
-    return (bytes + unit - 1) / unit * unit;
-  }
-
-  block& live(void* p) {
-    auto it = live_.find(p);
-    require(it != live_.end(), "caching_allocator on device ", device_, ": ", p, " was not allocated here");
-    return it->second;
-  }
-
-  // Whether every event recorded on a stream other than s has completed.
-  bool usable_on(const block& b, cudaStream_t s) const {
-    for (const auto& [st, ev] : b.pending) {
-      if (st == s) continue;
-      const cudaError_t e = cudaEventQuery(ev);
-      if (e == cudaErrorNotReady) return false;
-      check(e, "cudaEventQuery (a cached block's last use)");
-    }
-    return true;
-  }
-
-  block take_cached(std::size_t size, cudaStream_t stream) {
-    for (auto it = free_.lower_bound(size); it != free_.end() && it->first <= size + size / 4; ++it) {
-      if (!usable_on(it->second, stream)) continue;
-      block b = std::move(it->second);
-      free_.erase(it);
-      for (auto& [st, ev] : b.pending) event_pool_.push_back(ev);
-      b.pending.clear();
-      ++stats_.reuses;
-      return b;
-    }
-    return {};
-  }
-
-  block fresh(std::size_t size, std::size_t requested) {
-    device_guard g(device_);
-    void* p = nullptr;
-    cudaError_t e = cudaMalloc(&p, size);
-    if (e == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      release_cached();
-      e = cudaMalloc(&p, size);
-    }
-    if (e == cudaErrorMemoryAllocation)
-      detail::throw_cuda(e, "caching_allocator: cudaMalloc(", size, " bytes) for a request of ", requested,
-                         " bytes, with ", stats_.in_use, " bytes in use and the cache emptied,");
-    check(e, "caching_allocator: cudaMalloc(", size, " bytes)");
-    ++stats_.cuda_mallocs;
-    stats_.reserved += size;
-    block b;
-    b.ptr = p;
-    b.size = size;
-    return b;
-  }
-
-  void free_block(block& b) noexcept {
-    device_guard_noexcept g(device_);
-    (void)cudaFree(b.ptr);
-    ++stats_.cuda_frees;
-    stats_.reserved -= b.size;
-  }
-
-  void release_cached() noexcept {
-    for (auto& [size, b] : free_) {
-      for (auto& [st, ev] : b.pending) {
-        (void)cudaEventSynchronize(ev);
-        event_pool_.push_back(ev);
+  // Returns to the pool the pending blocks whose streams are done with them;
+  // with `wait`, all of them, after waiting for their events.
+  void collect_pending(bool wait) {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      bool done = true;
+      for (cudaEvent_t e : it->events) {
+        const cudaError_t r = wait ? cudaEventSynchronize(e) : cudaEventQuery(e);
+        if (r == cudaErrorNotReady) {
+          done = false;
+          break;
+        }
+        if (!wait) check(r, "cudaEventQuery (a freed block's last use on another stream)");
       }
-      free_block(b);
+      if (!done) {
+        ++it;
+        continue;
+      }
+      event_pool_.insert(event_pool_.end(), it->events.begin(), it->events.end());
+      pool_.free(it->ptr);
+      it = pending_.erase(it);
     }
-    free_.clear();
+  }
+
+  // Waits for the pending blocks and gives every free segment back.
+  void release_cached() noexcept {
+    collect_pending(true);
+    pool_.release_free_segments([](void* p, std::size_t) { (void)cudaFree(p); });
     (void)cudaGetLastError();
   }
 
@@ -236,41 +268,43 @@ class caching_allocator {
     return cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess;
   }
 
-  // device_guard for paths that must not throw (destructor, deallocate).
-  struct device_guard_noexcept {
-    int previous = -1;
-    explicit device_guard_noexcept(int d) noexcept {
-      if (cudaGetDevice(&previous) == cudaSuccess && previous != d) (void)cudaSetDevice(d);
-      (void)cudaGetLastError();
-    }
-    ~device_guard_noexcept() {
-      if (previous >= 0) (void)cudaSetDevice(previous);
-    }
-  };
-
   int device_;
   mutable std::mutex m_;
-  std::unordered_map<void*, block> live_;
-  std::multimap<std::size_t, block> free_;  // by rounded size
+  block_pool<cudaStream_t> pool_;
+  std::unordered_map<const void*, live_block> live_;  // handed out and not yet freed
+  std::vector<pending_free> pending_;
   std::vector<cudaEvent_t> event_pool_;
-  allocator_stats stats_;
 };
+
+namespace detail {
+struct allocator_registry {
+  std::mutex m;
+  std::unordered_map<int, std::unique_ptr<caching_allocator>> by_device;
+};
+inline allocator_registry& allocators() {
+  static allocator_registry r;
+  return r;
+}
+}  // namespace detail
 
 // The process's allocator for `device` (one per device, made on first use).
 inline caching_allocator& device_allocator(int device) {
-  static std::mutex m;
-  static std::unordered_map<int, std::unique_ptr<caching_allocator>> allocators;
-  std::lock_guard lock(m);
-  auto& a = allocators[device];
+  auto& r = detail::allocators();
+  std::lock_guard lock(r.m);
+  auto& a = r.by_device[device];
   if (!a) a = std::make_unique<caching_allocator>(device);
   return *a;
 }
 
-// The allocator that holds p (device memory from any device_allocator).
+// The allocator that holds p (device memory from any device_allocator): each
+// knows its blocks, the current device's is asked first. No driver query.
 inline caching_allocator& device_allocator_of(const void* p) {
-  cudaPointerAttributes a{};
-  check(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes(", p, ")");
-  return device_allocator(a.device);
+  auto& r = detail::allocators();
+  std::lock_guard lock(r.m);
+  if (auto it = r.by_device.find(current_device()); it != r.by_device.end() && it->second->owns(p)) return *it->second;
+  for (auto& [device, a] : r.by_device)
+    if (a->owns(p)) return *a;
+  throw error(cat("device_allocator_of: ", p, " was not allocated by any device's caching_allocator"));
 }
 
 // n elements of T in device memory from a caching_allocator, for work on one
