@@ -3,6 +3,7 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
+#include "shardlib/core/pending.hpp"
 #include "shardlib/core/tensor.hpp"
 
 #include <algorithm>    // std::fill, std::max
@@ -20,11 +21,12 @@ namespace shardlib::nn {
 // either can be passed wherever a loss callable is expected.
 //
 // On the device (cuda_space, with nn/cuda/loss.cuh) the gradient stays in device
-// memory and the loss, computed in float there, is read back to the host: the
-// call synchronises the thread's current stream.
+// memory and so does the loss, computed in float there: a pending<float>, read
+// (one wait for the thread's current stream at the call) when the caller reads
+// it. A bad target is found on the device too and raised when the loss is read.
 template <class T, class Space = host_space>
 struct loss_result {
-  std::conditional_t<std::is_same_v<Space, host_space>, T, float> loss;
+  std::conditional_t<std::is_same_v<Space, host_space>, T, pending<float>> loss;
   Tensor<T, Space> grad;  // dloss/d(model output), the shape of the output
 };
 

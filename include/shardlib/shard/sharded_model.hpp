@@ -5,6 +5,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/comm/communicator.hpp"
 #include "shardlib/core/error.hpp"
+#include "shardlib/core/pending.hpp"
 #include "shardlib/core/random.hpp"
 #include "shardlib/nn/context.hpp"
 #include "shardlib/nn/flat.hpp"
@@ -76,6 +77,18 @@ struct step_result {
   bool skipped = false;            // fp16 overflow, or a non-finite norm when clipping: nothing was stepped
   operator float() const { return loss; }  // `float loss = model.train_step(...)` as before the options
 };
+// What train_step returns on a device: the same, the loss left on the device until
+// it is read (pending), so that a step whose loss nobody reads never waits for the
+// device. Clipping and fp16 loss scaling decide on the host whether the step is
+// skipped: with either, the step reads its flags once (and then the loss with them).
+struct pending_step_result {
+  pending<float> loss;
+  std::optional<float> grad_norm;
+  bool skipped = false;
+  operator float() const { return loss; }
+};
+template <class Space>
+using step_result_of = std::conditional_t<std::is_same_v<Space, host_space>, step_result, pending_step_result>;
 
 // The layers a checkpoint policy picks (the root never: recomputing the whole model
 // saves nothing), and the inputs their forwards keep until their backward.
@@ -352,12 +365,13 @@ class ShardedModel {
   // squares of the gradients it owns, over the ranks that hold different shards
   // only: replicas hold the same values and must not be counted twice. Collective;
   // call after backward.
+  // On a device the squares are summed and reduced there, and read once.
   double grad_norm() {
-    double local = 0;
-    for (auto& u : units_) local += ops::sum_squares(std::span<const T>(u.grad->local()));
-    std::vector<double> sum{local};
-    if (policy_.shard_optimizer) ops::all_reduce_values(shard_comm(), std::span<double>(sum), comm::reduce_op::sum);
-    return std::sqrt(sum[0]);
+    auto sum = grad_norm_squared();
+    double total = 0;
+    ops::issue_to_host(std::span<const double>(sum.data(), 1), std::span<double>(&total, 1));
+    ops::wait_for_reads();
+    return std::sqrt(total);
   }
   // Scales all gradients so their global 2-norm is at most max_norm (PyTorch's
   // clip_grad_norm_) and returns the norm before clipping.
@@ -391,8 +405,15 @@ class ShardedModel {
   // multiplied by the loss scale and the gradients are unscaled before clipping; a step
   // whose gradients overflowed on any rank is skipped on every rank (see loss_scaler),
   // as is one whose clipped norm is not finite, and the result says so.
+  //
+  // On a device nothing here waits for it (the loss, the overflow vote and the norm
+  // are reduced in device memory) unless the step may be skipped: with clipping or
+  // fp16 loss scaling the host reads those flags once, after the gradients are
+  // unscaled and before the optimizer steps, and decides as the host does. Without
+  // either the step never waits, and its loss is read when the caller reads it.
   template <class O, class Target, class LossFn>
-  step_result train_step(O& opt, const input& x, const Target& y, LossFn&& loss_fn, const step_options& so = {}) {
+  step_result_of<space> train_step(O& opt, const input& x, const Target& y, LossFn&& loss_fn,
+                                   const step_options& so = {}) {
     require(so.max_norm >= 0, "rank ", comm_->rank(), ": step_options.max_norm must be >= 0 (0: no clipping), got ",
             so.max_norm);
     zero_grad();
@@ -402,17 +423,41 @@ class ShardedModel {
     reducer_.set_op(so.reduction == grad_reduction::sum ? comm::reduce_op::sum : comm::reduce_op::avg);
     backward(l.grad);
     reducer_.set_op(comm::reduce_op::avg);
-    std::vector<float> shared{float(l.loss), 0.f};  // the loss, and units whose gradients overflowed
+    // The loss and the units whose gradients overflowed, in the model's space.
+    auto shared = ops::template make_scalars<float>(2);
+    const bool global = scaler_ || so.loss == loss_report::global_mean;  // every rank decides alike
+    if (global) put_loss(l.loss, std::span<float>(shared.data(), 1));
     if (scaler_)
-      for (auto& u : units_) shared[1] += ops::all_finite(u.grad->local()) ? 0.f : 1.f;
-    if (scaler_ || so.loss == loss_report::global_mean)  // every rank decides alike
-      ops::all_reduce_values(*comm_, std::span<float>(shared), comm::reduce_op::sum);
-    const bool overflow = shared[1] != 0.f;
-    step_result r{so.loss == loss_report::global_mean ? shared[0] / float(comm_->size()) : float(l.loss), {}, overflow};
+      for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad->local()), shared.data() + 1);
+    if (global) ops::all_reduce_in_place(*comm_, std::span<float>(shared.data(), 2), comm::reduce_op::sum);
     if (scaler_)  // also after an overflow, so that the norm reported is the unscaled one (inf or NaN)
       for (auto& u : units_) ops::scale(u.grad->local(), 1.f / scaler_->scale);
+    std::optional<typename ops::template scalars<double>> norm_squared;
+    if (so.max_norm > 0) norm_squared.emplace(grad_norm_squared());
+
+    const float world = float(comm_->size());
+    const bool mean = so.loss == loss_report::global_mean;
+    step_result_of<space> r{};
+    float seen[2] = {0.f, 0.f};  // shared, on the host once read
+    double squared = 0;
+    auto issue_reads = [&] {
+      ops::issue_to_host(std::span<const float>(shared.data(), 2), std::span<float>(seen));
+      if (norm_squared)
+        ops::issue_to_host(std::span<const double>(norm_squared->data(), 1), std::span<double>(&squared, 1));
+    };
+    if (scaler_ || so.max_norm > 0) {  // the host decides: one read of everything, the loss's own read with it
+      const float own = read_with(l.loss, issue_reads);
+      r.loss = mean ? seen[0] / world : own;
+    } else if constexpr (std::is_same_v<space, host_space>) {
+      issue_reads();
+      r.loss = mean ? seen[0] / world : float(l.loss);
+    } else {
+      r.loss = mean ? deferred_mean(l.loss, std::move(shared), world) : l.loss;
+    }
+    const bool overflow = seen[1] != 0.f;
+    r.skipped = overflow;
     if (so.max_norm > 0) {
-      const double norm = grad_norm();
+      const double norm = std::sqrt(squared);
       r.grad_norm = float(norm);
       r.skipped = r.skipped || !std::isfinite(norm);
       if (!r.skipped) {
@@ -860,6 +905,61 @@ class ShardedModel {
                                            partition(i).shard_size()));
         });
     return segments_[std::size_t(index_of(u))];
+  }
+
+  // The sum of squares of the gradients the optimizer steps, over the ranks that hold
+  // different shards (replicas hold the same values), left in the model's space.
+  auto grad_norm_squared() {
+    auto sum = ops::template make_scalars<double>(1);
+    for (auto& u : units_) ops::add_sum_squares(std::span<const T>(u.grad->local()), sum.data());
+    if (policy_.shard_optimizer)
+      ops::all_reduce_in_place(shard_comm(), std::span<double>(sum.data(), 1), comm::reduce_op::sum);
+    return sum;
+  }
+
+  // A loss function's loss into slot[0] of the model's space: a host value as it is, a
+  // device one (pending) copied there on the device while unread.
+  template <class L>
+  static void put_loss(const L& loss, std::span<float> slot) {
+    if constexpr (requires { loss.device(); }) {
+      if (const float* d = loss.device()) ops::copy(std::span<const float>(d, 1), slot);
+      else ops::fill(slot, loss.get());
+    } else {
+      slot[0] = float(loss);
+    }
+  }
+  // The loss, with the copies `issue` makes read in the same wait: a pending loss's
+  // own read waits once for both (and raises the loss function's deferred errors).
+  template <class L, class Issue>
+  static float read_with(const L& loss, Issue&& issue) {
+    if constexpr (requires { loss.get_with(issue); }) {
+      if (!loss.ready()) return loss.get_with(issue);
+      issue();
+      ops::wait_for_reads();
+      return loss.get();
+    } else {
+      issue();
+      ops::wait_for_reads();
+      return float(loss);
+    }
+  }
+  // The global mean, read when the caller reads it: shared[0] / world, in the same
+  // wait as the loss function's own loss (whose read raises its deferred errors).
+  template <class Scalars>
+  static pending<float> deferred_mean(const pending<float>& loss, Scalars shared, float world) {
+    auto kept = std::make_shared<Scalars>(std::move(shared));
+    return pending<float>(
+        [loss, kept, world, at = ops::issued_here()](const std::function<void()>& before_wait) {
+          float sum = 0;
+          at.run([&] {
+            read_with(loss, [&] {
+              ops::issue_to_host(std::span<const float>(kept->data(), 1), std::span<float>(&sum, 1));
+              before_wait();
+            });
+          });
+          return sum / world;
+        },
+        nullptr);  // the mean is not in device memory as such: only its sum
   }
 
   // The loss gradient times the fp16 loss scale (in fp32 when the layers compute in 16 bits).

@@ -16,6 +16,7 @@
 #include <cstdint>    // std::uint64_t
 #include <span>       // std::span
 #include <type_traits>  // std::is_same_v
+#include <vector>       // std::vector
 
 namespace shardlib::shard {
 
@@ -41,6 +42,16 @@ namespace shardlib::shard {
 //                                              collectives over small host arrays
 //                                              (hashes, norms, flags), staged through
 //                                              the space when the communicator needs it
+//   per-step scalars, which stay in the space until the host asks (device: no wait):
+//     scalars<T>, make_scalars<T>(n)           n zeroed values in the space (not in the ledger)
+//     add_sum_squares(span<const T>, double* total)   *total += sum_squares(x)
+//     add_nonfinite(span<const float>, float* count)  *count += (any element inf or NaN) ? 1 : 0
+//     all_reduce_in_place(Comm&, span<T>, reduce_op)  a collective over values in the space
+//     issue_to_host(span<const T>, span<T> host)      a copy the host may read after wait_for_reads()
+//     wait_for_reads()                         the host waits for every issued copy
+//                                              (device: one counted stream synchronisation)
+//     issue_point, issued_here()               where work is issued now (device: the current
+//                                              stream); .run(f) runs f issuing there again
 //   check_stream(const Comm&, int rank)        raises when the communicator's collectives
 //                                              would not be ordered after the work the
 //                                              engine issues (device: its compute stream
@@ -112,6 +123,33 @@ struct space_ops<host_space> {
   static void all_reduce_values(Comm& comm, std::span<T> values, comm::reduce_op op) {
     comm.all_reduce(values, op);
   }
+  template <class T>
+  using scalars = std::vector<T>;
+  template <class T>
+  static scalars<T> make_scalars(std::size_t n) {
+    return scalars<T>(n, T(0));
+  }
+  template <class T>
+  static void add_sum_squares(std::span<const T> x, double* total) {
+    *total += sum_squares(x);
+  }
+  static void add_nonfinite(std::span<const float> x, float* count) { *count += all_finite(x) ? 0.f : 1.f; }
+  template <class T, comm::Communicator Comm>
+  static void all_reduce_in_place(Comm& comm, std::span<T> values, comm::reduce_op op) {
+    comm.all_reduce(values, op);
+  }
+  template <class T>
+  static void issue_to_host(std::span<const T> src, std::span<T> host) {
+    copy(src, host);
+  }
+  static void wait_for_reads() {}
+  struct issue_point {
+    template <class F>
+    void run(F&& f) const {
+      f();
+    }
+  };
+  static issue_point issued_here() { return {}; }
   template <class T, comm::Communicator Comm>
   static void all_gather_values(Comm& comm, std::span<const T> mine, std::span<T> all) {
     comm.all_gather(mine, all);

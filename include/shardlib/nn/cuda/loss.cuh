@@ -3,6 +3,7 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
+#include "shardlib/core/pending.hpp"            // pending, count_host_sync
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/cuda/caching_allocator.hpp"  // device_allocator
 #include "shardlib/cuda/copy.hpp"               // copy_async
@@ -13,14 +14,18 @@
 #include "shardlib/ops/cuda/cross_entropy.cuh"  // cross_entropy
 #include "shardlib/ops/cuda/index_report.hpp"   // index_report
 
-#include <cstdint>  // std::int64_t
-#include <span>     // std::span
+#include <cstdint>     // std::int64_t
+#include <functional>  // std::function
+#include <memory>      // std::shared_ptr, std::make_shared
+#include <span>        // std::span
 
 namespace shardlib::nn::detail {
 
-// ops::cuda::cross_entropy on the current stream, then the host waits for it:
-// the loss comes back as a float, and a target out of range (reported by the
-// kernel) throws the host's shape_error, naming the first bad row.
+// ops::cuda::cross_entropy on the current stream; nothing waits for it. The loss
+// stays in device memory, a pending<float> whose read (one wait for that stream)
+// also reads the bad-target report and throws the host's shape_error naming the
+// first bad row, so the error comes when the loss is read, not at the call (the
+// host throws at the call). The stream must outlive the loss or its read.
 template <>
 struct cross_entropy_rows<cuda_space> {
   template <class T>
@@ -30,14 +35,18 @@ struct cross_entropy_rows<cuda_space> {
     const cudaStream_t s = cuda::current_stream();
     Tensor<T, cuda_space> grad(logits.shape());
     Tensor<float, cuda_space> loss(Shape{1});
-    ops::cuda::index_report bad(s);
-    ops::cuda::cross_entropy(logits.data(), targets.data(), rows, int(classes), o, grad.data(), loss.data(), bad, s,
+    auto bad = std::make_shared<ops::cuda::index_report>(s);
+    ops::cuda::cross_entropy(logits.data(), targets.data(), rows, int(classes), o, grad.data(), loss.data(), *bad, s,
                              cuda::device_allocator(cuda::current_device()));
-    if (const auto r = bad.read(s)) {  // waits for s
-      throw shape_error(cat("cross_entropy: target ", read_one(targets.data() + *r, s), " in row ", *r,
-                            " is out of range for ", classes, " classes (ignore_index is ", o.ignore_index, ")"));
-    }
-    return {read_one(loss.data(), s), grad};
+    auto read = [=](const std::function<void()>& before_wait) {
+      float value = 0;
+      cuda::copy_async(std::span<float>(&value, 1), std::span<const float>(loss.data(), 1), s);
+      const auto r = bad->read(s, before_wait);  // the one wait
+      if (r) throw shape_error(cat("cross_entropy: target ", read_one(targets.data() + *r, s), " in row ", *r,
+                                   " is out of range for ", classes, " classes (ignore_index is ", o.ignore_index, ")"));
+      return value;
+    };
+    return {pending<float>(read, loss.data()), grad};
   }
 
  private:
@@ -45,7 +54,8 @@ struct cross_entropy_rows<cuda_space> {
   static U read_one(const U* p, cudaStream_t s) {
     U v{};
     cuda::copy_async(std::span<U>(&v, 1), std::span<const U>(p, 1), s);
-    cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (reading cross_entropy's result)");
+    count_host_sync();
+    cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (reading cross_entropy's bad target)");
     return v;
   }
 };

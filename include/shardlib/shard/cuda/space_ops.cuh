@@ -6,6 +6,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/comm/communicator.hpp"       // Communicator, reduce_op
 #include "shardlib/core/element.hpp"            // element_cast
+#include "shardlib/core/pending.hpp"            // count_host_sync
 #include "shardlib/core/error.hpp"              // require, shape_error
 #include "shardlib/core/ledger.hpp"             // category
 #include "shardlib/cuda/caching_allocator.hpp"  // device_allocator, device_buffer
@@ -49,6 +50,7 @@ inline void require_same_size(const char* op, std::size_t in, std::size_t out) {
 }
 
 inline void synchronize(cudaStream_t s, const char* op) {
+  count_host_sync();
   cuda::check(cudaStreamSynchronize(s), "space_ops<cuda_space>::", op, ": cudaStreamSynchronize");
 }
 
@@ -98,6 +100,17 @@ struct device_scale_at {
   float c;
   __device__ void operator()(std::int64_t i) const { x[i] *= c; }
 };
+
+// One thread folds a reduction's result into a per-step scalar, so that the
+// scalar stays on the device. (Templates: a __global__ function cannot be inline.)
+template <class T>
+__global__ void accumulate_kernel(const T* x, T* total) {
+  *total += *x;
+}
+template <class Count>
+__global__ void count_if_nonzero_kernel(const unsigned long long* bad, Count* count) {
+  *count += *bad != 0 ? Count(1) : Count(0);
+}
 
 }  // namespace detail
 
@@ -191,6 +204,57 @@ struct space_ops<cuda_space> {
     detail::synchronize(s, "sum_squares");
     return sum;
   }
+  // The per-step scalars (the contract in shard/space_ops.hpp): reductions go into
+  // device memory and stay there; nothing here waits but wait_for_reads.
+  template <class T>
+  using scalars = cuda::device_buffer<T>;
+  template <class T>
+  static scalars<T> make_scalars(std::size_t n) {
+    const cudaStream_t s = cuda::current_stream();
+    scalars<T> d(n, category::comm_scratch, s);
+    cuda::fill_bytes_async(d.span(), 0, s);
+    return d;
+  }
+  static void add_sum_squares(std::span<const float> x, double* total) {
+    if (x.empty()) return;
+    const cudaStream_t s = cuda::current_stream();
+    auto& alloc = cuda::device_allocator(cuda::current_device());
+    cuda::device_buffer<double> d(1, category::activations, s, alloc);
+    ops::cuda::sum_squares(x, d.data(), s, alloc);
+    detail::accumulate_kernel<<<1, 1, 0, s>>>(d.data(), total);
+    cuda::check_launch("space_ops add_sum_squares");
+  }
+  static void add_nonfinite(std::span<const float> x, float* count) {
+    if (x.empty()) return;
+    const cudaStream_t s = cuda::current_stream();
+    auto& alloc = cuda::device_allocator(cuda::current_device());
+    cuda::device_buffer<unsigned long long> d(1, category::activations, s, alloc);
+    ops::cuda::count_nonfinite(x, d.data(), s, alloc);
+    detail::count_if_nonzero_kernel<<<1, 1, 0, s>>>(d.data(), count);
+    cuda::check_launch("space_ops add_nonfinite");
+  }
+  // The communicator reads and writes device memory, ordered after its compute
+  // stream, which check_stream made the current one.
+  template <class T, comm::Communicator Comm>
+  static void all_reduce_in_place(Comm& comm, std::span<T> values, comm::reduce_op op) {
+    comm.all_reduce(values, op);
+  }
+  template <class T>
+  static void issue_to_host(std::span<const T> src, std::span<T> host) {
+    cuda::copy_async(host, src, cuda::current_stream());
+  }
+  static void wait_for_reads() { detail::synchronize(cuda::current_stream(), "wait_for_reads"); }
+  // A value read later (pending) is read on the stream that computed it, whichever is current then.
+  struct issue_point {
+    cudaStream_t stream;
+    template <class F>
+    void run(F&& f) const {
+      cuda::stream_scope scope(stream);
+      f();
+    }
+  };
+  static issue_point issued_here() { return {cuda::current_stream()}; }
+
   static bool all_finite(std::span<const float> x) {
     if (x.empty()) return true;
     const cudaStream_t s = cuda::current_stream();
@@ -262,6 +326,7 @@ struct space_ops<cuda_space> {
     }
     void wait(ticket t) const {
       require(t < copied_.size(), "offload_channel: waiting for copy ", t, " never issued");
+      count_host_sync();
       copied_[t].synchronize();
     }
     template <class T>
@@ -272,6 +337,7 @@ struct space_ops<cuda_space> {
       cuda::event back;
       back.record(side_);
       back.make_wait(cuda::current_stream());
+      count_host_sync();
       back.synchronize();
       copied_.clear();
     }
