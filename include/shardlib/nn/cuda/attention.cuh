@@ -5,37 +5,37 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/random.hpp"
 #include "shardlib/core/tensor.hpp"
-#include "shardlib/cuda/current.hpp"          // current_stream
-#include "shardlib/cuda/memory_space.hpp"     // cuda_space
-#include "shardlib/nn/attention.hpp"          // the host layer, attention_options
-#include "shardlib/cuda/copy.hpp"  // to_device
-#include "shardlib/nn/cuda/device.cuh"        // device_gemm, device_gemm_batched, add_column_sums_device
-#include "shardlib/nn/cuda/linear.cuh"        // out_proj
+#include "shardlib/cuda/copy.hpp"                 // to_device
+#include "shardlib/cuda/current.hpp"              // current_stream
+#include "shardlib/cuda/memory_space.hpp"         // cuda_space
+#include "shardlib/nn/attention.hpp"              // the host layer, attention_options
+#include "shardlib/nn/cuda/device.cuh"            // device_gemm, add_column_sums_device
+#include "shardlib/nn/cuda/linear.cuh"            // out_proj
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/nn/param.hpp"
-#include "shardlib/ops/cuda/elementwise.cuh"  // dropout, repeat_rows
-#include "shardlib/ops/cuda/softmax.cuh"      // masked_softmax, softmax_backward
+#include "shardlib/nn/sdpa.hpp"                   // head_view
+#include "shardlib/ops/cuda/elementwise.cuh"      // repeat_rows
+#include "shardlib/ops/cuda/flash_attention.cuh"  // flash_attention_forward, flash_attention_backward
 
-#include <cmath>     // std::sqrt
 #include <cstdint>   // std::int64_t, std::uint8_t
-#include <optional>  // std::optional
 #include <span>      // std::span
-#include <string>    // std::string
 
 namespace shardlib::nn {
 
 // The host layer's parameters (torch's names and packing), checks and
 // arithmetic (detail::attention_base and the host layer in nn/attention.hpp),
 // on the current stream: one product for the q, k, v projections of all rows,
-// then per sample one batched product over the heads for each of q k^T, P V
-// and their gradients. The weights' dropout draws element i of the [N, H, L, L]
-// weights at index i, as the host does, so the masks are the host's bit for bit;
-// backward regenerates them.
+// then the fused attention (ops/cuda/flash_attention.cuh) on strided views of
+// the projected rows, as the host runs sdpa on them: the [N, H, L, L] weights
+// are never stored, forward keeps only the attention output and each query's
+// log-sum-exp ([N, H, L] floats) for backward, which recomputes the weights.
+// The key padding mask and the weights' dropout (element i of [N, H, L, L] drawn
+// at index i from one ctx.random_stream() per forward) are the host's, so the
+// masks are the host's bit for bit.
 template <class T>
 class MultiheadAttention<T, cuda_space> : public detail::attention_base<T, cuda_space> {
   using base = detail::attention_base<T, cuda_space>;
-  using base::o_, base::head_dim_, base::seq_, base::batch_, base::drop_, base::name, base::check_grad;
-  using base::row0, base::ld_qkv, base::ld_x, base::offset;
+  using base::o_, base::head_dim_, base::seq_, base::batch_, base::drop_, base::check_grad, base::row0, base::step;
 
  public:
   using input = Tensor<T, cuda_space>;
@@ -47,9 +47,9 @@ class MultiheadAttention<T, cuda_space> : public detail::attention_base<T, cuda_
 
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
-    const std::int64_t E = o_.embed_dim, H = o_.num_heads, D = head_dim_;
+    const std::int64_t E = o_.embed_dim;
     const Tensor<std::uint8_t>& mask = this->begin_forward(ctx, x.shape());
-    const std::int64_t L = seq_, N = batch_, R = L * N;
+    const std::int64_t R = seq_ * batch_;
     const cudaStream_t s = cuda::current_stream();
 
     // qkv = x W_in^T + b_in: all three projections of all rows in one product.
@@ -59,53 +59,28 @@ class MultiheadAttention<T, cuda_space> : public detail::attention_base<T, cuda_
     detail::device_gemm(ops::trans::no, ops::trans::yes, R, 3 * E, E, 1.0f, x.data(), E, in_proj_weight.value, E,
                         o_.bias ? 1.0f : 0.0f, qkv_.data(), 3 * E);
 
-    // Scores of every (sample, head), then the softmax over keys in place.
-    probs_ = Tensor<T, cuda_space>({N, H, L, L});
-    for (std::int64_t n = 0; n < N; ++n)
-      detail::device_gemm_batched(ops::trans::no, ops::trans::yes, L, L, D, scale(), q(n), ld_qkv(), D, k(n), ld_qkv(),
-                                  D, 0.0f, probs(n), L, L * L, H);
-    const Tensor<std::uint8_t, cuda_space> dmask = mask.empty() ? Tensor<std::uint8_t, cuda_space>{}
-                                                                : cuda::to_device(mask);
-    ops::cuda::masked_softmax(probs_.data(), dmask.data(), N * H * L, int(L), H * L, s);
-
+    key_padding_ = mask.empty() ? Tensor<std::uint8_t, cuda_space>{} : cuda::to_device(mask);
     drop_.reset();
     if (ctx.training() && o_.dropout > 0) drop_ = ctx.random_stream();
-    const Tensor<T, cuda_space> pv = dropped(probs_);
-    Tensor<T, cuda_space> attn(x.shape());  // heads concatenated, rows laid out as x's
-    for (std::int64_t n = 0; n < N; ++n)
-      detail::device_gemm_batched(ops::trans::no, ops::trans::no, L, D, L, 1.0f, pv.data() + n * H * L * L, L, L * L,
-                                  v(n), ld_qkv(), D, 0.0f, attn.data() + row0(n) * E, ld_x(), D, H);
-    return ctx.forward(out_proj, attn);
+    attn_ = Tensor<T, cuda_space>(x.shape());  // heads concatenated, rows laid out as x's
+    lse_ = Tensor<float, cuda_space>({batch_, o_.num_heads, seq_});
+    ops::cuda::flash_attention_forward<T>(read(qkv_, 0), read(qkv_, 1), read(qkv_, 2), heads(attn_, 0), lse_.data(),
+                                          fused(), s);
+    return ctx.forward(out_proj, attn_);
   }
 
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
     check_grad(x_, dy);
-    const std::int64_t E = o_.embed_dim, H = o_.num_heads, D = head_dim_, L = seq_, N = batch_, R = L * N;
+    const std::int64_t E = o_.embed_dim, R = seq_ * batch_;
     const Tensor<T, cuda_space> dattn = ctx.backward(out_proj, dy);
 
-    // Per sample over heads: dP' = dO V^T, dV = P'^T dO, back through dropout
-    // and softmax to dS, then dQ = s dS K and dK = s dS^T Q, written into dqkv.
+    // dq, dk, dv written into their thirds of dqkv, the weights recomputed from
+    // q, k and forward's log-sum-exp.
     Tensor<T, cuda_space> dqkv({R, 3 * E});
-    Tensor<T, cuda_space> dp({N, H, L, L});
-    const Tensor<T, cuda_space> pv = dropped(probs_);
-    for (std::int64_t n = 0; n < N; ++n) {
-      const T* dout = dattn.data() + row0(n) * E;
-      T* dpn = dp.data() + n * H * L * L;
-      detail::device_gemm_batched(ops::trans::no, ops::trans::yes, L, L, D, 1.0f, dout, ld_x(), D, v(n), ld_qkv(), D,
-                                  0.0f, dpn, L, L * L, H);
-      detail::device_gemm_batched(ops::trans::yes, ops::trans::no, L, D, L, 1.0f, pv.data() + n * H * L * L, L, L * L,
-                                  dout, ld_x(), D, 0.0f, at(dqkv, n, 2), ld_qkv(), D, H);
-    }
-    if (drop_) apply_dropout(dp, dp);
-    ops::cuda::softmax_backward(probs_.data(), dp.data(), N * H * L, int(L), cuda::current_stream());
-    for (std::int64_t n = 0; n < N; ++n) {
-      const T* dpn = dp.data() + n * H * L * L;
-      detail::device_gemm_batched(ops::trans::no, ops::trans::no, L, D, L, scale(), dpn, L, L * L, k(n), ld_qkv(), D,
-                                  0.0f, at(dqkv, n, 0), ld_qkv(), D, H);
-      detail::device_gemm_batched(ops::trans::yes, ops::trans::no, L, D, L, scale(), dpn, L, L * L, q(n), ld_qkv(), D,
-                                  0.0f, at(dqkv, n, 1), ld_qkv(), D, H);
-    }
+    ops::cuda::flash_attention_backward<T>(read(qkv_, 0), read(qkv_, 1), read(qkv_, 2), read(attn_, 0),
+                                           read(dattn, 0), lse_.data(), heads(dqkv, 0), heads(dqkv, 1),
+                                           heads(dqkv, 2), fused(), cuda::current_stream());
 
     // The three projections read the same x, so dx = dqkv W_in sums their contributions.
     detail::device_gemm(ops::trans::yes, ops::trans::no, 3 * E, E, R, 1.0f, dqkv.data(), 3 * E, x_.data(), E, 1.0f,
@@ -116,36 +91,35 @@ class MultiheadAttention<T, cuda_space> : public detail::attention_base<T, cuda_
                         0.0f, dx.data(), E);
     x_ = {};
     qkv_ = {};
-    probs_ = {};
+    attn_ = {};
+    lse_ = {};
+    key_padding_ = {};
     return dx;
   }
 
  private:
-  float scale() const { return float(1.0 / std::sqrt(double(head_dim_))); }
-
-  // Row layout as the host's (attention_base): q, k or v of sample n, heads D apart.
-  T* at(const Tensor<T, cuda_space>& t, std::int64_t n, int which) const { return t.data() + offset(n, 0, which); }
-  const T* q(std::int64_t n) const { return at(qkv_, n, 0); }
-  const T* k(std::int64_t n) const { return at(qkv_, n, 1); }
-  const T* v(std::int64_t n) const { return at(qkv_, n, 2); }
-  T* probs(std::int64_t n) const { return probs_.data() + n * o_.num_heads * seq_ * seq_; }
-
-  // out = inverted dropout of in ([N, H, L, L]) with this forward's stream; out may be in.
-  void apply_dropout(const Tensor<T, cuda_space>& in, const Tensor<T, cuda_space>& out) const {
-    ops::cuda::dropout<T>(in.span(), out.span(), *drop_, 0, o_.dropout, cuda::current_stream());
+  // The heads of q (third 0 of qkv's columns), k (1) or v (2), or of the
+  // attention output or its gradient (a tensor shaped as x, third 0), as the
+  // host layer views them: rows laid out as x's, head h at column h D of the third.
+  head_view<T> heads(const Tensor<T, cuda_space>& t, std::int64_t third) const {
+    const std::int64_t width = t.numel() / (seq_ * batch_);  // 3E for qkv, E for the output
+    return {t.data() + third * o_.embed_dim, batch_, o_.num_heads, seq_, head_dim_, row0(1) * width, head_dim_,
+            step() * width};
   }
-  // The weights P V uses: p itself without dropout, else a dropped copy.
-  Tensor<T, cuda_space> dropped(const Tensor<T, cuda_space>& p) const {
-    if (!drop_) return p;
-    Tensor<T, cuda_space> out(p.shape());
-    apply_dropout(p, out);
-    return out;
+  head_view<const T> read(const Tensor<T, cuda_space>& t, std::int64_t third) const {
+    return ops::cuda::as_const(heads(t, third));
+  }
+  // The default scale 1 / sqrt(D); this forward's key padding and dropout stream.
+  ops::cuda::flash_options fused() const {
+    return {.dropout_p = float(o_.dropout), .dropout = drop_, .key_padding = key_padding_.data()};
   }
 
   // Cached by forward for backward (and drop_, seq_, batch_ in the base).
   input x_;
-  Tensor<T, cuda_space> qkv_;    // [rows, 3E]: q, k, v of every row
-  Tensor<T, cuda_space> probs_;  // [N, H, L, L]: softmax weights before dropout
+  Tensor<T, cuda_space> qkv_;                   // [rows, 3E]: q, k, v of every row
+  Tensor<T, cuda_space> attn_;                  // [rows, E]: the attention output (out_proj's input)
+  Tensor<float, cuda_space> lse_;               // [N, H, L]: each query's log-sum-exp
+  Tensor<std::uint8_t, cuda_space> key_padding_;  // [N, L] on the device, empty without a mask
 };
 
 }  // namespace shardlib::nn

@@ -96,6 +96,24 @@ __device__ void stage(float* dst, const rows<const T>& src, std::int64_t n, std:
   }
 }
 
+// acc[x][col] += sum over the 32 lanes c of w[x] (lane c's) * src[(lane + 32 col) pitch + c]:
+// a warp's 8 rows (or keys) of weights, one column per lane, times a transposed
+// tile, accumulated into the lane's columns lane + 32 col.
+template <int Cols>
+__device__ void accumulate(float (&acc)[per_warp][Cols], const float (&w)[per_warp], const float* src, int lane) {
+  for (int c = 0; c < tile; ++c) {
+    float wc[per_warp];
+#pragma unroll
+    for (int x = 0; x < per_warp; ++x) wc[x] = __shfl_sync(0xFFFFFFFFu, w[x], c);
+#pragma unroll
+    for (int col = 0; col < Cols; ++col) {
+      const float y = src[(lane + 32 * col) * pitch + c];
+#pragma unroll
+      for (int x = 0; x < per_warp; ++x) acc[x][col] += wc[x] * y;
+    }
+  }
+}
+
 template <class T>
 struct forward_args {
   rows<const T> q, k, v;
@@ -130,25 +148,25 @@ __global__ void __launch_bounds__(tile * warps) forward_kernel(forward_args<T> a
     stage<DM, true>(vt, a.v, n, g, j0, p.keys, a.dim);
     __syncthreads();
     const std::int64_t j = j0 + lane;
-    float w[per_warp];  // this lane's key's dropped weight, per row
+    float w[per_warp] = {};  // q.k of this lane's key per row, then its dropped weight
+    for (int d = 0; d < a.dim; ++d) {
+      const float kd = kt[d * pitch + lane];
+#pragma unroll
+      for (int rr = 0; rr < per_warp; ++rr) w[rr] += qs[(warp * per_warp + rr) * DM + d] * kd;
+    }
+#pragma unroll
     for (int rr = 0; rr < per_warp; ++rr) {
-      const int r = warp * per_warp + rr;
-      const std::int64_t i = i0 + r;
-      float dot = 0;
-      for (int d = 0; d < a.dim; ++d) dot += qs[r * DM + d] * kt[d * pitch + lane];
+      const std::int64_t i = i0 + warp * per_warp + rr;
       const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-      const float s = flash::masked_score(dot, a.scale, vis);
+      const float s = flash::masked_score(w[rr], a.scale, vis);
       const float alpha = flash::raise_max(row[rr], warp_max(s));
-      for (int c = 0; c < cols; ++c) acc[rr][c] *= alpha;
+#pragma unroll
+      for (int col = 0; col < cols; ++col) acc[rr][col] *= alpha;
       const float e = flash::unnormalised_weight(s, row[rr]);
       row[rr].sum += warp_sum(e);
       w[rr] = e != 0.0f ? e * flash::keep_scale(p, kept, n, h, i, j) : 0.0f;
     }
-    for (int c = 0; c < tile; ++c)
-      for (int rr = 0; rr < per_warp; ++rr) {
-        const float wc = __shfl_sync(0xFFFFFFFFu, w[rr], c);
-        for (int col = 0; col < cols; ++col) acc[rr][col] += wc * vt[(lane + 32 * col) * pitch + c];
-      }
+    accumulate<cols>(acc, w, vt, lane);
   }
   for (int rr = 0; rr < per_warp; ++rr) {
     const std::int64_t i = i0 + warp * per_warp + rr;
@@ -217,24 +235,23 @@ __global__ void __launch_bounds__(tile * warps) dq_kernel(backward_args<T> a) {
     stage<DM, true>(vt, a.v, n, g, j0, p.keys, a.dim);
     __syncthreads();
     const std::int64_t j = j0 + lane;
-    float ds[per_warp];
-    for (int rr = 0; rr < per_warp; ++rr) {
-      const int r = warp * per_warp + rr;
-      const std::int64_t i = i0 + r;
-      float qk = 0, dp = 0;
-      for (int d = 0; d < a.dim; ++d) {
-        qk += qs[r * DM + d] * kt[d * pitch + lane];
-        dp += dos[r * DM + d] * vt[d * pitch + lane];
-      }
-      const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-      const float w = flash::weight(flash::masked_score(qk, a.scale, vis), lse[rr]);
-      ds[rr] = w != 0.0f ? flash::score_grad(w, dp, flash::keep_scale(p, kept, n, h, i, j), row_d[rr]) : 0.0f;
-    }
-    for (int c = 0; c < tile; ++c)
+    float qk[per_warp] = {}, dp[per_warp] = {};  // this lane's key against each row
+    for (int d = 0; d < a.dim; ++d) {
+      const float kd = kt[d * pitch + lane], vd = vt[d * pitch + lane];
+#pragma unroll
       for (int rr = 0; rr < per_warp; ++rr) {
-        const float dc = __shfl_sync(0xFFFFFFFFu, ds[rr], c);
-        for (int col = 0; col < cols; ++col) acc[rr][col] += dc * kt[(lane + 32 * col) * pitch + c];
+        qk[rr] += qs[(warp * per_warp + rr) * DM + d] * kd;
+        dp[rr] += dos[(warp * per_warp + rr) * DM + d] * vd;
       }
+    }
+#pragma unroll
+    for (int rr = 0; rr < per_warp; ++rr) {  // qk becomes dS
+      const std::int64_t i = i0 + warp * per_warp + rr;
+      const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
+      const float w = flash::weight(flash::masked_score(qk[rr], a.scale, vis), lse[rr]);
+      qk[rr] = w != 0.0f ? flash::score_grad(w, dp[rr], flash::keep_scale(p, kept, n, h, i, j), row_d[rr]) : 0.0f;
+    }
+    accumulate<cols>(acc, qk, kt, lane);
   }
   for (int rr = 0; rr < per_warp; ++rr) {
     const std::int64_t i = i0 + warp * per_warp + rr;
@@ -278,29 +295,27 @@ __global__ void __launch_bounds__(tile * warps) dkdv_kernel(backward_args<T> a) 
       }
       __syncthreads();
       const std::int64_t i = i0 + lane;
-      float pk[per_warp], ds[per_warp];  // dropped weight and score gradient of (this lane's query, key)
-      for (int cc = 0; cc < per_warp; ++cc) {
-        const int c = warp * per_warp + cc;
-        const std::int64_t j = j0 + c;
-        float qk = 0, dp = 0;
-        for (int d = 0; d < a.dim; ++d) {
-          qk += qt[d * pitch + lane] * ks[c * DM + d];
-          dp += dot_t[d * pitch + lane] * vs[c * DM + d];
-        }
-        const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-        const float w = flash::weight(flash::masked_score(qk, a.scale, vis), lse[lane]);
-        const float keep = w != 0.0f ? flash::keep_scale(p, kept, n, h, i, j) : 0.0f;
-        pk[cc] = w * keep;
-        ds[cc] = flash::score_grad(w, dp, keep, row_d[lane]);
-      }
-      for (int r = 0; r < tile; ++r)
+      // q.k and dO.v of (this lane's query, each key), then its dropped weight and dS.
+      float pk[per_warp] = {}, ds[per_warp] = {};
+      for (int d = 0; d < a.dim; ++d) {
+        const float qd = qt[d * pitch + lane], dod = dot_t[d * pitch + lane];
+#pragma unroll
         for (int cc = 0; cc < per_warp; ++cc) {
-          const float pr = __shfl_sync(0xFFFFFFFFu, pk[cc], r), dr = __shfl_sync(0xFFFFFFFFu, ds[cc], r);
-          for (int col = 0; col < cols; ++col) {
-            gv[cc][col] += pr * dot_t[(lane + 32 * col) * pitch + r];
-            gk[cc][col] += dr * qt[(lane + 32 * col) * pitch + r];
-          }
+          pk[cc] += qd * ks[(warp * per_warp + cc) * DM + d];
+          ds[cc] += dod * vs[(warp * per_warp + cc) * DM + d];
         }
+      }
+#pragma unroll
+      for (int cc = 0; cc < per_warp; ++cc) {
+        const std::int64_t j = j0 + warp * per_warp + cc;
+        const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
+        const float w = flash::weight(flash::masked_score(pk[cc], a.scale, vis), lse[lane]);
+        const float keep = w != 0.0f ? flash::keep_scale(p, kept, n, h, i, j) : 0.0f;
+        ds[cc] = flash::score_grad(w, ds[cc], keep, row_d[lane]);
+        pk[cc] = w * keep;
+      }
+      accumulate<cols>(gv, pk, dot_t, lane);
+      accumulate<cols>(gk, ds, qt, lane);
     }
   for (int cc = 0; cc < per_warp; ++cc) {
     const std::int64_t j = j0 + warp * per_warp + cc;
