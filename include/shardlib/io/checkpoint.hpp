@@ -14,6 +14,8 @@
 //   reshard.hpp                 which ranks read which ranges, and the load on every rank
 //   checkpoint_safetensors.hpp  export and import of one safetensors file, with a model or without
 //   sharded_state.hpp           state dicts in memory (sharded or full); a save writes their pieces
+//   staging.hpp                 values in device memory to and from the host through pinned
+//                               staging buffers; io's own collectives over any communicator
 //
 // The format, the guarantees and the resharding algorithm: docs/checkpoints.md.
 #pragma once
@@ -31,7 +33,7 @@
 #include "shardlib/io/rank_agreement.hpp"          // detail::on_all_ranks, broadcast_string
 #include "shardlib/io/reshard.hpp"                 // detail::load_from, request_range, check_parameters, ...
 #include "shardlib/io/sharded_state.hpp"           // get_model_state, get_optimizer_state, detail::offered_pieces
-#include "shardlib/optim/param_groups.hpp"         // OptimizerOrGroups
+#include "shardlib/io/staging.hpp"                 // host_collectives_of
 #include "shardlib/shard/sharded_model.hpp"        // ShardedModel
 #include "shardlib/shard/strategy.hpp"             // HybridShard
 
@@ -73,10 +75,10 @@ struct load_result {
 // All of it goes into root/.tmp-<tag>, and only once every rank has written and synced
 // its file does rank 0 rename it into place: a failure on any rank raises io_error on
 // every rank and leaves earlier checkpoints as they were. Collective; returns root/<tag>.
-template <class M, class C, class S, optim::OptimizerOrGroups O>
+template <class M, class C, class S, SavableOptimizer O>
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::ShardedModel<M, C, S, float, O>& model,
                                       O& opt, const save_options& o = {}) {
-  auto& comm = model.comm();
+  auto comm = detail::host_collectives_of(model);  // io's own collectives, staged where the model's need it
   const int rank = comm.rank();
   const std::string tag = o.tag.empty() ? detail::default_tag(model.steps()) : o.tag;
   const auto final_dir = root / tag, temp = root / cat(detail::temp_prefix, tag);
@@ -177,9 +179,9 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
 // step count and loss scaler. On any error every rank raises io_error and nothing
 // changes. A weights-only checkpoint (from a safetensors file without optimizer state)
 // leaves the optimizer state as it is. Collective.
-template <class M, class C, class S, optim::OptimizerOrGroups O>
+template <class M, class C, class S, SavableOptimizer O>
 load_result load_checkpoint(const std::filesystem::path& path, shard::ShardedModel<M, C, S, float, O>& model, O& opt) {
-  auto& comm = model.comm();
+  auto comm = detail::host_collectives_of(model);
   std::string resolved;
   detail::on_all_ranks(comm, cat("loading checkpoint ", path.string()), [&] {
     if (comm.rank() == 0) resolved = resolve_checkpoint(path).string();
@@ -206,7 +208,7 @@ template <class M, class C, class S, class O>
 void export_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model) {
   detail::export_impl<shard::ShardedModel<M, C, S, float, O>, detail::no_optimizer>(file, model, nullptr);
 }
-template <class M, class C, class S, optim::OptimizerOrGroups O>
+template <class M, class C, class S, SavableOptimizer O>
 void export_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model, O& opt) {
   detail::export_impl(file, model, &opt);
 }
@@ -221,7 +223,7 @@ template <class M, class C, class S, class O>
 void load_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model) {
   detail::load_safetensors_impl<shard::ShardedModel<M, C, S, float, O>, detail::no_optimizer>(file, model, nullptr);
 }
-template <class M, class C, class S, optim::OptimizerOrGroups O>
+template <class M, class C, class S, SavableOptimizer O>
 void load_safetensors(const std::filesystem::path& file, shard::ShardedModel<M, C, S, float, O>& model, O& opt) {
   detail::load_safetensors_impl(file, model, &opt);
 }

@@ -16,6 +16,7 @@
 #include "shardlib/io/rank_agreement.hpp"        // detail::on_all_ranks
 #include "shardlib/io/reshard.hpp"               // request_range, check_parameters, load_from, ...
 #include "shardlib/io/safetensors.hpp"           // safetensors_stream_writer, tensor_info
+#include "shardlib/io/staging.hpp"               // stager, copy_to_host, copy_from_host, host_collectives_of
 #include "shardlib/nn/flat.hpp"                  // nn::flat_entry
 
 #include <nlohmann/json.hpp>  // nlohmann::json
@@ -27,7 +28,7 @@
 #include <span>         // std::span
 #include <string>       // std::string
 #include <string_view>  // std::string_view
-#include <type_traits>  // std::is_same_v
+#include <type_traits>  // std::is_same_v, std::type_identity
 #include <utility>      // std::move
 #include <vector>       // std::vector
 
@@ -35,23 +36,33 @@ namespace shardlib::io {
 
 namespace detail {
 
-// The unit's whole flat vector of one kind, from this rank's piece of it: gathered
-// (into holder) when the piece is a shard, else the piece itself.
-template <class Comm>
-std::span<const float> gather_into(Comm& group, std::span<const float> piece, Buffer<float>& holder) {
+// The unit's whole flat vector of one kind when the pieces are shards (partitions() >
+// 1), gathered from this rank's piece (memory of S) into holder, in the model's memory
+// space, where its communicator works: a piece kept elsewhere (optimizer state
+// offloaded to host memory) goes there first.
+template <class S, class Engine>
+std::span<const float> gather_whole(Engine& model, std::span<const float> piece,
+                                    Buffer<float, typename Engine::space>& holder,
+                                    stager<typename Engine::space>& staging) {
+  using Space = typename Engine::space;
+  auto& group = model.shard_group();
   holder.reset();  // first: never two units gathered at once
-  holder = Buffer<float>(piece.size() * std::size_t(group.size()), category::gathered_parameters);
-  group.all_gather(piece, holder.span());
+  holder = Buffer<float, Space>(piece.size() * std::size_t(group.size()), category::gathered_parameters);
+  if constexpr (std::is_same_v<S, Space>) {
+    group.all_gather(piece, holder.span());
+  } else {
+    static_assert(can_access<host_space, S>, "io: a piece neither in the model's space nor in host memory");
+    Buffer<float, Space> mine(piece.size(), category::comm_scratch);
+    copy_from_host<Space>(staging, piece, mine.span());
+    group.all_gather(std::span<const float>(mine.span()), holder.span());
+  }
   return holder.span();
-}
-template <class Engine>
-std::span<const float> whole(Engine& model, std::span<const float> piece, Buffer<float>& holder) {
-  return model.partitions() > 1 ? gather_into(model.shard_group(), piece, holder) : piece;
 }
 
 template <class Engine, class O>
 void export_impl(const std::filesystem::path& file, Engine& model, O* opt) {
-  auto& comm = model.comm();
+  using Space = typename Engine::space;
+  auto comm = host_collectives_of(model);
   const bool root = comm.rank() == 0;
   const std::string what = cat("exporting to ", file.string());
   consolidated_info info{model.steps(), std::nullopt, model.scaler(), nlohmann::json::object()};
@@ -68,25 +79,42 @@ void export_impl(const std::filesystem::path& file, Engine& model, O* opt) {
   on_all_ranks(comm, what, [&] {
     if (root) out.emplace(file, consolidated_tensors(layouts, kinds), consolidated_metadata(info));
   });
-  // One unit at a time: no rank ever holds more than one unit gathered.
-  auto write_unit = [&](std::size_t i, std::string_view kind, std::span<const float> values) {
+  // One unit at a time: no rank ever holds more than one unit gathered, and rank 0 at
+  // most one parameter in host memory besides when the values live elsewhere (memory
+  // of R), copied out through the stager.
+  stager<Space> staging;
+  std::vector<float> host;
+  auto write_unit = [&]<class R>(std::size_t i, std::string_view kind, std::span<const float> values,
+                                 std::type_identity<R>) {
     on_all_ranks(comm, what, [&] {
       if (!root) return;
-      for (const auto& e : model.unit_layout(i).entries)
-        out->write(kind == "master" ? e.name : optimizer_tensor(e.name, kind),
-                   std::as_bytes(values.subspan(e.offset, e.numel())));
+      for (const auto& e : model.unit_layout(i).entries) {
+        std::span<const float> part = values.subspan(e.offset, e.numel());
+        if constexpr (!can_access<host_space, R>) {
+          host.resize(part.size());
+          copy_to_host<R>(staging, part, std::span<float>(host));
+          part = host;
+        }
+        out->write(kind == "master" ? e.name : optimizer_tensor(e.name, kind), std::as_bytes(part));
+      }
     });
+  };
+  auto write_whole = [&]<class S>(std::size_t i, std::string_view kind, std::span<const float> piece,
+                                  std::type_identity<S> space) {
+    if (model.partitions() == 1) return write_unit(i, kind, piece, space);
+    Buffer<float, Space> holder;
+    write_unit(i, kind, gather_whole<S>(model, piece, holder, staging), std::type_identity<Space>{});
   };
   for (std::size_t i = 0; i < model.unit_count(); ++i) {
     if (model.unit_layout(i).entries.empty()) continue;  // a unit whose children claimed every parameter
-    Buffer<float> holder;
-    write_unit(i, "master", whole(model, model.master_piece(i), holder));
+    write_whole(i, "master", model.master_piece(i), std::type_identity<Space>{});
     if constexpr (!std::is_same_v<O, no_optimizer>) {
-      const auto buffers = buffers_of(model.optimizer_state(*opt, i));
+      auto& st = model.optimizer_state(*opt, i);
       for (const auto& k : kinds) {
-        const auto b = buffers.find(k);
-        require(b != buffers.end(), "rank ", comm.rank(), ": unit ", i, " has no optimizer buffer '", k, "'");
-        write_unit(i, k, whole(model, b->second, holder));
+        const bool found = with_buffer(st, k, [&](std::span<const float> piece, auto space) {
+          write_whole(i, k, piece, space);
+        });
+        require(found, "rank ", comm.rank(), ": unit ", i, " has no optimizer buffer '", k, "'");
       }
     }
   }
@@ -100,7 +128,8 @@ void load_safetensors_impl(const std::filesystem::path& file, Engine& model, O* 
   const std::string what = cat("loading ", file.string());
   std::optional<safetensors_source> src;
   std::optional<checkpoint_optimizer> saved;
-  on_all_ranks(model.comm(), what, [&] {
+  auto comm = host_collectives_of(model);
+  on_all_ranks(comm, what, [&] {
     src.emplace(file);
     const std::string_view source = src_name(*src);
     check_parameters(model, src->parameters(), source);

@@ -4,13 +4,13 @@
 // one loading it, and that every rank saving holds the same one.
 #pragma once
 #include "shardlib/config.hpp"
-#include "shardlib/core/buffer.hpp"           // Buffer
 #include "shardlib/core/error.hpp"            // io_error, cat
 #include "shardlib/io/checkpoint_format.hpp"  // checkpoint_optimizer, detail::optimizer_to_json
 #include "shardlib/io/rank_agreement.hpp"     // detail::on_all_ranks, broadcast_string
 #include "shardlib/io/safetensors.hpp"        // detail::fail
 #include "shardlib/optim/adam.hpp"            // BasicAdam, decay_style
-#include "shardlib/optim/param_groups.hpp"    // param_groups, is_param_groups
+#include "shardlib/optim/optimizer.hpp"       // detail::has_state, has_make_state, has_step_count, has_lr
+#include "shardlib/optim/param_groups.hpp"    // param_groups, is_param_groups, OptimizerOrGroups
 #include "shardlib/optim/sgd.hpp"             // SGD
 
 #include <nlohmann/json.hpp>  // nlohmann::json
@@ -32,22 +32,48 @@ template <class O>
 inline constexpr bool is_adam = false;
 template <optim::decay_style S>
 inline constexpr bool is_adam<optim::BasicAdam<S>> = true;
+// An optimizer that names a host_optimizer (optim::cuda::Adam: the host one's options
+// and update over state in another memory space) is recorded as that one, so that a
+// device run's checkpoint is the host run's and either loads the other's.
+template <class O>
+struct recorded_as {
+  using type = O;
+};
+template <class O>
+  requires requires { typename O::host_optimizer; }
+struct recorded_as<O> {
+  using type = typename O::host_optimizer;
+};
+template <class O>
+using recorded_t = typename recorded_as<O>::type;
+}  // namespace detail
+
+// An optimizer whose state checkpoints save and load: an optim::Optimizer, parameter
+// groups, or one like it whose state buffers live in another memory space
+// (optim::cuda::Adam's in device memory: its for_each_buffer passes Buffer<float, Space>).
+template <class O>
+concept SavableOptimizer = optim::OptimizerOrGroups<O> ||
+                           (optim::detail::has_state<O> && optim::detail::has_make_state<O> &&
+                            optim::detail::has_step_count<O> && optim::detail::has_lr<O>);
+
+namespace detail {
 // The library's optimizers, whose options a checkpoint records and restores (as
 // PyTorch's optimizer state_dict does with param_groups), and groups of any optimizer.
 template <class O>
-inline constexpr bool known_optimizer = is_adam<O> || std::is_same_v<O, optim::SGD> || optim::is_param_groups<O>;
+inline constexpr bool known_optimizer =
+    is_adam<recorded_t<O>> || std::is_same_v<recorded_t<O>, optim::SGD> || optim::is_param_groups<O>;
 
 // f(name, field) for every hyperparameter in options `o` of a known optimizer O.
 template <class O, class Options, class F>
 void each_option(Options& o, F&& f) {
-  if constexpr (is_adam<O>) {
+  if constexpr (is_adam<recorded_t<O>>) {
     f("lr", o.lr);
     f("beta1", o.beta1);
     f("beta2", o.beta2);
     f("eps", o.eps);
     f("weight_decay", o.weight_decay);
     f("amsgrad", o.amsgrad);
-  } else if constexpr (std::is_same_v<O, optim::SGD>) {
+  } else if constexpr (std::is_same_v<recorded_t<O>, optim::SGD>) {
     f("lr", o.lr);
     f("momentum", o.momentum);
     f("dampening", o.dampening);
@@ -181,12 +207,12 @@ std::string optimizer_name() {
   else return {};
 }
 
-// The names of an optimizer's per-parameter buffers.
+// The names of an optimizer's per-parameter buffers (in whatever memory space they live).
 template <class O>
 std::vector<std::string> buffer_names(O& opt) {
   std::vector<std::string> names;
   auto probe = opt.make_state(1);
-  probe.for_each_buffer([&](std::string_view n, Buffer<float>&) { names.emplace_back(n); });
+  probe.for_each_buffer([&](std::string_view n, auto&) { names.emplace_back(n); });
   return names;
 }
 

@@ -6,7 +6,7 @@
 #include "shardlib/core/error.hpp"         // io_error, cat
 
 #include <cstddef>      // std::size_t
-#include <cstdint>      // std::int64_t, std::uint8_t
+#include <cstdint>      // std::int64_t
 #include <cstring>      // std::memcpy
 #include <exception>    // std::exception
 #include <span>         // std::span
@@ -18,14 +18,16 @@ namespace shardlib::io {
 
 namespace detail {
 
+// Comm is io's view of a communicator (host_collectives, io/staging.hpp): integers only,
+// so the bytes travel packed eight to a word.
 template <class Comm>
 std::string broadcast_string(Comm& comm, const std::string& s, int root) {
   std::vector<std::int64_t> n{std::int64_t(s.size())};
   comm.broadcast(std::span<std::int64_t>(n), root);
-  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(n[0]));
-  if (comm.rank() == root && !s.empty()) std::memcpy(bytes.data(), s.data(), s.size());
-  if (!bytes.empty()) comm.broadcast(std::span<std::uint8_t>(bytes), root);
-  return std::string(bytes.begin(), bytes.end());
+  std::vector<std::int64_t> words((static_cast<std::size_t>(n[0]) + 7) / 8);
+  if (comm.rank() == root && !s.empty()) std::memcpy(words.data(), s.data(), s.size());
+  if (!words.empty()) comm.broadcast(std::span<std::int64_t>(words), root);
+  return std::string(reinterpret_cast<const char*>(words.data()), static_cast<std::size_t>(n[0]));
 }
 
 // Runs f on every rank, then agrees (one all-reduce) on whether all succeeded: if any

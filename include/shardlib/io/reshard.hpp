@@ -16,6 +16,7 @@
 #include "shardlib/io/consolidated_file.hpp"  // safetensors_source
 #include "shardlib/io/optimizer_record.hpp"   // detail::known_optimizer, restore_hyperparameters, check_buffers, ...
 #include "shardlib/io/rank_agreement.hpp"     // detail::on_all_ranks
+#include "shardlib/io/staging.hpp"            // stager, host_collectives_of
 #include "shardlib/shard/sharded_model.hpp"   // ShardedModel
 
 #include <algorithm>    // std::fill, std::min, std::max
@@ -28,7 +29,7 @@
 #include <span>         // std::span
 #include <string>       // std::string
 #include <string_view>  // std::string_view
-#include <type_traits>  // std::is_same_v
+#include <type_traits>  // std::is_same_v, std::type_identity
 #include <utility>      // std::move, std::pair
 #include <vector>       // std::vector
 
@@ -82,12 +83,18 @@ std::uint64_t piece_begin(const Engine& m, std::size_t i) {
   return m.partition(i).begin(m.partition_rank());
 }
 
-// This rank's buffers of unit i's optimizer state, by name.
-template <class State>
-std::map<std::string, std::span<const float>, std::less<>> buffers_of(State& st) {
-  std::map<std::string, std::span<const float>, std::less<>> out;
-  st.for_each_buffer([&](std::string_view n, Buffer<float>& b) { out.emplace(n, b.span()); });
-  return out;
+// Calls f(values, std::type_identity<S>{}) with the optimizer state's buffer `name` and
+// the memory space S it lives in (device memory for optim::cuda::Adam, host memory
+// when offloaded); returns false when the state has no such buffer.
+template <class State, class F>
+bool with_buffer(State& st, std::string_view name, F&& f) {
+  bool found = false;
+  st.for_each_buffer([&]<class S>(std::string_view n, Buffer<float, S>& b) {
+    if (n != name) return;
+    found = true;
+    f(std::span<const float>(b.span()), std::type_identity<S>{});
+  });
+  return found;
 }
 
 // New master shards and optimizer states for this rank, their pieces requested from
@@ -102,16 +109,30 @@ std::vector<Buffer<float>> request_masters(Engine& model, Source& src) {
   }
   return out;
 }
+// An optimizer buffer in memory the host cannot reach (the model's space): its values
+// are requested into host memory and copied into place after src.finish().
+struct pending_upload {
+  Buffer<float> values;     // host memory
+  std::span<float> target;  // the new state's buffer
+};
 template <class Engine, class Source, class O>
-std::vector<typename O::state> request_states(Engine& model, Source& src, O& maker, std::int64_t step) {
+std::vector<typename O::state> request_states(Engine& model, Source& src, O& maker, std::int64_t step,
+                                             std::vector<pending_upload>& uploads) {
   std::vector<typename O::state> out;
   for (std::size_t i = 0; i < model.unit_count(); ++i) {
     auto st = maker.make_state(model.partition(i).shard_size());
     st.step = step;
-    st.for_each_buffer([&](std::string_view name, Buffer<float>& b) {
-      request_range(model.unit_layout(i).entries, src, name, piece_begin(model, i), b.span());
+    st.for_each_buffer([&]<class S>(std::string_view name, Buffer<float, S>& b) {
+      std::span<float> into = b.span();
+      if constexpr (!can_access<host_space, S>) {
+        static_assert(std::is_same_v<S, typename Engine::space>,
+                      "io: optimizer state in a memory space neither the host nor the model's is");
+        uploads.push_back({Buffer<float>(b.size(), category::optimizer_state), b.span()});
+        into = uploads.back().values.span();
+      }
+      request_range(model.unit_layout(i).entries, src, name, piece_begin(model, i), into);
     });
-    out.push_back(std::move(st));
+    out.push_back(std::move(st));  // device buffers keep their storage as they move: the targets stay valid
   }
   return out;
 }
@@ -132,8 +153,10 @@ void load_from(Engine& model, Source& src, O* opt, const std::optional<checkpoin
                std::string_view what) {
   std::vector<Buffer<float>> masters;
   std::vector<typename O::state> states;
+  std::vector<pending_upload> uploads;
   std::optional<O> restored;  // a copy of opt with the source's hyperparameters (known optimizers)
-  on_all_ranks(model.comm(), what, [&] {
+  auto comm = host_collectives_of(model);
+  on_all_ranks(comm, what, [&] {
     if constexpr (!std::is_same_v<O, no_optimizer>) {
       if (opt && saved) {
         check_optimizer_type<O>(*saved, src_name(src));
@@ -143,11 +166,13 @@ void load_from(Engine& model, Source& src, O* opt, const std::optional<checkpoin
         }
         O& maker = restored ? *restored : *opt;
         check_buffers(maker, *saved, src_name(src));
-        states = request_states(model, src, maker, saved->step);
+        states = request_states(model, src, maker, saved->step, uploads);
       }
     }
     masters = request_masters(model, src);
     src.finish();  // the buffers' storage stays put as they move into the vectors
+    stager<typename Engine::space> staging;
+    for (auto& u : uploads) staging.upload(std::span<const float>(u.values.span()), u.target);
   });
   for (std::size_t i = 0; i < masters.size(); ++i) model.load_master(i, masters[i].span());
   if constexpr (!std::is_same_v<O, no_optimizer>)

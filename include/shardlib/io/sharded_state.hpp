@@ -12,11 +12,11 @@
 #include "shardlib/core/shape.hpp"               // Shape
 #include "shardlib/core/tensor.hpp"              // Tensor
 #include "shardlib/io/checkpoint_format.hpp"     // checkpoint_optimizer, detail::optimizer_to_json
-#include "shardlib/io/checkpoint_safetensors.hpp"  // detail::whole
+#include "shardlib/io/checkpoint_safetensors.hpp"  // detail::gather_whole
 #include "shardlib/io/optimizer_record.hpp"      // detail::optimizer_name, buffer_names, hyperparameters_of
 #include "shardlib/io/rank_agreement.hpp"        // detail::on_all_ranks
-#include "shardlib/io/reshard.hpp"               // detail::load_from, check_parameters, piece_begin, buffers_of
-#include "shardlib/optim/param_groups.hpp"       // OptimizerOrGroups
+#include "shardlib/io/reshard.hpp"               // detail::load_from, check_parameters, piece_begin, with_buffer
+#include "shardlib/io/staging.hpp"               // stager, copy_to_host, host_collectives_of
 #include "shardlib/shard/precision.hpp"          // loss_scaler
 #include "shardlib/shard/sharded_model.hpp"      // ShardedModel
 
@@ -74,10 +74,11 @@ struct state_options {
 namespace detail {
 
 // Copies each parameter's overlap with flat elements [first, first + values.size()) of a
-// unit laid out as `entries` into `out` as a piece; every parameter is listed, held or not.
-template <class Entries>
+// unit laid out as `entries` into `out` as a piece, from values in memory of S (through
+// the stager when the host cannot reach it); every parameter is listed, held or not.
+template <class S, class Entries, class Space>
 void cut_pieces(const Entries& entries, std::uint64_t first, std::span<const float> values, bool keep,
-                sharded_tensors& out) {
+                sharded_tensors& out, stager<Space>& staging) {
   const std::uint64_t end = first + values.size();
   for (const auto& e : entries) {
     auto& t = out[e.name];
@@ -85,19 +86,25 @@ void cut_pieces(const Entries& entries, std::uint64_t first, std::span<const flo
     const std::uint64_t lo = std::max<std::uint64_t>(first, e.offset), hi = std::min<std::uint64_t>(end, e.offset + e.numel());
     if (!keep || lo >= hi) continue;
     Tensor<float> v(Shape{std::int64_t(hi - lo)}, category::parameters);
-    std::copy_n(values.begin() + std::ptrdiff_t(lo - first), hi - lo, v.span().begin());
+    copy_to_host<S>(staging, values.subspan(std::size_t(lo - first), std::size_t(hi - lo)), v.span());
     t.pieces.push_back({lo - e.offset, std::move(v)});
   }
 }
 
-// Unit i's piece of one kind into `out`: this rank's piece, or the whole unit gathered.
-template <class Engine>
+// Unit i's piece of one kind (memory of S) into `out`: this rank's piece, or the whole
+// unit gathered (in the model's space).
+template <class S, class Engine>
 void add_unit(Engine& model, std::size_t i, std::span<const float> piece, const state_options& o,
-              sharded_tensors& out) {
-  Buffer<float> holder;
-  const auto values = o.full ? whole(model, piece, holder) : piece;
+              sharded_tensors& out, stager<typename Engine::space>& staging) {
   const bool keep = !o.full || !o.rank0_only || model.comm().rank() == 0;
-  cut_pieces(model.unit_layout(i).entries, o.full ? 0 : piece_begin(model, i), values, keep, out);
+  const auto& entries = model.unit_layout(i).entries;
+  if (o.full && model.partitions() > 1) {
+    Buffer<float, typename Engine::space> holder;
+    const auto values = gather_whole<S>(model, piece, holder, staging);
+    cut_pieces<typename Engine::space>(entries, 0, values, keep, out, staging);
+  } else {
+    cut_pieces<S>(entries, o.full ? 0 : piece_begin(model, i), piece, keep, out, staging);
+  }
 }
 
 // The pieces offered to a load, from any number of dicts (every rank's, or one full
@@ -183,7 +190,8 @@ void load_offered(Engine& model, O* opt, std::span<const model_state_dict> model
   const std::string what = "loading a state dict";
   std::optional<offered_pieces> src;
   std::optional<checkpoint_optimizer> record;
-  on_all_ranks(model.comm(), what, [&] {
+  auto comm = host_collectives_of(model);
+  on_all_ranks(comm, what, [&] {
     if (models.empty()) throw io_error("the state dict: no model state offered");
     src.emplace(models, optims);
     check_parameters(model, src->parameters(), src_name(*src));
@@ -204,30 +212,38 @@ void load_offered(Engine& model, O* opt, std::span<const model_state_dict> model
 }  // namespace detail
 
 // This rank's pieces of the model's fp32 masters (or, with o.full, every parameter whole:
-// collective). Host memory, a copy: training on does not change it.
+// collective). Host memory, a copy: training on does not change it. From a model in
+// device memory the values come through a pinned staging buffer (io/staging.hpp).
 template <class M, class C, class S, class O>
 model_state_dict get_model_state(shard::ShardedModel<M, C, S, float, O>& model, const state_options& o = {}) {
+  using Space = typename shard::ShardedModel<M, C, S, float, O>::space;
   model_state_dict out{{}, model.steps(), model.scaler()};
-  for (std::size_t i = 0; i < model.unit_count(); ++i) detail::add_unit(model, i, model.master_piece(i), o, out.params);
+  stager<Space> staging;
+  for (std::size_t i = 0; i < model.unit_count(); ++i)
+    detail::add_unit<Space>(model, i, model.master_piece(i), o, out.params, staging);
   return out;
 }
 
 // This rank's pieces of the optimizer's buffers (or, with o.full, every buffer whole:
 // collective), with its step and hyperparameters.
-template <class M, class C, class S, optim::OptimizerOrGroups O>
+template <class M, class C, class S, SavableOptimizer O>
 optim_state_dict get_optimizer_state(shard::ShardedModel<M, C, S, float, O>& model, O& opt,
                                      const state_options& o = {}) {
   optim_state_dict out{{detail::optimizer_name<O>(), model.optimizer_state(opt, 0).step, detail::buffer_names(opt),
                         detail::hyperparameters_of(model, opt)},
                        {}};
+  using Space = typename shard::ShardedModel<M, C, S, float, O>::space;
+  stager<Space> staging;
   for (std::size_t i = 0; i < model.unit_count(); ++i) {
-    const auto buffers = detail::buffers_of(model.optimizer_state(opt, i));
-    for (const auto& name : out.record.state) {
+    auto& st = model.optimizer_state(opt, i);
+    for (const auto& name : out.record.state) {  // in the record's order on every rank: the gathers match
+      const bool found = detail::with_buffer(st, name, [&](std::span<const float> piece, auto space) {
+        detail::add_unit<typename decltype(space)::type>(model, i, piece, o, out.buffers[name], staging);
+      });
       // A state made for an empty piece may omit buffers (Adam's max_exp_avg_sq).
-      const auto b = buffers.find(name);
-      require(b != buffers.end() || model.master_piece(i).empty(), "rank ", model.comm().rank(), ": unit '",
-              model.unit_name(i), "' has no optimizer buffer '", name, "'");
-      detail::add_unit(model, i, b == buffers.end() ? std::span<const float>{} : b->second, o, out.buffers[name]);
+      require(found || model.master_piece(i).empty(), "rank ", model.comm().rank(), ": unit '", model.unit_name(i),
+              "' has no optimizer buffer '", name, "'");
+      if (!found) detail::add_unit<Space>(model, i, std::span<const float>{}, o, out.buffers[name], staging);
     }
   }
   return out;
@@ -244,7 +260,7 @@ void set_model_state(shard::ShardedModel<M, C, S, float, O>& model, std::span<co
 }
 // The same with the optimizer: its state resharded like the parameters, its step and
 // hyperparameters restored (parameter groups must match by name, members and options).
-template <class M, class C, class S, optim::OptimizerOrGroups O>
+template <class M, class C, class S, SavableOptimizer O>
 void set_state(shard::ShardedModel<M, C, S, float, O>& model, O& opt, std::span<const model_state_dict> models,
                std::span<const optim_state_dict> optims) {
   detail::load_offered(model, &opt, models, optims);

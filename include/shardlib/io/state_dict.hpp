@@ -18,9 +18,9 @@
 #include "shardlib/core/shape.hpp"            // Shape
 #include "shardlib/io/rank_agreement.hpp"     // detail::on_all_ranks
 #include "shardlib/io/safetensors.hpp"        // tensor_info, safetensors_writer, detail::input_file, ...
+#include "shardlib/io/staging.hpp"            // stager, detail::copy_to_host, host_collectives_of
 #include "shardlib/nn/flat.hpp"               // nn::flat_entry
 #include "shardlib/nn/replicated.hpp"         // nn::Replicated
-#include "shardlib/shard/space_ops.hpp"       // shard::space_ops (a master piece to host memory)
 
 #include <nlohmann/json.hpp>  // nlohmann::json, nlohmann::ordered_json
 
@@ -529,11 +529,12 @@ concept StateDictEngine = requires(E& e, std::size_t i) {
 template <StateDictEngine Engine>
 load_report load_state_dict(const std::filesystem::path& path, Engine& model, const state_dict_options& options = {}) {
   using T = typename std::remove_cvref_t<decltype(model.master_piece(0))>::value_type;
-  using ops = shard::space_ops<typename Engine::space>;
+  stager<typename Engine::space> staging;
   const state_dict_options o = detail::with_engine_ties(model, options);
   std::vector<std::vector<T>> pieces(model.unit_count());
   load_report report;
-  detail::on_all_ranks(model.comm(), cat("loading ", path.string()), [&] {
+  auto comm = detail::host_collectives_of(model);
+  detail::on_all_ranks(comm, cat("loading ", path.string()), [&] {
     const detail::state_dict_files files(path);
     std::vector<std::pair<std::string, Shape>> params;
     for (std::size_t i = 0; i < model.unit_count(); ++i)
@@ -543,7 +544,7 @@ load_report load_state_dict(const std::filesystem::path& path, Engine& model, co
     for (std::size_t i = 0; i < model.unit_count(); ++i) {
       const auto piece = model.master_piece(i);
       pieces[i].resize(piece.size());
-      ops::to_host(piece, std::span<T>(pieces[i]));  // what nothing loads keeps its value
+      detail::copy_to_host<typename Engine::space>(staging, piece, std::span<T>(pieces[i]));  // what nothing loads keeps its value
       const std::uint64_t begin = model.partition(i).begin(model.partition_rank());
       detail::read_range(files, plan, model.unit_layout(i).entries, begin, std::span<T>(pieces[i]));
     }
@@ -579,7 +580,8 @@ template <StateDictEngine Engine>
 void save_state_dict(const std::filesystem::path& path, Engine& model, const state_dict_options& options = {}) {
   const state_dict_options o = detail::with_engine_ties(model, options);
   auto full = model.full_state_dict();
-  detail::on_all_ranks(model.comm(), cat("saving ", path.string()), [&] {
+  auto comm = detail::host_collectives_of(model);
+  detail::on_all_ranks(comm, cat("saving ", path.string()), [&] {
     if (model.comm().rank() != 0) return;
     using T = typename std::remove_cvref_t<decltype(model.master_piece(0))>::value_type;
     std::vector<detail::tensor_to_save<T>> all;
