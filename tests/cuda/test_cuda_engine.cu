@@ -2,19 +2,32 @@
 // space_ops<cuda_space> function against space_ops<host_space> on fresh random
 // inputs (with infinities, signed zeros and subnormals), outputs poisoned with
 // NaN first; the collectives of small host arrays over an NcclComm at world
-// size 1; and the device Adam/AdamW against the host optimizers.
+// size 1; the device Adam/AdamW against the host optimizers; and a device
+// train_step that waits for the device only when its results are read (pending
+// values, whose host behaviour is checked here without a GPU too).
 #include <shardlib/comm/nccl_comm.hpp>
 #include <shardlib/core/buffer.hpp>
+#include <shardlib/core/pending.hpp>
+#include <shardlib/cuda/copy.hpp>
 #include <shardlib/cuda/current.hpp>
+#include <shardlib/nn/cuda/activation.cuh>
+#include <shardlib/nn/cuda/linear.cuh>
+#include <shardlib/nn/cuda/loss.cuh>
 #include <shardlib/nn/flat.hpp>
+#include <shardlib/nn/sequential.hpp>
 #include <shardlib/optim/adam.hpp>
 #include <shardlib/optim/cuda/adam.cuh>
 #include <shardlib/shard/cuda/space_ops.cuh>
+#include <shardlib/shard/sharded_model.hpp>
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cmath>
+#include <functional>
+#include <optional>
 #include <cstring>
+#include <stdexcept>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -387,4 +400,257 @@ TEST_CASE("device Adam refuses what the host one refuses, naming what is wrong",
   sl::optim::cuda::Adam bad_lr{{.lr = -1}};
   CHECK_THROWS_WITH(bad_lr.step(p.span(), cspan(g8), state), Catch::Contains("invalid learning rate"));
   CHECK(state.step == 0);
+}
+
+// --- pending values and a train_step that does not wait ---------------------------------------
+
+// On the host (no GPU needed): a pending value is read once, by whichever copy is
+// read first; before_wait runs between the reader's copies and its wait; a reader's
+// error comes back at every access; host values cost nothing.
+TEST_CASE("pending: host values are resolved, deferred ones read once, errors kept", "[pending]") {
+  const sl::pending<float> host = 2.5f;
+  CHECK(host.ready());
+  CHECK(host.device() == nullptr);
+  CHECK(float(host) == 2.5f);
+
+  int reads = 0;
+  std::vector<std::string> order;
+  const float slot = 7.0f;  // stands for the device address
+  sl::pending<float> later([&](const std::function<void()>& before_wait) {
+    ++reads;
+    order.push_back("copy");
+    before_wait();
+    order.push_back("wait");
+    return slot;
+  }, &slot);
+  const auto copy = later;
+  CHECK(!later.ready());
+  CHECK(later.device() == &slot);
+  CHECK(reads == 0);
+  CHECK(copy.get_with([&] { order.push_back("mine"); }) == 7.0f);
+  CHECK(order == std::vector<std::string>{"copy", "mine", "wait"});
+  CHECK(float(later) == 7.0f);  // the copy's read served both
+  CHECK(later.ready());
+  CHECK(later.device() == nullptr);
+  CHECK(reads == 1);
+  bool ran = false;
+  CHECK(later.get_with([&] { ran = true; }) == 7.0f);  // resolved: before_wait still runs, nothing is read
+  CHECK(ran);
+  CHECK(reads == 1);
+
+  sl::pending<float> failing([&](const std::function<void()>&) -> float {
+    ++reads;
+    throw sl::shape_error("cross_entropy: target 9 in row 1 is out of range");
+  }, nullptr);
+  CHECK_THROWS_WITH(failing.get(), Catch::Contains("target 9 in row 1"));
+  CHECK_THROWS_AS(failing.get(), sl::shape_error);  // the same error again, not a second read
+  CHECK(reads == 2);
+  CHECK(!failing.ready());
+}
+
+namespace {
+
+// A two-layer classifier on GPU 0 under FullShard over an NcclComm of one rank (the
+// communicator whose collectives only order streams), each Linear a unit.
+template <class C>
+using device_mlp = sl::nn::Sequential<sl::nn::Linear<C, sl::cuda_space>, sl::nn::ReLU<C, sl::cuda_space>,
+                                      sl::nn::Linear<C, sl::cuda_space>>;
+constexpr std::int64_t mlp_rows = 16, mlp_in = 24, mlp_hidden = 32, mlp_classes = 5;
+
+// Each run has its own stream, current only inside its calls, so that two runs
+// can alternate on one thread.
+inline sl::comm::NcclComm single_rank_nccl(cudaStream_t s) {
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  return sl::comm::NcclComm(id, 0, 1, 0).on(s);
+}
+
+template <class C>
+struct mlp_run {
+  using layer = sl::nn::Linear<C, sl::cuda_space>;
+  using sharded_type =
+      sl::shard::ShardedModel<device_mlp<C>, sl::comm::NcclComm, sl::shard::FullShard, float, sl::optim::cuda::Adam>;
+  sl::cuda::stream stream{0};
+  sl::comm::NcclComm comm = single_rank_nccl(stream.get());
+  device_mlp<C> model{layer(mlp_in, mlp_hidden), sl::nn::ReLU<C, sl::cuda_space>{}, layer(mlp_hidden, mlp_classes)};
+  sl::optim::cuda::Adam adam{{.lr = 1e-2}};
+  std::optional<sharded_type> sharded;
+
+  mlp_run() {
+    sl::cuda::stream_scope scope(stream.get());
+    sl::shard::mixed_precision precision{};
+    if constexpr (!std::is_same_v<C, float>) precision = {.param = sl::dtype_of<C>, .reduce = sl::dtype::f32};
+    // fp16's scale starts low enough that this model's gradients never overflow
+    sharded.emplace(model, comm, sl::shard::FullShard{},
+                    sl::shard::options{.wrap = sl::shard::wrap_types<layer>{},
+                                       .seed = 3,
+                                       .precision = precision,
+                                       .scaler = {.scale = 256.f}});
+  }
+
+  // Step s's batch, drawn from s alone, so that two runs see the same data; the
+  // uploads are complete on return (they are not the step's).
+  std::pair<sl::Tensor<C, sl::cuda_space>, sl::Tensor<std::int64_t, sl::cuda_space>> batch(int s,
+                                                                                           std::int64_t bad_row = -1) {
+    sl::cuda::stream_scope scope(stream.get());
+    random_inputs rnd{.seed = std::uint32_t(100 + s)};
+    const auto x = as<C>(rnd.normal(std::size_t(mlp_rows * mlp_in)));
+    sl::Tensor<C> hx(sl::Shape{mlp_rows, mlp_in});
+    std::copy(x.begin(), x.end(), hx.data());
+    sl::Tensor<std::int64_t> hy(sl::Shape{mlp_rows});
+    for (std::int64_t r = 0; r < mlp_rows; ++r) hy[r] = (r * 7 + s) % mlp_classes;
+    if (bad_row >= 0) hy[bad_row] = mlp_classes + 2;
+    auto out = std::pair(sl::cuda::to_device(hx), sl::cuda::to_device(hy));
+    sl::cuda::check(cudaStreamSynchronize(stream.get()), "cudaStreamSynchronize (the batch uploaded)");
+    return out;
+  }
+  sl::shard::pending_step_result step(int s, const sl::shard::step_options& so = {}, std::int64_t bad_row = -1) {
+    auto [x, y] = batch(s, bad_row);
+    sl::cuda::stream_scope scope(stream.get());
+    return sharded->train_step(adam, x, y, sl::nn::cross_entropy, so);
+  }
+};
+
+// Holds a stream until the host opens it (a flag in mapped pinned memory), or until
+// `limit_ns` have passed, and then records whether it gave up: a host that waits for
+// the stream while the gate is closed makes it give up.
+template <class Flag>
+__global__ void gate_kernel(volatile Flag* open, long long limit_ns, int* gave_up) {
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    if (*open) {
+      *gave_up = 0;
+      return;
+    }
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < (unsigned long long)limit_ns);
+  *gave_up = 1;
+}
+
+}  // namespace
+
+TEST_CASE("a device train_step waits for the device only when its loss is read", "[cuda][engine][pending]") {
+  if (!have_device()) return;
+  mlp_run<float> a, b;  // a reads every loss at once, b reads its losses after the last step
+  std::vector<float> read_at_once;
+  std::vector<sl::pending<float>> read_later;
+  for (int s = 0; s < 4; ++s) {
+    read_at_once.push_back(a.step(s));
+    const auto before = sl::host_syncs();
+    auto r = b.step(s);
+    CHECK(sl::host_syncs() - before == 0);  // forward, loss, backward, reductions, Adam: no wait
+    CHECK(!r.loss.ready());
+    CHECK(!r.skipped);
+    CHECK(!r.grad_norm);
+    read_later.push_back(r.loss);
+  }
+  for (int s = 0; s < 4; ++s) {
+    INFO("step " << s);
+    const auto before = sl::host_syncs();
+    const float loss = read_later[std::size_t(s)];
+    CHECK(sl::host_syncs() - before == 1);  // one wait, the report read with the loss
+    CHECK(float(read_later[std::size_t(s)]) == loss);
+    CHECK(sl::host_syncs() - before == 1);  // read once
+    CHECK(std::isfinite(loss));
+    CHECK(loss == read_at_once[std::size_t(s)]);  // the same bits, however late it is read
+  }
+  CHECK(read_at_once.back() < read_at_once.front());  // it trains
+
+  // This rank's own loss (no collective) is the loss function's pending value itself.
+  const auto before = sl::host_syncs();
+  auto local = b.step(4, {.loss = sl::shard::loss_report::local});
+  CHECK(sl::host_syncs() - before == 0);
+  CHECK(std::isfinite(float(local)));
+  CHECK(sl::host_syncs() - before == 1);
+}
+
+// Any host wait, counted or not (an allocator, a pageable copy, a collective), would
+// hold the host inside train_step until the gate in front of the step's work gives up.
+TEST_CASE("a device train_step returns while its stream is still blocked", "[cuda][engine][pending]") {
+  if (!have_device()) return;
+  mlp_run<float> run;
+  (void)float(run.step(0));  // the first step allocates (and may wait for that)
+  auto [x, y] = run.batch(1);
+  sl::cuda::stream_scope scope(run.stream.get());
+  int* open = nullptr;
+  sl::cuda::check(cudaHostAlloc(&open, sizeof(int), cudaHostAllocMapped), "cudaHostAlloc");
+  *open = 0;
+  sl::cuda::device_buffer<int> gave_up(1, sl::category::activations, run.stream.get());
+  sl::cuda::check(cudaStreamSynchronize(run.stream.get()), "cudaStreamSynchronize");
+  constexpr long long limit_ns = 3'000'000'000;  // far longer than a step of this model
+  gate_kernel<<<1, 1, 0, run.stream.get()>>>(open, limit_ns, gave_up.data());
+  sl::cuda::check_launch("gate_kernel");
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run.sharded->train_step(run.adam, x, y, sl::nn::cross_entropy);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  *reinterpret_cast<volatile int*>(open) = 1;
+  const float loss = r.loss;
+  const auto flag = fetch(cspan(gave_up), run.stream.get());
+  sl::cuda::check(cudaFreeHost(open), "cudaFreeHost");
+  INFO("train_step took " << seconds << " s behind the gate");
+  CHECK(flag[0] == 0);
+  CHECK(seconds < 1.0);
+  CHECK(std::isfinite(loss));
+}
+
+TEST_CASE("clipping reads the step's flags once; the loss and the norm come with that read",
+          "[cuda][engine][pending]") {
+  if (!have_device()) return;
+  mlp_run<float> run;
+  (void)float(run.step(0));
+  for (int s = 1; s < 3; ++s) {
+    const auto before = sl::host_syncs();
+    auto r = run.step(s, {.max_norm = 0.5f});
+    CHECK(sl::host_syncs() - before == 1);
+    CHECK(r.loss.ready());
+    REQUIRE(r.grad_norm);
+    CHECK(std::isfinite(*r.grad_norm));
+    CHECK(*r.grad_norm > 0.0f);
+    CHECK(std::isfinite(float(r.loss)));
+    CHECK(sl::host_syncs() - before == 1);
+  }
+  // grad_norm() alone: the squares summed and reduced on the device, one read.
+  (void)float(run.step(3));
+  sl::cuda::stream_scope scope(run.stream.get());
+  const auto before = sl::host_syncs();
+  const double norm = run.sharded->grad_norm();
+  CHECK(sl::host_syncs() - before == 1);
+  CHECK(std::isfinite(norm));
+}
+
+// half compute with fp16 loss scaling: the overflow vote is reduced on the device
+// and read once, with the loss, before the optimizer steps or skips.
+TEST_CASE("fp16 loss scaling reads the overflow vote once per step", "[cuda][engine][pending][f16]") {
+  if (!have_device()) return;
+  mlp_run<sl::half> run;
+  REQUIRE(run.sharded->scaler());
+  (void)float(run.step(0));  // the first step allocates (and may wait for that)
+  for (int s = 1; s < 4; ++s) {
+    INFO("step " << s);
+    const auto before = sl::host_syncs();
+    auto r = run.step(s);
+    CHECK(sl::host_syncs() - before == 1);
+    CHECK(r.loss.ready());
+    CHECK(!r.skipped);
+    CHECK(std::isfinite(float(r.loss)));
+    CHECK(sl::host_syncs() - before == 1);
+  }
+  CHECK(run.sharded->scaler()->good_steps == 4);
+}
+
+// The device finds a bad target without the host waiting: the step returns, and the
+// loss's read raises the host's error (the host raises it inside train_step).
+TEST_CASE("a bad target is raised when the device loss is read", "[cuda][engine][pending]") {
+  if (!have_device()) return;
+  mlp_run<float> run;
+  (void)float(run.step(0));
+  const auto before = sl::host_syncs();
+  auto r = run.step(1, {}, 3);
+  CHECK(sl::host_syncs() - before == 0);
+  const std::string message = "cross_entropy: target 7 in row 3 is out of range for 5 classes (ignore_index is -100)";
+  CHECK_THROWS_WITH(float(r.loss), message);
+  CHECK_THROWS_AS(float(r.loss), sl::shape_error);  // kept: every read raises it
+  // With a read inside the step (clipping), the step raises before the optimizer runs.
+  CHECK_THROWS_WITH(run.step(2, {.max_norm = 1.0f}, 3), message);
 }
