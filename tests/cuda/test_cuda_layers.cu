@@ -1,7 +1,9 @@
 // Device tests of the layers: each nn::Layer<T, cuda_space> against the host
 // layer with the same parameter values on fresh random inputs, forward and
 // backward (dx and the accumulated parameter gradients), then the reference
-// model with cross-entropy. The layers run on a stream of their own (the
+// model with cross-entropy; the decoder's layers (RMSNorm, SiLU, the LLaMA and
+// GPT-2 feed-forward blocks, token and position embeddings) and rotary
+// embeddings the same way. The layers run on a stream of their own (the
 // thread's current stream), and the blocks their outputs come from are
 // poisoned with NaN first, so an element a kernel fails to write shows.
 //
@@ -11,7 +13,8 @@
 // the host reference computes in float on the same bf16-rounded inputs and
 // parameters). Absolute slack is scaled by the largest value compared,
 // because sums cancel. bf16 layers made of many rounded steps (attention, the
-// encoder layer, the model) are held to 3e-2 on the norm of the error vector:
+// encoder layer, the feed-forward blocks, the model) are held to 3e-2 on the
+// norm of the error vector:
 // scores rounded to bf16 before the softmax already put ~1% into the weights
 // (an emulation of the forward's roundings on the host gave 0.6% on average,
 // 0.9% at worst over 200 seeds), and backward goes through the softmax again.
@@ -21,10 +24,15 @@
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/nn/context.hpp>
 #include <shardlib/nn/cuda.cuh>
+#include <shardlib/nn/cuda/embedding.cuh>     // Embedding, PositionEmbedding
+#include <shardlib/nn/cuda/feed_forward.cuh>  // LlamaMLP, GPT2MLP
+#include <shardlib/nn/cuda/rms_norm.cuh>      // RMSNorm
 #include <shardlib/nn/layer.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/sequential.hpp>
 #include <shardlib/nn/stack.hpp>
+#include <shardlib/ops/cuda/rotary.cuh>
+#include <shardlib/ops/cuda/swiglu.cuh>
 
 #include <catch2/catch.hpp>
 
@@ -33,6 +41,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "device_test.hpp"
@@ -56,6 +65,12 @@ static_assert(nn::check_layer<nn::Linear<float, cuda_space>>() && nn::check_laye
               nn::check_layer<nn::GELU<float, cuda_space>>() && nn::check_layer<nn::MeanPool<float, cuda_space>>() &&
               nn::check_layer<Encoder<float>>() && nn::check_layer<Model<float>>() &&
               nn::check_layer<Model<sl::bfloat16>>() && nn::Composite<Encoder<sl::bfloat16>>);
+static_assert(nn::check_layer<nn::RMSNorm<float, cuda_space>>() && nn::check_layer<nn::SiLU<float, cuda_space>>() &&
+              nn::check_layer<nn::LlamaMLP<float, cuda_space>>() &&
+              nn::check_layer<nn::GPT2MLP<sl::bfloat16, cuda_space>>() &&
+              nn::check_layer<nn::Embedding<float, cuda_space>>() &&
+              nn::check_layer<nn::PositionEmbedding<sl::bfloat16, cuda_space>>() &&
+              nn::Composite<nn::LlamaMLP<sl::bfloat16, cuda_space>> && nn::Composite<nn::GPT2MLP<float, cuda_space>>);
 
 namespace {
 
@@ -249,7 +264,7 @@ TEMPLATE_TEST_CASE("device LayerNorm equals the host layer", "[cuda][layers]", f
   }
 }
 
-TEMPLATE_TEST_CASE("device ReLU and GELU equal the host layers", "[cuda][layers]", float, sl::bfloat16) {
+TEMPLATE_TEST_CASE("device ReLU, GELU and SiLU equal the host layers", "[cuda][layers]", float, sl::bfloat16) {
   if (!have_device()) return;
   using T = TestType;
   on_stream s;
@@ -264,6 +279,11 @@ TEMPLATE_TEST_CASE("device ReLU and GELU equal the host layers", "[cuda][layers]
     nn::GELU<float> host(approx);
     nn::GELU<T, cuda_space> dev(approx);
     compare_layers<T>(host, dev, Shape{5, 33}, rnd, training(1), training(1));
+  }
+  {
+    nn::SiLU<float> host;
+    nn::SiLU<T, cuda_space> dev;
+    compare_layers<T>(host, dev, Shape{5, 33}, rnd, training(1), training(1), 4.0f);  // both tails of the sigmoid
   }
 }
 
@@ -436,6 +456,215 @@ TEMPLATE_TEST_CASE("the reference model on the device: forward, cross-entropy an
     require_composite_near<T>(values(dx_dev), values(dx_host));
   }
   params.template compare_grads<require_composite_near<T>>();
+}
+
+TEMPLATE_TEST_CASE("device RMSNorm equals the host layer, over many rows and odd widths", "[cuda][layers][decoder]",
+                   float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  // 70 rows: two weight-gradient chunks; 1001: an odd width, several elements a
+  // thread; 4096 rows of 2048: a LLaMA-sized batch of rows.
+  const std::pair<std::int64_t, std::int64_t> sizes[] = {{70, 96}, {33, 1001}, {4096, 2048}};
+  for (const auto& [rows, d] : sizes) {
+    INFO(rows << " rows of " << d);
+    nn::RMSNorm<float> host(d, 1e-5);
+    nn::RMSNorm<T, cuda_space> dev(d, 1e-5);
+    compare_layers<T>(host, dev, Shape{rows, d}, rnd, training(1), training(1), 2.0f);
+  }
+  nn::RMSNorm<T, cuda_space> dev(16);
+  nn::context ctx;
+  CHECK_THROWS_WITH(dev.forward(ctx, Tensor<T, cuda_space>(Shape{2, 15})),
+                    "RMSNorm(16): input's last dimension must be 16, got shape [2, 15]");
+}
+
+TEMPLATE_TEST_CASE("device LlamaMLP (fused SwiGLU) and GPT2MLP equal the host layers", "[cuda][layers][decoder]", float,
+                   sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  for (bool bias : {false, true}) {
+    INFO("LlamaMLP, bias " << bias);
+    const nn::llama_mlp_options o{.hidden_size = 24, .intermediate_size = 37, .bias = bias};
+    nn::LlamaMLP<float> host(o);
+    nn::LlamaMLP<T, cuda_space> dev(o);
+    compare_layers<T, require_composite_near<T>>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1), 2.0f);
+  }
+  for (double p : {0.0, 0.1}) {
+    INFO("GPT2MLP, dropout " << p);
+    const nn::gpt2_mlp_options o{.n_embd = 24, .n_inner = 50, .resid_pdrop = p};
+    nn::GPT2MLP<float> host(o);
+    nn::GPT2MLP<T, cuda_space> dev(o);
+    compare_layers<T, require_composite_near<T>>(host, dev, Shape{3, 7, 24}, rnd, training(rnd.seed),
+                                                 training(rnd.seed));
+  }
+  nn::LlamaMLP<T, cuda_space> dev({.hidden_size = 4, .intermediate_size = 6});
+  nn::context ctx;
+  CHECK_THROWS_WITH(dev.backward(ctx, Tensor<T, cuda_space>(Shape{2, 4})),
+                    "LlamaMLP(4 -> 6): backward without a forward");
+}
+
+TEST_CASE("swiglu kernels over more than 2^24 elements equal the host's fused loop", "[cuda][layers][decoder]") {
+  if (!have_device()) return;
+  on_stream s;
+  const cudaStream_t st = sl::cuda::current_stream();
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const std::int64_t n = (std::int64_t(1) << 24) + 4099;  // past one grid-stride round of for_each_index
+  const auto g = rnd.normal(std::size_t(n), 3.0f), u = rnd.normal(std::size_t(n)), d = rnd.normal(std::size_t(n));
+  using host_ops = nn::detail::swiglu_ops<float, sl::host_space>;
+  const Tensor<float> gate = host_tensor({n}, g), up = host_tensor({n}, u), dh = host_tensor({n}, d);
+  Tensor<float> dgate_host, dup_host;
+  host_ops::backward(gate, up, dh, dgate_host, dup_host);
+  const auto gd = upload(g, st), ud = upload(u, st), dd = upload(d, st);
+  auto h = poisoned<float>(std::size_t(n), st), dgate = poisoned<float>(std::size_t(n), st),
+       dup = poisoned<float>(std::size_t(n), st);
+  sl::ops::cuda::swiglu<float>(gd.span(), ud.span(), h.span(), st);
+  sl::ops::cuda::swiglu_backward<float>(gd.span(), ud.span(), dd.span(), dgate.span(), dup.span(), st);
+  {
+    INFO("h");
+    require_near<float>(download(h, st), values(host_ops::forward(gate, up)));
+  }
+  {
+    INFO("dgate");
+    require_near<float>(download(dgate, st), values(dgate_host));
+  }
+  {
+    INFO("dup");
+    require_near<float>(download(dup, st), values(dup_host));
+  }
+}
+
+TEMPLATE_TEST_CASE("device Embedding equals the host layer: repeated ids, accumulated gradients, the host's error",
+                   "[cuda][layers][decoder]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const std::int64_t num = 50, dim = 37;
+  nn::Embedding<float> host(num, dim);
+  nn::Embedding<T, cuda_space> dev(num, dim);
+  bound_parameters<T> params(host, dev, rnd);
+  Tensor<std::int64_t> ids(Shape{4, 33});
+  for (std::int64_t i = 0; i < ids.numel(); ++i) ids[i] = rnd.integer(0, 19);  // most rows used several times
+  Tensor<std::int64_t, cuda_space> ids_dev(ids.shape());
+  sl::cuda::copy_async(ids_dev.span(), std::span<const std::int64_t>(ids.span()), sl::cuda::current_stream());
+
+  nn::context hctx, dctx;
+  const Tensor<float> y_host = host.forward(hctx, ids);
+  const auto dy = rounded<T>(rnd.normal(std::size_t(y_host.numel())));
+  (void)host.backward(hctx, host_tensor(y_host.shape(), dy));
+  poison_next<T>({y_host.shape()});
+  const auto y_dev = dev.forward(dctx, ids_dev);
+  REQUIRE(y_dev.shape() == y_host.shape());
+  REQUIRE(values(y_dev) == values(y_host));  // copies of rows holding T values
+  (void)dev.backward(dctx, device_tensor<T>(y_host.shape(), dy));
+  params.template compare_grads<require_near<T>>();
+
+  // Two ids out of range: the first (flat position 17) is named, as the host does.
+  ids[17] = num + 3;
+  ids[40] = -1;
+  sl::cuda::copy_async(ids_dev.span(), std::span<const std::int64_t>(ids.span()), sl::cuda::current_stream());
+  std::string host_message;
+  try {
+    (void)host.forward(hctx, ids);
+  } catch (const sl::shape_error& e) {
+    host_message = e.what();
+  }
+  REQUIRE(host_message == "Embedding(50, 37): id 53 at position [0, 17] of the input [4, 33] is out of range for a "
+                          "table of 50 rows");
+  CHECK_THROWS_WITH(dev.forward(dctx, ids_dev), host_message);
+  CHECK_THROWS_AS(dev.forward(dctx, Tensor<std::int64_t, cuda_space>{}), sl::shape_error);
+}
+
+TEMPLATE_TEST_CASE("device PositionEmbedding equals the host layer at offsets 0 and 3", "[cuda][layers][decoder]",
+                   float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  for (std::int64_t offset : {0, 3}) {
+    INFO("offset " << offset);
+    nn::PositionEmbedding<float> host(16, 24);
+    nn::PositionEmbedding<T, cuda_space> dev(16, 24);
+    host.set_offset(offset);
+    dev.set_offset(offset);
+    compare_layers<T>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1));
+  }
+  nn::PositionEmbedding<T, cuda_space> dev(16, 24);
+  dev.set_offset(3);
+  nn::context ctx;
+  CHECK_THROWS_WITH(dev.forward(ctx, Tensor<T, cuda_space>(Shape{2, 14, 24})),
+                    "PositionEmbedding(16, 24): positions 3..16 (offset 3, sequence 14) exceed the table's "
+                    "max_positions 16");
+}
+
+namespace {
+// A contiguous [B, H, L, D] device tensor as a head view.
+template <class T>
+nn::head_view<T> bhsd(Tensor<T, cuda_space>& t) {
+  const std::int64_t H = t.dim(1), L = t.dim(2), D = t.dim(3);
+  return {t.data(), t.dim(0), H, L, D, H * L * D, L * D, D};
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("device rotary embeddings equal the host table: offsets, head dims, strided views, inverse",
+                   "[cuda][layers][decoder][rotary]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  const cudaStream_t st = sl::cuda::current_stream();
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const std::int64_t B = 2, H = 3, L = 9, positions = 64;
+  for (const std::int64_t D : {64, 128}) {
+    const nn::rotary_options o{.head_dim = D, .base = 10000};
+    const sl::ops::cuda::rotary_device_table table(o, positions, st);  // once, for every offset
+    for (const std::int64_t offset : {0, 17})
+      for (const bool inverse : {false, true}) {
+        INFO("head_dim " << D << ", offset " << offset << ", inverse " << inverse);
+        const nn::rotary_table<float> host_table(o, offset, L);
+        {
+          INFO("[B, H, L, D], in place");
+          const auto x = rounded<T>(rnd.normal(std::size_t(B * H * L * D)));
+          Tensor<float> want = host_tensor({B, H, L, D}, x);
+          host_table.apply(nn::head_view<float>::bhsd(want), inverse);
+          auto dev = device_tensor<T>({B, H, L, D}, x);
+          sl::ops::cuda::apply_rotary(bhsd(dev), table.cos(), table.sin(), offset, inverse, st);
+          require_near<T>(values(dev), values(want));
+        }
+        {
+          INFO("the q part of [B, L, 3 H D], out of place into [B, H, L, D]");
+          const std::int64_t width = 3 * H * D;
+          const auto x = rounded<T>(rnd.normal(std::size_t(B * L * width)));
+          Tensor<float> host_qkv = host_tensor({B, L, width}, x);
+          const auto q = nn::head_view<float>::rows(host_qkv.data(), B, L, H, D, width);
+          host_table.apply(q, inverse);
+          std::vector<float> want(std::size_t(B * H * L * D));
+          for (std::int64_t n = 0; n < B; ++n)
+            for (std::int64_t h = 0; h < H; ++h)
+              for (std::int64_t l = 0; l < L; ++l)
+                for (std::int64_t j = 0; j < D; ++j) want[((n * H + h) * L + l) * D + j] = q.at(n, h)[l * width + j];
+          auto qkv = device_tensor<T>({B, L, width}, x);
+          poison_next<T>({Shape{B, H, L, D}});
+          Tensor<T, cuda_space> out(Shape{B, H, L, D});
+          sl::ops::cuda::apply_rotary(nn::head_view<T>::rows(qkv.data(), B, L, H, D, width), bhsd(out), table, offset,
+                                      inverse, st);
+          require_near<T>(values(out), want);
+          REQUIRE(values(qkv) == x);  // the input is untouched
+        }
+      }
+    auto x = device_tensor<T>({B, H, L, D}, rnd.normal(std::size_t(B * H * L * D)));
+    CHECK_THROWS_WITH(sl::ops::cuda::apply_rotary(bhsd(x), bhsd(x), table, positions - L + 1, false, st),
+                      Catch::Contains("cannot rotate heads of shape [2, 3, 9, " + std::to_string(D) + "] at positions " +
+                                      std::to_string(positions - L + 1) + ".." + std::to_string(positions)));
+  }
 }
 
 TEST_CASE("device cross-entropy raises the host's error for a bad target", "[cuda][layers][loss]") {

@@ -220,7 +220,8 @@ class GELU : public detail::gelu_base {
 // torch.nn.SiLU: y = x sigmoid(x).
 template <class T, class Space = host_space>
 class SiLU : public detail::activation_base {
-  static_assert(std::is_same_v<Space, host_space>, "nn::SiLU: a host layer only (no device version yet)");
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::SiLU: the host layer; for cuda_space include shardlib/nn/cuda/activation.cuh");
 
  public:
   using input = Tensor<T>;

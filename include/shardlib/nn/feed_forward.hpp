@@ -11,10 +11,39 @@
 #include "shardlib/nn/linear.hpp"
 
 #include <cstdint>      // std::int64_t
-#include <functional>   // std::multiplies, std::plus
-#include <type_traits>  // std::is_same_v
+#include <functional>   // std::plus
 
 namespace shardlib::nn {
+
+namespace detail {
+// LlamaMLP's element-wise work in one space: the gated product h = silu(gate) *
+// up, both its gradients in one pass, and the sum of the branches' input
+// gradients. The host's is below, the device's (one kernel each) in
+// nn/cuda/feed_forward.cuh.
+template <class T, class Space>
+struct swiglu_ops;
+
+template <class T>
+struct swiglu_ops<T, host_space> {
+  static Tensor<T> forward(const Tensor<T>& gate, const Tensor<T>& up) {
+    return elementwise(gate, up, [](T g, T u) { return silu(g) * u; });
+  }
+  // dup = dh * silu(gate), dgate = dh * up * silu'(gate).
+  static void backward(const Tensor<T>& gate, const Tensor<T>& up, const Tensor<T>& dh, Tensor<T>& dgate,
+                       Tensor<T>& dup) {
+    dgate = Tensor<T>(gate.shape());
+    dup = Tensor<T>(gate.shape());
+    const T *gp = gate.data(), *upp = up.data(), *dhp = dh.data();
+    T *dgp = dgate.data(), *dupp = dup.data();
+    const std::int64_t n = gate.numel();
+    for (std::int64_t i = 0; i < n; ++i) {
+      dupp[i] = dhp[i] * silu(gp[i]);
+      dgp[i] = silu_backward(gp[i], dhp[i] * upp[i]);
+    }
+  }
+  static Tensor<T> add(const Tensor<T>& a, const Tensor<T>& b) { return elementwise(a, b, std::plus<T>{}); }
+};
+}  // namespace detail
 
 struct llama_mlp_options {
   std::int64_t hidden_size = 0;        // D
@@ -28,15 +57,16 @@ struct llama_mlp_options {
 // biases unless options.bias; the children are named as Hugging Face's
 // LlamaMLP (gate_proj, up_proj, down_proj, act_fn), so its parameters are
 // gate_proj.weight [I, D], up_proj.weight [I, D], down_proj.weight [D, I] in
-// its state-dict order. Every child runs through the context; the product is
-// this layer's own.
+// its state-dict order. The projections run through the context; silu and the
+// product are one fused step (detail::swiglu_ops: one loop on the host, one
+// kernel on the device), so act_fn is a child for Hugging Face's structure
+// only and is never run. Space is where tensors and parameters live; for
+// cuda_space include shardlib/nn/cuda/feed_forward.cuh.
 template <class T, class Space = host_space>
 class LlamaMLP {
-  static_assert(std::is_same_v<Space, host_space>, "nn::LlamaMLP: a host layer only (no device version yet)");
-
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
+  using input = Tensor<T, Space>;
+  using output = Tensor<T, Space>;
   using options = llama_mlp_options;
 
   explicit LlamaMLP(const options& o)
@@ -45,8 +75,8 @@ class LlamaMLP {
         down_proj(o.intermediate_size, o.hidden_size, o.bias),
         o_(o) {}
 
-  Linear<T> gate_proj, up_proj, down_proj;
-  SiLU<T> act_fn;
+  Linear<T, Space> gate_proj, up_proj, down_proj;
+  SiLU<T, Space> act_fn;
 
   template <class V>
   void children(V&& v) {
@@ -67,28 +97,32 @@ class LlamaMLP {
     require<shape_error>(x.rank() >= 1 && x.dim(x.rank() - 1) == o_.hidden_size, "LlamaMLP(", o_.hidden_size, " -> ",
                          o_.intermediate_size, "): input's last dimension must be ", o_.hidden_size, ", got shape ",
                          x.shape());
-    a_ = ctx.forward(act_fn, ctx.forward(gate_proj, x));
-    u_ = ctx.forward(up_proj, x);
-    const Tensor<T> h = detail::elementwise(a_, u_, std::multiplies<T>{});
-    if (!grad_enabled(ctx)) a_ = u_ = {};  // kept only for backward
-    return ctx.forward(down_proj, h);
+    const Tensor<T, Space> gate = ctx.forward(gate_proj, x), up = ctx.forward(up_proj, x);
+    if (grad_enabled(ctx)) {  // kept only for backward
+      gate_ = gate;
+      up_ = up;
+    }
+    return ctx.forward(down_proj, gated::forward(gate, up));
   }
 
-  // h = a * u with a = silu(gate), so dh flows to a as dh * u and to u as dh * a;
-  // the children run in exactly the reverse of forward's order.
+  // h = silu(gate) * up, so dh flows to up as dh * silu(gate) and to gate as
+  // dh * up * silu'(gate); the children run in exactly the reverse of forward's order.
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    require<shape_error>(!a_.empty(), "LlamaMLP(", o_.hidden_size, " -> ", o_.intermediate_size,
+    require<shape_error>(!gate_.empty(), "LlamaMLP(", o_.hidden_size, " -> ", o_.intermediate_size,
                          "): backward without a forward");
-    const Tensor<T> dh = ctx.backward(down_proj, dy);
-    const input dx_up = ctx.backward(up_proj, detail::elementwise(dh, a_, std::multiplies<T>{}));
-    const Tensor<T> dgate = ctx.backward(act_fn, detail::elementwise(dh, u_, std::multiplies<T>{}));
+    const Tensor<T, Space> dh = ctx.backward(down_proj, dy);
+    Tensor<T, Space> dgate, dup;
+    gated::backward(gate_, up_, dh, dgate, dup);
+    gate_ = up_ = {};
+    const input dx_up = ctx.backward(up_proj, dup);
     const input dx_gate = ctx.backward(gate_proj, dgate);
-    a_ = u_ = {};
-    return detail::elementwise(dx_gate, dx_up, std::plus<T>{});
+    return gated::add(dx_gate, dx_up);
   }
 
  private:
+  using gated = detail::swiglu_ops<T, Space>;
+
   static const options& validated(const options& o) {
     require<shape_error>(o.hidden_size > 0 && o.intermediate_size > 0,
                          "LlamaMLP: hidden_size and intermediate_size must be positive, got ", o.hidden_size, " and ",
@@ -97,7 +131,7 @@ class LlamaMLP {
   }
 
   options o_;
-  Tensor<T> a_, u_;  // silu(gate_proj(x)) and up_proj(x), cached for backward
+  Tensor<T, Space> gate_, up_;  // gate_proj(x) and up_proj(x), cached for backward
 };
 
 struct gpt2_mlp_options {
@@ -113,14 +147,13 @@ struct gpt2_mlp_options {
 // residual dropout of the feed-forward branch is this layer's `dropout` child, as
 // there, so a GPT-2 block adds none after it. HF stores c_fc and c_proj as Conv1D,
 // whose weight is [in, out]: these are Linear's [out, in], so a checkpoint's
-// weights load transposed.
+// weights load transposed. Space is where tensors and parameters live; for
+// cuda_space include shardlib/nn/cuda/feed_forward.cuh.
 template <class T, class Space = host_space>
 class GPT2MLP {
-  static_assert(std::is_same_v<Space, host_space>, "nn::GPT2MLP: a host layer only (no device version yet)");
-
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
+  using input = Tensor<T, Space>;
+  using output = Tensor<T, Space>;
   using options = gpt2_mlp_options;
 
   explicit GPT2MLP(const options& o)
@@ -130,9 +163,9 @@ class GPT2MLP {
         dropout(o.resid_pdrop),
         o_(o) {}
 
-  Linear<T> c_fc, c_proj;
-  GELU<T> act;
-  Dropout<T> dropout;
+  Linear<T, Space> c_fc, c_proj;
+  GELU<T, Space> act;
+  Dropout<T, Space> dropout;
 
   std::int64_t inner_size() const { return inner(o_); }
 

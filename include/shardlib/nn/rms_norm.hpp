@@ -13,19 +13,14 @@
 
 namespace shardlib::nn {
 
-// y = weight * x / sqrt(mean(x^2) + eps) per row of the last dimension, in T
-// (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467): no mean is
-// subtracted and there is no bias. weight [D] starts at ones, as LlamaRMSNorm's;
-// eps defaults to LLaMA's 1e-6 (torch.nn.RMSNorm's default is the dtype's epsilon).
-template <class T, class Space = host_space>
-class RMSNorm {
-  static_assert(std::is_same_v<Space, host_space>, "nn::RMSNorm: a host layer only (no device version yet)");
-
+namespace detail {
+// What RMSNorm's two versions share (the host's below, the device's in
+// nn/cuda/rms_norm.cuh): the weight, its init rule, the accessors, parameters()
+// and the checks with their messages.
+template <class T>
+class rms_norm_base {
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
-
-  explicit RMSNorm(std::int64_t normalized_dim, double eps = 1e-6) : d_(normalized_dim), eps_(eps) {
+  explicit rms_norm_base(std::int64_t normalized_dim, double eps = 1e-6) : d_(normalized_dim), eps_(eps) {
     require<shape_error>(d_ > 0, "RMSNorm: normalized_dim must be positive, got ", d_);
     require(eps_ >= 0, "RMSNorm(", d_, "): eps must not be negative, got ", eps_);
     weight.shape = Shape{d_};
@@ -42,11 +37,51 @@ class RMSNorm {
     v("weight", weight);
   }
 
+ protected:
+  // forward's check of x's shape.
+  void check_input(const Shape& x) const {
+    require<shape_error>(x.rank() >= 1 && x[x.rank() - 1] == d_, "RMSNorm(", d_,
+                         "): input's last dimension must be ", d_, ", got shape ", x);
+    weight.require_bound("RMSNorm");
+  }
+  // backward's check of dy against the input x cached by forward.
+  template <class X, class Y>
+  void check_grad(const X& x, const Y& dy) const {
+    require_activations(!x.empty(), "RMSNorm(", d_, ")");
+    require<shape_error>(dy.shape() == x.shape(), "RMSNorm(", d_,
+                         "): backward needs the gradient of the last forward's output (shape ", x.shape(),
+                         "), got shape ", dy.shape());
+    weight.require_bound("RMSNorm", true);
+  }
+
+  std::int64_t d_;
+  double eps_;
+};
+}  // namespace detail
+
+// y = weight * x / sqrt(mean(x^2) + eps) per row of the last dimension, in T
+// (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467): no mean is
+// subtracted and there is no bias. weight [D] starts at ones, as LlamaRMSNorm's;
+// eps defaults to LLaMA's 1e-6 (torch.nn.RMSNorm's default is the dtype's epsilon).
+// Space is where tensors and the weight live: the device's layer (cuda_space)
+// is in nn/cuda/rms_norm.cuh, with the same parameter.
+template <class T, class Space = host_space>
+class RMSNorm : public detail::rms_norm_base<T> {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::RMSNorm: the host layer; for cuda_space include shardlib/nn/cuda/rms_norm.cuh");
+  using base = detail::rms_norm_base<T>;
+  using base::d_, base::eps_;
+
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+  using base::weight;
+
+  using base::base;  // RMSNorm(normalized_dim, eps = 1e-6)
+
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
-    require<shape_error>(x.rank() >= 1 && x.dim(x.rank() - 1) == d_, "RMSNorm(", d_,
-                         "): input's last dimension must be ", d_, ", got shape ", x.shape());
-    weight.require_bound("RMSNorm");
+    this->check_input(x.shape());
     const std::int64_t rows = x.numel() / d_;
     const bool keep = grad_enabled(ctx);  // x and rstd for backward
     x_ = keep ? x : input{};
@@ -68,11 +103,7 @@ class RMSNorm {
   // dx = rstd * (g - xhat * mean(g * xhat)); dweight += dy * xhat.
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require_activations(!x_.empty(), "RMSNorm(", d_, ")");
-    require<shape_error>(dy.shape() == x_.shape(), "RMSNorm(", d_,
-                         "): backward needs the gradient of the last forward's output (shape ", x_.shape(),
-                         "), got shape ", dy.shape());
-    weight.require_bound("RMSNorm", true);
+    this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / d_;
     input dx(x_.shape());
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -94,8 +125,6 @@ class RMSNorm {
   }
 
  private:
-  std::int64_t d_;
-  double eps_;
   input x_;         // cached for backward
   Tensor<T> rstd_;  // 1 / rms per row, cached for backward
 };

@@ -1,6 +1,7 @@
-// shardlib/nn/cuda/activation.cuh — ReLU and GELU on the device:
-// nn::ReLU<T, cuda_space>, nn::GELU<T, cuda_space> (the host layers' per-element
-// functions, through ops::cuda's kernels, on the current stream).
+// shardlib/nn/cuda/activation.cuh — ReLU, GELU and SiLU on the device:
+// nn::ReLU<T, cuda_space>, nn::GELU<T, cuda_space>, nn::SiLU<T, cuda_space> (the
+// host layers' per-element functions, through ops::cuda's kernels, on the
+// current stream).
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
@@ -9,6 +10,7 @@
 #include "shardlib/cuda/memory_space.hpp"     // cuda_space
 #include "shardlib/nn/activation.hpp"         // the host layers
 #include "shardlib/ops/cuda/elementwise.cuh"  // relu, gelu and their backward
+#include "shardlib/ops/cuda/swiglu.cuh"       // silu, silu_backward
 
 #include <span>  // std::span
 
@@ -78,6 +80,28 @@ class GELU<T, cuda_space> : public detail::gelu_base {
         "GELU", x_, dy, [a = approx_](std::span<const T> in, std::span<const T> d, std::span<T> out, cudaStream_t s) {
           ops::cuda::gelu_backward<T>(in, d, out, a, s);
         });
+    x_ = {};
+    return dx;
+  }
+
+ private:
+  input x_;  // cached for backward
+};
+
+template <class T>
+class SiLU<T, cuda_space> : public detail::activation_base {
+ public:
+  using input = Tensor<T, cuda_space>;
+  using output = Tensor<T, cuda_space>;
+
+  template <class Ctx>
+  output forward(Ctx&, const input& x) {
+    x_ = x;
+    return detail::device_elementwise(x, ops::cuda::silu<T>);
+  }
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    input dx = detail::device_elementwise_backward("SiLU", x_, dy, ops::cuda::silu_backward<T>);
     x_ = {};
     return dx;
   }

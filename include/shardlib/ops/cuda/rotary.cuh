@@ -1,6 +1,7 @@
 // shardlib/ops/cuda/rotary.cuh — rotary position embeddings (RoPE) on the device:
 // nn::rotary_table's rotation (Hugging Face's rotate_half layout) applied to a
-// strided view of heads, forward or inverse (backward), in place or out of place.
+// strided view of heads, forward or inverse (backward), in place or out of place;
+// the per-pair arithmetic is ops/cuda/rotary.hpp's.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"              // require, shape_error
@@ -10,6 +11,7 @@
 #include "shardlib/nn/rotary.hpp"               // rotary_options, rotary_table
 #include "shardlib/nn/sdpa.hpp"                 // head_view
 #include "shardlib/ops/cuda/launch.cuh"         // for_each_index
+#include "shardlib/ops/cuda/rotary.hpp"         // rotary_pair, rotary_pairs
 
 #include <cuda_runtime.h>
 
@@ -45,34 +47,6 @@ class rotary_device_table {
   shardlib::cuda::device_buffer<float> cos_, sin_;
 };
 
-namespace detail {
-// One pair (i, i + dim/2) of one head row per index, in float:
-//   y_i = x_i cos - x_{i+half} sin,  y_{i+half} = x_{i+half} cos + x_i sin,
-// with sin negated for the inverse rotation. Each pair is read before it is
-// written by the same thread, so x and y may be the same view.
-template <class T>
-struct rotary_at {
-  const T* x;
-  T* y;
-  std::int64_t heads, seq, half;
-  std::int64_t x_batch, x_head, x_row, y_batch, y_head, y_row;  // strides
-  const float *cos, *sin;
-  std::int64_t offset;
-  float sign;
-  __device__ void operator()(std::int64_t idx) const {
-    const std::int64_t i = idx % half, row = idx / half;  // row = (n H + h) L + l
-    const std::int64_t l = row % seq, nh = row / seq, h = nh % heads, n = nh / heads;
-    const T* a = x + n * x_batch + h * x_head + l * x_row;
-    T* b = y + n * y_batch + h * y_head + l * y_row;
-    const std::int64_t t = (offset + l) * half + i;
-    const float c = cos[t], s = sign * sin[t];
-    const float a0 = float(a[i]), a1 = float(a[i + half]);
-    b[i] = T(a0 * c - a1 * s);
-    b[i + half] = T(a1 * c + a0 * s);
-  }
-};
-}  // namespace detail
-
 // y = the rotation of x by the angles of positions offset .. offset + x.seq - 1
 // (inverse = true: by their negatives, the backward of the rotation, since
 // dL/dx = R^T dL/dy = R^-1 dL/dy). cos and sin are device arrays [positions,
@@ -88,11 +62,7 @@ void apply_rotary(const nn::head_view<T>& x, const nn::head_view<T>& y, const fl
   require<shape_error>(y.shape() == x.shape(), "ops::cuda::apply_rotary: the output must be shaped as the input, ",
                        x.shape(), ", got ", y.shape());
   require<shape_error>(offset >= 0, "ops::cuda::apply_rotary: offset must not be negative, got ", offset);
-  const std::int64_t half = x.dim / 2;
-  const detail::rotary_at<T> f{x.data,         y.data,        x.heads,      x.seq,        half,
-                               x.batch_stride, x.head_stride, x.row_stride, y.batch_stride, y.head_stride,
-                               y.row_stride,   cos,           sin,          offset,       inverse ? -1.0f : 1.0f};
-  for_each_index(x.batch * x.heads * x.seq * half, f, stream, "apply_rotary");
+  for_each_index(rotary_pairs(x), rotary_pair<T>(x, y, cos, sin, offset, inverse), stream, "apply_rotary");
 }
 
 // In place.

@@ -1,0 +1,108 @@
+// shardlib/nn/cuda/embedding.cuh — token and position embeddings on the device:
+// nn::Embedding<T, cuda_space> (ops::cuda::embedding_forward/backward) and
+// nn::PositionEmbedding<T, cuda_space>, on the current stream.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/tensor.hpp"
+#include "shardlib/cuda/caching_allocator.hpp"       // device_allocator
+#include "shardlib/cuda/copy.hpp"                    // copy_async
+#include "shardlib/cuda/current.hpp"                 // current_stream
+#include "shardlib/cuda/error.hpp"                   // check, current_device
+#include "shardlib/cuda/memory_space.hpp"            // cuda_space
+#include "shardlib/nn/embedding.hpp"                 // the host layers
+#include "shardlib/nn/grad_mode.hpp"                 // grad_enabled
+#include "shardlib/ops/cuda/embedding.cuh"           // embedding_forward, embedding_backward
+#include "shardlib/ops/cuda/index_report.hpp"        // index_report
+#include "shardlib/ops/cuda/position_embedding.cuh"  // add_positions, add_positions_backward
+
+#include <cuda_runtime.h>
+
+#include <cstdint>  // std::int64_t
+#include <span>     // std::span
+
+namespace shardlib::nn {
+
+// The host layer's parameter, checks and messages (detail::embedding_base in
+// nn/embedding.hpp); ids in device memory. Forward checks the ids on the
+// device and reads the result, which waits for the stream once per forward,
+// so that an id out of range raises the host's error there, naming the first
+// such position. Backward is deterministic (a stable sort of the ids, no
+// atomics) and in float bit for bit the host's accumulation.
+template <class T>
+class Embedding<T, cuda_space> : public detail::embedding_base<T> {
+  using base = detail::embedding_base<T>;
+  using base::num_, base::dim_;
+
+ public:
+  using input = Tensor<std::int64_t, cuda_space>;
+  using output = Tensor<T, cuda_space>;
+  using base::weight;
+
+  using base::base;  // Embedding(num_embeddings, embedding_dim)
+
+  template <class Ctx>
+  output forward(Ctx& ctx, const input& ids) {
+    output y(this->check_input(ids));
+    const cudaStream_t s = cuda::current_stream();
+    ops::cuda::index_report bad(s);
+    ops::cuda::embedding_forward(weight.value, num_, int(dim_), ids.data(), ids.numel(), y.data(), bad, s);
+    if (const auto at = bad.read(s)) {  // waits for s
+      std::int64_t id = 0;
+      cuda::copy_async(std::span<std::int64_t>(&id, 1), std::span<const std::int64_t>(ids.data() + *at, 1), s);
+      cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (Embedding's bad id)");
+      throw this->out_of_range(ids.shape(), *at, id);
+    }
+    ids_ = grad_enabled(ctx) ? ids : input{};
+    return y;
+  }
+
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    this->check_grad(ids_, dy);
+    ops::cuda::embedding_backward(ids_.data(), ids_.numel(), dy.data(), weight.grad, num_, int(dim_),
+                                  cuda::current_stream(), cuda::device_allocator(cuda::current_device()));
+    ids_ = {};
+    return {};
+  }
+
+ private:
+  input ids_;  // cached for backward
+};
+
+// The host layer's parameter, offset and checks (detail::position_embedding_base);
+// the same sums in the same order (bit for bit in float).
+template <class T>
+class PositionEmbedding<T, cuda_space> : public detail::position_embedding_base<T> {
+  using base = detail::position_embedding_base<T>;
+  using base::dim_, base::offset_, base::shape_, base::used_offset_, base::pending_;
+
+ public:
+  using input = Tensor<T, cuda_space>;
+  using output = Tensor<T, cuda_space>;
+  using base::weight;
+
+  using base::base;  // PositionEmbedding(max_positions, embedding_dim)
+
+  template <class Ctx>
+  output forward(Ctx& ctx, const input& x) {
+    const std::int64_t seq = this->check_input(x.shape(), grad_enabled(ctx));
+    const std::int64_t block = seq * dim_;
+    output y(x.shape());
+    ops::cuda::add_positions(x.data(), weight.value + offset_ * dim_, y.data(), x.numel() / block, block,
+                             cuda::current_stream());
+    return y;
+  }
+
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    this->check_grad(dy.shape());
+    const std::int64_t block = shape_[shape_.rank() - 2] * dim_;
+    ops::cuda::add_positions_backward(dy.data(), weight.grad + used_offset_ * dim_, dy.numel() / block, block,
+                                      cuda::current_stream());
+    pending_ = false;
+    return dy;
+  }
+};
+
+}  // namespace shardlib::nn
