@@ -18,6 +18,9 @@
 
 namespace shardlib::nn {
 
+// The activation a device Linear applies to its output (Linear::fuse_activation).
+enum class fused_activation { none, relu, gelu_tanh };
+
 // The host layer's parameters, shapes, init rules and checks (detail::linear_base
 // in nn/linear.hpp); parameters and tensors in device memory, products on the
 // current stream (16-bit T accumulates in fp32). Parameter gradients accumulate
@@ -30,6 +33,19 @@ namespace shardlib::nn {
 // bias.grad; cuBLASLt writes that vector in T, so 16-bit layers take the
 // fp32 column-sum kernel instead, which rounds once (sum + gradient) as before.
 // Where cuBLASLt has no algorithm the products run as cuBLAS plus kernels.
+//
+// fuse_activation(a) makes the layer Linear followed by that activation (its
+// output and backward are the pair's), the activation applied by the
+// product's epilogue where the math is the activation layer's own:
+// - relu: cuBLASLt's relu_bias; backward is nn::relu_backward on the output
+//   (y > 0 exactly where x W^T + b > 0), so no mask and no pre-activation is
+//   kept; cuBLASLt maps a NaN pre-activation to 0 where nn::relu keeps it;
+// - gelu_tanh: cuBLASLt's GELU is the tanh form, but its fp32 tanh is
+//   approximate (~1e-4), so it is fused for 16-bit T only (below T's own
+//   rounding) and where out_features is a multiple of 8 (the pre-activation
+//   it writes for backward then has no padding); otherwise the product and
+//   the GELU kernel run one after the other, keeping the same pre-activation.
+// The erf GELU (torch's "gelu") has no epilogue: a GELU layer after a plain Linear.
 template <class T>
 class Linear<T, cuda_space> : public detail::linear_base<T> {
   using base = detail::linear_base<T>;
@@ -42,29 +58,43 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
 
   using base::base;  // Linear(in_features, out_features, bias = true)
 
+  // From the next forward on, the layer is Linear then `a` (see above).
+  void fuse_activation(fused_activation a) { act_ = a; }
+  fused_activation activation() const { return act_; }
+
   template <class Ctx>
   output forward(Ctx&, const input& x) {
     this->check_input(x.shape());
     x_ = x;
     const std::int64_t rows = x.numel() / in_;
     output y(this->output_shape(x.shape()));
-    const bool fused =
-        has_bias_ && ops::cuda::gemm_lt(cuda::current_blas_lt(), cuda::current_stream(), ops::trans::no,
-                                        ops::trans::yes, rows, out_, in_, 1.0f, x.data(), in_, weight.value, in_, 0.0f,
-                                        y.data(), out_, {.kind = ops::cuda::epilogue::bias, .bias = bias.value});
-    if (!fused) {
-      if (has_bias_)  // y starts as the bias, which the product adds to (beta 1)
-        ops::cuda::repeat_rows(std::span<const T>(bias.value, std::size_t(out_)), y.span(), cuda::current_stream());
-      detail::device_gemm(ops::trans::no, ops::trans::yes, rows, out_, in_, 1.0f, x.data(), in_, weight.value, in_,
-                          has_bias_ ? 1.0f : 0.0f, y.data(), out_);
+    switch (act_) {
+      case fused_activation::none:
+        if (!fused_product(rows, ops::cuda::epilogue::bias, y)) plain_product(rows, y);
+        break;
+      case fused_activation::relu:
+        if (!fused_product(rows, ops::cuda::epilogue::relu_bias, y)) {
+          plain_product(rows, y);
+          ops::cuda::relu<T>(y.span(), y.span(), cuda::current_stream());
+        }
+        y_ = y;
+        break;
+      case fused_activation::gelu_tanh:
+        pre_ = output(y.shape());
+        if (!fused_product(rows, ops::cuda::epilogue::gelu_aux_bias, y)) {
+          plain_product(rows, pre_);
+          ops::cuda::gelu<T>(pre_.span(), y.span(), gelu_approx::tanh, cuda::current_stream());
+        }
+        break;
     }
     return y;
   }
 
   template <class Ctx>
-  input backward(Ctx&, const output& dy) {
-    this->check_grad(x_, dy);
+  input backward(Ctx&, const output& dy_out) {
+    this->check_grad(x_, dy_out);
     const std::int64_t rows = x_.numel() / in_;
+    const output dy = activation_backward(dy_out);
     if (!(has_bias_ && weight_and_bias_grad(dy, rows))) {
       detail::device_gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, 1.0f, dy.data(), out_, x_.data(), in_,
                           1.0f, weight.grad, in_);  // dW += dy^T x
@@ -78,6 +108,36 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
   }
 
  private:
+  // y = the epilogue `kind` of x W^T + b (gelu_aux_bias: the pre-activation
+  // in pre_ as well); false, having done nothing, where it is not taken.
+  bool fused_product(std::int64_t rows, ops::cuda::epilogue kind, output& y) {
+    const bool gelu = kind == ops::cuda::epilogue::gelu_aux_bias;
+    if (!has_bias_ || (gelu && (std::is_same_v<T, float> || out_ % 8 != 0))) return false;
+    return ops::cuda::gemm_lt(cuda::current_blas_lt(), cuda::current_stream(), ops::trans::no, ops::trans::yes, rows,
+                              out_, in_, 1.0f, x_.data(), in_, weight.value, in_, 0.0f, y.data(), out_,
+                              {.kind = kind, .bias = bias.value, .aux = gelu ? pre_.data() : nullptr,
+                               .aux_ld = gelu ? out_ : 0});
+  }
+  // y = x W^T (+ b) by cuBLAS.
+  void plain_product(std::int64_t rows, output& y) {
+    if (has_bias_)  // y starts as the bias, which the product adds to (beta 1)
+      ops::cuda::repeat_rows(std::span<const T>(bias.value, std::size_t(out_)), y.span(), cuda::current_stream());
+    detail::device_gemm(ops::trans::no, ops::trans::yes, rows, out_, in_, 1.0f, x_.data(), in_, weight.value, in_,
+                        has_bias_ ? 1.0f : 0.0f, y.data(), out_);
+  }
+
+  // The gradient of x W^T + b from the gradient of the layer's output.
+  output activation_backward(const output& dy) {
+    if (act_ == fused_activation::none) return dy;
+    output d(dy.shape());
+    const cudaStream_t s = cuda::current_stream();
+    if (act_ == fused_activation::relu) ops::cuda::relu_backward<T>(y_.span(), dy.span(), d.span(), s);
+    else ops::cuda::gelu_backward<T>(pre_.span(), dy.span(), d.span(), gelu_approx::tanh, s);
+    y_ = {};
+    pre_ = {};
+    return d;
+  }
+
   // dW += dy^T x with db = the column sums of dy from the same product, then
   // bias.grad += db; false (nothing done) where that is not taken (see above).
   bool weight_and_bias_grad(const output& dy, std::int64_t rows) {
@@ -95,7 +155,9 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
     }
   }
 
-  input x_;  // cached for backward
+  input x_;        // cached for backward
+  output y_, pre_;  // ... with relu, the output; with gelu_tanh, the pre-activation
+  fused_activation act_ = fused_activation::none;
 };
 
 }  // namespace shardlib::nn
