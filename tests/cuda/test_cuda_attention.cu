@@ -44,6 +44,7 @@ struct attention_case {
   int padding = 0;        // 0 none, 1 random keys, 2 random keys and sample 0 wholly padded
   double dropout_p = -1;  // < 0: no dropout stream
   bool rows = false;      // [B, L, heads * D] rows (a projection's output) instead of [B, heads, L, D]
+  double scale = 0;       // 0: 1 / sqrt(D)
 };
 
 // A [batch, heads, seq, dim] view of data in either layout.
@@ -82,8 +83,8 @@ void check_case(const attention_case& c, device_test::random_inputs& rnd, double
   in.v = device_test::rounded<T>(rnd.normal(std::size_t(B * G * Lk * D)));
   in.dout = device_test::rounded<T>(rnd.normal(std::size_t(B * H * Lq * D)));
 
-  sl::nn::sdpa_options o{.is_causal = c.causal, .query_offset = c.offset};
-  fa::flash_options fo{.is_causal = c.causal, .query_offset = c.offset};
+  sl::nn::sdpa_options o{.is_causal = c.causal, .query_offset = c.offset, .scale = c.scale};
+  fa::flash_options fo{.is_causal = c.causal, .query_offset = c.offset, .scale = float(c.scale)};
   if (c.padding) {
     o.key_padding_mask = sl::Tensor<std::uint8_t>::zeros({B, Lk});
     for (std::int64_t i = 0; i < B * Lk; ++i) o.key_padding_mask[i] = std::uint8_t(rnd.integer(0, 3) == 0 ? 3 : 0);
@@ -174,6 +175,7 @@ std::vector<attention_case> small_cases() {
       {"D 80 (in a 128 tile), Lq 33, Lk 65, dropout 0.5", 1, 3, 1, 33, 65, 80, false, 0, 0, 0.5},
       {"D 256, causal, L 40", 1, 2, 2, 40, 40, 256, true},
       {"dropout 1: every weight dropped", 1, 2, 1, 9, 11, 32, true, 3, 1, 1.0},
+      {"scale 0.3 (given, not 1 / sqrt(D)), causal, offset 2", 2, 2, 1, 24, 26, 48, true, 2, 0, -1, false, 0.3},
   };
 }
 
