@@ -96,6 +96,11 @@ __device__ void stage(float* dst, const rows<const T>& src, std::int64_t n, std:
   }
 }
 
+// The last of the `count` rows from `first` that exist, first < rows.
+__device__ inline std::int64_t last_row(std::int64_t first, std::int64_t count, std::int64_t rows) {
+  return (first + count < rows ? first + count : rows) - 1;
+}
+
 // acc[x][col] += sum over the 32 lanes c of w[x] (lane c's) * src[(lane + 32 col) pitch + c]:
 // a warp's 8 rows (or keys) of weights, one column per lane, times a transposed
 // tile, accumulated into the lane's columns lane + 32 col.
@@ -141,12 +146,15 @@ __global__ void __launch_bounds__(tile * warps) forward_kernel(forward_args<T> a
   stage<DM, false>(qs, a.q, n, h, i0, p.queries, a.dim);
   float acc[per_warp][cols] = {};
   flash::softmax_row<float> row[per_warp];
-  const std::int64_t i_last = (i0 + tile < p.queries ? i0 + tile : p.queries) - 1;
+  const std::int64_t i_last = last_row(i0, tile, p.queries);
+  const bool warp_rows = i0 + warp * per_warp < p.queries;  // the warp has rows; then its last is
+  const std::int64_t warp_last = warp_rows ? last_row(i0 + warp * per_warp, per_warp, p.queries) : i_last;
   for (std::int64_t j0 = 0; j0 < flash::key_end(p, i_last); j0 += tile) {
     __syncthreads();  // the previous tile is no longer read
     stage<DM, true>(kt, a.k, n, g, j0, p.keys, a.dim);
     stage<DM, true>(vt, a.v, n, g, j0, p.keys, a.dim);
     __syncthreads();
+    if (!warp_rows || j0 >= flash::key_end(p, warp_last)) continue;  // no row of this warp sees a key of the tile
     const std::int64_t j = j0 + lane;
     float w[per_warp] = {};  // q.k of this lane's key per row, then its dropped weight
     for (int d = 0; d < a.dim; ++d) {
@@ -228,12 +236,15 @@ __global__ void __launch_bounds__(tile * warps) dq_kernel(backward_args<T> a) {
     lse[rr] = i < p.queries ? a.lse[r] : INFINITY;
     row_d[rr] = i < p.queries ? a.row_d[r] : 0.0f;
   }
-  const std::int64_t i_last = (i0 + tile < p.queries ? i0 + tile : p.queries) - 1;
+  const std::int64_t i_last = last_row(i0, tile, p.queries);
+  const bool warp_rows = i0 + warp * per_warp < p.queries;  // the warp has rows; then its last is
+  const std::int64_t warp_last = warp_rows ? last_row(i0 + warp * per_warp, per_warp, p.queries) : i_last;
   for (std::int64_t j0 = 0; j0 < flash::key_end(p, i_last); j0 += tile) {
     __syncthreads();
     stage<DM, true>(kt, a.k, n, g, j0, p.keys, a.dim);
     stage<DM, true>(vt, a.v, n, g, j0, p.keys, a.dim);
     __syncthreads();
+    if (!warp_rows || j0 >= flash::key_end(p, warp_last)) continue;  // no row of this warp sees a key of the tile
     const std::int64_t j = j0 + lane;
     float qk[per_warp] = {}, dp[per_warp] = {};  // this lane's key against each row
     for (int d = 0; d < a.dim; ++d) {
@@ -294,6 +305,8 @@ __global__ void __launch_bounds__(tile * warps) dkdv_kernel(backward_args<T> a) 
         row_d[threadIdx.x] = i < p.queries ? a.row_d[r] : 0.0f;
       }
       __syncthreads();
+      // The warp's keys start at j0 + 8 warp: past the tile's last row's causal limit, or past the keys, none is seen.
+      if (j0 + warp * per_warp >= flash::key_end(p, last_row(i0, tile, p.queries))) continue;
       const std::int64_t i = i0 + lane;
       // q.k and dO.v of (this lane's query, each key), then its dropped weight and dS.
       float pk[per_warp] = {}, ds[per_warp] = {};
