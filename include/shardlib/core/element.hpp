@@ -12,7 +12,7 @@
 #include <type_traits>  // std::is_same_v
 
 #if defined(__CUDACC__)
-#include <cuda_bf16.h>  // __float2bfloat16_rn, __bfloat162float (device conversions)
+#include <cuda_bf16.h>  // __float2bfloat16_rn (device conversions)
 #include <cuda_fp16.h>  // __float2half_rn, __half2float
 #endif
 
@@ -108,6 +108,9 @@ SHARDLIB_HD constexpr float bf16_bits_to_float(std::uint16_t b) {
   return float_from_bits(static_cast<std::uint32_t>(b) << 16);
 }
 
+// On the device cvt.f32.f16: the same float for every non-NaN; a NaN stays a
+// NaN, its payload is the hardware's (tests/cuda/test_cuda_device.cpp prints
+// how many differ from the host's canonical one).
 SHARDLIB_HD constexpr float half_bits_to_float(std::uint16_t h) {
 #if defined(__CUDA_ARCH__)
   if (device_conversions()) return __half2float(__ushort_as_half(h));
