@@ -35,8 +35,6 @@ namespace shardlib::shard {
 //   round_to<H>(span<const float>, span<float>) out = float(H(in))
 //   add(span<const T>, span<T>, bool overwrite) out = (overwrite ? 0 : out) + in
 //   scale(span<float>, float)                  x *= c
-//   sum_squares(span<const float>) -> double   complete on return (the host reads it)
-//   all_finite(span<const float>) -> bool      complete on return
 //   all_reduce_values(Comm&, span<T> host, reduce_op)
 //   all_gather_values(Comm&, span<const T> host, span<T> host)
 //                                              collectives over small host arrays
@@ -44,7 +42,7 @@ namespace shardlib::shard {
 //                                              the space when the communicator needs it
 //   per-step scalars, which stay in the space until the host asks (device: no wait):
 //     scalars<T>, make_scalars<T>(n)           n zeroed values in the space (not in the ledger)
-//     add_sum_squares(span<const T>, double* total)   *total += sum_squares(x)
+//     add_sum_squares(span<const T>, double* total)   *total += the sum of x's squares, in double
 //     add_nonfinite(span<const float>, float* count)  *count += (any element inf or NaN) ? 1 : 0
 //     all_reduce_in_place(Comm&, span<T>, reduce_op)  a collective over values in the space
 //     issue_to_host(span<const T>, span<T> host)      a copy the host may read after wait_for_reads()
@@ -115,10 +113,6 @@ struct space_ops<host_space> {
     if constexpr (std::is_same_v<T, float>) optim::scale_grads(x, c);
     else for (auto& v : x) v *= c;
   }
-  static double sum_squares(std::span<const float> x) { return optim::grad_norm_squared(x); }
-  static double sum_squares(std::span<const double> x) { return optim::grad_norm_squared(x); }
-  static bool all_finite(std::span<const float> x) { return shard::all_finite(x); }
-  static bool all_finite(std::span<const double> x) { return shard::all_finite(x); }
   template <class T, comm::Communicator Comm>
   static void all_reduce_values(Comm& comm, std::span<T> values, comm::reduce_op op) {
     comm.all_reduce(values, op);
@@ -131,9 +125,9 @@ struct space_ops<host_space> {
   }
   template <class T>
   static void add_sum_squares(std::span<const T> x, double* total) {
-    *total += sum_squares(x);
+    *total += optim::grad_norm_squared(x);
   }
-  static void add_nonfinite(std::span<const float> x, float* count) { *count += all_finite(x) ? 0.f : 1.f; }
+  static void add_nonfinite(std::span<const float> x, float* count) { *count += shard::all_finite(x) ? 0.f : 1.f; }
   template <class T, comm::Communicator Comm>
   static void all_reduce_in_place(Comm& comm, std::span<T> values, comm::reduce_op op) {
     comm.all_reduce(values, op);

@@ -191,21 +191,10 @@ struct space_ops<cuda_space> {
     ops::cuda::for_each_index(std::int64_t(x.size()), detail::device_scale_at{x.data(), c}, cuda::current_stream(),
                               "space_ops scale");
   }
-  // Each square and the sum in double, as the host's; the order of the sum
-  // differs (CUB's tree against the host's eight lanes).
-  static double sum_squares(std::span<const float> x) {
-    if (x.empty()) return 0.0;
-    const cudaStream_t s = cuda::current_stream();
-    auto& alloc = cuda::device_allocator(cuda::current_device());
-    cuda::device_buffer<double> d(1, category::activations, s, alloc);
-    ops::cuda::sum_squares(x, d.data(), s, alloc);
-    double sum = 0;
-    cuda::copy_async(std::span<double>(&sum, 1), std::span<const double>(d.span()), s);
-    detail::synchronize(s, "sum_squares");
-    return sum;
-  }
   // The per-step scalars (the contract in shard/space_ops.hpp): reductions go into
-  // device memory and stay there; nothing here waits but wait_for_reads.
+  // device memory and stay there; nothing here waits but wait_for_reads. Sums of
+  // squares: each square and the sum in double, as the host's; the order of the sum
+  // differs (CUB's tree against the host's eight lanes).
   template <class T>
   using scalars = cuda::device_buffer<T>;
   template <class T>
@@ -255,17 +244,6 @@ struct space_ops<cuda_space> {
   };
   static issue_point issued_here() { return {cuda::current_stream()}; }
 
-  static bool all_finite(std::span<const float> x) {
-    if (x.empty()) return true;
-    const cudaStream_t s = cuda::current_stream();
-    auto& alloc = cuda::device_allocator(cuda::current_device());
-    cuda::device_buffer<unsigned long long> d(1, category::activations, s, alloc);
-    ops::cuda::count_nonfinite(x, d.data(), s, alloc);
-    unsigned long long bad = 0;
-    cuda::copy_async(std::span<unsigned long long>(&bad, 1), std::span<const unsigned long long>(d.span()), s);
-    detail::synchronize(s, "all_finite");
-    return bad == 0;
-  }
   // The communicator (NcclComm) reads and writes device memory: the host
   // values go up, through the collective and back down; complete on return.
   template <class T, comm::Communicator Comm>
