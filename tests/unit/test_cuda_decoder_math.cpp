@@ -120,8 +120,13 @@ TEST_CASE("rotary_pair over every index equals nn::rotary_table::apply bit for b
         Tensor<float> out(Shape{B, H, L, D});
         const auto q = sl::nn::head_view<float>::rows(qkv.data(), B, L, H, D, 3 * H * D);
         const auto out_view = sl::nn::head_view<float>::bhsd(out);
-        const oc::rotary_pair<float> strided(q, out_view, from_zero.cosines().data(), from_zero.sines().data(), offset,
-                                             inverse);
+        oc::rotary_pair<float> strided(q, out_view, from_zero.cosines().data(), from_zero.sines().data(), offset,
+                                       inverse);
+        REQUIRE(strided.narrow);
+        for (std::int64_t i = 0; i < oc::rotary_pairs(q); ++i) strided(i);
+        Tensor<float> wide_out(Shape{B, H, L, D});  // the 64-bit index path, which only huge views take
+        strided.y = wide_out.data();
+        strided.narrow = false;
         for (std::int64_t i = 0; i < oc::rotary_pairs(q); ++i) strided(i);
         require_equal(qkv.span(), before.span());  // the input is untouched
         at_offset.apply(q, inverse);               // the host's rotation of the same heads, in place
@@ -132,5 +137,6 @@ TEST_CASE("rotary_pair over every index equals nn::rotary_table::apply bit for b
               for (std::int64_t j = 0; j < D; ++j)
                 want_out.data()[((n * H + h) * L + l) * D + j] = q.at(n, h)[l * q.row_stride + j];
         require_equal(out.span(), want_out.span());
+        require_equal(wide_out.span(), want_out.span());
       }
 }
