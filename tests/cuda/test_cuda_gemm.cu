@@ -147,7 +147,8 @@ struct product {
   std::int64_t col(std::size_t i) const { return std::int64_t(i) % d.n; }
 
   bool run(const sl::cuda::blas_lt& h, cudaStream_t st, const oc::epilogue_args<T>& e) {
-    return oc::gemm_lt(h, st, d.ta, d.tb, d.m, d.n, d.k, alpha, da.data(), lda, db.data(), ldb, beta, dc.data(), ldc, e);
+    return oc::gemm_lt(h, st, d.ta, d.tb, d.m, d.n, d.k, alpha, da.data(), lda, db.data(), ldb, beta, dc.data(), ldc,
+                       e);
   }
 };
 
@@ -329,7 +330,8 @@ TEMPLATE_TEST_CASE("gemm_lt's GELU epilogues are the tanh form: gelu_bias, gelu_
       zb[i] = sum_rtol * (fw.s[i] + std::abs(bj)) + out_rtol<T> * std::abs(z[i]);
       want[i] = nn::gelu(z[i], nn::gelu_approx::tanh);
       // |gelu'| <= 1.13: the product's error passes through at most that.
-      bound[i] = 1.13 * sum_rtol * (fw.s[i] + std::abs(bj)) + out_rtol<T> * std::abs(want[i]) + tanh_reach(gelu_t, z[i]);
+      bound[i] = 1.13 * sum_rtol * (fw.s[i] + std::abs(bj)) + out_rtol<T> * std::abs(want[i]) +
+                 tanh_reach(gelu_t, z[i]);
     }
     REQUIRE(fw.run(f.handle, f.stream, {.kind = epilogue::gelu_bias, .bias = bias.dev.data()}));
     require_within(download_float(fw.dc, f.stream), want, bound);
@@ -420,7 +422,8 @@ void compare_linear(std::int64_t rows, std::int64_t in, std::int64_t out, nn::fu
   nn::Linear<T, cuda_space> dev(in, out);
   dev.fuse_activation(act);
   REQUIRE(dev.activation() == act);
-  std::vector<float> w = rounded<T>(rnd.normal(std::size_t(out * in), 0.2f)), b = rounded<T>(rnd.normal(std::size_t(out)));
+  std::vector<float> w = rounded<T>(rnd.normal(std::size_t(out * in), 0.2f));
+  std::vector<float> b = rounded<T>(rnd.normal(std::size_t(out)));
   std::vector<float> gw = rounded<T>(rnd.normal(w.size())), gb = rounded<T>(rnd.normal(b.size()));
   std::vector<float> hgw = gw, hgb = gb;
   host.weight.value = w.data();
@@ -490,7 +493,8 @@ TEMPLATE_TEST_CASE("device Linear with a fused ReLU or tanh-GELU equals the host
   random_inputs rnd;
   INFO("seed " << rnd.seed);
   // out 7: GELU's pre-activation would need padding, so that case runs unfused.
-  for (const auto& [rows, in, out] : std::vector<std::array<std::int64_t, 3>>{{33, 768, 3072}, {768, 33, 7}, {7, 40, 40}})
+  for (const auto& [rows, in, out] :
+       std::vector<std::array<std::int64_t, 3>>{{33, 768, 3072}, {768, 33, 7}, {7, 40, 40}})
     for (auto act : {nn::fused_activation::relu, nn::fused_activation::gelu_tanh})
       compare_linear<TestType>(rows, in, out, act, rnd, stream);
 }
