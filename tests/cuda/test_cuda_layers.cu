@@ -606,6 +606,47 @@ TEMPLATE_TEST_CASE("device PositionEmbedding equals the host layer at offsets 0 
 }
 
 namespace {
+// A context whose forwards keep nothing for backward (eval mode, a checkpointed
+// layer's first pass), as the sharded context says with grad_enabled().
+struct no_grad_context : nn::context {
+  bool grad_enabled() const { return false; }
+};
+template <class L, class X>
+void check_refuses(L layer, const X& x, const std::string& name) {
+  INFO(name);
+  no_grad_context ctx;
+  const auto y = layer.forward(ctx, x);
+  CHECK_THROWS_WITH(layer.backward(ctx, y), Catch::Contains(name) && Catch::Contains("backward"));
+}
+}  // namespace
+
+TEST_CASE("device decoder layers keep nothing with gradients disabled and refuse a backward, naming the layer",
+          "[cuda][layers][decoder]") {
+  if (!have_device()) return;
+  on_stream s;
+  random_inputs rnd;
+  const auto x = device_tensor<float>({2, 3, 4}, rnd.normal(24));
+  nn::RMSNorm<float, cuda_space> norm(4);
+  nn::LlamaMLP<float, cuda_space> mlp({.hidden_size = 4, .intermediate_size = 6});
+  nn::PositionEmbedding<float, cuda_space> pos(6, 4);
+  nn::Embedding<float, cuda_space> emb(5, 4);
+  nn::RMSNorm<float> host_norm(4);
+  nn::LlamaMLP<float> host_mlp({.hidden_size = 4, .intermediate_size = 6});
+  nn::PositionEmbedding<float> host_pos(6, 4);
+  nn::Embedding<float> host_emb(5, 4);
+  bound_parameters<float> p1(host_norm, norm, rnd), p2(host_mlp, mlp, rnd), p3(host_pos, pos, rnd),
+      p4(host_emb, emb, rnd);  // values for the device layers (the host layers only name them)
+  check_refuses(norm, x, "RMSNorm(4)");
+  check_refuses(mlp, x, "LlamaMLP(4 -> 6)");
+  check_refuses(pos, x, "PositionEmbedding(6, 4)");
+  Tensor<std::int64_t> ids(Shape{2, 3});
+  for (std::int64_t i = 0; i < ids.numel(); ++i) ids[i] = i % 5;
+  Tensor<std::int64_t, cuda_space> ids_dev(ids.shape());
+  sl::cuda::copy_async(ids_dev.span(), std::span<const std::int64_t>(ids.span()), sl::cuda::current_stream());
+  check_refuses(emb, ids_dev, "Embedding(5, 4)");
+}
+
+namespace {
 // A contiguous [B, H, L, D] device tensor as a head view.
 template <class T>
 nn::head_view<T> bhsd(Tensor<T, cuda_space>& t) {
