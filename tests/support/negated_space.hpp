@@ -313,7 +313,8 @@ struct Linear {
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t k = 0; k < in; ++k) {
         float acc = 0;
-        for (std::int64_t o = 0; o < out; ++o) acc += io::get(dy.data(), r * out + o) * io::get(weight.value, o * in + k);
+        for (std::int64_t o = 0; o < out; ++o)
+          acc += io::get(dy.data(), r * out + o) * io::get(weight.value, o * in + k);
         io::put(dx.data(), r * in + k, acc);
       }
     for (std::int64_t o = 0; o < out; ++o) {

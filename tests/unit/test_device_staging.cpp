@@ -58,6 +58,16 @@ TEST_CASE("the stager copies host memory both ways in bounded chunks", "[staging
     CHECK(back == want);
     CHECK(staging.staging_bytes() == std::min<std::size_t>(n, 16) * sizeof(float));  // never more than a chunk
   }
+  // Ever larger copies grow the buffer by at least doubling, up to the chunk.
+  io::stager<host_space> grows(64);
+  std::vector<std::size_t> sizes;
+  for (const std::size_t n : {3, 2, 5, 7, 17}) {
+    std::vector<float> from = ramp(n), to(n);
+    grows.upload(std::span<const float>(from), std::span<float>(to));
+    CHECK(to == from);
+    sizes.push_back(grows.staging_bytes());
+  }
+  CHECK(sizes == std::vector<std::size_t>{12, 12, 24, 48, 64});
 }
 
 TEST_CASE("the stager moves every element through the space's copies, a chunk per copy", "[staging]") {
@@ -278,7 +288,8 @@ void compare_with_host() {
   CHECK(got.problem.empty());
   INFO(want.problem << got.problem);
 
-  const auto want_files = test_support::files_under(host_dir.path), got_files = test_support::files_under(neg_dir.path);
+  const auto want_files = test_support::files_under(host_dir.path);
+  const auto got_files = test_support::files_under(neg_dir.path);
   std::vector<std::string> names;
   for (const auto& [name, bytes] : want_files) names.push_back(name);
   // Three checkpoints (each a metadata.json and one file per partition: 2, 3, 4) and two exports.

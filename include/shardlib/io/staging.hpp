@@ -38,7 +38,7 @@ inline constexpr std::size_t default_staging_bytes = std::size_t(16) << 20;
 
 // Copies between memory of Space and host memory at most chunk_bytes at a time, each
 // chunk through one staging buffer in offload_space_t<Space> (allocated at the first
-// copy, no larger than the chunk or the largest copy so far, and recorded in the rank's
+// copy, no larger than the chunk, grown by doubling, and recorded in the rank's
 // offload ledger). Each copy is complete when the call returns.
 template <StagingSpace Space>
 class stager {
@@ -89,14 +89,16 @@ class stager {
     require<shape_error>(from == to, "io staging (", Space::name, ") ", op, ": the source has ", from,
                          " elements, the destination ", to);
   }
-  // The staging buffer as n elements of T, grown if it is smaller.
+  // The staging buffer as n elements of T (n at most a chunk), grown if it is smaller:
+  // at least doubled, so that a run of ever larger copies pins memory only a few times.
   template <class T>
   std::span<T> staging(std::size_t n) {
     static_assert(alignof(T) <= staging_space::alignment);
     if (buffer_.bytes() < n * sizeof(T)) {
+      const std::size_t bytes = std::min(chunk_elements<T>() * sizeof(T), std::max(n * sizeof(T), 2 * buffer_.bytes()));
       buffer_.reset();
       const ledger_scope in_offload(current_ledger().offload());
-      buffer_ = Buffer<std::byte, staging_space>(n * sizeof(T), category::comm_scratch);
+      buffer_ = Buffer<std::byte, staging_space>(bytes, category::comm_scratch);
     }
     return {reinterpret_cast<T*>(buffer_.data()), n};
   }
