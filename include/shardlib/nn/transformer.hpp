@@ -37,6 +37,20 @@ struct residual<host_space> {
     return s;
   }
 };
+
+// linear1 and the activation after it, forward and backward: here one child
+// after the other; nn/cuda/transformer.cuh fuses the pair on the device.
+template <class Space>
+struct linear_activation {
+  template <class Ctx, class L, class A, class X>
+  static X forward(Ctx& ctx, L& linear, A& act, const X& x) {
+    return ctx.forward(act, ctx.forward(linear, x));
+  }
+  template <class Ctx, class L, class A, class X>
+  static X backward(Ctx& ctx, L& linear, A& act, const X& dy) {
+    return ctx.backward(linear, ctx.backward(act, dy));
+  }
+};
 }  // namespace detail
 
 // torch.nn.TransformerEncoderLayer's constructor arguments, with its defaults.
@@ -158,13 +172,15 @@ class TransformerEncoderLayer {
   }
   template <class Ctx>
   output feedforward_block(Ctx& ctx, const input& x) {
-    const input a = std::visit([&](auto& act) { return ctx.forward(act, ctx.forward(linear1, x)); }, activation_);
+    const input a = std::visit(
+        [&](auto& act) { return detail::linear_activation<Space>::forward(ctx, linear1, act, x); }, activation_);
     return ctx.forward(dropout2, ctx.forward(linear2, ctx.forward(dropout, a)));
   }
   template <class Ctx>
   input feedforward_backward(Ctx& ctx, const output& dy) {
     const input da = ctx.backward(dropout, ctx.backward(linear2, ctx.backward(dropout2, dy)));
-    return ctx.backward(linear1, std::visit([&](auto& act) { return ctx.backward(act, da); }, activation_));
+    return std::visit(
+        [&](auto& act) { return detail::linear_activation<Space>::backward(ctx, linear1, act, da); }, activation_);
   }
 
   static input sum(const input& a, const input& b) { return detail::residual<Space>::sum(a, b); }
