@@ -3,20 +3,25 @@
 //   fused Adam bytes/s          vs device-to-device copy bandwidth (goal >= 0.9x)
 //   NCCL all_gather, reduce_scatter, all_reduce bus bandwidth (nccl-tests
 //                               definitions), world size 1 .. #GPUs, one thread per GPU
-//   cublasGemmEx bf16 TFLOP/s   at 8192^3: the compute peak reference (and fp32)
-//   reference model step        FullShard, bf16 compute, fp32 master + AdamW, on one GPU:
-//                               model FLOP utilisation vs that bf16 GEMM rate (goal >= 45%)
-// Usage: bench_cuda [--json FILE] [--model-layers N] (default 24; 0 skips the model).
+//   cublasGemmEx bf16 TFLOP/s   at 8192^3 on random values: the compute peak reference (and fp32)
+//   model steps                 FullShard, bf16 compute, fp32 master + AdamW, on one GPU:
+//                               model FLOP utilisation vs that bf16 GEMM rate (goal >= 45%):
+//                               GPT-2 and LLaMA (~1B parameters at sequence 2048 by default)
+//                               and the reference encoder classifier
+// Usage: bench_cuda [--json FILE] [--model encoder,gpt2,llama|none] [--layers N] [--d N]
+//                   [--heads N] [--kv-heads N] [--seq N] [--batch N]
 // Prints the tables, then a short summary last.
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/comm/nccl_comm.hpp>
 #include <shardlib/comm/thread_comm.hpp>
 #include <shardlib/cuda.hpp>
 #include <shardlib/cuda/current.hpp>
+#include <shardlib/models/cuda.cuh>
 #include <shardlib/nn/cuda.cuh>
 #include <shardlib/optim/cuda/adam.cuh>
 #include <shardlib/shard/cuda/space_ops.cuh>
 #include <shardlib/shard/sharded_model.hpp>
+#include <shardlib/ops/cuda/launch.cuh>
 
 #include <algorithm>
 #include <chrono>
@@ -135,14 +140,24 @@ std::vector<bench::row> nccl_rows(int world, std::size_t bytes) {
 }
 
 // --- GEMM peak reference ----------------------------------------------------------------------
+// p[i] uniform in [-1, 1) from a counter-based stream: a tensor core's power, and so
+// its clock, depends on the bits it multiplies (zeros run ~12% faster on an H200),
+// so the peak is timed on values like a model's.
+template <class T>
+struct uniform_fill {
+  T* p;
+  sl::counter_rng rng;
+  __device__ void operator()(std::int64_t i) const { p[i] = T(2.0f * rng.uniform_float(std::uint64_t(i)) - 1.0f); }
+};
+
 template <class T>
 double gemm_tflops(std::int64_t n, sl::cuda::stream& s, sl::cuda::blas& handle) {
   auto& alloc = sl::cuda::device_allocator(0);
   const std::size_t count = std::size_t(n * n);
   sl::cuda::device_buffer<T> a(count, sl::category::activations, s, alloc), b(count, sl::category::activations, s, alloc),
       c(count, sl::category::activations, s, alloc);
-  sl::cuda::fill_bytes_async(a.span(), 0, s);  // zeros: the timing does not depend on the values
-  sl::cuda::fill_bytes_async(b.span(), 0, s);
+  oc::for_each_index(std::int64_t(count), uniform_fill<T>{a.data(), sl::counter_rng(1, 0)}, s, "uniform_fill");
+  oc::for_each_index(std::int64_t(count), uniform_fill<T>{b.data(), sl::counter_rng(1, 1)}, s, "uniform_fill");
   const double ms = median_ms(s, 2, 10, [&] {
     oc::gemm(handle, s, sl::ops::trans::no, sl::ops::trans::no, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
              c.data(), n);
@@ -150,67 +165,172 @@ double gemm_tflops(std::int64_t n, sl::cuda::stream& s, sl::cuda::blas& handle) 
   return 2.0 * double(n) * double(n) * double(n) / (ms * 1e-3) / 1e12;
 }
 
-// --- the reference model's training step ---------------------------------------------------
+// --- model training steps --------------------------------------------------------------------
+// Sizes from the flags; 0 = the model's default. Defaults put GPT-2 and LLaMA near
+// 1B parameters at sequence 2048: d 2048, 16 heads, GPT-2 20 layers (vocabulary
+// 50257, MLP 4d: 1.11B), LLaMA 22 layers (vocabulary 32000, 4 kv heads, SwiGLU
+// 5632: 1.12B); the reference encoder 24 layers, ff 4d.
 struct model_size {
-  long layers, d, heads, ff, seq, batch;
+  std::string model;
+  long layers, d, heads, kv_heads, ff, seq, batch;
 };
 struct model_result {
-  double step_ms, parameters, tflop_per_step;
+  double step_ms, parameters, matmul_parameters, flop_per_token, tflop_per_step;
 };
+
+// Elements of the weights every token multiplies: each rank-2 parameter but the
+// token and position embeddings' lookups (a tied head's weight counts once, under
+// its head's name).
+template <class Model>
+double matmul_parameters(Model& model) {
+  double n = 0;
+  model.parameters([&](std::string_view name, auto& p) {
+    if (p.shape.rank() == 2 && !name.ends_with("wte.weight") && !name.ends_with("wpe.weight") &&
+        !name.ends_with("embed_tokens.weight"))
+      n += double(p.numel());
+  });
+  return n;
+}
+
+// FLOPs per token, as PaLM (appendix B) and Megatron count them: 6 N for the
+// forward and backward products of the N weights every token multiplies, plus
+// 12 * layers * seq * d for attention's q k^T and P V (2 * 2 * seq * d forward,
+// twice that backward), counted in full though causal attention skips half.
+constexpr const char* flop_formula = "6N + 12 * layers * seq * d (N: weights in matrix products, head included)";
+double flop_per_token(double matmul, const model_size& m) {
+  return 6 * matmul + 12.0 * double(m.layers) * double(m.seq) * double(m.d);
+}
+
+// Median wall time of `steps` training steps after `warmup`, each ending when the
+// compute stream has finished its backward and AdamW: one batch, uploaded once,
+// so the host's data generation is not timed.
+template <class Sharded, class Opt, class X, class Y>
+double median_step_ms(Sharded& sharded, Opt& opt, const X& x, const Y& y, cudaStream_t s, int warmup, int steps) {
+  for (int i = 0; i < warmup; ++i) sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+  sl::cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (after the warm-up)");
+  std::vector<double> ms;
+  for (int i = 0; i < steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+    sl::cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (end of step)");
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::nth_element(ms.begin(), ms.begin() + steps / 2, ms.end());
+  return ms[std::size_t(steps / 2)];
+}
+
 // FullShard over NCCL at world size 1 (every gather and reduce-scatter still
-// runs), layers in bf16, fp32 master weights and AdamW: train_fsdp_cuda's step.
-// One batch, uploaded once, so the host's data generation is not timed; each
-// timed step ends when the compute stream has finished its backward and Adam.
-// FLOPs per step as llm.c and PaLM count them: 6 per matrix-product parameter
-// per token (forward and backward), plus 12 * layers * seq * d per token for
-// attention's two products.
-model_result model_step(const model_size& m, int warmup, int steps) {
+// runs), every block a unit, layers in bf16, fp32 master weights and AdamW: the
+// examples' step, each Block a unit. make() builds the model, batch() gives (x, y)
+// on the device.
+template <class Block, class Make, class Batch>
+model_result model_step(const model_size& m, int warmup, int steps, Make&& make, Batch&& batch) {
   model_result r{};
   sl::comm::launch(1, [&](sl::comm::ThreadComm& host) {
     sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
     sl::cuda::stream compute(0);
     sl::cuda::stream_scope scope(compute.get());
     auto c = sl::comm::NcclComm::bootstrap(host, 0).on(compute.get());
-    const example::model_flags sizes{.layers = m.layers, .d_model = m.d, .heads = m.heads, .ff = m.ff, .seq = m.seq};
-    const example::synthetic_task task = example::task_for(sizes);
-    auto model = example::reference_model<sl::bfloat16, sl::cuda_space>(sizes);
+    auto model = make();
     auto sharded = sl::shard::fully_shard<sl::optim::cuda::AdamW>(
         model, c, sl::shard::FullShard{},
-        {.wrap = sl::shard::wrap_types<example::EncoderOf<sl::bfloat16, sl::cuda_space>>{},
+        {.wrap = sl::shard::wrap_types<Block>{},
          .precision = {.param = sl::dtype::bf16, .reduce = sl::dtype::f32}});
     sl::optim::cuda::AdamW opt{{.lr = 1e-4}};
-    const auto x = example::to_device<sl::bfloat16>(task.inputs(0, m.batch));
-    const auto y = sl::cuda::to_device(task.labels(0, m.batch));
-    for (int i = 0; i < warmup; ++i) sharded.train_step(opt, x, y, sl::nn::cross_entropy);
-    sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (after the warm-up)");
-    std::vector<double> ms;
-    for (int i = 0; i < steps; ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      sharded.train_step(opt, x, y, sl::nn::cross_entropy);
-      sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (end of step)");
-      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
-    std::nth_element(ms.begin(), ms.begin() + steps / 2, ms.end());
-    r.step_ms = ms[steps / 2];
+    const auto [x, y] = batch();
+    r.step_ms = median_step_ms(sharded, opt, x, y, compute.get(), warmup, steps);
     r.parameters = double(sl::nn::parameter_count(model));
-    const double matmul = double(m.layers) * double(4 * m.d * m.d + 2 * m.d * m.ff) + double(m.d) * 10;
-    const double tokens = double(m.batch * m.seq);
-    r.tflop_per_step = tokens * (6 * matmul + 12.0 * double(m.layers * m.seq * m.d)) / 1e12;
+    r.matmul_parameters = matmul_parameters(model);
   });
+  r.flop_per_token = flop_per_token(r.matmul_parameters, m);
+  r.tflop_per_step = double(m.batch * m.seq) * r.flop_per_token / 1e12;
   return r;
+}
+
+model_result run_model(const model_size& m, int warmup, int steps) {
+  if (m.model == "encoder") {
+    const example::model_flags sizes{.layers = m.layers, .d_model = m.d, .heads = m.heads, .ff = m.ff, .seq = m.seq};
+    const example::synthetic_task task = example::task_for(sizes);
+    return model_step<example::EncoderOf<sl::bfloat16, sl::cuda_space>>(
+        m, warmup, steps, [&] { return example::reference_model<sl::bfloat16, sl::cuda_space>(sizes); },
+        [&] {
+          return std::pair(example::to_device<sl::bfloat16>(task.inputs(0, m.batch)),
+                           sl::cuda::to_device(task.labels(0, m.batch)));
+        });
+  }
+  // Random token ids, the next token as each position's target.
+  const auto tokens = [&](std::int64_t vocab) {
+    const sl::counter_rng draws(3, sl::fnv1a("bench_cuda tokens"));
+    sl::Tensor<std::int64_t> ids({m.batch, m.seq});
+    for (std::int64_t i = 0; i < ids.numel(); ++i)
+      ids[i] = std::int64_t(draws.uniform_double(std::uint64_t(i)) * double(vocab)) % vocab;
+    return std::pair(sl::cuda::to_device(ids), sl::cuda::to_device(sl::models::causal_lm_targets(ids)));
+  };
+  if (m.model == "gpt2") {
+    const sl::models::gpt2_config config{.vocab_size = 50257,
+                                         .n_positions = m.seq,
+                                         .n_embd = m.d,
+                                         .n_layer = m.layers,
+                                         .n_head = m.heads,
+                                         .n_inner = m.ff,
+                                         .resid_pdrop = 0,
+                                         .embd_pdrop = 0,
+                                         .attn_pdrop = 0};
+    using model_t = sl::models::GPT2LMHeadModel<sl::bfloat16, sl::cuda_space>;
+    return model_step<model_t::block_type>(
+        m, warmup, steps, [&] { return model_t(config); },
+        [&] { return tokens(config.vocab_size); });
+  }
+  const sl::models::llama_config config{.vocab_size = 32000,
+                                        .hidden_size = m.d,
+                                        .intermediate_size = m.ff,
+                                        .num_hidden_layers = m.layers,
+                                        .num_attention_heads = m.heads,
+                                        .num_key_value_heads = m.kv_heads,
+                                        .max_position_embeddings = m.seq};
+  using model_t = sl::models::LlamaForCausalLM<sl::bfloat16, sl::cuda_space>;
+  return model_step<model_t::block_type>(
+      m, warmup, steps, [&] { return model_t(config); },
+      [&] { return tokens(config.vocab_size); });
+}
+
+// The flags' sizes with each model's defaults filled in.
+model_size sized(const std::string& model, model_size flags) {
+  flags.model = model;
+  if (flags.layers == 0) flags.layers = model == "encoder" ? 24 : model == "gpt2" ? 20 : 22;
+  if (flags.ff == 0)  // LLaMA: 8d/3 rounded up to a multiple of 256, as its configs
+    flags.ff = model == "llama" ? (8 * flags.d / 3 + 255) / 256 * 256 : 4 * flags.d;
+  if (model != "llama") flags.kv_heads = flags.heads;
+  return flags;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) try {
   std::string json_path;
-  long model_layers = 24;
-  example::command_line cli("The GPU numbers (copy, fused Adam, NCCL, GEMM, the reference model's MFU), each "
-                            "against the limit it should approach.",
+  std::vector<std::string> models{"encoder", "gpt2", "llama"};
+  model_size flags{.model = "", .layers = 0, .d = 2048, .heads = 16, .kv_heads = 4, .ff = 0, .seq = 2048, .batch = 4};
+  example::command_line cli("The GPU numbers (copy, fused Adam, NCCL, GEMM, the models' MFU), each against the limit "
+                            "it should approach.",
                             "bench_cuda");
   cli.add_option("--json", json_path, "writes one JSON line per measurement");
-  cli.add_option("--model-layers", model_layers, "encoder layers of the reference model (0 skips it)")
+  cli.add_option("--model", models, "models to time, comma-separated (encoder, gpt2, llama; none skips them)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"encoder", "gpt2", "llama", "none"}));
+  const CLI::Validator size = example::whole(1, example::max_size);
+  cli.add_option("--layers", flags.layers, "blocks (0: encoder 24, gpt2 20, llama 22)")
       ->check(example::whole(0, example::max_size));
+  cli.add_option("--d", flags.d, "model width")->check(size);
+  cli.add_option("--heads", flags.heads, "attention heads (divides --d)")->check(size);
+  cli.add_option("--kv-heads", flags.kv_heads, "LLaMA's key/value heads (divides --heads)")->check(size);
+  cli.add_option("--ff", flags.ff, "MLP width (0: 4d; LLaMA 8d/3 rounded up to 256)")
+      ->check(example::whole(0, example::max_size));
+  cli.add_option("--seq", flags.seq, "sequence length")->check(size);
+  cli.add_option("--batch", flags.batch, "sequences per step")->check(size);
+  cli.callback([&] {
+    if (flags.d % flags.heads != 0 || flags.heads % flags.kv_heads != 0)
+      throw CLI::ValidationError("--heads", "--heads must divide --d and --kv-heads must divide --heads");
+  });
   cli.parse_or_exit(argc, argv);
   std::FILE* jf = nullptr;
   if (!json_path.empty()) {
@@ -283,22 +403,28 @@ int main(int argc, char** argv) try {
   summary.push_back({"GEMM bf16 8192^3 (cuBLAS)", v, vs});
   sl::cuda::device_allocator(0).empty_cache();
 
-  // 5. The reference model at a size that fills the GPU, against that GEMM rate.
-  if (model_layers > 0) {
-    const model_size m{.layers = model_layers, .d = 2048, .heads = 16, .ff = 8192, .seq = 2048, .batch = 4};
-    const model_result r = model_step(m, 2, 8);
+  // 5. The models at sizes that fill the GPU, against that GEMM rate.
+  for (const std::string& name : models) {
+    if (name == "none") continue;
+    const model_size m = sized(name, flags);
+    const model_result r = run_model(m, 2, 8);
     const double achieved = r.tflop_per_step / (r.step_ms * 1e-3), mfu = achieved / bf16;
-    std::printf("\nreference model: %ld layers, d_model %ld, %ld heads, ff %ld, seq %ld, batch %ld (%.2f B parameters)\n"
-                "  FullShard W=1, bf16 compute, fp32 master + AdamW: %.1f ms/step, %.1f TFLOP per step, %.1f TFLOP/s "
-                "= %.1f%% of the bf16 GEMM rate above\n",
-                m.layers, m.d, m.heads, m.ff, m.seq, m.batch, r.parameters / 1e9, r.step_ms, r.tflop_per_step, achieved,
+    std::printf("\n%s: %ld layers, d %ld, %ld heads (%ld kv), ff %ld, seq %ld, batch %ld: %.3f B parameters, %.3f B in "
+                "matrix products\n  FLOPs per token = %s = %.3g\n  FullShard W=1, bf16 compute, fp32 master + AdamW: "
+                "%.1f ms/step, %.1f TFLOP per step, %.1f TFLOP/s = %.1f%% of the bf16 GEMM rate above\n",
+                m.model.c_str(), m.layers, m.d, m.heads, m.kv_heads, m.ff, m.seq, m.batch, r.parameters / 1e9,
+                r.matmul_parameters / 1e9, flop_formula, r.flop_per_token, r.step_ms, r.tflop_per_step, achieved,
                 100 * mfu);
-    json(jf, sl::cat("\"bench\":\"cuda_model\",\"layers\":", m.layers, ",\"d_model\":", m.d, ",\"seq\":", m.seq,
-                     ",\"batch\":", m.batch, ",\"parameters\":", r.parameters, ",\"step_ms\":", r.step_ms,
-                     ",\"TFLOPs\":", achieved, ",\"mfu\":", mfu));
+    json(jf, sl::cat("\"bench\":\"cuda_model\",\"model\":\"", m.model, "\",\"layers\":", m.layers, ",\"d_model\":", m.d,
+                     ",\"heads\":", m.heads, ",\"kv_heads\":", m.kv_heads, ",\"ff\":", m.ff, ",\"seq\":", m.seq,
+                     ",\"batch\":", m.batch, ",\"parameters\":", r.parameters, ",\"matmul_parameters\":",
+                     r.matmul_parameters, ",\"flop_per_token\":", r.flop_per_token, ",\"flop_formula\":\"",
+                     flop_formula, "\",\"step_ms\":", r.step_ms, ",\"TFLOPs\":", achieved,
+                     ",\"gemm_bf16_TFLOPs\":", bf16, ",\"mfu\":", mfu));
     std::snprintf(v, sizeof v, "%.1f%% MFU", 100 * mfu);
     std::snprintf(vs, sizeof vs, "%.0f ms/step, %.0f TFLOP/s (goal >= 45%%)", r.step_ms, achieved);
-    summary.push_back({"reference model step, bf16", v, vs});
+    summary.push_back({m.model + " step, bf16, " + std::to_string(int(std::lround(r.parameters / 1e6))) + "M", v, vs});
+    sl::cuda::device_allocator(0).empty_cache();
   }
 
   std::printf("\n== summary ==\n");

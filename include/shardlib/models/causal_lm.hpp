@@ -26,12 +26,14 @@ namespace shardlib::models {
 // `lm_head`: logits = h W^T, no bias, W [vocab, hidden] — the model's own
 // parameter, or the token embedding's (tied: Hugging Face's tie_word_embeddings,
 // GPT-2's default), listed as "weight" either way so the state dict names both.
-// A leaf layer: it runs its Linear or TiedLinear itself.
-template <class T>
+// A leaf layer: it runs its Linear or TiedLinear itself. With cuda_space both
+// are the device's (nn/cuda/linear.cuh, nn/cuda/tied_linear.cuh): the tied head's
+// product reads the embedding's device weight and adds into its gradient.
+template <class T, class Space = host_space>
 class LMHead {
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
+  using input = Tensor<T, Space>;
+  using output = Tensor<T, Space>;
 
   LMHead(std::int64_t hidden, std::int64_t vocab, bool tied) : own_(hidden, vocab, false), tied_(hidden, vocab), is_tied_(tied) {}
 
@@ -65,8 +67,8 @@ class LMHead {
   }
 
  private:
-  nn::Linear<T> own_;
-  nn::TiedLinear<T> tied_;
+  nn::Linear<T, Space> own_;
+  nn::TiedLinear<T, Space> tied_;
   bool is_tied_;
 };
 

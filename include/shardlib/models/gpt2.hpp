@@ -38,12 +38,12 @@ struct gpt2_config {
 
 // h.{i}: x + attn(ln_1(x)), then + mlp(ln_2(.)) (pre-norm; each branch's residual
 // dropout is inside it, as Hugging Face's GPT2Block). The unit to wrap:
-// shard::wrap_types<models::GPT2Block<T>>{}.
-template <class T>
+// shard::wrap_types<models::GPT2Block<T>>{} (GPT2Block<T, cuda_space> on the device).
+template <class T, class Space = host_space>
 class GPT2Block {
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
+  using input = Tensor<T, Space>;
+  using output = Tensor<T, Space>;
 
   explicit GPT2Block(const gpt2_config& c)
       : ln_1(c.n_embd, c.layer_norm_epsilon),
@@ -63,10 +63,10 @@ class GPT2Block {
     mlp.c_fc.bias.init = mlp.c_proj.bias.init = nn::init_rule::constant_zero();
   }
 
-  nn::LayerNorm<T> ln_1;
-  nn::GPT2Attention<T> attn;
-  nn::LayerNorm<T> ln_2;
-  nn::GPT2MLP<T> mlp;
+  nn::LayerNorm<T, Space> ln_1;
+  nn::GPT2Attention<T, Space> attn;
+  nn::LayerNorm<T, Space> ln_2;
+  nn::GPT2MLP<T, Space> mlp;
 
   template <class V>
   void children(V&& v) {
@@ -85,13 +85,13 @@ class GPT2Block {
 
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
-    const Tensor<T> h = sum(x, ctx.forward(attn, ctx.forward(ln_1, x)));
+    const output h = sum(x, ctx.forward(attn, ctx.forward(ln_1, x)));
     return sum(h, ctx.forward(mlp, ctx.forward(ln_2, h)));
   }
   // Each residual passes dy on and adds its branch's gradient.
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    const Tensor<T> dh = sum(dy, ctx.backward(ln_2, ctx.backward(mlp, dy)));
+    const output dh = sum(dy, ctx.backward(ln_2, ctx.backward(mlp, dy)));
     return sum(dh, ctx.backward(ln_1, ctx.backward(attn, dh)));
   }
 
@@ -99,7 +99,7 @@ class GPT2Block {
   void disable_kv_cache() { attn.disable_kv_cache(); }
 
  private:
-  static Tensor<T> sum(const Tensor<T>& a, const Tensor<T>& b) { return nn::detail::residual<host_space>::sum(a, b); }
+  static output sum(const output& a, const output& b) { return nn::detail::residual<Space>::sum(a, b); }
 };
 
 namespace detail {
@@ -115,26 +115,26 @@ inline const gpt2_config& checked(const gpt2_config& c) {
 
 // `transformer`: ids [batch, seq] -> hidden states [batch, seq, n_embd]:
 // ln_f(h.{n-1}(...h.0(drop(wte(ids) + wpe(positions))))).
-template <class T>
+template <class T, class Space = host_space>
 class GPT2Model {
  public:
-  using input = Tensor<std::int64_t>;
-  using output = Tensor<T>;
+  using input = Tensor<std::int64_t, Space>;
+  using output = Tensor<T, Space>;
 
   explicit GPT2Model(const gpt2_config& c)
       : wte(detail::checked(c).vocab_size, c.n_embd),
         wpe(c.n_positions, c.n_embd),
         drop(c.embd_pdrop),
-        h(std::size_t(c.n_layer), GPT2Block<T>(c)),
+        h(std::size_t(c.n_layer), GPT2Block<T, Space>(c)),
         ln_f(c.n_embd, c.layer_norm_epsilon) {
     wte.weight.init = wpe.weight.init = nn::init_rule::normal_with(0, c.initializer_range);
   }
 
-  nn::Embedding<T> wte;
-  nn::PositionEmbedding<T> wpe;
-  nn::Dropout<T> drop;
-  std::vector<GPT2Block<T>> h;
-  nn::LayerNorm<T> ln_f;
+  nn::Embedding<T, Space> wte;
+  nn::PositionEmbedding<T, Space> wpe;
+  nn::Dropout<T, Space> drop;
+  std::vector<GPT2Block<T, Space>> h;
+  nn::LayerNorm<T, Space> ln_f;
 
   template <class V>
   void children(V&& v) {
@@ -157,13 +157,13 @@ class GPT2Model {
   output forward(Ctx& ctx, const input& ids) {
     require<shape_error>(ids.rank() == 2, "GPT2Model: input_ids must be [batch, seq], got ", ids.shape());
     wpe.set_offset(h.front().attn.kv_cache_length());
-    Tensor<T> x = ctx.forward(drop, ctx.forward(wpe, ctx.forward(wte, ids)));
+    output x = ctx.forward(drop, ctx.forward(wpe, ctx.forward(wte, ids)));
     for (auto& block : h) x = ctx.forward(block, x);
     return ctx.forward(ln_f, x);
   }
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    Tensor<T> g = ctx.backward(ln_f, dy);
+    output g = ctx.backward(ln_f, dy);
     for (auto it = h.rbegin(); it != h.rend(); ++it) g = ctx.backward(*it, g);
     return ctx.backward(wte, ctx.backward(wpe, ctx.backward(drop, g)));
   }
@@ -182,13 +182,15 @@ class GPT2Model {
 // lm_head.weight). Linear weights are [out, in]: Hugging Face's Conv1D files hold
 // them transposed (models::load_hf / save_hf convert). The tied head borrows
 // transformer.wte.weight; copies and moves re-tie to their own embedding.
-template <class T>
+// GPT2LMHeadModel<T, cuda_space> is the same model on the device (include
+// shardlib/models/cuda.cuh): ids and logits in device memory, no KV cache.
+template <class T, class Space = host_space>
 class GPT2LMHeadModel {
  public:
-  using input = Tensor<std::int64_t>;
-  using output = Tensor<T>;
+  using input = Tensor<std::int64_t, Space>;
+  using output = Tensor<T, Space>;
   using config_type = gpt2_config;
-  using block_type = GPT2Block<T>;
+  using block_type = GPT2Block<T, Space>;
 
   explicit GPT2LMHeadModel(const gpt2_config& c)
       : transformer(c), lm_head(c.n_embd, c.vocab_size, c.tie_word_embeddings), c_(c) {
@@ -204,8 +206,8 @@ class GPT2LMHeadModel {
     return *this;
   }
 
-  GPT2Model<T> transformer;
-  LMHead<T> lm_head;
+  GPT2Model<T, Space> transformer;
+  LMHead<T, Space> lm_head;
 
   const gpt2_config& config() const { return c_; }
   std::int64_t max_positions() const { return c_.n_positions; }

@@ -128,14 +128,14 @@ Config read_hf_config(const std::filesystem::path& dir_or_file) {
 }
 
 // Hugging Face's load/save conventions for each model, from its config.
-template <class T>
-io::state_dict_options hf_options(const GPT2LMHeadModel<T>& m, bool strict = true) {
+template <class T, class Space>
+io::state_dict_options hf_options(const GPT2LMHeadModel<T, Space>& m, bool strict = true) {
   io::state_dict_options o = io::hf::gpt2(strict);
   if (!m.config().tie_word_embeddings) o.tied.clear();
   return o;
 }
-template <class T>
-io::state_dict_options hf_options(const LlamaForCausalLM<T>& m, bool strict = true) {
+template <class T, class Space>
+io::state_dict_options hf_options(const LlamaForCausalLM<T, Space>& m, bool strict = true) {
   return io::hf::llama(m.config().tie_word_embeddings, strict);
 }
 

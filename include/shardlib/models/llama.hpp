@@ -38,12 +38,13 @@ struct llama_config {
 // layers.{i}: x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(.)).
 // Children in Hugging Face's registration order (self_attn, mlp, input_layernorm,
 // post_attention_layernorm), so the parameters come in its state-dict order. The
-// unit to wrap: shard::wrap_types<models::LlamaDecoderLayer<T>>{}.
-template <class T>
+// unit to wrap: shard::wrap_types<models::LlamaDecoderLayer<T>>{}
+// (LlamaDecoderLayer<T, cuda_space> on the device).
+template <class T, class Space = host_space>
 class LlamaDecoderLayer {
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
+  using input = Tensor<T, Space>;
+  using output = Tensor<T, Space>;
 
   explicit LlamaDecoderLayer(const llama_config& c)
       : self_attn({.hidden_size = c.hidden_size,
@@ -55,15 +56,15 @@ class LlamaDecoderLayer {
         mlp({.hidden_size = c.hidden_size, .intermediate_size = c.intermediate_size, .bias = c.mlp_bias}),
         input_layernorm(c.hidden_size, c.rms_norm_eps),
         post_attention_layernorm(c.hidden_size, c.rms_norm_eps) {
-    for (nn::Linear<T>* l : {&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj}) {  // Hugging Face's _init_weights
+    for (nn::Linear<T, Space>* l : {&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj}) {  // Hugging Face's _init_weights
       l->weight.init = nn::init_rule::normal_with(0, c.initializer_range);
       l->bias.init = nn::init_rule::constant_zero();
     }
   }
 
-  nn::LlamaAttention<T> self_attn;
-  nn::LlamaMLP<T> mlp;
-  nn::RMSNorm<T> input_layernorm, post_attention_layernorm;
+  nn::LlamaAttention<T, Space> self_attn;
+  nn::LlamaMLP<T, Space> mlp;
+  nn::RMSNorm<T, Space> input_layernorm, post_attention_layernorm;
 
   template <class V>
   void children(V&& v) {
@@ -82,12 +83,12 @@ class LlamaDecoderLayer {
 
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
-    const Tensor<T> h = sum(x, ctx.forward(self_attn, ctx.forward(input_layernorm, x)));
+    const output h = sum(x, ctx.forward(self_attn, ctx.forward(input_layernorm, x)));
     return sum(h, ctx.forward(mlp, ctx.forward(post_attention_layernorm, h)));
   }
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    const Tensor<T> dh = sum(dy, ctx.backward(post_attention_layernorm, ctx.backward(mlp, dy)));
+    const output dh = sum(dy, ctx.backward(post_attention_layernorm, ctx.backward(mlp, dy)));
     return sum(dh, ctx.backward(input_layernorm, ctx.backward(self_attn, dh)));
   }
 
@@ -95,7 +96,7 @@ class LlamaDecoderLayer {
   void disable_kv_cache() { self_attn.disable_kv_cache(); }
 
  private:
-  static Tensor<T> sum(const Tensor<T>& a, const Tensor<T>& b) { return nn::detail::residual<host_space>::sum(a, b); }
+  static output sum(const output& a, const output& b) { return nn::detail::residual<Space>::sum(a, b); }
 };
 
 namespace detail {
@@ -110,22 +111,22 @@ inline const llama_config& checked(const llama_config& c) {
 }  // namespace detail
 
 // `model`: ids [batch, seq] -> norm(layers.{n-1}(...layers.0(embed_tokens(ids)))).
-template <class T>
+template <class T, class Space = host_space>
 class LlamaModel {
  public:
-  using input = Tensor<std::int64_t>;
-  using output = Tensor<T>;
+  using input = Tensor<std::int64_t, Space>;
+  using output = Tensor<T, Space>;
 
   explicit LlamaModel(const llama_config& c)
       : embed_tokens(detail::checked(c).vocab_size, c.hidden_size),
-        layers(std::size_t(c.num_hidden_layers), LlamaDecoderLayer<T>(c)),
+        layers(std::size_t(c.num_hidden_layers), LlamaDecoderLayer<T, Space>(c)),
         norm(c.hidden_size, c.rms_norm_eps) {
     embed_tokens.weight.init = nn::init_rule::normal_with(0, c.initializer_range);
   }
 
-  nn::Embedding<T> embed_tokens;
-  std::vector<LlamaDecoderLayer<T>> layers;
-  nn::RMSNorm<T> norm;
+  nn::Embedding<T, Space> embed_tokens;
+  std::vector<LlamaDecoderLayer<T, Space>> layers;
+  nn::RMSNorm<T, Space> norm;
 
   template <class V>
   void children(V&& v) {
@@ -143,13 +144,13 @@ class LlamaModel {
   template <class Ctx>
   output forward(Ctx& ctx, const input& ids) {
     require<shape_error>(ids.rank() == 2, "LlamaModel: input_ids must be [batch, seq], got ", ids.shape());
-    Tensor<T> x = ctx.forward(embed_tokens, ids);
+    output x = ctx.forward(embed_tokens, ids);
     for (auto& layer : layers) x = ctx.forward(layer, x);
     return ctx.forward(norm, x);
   }
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    Tensor<T> g = ctx.backward(norm, dy);
+    output g = ctx.backward(norm, dy);
     for (auto it = layers.rbegin(); it != layers.rend(); ++it) g = ctx.backward(*it, g);
     return ctx.backward(embed_tokens, g);
   }
@@ -167,13 +168,15 @@ class LlamaModel {
 // vocab_size], parameters named exactly as its state dict
 // (model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, ...,
 // lm_head.weight), all stored as Hugging Face stores them ([out, in]).
-template <class T>
+// LlamaForCausalLM<T, cuda_space> is the same model on the device (include
+// shardlib/models/cuda.cuh): ids and logits in device memory, no KV cache.
+template <class T, class Space = host_space>
 class LlamaForCausalLM {
  public:
-  using input = Tensor<std::int64_t>;
-  using output = Tensor<T>;
+  using input = Tensor<std::int64_t, Space>;
+  using output = Tensor<T, Space>;
   using config_type = llama_config;
-  using block_type = LlamaDecoderLayer<T>;
+  using block_type = LlamaDecoderLayer<T, Space>;
 
   explicit LlamaForCausalLM(const llama_config& c)
       : model(c), lm_head(c.hidden_size, c.vocab_size, c.tie_word_embeddings), c_(c) {
@@ -189,8 +192,8 @@ class LlamaForCausalLM {
     return *this;
   }
 
-  LlamaModel<T> model;
-  LMHead<T> lm_head;
+  LlamaModel<T, Space> model;
+  LMHead<T, Space> lm_head;
 
   const llama_config& config() const { return c_; }
   std::int64_t max_positions() const { return c_.max_position_embeddings; }

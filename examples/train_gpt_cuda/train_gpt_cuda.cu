@@ -1,0 +1,309 @@
+// train_gpt_cuda — train_gpt on GPUs: a byte-level GPT-2 (or, with --model llama,
+// a LLaMA: RMSNorm, RoPE, SwiGLU, grouped-query attention) trained on a text
+// file, the model in device memory (cuda_space), layers computing in bfloat16
+// over fp32 master weights and AdamW state (optim::cuda::AdamW), FullShard over
+// NCCL with every block its own unit, linear warmup and cosine decay, gradients
+// clipped to norm 1. It prints "Rank r, Step s, Loss: x" every --every steps,
+// the held-out loss every --eval-every steps, and the throughput at the end.
+//
+//   train_gpt_cuda                                  one GPU (world size 1)
+//   mpirun -np 8 train_gpt_cuda                     one process per GPU (device = local rank)
+//   tools/launch -n 8 train_gpt_cuda                the same without MPI (torchrun-style
+//                                                   variables, NCCL's id through the TCP store)
+//   --model llama --dtype fp32 --data FILE          ...
+//
+// Differences from train_gpt: no sample at the end (the device layers have no KV
+// cache; save with --save and generate with the host model), and the validation
+// loss is the mean over the ranks' windows through NCCL.
+#include <shardlib/comm/environment.hpp>
+#include <shardlib/comm/launch.hpp>
+#include <shardlib/comm/nccl_comm.hpp>
+#include <shardlib/comm/store.hpp>
+#include <shardlib/core/random.hpp>
+#include <shardlib/cuda.hpp>
+#include <shardlib/cuda/current.hpp>
+#include <shardlib/models/cuda.cuh>
+#include <shardlib/models/hf.hpp>
+#include <shardlib/optim/cuda/adam.cuh>
+#include <shardlib/optim/schedule.hpp>
+#include <shardlib/shard/cuda/space_ops.cuh>
+#include <shardlib/shard/sharded_model.hpp>
+#if SHARDLIB_EXAMPLE_WITH_MPI
+#include <shardlib/mpi.hpp>
+#endif
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "common/flags.hpp"
+
+namespace sl = shardlib;  // not `using namespace`: CUDA declares a global `half`
+
+namespace {
+
+struct settings {
+  std::string data = "/usr/share/common-licenses/GPL-3", model = "gpt2", dtype = "bf16", save;
+  long layers = 4, d_model = 256, heads = 8, kv_heads = 2, seq = 256, batch = 8, steps = 300, every = 25,
+       eval_every = 100, warmup = 30;
+  double lr = 2e-3, min_lr = 2e-4, weight_decay = 0.1, dropout = 0, val_fraction = 0.1;
+  std::uint64_t seed = 0;
+};
+
+// The text as bytes, split into a training head and a held-out tail.
+struct corpus {
+  std::string train, val;
+
+  corpus(const std::string& path, double val_fraction, long seq) {
+    std::ifstream in(path, std::ios::binary);
+    sl::require(bool(in), "cannot read --data ", path);
+    const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    const auto tail = std::size_t(double(text.size()) * val_fraction);
+    train = text.substr(0, text.size() - tail);
+    val = text.substr(text.size() - tail);
+    sl::require(train.size() > std::size_t(seq + 1) && val.size() > std::size_t(seq + 1), path, " (", text.size(),
+                " bytes) is too short for training and held-out windows of --seq ", seq,
+                " + 1 bytes at --val-fraction ", val_fraction);
+  }
+
+  // H = -sum p(b) ln p(b) over the training bytes, in nats: the loss of the
+  // best model that ignores context.
+  double unigram_entropy() const {
+    std::array<double, 256> count{};
+    for (unsigned char b : train) count[b] += 1;
+    double h = 0;
+    for (double c : count)
+      if (c > 0) h -= c / double(train.size()) * std::log(c / double(train.size()));
+    return h;
+  }
+};
+
+// Device ids = text[start, start + seq) and targets = the bytes after them, for each start.
+std::pair<sl::Tensor<std::int64_t, sl::cuda_space>, sl::Tensor<std::int64_t, sl::cuda_space>> windows(
+    const std::string& text, const std::vector<std::size_t>& starts, long seq) {
+  const auto n = std::int64_t(starts.size());
+  sl::Tensor<std::int64_t> ids({n, seq}), targets({n, seq});
+  for (std::int64_t i = 0; i < n; ++i)
+    for (long t = 0; t < seq; ++t) {
+      ids[i * seq + t] = static_cast<unsigned char>(text[starts[std::size_t(i)] + std::size_t(t)]);
+      targets[i * seq + t] = static_cast<unsigned char>(text[starts[std::size_t(i)] + std::size_t(t) + 1]);
+    }
+  return {sl::cuda::to_device(ids), sl::cuda::to_device(targets)};
+}
+
+// The two models from the flags: vocabulary 256 (one token per byte), context --seq.
+template <class T>
+sl::models::GPT2LMHeadModel<T, sl::cuda_space> make_model(const settings& s,
+                                                          std::type_identity<sl::models::gpt2_config>) {
+  return sl::models::GPT2LMHeadModel<T, sl::cuda_space>({.vocab_size = 256,
+                                                         .n_positions = s.seq,
+                                                         .n_embd = s.d_model,
+                                                         .n_layer = s.layers,
+                                                         .n_head = s.heads,
+                                                         .resid_pdrop = s.dropout,
+                                                         .embd_pdrop = s.dropout,
+                                                         .attn_pdrop = s.dropout});
+}
+template <class T>
+sl::models::LlamaForCausalLM<T, sl::cuda_space> make_model(const settings& s,
+                                                           std::type_identity<sl::models::llama_config>) {
+  return sl::models::LlamaForCausalLM<T, sl::cuda_space>({.vocab_size = 256,
+                                                          .hidden_size = s.d_model,
+                                                          .intermediate_size = s.d_model * 8 / 3 / 64 * 64 + 64,
+                                                          .num_hidden_layers = s.layers,
+                                                          .num_attention_heads = s.heads,
+                                                          .num_key_value_heads = s.kv_heads,
+                                                          .max_position_embeddings = s.seq});
+}
+
+template <class T>
+sl::shard::mixed_precision compute_precision() {
+  if constexpr (std::is_same_v<T, float>) return {};
+  else return {.param = sl::dtype_of<T>, .reduce = sl::dtype::f32};
+}
+
+template <class T, class Config>
+void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data) {
+  sl::cuda::stream compute(nccl.device());
+  sl::cuda::stream_scope on_compute(compute.get());  // where tensors are allocated and layers run
+  auto c = nccl.on(compute.get());                   // collectives ordered after that stream's work
+  auto model = make_model<T>(s, std::type_identity<Config>{});
+  using model_t = decltype(model);
+  auto sharded = sl::shard::fully_shard<sl::optim::cuda::AdamW>(
+      model, c, sl::shard::FullShard{},
+      {.wrap = sl::shard::wrap_types<typename model_t::block_type>{},
+       .seed = s.seed,
+       .precision = compute_precision<T>()});
+  sl::optim::cuda::AdamW adamw{{.lr = s.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = s.weight_decay}};
+  const sl::optim::warmup_cosine schedule{
+      .peak_lr = s.lr, .min_lr = s.min_lr, .warmup_steps = std::min(s.warmup, s.steps), .total_steps = s.steps};
+  const double entropy = data.unigram_entropy();
+  if (c.rank() == 0)
+    std::printf("train_gpt_cuda: %s, %zu bytes (%zu training, %zu held out); unigram entropy %.4f nats per byte\n"
+                "train_gpt_cuda: %s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld), %s compute, "
+                "FullShard over %d GPU(s) (NCCL), %zu units, %ld sequences per rank\n",
+                s.data.c_str(), data.train.size() + data.val.size(), data.train.size(), data.val.size(), entropy,
+                s.model.c_str(), sl::nn::parameter_count(model), s.layers, s.d_model, s.heads, s.seq, s.dtype.c_str(),
+                c.size(), sharded.unit_count(), s.batch);
+
+  // The held-out windows, evenly spread over the tail and split between the
+  // ranks; the mean of the ranks' mean losses.
+  const auto validation_loss = [&] {
+    const long total = s.batch * c.size();
+    const std::size_t span = data.val.size() - std::size_t(s.seq) - 1;
+    std::vector<std::size_t> starts;
+    for (long i = c.rank() * s.batch; i < (c.rank() + 1) * s.batch; ++i)
+      starts.push_back(span * std::size_t(i) / std::size_t(total));
+    const auto [x, y] = windows(data.val, starts, s.seq);
+    sharded.eval();  // no activations kept, every unit freed after use
+    sl::Tensor<float> mine({1});
+    mine[0] = sl::nn::cross_entropy(sharded.forward(x), y).loss;
+    sharded.train();
+    auto all = sl::cuda::to_device(mine);
+    c.all_reduce(all.span(), sl::comm::reduce_op::avg);
+    float v = 0;
+    sl::cuda::copy_async(std::span<float>(&v, 1), std::span<const float>(all.span()), compute.get());
+    sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (validation loss)");
+    return double(v);
+  };
+
+  const sl::counter_rng draws(s.seed, sl::fnv1a("train_gpt batches"));
+  const std::size_t positions = data.train.size() - std::size_t(s.seq) - 1;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  float loss = 0;
+  double val = 0;
+  for (long step = 0; step < s.steps; ++step) {
+    std::vector<std::size_t> starts;  // this rank's windows of the step
+    for (long i = 0; i < s.batch; ++i)
+      starts.push_back(std::size_t(draws.uniform_double(std::uint64_t((step * c.size() + c.rank()) * s.batch + i)) *
+                                   double(positions)));
+    const auto [x, y] = windows(data.train, starts, s.seq);
+    adamw.options.lr = schedule(step);
+    const auto r = sharded.train_step(adamw, x, y, sl::nn::cross_entropy,
+                                      {.max_norm = 1.0f, .loss = sl::shard::loss_report::local});
+    if (step % s.every == 0 || step + 1 == s.steps) {
+      loss = r.loss;  // waits for this step's loss only when printed
+      std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
+    }
+    if ((step + 1) % s.eval_every == 0 || step + 1 == s.steps) {
+      val = validation_loss();
+      if (c.rank() == 0)
+        std::printf("train_gpt_cuda: step %ld, %.1f s, validation loss %.4f nats per byte (unigram entropy %.4f)\n",
+                    step + 1, seconds(), val, entropy);
+    }
+  }
+  sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (end of training)");
+  const double trained_s = seconds();
+  if (!s.save.empty()) sl::models::save_hf(sharded, s.save);
+  if (c.rank() != 0) return;
+  const double tokens = double(s.steps) * double(s.batch) * double(s.seq) * double(c.size());
+  std::printf("train_gpt_cuda: %ld steps in %.1f s (%.1f ms/step, %.0f tokens/s over %d GPU(s)); final training loss "
+              "%.4f (rank 0's batch), validation %.4f nats per byte, unigram entropy %.4f\n",
+              s.steps, trained_s, 1e3 * trained_s / double(s.steps), tokens / trained_s, c.size(), double(loss), val,
+              entropy);
+  if (!s.save.empty()) std::printf("train_gpt_cuda: Hugging Face checkpoint written to %s\n", s.save.c_str());
+}
+
+void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data) {
+  const bool llama = s.model == "llama";
+  if (s.dtype == "bf16") {
+    if (llama) train<sl::bfloat16, sl::models::llama_config>(nccl, s, data);
+    else train<sl::bfloat16, sl::models::gpt2_config>(nccl, s, data);
+  } else {
+    if (llama) train<float, sl::models::llama_config>(nccl, s, data);
+    else train<float, sl::models::gpt2_config>(nccl, s, data);
+  }
+}
+
+// This process's GPU: the launcher's local rank, modulo the GPUs it sees.
+int select_device(int local_rank) {
+  const int device = local_rank % sl::cuda::device_count();
+  sl::cuda::check(cudaSetDevice(device), "cudaSetDevice(", device, ")");
+  return device;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  settings s;
+  example::command_line cli("train_gpt on GPUs: a byte-level GPT-2 (or LLaMA) on a text file, bf16 compute over fp32 "
+                            "masters, AdamW, FullShard over NCCL; one GPU, or one process per GPU under mpirun or "
+                            "tools/launch.",
+                            "train_gpt_cuda");
+  const CLI::Validator size = example::whole(1, example::max_size);
+  cli.add_option("--data", s.data, "the text to train on")->check(CLI::ExistingFile);
+  cli.add_option("--model", s.model, "architecture")->check(CLI::IsMember({"gpt2", "llama"}));
+  cli.add_option("--dtype", s.dtype, "compute dtype")->check(CLI::IsMember({"bf16", "fp32"}));
+  cli.add_option("--layers", s.layers, "transformer blocks")->check(size);
+  cli.add_option("--d-model", s.d_model, "model width")->check(size);
+  cli.add_option("--heads", s.heads, "attention heads (divides --d-model)")->check(size);
+  cli.add_option("--kv-heads", s.kv_heads, "LLaMA: key/value heads (divides --heads)")->check(size);
+  cli.add_option("--seq", s.seq, "context length in bytes")->check(example::whole(2, example::max_size));
+  cli.add_option("--batch", s.batch, "sequences per rank and step")->check(size);
+  cli.add_option("--steps", s.steps, "training steps")->check(size);
+  cli.add_option("--every", s.every, "print the loss every this many steps")->check(size);
+  cli.add_option("--eval-every", s.eval_every, "validation loss every this many steps")->check(size);
+  cli.add_option("--warmup", s.warmup, "linear warmup steps")->check(example::whole(0, example::max_size));
+  cli.add_option("--lr", s.lr, "peak learning rate")->check(example::positive());
+  cli.add_option("--min-lr", s.min_lr, "learning rate at the end of the cosine decay")->check(example::real(0, 1));
+  cli.add_option("--weight-decay", s.weight_decay, "AdamW's decoupled weight decay")->check(example::real(0, 1));
+  cli.add_option("--dropout", s.dropout, "GPT-2: residual, embedding and attention dropout")
+      ->check(example::real(0, 0.99));
+  cli.add_option("--val-fraction", s.val_fraction, "the held-out tail's share of the text")
+      ->check(example::real(0.01, 0.5));
+  cli.add_option("--seed", s.seed, "seed of the initialization and the batches")
+      ->check(example::whole(0, std::numeric_limits<long long>::max()));
+  cli.add_option("--save", s.save, "directory for a Hugging Face checkpoint (empty: none)");
+  cli.callback([&] {
+    if (s.d_model % s.heads != 0)
+      throw CLI::ValidationError("--heads", std::to_string(s.heads) + " does not divide --d-model " +
+                                                std::to_string(s.d_model));
+    if (s.model == "llama" && s.heads % s.kv_heads != 0)
+      throw CLI::ValidationError("--kv-heads", std::to_string(s.kv_heads) + " does not divide --heads " +
+                                                   std::to_string(s.heads));
+  });
+  cli.parse_or_exit(argc, argv);
+  try {
+    if (const std::string problem = sl::cuda::device_problem(); !problem.empty())
+      throw sl::error(sl::cat("no usable GPU: ", problem));
+    const corpus data(s.data, s.val_fraction, s.seq);
+    const sl::comm::launch_environment env = sl::comm::discover_environment();
+    if (env.kind == sl::comm::launcher::none) {
+      sl::comm::launch(1, [&](sl::comm::ThreadComm& host) {  // one GPU: a world of one
+        train(sl::comm::NcclComm::bootstrap(host, select_device(0)), s, data);
+      });
+      return 0;
+    }
+#if SHARDLIB_EXAMPLE_WITH_MPI
+    if (env.is_mpi()) {  // mpirun: NCCL's id through MPI
+      sl::comm::mpi_session mpi(&argc, &argv);
+      auto world = sl::comm::MpiComm::world();
+      const int device = select_device(env.local_rank);
+      train(sl::comm::NcclComm::bootstrap(world, device), s, data);
+      return 0;
+    }
+#endif
+    // torchrun-style variables (tools/launch, torchrun, Slurm): NCCL's id through
+    // the TCP store rank 0 serves at MASTER_ADDR:MASTER_PORT.
+    const bool alone = env.size == 1 && !(env.master_addr && env.master_port);
+    sl::require(alone || (env.master_addr && env.master_port), "started by ", sl::comm::name(env.kind), " as rank ",
+                env.rank, " of ", env.size, ", but MASTER_ADDR and MASTER_PORT are not both set");
+    sl::comm::TcpStore store(alone ? "127.0.0.1" : *env.master_addr, alone ? 0 : *env.master_port, env.rank, env.size,
+                             env.rank == 0, sl::comm::seconds{300});
+    const int device = select_device(env.local_rank);
+    train(sl::comm::NcclComm::from_store(store, device), s, data);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt_cuda: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
