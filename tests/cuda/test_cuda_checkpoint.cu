@@ -66,13 +66,15 @@ const sl::optim::AdamW::options_type adamw{.lr = 1e-2, .weight_decay = 0.1};
 
 // Rank r's rows of step s's global batch of 12: inputs in [-1, 1), labels in [0, 5).
 template <class T>
-std::pair<sl::Tensor<T, sl::cuda_space>, sl::Tensor<std::int64_t, sl::cuda_space>> batch(int step, int rank, int world) {
+std::pair<sl::Tensor<T, sl::cuda_space>, sl::Tensor<std::int64_t, sl::cuda_space>> batch(int step, int rank,
+                                                                                        int world) {
   const std::int64_t rows = 12 / world, first = rows * rank;
   sl::Tensor<float> x({rows, 6});
   sl::Tensor<std::int64_t> y({rows});
   sl::counter_rng rng(300 + std::uint64_t(step), 1);
   for (std::int64_t i = 0; i < x.numel(); ++i) x[i] = 2 * rng.uniform_float(std::uint64_t(first * 6 + i)) - 1;
-  for (std::int64_t r = 0; r < rows; ++r) y[r] = std::int64_t(rng.uniform_float(std::uint64_t(1000 + first + r)) * 5) % 5;
+  for (std::int64_t r = 0; r < rows; ++r)
+    y[r] = std::int64_t(rng.uniform_float(std::uint64_t(1000 + first + r)) * 5) % 5;
   auto wide = sl::cuda::to_device(x);
   auto labels = sl::cuda::to_device(y);
   if constexpr (std::is_same_v<T, float>) {
@@ -130,9 +132,9 @@ void put(Sharded& sharded, sl::optim::AdamW& opt, const held& h) {
   sharded.set_steps(h.steps);
 }
 
-// Runs fn(device communicator, host communicator) on `world` thread ranks sharing GPU 0,
-// one stream each; what a rank records it returns through `problems` (checked on the
-// main thread).
+// Runs fn(device communicator, host communicator, stream) on `world` thread ranks
+// sharing GPU 0, one stream each. Ranks record what they find (Catch is not
+// thread-safe); the main thread checks.
 template <class Fn>
 void on_ranks(int world, Fn&& fn) {
   sl::comm::launch(world, [&](sl::comm::ThreadComm& host) {
@@ -188,7 +190,7 @@ TEMPLATE_TEST_CASE("a device model's checkpoints and exports are the host's file
     put(twin, host_opt, values);
     io::save_checkpoint(hst / "ckpt", twin, host_opt, {.tag = "trained", .chunk_bytes = 512});
     io::export_safetensors(hst / "model.safetensors", twin, host_opt);
-    if (hold(twin, host_opt) != values) problems[std::size_t(host.rank())] = "the host twin holds other values";
+    if (hold(twin, host_opt) != values) problems[std::size_t(host.rank())] += "the host twin holds other values; ";
   });
   // W = 3, ShardGradOp: each side loads its own checkpoint (a resharding load); the device
   // must then hold the host's values exactly, and save the same files again.
@@ -204,10 +206,11 @@ TEMPLATE_TEST_CASE("a device model's checkpoints and exports are the host's file
     sl::optim::AdamW host_opt{{.lr = 0.5}};
     io::load_checkpoint(hst / "ckpt" / "trained", twin, host_opt);
     io::save_checkpoint(hst / "ckpt", twin, host_opt, {.tag = "resharded"});
+    auto& problem = problems[std::size_t(host.rank())];
     if (hold(sharded, opt) != hold(twin, host_opt))
-      problems[std::size_t(host.rank())] = "after the resharding load the device holds other values than the host";
+      problem += "after the resharding load the device holds other values than the host; ";
     if (opt.options.lr != adamw.lr || opt.options.weight_decay != adamw.weight_decay)
-      problems[std::size_t(host.rank())] += "; the optimizer's hyperparameters were not restored";
+      problem += "the optimizer's hyperparameters were not restored; ";
   });
   // W = 1 over NCCL (device memory only, io's own collectives included): import the
   // export and export it again; and over the thread communicator the same.
@@ -230,7 +233,7 @@ TEMPLATE_TEST_CASE("a device model's checkpoints and exports are the host's file
     io::save_checkpoint(hst / "ckpt", twin, host_opt, {.tag = "one-rank"});
     (void)dc;
   });
-  for (const auto& p : problems) CHECK(p.empty());
+  for (const auto& p : problems) CHECK(p == "");
   // Three checkpoints (metadata.json and 2, 3 and 1 shard files) and two exports.
   require_same_files(dev, hst, 3 + 2 + 3 + 1 + 2);
   const auto files = test_support::files_under(dev);
