@@ -5,6 +5,7 @@
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/comm/nccl_comm.hpp>
 #include <shardlib/cuda.hpp>
+#include <shardlib/core/pending.hpp>
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/nn/cuda.cuh>
 #include <shardlib/optim/adam.hpp>
@@ -68,18 +69,26 @@ std::vector<float> compared_parameters(Sharded& sharded) {
   return v;
 }
 
+// read_late: every step's loss is read after the last step (a device step's loss
+// stays pending on the device until then), instead of right after its step.
 template <class Sharded, class Optimizer, class Batch>
-trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&& batch) {
+trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&& batch, bool read_late = false) {
   trace t;
   t.initial = compared_parameters(sharded);
-  for (int s = 0; s < steps; ++s) {
-    const long first = (long(s) * host.size() + host.rank()) * per_rank;
-    auto [x, y] = batch(first);
-    const float loss = sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+  std::vector<sl::pending<float>> unread;
+  auto record = [&](float loss) {
     std::vector<float> all(host.size());
     host.all_gather(std::span<const float>(&loss, 1), std::span<float>(all));
     t.losses.push_back(std::accumulate(all.begin(), all.end(), 0.f) / float(host.size()));
+  };
+  for (int s = 0; s < steps; ++s) {
+    const long first = (long(s) * host.size() + host.rank()) * per_rank;
+    auto [x, y] = batch(first);
+    auto r = sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+    if (read_late) unread.push_back(r.loss);
+    else record(r.loss);
   }
+  for (const auto& loss : unread) record(loss);
   t.params = compared_parameters(sharded);
   return t;
 }
@@ -107,7 +116,7 @@ shard::mixed_precision compute_precision() {
 // The same run with the model in device memory on GPU 0, one stream per rank;
 // make_comm(host) gives the rank's device communicator.
 template <class T, class Strategy, class MakeComm>
-trace device_run(int world, Strategy strategy, MakeComm&& make_comm) {
+trace device_run(int world, Strategy strategy, MakeComm&& make_comm, bool read_late = false) {
   std::vector<trace> out(world);
   sl::comm::launch(world, [&](sl::comm::ThreadComm& host) {
     sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
@@ -120,9 +129,13 @@ trace device_run(int world, Strategy strategy, MakeComm&& make_comm) {
                                        .seed = 7,
                                        .precision = compute_precision<T>()});
     sl::optim::cuda::Adam adam{{.lr = lr}};
-    out[host.rank()] = train(host, sharded, adam, [&](long first) {
-      return std::pair(example::to_device<T>(task.inputs(first, per_rank)), sl::cuda::to_device(task.labels(first, per_rank)));
-    });
+    out[host.rank()] = train(
+        host, sharded, adam,
+        [&](long first) {
+          return std::pair(example::to_device<T>(task.inputs(first, per_rank)),
+                           sl::cuda::to_device(task.labels(first, per_rank)));
+        },
+        read_late);
   });
   return out[0];
 }
@@ -207,4 +220,18 @@ TEST_CASE("FullShard bf16 over NCCL equals the thread communicator at world size
   const auto over_nccl = device_run<sl::bfloat16>(1, shard::FullShard{}, nccl_comm);
   CHECK(over_nccl.losses == over_threads.losses);
   CHECK(over_nccl.params == over_threads.params);
+}
+
+// The global mean loss is left on the device (its sum, all-reduced there) until it is
+// read: read after the last step, each step's loss is the one read right after its step,
+// bit for bit, and so is the training (the same kernels and the same reductions in the
+// same order; only when the host reads differs).
+TEST_CASE("losses read after the last step equal those read after each step (two ranks)", "[cuda][training]") {
+  if (!have_device()) return;
+  const auto prompt = device_run<float>(2, shard::FullShard{}, thread_comm);
+  const auto late = device_run<float>(2, shard::FullShard{}, thread_comm, true);
+  REQUIRE(late.losses.size() == std::size_t(steps));
+  CHECK(late.losses == prompt.losses);
+  CHECK(late.params == prompt.params);
+  for (float loss : late.losses) CHECK(std::isfinite(loss));
 }
