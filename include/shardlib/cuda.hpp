@@ -8,6 +8,7 @@
 #endif
 #include "shardlib/config.hpp"
 #include "shardlib/cuda/blas.hpp"                // blas
+#include "shardlib/cuda/blas_lt.hpp"             // blas_lt
 #include "shardlib/cuda/caching_allocator.hpp"   // caching_allocator, device_buffer, device_allocator
 #include "shardlib/cuda/copy.hpp"                // copy_async, fill_bytes_async
 #include "shardlib/cuda/error.hpp"               // cuda_error, check
@@ -17,8 +18,14 @@
 #include "shardlib/ops/cuda/cross_entropy.cuh"   // cross_entropy
 #include "shardlib/ops/cuda/elementwise.cuh"     // relu, gelu, cast, dropout
 #include "shardlib/ops/cuda/embedding.cuh"       // embedding_forward, embedding_backward
+#include "shardlib/ops/cuda/flash_attention.cuh" // flash_attention_forward, flash_attention_backward
 #include "shardlib/ops/cuda/gemm.hpp"            // gemm, gemm_strided_batched
+#include "shardlib/ops/cuda/gemm_lt.hpp"         // gemm_lt (fused epilogues)
 #include "shardlib/ops/cuda/index_report.hpp"    // index_report
 #include "shardlib/ops/cuda/layer_norm.cuh"      // layer_norm_forward, layer_norm_backward
-#include "shardlib/ops/cuda/reduce.cuh"          // sum_squares, count_nonfinite
+#include "shardlib/ops/cuda/position_embedding.cuh"  // add_positions
+#include "shardlib/ops/cuda/reduce.cuh"          // add_column_sums, sums of squares, non-finite counts
+#include "shardlib/ops/cuda/rms_norm.cuh"        // rms_norm_forward, rms_norm_backward
+#include "shardlib/ops/cuda/rotary.cuh"          // apply_rotary, rotary_device_table
 #include "shardlib/ops/cuda/softmax.cuh"         // masked_softmax, softmax_backward
+#include "shardlib/ops/cuda/swiglu.cuh"          // silu, swiglu and their backward
