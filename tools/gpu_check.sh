@@ -3,7 +3,8 @@
 # made for a bare, offline GPU node: check the prerequisites, configure (Ninja, warnings not errors),
 # build the CUDA programs with keep-going, and run whatever built, each under its own time limit:
 # the device tests (test_nccl's initialisation-timeout case alone), train_fsdp_cuda (100 steps; under
-# mpirun too when there are several GPUs and MPI), bench_cuda, then, with the time left,
+# mpirun too when there are several GPUs and MPI), train_gpt_cuda (GPT-2 and LLaMA, 300 steps each),
+# bench_cuda (its encoder, GPT-2 and LLaMA steps with their MFU), then, with the time left,
 # compute-sanitizer's memcheck over test_cuda_ops. It stops itself at the deadline and always leaves
 # two files under --out:
 #   summary.txt   the versions (driver, nvcc, NCCL, compiler, CMake), every step's result, time and
@@ -298,7 +299,7 @@ step() {
     result=skipped
   elif ((rc == 0)); then
     result=passed
-    detail=$(grep -E '^(All tests passed|test cases:)|Loss:|s per step|ERROR SUMMARY' "$log" | tail -n2 | paste -sd';' - || true)
+    detail=$(grep -E '^(All tests passed|test cases:)|Loss:|s per step|ms/step|ERROR SUMMARY' "$log" | tail -n2 | paste -sd';' - || true)
   elif ((rc == 124)) && [[ $name == memcheck* ]]; then # it runs until the deadline by design
     result=partial
     detail="cut at the deadline; $(grep -c '^========= [A-Z][a-z]' "$log" || true) sanitizer reports before that"
@@ -331,6 +332,11 @@ step test_cuda_decoder 180 test_cuda_decoder "${catch[@]}"
 step test_cuda_checkpoint 120 test_cuda_checkpoint "${catch[@]}"
 # The article's script, 100 steps; the model goes to a temporary folder, not into the logs.
 step train_fsdp_cuda 180 train_fsdp_cuda --seed 0 --out "$tmp/model.safetensors" --metrics "$logs/train_fsdp_cuda.jsonl"
+# The decoder example, GPT-2 then LLaMA, on a text every Debian/Ubuntu has (else this repository's design notes).
+text=/usr/share/common-licenses/GPL-3
+[[ -r $text ]] || text=$root/docs/design.md
+step train_gpt_cuda 120 train_gpt_cuda --seed 0 --data "$text"
+step 'train_gpt_cuda llama' 120 train_gpt_cuda --seed 0 --data "$text" --model llama
 if ((gpus > 1)) && [[ $backends == *mpi* ]] && command -v mpirun >/dev/null; then
   via=(mpirun --allow-run-as-root -np "$gpus")
   step "train_fsdp_cuda np=$gpus" 180 train_fsdp_cuda --seed 0 --out "$tmp/model.safetensors" \
@@ -338,7 +344,7 @@ if ((gpus > 1)) && [[ $backends == *mpi* ]] && command -v mpirun >/dev/null; the
   via=()
 fi
 bench_json=$logs/bench_cuda.jsonl
-step bench_cuda 240 bench_cuda --json "$bench_json"
+step bench_cuda 300 bench_cuda --json "$bench_json"
 if [[ -z $sanitizer ]]; then
   row "memcheck test_cuda_ops" omitted "" "compute-sanitizer not found"
 elif ((end - EPOCHSECONDS < 60)); then
