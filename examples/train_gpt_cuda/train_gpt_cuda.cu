@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "common/flags.hpp"
+#include "common/text_corpus.hpp"
 
 namespace sl = shardlib;  // not `using namespace`: CUDA declares a global `half`
 
@@ -58,44 +59,12 @@ struct settings {
   std::uint64_t seed = 0;
 };
 
-// The text as bytes, split into a training head and a held-out tail.
-struct corpus {
-  std::string train, val;
-
-  corpus(const std::string& path, double val_fraction, long seq) {
-    std::ifstream in(path, std::ios::binary);
-    sl::require(bool(in), "cannot read --data ", path);
-    const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-    const auto tail = std::size_t(double(text.size()) * val_fraction);
-    train = text.substr(0, text.size() - tail);
-    val = text.substr(text.size() - tail);
-    sl::require(train.size() > std::size_t(seq + 1) && val.size() > std::size_t(seq + 1), path, " (", text.size(),
-                " bytes) is too short for training and held-out windows of --seq ", seq,
-                " + 1 bytes at --val-fraction ", val_fraction);
-  }
-
-  // H = -sum p(b) ln p(b) over the training bytes, in nats: the loss of the
-  // best model that ignores context.
-  double unigram_entropy() const {
-    std::array<double, 256> count{};
-    for (unsigned char b : train) count[b] += 1;
-    double h = 0;
-    for (double c : count)
-      if (c > 0) h -= c / double(train.size()) * std::log(c / double(train.size()));
-    return h;
-  }
-};
+using example::corpus;
 
 // Device ids = text[start, start + seq) and targets = the bytes after them, for each start.
 std::pair<sl::Tensor<std::int64_t, sl::cuda_space>, sl::Tensor<std::int64_t, sl::cuda_space>> windows(
     const std::string& text, const std::vector<std::size_t>& starts, long seq) {
-  const auto n = std::int64_t(starts.size());
-  sl::Tensor<std::int64_t> ids({n, seq}), targets({n, seq});
-  for (std::int64_t i = 0; i < n; ++i)
-    for (long t = 0; t < seq; ++t) {
-      ids[i * seq + t] = static_cast<unsigned char>(text[starts[std::size_t(i)] + std::size_t(t)]);
-      targets[i * seq + t] = static_cast<unsigned char>(text[starts[std::size_t(i)] + std::size_t(t) + 1]);
-    }
+  const auto [ids, targets] = example::windows(text, starts, seq);
   return {sl::cuda::to_device(ids), sl::cuda::to_device(targets)};
 }
 
