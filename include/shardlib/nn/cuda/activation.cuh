@@ -17,97 +17,72 @@
 namespace shardlib::nn {
 
 namespace detail {
-// The device's counterparts of detail::elementwise and elementwise_backward:
-// kernel(x, y, stream) and, after the check, kernel(x, dy, dx, stream) on the
-// current stream.
-template <class T, class K>
-Tensor<T, cuda_space> device_elementwise(const Tensor<T, cuda_space>& x, K kernel) {
-  Tensor<T, cuda_space> y(x.shape());
-  kernel(x.span(), y.span(), cuda::current_stream());
-  return y;
-}
-template <class T, class K>
-Tensor<T, cuda_space> device_elementwise_backward(const char* layer, const Tensor<T, cuda_space>& x,
-                                                  const Tensor<T, cuda_space>& dy, K kernel) {
-  require_backward_of(layer, x, dy);
-  Tensor<T, cuda_space> dx(x.shape());
-  kernel(x.span(), dy.span(), dx.span(), cuda::current_stream());
-  return dx;
-}
+// What the device activations share: y = f(x) and dx = f'(x) dy through Derived's
+// kernels (forward_kernel(x, y, stream), backward_kernel(x, dy, dx, stream)) on the
+// current stream, the input kept for backward and checked against dy, naming
+// Derived::layer_name.
+template <class Derived, class T>
+class device_activation {
+ public:
+  using input = Tensor<T, cuda_space>;
+  using output = Tensor<T, cuda_space>;
+
+  template <class Ctx>
+  output forward(Ctx&, const input& x) {
+    x_ = x;
+    output y(x.shape());
+    self().forward_kernel(x.span(), y.span(), cuda::current_stream());
+    return y;
+  }
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    require_backward_of(Derived::layer_name, x_, dy);
+    input dx(x_.shape());
+    self().backward_kernel(x_.span(), dy.span(), dx.span(), cuda::current_stream());
+    x_ = {};
+    return dx;
+  }
+
+ private:
+  const Derived& self() const { return static_cast<const Derived&>(*this); }
+  input x_;  // cached for backward
+};
 }  // namespace detail
 
 // The host layers' (no) parameters, GELU's approximation and the checks
 // (detail::activation_base, gelu_base in nn/activation.hpp).
 template <class T>
-class ReLU<T, cuda_space> : public detail::activation_base {
+class ReLU<T, cuda_space> : public detail::activation_base, public detail::device_activation<ReLU<T, cuda_space>, T> {
  public:
-  using input = Tensor<T, cuda_space>;
-  using output = Tensor<T, cuda_space>;
-
-  template <class Ctx>
-  output forward(Ctx&, const input& x) {
-    x_ = x;
-    return detail::device_elementwise(x, ops::cuda::relu<T>);
+  static constexpr const char* layer_name = "ReLU";
+  static void forward_kernel(std::span<const T> x, std::span<T> y, cudaStream_t s) { ops::cuda::relu<T>(x, y, s); }
+  static void backward_kernel(std::span<const T> x, std::span<const T> dy, std::span<T> dx, cudaStream_t s) {
+    ops::cuda::relu_backward<T>(x, dy, dx, s);
   }
-  template <class Ctx>
-  input backward(Ctx&, const output& dy) {
-    input dx = detail::device_elementwise_backward("ReLU", x_, dy, ops::cuda::relu_backward<T>);
-    x_ = {};
-    return dx;
-  }
-
- private:
-  input x_;  // cached for backward
 };
 
 template <class T>
-class GELU<T, cuda_space> : public detail::gelu_base {
+class GELU<T, cuda_space> : public detail::gelu_base, public detail::device_activation<GELU<T, cuda_space>, T> {
  public:
-  using input = Tensor<T, cuda_space>;
-  using output = Tensor<T, cuda_space>;
-
   using gelu_base::gelu_base;  // GELU(), GELU(approximate)
 
-  template <class Ctx>
-  output forward(Ctx&, const input& x) {
-    x_ = x;
-    return detail::device_elementwise(
-        x, [a = approx_](std::span<const T> in, std::span<T> y, cudaStream_t s) { ops::cuda::gelu<T>(in, y, a, s); });
+  static constexpr const char* layer_name = "GELU";
+  void forward_kernel(std::span<const T> x, std::span<T> y, cudaStream_t s) const {
+    ops::cuda::gelu<T>(x, y, approx_, s);
   }
-  template <class Ctx>
-  input backward(Ctx&, const output& dy) {
-    input dx = detail::device_elementwise_backward(
-        "GELU", x_, dy, [a = approx_](std::span<const T> in, std::span<const T> d, std::span<T> out, cudaStream_t s) {
-          ops::cuda::gelu_backward<T>(in, d, out, a, s);
-        });
-    x_ = {};
-    return dx;
+  void backward_kernel(std::span<const T> x, std::span<const T> dy, std::span<T> dx, cudaStream_t s) const {
+    ops::cuda::gelu_backward<T>(x, dy, dx, approx_, s);
   }
-
- private:
-  input x_;  // cached for backward
 };
 
 template <class T>
-class SiLU<T, cuda_space> : public detail::activation_base {
+class SiLU<T, cuda_space> : public detail::activation_base, public detail::device_activation<SiLU<T, cuda_space>, T> {
  public:
-  using input = Tensor<T, cuda_space>;
-  using output = Tensor<T, cuda_space>;
-
-  template <class Ctx>
-  output forward(Ctx&, const input& x) {
-    x_ = x;
-    return detail::device_elementwise(x, ops::cuda::silu<T>);
+  static constexpr const char* layer_name = "SiLU";
+  static void forward_kernel(std::span<const T> x, std::span<T> y, cudaStream_t s) { ops::cuda::silu<T>(x, y, s); }
+  static void backward_kernel(std::span<const T> x, std::span<const T> dy, std::span<T> dx, cudaStream_t s) {
+    ops::cuda::silu_backward<T>(x, dy, dx, s);
   }
-  template <class Ctx>
-  input backward(Ctx&, const output& dy) {
-    input dx = detail::device_elementwise_backward("SiLU", x_, dy, ops::cuda::silu_backward<T>);
-    x_ = {};
-    return dx;
-  }
-
- private:
-  input x_;  // cached for backward
 };
 
 }  // namespace shardlib::nn
