@@ -24,6 +24,7 @@
 #include "shardlib/nn/loss.hpp"
 #include "shardlib/ops/cuda/adam.hpp"
 #include "shardlib/ops/cuda/cross_entropy.hpp"
+#include "shardlib/ops/cuda/deferred_reports.hpp"
 #include "shardlib/ops/cuda/elementwise.hpp"
 #include "shardlib/ops/cuda/embedding.hpp"
 #include "shardlib/ops/cuda/layer_norm.hpp"
@@ -370,4 +371,43 @@ TEST_CASE("the fused Adam element with optim::Adam's step scalars equals its ste
   SECTION("step_scalars refuses invalid options, as the host step does") {
     REQUIRE_THROWS_WITH(sl::optim::Adam{{.lr = -1}}.step_scalars(1), Catch::Contains("invalid learning rate"));
   }
+}
+
+namespace {
+// A report that records its check in a shared log and fails when it is bad.
+struct logged_report {
+  int id;
+  bool bad;
+  std::vector<int>* checked;
+  void check() {
+    checked->push_back(id);
+    if (bad) throw sl::shape_error("report " + std::to_string(id));
+  }
+};
+}  // namespace
+
+TEST_CASE("deferred_reports: take() empties the list in order; past the limit the oldest is checked",
+          "[cuda_math][deferred_reports]") {
+  using list = sl::ops::cuda::deferred_reports<logged_report>;
+  std::vector<int> checked;
+  list reports;
+  for (int i = 0; i < 3; ++i) reports.add({i, false, &checked});
+  auto taken = reports.take();
+  REQUIRE(taken.size() == 3);
+  for (int i = 0; i < 3; ++i) CHECK(taken[std::size_t(i)].id == i);
+  CHECK(reports.size() == 0);
+  CHECK(reports.take().empty());  // nothing accumulates once taken
+
+  for (int i = 0; i < int(list::limit); ++i) reports.add({i, i == 0, &checked});
+  CHECK(checked.empty());  // up to the limit nothing is checked
+  CHECK(reports.size() == list::limit);
+  CHECK_THROWS_WITH(reports.add({100, false, &checked}), "report 0");  // the oldest, bad, raises from add
+  CHECK(checked == std::vector<int>{0});
+  CHECK(reports.size() == list::limit);  // the new one kept, the oldest gone
+  reports.add({101, false, &checked});
+  CHECK(checked == std::vector<int>{0, 1});
+  taken = reports.take();
+  REQUIRE(taken.size() == list::limit);
+  CHECK(taken.front().id == 2);
+  CHECK(taken.back().id == 101);
 }

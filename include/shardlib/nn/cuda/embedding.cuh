@@ -4,6 +4,7 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
+#include "shardlib/core/pending.hpp"                 // count_host_sync
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/cuda/caching_allocator.hpp"       // device_allocator
 #include "shardlib/cuda/copy.hpp"                    // copy_async
@@ -13,22 +14,29 @@
 #include "shardlib/nn/embedding.hpp"                 // the host layers
 #include "shardlib/nn/grad_mode.hpp"                 // grad_enabled
 #include "shardlib/ops/cuda/embedding.cuh"           // embedding_forward, embedding_backward
-#include "shardlib/ops/cuda/index_report.hpp"        // index_report
+#include "shardlib/ops/cuda/index_report.hpp"        // index_report, deferred_index_reports
 #include "shardlib/ops/cuda/position_embedding.cuh"  // add_positions, add_positions_backward
 
 #include <cuda_runtime.h>
 
 #include <cstdint>  // std::int64_t
+#include <memory>   // std::make_shared
 #include <span>     // std::span
+#include <utility>  // std::move
 
 namespace shardlib::nn {
 
 // The host layer's parameter, checks and messages (detail::embedding_base in
 // nn/embedding.hpp); ids in device memory. Forward checks the ids on the
-// device and reads the result, which waits for the stream once per forward,
-// so that an id out of range raises the host's error there, naming the first
-// such position. Backward is deterministic (a stable sort of the ids, no
-// atomics) and in float bit for bit the host's accumulation.
+// device without waiting: it leaves the check in this thread's deferred reports
+// (ops/cuda/index_report.hpp), and the next device loss read raises the host's
+// error, naming the first bad position (after the loss's own bad target, if any);
+// the host raises it in forward. Without a loss read, the 65th forward after an
+// unread one checks that one alone (one wait) and raises its error. Until then
+// the ids stay alive (the error reads the bad id then); the output rows of bad ids
+// are zeros. Backward is
+// deterministic (a stable sort of the ids, no atomics) and in float bit for bit
+// the host's accumulation.
 template <class T>
 class Embedding<T, cuda_space> : public detail::embedding_base<T> {
   using base = detail::embedding_base<T>;
@@ -45,14 +53,17 @@ class Embedding<T, cuda_space> : public detail::embedding_base<T> {
   output forward(Ctx& ctx, const input& ids) {
     output y(this->check_input(ids));
     const cudaStream_t s = cuda::current_stream();
-    ops::cuda::index_report bad(s);
-    ops::cuda::embedding_forward(weight.value, num_, int(dim_), ids.data(), ids.numel(), y.data(), bad, s);
-    if (const auto at = bad.read(s)) {  // waits for s
-      std::int64_t id = 0;
-      cuda::copy_async(std::span<std::int64_t>(&id, 1), std::span<const std::int64_t>(ids.data() + *at, 1), s);
-      cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (Embedding's bad id)");
-      throw this->out_of_range(ids.shape(), *at, id);
-    }
+    auto bad = std::make_shared<ops::cuda::index_report>(s);
+    ops::cuda::embedding_forward(weight.value, num_, int(dim_), ids.data(), ids.numel(), y.data(), *bad, s);
+    ops::cuda::deferred_index_reports().add(
+        ops::cuda::deferred_index_report(std::move(bad), s, [num = num_, dim = dim_, ids](std::int64_t at) {
+          std::int64_t id = 0;  // the report's read has waited for the forward, so any stream may copy
+          const cudaStream_t r = cuda::current_stream();
+          cuda::copy_async(std::span<std::int64_t>(&id, 1), std::span<const std::int64_t>(ids.data() + at, 1), r);
+          count_host_sync();
+          cuda::check(cudaStreamSynchronize(r), "cudaStreamSynchronize (Embedding's bad id)");
+          throw Embedding(num, dim).out_of_range(ids.shape(), at, id);  // a table-less copy for the message
+        }));
     ids_ = grad_enabled(ctx) ? ids : input{};
     return y;
   }

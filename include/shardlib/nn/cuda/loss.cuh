@@ -12,12 +12,13 @@
 #include "shardlib/cuda/memory_space.hpp"       // cuda_space
 #include "shardlib/nn/loss.hpp"                 // cross_entropy_loss, loss_result
 #include "shardlib/ops/cuda/cross_entropy.cuh"  // cross_entropy
-#include "shardlib/ops/cuda/index_report.hpp"   // index_report
+#include "shardlib/ops/cuda/index_report.hpp"   // index_report, deferred_index_reports
 
 #include <cstdint>     // std::int64_t
 #include <functional>  // std::function
 #include <memory>      // std::shared_ptr, std::make_shared
 #include <span>        // std::span
+#include <vector>      // std::vector
 
 namespace shardlib::nn::detail {
 
@@ -25,7 +26,11 @@ namespace shardlib::nn::detail {
 // stays in device memory, a pending<float> whose read (one wait for that stream)
 // also reads the bad-target report and throws the host's shape_error naming the
 // first bad row, so the error comes when the loss is read, not at the call (the
-// host throws at the call). The stream must outlive the loss or its read.
+// host throws at the call). The loss takes this thread's deferred reports (the
+// device Embeddings' bad ids of the forwards before it) when it is made and reads
+// them in the same wait; after its own bad target, the first of them with a bad
+// index throws its layer's error. A loss never read drops them unread. The stream
+// must outlive the loss or its read.
 template <>
 struct cross_entropy_rows<cuda_space> {
   template <class T>
@@ -38,12 +43,18 @@ struct cross_entropy_rows<cuda_space> {
     auto bad = std::make_shared<ops::cuda::index_report>(s);
     ops::cuda::cross_entropy(logits.data(), targets.data(), rows, int(classes), o, grad.data(), loss.data(), *bad, s,
                              cuda::device_allocator(cuda::current_device()));
+    auto earlier = std::make_shared<std::vector<ops::cuda::deferred_index_report>>(
+        ops::cuda::deferred_index_reports().take());
     auto read = [=](const std::function<void()>& before_wait) {
       float value = 0;
       cuda::copy_async(std::span<float>(&value, 1), std::span<const float>(loss.data(), 1), s);
-      const auto r = bad->read(s, before_wait);  // the one wait
+      const auto r = bad->read(s, [&] {  // the one wait
+        for (auto& e : *earlier) e.copy_to_host(s);
+        if (before_wait) before_wait();
+      });
       if (r) throw shape_error(cat("cross_entropy: target ", read_one(targets.data() + *r, s), " in row ", *r,
                                    " is out of range for ", classes, " classes (ignore_index is ", o.ignore_index, ")"));
+      for (const auto& e : *earlier) e.raise_if_bad();
       return value;
     };
     return {pending<float>(read, loss.data()), grad};

@@ -3,7 +3,7 @@
 // the hidden states, and its gradient summed back over them, in nn's order.
 #pragma once
 #include "shardlib/config.hpp"
-#include "shardlib/ops/cuda/launch.cuh"  // for_each_index
+#include "shardlib/ops/cuda/launch.cuh"  // map_elements, for_each_index
 
 #include <cuda_runtime.h>
 
@@ -13,11 +13,10 @@ namespace shardlib::ops::cuda {
 
 namespace detail {
 template <class T>
-struct add_positions_at {
-  const T *x, *w;
-  T* y;
+struct add_positions_of {
+  const T* w;
   std::int64_t block;
-  __device__ void operator()(std::int64_t i) const { y[i] = T(float(x[i]) + float(w[i % block])); }
+  __device__ T operator()(std::int64_t i, T x) const { return T(float(x) + float(w[i % block])); }
 };
 // Column i of the block: the rows of dy in order, added to the gradient in float.
 template <class T>
@@ -37,7 +36,7 @@ struct position_grad_at {
 // w: block, the table's rows at the forward's positions). y may be x.
 template <class T>
 void add_positions(const T* x, const T* w, T* y, std::int64_t rows, std::int64_t block, cudaStream_t stream) {
-  for_each_index(rows * block, detail::add_positions_at<T>{x, w, y, block}, stream, "add_positions");
+  map_elements(rows * block, detail::add_positions_of<T>{w, block}, stream, "add_positions", y, x);
 }
 
 // g[i] += sum over rows r of dy[r, i], adding the rows in order (with float T

@@ -6,7 +6,7 @@
 #include "shardlib/core/element.hpp"          // FloatingElement
 #include "shardlib/nn/activation.hpp"         // silu, silu_backward
 #include "shardlib/ops/cuda/elementwise.cuh"  // detail::require_same_size
-#include "shardlib/ops/cuda/launch.cuh"       // for_each_index
+#include "shardlib/ops/cuda/launch.cuh"       // map_elements, for_each_index
 
 #include <cuda_runtime.h>
 
@@ -17,23 +17,18 @@ namespace shardlib::ops::cuda {
 
 namespace detail {
 template <class T>
-struct silu_at {
-  const T* x;
-  T* y;
-  __device__ void operator()(std::int64_t i) const { y[i] = T(nn::silu(float(x[i]))); }
+struct silu_of {
+  __device__ T operator()(std::int64_t, T x) const { return T(nn::silu(float(x))); }
 };
 template <class T>
-struct silu_backward_at {
-  const T *x, *dy;
-  T* dx;
-  __device__ void operator()(std::int64_t i) const { dx[i] = T(nn::silu_backward(float(x[i]), float(dy[i]))); }
+struct silu_backward_of {
+  __device__ T operator()(std::int64_t, T x, T dy) const { return T(nn::silu_backward(float(x), float(dy))); }
 };
 template <class T>
-struct swiglu_at {
-  const T *gate, *up;
-  T* h;
-  __device__ void operator()(std::int64_t i) const { h[i] = T(nn::silu(float(gate[i])) * float(up[i])); }
+struct swiglu_of {
+  __device__ T operator()(std::int64_t, T gate, T up) const { return T(nn::silu(float(gate)) * float(up)); }
 };
+// Two outputs per element: not a map_elements map.
 template <class T>
 struct swiglu_backward_at {
   const T *gate, *up, *dh;
@@ -50,7 +45,7 @@ struct swiglu_backward_at {
 template <FloatingElement T>
 void silu(std::span<const T> x, std::span<T> y, cudaStream_t stream) {
   detail::require_same_size("silu", x.size(), y.size());
-  for_each_index(std::int64_t(x.size()), detail::silu_at<T>{x.data(), y.data()}, stream, "silu");
+  map_elements(std::int64_t(x.size()), detail::silu_of<T>{}, stream, "silu", y.data(), x.data());
 }
 
 // dx = dy * silu'(x).
@@ -58,8 +53,8 @@ template <FloatingElement T>
 void silu_backward(std::span<const T> x, std::span<const T> dy, std::span<T> dx, cudaStream_t stream) {
   detail::require_same_size("silu_backward", x.size(), dy.size());
   detail::require_same_size("silu_backward", x.size(), dx.size());
-  for_each_index(std::int64_t(x.size()), detail::silu_backward_at<T>{x.data(), dy.data(), dx.data()}, stream,
-                 "silu_backward");
+  map_elements(std::int64_t(x.size()), detail::silu_backward_of<T>{}, stream, "silu_backward", dx.data(), x.data(),
+               dy.data());
 }
 
 // h = silu(gate) * up (one rounding to T): LlamaMLP's gated product, without
@@ -68,7 +63,7 @@ template <FloatingElement T>
 void swiglu(std::span<const T> gate, std::span<const T> up, std::span<T> h, cudaStream_t stream) {
   detail::require_same_size("swiglu", gate.size(), up.size());
   detail::require_same_size("swiglu", gate.size(), h.size());
-  for_each_index(std::int64_t(h.size()), detail::swiglu_at<T>{gate.data(), up.data(), h.data()}, stream, "swiglu");
+  map_elements(std::int64_t(h.size()), detail::swiglu_of<T>{}, stream, "swiglu", h.data(), gate.data(), up.data());
 }
 
 // Both gradients of h = silu(gate) * up in one pass: dup = dh * silu(gate),

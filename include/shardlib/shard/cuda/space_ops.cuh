@@ -16,10 +16,9 @@
 #include "shardlib/cuda/memory_space.hpp"       // cuda_space, pinned_space
 #include "shardlib/cuda/stream.hpp"             // stream, event
 #include "shardlib/nn/flat.hpp"                 // flat_layout, initialize_range
-#include "shardlib/ops/cuda/elementwise.cuh"    // cast
-#include "shardlib/ops/cuda/launch.cuh"         // for_each_index
+#include "shardlib/ops/cuda/elementwise.cuh"    // cast, fill
+#include "shardlib/ops/cuda/launch.cuh"         // map_elements
 #include "shardlib/ops/cuda/reduce.cuh"         // sum_squares, count_nonfinite
-#include "shardlib/optim/optimizer.hpp"         // detail::with_flag
 #include "shardlib/shard/space_ops.hpp"         // space_ops, EngineSpace
 
 #include <cuda_runtime.h>
@@ -68,38 +67,38 @@ cudaStream_t staging_stream(const Comm& comm) {
   }
 }
 
-// The per-element bodies; each is the host's expression in space_ops<host_space>.
-template <class T>
-struct device_fill_at {
-  T* x;
-  T value;
-  __device__ void operator()(std::int64_t i) const { x[i] = value; }
-};
-template <class H, bool Overwrite>
-struct device_widen_add_at {
-  const H* in;
-  float* out;
-  __device__ void operator()(std::int64_t i) const {
-    out[i] = (Overwrite ? 0.0f : out[i]) + element_cast<float>(in[i]);
-  }
+// The per-element maps; each is the host's expression in space_ops<host_space>.
+// An accumulating map reads the output as its last input (in place: each element
+// is read and written by the same thread).
+template <class H>
+struct device_widen_add_of {
+  __device__ float operator()(std::int64_t, H in) const { return 0.0f + element_cast<float>(in); }  // overwrite
+  __device__ float operator()(std::int64_t, H in, float out) const { return out + element_cast<float>(in); }
 };
 template <class H>
-struct device_round_to_at {
-  const float* in;
-  float* out;
-  __device__ void operator()(std::int64_t i) const { out[i] = element_cast<float>(element_cast<H>(in[i])); }
+struct device_round_to_of {
+  __device__ float operator()(std::int64_t, float in) const { return element_cast<float>(element_cast<H>(in)); }
 };
-template <class T, bool Overwrite>
-struct device_add_at {
-  const T* in;
-  T* out;
-  __device__ void operator()(std::int64_t i) const { out[i] = (Overwrite ? T(0) : out[i]) + in[i]; }
+template <class T>
+struct device_add_of {
+  __device__ T operator()(std::int64_t, T in) const { return T(0) + in; }  // overwrite
+  __device__ T operator()(std::int64_t, T in, T out) const { return out + in; }
 };
-struct device_scale_at {
-  float* x;
+struct device_scale_of {
   float c;
-  __device__ void operator()(std::int64_t i) const { x[i] *= c; }
+  __device__ float operator()(std::int64_t, float x) const { return x * c; }
 };
+
+// out = op(in) when overwriting, op(in, out) when accumulating into out.
+template <class T, class Out, class Op>
+void map_into(std::span<const T> in, std::span<Out> out, bool overwrite, Op op, const char* name) {
+  const std::int64_t n = std::int64_t(in.size());
+  if (overwrite)
+    ops::cuda::map_elements(n, op, cuda::current_stream(), name, out.data(), in.data());
+  else
+    ops::cuda::map_elements(n, op, cuda::current_stream(), name, out.data(), in.data(),
+                            static_cast<const Out*>(out.data()));
+}
 
 // One thread folds a reduction's result into a per-step scalar, so that the
 // scalar stays on the device. (Templates: a __global__ function cannot be inline.)
@@ -118,8 +117,7 @@ template <>
 struct space_ops<cuda_space> {
   template <class T>
   static void fill(std::span<T> x, T value) {
-    ops::cuda::for_each_index(std::int64_t(x.size()), detail::device_fill_at<T>{x.data(), value},
-                              cuda::current_stream(), "space_ops fill");
+    ops::cuda::fill(x, value, cuda::current_stream());
   }
   template <class T>
   static void copy(std::span<const T> src, std::span<T> dst) {
@@ -168,28 +166,22 @@ struct space_ops<cuda_space> {
   template <class H>
   static void widen_add(std::span<const H> in, std::span<float> out, bool overwrite) {
     detail::require_same_size("widen_add", in.size(), out.size());
-    optim::detail::with_flag(overwrite, [&](auto o) {
-      ops::cuda::for_each_index(std::int64_t(in.size()), detail::device_widen_add_at<H, o()>{in.data(), out.data()},
-                                cuda::current_stream(), "space_ops widen_add");
-    });
+    detail::map_into(in, out, overwrite, detail::device_widen_add_of<H>{}, "space_ops widen_add");
   }
   template <class H>
   static void round_to(std::span<const float> in, std::span<float> out) {
     detail::require_same_size("round_to", in.size(), out.size());
-    ops::cuda::for_each_index(std::int64_t(in.size()), detail::device_round_to_at<H>{in.data(), out.data()},
-                              cuda::current_stream(), "space_ops round_to");
+    ops::cuda::map_elements(std::int64_t(in.size()), detail::device_round_to_of<H>{}, cuda::current_stream(),
+                            "space_ops round_to", out.data(), in.data());
   }
   template <class T>
   static void add(std::span<const T> in, std::span<T> out, bool overwrite) {
     detail::require_same_size("add", in.size(), out.size());
-    optim::detail::with_flag(overwrite, [&](auto o) {
-      ops::cuda::for_each_index(std::int64_t(in.size()), detail::device_add_at<T, o()>{in.data(), out.data()},
-                                cuda::current_stream(), "space_ops add");
-    });
+    detail::map_into(in, out, overwrite, detail::device_add_of<T>{}, "space_ops add");
   }
   static void scale(std::span<float> x, float c) {
-    ops::cuda::for_each_index(std::int64_t(x.size()), detail::device_scale_at{x.data(), c}, cuda::current_stream(),
-                              "space_ops scale");
+    ops::cuda::map_elements(std::int64_t(x.size()), detail::device_scale_of{c}, cuda::current_stream(),
+                            "space_ops scale", x.data(), static_cast<const float*>(x.data()));
   }
   // The per-step scalars (the contract in shard/space_ops.hpp): reductions go into
   // device memory and stay there; nothing here waits but wait_for_reads. Sums of
