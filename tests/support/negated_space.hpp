@@ -12,6 +12,7 @@
 #include "shardlib/comm/thread_comm.hpp"
 #include "shardlib/comm/work.hpp"
 #include "shardlib/core/buffer.hpp"
+#include "shardlib/core/element.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/memory_space.hpp"
 #include "shardlib/core/random.hpp"
@@ -52,6 +53,8 @@ T flip(T x) {
   if constexpr (std::is_same_v<T, float>) return std::bit_cast<float>(std::bit_cast<std::uint32_t>(x) ^ 0x80000000u);
   else if constexpr (std::is_same_v<T, double>)
     return std::bit_cast<double>(std::bit_cast<std::uint64_t>(x) ^ 0x8000000000000000ull);
+  else if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, half>)
+    return std::bit_cast<T>(std::uint16_t(std::bit_cast<std::uint16_t>(x) ^ 0x8000u));
   else {
     static_assert(std::integral<T>, "negated_space holds floats and integers");
     return T(~x);
@@ -205,6 +208,15 @@ struct shardlib::shard::space_ops<negated::negated_space> {
     negated::detail::flip_copy(std::span<const T>(values), out);
   }
   template <class H>
+  static void narrow(std::span<const float> in, std::span<H> out) {
+    for (std::size_t i = 0; i < in.size(); ++i) out[i] = negated::flip(H(negated::flip(in[i])));
+  }
+  template <class H>
+  static void widen_add(std::span<const H> in, std::span<float> out, bool overwrite) {
+    for (std::size_t i = 0; i < in.size(); ++i)
+      out[i] = negated::flip((overwrite ? 0.f : negated::flip(out[i])) + float(negated::flip(in[i])));
+  }
+  template <class H>
   static void round_to(std::span<const float> in, std::span<float> out) {
     for (std::size_t i = 0; i < in.size(); ++i) out[i] = negated::flip(float(H(negated::flip(in[i]))));
   }
@@ -271,14 +283,15 @@ namespace negated {
 static_assert(shard::OffloadSpace<negated_space>);
 static_assert(comm::check_communicator<negated_comm>());
 
-// y = x W^T + b over tensors of Space, written once for both spaces (plain loops: the
-// same bits in each); PyTorch's names and layout.
-template <class Space>
+// y = x W^T + b over tensors of Space, written once for both spaces (plain loops in
+// float, the same bits in each); V is the layers' element type (float, or bfloat16 for
+// the engine's 16-bit compute path); PyTorch's names and layout.
+template <class Space, class V = float>
 struct Linear {
-  using input = Tensor<float, Space>;
-  using output = Tensor<float, Space>;
+  using input = Tensor<V, Space>;
+  using output = Tensor<V, Space>;
   using io = codec<Space>;
-  nn::Param<float> weight, bias;
+  nn::Param<V> weight, bias;
   std::int64_t in, out;
   input x_;
 
@@ -288,8 +301,8 @@ struct Linear {
     bias.shape = Shape{o};
     bias.init = nn::init_rule::linear_default(i);
   }
-  template <class V>
-  void parameters(V&& v) {
+  template <class P>
+  void parameters(P&& v) {
     v("weight", weight);
     v("bias", bias);
   }
@@ -300,9 +313,10 @@ struct Linear {
     output y({rows, out});
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t o = 0; o < out; ++o) {
-        float acc = io::get(bias.value, o);
-        for (std::int64_t k = 0; k < in; ++k) acc += io::get(x.data(), r * in + k) * io::get(weight.value, o * in + k);
-        io::put(y.data(), r * out + o, acc);
+        float acc = float(io::get(bias.value, o));
+        for (std::int64_t k = 0; k < in; ++k)
+          acc += float(io::get(x.data(), r * in + k)) * float(io::get(weight.value, o * in + k));
+        io::put(y.data(), r * out + o, V(acc));
       }
     return y;
   }
@@ -310,21 +324,21 @@ struct Linear {
   input backward(Ctx&, const output& dy) {
     const std::int64_t rows = x_.numel() / in;
     input dx({rows, in});
+    auto at = [](const V* p, std::int64_t i) { return float(io::get(p, i)); };
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t k = 0; k < in; ++k) {
         float acc = 0;
-        for (std::int64_t o = 0; o < out; ++o)
-          acc += io::get(dy.data(), r * out + o) * io::get(weight.value, o * in + k);
-        io::put(dx.data(), r * in + k, acc);
+        for (std::int64_t o = 0; o < out; ++o) acc += at(dy.data(), r * out + o) * at(weight.value, o * in + k);
+        io::put(dx.data(), r * in + k, V(acc));
       }
     for (std::int64_t o = 0; o < out; ++o) {
       float db = 0;
-      for (std::int64_t r = 0; r < rows; ++r) db += io::get(dy.data(), r * out + o);
-      io::put(bias.grad, o, io::get(bias.grad, o) + db);
+      for (std::int64_t r = 0; r < rows; ++r) db += at(dy.data(), r * out + o);
+      io::put(bias.grad, o, V(at(bias.grad, o) + db));
       for (std::int64_t k = 0; k < in; ++k) {
         float dw = 0;
-        for (std::int64_t r = 0; r < rows; ++r) dw += io::get(dy.data(), r * out + o) * io::get(x_.data(), r * in + k);
-        io::put(weight.grad, o * in + k, io::get(weight.grad, o * in + k) + dw);
+        for (std::int64_t r = 0; r < rows; ++r) dw += at(dy.data(), r * out + o) * at(x_.data(), r * in + k);
+        io::put(weight.grad, o * in + k, V(at(weight.grad, o * in + k) + dw));
       }
     }
     return dx;
@@ -384,28 +398,29 @@ struct Adam {
   }
 };
 
-// A host tensor's values in Space.
-template <class Space>
-Tensor<float, Space> to_space(const Tensor<float>& host) {
-  Tensor<float, Space> t(host.shape());
-  shard::space_ops<Space>::from_host(std::span<const float>(host.span()), t.span());
+// A host tensor's values in Space, as elements of V.
+template <class Space, class V = float>
+Tensor<V, Space> to_space(const Tensor<float>& host) {
+  std::vector<V> values(host.span().begin(), host.span().end());
+  Tensor<V, Space> t(host.shape());
+  shard::space_ops<Space>::from_host(std::span<const V>(values), t.span());
   return t;
 }
 
 // Mean squared error over tensors of Space: the loss on the host, its gradient in Space.
-template <class Space>
+template <class Space, class V = float>
 struct mse_result {
   float loss;
-  Tensor<float, Space> grad;
+  Tensor<V, Space> grad;
 };
-template <class Space>
-mse_result<Space> mse(const Tensor<float, Space>& y, const Tensor<float>& target) {
+template <class Space, class V>
+mse_result<Space, V> mse(const Tensor<V, Space>& y, const Tensor<float>& target) {
   using io = codec<Space>;
-  mse_result<Space> r{0.f, Tensor<float, Space>(y.shape())};
+  mse_result<Space, V> r{0.f, Tensor<V, Space>(y.shape())};
   for (std::int64_t i = 0; i < y.numel(); ++i) {
-    const float d = io::get(y.data(), i) - target[i];
+    const float d = float(io::get(y.data(), i)) - target[i];
     r.loss += d * d / float(y.numel());
-    io::put(r.grad.data(), i, 2 * d / float(y.numel()));
+    io::put(r.grad.data(), i, V(2 * d / float(y.numel())));
   }
   return r;
 }

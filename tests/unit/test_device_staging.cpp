@@ -160,13 +160,15 @@ TEST_CASE("io's agreement and broadcasts run through the space's value collectiv
 
 namespace {
 
-template <class Space>
-using Layer = negated::Linear<Space>;
-template <class Space>
-using Model = nn::Sequential<Layer<Space>, nn::Stack<Layer<Space>>, Layer<Space>>;
-template <class Space>
-Model<Space> make_model() {
-  return Model<Space>{Layer<Space>(5, 8), nn::Stack<Layer<Space>>(3, Layer<Space>(8, 8)), Layer<Space>(8, 3)};
+// V: the layers' element type (bfloat16 takes the engine's 16-bit compute path).
+template <class Space, class V = float>
+using Layer = negated::Linear<Space, V>;
+template <class Space, class V = float>
+using Model = nn::Sequential<Layer<Space, V>, nn::Stack<Layer<Space, V>>, Layer<Space, V>>;
+template <class Space, class V = float>
+Model<Space, V> make_model() {
+  return Model<Space, V>{Layer<Space, V>(5, 8), nn::Stack<Layer<Space, V>>(3, Layer<Space, V>(8, 8)),
+                         Layer<Space, V>(8, 3)};
 }
 
 // Rows [rank * 12 / W, (rank + 1) * 12 / W) of step s's global batch.
@@ -181,10 +183,11 @@ Tensor<float> batch(int step, std::int64_t cols, std::uint64_t stream, int rank,
 
 template <class Space, class Engine, class Opt>
 void train(Engine& sharded, Opt& opt, int first_step, int steps) {
+  using V = typename Engine::compute_type;
   const int rank = sharded.comm().rank(), world = sharded.comm().size();
   for (int s = first_step; s < first_step + steps; ++s) {
     sharded.zero_grad();
-    const auto y = sharded.forward(negated::to_space<Space>(batch(s, 5, 1, rank, world)));
+    const auto y = sharded.forward(negated::to_space<Space, V>(batch(s, 5, 1, rank, world)));
     sharded.backward(negated::mse(y, batch(s, 3, 2, rank, world)).grad);
     sharded.step(opt);
   }
@@ -204,8 +207,9 @@ void flatten(const io::sharded_tensors& ts, std::vector<float>& out) {
 // take the full and sharded state dicts, load the sharded ones at W = 4 and save; load
 // the checkpoint at W = 3 (ShardGradOp) into a model initialised otherwise, train on and
 // save again; import the export at W = 1 (NoShard) and export it again. With offload the
-// optimizer (host Adam) steps in host memory beside the model's space.
-template <class Space, bool offload>
+// optimizer (host Adam) steps in host memory beside the model's space; with V = bfloat16
+// too, the layers compute in 16 bits and the fp32 master lives only there.
+template <class Space, bool offload, class V = float>
 run_values scenario(const fs::path& dir) {
   using Opt = std::conditional_t<offload || std::is_same_v<Space, host_space>, optim::Adam, negated::Adam<Space>>;
   const Opt opt_init{{.lr = 0.02, .weight_decay = 0.01}};
@@ -214,7 +218,9 @@ run_values scenario(const fs::path& dir) {
     else return negated::negated_comm(c);
   };
   auto options = [](std::uint64_t seed) {
-    return shard::options{.wrap = shard::wrap_types<Layer<Space>>{}, .seed = seed, .offload = offload};
+    const shard::mixed_precision mp{.param = std::is_same_v<V, float> ? dtype::f32 : dtype::bf16};
+    return shard::options{.wrap = shard::wrap_types<Layer<Space, V>>{}, .seed = seed, .precision = mp,
+                          .offload = offload};
   };
   run_values out;
   // The state dicts are made and dropped inside the launch: their memory is in the ranks' ledgers.
@@ -225,7 +231,7 @@ run_values scenario(const fs::path& dir) {
     auto all = comm_of(c);
     auto pair = all.split(rank < 2 ? 0 : 1, rank);
     if (rank < 2) {
-      auto model = make_model<Space>();
+      auto model = make_model<Space, V>();
       auto sharded = shard::fully_shard<Opt>(model, pair, shard::FullShard{}, options(7));
       Opt opt = opt_init;
       train<Space>(sharded, opt, 0, 3);
@@ -242,7 +248,7 @@ run_values scenario(const fs::path& dir) {
     }
     c.barrier();
     {
-      auto model = make_model<Space>();
+      auto model = make_model<Space, V>();
       auto sharded = shard::fully_shard<Opt>(model, all, shard::FullShard{}, options(11));
       Opt opt = opt_init;
       io::set_state(sharded, opt, std::span<const io::model_state_dict>(models),
@@ -257,7 +263,7 @@ run_values scenario(const fs::path& dir) {
   });
   comm::launch(3, [&](comm::ThreadComm& c) {
     auto cc = comm_of(c);
-    auto model = make_model<Space>();
+    auto model = make_model<Space, V>();
     auto sharded = shard::fully_shard<Opt>(model, cc, shard::ShardGradOp{}, options(99));
     Opt opt{{.lr = 0.5}};  // the checkpoint's hyperparameters replace these
     io::load_checkpoint(dir / "ckpt" / "first", sharded, opt);
@@ -267,8 +273,10 @@ run_values scenario(const fs::path& dir) {
   });
   comm::launch(1, [&](comm::ThreadComm& c) {
     auto cc = comm_of(c);
-    auto model = make_model<Space>();
-    auto sharded = shard::fully_shard<Opt>(model, cc, shard::NoShard{}, options(5));
+    auto model = make_model<Space, V>();
+    // 16-bit layers keep fp32 masters beside them, which NoShard refuses: ShardOptimizer at W = 1.
+    using Alone = std::conditional_t<std::is_same_v<V, float>, shard::NoShard, shard::ShardOptimizer>;
+    auto sharded = shard::fully_shard<Opt>(model, cc, Alone{}, options(5));
     Opt opt = opt_init;
     io::load_safetensors(dir / "first.safetensors", sharded, opt);
     io::export_safetensors(dir / "again.safetensors", sharded, opt);
@@ -276,13 +284,13 @@ run_values scenario(const fs::path& dir) {
   return out;
 }
 
-template <bool offload>
+template <bool offload, class V = float>
 void compare_with_host() {
-  const test_support::temp_dir host_dir(offload ? "staging_host_offload" : "staging_host"),
-      neg_dir(offload ? "staging_negated_offload" : "staging_negated");
-  const auto want = scenario<host_space, offload>(host_dir.path);
+  const std::string tag = cat(offload ? "_offload" : "", std::is_same_v<V, float> ? "" : "_bf16");
+  const test_support::temp_dir host_dir("staging_host" + tag), neg_dir("staging_negated" + tag);
+  const auto want = scenario<host_space, offload, V>(host_dir.path);
   negated::counts().reset();
-  const auto got = scenario<negated_space, offload>(neg_dir.path);
+  const auto got = scenario<negated_space, offload, V>(neg_dir.path);
   const std::size_t staged = negated::counts().to_host_elements, loaded = negated::counts().from_host_elements;
   CHECK(want.problem.empty());
   CHECK(got.problem.empty());
@@ -324,4 +332,9 @@ TEST_CASE("a model in memory the host cannot read saves, reshards and exports th
 TEST_CASE("the same with the optimizer offloaded to host memory beside the model's space",
           "[staging][checkpoint][offload]") {
   compare_with_host<true>();
+}
+
+TEST_CASE("the same with 16-bit layers, whose fp32 master lives only in the offload space",
+          "[staging][checkpoint][offload][compute16]") {
+  compare_with_host<true, bfloat16>();
 }

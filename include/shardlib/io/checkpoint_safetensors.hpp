@@ -107,7 +107,7 @@ void export_impl(const std::filesystem::path& file, Engine& model, O* opt) {
   };
   for (std::size_t i = 0; i < model.unit_count(); ++i) {
     if (model.unit_layout(i).entries.empty()) continue;  // a unit whose children claimed every parameter
-    write_whole(i, "master", model.master_piece(i), std::type_identity<Space>{});
+    with_master(model, i, [&](std::span<const float> piece, auto space) { write_whole(i, "master", piece, space); });
     if constexpr (!std::is_same_v<O, no_optimizer>) {
       auto& st = model.optimizer_state(*opt, i);
       for (const auto& k : kinds) {

@@ -220,7 +220,9 @@ model_state_dict get_model_state(shard::ShardedModel<M, C, S, float, O>& model, 
   model_state_dict out{{}, model.steps(), model.scaler()};
   stager<Space> staging;
   for (std::size_t i = 0; i < model.unit_count(); ++i)
-    detail::add_unit<Space>(model, i, model.master_piece(i), o, out.params, staging);
+    detail::with_master(model, i, [&](std::span<const float> piece, auto space) {
+      detail::add_unit<typename decltype(space)::type>(model, i, piece, o, out.params, staging);
+    });
   return out;
 }
 

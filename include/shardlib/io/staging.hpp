@@ -17,7 +17,7 @@
 #include <cstddef>      // std::byte, std::size_t
 #include <cstdint>      // std::int64_t
 #include <span>         // std::span
-#include <type_traits>  // std::is_same_v, std::remove_reference_t
+#include <type_traits>  // std::is_same_v, std::remove_reference_t, std::type_identity
 #include <vector>       // std::vector
 
 namespace shardlib::io {
@@ -164,6 +164,18 @@ class host_collectives {
  private:
   Comm* comm_;
 };
+
+// Calls f(model.master_piece(i), std::type_identity<S>{}) with the memory space S the
+// piece lives in: the model's space, or its offload space (host memory) when the engine
+// says the piece is offloaded (16-bit layers with options.offload keep their master
+// only there).
+template <class Engine, class F>
+decltype(auto) with_master(Engine& model, std::size_t i, F&& f) {
+  using Space = typename Engine::space;
+  if constexpr (requires { model.master_piece_offloaded(i); })
+    if (model.master_piece_offloaded(i)) return f(model.master_piece(i), std::type_identity<offload_space_t<Space>>{});
+  return f(model.master_piece(i), std::type_identity<Space>{});
+}
 
 // io's collectives over a sharded model's communicator.
 template <class Engine>

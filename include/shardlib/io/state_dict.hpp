@@ -542,10 +542,11 @@ load_report load_state_dict(const std::filesystem::path& path, Engine& model, co
     auto plan = detail::plan_load(params, files, o);
     detail::check_plan(plan, files, o);
     for (std::size_t i = 0; i < model.unit_count(); ++i) {
-      const auto piece = model.master_piece(i);
-      pieces[i].resize(piece.size());
       // what nothing loads keeps its value
-      detail::copy_to_host<typename Engine::space>(staging, piece, std::span<T>(pieces[i]));
+      detail::with_master(model, i, [&](std::span<const T> piece, auto space) {
+        pieces[i].resize(piece.size());
+        detail::copy_to_host<typename decltype(space)::type>(staging, piece, std::span<T>(pieces[i]));
+      });
       const std::uint64_t begin = model.partition(i).begin(model.partition_rank());
       detail::read_range(files, plan, model.unit_layout(i).entries, begin, std::span<T>(pieces[i]));
     }

@@ -488,23 +488,32 @@ class ShardedModel {
     model_->parameters([&](std::string_view name, auto&) { position.emplace(std::string(name), position.size()); });
     std::vector<named_tensor> out(keep ? position.size() : 0);
     for (std::size_t i = 0; i < units_.size(); ++i) {
-      Buffer<T, space> full;
+      Buffer<T, space> full, uploaded;
       std::span<const T> values = master_local(units_[i]);
-      bool whole = false;
+      // An offloaded master is host memory: gathered, it goes to the model's space first
+      // (the communicator's memory); alone, the host reads it in place.
+      bool on_host = master_offloaded(units_[i]), whole = false;
       if constexpr (!compute16)
         if (master_in_values()) {
           values = units_[i].values.span();  // replicated: everything is here
           whole = true;
         }
       if (!whole && partitions() > 1) {
+        if (on_host) {
+          uploaded = Buffer<T, space>(values.size(), category::comm_scratch);
+          ops::from_host(values, uploaded.span());
+          values = uploaded.span();
+        }
         full = Buffer<T, space>(partition(i).padded_size(), category::gathered_parameters);
         shard_comm().all_gather(values, full.span());
         values = full.span();
+        on_host = false;
       }
       if (!keep) continue;
       for (const auto& e : units_[i].layout.entries) {
         Tensor<T> t(e.shape, category::parameters);
-        ops::to_host(values.subspan(e.offset, e.numel()), t.span());
+        if (on_host) offload_ops::copy(values.subspan(e.offset, e.numel()), t.span());
+        else ops::to_host(values.subspan(e.offset, e.numel()), t.span());
         out[position.at(e.name)] = {e.name, std::move(t)};
       }
       for (const auto& a : units_[i].aliases)
@@ -537,8 +546,11 @@ class ShardedModel {
     if (partitions() > 1) return {n, partitions()};
     return {shard_layout{n, policy_.group(comm_->size())}.padded_size(), 1};
   }
-  // This rank's piece of unit i's master values (memory of the model's space).
+  // This rank's piece of unit i's master values: memory of the model's space, or of its
+  // offload space (host memory) when master_piece_offloaded(i).
   std::span<const T> master_piece(std::size_t i) { return master_local(units_.at(i)); }
+  // With 16-bit layers and options.offload the master lives only in the offload space.
+  bool master_piece_offloaded(std::size_t i) const { return master_offloaded(units_.at(i)); }
   // Unit i's optimizer state, made (zeroed) on first use exactly as step() makes it.
   template <class O>
   typename Optimizer::state& optimizer_state(O& opt, std::size_t i) {
@@ -554,8 +566,9 @@ class ShardedModel {
                          "' needs ", local.size(), " values, got ", values.size());
     require(!policy_.shard_parameters || u.where == state::sharded, "rank ", comm_->rank(), ": load_master of unit '",
             u.name, "' while it is gathered (load between steps)");
-    ops::from_host(values, local);
-    if constexpr (compute16) ops::narrow(std::span<const T>(local), u.compute_shard.span());
+    if (master_offloaded(u)) offload_ops::copy(values, local);
+    else ops::from_host(values, local);
+    if constexpr (compute16) narrow_master(u);
     else if (u.offload) offload_ops::copy(values, u.offload->master.span());
     if (!policy_.shard_parameters) refresh_values(u);
   }
@@ -658,6 +671,21 @@ class ShardedModel {
   bool master_in_values() const {
     return !policy_.shard_parameters && !compute16 && opts_.precision.param == dtype::f32;
   }
+  // 16-bit layers over an offloaded master keep no master in the model's space.
+  bool master_offloaded(const unit_type& u) const { return compute16 && u.offload.has_value(); }
+  // The compute shard = the master rounded to C, where the master lives: offloaded, it
+  // is rounded in host memory and copied over the offload channel, as a step does.
+  void narrow_master(unit_type& u) {
+    if constexpr (compute16) {
+      if (u.offload) {
+        offload_ops::narrow(std::span<const T>(u.offload->master.span()), u.offload->compute_copy.span());
+        offload_->from_offload(std::span<const C>(u.offload->compute_copy.span()), u.compute_shard.span());
+        offload_->fence();
+      } else {
+        ops::narrow(std::span<const T>(master_local(u)), u.compute_shard.span());
+      }
+    }
+  }
   std::span<T> master_local(unit_type& u) {
     if constexpr (compute16) {
       if (u.offload) return u.offload->master.span();
@@ -690,7 +718,7 @@ class ShardedModel {
     }
     if constexpr (compute16) {
       u.compute_shard = Buffer<C, space>(part.shard_size(), category::parameters);
-      ops::narrow(std::span<const T>(master_local(u)), u.compute_shard.span());
+      narrow_master(u);
     }
     u.grad.emplace(part.numel, part.world, pr, category::gradients);
     if (policy_.shard_parameters) return;
