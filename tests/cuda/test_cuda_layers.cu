@@ -31,6 +31,7 @@
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/sequential.hpp>
 #include <shardlib/nn/stack.hpp>
+#include <shardlib/ops/cuda/index_report.hpp>  // deferred_index_reports
 #include <shardlib/ops/cuda/rotary.cuh>
 #include <shardlib/ops/cuda/swiglu.cuh>
 
@@ -83,6 +84,13 @@ Tensor<T, cuda_space> device_tensor(Shape s, const std::vector<float>& v) {
   const std::vector<T> cast = as<T>(v);
   Tensor<T, cuda_space> t(s);
   sl::cuda::copy_async(t.span(), std::span<const T>(cast), sl::cuda::current_stream());
+  return t;
+}
+// Ids (or targets) all equal to `value`.
+Tensor<std::int64_t, cuda_space> device_ids(Shape s, std::int64_t value) {
+  const std::vector<std::int64_t> v(std::size_t(s.numel()), value);
+  Tensor<std::int64_t, cuda_space> t(s);
+  sl::cuda::copy_async(t.span(), std::span<const std::int64_t>(v), sl::cuda::current_stream());
   return t;
 }
 template <class T>
@@ -578,8 +586,62 @@ TEMPLATE_TEST_CASE("device Embedding equals the host layer: repeated ids, accumu
   }
   REQUIRE(host_message == "Embedding(50, 37): id 53 at position [0, 17] of the input [4, 33] is out of range for a "
                           "table of 50 rows");
-  CHECK_THROWS_WITH(dev.forward(dctx, ids_dev), host_message);
+  // The device checks the ids without waiting: the error comes with the next loss read
+  // (here a cross-entropy on the forward's output with valid targets).
+  const auto targets = device_ids(ids.shape(), 1);
+  const auto bad_y = dev.forward(dctx, ids_dev);
+  const auto loss = nn::cross_entropy(bad_y, targets).loss;
+  CHECK_THROWS_WITH(float(loss), host_message);
+  CHECK_THROWS_AS(float(loss), sl::shape_error);  // kept: every read raises it
   CHECK_THROWS_AS(dev.forward(dctx, Tensor<std::int64_t, cuda_space>{}), sl::shape_error);
+}
+
+// The Embedding's bad-id check is read with the next loss, in that loss's one wait;
+// a loss takes the reports when it is made; forwards without any loss read the
+// oldest report alone past deferred_reports::limit (64).
+TEST_CASE("device Embedding leaves its check to the next loss read", "[cuda][layers][decoder][pending]") {
+  if (!have_device()) return;
+  on_stream s;
+  random_inputs rnd;
+  auto& reports = sl::ops::cuda::deferred_index_reports();
+  (void)reports.take();  // what earlier tests left unread
+  const std::int64_t num = 8, dim = 5;
+  nn::Embedding<float> host(num, dim);
+  nn::Embedding<float, cuda_space> dev(num, dim);
+  bound_parameters<float> params(host, dev, rnd);
+  const auto good = device_ids({2, 3}, 2), bad = device_ids({2, 3}, num), targets = device_ids({2, 3}, 0);
+  nn::context ctx;
+  (void)float(nn::cross_entropy(dev.forward(ctx, good), targets).loss);  // allocations may wait
+  const std::string message =
+      "Embedding(8, 5): id 8 at position [0, 0] of the input [2, 3] is out of range for a table of 8 rows";
+
+  auto before = sl::host_syncs();
+  auto loss = nn::cross_entropy(dev.forward(ctx, good), targets).loss;
+  CHECK(sl::host_syncs() - before == 0);  // forward and loss: no wait
+  CHECK(reports.size() == 0);             // the loss took the report
+  CHECK(std::isfinite(float(loss)));
+  CHECK(sl::host_syncs() - before == 1);  // the loss and both reports in one wait
+
+  // A bad forward's report is taken by the first loss after it, even one never read.
+  (void)dev.forward(ctx, bad);
+  (void)nn::cross_entropy(dev.forward(ctx, good), targets).loss;
+  CHECK(std::isfinite(float(nn::cross_entropy(dev.forward(ctx, good), targets).loss)));
+  (void)dev.forward(ctx, bad);
+  CHECK_THROWS_WITH(float(nn::cross_entropy(dev.forward(ctx, good), targets).loss), message);
+
+  // Without a loss: limit forwards wait for nothing, the next reads the oldest alone.
+  before = sl::host_syncs();
+  (void)dev.forward(ctx, bad);
+  for (std::size_t i = 1; i < reports.limit; ++i) (void)dev.forward(ctx, good);
+  CHECK(sl::host_syncs() - before == 0);
+  CHECK(reports.size() == reports.limit);
+  CHECK_THROWS_WITH(dev.forward(ctx, good), message);  // the oldest, the bad one
+  CHECK(sl::host_syncs() - before == 2);                 // its report, then its id for the message
+  CHECK(reports.size() == reports.limit);
+  before = sl::host_syncs();
+  (void)dev.forward(ctx, good);
+  CHECK(sl::host_syncs() - before == 1);
+  (void)reports.take();
 }
 
 TEMPLATE_TEST_CASE("device PositionEmbedding equals the host layer at offsets 0 and 3", "[cuda][layers][decoder]",
