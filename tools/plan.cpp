@@ -15,6 +15,7 @@
 //       it, its activations measured by one unsharded step on this machine
 //   common flags: --world 4 | --worlds 1,2,4,8   --strategy all|full|grad-op|optimizer|none|hybrid
 //                 --group 2 --prefetch 1 --param f32 --reduce f32 --compute f32|bf16|f16
+//                 --fused-attention (--model, --params: the device layers' attention)
 //                 --optimizer adam|amsgrad|momentum|sgd
 //                 --memory 80 (GB) --bandwidth 100 (GB/s per rank) --flops 100 (TFLOP/s per rank)
 //                 --json FILE (one JSON line per strategy and world)
@@ -50,7 +51,7 @@ namespace {
 constexpr double max_params = 1e15;
 
 struct settings {
-  bool article = false, encoder = false;
+  bool article = false, encoder = false, fused_attention = false;
   std::string preset;  // --model
   double params = 0;  // 0: the blocks alone
   long hidden = 0, batch = 8;
@@ -111,6 +112,11 @@ settings parse(int argc, char** argv) {
   cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes);
   cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes);
   cli.add_option("--compute", s.compute, "compute dtype (default: --param's, f32 with --encoder)")->check(dtypes);
+  cli.add_flag("--fused-attention", s.fused_attention,
+               "the device layers' fused attention: no stored seq x seq weights, a float log-sum-exp per query "
+               "(--model and --params; the host layers keep the weights)")
+      ->excludes(encoder)
+      ->excludes(article);
   cli.add_option("--optimizer", s.optimizer, "optimizer state to plan for")
       ->check(CLI::IsMember({"adam", "adamw", "amsgrad", "momentum", "sgd"}));
   cli.add_option("--memory", s.memory, "device memory per rank, GB")->check(example::positive());
@@ -345,7 +351,7 @@ int main(int argc, char** argv) {
     plan::model_desc d;
     if (!s.preset.empty()) {
       const auto& m = plan::decoder_preset(s.preset);
-      d = plan::decoder(m, s.batch, s.model.seq, p.compute);
+      d = plan::decoder(m, s.batch, s.model.seq, p.compute, s.fused_attention);
       std::printf("# %s: %s, %ld layers, hidden %ld, %ld heads (%ld kv), vocab %ld, intermediate %ld, seq %ld, %s: "
                   "%s parameters\n",
                   std::string(m.name).c_str(), m.family == plan::family::gpt2 ? "GPT-2" : "LLaMA", m.layers, m.hidden,
@@ -359,12 +365,15 @@ int main(int argc, char** argv) {
                              .hidden = s.hidden,
                              .heads = s.model.heads,
                              .seq = s.model.seq,
-                             .batch = s.batch},
+                             .batch = s.batch,
+                             .fused_attention = s.fused_attention},
                             p.compute);
     }
     std::FILE* json = s.json.empty() ? nullptr : std::fopen(s.json.c_str(), "w");
     require(s.json.empty() || json, "shardlib-plan: cannot write ", s.json);
-    print_model(d, s.encoder ? "measured, one unsharded step" : "estimate");
+    print_model(d, s.encoder           ? "measured, one unsharded step"
+                   : s.fused_attention ? "estimate, fused attention: no seq x seq weights kept"
+                                       : "estimate");
     const plan::machine mc{
         .memory_bytes = s.memory * 1e9, .link_bytes_per_s = s.bandwidth * 1e9, .flops_per_s = s.flops * 1e12};
     for (int w : s.worlds.empty() ? std::vector<int>{s.world} : s.worlds) {

@@ -375,7 +375,35 @@ TEST_CASE("decoder presets count their parameters from the architecture", "[plan
   CHECK(d.parameters() == 68'976'648'192);
   CHECK(d.units[1] == plan::block_parameters(l70));
   CHECK(d.activation_bytes == std::size_t(80) * 4096 * 8192 * (34 + 5 * 64 * 4096 / 8192));  // seq 4096, 16 bits
+  // The device's fused attention: no 64 x 4096 x 4096 weights, 64 x 4096 floats of log-sum-exp per layer.
+  CHECK(plan::decoder(l70, 1, 0, dtype::bf16, true).activation_bytes ==
+        std::size_t(80) * (4096 * 8192 * 34 + 4 * 64 * 4096));
   CHECK_THROWS_WITH(plan::decoder_preset("gpt3"), Catch::Contains("no model preset 'gpt3' (known: gpt2-124m, "));
+}
+
+// The stored attention weights (Korthikanti's 5·heads·seq² bytes per layer in 16 bits)
+// are the host layers'; the device's fused attention (nn/cuda/attention.cuh) keeps the
+// output (among the 34·seq·hidden) and one float log-sum-exp per (batch, head, query),
+// whatever the activations' dtype. The article's shape, 2 sequences per rank.
+TEST_CASE("activations: the host layers keep attention's seq x seq weights, the fused attention a log-sum-exp",
+          "[plan][activations]") {
+  const std::size_t L = 28, s = 2048, h = 4096, a = 16, b = 2;
+  for (dtype act : {dtype::bf16, dtype::f32}) {
+    INFO(name(act));
+    const std::size_t bytes = size_of(act);
+    plan::transformer_shape shape{.parameters = 6e9, .layers = 28, .hidden = 4096, .heads = 16, .seq = 2048, .batch = 2};
+    const auto host = plan::transformer(shape, act);
+    shape.fused_attention = true;
+    const auto fused = plan::transformer(shape, act);
+    CHECK(host.activation_bytes == L * (s * b * h * 34 + 5 * a * s * s * b) * bytes / 2);
+    CHECK(fused.activation_bytes == L * (s * b * h * 34 * bytes / 2 + 4 * a * s * b));
+    CHECK(fused.units == host.units);
+    CHECK(fused.flops == host.flops);  // the estimate counts no recomputation (the fused backward recomputes scores)
+    // What the planner's plans carry: only the activations differ.
+    const auto pf = plan::make_plan(fused, {.strategy = plan::strategy::full_shard, .world = 4});
+    const auto ph = plan::make_plan(host, {.strategy = plan::strategy::full_shard, .world = 4});
+    CHECK(ph.memory.activations - pf.memory.activations == host.activation_bytes - fused.activation_bytes);
+  }
 }
 
 // Mixed-precision Adam holds 16 bytes a parameter (ZeRO paper, sec. 3.1): 2 (bf16
