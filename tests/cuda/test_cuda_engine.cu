@@ -11,8 +11,10 @@
 #include <shardlib/cuda/copy.hpp>
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/nn/cuda/activation.cuh>
+#include <shardlib/nn/cuda/embedding.cuh>
 #include <shardlib/nn/cuda/linear.cuh>
 #include <shardlib/nn/cuda/loss.cuh>
+#include <shardlib/nn/cuda/pooling.cuh>
 #include <shardlib/nn/flat.hpp>
 #include <shardlib/nn/sequential.hpp>
 #include <shardlib/optim/adam.hpp>
@@ -682,4 +684,43 @@ TEST_CASE("a bad target is raised when the device loss is read", "[cuda][engine]
   CHECK_THROWS_AS(float(r.loss), sl::shape_error);  // kept: every read raises it
   // With a read inside the step (clipping), the step raises before the optimizer runs.
   CHECK_THROWS_WITH(run.step(2, {.max_norm = 1.0f}, 3), message);
+}
+
+// The Embedding checks its ids on the device too: its report is read with the loss,
+// in the same single wait, and a bad id is raised there with the host's message.
+TEST_CASE("a device train_step through an Embedding waits only when its loss is read", "[cuda][engine][pending]") {
+  if (!have_device()) return;
+  using Emb = sl::nn::Embedding<float, sl::cuda_space>;
+  using Lin = sl::nn::Linear<float, sl::cuda_space>;
+  using Model = sl::nn::Sequential<Emb, sl::nn::MeanPool<float, sl::cuda_space>, Lin>;
+  sl::cuda::stream stream{0};
+  sl::cuda::stream_scope scope(stream.get());
+  sl::comm::NcclComm comm = single_rank_nccl(stream.get());
+  Model model{Emb(10, 8), sl::nn::MeanPool<float, sl::cuda_space>(1), Lin(8, 3)};  // the mean over positions
+  sl::optim::cuda::Adam adam{{.lr = 1e-2}};
+  sl::shard::ShardedModel<Model, sl::comm::NcclComm, sl::shard::FullShard, float, sl::optim::cuda::Adam> sharded(
+      model, comm, sl::shard::FullShard{}, sl::shard::options{.seed = 3});
+  sl::Tensor<std::int64_t> ids(sl::Shape{4, 5}), targets(sl::Shape{4});
+  for (std::int64_t i = 0; i < ids.numel(); ++i) ids[i] = (i * 3) % 10;
+  for (std::int64_t r = 0; r < 4; ++r) targets[r] = r % 3;
+  const auto y = sl::cuda::to_device(targets);
+  auto x = sl::cuda::to_device(ids);
+  (void)float(sharded.train_step(adam, x, y, sl::nn::cross_entropy).loss);  // the first step allocates
+  sl::cuda::check(cudaStreamSynchronize(stream.get()), "cudaStreamSynchronize");
+
+  auto before = sl::host_syncs();
+  auto r = sharded.train_step(adam, x, y, sl::nn::cross_entropy);
+  CHECK(sl::host_syncs() - before == 0);
+  CHECK(std::isfinite(float(r.loss)));
+  CHECK(sl::host_syncs() - before == 1);
+
+  ids[7] = 12;
+  x = sl::cuda::to_device(ids);
+  sl::cuda::check(cudaStreamSynchronize(stream.get()), "cudaStreamSynchronize");
+  before = sl::host_syncs();
+  auto bad = sharded.train_step(adam, x, y, sl::nn::cross_entropy);
+  CHECK(sl::host_syncs() - before == 0);
+  CHECK_THROWS_WITH(float(bad.loss),
+                    "Embedding(10, 8): id 12 at position [1, 2] of the input [4, 5] is out of range for a table of "
+                    "10 rows");
 }

@@ -10,7 +10,7 @@
 #include "shardlib/cuda/current.hpp"              // current_stream
 #include "shardlib/cuda/error.hpp"                // check
 #include "shardlib/cuda/stream.hpp"               // event
-#include "shardlib/ops/cuda/deferred_reports.hpp" // deferred_reports
+#include "shardlib/ops/cuda/deferred_reports.hpp"  // deferred_reports
 
 #include <cuda_runtime.h>
 
