@@ -953,7 +953,7 @@ class ShardedModel {
       if (const float* d = loss.device()) ops::copy(std::span<const float>(d, 1), slot);
       else ops::fill(slot, loss.get());
     } else {
-      slot[0] = float(loss);
+      ops::fill(slot, float(loss));  // slot is the model's memory: a device's on a device
     }
   }
   // The loss, with the copies `issue` makes read in the same wait: a pending loss's

@@ -19,8 +19,8 @@ namespace shardlib::nn {
 namespace detail {
 // What the device activations share: y = f(x) and dx = f'(x) dy through Derived's
 // kernels (forward_kernel(x, y, stream), backward_kernel(x, dy, dx, stream)) on the
-// current stream, the input kept for backward and checked against dy, naming
-// Derived::layer_name.
+// current stream, the input kept for backward (when one follows: nn::grad_enabled)
+// and checked against dy, naming Derived::layer_name.
 template <class Derived, class T>
 class device_activation {
  public:
@@ -28,8 +28,8 @@ class device_activation {
   using output = Tensor<T, cuda_space>;
 
   template <class Ctx>
-  output forward(Ctx&, const input& x) {
-    x_ = x;
+  output forward(Ctx& ctx, const input& x) {
+    x_ = grad_enabled(ctx) ? x : input{};  // kept only when a backward follows
     output y(x.shape());
     self().forward_kernel(x.span(), y.span(), cuda::current_stream());
     return y;

@@ -66,7 +66,15 @@ class MultiheadAttention<T, cuda_space> : public detail::attention_base<T, cuda_
     lse_ = Tensor<float, cuda_space>({batch_, o_.num_heads, seq_});
     ops::cuda::flash_attention_forward<T>(read(qkv_, 0), read(qkv_, 1), read(qkv_, 2), heads(attn_, 0), lse_.data(),
                                           fused(), s);
-    return ctx.forward(out_proj, attn_);
+    output y = ctx.forward(out_proj, attn_);
+    if (!grad_enabled(ctx)) {  // no backward follows: keep nothing (as the host layers)
+      x_ = {};
+      qkv_ = {};
+      attn_ = {};
+      lse_ = {};
+      key_padding_ = {};
+    }
+    return y;
   }
 
   template <class Ctx>

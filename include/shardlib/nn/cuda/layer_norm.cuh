@@ -32,15 +32,18 @@ class LayerNorm<T, cuda_space> : public detail::layer_norm_base<T> {
 
   using base::base;  // LayerNorm(normalized_dim, eps = 1e-5, elementwise_affine = true)
 
+  // Keeps x and the row statistics only when a backward follows (nn::grad_enabled).
   template <class Ctx>
-  output forward(Ctx&, const input& x) {
+  output forward(Ctx& ctx, const input& x) {
     this->check_input(x.shape());
     const std::int64_t rows = x.numel() / d_;
-    x_ = x;
-    stats_ = Tensor<ops::cuda::row_stats, cuda_space>(Shape{rows});
+    Tensor<ops::cuda::row_stats, cuda_space> stats(Shape{rows});
     output y(x.shape());
     ops::cuda::layer_norm_forward(x.data(), affine_ ? weight.value : nullptr, affine_ ? bias.value : nullptr, y.data(),
-                                  stats_.data(), rows, int(d_), float(eps_), cuda::current_stream());
+                                  stats.data(), rows, int(d_), float(eps_), cuda::current_stream());
+    const bool keep = grad_enabled(ctx);
+    x_ = keep ? x : input{};
+    stats_ = keep ? std::move(stats) : Tensor<ops::cuda::row_stats, cuda_space>{};
     return y;
   }
 

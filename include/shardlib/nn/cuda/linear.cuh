@@ -62,10 +62,13 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
   void fuse_activation(fused_activation a) { act_ = a; }
   fused_activation activation() const { return act_; }
 
+  // Keeps what backward needs (x, and the fused activation's output or input) only when
+  // a backward follows (nn::grad_enabled), as the host layers do.
   template <class Ctx>
-  output forward(Ctx&, const input& x) {
+  output forward(Ctx& ctx, const input& x) {
     this->check_input(x.shape());
-    x_ = x;
+    const bool keep = grad_enabled(ctx);
+    x_ = keep ? x : input{};
     const std::int64_t rows = x.numel() / in_;
     output y(this->output_shape(x.shape()));
     switch (act_) {
@@ -77,7 +80,7 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
           plain_product(rows, y);
           ops::cuda::relu<T>(y.span(), y.span(), cuda::current_stream());
         }
-        y_ = y;
+        y_ = keep ? y : output{};
         break;
       case fused_activation::gelu_tanh:
         pre_ = output(y.shape());
@@ -85,6 +88,7 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
           plain_product(rows, pre_);
           ops::cuda::gelu<T>(pre_.span(), y.span(), gelu_approx::tanh, cuda::current_stream());
         }
+        if (!keep) pre_ = {};  // the product's aux output, needed by backward only
         break;
     }
     return y;
