@@ -354,10 +354,18 @@ void dispatch_dim(std::int64_t dim, const char* who, F&& f) {
   else f.template operator()<256>();
 }
 
-// Dynamic shared memory above 48 KiB needs the kernel's opt-in.
+// Dynamic shared memory above 48 KiB needs the kernel's opt-in, up to the device's
+// limit (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89: head_dim 256's
+// backward needs 130 KiB), checked first so that a small GPU gets a message.
 template <class K>
 void launch(K kernel, dim3 grid, std::size_t shared_bytes, cudaStream_t stream, const char* name,
             const auto& args) {
+  int device = 0, limit = 0;
+  shardlib::cuda::check(cudaGetDevice(&device), "cudaGetDevice for ", name);
+  shardlib::cuda::check(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                        "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin) for ", name);
+  require(shared_bytes <= std::size_t(limit), name, ": needs ", shared_bytes, " bytes of shared memory per block, GPU ",
+          device, " has ", limit, " (head_dim 128 or less needs at most 66,816)");
   shardlib::cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes)),
                         "cudaFuncSetAttribute for ", name);
   kernel<<<grid, tile * warps, shared_bytes, stream>>>(args);
