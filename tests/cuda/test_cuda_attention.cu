@@ -60,11 +60,7 @@ head_view<const U> cview(const head_view<U>& v) {
 
 // Largest |got - want| over the largest |want|; NaN (a poisoned, unwritten element) counts as +inf.
 test_support::max_error normwise(const std::vector<float>& got, const std::vector<double>& want) {
-  double m = 0;
-  for (double w : want) m = std::max(m, std::abs(w));
-  test_support::max_error e;
-  e.relative(got, want, m > 0 ? m : 1.0);
-  return e;
+  return test_support::normwise_error(got, want);
 }
 
 struct tensors {

@@ -120,4 +120,21 @@ class max_error {
   std::size_t count_ = 0, nonfinite_ = 0, worst_at_ = none, first_nonfinite_ = none;
 };
 
+// Normwise error: the largest |got - want| over the largest |want| (1 when want is all
+// zero). A reference that is not finite fails too: its scale could not be trusted.
+template <std::ranges::sized_range Got, std::ranges::sized_range Want>
+max_error normwise_error(const Got& got, const Want& want) {
+  double scale = 0;
+  bool finite = true;
+  for (const auto& w : want) {
+    const double a = std::abs(double(w));
+    finite = finite && std::isfinite(a);
+    scale = std::max(scale, a);
+  }
+  max_error e;
+  if (!finite) e.add(infinity);
+  else e.relative(got, want, scale > 0 ? scale : 1.0);
+  return e;
+}
+
 }  // namespace test_support
