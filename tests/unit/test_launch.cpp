@@ -251,20 +251,22 @@ TEST_CASE("a rank that leaves makes the others raise naming it, at once", "[laun
 
 TEST_CASE("a rank that stops answering makes the others raise naming it after the timeout",
           "[launch][socket][failure]") {
-  std::atomic<bool> released{false};
+  // Rank 2 stays connected until both others have raised: were it to leave after
+  // the first, the second could see its connection close before its own timeout.
+  std::atomic<int> raised{0};
   const auto start = std::chrono::steady_clock::now();
   const auto errors = socket_ranks(
       3,
       [&](SocketComm& c) {
         std::vector<float> x(8, 1.f), all(24);
         if (c.rank() == 2) {  // alive, connected, but never calls the collective
-          while (!released) std::this_thread::sleep_for(10ms);
+          while (raised < 2 && std::chrono::steady_clock::now() - start < 10s) std::this_thread::sleep_for(10ms);
           return;
         }
         try {
           c.all_gather(std::span<const float>(x), std::span<float>(all));
         } catch (...) {
-          released = true;
+          ++raised;
           throw;
         }
       },
