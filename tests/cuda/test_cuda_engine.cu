@@ -503,16 +503,16 @@ struct mlp_run {
   sl::optim::cuda::Adam adam{{.lr = 1e-2}};
   std::optional<sharded_type> sharded;
 
-  mlp_run() {
+  // fp16's scale starts low enough that this model's gradients never overflow, unless given.
+  explicit mlp_run(float scale = 256.f) {
     sl::cuda::stream_scope scope(stream.get());
     sl::shard::mixed_precision precision{};
     if constexpr (!std::is_same_v<C, float>) precision = {.param = sl::dtype_of<C>, .reduce = sl::dtype::f32};
-    // fp16's scale starts low enough that this model's gradients never overflow
     sharded.emplace(model, comm, sl::shard::FullShard{},
                     sl::shard::options{.wrap = sl::shard::wrap_types<layer>{},
                                        .seed = 3,
                                        .precision = precision,
-                                       .scaler = {.scale = 256.f}});
+                                       .scaler = {.scale = scale}});
   }
 
   // Step s's batch, drawn from s alone, so that two runs see the same data; the
@@ -625,7 +625,7 @@ TEST_CASE("a device train_step returns while its stream is still blocked", "[cud
   CHECK(std::isfinite(loss));
 }
 
-TEST_CASE("clipping reads the step's flags once; the loss and the norm come with that read",
+TEST_CASE("clipping decides on the device: the step never waits; its loss, norm and flag come in one read",
           "[cuda][engine][pending]") {
   if (!have_device()) return;
   mlp_run<float> run;
@@ -633,13 +633,16 @@ TEST_CASE("clipping reads the step's flags once; the loss and the norm come with
   for (int s = 1; s < 3; ++s) {
     const auto before = sl::host_syncs();
     auto r = run.step(s, {.max_norm = 0.5f});
-    CHECK(sl::host_syncs() - before == 1);
-    CHECK(r.loss.ready());
+    CHECK(sl::host_syncs() - before == 0);  // the decision and the clipping ran on the device
+    CHECK(!r.loss.ready());
     REQUIRE(r.grad_norm);
-    CHECK(std::isfinite(*r.grad_norm));
-    CHECK(*r.grad_norm > 0.0f);
-    CHECK(std::isfinite(float(r.loss)));
+    const float norm = *r.grad_norm;
     CHECK(sl::host_syncs() - before == 1);
+    CHECK(std::isfinite(norm));
+    CHECK(norm > 0.0f);
+    CHECK(!r.skipped);
+    CHECK(std::isfinite(float(r.loss)));
+    CHECK(sl::host_syncs() - before == 1);  // one read for all three
   }
   // grad_norm() alone: the squares summed and reduced on the device, one read.
   (void)float(run.step(3));
@@ -650,9 +653,9 @@ TEST_CASE("clipping reads the step's flags once; the loss and the norm come with
   CHECK(std::isfinite(norm));
 }
 
-// half compute with fp16 loss scaling: the overflow vote is reduced on the device
-// and read once, with the loss, before the optimizer steps or skips.
-TEST_CASE("fp16 loss scaling reads the overflow vote once per step", "[cuda][engine][pending][f16]") {
+// half compute with fp16 loss scaling: the overflow vote, the skip decision and the
+// scaler's update stay on the device; scaler() and the optimizer's step count read them.
+TEST_CASE("fp16 loss scaling decides on the device: no wait per step", "[cuda][engine][pending][f16]") {
   if (!have_device()) return;
   mlp_run<sl::half> run;
   REQUIRE(run.sharded->scaler());
@@ -661,13 +664,66 @@ TEST_CASE("fp16 loss scaling reads the overflow vote once per step", "[cuda][eng
     INFO("step " << s);
     const auto before = sl::host_syncs();
     auto r = run.step(s);
-    CHECK(sl::host_syncs() - before == 1);
-    CHECK(r.loss.ready());
+    CHECK(sl::host_syncs() - before == 0);
+    CHECK(!r.loss.ready());
     CHECK(!r.skipped);
     CHECK(std::isfinite(float(r.loss)));
     CHECK(sl::host_syncs() - before == 1);
   }
+  sl::cuda::stream_scope scope(run.stream.get());
+  const auto before = sl::host_syncs();
   CHECK(run.sharded->scaler()->good_steps == 4);
+  CHECK(sl::host_syncs() - before == 1);
+  CHECK(run.sharded->optimizer_state(run.adam, 0).step == 4);
+}
+
+// A scale of 2^24 makes the loss gradient itself overflow fp16 (1/16 * 2^24 > 65504):
+// the device cancels those steps, leaving masters, moments and the step count as they
+// were, until the scale has backed off far enough.
+TEST_CASE("fp16 steps that overflow are cancelled on the device, as the host skips them",
+          "[cuda][engine][pending][f16]") {
+  if (!have_device()) return;
+  mlp_run<sl::half> run(16777216.f);
+  const auto masters = [&] {
+    sl::cuda::stream_scope scope(run.stream.get());
+    std::vector<float> all;
+    for (std::size_t i = 0; i < run.sharded->unit_count(); ++i) {
+      const auto piece = fetch(run.sharded->master_piece(i), run.stream.get());
+      all.insert(all.end(), piece.begin(), piece.end());
+    }
+    return all;
+  };
+  const auto initial = masters();
+  std::vector<sl::shard::pending_step_result> results;
+  for (int s = 0; s < 14; ++s) results.push_back(run.step(s));
+  int skipped = 0;
+  while (skipped < int(results.size()) && bool(results[std::size_t(skipped)].skipped)) ++skipped;
+  INFO(skipped << " steps skipped before the first taken");
+  REQUIRE(skipped >= 1);
+  REQUIRE(skipped < int(results.size()));
+  for (std::size_t s = std::size_t(skipped); s < results.size(); ++s) CHECK(!results[s].skipped);  // it has backed off
+  sl::cuda::stream_scope scope(run.stream.get());
+  const auto scaler = *run.sharded->scaler();
+  CHECK(scaler.skipped == skipped);
+  CHECK(scaler.scale == 16777216.f / float(1 << skipped));  // no growth: 2000 good steps are far away
+  CHECK(scaler.skipped_in_row == 0);
+  for (std::size_t i = 0; i < run.sharded->unit_count(); ++i)
+    CHECK(run.sharded->optimizer_state(run.adam, i).step == std::int64_t(results.size()) - skipped);
+  CHECK(masters() != initial);  // the steps taken moved them
+
+  // Cancelled from the start: nothing moves.
+  mlp_run<sl::half> stuck(16777216.f);
+  const auto before = [&] {
+    sl::cuda::stream_scope s(stuck.stream.get());
+    return fetch(stuck.sharded->master_piece(1), stuck.stream.get());
+  }();
+  CHECK(bool(stuck.step(0).skipped));
+  sl::cuda::stream_scope s2(stuck.stream.get());
+  CHECK(fetch(stuck.sharded->master_piece(1), stuck.stream.get()) == before);
+  const auto moments = fetch(std::span<const float>(stuck.sharded->optimizer_state(stuck.adam, 1).exp_avg.span()),
+                             stuck.stream.get());
+  CHECK(moments == std::vector<float>(moments.size(), 0.f));
+  CHECK(stuck.sharded->optimizer_state(stuck.adam, 1).step == 0);
 }
 
 // The device finds a bad target without the host waiting: the step returns, and the

@@ -20,8 +20,10 @@
 #include "shardlib/nn/flat.hpp"
 #include "shardlib/nn/param.hpp"
 #include "shardlib/optim/adam.hpp"
+#include "shardlib/optim/optimizer.hpp"
 #include "shardlib/shard/precision.hpp"
 #include "shardlib/shard/space_ops.hpp"
+#include "shardlib/shard/step_decision.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -81,9 +83,10 @@ struct codec {
 // n-th copy from now (1: the next).
 struct copy_counts {
   std::atomic<std::size_t> to_host{0}, to_host_elements{0}, from_host{0}, from_host_elements{0};
+  std::atomic<std::size_t> reads{0};  // space_ops' issue_to_host: the host reading per-step scalars
   std::atomic<int> fail_at{0};
   void reset() {
-    to_host = to_host_elements = from_host = from_host_elements = 0;
+    to_host = to_host_elements = from_host = from_host_elements = reads = 0;
     fail_at = 0;
   }
 };
@@ -257,6 +260,55 @@ struct shardlib::shard::space_ops<negated::negated_space> {
   }
   template <class Comm>
   static void check_stream(const Comm&, int) {}
+  // Per-step scalars, stored negated like everything else; issue_to_host counts the
+  // host's reads (copy_counts::reads), which a device step without waits makes none of.
+  template <class T>
+  using scalars = Buffer<T, negated::negated_space>;
+  template <class T>
+  static scalars<T> make_scalars(std::size_t n) {
+    scalars<T> b(n, category::comm_scratch);
+    fill(b.span(), T(0));
+    return b;
+  }
+  template <class T>
+  static void add_sum_squares(std::span<const T> x, double* total) {
+    *total = negated::flip(negated::flip(*total) + sum_squares(x));
+  }
+  static void add_nonfinite(std::span<const float> x, float* count) {
+    *count = negated::flip(negated::flip(*count) + (all_finite(x) ? 0.f : 1.f));
+  }
+  template <class T, comm::Communicator Comm>
+  static void all_reduce_in_place(Comm& comm, std::span<T> values, comm::reduce_op op) {
+    comm.all_reduce(values, op);
+  }
+  template <class T>
+  static void issue_to_host(std::span<const T> src, std::span<T> host) {
+    negated::detail::flip_copy(src, host);
+    ++negated::counts().reads;
+  }
+  static void wait_for_reads() {}
+  struct issue_point {
+    template <class F>
+    void run(F&& f) const {
+      f();
+    }
+  };
+  static issue_point issued_here() { return {}; }
+  static void scale_by(std::span<float> x, const double* factor, bool reciprocal) {
+    const float c = float(negated::flip(*factor));
+    scale(x, reciprocal ? 1.f / c : c);
+  }
+  // The host's decision on the decoded values, its results stored back.
+  static void decide_step(const step_rule& rule, const float* shared, const double* norm_squared, double* scaler,
+                          double* outcome) {
+    double squared = norm_squared ? negated::flip(*norm_squared) : 0, slots[scaler_slots] = {}, out[outcome_slots];
+    if (scaler)
+      for (int i = 0; i < scaler_slots; ++i) slots[i] = negated::flip(scaler[i]);
+    shard::decide_step(rule, negated::flip(shared[1]), norm_squared ? &squared : nullptr, slots, out);
+    if (scaler)
+      for (int i = 0; i < scaler_slots; ++i) scaler[i] = negated::flip(slots[i]);
+    for (int i = 0; i < outcome_slots; ++i) outcome[i] = negated::flip(out[i]);
+  }
 
   class offload_channel {
    public:
@@ -356,11 +408,17 @@ struct Adam {
   struct state {
     Buffer<float, Space> exp_avg, exp_avg_sq, max_exp_avg_sq;
     std::int64_t step = 0;
+    Buffer<double, Space> cancelled;  // as optim::cuda::Adam's: steps the space cancelled since settle()
     template <class F>
     void for_each_buffer(F&& f) {
       f(std::string_view("exp_avg"), exp_avg);
       f(std::string_view("exp_avg_sq"), exp_avg_sq);
       if (!max_exp_avg_sq.empty()) f(std::string_view("max_exp_avg_sq"), max_exp_avg_sq);
+    }
+    void settle() {
+      if (cancelled.empty()) return;
+      step -= std::int64_t(codec<Space>::get(cancelled.data(), 0));
+      codec<Space>::put(cancelled.data(), 0, 0.0);
     }
   };
   options_type options;
@@ -371,7 +429,7 @@ struct Adam {
       shard::space_ops<Space>::fill(b.span(), 0.f);
       return b;
     };
-    return {zeroed(n), zeroed(n), options.amsgrad ? zeroed(n) : Buffer<float, Space>{}, 0};
+    return {zeroed(n), zeroed(n), options.amsgrad ? zeroed(n) : Buffer<float, Space>{}, 0, {}};
   }
   void step(std::span<float> params, std::span<const float> grads, state& s) const {
     const host_optimizer host{options};
@@ -395,6 +453,28 @@ struct Adam {
       });
     });
     s.step = h.step;
+  }
+  // A step the space may cancel (optim::skip_flag), as optim::cuda::Adam's: the flag
+  // and the count of cancelled steps read where they are (a kernel's reads), `step`
+  // counting attempts; the compute copy written when not empty.
+  template <class H>
+  void step(std::span<float> params, std::span<const float> grads, state& s, std::span<H> copy,
+            optim::skip_flag flag) const {
+    using io = codec<Space>;
+    if (s.cancelled.empty()) {
+      s.cancelled = Buffer<double, Space>(1, category::comm_scratch);
+      io::put(s.cancelled.data(), 0, 0.0);
+    }
+    const double cancelled = io::get(s.cancelled.data(), 0);
+    const std::int64_t attempts = s.step;
+    if (io::get(flag.skip, 0) != 0) {
+      io::put(s.cancelled.data(), 0, cancelled + 1);
+    } else {
+      s.step = attempts - std::int64_t(cancelled);
+      step(params, grads, s);
+      if (!copy.empty()) shard::space_ops<Space>::narrow(std::span<const float>(params), copy);
+    }
+    s.step = attempts + 1;
   }
 };
 

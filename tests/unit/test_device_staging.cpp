@@ -17,8 +17,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <string>
 #include <type_traits>
@@ -337,4 +341,129 @@ TEST_CASE("the same with the optimizer offloaded to host memory beside the model
 TEST_CASE("the same with 16-bit layers, whose fp32 master lives only in the offload space",
           "[staging][checkpoint][offload][compute16]") {
   compare_with_host<true, bfloat16>();
+}
+
+// --- train_step deciding in the model's space -----------------------------------------------
+// With fp16 loss scaling and clipping, a device step decides in device memory whether it
+// is taken (shard/step_decision.hpp) and an optimizer with a skip_flag step cancels it
+// there. Here the same engine path runs in negated_space (negated::Adam has such a step)
+// against the host's path (the host reads the flags and decides), step for step.
+namespace {
+
+struct decided_run {
+  std::vector<float> losses, norms;
+  std::vector<int> skipped;
+  std::vector<float> params, state;
+  std::vector<std::int64_t> optimizer_steps;
+  shard::loss_scaler scaler;
+  std::uint64_t steps = 0;
+  std::size_t reads_while_training = 0;  // the host's reads of per-step scalars before any result was read
+  std::string error;                     // rank 0's, when a step raised
+};
+
+// Bit patterns, every NaN as one (their payloads depend on which operand carried it).
+std::vector<std::uint32_t> bits(const std::vector<float>& v) {
+  std::vector<std::uint32_t> b;
+  for (const float x : v) b.push_back(std::isnan(x) ? 0x7fc00000u : std::bit_cast<std::uint32_t>(x));
+  return b;
+}
+
+// W = 2, FullShard, fp16 layers, Adam; `poison` puts NaN into every target.
+template <class Space>
+decided_run decided_steps(int steps, const shard::loss_scaler& rule, float max_norm, bool poison) {
+  using V = half;
+  using Opt = std::conditional_t<std::is_same_v<Space, host_space>, optim::Adam, negated::Adam<Space>>;
+  decided_run out;
+  negated::counts().reset();
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    const int rank = c.rank();
+    auto cc = [&] {
+      if constexpr (std::is_same_v<Space, host_space>) return c;
+      else return negated::negated_comm(c);
+    }();
+    auto model = make_model<Space, V>();
+    auto sharded = shard::fully_shard<Opt>(
+        model, cc, shard::FullShard{},
+        shard::options{.wrap = shard::wrap_types<Layer<Space, V>>{}, .seed = 3,
+                       .precision = {.param = dtype::f16}, .scaler = rule});
+    Opt opt{{.lr = 0.01}};
+    auto loss = [](const Tensor<V, Space>& y, const Tensor<float>& target) { return negated::mse(y, target); };
+    std::vector<shard::step_result_of<Space>> results;
+    try {
+      for (int s = 0; s < steps; ++s) {
+        Tensor<float> target = batch(s, 3, 2, rank, 2);
+        if (poison) target[0] = std::numeric_limits<float>::quiet_NaN();
+        results.push_back(sharded.train_step(opt, negated::to_space<Space, V>(batch(s, 5, 1, rank, 2)), target, loss,
+                                             {.max_norm = max_norm}));
+      }
+      c.barrier();
+      if (rank == 0) out.reads_while_training = negated::counts().reads;
+      c.barrier();
+      for (const auto& r : results) {
+        const float l = r.loss;
+        const bool skipped = r.skipped;
+        const float norm = r.grad_norm ? float(*r.grad_norm) : -1.f;
+        if (rank != 0) continue;
+        out.losses.push_back(l);
+        out.skipped.push_back(skipped);
+        out.norms.push_back(norm);
+      }
+    } catch (const error& e) {
+      if (rank == 0) out.error = e.what();
+      return;
+    }
+    const auto params = io::get_model_state(sharded, {.full = true, .rank0_only = true});
+    const auto state = io::get_optimizer_state(sharded, opt, {.full = true, .rank0_only = true});
+    if (rank != 0) return;
+    flatten(params.params, out.params);
+    for (const auto& [buffer, ts] : state.buffers) flatten(ts, out.state);
+    for (std::size_t i = 0; i < sharded.unit_count(); ++i)
+      out.optimizer_steps.push_back(sharded.optimizer_state(opt, i).step);
+    out.scaler = *sharded.scaler();
+    out.steps = sharded.steps();
+  });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("train_step with fp16 loss scaling and clipping decides in the model's space as the host does, "
+          "reading nothing until a result is read",
+          "[staging][train_step][compute16]") {
+  // 2^20 overflows fp16 gradients at first: steps are skipped and the scale backs off;
+  // growth every 3 good steps brings overflows back. max_norm 0.05 clips most steps.
+  const shard::loss_scaler rule{.scale = 1048576.f, .growth_interval = 3};
+  const auto want = decided_steps<host_space>(14, rule, 0.05f, false);
+  const auto got = decided_steps<negated_space>(14, rule, 0.05f, false);
+  REQUIRE(want.error.empty());
+  REQUIRE(got.error.empty());
+  INFO(got.error);
+  // The scenario covers what it is for: skipped and taken steps, clipped ones, and growth.
+  const auto taken = std::count(want.skipped.begin(), want.skipped.end(), 0);
+  CHECK(taken >= 5);
+  CHECK(taken <= 12);
+  CHECK(std::count_if(want.norms.begin(), want.norms.end(), [](float n) { return n > 0.05f; }) >= 3);
+  CHECK(want.scaler.skipped >= 2);
+  CHECK(got.reads_while_training == 0);  // nothing read before the results were (the host's path reads every step)
+  CHECK(got.losses == want.losses);
+  CHECK(got.skipped == want.skipped);
+  CHECK(bits(got.norms) == bits(want.norms));  // skipped steps' norms are inf or NaN
+  CHECK(got.params == want.params);
+  CHECK(got.state == want.state);
+  CHECK(got.optimizer_steps == want.optimizer_steps);
+  CHECK(got.optimizer_steps.front() == taken);  // the cancelled steps are not counted
+  CHECK(got.steps == want.steps);
+  CHECK(got.scaler.scale == want.scaler.scale);
+  CHECK(got.scaler.good_steps == want.scaler.good_steps);
+  CHECK(got.scaler.skipped == want.scaler.skipped);
+  CHECK(got.scaler.skipped_in_row == want.scaler.skipped_in_row);
+}
+
+TEST_CASE("too many skipped steps in a row raise the host's error when the space's result is read",
+          "[staging][train_step][compute16][bad]") {
+  const shard::loss_scaler rule{.max_skipped_in_row = 3};
+  const auto want = decided_steps<host_space>(5, rule, 0.f, true);     // raises in the third train_step
+  const auto got = decided_steps<negated_space>(5, rule, 0.f, true);   // all issued; the third result raises
+  CHECK_THAT(want.error, Contains("rank 0: loss scaling: 3 steps in a row were skipped"));
+  CHECK(got.error == want.error);
 }

@@ -153,12 +153,20 @@ struct BasicAdam {
   // options: what step uses, and what the device's fused step (ops/cuda/adam.cuh)
   // passes to its kernel, so that both update with the same bits.
   detail::adam_scalars step_scalars(std::int64_t t) const {
+    check_options();
+    return scalars_at(options, t);
+  }
+  void check_options() const {
     const auto& o = options;
     require(o.lr >= 0, name, ": invalid learning rate ", o.lr);
     require(o.beta1 >= 0 && o.beta1 < 1, name, ": invalid beta1 ", o.beta1, " (needs 0 <= beta1 < 1)");
     require(o.beta2 >= 0 && o.beta2 < 1, name, ": invalid beta2 ", o.beta2, " (needs 0 <= beta2 < 1)");
     require(o.eps >= 0, name, ": invalid eps ", o.eps);
     require(o.weight_decay >= 0, name, ": invalid weight_decay ", o.weight_decay);
+  }
+  // The arithmetic alone, for checked options (host and device code: a device that
+  // counts the steps itself computes them there).
+  SHARDLIB_HD static detail::adam_scalars scalars_at(const options_type& o, std::int64_t t) {
     const double bias_correction1 = 1 - std::pow(o.beta1, static_cast<double>(t));
     const double bias_correction2 = 1 - std::pow(o.beta2, static_cast<double>(t));
     return {

@@ -4,7 +4,6 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"  // require
 
-#include <algorithm>  // std::min
 #include <cmath>      // std::isfinite, std::sqrt
 #include <cstddef>    // std::size_t
 #include <span>       // std::span
@@ -37,11 +36,17 @@ inline double grad_norm_squared(std::span<const double> g) { return detail::norm
 // torch.nn.utils.clip_grad_norm_'s factor: max_norm / (total_norm + 1e-6),
 // clamped to at most 1. A non-finite norm throws (PyTorch's
 // error_if_nonfinite=True): scaling by it would turn every gradient into NaN or 0.
+// The factor alone, for a finite norm and a positive max_norm (host and device code).
+SHARDLIB_HD inline float clip_factor(double total_norm, float max_norm) {
+  const double factor = max_norm / (total_norm + 1e-6);
+  return static_cast<float>(factor < 1.0 ? factor : 1.0);  // std::min(1.0, factor)
+}
+
 inline float clip_coefficient(double total_norm, float max_norm) {
   require(max_norm > 0, "clip_grad_norm: max_norm must be positive, got ", max_norm);
   require(std::isfinite(total_norm), "clip_grad_norm: the total gradient norm is ", total_norm,
           "; the gradients hold inf or NaN");
-  return static_cast<float>(std::min(1.0, max_norm / (total_norm + 1e-6)));
+  return clip_factor(total_norm, max_norm);
 }
 
 // g *= coefficient.

@@ -33,6 +33,17 @@ namespace shardlib::optim {
 //                                     optimizer state_dict)
 //   o.options.lr                      the learning rate, assignable between steps
 //                                     (schedules set it)
+//
+// An optimizer over device memory may also take a step the device can cancel,
+// o.step(params, grads, state, compute_copy, skip_flag): train_step then decides on
+// the device whether a step with clipping or fp16 loss scaling is taken, and never
+// waits for it. Its state counts every step in `step` and the cancelled ones where the
+// values are; state.settle() folds those into `step` (one read), and the model calls
+// it before handing the state out.
+struct skip_flag {
+  const double* skip = nullptr;  // in the values' memory: nonzero cancels the step
+};
+
 namespace detail {
 template <class O>
 concept has_state = requires { typename O::state; } && std::movable<typename O::state>;

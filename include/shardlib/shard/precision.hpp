@@ -4,11 +4,11 @@
 #include "shardlib/core/element.hpp"
 #include "shardlib/core/error.hpp"
 
-#include <algorithm>  // std::min, std::max
 #include <cmath>      // std::isfinite
 #include <cstddef>    // std::size_t
 #include <cstring>    // std::memcpy
 #include <span>       // std::span
+#include <string>     // std::string
 #include <type_traits>  // std::is_same_v
 
 namespace shardlib::shard {
@@ -43,21 +43,31 @@ struct loss_scaler {
   int skipped_in_row = 0;  // since the last good step
 
   void update(bool found_inf) {
+    if (!advance(found_inf)) throw error(exhausted_message());
+  }
+  // The rule alone (host and device code): false when this step was the
+  // max_skipped_in_row-th skipped in a row.
+  SHARDLIB_HD bool advance(bool found_inf) {
     if (!found_inf) {
       skipped_in_row = 0;
       if (++good_steps == growth_interval) {
-        scale = std::min(scale * growth_factor, max_scale);
+        const float grown = scale * growth_factor;
+        scale = grown < max_scale ? grown : max_scale;
         good_steps = 0;
       }
-      return;
+      return true;
     }
-    scale = std::max(scale * backoff_factor, min_scale);
+    const float backed_off = scale * backoff_factor;
+    scale = backed_off > min_scale ? backed_off : min_scale;
     good_steps = 0;
     ++skipped;
     ++skipped_in_row;
-    require(skipped_in_row < max_skipped_in_row, "loss scaling: ", skipped_in_row,
-            " steps in a row were skipped because their gradients held inf or NaN, and the loss scale fell to ", scale,
-            " (min_scale ", min_scale, "): the model or the data produce inf/NaN, which no loss scale avoids");
+    return skipped_in_row < max_skipped_in_row;
+  }
+  std::string exhausted_message() const {
+    return cat("loss scaling: ", skipped_in_row,
+               " steps in a row were skipped because their gradients held inf or NaN, and the loss scale fell to ",
+               scale, " (min_scale ", min_scale, "): the model or the data produce inf/NaN, which no loss scale avoids");
   }
 };
 

@@ -18,6 +18,7 @@
 #include "shardlib/shard/precision.hpp"
 #include "shardlib/shard/reduce.hpp"
 #include "shardlib/shard/space_ops.hpp"
+#include "shardlib/shard/step_decision.hpp"
 #include "shardlib/shard/strategy.hpp"
 #include "shardlib/shard/unit.hpp"
 #include "shardlib/shard/wrap.hpp"
@@ -25,7 +26,9 @@
 #include <any>          // std::any (a checkpointed layer's kept input)
 #include <cmath>        // std::sqrt, std::isfinite
 #include <cstdint>      // std::uint64_t
+#include <functional>   // std::function
 #include <map>          // std::map
+#include <memory>       // std::make_shared
 #include <optional>     // std::optional
 #include <span>         // std::span
 #include <string>       // std::string
@@ -77,14 +80,13 @@ struct step_result {
   bool skipped = false;            // fp16 overflow, or a non-finite norm when clipping: nothing was stepped
   operator float() const { return loss; }  // `float loss = model.train_step(...)` as before the options
 };
-// What train_step returns on a device: the same, the loss left on the device until
-// it is read (pending), so that a step whose loss nobody reads never waits for the
-// device. Clipping and fp16 loss scaling decide on the host whether the step is
-// skipped: with either, the step reads its flags once (and then the loss with them).
+// What train_step returns on a device: the same, left on the device until one of
+// them is read (pending), so that a step whose results nobody reads never waits for
+// the device; reading one reads them all (one wait).
 struct pending_step_result {
   pending<float> loss;
-  std::optional<float> grad_norm;
-  bool skipped = false;
+  std::optional<pending<float>> grad_norm;
+  pending<bool> skipped = false;
   operator float() const { return loss; }
 };
 template <class Space>
@@ -387,13 +389,22 @@ class ShardedModel {
   // Parameter groups step each unit's piece as runs of one group each.
   template <class O>
   void step(O& opt) {
+    step(opt, optim::skip_flag{});
+  }
+  // The same, cancelled where the values are when *flag.skip != 0 (an optimizer that
+  // takes an optim::skip_flag; not with options.offload).
+  template <class O>
+  void step(O& opt, optim::skip_flag flag) {
     static_assert(std::is_same_v<std::remove_cvref_t<O>, Optimizer>,
                   "ShardedModel::step: the model keeps optimizer state of the type it was wrapped for; wrap it "
                   "with fully_shard<YourOptimizer>(...) or fully_shard(model, comm, strategy, optimizer, options)");
-    if (offload_) offloaded_step(opt);
-    else
+    if (offload_) {
+      require(!flag.skip, "rank ", comm_->rank(), ": a step cancelled on the device cannot be offloaded");
+      offloaded_step(opt);
+    } else {
       for (auto& u : units_)
-        update<ops>(opt, u, master_local(u), std::span<const T>(u.grad->local()), u.compute_shard.span());
+        update<ops>(opt, u, master_local(u), std::span<const T>(u.grad->local()), u.compute_shard.span(), flag);
+    }
     if (!policy_.shard_parameters) refresh_values();
     ++step_;
   }
@@ -406,20 +417,26 @@ class ShardedModel {
   // whose gradients overflowed on any rank is skipped on every rank (see loss_scaler),
   // as is one whose clipped norm is not finite, and the result says so.
   //
-  // On a device nothing here waits for it (the loss, the overflow vote and the norm
-  // are reduced in device memory) unless the step may be skipped: with clipping or
-  // fp16 loss scaling the host reads those flags once, after the gradients are
-  // unscaled and before the optimizer steps, and decides as the host does. Without
-  // either the step never waits, and its loss is read when the caller reads it.
+  // On a device nothing here waits for it: the loss, the overflow vote and the norm
+  // are reduced in device memory, and with clipping or fp16 loss scaling one device
+  // thread makes the host's decision (shard/step_decision.hpp) and the optimizer's
+  // step is cancelled there when it says skip (an optimizer that takes an
+  // optim::skip_flag; the loss scaler then lives on the device too, read by scaler()).
+  // The result's loss, skipped and grad_norm are read when the caller reads one of
+  // them (one wait), which also raises loss_scaler's error for too many skips in a
+  // row. With an optimizer without a skip_flag step, or options.offload (the host
+  // steps), the host reads the flags once, before the optimizer steps.
   template <class O, class Target, class LossFn>
   step_result_of<space> train_step(O& opt, const input& x, const Target& y, LossFn&& loss_fn,
                                    const step_options& so = {}) {
     require(so.max_norm >= 0, "rank ", comm_->rank(), ": step_options.max_norm must be >= 0 (0: no clipping), got ",
             so.max_norm);
+    const bool on_space = (scaler_ || so.max_norm > 0) && decides_on_space<O>();
+    const double* loss_scale = on_space && scaler_ ? space_scaler().data() + scale_slot : nullptr;
     zero_grad();
     auto out = forward(x);
     auto l = loss_fn(out, y);
-    if (scaler_) scale_loss_gradient(l.grad.span(), scaler_->scale);
+    if (scaler_) scale_loss_gradient(l.grad.span(), loss_scale);
     reducer_.set_op(so.reduction == grad_reduction::sum ? comm::reduce_op::sum : comm::reduce_op::avg);
     backward(l.grad);
     reducer_.set_op(comm::reduce_op::avg);
@@ -431,9 +448,11 @@ class ShardedModel {
       for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad->local()), shared.data() + 1);
     if (global) ops::all_reduce_in_place(*comm_, std::span<float>(shared.data(), 2), comm::reduce_op::sum);
     if (scaler_)  // also after an overflow, so that the norm reported is the unscaled one (inf or NaN)
-      for (auto& u : units_) ops::scale(u.grad->local(), 1.f / scaler_->scale);
+      for (auto& u : units_) scale_by_loss_scale(u.grad->local(), loss_scale, true);
     std::optional<typename ops::template scalars<double>> norm_squared;
     if (so.max_norm > 0) norm_squared.emplace(grad_norm_squared());
+    if constexpr (!std::is_same_v<space, host_space>)
+      if (on_space) return step_decided_on_space(opt, l.loss, std::move(shared), std::move(norm_squared), so);
 
     const float world = float(comm_->size());
     const bool mean = so.loss == loss_report::global_mean;
@@ -452,7 +471,7 @@ class ShardedModel {
       issue_reads();
       r.loss = mean ? seen[0] / world : float(l.loss);
     } else {
-      r.loss = mean ? deferred_mean(l.loss, std::move(shared), world) : l.loss;
+      r.loss = mean ? deferred_mean(l.loss, std::move(shared), world) : pending<float>(l.loss);
     }
     const bool overflow = seen[1] != 0.f;
     r.skipped = overflow;
@@ -470,7 +489,17 @@ class ShardedModel {
     if (scaler_) with_rank([&] { scaler_->update(overflow); });  // raises on every rank alike: the flag is shared
     return r;
   }
-  const std::optional<loss_scaler>& scaler() const { return scaler_; }
+  // The fp16 loss scaler (empty without fp16). When train_step decides on a device,
+  // its changing fields live there: reading them waits for the steps issued so far.
+  const std::optional<loss_scaler>& scaler() const {
+    if (scaler_ && scaler_slots_) {
+      double slots[scaler_slots];
+      ops::issue_to_host(std::span<const double>(scaler_slots_->data(), scaler_slots), std::span<double>(slots));
+      ops::wait_for_reads();
+      scaler_ = scaler_from_slots(*scaler_, slots);
+    }
+    return scaler_;
+  }
 
   // The full parameters under their unsharded names, in the model's parameter
   // order — on rank 0 only (others return an empty list) or on every rank. A
@@ -552,9 +581,12 @@ class ShardedModel {
   // With 16-bit layers and options.offload the master lives only in the offload space.
   bool master_piece_offloaded(std::size_t i) const { return master_offloaded(units_.at(i)); }
   // Unit i's optimizer state, made (zeroed) on first use exactly as step() makes it.
+  // After steps cancelled on the device its step count is settled first (one read).
   template <class O>
   typename Optimizer::state& optimizer_state(O& opt, std::size_t i) {
-    return optimizer_state(opt, units_.at(i));
+    auto& st = optimizer_state(opt, units_.at(i));
+    if constexpr (requires { st.settle(); }) st.settle();
+    return st;
   }
   // Replaces this rank's piece of unit i's master values (host memory, the size of
   // master_piece(i)). Between steps only. Collective when parameters are
@@ -579,6 +611,11 @@ class ShardedModel {
     require(scaler_.has_value(), "rank ", comm_->rank(), ": set_scaler on a model without fp16 loss scaling");
     with_rank([&] { check_scaler(s); });
     *scaler_ = s;
+    if (scaler_slots_) {
+      double slots[scaler_slots];
+      scaler_to_slots(s, slots);
+      ops::from_host(std::span<const double>(slots), std::span<double>(scaler_slots_->data(), scaler_slots));
+    }
   }
 
   // --- introspection (tests and tracing); these poll and never block --------------------------
@@ -890,9 +927,13 @@ class ShardedModel {
   // One unit's optimizer step over values and grads in the memory Ops works on, and
   // the 16-bit compute copy for the next gather (in the same pass where the optimizer can).
   template <class Ops, class O>
-  void update(O& opt, unit_type& u, std::span<T> values, std::span<const T> grads, std::span<C> copy16) {
+  void update(O& opt, unit_type& u, std::span<T> values, std::span<const T> grads, std::span<C> copy16,
+              optim::skip_flag flag = {}) {
     auto& st = optimizer_state(opt, u);
-    if constexpr (compute16 && requires { opt.step(values, grads, st, copy16); }) {
+    if (flag.skip) {
+      if constexpr (skips_on_space<O>) opt.step(values, grads, st, compute16 ? copy16 : std::span<C>{}, flag);
+      else throw error(cat("rank ", comm_->rank(), ": this optimizer has no step a flag in the model's space can cancel"));
+    } else if constexpr (compute16 && requires { opt.step(values, grads, st, copy16); }) {
       opt.step(values, grads, st, copy16);
     } else {
       if constexpr (optim::is_param_groups<Optimizer>) opt.step(values, grads, st, segments(opt, u));
@@ -991,15 +1032,104 @@ class ShardedModel {
   }
 
   // The loss gradient times the fp16 loss scale (in fp32 when the layers compute in 16 bits).
-  void scale_loss_gradient(std::span<C> g, float factor) {
+  void scale_loss_gradient(std::span<C> g, const double* scale_in_space) {
     if constexpr (compute16) {
       Buffer<float, space> wide(g.size(), category::activations);
       ops::widen_add(std::span<const C>(g), wide.span(), true);
-      ops::scale(wide.span(), factor);
+      scale_by_loss_scale(wide.span(), scale_in_space, false);
       ops::narrow(std::span<const float>(wide.span()), g);
     } else {
-      ops::scale(g, factor);
+      scale_by_loss_scale(g, scale_in_space, false);
     }
+  }
+  // x times the loss scale (or 1 / it): the host's, or the one in the model's space.
+  template <class E>
+  void scale_by_loss_scale(std::span<E> x, const double* scale_in_space, bool reciprocal) {
+    if constexpr (std::is_same_v<E, float>)
+      if (scale_in_space) return ops::scale_by(x, scale_in_space, reciprocal);
+    ops::scale(x, reciprocal ? 1.f / scaler_->scale : scaler_->scale);
+  }
+
+  // Whether train_step's skip decision is made where the model's values are: a device
+  // model, an optimizer whose step a flag there can cancel, and no offload (whose
+  // optimizer steps on the host).
+  template <class O>
+  bool decides_on_space() const {
+    if constexpr (std::is_same_v<space, host_space> || !skips_on_space<O>) return false;
+    else return !offload_;
+  }
+  template <class O>
+  static constexpr bool skips_on_space =
+      requires(const O& o, std::span<T> v, std::span<const T> g, typename Optimizer::state& st, std::span<C> c) {
+        o.step(v, g, st, c, optim::skip_flag{});
+      };
+  // The loss scaler's changing fields in the model's space (made from the host's at first use).
+  typename ops::template scalars<double>& space_scaler() {
+    if (!scaler_slots_) {
+      scaler_slots_.emplace(ops::template make_scalars<double>(scaler_slots));
+      double slots[scaler_slots];
+      scaler_to_slots(*scaler_, slots);
+      ops::from_host(std::span<const double>(slots), std::span<double>(scaler_slots_->data(), scaler_slots));
+    }
+    return *scaler_slots_;
+  }
+
+  // What the rest of train_step does when the space decides (train_step's comment):
+  // the decision, clipping by its coefficient, the optimizer's step cancelled by its
+  // flag, and a result read when the caller reads it.
+  template <class O, class L, class Scalars, class Norm>
+  pending_step_result step_decided_on_space(O& opt, const L& loss, Scalars shared, Norm norm_squared,
+                                            const step_options& so) {
+    auto outcome = std::make_shared<typename ops::template scalars<double>>(
+        ops::template make_scalars<double>(outcome_slots));
+    const step_rule rule{so.max_norm, scaler_.has_value(), scaler_ ? *scaler_ : loss_scaler{}};
+    ops::decide_step(rule, shared.data(), norm_squared ? norm_squared->data() : nullptr,
+                     scaler_ ? space_scaler().data() : nullptr, outcome->data());
+    if (so.max_norm > 0)
+      for (auto& u : units_) ops::scale_by(u.grad->local(), outcome->data() + coefficient_slot, false);
+    step(opt, optim::skip_flag{outcome->data() + skip_slot});
+
+    // One read for the loss (the loss function's own, and shared[0] for the mean) and the outcome.
+    struct readout {
+      float loss;
+      double outcome[outcome_slots];
+    };
+    const bool mean = so.loss == loss_report::global_mean;
+    auto kept = std::make_shared<Scalars>(std::move(shared));
+    const float world = float(comm_->size());
+    const int rank = comm_->rank(), max_in_row = rule.scaler.max_skipped_in_row;
+    const float min_scale = rule.scaler.min_scale;
+    const pending<readout> all(
+        [loss, kept, outcome, mean, world, rank, max_in_row, min_scale,
+         at = ops::issued_here()](const std::function<void()>& before_wait) {
+          readout r{};
+          float sum = 0;
+          at.run([&] {
+            const float own = read_with(loss, [&] {
+              if (mean) ops::issue_to_host(std::span<const float>(kept->data(), 1), std::span<float>(&sum, 1));
+              ops::issue_to_host(std::span<const double>(outcome->data(), outcome_slots), std::span<double>(r.outcome));
+              before_wait();
+            });
+            r.loss = mean ? sum / world : own;
+          });
+          if (r.outcome[exhausted_slot] != 0) {
+            loss_scaler s{};
+            s.skipped_in_row = max_in_row;
+            s.scale = float(r.outcome[exhausted_slot]);
+            s.min_scale = min_scale;
+            throw error(cat("rank ", rank, ": ", s.exhausted_message()));
+          }
+          return r;
+        },
+        nullptr);
+    pending_step_result r{pending<float>([all](const auto& bw) { return all.get_with(bw).loss; }, nullptr),
+                          std::nullopt,
+                          pending<bool>([all](const auto& bw) { return all.get_with(bw).outcome[skip_slot] != 0; },
+                                        nullptr)};
+    if (so.max_norm > 0)
+      r.grad_norm = pending<float>([all](const auto& bw) { return float(all.get_with(bw).outcome[norm_slot]); },
+                                   nullptr);
+    return r;
   }
 
   Model* model_;
@@ -1014,7 +1144,8 @@ class ShardedModel {
   gradient_reducer<unit_type, T, C, space, Comm> reducer_;
   bool sync_ = true;
   bool forwarded_ = false;  // a forward completed since the last backward
-  std::optional<loss_scaler> scaler_;
+  mutable std::optional<loss_scaler> scaler_;  // scaler() refreshes it from scaler_slots_
+  std::optional<typename ops::template scalars<double>> scaler_slots_;  // when the space decides (space_scaler())
   std::vector<std::vector<optim::segment>> segments_;  // parameter groups' runs per unit (segments())
   std::optional<typename space_ops<space>::offload_channel> offload_;  // options.offload
   std::uint64_t step_ = 0;

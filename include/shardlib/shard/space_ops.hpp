@@ -10,6 +10,7 @@
 #include "shardlib/nn/flat.hpp"
 #include "shardlib/optim/clip.hpp"
 #include "shardlib/shard/precision.hpp"
+#include "shardlib/shard/step_decision.hpp"
 
 #include <algorithm>  // std::copy_n, std::fill_n
 #include <cstddef>    // std::size_t
@@ -45,6 +46,13 @@ namespace shardlib::shard {
 //     add_sum_squares(span<const T>, double* total)   *total += the sum of x's squares, in double
 //     add_nonfinite(span<const float>, float* count)  *count += (any element inf or NaN) ? 1 : 0
 //     all_reduce_in_place(Comm&, span<T>, reduce_op)  a collective over values in the space
+//     scale_by(span<float>, const double* factor, bool reciprocal)
+//                                              x *= float(*factor), or 1.f / float(*factor):
+//                                              a factor in the space, never read by the host
+//     decide_step(step_rule, const float* shared, const double* norm_squared,
+//                 double* scaler, double* outcome)
+//                                              shard::decide_step where the values are
+//                                              (shared[1]: the overflow count; device: one thread)
 //     issue_to_host(span<const T>, span<T> host)      a copy the host may read after wait_for_reads()
 //     wait_for_reads()                         the host waits for every issued copy
 //                                              (device: one counted stream synchronisation)
@@ -128,6 +136,13 @@ struct space_ops<host_space> {
     *total += optim::grad_norm_squared(x);
   }
   static void add_nonfinite(std::span<const float> x, float* count) { *count += shard::all_finite(x) ? 0.f : 1.f; }
+  static void scale_by(std::span<float> x, const double* factor, bool reciprocal) {
+    scale(x, reciprocal ? 1.f / float(*factor) : float(*factor));
+  }
+  static void decide_step(const step_rule& rule, const float* shared, const double* norm_squared, double* scaler,
+                          double* outcome) {
+    shard::decide_step(rule, shared[1], norm_squared, scaler, outcome);
+  }
   template <class T, comm::Communicator Comm>
   static void all_reduce_in_place(Comm& comm, std::span<T> values, comm::reduce_op op) {
     comm.all_reduce(values, op);

@@ -22,7 +22,32 @@
 
 namespace shardlib::ops::cuda {
 
+// A step the device may cancel (optim::skip_flag): one thread reads the flag and
+// either counts the step cancelled or makes its scalars from the steps taken so far
+// (attempts minus those cancelled), which the update's threads then read.
+struct gated_adam_scalars {
+  optim::detail::adam_scalars k;
+  int active;
+};
+struct adam_gate {
+  const double* skip;              // nonzero: cancel
+  double* cancelled;               // steps cancelled (the state's count, on the device)
+  gated_adam_scalars* scalars;     // this step's, written by gate_adam_kernel
+};
+
 namespace detail {
+template <optim::decay_style Style>
+__global__ void gate_adam_kernel(typename optim::BasicAdam<Style>::options_type o, std::int64_t attempt,
+                                 adam_gate gate) {
+  if (*gate.skip != 0) {
+    *gate.cancelled += 1;
+    gate.scalars->active = 0;
+    return;
+  }
+  gate.scalars->k = optim::BasicAdam<Style>::scalars_at(o, attempt - std::int64_t(*gate.cancelled));
+  gate.scalars->active = 1;
+}
+
 template <class T>
 struct alignas(4 * sizeof(T)) four {
   T x[4];
@@ -42,9 +67,14 @@ __device__ void store4(const T* src, T* dst) {
 
 // Vec: elements [0, 4 * (n / 4)) in groups of four through registers (every
 // pointer aligned to its group), the rest one by one; otherwise all one by one.
+// With a gate, its scalars replace k, or nothing is written when it is inactive.
 template <bool Vec, bool Decoupled, bool Decay, bool Amsgrad, class G, class C>
 __global__ void fused_adam_kernel(std::int64_t n, float* p, const G* g, float* m, float* v, float* vmax, C* copy,
-                                  optim::detail::adam_scalars k) {
+                                  optim::detail::adam_scalars k, const gated_adam_scalars* gate) {
+  if (gate) {
+    if (!gate->active) return;
+    k = gate->k;
+  }
   const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
   const std::int64_t first = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   std::int64_t done = 0;
@@ -101,10 +131,13 @@ struct adam_moments {
 // One step of `opt` (optim::Adam or optim::AdamW, the same update as its host
 // step, element by element, with its step_scalars) over params with grads, on
 // `stream`; `step` counts the steps taken, as the host state's does. copy, when
-// not empty, receives the new params rounded to C.
+// not empty, receives the new params rounded to C. With a gate the device decides
+// whether the step is taken: `step` then counts attempts, gate->cancelled the
+// ones cancelled.
 template <optim::decay_style Style, FloatingElement G, FloatingElement C = bfloat16>
 void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_moments state, std::int64_t& step,
-                     std::span<float> params, std::span<const G> grads, std::span<C> copy, cudaStream_t stream) {
+                     std::span<float> params, std::span<const G> grads, std::span<C> copy, cudaStream_t stream,
+                     const adam_gate* gate = nullptr) {
   using A = optim::BasicAdam<Style>;
   const std::size_t n = params.size();
   auto require_size = [&](const char* what, std::size_t got) {
@@ -115,7 +148,14 @@ void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_moments state, std
   require_size("exp_avg_sq", state.exp_avg_sq.size());
   if (opt.options.amsgrad) require_size("max_exp_avg_sq", state.max_exp_avg_sq.size());
   if (!copy.empty()) require_size("the compute copy", copy.size());
-  const optim::detail::adam_scalars k = opt.step_scalars(step + 1);
+  optim::detail::adam_scalars k{};
+  if (gate) {
+    opt.check_options();
+    detail::gate_adam_kernel<Style><<<1, 1, 0, stream>>>(opt.options, step + 1, *gate);
+    shardlib::cuda::check_launch("fused_adam gate");
+  } else {
+    k = opt.step_scalars(step + 1);
+  }
   ++step;
   if (n == 0) return;
 
@@ -131,7 +171,7 @@ void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_moments state, std
       optim::detail::with_flag(vec, [&](auto v) {
         detail::fused_adam_kernel<v(), A::decoupled, decay(), amsgrad()><<<blocks, threads, 0, stream>>>(
             std::int64_t(n), params.data(), grads.data(), state.exp_avg.data(), state.exp_avg_sq.data(), vmax, out,
-            k);
+            k, gate ? gate->scalars : nullptr);
       });
     });
   });

@@ -7,11 +7,14 @@
 #include "shardlib/core/element.hpp"        // FloatingElement
 #include "shardlib/core/error.hpp"          // require
 #include "shardlib/core/ledger.hpp"         // category
-#include "shardlib/cuda/copy.hpp"           // fill_bytes_async
+#include "shardlib/core/pending.hpp"        // count_host_sync
+#include "shardlib/cuda/copy.hpp"           // copy_async, fill_bytes_async
 #include "shardlib/cuda/current.hpp"        // current_stream
+#include "shardlib/cuda/error.hpp"          // check
 #include "shardlib/cuda/memory_space.hpp"   // cuda_space
 #include "shardlib/ops/cuda/adam.cuh"       // fused_adam_step, adam_moments
 #include "shardlib/optim/adam.hpp"          // BasicAdam, decay_style
+#include "shardlib/optim/optimizer.hpp"     // skip_flag
 
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::int64_t
@@ -39,12 +42,28 @@ struct BasicAdam {
     Buffer<float, cuda_space> exp_avg_sq;      // v
     Buffer<float, cuda_space> max_exp_avg_sq;  // vmax; empty unless made with amsgrad
     std::int64_t step = 0;
+    // Steps the device cancelled (optim::skip_flag) since settle(), and the gated
+    // step's scalars: made at the first gated step.
+    shardlib::cuda::device_buffer<double> cancelled;
+    shardlib::cuda::device_buffer<ops::cuda::gated_adam_scalars> gate_scalars;
 
     template <class F>
     void for_each_buffer(F&& f) {
       f(std::string_view("exp_avg"), exp_avg);
       f(std::string_view("exp_avg_sq"), exp_avg_sq);
       if (!max_exp_avg_sq.empty()) f(std::string_view("max_exp_avg_sq"), max_exp_avg_sq);
+    }
+    // `step` becomes the count of steps taken: the cancelled ones are read (one wait
+    // for the current stream) and taken off.
+    void settle() {
+      if (cancelled.empty()) return;
+      const cudaStream_t s = shardlib::cuda::current_stream();
+      double n = 0;
+      shardlib::cuda::copy_async(std::span<double>(&n, 1), std::span<const double>(cancelled.span()), s);
+      count_host_sync();
+      shardlib::cuda::check(cudaStreamSynchronize(s), "optim::cuda::", name, "::state::settle: cudaStreamSynchronize");
+      step -= std::int64_t(n);
+      shardlib::cuda::fill_bytes_async(cancelled.span(), 0, s);
     }
   };
 
@@ -58,7 +77,7 @@ struct BasicAdam {
       shardlib::cuda::fill_bytes_async(b.span(), 0, shardlib::cuda::current_stream());
       return b;
     };
-    return {zeroed(n), zeroed(n), options.amsgrad ? zeroed(n) : Buffer<float, cuda_space>{}, 0};
+    return {zeroed(n), zeroed(n), options.amsgrad ? zeroed(n) : Buffer<float, cuda_space>{}, 0, {}, {}};
   }
 
   void step(std::span<float> params, std::span<const float> grads, state& s) const {
@@ -69,6 +88,27 @@ struct BasicAdam {
   template <FloatingElement G>
   void step(std::span<float> params, std::span<const G> grads, state& s) const {
     step(params, grads, s, std::span<bfloat16>{});
+  }
+
+  // The same, cancelled on the device when *flag.skip != 0 (optim::skip_flag);
+  // compute_copy may be empty.
+  template <FloatingElement G, FloatingElement H>
+  void step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy,
+            optim::skip_flag flag) const {
+    require(flag.skip != nullptr, name, " (CUDA): a gated step needs the flag's device address");
+    const cudaStream_t stream = shardlib::cuda::current_stream();
+    if (s.cancelled.empty()) {
+      s.cancelled = shardlib::cuda::device_buffer<double>(1, category::comm_scratch, stream);
+      shardlib::cuda::fill_bytes_async(s.cancelled.span(), 0, stream);
+      s.gate_scalars = shardlib::cuda::device_buffer<ops::cuda::gated_adam_scalars>(1, category::comm_scratch, stream);
+    }
+    const ops::cuda::adam_gate gate{flag.skip, s.cancelled.data(), s.gate_scalars.data()};
+    require(!options.amsgrad || !s.max_exp_avg_sq.empty() || params.empty(), name,
+            " (CUDA): amsgrad is set but the state was made without it (no max_exp_avg_sq); make the state after "
+            "setting options.amsgrad");
+    ops::cuda::fused_adam_step(host_optimizer{options},
+                               {s.exp_avg.span(), s.exp_avg_sq.span(), s.max_exp_avg_sq.span()}, s.step, params,
+                               grads, compute_copy, stream, &gate);
   }
 
   // The same, also writing the new parameters rounded to H into compute_copy

@@ -88,6 +88,15 @@ struct device_scale_of {
   float c;
   __device__ float operator()(std::int64_t, float x) const { return x * c; }
 };
+// The factor read on the device, as the host's scale_by computes it.
+struct device_scale_by {
+  const double* factor;
+  bool reciprocal;
+  __device__ float operator()(std::int64_t, float x) const {
+    const float c = float(*factor);
+    return x * (reciprocal ? 1.f / c : c);
+  }
+};
 
 // out = op(in) when overwriting, op(in, out) when accumulating into out.
 template <class T, class Out, class Op>
@@ -105,6 +114,11 @@ void map_into(std::span<const T> in, std::span<Out> out, bool overwrite, Op op, 
 template <class T>
 __global__ void accumulate_kernel(const T* x, T* total) {
   *total += *x;
+}
+template <class Rule>
+__global__ void decide_step_kernel(Rule rule, const float* shared, const double* norm_squared, double* scaler,
+                                   double* outcome) {
+  shard::decide_step(rule, shared[1], norm_squared, scaler, outcome);
 }
 template <class Count>
 __global__ void count_if_nonzero_kernel(const unsigned long long* bad, Count* count) {
@@ -182,6 +196,15 @@ struct space_ops<cuda_space> {
   static void scale(std::span<float> x, float c) {
     ops::cuda::map_elements(std::int64_t(x.size()), detail::device_scale_of{c}, cuda::current_stream(),
                             "space_ops scale", x.data(), static_cast<const float*>(x.data()));
+  }
+  static void scale_by(std::span<float> x, const double* factor, bool reciprocal) {
+    ops::cuda::map_elements(std::int64_t(x.size()), detail::device_scale_by{factor, reciprocal},
+                            cuda::current_stream(), "space_ops scale_by", x.data(), static_cast<const float*>(x.data()));
+  }
+  static void decide_step(const step_rule& rule, const float* shared, const double* norm_squared, double* scaler,
+                          double* outcome) {
+    detail::decide_step_kernel<<<1, 1, 0, cuda::current_stream()>>>(rule, shared, norm_squared, scaler, outcome);
+    cuda::check_launch("space_ops decide_step");
   }
   // The per-step scalars (the contract in shard/space_ops.hpp): reductions go into
   // device memory and stay there; nothing here waits but wait_for_reads. Sums of
