@@ -302,14 +302,15 @@ measurement in_fresh_process(Fn&& fn) {
   return m;
 }
 
-// Runs fn with the strategy of a flag name; HybridShard only where its group divides W.
+// Runs fn with the strategy of a flag name (as shard::AnyStrategy: one engine type for
+// all); HybridShard only where its group divides W.
 template <class Fn>
 void with_strategy(const std::string& s, const config& cfg, int w, Fn&& fn) {
-  if (s == "full") fn(shard::FullShard{});
-  else if (s == "grad-op") fn(shard::ShardGradOp{});
-  else if (s == "optimizer") fn(shard::ShardOptimizer{});
-  else if (s == "none") fn(shard::NoShard{});
-  else if (w % cfg.group == 0) fn(shard::HybridShard{.group_size = cfg.group});
+  if (s == "full") fn(shard::AnyStrategy(shard::FullShard{}));
+  else if (s == "grad-op") fn(shard::AnyStrategy(shard::ShardGradOp{}));
+  else if (s == "optimizer") fn(shard::AnyStrategy(shard::ShardOptimizer{}));
+  else if (s == "none") fn(shard::AnyStrategy(shard::NoShard{}));
+  else if (w % cfg.group == 0) fn(shard::AnyStrategy(shard::HybridShard{.group_size = cfg.group}));
 }
 
 std::string ratio(double measured, double formula) {
@@ -459,7 +460,7 @@ void measure_all(const Workload& work, unsigned cores) {
       for (std::size_t s = 0; s < cfg.strategies.size(); ++s)
         with_strategy(cfg.strategies[s], cfg, cfg.worlds[j], [&](auto strategy) {
           auto m = in_fresh_process([&] { return run(work, cfg.worlds[j], strategy); });
-          m.strategy = std::string(decltype(strategy)::name);
+          m.strategy = std::string(strategy.name);
           std::fprintf(stderr, "bench_strategies: %s W=%d round %d: %.1f ms/step\n", m.strategy.c_str(), m.world,
                        round + 1, m.median(&step_sample::wall_s) * 1e3);
           m.steps.insert(m.steps.begin(), results[s][j].steps.begin(), results[s][j].steps.end());

@@ -46,7 +46,7 @@ void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, cons
                 const train_flags& run, std::FILE* metrics, Batch&& batch, const std::function<void()>& finish = {}) {
   namespace sl = shardlib;
   auto& c = sharded.comm();
-  const std::string_view strategy = std::remove_cvref_t<decltype(sharded.strategy())>::name;
+  const std::string_view strategy = sharded.strategy().name;
   const long steps = run.steps, per_rank = run.batch, every = run.every;
   if (c.rank() == 0)
     std::printf("%s: %zu parameters in %zu units, %s over %d ranks, per-rank batch %ld\n", std::string(program).c_str(),

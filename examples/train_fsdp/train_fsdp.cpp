@@ -39,24 +39,25 @@ struct settings {
   example::train_flags run;
 };
 
-template <comm::Communicator Comm, shard::ShardingStrategy Strategy>
-void train(Comm& c, Strategy strategy, const settings& s, std::FILE* metrics) {
-  const example::synthetic_task task = example::task_for(s.model);
-  Model model = example::reference_model(s.model);
-  auto sharded = shard::fully_shard(model, c, strategy, {.wrap = shard::wrap_types<Encoder>{}, .seed = s.run.seed});
-  optim::Adam adam{{.lr = s.run.lr}};
-  example::train_loop("train_fsdp", sharded, adam, task, s.run, metrics, [&](long first, long count) {
-    return std::pair(task.inputs(first, count), task.labels(first, count));
-  });
+// The strategy chosen by the flag, as shard::AnyStrategy: one engine type for all five.
+shard::AnyStrategy strategy_of(const settings& s) {
+  if (s.strategy == "full") return shard::FullShard{};
+  if (s.strategy == "grad-op") return shard::ShardGradOp{};
+  if (s.strategy == "optimizer") return shard::ShardOptimizer{};
+  if (s.strategy == "none") return shard::NoShard{};
+  return shard::HybridShard{.group_size = s.group};
 }
 
 template <comm::Communicator Comm>
 void train(Comm& c, const settings& s, std::FILE* metrics) {
-  if (s.strategy == "full") train(c, shard::FullShard{}, s, metrics);
-  else if (s.strategy == "grad-op") train(c, shard::ShardGradOp{}, s, metrics);
-  else if (s.strategy == "optimizer") train(c, shard::ShardOptimizer{}, s, metrics);
-  else if (s.strategy == "none") train(c, shard::NoShard{}, s, metrics);
-  else train(c, shard::HybridShard{.group_size = s.group}, s, metrics);
+  const example::synthetic_task task = example::task_for(s.model);
+  Model model = example::reference_model(s.model);
+  auto sharded =
+      shard::fully_shard(model, c, strategy_of(s), {.wrap = shard::wrap_types<Encoder>{}, .seed = s.run.seed});
+  optim::Adam adam{{.lr = s.run.lr}};
+  example::train_loop("train_fsdp", sharded, adam, task, s.run, metrics, [&](long first, long count) {
+    return std::pair(task.inputs(first, count), task.labels(first, count));
+  });
 }
 
 }  // namespace

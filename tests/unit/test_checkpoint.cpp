@@ -332,12 +332,13 @@ namespace {
 // the fp32 tolerance of tests/unit/test_shard.cpp (the sums run in another order).
 template <class From, class To>
 void check_reshard(int wf, From sf, int wt, To st, shard::options to_opts = wrap_blocks(7)) {
-  INFO(wf << " ranks " << From::name << " -> " << wt << " ranks " << To::name);
+  INFO(wf << " ranks " << sf.name << " -> " << wt << " ranks " << st.name);
   temp_dir dir(cat("reshard_", wf, "_", wt));
   const int n1 = 3, n2 = 3;
   std::vector<float> ref_losses, losses;
   snapshot ref, saved, loaded, final_state;
   std::vector<std::vector<int>> files_read(static_cast<std::size_t>(wt));
+  std::string recorded_strategy;
   on_ranks(wf, sf, wrap_blocks(), [&](auto& model, auto& adam, comm::ThreadComm& c) {
     auto l = train(model, adam, 0, n1 + n2);
     auto s = take_snapshot(model, adam, dir / "ref.safetensors");
@@ -355,6 +356,7 @@ void check_reshard(int wf, From sf, int wt, To st, shard::options to_opts = wrap
   on_ranks(wt, st, to_opts, [&](auto& model, auto& adam, comm::ThreadComm& c) {
     auto r = io::load_checkpoint(dir / "ckpt", model, adam);
     files_read[std::size_t(c.rank())] = r.files_read;
+    if (c.rank() == 0) recorded_strategy = r.metadata.strategy;
     auto s = take_snapshot(model, adam, dir / "loaded.safetensors");
     auto l = train(model, adam, n1, n2);
     auto f = take_snapshot(model, adam, dir / "final.safetensors");
@@ -365,6 +367,7 @@ void check_reshard(int wf, From sf, int wt, To st, shard::options to_opts = wrap
     }
   });
   CHECK(first_difference(loaded, saved) == "");
+  CHECK(recorded_strategy == std::string(sf.name));  // the saving strategy's own name, also through AnyStrategy
   REQUIRE(losses.size() == std::size_t(n2));
   test_support::max_error worst_loss;
   for (int s = 0; s < n2; ++s) worst_loss.relative(losses[std::size_t(s)], ref_losses[std::size_t(n1 + s)], 1e-6);
@@ -388,6 +391,9 @@ TEST_CASE("a resharding load continues training as if uninterrupted", "[checkpoi
   check_reshard(1, shard::FullShard{}, 4, shard::HybridShard{.group_size = 2});
   check_reshard(2, shard::ShardOptimizer{}, 3, shard::ShardGradOp{});
   check_reshard(3, shard::NoShard{}, 2, shard::ShardOptimizer{});
+  // Strategies chosen at run time (one engine type for all).
+  check_reshard(4, shard::AnyStrategy(shard::HybridShard{.group_size = 2}), 3, shard::AnyStrategy(shard::ShardGradOp{}));
+  check_reshard(2, shard::AnyStrategy(shard::NoShard{}), 4, shard::FullShard{});
 }
 
 TEST_CASE("a strategy defined by the user saves, reshards and exports with no code of its own",

@@ -130,6 +130,41 @@ TEST_CASE("a policy the engine does not implement is refused, naming the strateg
   });
 }
 
+// One engine type for every strategy, chosen at run time: the same training, bit for
+// bit, as the strategy it was made from, its name and its refusals.
+template <class Strategy>
+void check_same_as_static(int w, Strategy strategy, float max_norm = 0) {
+  const auto want = sharded(w, 3, 6, strategy, max_norm);
+  const auto got = sharded(w, 3, 6, shard::AnyStrategy(strategy), max_norm);
+  for (int r = 0; r < w; ++r) {
+    INFO(Strategy::name << " world " << w << " rank " << r);
+    CHECK(got[r].losses == want[r].losses);
+    CHECK(got[r].norms == want[r].norms);
+    CHECK(got[r].params == want[r].params);
+  }
+}
+
+TEST_CASE("a strategy chosen at run time (AnyStrategy) trains as the one it was made from", "[shard][any]") {
+  check_same_as_static(3, shard::FullShard{});
+  check_same_as_static(3, shard::ShardGradOp{}, 0.05f);
+  check_same_as_static(3, shard::ShardOptimizer{});
+  check_same_as_static(2, shard::NoShard{});
+  check_same_as_static(4, shard::HybridShard{.group_size = 2}, 0.05f);
+  check_same_as_static(4, example::HybridShardZeRO2{.group_size = 2});
+  shard::AnyStrategy chosen;  // FullShard until assigned
+  CHECK(chosen.name == "FullShard");
+  CHECK(chosen.policy().shard_parameters);
+  chosen = shard::HybridShard{.group_size = 2};
+  CHECK(chosen.name == "HybridShard");
+  CHECK(chosen.policy().group_size == 2);
+  CHECK(chosen.policy().reduce == shard::reduction::hierarchical);
+  comm::launch(1, [](comm::ThreadComm& c) {
+    Model m = make_model();
+    CHECK_THROWS_WITH(shard::fully_shard<sgd>(m, c, shard::AnyStrategy(gradients_without_optimizer{})),
+                      Catch::Matchers::Contains("sharding strategy Odd: sharded gradients need sharded optimizer state"));
+  });
+}
+
 template <class Strategy>
 void check_memory(int w, Strategy strategy, shard::mixed_precision mp = {}) {
   const int per_rank = 4;

@@ -203,11 +203,13 @@ int main(int argc, char** argv) {
   cli.parse_or_exit(argc, argv);
   try {
     if (compare_cmd->parsed()) return compare(a, b);
-    if (s.strategy == "FullShard") train(s, shard::FullShard{});
-    else if (s.strategy == "ShardGradOp") train(s, shard::ShardGradOp{});
-    else if (s.strategy == "ShardOptimizer") train(s, shard::ShardOptimizer{});
-    else if (s.strategy == "NoShard") train(s, shard::NoShard{});
-    else train(s, shard::HybridShard{.group_size = s.group_size});
+    // One engine type for every strategy (shard::AnyStrategy).
+    shard::AnyStrategy strategy = shard::HybridShard{.group_size = s.group_size};
+    if (s.strategy == "FullShard") strategy = shard::FullShard{};
+    else if (s.strategy == "ShardGradOp") strategy = shard::ShardGradOp{};
+    else if (s.strategy == "ShardOptimizer") strategy = shard::ShardOptimizer{};
+    else if (s.strategy == "NoShard") strategy = shard::NoShard{};
+    train(s, strategy);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ckpt-demo: %s\n", e.what());

@@ -99,7 +99,7 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
     });
     m.tag = tag;
     m.world_size = comm.size();
-    m.strategy = std::string(S::name);
+    m.strategy = std::string(model.strategy().name);
     m.group_size = model.policy().group_size;
     m.partitions = model.partitions();
     m.param_dtype = std::string(name(model.precision().param));

@@ -684,7 +684,7 @@ class ShardedModel {
               name(dtype_of<C>), " compute, mixed_precision.reduce must be F32 or ", name(dtype_of<C>), ", got ",
               name(opts_.precision.reduce));
       require(policy_.shard_optimizer, "rank ", r, ": 16-bit compute (a model of ", name(dtype_of<C>),
-              " layers) keeps fp32 masters beside the values, which ", Strategy::name,
+              " layers) keeps fp32 masters beside the values, which ", strategy_.name,
               " does not shard: use a strategy that shards at least optimizer state (ShardOptimizer and up)");
     } else if constexpr (!std::is_same_v<space, host_space>) {
       // 16-bit gathers and reductions of fp32 layers change dtype in place, which is a host loop.
@@ -695,7 +695,7 @@ class ShardedModel {
   void make_groups() {
     if (policy_.group_size == 0) return;
     const int g = policy_.group_size, w = comm_->size(), r = comm_->rank();
-    require(w % g == 0, "rank ", r, ": ", Strategy::name, " group_size ", g, " must divide the world size ", w);
+    require(w % g == 0, "rank ", r, ": ", strategy_.name, " group_size ", g, " must divide the world size ", w);
     shard_comm_.emplace(comm_->split(r / g, r));    // the ranks that shard one replica
     replica_comm_.emplace(comm_->split(r % g, r));  // the same shard in every replica
     reducer_.set_replicas(&*replica_comm_);
@@ -783,7 +783,7 @@ class ShardedModel {
   void check_structure() {
     std::vector<std::int64_t> mine;  // hashes (int64: an element type every communicator carries)
     const auto& p = policy_;
-    mine.push_back(std::int64_t(fnv1a(cat(Strategy::name, p.shard_parameters, p.shard_gradients, p.shard_optimizer,
+    mine.push_back(std::int64_t(fnv1a(cat(strategy_.name, p.shard_parameters, p.shard_gradients, p.shard_optimizer,
                                           p.group(comm_->size()), int(p.free), int(p.reduce)))));
     mine.push_back(std::int64_t(opts_.seed));
     for (const auto& u : units_)
@@ -800,7 +800,7 @@ class ShardedModel {
       for (int r = 0; r < comm_->size(); ++r) {
         if (all[std::size_t(r) * mine.size() + i] == all[i]) continue;
         const std::string what =
-            i == 0   ? cat("the strategy or its policy (here: ", Strategy::name, ")")
+            i == 0   ? cat("the strategy or its policy (here: ", strategy_.name, ")")
             : i == 1 ? cat("options.seed (here: ", opts_.seed, "): ranks would start from different parameters")
                      : cat("parameter #", i - 2, " (here: ", describe_entry(i - 2), ")");
         throw error(cat("rank ", comm_->rank(), ": the model differs between ranks 0 and ", r, " at ", what,

@@ -5,6 +5,7 @@
 #include "shardlib/core/error.hpp"
 
 #include <concepts>     // std::same_as, std::convertible_to
+#include <string>       // std::string
 #include <string_view>  // std::string_view
 
 namespace shardlib::shard {
@@ -49,11 +50,12 @@ struct policy {
   constexpr int group(int world) const { return group_size > 0 ? group_size : world; }
 };
 
-// A strategy: a name and a policy. The policy may depend on the instance
-// (HybridShard's group size), so it is read from the value.
+// A strategy: a name and a policy, both read from the value (HybridShard's policy
+// depends on its group size; AnyStrategy's name on the strategy it holds). The
+// library's own name themselves with a static member, which `s.name` reads too.
 template <class S>
 concept ShardingStrategy = std::copyable<S> && requires(const S& s) {
-  { S::name } -> std::convertible_to<std::string_view>;
+  { s.name } -> std::convertible_to<std::string_view>;
   { s.policy() } -> std::same_as<shard::policy>;
 };
 
@@ -92,11 +94,26 @@ struct HybridShard {
   constexpr shard::policy policy() const { return {.group_size = group_size, .reduce = reduction::hierarchical}; }
 };
 
+// Any strategy chosen at run time, as FSDP's ShardingStrategy is an enum: the name
+// and policy of the strategy it was made from. The engine reads only those, so one
+// ShardedModel type serves a trainer's every --strategy (one instantiation instead of
+// one per strategy); checkpoints record the original name.
+struct AnyStrategy {
+  std::string name{FullShard::name};
+  shard::policy chosen{};
+
+  AnyStrategy() = default;
+  template <class S>
+    requires(!std::same_as<S, AnyStrategy> && ShardingStrategy<S>)  // in this order: copying is not a recursion
+  AnyStrategy(const S& s) : name(s.name), chosen(s.policy()) {}  // NOLINT: implicit on purpose
+  shard::policy policy() const { return chosen; }
+};
+
 // The policy, checked: raises naming the strategy and what is inconsistent.
 template <ShardingStrategy S>
 shard::policy checked_policy(const S& s) {
   const shard::policy p = s.policy();
-  require(p.valid(), "sharding strategy ", S::name, ": ", p.problem() ? p.problem() : "");
+  require(p.valid(), "sharding strategy ", s.name, ": ", p.problem() ? p.problem() : "");
   return p;
 }
 
