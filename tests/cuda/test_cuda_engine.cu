@@ -677,6 +677,18 @@ TEST_CASE("fp16 loss scaling decides on the device: no wait per step", "[cuda][e
   CHECK(run.sharded->optimizer_state(run.adam, 0).step == 4);
 }
 
+// Every unit's master piece, in unit order.
+template <class C>
+std::vector<float> all_masters(mlp_run<C>& run) {
+  sl::cuda::stream_scope scope(run.stream.get());
+  std::vector<float> all;
+  for (std::size_t i = 0; i < run.sharded->unit_count(); ++i) {
+    const auto piece = fetch(run.sharded->master_piece(i), run.stream.get());
+    all.insert(all.end(), piece.begin(), piece.end());
+  }
+  return all;
+}
+
 // A scale of 2^24 makes the loss gradient itself overflow fp16 (1/16 * 2^24 > 65504):
 // the device cancels those steps, leaving masters, moments and the step count as they
 // were, until the scale has backed off far enough.
@@ -684,16 +696,7 @@ TEST_CASE("fp16 steps that overflow are cancelled on the device, as the host ski
           "[cuda][engine][pending][f16]") {
   if (!have_device()) return;
   mlp_run<sl::half> run(16777216.f);
-  const auto masters = [&] {
-    sl::cuda::stream_scope scope(run.stream.get());
-    std::vector<float> all;
-    for (std::size_t i = 0; i < run.sharded->unit_count(); ++i) {
-      const auto piece = fetch(run.sharded->master_piece(i), run.stream.get());
-      all.insert(all.end(), piece.begin(), piece.end());
-    }
-    return all;
-  };
-  const auto initial = masters();
+  const auto initial = all_masters(run);
   std::vector<sl::shard::pending_step_result> results;
   for (int s = 0; s < 14; ++s) results.push_back(run.step(s));
   int skipped = 0;
@@ -709,7 +712,13 @@ TEST_CASE("fp16 steps that overflow are cancelled on the device, as the host ski
   CHECK(scaler.skipped_in_row == 0);
   for (std::size_t i = 0; i < run.sharded->unit_count(); ++i)
     CHECK(run.sharded->optimizer_state(run.adam, i).step == std::int64_t(results.size()) - skipped);
-  CHECK(masters() != initial);  // the steps taken moved them
+  const auto trained = all_masters(run);
+  CHECK(trained != initial);  // the steps taken moved them
+  // As a run that starts at the backed-off scale on the same batches: the cancelled steps
+  // changed nothing, and Adam's t counts only the steps taken (its bias corrections).
+  mlp_run<sl::half> fresh(16777216.f / float(1 << skipped));
+  for (int s = skipped; s < int(results.size()); ++s) CHECK(!fresh.step(s).skipped);
+  CHECK(trained == all_masters(fresh));
 
   // Cancelled from the start: nothing moves.
   mlp_run<sl::half> stuck(16777216.f);
@@ -738,8 +747,12 @@ TEST_CASE("a bad target is raised when the device loss is read", "[cuda][engine]
   const std::string message = "cross_entropy: target 7 in row 3 is out of range for 5 classes (ignore_index is -100)";
   CHECK_THROWS_WITH(float(r.loss), message);
   CHECK_THROWS_AS(float(r.loss), sl::shape_error);  // kept: every read raises it
-  // With a read inside the step (clipping), the step raises before the optimizer runs.
-  CHECK_THROWS_WITH(run.step(2, {.max_norm = 1.0f}, 3), message);
+  // With clipping the device decides too: the step returns, and every field's read raises.
+  const auto before_clipped = sl::host_syncs();
+  auto clipped = run.step(2, {.max_norm = 1.0f}, 3);
+  CHECK(sl::host_syncs() - before_clipped == 0);
+  CHECK_THROWS_WITH(bool(clipped.skipped), message);
+  CHECK_THROWS_WITH(float(*clipped.grad_norm), message);
 }
 
 // The Embedding checks its ids on the device too: its report is read with the loss,

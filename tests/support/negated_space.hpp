@@ -408,7 +408,7 @@ struct Adam {
   struct state {
     Buffer<float, Space> exp_avg, exp_avg_sq, max_exp_avg_sq;
     std::int64_t step = 0;
-    Buffer<double, Space> cancelled;  // as optim::cuda::Adam's: steps the space cancelled since settle()
+    Buffer<double, Space> cancelled;  // as optim::cuda::Adam's: [0] steps cancelled since settle(), [1] always 0
     template <class F>
     void for_each_buffer(F&& f) {
       f(std::string_view("exp_avg"), exp_avg);
@@ -431,7 +431,37 @@ struct Adam {
     };
     return {zeroed(n), zeroed(n), options.amsgrad ? zeroed(n) : Buffer<float, Space>{}, 0, {}};
   }
+  // After a gated step, ungated ones go through the gate too (a flag that is always 0),
+  // as optim::cuda::Adam's do, so that their t leaves the cancelled steps out.
   void step(std::span<float> params, std::span<const float> grads, state& s) const {
+    if (!s.cancelled.empty()) return step(params, grads, s, std::span<float>{}, optim::skip_flag{s.cancelled.data() + 1});
+    host_step(params, grads, s);
+  }
+  // A step the space may cancel (optim::skip_flag), as optim::cuda::Adam's: the flag
+  // and the count of cancelled steps read where they are (a kernel's reads), `step`
+  // counting attempts; the compute copy written when not empty.
+  template <class H>
+  void step(std::span<float> params, std::span<const float> grads, state& s, std::span<H> copy,
+            optim::skip_flag flag) const {
+    using io = codec<Space>;
+    if (s.cancelled.empty()) {
+      s.cancelled = Buffer<double, Space>(2, category::comm_scratch);
+      shard::space_ops<Space>::fill(s.cancelled.span(), 0.0);
+    }
+    const double cancelled = io::get(s.cancelled.data(), 0);
+    const std::int64_t attempts = s.step;
+    if (io::get(flag.skip, 0) != 0) {
+      io::put(s.cancelled.data(), 0, cancelled + 1);
+    } else {
+      s.step = attempts - std::int64_t(cancelled);
+      host_step(params, grads, s);
+      if (!copy.empty()) shard::space_ops<Space>::narrow(std::span<const float>(params), copy);
+    }
+    s.step = attempts + 1;
+  }
+
+ private:
+  void host_step(std::span<float> params, std::span<const float> grads, state& s) const {
     const host_optimizer host{options};
     auto h = host.make_state(params.size());
     h.step = s.step;
@@ -453,28 +483,6 @@ struct Adam {
       });
     });
     s.step = h.step;
-  }
-  // A step the space may cancel (optim::skip_flag), as optim::cuda::Adam's: the flag
-  // and the count of cancelled steps read where they are (a kernel's reads), `step`
-  // counting attempts; the compute copy written when not empty.
-  template <class H>
-  void step(std::span<float> params, std::span<const float> grads, state& s, std::span<H> copy,
-            optim::skip_flag flag) const {
-    using io = codec<Space>;
-    if (s.cancelled.empty()) {
-      s.cancelled = Buffer<double, Space>(1, category::comm_scratch);
-      io::put(s.cancelled.data(), 0, 0.0);
-    }
-    const double cancelled = io::get(s.cancelled.data(), 0);
-    const std::int64_t attempts = s.step;
-    if (io::get(flag.skip, 0) != 0) {
-      io::put(s.cancelled.data(), 0, cancelled + 1);
-    } else {
-      s.step = attempts - std::int64_t(cancelled);
-      step(params, grads, s);
-      if (!copy.empty()) shard::space_ops<Space>::narrow(std::span<const float>(params), copy);
-    }
-    s.step = attempts + 1;
   }
 };
 

@@ -22,8 +22,10 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -355,7 +357,7 @@ struct decided_run {
   std::vector<int> skipped;
   std::vector<float> params, state;
   std::vector<std::int64_t> optimizer_steps;
-  shard::loss_scaler scaler;
+  shard::loss_scaler scaler, scaler_after_set;
   std::uint64_t steps = 0;
   std::size_t reads_while_training = 0;  // the host's reads of per-step scalars before any result was read
   std::string error;                     // rank 0's, when a step raised
@@ -368,11 +370,13 @@ std::vector<std::uint32_t> bits(const std::vector<float>& v) {
   return b;
 }
 
-// W = 2, FullShard, fp16 layers, Adam; `poison` puts NaN into every target.
-template <class Space>
-decided_run decided_steps(int steps, const shard::loss_scaler& rule, float max_norm, bool poison) {
-  using V = half;
+// W = 2, FullShard, Adam; layers of V (half: fp16 with loss scaling by `rule`); step s
+// clips to max_norm(s) (0: not) and has NaN in its targets when poisoned(s).
+template <class Space, class V>
+decided_run decided_steps(int steps, const shard::loss_scaler& rule, const std::function<float(int)>& max_norm,
+                          const std::function<bool(int)>& poisoned) {
   using Opt = std::conditional_t<std::is_same_v<Space, host_space>, optim::Adam, negated::Adam<Space>>;
+  constexpr bool fp16 = std::is_same_v<V, half>;
   decided_run out;
   negated::counts().reset();
   comm::launch(2, [&](comm::ThreadComm& c) {
@@ -385,16 +389,16 @@ decided_run decided_steps(int steps, const shard::loss_scaler& rule, float max_n
     auto sharded = shard::fully_shard<Opt>(
         model, cc, shard::FullShard{},
         shard::options{.wrap = shard::wrap_types<Layer<Space, V>>{}, .seed = 3,
-                       .precision = {.param = dtype::f16}, .scaler = rule});
+                       .precision = {.param = fp16 ? dtype::f16 : dtype::f32}, .scaler = rule});
     Opt opt{{.lr = 0.01}};
     auto loss = [](const Tensor<V, Space>& y, const Tensor<float>& target) { return negated::mse(y, target); };
     std::vector<shard::step_result_of<Space>> results;
     try {
       for (int s = 0; s < steps; ++s) {
         Tensor<float> target = batch(s, 3, 2, rank, 2);
-        if (poison) target[0] = std::numeric_limits<float>::quiet_NaN();
+        if (poisoned(s)) target[0] = std::numeric_limits<float>::quiet_NaN();
         results.push_back(sharded.train_step(opt, negated::to_space<Space, V>(batch(s, 5, 1, rank, 2)), target, loss,
-                                             {.max_norm = max_norm}));
+                                             {.max_norm = max_norm(s)}));
       }
       c.barrier();
       if (rank == 0) out.reads_while_training = negated::counts().reads;
@@ -414,15 +418,41 @@ decided_run decided_steps(int steps, const shard::loss_scaler& rule, float max_n
     }
     const auto params = io::get_model_state(sharded, {.full = true, .rank0_only = true});
     const auto state = io::get_optimizer_state(sharded, opt, {.full = true, .rank0_only = true});
+    std::vector<std::int64_t> counts;
+    for (std::size_t i = 0; i < sharded.unit_count(); ++i) counts.push_back(sharded.optimizer_state(opt, i).step);
+    shard::loss_scaler scaler, replaced;
+    if constexpr (fp16) {
+      scaler = *sharded.scaler();
+      sharded.set_scaler({.scale = 64.f, .good_steps = 5, .skipped = 9});
+      replaced = *sharded.scaler();
+    }
     if (rank != 0) return;
     flatten(params.params, out.params);
     for (const auto& [buffer, ts] : state.buffers) flatten(ts, out.state);
-    for (std::size_t i = 0; i < sharded.unit_count(); ++i)
-      out.optimizer_steps.push_back(sharded.optimizer_state(opt, i).step);
-    out.scaler = *sharded.scaler();
+    out.optimizer_steps = counts;
+    out.scaler = scaler;
+    out.scaler_after_set = replaced;
     out.steps = sharded.steps();
   });
   return out;
+}
+
+void require_same_run(const decided_run& got, const decided_run& want) {
+  REQUIRE(want.error.empty());
+  INFO(got.error);
+  REQUIRE(got.error.empty());
+  CHECK(got.reads_while_training == 0);  // nothing read before the results were (the host's path reads every step)
+  CHECK(bits(got.losses) == bits(want.losses));  // a poisoned step's loss is NaN
+  CHECK(got.skipped == want.skipped);
+  CHECK(bits(got.norms) == bits(want.norms));  // skipped steps' norms are inf or NaN
+  CHECK(got.params == want.params);
+  CHECK(got.state == want.state);
+  CHECK(got.optimizer_steps == want.optimizer_steps);
+  CHECK(got.steps == want.steps);
+  CHECK(got.scaler.scale == want.scaler.scale);
+  CHECK(got.scaler.good_steps == want.scaler.good_steps);
+  CHECK(got.scaler.skipped == want.scaler.skipped);
+  CHECK(got.scaler.skipped_in_row == want.scaler.skipped_in_row);
 }
 
 }  // namespace
@@ -433,37 +463,77 @@ TEST_CASE("train_step with fp16 loss scaling and clipping decides in the model's
   // 2^20 overflows fp16 gradients at first: steps are skipped and the scale backs off;
   // growth every 3 good steps brings overflows back. max_norm 0.05 clips most steps.
   const shard::loss_scaler rule{.scale = 1048576.f, .growth_interval = 3};
-  const auto want = decided_steps<host_space>(14, rule, 0.05f, false);
-  const auto got = decided_steps<negated_space>(14, rule, 0.05f, false);
-  REQUIRE(want.error.empty());
-  REQUIRE(got.error.empty());
-  INFO(got.error);
+  const auto clip = [](int) { return 0.05f; };
+  const auto clean = [](int) { return false; };
+  const auto want = decided_steps<host_space, half>(14, rule, clip, clean);
+  const auto got = decided_steps<negated_space, half>(14, rule, clip, clean);
+  require_same_run(got, want);
   // The scenario covers what it is for: skipped and taken steps, clipped ones, and growth.
   const auto taken = std::count(want.skipped.begin(), want.skipped.end(), 0);
   CHECK(taken >= 5);
   CHECK(taken <= 12);
   CHECK(std::count_if(want.norms.begin(), want.norms.end(), [](float n) { return n > 0.05f; }) >= 3);
   CHECK(want.scaler.skipped >= 2);
-  CHECK(got.reads_while_training == 0);  // nothing read before the results were (the host's path reads every step)
-  CHECK(got.losses == want.losses);
-  CHECK(got.skipped == want.skipped);
-  CHECK(bits(got.norms) == bits(want.norms));  // skipped steps' norms are inf or NaN
-  CHECK(got.params == want.params);
-  CHECK(got.state == want.state);
-  CHECK(got.optimizer_steps == want.optimizer_steps);
   CHECK(got.optimizer_steps.front() == taken);  // the cancelled steps are not counted
-  CHECK(got.steps == want.steps);
-  CHECK(got.scaler.scale == want.scaler.scale);
-  CHECK(got.scaler.good_steps == want.scaler.good_steps);
-  CHECK(got.scaler.skipped == want.scaler.skipped);
-  CHECK(got.scaler.skipped_in_row == want.scaler.skipped_in_row);
+  // set_scaler replaces the scaler in the space, which scaler() then reads.
+  CHECK(got.scaler_after_set.scale == 64.f);
+  CHECK(got.scaler_after_set.good_steps == 5);
+  CHECK(got.scaler_after_set.skipped == 9);
+  CHECK(got.scaler_after_set.skipped_in_row == 0);
+}
+
+TEST_CASE("clipping alone: a non-finite norm cancels the step in the space, and later unclipped steps count only "
+          "the steps taken",
+          "[staging][train_step]") {
+  // Even steps clip, odd ones do not (no decision: the optimizer steps through the gate
+  // with a flag that never cancels); step 2's NaN targets make its norm NaN.
+  const auto clip = [](int s) { return s % 2 == 0 ? 0.05f : 0.f; };
+  const auto poisoned = [](int s) { return s == 2; };
+  const auto want = decided_steps<host_space, float>(9, {}, clip, poisoned);
+  const auto got = decided_steps<negated_space, float>(9, {}, clip, poisoned);
+  require_same_run(got, want);
+  CHECK(want.skipped == std::vector<int>{0, 0, 1, 0, 0, 0, 0, 0, 0});
+  CHECK(std::isnan(want.norms[2]));
+  CHECK(got.optimizer_steps.front() == 8);
 }
 
 TEST_CASE("too many skipped steps in a row raise the host's error when the space's result is read",
           "[staging][train_step][compute16][bad]") {
   const shard::loss_scaler rule{.max_skipped_in_row = 3};
-  const auto want = decided_steps<host_space>(5, rule, 0.f, true);     // raises in the third train_step
-  const auto got = decided_steps<negated_space>(5, rule, 0.f, true);   // all issued; the third result raises
+  const auto always = [](int) { return true; };
+  const auto no_clip = [](int) { return 0.f; };
+  const auto want = decided_steps<host_space, half>(5, rule, no_clip, always);    // raises in the third train_step
+  const auto got = decided_steps<negated_space, half>(5, rule, no_clip, always);  // all issued; the third result raises
   CHECK_THAT(want.error, Contains("rank 0: loss scaling: 3 steps in a row were skipped"));
   CHECK(got.error == want.error);
+}
+
+TEST_CASE("the scaler's error stays: a result read after the exhausting step's raises it too",
+          "[staging][train_step][compute16][bad]") {
+  // Steps 0-2 overflow (the third exhausts the scaler), 3-5 are good; only the last is read.
+  const shard::loss_scaler rule{.max_skipped_in_row = 3};
+  std::string raised;
+  comm::launch(1, [&](comm::ThreadComm& c) {
+    negated::negated_comm cc(c);
+    auto model = make_model<negated_space, half>();
+    auto sharded = shard::fully_shard<negated::Adam<negated_space>>(
+        model, cc, shard::FullShard{},
+        shard::options{.wrap = shard::wrap_types<Layer<negated_space, half>>{}, .precision = {.param = dtype::f16},
+                       .scaler = rule});
+    negated::Adam<negated_space> opt{{.lr = 0.01}};
+    auto loss = [](const Tensor<half, negated_space>& y, const Tensor<float>& t) { return negated::mse(y, t); };
+    std::optional<shard::pending_step_result> last;
+    for (int s = 0; s < 6; ++s) {
+      Tensor<float> target = batch(s, 3, 2, 0, 1);
+      if (s < 3) target[0] = std::numeric_limits<float>::quiet_NaN();
+      last = sharded.train_step(opt, negated::to_space<negated_space, half>(batch(s, 5, 1, 0, 1)), target, loss);
+    }
+    try {
+      (void)float(last->loss);
+    } catch (const error& e) {
+      raised = e.what();
+    }
+  });
+  CHECK_THAT(raised, Contains("rank 0: loss scaling: 3 steps in a row were skipped") &&
+                        Contains("the loss scale fell to 8192 (min_scale 1)"));
 }

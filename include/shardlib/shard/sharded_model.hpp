@@ -490,12 +490,15 @@ class ShardedModel {
     return r;
   }
   // The fp16 loss scaler (empty without fp16). When train_step decides on a device,
-  // its changing fields live there: reading them waits for the steps issued so far.
+  // its changing fields live there: reading them waits for the steps issued so far
+  // (on their stream), and the value returned is of that moment.
   const std::optional<loss_scaler>& scaler() const {
     if (scaler_ && scaler_slots_) {
       double slots[scaler_slots];
-      ops::issue_to_host(std::span<const double>(scaler_slots_->data(), scaler_slots), std::span<double>(slots));
-      ops::wait_for_reads();
+      scaler_issued_.run([&] {
+        ops::issue_to_host(std::span<const double>(scaler_slots_->data(), scaler_slots), std::span<double>(slots));
+        ops::wait_for_reads();
+      });
       scaler_ = scaler_from_slots(*scaler_, slots);
     }
     return scaler_;
@@ -614,7 +617,9 @@ class ShardedModel {
     if (scaler_slots_) {
       double slots[scaler_slots];
       scaler_to_slots(s, slots);
-      ops::from_host(std::span<const double>(slots), std::span<double>(scaler_slots_->data(), scaler_slots));
+      scaler_issued_.run([&] {
+        ops::from_host(std::span<const double>(slots), std::span<double>(scaler_slots_->data(), scaler_slots));
+      });
     }
   }
 
@@ -1045,8 +1050,11 @@ class ShardedModel {
   // x times the loss scale (or 1 / it): the host's, or the one in the model's space.
   template <class E>
   void scale_by_loss_scale(std::span<E> x, const double* scale_in_space, bool reciprocal) {
-    if constexpr (std::is_same_v<E, float>)
+    if constexpr (std::is_same_v<E, float>) {
       if (scale_in_space) return ops::scale_by(x, scale_in_space, reciprocal);
+    } else {
+      require(!scale_in_space, "rank ", comm_->rank(), ": fp16 loss scaling in the model's space needs float values");
+    }
     ops::scale(x, reciprocal ? 1.f / scaler_->scale : scaler_->scale);
   }
 
@@ -1065,6 +1073,7 @@ class ShardedModel {
       };
   // The loss scaler's changing fields in the model's space (made from the host's at first use).
   typename ops::template scalars<double>& space_scaler() {
+    scaler_issued_ = ops::issued_here();  // where train_step issues its work: scaler() reads there
     if (!scaler_slots_) {
       scaler_slots_.emplace(ops::template make_scalars<double>(scaler_slots));
       double slots[scaler_slots];
@@ -1097,10 +1106,10 @@ class ShardedModel {
     const bool mean = so.loss == loss_report::global_mean;
     auto kept = std::make_shared<Scalars>(std::move(shared));
     const float world = float(comm_->size());
-    const int rank = comm_->rank(), max_in_row = rule.scaler.max_skipped_in_row;
+    const int rank = comm_->rank();
     const float min_scale = rule.scaler.min_scale;
     const pending<readout> all(
-        [loss, kept, outcome, mean, world, rank, max_in_row, min_scale,
+        [loss, kept, outcome, mean, world, rank, min_scale,
          at = ops::issued_here()](const std::function<void()>& before_wait) {
           readout r{};
           float sum = 0;
@@ -1112,16 +1121,18 @@ class ShardedModel {
             });
             r.loss = mean ? sum / world : own;
           });
-          if (r.outcome[exhausted_slot] != 0) {
+          if (r.outcome[exhausted_scale_out] != 0) {  // this step, or an earlier one not read
             loss_scaler s{};
-            s.skipped_in_row = max_in_row;
-            s.scale = float(r.outcome[exhausted_slot]);
+            s.skipped_in_row = int(r.outcome[exhausted_in_row_out]);
+            s.scale = float(r.outcome[exhausted_scale_out]);
             s.min_scale = min_scale;
             throw error(cat("rank ", rank, ": ", s.exhausted_message()));
           }
           return r;
         },
         nullptr);
+    // Each field reads `all`, once for all three. (A caller's before_wait passed to a
+    // second field's read would run with no wait after it; nothing passes one to these.)
     pending_step_result r{pending<float>([all](const auto& bw) { return all.get_with(bw).loss; }, nullptr),
                           std::nullopt,
                           pending<bool>([all](const auto& bw) { return all.get_with(bw).outcome[skip_slot] != 0; },
@@ -1146,6 +1157,7 @@ class ShardedModel {
   bool forwarded_ = false;  // a forward completed since the last backward
   mutable std::optional<loss_scaler> scaler_;  // scaler() refreshes it from scaler_slots_
   std::optional<typename ops::template scalars<double>> scaler_slots_;  // when the space decides (space_scaler())
+  typename ops::issue_point scaler_issued_{};  // where the steps that use scaler_slots_ are issued
   std::vector<std::vector<optim::segment>> segments_;  // parameter groups' runs per unit (segments())
   std::optional<typename space_ops<space>::offload_channel> offload_;  // options.offload
   std::uint64_t step_ = 0;

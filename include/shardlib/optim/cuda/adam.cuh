@@ -23,9 +23,11 @@
 
 namespace shardlib::optim::cuda {
 
-// optim::BasicAdam's update (bit for bit the same per-element function and
-// scalars; nvcc may fuse multiply-adds that g++ does not, so results agree to
-// a few ulps) with the moments in device memory. params, grads and the compute
+// optim::BasicAdam's update (bit for bit the same per-element function and,
+// from the host, the same scalars; nvcc may fuse multiply-adds that g++ does not,
+// so results agree to a few ulps) with the moments in device memory. After a step
+// the device may cancel (optim::skip_flag) the device makes the scalars itself,
+// its pow within 2 ulp in double: almost always the same floats. params, grads and the compute
 // copy must be device memory too; the work is enqueued on
 // shardlib::cuda::current_stream() and step returns without waiting for it.
 //
@@ -42,10 +44,15 @@ struct BasicAdam {
     Buffer<float, cuda_space> exp_avg_sq;      // v
     Buffer<float, cuda_space> max_exp_avg_sq;  // vmax; empty unless made with amsgrad
     std::int64_t step = 0;
-    // Steps the device cancelled (optim::skip_flag) since settle(), and the gated
-    // step's scalars: made at the first gated step.
+    // Made at the first gated step (optim::skip_flag): [0] the steps the device has
+    // cancelled since settle(), [1] a flag that is always 0 (later ungated steps go
+    // through the gate with it, so that their t leaves the cancelled steps out too);
+    // the gated step's scalars; the stream the gated steps ran on; whether one has
+    // run since settle().
     shardlib::cuda::device_buffer<double> cancelled;
     shardlib::cuda::device_buffer<ops::cuda::gated_adam_scalars> gate_scalars;
+    cudaStream_t gated_on = nullptr;
+    bool unsettled = false;
 
     template <class F>
     void for_each_buffer(F&& f) {
@@ -53,17 +60,18 @@ struct BasicAdam {
       f(std::string_view("exp_avg_sq"), exp_avg_sq);
       if (!max_exp_avg_sq.empty()) f(std::string_view("max_exp_avg_sq"), max_exp_avg_sq);
     }
-    // `step` becomes the count of steps taken: the cancelled ones are read (one wait
-    // for the current stream) and taken off.
+    // `step` becomes the count of steps taken: after gated steps, the cancelled ones
+    // are read on the gated steps' stream (one wait) and taken off.
     void settle() {
-      if (cancelled.empty()) return;
-      const cudaStream_t s = shardlib::cuda::current_stream();
+      if (!unsettled) return;
       double n = 0;
-      shardlib::cuda::copy_async(std::span<double>(&n, 1), std::span<const double>(cancelled.span()), s);
+      shardlib::cuda::copy_async(std::span<double>(&n, 1), std::span<const double>(cancelled.span().first(1)), gated_on);
       count_host_sync();
-      shardlib::cuda::check(cudaStreamSynchronize(s), "optim::cuda::", name, "::state::settle: cudaStreamSynchronize");
+      shardlib::cuda::check(cudaStreamSynchronize(gated_on), "optim::cuda::", name,
+                            "::state::settle: cudaStreamSynchronize");
       step -= std::int64_t(n);
-      shardlib::cuda::fill_bytes_async(cancelled.span(), 0, s);
+      shardlib::cuda::fill_bytes_async(cancelled.span().first(1), 0, gated_on);
+      unsettled = false;
     }
   };
 
@@ -77,7 +85,7 @@ struct BasicAdam {
       shardlib::cuda::fill_bytes_async(b.span(), 0, shardlib::cuda::current_stream());
       return b;
     };
-    return {zeroed(n), zeroed(n), options.amsgrad ? zeroed(n) : Buffer<float, cuda_space>{}, 0, {}, {}};
+    return {zeroed(n), zeroed(n), options.amsgrad ? zeroed(n) : Buffer<float, cuda_space>{}, 0, {}, {}, nullptr, false};
   }
 
   void step(std::span<float> params, std::span<const float> grads, state& s) const {
@@ -98,30 +106,43 @@ struct BasicAdam {
     require(flag.skip != nullptr, name, " (CUDA): a gated step needs the flag's device address");
     const cudaStream_t stream = shardlib::cuda::current_stream();
     if (s.cancelled.empty()) {
-      s.cancelled = shardlib::cuda::device_buffer<double>(1, category::comm_scratch, stream);
+      // Persistent, but not optimizer state in the planner's sense: 56 bytes of scratch.
+      s.cancelled = shardlib::cuda::device_buffer<double>(2, category::comm_scratch, stream);
       shardlib::cuda::fill_bytes_async(s.cancelled.span(), 0, stream);
       s.gate_scalars = shardlib::cuda::device_buffer<ops::cuda::gated_adam_scalars>(1, category::comm_scratch, stream);
     }
-    const ops::cuda::adam_gate gate{flag.skip, s.cancelled.data(), s.gate_scalars.data()};
-    require(!options.amsgrad || !s.max_exp_avg_sq.empty() || params.empty(), name,
-            " (CUDA): amsgrad is set but the state was made without it (no max_exp_avg_sq); make the state after "
-            "setting options.amsgrad");
-    ops::cuda::fused_adam_step(host_optimizer{options},
-                               {s.exp_avg.span(), s.exp_avg_sq.span(), s.max_exp_avg_sq.span()}, s.step, params,
-                               grads, compute_copy, stream, &gate);
+    if (flag.skip != s.cancelled.data() + 1) s.unsettled = true;
+    s.gated_on = stream;
+    gated_step(params, grads, s, compute_copy, flag.skip, stream);
   }
 
   // The same, also writing the new parameters rounded to H into compute_copy
   // (the 16-bit copy the next all-gather sends) in the same pass.
   template <FloatingElement G, FloatingElement H>
   void step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy) const {
+    const cudaStream_t stream = shardlib::cuda::current_stream();
+    if (!s.cancelled.empty()) return gated_step(params, grads, s, compute_copy, s.cancelled.data() + 1, stream);
     require(!options.amsgrad || !s.max_exp_avg_sq.empty() || params.empty(), name,
             " (CUDA): amsgrad is set but the state was made without it (no max_exp_avg_sq); make the state after "
             "setting options.amsgrad");
     ops::cuda::fused_adam_step(host_optimizer{options},
                                {s.exp_avg.span(), s.exp_avg_sq.span(), s.max_exp_avg_sq.span()}, s.step, params,
-                               grads, compute_copy, shardlib::cuda::current_stream());
+                               grads, compute_copy, stream);
   }
+
+ private:
+  template <FloatingElement G, FloatingElement H>
+  void gated_step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy,
+                  const double* skip, cudaStream_t stream) const {
+    require(!options.amsgrad || !s.max_exp_avg_sq.empty() || params.empty(), name,
+            " (CUDA): amsgrad is set but the state was made without it (no max_exp_avg_sq); make the state after "
+            "setting options.amsgrad");
+    const ops::cuda::adam_gate gate{skip, s.cancelled.data(), s.gate_scalars.data()};
+    ops::cuda::fused_adam_step(host_optimizer{options},
+                               {s.exp_avg.span(), s.exp_avg_sq.span(), s.max_exp_avg_sq.span()}, s.step, params,
+                               grads, compute_copy, stream, &gate);
+  }
+
 };
 
 using Adam = BasicAdam<decay_style::l2>;
