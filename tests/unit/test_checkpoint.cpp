@@ -147,9 +147,11 @@ test_support::max_error worst_parameter_difference(const snapshot& got, const sn
   return worst;
 }
 
-// body(model, optimizer, comm) on every rank, the model wrapped for optimizer O.
-template <class O = optim::Adam, class Strategy, class Body>
-void on_ranks(int world, Strategy strategy, shard::options opts, Body&& body, int hidden = 12, int blocks = 3) {
+// body(model, optimizer, comm) on every rank, the model wrapped for optimizer O (every
+// strategy as shard::AnyStrategy: one engine type per optimizer, not one per strategy).
+template <class O = optim::Adam, class Body>
+void on_ranks(int world, shard::AnyStrategy strategy, shard::options opts, Body&& body, int hidden = 12,
+              int blocks = 3) {
   comm::launch(world, [&](comm::ThreadComm& c) {
     Model m = make_model(hidden, blocks);
     auto model = shard::fully_shard<O>(m, c, strategy, opts);

@@ -99,8 +99,8 @@ struct outcome {
 
 // Three train_steps on `world` ranks; the planner is given `activation_bytes`. With
 // `offload`, both ledgers (the model's space and the offload space) meet the plan.
-template <class Make, class Data, class Strategy>
-std::vector<outcome> train(Make make, Data data, int world, Strategy strategy, shard::wrap_policy wrap,
+template <class Make, class Data>
+std::vector<outcome> train(Make make, Data data, int world, shard::AnyStrategy strategy, shard::wrap_policy wrap,
                            shard::wrap_policy checkpoint, std::size_t activation_bytes = 0, bool offload = false) {
   auto out = std::vector<outcome>(std::size_t(world));
   comm::launch(world, [&](comm::ThreadComm& c, ledger& l) {
@@ -132,21 +132,21 @@ std::vector<outcome> train(Make make, Data data, int world, Strategy strategy, s
 }
 
 // With and without checkpointing: equal bit for bit (== fails on NaN).
-template <class Make, class Data, class Strategy>
-void check_bitwise(Make make, Data data, int world, Strategy strategy, const shard::wrap_policy& wrap,
+template <class Make, class Data>
+void check_bitwise(Make make, Data data, int world, const shard::AnyStrategy& strategy, const shard::wrap_policy& wrap,
                    const shard::wrap_policy& checkpoint) {
   const auto plain = train(make, data, world, strategy, wrap, shard::wrap_none{});
   const auto recomputed = train(make, data, world, strategy, wrap, checkpoint);
   for (int r = 0; r < world; ++r) {
-    INFO(Strategy::name << ", rank " << r);
+    INFO(strategy.name << ", rank " << r);
     REQUIRE(!plain[std::size_t(r)].params.empty());
     CHECK(recomputed[std::size_t(r)].losses == plain[std::size_t(r)].losses);
     CHECK(recomputed[std::size_t(r)].params == plain[std::size_t(r)].params);
   }
 }
 
-template <class Make, class Data, class Strategy>
-void check_every_layout(Make make, Data data, int world, Strategy strategy) {
+template <class Make, class Data>
+void check_every_layout(Make make, Data data, int world, const shard::AnyStrategy& strategy) {
   // the encoders are units and checkpointed
   check_bitwise(make, data, world, strategy, shard::wrap_types<Encoder>{}, shard::wrap_types<Encoder>{});
   // layers inside the units (and the root's head), by type and by name
@@ -178,8 +178,7 @@ TEST_CASE("a decoder of GPT-2 and LLaMA attention blocks checkpointed trains bit
 }
 
 namespace {
-template <class Strategy>
-void check_activation_peak(int world, Strategy strategy) {
+void check_activation_peak(int world, const shard::AnyStrategy& strategy) {
   const shard::wrap_types<Encoder> encoders;
   const auto run = [](auto& ctx, auto& m) {
     auto [x, y] = classifier_batch(0, 0);
@@ -190,7 +189,7 @@ void check_activation_peak(int world, Strategy strategy) {
   const std::size_t full = plan::measure_activations(probe, [&](nn::context& ctx) { run(ctx, probe); });
   Classifier probe2 = make_classifier();
   const std::size_t kept = plan::measure_activations(probe2, encoders, [&](auto& ctx) { run(ctx, probe2); });
-  INFO(Strategy::name << ": activations " << kept << " with checkpointing, " << full << " without");
+  INFO(strategy.name << ": activations " << kept << " with checkpointing, " << full << " without");
   CHECK(kept < full);
   for (bool offload : {false, true})  // the planner's memory with checkpointing and offload on together
     for (const auto& o : train(make_classifier, classifier_batch, world, strategy, encoders, encoders, kept, offload)) {

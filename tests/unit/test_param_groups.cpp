@@ -137,8 +137,7 @@ shard::options wrapped(shard::options o = {}) {
   return o;
 }
 
-template <class Strategy>
-std::vector<float> sharded_groups(int world, int steps, Strategy strategy) {
+std::vector<float> sharded_groups(int world, int steps, shard::AnyStrategy strategy) {
   std::vector<std::vector<float>> params(static_cast<std::size_t>(world));
   comm::launch(world, [&](comm::ThreadComm& c) {
     Model m = fixture::make_model();
@@ -164,7 +163,7 @@ TEST_CASE("two parameter groups train as a float64 reference with per-parameter 
   const int steps = 8;
   const auto want = reference(steps);
   auto check = [&](auto strategy, int w) {
-    INFO(decltype(strategy)::name << " at W = " << w);
+    INFO(strategy.name << " at W = " << w);
     const auto got = sharded_groups(w, steps, strategy);
     test_support::max_error worst;
     worst.relative(got, want, 0.1);
@@ -372,8 +371,7 @@ struct run {
 };
 
 // Plain SGD (lr) over `steps` steps of the global batch of 2 rows per rank.
-template <class Strategy>
-run train_sgd(int world, int steps, Strategy strategy, float lr, const shard::step_options& so,
+run train_sgd(int world, int steps, shard::AnyStrategy strategy, float lr, const shard::step_options& so,
               shard::options o = {}) {
   run out;
   out.steps.resize(std::size_t(world));
@@ -398,7 +396,7 @@ run train_sgd(int world, int steps, Strategy strategy, float lr, const shard::st
 TEST_CASE("train_step: a summed reduction steps W times the averaged gradients", "[train_step][reduction]") {
   const int steps = 5;
   auto check = [&](auto strategy, int w) {
-    INFO(decltype(strategy)::name << " at W = " << w);
+    INFO(strategy.name << " at W = " << w);
     const auto sum = train_sgd(w, steps, strategy, 0.01f, {.reduction = shard::grad_reduction::sum});
     const auto avg = train_sgd(w, steps, strategy, 0.01f * float(w), {});
     test_support::max_error worst;

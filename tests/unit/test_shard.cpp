@@ -165,8 +165,7 @@ TEST_CASE("a strategy chosen at run time (AnyStrategy) trains as the one it was 
   });
 }
 
-template <class Strategy>
-void check_memory(int w, Strategy strategy, shard::mixed_precision mp = {}) {
+void check_memory(int w, shard::AnyStrategy strategy, shard::mixed_precision mp = {}) {
   const int per_rank = 4;
   std::vector<int> ok(w, 0);
   std::vector<std::string> report(w);
@@ -376,8 +375,7 @@ TEST_CASE("ranks wrapping with different seeds raise on every rank, naming the s
 namespace {
 // Two micro-batches per step: the first without synchronising (only local
 // accumulation) unless `sync_each`, the second synchronising everything.
-template <class Strategy>
-std::vector<float> accumulate(int world, bool sync_each, Strategy strategy) {
+std::vector<float> accumulate(int world, bool sync_each, shard::AnyStrategy strategy) {
   std::vector<float> params;
   comm::launch(world, [&](comm::ThreadComm& c) {
     Model m = make_model();
@@ -435,8 +433,7 @@ TEMPLATE_TEST_CASE("gradient accumulation, with and without no-sync, equals accu
 }
 
 namespace {
-template <class Strategy>
-std::vector<trace> sharded_mixed(int world, int per_rank, int steps, Strategy strategy, shard::mixed_precision p) {
+std::vector<trace> sharded_mixed(int world, int per_rank, int steps, shard::AnyStrategy strategy, shard::mixed_precision p) {
   std::vector<trace> out(world);
   comm::launch(world, [&](comm::ThreadComm& c) {
     Model m = make_model();

@@ -134,8 +134,8 @@ trace unsharded(int world, int per_rank, int steps, int edit_at = -1) {
   return t;
 }
 
-template <class T = float, class Strategy>
-std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy, shard::wrap_policy wrap,
+template <class T = float>
+std::vector<trace> sharded(int world, int per_rank, int steps, shard::AnyStrategy strategy, shard::wrap_policy wrap,
                            int edit_at = -1) {
   std::vector<trace> out(static_cast<std::size_t>(world));
   comm::launch(world, [&](comm::ThreadComm& c) {
@@ -173,8 +173,7 @@ std::vector<trace> sharded(int world, int per_rank, int steps, Strategy strategy
 // 2e-5 and parameters within 1e-4 leave room for that and fail on any missed or
 // doubled gradient term (the head's and the embedding's parts of the tied
 // gradient are each ~1e-1).
-template <class Strategy>
-void check_equivalence(int w, Strategy strategy, shard::wrap_policy wrap = each_layer_a_unit<float>().wrap,
+void check_equivalence(int w, shard::AnyStrategy strategy, shard::wrap_policy wrap = each_layer_a_unit<float>().wrap,
                        int edit_at = -1) {
   const int steps = 12, per_rank = 4;
   const auto want = unsharded(w, per_rank, steps, edit_at);
@@ -186,7 +185,7 @@ void check_equivalence(int w, Strategy strategy, shard::wrap_policy wrap = each_
     worst_loss.relative(got[std::size_t(r)].losses, want.losses, 1e-6);
     worst_param.relative(got[std::size_t(r)].params, want.params, 1e-3);
   }
-  INFO(Strategy::name << " world " << w << ": worst relative loss difference " << worst_loss << ", parameters "
+  INFO(strategy.name << " world " << w << ": worst relative loss difference " << worst_loss << ", parameters "
                       << worst_param);
   CHECK(worst_loss <= 2e-5);
   CHECK(worst_param <= 1e-4);
@@ -219,7 +218,7 @@ TEST_CASE("a tied model trains with float64 masters under every strategy", "[tie
       test_support::max_error loss, param;
       loss.relative(got[std::size_t(r)].losses, want.losses, 1e-6);
       param.relative(got[std::size_t(r)].params, want.params, 1e-3);
-      INFO(decltype(strategy)::name << " rank " << r << ": loss " << loss << ", parameters " << param);
+      INFO(strategy.name << " rank " << r << ": loss " << loss << ", parameters " << param);
       CHECK(loss <= 1e-12);
       CHECK(param <= 1e-12);
     }
@@ -453,8 +452,7 @@ TEST_CASE("a tied model's checkpoint round-trips through a resharding load", "[t
 }
 
 namespace {
-template <class Strategy>
-void check_memory(int w, Strategy strategy) {
+void check_memory(int w, shard::AnyStrategy strategy) {
   std::vector<std::string> report(static_cast<std::size_t>(w));
   std::vector<int> ok(static_cast<std::size_t>(w), 0);
   comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
@@ -478,7 +476,7 @@ void check_memory(int w, Strategy strategy) {
                                 l.peak(category::optimizer_state) == want.optimizer_state;
   });
   for (int r = 0; r < w; ++r) {
-    INFO(Strategy::name << " rank " << r << ": " << report[std::size_t(r)]);
+    INFO(strategy.name << " rank " << r << ": " << report[std::size_t(r)]);
     CHECK(ok[std::size_t(r)] == 1);
   }
 }
@@ -584,7 +582,7 @@ TEST_CASE("eval mode frees every unit after its forward, keeps no activations an
       if (!model.training()) why += "train() did not restore training; ";
     });
     for (int r = 0; r < w; ++r) {
-      INFO(decltype(strategy)::name << " rank " << r << ": " << failures[std::size_t(r)]);
+      INFO(strategy.name << " rank " << r << ": " << failures[std::size_t(r)]);
       CHECK(failures[std::size_t(r)].empty());
     }
   };
