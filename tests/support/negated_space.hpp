@@ -287,12 +287,7 @@ struct shardlib::shard::space_ops<negated::negated_space> {
     ++negated::counts().reads;
   }
   static void wait_for_reads() {}
-  struct issue_point {
-    template <class F>
-    void run(F&& f) const {
-      f();
-    }
-  };
+  using issue_point = space_ops<host_space>::issue_point;  // the host's: work is done when issued
   static issue_point issued_here() { return {}; }
   static void scale_by(std::span<float> x, const double* factor, bool reciprocal) {
     const float c = float(negated::flip(*factor));
