@@ -13,8 +13,10 @@
 #include "shardlib/optim/adam.hpp"
 #include "shardlib/optim/clip.hpp"
 #include "shardlib/optim/param_groups.hpp"
+#include "shardlib/shard/checkpointing.hpp"
 #include "shardlib/shard/discover.hpp"
 #include "shardlib/shard/gather.hpp"
+#include "shardlib/shard/options.hpp"
 #include "shardlib/shard/precision.hpp"
 #include "shardlib/shard/reduce.hpp"
 #include "shardlib/shard/space_ops.hpp"
@@ -23,7 +25,6 @@
 #include "shardlib/shard/unit.hpp"
 #include "shardlib/shard/wrap.hpp"
 
-#include <any>          // std::any (a checkpointed layer's kept input)
 #include <cmath>        // std::sqrt, std::isfinite
 #include <cstdint>      // std::uint64_t
 #include <functional>   // std::function
@@ -39,133 +40,6 @@
 #include <vector>       // std::vector
 
 namespace shardlib::shard {
-
-struct options {
-  // Which layers become units; the model is always the root unit.
-  wrap_policy wrap = wrap_none{};
-  // Which layers are checkpointed (units or not; the same policies as `wrap`, whose
-  // count is then every element of the Params the layer lists): their forward keeps
-  // only their input, and their backward runs the forward again first.
-  wrap_policy checkpoint = wrap_none{};
-  std::uint64_t seed = 0;  // initial values: element i of parameter p is drawn from (seed, p, i) on every rank
-  int prefetch = 1;        // units whose all-gather is issued ahead of the one running
-  mixed_precision precision{};  // gather / reduce dtypes; F16 turns on dynamic loss scaling in train_step
-  loss_scaler scaler{};         // its initial scale and growth rule
-  nn::context::options context{};  // training flag, dropout seed (rank and step are set by the model)
-  // ZeRO-Offload / FSDP's CPUOffload: this rank's fp32 master piece, a copy of its reduced
-  // gradients and its optimizer state live in host memory (offload_space_t of the model's
-  // space: pinned memory beside a device) and the optimizer steps there, unit by unit; the
-  // updated piece (rounded to the layers' dtype when they compute in 16 bits) is copied back
-  // to the model's space. Bit for bit the same training as without it.
-  bool offload = false;
-};
-
-// train_step's options and what it returns.
-enum class loss_report { global_mean, local };
-enum class grad_reduction { average, sum };
-struct step_options {
-  float max_norm = 0;  // > 0: clip the global gradient norm to it, after fp16 unscaling; 0: no clipping
-  // global_mean: the mean of every rank's loss, by one all-reduce of a scalar (carried
-  // by fp16's overflow all-reduce when loss scaling is on). With averaged gradients it is
-  // the loss whose gradient the step followed, and every rank reports the same number,
-  // as torchtitan logs it. local: this rank's own loss, no collective (PyTorch's loss).
-  loss_report loss = loss_report::global_mean;
-  // average: each rank steps the mean of all ranks' gradients (DDP's and FSDP's rule);
-  // sum: their sum, W times the mean (for losses summed, not averaged, over the global batch).
-  grad_reduction reduction = grad_reduction::average;
-};
-struct step_result {
-  float loss = 0;                  // as step_options::loss says
-  std::optional<float> grad_norm;  // when clipping: the global gradient norm before clipping
-  bool skipped = false;            // fp16 overflow, or a non-finite norm when clipping: nothing was stepped
-  operator float() const { return loss; }  // `float loss = model.train_step(...)` as before the options
-};
-// What train_step returns on a device: the same, left on the device until one of
-// them is read (pending), so that a step whose results nobody reads never waits for
-// the device; reading one reads them all (one wait).
-struct pending_step_result {
-  pending<float> loss;
-  std::optional<pending<float>> grad_norm;
-  pending<bool> skipped = false;
-  operator float() const { return loss; }
-};
-template <class Space>
-using step_result_of = std::conditional_t<std::is_same_v<Space, host_space>, step_result, pending_step_result>;
-
-// The layers a checkpoint policy picks (the root never: recomputing the whole model
-// saves nothing), and the inputs their forwards keep until their backward.
-class checkpoints {
- public:
-  checkpoints() = default;
-  template <nn::Layer Model>
-  checkpoints(Model& model, const wrap_policy& policy) {
-    if constexpr (nn::Composite<Model>)
-      model.children([&](std::string_view name, auto& child) { pick(child, std::string(name), policy); });
-  }
-
-  template <class L>
-  bool picked(const L& layer) const {
-    return picked_.contains(key(layer));
-  }
-  // Keeps x (a tensor's copy shares its storage) and the context's draw count.
-  template <class L>
-  void keep(const L& layer, const typename L::input& x, std::uint64_t draws) {
-    const bool fresh = kept_.try_emplace(key(layer), std::any(x), draws).second;
-    require(fresh, "checkpointing: layer ", name_of(layer), " ran forward twice before its backward; a "
-            "checkpointed layer keeps one input (call it once per step, or do not checkpoint it)");
-  }
-  template <class L>
-  bool holds(const L& layer) const {
-    return kept_.contains(key(layer));
-  }
-  // Hands back (and forgets) what keep() kept.
-  template <class L>
-  std::pair<typename L::input, std::uint64_t> take(const L& layer) {
-    auto node = kept_.extract(key(layer));
-    return {std::any_cast<typename L::input>(std::move(node.mapped().first)), node.mapped().second};
-  }
-  void clear() { kept_.clear(); }
-
- private:
-  using layer_key = std::pair<const void*, std::type_index>;
-  template <class L>
-  static layer_key key(const L& layer) {
-    return {static_cast<const void*>(&layer), std::type_index(typeid(L))};
-  }
-  template <class L>
-  std::string name_of(const L& layer) const {
-    auto it = picked_.find(key(layer));
-    return it == picked_.end() ? std::string("?") : cat("'", it->second, "'");
-  }
-  template <class L>
-  void pick(L& layer, const std::string& name, const wrap_policy& policy) {
-    if constexpr (nn::Composite<L>)
-      layer.children([&](std::string_view child, auto& c) { pick(c, nn::join_name(name, child), policy); });
-    if (policy(name, std::type_index(typeid(L)), nn::parameter_count(layer))) picked_.emplace(key(layer), name);
-  }
-
-  std::map<layer_key, std::string> picked_;  // with their dotted names, for errors
-  std::map<layer_key, std::pair<std::any, std::uint64_t>> kept_;
-};
-
-namespace detail {
-// An engine without units: checkpoint_context's.
-struct no_units {
-  struct unit {};
-  template <class L>
-  unit* find(const L&) {
-    return nullptr;
-  }
-  void pre_forward(unit&) {}
-  void post_forward(unit&) {}
-  void pre_backward(unit&) {}
-  void post_backward(unit&) {}
-};
-inline no_units no_units_engine;
-}  // namespace detail
-
-template <class Engine>
-class sharded_context;
 
 // The model, wrapped: forward, backward and step run the strategy's policy around
 // each unit (docs/design.md, "Sharding engine"). The concerns live in one place each:
@@ -1173,80 +1047,6 @@ class ShardedModel {
 // gathers its unit (pre_backward, as always), runs the forward again from the kept
 // input with the draw count rewound, so dropout draws the same masks, and then the
 // backward: the same operations in the same order as without checkpointing.
-template <class Engine>
-class sharded_context : public nn::context {
- public:
-  sharded_context(Engine* e, nn::context::options o, checkpoints c = {}) : nn::context(o), e_(e), ckpt_(std::move(c)) {}
-
-  template <class L, class X>
-  auto forward(L& layer, const X& x) {
-    auto* u = e_->find(layer);
-    if (u) e_->pre_forward(*u);
-    auto y = grad_enabled() && ckpt_.picked(layer) ? forward_keeping_input(layer, x) : layer.forward(*this, x);
-    if (u) e_->post_forward(*u);
-    return y;
-  }
-  template <class L, class DY>
-  auto backward(L& layer, const DY& dy) {
-    auto* u = e_->find(layer);
-    if (u) e_->pre_backward(*u);
-    if (ckpt_.holds(layer)) recompute(layer);
-    auto dx = layer.backward(*this, dy);
-    if (u) e_->post_backward(*u);
-    return dx;
-  }
-
-  // False in eval mode (no backward follows) and inside a checkpointed layer's first
-  // forward: layers then keep no activations (nn::grad_enabled).
-  bool grad_enabled() const { return grad_ && no_grad_ == 0; }
-  void set_grad_enabled(bool on) {
-    grad_ = on;
-    if (!on) ckpt_.clear();  // eval(): a forward without its backward keeps nothing
-  }
-  bool evaluating() const { return !grad_; }
-  void forget_kept() { ckpt_.clear(); }
-  bool recomputing() const { return recomputing_ > 0; }
-
- private:
-  struct depth {
-    int& n;
-    explicit depth(int& d) : n(d) { ++n; }
-    ~depth() { --n; }
-    depth(const depth&) = delete;
-    depth& operator=(const depth&) = delete;
-  };
-  template <class L>
-  typename L::output forward_keeping_input(L& layer, const typename L::input& x) {
-    ckpt_.keep(layer, x, draws());
-    depth off(no_grad_);
-    return layer.forward(*this, x);
-  }
-  template <class L>
-  void recompute(L& layer) {
-    auto [x, at] = ckpt_.take(layer);
-    const std::uint64_t now = draws();
-    rewind_draws(at);
-    {
-      depth on(recomputing_);
-      layer.forward(*this, x);  // caches what backward needs; the output goes
-    }
-    rewind_draws(now);
-  }
-
-  Engine* e_;
-  checkpoints ckpt_;
-  bool grad_ = true;
-  int no_grad_ = 0, recomputing_ = 0;
-};
-
-// The plain context with the same activation checkpointing, for unsharded training
-// and plan::measure_activations: checkpoint_context ctx({}, checkpoints(model, wrap_types<Block>{})).
-class checkpoint_context : public sharded_context<detail::no_units> {
- public:
-  explicit checkpoint_context(nn::context::options o = {}, checkpoints c = {})
-      : sharded_context(&detail::no_units_engine, o, std::move(c)) {}
-};
-
 // Wraps `model` for training on the ranks of `comm` with a sharding strategy and
 // the optimizer whose state the units keep (Adam unless named):
 //   auto sharded = shard::fully_shard(model, comm, shard::FullShard{}, {.wrap = shard::wrap_types<Encoder>{}});

@@ -1,0 +1,69 @@
+// shardlib/shard/options.hpp — what fully_shard takes (options) and what train_step
+// takes and returns (step_options, step_result, on a device pending_step_result).
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/memory_space.hpp"  // host_space
+#include "shardlib/core/pending.hpp"       // pending
+#include "shardlib/nn/context.hpp"         // nn::context::options
+#include "shardlib/shard/precision.hpp"    // mixed_precision, loss_scaler
+#include "shardlib/shard/wrap.hpp"         // wrap_policy, wrap_none
+
+#include <cstdint>      // std::uint64_t
+#include <optional>     // std::optional
+#include <type_traits>  // std::conditional_t, std::is_same_v
+
+namespace shardlib::shard {
+
+struct options {
+  // Which layers become units; the model is always the root unit.
+  wrap_policy wrap = wrap_none{};
+  // Which layers are checkpointed (units or not; the same policies as `wrap`, whose
+  // count is then every element of the Params the layer lists): their forward keeps
+  // only their input, and their backward runs the forward again first.
+  wrap_policy checkpoint = wrap_none{};
+  std::uint64_t seed = 0;  // initial values: element i of parameter p is drawn from (seed, p, i) on every rank
+  int prefetch = 1;        // units whose all-gather is issued ahead of the one running
+  mixed_precision precision{};  // gather / reduce dtypes; F16 turns on dynamic loss scaling in train_step
+  loss_scaler scaler{};         // its initial scale and growth rule
+  nn::context::options context{};  // training flag, dropout seed (rank and step are set by the model)
+  // ZeRO-Offload / FSDP's CPUOffload: this rank's fp32 master piece, a copy of its reduced
+  // gradients and its optimizer state live in host memory (offload_space_t of the model's
+  // space: pinned memory beside a device) and the optimizer steps there, unit by unit; the
+  // updated piece (rounded to the layers' dtype when they compute in 16 bits) is copied back
+  // to the model's space. Bit for bit the same training as without it.
+  bool offload = false;
+};
+
+// train_step's options and what it returns.
+enum class loss_report { global_mean, local };
+enum class grad_reduction { average, sum };
+struct step_options {
+  float max_norm = 0;  // > 0: clip the global gradient norm to it, after fp16 unscaling; 0: no clipping
+  // global_mean: the mean of every rank's loss, by one all-reduce of a scalar (carried
+  // by fp16's overflow all-reduce when loss scaling is on). With averaged gradients it is
+  // the loss whose gradient the step followed, and every rank reports the same number,
+  // as torchtitan logs it. local: this rank's own loss, no collective (PyTorch's loss).
+  loss_report loss = loss_report::global_mean;
+  // average: each rank steps the mean of all ranks' gradients (DDP's and FSDP's rule);
+  // sum: their sum, W times the mean (for losses summed, not averaged, over the global batch).
+  grad_reduction reduction = grad_reduction::average;
+};
+struct step_result {
+  float loss = 0;                  // as step_options::loss says
+  std::optional<float> grad_norm;  // when clipping: the global gradient norm before clipping
+  bool skipped = false;            // fp16 overflow, or a non-finite norm when clipping: nothing was stepped
+  operator float() const { return loss; }  // `float loss = model.train_step(...)` as before the options
+};
+// What train_step returns on a device: the same, left on the device until one of
+// them is read (pending), so that a step whose results nobody reads never waits for
+// the device; reading one reads them all (one wait).
+struct pending_step_result {
+  pending<float> loss;
+  std::optional<pending<float>> grad_norm;
+  pending<bool> skipped = false;
+  operator float() const { return loss; }
+};
+template <class Space>
+using step_result_of = std::conditional_t<std::is_same_v<Space, host_space>, step_result, pending_step_result>;
+
+}  // namespace shardlib::shard
