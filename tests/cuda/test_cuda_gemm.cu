@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "device_test.hpp"
+#include "support/compare.hpp"
 
 namespace sl = shardlib;
 namespace nn = shardlib::nn;
@@ -72,7 +73,7 @@ double dgelu_t(double x, double e) {
 }
 template <class F>
 double tanh_reach(F f, double x) {
-  return std::max(std::abs(f(x, tanh_rtol) - f(x, 0)), std::abs(f(x, -tanh_rtol) - f(x, 0)));
+  return test_support::max_keeping_nan(std::abs(f(x, tanh_rtol) - f(x, 0)), std::abs(f(x, -tanh_rtol) - f(x, 0)));
 }
 
 // |got[i] - want[i]| <= bound[i] everywhere (NaN fails); names the worst element.

@@ -166,7 +166,7 @@ double normwise_error(const std::vector<double>& a, const std::vector<double>& b
   double scale = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
     diff.absolute(a[i], b[i]);
-    scale = std::max(scale, std::abs(b[i]));  // finite when diff is
+    scale = test_support::max_keeping_nan(scale, std::abs(b[i]));
   }
   return scale > 0 ? diff.value() / scale : diff.value();
 }
