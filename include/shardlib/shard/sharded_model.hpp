@@ -363,10 +363,10 @@ class ShardedModel {
     if (scaler_) with_rank([&] { scaler_->update(overflow); });  // raises on every rank alike: the flag is shared
     return r;
   }
-  // The fp16 loss scaler (empty without fp16). When train_step decides on a device,
-  // its changing fields live there: reading them waits for the steps issued so far
-  // (on their stream), and the value returned is of that moment.
-  const std::optional<loss_scaler>& scaler() const {
+  // The fp16 loss scaler (empty without fp16), as of the steps issued so far: a copy, which
+  // later steps do not change. When train_step decides on a device, its changing fields
+  // live there and reading them waits for those steps (on their stream).
+  std::optional<loss_scaler> scaler() const {
     if (scaler_ && scaler_slots_) {
       double slots[scaler_slots];
       scaler_issued_.run([&] {
