@@ -1,13 +1,16 @@
 // The fused attention kernels (ops/cuda/flash_attention.cuh) against the host
 // attention nn::sdpa_forward / sdpa_backward, computed in float64 from the same
-// (rounded) inputs: small shapes covering every rule and L = 2048, fp32 and bf16,
+// (rounded) inputs: small shapes covering every rule and L = 2048, fp32, bf16 and
+// half (16-bit inputs through the tensor-core kernels and the CUDA-core ones),
 // forward and backward; dropout masks bit for bit; backward's determinism.
 //
 // Tolerances are normwise (the largest error over the largest reference
 // element): fp32 2e-5 at small L — sums of a few hundred fp32 products and
 // exp, each rounding at 6e-8 — and 1e-4 at L = 2048 (sums of thousands); bf16
-// 1e-2 — the outputs are rounded to bf16 (2^-9 = 2e-3 each) and backward's
-// D = dO . O reads the rounded O. A wrong mask element, tile or rescale costs
+// 1e-2 and half 2e-3 — the outputs are rounded (2^-9 = 2e-3 and 2^-12 each),
+// backward's D = dO . O reads the rounded O, and the tensor-core kernels round
+// weights and score gradients too (their host model, test_attention_tiles,
+// measured 4.7e-3 and 6.3e-4 at worst). A wrong mask element, tile or rescale costs
 // at least a weight of order 1 / L, above these at the small sizes, and the
 // dropout mask is also compared exactly on its own.
 #include <shardlib/core/random.hpp>
@@ -69,8 +72,8 @@ struct tensors {
 };
 
 template <class T>
-void check_case(const attention_case& c, device_test::random_inputs& rnd, double tol) {
-  INFO(c.name << " (seed " << rnd.seed << ")");
+void check_case(const attention_case& c, device_test::random_inputs& rnd, double tol, bool tensor_cores) {
+  INFO(c.name << (tensor_cores ? "" : ", CUDA cores only") << " (seed " << rnd.seed << ")");
   const std::int64_t B = c.batch, H = c.heads, G = c.kv_heads, Lq = c.queries, Lk = c.keys, D = c.dim;
   const cudaStream_t s = sl::cuda::current_stream();
   tensors in;
@@ -81,6 +84,7 @@ void check_case(const attention_case& c, device_test::random_inputs& rnd, double
 
   sl::nn::sdpa_options o{.is_causal = c.causal, .query_offset = c.offset, .scale = c.scale};
   fa::flash_options fo{.is_causal = c.causal, .query_offset = c.offset, .scale = float(c.scale)};
+  fo.tensor_cores = tensor_cores;
   if (c.padding) {
     o.key_padding_mask = sl::Tensor<std::uint8_t>::zeros({B, Lk});
     for (std::int64_t i = 0; i < B * Lk; ++i) o.key_padding_mask[i] = std::uint8_t(rnd.integer(0, 3) == 0 ? 3 : 0);
@@ -177,14 +181,26 @@ std::vector<attention_case> small_cases() {
 
 }  // namespace
 
+// 16-bit inputs run twice: the tensor-core kernels (where the GPU takes them), then
+// the CUDA-core ones.
+template <class T>
+std::vector<bool> paths() {
+  if (std::is_same_v<T, float>) return {false};
+  return {true, false};
+}
+template <class T>
+double tolerance(double fp32) {
+  return std::is_same_v<T, float> ? fp32 : std::is_same_v<T, sl::bfloat16> ? 1e-2 : 2e-3;
+}
+
 TEMPLATE_TEST_CASE("flash attention equals nn::sdpa at small sizes, forward and backward", "[cuda][flash]", float,
-                   sl::bfloat16) {
+                   sl::bfloat16, sl::half) {
   if (!have_device()) return;
   sl::cuda::stream st(0);
   sl::cuda::stream_scope scope(st);
   device_test::random_inputs rnd;
-  const double tol = std::is_same_v<TestType, float> ? 2e-5 : 1e-2;
-  for (const attention_case& c : small_cases()) check_case<TestType>(c, rnd, tol);
+  for (const bool tensor_cores : paths<TestType>())
+    for (const attention_case& c : small_cases()) check_case<TestType>(c, rnd, tolerance<TestType>(2e-5), tensor_cores);
 }
 
 TEMPLATE_TEST_CASE("flash attention equals nn::sdpa at L = 2048", "[cuda][flash][large]", float, sl::bfloat16) {
@@ -192,11 +208,27 @@ TEMPLATE_TEST_CASE("flash attention equals nn::sdpa at L = 2048", "[cuda][flash]
   sl::cuda::stream st(0);
   sl::cuda::stream_scope scope(st);
   device_test::random_inputs rnd;
-  const double tol = std::is_same_v<TestType, float> ? 1e-4 : 1e-2;
-  check_case<TestType>({"L 2048, GQA 4 over 2, causal, dropout 0.1, D 64", 1, 4, 2, 2048, 2048, 64, true, 0, 0, 0.1},
-                       rnd, tol);
-  check_case<TestType>({"L 2048, key padding, D 128, rows layout", 1, 2, 2, 2048, 2048, 128, false, 0, 1, -1, true},
-                       rnd, tol);
+  const double tol = tolerance<TestType>(1e-4);
+  for (const bool tensor_cores : paths<TestType>()) {
+    check_case<TestType>({"L 2048, GQA 4 over 2, causal, dropout 0.1, D 64", 1, 4, 2, 2048, 2048, 64, true, 0, 0, 0.1},
+                         rnd, tol, tensor_cores);
+    check_case<TestType>({"L 2048, key padding, D 128, rows layout", 1, 2, 2, 2048, 2048, 128, false, 0, 1, -1, true},
+                         rnd, tol, tensor_cores);
+  }
+}
+
+TEST_CASE("flash attention takes the tensor cores for 16-bit inputs up to head_dim 128 on sm_80 and later",
+          "[cuda][flash]") {
+  if (!have_device()) return;
+  int device = 0, major = 0;
+  REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+  REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess);
+  const fa::flash_options on{}, off{.tensor_cores = false};
+  CHECK(fa::flash_uses_tensor_cores<sl::bfloat16>(64, on) == (major >= 8));
+  CHECK(fa::flash_uses_tensor_cores<sl::half>(128, on) == (major >= 8));
+  CHECK_FALSE(fa::flash_uses_tensor_cores<sl::bfloat16>(64, off));
+  CHECK_FALSE(fa::flash_uses_tensor_cores<sl::bfloat16>(256, on));
+  CHECK_FALSE(fa::flash_uses_tensor_cores<float>(64, on));
 }
 
 TEST_CASE("flash attention draws nn::sdpa's dropout mask bit for bit", "[cuda][flash]") {

@@ -8,6 +8,7 @@
 // rounding at 1.1e-16; float 1e-5 — the same with float's 6e-8 (the observed
 // worst is a few 1e-7), well below what a wrong mask, a missed rescale or a lost
 // tile would cost (a weight of order 1 / Lk >= 1e-2).
+#include "shardlib/core/element.hpp"  // bfloat16, half
 #include "shardlib/core/random.hpp"
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/sdpa.hpp"
@@ -38,11 +39,12 @@ struct attention_case {
   std::int64_t block_q = 32, block_k = 32;
 };
 
-template <class T>
+// Normal values, rounded to Round first (the inputs of 16-bit runs, held exactly in T).
+template <class T, class Round = T>
 Tensor<T> random_tensor(test_support::random_inputs& rng, Shape s) {
   Tensor<T> t(s);
   const std::vector<float> v = rng.normal(std::size_t(t.numel()));
-  for (std::int64_t i = 0; i < t.numel(); ++i) t[i] = T(v[std::size_t(i)]);
+  for (std::int64_t i = 0; i < t.numel(); ++i) t[i] = T(Round(v[std::size_t(i)]));
   return t;
 }
 template <class T>
@@ -61,14 +63,14 @@ struct run {
   T scale;
 };
 
-template <class T>
+template <class T, class Round = T>
 run<T> run_case(const attention_case& c, test_support::random_inputs& rng) {
   const std::int64_t B = c.batch, H = c.heads, G = c.kv_heads, Lq = c.queries, Lk = c.keys, D = c.dim;
   run<T> r;
-  r.q = random_tensor<T>(rng, {B, H, Lq, D});
-  r.k = random_tensor<T>(rng, {B, G, Lk, D});
-  r.v = random_tensor<T>(rng, {B, G, Lk, D});
-  r.dout = random_tensor<T>(rng, {B, H, Lq, D});
+  r.q = random_tensor<T, Round>(rng, {B, H, Lq, D});
+  r.k = random_tensor<T, Round>(rng, {B, G, Lk, D});
+  r.v = random_tensor<T, Round>(rng, {B, G, Lk, D});
+  r.dout = random_tensor<T, Round>(rng, {B, H, Lq, D});
   r.o = {.is_causal = c.causal, .query_offset = c.offset};
   if (c.padding) {
     r.o.key_padding_mask = Tensor<std::uint8_t>::zeros({B, Lk});
@@ -132,6 +134,62 @@ TEMPLATE_TEST_CASE("fused attention tiles equal nn::sdpa forward and backward", 
     CHECK(normwise(r.dk, r.dk_ref) <= tol);
     CHECK(normwise(r.dv, r.dv_ref) <= tol);
   }
+}
+
+namespace {
+
+// The tensor-core kernels' arithmetic on r's inputs (16-bit values held in double):
+// T16 inputs and outputs, fp32 accumulation, weights and score gradients rounded to
+// Operand before their products, tiles of 64 queries and 64 keys.
+template <class T16, class Operand>
+struct run_16bit {
+  Tensor<T16> out, dq, dk, dv;
+
+  run_16bit(const run<double>& r) {
+    const auto to16 = [](const Tensor<double>& t) {
+      Tensor<T16> x(t.shape());
+      for (std::int64_t i = 0; i < t.numel(); ++i) x[i] = T16(t[i]);
+      return x;
+    };
+    const Tensor<T16> q = to16(r.q), k = to16(r.k), v = to16(r.v), dout = to16(r.dout);
+    for (auto* t : {&out, &dq}) *t = Tensor<T16>(q.shape());
+    for (auto* t : {&dk, &dv}) *t = Tensor<T16>(k.shape());
+    std::vector<float> lse(r.lse.size());
+    const auto view = head_view<T16>::bhsd;
+    const float scale = float(r.scale);
+    flash::forward_tiles<float, T16, Operand>(cview(q), cview(k), cview(v), view(out), lse.data(), r.p, scale, 64, 64);
+    flash::backward_tiles<float, T16, Operand>(cview(q), cview(k), cview(v), cview(out), cview(dout), lse.data(),
+                                               view(dq), view(dk), view(dv), r.p, scale, 64, 64);
+  }
+};
+
+}  // namespace
+
+// Tolerances as the device test's for 16-bit inputs: outputs rounded to bf16 (2^-9
+// relative each) or half (2^-12), and each weight or score gradient rounded alike
+// before its product, which moves a sum of products by about as much again; backward
+// reads the rounded O. Worst observed over these cases: 4.7e-3 (bf16), 6.3e-4 (half);
+// 1e-2 and 2e-3 hold that with room, below a wrong mask element or a lost rescale (a
+// weight of order 1 / L > 2e-2 here).
+TEMPLATE_TEST_CASE("fused attention tiles with 16-bit operands (the tensor-core kernels) stay within rounding of "
+                   "nn::sdpa",
+                   "[ops][flash]", shardlib::bfloat16, shardlib::half) {
+  test_support::random_inputs rng;
+  const double tol = std::is_same_v<TestType, shardlib::bfloat16> ? 1e-2 : 2e-3;
+  bool rounding_seen = false;  // the Operand rounding changes a result somewhere
+  for (const attention_case& c : cases()) {
+    INFO(c.name << " (seed " << rng.seed << ")");
+    const run<double> r = run_case<double, TestType>(c, rng);
+    const run_16bit<TestType, TestType> tc(r);
+    const run_16bit<TestType, float> exact(r);
+    CHECK(test_support::normwise_error(tc.out.span(), r.out_ref.span()) <= tol);
+    CHECK(test_support::normwise_error(tc.dq.span(), r.dq_ref.span()) <= tol);
+    CHECK(test_support::normwise_error(tc.dk.span(), r.dk_ref.span()) <= tol);
+    CHECK(test_support::normwise_error(tc.dv.span(), r.dv_ref.span()) <= tol);
+    for (auto [a, b] : {std::pair{&tc.out, &exact.out}, std::pair{&tc.dq, &exact.dq}, std::pair{&tc.dk, &exact.dk}})
+      for (std::int64_t i = 0; i < a->numel(); ++i) rounding_seen = rounding_seen || (*a)[i] != (*b)[i];
+  }
+  CHECK(rounding_seen);
 }
 
 TEST_CASE("fused attention tiles: lse, and rows without a key", "[ops][flash]") {

@@ -152,7 +152,10 @@ SHARDLIB_HD Acc score_grad(Acc p, Acc dp, Acc keep, Acc row_d) {
 // every query head of its kv head and every tile of queries, then dq per tile of
 // queries over tiles of keys (no two tiles write one gradient element, so the
 // result does not depend on their order). Acc is the accumulation type (float
-// for float and 16-bit inputs, as the kernels; double for double).
+// for float and 16-bit inputs, as the kernels; double for double). Operand is
+// what the weights and score gradients are rounded to before they multiply V,
+// dO, Q or K: Acc for the CUDA-core kernels, the 16-bit input type for the
+// tensor-core ones (whose matrix products take 16-bit operands).
 
 namespace detail {
 template <class Acc, class T>
@@ -161,10 +164,14 @@ Acc dot(const T* a, const T* b, std::int64_t n) {
   for (std::int64_t d = 0; d < n; ++d) s += Acc(a[d]) * Acc(b[d]);
   return s;
 }
+template <class Operand, class Acc>
+Acc rounded(Acc x) {
+  return Acc(Operand(x));
+}
 }  // namespace detail
 
 // out and lse ([B, H, Lq]) are overwritten.
-template <class Acc, class T>
+template <class Acc, class T, class Operand = Acc>
 void forward_tiles(const nn::head_view<const T>& q, const nn::head_view<const T>& k, const nn::head_view<const T>& v,
                    const nn::head_view<T>& out, Acc* lse, const tile_problem& p, Acc scale, std::int64_t block_q,
                    std::int64_t block_k) {
@@ -199,7 +206,7 @@ void forward_tiles(const nn::head_view<const T>& q, const nn::head_view<const T>
               const std::int64_t j = j0 + c;
               const Acc w = unnormalised_weight(s[std::size_t(c)], row);
               tile_sum += w;
-              const Acc wd = w * keep_scale(p, kept, n, h, i, j);
+              const Acc wd = detail::rounded<Operand>(w * keep_scale(p, kept, n, h, i, j));
               const T* vj = v.at(n, g) + j * v.row_stride;
               for (std::int64_t d = 0; d < D; ++d) o[d] += wd * Acc(vj[d]);
             }
@@ -217,7 +224,7 @@ void forward_tiles(const nn::head_view<const T>& q, const nn::head_view<const T>
 }
 
 // dq, dk and dv are overwritten; lse is forward's.
-template <class Acc, class T>
+template <class Acc, class T, class Operand = Acc>
 void backward_tiles(const nn::head_view<const T>& q, const nn::head_view<const T>& k, const nn::head_view<const T>& v,
                     const nn::head_view<const T>& out, const nn::head_view<const T>& dout, const Acc* lse,
                     const nn::head_view<T>& dq, const nn::head_view<T>& dk, const nn::head_view<T>& dv,
@@ -240,7 +247,7 @@ void backward_tiles(const nn::head_view<const T>& q, const nn::head_view<const T
     const Acc s = masked_score(detail::dot<Acc>(qi, k.at(n, g) + j * k.row_stride, D), scale, visible(p, n, i, j));
     const Acc w = weight(s, lse[row]), keep = keep_scale(p, kept, n, h, i, j);
     const Acc dp = detail::dot<Acc>(dout.at(n, h) + i * dout.row_stride, v.at(n, g) + j * v.row_stride, D);
-    return element{w, keep, score_grad(w, dp, keep, row_d[std::size_t(row)])};
+    return element{w, keep, detail::rounded<Operand>(score_grad(w, dp, keep, row_d[std::size_t(row)]))};
   };
 
   std::vector<Acc> gk(std::size_t(block_k * D)), gv(std::size_t(block_k * D)), gq(std::size_t(block_q * D));
@@ -259,7 +266,7 @@ void backward_tiles(const nn::head_view<const T>& q, const nn::head_view<const T
                 const T* qi = q.at(n, h) + i * q.row_stride;
                 const T* doi = dout.at(n, h) + i * dout.row_stride;
                 for (std::int64_t d = 0; d < D; ++d) {
-                  gv[std::size_t(c * D + d)] += e.p * e.keep * Acc(doi[d]);
+                  gv[std::size_t(c * D + d)] += detail::rounded<Operand>(e.p * e.keep) * Acc(doi[d]);
                   gk[std::size_t(c * D + d)] += e.ds * Acc(qi[d]);
                 }
               }

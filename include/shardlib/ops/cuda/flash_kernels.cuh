@@ -1,0 +1,399 @@
+// shardlib/ops/cuda/flash_kernels.cuh — the fused attention's kernels on CUDA cores
+// (any input type, head_dim up to 256) and what every fused-attention kernel shares:
+// the options, row views, warp reductions, argument structs and the launch.
+// ops/cuda/flash_attention.cuh chooses between these and the tensor-core kernels
+// (ops/cuda/flash_tensor_kernels.cuh).
+//
+// The arithmetic is ops/attention_tiles.hpp's (tested on the host against
+// nn::sdpa). A block of 4 warps takes 32 query rows (8 per
+// warp) against tiles of 32 keys, one key per lane: a lane's score is a dot
+// product over shared memory, the row's maximum and sum are warp shuffles, and
+// each lane accumulates D / 32 columns of its warp's 8 output rows in registers
+// (fp32). Tiles are staged in shared memory as fp32, K and V transposed with a
+// padded row (33) so that both the score loop (lanes along keys) and the
+// accumulation loop (lanes along columns) read without bank conflicts. Inputs
+// may be float, bfloat16 or half (read and written as T, computed in fp32).
+//
+// Backward is deterministic, without atomics: a small kernel computes
+// D_i = dO_i . O_i; one kernel per tile of 32 keys of a kv head walks every
+// query tile of every query head sharing that kv head and writes dk, dv (the sum
+// over the group is a loop inside one block); another per tile of 32 queries
+// walks the key tiles and writes dq. Both recompute the weights from lse.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/random.hpp"             // counter_rng
+#include "shardlib/cuda/error.hpp"              // check, check_launch
+#include "shardlib/nn/sdpa.hpp"                 // head_view
+#include "shardlib/ops/attention_tiles.hpp"
+
+#include <cuda_runtime.h>
+
+#include <cmath>     // std::sqrt, INFINITY
+#include <cstdint>   // std::int64_t, std::uint8_t
+#include <optional>  // std::optional
+
+namespace shardlib::ops::cuda {
+
+// What nn::sdpa_options carries, in device terms.
+struct flash_options {
+  bool is_causal = false;
+  std::int64_t query_offset = 0;  // causal: query i sees keys j <= i + query_offset
+  float scale = 0;                // 0 = 1/sqrt(head_dim)
+  float dropout_p = 0;            // with `dropout` set
+  std::optional<counter_rng> dropout{};
+  const std::uint8_t* key_padding = nullptr;  // device [B, Lk], nonzero = padding; nullptr = none
+  bool tensor_cores = true;  // bfloat16/half, head_dim <= 128, sm_80+: the tensor-core kernels; false: CUDA cores
+};
+
+// The same view with read-only elements.
+template <class T>
+nn::head_view<const T> as_const(const nn::head_view<T>& v) {
+  return {v.data, v.batch, v.heads, v.seq, v.dim, v.batch_stride, v.head_stride, v.row_stride};
+}
+
+namespace detail::fused {
+namespace flash = shardlib::ops::flash;
+
+inline constexpr int tile = 32;        // queries per block and keys per tile: one per lane
+inline constexpr int warps = 4;        // per block; each takes tile / warps rows (or keys)
+inline constexpr int per_warp = tile / warps;
+inline constexpr int pitch = tile + 1;  // of a transposed tile: conflict-free both ways
+inline constexpr int max_dim = 256;
+
+// A head_view's pointer and strides, for kernels.
+template <class T>
+struct rows {
+  T* data;
+  std::int64_t batch_stride, head_stride, row_stride;
+  __device__ T* row(std::int64_t n, std::int64_t h, std::int64_t i) const {
+    return data + n * batch_stride + h * head_stride + i * row_stride;
+  }
+};
+template <class T>
+rows<T> rows_of(const nn::head_view<T>& v) {
+  return {v.data, v.batch_stride, v.head_stride, v.row_stride};
+}
+
+__device__ inline float warp_max(float x) {
+  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, o));
+  return x;
+}
+__device__ inline float warp_sum(float x) {
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xFFFFFFFFu, x, o);
+  return x;
+}
+
+// Rows [first, first + 32) of a head into shared memory as fp32, zero past
+// `count` rows and past dim: row-major [32][DM] or transposed [DM][pitch].
+template <int DM, bool Transposed, class T>
+__device__ void stage(float* dst, const rows<const T>& src, std::int64_t n, std::int64_t h, std::int64_t first,
+                      std::int64_t count, int dim) {
+  for (int e = int(threadIdx.x); e < tile * DM; e += int(blockDim.x)) {
+    const int r = e / DM, d = e % DM;
+    const float x = r < count - first && d < dim ? float(src.row(n, h, first + r)[d]) : 0.0f;
+    if constexpr (Transposed) dst[d * pitch + r] = x;
+    else dst[e] = x;
+  }
+}
+
+// The last of the `count` rows from `first` that exist, first < rows.
+__device__ inline std::int64_t last_row(std::int64_t first, std::int64_t count, std::int64_t rows) {
+  return (first + count < rows ? first + count : rows) - 1;
+}
+
+// acc[x][col] += sum over the 32 lanes c of w[x] (lane c's) * src[(lane + 32 col) pitch + c]:
+// a warp's 8 rows (or keys) of weights, one column per lane, times a transposed
+// tile, accumulated into the lane's columns lane + 32 col.
+template <int Cols>
+__device__ void accumulate(float (&acc)[per_warp][Cols], const float (&w)[per_warp], const float* src, int lane) {
+  for (int c = 0; c < tile; ++c) {
+    float wc[per_warp];
+#pragma unroll
+    for (int x = 0; x < per_warp; ++x) wc[x] = __shfl_sync(0xFFFFFFFFu, w[x], c);
+#pragma unroll
+    for (int col = 0; col < Cols; ++col) {
+      const float y = src[(lane + 32 * col) * pitch + c];
+#pragma unroll
+      for (int x = 0; x < per_warp; ++x) acc[x][col] += wc[x] * y;
+    }
+  }
+}
+
+template <class T>
+struct forward_args {
+  rows<const T> q, k, v;
+  rows<T> out;
+  float* lse;
+  flash::tile_problem p;
+  float scale;
+  int dim;
+};
+
+// One block per (query tile, head, batch element).
+template <int DM, class T>
+__global__ void __launch_bounds__(tile * warps) forward_kernel(forward_args<T> a) {
+  constexpr int cols = DM / 32;  // output columns per lane
+  extern __shared__ float smem[];
+  float* qs = smem;              // [tile][DM]
+  float* kt = qs + tile * DM;    // [DM][pitch]
+  float* vt = kt + DM * pitch;   // [DM][pitch]
+  const flash::tile_problem& p = a.p;
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const std::int64_t i0 = std::int64_t(blockIdx.x) * tile, h = blockIdx.y, n = blockIdx.z;
+  const std::int64_t g = h / (p.heads / p.kv_heads);
+  const float kept = float(p.kept);
+
+  stage<DM, false>(qs, a.q, n, h, i0, p.queries, a.dim);
+  float acc[per_warp][cols] = {};
+  flash::softmax_row<float> row[per_warp];
+  const std::int64_t i_last = last_row(i0, tile, p.queries);
+  const bool warp_rows = i0 + warp * per_warp < p.queries;  // the warp has rows; then its last is
+  const std::int64_t warp_last = warp_rows ? last_row(i0 + warp * per_warp, per_warp, p.queries) : i_last;
+  for (std::int64_t j0 = 0; j0 < flash::key_end(p, i_last); j0 += tile) {
+    __syncthreads();  // the previous tile is no longer read
+    stage<DM, true>(kt, a.k, n, g, j0, p.keys, a.dim);
+    stage<DM, true>(vt, a.v, n, g, j0, p.keys, a.dim);
+    __syncthreads();
+    if (!warp_rows || j0 >= flash::key_end(p, warp_last)) continue;  // no row of this warp sees a key of the tile
+    const std::int64_t j = j0 + lane;
+    float w[per_warp] = {};  // q.k of this lane's key per row, then its dropped weight
+    for (int d = 0; d < a.dim; ++d) {
+      const float kd = kt[d * pitch + lane];
+#pragma unroll
+      for (int rr = 0; rr < per_warp; ++rr) w[rr] += qs[(warp * per_warp + rr) * DM + d] * kd;
+    }
+#pragma unroll
+    for (int rr = 0; rr < per_warp; ++rr) {
+      const std::int64_t i = i0 + warp * per_warp + rr;
+      const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
+      const float s = flash::masked_score(w[rr], a.scale, vis);
+      const float alpha = flash::raise_max(row[rr], warp_max(s));
+#pragma unroll
+      for (int col = 0; col < cols; ++col) acc[rr][col] *= alpha;
+      const float e = flash::unnormalised_weight(s, row[rr]);
+      row[rr].sum += warp_sum(e);
+      w[rr] = e != 0.0f ? e * flash::keep_scale(p, kept, n, h, i, j) : 0.0f;
+    }
+    accumulate<cols>(acc, w, vt, lane);
+  }
+  for (int rr = 0; rr < per_warp; ++rr) {
+    const std::int64_t i = i0 + warp * per_warp + rr;
+    if (i >= p.queries) break;
+    const float f = flash::output_scale(row[rr]);
+    T* o = a.out.row(n, h, i);
+    for (int col = 0; col < cols; ++col)
+      if (lane + 32 * col < a.dim) o[lane + 32 * col] = T(acc[rr][col] * f);
+    if (lane == 0) a.lse[(n * p.heads + h) * p.queries + i] = flash::log_sum_exp(row[rr]);
+  }
+}
+
+template <class T>
+struct backward_args {
+  rows<const T> q, k, v, out, dout;
+  const float* lse;
+  float* row_d;  // [B, H, Lq]: dO . O
+  rows<T> dq, dk, dv;
+  flash::tile_problem p;
+  float scale;
+  int dim;
+};
+
+// D = dO . O per query row: one warp per row.
+template <class T>
+__global__ void row_d_kernel(backward_args<T> a) {
+  const std::int64_t r = std::int64_t(blockIdx.x) * warps + threadIdx.x / 32;
+  const flash::tile_problem& p = a.p;
+  if (r >= p.batch * p.heads * p.queries) return;
+  const std::int64_t i = r % p.queries, h = r / p.queries % p.heads, n = r / p.queries / p.heads;
+  const T* o = a.out.row(n, h, i);
+  const T* d = a.dout.row(n, h, i);
+  float s = 0;
+  for (int c = int(threadIdx.x % 32); c < a.dim; c += 32) s += float(o[c]) * float(d[c]);
+  s = warp_sum(s);
+  if (threadIdx.x % 32 == 0) a.row_d[r] = s;
+}
+
+// dq: one block per (query tile, head, batch element), laid out as forward.
+template <int DM, class T>
+__global__ void __launch_bounds__(tile * warps) dq_kernel(backward_args<T> a) {
+  constexpr int cols = DM / 32;
+  extern __shared__ float smem[];
+  float* qs = smem;               // [tile][DM]
+  float* dos = qs + tile * DM;    // [tile][DM]
+  float* kt = dos + tile * DM;    // [DM][pitch]
+  float* vt = kt + DM * pitch;    // [DM][pitch]
+  const flash::tile_problem& p = a.p;
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const std::int64_t i0 = std::int64_t(blockIdx.x) * tile, h = blockIdx.y, n = blockIdx.z;
+  const std::int64_t g = h / (p.heads / p.kv_heads);
+  const float kept = float(p.kept);
+
+  stage<DM, false>(qs, a.q, n, h, i0, p.queries, a.dim);
+  stage<DM, false>(dos, a.dout, n, h, i0, p.queries, a.dim);
+  float lse[per_warp], row_d[per_warp], acc[per_warp][cols] = {};
+  for (int rr = 0; rr < per_warp; ++rr) {
+    const std::int64_t i = i0 + warp * per_warp + rr, r = (n * p.heads + h) * p.queries + i;
+    lse[rr] = i < p.queries ? a.lse[r] : INFINITY;
+    row_d[rr] = i < p.queries ? a.row_d[r] : 0.0f;
+  }
+  const std::int64_t i_last = last_row(i0, tile, p.queries);
+  const bool warp_rows = i0 + warp * per_warp < p.queries;  // the warp has rows; then its last is
+  const std::int64_t warp_last = warp_rows ? last_row(i0 + warp * per_warp, per_warp, p.queries) : i_last;
+  for (std::int64_t j0 = 0; j0 < flash::key_end(p, i_last); j0 += tile) {
+    __syncthreads();
+    stage<DM, true>(kt, a.k, n, g, j0, p.keys, a.dim);
+    stage<DM, true>(vt, a.v, n, g, j0, p.keys, a.dim);
+    __syncthreads();
+    if (!warp_rows || j0 >= flash::key_end(p, warp_last)) continue;  // no row of this warp sees a key of the tile
+    const std::int64_t j = j0 + lane;
+    float qk[per_warp] = {}, dp[per_warp] = {};  // this lane's key against each row
+    for (int d = 0; d < a.dim; ++d) {
+      const float kd = kt[d * pitch + lane], vd = vt[d * pitch + lane];
+#pragma unroll
+      for (int rr = 0; rr < per_warp; ++rr) {
+        qk[rr] += qs[(warp * per_warp + rr) * DM + d] * kd;
+        dp[rr] += dos[(warp * per_warp + rr) * DM + d] * vd;
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < per_warp; ++rr) {  // qk becomes dS
+      const std::int64_t i = i0 + warp * per_warp + rr;
+      const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
+      const float w = flash::weight(flash::masked_score(qk[rr], a.scale, vis), lse[rr]);
+      qk[rr] = w != 0.0f ? flash::score_grad(w, dp[rr], flash::keep_scale(p, kept, n, h, i, j), row_d[rr]) : 0.0f;
+    }
+    accumulate<cols>(acc, qk, kt, lane);
+  }
+  for (int rr = 0; rr < per_warp; ++rr) {
+    const std::int64_t i = i0 + warp * per_warp + rr;
+    if (i >= p.queries) break;
+    T* o = a.dq.row(n, h, i);
+    for (int col = 0; col < cols; ++col)
+      if (lane + 32 * col < a.dim) o[lane + 32 * col] = T(a.scale * acc[rr][col]);
+  }
+}
+
+// dk and dv: one block per (key tile, kv head, batch element); each warp owns 8
+// keys, a lane one query of the query tile in flight.
+template <int DM, class T>
+__global__ void __launch_bounds__(tile * warps) dkdv_kernel(backward_args<T> a) {
+  constexpr int cols = DM / 32;
+  extern __shared__ float smem[];
+  float* ks = smem;               // [tile][DM]
+  float* vs = ks + tile * DM;     // [tile][DM]
+  float* qt = vs + tile * DM;     // [DM][pitch]
+  float* dot_t = qt + DM * pitch; // [DM][pitch]
+  float* lse = dot_t + DM * pitch;  // [tile]
+  float* row_d = lse + tile;        // [tile]
+  const flash::tile_problem& p = a.p;
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const std::int64_t j0 = std::int64_t(blockIdx.x) * tile, g = blockIdx.y, n = blockIdx.z;
+  const std::int64_t rep = p.heads / p.kv_heads;
+  const float kept = float(p.kept);
+
+  stage<DM, false>(ks, a.k, n, g, j0, p.keys, a.dim);
+  stage<DM, false>(vs, a.v, n, g, j0, p.keys, a.dim);
+  float gk[per_warp][cols] = {}, gv[per_warp][cols] = {};
+  for (std::int64_t h = g * rep; h < (g + 1) * rep; ++h)
+    for (std::int64_t i0 = flash::query_begin(p, j0) / tile * tile; i0 < p.queries; i0 += tile) {
+      __syncthreads();
+      stage<DM, true>(qt, a.q, n, h, i0, p.queries, a.dim);
+      stage<DM, true>(dot_t, a.dout, n, h, i0, p.queries, a.dim);
+      if (threadIdx.x < tile) {
+        const std::int64_t i = i0 + threadIdx.x, r = (n * p.heads + h) * p.queries + i;
+        lse[threadIdx.x] = i < p.queries ? a.lse[r] : INFINITY;
+        row_d[threadIdx.x] = i < p.queries ? a.row_d[r] : 0.0f;
+      }
+      __syncthreads();
+      // The warp's keys start at j0 + 8 warp: past the tile's last row's causal limit, or past the keys, none is seen.
+      if (j0 + warp * per_warp >= flash::key_end(p, last_row(i0, tile, p.queries))) continue;
+      const std::int64_t i = i0 + lane;
+      // q.k and dO.v of (this lane's query, each key), then its dropped weight and dS.
+      float pk[per_warp] = {}, ds[per_warp] = {};
+      for (int d = 0; d < a.dim; ++d) {
+        const float qd = qt[d * pitch + lane], dod = dot_t[d * pitch + lane];
+#pragma unroll
+        for (int cc = 0; cc < per_warp; ++cc) {
+          pk[cc] += qd * ks[(warp * per_warp + cc) * DM + d];
+          ds[cc] += dod * vs[(warp * per_warp + cc) * DM + d];
+        }
+      }
+#pragma unroll
+      for (int cc = 0; cc < per_warp; ++cc) {
+        const std::int64_t j = j0 + warp * per_warp + cc;
+        const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
+        const float w = flash::weight(flash::masked_score(pk[cc], a.scale, vis), lse[lane]);
+        const float keep = w != 0.0f ? flash::keep_scale(p, kept, n, h, i, j) : 0.0f;
+        ds[cc] = flash::score_grad(w, ds[cc], keep, row_d[lane]);
+        pk[cc] = w * keep;
+      }
+      accumulate<cols>(gv, pk, dot_t, lane);
+      accumulate<cols>(gk, ds, qt, lane);
+    }
+  for (int cc = 0; cc < per_warp; ++cc) {
+    const std::int64_t j = j0 + warp * per_warp + cc;
+    if (j >= p.keys) break;
+    T* ok = a.dk.row(n, g, j);
+    T* ov = a.dv.row(n, g, j);
+    for (int col = 0; col < cols; ++col)
+      if (lane + 32 * col < a.dim) {
+        ok[lane + 32 * col] = T(a.scale * gk[cc][col]);
+        ov[lane + 32 * col] = T(gv[cc][col]);
+      }
+  }
+}
+
+// Calls f.template operator()<DM>() for the smallest DM in {32, 64, 128, 256}
+// holding dim: the kernels' register tiles are sized at compile time.
+template <class F>
+void dispatch_dim(std::int64_t dim, const char* who, F&& f) {
+  require<shape_error>(dim >= 1 && dim <= max_dim, who, ": head_dim must be in [1, ", max_dim, "], got ", dim);
+  if (dim <= 32) f.template operator()<32>();
+  else if (dim <= 64) f.template operator()<64>();
+  else if (dim <= 128) f.template operator()<128>();
+  else f.template operator()<256>();
+}
+
+// Dynamic shared memory above 48 KiB needs the kernel's opt-in, up to the device's
+// limit (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89: head_dim 256's
+// backward needs 130 KiB), checked first so that a small GPU gets a message.
+template <class K>
+void launch(K kernel, dim3 grid, std::size_t shared_bytes, cudaStream_t stream, const char* name,
+            const auto& args) {
+  int device = 0, limit = 0;
+  shardlib::cuda::check(cudaGetDevice(&device), "cudaGetDevice for ", name);
+  shardlib::cuda::check(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                        "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin) for ", name);
+  require(shared_bytes <= std::size_t(limit), name, ": needs ", shared_bytes, " bytes of shared memory per block, GPU ",
+          device, " has ", limit, " (head_dim 128 or less needs at most 66,816)");
+  shardlib::cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes)),
+                        "cudaFuncSetAttribute for ", name);
+  kernel<<<grid, tile * warps, shared_bytes, stream>>>(args);
+  shardlib::cuda::check_launch(name);
+}
+
+inline void check_grid(const flash::tile_problem& p, const char* who) {
+  require(p.batch <= 65535 && p.heads <= 65535, who, ": batch and heads must be at most 65535 (the grid's y and z), got ",
+          p.batch, " and ", p.heads);
+}
+
+template <class Q, class K, class V>
+flash::tile_problem problem(const Q& q, const K& k, const V& v, const flash_options& o, const char* who) {
+  require<shape_error>(k.shape() == v.shape(), who, ": keys and values must have one shape, got ", k.shape(), " and ",
+                       v.shape());
+  require<shape_error>(q.batch == k.batch && q.dim == k.dim && q.heads > 0 && k.heads > 0 && q.heads % k.heads == 0,
+                       who, ": q [batch, heads, queries, dim] = ", q.shape(), " and k [batch, kv_heads, keys, dim] = ",
+                       k.shape(), " need one batch and dim and heads a multiple of kv_heads");
+  flash::tile_problem p = flash::make_problem(q.batch, q.heads, k.heads, q.seq, k.seq, o.is_causal, o.query_offset,
+                                              o.key_padding, o.dropout, o.dropout_p);
+  check_grid(p, who);
+  return p;
+}
+inline float scale_of(const flash_options& o, std::int64_t dim) {
+  return o.scale != 0 ? o.scale : float(1.0 / std::sqrt(double(dim)));
+}
+
+}  // namespace detail::fused
+
+}  // namespace shardlib::ops::cuda

@@ -1,0 +1,423 @@
+// shardlib/ops/cuda/flash_tensor_kernels.cuh — the fused attention's kernels on
+// tensor cores: bfloat16 or half inputs, head_dim up to 128, sm_80 and later.
+//
+// The arithmetic is ops/attention_tiles.hpp's with Operand = the input type: the
+// products Q K^T, dO V^T, P V, P^T dO, dS^T Q and dS K run as 16x16x16 wmma tiles
+// with 16-bit operands and fp32 accumulation, so the weights P (dropout applied)
+// and the score gradients dS are rounded to the input type before they multiply,
+// as in FlashAttention-2; the online softmax, masks, dropout and every sum stay in
+// fp32. tests/unit/test_attention_tiles.cpp runs that arithmetic on the host
+// (forward_tiles / backward_tiles with Operand = bfloat16 or half, these tiles).
+//
+// A block of 4 warps takes 64 queries (or, for dk and dv, 64 keys), 16 rows per
+// warp, one wmma tile high. Tiles are staged in shared memory in the input type,
+// rows padded by 8 elements (16 bytes) against bank conflicts; a warp stores its
+// 16 x 64 scores in fp32, applies the softmax row by row (lanes along keys,
+// shuffles for the row's maximum and sum) and writes its weights in the input
+// type for the next product. Forward keeps the output accumulator in shared
+// memory (fp32), because the online softmax rescales it by row and a wmma
+// accumulator's element layout is unspecified; backward's dq, dk and dv never
+// rescale and stay in accumulator fragments until the end. Shared memory per
+// block at head_dim 128: forward 112,640 bytes, dq 113,664, dk/dv 123,392 (an
+// sm_80 or sm_90 GPU holds them; one with less falls back to the CUDA-core kernels).
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/element.hpp"  // bfloat16, half
+#include "shardlib/cuda/error.hpp"    // check
+#include "shardlib/ops/attention_tiles.hpp"
+#include "shardlib/ops/cuda/flash_kernels.cuh"  // rows, forward_args, backward_args, warp_max, warp_sum, last_row
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <algorithm>    // std::max
+#include <cmath>        // INFINITY
+#include <cstddef>      // std::size_t
+#include <cstdint>      // std::int64_t
+#include <type_traits>  // std::is_same_v
+
+namespace shardlib::ops::cuda::detail::tensor {
+namespace flash = shardlib::ops::flash;
+namespace wmma = nvcuda::wmma;
+using fused::backward_args;
+using fused::forward_args;
+using fused::last_row;
+using fused::rows;
+
+inline constexpr int tile = 64;         // queries per block; keys per tile (dk, dv: keys per block)
+inline constexpr int warps = 4;         // each takes 16 rows: one wmma tile high
+inline constexpr int edge = 16;         // a wmma tile's m, n and k
+inline constexpr int max_dim = 128;
+inline constexpr int score_pitch = tile + 4;   // fp32 [tile][tile + 4]
+inline constexpr int weight_pitch = tile + 8;  // 16-bit [tile][tile + 8]
+template <int DM>
+inline constexpr int row_pitch = DM + 8;  // 16-bit [tile][DM + 8]
+template <int DM>
+inline constexpr int acc_pitch = DM + 4;  // fp32 [tile][DM + 4]
+
+template <class T>
+inline constexpr bool takes = std::is_same_v<T, bfloat16> || std::is_same_v<T, shardlib::half>;
+
+// The CUDA type whose bits T holds, as wmma takes it.
+template <class T>
+struct wmma_type;
+template <>
+struct wmma_type<bfloat16> {
+  using type = __nv_bfloat16;
+};
+template <>
+struct wmma_type<shardlib::half> {
+  using type = __half;
+};
+
+// Shared memory per block (every region starts 32-byte aligned, as wmma's loads need).
+template <int DM>
+constexpr std::size_t rows_bytes = std::size_t(tile) * row_pitch<DM> * 2;
+constexpr std::size_t weights_bytes = std::size_t(tile) * weight_pitch * 2;
+constexpr std::size_t scores_bytes = std::size_t(tile) * score_pitch * 4;
+template <int DM>
+constexpr std::size_t acc_bytes = std::size_t(tile) * acc_pitch<DM> * 4;
+template <int DM>
+constexpr std::size_t forward_bytes = 3 * rows_bytes<DM> + weights_bytes + scores_bytes + acc_bytes<DM>;
+template <int DM>
+constexpr std::size_t dq_bytes = 4 * rows_bytes<DM> + weights_bytes + 2 * scores_bytes;
+template <int DM>
+constexpr std::size_t dkdv_bytes = 4 * rows_bytes<DM> + 2 * weights_bytes + 2 * scores_bytes + 2 * tile * 4;
+template <int DM>
+constexpr std::size_t largest_bytes = std::max({forward_bytes<DM>, dq_bytes<DM>, dkdv_bytes<DM>});
+static_assert(rows_bytes<64> % 32 == 0 && weights_bytes % 32 == 0 && scores_bytes % 32 == 0);
+static_assert(acc_bytes<max_dim> <= 2 * scores_bytes, "backward's accumulators are written out through its scores");
+
+// The current GPU runs these kernels with `shared_bytes` per block: sm_80 or later,
+// and that much shared memory on opt-in.
+inline bool usable(std::size_t shared_bytes) {
+  int device = 0, major = 0, limit = 0;
+  shardlib::cuda::check(cudaGetDevice(&device), "cudaGetDevice (fused attention)");
+  shardlib::cuda::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                        "cudaDeviceGetAttribute(ComputeCapabilityMajor) (fused attention)");
+  shardlib::cuda::check(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                        "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin) (fused attention)");
+  return major >= 8 && shared_bytes <= std::size_t(limit);
+}
+
+// Calls f.template operator()<DM>() for DM = 64 or 128, the smaller holding dim
+// (dim <= max_dim: the caller checks). A smaller head is padded with zeros to 64:
+// two instantiations per kernel keep nvcc's time down.
+template <class F>
+void dispatch_dim(std::int64_t dim, F&& f) {
+  if (dim <= 64) f.template operator()<64>();
+  else f.template operator()<128>();
+}
+
+// bf16 wmma exists from sm_80: below it (and only there) the kernels' bodies are left out.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+template <class T>
+using a_fragment = wmma::fragment<wmma::matrix_a, edge, edge, edge, typename wmma_type<T>::type, wmma::row_major>;
+template <class T, class Layout>
+using b_fragment = wmma::fragment<wmma::matrix_b, edge, edge, edge, typename wmma_type<T>::type, Layout>;
+using accumulator = wmma::fragment<wmma::accumulator, edge, edge, edge, float>;
+
+template <class T>
+__device__ const typename wmma_type<T>::type* as_wmma(const T* p) {
+  return reinterpret_cast<const typename wmma_type<T>::type*>(p);
+}
+
+// c += a . b over K: a is row-major [16][K] at `a` (pitch lda); b is [K][16], with
+// Transposed the transpose of row-major [16][K] at `b`, else row-major [K][16] at `b`
+// (pitch ldb).
+template <int K, bool Transposed, class T>
+__device__ void multiply(accumulator& c, const T* a, int lda, const T* b, int ldb) {
+#pragma unroll
+  for (int k = 0; k < K; k += edge) {
+    a_fragment<T> fa;
+    wmma::load_matrix_sync(fa, as_wmma(a + k), unsigned(lda));
+    if constexpr (Transposed) {
+      b_fragment<T, wmma::col_major> fb;
+      wmma::load_matrix_sync(fb, as_wmma(b + k), unsigned(ldb));
+      wmma::mma_sync(c, fa, fb, c);
+    } else {
+      b_fragment<T, wmma::row_major> fb;
+      wmma::load_matrix_sync(fb, as_wmma(b + std::size_t(k) * std::size_t(ldb)), unsigned(ldb));
+      wmma::mma_sync(c, fa, fb, c);
+    }
+  }
+}
+
+// out[16][tile] (fp32, pitch score_pitch) = a[16][DM] . b^T for the tile's 64 rows of b.
+template <int DM, class T>
+__device__ void scores(float* out, const T* a, const T* b) {
+#pragma unroll
+  for (int c = 0; c < tile / edge; ++c) {
+    accumulator s;
+    wmma::fill_fragment(s, 0.0f);
+    multiply<DM, true>(s, a, row_pitch<DM>, b + c * edge * row_pitch<DM>, row_pitch<DM>);
+    wmma::store_matrix_sync(out + c * edge, s, unsigned(score_pitch), wmma::mem_row_major);
+  }
+}
+
+// A warp's accumulators (one per 16 columns of its 16 rows) out through shared memory
+// `through` (fp32 [16][acc_pitch]): rows row0 + r < limit get factor * value in the
+// columns below dim.
+template <int DM, class T>
+__device__ void write_rows(const rows<T>& dst, std::int64_t n, std::int64_t h, std::int64_t row0, std::int64_t limit,
+                           float* through, const accumulator (&acc)[DM / edge], float factor, int dim) {
+  const int lane = int(threadIdx.x) % 32;
+#pragma unroll
+  for (int dc = 0; dc < DM / edge; ++dc)
+    wmma::store_matrix_sync(through + dc * edge, acc[dc], unsigned(acc_pitch<DM>), wmma::mem_row_major);
+  __syncwarp();
+  for (int r = 0; r < edge && row0 + r < limit; ++r) {
+    T* o = dst.row(n, h, row0 + r);
+    for (int d = lane; d < dim; d += 32) o[d] = T(factor * through[r * acc_pitch<DM> + d]);
+  }
+}
+#endif
+
+// Rows [first, first + tile) of a head into shared memory in T, zero past `count`
+// rows and past dim: [tile][row_pitch].
+template <int DM, class T>
+__device__ void stage(T* dst, const rows<const T>& src, std::int64_t n, std::int64_t h, std::int64_t first,
+                      std::int64_t count, int dim) {
+  for (int e = int(threadIdx.x); e < tile * DM; e += int(blockDim.x)) {
+    const int r = e / DM, d = e % DM;
+    dst[r * row_pitch<DM> + d] = r < count - first && d < dim ? src.row(n, h, first + r)[d] : T(0.0f);
+  }
+}
+
+// One block per (query tile, head, batch element).
+template <int DM, class T>
+__global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  constexpr int rp = row_pitch<DM>, ap = acc_pitch<DM>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* qs = reinterpret_cast<T*>(smem);                                // [tile][rp]
+  T* ks = qs + tile * rp;                                            // [tile][rp]
+  T* vs = ks + tile * rp;                                            // [tile][rp]
+  T* ps = vs + tile * rp;                                            // [tile][weight_pitch]
+  float* sc = reinterpret_cast<float*>(ps + tile * weight_pitch);    // [tile][score_pitch]
+  float* oa = sc + tile * score_pitch;                               // [tile][ap]
+  const flash::tile_problem& p = a.p;
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const std::int64_t i0 = std::int64_t(blockIdx.x) * tile, h = blockIdx.y, n = blockIdx.z;
+  const std::int64_t g = h / (p.heads / p.kv_heads), first = i0 + warp * edge;
+  const float kept = float(p.kept);
+  float* sw = sc + warp * edge * score_pitch;
+  T* pw = ps + warp * edge * weight_pitch;
+  float* ow = oa + warp * edge * ap;
+
+  stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
+  for (int e = int(threadIdx.x); e < tile * ap; e += int(blockDim.x)) oa[e] = 0.0f;
+  __syncthreads();  // read below even when no key tile comes
+  flash::softmax_row<float> row[edge];
+  const std::int64_t i_last = last_row(i0, tile, p.queries);
+  const bool warp_rows = first < p.queries;  // the warp has rows; then its last is
+  const std::int64_t warp_last = warp_rows ? last_row(first, edge, p.queries) : i_last;
+  for (std::int64_t j0 = 0; j0 < flash::key_end(p, i_last); j0 += tile) {
+    __syncthreads();  // the previous tile is no longer read
+    stage<DM>(ks, a.k, n, g, j0, p.keys, a.dim);
+    stage<DM>(vs, a.v, n, g, j0, p.keys, a.dim);
+    __syncthreads();
+    if (!warp_rows || j0 >= flash::key_end(p, warp_last)) continue;  // no row of this warp sees a key of the tile
+    scores<DM>(sw, qs + warp * edge * rp, ks);
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < edge; ++r) {  // lanes along keys: lane and lane + 32
+      const std::int64_t i = first + r;
+      float s[2];
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const std::int64_t j = j0 + lane + 32 * x;
+        const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
+        s[x] = flash::masked_score(sw[r * score_pitch + lane + 32 * x], a.scale, vis);
+      }
+      const float alpha = flash::raise_max(row[r], fused::warp_max(fmaxf(s[0], s[1])));
+      float sum = 0.0f;
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const std::int64_t j = j0 + lane + 32 * x;
+        const float e = flash::unnormalised_weight(s[x], row[r]);
+        sum += e;
+        pw[r * weight_pitch + lane + 32 * x] = T(e != 0.0f ? e * flash::keep_scale(p, kept, n, h, i, j) : 0.0f);
+      }
+      row[r].sum += fused::warp_sum(sum);
+      for (int d = lane; d < DM; d += 32) ow[r * ap + d] *= alpha;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int dc = 0; dc < DM / edge; ++dc) {  // O = alpha O + P V, 16 columns at a time
+      accumulator o;
+      wmma::load_matrix_sync(o, ow + dc * edge, unsigned(ap), wmma::mem_row_major);
+      multiply<tile, false>(o, pw, weight_pitch, vs + dc * edge, rp);
+      wmma::store_matrix_sync(ow + dc * edge, o, unsigned(ap), wmma::mem_row_major);
+    }
+    __syncwarp();
+  }
+  for (int r = 0; r < edge; ++r) {
+    const std::int64_t i = first + r;
+    if (i >= p.queries) break;
+    const float f = flash::output_scale(row[r]);
+    T* o = a.out.row(n, h, i);
+    for (int d = lane; d < a.dim; d += 32) o[d] = T(ow[r * ap + d] * f);
+    if (lane == 0) a.lse[(n * p.heads + h) * p.queries + i] = flash::log_sum_exp(row[r]);
+  }
+#else
+  __trap();  // never launched: usable() requires sm_80
+#endif
+}
+
+// dq: one block per (query tile, head, batch element), laid out as forward.
+template <int DM, class T>
+__global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  constexpr int rp = row_pitch<DM>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* qs = reinterpret_cast<T*>(smem);                                // [tile][rp]
+  T* dos = qs + tile * rp;                                           // [tile][rp]
+  T* ks = dos + tile * rp;                                           // [tile][rp]
+  T* vs = ks + tile * rp;                                            // [tile][rp]
+  T* dss = vs + tile * rp;                                           // [tile][weight_pitch]
+  float* sc = reinterpret_cast<float*>(dss + tile * weight_pitch);   // [tile][score_pitch]
+  float* dp = sc + tile * score_pitch;                               // [tile][score_pitch]
+  const flash::tile_problem& p = a.p;
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const std::int64_t i0 = std::int64_t(blockIdx.x) * tile, h = blockIdx.y, n = blockIdx.z;
+  const std::int64_t g = h / (p.heads / p.kv_heads), first = i0 + warp * edge;
+  const float kept = float(p.kept);
+  float* sw = sc + warp * edge * score_pitch;
+  float* dpw = dp + warp * edge * score_pitch;
+  T* dsw = dss + warp * edge * weight_pitch;
+
+  stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
+  stage<DM>(dos, a.dout, n, h, i0, p.queries, a.dim);
+  float lse[edge], row_d[edge];
+  for (int r = 0; r < edge; ++r) {
+    const std::int64_t i = first + r, x = (n * p.heads + h) * p.queries + i;
+    lse[r] = i < p.queries ? a.lse[x] : INFINITY;
+    row_d[r] = i < p.queries ? a.row_d[x] : 0.0f;
+  }
+  accumulator gq[DM / edge];
+#pragma unroll
+  for (int dc = 0; dc < DM / edge; ++dc) wmma::fill_fragment(gq[dc], 0.0f);
+  const std::int64_t i_last = last_row(i0, tile, p.queries);
+  const bool warp_rows = first < p.queries;
+  const std::int64_t warp_last = warp_rows ? last_row(first, edge, p.queries) : i_last;
+  for (std::int64_t j0 = 0; j0 < flash::key_end(p, i_last); j0 += tile) {
+    __syncthreads();
+    stage<DM>(ks, a.k, n, g, j0, p.keys, a.dim);
+    stage<DM>(vs, a.v, n, g, j0, p.keys, a.dim);
+    __syncthreads();
+    if (!warp_rows || j0 >= flash::key_end(p, warp_last)) continue;
+    scores<DM>(sw, qs + warp * edge * rp, ks);    // Q K^T
+    scores<DM>(dpw, dos + warp * edge * rp, vs);  // dO V^T
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < edge; ++r) {
+      const std::int64_t i = first + r;
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int c = lane + 32 * x;
+        const std::int64_t j = j0 + c;
+        const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
+        const float w = flash::weight(flash::masked_score(sw[r * score_pitch + c], a.scale, vis), lse[r]);
+        const float ds = w != 0.0f ? flash::score_grad(w, dpw[r * score_pitch + c],
+                                                       flash::keep_scale(p, kept, n, h, i, j), row_d[r])
+                                   : 0.0f;
+        dsw[r * weight_pitch + c] = T(ds);
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int dc = 0; dc < DM / edge; ++dc) multiply<tile, false>(gq[dc], dsw, weight_pitch, ks + dc * edge, rp);
+  }
+  __syncthreads();  // the scores' memory takes the accumulators on their way out
+  write_rows<DM>(a.dq, n, h, first, p.queries, sc + warp * edge * acc_pitch<DM>, gq, a.scale, a.dim);
+#else
+  __trap();
+#endif
+}
+
+// dk and dv: one block per (key tile, kv head, batch element), 16 keys per warp,
+// over every query tile of every query head of the kv head.
+template <int DM, class T>
+__global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  constexpr int rp = row_pitch<DM>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* ks = reinterpret_cast<T*>(smem);                                // [tile][rp]
+  T* vs = ks + tile * rp;                                            // [tile][rp]
+  T* qs = vs + tile * rp;                                            // [tile][rp]
+  T* dos = qs + tile * rp;                                           // [tile][rp]
+  T* pts = dos + tile * rp;                                          // [tile][weight_pitch]: P^T, dropped
+  T* dst = pts + tile * weight_pitch;                                // [tile][weight_pitch]: dS^T
+  float* st = reinterpret_cast<float*>(dst + tile * weight_pitch);   // [tile][score_pitch]: S^T
+  float* dpt = st + tile * score_pitch;                              // [tile][score_pitch]: dP^T
+  float* lse = dpt + tile * score_pitch;                             // [tile]
+  float* row_d = lse + tile;                                         // [tile]
+  const flash::tile_problem& p = a.p;
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const std::int64_t j0 = std::int64_t(blockIdx.x) * tile, g = blockIdx.y, n = blockIdx.z;
+  const std::int64_t rep = p.heads / p.kv_heads, first = j0 + warp * edge;
+  const float kept = float(p.kept);
+  float* stw = st + warp * edge * score_pitch;
+  float* dptw = dpt + warp * edge * score_pitch;
+  T* ptw = pts + warp * edge * weight_pitch;
+  T* dstw = dst + warp * edge * weight_pitch;
+
+  stage<DM>(ks, a.k, n, g, j0, p.keys, a.dim);
+  stage<DM>(vs, a.v, n, g, j0, p.keys, a.dim);
+  accumulator gk[DM / edge], gv[DM / edge];
+#pragma unroll
+  for (int dc = 0; dc < DM / edge; ++dc) {
+    wmma::fill_fragment(gk[dc], 0.0f);
+    wmma::fill_fragment(gv[dc], 0.0f);
+  }
+  for (std::int64_t h = g * rep; h < (g + 1) * rep; ++h)
+    for (std::int64_t i0 = flash::query_begin(p, j0) / tile * tile; i0 < p.queries; i0 += tile) {
+      __syncthreads();
+      stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
+      stage<DM>(dos, a.dout, n, h, i0, p.queries, a.dim);
+      if (threadIdx.x < tile) {
+        const std::int64_t i = i0 + threadIdx.x, x = (n * p.heads + h) * p.queries + i;
+        lse[threadIdx.x] = i < p.queries ? a.lse[x] : INFINITY;
+        row_d[threadIdx.x] = i < p.queries ? a.row_d[x] : 0.0f;
+      }
+      __syncthreads();
+      // The warp's keys start at `first`: past the tile's last query's causal limit, or past the keys, none is seen.
+      if (first >= flash::key_end(p, last_row(i0, tile, p.queries))) continue;
+      scores<DM>(stw, ks + warp * edge * rp, qs);    // K Q^T = S^T
+      scores<DM>(dptw, vs + warp * edge * rp, dos);  // V dO^T = dP^T
+      __syncwarp();
+#pragma unroll
+      for (int r = 0; r < edge; ++r) {  // key first + r; lanes along queries
+        const std::int64_t j = first + r;
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          const int c = lane + 32 * x;
+          const std::int64_t i = i0 + c;
+          const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
+          const float w = flash::weight(flash::masked_score(stw[r * score_pitch + c], a.scale, vis), lse[c]);
+          const float keep = w != 0.0f ? flash::keep_scale(p, kept, n, h, i, j) : 0.0f;
+          dstw[r * weight_pitch + c] = T(flash::score_grad(w, dptw[r * score_pitch + c], keep, row_d[c]));
+          ptw[r * weight_pitch + c] = T(w * keep);
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int dc = 0; dc < DM / edge; ++dc) {
+        multiply<tile, false>(gv[dc], ptw, weight_pitch, dos + dc * edge, rp);  // dV += P^T dO
+        multiply<tile, false>(gk[dc], dstw, weight_pitch, qs + dc * edge, rp);  // dK += dS^T Q
+      }
+    }
+  __syncthreads();  // the scores' memory takes the accumulators on their way out
+  float* through = st + warp * edge * acc_pitch<DM>;
+  write_rows<DM>(a.dk, n, g, first, p.keys, through, gk, a.scale, a.dim);
+  __syncwarp();
+  write_rows<DM>(a.dv, n, g, first, p.keys, through, gv, 1.0f, a.dim);
+#else
+  __trap();
+#endif
+}
+
+}  // namespace shardlib::ops::cuda::detail::tensor
