@@ -186,26 +186,51 @@ __device__ void stage(T* dst, const rows<const T>& src, std::int64_t n, std::int
   }
 }
 
+// Shared memory handed out region by region, in order.
+struct carve {
+  unsigned char* at;
+  template <class U>
+  __device__ U* take(std::size_t count) {
+    U* p = reinterpret_cast<U*>(at);
+    at += count * sizeof(U);
+    return p;
+  }
+};
+
+// A query-tile block's place (forward and dq): batch element n, head h and its kv head g,
+// the tile's first query i0, and this thread's warp, lane and the warp's first query.
+struct query_block {
+  int lane, warp;
+  std::int64_t i0, h, n, g, first;
+  __device__ explicit query_block(const flash::tile_problem& p)
+      : lane(int(threadIdx.x) % 32),
+        warp(int(threadIdx.x) / 32),
+        i0(std::int64_t(blockIdx.x) * tile),
+        h(blockIdx.y),
+        n(blockIdx.z),
+        g(h / (p.heads / p.kv_heads)),
+        first(i0 + warp * edge) {}
+};
+
 // One block per (query tile, head, batch element).
 template <int DM, class T>
 __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   constexpr int rp = row_pitch<DM>, ap = acc_pitch<DM>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* qs = reinterpret_cast<T*>(smem);                                // [tile][rp]
-  T* ks = qs + tile * rp;                                            // [tile][rp]
-  T* vs = ks + tile * rp;                                            // [tile][rp]
-  T* ps = vs + tile * rp;                                            // [tile][weight_pitch]
-  float* sc = reinterpret_cast<float*>(ps + tile * weight_pitch);    // [tile][score_pitch]
-  float* oa = sc + tile * score_pitch;                               // [tile][ap]
   const flash::tile_problem& p = a.p;
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const std::int64_t i0 = std::int64_t(blockIdx.x) * tile, h = blockIdx.y, n = blockIdx.z;
-  const std::int64_t g = h / (p.heads / p.kv_heads), first = i0 + warp * edge;
+  const query_block b(p);
+  const int lane = b.lane, warp = b.warp;
+  const std::int64_t i0 = b.i0, h = b.h, n = b.n, g = b.g, first = b.first;
   const float kept = float(p.kept);
-  float* sw = sc + warp * edge * score_pitch;
-  T* pw = ps + warp * edge * weight_pitch;
-  float* ow = oa + warp * edge * ap;
+  extern __shared__ __align__(128) unsigned char smem[];
+  carve c{smem};
+  T* qs = c.take<T>(tile * rp);
+  T* ks = c.take<T>(tile * rp);
+  T* vs = c.take<T>(tile * rp);
+  T* pw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;       // the warp's weights
+  float* sw = c.take<float>(tile * score_pitch) + warp * edge * score_pitch;  // and scores
+  float* oa = c.take<float>(tile * ap);                                       // the output accumulator
+  float* ow = oa + warp * edge * ap;                                          // and the warp's rows
 
   stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
   for (int e = int(threadIdx.x); e < tile * ap; e += int(blockDim.x)) oa[e] = 0.0f;
@@ -254,9 +279,10 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
     }
     __syncwarp();
   }
-  for (int r = 0; r < edge; ++r) {
+#pragma unroll
+  for (int r = 0; r < edge; ++r) {  // unrolled, as every loop over row[]: the array stays in registers
     const std::int64_t i = first + r;
-    if (i >= p.queries) break;
+    if (i >= p.queries) continue;
     const float f = flash::output_scale(row[r]);
     T* o = a.out.row(n, h, i);
     for (int d = lane; d < a.dim; d += 32) o[d] = T(ow[r * ap + d] * f);
@@ -272,26 +298,26 @@ template <int DM, class T>
 __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   constexpr int rp = row_pitch<DM>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* qs = reinterpret_cast<T*>(smem);                                // [tile][rp]
-  T* dos = qs + tile * rp;                                           // [tile][rp]
-  T* ks = dos + tile * rp;                                           // [tile][rp]
-  T* vs = ks + tile * rp;                                            // [tile][rp]
-  T* dss = vs + tile * rp;                                           // [tile][weight_pitch]
-  float* sc = reinterpret_cast<float*>(dss + tile * weight_pitch);   // [tile][score_pitch]
-  float* dp = sc + tile * score_pitch;                               // [tile][score_pitch]
   const flash::tile_problem& p = a.p;
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const std::int64_t i0 = std::int64_t(blockIdx.x) * tile, h = blockIdx.y, n = blockIdx.z;
-  const std::int64_t g = h / (p.heads / p.kv_heads), first = i0 + warp * edge;
+  const query_block b(p);
+  const int lane = b.lane, warp = b.warp;
+  const std::int64_t i0 = b.i0, h = b.h, n = b.n, g = b.g, first = b.first;
   const float kept = float(p.kept);
+  extern __shared__ __align__(128) unsigned char smem[];
+  carve c{smem};
+  T* qs = c.take<T>(tile * rp);
+  T* dos = c.take<T>(tile * rp);
+  T* ks = c.take<T>(tile * rp);
+  T* vs = c.take<T>(tile * rp);
+  T* dsw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // the warp's score gradients,
+  float* sc = c.take<float>(tile * score_pitch);                         // scores
   float* sw = sc + warp * edge * score_pitch;
-  float* dpw = dp + warp * edge * score_pitch;
-  T* dsw = dss + warp * edge * weight_pitch;
+  float* dpw = c.take<float>(tile * score_pitch) + warp * edge * score_pitch;  // and weight gradients
 
   stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
   stage<DM>(dos, a.dout, n, h, i0, p.queries, a.dim);
   float lse[edge], row_d[edge];
+#pragma unroll
   for (int r = 0; r < edge; ++r) {
     const std::int64_t i = first + r, x = (n * p.heads + h) * p.queries + i;
     lse[r] = i < p.queries ? a.lse[x] : INFINITY;
@@ -344,26 +370,24 @@ template <int DM, class T>
 __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   constexpr int rp = row_pitch<DM>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* ks = reinterpret_cast<T*>(smem);                                // [tile][rp]
-  T* vs = ks + tile * rp;                                            // [tile][rp]
-  T* qs = vs + tile * rp;                                            // [tile][rp]
-  T* dos = qs + tile * rp;                                           // [tile][rp]
-  T* pts = dos + tile * rp;                                          // [tile][weight_pitch]: P^T, dropped
-  T* dst = pts + tile * weight_pitch;                                // [tile][weight_pitch]: dS^T
-  float* st = reinterpret_cast<float*>(dst + tile * weight_pitch);   // [tile][score_pitch]: S^T
-  float* dpt = st + tile * score_pitch;                              // [tile][score_pitch]: dP^T
-  float* lse = dpt + tile * score_pitch;                             // [tile]
-  float* row_d = lse + tile;                                         // [tile]
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const std::int64_t j0 = std::int64_t(blockIdx.x) * tile, g = blockIdx.y, n = blockIdx.z;
   const std::int64_t rep = p.heads / p.kv_heads, first = j0 + warp * edge;
   const float kept = float(p.kept);
+  extern __shared__ __align__(128) unsigned char smem[];
+  carve c{smem};
+  T* ks = c.take<T>(tile * rp);
+  T* vs = c.take<T>(tile * rp);
+  T* qs = c.take<T>(tile * rp);
+  T* dos = c.take<T>(tile * rp);
+  T* ptw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;   // the warp's P^T (dropped),
+  T* dstw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // dS^T,
+  float* st = c.take<float>(tile * score_pitch);                          // S^T
   float* stw = st + warp * edge * score_pitch;
-  float* dptw = dpt + warp * edge * score_pitch;
-  T* ptw = pts + warp * edge * weight_pitch;
-  T* dstw = dst + warp * edge * weight_pitch;
+  float* dptw = c.take<float>(tile * score_pitch) + warp * edge * score_pitch;  // and dP^T
+  float* lse = c.take<float>(tile);                                             // the query tile's
+  float* row_d = c.take<float>(tile);
 
   stage<DM>(ks, a.k, n, g, j0, p.keys, a.dim);
   stage<DM>(vs, a.v, n, g, j0, p.keys, a.dim);
