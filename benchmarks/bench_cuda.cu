@@ -4,6 +4,8 @@
 //   NCCL all_gather, reduce_scatter, all_reduce bus bandwidth (nccl-tests
 //                               definitions), world size 1 .. #GPUs, one thread per GPU
 //   cublasGemmEx bf16 TFLOP/s   at 8192^3 on random values: the compute peak reference (and fp32)
+//   fused attention             causal, bf16, L 2048, head_dim 64 and 128, forward + backward, on
+//                               tensor cores and on CUDA cores: TFLOP/s vs that bf16 GEMM rate
 //   model steps                 FullShard, bf16 compute, fp32 master + AdamW, on one GPU:
 //                               model FLOP utilisation vs that bf16 GEMM rate (goal >= 45%):
 //                               GPT-2 and LLaMA (~1B parameters at sequence 2048 by default)
@@ -21,6 +23,7 @@
 #include <shardlib/optim/cuda/adam.cuh>
 #include <shardlib/shard/cuda/space_ops.cuh>
 #include <shardlib/shard/sharded_model.hpp>
+#include <shardlib/ops/cuda/flash_attention.cuh>
 #include <shardlib/ops/cuda/launch.cuh>
 
 #include <algorithm>
@@ -163,6 +166,43 @@ double gemm_tflops(std::int64_t n, sl::cuda::stream& s, sl::cuda::blas& handle) 
              c.data(), n);
   });
   return 2.0 * double(n) * double(n) * double(n) / (ms * 1e-3) / 1e12;
+}
+
+// --- fused attention against the GEMM rate ----------------------------------------------------
+// Causal attention, batch 4, 16 heads, sequence 2048, bf16, forward and backward, by each kernel
+// set. FLOPs as FlashAttention's papers count them: 4 B H L^2 D forward (Q K^T and P V), 2.5
+// times that backward (Q K^T again, dO V^T, P^T dO, dS^T Q, dS K), halved for the causal mask.
+struct attention_result {
+  double forward_ms, backward_ms, tflops;
+};
+attention_result attention_step(std::int64_t dim, bool tensor_cores, sl::cuda::stream& s) {
+  using T = sl::bfloat16;
+  constexpr std::int64_t B = 4, H = 16, L = 2048;
+  auto& alloc = sl::cuda::device_allocator(0);
+  const std::size_t count = std::size_t(B * H * L * dim);
+  std::vector<sl::cuda::device_buffer<T>> t;  // q k v out dout dq dk dv
+  for (int i = 0; i < 8; ++i) {
+    t.emplace_back(count, sl::category::activations, s, alloc);
+    oc::for_each_index(std::int64_t(count), uniform_fill<T>{t.back().data(), sl::counter_rng(2, std::uint64_t(i))}, s,
+                       "uniform_fill");
+  }
+  sl::cuda::device_buffer<float> lse(std::size_t(B * H * L), sl::category::activations, s, alloc);
+  const auto view = [&](int i) {
+    return sl::nn::head_view<T>{t[std::size_t(i)].data(), B, H, L, dim, H * L * dim, L * dim, dim};
+  };
+  oc::flash_options o{.is_causal = true};
+  o.tensor_cores = tensor_cores;
+  const double fwd = median_ms(s, 2, 10, [&] {
+    oc::flash_attention_forward<T>(oc::as_const(view(0)), oc::as_const(view(1)), oc::as_const(view(2)), view(3),
+                                   lse.data(), o, s);
+  });
+  const double bwd = median_ms(s, 2, 10, [&] {
+    oc::flash_attention_backward<T>(oc::as_const(view(0)), oc::as_const(view(1)), oc::as_const(view(2)),
+                                    oc::as_const(view(3)), oc::as_const(view(4)), lse.data(), view(5), view(6), view(7),
+                                    o, s);
+  });
+  const double forward_flop = 4.0 * double(B * H) * double(L) * double(L) * double(dim) / 2;
+  return {fwd, bwd, 3.5 * forward_flop / ((fwd + bwd) * 1e-3) / 1e12};
 }
 
 // --- model training steps --------------------------------------------------------------------
@@ -403,7 +443,29 @@ int main(int argc, char** argv) try {
   summary.push_back({"GEMM bf16 8192^3 (cuBLAS)", v, vs});
   sl::cuda::device_allocator(0).empty_cache();
 
-  // 5. The models at sizes that fill the GPU, against that GEMM rate.
+  // 5. The fused attention by each kernel set, against that GEMM rate.
+  std::printf("\n%-44s %10s %10s %10s %10s\n", "fused attention, bf16, causal, B 4, H 16, L 2048", "fwd ms", "bwd ms",
+              "TFLOP/s", "of GEMM");
+  for (const std::int64_t dim : {64, 128})
+    for (const bool tensor_cores : {true, false}) {
+      const bool tc = tensor_cores && oc::flash_uses_tensor_cores<sl::bfloat16>(dim, {});
+      if (tensor_cores && !tc) continue;  // this GPU takes the CUDA-core kernels only
+      const attention_result r = attention_step(dim, tensor_cores, s);
+      const std::string label = sl::cat("head_dim ", dim, tc ? ", tensor cores" : ", CUDA cores");
+      std::printf("%-44s %10.2f %10.2f %10.1f %9.1f%%\n", label.c_str(), r.forward_ms, r.backward_ms, r.tflops,
+                  100 * r.tflops / bf16);
+      json(jf, sl::cat("\"bench\":\"cuda_attention\",\"head_dim\":", dim, ",\"tensor_cores\":", tc ? "true" : "false",
+                       ",\"forward_ms\":", r.forward_ms, ",\"backward_ms\":", r.backward_ms, ",\"TFLOPs\":", r.tflops,
+                       ",\"gemm_bf16_TFLOPs\":", bf16));
+      if (dim == 128) {
+        std::snprintf(v, sizeof v, "%.0f TFLOP/s", r.tflops);
+        std::snprintf(vs, sizeof vs, "%.0f%% of the bf16 GEMM rate", 100 * r.tflops / bf16);
+        summary.push_back({std::string("attention fwd+bwd, D 128, ") + (tc ? "tensor" : "CUDA") + " cores", v, vs});
+      }
+      sl::cuda::device_allocator(0).empty_cache();
+    }
+
+  // 6. The models at sizes that fill the GPU, against that GEMM rate.
   for (const std::string& name : models) {
     if (name == "none") continue;
     const model_size m = sized(name, flags);
