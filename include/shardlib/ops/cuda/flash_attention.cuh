@@ -23,7 +23,7 @@ namespace shardlib::ops::cuda {
 
 // Whether flash_attention_forward and _backward take the tensor-core kernels for T
 // and head_dim on the current GPU (bfloat16 or half, head_dim <= 128, sm_80 or
-// later with the shared memory they need, o.tensor_cores).
+// later with the shared memory they need, a build for sm_80 or later, o.tensor_cores).
 template <class T>
 bool flash_uses_tensor_cores(std::int64_t head_dim, const flash_options& o) {
   namespace ft = detail::tensor;
@@ -32,7 +32,8 @@ bool flash_uses_tensor_cores(std::int64_t head_dim, const flash_options& o) {
   } else {
     if (!o.tensor_cores || head_dim < 1 || head_dim > ft::max_dim) return false;
     bool usable = false;
-    ft::dispatch_dim(head_dim, [&]<int DM>() { usable = ft::usable(ft::largest_bytes<DM>); });
+    ft::dispatch_dim(head_dim,
+                     [&]<int DM>() { usable = ft::usable(ft::forward_kernel<DM, T>, ft::largest_bytes<DM>); });
     return usable;
   }
 }

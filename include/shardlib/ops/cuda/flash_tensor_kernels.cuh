@@ -40,7 +40,6 @@
 
 namespace shardlib::ops::cuda::detail::tensor {
 namespace flash = shardlib::ops::flash;
-namespace wmma = nvcuda::wmma;
 using fused::backward_args;
 using fused::forward_args;
 using fused::last_row;
@@ -87,19 +86,29 @@ template <int DM>
 constexpr std::size_t dkdv_bytes = 4 * rows_bytes<DM> + 2 * weights_bytes + 2 * scores_bytes + 2 * tile * 4;
 template <int DM>
 constexpr std::size_t largest_bytes = std::max({forward_bytes<DM>, dq_bytes<DM>, dkdv_bytes<DM>});
-static_assert(rows_bytes<64> % 32 == 0 && weights_bytes % 32 == 0 && scores_bytes % 32 == 0);
+// Every region, and every warp's part of one, starts 32-byte aligned.
+template <int DM>
+constexpr bool aligned = rows_bytes<DM> % 32 == 0 && acc_bytes<DM> % 32 == 0 && edge * row_pitch<DM> * 2 % 32 == 0 &&
+                         edge * acc_pitch<DM> * 4 % 32 == 0;
+static_assert(aligned<64> && aligned<128> && weights_bytes % 32 == 0 && scores_bytes % 32 == 0 &&
+              edge * weight_pitch * 2 % 32 == 0 && edge * score_pitch * 4 % 32 == 0);
 static_assert(acc_bytes<max_dim> <= 2 * scores_bytes, "backward's accumulators are written out through its scores");
 
-// The current GPU runs these kernels with `shared_bytes` per block: sm_80 or later,
-// and that much shared memory on opt-in.
-inline bool usable(std::size_t shared_bytes) {
+// The current GPU runs `kernel` (one of these) with `shared_bytes` per block: an sm_80 or
+// later GPU, that much shared memory on opt-in, and the kernel's code built for sm_80 or later
+// (a build for older architectures holds only the trapping body, which a newer GPU would JIT).
+template <class Kernel>
+bool usable(Kernel kernel, std::size_t shared_bytes) {
   int device = 0, major = 0, limit = 0;
   shardlib::cuda::check(cudaGetDevice(&device), "cudaGetDevice (fused attention)");
   shardlib::cuda::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
                         "cudaDeviceGetAttribute(ComputeCapabilityMajor) (fused attention)");
   shardlib::cuda::check(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
                         "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin) (fused attention)");
-  return major >= 8 && shared_bytes <= std::size_t(limit);
+  if (major < 8 || shared_bytes > std::size_t(limit)) return false;
+  cudaFuncAttributes built{};
+  shardlib::cuda::check(cudaFuncGetAttributes(&built, kernel), "cudaFuncGetAttributes (fused attention)");
+  return built.ptxVersion >= 80;
 }
 
 // Calls f.template operator()<DM>() for DM = 64 or 128, the smaller holding dim
@@ -113,6 +122,8 @@ void dispatch_dim(std::int64_t dim, F&& f) {
 
 // bf16 wmma exists from sm_80: below it (and only there) the kernels' bodies are left out.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+namespace wmma = nvcuda::wmma;
+
 template <class T>
 using a_fragment = wmma::fragment<wmma::matrix_a, edge, edge, edge, typename wmma_type<T>::type, wmma::row_major>;
 template <class T, class Layout>
@@ -289,7 +300,7 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
     if (lane == 0) a.lse[(n * p.heads + h) * p.queries + i] = flash::log_sum_exp(row[r]);
   }
 #else
-  __trap();  // never launched: usable() requires sm_80
+  __trap();  // never launched: usable() requires code built for sm_80 or later
 #endif
 }
 
