@@ -12,6 +12,7 @@
 #include "shardlib/cuda/caching_allocator.hpp"   // caching_allocator, device_buffer, device_allocator
 #include "shardlib/cuda/copy.hpp"                // copy_async, fill_bytes_async
 #include "shardlib/cuda/error.hpp"               // cuda_error, check
+#include "shardlib/cuda/kernel_facts.hpp"        // current_device_facts, allow_shared_memory
 #include "shardlib/cuda/memory_space.hpp"        // cuda_space, pinned_space
 #include "shardlib/cuda/stream.hpp"              // stream, event, device_guard, device_problem
 #include "shardlib/ops/cuda/adam.cuh"            // fused_adam_step, make_adam_state

@@ -176,6 +176,8 @@ std::vector<attention_case> small_cases() {
       {"D 256, causal, L 40", 1, 2, 2, 40, 40, 256, true},
       {"dropout 1: every weight dropped", 1, 2, 1, 9, 11, 32, true, 3, 1, 1.0},
       {"scale 0.3 (given, not 1 / sqrt(D)), causal, offset 2", 2, 2, 1, 24, 26, 48, true, 2, 0, -1, false, 0.3},
+      // D not a multiple of 8: the CUDA cores also for 16-bit types (tensor-core tiles load 16 bytes).
+      {"D 36, causal, rows layout, GQA 4 over 2", 2, 4, 2, 33, 33, 36, true, 0, 0, -1, true},
   };
 }
 
@@ -228,7 +230,16 @@ TEST_CASE("flash attention takes the tensor cores for 16-bit inputs up to head_d
   CHECK(fa::flash_uses_tensor_cores<sl::half>(128, on) == (major >= 8));
   CHECK_FALSE(fa::flash_uses_tensor_cores<sl::bfloat16>(64, off));
   CHECK_FALSE(fa::flash_uses_tensor_cores<sl::bfloat16>(256, on));
+  CHECK_FALSE(fa::flash_uses_tensor_cores<sl::bfloat16>(36, on));
   CHECK_FALSE(fa::flash_uses_tensor_cores<float>(64, on));
+  // and only for views whose rows start 16-byte aligned
+  namespace ft = fa::detail::tensor;
+  alignas(16) static sl::bfloat16 storage[64];
+  using rows = fa::detail::fused::rows<const sl::bfloat16>;
+  CHECK(ft::whole_vectors(rows{storage, 64, 32, 8}));
+  CHECK_FALSE(ft::whole_vectors(rows{storage + 1, 64, 32, 8}));  // the data 2 bytes past a 16-byte boundary
+  CHECK_FALSE(ft::whole_vectors(rows{storage, 64, 32, 12}));     // rows 24 bytes apart
+  CHECK_FALSE(ft::whole_vectors(rows{storage, 64, 36, 8}));      // heads 72 bytes apart
 }
 
 TEST_CASE("flash attention draws nn::sdpa's dropout mask bit for bit", "[cuda][flash]") {

@@ -6,6 +6,7 @@
 #include <shardlib/cuda/caching_allocator.hpp>
 #include <shardlib/cuda/copy.hpp>
 #include <shardlib/cuda/error.hpp>
+#include <shardlib/cuda/kernel_facts.hpp>
 #include <shardlib/cuda/memory_space.hpp>
 #include <shardlib/cuda/stream.hpp>
 
@@ -253,6 +254,53 @@ TEST_CASE("failed CUDA calls and launches raise cuda_error naming them", "[cuda]
   busy_kernel<<<1, 1>>>(nullptr, 0);  // the launch error did not stick
   CHECK_NOTHROW(sl::cuda::check_launch("busy_kernel"));
   CHECK_NOTHROW(sl::cuda::check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
+}
+
+namespace {
+template <int Copy>  // two copies: one never opted in
+__global__ void shared_kernel(int* out) {
+  extern __shared__ int shared_ints[];
+  shared_ints[threadIdx.x] = int(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = shared_ints[blockDim.x - 1 - threadIdx.x];
+}
+}  // namespace
+
+TEST_CASE("kernel facts are the runtime's answers, kept; shared memory opt-in names what is missing",
+          "[cuda][launch]") {
+  if (!have_device()) return;
+  cudaDeviceProp prop{};
+  sl::cuda::check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  const sl::cuda::device_facts& f = sl::cuda::current_device_facts();
+  CHECK(f.device == 0);
+  CHECK(f.major == prop.major);
+  CHECK(f.shared_optin == int(prop.sharedMemPerBlockOptin));
+  CHECK(&sl::cuda::current_device_facts() == &f);  // asked once
+
+  const void* k = reinterpret_cast<const void*>(shared_kernel<0>);
+  cudaFuncAttributes attr{};
+  sl::cuda::check(cudaFuncGetAttributes(&attr, k), "cudaFuncGetAttributes");
+  CHECK(sl::cuda::kernel_ptx_version(k) == attr.ptxVersion);
+  CHECK(attr.ptxVersion > 0);
+
+  // The whole opt-in amount: a launch above 48 KiB fails without the attribute, works with it.
+  const std::size_t bytes = std::size_t(f.shared_optin);
+  REQUIRE(bytes > 48 * 1024);
+  sl::cuda::device_buffer<int> out(256, sl::category::activations, nullptr);
+  shared_kernel<1><<<1, 256, bytes>>>(out.data());
+  CHECK_THROWS_WITH(sl::cuda::check_launch("shared_kernel<1>"), Catch::Contains("launch of kernel shared_kernel<1>"));
+  sl::cuda::allow_shared_memory(k, bytes, "shared_kernel");
+  sl::cuda::check(cudaFuncGetAttributes(&attr, k), "cudaFuncGetAttributes");
+  CHECK(std::size_t(attr.maxDynamicSharedSizeBytes) == bytes);
+  shared_kernel<0><<<1, 256, bytes>>>(out.data());
+  CHECK_NOTHROW(sl::cuda::check_launch("shared_kernel"));
+  std::vector<int> host(256);
+  sl::cuda::check(cudaMemcpy(host.data(), out.data(), 256 * sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  for (int i = 0; i < 256; ++i) CHECK(host[std::size_t(i)] == 255 - i);
+
+  CHECK_THROWS_WITH(sl::cuda::allow_shared_memory(k, bytes + 1, "shared_kernel"),
+                    Catch::Contains("shared_kernel: needs " + std::to_string(bytes + 1) +
+                                    " bytes of shared memory per block, GPU 0 has " + std::to_string(bytes)));
 }
 
 TEST_CASE("copies move data between host, pinned and device memory on a stream", "[cuda][copy]") {

@@ -22,15 +22,17 @@
 namespace shardlib::ops::cuda {
 
 // Whether flash_attention_forward and _backward take the tensor-core kernels for T
-// and head_dim on the current GPU (bfloat16 or half, head_dim <= 128, sm_80 or
-// later with the shared memory they need, a build for sm_80 or later, o.tensor_cores).
+// and head_dim on the current GPU (bfloat16 or half, head_dim a multiple of 8 up to
+// 128, sm_80 or later with the shared memory they need, a build for sm_80 or later,
+// o.tensor_cores), given views whose rows start 16-byte aligned, as a contiguous
+// tensor's do (they load tiles 16 bytes at a time; other views take the CUDA cores).
 template <class T>
 bool flash_uses_tensor_cores(std::int64_t head_dim, const flash_options& o) {
   namespace ft = detail::tensor;
   if constexpr (!ft::takes<T>) {
     return false;
   } else {
-    if (!o.tensor_cores || head_dim < 1 || head_dim > ft::max_dim) return false;
+    if (!o.tensor_cores || head_dim < 1 || head_dim > ft::max_dim || head_dim % 8 != 0) return false;
     bool usable = false;
     ft::dispatch_dim(head_dim,
                      [&]<int DM>() { usable = ft::usable(ft::forward_kernel<DM, T>, ft::largest_bytes<DM>); });
@@ -54,7 +56,8 @@ void flash_attention_forward(nn::head_view<const T> q, nn::head_view<const T> k,
   const fd::forward_args<T> args{fd::rows_of(q), fd::rows_of(k), fd::rows_of(v), fd::rows_of(out), lse, p,
                                  fd::scale_of(o, q.dim), int(q.dim)};
   if constexpr (ft::takes<T>)
-    if (flash_uses_tensor_cores<T>(q.dim, o)) {
+    if (flash_uses_tensor_cores<T>(q.dim, o) && ft::whole_vectors(args.q) && ft::whole_vectors(args.k) &&
+        ft::whole_vectors(args.v)) {
       ft::dispatch_dim(q.dim, [&]<int DM>() {
         const dim3 grid(unsigned((p.queries + ft::tile - 1) / ft::tile), unsigned(p.heads), unsigned(p.batch));
         fd::launch(ft::forward_kernel<DM, T>, grid, ft::forward_bytes<DM>, stream, who, args);
@@ -95,7 +98,8 @@ void flash_attention_backward(nn::head_view<const T> q, nn::head_view<const T> k
     shardlib::cuda::check_launch("flash_attention_backward (D = dO . O)");
   }
   if constexpr (ft::takes<T>)
-    if (flash_uses_tensor_cores<T>(q.dim, o)) {
+    if (flash_uses_tensor_cores<T>(q.dim, o) && ft::whole_vectors(args.q) && ft::whole_vectors(args.k) &&
+        ft::whole_vectors(args.v) && ft::whole_vectors(args.dout)) {
       ft::dispatch_dim(q.dim, [&]<int DM>() {
         if (rows > 0) {
           const dim3 grid(unsigned((p.queries + ft::tile - 1) / ft::tile), unsigned(p.heads), unsigned(p.batch));

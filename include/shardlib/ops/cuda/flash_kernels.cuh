@@ -23,7 +23,8 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/random.hpp"             // counter_rng
-#include "shardlib/cuda/error.hpp"              // check, check_launch
+#include "shardlib/cuda/error.hpp"              // check_launch
+#include "shardlib/cuda/kernel_facts.hpp"       // allow_shared_memory
 #include "shardlib/nn/sdpa.hpp"                 // head_view
 #include "shardlib/ops/attention_tiles.hpp"
 
@@ -357,18 +358,12 @@ void dispatch_dim(std::int64_t dim, const char* who, F&& f) {
 
 // Dynamic shared memory above 48 KiB needs the kernel's opt-in, up to the device's
 // limit (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89: head_dim 256's
-// backward needs 130 KiB), checked first so that a small GPU gets a message.
+// backward needs 130 KiB, head_dim 128 or less at most 66,816 bytes), checked first
+// so that a small GPU gets a message.
 template <class K>
 void launch(K kernel, dim3 grid, std::size_t shared_bytes, cudaStream_t stream, const char* name,
             const auto& args) {
-  int device = 0, limit = 0;
-  shardlib::cuda::check(cudaGetDevice(&device), "cudaGetDevice for ", name);
-  shardlib::cuda::check(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                        "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin) for ", name);
-  require(shared_bytes <= std::size_t(limit), name, ": needs ", shared_bytes, " bytes of shared memory per block, GPU ",
-          device, " has ", limit, " (head_dim 128 or less needs at most 66,816)");
-  shardlib::cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes)),
-                        "cudaFuncSetAttribute for ", name);
+  shardlib::cuda::allow_shared_memory(reinterpret_cast<const void*>(kernel), shared_bytes, name);
   kernel<<<grid, tile * warps, shared_bytes, stream>>>(args);
   shardlib::cuda::check_launch(name);
 }

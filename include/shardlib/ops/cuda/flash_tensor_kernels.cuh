@@ -23,7 +23,7 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/element.hpp"  // bfloat16, half
-#include "shardlib/cuda/error.hpp"    // check
+#include "shardlib/cuda/kernel_facts.hpp"  // current_device_facts, kernel_ptx_version
 #include "shardlib/ops/attention_tiles.hpp"
 #include "shardlib/ops/cuda/flash_kernels.cuh"  // rows, forward_args, backward_args, warp_max, warp_sum, last_row
 
@@ -35,7 +35,7 @@
 #include <algorithm>    // std::max
 #include <cmath>        // INFINITY
 #include <cstddef>      // std::size_t
-#include <cstdint>      // std::int64_t
+#include <cstdint>      // std::int64_t, std::uintptr_t
 #include <type_traits>  // std::is_same_v
 
 namespace shardlib::ops::cuda::detail::tensor {
@@ -86,10 +86,11 @@ template <int DM>
 constexpr std::size_t dkdv_bytes = 4 * rows_bytes<DM> + 2 * weights_bytes + 2 * scores_bytes + 2 * tile * 4;
 template <int DM>
 constexpr std::size_t largest_bytes = std::max({forward_bytes<DM>, dq_bytes<DM>, dkdv_bytes<DM>});
-// Every region, and every warp's part of one, starts 32-byte aligned.
+// Every region, and every warp's part of one, starts 32-byte aligned; every staged row
+// 16-byte aligned (stage's vector stores).
 template <int DM>
 constexpr bool aligned = rows_bytes<DM> % 32 == 0 && acc_bytes<DM> % 32 == 0 && edge * row_pitch<DM> * 2 % 32 == 0 &&
-                         edge * acc_pitch<DM> * 4 % 32 == 0;
+                         edge * acc_pitch<DM> * 4 % 32 == 0 && row_pitch<DM> * 2 % 16 == 0;
 static_assert(aligned<64> && aligned<128> && weights_bytes % 32 == 0 && scores_bytes % 32 == 0 &&
               edge * weight_pitch * 2 % 32 == 0 && edge * score_pitch * 4 % 32 == 0);
 static_assert(acc_bytes<max_dim> <= 2 * scores_bytes, "backward's accumulators are written out through its scores");
@@ -99,16 +100,18 @@ static_assert(acc_bytes<max_dim> <= 2 * scores_bytes, "backward's accumulators a
 // (a build for older architectures holds only the trapping body, which a newer GPU would JIT).
 template <class Kernel>
 bool usable(Kernel kernel, std::size_t shared_bytes) {
-  int device = 0, major = 0, limit = 0;
-  shardlib::cuda::check(cudaGetDevice(&device), "cudaGetDevice (fused attention)");
-  shardlib::cuda::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-                        "cudaDeviceGetAttribute(ComputeCapabilityMajor) (fused attention)");
-  shardlib::cuda::check(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                        "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin) (fused attention)");
-  if (major < 8 || shared_bytes > std::size_t(limit)) return false;
-  cudaFuncAttributes built{};
-  shardlib::cuda::check(cudaFuncGetAttributes(&built, kernel), "cudaFuncGetAttributes (fused attention)");
-  return built.ptxVersion >= 80;
+  const shardlib::cuda::device_facts& d = shardlib::cuda::current_device_facts();
+  return d.major >= 8 && shared_bytes <= std::size_t(d.shared_optin) &&
+         shardlib::cuda::kernel_ptx_version(reinterpret_cast<const void*>(kernel)) >= 80;
+}
+
+// Whether stage can load v's rows 16 bytes at a time: every row starts 16-byte aligned
+// (so does each 8-element piece of it when dim is a multiple of 8: the caller checks dim).
+template <class T>
+bool whole_vectors(const rows<const T>& v) {
+  constexpr std::int64_t per = 16 / sizeof(T);
+  return reinterpret_cast<std::uintptr_t>(v.data) % 16 == 0 && v.batch_stride % per == 0 &&
+         v.head_stride % per == 0 && v.row_stride % per == 0;
 }
 
 // Calls f.template operator()<DM>() for DM = 64 or 128, the smaller holding dim
@@ -187,13 +190,18 @@ __device__ void write_rows(const rows<T>& dst, std::int64_t n, std::int64_t h, s
 #endif
 
 // Rows [first, first + tile) of a head into shared memory in T, zero past `count`
-// rows and past dim: [tile][row_pitch].
+// rows and past dim: [tile][row_pitch], 16 bytes (8 elements) per load: dim is a
+// multiple of 8 and every row of src starts 16-byte aligned (whole_vectors, checked
+// before these kernels are chosen).
 template <int DM, class T>
 __device__ void stage(T* dst, const rows<const T>& src, std::int64_t n, std::int64_t h, std::int64_t first,
                       std::int64_t count, int dim) {
-  for (int e = int(threadIdx.x); e < tile * DM; e += int(blockDim.x)) {
-    const int r = e / DM, d = e % DM;
-    dst[r * row_pitch<DM> + d] = r < count - first && d < dim ? src.row(n, h, first + r)[d] : T(0.0f);
+  constexpr int per = 16 / sizeof(T);
+  for (int e = int(threadIdx.x); e < tile * DM / per; e += int(blockDim.x)) {
+    const int r = e / (DM / per), d = e % (DM / per) * per;
+    uint4 v{0, 0, 0, 0};
+    if (r < count - first && d < dim) v = *reinterpret_cast<const uint4*>(src.row(n, h, first + r) + d);
+    *reinterpret_cast<uint4*>(dst + r * row_pitch<DM> + d) = v;
   }
 }
 
