@@ -218,6 +218,7 @@ void flatten(const io::sharded_tensors& ts, std::vector<float>& out) {
 template <class Space, bool offload, class V = float>
 run_values scenario(const fs::path& dir) {
   using Opt = std::conditional_t<offload || std::is_same_v<Space, host_space>, optim::Adam, negated::Adam<Space>>;
+  using Strategy = shard::AnyStrategy;  // one engine type for the three strategies: compile time
   const Opt opt_init{{.lr = 0.02, .weight_decay = 0.01}};
   auto comm_of = [](comm::ThreadComm& c) {
     if constexpr (std::is_same_v<Space, host_space>) return c;
@@ -238,7 +239,7 @@ run_values scenario(const fs::path& dir) {
     auto pair = all.split(rank < 2 ? 0 : 1, rank);
     if (rank < 2) {
       auto model = make_model<Space, V>();
-      auto sharded = shard::fully_shard<Opt>(model, pair, shard::FullShard{}, options(7));
+      auto sharded = shard::fully_shard<Opt>(model, pair, Strategy(shard::FullShard{}), options(7));
       Opt opt = opt_init;
       train<Space>(sharded, opt, 0, 3);
       io::save_checkpoint(dir / "ckpt", sharded, opt, {.tag = "first", .chunk_bytes = 256});
@@ -255,7 +256,7 @@ run_values scenario(const fs::path& dir) {
     c.barrier();
     {
       auto model = make_model<Space, V>();
-      auto sharded = shard::fully_shard<Opt>(model, all, shard::FullShard{}, options(11));
+      auto sharded = shard::fully_shard<Opt>(model, all, Strategy(shard::FullShard{}), options(11));
       Opt opt = opt_init;
       io::set_state(sharded, opt, std::span<const io::model_state_dict>(models),
                     std::span<const io::optim_state_dict>(optims));
@@ -270,7 +271,7 @@ run_values scenario(const fs::path& dir) {
   comm::launch(3, [&](comm::ThreadComm& c) {
     auto cc = comm_of(c);
     auto model = make_model<Space, V>();
-    auto sharded = shard::fully_shard<Opt>(model, cc, shard::ShardGradOp{}, options(99));
+    auto sharded = shard::fully_shard<Opt>(model, cc, Strategy(shard::ShardGradOp{}), options(99));
     Opt opt{{.lr = 0.5}};  // the checkpoint's hyperparameters replace these
     io::load_checkpoint(dir / "ckpt" / "first", sharded, opt);
     if (c.rank() == 0 && sharded.steps() != 3) out.problem = cat("steps after the load: ", sharded.steps());
@@ -282,7 +283,7 @@ run_values scenario(const fs::path& dir) {
     auto model = make_model<Space, V>();
     // 16-bit layers keep fp32 masters beside them, which NoShard refuses: ShardOptimizer at W = 1.
     using Alone = std::conditional_t<std::is_same_v<V, float>, shard::NoShard, shard::ShardOptimizer>;
-    auto sharded = shard::fully_shard<Opt>(model, cc, Alone{}, options(5));
+    auto sharded = shard::fully_shard<Opt>(model, cc, Strategy(Alone{}), options(5));
     Opt opt = opt_init;
     io::load_safetensors(dir / "first.safetensors", sharded, opt);
     io::export_safetensors(dir / "again.safetensors", sharded, opt);

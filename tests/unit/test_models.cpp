@@ -426,7 +426,7 @@ TEMPLATE_TEST_CASE("the tied GPT-2's memory per rank equals the planner's", "[mo
   comm::launch(world, [&](comm::ThreadComm& c, ledger& l) {
     using Model = models::GPT2LMHeadModel<float>;
     Model model = golden_model<Model>();
-    auto sharded = shard::fully_shard<fixture_sgd>(model, c, TestType{},
+    auto sharded = shard::fully_shard<fixture_sgd>(model, c, shard::AnyStrategy(TestType{}),
                                                    {.wrap = shard::wrap_types<models::GPT2Block<float>>{}});
     fixture_sgd sgd;
     for (int s = 0; s < 2; ++s) {
@@ -475,7 +475,7 @@ TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates
   comm::launch(2, [&](comm::ThreadComm& c, ledger& l) {
     auto& w = why[std::size_t(c.rank())];
     Model model = golden_model<Model>();
-    auto sharded = shard::fully_shard<fixture_sgd>(model, c, shard::FullShard{},
+    auto sharded = shard::fully_shard<fixture_sgd>(model, c, shard::AnyStrategy(shard::FullShard{}),
                                                    {.wrap = shard::wrap_types<models::GPT2Block<float>>{}});
     models::load_hf(sharded, hf_dir / "gpt2" / "initial");
     sharded.eval();

@@ -70,8 +70,10 @@ void record_state(Engine& model, O& opt, outcome& o) {
 // Four train_steps of Adam (or param groups of it) on rank-local rows, clipped to a
 // norm the gradients exceed, over the model `make` returns (fp32 or bf16 layers).
 constexpr float clip_at = 0.05f;
-template <class Opt, class Make, class Strategy>
-std::vector<outcome> train(int w, Strategy strategy, Make make, shard::mixed_precision mp, bool offload, Opt opt0) {
+// (The strategy as shard::AnyStrategy: one engine type per model and optimizer.)
+template <class Opt, class Make>
+std::vector<outcome> train(int w, shard::AnyStrategy strategy, Make make, shard::mixed_precision mp, bool offload,
+                           Opt opt0) {
   std::vector<outcome> out(static_cast<std::size_t>(w));
   comm::launch(w, [&](comm::ThreadComm& c) {
     auto m = make();
@@ -170,7 +172,7 @@ void check_memory(int w, Make make, shard::mixed_precision mp, int prefetch) {
     auto m = make();
     using H = typename decltype(m)::output::value_type;
     auto model = shard::fully_shard<optim::Adam>(
-        m, c, make_strategy<Strategy>(),
+        m, c, shard::AnyStrategy(make_strategy<Strategy>()),
         {.wrap = shard::wrap_names{{"1.layers.0", "1.layers.1", "1.layers.2"}}, .seed = 42, .prefetch = prefetch,
          .precision = mp, .offload = true});
     optim::Adam adam;
@@ -224,7 +226,7 @@ TEST_CASE("offload: checkpoints save from and load into the offload space, resha
   fs::path saved;
   comm::launch(2, [&](comm::ThreadComm& c) {
     Model m = make_model();
-    auto model = shard::fully_shard<optim::Adam>(m, c, shard::FullShard{}, opts);
+    auto model = shard::fully_shard<optim::Adam>(m, c, shard::AnyStrategy(shard::FullShard{}), opts);
     optim::Adam adam;
     for (int s = 0; s < 2; ++s) step(model, adam, s);
     const auto path = io::save_checkpoint(dir, model, adam);
@@ -238,7 +240,7 @@ TEST_CASE("offload: checkpoints save from and load into the offload space, resha
       Model m = make_model();
       auto o = opts;
       o.offload = offload;
-      auto model = shard::fully_shard<optim::Adam>(m, c, shard::ShardOptimizer{}, o);
+      auto model = shard::fully_shard<optim::Adam>(m, c, shard::AnyStrategy(shard::ShardOptimizer{}), o);
       optim::Adam adam;
       io::load_checkpoint(saved, model, adam);
       step(model, adam, 2);
@@ -261,7 +263,7 @@ TEMPLATE_TEST_CASE("offload: summon_full_params' writeback reaches the offloaded
     comm::launch(2, [&](comm::ThreadComm& c) {
       Model m = make_model();
       auto model = shard::fully_shard<optim::Adam>(
-          m, c, TestType{}, {.wrap = shard::wrap_types<Block>{}, .seed = 42, .offload = offload});
+          m, c, shard::AnyStrategy(TestType{}), {.wrap = shard::wrap_types<Block>{}, .seed = 42, .offload = offload});
       optim::Adam adam;
       auto& o = out[std::size_t(c.rank())];
       for (int s = 0; s < 2; ++s) {

@@ -277,7 +277,8 @@ TEST_CASE("the tied weight's gradient is the sum of both uses", "[tied][gradient
   comm::launch(w, [&](comm::ThreadComm& c) {
     auto m = make_model<float>();
     tie(m);
-    auto model = shard::fully_shard<sgd<float>>(m, c, shard::FullShard{}, each_layer_a_unit<float>());
+    auto model =
+        shard::fully_shard<sgd<float>>(m, c, shard::AnyStrategy(shard::FullShard{}), each_layer_a_unit<float>());
     auto values = [&] {
       auto sd = model.full_state_dict();
       return sd.empty() ? std::vector<double>{} : std::vector<double>(sd[0].value.span().begin(), sd[0].value.span().end());
@@ -338,7 +339,8 @@ TEST_CASE("full_state_dict lists a tied parameter under each of its names", "[ti
   comm::launch(2, [](comm::ThreadComm& c) {
     auto m = make_model<float>();
     tie(m);
-    auto model = shard::fully_shard<sgd<float>>(m, c, shard::FullShard{}, each_layer_a_unit<float>());
+    auto model =
+        shard::fully_shard<sgd<float>>(m, c, shard::AnyStrategy(shard::FullShard{}), each_layer_a_unit<float>());
     const auto sd = model.full_state_dict(false);
     std::vector<std::string> names;
     for (const auto& [name, value] : sd) names.push_back(name);
@@ -371,12 +373,16 @@ TEST_CASE("ties that cannot hold raise at fully_shard, naming the parameter", "[
     auto m = make_model<float>();
     tie(m);
     Model<float> copy = m;  // copies are untied: the copy's head would read m's weight
-    w.push_back(raised([&] { shard::fully_shard<sgd<float>>(copy, c, shard::FullShard{}, each_layer_a_unit<float>()); }));
+    w.push_back(raised([&] {
+      shard::fully_shard<sgd<float>>(copy, c, shard::AnyStrategy(shard::FullShard{}), each_layer_a_unit<float>());
+    }));
     nn::context ctx;
     w.push_back(raised([&] { copy.get<2>().forward(ctx, Tensor<float>({1, dim})); }));
     nn::Embedding<float> outside(vocab, dim);  // not part of the wrapped model
     m.get<2>().tie(outside.weight);
-    w.push_back(raised([&] { shard::fully_shard<sgd<float>>(m, c, shard::NoShard{}, each_layer_a_unit<float>()); }));
+    w.push_back(raised([&] {
+      shard::fully_shard<sgd<float>>(m, c, shard::AnyStrategy(shard::NoShard{}), each_layer_a_unit<float>());
+    }));
     w.push_back(raised([&] { m.get<2>().tie(m.get<1>()[0].weight); }));
   });
   for (const auto& w : what) {
@@ -541,7 +547,7 @@ TEST_CASE("eval mode frees every unit after its forward, keeps no activations an
   nn::context plain;
   const auto want = ref.get<2>().forward(
       plain, plain.forward(ref.get<1>(), plain.forward(ref.get<0>(), tokens(0, w * per_rank, 1))));
-  auto run = [&](auto strategy) {
+  auto run = [&](shard::AnyStrategy strategy) {  // one engine type for the four
     std::vector<std::string> failures(w);
     comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
       auto m = make_model<float>();
@@ -617,7 +623,8 @@ TEST_CASE("summon_full_params without writeback, on rank 0 only, and over 16-bit
   comm::launch(2, [&](comm::ThreadComm& c) {
     auto m = make_model<float>();
     tie(m);
-    auto model = shard::fully_shard<sgd<float>>(m, c, shard::FullShard{}, each_layer_a_unit<float>());
+    auto model =
+        shard::fully_shard<sgd<float>>(m, c, shard::AnyStrategy(shard::FullShard{}), each_layer_a_unit<float>());
     const auto before = model.full_state_dict(false);
     bool bound = false;
     model.summon_full_params([&] { edit(m); }, {.writeback = false});
