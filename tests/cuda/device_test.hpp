@@ -40,13 +40,7 @@ inline bool have_device() {
 
 using test_support::random_inputs;
 
-// x rounded to T and back: the values a T input really holds.
-template <class T>
-std::vector<float> rounded(const std::vector<float>& x) {
-  std::vector<float> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = float(T(x[i]));
-  return r;
-}
+using test_support::rounded;
 template <class T>
 std::vector<T> as(const std::vector<float>& x) {
   std::vector<T> r(x.size());

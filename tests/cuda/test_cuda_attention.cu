@@ -21,6 +21,7 @@
 #include <shardlib/ops/cuda/flash_attention.cuh>
 
 #include "device_test.hpp"
+#include "support/attention_cases.hpp"
 #include "support/compare.hpp"
 
 #include <catch2/catch.hpp>
@@ -39,23 +40,9 @@ namespace fa = shardlib::ops::cuda;
 using device_test::have_device;
 using sl::nn::head_view;
 
-struct attention_case {
-  std::string name;
-  std::int64_t batch, heads, kv_heads, queries, keys, dim;
-  bool causal = false;
-  std::int64_t offset = 0;
-  int padding = 0;        // 0 none, 1 random keys, 2 random keys and sample 0 wholly padded
-  double dropout_p = -1;  // < 0: no dropout stream
-  bool rows = false;      // [B, L, heads * D] rows (a projection's output) instead of [B, heads, L, D]
-  double scale = 0;       // 0: 1 / sqrt(D)
-};
+using test_support::attention_case;
+using test_support::view_of;
 
-// A [batch, heads, seq, dim] view of data in either layout.
-template <class U>
-head_view<U> view_of(U* data, std::int64_t b, std::int64_t h, std::int64_t l, std::int64_t d, bool rows) {
-  if (rows) return {data, b, h, l, d, l * h * d, d, h * d};
-  return {data, b, h, l, d, h * l * d, l * d, d};
-}
 template <class U>
 head_view<const U> cview(const head_view<U>& v) {
   return fa::as_const(v);
@@ -66,48 +53,15 @@ test_support::max_error normwise(const std::vector<float>& got, const std::vecto
   return test_support::normwise_error(got, want);
 }
 
-struct tensors {
-  std::vector<float> q, k, v, dout;  // rounded to T, in storage order
-  sl::Tensor<std::uint8_t> padding;
-};
-
 template <class T>
 void check_case(const attention_case& c, device_test::random_inputs& rnd, double tol, bool tensor_cores) {
   INFO(c.name << (tensor_cores ? "" : ", CUDA cores only") << " (seed " << rnd.seed << ")");
   const std::int64_t B = c.batch, H = c.heads, G = c.kv_heads, Lq = c.queries, Lk = c.keys, D = c.dim;
   const cudaStream_t s = sl::cuda::current_stream();
-  tensors in;
-  in.q = device_test::rounded<T>(rnd.normal(std::size_t(B * H * Lq * D)));
-  in.k = device_test::rounded<T>(rnd.normal(std::size_t(B * G * Lk * D)));
-  in.v = device_test::rounded<T>(rnd.normal(std::size_t(B * G * Lk * D)));
-  in.dout = device_test::rounded<T>(rnd.normal(std::size_t(B * H * Lq * D)));
-
-  sl::nn::sdpa_options o{.is_causal = c.causal, .query_offset = c.offset, .scale = c.scale};
-  fa::flash_options fo{.is_causal = c.causal, .query_offset = c.offset, .scale = float(c.scale)};
+  test_support::attention_data in = test_support::make_attention_data<T>(c, rnd);
+  fa::flash_options fo = in.flash;
   fo.tensor_cores = tensor_cores;
-  if (c.padding) {
-    o.key_padding_mask = sl::Tensor<std::uint8_t>::zeros({B, Lk});
-    for (std::int64_t i = 0; i < B * Lk; ++i) o.key_padding_mask[i] = std::uint8_t(rnd.integer(0, 3) == 0 ? 3 : 0);
-    if (c.padding == 2)
-      for (std::int64_t j = 0; j < Lk; ++j) o.key_padding_mask[j] = 1;
-  }
-  if (c.dropout_p >= 0) {
-    o.dropout_p = c.dropout_p;
-    o.dropout = sl::counter_rng(std::uint64_t(rnd.integer(0, 1 << 30)), 7);
-    fo.dropout_p = float(c.dropout_p);
-    fo.dropout = o.dropout;
-  }
-
-  // The reference in float64.
-  const auto host = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
-  std::vector<double> hq = host(in.q), hk = host(in.k), hv = host(in.v), hdout = host(in.dout);
-  std::vector<double> out(hq.size()), dq(hq.size()), dk(hk.size()), dv(hv.size()), probs(std::size_t(B * H * Lq * Lk));
-  const auto hview = [&](std::vector<double>& x, std::int64_t heads, std::int64_t l) {
-    return view_of(x.data(), B, heads, l, D, c.rows);
-  };
-  sl::nn::sdpa_forward(hview(hq, H, Lq), hview(hk, G, Lk), hview(hv, G, Lk), hview(out, H, Lq), probs.data(), o);
-  sl::nn::sdpa_backward(hview(hdout, H, Lq), hview(hq, H, Lq), hview(hk, G, Lk), hview(hv, G, Lk), probs.data(),
-                        hview(dq, H, Lq), hview(dk, G, Lk), hview(dv, G, Lk), o);
+  const sl::nn::sdpa_options& o = in.options;
 
   // The kernels, every output poisoned first.
   auto dq_in = device_test::upload(device_test::as<T>(in.q), s), dk_in = device_test::upload(device_test::as<T>(in.k), s);
@@ -119,8 +73,8 @@ void check_case(const attention_case& c, device_test::random_inputs& rnd, double
                                                          o.key_padding_mask.data() + B * Lk), s);
     fo.key_padding = dpad.data();
   }
-  auto out_buf = device_test::poisoned<T>(hq.size(), s), dq_buf = device_test::poisoned<T>(hq.size(), s);
-  auto dk_buf = device_test::poisoned<T>(hk.size(), s), dv_buf = device_test::poisoned<T>(hv.size(), s);
+  auto out_buf = device_test::poisoned<T>(in.q.size(), s), dq_buf = device_test::poisoned<T>(in.q.size(), s);
+  auto dk_buf = device_test::poisoned<T>(in.k.size(), s), dv_buf = device_test::poisoned<T>(in.v.size(), s);
   auto lse = device_test::poisoned<float>(std::size_t(B * H * Lq), s);
   const auto dview = [&](auto& buf, std::int64_t heads, std::int64_t l) {
     return view_of(buf.data(), B, heads, l, D, c.rows);
@@ -135,50 +89,22 @@ void check_case(const attention_case& c, device_test::random_inputs& rnd, double
   };
   backward();
   const std::vector<float> got_out = device_test::download_float(out_buf, s);
-  CHECK(normwise(got_out, out) <= tol);
+  CHECK(normwise(got_out, in.out) <= tol);
   const std::vector<float> got_dq = device_test::download_float(dq_buf, s);
   const std::vector<float> got_dk = device_test::download_float(dk_buf, s);
   const std::vector<float> got_dv = device_test::download_float(dv_buf, s);
-  CHECK(normwise(got_dq, dq) <= tol);
-  CHECK(normwise(got_dk, dk) <= tol);
-  CHECK(normwise(got_dv, dv) <= tol);
+  CHECK(normwise(got_dq, in.dq) <= tol);
+  CHECK(normwise(got_dk, in.dk) <= tol);
+  CHECK(normwise(got_dv, in.dv) <= tol);
 
   // Rows without a visible key: lse +inf, zero output; every other lse finite.
-  const std::vector<float> got_lse = device_test::download(lse, s);
-  std::int64_t bad_lse = 0;
-  for (std::int64_t n = 0; n < B; ++n)
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t i = 0; i < Lq; ++i) {
-        bool any = false;
-        for (std::int64_t j = 0; j < Lk && !any; ++j)
-          any = !(c.causal && j > i + c.offset) && !(c.padding && o.key_padding_mask[n * Lk + j]);
-        const float l = got_lse[std::size_t((n * H + h) * Lq + i)];
-        bad_lse += any ? !std::isfinite(l) : l != INFINITY;
-      }
-  CHECK(bad_lse == 0);
+  CHECK(test_support::wrong_lse_rows(c, in, device_test::download(lse, s)) == 0);
 
   // Backward is deterministic: a second run gives the same bits.
   backward();
   CHECK(device_test::download_float(dq_buf, s) == got_dq);
   CHECK(device_test::download_float(dk_buf, s) == got_dk);
   CHECK(device_test::download_float(dv_buf, s) == got_dv);
-}
-
-std::vector<attention_case> small_cases() {
-  return {
-      {"plain, L 37", 2, 4, 4, 37, 37, 64},
-      {"causal, rows layout, L 50", 2, 4, 4, 50, 50, 64, true, 0, 0, -1, true},
-      {"causal, Lq 20 < Lk 25, offset 5 (a cache), D 16", 2, 2, 2, 20, 25, 16, true, 5},
-      {"causal, offset -7 (rows without keys), padding, a sample all padding, D 32", 2, 2, 2, 30, 30, 32, true, -7, 2},
-      {"GQA 8 over 2, D 128, key padding, Lq 70, Lk 45", 2, 8, 2, 70, 45, 128, false, 0, 1},
-      {"GQA 4 over 2, causal, padding, dropout 0.2, rows layout", 2, 4, 2, 45, 45, 64, true, 0, 1, 0.2, true},
-      {"D 80 (in a 128 tile), Lq 33, Lk 65, dropout 0.5", 1, 3, 1, 33, 65, 80, false, 0, 0, 0.5},
-      {"D 256, causal, L 40", 1, 2, 2, 40, 40, 256, true},
-      {"dropout 1: every weight dropped", 1, 2, 1, 9, 11, 32, true, 3, 1, 1.0},
-      {"scale 0.3 (given, not 1 / sqrt(D)), causal, offset 2", 2, 2, 1, 24, 26, 48, true, 2, 0, -1, false, 0.3},
-      // D not a multiple of 8: the CUDA cores also for 16-bit types (tensor-core tiles load 16 bytes).
-      {"D 36, causal, rows layout, GQA 4 over 2", 2, 4, 2, 33, 33, 36, true, 0, 0, -1, true},
-  };
 }
 
 }  // namespace
@@ -202,7 +128,7 @@ TEMPLATE_TEST_CASE("flash attention equals nn::sdpa at small sizes, forward and 
   sl::cuda::stream_scope scope(st);
   device_test::random_inputs rnd;
   for (const bool tensor_cores : paths<TestType>())
-    for (const attention_case& c : small_cases()) check_case<TestType>(c, rnd, tolerance<TestType>(2e-5), tensor_cores);
+    for (const attention_case& c : test_support::small_attention_cases()) check_case<TestType>(c, rnd, tolerance<TestType>(2e-5), tensor_cores);
 }
 
 TEMPLATE_TEST_CASE("flash attention equals nn::sdpa at L = 2048", "[cuda][flash][large]", float, sl::bfloat16) {

@@ -29,6 +29,14 @@ struct random_inputs {
   std::int64_t integer(std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(gen); }
 };
 
+// x rounded to T and back: the values a T input really holds.
+template <class T>
+std::vector<float> rounded(const std::vector<float>& x) {
+  std::vector<float> r(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) r[i] = float(T(x[i]));
+  return r;
+}
+
 // Host tensors from values, and their values back.
 inline shardlib::Tensor<float> host_tensor(shardlib::Shape s, const std::vector<float>& v) {
   shardlib::Tensor<float> t(s);

@@ -11,15 +11,42 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/ledger.hpp"             // category
 #include "shardlib/cuda/caching_allocator.hpp"  // device_buffer
+#include "shardlib/cuda/error.hpp"              // check_launch
+#include "shardlib/cuda/kernel_facts.hpp"       // allow_shared_memory, current_device_facts, kernel_ptx_version
 #include "shardlib/nn/sdpa.hpp"                 // head_view
 #include "shardlib/ops/cuda/flash_kernels.cuh"
 #include "shardlib/ops/cuda/flash_tensor_kernels.cuh"
 
 #include <cuda_runtime.h>
 
+#include <cstddef>  // std::size_t
 #include <cstdint>  // std::int64_t
 
 namespace shardlib::ops::cuda {
+
+namespace detail {
+// Dynamic shared memory above 48 KiB needs the kernel's opt-in, up to the device's
+// limit (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89: head_dim 256's
+// backward on CUDA cores needs 130 KiB, the tensor-core kernels at head_dim 128 up
+// to 123,392 bytes), checked first so that a small GPU gets a message.
+template <class K, class Args>
+void launch_flash(K kernel, dim3 grid, std::size_t shared_bytes, cudaStream_t stream, const char* name,
+                  const Args& args) {
+  shardlib::cuda::allow_shared_memory(reinterpret_cast<const void*>(kernel), shared_bytes, name);
+  kernel<<<grid, fused::threads, shared_bytes, stream>>>(args);
+  shardlib::cuda::check_launch(name);
+}
+
+// The current GPU runs `kernel` (a tensor-core one) with `shared_bytes` per block: an sm_80 or
+// later GPU, that much shared memory on opt-in, and the kernel's code built for sm_80 or later
+// (a build for older architectures holds only the trapping body, which a newer GPU would JIT).
+template <class Kernel>
+bool tensor_kernel_usable(Kernel kernel, std::size_t shared_bytes) {
+  const shardlib::cuda::device_facts& d = shardlib::cuda::current_device_facts();
+  return d.major >= 8 && shared_bytes <= std::size_t(d.shared_optin) &&
+         shardlib::cuda::kernel_ptx_version(reinterpret_cast<const void*>(kernel)) >= 80;
+}
+}  // namespace detail
 
 // Whether flash_attention_forward and _backward take the tensor-core kernels for T
 // and head_dim on the current GPU (bfloat16 or half, head_dim a multiple of 8 up to
@@ -32,10 +59,10 @@ bool flash_uses_tensor_cores(std::int64_t head_dim, const flash_options& o) {
   if constexpr (!ft::takes<T>) {
     return false;
   } else {
-    if (!o.tensor_cores || head_dim < 1 || head_dim > ft::max_dim || head_dim % 8 != 0) return false;
+    if (!o.tensor_cores || !ft::takes_dim(head_dim)) return false;
     bool usable = false;
     ft::dispatch_dim(head_dim,
-                     [&]<int DM>() { usable = ft::usable(ft::forward_kernel<DM, T>, ft::largest_bytes<DM>); });
+                     [&]<int DM>() { usable = detail::tensor_kernel_usable(ft::forward_kernel<DM, T>, ft::largest_bytes<DM>); });
     return usable;
   }
 }
@@ -59,15 +86,14 @@ void flash_attention_forward(nn::head_view<const T> q, nn::head_view<const T> k,
     if (flash_uses_tensor_cores<T>(q.dim, o) && ft::whole_vectors(args.q) && ft::whole_vectors(args.k) &&
         ft::whole_vectors(args.v)) {
       ft::dispatch_dim(q.dim, [&]<int DM>() {
-        const dim3 grid(unsigned((p.queries + ft::tile - 1) / ft::tile), unsigned(p.heads), unsigned(p.batch));
-        fd::launch(ft::forward_kernel<DM, T>, grid, ft::forward_bytes<DM>, stream, who, args);
+        detail::launch_flash(ft::forward_kernel<DM, T>, fd::query_grid(p, ft::tile), ft::forward_bytes<DM>, stream, who,
+                             args);
       });
       return;
     }
-  const dim3 grid(unsigned((p.queries + fd::tile - 1) / fd::tile), unsigned(p.heads), unsigned(p.batch));
   fd::dispatch_dim(q.dim, who, [&]<int DM>() {
-    fd::launch(fd::forward_kernel<DM, T>, grid, sizeof(float) * (fd::tile * DM + 2 * DM * fd::pitch), stream, who,
-               args);
+    detail::launch_flash(fd::forward_kernel<DM, T>, fd::query_grid(p, fd::tile), fd::forward_bytes<DM>, stream, who,
+                         args);
   });
 }
 
@@ -94,36 +120,29 @@ void flash_attention_backward(nn::head_view<const T> q, nn::head_view<const T> k
                                   fd::rows_of(dk), fd::rows_of(dv), p,               fd::scale_of(o, q.dim),
                                   int(q.dim)};
   if (rows > 0) {
-    fd::row_d_kernel<T><<<unsigned((rows + fd::warps - 1) / fd::warps), fd::tile * fd::warps, 0, stream>>>(args);
+    fd::row_d_kernel<T><<<unsigned((rows + fd::warps - 1) / fd::warps), fd::threads, 0, stream>>>(args);
     shardlib::cuda::check_launch("flash_attention_backward (D = dO . O)");
   }
   if constexpr (ft::takes<T>)
     if (flash_uses_tensor_cores<T>(q.dim, o) && ft::whole_vectors(args.q) && ft::whole_vectors(args.k) &&
         ft::whole_vectors(args.v) && ft::whole_vectors(args.dout)) {
       ft::dispatch_dim(q.dim, [&]<int DM>() {
-        if (rows > 0) {
-          const dim3 grid(unsigned((p.queries + ft::tile - 1) / ft::tile), unsigned(p.heads), unsigned(p.batch));
-          fd::launch(ft::dq_kernel<DM, T>, grid, ft::dq_bytes<DM>, stream, "flash_attention_backward (dq)", args);
-        }
-        if (p.keys > 0) {
-          const dim3 grid(unsigned((p.keys + ft::tile - 1) / ft::tile), unsigned(p.kv_heads), unsigned(p.batch));
-          fd::launch(ft::dkdv_kernel<DM, T>, grid, ft::dkdv_bytes<DM>, stream, "flash_attention_backward (dk, dv)",
-                     args);
-        }
+        if (rows > 0)
+          detail::launch_flash(ft::dq_kernel<DM, T>, fd::query_grid(p, ft::tile), ft::dq_bytes<DM>, stream,
+                               "flash_attention_backward (dq)", args);
+        if (p.keys > 0)
+          detail::launch_flash(ft::dkdv_kernel<DM, T>, fd::key_grid(p, ft::tile), ft::dkdv_bytes<DM>, stream,
+                               "flash_attention_backward (dk, dv)", args);
       });
       return;
     }
   fd::dispatch_dim(q.dim, who, [&]<int DM>() {
-    const std::size_t tiles_bytes = sizeof(float) * (2 * fd::tile * DM + 2 * DM * fd::pitch);
-    if (rows > 0) {
-      const dim3 grid(unsigned((p.queries + fd::tile - 1) / fd::tile), unsigned(p.heads), unsigned(p.batch));
-      fd::launch(fd::dq_kernel<DM, T>, grid, tiles_bytes, stream, "flash_attention_backward (dq)", args);
-    }
-    if (p.keys > 0) {
-      const dim3 grid(unsigned((p.keys + fd::tile - 1) / fd::tile), unsigned(p.kv_heads), unsigned(p.batch));
-      fd::launch(fd::dkdv_kernel<DM, T>, grid, tiles_bytes + sizeof(float) * 2 * fd::tile, stream,
-                 "flash_attention_backward (dk, dv)", args);
-    }
+    if (rows > 0)
+      detail::launch_flash(fd::dq_kernel<DM, T>, fd::query_grid(p, fd::tile), fd::dq_bytes<DM>, stream,
+                           "flash_attention_backward (dq)", args);
+    if (p.keys > 0)
+      detail::launch_flash(fd::dkdv_kernel<DM, T>, fd::key_grid(p, fd::tile), fd::dkdv_bytes<DM>, stream,
+                           "flash_attention_backward (dk, dv)", args);
   });
 }
 

@@ -19,18 +19,20 @@
 // query tile of every query head sharing that kv head and writes dk, dv (the sum
 // over the group is a loop inside one block); another per tile of 32 queries
 // walks the key tiles and writes dq. Both recompute the weights from lse.
+//
+// The kernels' headers hold no launch (flash_attention.cuh launches them), so that
+// tests/emulated runs these very kernels on the CPU.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/random.hpp"             // counter_rng
-#include "shardlib/cuda/error.hpp"              // check_launch
-#include "shardlib/cuda/kernel_facts.hpp"       // allow_shared_memory
 #include "shardlib/nn/sdpa.hpp"                 // head_view
 #include "shardlib/ops/attention_tiles.hpp"
 
 #include <cuda_runtime.h>
 
 #include <cmath>     // std::sqrt, INFINITY
+#include <cstddef>   // std::size_t
 #include <cstdint>   // std::int64_t, std::uint8_t
 #include <optional>  // std::optional
 
@@ -61,6 +63,7 @@ inline constexpr int warps = 4;        // per block; each takes tile / warps row
 inline constexpr int per_warp = tile / warps;
 inline constexpr int pitch = tile + 1;  // of a transposed tile: conflict-free both ways
 inline constexpr int max_dim = 256;
+inline constexpr int threads = tile * warps;  // per block, in both kernel sets
 
 // A head_view's pointer and strides, for kernels.
 template <class T>
@@ -356,17 +359,21 @@ void dispatch_dim(std::int64_t dim, const char* who, F&& f) {
   else f.template operator()<256>();
 }
 
-// Dynamic shared memory above 48 KiB needs the kernel's opt-in, up to the device's
-// limit (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89: head_dim 256's
-// backward needs 130 KiB, head_dim 128 or less at most 66,816 bytes), checked first
-// so that a small GPU gets a message.
-template <class K>
-void launch(K kernel, dim3 grid, std::size_t shared_bytes, cudaStream_t stream, const char* name,
-            const auto& args) {
-  shardlib::cuda::allow_shared_memory(reinterpret_cast<const void*>(kernel), shared_bytes, name);
-  kernel<<<grid, tile * warps, shared_bytes, stream>>>(args);
-  shardlib::cuda::check_launch(name);
+// The kernels' grids: a block per tile of `rows` queries (or keys) of each head (or kv
+// head) and batch element.
+inline dim3 query_grid(const flash::tile_problem& p, int rows) {
+  return dim3(unsigned((p.queries + rows - 1) / rows), unsigned(p.heads), unsigned(p.batch));
 }
+inline dim3 key_grid(const flash::tile_problem& p, int rows) {
+  return dim3(unsigned((p.keys + rows - 1) / rows), unsigned(p.kv_heads), unsigned(p.batch));
+}
+// The CUDA-core kernels' dynamic shared memory: fp32 tiles, rows and transposed.
+template <int DM>
+inline constexpr std::size_t forward_bytes = sizeof(float) * (tile * DM + 2 * DM * pitch);
+template <int DM>
+inline constexpr std::size_t dq_bytes = sizeof(float) * (2 * tile * DM + 2 * DM * pitch);
+template <int DM>
+inline constexpr std::size_t dkdv_bytes = dq_bytes<DM> + sizeof(float) * 2 * tile;  // and lse, D of a query tile
 
 inline void check_grid(const flash::tile_problem& p, const char* who) {
   require(p.batch <= 65535 && p.heads <= 65535, who, ": batch and heads must be at most 65535 (the grid's y and z), got ",

@@ -23,7 +23,6 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/element.hpp"  // bfloat16, half
-#include "shardlib/cuda/kernel_facts.hpp"  // current_device_facts, kernel_ptx_version
 #include "shardlib/ops/attention_tiles.hpp"
 #include "shardlib/ops/cuda/flash_kernels.cuh"  // rows, forward_args, backward_args, warp_max, warp_sum, last_row
 
@@ -49,6 +48,7 @@ inline constexpr int tile = 64;         // queries per block; keys per tile (dk,
 inline constexpr int warps = 4;         // each takes 16 rows: one wmma tile high
 inline constexpr int edge = 16;         // a wmma tile's m, n and k
 inline constexpr int max_dim = 128;
+static_assert(warps * 32 == fused::threads, "launched with the CUDA-core kernels' block size");
 inline constexpr int score_pitch = tile + 4;   // fp32 [tile][tile + 4]
 inline constexpr int weight_pitch = tile + 8;  // 16-bit [tile][tile + 8]
 template <int DM>
@@ -95,15 +95,8 @@ static_assert(aligned<64> && aligned<128> && weights_bytes % 32 == 0 && scores_b
               edge * weight_pitch * 2 % 32 == 0 && edge * score_pitch * 4 % 32 == 0);
 static_assert(acc_bytes<max_dim> <= 2 * scores_bytes, "backward's accumulators are written out through its scores");
 
-// The current GPU runs `kernel` (one of these) with `shared_bytes` per block: an sm_80 or
-// later GPU, that much shared memory on opt-in, and the kernel's code built for sm_80 or later
-// (a build for older architectures holds only the trapping body, which a newer GPU would JIT).
-template <class Kernel>
-bool usable(Kernel kernel, std::size_t shared_bytes) {
-  const shardlib::cuda::device_facts& d = shardlib::cuda::current_device_facts();
-  return d.major >= 8 && shared_bytes <= std::size_t(d.shared_optin) &&
-         shardlib::cuda::kernel_ptx_version(reinterpret_cast<const void*>(kernel)) >= 80;
-}
+// Head dims these kernels take: up to 128, a multiple of 8 (stage's 16-byte loads).
+inline bool takes_dim(std::int64_t dim) { return dim >= 1 && dim <= max_dim && dim % 8 == 0; }
 
 // Whether stage can load v's rows 16 bytes at a time: every row starts 16-byte aligned
 // (so does each 8-element piece of it when dim is a multiple of 8: the caller checks dim).

@@ -1,0 +1,276 @@
+// tests/emulated/cuda_emulator.hpp — the part of CUDA that the fused attention's
+// kernels use, on the CPU, so that host tests run those very kernels (not a model
+// of them) where no GPU is: tests/emulated/include holds stand-ins for
+// <cuda_runtime.h>, <cuda_bf16.h>, <cuda_fp16.h> and <mma.h> that bring in this.
+//
+// A launch runs the blocks one after another. A block's threads are fibers
+// (ucontext) on the calling thread: each runs until it reaches a barrier
+// (__syncthreads, __syncwarp, a shuffle's exchange, a wmma store) or ends, and a
+// barrier opens when every live thread of its block (or warp) waits at it. So a
+// thread that reads shared memory another thread has not written yet (a missing
+// barrier) reads what was there before, and the launch's shared memory is filled
+// with 0xFF bytes (NaN in fp32, bf16 and fp16) before every block; threads that
+// wait at different barriers (a barrier not every thread reaches) raise an error
+// instead of hanging; the threads may run in reverse order, so that two runs
+// differ where a result depends on the order. Writes past the launch's declared
+// shared memory are found after each block.
+//
+// Only what the kernels need: one-dimensional blocks, full-warp masks, wmma's
+// 16x16x16 tiles (each thread holds the whole tile: the kernels never touch a
+// fragment's elements, so its layout is theirs to ignore).
+#pragma once
+#include <ucontext.h>
+
+#include <algorithm>   // std::all_of, std::fill
+#include <bit>         // std::bit_cast
+#include <cstddef>     // std::size_t
+#include <cstdint>     // std::uint16_t, std::uint64_t
+#include <cstring>     // std::memcpy
+#include <exception>   // std::exception_ptr
+#include <functional>  // std::function
+#include <memory>      // std::unique_ptr
+#include <span>        // std::span
+#include <stdexcept>   // std::runtime_error
+#include <string>      // std::string, std::to_string
+#include <utility>     // std::exchange
+#include <vector>      // std::vector
+
+// CUDA's qualifiers mean nothing here.
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+
+struct uint3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct __nv_bfloat16 {
+  std::uint16_t bits;
+};
+struct __half {
+  std::uint16_t bits;
+};
+
+namespace cuda_emulator {
+
+inline constexpr std::size_t stack_bytes = std::size_t(256) << 10;  // per thread: the kernels keep tiles in arrays
+inline constexpr int warp_size = 32;
+
+enum class place { running, block_barrier, warp_barrier, done };
+
+struct fiber {
+  ucontext_t context{};
+  std::unique_ptr<char[]> stack;
+  place at = place::running;
+};
+
+// The one machine: the launch in progress and its block's threads.
+struct machine {
+  uint3 thread, block;
+  dim3 block_dim, grid_dim;
+  ucontext_t scheduler{};
+  std::vector<fiber> threads;
+  std::vector<std::uint64_t> exchange[2];  // shuffles' values, one per thread, odd and even shuffles
+  std::vector<int> shuffles;               // per thread, how many it made
+  int current = 0;
+  int pass_position = 0;  // of `current` in the pass's order
+  bool reversed = false;  // the pass's order: last thread first
+  const std::function<void()>* body = nullptr;
+  std::exception_ptr failure;
+};
+inline machine& the_machine() {
+  static machine m;
+  return m;
+}
+
+class emulation_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The calling thread waits at `p` until the scheduler opens it. The next thread of
+// the pass that can run runs at once (one switch, not two through the scheduler);
+// after the pass's last, the scheduler opens barriers and starts the next pass.
+inline void wait_at(place p) {
+  machine& m = the_machine();
+  const int me = m.current, count = int(m.threads.size());
+  m.threads[std::size_t(me)].at = p;
+  for (int k = m.pass_position + 1; k < count; ++k) {
+    const int t = m.reversed ? count - 1 - k : k;
+    if (m.threads[std::size_t(t)].at != place::running) continue;
+    m.pass_position = k;
+    m.current = t;
+    m.thread = {unsigned(t), 0, 0};
+    swapcontext(&m.threads[std::size_t(me)].context, &m.threads[std::size_t(t)].context);
+    return;
+  }
+  swapcontext(&m.threads[std::size_t(me)].context, &m.scheduler);
+}
+
+inline void thread_entry() {
+  machine& m = the_machine();
+  try {
+    (*m.body)();
+  } catch (...) {
+    if (!m.failure) m.failure = std::current_exception();
+  }
+  m.threads[std::size_t(m.current)].at = place::done;  // and uc_link returns to the scheduler
+}
+
+inline std::string block_name(const uint3& b) {
+  return "block (" + std::to_string(b.x) + ", " + std::to_string(b.y) + ", " + std::to_string(b.z) + ")";
+}
+
+// Runs the current block's threads to their end; throws what a thread threw, or
+// emulation_error when its threads wait at barriers that cannot open.
+inline void run_block(machine& m, int count, bool reversed) {
+  m.threads.resize(std::size_t(count));
+  for (auto& e : m.exchange) e.assign(std::size_t(count), 0);
+  m.shuffles.assign(std::size_t(count), 0);
+  for (fiber& f : m.threads) {
+    if (!f.stack) f.stack = std::make_unique<char[]>(stack_bytes);
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack.get();
+    f.context.uc_stack.ss_size = stack_bytes;
+    f.context.uc_link = &m.scheduler;
+    makecontext(&f.context, thread_entry, 0);
+    f.at = place::running;
+  }
+  m.reversed = reversed;
+  for (;;) {
+    for (int k = 0; k < count; ++k) {  // the pass's first thread that can run; wait_at hands on from there
+      const int t = reversed ? count - 1 - k : k;
+      if (m.threads[std::size_t(t)].at != place::running) continue;
+      m.pass_position = k;
+      m.current = t;
+      m.thread = {unsigned(t), 0, 0};
+      swapcontext(&m.scheduler, &m.threads[std::size_t(t)].context);
+      if (m.failure) std::rethrow_exception(std::exchange(m.failure, nullptr));
+    }
+    const auto at = [&](int t) { return m.threads[std::size_t(t)].at; };
+    int live = 0, at_block = 0;
+    for (int t = 0; t < count; ++t) {
+      live += at(t) != place::done;
+      at_block += at(t) == place::block_barrier;
+    }
+    if (live == 0) return;
+    if (at_block == live) {
+      for (fiber& f : m.threads)
+        if (f.at == place::block_barrier) f.at = place::running;
+      continue;
+    }
+    bool opened = false;
+    for (int w0 = 0; w0 < count; w0 += warp_size) {
+      const int end = std::min(count, w0 + warp_size);
+      int waiting = 0, done = 0;
+      for (int t = w0; t < end; ++t) {
+        waiting += at(t) == place::warp_barrier;
+        done += at(t) == place::done;
+      }
+      if (waiting == 0 || waiting + done < end - w0) continue;
+      if (done > 0)
+        throw emulation_error(block_name(m.block) + ", warp " + std::to_string(w0 / warp_size) +
+                              ": a full-warp barrier (__syncwarp, a shuffle, a wmma store) with " +
+                              std::to_string(done) + " of its threads exited");
+      for (int t = w0; t < end; ++t) m.threads[std::size_t(t)].at = place::running;
+      opened = true;
+    }
+    if (!opened)
+      throw emulation_error(block_name(m.block) + ": threads wait at barriers that cannot open: " +
+                            std::to_string(at_block) + " at __syncthreads, " + std::to_string(live - at_block) +
+                            " at warp barriers, " + std::to_string(count - live) + " exited");
+  }
+}
+
+// kernel<<<grid, block, shared_bytes>>>(args...) on the CPU, with `shared` the
+// memory the kernel's `extern __shared__` array names (defined by the test).
+struct launch_options {
+  bool reversed = false;  // threads of a block run last to first
+};
+template <class... Params, class... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes, std::span<unsigned char> shared,
+            launch_options o, const Args&... args) {
+  if (block.y != 1 || block.z != 1 || block.x == 0 || block.x > 1024)
+    throw emulation_error("launch: one-dimensional blocks of 1 to 1024 threads only, got " +
+                          std::to_string(block.x) + " x " + std::to_string(block.y) + " x " + std::to_string(block.z));
+  if (shared_bytes > shared.size())
+    throw emulation_error("launch: " + std::to_string(shared_bytes) + " bytes of shared memory asked, " +
+                          std::to_string(shared.size()) + " defined");
+  machine& m = the_machine();
+  const std::function<void()> body = [&] { kernel(args...); };
+  m.body = &body;
+  m.grid_dim = grid;
+  m.block_dim = block;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        m.block = {x, y, z};
+        std::fill(shared.begin(), shared.end(), std::uint8_t(0xFF));
+        run_block(m, int(block.x), o.reversed);
+        if (!std::all_of(shared.begin() + std::ptrdiff_t(shared_bytes), shared.end(),
+                         [](unsigned char b) { return b == 0xFF; }))
+          throw emulation_error(block_name(m.block) + " wrote past its " + std::to_string(shared_bytes) +
+                                " bytes of shared memory");
+      }
+  m.body = nullptr;
+}
+
+inline void require_full_warp(unsigned mask, const char* what) {
+  if (mask != 0xFFFFFFFFu) throw emulation_error(std::string(what) + ": only full-warp masks are emulated");
+}
+
+// Every lane of the warp hands in a value and gets lane source(lane)'s.
+template <class V, class Source>
+V exchange(V v, Source source) {
+  static_assert(sizeof(V) <= sizeof(std::uint64_t));
+  // Odd and even shuffles use their own slots: a lane writes the slot of this parity
+  // again only after the next shuffle's barrier, which every lane reaches after reading.
+  machine& m = the_machine();
+  const int me = m.current, lane = me % warp_size;
+  std::vector<std::uint64_t>& slots = m.exchange[m.shuffles[std::size_t(me)]++ % 2];
+  std::uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(V));
+  slots[std::size_t(me)] = bits;
+  wait_at(place::warp_barrier);
+  V r;
+  std::memcpy(&r, &slots[std::size_t(me - lane + source(lane))], sizeof(V));
+  return r;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(__nv_bfloat16 x) { return std::bit_cast<float>(std::uint32_t(x.bits) << 16); }
+inline float to_float(__half x) { return float(std::bit_cast<_Float16>(x.bits)); }
+
+}  // namespace cuda_emulator
+
+inline const uint3& threadIdx = cuda_emulator::the_machine().thread;
+inline const uint3& blockIdx = cuda_emulator::the_machine().block;
+inline const dim3& blockDim = cuda_emulator::the_machine().block_dim;
+inline const dim3& gridDim = cuda_emulator::the_machine().grid_dim;
+
+inline void __syncthreads() { cuda_emulator::wait_at(cuda_emulator::place::block_barrier); }
+inline void __syncwarp(unsigned mask = 0xFFFFFFFFu) {
+  cuda_emulator::require_full_warp(mask, "__syncwarp");
+  cuda_emulator::wait_at(cuda_emulator::place::warp_barrier);
+}
+template <class V>
+V __shfl_xor_sync(unsigned mask, V v, int lane_mask) {
+  cuda_emulator::require_full_warp(mask, "__shfl_xor_sync");
+  return cuda_emulator::exchange(v, [&](int lane) { return lane ^ lane_mask; });
+}
+template <class V>
+V __shfl_sync(unsigned mask, V v, int source) {
+  cuda_emulator::require_full_warp(mask, "__shfl_sync");
+  return cuda_emulator::exchange(v, [&](int) { return source % cuda_emulator::warp_size; });
+}
+[[noreturn]] inline void __trap() { throw cuda_emulator::emulation_error("__trap() reached"); }

@@ -1,0 +1,66 @@
+// tests/emulated/include/mma.h — stands in for CUDA's <mma.h> in the emulated tests:
+// wmma's 16x16x16 tiles with 16-bit inputs and fp32 accumulators. Each thread holds
+// the whole tile; a store waits for the whole warp first, as the warp-wide store it
+// stands for (so no thread overwrites a tile another has still to load).
+#pragma once
+#include "../cuda_emulator.hpp"
+
+#include <cstddef>      // std::size_t
+#include <type_traits>  // std::is_same_v
+
+namespace nvcuda::wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment {
+  static_assert(M == 16 && N == 16 && K == 16, "the emulation has 16x16x16 tiles only");
+  float cell[16][16];  // [row][column] of the tile the fragment holds
+};
+
+namespace detail {
+template <class Frag, class T>
+void load(Frag& f, const T* p, unsigned ld, bool column_major) {
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c)
+      f.cell[r][c] = cuda_emulator::to_float(column_major ? p[std::size_t(c) * ld + r] : p[std::size_t(r) * ld + c]);
+}
+}  // namespace detail
+
+template <class Use, class T, class Layout>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ld) {
+  detail::load(f, p, ld, std::is_same_v<Layout, col_major>);
+}
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ld, layout_t l) {
+  detail::load(f, p, ld, l == mem_col_major);
+}
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ld, layout_t l) {
+  cuda_emulator::wait_at(cuda_emulator::place::warp_barrier);
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c) (l == mem_col_major ? p[std::size_t(c) * ld + r] : p[std::size_t(r) * ld + c]) = f.cell[r][c];
+}
+template <class Use, class T, class Layout>
+void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, float v) {
+  for (auto& row : f.cell)
+    for (float& x : row) x = v;
+}
+// d = a b + c, summed in fp32 (d may be c).
+template <class T, class LayoutA, class LayoutB>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LayoutA>& a,
+              const fragment<matrix_b, 16, 16, 16, T, LayoutB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
+  fragment<accumulator, 16, 16, 16, float> t;
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n) {
+      float s = c.cell[m][n];
+      for (int k = 0; k < 16; ++k) s += a.cell[m][k] * b.cell[k][n];
+      t.cell[m][n] = s;
+    }
+  d = t;
+}
+
+}  // namespace nvcuda::wmma

@@ -1,0 +1,183 @@
+// The fused attention's kernels — the tensor-core set (flash_tensor_kernels.cuh)
+// and the CUDA-core set (flash_kernels.cuh), the very code a GPU runs — on the CPU
+// through tests/emulated/cuda_emulator.hpp, against nn::sdpa in float64: the same
+// cases, inputs and tolerances as tests/cuda/test_cuda_attention.cu, which runs
+// them where a GPU is. Every output starts as NaN, shared memory too before each
+// block, so an element or a tile left unwritten fails the comparison.
+//
+// What this finds that the host model of the tile arithmetic (test_attention_tiles)
+// cannot: the kernels' indexing, staging, masking at tile edges, the warps' parts,
+// the barriers (a missing one reads NaN or stale tiles; one not every thread reaches
+// raises), the launch geometry and shared-memory sizes (a write past the declared
+// bytes raises). Each launch runs twice, threads first to last and last to first;
+// the results must be equal bit for bit (a result that depends on the order the
+// threads run in is a race). What it cannot find: the hardware's own rounding in
+// wmma's products (summed here in fp32, in order) and anything about speed.
+//
+// Tolerances, normwise as on the device (see there): fp32 2e-5, bf16 1e-2, half 2e-3.
+#include <shardlib/core/element.hpp>
+#include <shardlib/ops/cuda/flash_kernels.cuh>
+#include <shardlib/ops/cuda/flash_tensor_kernels.cuh>
+
+#include "support/attention_cases.hpp"
+#include "support/compare.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+// The kernels' `extern __shared__` arrays: as much as an sm_90 block may have.
+inline constexpr std::size_t shared_capacity = 232448;
+namespace shardlib::ops::cuda::detail::fused {
+alignas(128) float smem[shared_capacity / sizeof(float)];
+}
+namespace shardlib::ops::cuda::detail::tensor {
+alignas(128) unsigned char smem[shared_capacity];
+}
+
+namespace {
+
+namespace sl = shardlib;
+namespace fa = shardlib::ops::cuda;
+namespace fd = fa::detail::fused;
+namespace ft = fa::detail::tensor;
+using test_support::attention_case;
+using test_support::attention_data;
+using test_support::view_of;
+
+std::span<unsigned char> shared_of_fused() { return {reinterpret_cast<unsigned char*>(fd::smem), shared_capacity}; }
+std::span<unsigned char> shared_of_tensor() { return {ft::smem, shared_capacity}; }
+
+template <class T>
+std::vector<T> as(const std::vector<float>& x) {
+  return {x.begin(), x.end()};
+}
+template <class T>
+std::vector<T> poisoned(std::size_t n) {
+  std::vector<T> v(n);
+  std::memset(v.data(), 0xFF, n * sizeof(T));  // NaN in float, bf16 and fp16
+  return v;
+}
+template <class T>
+std::vector<float> widened(const std::vector<T>& x) {
+  return {x.begin(), x.end()};
+}
+
+// What one run of forward and backward wrote.
+template <class T>
+struct outputs {
+  std::vector<T> out, dq, dk, dv;
+  std::vector<float> lse;
+};
+template <class U>
+bool same_bits(const std::vector<U>& a, const std::vector<U>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(U)) == 0;
+}
+template <class T>
+bool same_bits(const outputs<T>& a, const outputs<T>& b) {
+  return same_bits(a.out, b.out) && same_bits(a.dq, b.dq) && same_bits(a.dk, b.dk) && same_bits(a.dv, b.dv) &&
+         same_bits(a.lse, b.lse);
+}
+
+template <class T>
+outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool tensor_cores,
+                       cuda_emulator::launch_options lo) {
+  const std::int64_t B = c.batch, H = c.heads, G = c.kv_heads, Lq = c.queries, Lk = c.keys, D = c.dim;
+  const std::vector<T> q = as<T>(in.q), k = as<T>(in.k), v = as<T>(in.v), dout = as<T>(in.dout);
+  std::vector<std::uint8_t> padding;
+  fa::flash_options fo = in.flash;
+  if (c.padding) {
+    padding.assign(in.options.key_padding_mask.data(), in.options.key_padding_mask.data() + B * Lk);
+    fo.key_padding = padding.data();
+  }
+  outputs<T> r{poisoned<T>(q.size()), poisoned<T>(q.size()), poisoned<T>(k.size()), poisoned<T>(v.size()),
+               poisoned<float>(std::size_t(B * H * Lq))};
+  const auto view = [&](const std::vector<T>& x, std::int64_t heads, std::int64_t l) {
+    return view_of(x.data(), B, heads, l, D, c.rows);
+  };
+  const auto out_view = [&](std::vector<T>& x, std::int64_t heads, std::int64_t l) {
+    return view_of(x.data(), B, heads, l, D, c.rows);
+  };
+  const sl::ops::flash::tile_problem p = fd::problem(view(q, H, Lq), view(k, G, Lk), view(v, G, Lk), fo, "emulated");
+  const float scale = fd::scale_of(fo, D);
+  const fd::forward_args<T> fwd{fd::rows_of(view(q, H, Lq)), fd::rows_of(view(k, G, Lk)), fd::rows_of(view(v, G, Lk)),
+                                fd::rows_of(out_view(r.out, H, Lq)), r.lse.data(), p, scale, int(D)};
+  std::vector<float> row_d(std::size_t(B * H * Lq));
+  const fd::backward_args<T> bwd{fd::rows_of(view(q, H, Lq)),    fd::rows_of(view(k, G, Lk)),
+                                 fd::rows_of(view(v, G, Lk)),    fd::rows_of(view(r.out, H, Lq)),
+                                 fd::rows_of(view(dout, H, Lq)), r.lse.data(),
+                                 row_d.data(),                   fd::rows_of(out_view(r.dq, H, Lq)),
+                                 fd::rows_of(out_view(r.dk, G, Lk)), fd::rows_of(out_view(r.dv, G, Lk)),
+                                 p,                              scale,
+                                 int(D)};
+  const dim3 block(fd::threads);
+  if constexpr (ft::takes<T>) {
+    if (tensor_cores) {
+      REQUIRE(ft::takes_dim(D));
+      REQUIRE((ft::whole_vectors(fwd.q) && ft::whole_vectors(fwd.k) && ft::whole_vectors(fwd.v) &&
+               ft::whole_vectors(bwd.dout)));
+      ft::dispatch_dim(D, [&]<int DM>() {
+        cuda_emulator::launch(ft::forward_kernel<DM, T>, fd::query_grid(p, ft::tile), block, ft::forward_bytes<DM>,
+                              shared_of_tensor(), lo, fwd);
+        cuda_emulator::launch(fd::row_d_kernel<T>, dim3(unsigned((B * H * Lq + fd::warps - 1) / fd::warps)), block, 0,
+                              shared_of_fused(), lo, bwd);
+        cuda_emulator::launch(ft::dq_kernel<DM, T>, fd::query_grid(p, ft::tile), block, ft::dq_bytes<DM>,
+                              shared_of_tensor(), lo, bwd);
+        cuda_emulator::launch(ft::dkdv_kernel<DM, T>, fd::key_grid(p, ft::tile), block, ft::dkdv_bytes<DM>,
+                              shared_of_tensor(), lo, bwd);
+      });
+      return r;
+    }
+  }
+  REQUIRE_FALSE(tensor_cores);
+  fd::dispatch_dim(D, "emulated", [&]<int DM>() {
+    cuda_emulator::launch(fd::forward_kernel<DM, T>, fd::query_grid(p, fd::tile), block, fd::forward_bytes<DM>,
+                          shared_of_fused(), lo, fwd);
+    cuda_emulator::launch(fd::row_d_kernel<T>, dim3(unsigned((B * H * Lq + fd::warps - 1) / fd::warps)), block, 0,
+                          shared_of_fused(), lo, bwd);
+    cuda_emulator::launch(fd::dq_kernel<DM, T>, fd::query_grid(p, fd::tile), block, fd::dq_bytes<DM>,
+                          shared_of_fused(), lo, bwd);
+    cuda_emulator::launch(fd::dkdv_kernel<DM, T>, fd::key_grid(p, fd::tile), block, fd::dkdv_bytes<DM>,
+                          shared_of_fused(), lo, bwd);
+  });
+  return r;
+}
+
+template <class T>
+void check_case(const attention_case& c, test_support::random_inputs& rnd, double tol, bool tensor_cores) {
+  INFO(c.name << (tensor_cores ? ", tensor-core kernels" : ", CUDA-core kernels") << " (seed " << rnd.seed << ")");
+  const attention_data in = test_support::make_attention_data<T>(c, rnd);
+  const outputs<T> got = run_kernels<T>(c, in, tensor_cores, {});
+  CHECK(test_support::normwise_error(widened(got.out), in.out) <= tol);
+  CHECK(test_support::normwise_error(widened(got.dq), in.dq) <= tol);
+  CHECK(test_support::normwise_error(widened(got.dk), in.dk) <= tol);
+  CHECK(test_support::normwise_error(widened(got.dv), in.dv) <= tol);
+  CHECK(test_support::wrong_lse_rows(c, in, got.lse) == 0);
+  // The same bits with the threads run the other way round.
+  CHECK(same_bits(run_kernels<T>(c, in, tensor_cores, {.reversed = true}), got));
+}
+
+template <class T>
+double tolerance() {
+  return std::is_same_v<T, float> ? 2e-5 : std::is_same_v<T, sl::bfloat16> ? 1e-2 : 2e-3;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the tensor-core attention kernels, emulated, equal nn::sdpa", "[emulated][flash]", sl::bfloat16,
+                   sl::half) {
+  test_support::random_inputs rnd;
+  for (const attention_case& c : test_support::small_attention_cases())
+    if (ft::takes_dim(c.dim)) check_case<TestType>(c, rnd, tolerance<TestType>(), true);
+}
+
+TEMPLATE_TEST_CASE("the CUDA-core attention kernels, emulated, equal nn::sdpa", "[emulated][flash]", float,
+                   sl::bfloat16) {
+  test_support::random_inputs rnd;
+  for (const attention_case& c : test_support::small_attention_cases())
+    check_case<TestType>(c, rnd, tolerance<TestType>(), false);
+}

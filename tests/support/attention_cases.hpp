@@ -1,0 +1,123 @@
+// tests/support/attention_cases.hpp — the fused attention's test cases, inputs and
+// float64 reference, shared by the device test (tests/cuda/test_cuda_attention.cu)
+// and the emulated one (tests/emulated/test_emulated_attention.cpp), which run the
+// same kernels on a GPU and on the CPU.
+#pragma once
+#include "shardlib/core/random.hpp"
+#include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/sdpa.hpp"
+#include "shardlib/ops/cuda/flash_kernels.cuh"  // flash_options
+
+#include "support/random_inputs.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace test_support {
+
+struct attention_case {
+  std::string name;
+  std::int64_t batch, heads, kv_heads, queries, keys, dim;
+  bool causal = false;
+  std::int64_t offset = 0;
+  int padding = 0;        // 0 none, 1 random keys, 2 random keys and sample 0 wholly padded
+  double dropout_p = -1;  // < 0: no dropout stream
+  bool rows = false;      // [B, L, heads * D] rows (a projection's output) instead of [B, heads, L, D]
+  double scale = 0;       // 0: 1 / sqrt(D)
+};
+
+// A [batch, heads, seq, dim] view of data in either layout.
+template <class U>
+shardlib::nn::head_view<U> view_of(U* data, std::int64_t b, std::int64_t h, std::int64_t l, std::int64_t d,
+                                   bool rows) {
+  if (rows) return {data, b, h, l, d, l * h * d, d, h * d};
+  return {data, b, h, l, d, h * l * d, l * d, d};
+}
+
+// Every rule at small sizes: masks, offsets, padding, GQA, dropout, layouts, head dims.
+inline std::vector<attention_case> small_attention_cases() {
+  return {
+      {"plain, L 37", 2, 4, 4, 37, 37, 64},
+      {"causal, rows layout, L 50", 2, 4, 4, 50, 50, 64, true, 0, 0, -1, true},
+      {"causal, Lq 20 < Lk 25, offset 5 (a cache), D 16", 2, 2, 2, 20, 25, 16, true, 5},
+      {"causal, offset -7 (rows without keys), padding, a sample all padding, D 32", 2, 2, 2, 30, 30, 32, true, -7, 2},
+      {"GQA 8 over 2, D 128, key padding, Lq 70, Lk 45", 2, 8, 2, 70, 45, 128, false, 0, 1},
+      {"GQA 4 over 2, causal, padding, dropout 0.2, rows layout", 2, 4, 2, 45, 45, 64, true, 0, 1, 0.2, true},
+      {"D 80 (in a 128 tile), Lq 33, Lk 65, dropout 0.5", 1, 3, 1, 33, 65, 80, false, 0, 0, 0.5},
+      {"D 256, causal, L 40", 1, 2, 2, 40, 40, 256, true},
+      {"dropout 1: every weight dropped", 1, 2, 1, 9, 11, 32, true, 3, 1, 1.0},
+      {"scale 0.3 (given, not 1 / sqrt(D)), causal, offset 2", 2, 2, 1, 24, 26, 48, true, 2, 0, -1, false, 0.3},
+      // D not a multiple of 8: the CUDA cores also for 16-bit types (tensor-core tiles load 16 bytes).
+      {"D 36, causal, rows layout, GQA 4 over 2", 2, 4, 2, 33, 33, 36, true, 0, 0, -1, true},
+  };
+}
+
+// One case's inputs (rounded to the input type, in storage order), its options
+// for nn::sdpa and for the kernels (without a key-padding pointer: the caller's
+// memory), and nn::sdpa's forward and backward in float64 from those inputs.
+struct attention_data {
+  std::vector<float> q, k, v, dout;
+  shardlib::nn::sdpa_options options;
+  shardlib::ops::cuda::flash_options flash;
+  std::vector<double> out, dq, dk, dv;
+};
+
+template <class T>
+attention_data make_attention_data(const attention_case& c, random_inputs& rnd) {
+  namespace sl = shardlib;
+  const std::int64_t B = c.batch, H = c.heads, G = c.kv_heads, Lq = c.queries, Lk = c.keys, D = c.dim;
+  attention_data a;
+  a.q = rounded<T>(rnd.normal(std::size_t(B * H * Lq * D)));
+  a.k = rounded<T>(rnd.normal(std::size_t(B * G * Lk * D)));
+  a.v = rounded<T>(rnd.normal(std::size_t(B * G * Lk * D)));
+  a.dout = rounded<T>(rnd.normal(std::size_t(B * H * Lq * D)));
+  sl::nn::sdpa_options& o = a.options;
+  o = {.is_causal = c.causal, .query_offset = c.offset, .scale = c.scale};
+  a.flash = {.is_causal = c.causal, .query_offset = c.offset, .scale = float(c.scale)};
+  if (c.padding) {
+    o.key_padding_mask = sl::Tensor<std::uint8_t>::zeros({B, Lk});
+    for (std::int64_t i = 0; i < B * Lk; ++i) o.key_padding_mask[i] = std::uint8_t(rnd.integer(0, 3) == 0 ? 3 : 0);
+    if (c.padding == 2)
+      for (std::int64_t j = 0; j < Lk; ++j) o.key_padding_mask[j] = 1;
+  }
+  if (c.dropout_p >= 0) {
+    o.dropout_p = c.dropout_p;
+    o.dropout = sl::counter_rng(std::uint64_t(rnd.integer(0, 1 << 30)), 7);
+    a.flash.dropout_p = float(c.dropout_p);
+    a.flash.dropout = o.dropout;
+  }
+  const auto wide = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+  std::vector<double> q = wide(a.q), k = wide(a.k), v = wide(a.v), dout = wide(a.dout);
+  a.out.resize(q.size());
+  a.dq.resize(q.size());
+  a.dk.resize(k.size());
+  a.dv.resize(v.size());
+  std::vector<double> probs(std::size_t(B * H * Lq * Lk));
+  const auto view = [&](std::vector<double>& x, std::int64_t heads, std::int64_t l) {
+    return view_of(x.data(), B, heads, l, D, c.rows);
+  };
+  sl::nn::sdpa_forward(view(q, H, Lq), view(k, G, Lk), view(v, G, Lk), view(a.out, H, Lq), probs.data(), o);
+  sl::nn::sdpa_backward(view(dout, H, Lq), view(q, H, Lq), view(k, G, Lk), view(v, G, Lk), probs.data(),
+                        view(a.dq, H, Lq), view(a.dk, G, Lk), view(a.dv, G, Lk), o);
+  return a;
+}
+
+// The rows whose lse breaks the rule: +inf for a query without a visible key (its
+// output is zero), finite for every other.
+inline std::int64_t wrong_lse_rows(const attention_case& c, const attention_data& a, const std::vector<float>& lse) {
+  std::int64_t bad = 0;
+  for (std::int64_t n = 0; n < c.batch; ++n)
+    for (std::int64_t h = 0; h < c.heads; ++h)
+      for (std::int64_t i = 0; i < c.queries; ++i) {
+        bool any = false;
+        for (std::int64_t j = 0; j < c.keys && !any; ++j)
+          any = !(c.causal && j > i + c.offset) && !(c.padding && a.options.key_padding_mask[n * c.keys + j]);
+        const float l = lse[std::size_t((n * c.heads + h) * c.queries + i)];
+        bad += any ? !std::isfinite(l) : l != INFINITY;
+      }
+  return bad;
+}
+
+}  // namespace test_support
