@@ -24,7 +24,7 @@
 #include <algorithm>   // std::all_of, std::fill
 #include <bit>         // std::bit_cast
 #include <cstddef>     // std::size_t
-#include <cstdint>     // std::uint16_t, std::uint64_t
+#include <cstdint>     // std::uint16_t, std::uint64_t, std::uintptr_t
 #include <cstring>     // std::memcpy
 #include <exception>   // std::exception_ptr
 #include <functional>  // std::function
@@ -68,10 +68,19 @@ inline constexpr int warp_size = 32;
 
 enum class place { running, block_barrier, warp_barrier, done };
 
+// An asynchronous copy (cp.async) issued and not yet waited for.
+struct pending_copy {
+  void* to;
+  const void* from;
+  std::size_t bytes, zeros;  // the last `zeros` bytes are zero-filled
+};
+
 struct fiber {
   ucontext_t context{};
   std::unique_ptr<char[]> stack;
   place at = place::running;
+  std::vector<pending_copy> open;                  // issued since the last commit
+  std::vector<std::vector<pending_copy>> groups;   // committed, oldest first
 };
 
 // The one machine: the launch in progress and its block's threads.
@@ -85,6 +94,7 @@ struct machine {
   int current = 0;
   int pass_position = 0;  // of `current` in the pass's order
   bool reversed = false;  // the pass's order: last thread first
+  bool copies_at_issue = false;
   const std::function<void()>* body = nullptr;
   std::exception_ptr failure;
 };
@@ -145,6 +155,8 @@ inline void run_block(machine& m, int count, bool reversed) {
     f.context.uc_link = &m.scheduler;
     makecontext(&f.context, thread_entry, 0);
     f.at = place::running;
+    f.open.clear();
+    f.groups.clear();
   }
   m.reversed = reversed;
   for (;;) {
@@ -195,7 +207,8 @@ inline void run_block(machine& m, int count, bool reversed) {
 // kernel<<<grid, block, shared_bytes>>>(args...) on the CPU, with `shared` the
 // memory the kernel's `extern __shared__` array names (defined by the test).
 struct launch_options {
-  bool reversed = false;  // threads of a block run last to first
+  bool reversed = false;      // threads of a block run last to first
+  bool copies_at_issue = false;  // asynchronous copies land when issued, not when waited for
 };
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes, std::span<unsigned char> shared,
@@ -209,6 +222,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared
   machine& m = the_machine();
   const std::function<void()> body = [&] { kernel(args...); };
   m.body = &body;
+  m.copies_at_issue = o.copies_at_issue;
   m.grid_dim = grid;
   m.block_dim = block;
   for (unsigned z = 0; z < grid.z; ++z)
@@ -245,6 +259,37 @@ V exchange(V v, Source source) {
   V r;
   std::memcpy(&r, &slots[std::size_t(me - lane + source(lane))], sizeof(V));
   return r;
+}
+
+// cp.async: a copy lands at one of its two extremes, when its thread waits for its
+// group (a thread that reads the destination before that wait, or before the barrier
+// after every thread's wait, reads what was there before), or when it is issued (a
+// copy into a buffer another thread still reads overwrites it at once).
+inline void land(const pending_copy& c) {
+  std::memcpy(c.to, c.from, c.bytes - c.zeros);
+  std::memset(static_cast<char*>(c.to) + (c.bytes - c.zeros), 0, c.zeros);
+}
+inline void copy_async(void* to, const void* from, std::size_t bytes, std::size_t zeros) {
+  const auto address = [](const void* q) { return reinterpret_cast<std::uintptr_t>(q); };
+  if ((bytes != 4 && bytes != 8 && bytes != 16) || zeros > bytes || address(to) % bytes || address(from) % bytes)
+    throw emulation_error("__pipeline_memcpy_async: 4, 8 or 16 bytes, aligned to their size, got " +
+                          std::to_string(bytes) + " bytes at offsets " + std::to_string(address(to) % 16) + " and " +
+                          std::to_string(address(from) % 16) + " of 16");
+  machine& m = the_machine();
+  if (m.copies_at_issue) land({to, from, bytes, zeros});
+  else m.threads[std::size_t(m.current)].open.push_back({to, from, bytes, zeros});
+}
+inline void commit_copies() {
+  fiber& f = the_machine().threads[std::size_t(the_machine().current)];
+  f.groups.push_back(std::move(f.open));
+  f.open.clear();
+}
+inline void wait_copies(std::size_t prior) {
+  fiber& f = the_machine().threads[std::size_t(the_machine().current)];
+  while (f.groups.size() > prior) {
+    for (const pending_copy& c : f.groups.front()) land(c);
+    f.groups.erase(f.groups.begin());
+  }
 }
 
 inline float to_float(float x) { return x; }

@@ -7,7 +7,8 @@
 // and the score gradients dS are rounded to the input type before they multiply,
 // as in FlashAttention-2; the online softmax, masks, dropout and every sum stay in
 // fp32. tests/unit/test_attention_tiles.cpp runs that arithmetic on the host
-// (forward_tiles / backward_tiles with Operand = bfloat16 or half, these tiles).
+// (forward_tiles / backward_tiles with Operand = bfloat16 or half, these tiles);
+// tests/emulated/test_emulated_attention.cpp runs these kernels themselves on the CPU.
 //
 // A block of 4 warps takes 64 queries (or, for dk and dv, 64 keys), 16 rows per
 // warp, one wmma tile high. Tiles are staged in shared memory in the input type,
@@ -17,8 +18,13 @@
 // type for the next product. Forward keeps the output accumulator in shared
 // memory (fp32), because the online softmax rescales it by row and a wmma
 // accumulator's element layout is unspecified; backward's dq, dk and dv never
-// rescale and stay in accumulator fragments until the end. Shared memory per
-// block at head_dim 128: forward 112,640 bytes, dq 113,664, dk/dv 123,392 (an
+// rescale and stay in accumulator fragments until the end.
+//
+// Tiles come in by cp.async (16 bytes per copy), the next while the warps work on
+// the current one: forward and dq keep one K and one V tile and fetch K_{j+1}
+// (forward) or V_{j+1} (dq) as soon as every warp is done with this tile's; dk/dv
+// double-buffer the query tiles (Q, dO, lse, D), its heaviest loop. Shared memory
+// per block at head_dim 128: forward 112,640 bytes, dq 113,664, dk/dv 158,720 (an
 // sm_80 or sm_90 GPU holds them; one with less falls back to the CUDA-core kernels).
 #pragma once
 #include "shardlib/config.hpp"
@@ -28,6 +34,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_pipeline.h>  // __pipeline_memcpy_async (cp.async)
 #include <cuda_runtime.h>
 #include <mma.h>
 
@@ -83,7 +90,7 @@ constexpr std::size_t forward_bytes = 3 * rows_bytes<DM> + weights_bytes + score
 template <int DM>
 constexpr std::size_t dq_bytes = 4 * rows_bytes<DM> + weights_bytes + 2 * scores_bytes;
 template <int DM>
-constexpr std::size_t dkdv_bytes = 4 * rows_bytes<DM> + 2 * weights_bytes + 2 * scores_bytes + 2 * tile * 4;
+constexpr std::size_t dkdv_bytes = 6 * rows_bytes<DM> + 2 * weights_bytes + 2 * scores_bytes + 4 * tile * 4;
 template <int DM>
 constexpr std::size_t largest_bytes = std::max({forward_bytes<DM>, dq_bytes<DM>, dkdv_bytes<DM>});
 // Every region, and every warp's part of one, starts 32-byte aligned; every staged row
@@ -183,19 +190,29 @@ __device__ void write_rows(const rows<T>& dst, std::int64_t n, std::int64_t h, s
 #endif
 
 // Rows [first, first + tile) of a head into shared memory in T, zero past `count`
-// rows and past dim: [tile][row_pitch], 16 bytes (8 elements) per load: dim is a
+// rows and past dim: [tile][row_pitch], 16 bytes (8 elements) per copy: dim is a
 // multiple of 8 and every row of src starts 16-byte aligned (whole_vectors, checked
-// before these kernels are chosen).
+// before these kernels are chosen). The copies are asynchronous (cp.async, into the
+// thread's open group; the zeros are plain stores): the caller commits the group,
+// waits for it (__pipeline_wait_prior) and synchronises the block before reading.
 template <int DM, class T>
 __device__ void stage(T* dst, const rows<const T>& src, std::int64_t n, std::int64_t h, std::int64_t first,
                       std::int64_t count, int dim) {
   constexpr int per = 16 / sizeof(T);
   for (int e = int(threadIdx.x); e < tile * DM / per; e += int(blockDim.x)) {
     const int r = e / (DM / per), d = e % (DM / per) * per;
-    uint4 v{0, 0, 0, 0};
-    if (r < count - first && d < dim) v = *reinterpret_cast<const uint4*>(src.row(n, h, first + r) + d);
-    *reinterpret_cast<uint4*>(dst + r * row_pitch<DM> + d) = v;
+    T* to = dst + r * row_pitch<DM> + d;
+    if (r < count - first && d < dim) __pipeline_memcpy_async(to, src.row(n, h, first + r) + d, 16);
+    else *reinterpret_cast<uint4*>(to) = uint4{0, 0, 0, 0};
   }
+}
+
+// What this thread copied has landed, but for the newest `pending` groups, and every
+// thread of the block is past the same point: the tiles are there to read.
+template <int Pending>
+__device__ void landed() {
+  __pipeline_wait_prior(Pending);
+  __syncthreads();
 }
 
 // Shared memory handed out region by region, in order.
@@ -244,52 +261,65 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
   float* oa = c.take<float>(tile * ap);                                       // the output accumulator
   float* ow = oa + warp * edge * ap;                                          // and the warp's rows
 
+  // K and V go in separate groups, the next tile's as soon as this tile's is read:
+  // V_j lands while the warps compute Q K_j^T and the softmax, K_{j+1} during P V_j.
+  const std::int64_t i_last = last_row(i0, tile, p.queries), end = flash::key_end(p, i_last);
   stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
+  if (end > 0) stage<DM>(ks, a.k, n, g, 0, p.keys, a.dim);
+  __pipeline_commit();
+  if (end > 0) stage<DM>(vs, a.v, n, g, 0, p.keys, a.dim);
+  __pipeline_commit();
   for (int e = int(threadIdx.x); e < tile * ap; e += int(blockDim.x)) oa[e] = 0.0f;
   __syncthreads();  // read below even when no key tile comes
   flash::softmax_row<float> row[edge];
-  const std::int64_t i_last = last_row(i0, tile, p.queries);
   const bool warp_rows = first < p.queries;  // the warp has rows; then its last is
   const std::int64_t warp_last = warp_rows ? last_row(first, edge, p.queries) : i_last;
-  for (std::int64_t j0 = 0; j0 < flash::key_end(p, i_last); j0 += tile) {
-    __syncthreads();  // the previous tile is no longer read
-    stage<DM>(ks, a.k, n, g, j0, p.keys, a.dim);
-    stage<DM>(vs, a.v, n, g, j0, p.keys, a.dim);
-    __syncthreads();
-    if (!warp_rows || j0 >= flash::key_end(p, warp_last)) continue;  // no row of this warp sees a key of the tile
-    scores<DM>(sw, qs + warp * edge * rp, ks);
-    __syncwarp();
+  for (std::int64_t j0 = 0; j0 < end; j0 += tile) {
+    const bool next = j0 + tile < end;
+    const bool seen = warp_rows && j0 < flash::key_end(p, warp_last);  // a row of this warp sees a key of the tile
+    landed<1>();  // Q and K_j (V_j may still be on its way)
+    if (seen) scores<DM>(sw, qs + warp * edge * rp, ks);
+    __syncthreads();  // every warp is done with K_j
+    if (next) stage<DM>(ks, a.k, n, g, j0 + tile, p.keys, a.dim);
+    __pipeline_commit();
+    if (seen) {
+      __syncwarp();
 #pragma unroll
-    for (int r = 0; r < edge; ++r) {  // lanes along keys: lane and lane + 32
-      const std::int64_t i = first + r;
-      float s[2];
+      for (int r = 0; r < edge; ++r) {  // lanes along keys: lane and lane + 32
+        const std::int64_t i = first + r;
+        float s[2];
 #pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const std::int64_t j = j0 + lane + 32 * x;
-        const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-        s[x] = flash::masked_score(sw[r * score_pitch + lane + 32 * x], a.scale, vis);
+        for (int x = 0; x < 2; ++x) {
+          const std::int64_t j = j0 + lane + 32 * x;
+          const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
+          s[x] = flash::masked_score(sw[r * score_pitch + lane + 32 * x], a.scale, vis);
+        }
+        const float alpha = flash::raise_max(row[r], fused::warp_max(fmaxf(s[0], s[1])));
+        float sum = 0.0f;
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          const std::int64_t j = j0 + lane + 32 * x;
+          const float e = flash::unnormalised_weight(s[x], row[r]);
+          sum += e;
+          pw[r * weight_pitch + lane + 32 * x] = T(e != 0.0f ? e * flash::keep_scale(p, kept, n, h, i, j) : 0.0f);
+        }
+        row[r].sum += fused::warp_sum(sum);
+        for (int d = lane; d < DM; d += 32) ow[r * ap + d] *= alpha;
       }
-      const float alpha = flash::raise_max(row[r], fused::warp_max(fmaxf(s[0], s[1])));
-      float sum = 0.0f;
+    }
+    landed<1>();  // V_j (K_{j+1} may still be on its way)
+    if (seen) {
 #pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const std::int64_t j = j0 + lane + 32 * x;
-        const float e = flash::unnormalised_weight(s[x], row[r]);
-        sum += e;
-        pw[r * weight_pitch + lane + 32 * x] = T(e != 0.0f ? e * flash::keep_scale(p, kept, n, h, i, j) : 0.0f);
+      for (int dc = 0; dc < DM / edge; ++dc) {  // O = alpha O + P V, 16 columns at a time
+        accumulator o;
+        wmma::load_matrix_sync(o, ow + dc * edge, unsigned(ap), wmma::mem_row_major);
+        multiply<tile, false>(o, pw, weight_pitch, vs + dc * edge, rp);
+        wmma::store_matrix_sync(ow + dc * edge, o, unsigned(ap), wmma::mem_row_major);
       }
-      row[r].sum += fused::warp_sum(sum);
-      for (int d = lane; d < DM; d += 32) ow[r * ap + d] *= alpha;
     }
-    __syncwarp();
-#pragma unroll
-    for (int dc = 0; dc < DM / edge; ++dc) {  // O = alpha O + P V, 16 columns at a time
-      accumulator o;
-      wmma::load_matrix_sync(o, ow + dc * edge, unsigned(ap), wmma::mem_row_major);
-      multiply<tile, false>(o, pw, weight_pitch, vs + dc * edge, rp);
-      wmma::store_matrix_sync(ow + dc * edge, o, unsigned(ap), wmma::mem_row_major);
-    }
-    __syncwarp();
+    __syncthreads();  // every warp is done with V_j
+    if (next) stage<DM>(vs, a.v, n, g, j0 + tile, p.keys, a.dim);
+    __pipeline_commit();
   }
 #pragma unroll
   for (int r = 0; r < edge; ++r) {  // unrolled, as every loop over row[]: the array stays in registers
@@ -326,8 +356,15 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
   float* sw = sc + warp * edge * score_pitch;
   float* dpw = c.take<float>(tile * score_pitch) + warp * edge * score_pitch;  // and weight gradients
 
+  // V before K, in separate groups, the next tile's as soon as this tile's is read:
+  // V_{j+1} lands while the warps compute Q K_j^T, dS and dS K_j, K_{j+1} during dO V_{j+1}^T.
+  const std::int64_t i_last = last_row(i0, tile, p.queries), end = flash::key_end(p, i_last);
   stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
   stage<DM>(dos, a.dout, n, h, i0, p.queries, a.dim);
+  if (end > 0) stage<DM>(vs, a.v, n, g, 0, p.keys, a.dim);
+  __pipeline_commit();
+  if (end > 0) stage<DM>(ks, a.k, n, g, 0, p.keys, a.dim);
+  __pipeline_commit();
   float lse[edge], row_d[edge];
 #pragma unroll
   for (int r = 0; r < edge; ++r) {
@@ -338,36 +375,41 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
   accumulator gq[DM / edge];
 #pragma unroll
   for (int dc = 0; dc < DM / edge; ++dc) wmma::fill_fragment(gq[dc], 0.0f);
-  const std::int64_t i_last = last_row(i0, tile, p.queries);
   const bool warp_rows = first < p.queries;
   const std::int64_t warp_last = warp_rows ? last_row(first, edge, p.queries) : i_last;
-  for (std::int64_t j0 = 0; j0 < flash::key_end(p, i_last); j0 += tile) {
-    __syncthreads();
-    stage<DM>(ks, a.k, n, g, j0, p.keys, a.dim);
-    stage<DM>(vs, a.v, n, g, j0, p.keys, a.dim);
-    __syncthreads();
-    if (!warp_rows || j0 >= flash::key_end(p, warp_last)) continue;
-    scores<DM>(sw, qs + warp * edge * rp, ks);    // Q K^T
-    scores<DM>(dpw, dos + warp * edge * rp, vs);  // dO V^T
-    __syncwarp();
+  for (std::int64_t j0 = 0; j0 < end; j0 += tile) {
+    const bool next = j0 + tile < end;
+    const bool seen = warp_rows && j0 < flash::key_end(p, warp_last);
+    landed<1>();                                                   // Q, dO and V_j (K_j may still be on its way)
+    if (seen) scores<DM>(dpw, dos + warp * edge * rp, vs);        // dO V^T
+    landed<0>();                                                   // K_j; every warp is done with V_j
+    if (next) stage<DM>(vs, a.v, n, g, j0 + tile, p.keys, a.dim);
+    __pipeline_commit();
+    if (seen) {
+      scores<DM>(sw, qs + warp * edge * rp, ks);  // Q K^T
+      __syncwarp();
 #pragma unroll
-    for (int r = 0; r < edge; ++r) {
-      const std::int64_t i = first + r;
+      for (int r = 0; r < edge; ++r) {
+        const std::int64_t i = first + r;
 #pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int c = lane + 32 * x;
-        const std::int64_t j = j0 + c;
-        const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-        const float w = flash::weight(flash::masked_score(sw[r * score_pitch + c], a.scale, vis), lse[r]);
-        const float ds = w != 0.0f ? flash::score_grad(w, dpw[r * score_pitch + c],
-                                                       flash::keep_scale(p, kept, n, h, i, j), row_d[r])
-                                   : 0.0f;
-        dsw[r * weight_pitch + c] = T(ds);
+        for (int x = 0; x < 2; ++x) {
+          const int c = lane + 32 * x;
+          const std::int64_t j = j0 + c;
+          const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
+          const float w = flash::weight(flash::masked_score(sw[r * score_pitch + c], a.scale, vis), lse[r]);
+          const float ds = w != 0.0f ? flash::score_grad(w, dpw[r * score_pitch + c],
+                                                         flash::keep_scale(p, kept, n, h, i, j), row_d[r])
+                                     : 0.0f;
+          dsw[r * weight_pitch + c] = T(ds);
+        }
       }
-    }
-    __syncwarp();
+      __syncwarp();
 #pragma unroll
-    for (int dc = 0; dc < DM / edge; ++dc) multiply<tile, false>(gq[dc], dsw, weight_pitch, ks + dc * edge, rp);
+      for (int dc = 0; dc < DM / edge; ++dc) multiply<tile, false>(gq[dc], dsw, weight_pitch, ks + dc * edge, rp);
+    }
+    __syncthreads();  // every warp is done with K_j
+    if (next) stage<DM>(ks, a.k, n, g, j0 + tile, p.keys, a.dim);
+    __pipeline_commit();
   }
   __syncthreads();  // the scores' memory takes the accumulators on their way out
   write_rows<DM>(a.dq, n, h, first, p.queries, sc + warp * edge * acc_pitch<DM>, gq, a.scale, a.dim);
@@ -391,39 +433,59 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
   carve c{smem};
   T* ks = c.take<T>(tile * rp);
   T* vs = c.take<T>(tile * rp);
-  T* qs = c.take<T>(tile * rp);
-  T* dos = c.take<T>(tile * rp);
+  T* const qs = c.take<T>(2 * tile * rp);  // two query tiles (b = 0, 1 at b * tile * rp): one read, one landing
+  T* const dos = c.take<T>(2 * tile * rp);
   T* ptw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;   // the warp's P^T (dropped),
   T* dstw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // dS^T,
   float* st = c.take<float>(tile * score_pitch);                          // S^T
   float* stw = st + warp * edge * score_pitch;
   float* dptw = c.take<float>(tile * score_pitch) + warp * edge * score_pitch;  // and dP^T
-  float* lse = c.take<float>(tile);                                             // the query tile's
-  float* row_d = c.take<float>(tile);
+  float* const lse = c.take<float>(2 * tile);                                   // the query tiles'
+  float* const row_d = c.take<float>(2 * tile);
 
+  // Query tile t + 1 (Q, dO, lse and D of its rows) is copied into the other buffers
+  // while the warps work on tile t. Tiles go head by head over the kv head's query
+  // heads, from the first query tile that can see a key of this block.
+  const std::int64_t start = flash::query_begin(p, j0) / tile * tile;
+  const auto stage_queries = [&](int b, std::int64_t h, std::int64_t i0) {
+    stage<DM>(qs + b * tile * rp, a.q, n, h, i0, p.queries, a.dim);
+    stage<DM>(dos + b * tile * rp, a.dout, n, h, i0, p.queries, a.dim);
+    if (threadIdx.x < tile) {
+      const std::int64_t i = i0 + threadIdx.x, x = (n * p.heads + h) * p.queries + i;
+      const int at = b * tile + int(threadIdx.x);
+      if (i < p.queries) {
+        __pipeline_memcpy_async(lse + at, a.lse + x, 4);
+        __pipeline_memcpy_async(row_d + at, a.row_d + x, 4);
+      } else {
+        lse[at] = INFINITY;
+        row_d[at] = 0.0f;
+      }
+    }
+  };
   stage<DM>(ks, a.k, n, g, j0, p.keys, a.dim);
   stage<DM>(vs, a.v, n, g, j0, p.keys, a.dim);
+  if (start < p.queries) stage_queries(0, g * rep, start);
+  __pipeline_commit();
   accumulator gk[DM / edge], gv[DM / edge];
 #pragma unroll
   for (int dc = 0; dc < DM / edge; ++dc) {
     wmma::fill_fragment(gk[dc], 0.0f);
     wmma::fill_fragment(gv[dc], 0.0f);
   }
-  for (std::int64_t h = g * rep; h < (g + 1) * rep; ++h)
-    for (std::int64_t i0 = flash::query_begin(p, j0) / tile * tile; i0 < p.queries; i0 += tile) {
-      __syncthreads();
-      stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
-      stage<DM>(dos, a.dout, n, h, i0, p.queries, a.dim);
-      if (threadIdx.x < tile) {
-        const std::int64_t i = i0 + threadIdx.x, x = (n * p.heads + h) * p.queries + i;
-        lse[threadIdx.x] = i < p.queries ? a.lse[x] : INFINITY;
-        row_d[threadIdx.x] = i < p.queries ? a.row_d[x] : 0.0f;
-      }
-      __syncthreads();
-      // The warp's keys start at `first`: past the tile's last query's causal limit, or past the keys, none is seen.
-      if (first >= flash::key_end(p, last_row(i0, tile, p.queries))) continue;
-      scores<DM>(stw, ks + warp * edge * rp, qs);    // K Q^T = S^T
-      scores<DM>(dptw, vs + warp * edge * rp, dos);  // V dO^T = dP^T
+  int b = 0;
+  for (std::int64_t h = g * rep, i0 = start; start < p.queries && h < (g + 1) * rep; b ^= 1) {
+    const std::int64_t next_h = i0 + tile < p.queries ? h : h + 1, next_i0 = i0 + tile < p.queries ? i0 + tile : start;
+    if (next_h < (g + 1) * rep) stage_queries(b ^ 1, next_h, next_i0);
+    __pipeline_commit();
+    landed<1>();  // K, V and query tile t (t + 1 may still be on its way)
+    // The warp's keys start at `first`: past the tile's last query's causal limit, or past the keys, none is seen.
+    if (first < flash::key_end(p, last_row(i0, tile, p.queries))) {
+      const T* q = qs + b * tile * rp;
+      const T* dout = dos + b * tile * rp;
+      const float* tile_lse = lse + b * tile;
+      const float* tile_d = row_d + b * tile;
+      scores<DM>(stw, ks + warp * edge * rp, q);     // K Q^T = S^T
+      scores<DM>(dptw, vs + warp * edge * rp, dout);  // V dO^T = dP^T
       __syncwarp();
 #pragma unroll
       for (int r = 0; r < edge; ++r) {  // key first + r; lanes along queries
@@ -433,19 +495,23 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
           const int c = lane + 32 * x;
           const std::int64_t i = i0 + c;
           const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-          const float w = flash::weight(flash::masked_score(stw[r * score_pitch + c], a.scale, vis), lse[c]);
+          const float w = flash::weight(flash::masked_score(stw[r * score_pitch + c], a.scale, vis), tile_lse[c]);
           const float keep = w != 0.0f ? flash::keep_scale(p, kept, n, h, i, j) : 0.0f;
-          dstw[r * weight_pitch + c] = T(flash::score_grad(w, dptw[r * score_pitch + c], keep, row_d[c]));
+          dstw[r * weight_pitch + c] = T(flash::score_grad(w, dptw[r * score_pitch + c], keep, tile_d[c]));
           ptw[r * weight_pitch + c] = T(w * keep);
         }
       }
       __syncwarp();
 #pragma unroll
       for (int dc = 0; dc < DM / edge; ++dc) {
-        multiply<tile, false>(gv[dc], ptw, weight_pitch, dos + dc * edge, rp);  // dV += P^T dO
-        multiply<tile, false>(gk[dc], dstw, weight_pitch, qs + dc * edge, rp);  // dK += dS^T Q
+        multiply<tile, false>(gv[dc], ptw, weight_pitch, dout + dc * edge, rp);  // dV += P^T dO
+        multiply<tile, false>(gk[dc], dstw, weight_pitch, q + dc * edge, rp);    // dK += dS^T Q
       }
     }
+    __syncthreads();  // every warp is done with tile t's buffers, which tile t + 2 takes
+    h = next_h;
+    i0 = next_i0;
+  }
   __syncthreads();  // the scores' memory takes the accumulators on their way out
   float* through = st + warp * edge * acc_pitch<DM>;
   write_rows<DM>(a.dk, n, g, first, p.keys, through, gk, a.scale, a.dim);
