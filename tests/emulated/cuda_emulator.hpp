@@ -11,9 +11,10 @@
 // barrier) reads what was there before, and the launch's shared memory is filled
 // with 0xFF bytes (NaN in fp32, bf16 and fp16) before every block; threads that
 // wait at different barriers (a barrier not every thread reaches) raise an error
-// instead of hanging; the threads may run in reverse order, so that two runs
+// instead of hanging; blocks and threads may run in reverse order, so that two runs
 // differ where a result depends on the order. Writes past the launch's declared
-// shared memory are found after each block.
+// shared memory are found after each block. Asynchronous copies (cp.async) land
+// when waited for or, by option, when issued.
 //
 // Only what the kernels need: one-dimensional blocks, full-warp masks, wmma's
 // 16x16x16 tiles (each thread holds the whole tile: the kernels never touch a
@@ -207,7 +208,7 @@ inline void run_block(machine& m, int count, bool reversed) {
 // kernel<<<grid, block, shared_bytes>>>(args...) on the CPU, with `shared` the
 // memory the kernel's `extern __shared__` array names (defined by the test).
 struct launch_options {
-  bool reversed = false;      // threads of a block run last to first
+  bool reversed = false;      // blocks, and threads of a block, run last to first
   bool copies_at_issue = false;  // asynchronous copies land when issued, not when waited for
 };
 template <class... Params, class... Args>
@@ -225,17 +226,17 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared
   m.copies_at_issue = o.copies_at_issue;
   m.grid_dim = grid;
   m.block_dim = block;
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        m.block = {x, y, z};
-        std::fill(shared.begin(), shared.end(), std::uint8_t(0xFF));
-        run_block(m, int(block.x), o.reversed);
-        if (!std::all_of(shared.begin() + std::ptrdiff_t(shared_bytes), shared.end(),
-                         [](unsigned char b) { return b == 0xFF; }))
-          throw emulation_error(block_name(m.block) + " wrote past its " + std::to_string(shared_bytes) +
-                                " bytes of shared memory");
-      }
+  const unsigned blocks = grid.x * grid.y * grid.z;
+  for (unsigned k = 0; k < blocks; ++k) {
+    const unsigned b = o.reversed ? blocks - 1 - k : k;
+    m.block = {b % grid.x, b / grid.x % grid.y, b / grid.x / grid.y};
+    std::fill(shared.begin(), shared.end(), std::uint8_t(0xFF));
+    run_block(m, int(block.x), o.reversed);
+    if (!std::all_of(shared.begin() + std::ptrdiff_t(shared_bytes), shared.end(),
+                     [](unsigned char x) { return x == 0xFF; }))
+      throw emulation_error(block_name(m.block) + " wrote past its " + std::to_string(shared_bytes) +
+                            " bytes of shared memory");
+  }
   m.body = nullptr;
 }
 

@@ -24,6 +24,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -56,15 +58,23 @@ template <class T>
 std::vector<T> as(const std::vector<float>& x) {
   return {x.begin(), x.end()};
 }
+// n elements, then a guard of as many, every byte 0xFF (NaN in float, bf16 and fp16):
+// an element left unwritten fails the comparison, one written past the n changes the
+// guard (guard_intact).
 template <class T>
 std::vector<T> poisoned(std::size_t n) {
-  std::vector<T> v(n);
-  std::memset(v.data(), 0xFF, n * sizeof(T));  // NaN in float, bf16 and fp16
+  std::vector<T> v(2 * n);
+  std::memset(v.data(), 0xFF, v.size() * sizeof(T));
   return v;
 }
 template <class T>
-std::vector<float> widened(const std::vector<T>& x) {
-  return {x.begin(), x.end()};
+bool guard_intact(const std::vector<T>& v) {
+  const auto* bytes = reinterpret_cast<const unsigned char*>(v.data() + v.size() / 2);
+  return std::all_of(bytes, bytes + v.size() / 2 * sizeof(T), [](unsigned char b) { return b == 0xFF; });
+}
+template <class T>
+std::vector<float> widened(const std::vector<T>& x) {  // the elements before the guard
+  return {x.begin(), x.begin() + std::ptrdiff_t(x.size() / 2)};
 }
 
 // What one run of forward and backward wrote.
@@ -106,7 +116,7 @@ outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool t
   const float scale = fd::scale_of(fo, D);
   const fd::forward_args<T> fwd{fd::rows_of(view(q, H, Lq)), fd::rows_of(view(k, G, Lk)), fd::rows_of(view(v, G, Lk)),
                                 fd::rows_of(out_view(r.out, H, Lq)), r.lse.data(), p, scale, int(D)};
-  std::vector<float> row_d(std::size_t(B * H * Lq));
+  std::vector<float> row_d = poisoned<float>(std::size_t(B * H * Lq));
   const fd::backward_args<T> bwd{fd::rows_of(view(q, H, Lq)),    fd::rows_of(view(k, G, Lk)),
                                  fd::rows_of(view(v, G, Lk)),    fd::rows_of(view(r.out, H, Lq)),
                                  fd::rows_of(view(dout, H, Lq)), r.lse.data(),
@@ -119,7 +129,8 @@ outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool t
     if (tensor_cores) {
       REQUIRE(ft::takes_dim(D));
       REQUIRE((ft::whole_vectors(fwd.q) && ft::whole_vectors(fwd.k) && ft::whole_vectors(fwd.v) &&
-               ft::whole_vectors(bwd.dout)));
+               ft::whole_vectors(fwd.out) && ft::whole_vectors(bwd.dout) && ft::whole_vectors(bwd.dq) &&
+               ft::whole_vectors(bwd.dk) && ft::whole_vectors(bwd.dv)));
       ft::dispatch_dim(D, [&]<int DM>() {
         cuda_emulator::launch(ft::forward_kernel<DM, T>, fd::query_grid(p, ft::tile), block, ft::forward_bytes<DM>,
                               shared_of_tensor(), lo, fwd);
@@ -157,6 +168,8 @@ void check_case(const attention_case& c, test_support::random_inputs& rnd, doubl
   CHECK(test_support::normwise_error(widened(got.dk), in.dk) <= tol);
   CHECK(test_support::normwise_error(widened(got.dv), in.dv) <= tol);
   CHECK(test_support::wrong_lse_rows(c, in, got.lse) == 0);
+  CHECK((guard_intact(got.out) && guard_intact(got.dq) && guard_intact(got.dk) && guard_intact(got.dv) &&
+         guard_intact(got.lse)));
   // The same bits with the threads run the other way round and the asynchronous
   // copies landing when issued (above: when waited for).
   CHECK(same_bits(run_kernels<T>(c, in, tensor_cores, {.reversed = true, .copies_at_issue = true}), got));

@@ -51,8 +51,9 @@ bool tensor_kernel_usable(Kernel kernel, std::size_t shared_bytes) {
 // Whether flash_attention_forward and _backward take the tensor-core kernels for T
 // and head_dim on the current GPU (bfloat16 or half, head_dim a multiple of 8 up to
 // 128, sm_80 or later with the shared memory they need, a build for sm_80 or later,
-// o.tensor_cores), given views whose rows start 16-byte aligned, as a contiguous
-// tensor's do (they load tiles 16 bytes at a time; other views take the CUDA cores).
+// o.tensor_cores), given views (inputs and outputs) whose rows start 16-byte aligned,
+// as a contiguous tensor's do (they load and store 16 bytes at a time; other views
+// take the CUDA cores).
 template <class T>
 bool flash_uses_tensor_cores(std::int64_t head_dim, const flash_options& o) {
   namespace ft = detail::tensor;
@@ -84,7 +85,7 @@ void flash_attention_forward(nn::head_view<const T> q, nn::head_view<const T> k,
                                  fd::scale_of(o, q.dim), int(q.dim)};
   if constexpr (ft::takes<T>)
     if (flash_uses_tensor_cores<T>(q.dim, o) && ft::whole_vectors(args.q) && ft::whole_vectors(args.k) &&
-        ft::whole_vectors(args.v)) {
+        ft::whole_vectors(args.v) && ft::whole_vectors(args.out)) {
       ft::dispatch_dim(q.dim, [&]<int DM>() {
         detail::launch_flash(ft::forward_kernel<DM, T>, fd::query_grid(p, ft::tile), ft::forward_bytes<DM>, stream, who,
                              args);
@@ -125,7 +126,8 @@ void flash_attention_backward(nn::head_view<const T> q, nn::head_view<const T> k
   }
   if constexpr (ft::takes<T>)
     if (flash_uses_tensor_cores<T>(q.dim, o) && ft::whole_vectors(args.q) && ft::whole_vectors(args.k) &&
-        ft::whole_vectors(args.v) && ft::whole_vectors(args.dout)) {
+        ft::whole_vectors(args.v) && ft::whole_vectors(args.dout) && ft::whole_vectors(args.dq) &&
+        ft::whole_vectors(args.dk) && ft::whole_vectors(args.dv)) {
       ft::dispatch_dim(q.dim, [&]<int DM>() {
         if (rows > 0)
           detail::launch_flash(ft::dq_kernel<DM, T>, fd::query_grid(p, ft::tile), ft::dq_bytes<DM>, stream,

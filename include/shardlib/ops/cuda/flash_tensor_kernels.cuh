@@ -105,10 +105,10 @@ static_assert(acc_bytes<max_dim> <= 2 * scores_bytes, "backward's accumulators a
 // Head dims these kernels take: up to 128, a multiple of 8 (stage's 16-byte loads).
 inline bool takes_dim(std::int64_t dim) { return dim >= 1 && dim <= max_dim && dim % 8 == 0; }
 
-// Whether stage can load v's rows 16 bytes at a time: every row starts 16-byte aligned
+// Whether stage can load (and store_rows store) v's rows 16 bytes at a time: every row starts 16-byte aligned
 // (so does each 8-element piece of it when dim is a multiple of 8: the caller checks dim).
 template <class T>
-bool whole_vectors(const rows<const T>& v) {
+bool whole_vectors(const rows<T>& v) {
   constexpr std::int64_t per = 16 / sizeof(T);
   return reinterpret_cast<std::uintptr_t>(v.data) % 16 == 0 && v.batch_stride % per == 0 &&
          v.head_stride % per == 0 && v.row_stride % per == 0;
@@ -171,21 +171,33 @@ __device__ void scores(float* out, const T* a, const T* b) {
   }
 }
 
+// A warp's 16 rows of fp32 in shared memory (`from`, [16][acc_pitch]) out to rows
+// row0 + r < limit of dst, times factor, in T, the columns below dim: 8 elements (16
+// bytes) per store (dim a multiple of 8, dst's rows 16-byte aligned: whole_vectors).
+template <int DM, class T>
+__device__ void store_rows(const rows<T>& dst, std::int64_t n, std::int64_t h, std::int64_t row0, std::int64_t limit,
+                           const float* from, float factor, int dim) {
+  constexpr int per = 16 / sizeof(T);
+  for (int e = int(threadIdx.x) % 32; e < edge * DM / per; e += 32) {
+    const int r = e / (DM / per), d = e % (DM / per) * per;
+    if (row0 + r >= limit || d >= dim) continue;
+    alignas(16) T v[per];
+#pragma unroll
+    for (int x = 0; x < per; ++x) v[x] = T(factor * from[r * acc_pitch<DM> + d + x]);
+    *reinterpret_cast<uint4*>(dst.row(n, h, row0 + r) + d) = *reinterpret_cast<const uint4*>(v);
+  }
+}
+
 // A warp's accumulators (one per 16 columns of its 16 rows) out through shared memory
-// `through` (fp32 [16][acc_pitch]): rows row0 + r < limit get factor * value in the
-// columns below dim.
+// `through` (fp32 [16][acc_pitch]) by store_rows.
 template <int DM, class T>
 __device__ void write_rows(const rows<T>& dst, std::int64_t n, std::int64_t h, std::int64_t row0, std::int64_t limit,
                            float* through, const accumulator (&acc)[DM / edge], float factor, int dim) {
-  const int lane = int(threadIdx.x) % 32;
 #pragma unroll
   for (int dc = 0; dc < DM / edge; ++dc)
     wmma::store_matrix_sync(through + dc * edge, acc[dc], unsigned(acc_pitch<DM>), wmma::mem_row_major);
   __syncwarp();
-  for (int r = 0; r < edge && row0 + r < limit; ++r) {
-    T* o = dst.row(n, h, row0 + r);
-    for (int d = lane; d < dim; d += 32) o[d] = T(factor * through[r * acc_pitch<DM> + d]);
-  }
+  store_rows<DM>(dst, n, h, row0, limit, through, factor, dim);
 }
 #endif
 
@@ -326,10 +338,11 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
     const std::int64_t i = first + r;
     if (i >= p.queries) continue;
     const float f = flash::output_scale(row[r]);
-    T* o = a.out.row(n, h, i);
-    for (int d = lane; d < a.dim; d += 32) o[d] = T(ow[r * ap + d] * f);
+    for (int d = lane; d < DM; d += 32) ow[r * ap + d] *= f;
     if (lane == 0) a.lse[(n * p.heads + h) * p.queries + i] = flash::log_sum_exp(row[r]);
   }
+  __syncwarp();
+  store_rows<DM>(a.out, n, h, first, p.queries, ow, 1.0f, a.dim);
 #else
   __trap();  // never launched: usable() requires code built for sm_80 or later
 #endif
