@@ -25,6 +25,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -124,7 +125,17 @@ outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool t
                                  fd::rows_of(out_view(r.dk, G, Lk)), fd::rows_of(out_view(r.dv, G, Lk)),
                                  p,                              scale,
                                  int(D)};
-  const dim3 block(fd::threads);
+  // One kernel set's forward, dq and dk/dv (kernels, query or key tile, shared bytes, the
+  // array their `extern __shared__` names), with D = dO . O between forward and backward.
+  const auto run_set = [&](auto forward, auto dq, auto dkdv, int rows, std::array<std::size_t, 3> bytes,
+                           std::span<unsigned char> shared) {
+    const dim3 block(fd::threads);
+    cuda_emulator::launch(forward, fd::query_grid(p, rows), block, bytes[0], shared, lo, fwd);
+    cuda_emulator::launch(fd::row_d_kernel<T>, dim3(unsigned((B * H * Lq + fd::warps - 1) / fd::warps)), block, 0,
+                          shared_of_fused(), lo, bwd);
+    cuda_emulator::launch(dq, fd::query_grid(p, rows), block, bytes[1], shared, lo, bwd);
+    cuda_emulator::launch(dkdv, fd::key_grid(p, rows), block, bytes[2], shared, lo, bwd);
+  };
   if constexpr (ft::takes<T>) {
     if (tensor_cores) {
       REQUIRE(ft::takes_dim(D));
@@ -132,28 +143,16 @@ outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool t
                ft::whole_vectors(fwd.out) && ft::whole_vectors(bwd.dout) && ft::whole_vectors(bwd.dq) &&
                ft::whole_vectors(bwd.dk) && ft::whole_vectors(bwd.dv)));
       ft::dispatch_dim(D, [&]<int DM>() {
-        cuda_emulator::launch(ft::forward_kernel<DM, T>, fd::query_grid(p, ft::tile), block, ft::forward_bytes<DM>,
-                              shared_of_tensor(), lo, fwd);
-        cuda_emulator::launch(fd::row_d_kernel<T>, dim3(unsigned((B * H * Lq + fd::warps - 1) / fd::warps)), block, 0,
-                              shared_of_fused(), lo, bwd);
-        cuda_emulator::launch(ft::dq_kernel<DM, T>, fd::query_grid(p, ft::tile), block, ft::dq_bytes<DM>,
-                              shared_of_tensor(), lo, bwd);
-        cuda_emulator::launch(ft::dkdv_kernel<DM, T>, fd::key_grid(p, ft::tile), block, ft::dkdv_bytes<DM>,
-                              shared_of_tensor(), lo, bwd);
+        run_set(ft::forward_kernel<DM, T>, ft::dq_kernel<DM, T>, ft::dkdv_kernel<DM, T>, ft::tile,
+                {ft::forward_bytes<DM>, ft::dq_bytes<DM>, ft::dkdv_bytes<DM>}, shared_of_tensor());
       });
       return r;
     }
   }
   REQUIRE_FALSE(tensor_cores);
   fd::dispatch_dim(D, "emulated", [&]<int DM>() {
-    cuda_emulator::launch(fd::forward_kernel<DM, T>, fd::query_grid(p, fd::tile), block, fd::forward_bytes<DM>,
-                          shared_of_fused(), lo, fwd);
-    cuda_emulator::launch(fd::row_d_kernel<T>, dim3(unsigned((B * H * Lq + fd::warps - 1) / fd::warps)), block, 0,
-                          shared_of_fused(), lo, bwd);
-    cuda_emulator::launch(fd::dq_kernel<DM, T>, fd::query_grid(p, fd::tile), block, fd::dq_bytes<DM>,
-                          shared_of_fused(), lo, bwd);
-    cuda_emulator::launch(fd::dkdv_kernel<DM, T>, fd::key_grid(p, fd::tile), block, fd::dkdv_bytes<DM>,
-                          shared_of_fused(), lo, bwd);
+    run_set(fd::forward_kernel<DM, T>, fd::dq_kernel<DM, T>, fd::dkdv_kernel<DM, T>, fd::tile,
+            {fd::forward_bytes<DM>, fd::dq_bytes<DM>, fd::dkdv_bytes<DM>}, shared_of_fused());
   });
   return r;
 }
