@@ -1,12 +1,13 @@
 // tests/emulated/cuda_emulator.hpp — the part of CUDA that the fused attention's
 // kernels use, on the CPU, so that host tests run those very kernels (not a model
 // of them) where no GPU is: tests/emulated/include holds stand-ins for
-// <cuda_runtime.h>, <cuda_bf16.h>, <cuda_fp16.h> and <mma.h> that bring in this.
+// <cuda_runtime.h>, <cuda_bf16.h>, <cuda_fp16.h>, <mma.h> and <cuda_pipeline.h>
+// that bring in this.
 //
 // A launch runs the blocks one after another. A block's threads are fibers
 // (ucontext) on the calling thread: each runs until it reaches a barrier
-// (__syncthreads, __syncwarp, a shuffle's exchange, a wmma store) or ends, and a
-// barrier opens when every live thread of its block (or warp) waits at it. So a
+// (__syncthreads, __syncwarp, a shuffle's exchange) or ends, and a barrier opens
+// when every live thread of its block (or warp) waits at it, at the same kind. So a
 // thread that reads shared memory another thread has not written yet (a missing
 // barrier) reads what was there before, and the launch's shared memory is filled
 // with 0xFF bytes (NaN in fp32, bf16 and fp16) before every block; threads that
@@ -17,8 +18,8 @@
 // when waited for or, by option, when issued.
 //
 // Only what the kernels need: one-dimensional blocks, full-warp masks, wmma's
-// 16x16x16 tiles (each thread holds the whole tile: the kernels never touch a
-// fragment's elements, so its layout is theirs to ignore).
+// 16x16x16 tiles (include/mma.h: each thread loads the whole tile and stores its
+// own share of it, as the hardware's lanes do).
 #pragma once
 #include <ucontext.h>
 
@@ -76,10 +77,14 @@ struct pending_copy {
   std::size_t bytes, zeros;  // the last `zeros` bytes are zero-filled
 };
 
+// What a thread waits for at a warp barrier: a barrier opens only for one kind.
+enum class warp_sync { syncwarp, shuffle };
+
 struct fiber {
   ucontext_t context{};
   std::unique_ptr<char[]> stack;
   place at = place::running;
+  warp_sync kind = warp_sync::syncwarp;  // at a warp barrier
   std::vector<pending_copy> open;                  // issued since the last commit
   std::vector<std::vector<pending_copy>> groups;   // committed, oldest first
 };
@@ -90,6 +95,7 @@ struct machine {
   dim3 block_dim, grid_dim;
   ucontext_t scheduler{};
   std::vector<fiber> threads;
+  std::span<unsigned char> shared;         // the launch's shared memory
   std::vector<std::uint64_t> exchange[2];  // shuffles' values, one per thread, odd and even shuffles
   std::vector<int> shuffles;               // per thread, how many it made
   int current = 0;
@@ -112,10 +118,11 @@ class emulation_error : public std::runtime_error {
 // The calling thread waits at `p` until the scheduler opens it. The next thread of
 // the pass that can run runs at once (one switch, not two through the scheduler);
 // after the pass's last, the scheduler opens barriers and starts the next pass.
-inline void wait_at(place p) {
+inline void wait_at(place p, warp_sync kind = warp_sync::syncwarp) {
   machine& m = the_machine();
   const int me = m.current, count = int(m.threads.size());
   m.threads[std::size_t(me)].at = p;
+  m.threads[std::size_t(me)].kind = kind;
   for (int k = m.pass_position + 1; k < count; ++k) {
     const int t = m.reversed ? count - 1 - k : k;
     if (m.threads[std::size_t(t)].at != place::running) continue;
@@ -193,8 +200,12 @@ inline void run_block(machine& m, int count, bool reversed) {
       if (waiting == 0 || waiting + done < end - w0) continue;
       if (done > 0)
         throw emulation_error(block_name(m.block) + ", warp " + std::to_string(w0 / warp_size) +
-                              ": a full-warp barrier (__syncwarp, a shuffle, a wmma store) with " +
-                              std::to_string(done) + " of its threads exited");
+                              ": a full-warp barrier (__syncwarp or a shuffle) with " + std::to_string(done) +
+                              " of its threads exited");
+      for (int t = w0 + 1; t < end; ++t)
+        if (m.threads[std::size_t(t)].kind != m.threads[std::size_t(w0)].kind)
+          throw emulation_error(block_name(m.block) + ", warp " + std::to_string(w0 / warp_size) +
+                                ": lanes meet at different warp barriers (a __syncwarp and a shuffle)");
       for (int t = w0; t < end; ++t) m.threads[std::size_t(t)].at = place::running;
       opened = true;
     }
@@ -223,6 +234,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared
   machine& m = the_machine();
   const std::function<void()> body = [&] { kernel(args...); };
   m.body = &body;
+  m.shared = shared;
   m.copies_at_issue = o.copies_at_issue;
   m.grid_dim = grid;
   m.block_dim = block;
@@ -256,7 +268,7 @@ V exchange(V v, Source source) {
   std::uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(V));
   slots[std::size_t(me)] = bits;
-  wait_at(place::warp_barrier);
+  wait_at(place::warp_barrier, warp_sync::shuffle);
   V r;
   std::memcpy(&r, &slots[std::size_t(me - lane + source(lane))], sizeof(V));
   return r;
@@ -277,6 +289,11 @@ inline void copy_async(void* to, const void* from, std::size_t bytes, std::size_
                           std::to_string(bytes) + " bytes at offsets " + std::to_string(address(to) % 16) + " and " +
                           std::to_string(address(from) % 16) + " of 16");
   machine& m = the_machine();
+  const auto in_shared = [&](const void* q) {
+    return address(q) >= address(m.shared.data()) && address(q) < address(m.shared.data() + m.shared.size());
+  };
+  if (!in_shared(to) || in_shared(from))
+    throw emulation_error("__pipeline_memcpy_async: copies from global to shared memory only");
   if (m.copies_at_issue) land({to, from, bytes, zeros});
   else m.threads[std::size_t(m.current)].open.push_back({to, from, bytes, zeros});
 }

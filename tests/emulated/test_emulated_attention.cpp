@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -188,14 +189,15 @@ TEMPLATE_TEST_CASE("the tensor-core attention kernels, emulated, equal nn::sdpa"
     if (ft::takes_dim(c.dim)) check_case<TestType>(c, rnd, tolerance<TestType>(), true);
 }
 
-// The small cases see at most two key tiles per query tile: this one keeps the
-// tensor kernels' pipelines in their steady state (five key tiles; dk/dv's double
-// buffers over ten query tiles of two heads).
+// The small cases see at most two key tiles per query tile: these keep the tensor
+// kernels' pipelines in their steady state (five key tiles; dk/dv's buffers over ten
+// query tiles of two heads: double at head_dim 128, single at 64).
 TEST_CASE("the tensor-core attention kernels, emulated, over many tiles", "[emulated][flash]") {
   test_support::random_inputs rnd;
-  check_case<sl::bfloat16>({"L 300, GQA 4 over 2, causal, key padding, dropout 0.1, D 64", 1, 4, 2, 300, 300, 64, true,
-                            0, 1, 0.1},
-                           rnd, tolerance<sl::bfloat16>(), true);
+  for (const std::int64_t dim : {96, 64})
+    check_case<sl::bfloat16>({"L 300, GQA 4 over 2, causal, key padding, dropout 0.1, D " + std::to_string(dim), 1, 4,
+                              2, 300, 300, dim, true, 0, 1, 0.1},
+                             rnd, tolerance<sl::bfloat16>(), true);
 }
 
 TEMPLATE_TEST_CASE("the CUDA-core attention kernels, emulated, equal nn::sdpa", "[emulated][flash]", float,

@@ -1,11 +1,16 @@
 // tests/emulated/include/mma.h — stands in for CUDA's <mma.h> in the emulated tests:
-// wmma's 16x16x16 tiles with 16-bit inputs and fp32 accumulators. Each thread holds
-// the whole tile; a store waits for the whole warp first, as the warp-wide store it
-// stands for (so no thread overwrites a tile another has still to load).
+// wmma's 16x16x16 tiles with 16-bit inputs and fp32 accumulators. Each thread loads
+// and computes the whole tile, and stores only its share (lane l the elements
+// r * 16 + c = l mod 32), as the hardware's lanes each store their part: a thread
+// that reads a stored tile before the __syncwarp that orders it finds the shares of
+// lanes that have not run yet still unwritten. Pointers must be 32-byte aligned and
+// leading dimensions a multiple of 16 bytes, as wmma requires.
 #pragma once
 #include "../cuda_emulator.hpp"
 
 #include <cstddef>      // std::size_t
+#include <cstdint>      // std::uintptr_t
+#include <string>       // std::to_string
 #include <type_traits>  // std::is_same_v
 
 namespace nvcuda::wmma {
@@ -24,11 +29,22 @@ struct fragment {
 };
 
 namespace detail {
+template <class T>
+void check(const T* p, unsigned ld, const char* what) {
+  if (reinterpret_cast<std::uintptr_t>(p) % 32 != 0 || ld * sizeof(T) % 16 != 0)
+    throw cuda_emulator::emulation_error(std::string(what) + ": the pointer must be 32-byte aligned and the leading " +
+                                         "dimension a multiple of 16 bytes, got offset " +
+                                         std::to_string(reinterpret_cast<std::uintptr_t>(p) % 32) + " and " +
+                                         std::to_string(ld) + " elements");
+}
+inline std::size_t at(int r, int c, unsigned ld, bool column_major) {
+  return column_major ? std::size_t(c) * ld + std::size_t(r) : std::size_t(r) * ld + std::size_t(c);
+}
 template <class Frag, class T>
 void load(Frag& f, const T* p, unsigned ld, bool column_major) {
+  check(p, ld, "load_matrix_sync");
   for (int r = 0; r < 16; ++r)
-    for (int c = 0; c < 16; ++c)
-      f.cell[r][c] = cuda_emulator::to_float(column_major ? p[std::size_t(c) * ld + r] : p[std::size_t(r) * ld + c]);
+    for (int c = 0; c < 16; ++c) f.cell[r][c] = cuda_emulator::to_float(p[at(r, c, ld, column_major)]);
 }
 }  // namespace detail
 
@@ -40,9 +56,10 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const 
   detail::load(f, p, ld, l == mem_col_major);
 }
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ld, layout_t l) {
-  cuda_emulator::wait_at(cuda_emulator::place::warp_barrier);
-  for (int r = 0; r < 16; ++r)
-    for (int c = 0; c < 16; ++c) (l == mem_col_major ? p[std::size_t(c) * ld + r] : p[std::size_t(r) * ld + c]) = f.cell[r][c];
+  detail::check(p, ld, "store_matrix_sync");
+  const int lane = int(threadIdx.x) % cuda_emulator::warp_size;
+  for (int e = lane; e < 256; e += cuda_emulator::warp_size)
+    p[detail::at(e / 16, e % 16, ld, l == mem_col_major)] = f.cell[e / 16][e % 16];
 }
 template <class Use, class T, class Layout>
 void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, float v) {

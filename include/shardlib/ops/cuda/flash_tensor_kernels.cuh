@@ -89,8 +89,15 @@ template <int DM>
 constexpr std::size_t forward_bytes = 3 * rows_bytes<DM> + weights_bytes + scores_bytes + acc_bytes<DM>;
 template <int DM>
 constexpr std::size_t dq_bytes = 4 * rows_bytes<DM> + weights_bytes + 2 * scores_bytes;
+// dk/dv's query tiles (Q, dO, lse, D) in flight while it works: double-buffered at head_dim 128,
+// where a block takes an SM's shared memory either way (one block per SM on an A100 and an
+// H100); single at 64, where two blocks share an H100's SM and the 99 KiB of sm_86, sm_89 and
+// sm_120 hold the kernels only without the second buffer.
 template <int DM>
-constexpr std::size_t dkdv_bytes = 6 * rows_bytes<DM> + 2 * weights_bytes + 2 * scores_bytes + 4 * tile * 4;
+constexpr int query_buffers = DM == max_dim ? 2 : 1;
+template <int DM>
+constexpr std::size_t dkdv_bytes = (2 + 2 * query_buffers<DM>) * rows_bytes<DM> + 2 * weights_bytes +
+                                   2 * scores_bytes + 2 * query_buffers<DM> * tile * 4;
 template <int DM>
 constexpr std::size_t largest_bytes = std::max({forward_bytes<DM>, dq_bytes<DM>, dkdv_bytes<DM>});
 // Every region, and every warp's part of one, starts 32-byte aligned; every staged row
@@ -181,10 +188,12 @@ __device__ void store_rows(const rows<T>& dst, std::int64_t n, std::int64_t h, s
   for (int e = int(threadIdx.x) % 32; e < edge * DM / per; e += 32) {
     const int r = e / (DM / per), d = e % (DM / per) * per;
     if (row0 + r >= limit || d >= dim) continue;
-    alignas(16) T v[per];
+    struct alignas(16) {
+      T v[per];
+    } pack;
 #pragma unroll
-    for (int x = 0; x < per; ++x) v[x] = T(factor * from[r * acc_pitch<DM> + d + x]);
-    *reinterpret_cast<uint4*>(dst.row(n, h, row0 + r) + d) = *reinterpret_cast<const uint4*>(v);
+    for (int x = 0; x < per; ++x) pack.v[x] = T(factor * from[r * acc_pitch<DM> + d + x]);
+    *reinterpret_cast<uint4*>(dst.row(n, h, row0 + r) + d) = __builtin_bit_cast(uint4, pack);
   }
 }
 
@@ -276,8 +285,10 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
   // K and V go in separate groups, the next tile's as soon as this tile's is read:
   // V_j lands while the warps compute Q K_j^T and the softmax, K_{j+1} during P V_j.
   const std::int64_t i_last = last_row(i0, tile, p.queries), end = flash::key_end(p, i_last);
-  stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
-  if (end > 0) stage<DM>(ks, a.k, n, g, 0, p.keys, a.dim);
+  if (end > 0) {  // else nothing is read (and no copy is left in flight at the end)
+    stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
+    stage<DM>(ks, a.k, n, g, 0, p.keys, a.dim);
+  }
   __pipeline_commit();
   if (end > 0) stage<DM>(vs, a.v, n, g, 0, p.keys, a.dim);
   __pipeline_commit();
@@ -344,7 +355,7 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
   __syncwarp();
   store_rows<DM>(a.out, n, h, first, p.queries, ow, 1.0f, a.dim);
 #else
-  __trap();  // never launched: usable() requires code built for sm_80 or later
+  __trap();  // never launched: tensor_kernel_usable() requires code built for sm_80 or later
 #endif
 }
 
@@ -372,9 +383,11 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
   // V before K, in separate groups, the next tile's as soon as this tile's is read:
   // V_{j+1} lands while the warps compute Q K_j^T, dS and dS K_j, K_{j+1} during dO V_{j+1}^T.
   const std::int64_t i_last = last_row(i0, tile, p.queries), end = flash::key_end(p, i_last);
-  stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
-  stage<DM>(dos, a.dout, n, h, i0, p.queries, a.dim);
-  if (end > 0) stage<DM>(vs, a.v, n, g, 0, p.keys, a.dim);
+  if (end > 0) {  // else nothing is read (and no copy is left in flight at the end)
+    stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
+    stage<DM>(dos, a.dout, n, h, i0, p.queries, a.dim);
+    stage<DM>(vs, a.v, n, g, 0, p.keys, a.dim);
+  }
   __pipeline_commit();
   if (end > 0) stage<DM>(ks, a.k, n, g, 0, p.keys, a.dim);
   __pipeline_commit();
@@ -446,19 +459,20 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
   carve c{smem};
   T* ks = c.take<T>(tile * rp);
   T* vs = c.take<T>(tile * rp);
-  T* const qs = c.take<T>(2 * tile * rp);  // two query tiles (b = 0, 1 at b * tile * rp): one read, one landing
-  T* const dos = c.take<T>(2 * tile * rp);
+  constexpr int buffers = query_buffers<DM>;
+  T* const qs = c.take<T>(buffers * tile * rp);  // query tiles, buffer b at b * tile * rp
+  T* const dos = c.take<T>(buffers * tile * rp);
   T* ptw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;   // the warp's P^T (dropped),
   T* dstw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // dS^T,
   float* st = c.take<float>(tile * score_pitch);                          // S^T
   float* stw = st + warp * edge * score_pitch;
   float* dptw = c.take<float>(tile * score_pitch) + warp * edge * score_pitch;  // and dP^T
-  float* const lse = c.take<float>(2 * tile);                                   // the query tiles'
-  float* const row_d = c.take<float>(2 * tile);
+  float* const lse = c.take<float>(buffers * tile);                             // the query tiles'
+  float* const row_d = c.take<float>(buffers * tile);
 
-  // Query tile t + 1 (Q, dO, lse and D of its rows) is copied into the other buffers
-  // while the warps work on tile t. Tiles go head by head over the kv head's query
-  // heads, from the first query tile that can see a key of this block.
+  // Tiles go head by head over the kv head's query heads, from the first query tile that
+  // can see a key of this block. With two buffers, tile t + 1 is copied into the other
+  // while the warps work on tile t; with one, each tile is copied when the last is done.
   const std::int64_t start = flash::query_begin(p, j0) / tile * tile;
   const auto stage_queries = [&](int b, std::int64_t h, std::int64_t i0) {
     stage<DM>(qs + b * tile * rp, a.q, n, h, i0, p.queries, a.dim);
@@ -475,9 +489,11 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
       }
     }
   };
-  stage<DM>(ks, a.k, n, g, j0, p.keys, a.dim);
-  stage<DM>(vs, a.v, n, g, j0, p.keys, a.dim);
-  if (start < p.queries) stage_queries(0, g * rep, start);
+  if (start < p.queries) {  // else nothing is read (and no copy is left in flight at the end)
+    stage<DM>(ks, a.k, n, g, j0, p.keys, a.dim);
+    stage<DM>(vs, a.v, n, g, j0, p.keys, a.dim);
+    if constexpr (buffers == 2) stage_queries(0, g * rep, start);
+  }
   __pipeline_commit();
   accumulator gk[DM / edge], gv[DM / edge];
 #pragma unroll
@@ -486,11 +502,15 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
     wmma::fill_fragment(gv[dc], 0.0f);
   }
   int b = 0;
-  for (std::int64_t h = g * rep, i0 = start; start < p.queries && h < (g + 1) * rep; b ^= 1) {
+  for (std::int64_t h = g * rep, i0 = start; start < p.queries && h < (g + 1) * rep; b = (b + 1) % buffers) {
     const std::int64_t next_h = i0 + tile < p.queries ? h : h + 1, next_i0 = i0 + tile < p.queries ? i0 + tile : start;
-    if (next_h < (g + 1) * rep) stage_queries(b ^ 1, next_h, next_i0);
+    if constexpr (buffers == 2) {
+      if (next_h < (g + 1) * rep) stage_queries(b ^ 1, next_h, next_i0);
+    } else {
+      stage_queries(0, h, i0);
+    }
     __pipeline_commit();
-    landed<1>();  // K, V and query tile t (t + 1 may still be on its way)
+    landed<buffers - 1>();  // K, V and query tile t (with two buffers, t + 1 may still be on its way)
     // The warp's keys start at `first`: past the tile's last query's causal limit, or past the keys, none is seen.
     if (first < flash::key_end(p, last_row(i0, tile, p.queries))) {
       const T* q = qs + b * tile * rp;
@@ -521,7 +541,7 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
         multiply<tile, false>(gk[dc], dstw, weight_pitch, q + dc * edge, rp);    // dK += dS^T Q
       }
     }
-    __syncthreads();  // every warp is done with tile t's buffers, which tile t + 2 takes
+    __syncthreads();  // every warp is done with tile t's buffer, which tile t + buffers takes
     h = next_h;
     i0 = next_i0;
   }
