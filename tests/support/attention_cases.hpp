@@ -43,6 +43,7 @@ inline std::vector<attention_case> small_attention_cases() {
       {"causal, rows layout, L 50", 2, 4, 4, 50, 50, 64, true, 0, 0, -1, true},
       {"causal, Lq 20 < Lk 25, offset 5 (a cache), D 16", 2, 2, 2, 20, 25, 16, true, 5},
       {"causal, offset -7 (rows without keys), padding, a sample all padding, D 32", 2, 2, 2, 30, 30, 32, true, -7, 2},
+      {"causal, offset -70 (whole query tiles without keys), Lq 100, D 64", 1, 2, 1, 100, 100, 64, true, -70},
       {"GQA 8 over 2, D 128, key padding, Lq 70, Lk 45", 2, 8, 2, 70, 45, 128, false, 0, 1},
       {"GQA 4 over 2, causal, padding, dropout 0.2, rows layout", 2, 4, 2, 45, 45, 64, true, 0, 1, 0.2, true},
       {"D 80 (in a 128 tile), Lq 33, Lk 65, dropout 0.5", 1, 3, 1, 33, 65, 80, false, 0, 0, 0.5},

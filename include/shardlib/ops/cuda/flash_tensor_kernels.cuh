@@ -302,11 +302,10 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
     const bool seen = warp_rows && j0 < flash::key_end(p, warp_last);  // a row of this warp sees a key of the tile
     landed<1>();  // Q and K_j (V_j may still be on its way)
     if (seen) scores<DM>(sw, qs + warp * edge * rp, ks);
-    __syncthreads();  // every warp is done with K_j
+    __syncthreads();  // every warp is done with K_j (and has its scores)
     if (next) stage<DM>(ks, a.k, n, g, j0 + tile, p.keys, a.dim);
     __pipeline_commit();
     if (seen) {
-      __syncwarp();
 #pragma unroll
       for (int r = 0; r < edge; ++r) {  // lanes along keys: lane and lane + 32
         const std::int64_t i = first + r;
@@ -433,11 +432,11 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
 #pragma unroll
       for (int dc = 0; dc < DM / edge; ++dc) multiply<tile, false>(gq[dc], dsw, weight_pitch, ks + dc * edge, rp);
     }
-    __syncthreads();  // every warp is done with K_j
+    __syncthreads();  // every warp is done with K_j and, after the last tile, with the scores' memory
     if (next) stage<DM>(ks, a.k, n, g, j0 + tile, p.keys, a.dim);
     __pipeline_commit();
   }
-  __syncthreads();  // the scores' memory takes the accumulators on their way out
+  // The scores' memory takes the accumulators on their way out.
   write_rows<DM>(a.dq, n, h, first, p.queries, sc + warp * edge * acc_pitch<DM>, gq, a.scale, a.dim);
 #else
   __trap();
@@ -541,11 +540,11 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
         multiply<tile, false>(gk[dc], dstw, weight_pitch, q + dc * edge, rp);    // dK += dS^T Q
       }
     }
-    __syncthreads();  // every warp is done with tile t's buffer, which tile t + buffers takes
+    __syncthreads();  // every warp is done with tile t's buffer, which tile t + buffers takes (and with S^T, dP^T)
     h = next_h;
     i0 = next_i0;
   }
-  __syncthreads();  // the scores' memory takes the accumulators on their way out
+  // The scores' memory takes the accumulators on their way out.
   float* through = st + warp * edge * acc_pitch<DM>;
   write_rows<DM>(a.dk, n, g, first, p.keys, through, gk, a.scale, a.dim);
   __syncwarp();
