@@ -40,13 +40,8 @@ inline bool have_device() {
 
 using test_support::random_inputs;
 
+using test_support::as;
 using test_support::rounded;
-template <class T>
-std::vector<T> as(const std::vector<float>& x) {
-  std::vector<T> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = T(x[i]);
-  return r;
-}
 template <class T>
 std::vector<float> widened(const std::vector<T>& x) {
   std::vector<float> r(x.size());

@@ -56,10 +56,6 @@ using test_support::view_of;
 std::span<unsigned char> shared_of_fused() { return {reinterpret_cast<unsigned char*>(fd::smem), shared_capacity}; }
 std::span<unsigned char> shared_of_tensor() { return {ft::smem, shared_capacity}; }
 
-template <class T>
-std::vector<T> as(const std::vector<float>& x) {
-  return {x.begin(), x.end()};
-}
 // n elements, then a guard of as many, every byte 0xFF (NaN in float, bf16 and fp16):
 // an element left unwritten fails the comparison, one written past the n changes the
 // guard (guard_intact).
@@ -99,6 +95,7 @@ template <class T>
 outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool tensor_cores,
                        cuda_emulator::launch_options lo) {
   const std::int64_t B = c.batch, H = c.heads, G = c.kv_heads, Lq = c.queries, Lk = c.keys, D = c.dim;
+  using test_support::as;
   const std::vector<T> q = as<T>(in.q), k = as<T>(in.k), v = as<T>(in.v), dout = as<T>(in.dout);
   std::vector<std::uint8_t> padding;
   fa::flash_options fo = in.flash;

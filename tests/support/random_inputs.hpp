@@ -37,6 +37,14 @@ std::vector<float> rounded(const std::vector<float>& x) {
   return r;
 }
 
+// x as T values.
+template <class T>
+std::vector<T> as(const std::vector<float>& x) {
+  std::vector<T> r(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) r[i] = T(x[i]);
+  return r;
+}
+
 // Host tensors from values, and their values back.
 inline shardlib::Tensor<float> host_tensor(shardlib::Shape s, const std::vector<float>& v) {
   shardlib::Tensor<float> t(s);
