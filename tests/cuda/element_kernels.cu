@@ -5,6 +5,7 @@
 #include <shardlib/core/element.hpp>
 #include <shardlib/cuda/error.hpp>
 #include <shardlib/cuda/stream.hpp>
+#include <shardlib/ops/cuda/launch.cuh>
 #include <shardlib/shard/sharded_tensor.hpp>
 #include <shardlib/shardlib.hpp>  // the whole host umbrella must compile under nvcc
 
@@ -52,8 +53,8 @@ device_round_trip run_device_round_trip() {
   check(cudaMalloc(&bf, n * 4), "cudaMalloc");
   check(cudaMalloc(&hf, n * 4), "cudaMalloc");
   check(cudaMemcpy(bits, r.bits.data(), n * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
-  round_trip_kernel<<<n / 256, 256>>>(bits, bf, hf, bb, hb, n);
-  shardlib::cuda::check_launch("round_trip_kernel");
+  shardlib::ops::cuda::launch_kernel("round_trip_kernel", round_trip_kernel, n / 256, 256, 0, nullptr, bits, bf, hf, bb,
+                                     hb, n);
   check(cudaMemcpy(r.bf16_to_float.data(), bf, n * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
   check(cudaMemcpy(r.half_to_float.data(), hf, n * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
   check(cudaMemcpy(r.bf16_back.data(), bb, n * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
@@ -68,8 +69,7 @@ std::vector<int> run_device_locate(std::size_t numel, int world) {
   std::vector<int> out(n);
   int* d;
   check(cudaMalloc(&d, n * sizeof(int) + 1), "cudaMalloc");
-  locate_kernel<<<(n + 255) / 256, 256>>>(l, d, n);
-  shardlib::cuda::check_launch("locate_kernel");
+  shardlib::ops::cuda::launch_kernel("locate_kernel", locate_kernel, (n + 255) / 256, 256, 0, nullptr, l, d, n);
   check(cudaMemcpy(out.data(), d, n * sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
   cudaFree(d);
   return out;

@@ -610,8 +610,8 @@ TEST_CASE("a device train_step returns while its stream is still blocked", "[cud
   sl::cuda::device_buffer<int> gave_up(1, sl::category::activations, run.stream.get());
   sl::cuda::check(cudaStreamSynchronize(run.stream.get()), "cudaStreamSynchronize");
   constexpr long long limit_ns = 3'000'000'000;  // far longer than a step of this model
-  gate_kernel<<<1, 1, 0, run.stream.get()>>>(open, limit_ns, gave_up.data());
-  sl::cuda::check_launch("gate_kernel");
+  sl::ops::cuda::launch_kernel("gate_kernel", gate_kernel<int>, 1, 1, 0, run.stream.get(), open, limit_ns,
+                               gave_up.data());
   const auto t0 = std::chrono::steady_clock::now();
   auto r = run.sharded->train_step(run.adam, x, y, sl::nn::cross_entropy);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -1,5 +1,5 @@
-// ops::cuda::gemm_lt (cuBLASLt with fused epilogues) and the device Linear
-// that uses it. Every epilogue against an unfused reference computed on the
+// ops::cuda::gemm (plain cuBLAS) against the host ops::gemm; ops::cuda::gemm_lt
+// (cuBLASLt with fused epilogues) and the device Linear that uses it. Every epilogue against an unfused reference computed on the
 // host in float64 from the same T-rounded inputs: the product, then the bias,
 // then nn::relu / nn::gelu (tanh) and their backward, the host layers' own
 // functions. Transposes, padded leading dimensions, and odd sizes (M, N, K
@@ -32,6 +32,7 @@
 #include <shardlib/nn/cuda/linear.cuh>
 #include <shardlib/nn/linear.hpp>
 #include <shardlib/ops/cuda/gemm_lt.hpp>
+#include <shardlib/ops/gemm.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -474,6 +475,77 @@ void compare_linear(std::int64_t rows, std::int64_t in, std::int64_t out, nn::fu
 }
 
 }  // namespace
+
+// ops::cuda::gemm (cuBLAS, no epilogue) against the host ops::gemm.
+TEMPLATE_TEST_CASE("gemm matches the host ops::gemm for every transpose, with padded leading dimensions",
+                   "[cuda][gemm]", float, sl::bfloat16, sl::half) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  sl::cuda::blas handle(0);
+  const std::int64_t m = 37, n = 53, k = 29;
+  for (auto ta : {sl::ops::trans::no, sl::ops::trans::yes})
+    for (auto tb : {sl::ops::trans::no, sl::ops::trans::yes})
+      for (float beta : {0.0f, 0.5f}) {
+        INFO("ta " << int(ta) << " tb " << int(tb) << " beta " << beta);
+        const std::int64_t a_rows = ta == sl::ops::trans::no ? m : k, a_cols = ta == sl::ops::trans::no ? k : m;
+        const std::int64_t b_rows = tb == sl::ops::trans::no ? k : n, b_cols = tb == sl::ops::trans::no ? n : k;
+        const std::int64_t lda = a_cols + 3, ldb = b_cols + 1, ldc = n + 2;
+        const auto a = rounded<T>(rnd.normal(std::size_t(a_rows * lda)));
+        const auto b = rounded<T>(rnd.normal(std::size_t(b_rows * ldb)));
+        auto c_host = rounded<T>(rnd.normal(std::size_t(m * ldc)));
+        auto da = upload(as<T>(a), f.stream), db = upload(as<T>(b), f.stream);
+        auto dc = beta == 0 ? poisoned<T>(c_host.size(), f.stream) : upload(as<T>(c_host), f.stream);
+        oc::gemm(handle, f.stream, ta, tb, m, n, k, 1.5f, da.data(), lda, db.data(), ldb, beta, dc.data(), ldc);
+        const auto c_dev = download_float(dc, f.stream);
+        sl::ops::gemm<float>(ta, tb, m, n, k, 1.5f, a.data(), lda, b.data(), ldb, beta, c_host.data(), ldc);
+        std::vector<float> got, want;
+        for (std::int64_t i = 0; i < m; ++i)
+          for (std::int64_t j = 0; j < n; ++j) {
+            got.push_back(c_dev[i * ldc + j]);
+            want.push_back(c_host[i * ldc + j]);
+          }
+        // Products of sums cancel: the absolute slack scales with the result's size.
+        require_close(got, want, rtol<T>, rtol<T> * max_abs(want));
+        if (beta == 0)  // the padding columns of C are left alone (still the poison)
+          for (std::int64_t i = 0; i < m; ++i) REQUIRE(std::isnan(c_dev[i * ldc + n]));
+      }
+}
+
+TEMPLATE_TEST_CASE("strided batched gemm equals one gemm per batch element", "[cuda][gemm]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  sl::cuda::blas handle(0);
+  const std::int64_t m = 17, n = 19, k = 23, batch = 3, sa = m * k + 5, sb = k * n + 7, sc = m * n + 1;
+  const auto a = rounded<T>(rnd.normal(std::size_t(batch * sa))), b = rounded<T>(rnd.normal(std::size_t(batch * sb)));
+  auto da = upload(as<T>(a), f.stream), db = upload(as<T>(b), f.stream);
+  auto dc = poisoned<T>(std::size_t(batch * sc), f.stream);
+  oc::gemm_strided_batched(handle, f.stream, sl::ops::trans::no, sl::ops::trans::yes, m, n, k, 1.0f, da.data(), k, sa,
+                           db.data(), k, sb, 0.0f, dc.data(), n, sc, batch);
+  const auto c = download_float(dc, f.stream);
+  for (std::int64_t i = 0; i < batch; ++i) {
+    std::vector<float> want(std::size_t(m * n));
+    sl::ops::gemm<float>(sl::ops::trans::no, sl::ops::trans::yes, m, n, k, 1.0f, a.data() + i * sa, k,
+                         b.data() + i * sb, k, 0.0f, want.data(), n);
+    const std::vector<float> got(c.begin() + i * sc, c.begin() + i * sc + m * n);
+    require_close(got, want, rtol<T>, rtol<T> * max_abs(want));
+  }
+}
+
+TEST_CASE("gemm with k = 0 scales C by beta", "[cuda][gemm]") {
+  if (!have_device()) return;
+  device_fixture f;
+  sl::cuda::blas handle(0);
+  auto dc = upload(std::vector<float>(12, 2.0f), f.stream);
+  oc::gemm<float>(handle, f.stream, sl::ops::trans::no, sl::ops::trans::no, 3, 4, 0, 1.0f, nullptr, 0, nullptr, 4,
+                  0.25f, dc.data(), 4);
+  REQUIRE(download(dc, f.stream) == std::vector<float>(12, 0.5f));
+}
 
 TEMPLATE_TEST_CASE("device Linear (bias epilogue, bias gradient from the weight-gradient product) equals the host's",
                    "[cuda][gemm][layers]", float, sl::bfloat16) {

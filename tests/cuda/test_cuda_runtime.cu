@@ -9,6 +9,7 @@
 #include <shardlib/cuda/kernel_facts.hpp>
 #include <shardlib/cuda/memory_space.hpp>
 #include <shardlib/cuda/stream.hpp>
+#include <shardlib/ops/cuda/launch.cuh>
 
 #include <catch2/catch.hpp>
 
@@ -21,6 +22,7 @@
 #include "device_test.hpp"
 
 namespace sl = shardlib;
+namespace oc = shardlib::ops::cuda;
 using namespace device_test;
 
 static_assert(sl::can_access<sl::cuda_space, sl::cuda_space> && sl::can_access<sl::cuda_space, sl::pinned_space>);
@@ -35,8 +37,7 @@ __global__ void busy_kernel(int* p, unsigned ms) {
   if (p) *p = 1;
 }
 void keep_busy(cudaStream_t s, void* p, unsigned ms = 300) {
-  busy_kernel<<<1, 1, 0, s>>>(static_cast<int*>(p), ms);
-  sl::cuda::check_launch("busy_kernel");
+  oc::launch_kernel("busy_kernel", busy_kernel, 1, 1, 0, s, static_cast<int*>(p), ms);
 }
 }  // namespace
 
@@ -97,8 +98,7 @@ __global__ void fill_kernel(unsigned char* p, std::size_t n, unsigned char v) {
 // Writes v over n bytes at p on s, then reads them back: all v, or the block
 // is not the memory it claims to be.
 bool holds_writes(void* p, std::size_t n, unsigned char v, cudaStream_t s) {
-  fill_kernel<<<64, 256, 0, s>>>(static_cast<unsigned char*>(p), n, v);
-  sl::cuda::check_launch("fill_kernel");
+  oc::launch_kernel("fill_kernel", fill_kernel, 64, 256, 0, s, static_cast<unsigned char*>(p), n, v);
   std::vector<unsigned char> back(n);
   sl::cuda::check(cudaMemcpyAsync(back.data(), p, n, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync");
   sl::cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
@@ -249,10 +249,11 @@ TEST_CASE("failed CUDA calls and launches raise cuda_error naming them", "[cuda]
     CHECK(e.code() == int(cudaErrorInvalidDevice));
     CHECK_THAT(e.what(), Catch::Contains("cudaSetDevice(9999) failed on device 0"));
   }
-  busy_kernel<<<1, 4096>>>(nullptr, 0);  // more threads than a block may have
-  CHECK_THROWS_WITH(sl::cuda::check_launch("busy_kernel"), Catch::Contains("launch of kernel busy_kernel"));
-  busy_kernel<<<1, 1>>>(nullptr, 0);  // the launch error did not stick
-  CHECK_NOTHROW(sl::cuda::check_launch("busy_kernel"));
+  // More threads than a block may have: the launch raises, and the error does not stick.
+  CHECK_THROWS_WITH(oc::launch_kernel("busy_kernel", busy_kernel, 1, 4096, 0, nullptr, nullptr, 0u),
+                    Catch::Contains("launch of kernel busy_kernel"));
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CHECK_NOTHROW(oc::launch_kernel("busy_kernel", busy_kernel, 1, 1, 0, nullptr, nullptr, 0u));
   CHECK_NOTHROW(sl::cuda::check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
 }
 
@@ -287,13 +288,12 @@ TEST_CASE("kernel facts are the runtime's answers, kept; shared memory opt-in na
   const std::size_t bytes = std::size_t(f.shared_optin);
   REQUIRE(bytes > 48 * 1024);
   sl::cuda::device_buffer<int> out(256, sl::category::activations, nullptr);
-  shared_kernel<1><<<1, 256, bytes>>>(out.data());
-  CHECK_THROWS_WITH(sl::cuda::check_launch("shared_kernel<1>"), Catch::Contains("launch of kernel shared_kernel<1>"));
+  CHECK_THROWS_WITH(oc::launch_kernel("shared_kernel<1>", shared_kernel<1>, 1, 256, bytes, nullptr, out.data()),
+                    Catch::Contains("launch of kernel shared_kernel<1>"));
   sl::cuda::allow_shared_memory(k, bytes, "shared_kernel");
   sl::cuda::check(cudaFuncGetAttributes(&attr, k), "cudaFuncGetAttributes");
   CHECK(std::size_t(attr.maxDynamicSharedSizeBytes) == bytes);
-  shared_kernel<0><<<1, 256, bytes>>>(out.data());
-  CHECK_NOTHROW(sl::cuda::check_launch("shared_kernel"));
+  CHECK_NOTHROW(oc::launch_kernel("shared_kernel<0>", shared_kernel<0>, 1, 256, bytes, nullptr, out.data()));
   std::vector<int> host(256);
   sl::cuda::check(cudaMemcpy(host.data(), out.data(), 256 * sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
   for (int i = 0; i < 256; ++i) CHECK(host[std::size_t(i)] == 255 - i);

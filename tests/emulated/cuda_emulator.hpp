@@ -17,20 +17,26 @@
 // shared memory are found after each block. Asynchronous copies (cp.async) land
 // when waited for or, by option, when issued.
 //
-// Only what the kernels need: one-dimensional blocks, full-warp masks, wmma's
-// 16x16x16 tiles (include/mma.h: each thread loads the whole tile and stores its
-// own share of it, as the hardware's lanes do).
+// Only what the kernels need: blocks of up to three dimensions (warps are 32
+// consecutive threads, x fastest), full-warp masks, wmma's 16x16x16 tiles
+// (include/mma.h: each thread loads the whole tile and stores its own share of
+// it, as the hardware's lanes do). Static __shared__ arrays are the kernel's
+// static variables (the library declares them `static __shared__`): shared by a
+// block's threads, kept from block to block, not filled. Launches from several
+// host threads run one at a time. cuda_runtime_api.hpp holds the host side.
 #pragma once
 #include <ucontext.h>
 
 #include <algorithm>   // std::all_of, std::fill
 #include <bit>         // std::bit_cast
+#include <cmath>       // std::isfinite, std::isinf, std::isnan
 #include <cstddef>     // std::size_t
 #include <cstdint>     // std::uint16_t, std::uint64_t, std::uintptr_t
 #include <cstring>     // std::memcpy
 #include <exception>   // std::exception_ptr
 #include <functional>  // std::function
 #include <memory>      // std::unique_ptr
+#include <mutex>       // std::mutex, std::lock_guard
 #include <span>        // std::span
 #include <stdexcept>   // std::runtime_error
 #include <string>      // std::string, std::to_string
@@ -55,6 +61,9 @@ struct dim3 {
 };
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
 };
 struct __nv_bfloat16 {
   std::uint16_t bits;
@@ -115,6 +124,12 @@ class emulation_error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Thread t of the block (x fastest) as threadIdx.
+inline uint3 thread_index(const machine& m, int t) {
+  const unsigned u = unsigned(t), x = m.block_dim.x, y = m.block_dim.y;
+  return {u % x, u / x % y, u / (x * y)};
+}
+
 // The calling thread waits at `p` until the scheduler opens it. The next thread of
 // the pass that can run runs at once (one switch, not two through the scheduler);
 // after the pass's last, the scheduler opens barriers and starts the next pass.
@@ -128,7 +143,7 @@ inline void wait_at(place p, warp_sync kind = warp_sync::syncwarp) {
     if (m.threads[std::size_t(t)].at != place::running) continue;
     m.pass_position = k;
     m.current = t;
-    m.thread = {unsigned(t), 0, 0};
+    m.thread = thread_index(m, t);
     swapcontext(&m.threads[std::size_t(me)].context, &m.threads[std::size_t(t)].context);
     return;
   }
@@ -173,7 +188,7 @@ inline void run_block(machine& m, int count, bool reversed) {
       if (m.threads[std::size_t(t)].at != place::running) continue;
       m.pass_position = k;
       m.current = t;
-      m.thread = {unsigned(t), 0, 0};
+      m.thread = thread_index(m, t);
       swapcontext(&m.scheduler, &m.threads[std::size_t(t)].context);
       if (m.failure) std::rethrow_exception(std::exchange(m.failure, nullptr));
     }
@@ -225,12 +240,17 @@ struct launch_options {
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes, std::span<unsigned char> shared,
             launch_options o, const Args&... args) {
-  if (block.y != 1 || block.z != 1 || block.x == 0 || block.x > 1024)
-    throw emulation_error("launch: one-dimensional blocks of 1 to 1024 threads only, got " +
-                          std::to_string(block.x) + " x " + std::to_string(block.y) + " x " + std::to_string(block.z));
+  const unsigned threads = block.x * block.y * block.z;
+  if (threads == 0 || threads > 1024 || grid.x * grid.y * grid.z == 0)
+    throw emulation_error("launch: blocks of 1 to 1024 threads and a grid of at least one block, got " +
+                          std::to_string(block.x) + " x " + std::to_string(block.y) + " x " + std::to_string(block.z) +
+                          " threads in " + std::to_string(grid.x) + " x " + std::to_string(grid.y) + " x " +
+                          std::to_string(grid.z) + " blocks");
   if (shared_bytes > shared.size())
     throw emulation_error("launch: " + std::to_string(shared_bytes) + " bytes of shared memory asked, " +
                           std::to_string(shared.size()) + " defined");
+  static std::mutex one_launch;
+  const std::lock_guard<std::mutex> lock(one_launch);
   machine& m = the_machine();
   const std::function<void()> body = [&] { kernel(args...); };
   m.body = &body;
@@ -243,7 +263,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared
     const unsigned b = o.reversed ? blocks - 1 - k : k;
     m.block = {b % grid.x, b / grid.x % grid.y, b / grid.x / grid.y};
     std::fill(shared.begin(), shared.end(), std::uint8_t(0xFF));
-    run_block(m, int(block.x), o.reversed);
+    run_block(m, int(threads), o.reversed);
     if (!std::all_of(shared.begin() + std::ptrdiff_t(shared_bytes), shared.end(),
                      [](unsigned char x) { return x == 0xFF; }))
       throw emulation_error(block_name(m.block) + " wrote past its " + std::to_string(shared_bytes) +
@@ -335,5 +355,16 @@ template <class V>
 V __shfl_sync(unsigned mask, V v, int source) {
   cuda_emulator::require_full_warp(mask, "__shfl_sync");
   return cuda_emulator::exchange(v, [&](int) { return source % cuda_emulator::warp_size; });
+}
+inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
+// CUDA's math headers declare these in the global namespace.
+using std::isfinite;
+using std::isinf;
+using std::isnan;
+// Threads run one at a time: an atomic is a plain read-modify-write.
+inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
+  const unsigned long long old = *p;
+  if (v < old) *p = v;
+  return old;
 }
 [[noreturn]] inline void __trap() { throw cuda_emulator::emulation_error("__trap() reached"); }

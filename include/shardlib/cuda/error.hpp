@@ -67,10 +67,5 @@ void check(cublasStatus_t s, const Where&... where) {
   }
 }
 
-// After a <<<...>>> launch: a bad configuration is reported by
-// cudaGetLastError, not by the launch itself. Errors the kernel meets while it
-// runs surface at the next synchronising call, named by that call.
-inline void check_launch(const char* kernel) { check(cudaGetLastError(), "launch of kernel ", kernel); }
-
 }  // namespace cuda
 }  // namespace shardlib

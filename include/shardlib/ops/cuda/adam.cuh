@@ -151,8 +151,7 @@ void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_moments state, std
   optim::detail::adam_scalars k{};
   if (gate) {
     opt.check_options();
-    detail::gate_adam_kernel<Style><<<1, 1, 0, stream>>>(opt.options, step + 1, *gate);
-    shardlib::cuda::check_launch("fused_adam gate");
+    launch_kernel("fused_adam gate", detail::gate_adam_kernel<Style>, 1, 1, 0, stream, opt.options, step + 1, *gate);
   } else {
     k = opt.step_scalars(step + 1);
   }
@@ -169,13 +168,12 @@ void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_moments state, std
   optim::detail::with_flag(opt.options.weight_decay != 0, [&](auto decay) {
     optim::detail::with_flag(opt.options.amsgrad, [&](auto amsgrad) {
       optim::detail::with_flag(vec, [&](auto v) {
-        detail::fused_adam_kernel<v(), A::decoupled, decay(), amsgrad()><<<blocks, threads, 0, stream>>>(
-            std::int64_t(n), params.data(), grads.data(), state.exp_avg.data(), state.exp_avg_sq.data(), vmax, out,
-            k, gate ? gate->scalars : nullptr);
+        launch_kernel("fused_adam", detail::fused_adam_kernel<v(), A::decoupled, decay(), amsgrad(), G, C>, blocks,
+                      threads, 0, stream, std::int64_t(n), params.data(), grads.data(), state.exp_avg.data(),
+                      state.exp_avg_sq.data(), vmax, out, k, gate ? gate->scalars : nullptr);
       });
     });
   });
-  shardlib::cuda::check_launch("fused_adam");
 }
 
 // The same over an adam_device_state.

@@ -78,10 +78,9 @@ void cross_entropy(const T* logits, const std::int64_t* targets, std::int64_t ro
       },
       stream, alloc, "cub::DeviceReduce::TransformReduce (counting cross_entropy rows)");
   if (rows > 0) {
-    detail::cross_entropy_kernel<<<unsigned(rows), row_threads(classes), 0, stream>>>(
-        logits, targets, classes, options.ignore_index, float(options.label_smoothing), mean, counted.data(), grad,
-        row_loss.data(), bad_target.slot());
-    shardlib::cuda::check_launch("cross_entropy");
+    launch_kernel("cross_entropy", detail::cross_entropy_kernel<T>, unsigned(rows), row_threads(classes), 0, stream,
+                  logits, targets, classes, options.ignore_index, float(options.label_smoothing), mean, counted.data(),
+                  grad, row_loss.data(), bad_target.slot());
   }
   // Row losses summed in double, as the host layer does: rows can be many.
   detail::with_cub_scratch(
@@ -90,8 +89,8 @@ void cross_entropy(const T* logits, const std::int64_t* targets, std::int64_t ro
                                                   ::cuda::std::plus<>{}, detail::as_double{}, 0.0, stream);
       },
       stream, alloc, "cub::DeviceReduce::TransformReduce (summing cross_entropy losses)");
-  detail::cross_entropy_finish_kernel<<<1, 1, 0, stream>>>(total.data(), counted.data(), mean, loss);
-  shardlib::cuda::check_launch("cross_entropy_finish");
+  launch_kernel("cross_entropy_finish", detail::cross_entropy_finish_kernel<float>, 1, 1, 0, stream, total.data(),
+                counted.data(), mean, loss);
 }
 
 }  // namespace shardlib::ops::cuda

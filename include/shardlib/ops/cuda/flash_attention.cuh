@@ -11,9 +11,9 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/ledger.hpp"             // category
 #include "shardlib/cuda/caching_allocator.hpp"  // device_buffer
-#include "shardlib/cuda/error.hpp"              // check_launch
 #include "shardlib/cuda/kernel_facts.hpp"       // allow_shared_memory, current_device_facts, kernel_ptx_version
 #include "shardlib/nn/sdpa.hpp"                 // head_view
+#include "shardlib/ops/cuda/launch.cuh"         // launch_kernel
 #include "shardlib/ops/cuda/flash_kernels.cuh"
 #include "shardlib/ops/cuda/flash_tensor_kernels.cuh"
 
@@ -33,8 +33,7 @@ template <class K, class Args>
 void launch_flash(K kernel, dim3 grid, std::size_t shared_bytes, cudaStream_t stream, const char* name,
                   const Args& args) {
   shardlib::cuda::allow_shared_memory(reinterpret_cast<const void*>(kernel), shared_bytes, name);
-  kernel<<<grid, fused::threads, shared_bytes, stream>>>(args);
-  shardlib::cuda::check_launch(name);
+  launch_kernel(name, kernel, grid, fused::threads, shared_bytes, stream, args);
 }
 
 // The current GPU runs `kernel` (a tensor-core one) with `shared_bytes` per block: an sm_80 or
@@ -121,8 +120,8 @@ void flash_attention_backward(nn::head_view<const T> q, nn::head_view<const T> k
                                   fd::rows_of(dk), fd::rows_of(dv), p,               fd::scale_of(o, q.dim),
                                   int(q.dim)};
   if (rows > 0) {
-    fd::row_d_kernel<T><<<unsigned((rows + fd::warps - 1) / fd::warps), fd::threads, 0, stream>>>(args);
-    shardlib::cuda::check_launch("flash_attention_backward (D = dO . O)");
+    launch_kernel("flash_attention_backward (D = dO . O)", fd::row_d_kernel<T>,
+                  unsigned((rows + fd::warps - 1) / fd::warps), fd::threads, 0, stream, args);
   }
   if constexpr (ft::takes<T>)
     if (flash_uses_tensor_cores<T>(q.dim, o) && ft::whole_vectors(args.q) && ft::whole_vectors(args.k) &&

@@ -1,11 +1,11 @@
 // shardlib/ops/cuda/launch.cuh — what every shardlib kernel shares: block_team
-// (a Team of one CUDA block), launch shapes, and the element-wise loops
-// (map_elements with 16-byte vectors, for_each_index for the rest).
+// (a Team of one CUDA block), launch_kernel, launch shapes, and the element-wise
+// loops (map_elements with 16-byte vectors, for_each_index for the rest).
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/ledger.hpp"             // category
 #include "shardlib/cuda/caching_allocator.hpp"  // caching_allocator, device_buffer
-#include "shardlib/cuda/error.hpp"              // check, check_launch
+#include "shardlib/cuda/error.hpp"              // check
 #include "shardlib/ops/cuda/team.hpp"           // Team
 
 #include <cuda_runtime.h>
@@ -14,6 +14,7 @@
 #include <cmath>      // INFINITY
 #include <cstddef>    // std::size_t, std::byte
 #include <cstdint>    // std::int64_t, std::uintptr_t
+#include <utility>    // std::forward
 
 namespace shardlib::ops::cuda {
 
@@ -30,7 +31,7 @@ struct block_team {
  private:
   template <class Op>
   __device__ static float reduce(float x, float identity, Op op) {
-    __shared__ float partial[32];
+    static __shared__ float partial[32];
     for (int offset = 16; offset > 0; offset /= 2) x = op(x, __shfl_xor_sync(0xFFFFFFFFu, x, offset));
     const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, warps = int(blockDim.x) / 32;
     __syncthreads();  // the previous reduction has finished reading `partial`
@@ -41,6 +42,22 @@ struct block_team {
     return x;
   }
 };
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...), checked: a launch
+// that fails (a bad configuration) raises here, naming the kernel. Spelled as
+// the runtime's typed cudaLaunchKernelEx, which is what the chevrons become,
+// so that a plain C++ compiler reads every launch: tests/emulated runs the
+// kernels on the CPU through it.
+template <class... Params, class... Args>
+void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes,
+                   cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  shardlib::cuda::check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "launch of kernel ", name);
+}
 
 // Threads for a block that handles one row of n elements: n rounded up to
 // whole warps, at most 512 (then each thread takes several elements).
@@ -66,8 +83,7 @@ template <class F>
 void for_each_index(std::int64_t n, F f, cudaStream_t stream, const char* name) {
   if (n <= 0) return;
   constexpr int threads = 256;
-  for_each_index_kernel<<<grid_blocks(n, threads), threads, 0, stream>>>(n, f);
-  shardlib::cuda::check_launch(name);
+  launch_kernel(name, for_each_index_kernel<F>, grid_blocks(n, threads), threads, 0, stream, n, f);
 }
 
 namespace detail {
@@ -150,9 +166,8 @@ void map_elements(std::int64_t n, Op op, cudaStream_t stream, const char* name, 
   if (head >= n || !(detail::vector_aligned(in, head, N) && ...)) head = n;      // all one by one
   const std::int64_t vectors = (n - head) / N, edges = n - vectors * N;
   constexpr int threads = 256;
-  detail::map_kernel<N><<<grid_blocks(std::max(vectors, edges), threads), threads, 0, stream>>>(n, head, vectors, op,
-                                                                                              out, in...);
-  shardlib::cuda::check_launch(name);
+  launch_kernel(name, detail::map_kernel<N, Out, Op, In...>, grid_blocks(std::max(vectors, edges), threads), threads, 0,
+                stream, n, head, vectors, op, out, in...);
 }
 
 // A kernel's report of a bad input (a target or id out of range) into an

@@ -64,8 +64,8 @@ template <class T, class P>
 void layer_norm_forward(const T* x, const P* weight, const P* bias, T* y, row_stats* stats, std::int64_t rows, int d,
                         float eps, cudaStream_t stream) {
   if (rows == 0 || d == 0) return;
-  detail::layer_norm_forward_kernel<<<unsigned(rows), row_threads(d), 0, stream>>>(x, weight, bias, y, stats, d, eps);
-  shardlib::cuda::check_launch("layer_norm_forward");
+  launch_kernel("layer_norm_forward", detail::layer_norm_forward_kernel<T, P>, unsigned(rows), row_threads(d), 0,
+                stream, x, weight, bias, y, stats, d, eps);
 }
 
 // dx[rows, d] from dy and forward's stats; with affine, dweight and dbias
@@ -76,8 +76,8 @@ void layer_norm_backward(const T* x, const T* dy, const P* weight, const row_sta
                          P* dbias, std::int64_t rows, int d, cudaStream_t stream,
                          shardlib::cuda::caching_allocator& alloc) {
   if (rows == 0 || d == 0) return;
-  detail::layer_norm_backward_kernel<<<unsigned(rows), row_threads(d), 0, stream>>>(x, dy, weight, stats, dx, d);
-  shardlib::cuda::check_launch("layer_norm_backward");
+  launch_kernel("layer_norm_backward", detail::layer_norm_backward_kernel<T, P>, unsigned(rows), row_threads(d), 0,
+                stream, x, dy, weight, stats, dx, d);
   if (!dweight) return;
   // 64 rows per chunk keeps enough blocks in flight for a few hundred rows
   // and the partials small (8 bytes per column and chunk); more on inputs
@@ -86,12 +86,10 @@ void layer_norm_backward(const T* x, const T* dy, const P* weight, const row_sta
   const int chunks = int((rows + chunk_rows - 1) / chunk_rows), threads = 128;
   shardlib::cuda::device_buffer<param_grads> partial(std::size_t(chunks) * d, category::activations, stream, alloc);
   const dim3 grid(unsigned((d + threads - 1) / threads), unsigned(chunks));
-  detail::layer_norm_param_grads_kernel<<<grid, threads, 0, stream>>>(x, dy, stats, rows, d, chunk_rows,
-                                                                     partial.data());
-  shardlib::cuda::check_launch("layer_norm_param_grads");
-  detail::layer_norm_param_grads_finish_kernel<<<unsigned((d + threads - 1) / threads), threads, 0, stream>>>(
-      partial.data(), chunks, d, dweight, dbias);
-  shardlib::cuda::check_launch("layer_norm_param_grads_finish");
+  launch_kernel("layer_norm_param_grads", detail::layer_norm_param_grads_kernel<T>, grid, threads, 0, stream, x, dy,
+                stats, rows, d, chunk_rows, partial.data());
+  launch_kernel("layer_norm_param_grads_finish", detail::layer_norm_param_grads_finish_kernel<P>,
+                unsigned((d + threads - 1) / threads), threads, 0, stream, partial.data(), chunks, d, dweight, dbias);
 }
 
 }  // namespace shardlib::ops::cuda

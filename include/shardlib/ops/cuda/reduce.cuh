@@ -6,7 +6,6 @@
 #include "shardlib/core/element.hpp"             // FloatingElement
 #include "shardlib/core/ledger.hpp"              // category
 #include "shardlib/cuda/caching_allocator.hpp"   // caching_allocator, device_buffer
-#include "shardlib/cuda/error.hpp"               // check_launch
 #include "shardlib/ops/cuda/launch.cuh"          // detail::with_cub_scratch, grid_blocks
 
 #include <cub/device/device_reduce.cuh>
@@ -43,7 +42,7 @@ inline constexpr int column_tile = 32, column_lanes = 8;
 template <class T>
 __global__ void column_sums_kernel(const T* d, std::int64_t rows, std::int64_t cols, std::int64_t chunk_rows,
                                    float* partial, T* g) {
-  __shared__ float lane_sums[column_lanes][column_tile];
+  static __shared__ float lane_sums[column_lanes][column_tile];
   const std::int64_t c = std::int64_t(blockIdx.x) * column_tile + threadIdx.x;
   const std::int64_t begin = std::int64_t(blockIdx.y) * chunk_rows;
   const std::int64_t end = begin + chunk_rows < rows ? begin + chunk_rows : rows;
@@ -91,17 +90,16 @@ void add_column_sums(const T* d, std::int64_t rows, std::int64_t cols, T* g, cud
   chunks = (rows + chunk_rows - 1) / chunk_rows;
   const dim3 block{unsigned(detail::column_tile), unsigned(detail::column_lanes)}, grid{unsigned(tiles), unsigned(chunks)};
   if (chunks == 1) {
-    detail::column_sums_kernel<<<grid, block, 0, stream>>>(d, rows, cols, chunk_rows, nullptr, g);
-    shardlib::cuda::check_launch("add_column_sums");
+    launch_kernel("add_column_sums", detail::column_sums_kernel<T>, grid, block, 0, stream, d, rows, cols, chunk_rows,
+                  nullptr, g);
     return;
   }
   shardlib::cuda::device_buffer<float> partial(std::size_t(chunks * cols), category::activations, stream, alloc);
-  detail::column_sums_kernel<<<grid, block, 0, stream>>>(d, rows, cols, chunk_rows, partial.data(), g);
-  shardlib::cuda::check_launch("add_column_sums");
+  launch_kernel("add_column_sums", detail::column_sums_kernel<T>, grid, block, 0, stream, d, rows, cols, chunk_rows,
+                partial.data(), g);
   constexpr int threads = 256;
-  detail::column_chunks_finish_kernel<<<grid_blocks(cols, threads), threads, 0, stream>>>(partial.data(), chunks, cols,
-                                                                                        g);
-  shardlib::cuda::check_launch("add_column_sums (chunks)");
+  launch_kernel("add_column_sums (chunks)", detail::column_chunks_finish_kernel<T>, grid_blocks(cols, threads), threads,
+                0, stream, partial.data(), chunks, cols, g);
 }
 
 // *out (device) = sum of x[i]^2, each square and the sum in double, as

@@ -58,8 +58,8 @@ template <class T, class P>
 void rms_norm_forward(const T* x, const P* weight, T* y, float* rstd, std::int64_t rows, int d, float eps,
                       cudaStream_t stream) {
   if (rows == 0 || d == 0) return;
-  detail::rms_norm_forward_kernel<<<unsigned(rows), row_threads(d), 0, stream>>>(x, weight, y, rstd, d, eps);
-  shardlib::cuda::check_launch("rms_norm_forward");
+  launch_kernel("rms_norm_forward", detail::rms_norm_forward_kernel<T, P>, unsigned(rows), row_threads(d), 0, stream, x,
+                weight, y, rstd, d, eps);
 }
 
 // dx[rows, d] from dy and forward's rstd; dweight accumulates (+=) like the
@@ -68,18 +68,17 @@ template <class T, class P>
 void rms_norm_backward(const T* x, const T* dy, const P* weight, const float* rstd, T* dx, P* dweight,
                        std::int64_t rows, int d, cudaStream_t stream, shardlib::cuda::caching_allocator& alloc) {
   if (rows == 0 || d == 0) return;
-  detail::rms_norm_backward_kernel<<<unsigned(rows), row_threads(d), 0, stream>>>(x, dy, weight, rstd, dx, d);
-  shardlib::cuda::check_launch("rms_norm_backward");
+  launch_kernel("rms_norm_backward", detail::rms_norm_backward_kernel<T, P>, unsigned(rows), row_threads(d), 0, stream,
+                x, dy, weight, rstd, dx, d);
   // Chunks of 64 rows, as LayerNorm's parameter gradients (ops/cuda/layer_norm.cuh).
   const std::int64_t chunk_rows = std::max<std::int64_t>(64, (rows + 65534) / 65535);
   const int chunks = int((rows + chunk_rows - 1) / chunk_rows), threads = 128;
   shardlib::cuda::device_buffer<float> partial(std::size_t(chunks) * d, category::activations, stream, alloc);
   const dim3 grid(unsigned((d + threads - 1) / threads), unsigned(chunks));
-  detail::rms_norm_weight_grad_kernel<<<grid, threads, 0, stream>>>(x, dy, rstd, rows, d, chunk_rows, partial.data());
-  shardlib::cuda::check_launch("rms_norm_weight_grad");
-  detail::rms_norm_weight_grad_finish_kernel<<<unsigned((d + threads - 1) / threads), threads, 0, stream>>>(
-      partial.data(), chunks, d, dweight);
-  shardlib::cuda::check_launch("rms_norm_weight_grad_finish");
+  launch_kernel("rms_norm_weight_grad", detail::rms_norm_weight_grad_kernel<T>, grid, threads, 0, stream, x, dy, rstd,
+                rows, d, chunk_rows, partial.data());
+  launch_kernel("rms_norm_weight_grad_finish", detail::rms_norm_weight_grad_finish_kernel<P>,
+                unsigned((d + threads - 1) / threads), threads, 0, stream, partial.data(), chunks, d, dweight);
 }
 
 }  // namespace shardlib::ops::cuda

@@ -203,8 +203,8 @@ struct space_ops<cuda_space> {
   }
   static void decide_step(const step_rule& rule, const float* shared, const double* norm_squared, double* scaler,
                           double* outcome) {
-    detail::decide_step_kernel<<<1, 1, 0, cuda::current_stream()>>>(rule, shared, norm_squared, scaler, outcome);
-    cuda::check_launch("space_ops decide_step");
+    ops::cuda::launch_kernel("space_ops decide_step", detail::decide_step_kernel<step_rule>, 1, 1, 0,
+                             cuda::current_stream(), rule, shared, norm_squared, scaler, outcome);
   }
   // The per-step scalars (the contract in shard/space_ops.hpp): reductions go into
   // device memory and stay there; nothing here waits but wait_for_reads. Sums of
@@ -225,8 +225,8 @@ struct space_ops<cuda_space> {
     auto& alloc = cuda::device_allocator(cuda::current_device());
     cuda::device_buffer<double> d(1, category::activations, s, alloc);
     ops::cuda::sum_squares(x, d.data(), s, alloc);
-    detail::accumulate_kernel<<<1, 1, 0, s>>>(d.data(), total);
-    cuda::check_launch("space_ops add_sum_squares");
+    ops::cuda::launch_kernel("space_ops add_sum_squares", detail::accumulate_kernel<double>, 1, 1, 0, s, d.data(),
+                             total);
   }
   static void add_nonfinite(std::span<const float> x, float* count) {
     if (x.empty()) return;
@@ -234,8 +234,8 @@ struct space_ops<cuda_space> {
     auto& alloc = cuda::device_allocator(cuda::current_device());
     cuda::device_buffer<unsigned long long> d(1, category::activations, s, alloc);
     ops::cuda::count_nonfinite(x, d.data(), s, alloc);
-    detail::count_if_nonzero_kernel<<<1, 1, 0, s>>>(d.data(), count);
-    cuda::check_launch("space_ops add_nonfinite");
+    ops::cuda::launch_kernel("space_ops add_nonfinite", detail::count_if_nonzero_kernel<float>, 1, 1, 0, s, d.data(),
+                             count);
   }
   // The communicator reads and writes device memory, ordered after its compute
   // stream, which check_stream made the current one.

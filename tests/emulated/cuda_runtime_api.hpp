@@ -1,0 +1,166 @@
+// tests/emulated/cuda_runtime_api.hpp — the host side of CUDA's runtime that the
+// library's device code calls, for the emulated tests: one device (0) whose
+// memory is host memory, streams and events that order nothing because every
+// launch runs to its end before it returns (cuda_emulator.hpp), and kernel
+// launches through the typed cudaLaunchKernelEx (ops::cuda::launch_kernel).
+//
+// Device memory comes 256-byte aligned (as cudaMalloc's) and filled with 0xFF
+// bytes (NaN), so a kernel that reads what nobody wrote shows. Errors are
+// returned and kept for cudaGetLastError as the runtime does. Dynamic shared
+// memory is not offered here: a kernel that needs it names its extern array and
+// is launched with cuda_emulator::launch.
+#pragma once
+#include "cuda_emulator.hpp"
+
+#include <cstddef>  // std::size_t
+#include <cstdlib>  // std::aligned_alloc, std::free
+#include <cstring>  // std::memcpy, std::memset
+#include <utility>  // std::forward
+
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorNotReady = 600,
+};
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+inline constexpr unsigned cudaStreamNonBlocking = 1, cudaEventDisableTiming = 2, cudaHostAllocDefault = 0;
+
+struct CUstream_st {};
+struct CUevent_st {};
+using cudaStream_t = CUstream_st*;
+using cudaEvent_t = CUevent_st*;
+
+struct cudaLaunchAttribute {};
+struct cudaLaunchConfig_t {
+  dim3 gridDim, blockDim;
+  std::size_t dynamicSmemBytes = 0;
+  cudaStream_t stream = nullptr;
+  cudaLaunchAttribute* attrs = nullptr;
+  unsigned numAttrs = 0;
+};
+
+namespace cuda_emulator {
+inline cudaError_t& last_error() {
+  thread_local cudaError_t e = cudaSuccess;
+  return e;
+}
+inline cudaError_t fail(cudaError_t e) { return last_error() = e; }
+inline int& current_device() {
+  thread_local int d = 0;
+  return d;
+}
+inline std::size_t rounded_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+}  // namespace cuda_emulator
+
+inline cudaError_t cudaGetLastError() { return std::exchange(cuda_emulator::last_error(), cudaSuccess); }
+inline const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+  }
+  return "an unknown cudaError_t";
+}
+inline const char* cudaGetErrorString(cudaError_t e) { return cudaGetErrorName(e); }
+
+inline cudaError_t cudaGetDeviceCount(int* count) {
+  *count = 1;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = cuda_emulator::current_device();
+  return cudaSuccess;
+}
+inline cudaError_t cudaSetDevice(int device) {
+  if (device != 0) return cuda_emulator::fail(cudaErrorInvalidDevice);
+  cuda_emulator::current_device() = device;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+
+inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
+  const std::size_t n = cuda_emulator::rounded_up(bytes == 0 ? 1 : bytes);
+  *p = std::aligned_alloc(256, n);
+  if (!*p) return cuda_emulator::fail(cudaErrorMemoryAllocation);
+  std::memset(*p, 0xFF, n);
+  return cudaSuccess;
+}
+template <class T>
+cudaError_t cudaMalloc(T** p, std::size_t bytes) {
+  void* v = nullptr;
+  const cudaError_t e = cudaMalloc(&v, bytes);
+  *p = static_cast<T*>(v);
+  return e;
+}
+inline cudaError_t cudaFree(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMallocHost(void** p, std::size_t bytes) { return cudaMalloc(p, bytes); }
+inline cudaError_t cudaFreeHost(void* p) { return cudaFree(p); }
+
+inline cudaError_t cudaMemcpy(void* to, const void* from, std::size_t bytes, cudaMemcpyKind) {
+  if (bytes) std::memcpy(to, from, bytes);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemcpyAsync(void* to, const void* from, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
+  return cudaMemcpy(to, from, bytes, kind);
+}
+inline cudaError_t cudaMemsetAsync(void* p, int byte, std::size_t bytes, cudaStream_t) {
+  if (bytes) std::memset(p, byte, bytes);
+  return cudaSuccess;
+}
+
+inline cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned, int) {
+  *s = new CUstream_st;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  delete s;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  *e = new CUevent_st;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete e;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
+inline cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+
+// The launch runs the whole grid before it returns; what a kernel throws (an
+// emulation_error, __trap) comes out of here. Launches alternate between blocks
+// and threads first to last and last to first, so that a result that depends on
+// their order (a missing barrier whose reader runs first in one of the orders)
+// is wrong in one of them.
+template <class... Params, class... Args>
+cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(Params...), Args&&... args) {
+  const dim3 g = config->gridDim, b = config->blockDim;
+  if (b.x * b.y * b.z == 0 || b.x * b.y * b.z > 1024 || g.x * g.y * g.z == 0 || g.y > 65535 || g.z > 65535)
+    return cuda_emulator::fail(cudaErrorInvalidConfiguration);
+  if (config->dynamicSmemBytes != 0)
+    throw cuda_emulator::emulation_error(
+        "cudaLaunchKernelEx: dynamic shared memory is offered only by cuda_emulator::launch");
+  thread_local bool reversed = false;
+  reversed = !reversed;
+  cuda_emulator::launch(kernel, g, b, 0, {}, {.reversed = reversed},
+                        static_cast<Params>(std::forward<Args>(args))...);
+  return cudaSuccess;
+}
