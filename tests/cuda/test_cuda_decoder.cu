@@ -5,7 +5,6 @@
 // against the unsharded host run; bf16 compute against fp32.
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/core/random.hpp>
-#include <shardlib/cuda.hpp>
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/models/cuda.cuh>
 #include <shardlib/nn/flat.hpp>
@@ -250,6 +249,16 @@ double worst(const run_record& got, const run_record& want) {
   return w.value();
 }
 
+// The parameters' difference relative to them, in the 2-norm (NaN when any is).
+double norm_difference(const run_record& got, const run_record& want) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < want.params.size(); ++i) {
+    diff += (double(got.params[i]) - want.params[i]) * (double(got.params[i]) - want.params[i]);
+    norm += double(want.params[i]) * want.params[i];
+  }
+  return got.params.size() == want.params.size() ? std::sqrt(diff / norm) : INFINITY;
+}
+
 // The message of what f throws ("" when it returns).
 template <class F>
 std::string message_of(F&& f) {
@@ -278,20 +287,27 @@ TEST_CASE("LLaMA on the device (GQA, RoPE): logits and every gradient equal the 
 }
 
 // fp32 on both sides; the differences are summation orders (~1e-6 relative per
-// operation), which 4 AdamW steps of lr 1e-3 keep below 1e-4 relative to
-// max(|p|, lr), as test_cuda_training's encoder.
+// operation). After 4 AdamW steps of lr 1e-3 the losses stay within 1e-4 and the
+// parameters within 1e-5 of the host's in the 2-norm (the device code on the CPU
+// emulator, tests/emulated: 1.1e-7 and 2.7e-7), but not every element: where a
+// gradient element is a sum that nearly cancels, its rounding is a large part of
+// it, and AdamW's normalised step passes that on (there three elements moved by
+// 8e-4 and 9e-4 of max(|p|, lr)). Elements are held to 1e-2, which a wrong term
+// or a skipped update exceeds.
 TEST_CASE("GPT-2 and LLaMA train under FullShard on two device ranks as unsharded on the host (fp32, AdamW)",
           "[cuda][decoder][training]") {
   if (!have_device()) return;
   {
     const run_record want = host_run(gpt2_tiny, 2), got = device_run<float>(gpt2_tiny, 2);
-    INFO("GPT-2: worst relative difference " << worst(got, want));
-    CHECK(worst(got, want) <= 1e-4);
+    INFO("GPT-2: worst relative difference " << worst(got, want) << ", in the 2-norm " << norm_difference(got, want));
+    CHECK(worst(got, want) <= 1e-2);
+    CHECK(norm_difference(got, want) <= 1e-5);
   }
   {
     const run_record want = host_run(llama_tiny, 2), got = device_run<float>(llama_tiny, 2);
-    INFO("LLaMA: worst relative difference " << worst(got, want));
-    CHECK(worst(got, want) <= 1e-4);
+    INFO("LLaMA: worst relative difference " << worst(got, want) << ", in the 2-norm " << norm_difference(got, want));
+    CHECK(worst(got, want) <= 1e-2);
+    CHECK(norm_difference(got, want) <= 1e-5);
   }
 }
 

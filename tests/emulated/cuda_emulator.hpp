@@ -27,7 +27,7 @@
 #pragma once
 #include <ucontext.h>
 
-#include <algorithm>   // std::all_of, std::fill
+#include <algorithm>   // std::all_of, std::any_of, std::fill
 #include <bit>         // std::bit_cast
 #include <cmath>       // std::isfinite, std::isinf, std::isnan
 #include <cstddef>     // std::size_t
@@ -104,15 +104,17 @@ struct machine {
   dim3 block_dim, grid_dim;
   ucontext_t scheduler{};
   std::vector<fiber> threads;
-  std::span<unsigned char> shared;         // the launch's shared memory
+  std::vector<std::span<unsigned char>> dynamic_shared;  // the `extern __shared__` arrays tests define
   std::vector<std::uint64_t> exchange[2];  // shuffles' values, one per thread, odd and even shuffles
   std::vector<int> shuffles;               // per thread, how many it made
   int current = 0;
   int pass_position = 0;  // of `current` in the pass's order
   bool reversed = false;  // the pass's order: last thread first
+  int only_warp = -1;     // the warp a pass runs, or -1 for all (warp-serial schedules)
   bool copies_at_issue = false;
   const std::function<void()>* body = nullptr;
   std::exception_ptr failure;
+  std::mutex one_launch;  // launches from several host threads run one at a time
 };
 inline machine& the_machine() {
   static machine m;
@@ -140,7 +142,7 @@ inline void wait_at(place p, warp_sync kind = warp_sync::syncwarp) {
   m.threads[std::size_t(me)].kind = kind;
   for (int k = m.pass_position + 1; k < count; ++k) {
     const int t = m.reversed ? count - 1 - k : k;
-    if (m.threads[std::size_t(t)].at != place::running) continue;
+    if (m.threads[std::size_t(t)].at != place::running || (m.only_warp >= 0 && t / warp_size != m.only_warp)) continue;
     m.pass_position = k;
     m.current = t;
     m.thread = thread_index(m, t);
@@ -164,9 +166,36 @@ inline std::string block_name(const uint3& b) {
   return "block (" + std::to_string(b.x) + ", " + std::to_string(b.y) + ", " + std::to_string(b.z) + ")";
 }
 
+// Opens warp w's barrier when all its threads wait there: false when some still
+// run or wait at __syncthreads; raises when it can never open.
+inline bool open_warp(machine& m, int w) {
+  const int count = int(m.threads.size()), w0 = w * warp_size, end = std::min(count, w0 + warp_size);
+  int waiting = 0, done = 0;
+  for (int t = w0; t < end; ++t) {
+    waiting += m.threads[std::size_t(t)].at == place::warp_barrier;
+    done += m.threads[std::size_t(t)].at == place::done;
+  }
+  if (waiting == 0 || waiting + done < end - w0) return false;
+  if (done > 0)
+    throw emulation_error(block_name(m.block) + ", warp " + std::to_string(w) +
+                          ": a full-warp barrier (__syncwarp or a shuffle) with " + std::to_string(done) +
+                          " of its threads exited");
+  for (int t = w0 + 1; t < end; ++t)
+    if (m.threads[std::size_t(t)].kind != m.threads[std::size_t(w0)].kind)
+      throw emulation_error(block_name(m.block) + ", warp " + std::to_string(w) +
+                            ": lanes meet at different warp barriers (a __syncwarp and a shuffle)");
+  for (int t = w0; t < end; ++t) m.threads[std::size_t(t)].at = place::running;
+  return true;
+}
+
 // Runs the current block's threads to their end; throws what a thread threw, or
-// emulation_error when its threads wait at barriers that cannot open.
-inline void run_block(machine& m, int count, bool reversed) {
+// emulation_error when its threads wait at barriers that cannot open. Lockstep:
+// every pass runs each thread that can to its next barrier, so warps advance
+// together. Warp-serial: a warp runs through its warp barriers up to a
+// __syncthreads (or its end) before the next warp starts, so a warp that writes
+// shared memory a later warp has yet to read (a missing __syncthreads beside
+// warp-level ones) overwrites it first.
+inline void run_block(machine& m, int count, bool reversed, bool warp_serial) {
   m.threads.resize(std::size_t(count));
   for (auto& e : m.exchange) e.assign(std::size_t(count), 0);
   m.shuffles.assign(std::size_t(count), 0);
@@ -182,21 +211,32 @@ inline void run_block(machine& m, int count, bool reversed) {
     f.groups.clear();
   }
   m.reversed = reversed;
-  for (;;) {
-    for (int k = 0; k < count; ++k) {  // the pass's first thread that can run; wait_at hands on from there
+  const int warps = (count + warp_size - 1) / warp_size;
+  const auto pass = [&](int only_warp) {  // the pass's first thread that can run; wait_at hands on from there
+    m.only_warp = only_warp;
+    for (int k = 0; k < count; ++k) {
       const int t = reversed ? count - 1 - k : k;
-      if (m.threads[std::size_t(t)].at != place::running) continue;
+      if (m.threads[std::size_t(t)].at != place::running || (only_warp >= 0 && t / warp_size != only_warp)) continue;
       m.pass_position = k;
       m.current = t;
       m.thread = thread_index(m, t);
       swapcontext(&m.scheduler, &m.threads[std::size_t(t)].context);
       if (m.failure) std::rethrow_exception(std::exchange(m.failure, nullptr));
     }
-    const auto at = [&](int t) { return m.threads[std::size_t(t)].at; };
+  };
+  for (;;) {
+    if (warp_serial)
+      for (int k = 0; k < warps; ++k) {
+        const int w = reversed ? warps - 1 - k : k;
+        do pass(w);
+        while (open_warp(m, w));
+      }
+    else
+      pass(-1);
     int live = 0, at_block = 0;
-    for (int t = 0; t < count; ++t) {
-      live += at(t) != place::done;
-      at_block += at(t) == place::block_barrier;
+    for (const fiber& f : m.threads) {
+      live += f.at != place::done;
+      at_block += f.at == place::block_barrier;
     }
     if (live == 0) return;
     if (at_block == live) {
@@ -205,25 +245,7 @@ inline void run_block(machine& m, int count, bool reversed) {
       continue;
     }
     bool opened = false;
-    for (int w0 = 0; w0 < count; w0 += warp_size) {
-      const int end = std::min(count, w0 + warp_size);
-      int waiting = 0, done = 0;
-      for (int t = w0; t < end; ++t) {
-        waiting += at(t) == place::warp_barrier;
-        done += at(t) == place::done;
-      }
-      if (waiting == 0 || waiting + done < end - w0) continue;
-      if (done > 0)
-        throw emulation_error(block_name(m.block) + ", warp " + std::to_string(w0 / warp_size) +
-                              ": a full-warp barrier (__syncwarp or a shuffle) with " + std::to_string(done) +
-                              " of its threads exited");
-      for (int t = w0 + 1; t < end; ++t)
-        if (m.threads[std::size_t(t)].kind != m.threads[std::size_t(w0)].kind)
-          throw emulation_error(block_name(m.block) + ", warp " + std::to_string(w0 / warp_size) +
-                                ": lanes meet at different warp barriers (a __syncwarp and a shuffle)");
-      for (int t = w0; t < end; ++t) m.threads[std::size_t(t)].at = place::running;
-      opened = true;
-    }
+    for (int w = 0; w < warps; ++w) opened = open_warp(m, w) || opened;
     if (!opened)
       throw emulation_error(block_name(m.block) + ": threads wait at barriers that cannot open: " +
                             std::to_string(at_block) + " at __syncthreads, " + std::to_string(live - at_block) +
@@ -231,30 +253,39 @@ inline void run_block(machine& m, int count, bool reversed) {
   }
 }
 
-// kernel<<<grid, block, shared_bytes>>>(args...) on the CPU, with `shared` the
-// memory the kernel's `extern __shared__` array names (defined by the test).
+// A test's definition of a kernel's `extern __shared__` array (its dynamic shared
+// memory), once per array. Launches that ask for dynamic shared memory fill every
+// defined array with 0xFF before each block and check that none was written past the
+// bytes asked; a launch that asks for none does neither.
+inline void define_dynamic_shared(std::span<unsigned char> array) { the_machine().dynamic_shared.push_back(array); }
+
 struct launch_options {
   bool reversed = false;      // blocks, and threads of a block, run last to first
+  bool warp_serial = false;   // each warp runs up to a __syncthreads before the next starts (else lockstep)
   bool copies_at_issue = false;  // asynchronous copies land when issued, not when waited for
 };
+
+// kernel<<<grid, block, shared_bytes>>>(args...) on the CPU.
 template <class... Params, class... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes, std::span<unsigned char> shared,
-            launch_options o, const Args&... args) {
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes, launch_options o,
+            const Args&... args) {
   const unsigned threads = block.x * block.y * block.z;
   if (threads == 0 || threads > 1024 || grid.x * grid.y * grid.z == 0)
     throw emulation_error("launch: blocks of 1 to 1024 threads and a grid of at least one block, got " +
                           std::to_string(block.x) + " x " + std::to_string(block.y) + " x " + std::to_string(block.z) +
                           " threads in " + std::to_string(grid.x) + " x " + std::to_string(grid.y) + " x " +
                           std::to_string(grid.z) + " blocks");
-  if (shared_bytes > shared.size())
-    throw emulation_error("launch: " + std::to_string(shared_bytes) + " bytes of shared memory asked, " +
-                          std::to_string(shared.size()) + " defined");
-  static std::mutex one_launch;
-  const std::lock_guard<std::mutex> lock(one_launch);
   machine& m = the_machine();
+  const std::lock_guard<std::mutex> lock(m.one_launch);
+  if (shared_bytes > 0 && m.dynamic_shared.empty())
+    throw emulation_error("launch: " + std::to_string(shared_bytes) +
+                          " bytes of dynamic shared memory asked, and the test defines no extern __shared__ array");
+  for (const auto& array : m.dynamic_shared)
+    if (shared_bytes > array.size())
+      throw emulation_error("launch: " + std::to_string(shared_bytes) + " bytes of dynamic shared memory asked, " +
+                            std::to_string(array.size()) + " defined");
   const std::function<void()> body = [&] { kernel(args...); };
   m.body = &body;
-  m.shared = shared;
   m.copies_at_issue = o.copies_at_issue;
   m.grid_dim = grid;
   m.block_dim = block;
@@ -262,12 +293,15 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared
   for (unsigned k = 0; k < blocks; ++k) {
     const unsigned b = o.reversed ? blocks - 1 - k : k;
     m.block = {b % grid.x, b / grid.x % grid.y, b / grid.x / grid.y};
-    std::fill(shared.begin(), shared.end(), std::uint8_t(0xFF));
-    run_block(m, int(threads), o.reversed);
-    if (!std::all_of(shared.begin() + std::ptrdiff_t(shared_bytes), shared.end(),
-                     [](unsigned char x) { return x == 0xFF; }))
-      throw emulation_error(block_name(m.block) + " wrote past its " + std::to_string(shared_bytes) +
-                            " bytes of shared memory");
+    if (shared_bytes > 0)
+      for (const auto& array : m.dynamic_shared) std::fill(array.begin(), array.end(), std::uint8_t(0xFF));
+    run_block(m, int(threads), o.reversed, o.warp_serial);
+    if (shared_bytes > 0)
+      for (const auto& array : m.dynamic_shared)
+        if (!std::all_of(array.begin() + std::ptrdiff_t(shared_bytes), array.end(),
+                         [](unsigned char x) { return x == 0xFF; }))
+          throw emulation_error(block_name(m.block) + " wrote past its " + std::to_string(shared_bytes) +
+                                " bytes of shared memory");
   }
   m.body = nullptr;
 }
@@ -310,7 +344,9 @@ inline void copy_async(void* to, const void* from, std::size_t bytes, std::size_
                           std::to_string(address(from) % 16) + " of 16");
   machine& m = the_machine();
   const auto in_shared = [&](const void* q) {
-    return address(q) >= address(m.shared.data()) && address(q) < address(m.shared.data() + m.shared.size());
+    return std::any_of(m.dynamic_shared.begin(), m.dynamic_shared.end(), [&](std::span<unsigned char> a) {
+      return address(q) >= address(a.data()) && address(q) < address(a.data() + a.size());
+    });
   };
   if (!in_shared(to) || in_shared(from))
     throw emulation_error("__pipeline_memcpy_async: copies from global to shared memory only");

@@ -6,9 +6,9 @@
 //
 // Device memory comes 256-byte aligned (as cudaMalloc's) and filled with 0xFF
 // bytes (NaN), so a kernel that reads what nobody wrote shows. Errors are
-// returned and kept for cudaGetLastError as the runtime does. Dynamic shared
-// memory is not offered here: a kernel that needs it names its extern array and
-// is launched with cuda_emulator::launch.
+// returned and kept for cudaGetLastError as the runtime does. The device is an
+// sm_90 one (227 KiB of shared memory per block on opt-in); dynamic shared memory is
+// the `extern __shared__` arrays a test defines (cuda_emulator::define_dynamic_shared).
 #pragma once
 #include "cuda_emulator.hpp"
 
@@ -146,21 +146,37 @@ inline cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 
 // The launch runs the whole grid before it returns; what a kernel throws (an
-// emulation_error, __trap) comes out of here. Launches alternate between blocks
-// and threads first to last and last to first, so that a result that depends on
-// their order (a missing barrier whose reader runs first in one of the orders)
-// is wrong in one of them.
+// emulation_error, __trap) comes out of here. Launches alternate between two
+// schedules: blocks and threads first to last in lockstep, and last to first
+// warp by warp (cuda_emulator::run_block), so that a result that depends on
+// their order (a missing barrier) is wrong in at least one of them.
 template <class... Params, class... Args>
 cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(Params...), Args&&... args) {
   const dim3 g = config->gridDim, b = config->blockDim;
   if (b.x * b.y * b.z == 0 || b.x * b.y * b.z > 1024 || g.x * g.y * g.z == 0 || g.y > 65535 || g.z > 65535)
     return cuda_emulator::fail(cudaErrorInvalidConfiguration);
-  if (config->dynamicSmemBytes != 0)
-    throw cuda_emulator::emulation_error(
-        "cudaLaunchKernelEx: dynamic shared memory is offered only by cuda_emulator::launch");
   thread_local bool reversed = false;
   reversed = !reversed;
-  cuda_emulator::launch(kernel, g, b, 0, {}, {.reversed = reversed},
+  cuda_emulator::launch(kernel, g, b, config->dynamicSmemBytes, {.reversed = reversed, .warp_serial = reversed},
                         static_cast<Params>(std::forward<Args>(args))...);
   return cudaSuccess;
 }
+
+// The device's and kernels' facts (shardlib/cuda/kernel_facts.hpp): an sm_90 GPU;
+// the opt-in to dynamic shared memory is recorded and not enforced.
+enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor = 75, cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+struct cudaFuncAttributes {
+  int maxDynamicSharedSizeBytes = 0;
+  int ptxVersion = 0;
+};
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
+  if (device != 0) return cuda_emulator::fail(cudaErrorInvalidDevice);
+  *value = attribute == cudaDevAttrComputeCapabilityMajor ? 9 : 232448;
+  return cudaSuccess;
+}
+inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, const void*) {
+  *a = {.maxDynamicSharedSizeBytes = 232448, .ptxVersion = 90};
+  return cudaSuccess;
+}
+inline cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute, int) { return cudaSuccess; }

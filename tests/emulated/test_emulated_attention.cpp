@@ -9,9 +9,9 @@
 // cannot: the kernels' indexing, staging, masking at tile edges, the warps' parts,
 // the barriers (a missing one reads NaN or stale tiles; one not every thread reaches
 // raises), the launch geometry and shared-memory sizes (a write past the declared
-// bytes raises). Each launch runs twice, threads first to last and last to first;
-// the results must be equal bit for bit (a result that depends on the order the
-// threads run in is a race). What it cannot find: the hardware's own rounding in
+// bytes raises). Each launch runs twice, threads first to last in lockstep and
+// last to first warp by warp; the results must be equal bit for bit (a result
+// that depends on the order the threads run in is a race). What it cannot find: the hardware's own rounding in
 // wmma's products (summed here in fp32, in order) and anything about speed.
 //
 // Tolerances, normwise as on the device (see there): fp32 2e-5, bf16 1e-2, half 2e-3.
@@ -19,6 +19,7 @@
 #include <shardlib/ops/cuda/flash_kernels.cuh>
 #include <shardlib/ops/cuda/flash_tensor_kernels.cuh>
 
+#include "dynamic_shared.hpp"  // the kernels' shared memory
 #include "support/attention_cases.hpp"
 #include "support/compare.hpp"
 
@@ -34,15 +35,6 @@
 #include <type_traits>
 #include <vector>
 
-// The kernels' `extern __shared__` arrays: as much as an sm_90 block may have.
-inline constexpr std::size_t shared_capacity = 232448;
-namespace shardlib::ops::cuda::detail::fused {
-alignas(128) float smem[shared_capacity / sizeof(float)];
-}
-namespace shardlib::ops::cuda::detail::tensor {
-alignas(128) unsigned char smem[shared_capacity];
-}
-
 namespace {
 
 namespace sl = shardlib;
@@ -53,8 +45,6 @@ using test_support::attention_case;
 using test_support::attention_data;
 using test_support::view_of;
 
-std::span<unsigned char> shared_of_fused() { return {reinterpret_cast<unsigned char*>(fd::smem), shared_capacity}; }
-std::span<unsigned char> shared_of_tensor() { return {ft::smem, shared_capacity}; }
 
 // n elements, then a guard of as many, every byte 0xFF (NaN in float, bf16 and fp16):
 // an element left unwritten fails the comparison, one written past the n changes the
@@ -123,16 +113,15 @@ outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool t
                                  fd::rows_of(out_view(r.dk, G, Lk)), fd::rows_of(out_view(r.dv, G, Lk)),
                                  p,                              scale,
                                  int(D)};
-  // One kernel set's forward, dq and dk/dv (kernels, query or key tile, shared bytes, the
-  // array their `extern __shared__` names), with D = dO . O between forward and backward.
-  const auto run_set = [&](auto forward, auto dq, auto dkdv, int rows, std::array<std::size_t, 3> bytes,
-                           std::span<unsigned char> shared) {
+  // One kernel set's forward, dq and dk/dv (kernels, query or key tile, shared bytes),
+  // with D = dO . O between forward and backward.
+  const auto run_set = [&](auto forward, auto dq, auto dkdv, int rows, std::array<std::size_t, 3> bytes) {
     const dim3 block(fd::threads);
-    cuda_emulator::launch(forward, fd::query_grid(p, rows), block, bytes[0], shared, lo, fwd);
-    cuda_emulator::launch(fd::row_d_kernel<T>, dim3(unsigned((B * H * Lq + fd::warps - 1) / fd::warps)), block, 0,
-                          shared_of_fused(), lo, bwd);
-    cuda_emulator::launch(dq, fd::query_grid(p, rows), block, bytes[1], shared, lo, bwd);
-    cuda_emulator::launch(dkdv, fd::key_grid(p, rows), block, bytes[2], shared, lo, bwd);
+    cuda_emulator::launch(forward, fd::query_grid(p, rows), block, bytes[0], lo, fwd);
+    cuda_emulator::launch(fd::row_d_kernel<T>, dim3(unsigned((B * H * Lq + fd::warps - 1) / fd::warps)), block, 0, lo,
+                          bwd);
+    cuda_emulator::launch(dq, fd::query_grid(p, rows), block, bytes[1], lo, bwd);
+    cuda_emulator::launch(dkdv, fd::key_grid(p, rows), block, bytes[2], lo, bwd);
   };
   if constexpr (ft::takes<T>) {
     if (tensor_cores) {
@@ -142,7 +131,7 @@ outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool t
                ft::whole_vectors(bwd.dk) && ft::whole_vectors(bwd.dv)));
       ft::dispatch_dim(D, [&]<int DM>() {
         run_set(ft::forward_kernel<DM, T>, ft::dq_kernel<DM, T>, ft::dkdv_kernel<DM, T>, ft::tile,
-                {ft::forward_bytes<DM>, ft::dq_bytes<DM>, ft::dkdv_bytes<DM>}, shared_of_tensor());
+                {ft::forward_bytes<DM>, ft::dq_bytes<DM>, ft::dkdv_bytes<DM>});
       });
       return r;
     }
@@ -150,7 +139,7 @@ outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool t
   REQUIRE_FALSE(tensor_cores);
   fd::dispatch_dim(D, "emulated", [&]<int DM>() {
     run_set(fd::forward_kernel<DM, T>, fd::dq_kernel<DM, T>, fd::dkdv_kernel<DM, T>, fd::tile,
-            {fd::forward_bytes<DM>, fd::dq_bytes<DM>, fd::dkdv_bytes<DM>}, shared_of_fused());
+            {fd::forward_bytes<DM>, fd::dq_bytes<DM>, fd::dkdv_bytes<DM>});
   });
   return r;
 }
@@ -167,9 +156,10 @@ void check_case(const attention_case& c, test_support::random_inputs& rnd, doubl
   CHECK(test_support::wrong_lse_rows(c, in, got.lse) == 0);
   CHECK((guard_intact(got.out) && guard_intact(got.dq) && guard_intact(got.dk) && guard_intact(got.dv) &&
          guard_intact(got.lse)));
-  // The same bits with the threads run the other way round and the asynchronous
-  // copies landing when issued (above: when waited for).
-  CHECK(same_bits(run_kernels<T>(c, in, tensor_cores, {.reversed = true, .copies_at_issue = true}), got));
+  // The same bits with the threads run the other way round, warp by warp, and the
+  // asynchronous copies landing when issued (above: in lockstep, when waited for).
+  CHECK(same_bits(
+      run_kernels<T>(c, in, tensor_cores, {.reversed = true, .warp_serial = true, .copies_at_issue = true}), got));
 }
 
 template <class T>
