@@ -1,9 +1,10 @@
 // ops::cuda::gemm (plain cuBLAS) against the host ops::gemm; ops::cuda::gemm_lt
-// (cuBLASLt with fused epilogues) and the device Linear that uses it. Every epilogue against an unfused reference computed on the
-// host in float64 from the same T-rounded inputs: the product, then the bias,
-// then nn::relu / nn::gelu (tanh) and their backward, the host layers' own
-// functions. Transposes, padded leading dimensions, and odd sizes (M, N, K
-// from 1, 7, 33, 768, 3072, 50257) in a few combinations.
+// (cuBLASLt with fused epilogues) and the device Linear that uses it. Every
+// epilogue against an unfused reference computed on the host in float64 from
+// the same T-rounded inputs: the product, then the bias, then nn::relu /
+// nn::gelu (tanh) and their backward, the host layers' own functions.
+// Transposes, padded leading dimensions, and odd sizes (M, N, K from 1, 7, 33,
+// 768, 3072, 50257) in a few combinations.
 //
 // Tolerances, per element, |got - want| <= bound (NaN fails):
 // - the fp32 product, 1e-5 of the sum of the magnitudes of the terms summed

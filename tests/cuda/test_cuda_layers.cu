@@ -20,11 +20,13 @@
 // 0.9% at worst over 200 seeds), and backward goes through the softmax again.
 // Parameters are drawn with standard deviation 0.2, about Xavier's for these
 // widths, so scores stay in the range a trained model's do. With ReLU, the
-// encoder layer's linear1.bias is +6 or -6 (alternately), far from the spread of
+// encoder layers' linear1.bias is +6 or -6 (alternately), far from the spread of
 // the products (std ~1.1): a pre-activation within bf16's rounding of zero would
 // fall on the other side of ReLU's mask than on the host and move that element's
 // gradient by all of it (with random biases the device code, run on the CPU
-// emulator in tests/emulated, was off by up to 16% over 150 seeds).
+// emulator in tests/emulated, was off by up to 16% over 150 seeds). Each unit is
+// then on or off for every token; the activation tests above mask element by
+// element.
 //
 // The same file runs on the CPU as tests/emulated/test_emulated_layers.cpp.
 #include <shardlib/cuda/current.hpp>
@@ -239,6 +241,16 @@ void compare_layers(HostLayer& host, DeviceLayer& dev, Shape in_shape, random_in
   params.template compare_grads<Compare>();
 }
 
+// The encoder's ReLU kept off its step (see the top of the file): every linear1.bias
+// +6 and -6 alternately; `count` counts the biases set.
+auto firm_relu_biases(int& count) {
+  return [&count](const std::string& name, std::vector<float>& v) {
+    if (!name.ends_with("linear1.bias")) return;
+    for (std::size_t j = 0; j < v.size(); ++j) v[j] = j % 2 ? -6.0f : 6.0f;
+    ++count;
+  };
+}
+
 nn::context training(std::uint64_t seed) { return nn::context({.training = true, .seed = seed, .rank = 0, .step = 3}); }
 
 Tensor<std::uint8_t> padding_mask(std::int64_t n, std::int64_t l, random_inputs& rnd) {
@@ -424,12 +436,13 @@ TEMPLATE_TEST_CASE("device TransformerEncoderLayer equals the host layer", "[cud
                                               .norm_first = norm_first};
       nn::TransformerEncoderLayer<float> host(o);
       Encoder<T> dev(o);
-      const auto firm_relu = [&](const std::string& name, std::vector<float>& v) {  // see the top of the file
-        if (act == nn::transformer_activation::relu && name == "linear1.bias")
-          for (std::size_t j = 0; j < v.size(); ++j) v[j] = j % 2 ? -6.0f : 6.0f;
-      };
+      const bool relu = act == nn::transformer_activation::relu;
+      int firmed = 0;
+      using choice = typename bound_parameters<T>::choice;
       compare_layers<T, require_composite_near<T>>(host, dev, Shape{3, 5, 32}, rnd, training(rnd.seed),
-                                                   training(rnd.seed), 1.0f, firm_relu);
+                                                   training(rnd.seed), 1.0f,
+                                                   relu ? choice(firm_relu_biases(firmed)) : choice());
+      REQUIRE(firmed == int(relu));
     }
 }
 
@@ -446,7 +459,9 @@ TEMPLATE_TEST_CASE("the reference model on the device: forward, cross-entropy an
   HostModel host{nn::Stack<nn::TransformerEncoderLayer<float>>(2, o), nn::MeanPool<float>(1),
                  nn::Linear<float>(d, classes)};
   Model<T> dev{nn::Stack<Encoder<T>>(2, o), nn::MeanPool<T, cuda_space>(1), nn::Linear<T, cuda_space>(d, classes)};
-  bound_parameters<T> params(host, dev, rnd);
+  int firmed = 0;  // the layers' ReLU (the default activation)
+  bound_parameters<T> params(host, dev, rnd, firm_relu_biases(firmed));
+  REQUIRE(firmed == 2);
 
   nn::context hctx = training(rnd.seed), dctx = training(rnd.seed);
   const auto mask = padding_mask(n, l, rnd);

@@ -76,6 +76,7 @@ namespace cuda_emulator {
 
 inline constexpr std::size_t stack_bytes = std::size_t(256) << 10;  // per thread: the kernels keep tiles in arrays
 inline constexpr int warp_size = 32;
+inline constexpr std::size_t shared_capacity = 232448;  // an sm_90 block's shared memory on opt-in
 
 enum class place { running, block_barrier, warp_barrier, done };
 
@@ -256,7 +257,8 @@ inline void run_block(machine& m, int count, bool reversed, bool warp_serial) {
 // A test's definition of a kernel's `extern __shared__` array (its dynamic shared
 // memory), once per array. Launches that ask for dynamic shared memory fill every
 // defined array with 0xFF before each block and check that none was written past the
-// bytes asked; a launch that asks for none does neither.
+// bytes asked; for a launch that asks for none, the arrays are filled before it and
+// checked after it (once, not per block: the maps launch thousands of blocks).
 inline void define_dynamic_shared(std::span<unsigned char> array) { the_machine().dynamic_shared.push_back(array); }
 
 struct launch_options {
@@ -289,20 +291,24 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared
   m.copies_at_issue = o.copies_at_issue;
   m.grid_dim = grid;
   m.block_dim = block;
+  const auto check_untouched = [&](std::size_t from, const std::string& who) {
+    for (const auto& array : m.dynamic_shared)
+      if (!std::all_of(array.begin() + std::ptrdiff_t(from), array.end(), [](unsigned char x) { return x == 0xFF; }))
+        throw emulation_error(who + " wrote past its " + std::to_string(from) + " bytes of shared memory");
+  };
+  const auto fill = [&] {
+    for (const auto& array : m.dynamic_shared) std::fill(array.begin(), array.end(), std::uint8_t(0xFF));
+  };
+  if (shared_bytes == 0) fill();
   const unsigned blocks = grid.x * grid.y * grid.z;
   for (unsigned k = 0; k < blocks; ++k) {
     const unsigned b = o.reversed ? blocks - 1 - k : k;
     m.block = {b % grid.x, b / grid.x % grid.y, b / grid.x / grid.y};
-    if (shared_bytes > 0)
-      for (const auto& array : m.dynamic_shared) std::fill(array.begin(), array.end(), std::uint8_t(0xFF));
+    if (shared_bytes > 0) fill();
     run_block(m, int(threads), o.reversed, o.warp_serial);
-    if (shared_bytes > 0)
-      for (const auto& array : m.dynamic_shared)
-        if (!std::all_of(array.begin() + std::ptrdiff_t(shared_bytes), array.end(),
-                         [](unsigned char x) { return x == 0xFF; }))
-          throw emulation_error(block_name(m.block) + " wrote past its " + std::to_string(shared_bytes) +
-                                " bytes of shared memory");
+    if (shared_bytes > 0) check_untouched(shared_bytes, block_name(m.block));
   }
+  if (shared_bytes == 0) check_untouched(0, "a launch of " + std::to_string(blocks) + " blocks");
   m.body = nullptr;
 }
 

@@ -15,6 +15,8 @@
 #include <cstddef>  // std::size_t
 #include <cstdlib>  // std::aligned_alloc, std::free
 #include <cstring>  // std::memcpy, std::memset
+#include <map>      // std::map
+#include <mutex>    // std::mutex, std::lock_guard
 #include <utility>  // std::forward
 
 enum cudaError_t {
@@ -146,24 +148,33 @@ inline cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 
 // The launch runs the whole grid before it returns; what a kernel throws (an
-// emulation_error, __trap) comes out of here. Launches alternate between two
-// schedules: blocks and threads first to last in lockstep, and last to first
-// warp by warp (cuda_emulator::run_block), so that a result that depends on
-// their order (a missing barrier) is wrong in at least one of them.
+// emulation_error, __trap) comes out of here. Each kernel's launches alternate
+// between two schedules: blocks and threads first to last in lockstep, and last
+// to first warp by warp (cuda_emulator::run_block), so that a result that depends
+// on their order (a missing barrier) is wrong in one of them. The arguments
+// convert to the kernel's parameters as CUDA's typed launch converts them.
 template <class... Params, class... Args>
 cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(Params...), Args&&... args) {
   const dim3 g = config->gridDim, b = config->blockDim;
   if (b.x * b.y * b.z == 0 || b.x * b.y * b.z > 1024 || g.x * g.y * g.z == 0 || g.y > 65535 || g.z > 65535)
     return cuda_emulator::fail(cudaErrorInvalidConfiguration);
-  thread_local bool reversed = false;
-  reversed = !reversed;
-  cuda_emulator::launch(kernel, g, b, config->dynamicSmemBytes, {.reversed = reversed, .warp_serial = reversed},
-                        static_cast<Params>(std::forward<Args>(args))...);
+  static std::mutex guard;  // ranks are threads
+  static std::map<void (*)(Params...), bool> next_reversed;
+  cuda_emulator::launch_options o;
+  {
+    const std::lock_guard<std::mutex> lock(guard);
+    bool& reversed = next_reversed[kernel];
+    o = {.reversed = reversed, .warp_serial = reversed};
+    reversed = !reversed;
+  }
+  [&](Params... converted) {
+    cuda_emulator::launch(kernel, g, b, config->dynamicSmemBytes, o, converted...);
+  }(std::forward<Args>(args)...);
   return cudaSuccess;
 }
 
 // The device's and kernels' facts (shardlib/cuda/kernel_facts.hpp): an sm_90 GPU;
-// the opt-in to dynamic shared memory is recorded and not enforced.
+// the opt-in to dynamic shared memory is accepted and not enforced.
 enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor = 75, cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 struct cudaFuncAttributes {
@@ -172,11 +183,11 @@ struct cudaFuncAttributes {
 };
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
   if (device != 0) return cuda_emulator::fail(cudaErrorInvalidDevice);
-  *value = attribute == cudaDevAttrComputeCapabilityMajor ? 9 : 232448;
+  *value = attribute == cudaDevAttrComputeCapabilityMajor ? 9 : int(cuda_emulator::shared_capacity);
   return cudaSuccess;
 }
 inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, const void*) {
-  *a = {.maxDynamicSharedSizeBytes = 232448, .ptxVersion = 90};
+  *a = {.maxDynamicSharedSizeBytes = int(cuda_emulator::shared_capacity), .ptxVersion = 90};
   return cudaSuccess;
 }
 inline cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute, int) { return cudaSuccess; }

@@ -4,11 +4,6 @@
 #pragma once
 #include "cuda_emulator.hpp"
 
-#include <cstddef>  // std::size_t
-
-namespace cuda_emulator {
-inline constexpr std::size_t shared_capacity = 232448;
-}
 namespace shardlib::ops::cuda::detail::fused {
 alignas(128) float smem[cuda_emulator::shared_capacity / sizeof(float)];
 }

@@ -11,8 +11,9 @@
 // raises), the launch geometry and shared-memory sizes (a write past the declared
 // bytes raises). Each launch runs twice, threads first to last in lockstep and
 // last to first warp by warp; the results must be equal bit for bit (a result
-// that depends on the order the threads run in is a race). What it cannot find: the hardware's own rounding in
-// wmma's products (summed here in fp32, in order) and anything about speed.
+// that depends on the order the threads run in is a race). What it cannot find:
+// the hardware's own rounding in wmma's products (summed here in fp32, in order)
+// and anything about speed.
 //
 // Tolerances, normwise as on the device (see there): fp32 2e-5, bf16 1e-2, half 2e-3.
 #include <shardlib/core/element.hpp>
@@ -44,7 +45,6 @@ namespace ft = fa::detail::tensor;
 using test_support::attention_case;
 using test_support::attention_data;
 using test_support::view_of;
-
 
 // n elements, then a guard of as many, every byte 0xFF (NaN in float, bf16 and fp16):
 // an element left unwritten fails the comparison, one written past the n changes the

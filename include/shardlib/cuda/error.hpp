@@ -41,7 +41,7 @@ inline int current_device() noexcept {
 namespace detail {
 template <class... Where>
 [[noreturn]] void throw_cuda(cudaError_t e, const Where&... where) {
-  (void)cudaGetLastError();  // a non-sticky error must not resurface at the next launch check
+  (void)cudaGetLastError();  // a non-sticky error must not resurface at the next check
   const int device = current_device();
   throw cuda_error(cat(where..., " failed on device ", device, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e),
                        ")"),

@@ -45,9 +45,10 @@ struct block_team {
 
 // kernel<<<grid, block, shared_bytes, stream>>>(args...), checked: a launch
 // that fails (a bad configuration) raises here, naming the kernel. Spelled as
-// the runtime's typed cudaLaunchKernelEx, which is what the chevrons become,
-// so that a plain C++ compiler reads every launch: tests/emulated runs the
-// kernels on the CPU through it.
+// the runtime's typed cudaLaunchKernelEx (the chevrons call the runtime's
+// cudaLaunchKernel; the arguments convert as they would), so that a plain C++
+// compiler reads every launch: tests/emulated runs the kernels on the CPU
+// through it.
 template <class... Params, class... Args>
 void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes,
                    cudaStream_t stream, Args&&... args) {
