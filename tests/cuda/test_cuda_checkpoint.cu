@@ -6,7 +6,9 @@
 // one rank also runs over NCCL, whose collectives read device memory only.
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/comm/nccl_comm.hpp>
-#include <shardlib/cuda.hpp>
+#include <shardlib/cuda/copy.hpp>
+#include <shardlib/cuda/stream.hpp>
+#include <shardlib/ops/cuda/elementwise.cuh>
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/io/checkpoint.hpp>
 #include <shardlib/nn/cuda.cuh>
@@ -212,12 +214,13 @@ TEMPLATE_TEST_CASE("a device model's checkpoints and exports are the host's file
     if (opt.options.lr != adamw.lr || opt.options.weight_decay != adamw.weight_decay)
       problem += "the optimizer's hyperparameters were not restored; ";
   });
-  // W = 1 over NCCL (device memory only, io's own collectives included): import the
+  // W = 1 over NCCL (device memory only, io's own collectives included), ShardOptimizer
+  // (16-bit layers' fp32 masters need a strategy that shards optimizer state): import the
   // export and export it again; and over the thread communicator the same.
   on_ranks(1, [&](device_thread_comm& dc, sl::comm::ThreadComm& host, cudaStream_t s) {
     auto nccl = sl::comm::NcclComm::bootstrap(host, 0).on(s);
     auto model = make_model<T, sl::cuda_space>();
-    auto sharded = shard::fully_shard<sl::optim::cuda::AdamW>(model, nccl, shard::NoShard{}, options_for<T>(5));
+    auto sharded = shard::fully_shard<sl::optim::cuda::AdamW>(model, nccl, shard::ShardOptimizer{}, options_for<T>(5));
     sl::optim::cuda::AdamW opt{adamw};
     io::load_safetensors(dev / "model.safetensors", sharded, opt);
     io::export_safetensors(dev / "again.safetensors", sharded, opt);
@@ -225,7 +228,7 @@ TEMPLATE_TEST_CASE("a device model's checkpoints and exports are the host's file
     io::save_checkpoint(dev / "ckpt", sharded, opt, {.tag = "one-rank"});
 
     auto host_model = make_model<float, sl::host_space>();
-    auto twin = shard::fully_shard<sl::optim::AdamW>(host_model, host, shard::NoShard{}, host_options<T>());
+    auto twin = shard::fully_shard<sl::optim::AdamW>(host_model, host, shard::ShardOptimizer{}, host_options<T>());
     sl::optim::AdamW host_opt{adamw};
     io::load_safetensors(hst / "model.safetensors", twin, host_opt);
     io::export_safetensors(hst / "again.safetensors", twin, host_opt);

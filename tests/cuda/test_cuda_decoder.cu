@@ -253,17 +253,6 @@ double worst_parameter(const run_record& got, const run_record& want) {
   w.relative(got.params, want.params, lr);
   return w.value();
 }
-// The parameters' difference relative to them, in the 2-norm (NaN when any is).
-double norm_difference(const run_record& got, const run_record& want) {
-  if (got.params.size() != want.params.size()) return INFINITY;
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < want.params.size(); ++i) {
-    diff += (double(got.params[i]) - want.params[i]) * (double(got.params[i]) - want.params[i]);
-    norm += double(want.params[i]) * want.params[i];
-  }
-  return std::sqrt(diff / norm);
-}
-
 // The message of what f throws ("" when it returns).
 template <class F>
 std::string message_of(F&& f) {
@@ -305,18 +294,18 @@ TEST_CASE("GPT-2 and LLaMA train under FullShard on two device ranks as unsharde
   {
     const run_record want = host_run(gpt2_tiny, 2), got = device_run<float>(gpt2_tiny, 2);
     INFO("GPT-2: losses " << worst_loss(got, want) << ", parameters " << worst_parameter(got, want)
-                          << ", in the 2-norm " << norm_difference(got, want));
+                          << ", in the 2-norm " << test_support::relative_norm_error(got.params, want.params));
     CHECK(worst_loss(got, want) <= 1e-4);
     CHECK(worst_parameter(got, want) <= 1e-2);
-    CHECK(norm_difference(got, want) <= 1e-5);
+    CHECK(test_support::relative_norm_error(got.params, want.params) <= 1e-5);
   }
   {
     const run_record want = host_run(llama_tiny, 2), got = device_run<float>(llama_tiny, 2);
     INFO("LLaMA: losses " << worst_loss(got, want) << ", parameters " << worst_parameter(got, want)
-                          << ", in the 2-norm " << norm_difference(got, want));
+                          << ", in the 2-norm " << test_support::relative_norm_error(got.params, want.params));
     CHECK(worst_loss(got, want) <= 1e-4);
     CHECK(worst_parameter(got, want) <= 1e-2);
-    CHECK(norm_difference(got, want) <= 1e-5);
+    CHECK(test_support::relative_norm_error(got.params, want.params) <= 1e-5);
   }
 }
 

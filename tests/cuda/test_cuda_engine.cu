@@ -23,6 +23,7 @@
 #include <shardlib/shard/sharded_model.hpp>
 
 #include <catch2/catch.hpp>
+#include <cuda/std/chrono>  // the gate kernel's clock
 
 #include <chrono>
 #include <cmath>
@@ -543,15 +544,14 @@ struct mlp_run {
 // the stream while the gate is closed makes it give up.
 template <class Flag>
 __global__ void gate_kernel(volatile Flag* open, long long limit_ns, int* gave_up) {
-  unsigned long long start, now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  using clock = cuda::std::chrono::system_clock;  // the global timer in device code
+  const auto start = clock::now();
   do {
     if (*open) {
       *gave_up = 0;
       return;
     }
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  } while (now - start < (unsigned long long)limit_ns);
+  } while (cuda::std::chrono::duration_cast<cuda::std::chrono::nanoseconds>(clock::now() - start).count() < limit_ns);
   *gave_up = 1;
 }
 

@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "device_test.hpp"
+#include "support/compare.hpp"
 
 namespace sl = shardlib;
 namespace nn = shardlib::nn;
@@ -134,15 +135,10 @@ void require_near(const std::vector<float>& got, const std::vector<float>& want)
 // whose roundings add up over many steps, the error of the vector rather than
 // of each element.
 inline void require_norm_near(const std::vector<float>& got, const std::vector<float>& want) {
-  REQUIRE(got.size() == want.size());
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    norm += double(want[i]) * want[i];
-  }
   constexpr double composite_rtol = 3e-2;
-  INFO("relative error " << std::sqrt(diff / norm) << " (bound " << composite_rtol << ")");
-  REQUIRE(std::sqrt(diff) <= composite_rtol * std::sqrt(norm));  // NaN fails
+  const double error = test_support::relative_norm_error(got, want);  // +inf for NaN
+  INFO("relative error " << error << " (bound " << composite_rtol << ")");
+  REQUIRE(error <= composite_rtol);
 }
 // Layers made of many rounded steps (attention, the encoder layer, the model):
 // bf16 is held to its bound on the whole vector, fp32 still element by element.

@@ -4,7 +4,8 @@
 // device_thread_comm (ThreadComm over device memory).
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/comm/nccl_comm.hpp>
-#include <shardlib/cuda.hpp>
+#include <shardlib/cuda/copy.hpp>
+#include <shardlib/cuda/stream.hpp>
 #include <shardlib/core/pending.hpp>
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/nn/cuda.cuh>
@@ -145,16 +146,23 @@ auto nccl_comm = [](sl::comm::ThreadComm& host, cudaStream_t s) {
   return sl::comm::NcclComm::bootstrap(host, 0).on(s);
 };
 
-// Largest relative difference of losses, and of parameters relative to
-// max(|p|, lr): Adam moves every parameter by about lr whatever its gradient's
-// scale, so a parameter near zero is compared on that scale.
-double worst(const trace& got, const trace& want) {
-  REQUIRE(got.losses.size() == want.losses.size());
-  REQUIRE(got.params.size() == want.params.size());
-  test_support::max_error w;  // NaN and infinities count as +inf
-  w.relative(got.losses, want.losses, 0.0);
-  w.relative(got.params, want.params, lr);
-  return w.value();
+// The device run against the host's: losses within 1e-4; parameters within 1e-4 of
+// theirs in the 2-norm, and each within 1e-2 of max(|p|, lr). Adam moves every
+// parameter by about lr per step whatever its gradient's scale, so a parameter near
+// zero is compared on that scale, and an element whose gradient nearly cancels has its
+// rounding normalised into a whole step: one such element differs by 2.4e-4 of its
+// value in the emulated run (float64 products), which makes the whole 1.0e-6 in the
+// 2-norm; the bounds leave a GPU's fp32 sums room for a few more. A lost or doubled
+// gradient piece moves whole tensors by ~lr per step: 1e-2 and more in the 2-norm.
+void require_trains_alike(const trace& got, const trace& want) {
+  test_support::max_error losses, params;  // NaN and infinities count as +inf
+  losses.relative(got.losses, want.losses, 0.0);
+  params.relative(got.params, want.params, lr);
+  const double norm = test_support::relative_norm_error(got.params, want.params);
+  INFO("losses " << losses << ", parameters " << params << ", in the 2-norm " << norm);
+  CHECK(losses <= 1e-4);
+  CHECK(params <= 1e-2);
+  CHECK(norm <= 1e-4);
 }
 
 }  // namespace
@@ -162,23 +170,21 @@ double worst(const trace& got, const trace& want) {
 // fp32 on both sides: the same initial values (drawn by parameter name and index),
 // the same dropout masks (counter-based, drawn alike on host and device), the same
 // batches and rank-ordered reductions; what differs is cuBLAS's and oneDNN's
-// summation order and nvcc's fused multiply-adds, ~1e-6 relative per op. Over 8
-// Adam steps of lr 1e-3 that stays below 1e-4 (relative to max(|p|, lr)).
+// summation order and nvcc's fused multiply-adds, ~1e-6 relative per op, which 8
+// Adam steps of lr 1e-3 carry into the parameters (require_trains_alike's bounds).
 TEMPLATE_TEST_CASE("every strategy trains on the GPU as on the host (fp32, two ranks on one GPU)",
                    "[cuda][training]", shard::FullShard, shard::ShardGradOp, shard::ShardOptimizer, shard::NoShard) {
   if (!have_device()) return;
   const auto want = host_run(2, TestType{});
   const auto got = device_run<float>(2, TestType{}, thread_comm);
-  INFO("worst relative difference " << worst(got, want));
-  CHECK(worst(got, want) <= 1e-4);
+  require_trains_alike(got, want);
 }
 
 TEST_CASE("hybrid sharding trains on the GPU as on the host (fp32, four ranks on one GPU)", "[cuda][training]") {
   if (!have_device()) return;
   const auto want = host_run(4, shard::HybridShard{.group_size = 2});
   const auto got = device_run<float>(4, shard::HybridShard{.group_size = 2}, thread_comm);
-  INFO("worst relative difference " << worst(got, want));
-  CHECK(worst(got, want) <= 1e-4);
+  require_trains_alike(got, want);
 }
 
 // bf16 compute rounds every activation, weight and gradient to 8 significant

@@ -5,7 +5,7 @@
 // that bring in this.
 //
 // A launch runs the blocks one after another. A block's threads are fibers
-// (ucontext) on the calling thread: each runs until it reaches a barrier
+// (fiber_switch.hpp) on the calling thread: each runs until it reaches a barrier
 // (__syncthreads, __syncwarp, a shuffle's exchange) or ends, and a barrier opens
 // when every live thread of its block (or warp) waits at it, at the same kind. So a
 // thread that reads shared memory another thread has not written yet (a missing
@@ -25,7 +25,7 @@
 // block's threads, kept from block to block, not filled. Launches from several
 // host threads run one at a time. cuda_runtime_api.hpp holds the host side.
 #pragma once
-#include <ucontext.h>
+#include "fiber_switch.hpp"
 
 #include <algorithm>   // std::all_of, std::any_of, std::fill
 #include <bit>         // std::bit_cast
@@ -91,8 +91,7 @@ struct pending_copy {
 enum class warp_sync { syncwarp, shuffle };
 
 struct fiber {
-  ucontext_t context{};
-  std::unique_ptr<char[]> stack;
+  context ctx;
   place at = place::running;
   warp_sync kind = warp_sync::syncwarp;  // at a warp barrier
   std::vector<pending_copy> open;                  // issued since the last commit
@@ -103,8 +102,9 @@ struct fiber {
 struct machine {
   uint3 thread, block;
   dim3 block_dim, grid_dim;
-  ucontext_t scheduler{};
+  context scheduler;
   std::vector<fiber> threads;
+  std::vector<std::unique_ptr<char[]>> stacks;  // threads[i] runs on stacks[i]; kept from launch to launch
   std::vector<std::span<unsigned char>> dynamic_shared;  // the `extern __shared__` arrays tests define
   std::vector<std::uint64_t> exchange[2];  // shuffles' values, one per thread, odd and even shuffles
   std::vector<int> shuffles;               // per thread, how many it made
@@ -147,10 +147,10 @@ inline void wait_at(place p, warp_sync kind = warp_sync::syncwarp) {
     m.pass_position = k;
     m.current = t;
     m.thread = thread_index(m, t);
-    swapcontext(&m.threads[std::size_t(me)].context, &m.threads[std::size_t(t)].context);
+    switch_context(m.threads[std::size_t(me)].ctx, m.threads[std::size_t(t)].ctx);
     return;
   }
-  swapcontext(&m.threads[std::size_t(me)].context, &m.scheduler);
+  switch_context(m.threads[std::size_t(me)].ctx, m.scheduler);
 }
 
 inline void thread_entry() {
@@ -160,7 +160,8 @@ inline void thread_entry() {
   } catch (...) {
     if (!m.failure) m.failure = std::current_exception();
   }
-  m.threads[std::size_t(m.current)].at = place::done;  // and uc_link returns to the scheduler
+  m.threads[std::size_t(m.current)].at = place::done;
+  switch_context(m.threads[std::size_t(m.current)].ctx, m.scheduler);  // for good
 }
 
 inline std::string block_name(const uint3& b) {
@@ -198,15 +199,12 @@ inline bool open_warp(machine& m, int w) {
 // warp-level ones) overwrites it first.
 inline void run_block(machine& m, int count, bool reversed, bool warp_serial) {
   m.threads.resize(std::size_t(count));
+  while (m.stacks.size() < m.threads.size()) m.stacks.push_back(std::make_unique_for_overwrite<char[]>(stack_bytes));
   for (auto& e : m.exchange) e.assign(std::size_t(count), 0);
   m.shuffles.assign(std::size_t(count), 0);
-  for (fiber& f : m.threads) {
-    if (!f.stack) f.stack = std::make_unique<char[]>(stack_bytes);
-    getcontext(&f.context);
-    f.context.uc_stack.ss_sp = f.stack.get();
-    f.context.uc_stack.ss_size = stack_bytes;
-    f.context.uc_link = &m.scheduler;
-    makecontext(&f.context, thread_entry, 0);
+  for (std::size_t t = 0; t < m.threads.size(); ++t) {
+    fiber& f = m.threads[t];
+    prepare(f.ctx, m.stacks[t].get(), stack_bytes, thread_entry);
     f.at = place::running;
     f.open.clear();
     f.groups.clear();
@@ -221,7 +219,7 @@ inline void run_block(machine& m, int count, bool reversed, bool warp_serial) {
       m.pass_position = k;
       m.current = t;
       m.thread = thread_index(m, t);
-      swapcontext(&m.scheduler, &m.threads[std::size_t(t)].context);
+      switch_context(m.scheduler, m.threads[std::size_t(t)].ctx);
       if (m.failure) std::rethrow_exception(std::exchange(m.failure, nullptr));
     }
   };

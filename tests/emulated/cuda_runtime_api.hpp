@@ -1,13 +1,15 @@
 // tests/emulated/cuda_runtime_api.hpp — the host side of CUDA's runtime that the
-// library's device code calls, for the emulated tests: one device (0) whose
-// memory is host memory, streams and events that order nothing because every
-// launch runs to its end before it returns (cuda_emulator.hpp), and kernel
-// launches through the typed cudaLaunchKernelEx (ops::cuda::launch_kernel).
+// library's device code calls, for the emulated tests: four devices whose memory
+// is host memory, streams and events that order nothing because every launch runs
+// to its end before it returns (cuda_emulator.hpp), and kernel launches through the
+// typed cudaLaunchKernelEx (ops::cuda::launch_kernel).
 //
 // Device memory comes 256-byte aligned (as cudaMalloc's) and filled with 0xFF
-// bytes (NaN), so a kernel that reads what nobody wrote shows. Errors are
-// returned and kept for cudaGetLastError as the runtime does. The device is an
-// sm_90 one (227 KiB of shared memory per block on opt-in); dynamic shared memory is
+// bytes (NaN), so a kernel that reads what nobody wrote shows; the runtime keeps
+// its allocations, so cudaPointerGetAttributes tells device memory (and whose) from
+// pinned and from other host memory, and cudaFree of what it did not allocate fails.
+// Errors are returned and kept for cudaGetLastError as the runtime does. The devices are
+// sm_90 ones (227 KiB of shared memory per block on opt-in); dynamic shared memory is
 // the `extern __shared__` arrays a test defines (cuda_emulator::define_dynamic_shared).
 #pragma once
 #include "cuda_emulator.hpp"
@@ -56,6 +58,7 @@ inline cudaError_t& last_error() {
   return e;
 }
 inline cudaError_t fail(cudaError_t e) { return last_error() = e; }
+inline constexpr int device_count = 4;  // a node's worth, so that one rank per device runs too
 inline int& current_device() {
   thread_local int d = 0;
   return d;
@@ -78,7 +81,7 @@ inline const char* cudaGetErrorName(cudaError_t e) {
 inline const char* cudaGetErrorString(cudaError_t e) { return cudaGetErrorName(e); }
 
 inline cudaError_t cudaGetDeviceCount(int* count) {
-  *count = 1;
+  *count = cuda_emulator::device_count;
   return cudaSuccess;
 }
 inline cudaError_t cudaGetDevice(int* device) {
@@ -86,18 +89,66 @@ inline cudaError_t cudaGetDevice(int* device) {
   return cudaSuccess;
 }
 inline cudaError_t cudaSetDevice(int device) {
-  if (device != 0) return cuda_emulator::fail(cudaErrorInvalidDevice);
+  if (device < 0 || device >= cuda_emulator::device_count) return cuda_emulator::fail(cudaErrorInvalidDevice);
   cuda_emulator::current_device() = device;
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 
-inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
-  const std::size_t n = cuda_emulator::rounded_up(bytes == 0 ? 1 : bytes);
+enum cudaMemoryType {
+  cudaMemoryTypeUnregistered = 0,
+  cudaMemoryTypeHost = 1,
+  cudaMemoryTypeDevice = 2,
+  cudaMemoryTypeManaged = 3,
+};
+struct cudaPointerAttributes {
+  cudaMemoryType type = cudaMemoryTypeUnregistered;
+  int device = -2;
+  void* devicePointer = nullptr;
+  void* hostPointer = nullptr;
+};
+
+namespace cuda_emulator {
+// What the runtime allocated, so that cudaPointerGetAttributes tells device memory
+// from pinned and from any other host memory.
+struct allocation {
+  std::size_t bytes;
+  cudaMemoryType type;
+  int device;
+};
+// Never destroyed: caching allocators free their blocks in static destructors.
+inline std::mutex& allocations_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+inline std::map<const char*, allocation>& allocations() {
+  static auto* a = new std::map<const char*, allocation>;
+  return *a;
+}
+inline cudaError_t allocate(void** p, std::size_t bytes, cudaMemoryType type) {
+  const std::size_t n = rounded_up(bytes == 0 ? 1 : bytes);
   *p = std::aligned_alloc(256, n);
-  if (!*p) return cuda_emulator::fail(cudaErrorMemoryAllocation);
+  if (!*p) return fail(cudaErrorMemoryAllocation);
   std::memset(*p, 0xFF, n);
+  const std::lock_guard<std::mutex> lock(allocations_mutex());
+  allocations()[static_cast<const char*>(*p)] = {bytes, type, current_device()};
   return cudaSuccess;
+}
+inline cudaError_t release(void* p, cudaMemoryType type) {
+  if (!p) return cudaSuccess;
+  {
+    const std::lock_guard<std::mutex> lock(allocations_mutex());
+    const auto it = allocations().find(static_cast<const char*>(p));
+    if (it == allocations().end() || it->second.type != type) return fail(cudaErrorInvalidValue);
+    allocations().erase(it);
+  }
+  std::free(p);
+  return cudaSuccess;
+}
+}  // namespace cuda_emulator
+
+inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
+  return cuda_emulator::allocate(p, bytes, cudaMemoryTypeDevice);
 }
 template <class T>
 cudaError_t cudaMalloc(T** p, std::size_t bytes) {
@@ -106,12 +157,34 @@ cudaError_t cudaMalloc(T** p, std::size_t bytes) {
   *p = static_cast<T*>(v);
   return e;
 }
-inline cudaError_t cudaFree(void* p) {
-  std::free(p);
+inline cudaError_t cudaFree(void* p) { return cuda_emulator::release(p, cudaMemoryTypeDevice); }
+inline cudaError_t cudaMallocHost(void** p, std::size_t bytes) {
+  return cuda_emulator::allocate(p, bytes, cudaMemoryTypeHost);
+}
+// Mapped pinned memory: the device reaches it at the same address (unified addressing).
+inline constexpr unsigned cudaHostAllocMapped = 2;
+inline cudaError_t cudaHostAlloc(void** p, std::size_t bytes, unsigned) { return cudaMallocHost(p, bytes); }
+template <class T>
+cudaError_t cudaHostAlloc(T** p, std::size_t bytes, unsigned flags) {
+  void* v = nullptr;
+  const cudaError_t e = cudaHostAlloc(&v, bytes, flags);
+  *p = static_cast<T*>(v);
+  return e;
+}
+inline cudaError_t cudaFreeHost(void* p) { return cuda_emulator::release(p, cudaMemoryTypeHost); }
+inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
+  *a = {};
+  const auto* c = static_cast<const char*>(p);
+  const std::lock_guard<std::mutex> lock(cuda_emulator::allocations_mutex());
+  auto it = cuda_emulator::allocations().upper_bound(c);
+  if (it == cuda_emulator::allocations().begin()) return cudaSuccess;
+  --it;
+  if (c >= it->first + it->second.bytes && !(it->second.bytes == 0 && c == it->first)) return cudaSuccess;
+  a->type = it->second.type;
+  a->device = it->second.device;
+  a->devicePointer = a->hostPointer = const_cast<void*>(p);
   return cudaSuccess;
 }
-inline cudaError_t cudaMallocHost(void** p, std::size_t bytes) { return cudaMalloc(p, bytes); }
-inline cudaError_t cudaFreeHost(void* p) { return cudaFree(p); }
 
 inline cudaError_t cudaMemcpy(void* to, const void* from, std::size_t bytes, cudaMemcpyKind) {
   if (bytes) std::memcpy(to, from, bytes);
@@ -125,6 +198,11 @@ inline cudaError_t cudaMemsetAsync(void* p, int byte, std::size_t bytes, cudaStr
   return cudaSuccess;
 }
 
+inline cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
+  *least = 0;
+  *greatest = -5;
+  return cudaSuccess;
+}
 inline cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned, int) {
   *s = new CUstream_st;
   return cudaSuccess;
@@ -182,7 +260,7 @@ struct cudaFuncAttributes {
   int ptxVersion = 0;
 };
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
-  if (device != 0) return cuda_emulator::fail(cudaErrorInvalidDevice);
+  if (device < 0 || device >= cuda_emulator::device_count) return cuda_emulator::fail(cudaErrorInvalidDevice);
   *value = attribute == cudaDevAttrComputeCapabilityMajor ? 9 : int(cuda_emulator::shared_capacity);
   return cudaSuccess;
 }

@@ -143,4 +143,20 @@ max_error normwise_error(const Got& got, const Want& want) {
   return e;
 }
 
+// The difference's 2-norm relative to want's: ||got - want|| / ||want||; +inf when the
+// sizes differ or any value is NaN or infinite.
+template <std::ranges::sized_range Got, std::ranges::sized_range Want>
+double relative_norm_error(const Got& got, const Want& want) {
+  if (std::ranges::size(got) != std::ranges::size(want)) return infinity;
+  double diff = 0, norm = 0;
+  auto g = std::ranges::begin(got);
+  for (const auto& w : want) {
+    const double d = double(*g++) - double(w);
+    diff += d * d;
+    norm += double(w) * double(w);
+  }
+  const double e = std::sqrt(diff / norm);
+  return std::isfinite(e) ? e : (diff == 0 && std::isfinite(norm) ? 0.0 : infinity);
+}
+
 }  // namespace test_support

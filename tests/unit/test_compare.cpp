@@ -118,3 +118,16 @@ TEST_CASE("finite comparisons are the usual ones", "[compare]") {
   CHECK(worst.value() == inf);
   CHECK(worst.first_nonfinite() == 4);
 }
+
+TEST_CASE("relative_norm_error is the difference's 2-norm over want's, and no NaN passes it", "[compare]") {
+  using test_support::relative_norm_error;
+  const std::vector<double> want{3.0, 4.0};  // norm 5
+  CHECK(relative_norm_error(std::vector<double>{3.0, 4.5}, want) == Approx(0.1));
+  CHECK(relative_norm_error(want, want) == 0);
+  CHECK(relative_norm_error(std::vector<double>{0.0}, std::vector<double>{0.0}) == 0);  // equal zeros
+  CHECK(relative_norm_error(std::vector<double>{1e-9}, std::vector<double>{0.0}) == inf);
+  CHECK(relative_norm_error(std::vector<double>{3.0, qnan}, want) == inf);
+  CHECK(relative_norm_error(want, std::vector<double>{3.0, qnan}) == inf);
+  CHECK(relative_norm_error(std::vector<double>{3.0, inf}, want) == inf);
+  CHECK(relative_norm_error(std::vector<double>{3.0}, want) == inf);  // sizes differ
+}
