@@ -625,7 +625,7 @@ TEST_CASE("a device train_step returns while its stream is still blocked", "[cud
   CHECK(std::isfinite(loss));
 }
 
-TEST_CASE("clipping decides on the device: the step never waits; its loss, norm and flag come in one read",
+TEST_CASE("clipping decides on the device: the step never waits, and its loss, norm and flag come in one read",
           "[cuda][engine][pending]") {
   if (!have_device()) return;
   mlp_run<float> run;

@@ -267,7 +267,7 @@ __global__ void shared_kernel(int* out) {
 }
 }  // namespace
 
-TEST_CASE("kernel facts are the runtime's answers, kept; shared memory opt-in names what is missing",
+TEST_CASE("kernel facts are the runtime's answers, kept, and shared memory opt-in names what is missing",
           "[cuda][launch]") {
   if (!have_device()) return;
   cudaDeviceProp prop{};

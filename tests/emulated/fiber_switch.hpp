@@ -5,8 +5,10 @@
 // and the stack pointer, and loads another's: a dozen instructions. ucontext's
 // swapcontext also saves the signal mask, a system call per switch, which made that
 // call most of the emulated tests' time; the barrier-heavy kernels switch millions
-// of times. Under AddressSanitizer or ThreadSanitizer, and elsewhere than x86-64,
-// ucontext is used, which the sanitizers know to follow.
+// of times. ucontext stays where that switch would be wrong or unseen: under
+// AddressSanitizer (which follows swapcontext) and ThreadSanitizer, with CET's shadow
+// stack possible (-fcf-protection: a return to another stack would fault), and
+// elsewhere than 64-bit x86-64.
 #pragma once
 #include <ucontext.h>
 
@@ -18,7 +20,8 @@
 #define CUDA_EMULATOR_UCONTEXT 1
 #endif
 #endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) || !defined(__x86_64__)
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) || defined(__CET__) || !defined(__x86_64__) || \
+    !defined(__LP64__)
 #define CUDA_EMULATOR_UCONTEXT 1
 #endif
 
@@ -82,7 +85,10 @@ namespace detail {
 inline void prepare(context& c, char* stack, std::size_t bytes, void (*entry)()) {
   auto top = (reinterpret_cast<std::uintptr_t>(stack) + bytes) & ~std::uintptr_t(15);
   auto* frame = reinterpret_cast<std::uint64_t*>(top - 16 - 8 * 8);  // 16-byte aligned
-  frame[0] = 0x1F80 | (std::uint64_t(0x037F) << 32);  // MXCSR and the x87 control word: the defaults
+  std::uint32_t mxcsr = 0;
+  std::uint16_t x87 = 0;
+  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(mxcsr), "=m"(x87));  // the caller's, as getcontext takes them
+  frame[0] = mxcsr | (std::uint64_t(x87) << 32);
   frame[1] = frame[2] = 0;                             // r15, r14
   frame[3] = reinterpret_cast<std::uint64_t>(entry);   // r13
   frame[4] = frame[5] = frame[6] = 0;                  // r12, rbx, rbp

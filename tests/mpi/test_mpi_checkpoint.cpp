@@ -100,7 +100,7 @@ struct shared_dir {
 
 }  // namespace
 
-TEST_CASE("a checkpoint saved by every process loads on 3 and on 2 of them; training goes on as if uninterrupted",
+TEST_CASE("a checkpoint saved by every process loads on 3 and on 2 of them, and training goes on as if uninterrupted",
           "[checkpoint][mpi]") {
   auto world = MpiComm::world();
   REQUIRE(world.size() == 4);

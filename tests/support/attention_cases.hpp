@@ -105,6 +105,13 @@ attention_data make_attention_data(const attention_case& c, random_inputs& rnd) 
   return a;
 }
 
+// Normwise bound for bf16's dq (the other outputs keep the tests' 1e-2): a query row
+// that sees one key (causal row 0) has dq = 0 exactly, but its D = dO . O reads O
+// rounded to bf16 while dP reads V, so the kernels leave a residue of 2^-9 |dO| |O| |K|
+// scale there; against the largest dq element that reached 1.6e-2 in the emulated runs
+// (2 of 72 seeds above 1e-2, the rest below 7.6e-3).
+inline constexpr double bf16_dq_tolerance = 3e-2;
+
 // The rows whose lse breaks the rule: +inf for a query without a visible key (its
 // output is zero), finite for every other.
 inline std::int64_t wrong_lse_rows(const attention_case& c, const attention_data& a, const std::vector<float>& lse) {

@@ -580,7 +580,7 @@ TEST_CASE("a real full disk (a 64 KiB tmpfs) fails the save on every rank and ke
   CHECK(first_difference(reloaded, first) == "");
 }
 
-TEST_CASE("keep_last keeps the newest K complete checkpoints; a failed save deletes none", "[checkpoint][keep]") {
+TEST_CASE("keep_last keeps the newest K complete checkpoints, and a failed save deletes none", "[checkpoint][keep]") {
   temp_dir dir("keep");
   std::uint64_t latest_steps = 0;
   on_ranks(2, shard::FullShard{}, wrap_blocks(), [&](auto& model, auto& adam, auto&) {
@@ -972,7 +972,7 @@ TEST_CASE("randomized mutations of metadata and shard files never load silently 
   CHECK(rejected > 75);  // most mutations break something a load needs
 }
 
-TEST_CASE("export streams one unit at a time; import initialises any sharding", "[checkpoint][safetensors]") {
+TEST_CASE("export streams one unit at a time, and import initialises any sharding", "[checkpoint][safetensors]") {
   temp_dir dir("export");
   std::vector<std::size_t> peaks(3), largest_unit(3);
   std::size_t model_bytes = 0;

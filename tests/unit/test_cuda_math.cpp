@@ -386,7 +386,7 @@ struct logged_report {
 };
 }  // namespace
 
-TEST_CASE("deferred_reports: take() empties the list in order; past the limit the oldest is checked",
+TEST_CASE("deferred_reports: take() empties the list in order, and past the limit the oldest is checked",
           "[cuda_math][deferred_reports]") {
   using list = sl::ops::cuda::deferred_reports<logged_report>;
   std::vector<int> checked;

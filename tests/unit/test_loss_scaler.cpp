@@ -39,7 +39,7 @@ TEST_CASE("inf/NaN gradients step after step: the scale stops at min_scale and t
                                "loss scale fell to 4 (min_scale 4): the model or the data produce inf/NaN"));
 }
 
-TEST_CASE("a good step resets the count of skipped steps; growth stops at max_scale", "[scaler]") {
+TEST_CASE("a good step resets the count of skipped steps, and growth stops at max_scale", "[scaler]") {
   shard::loss_scaler s{.scale = 1024.f, .growth_interval = 1, .max_scale = 4096.f, .max_skipped_in_row = 3};
   for (int round = 0; round < 10; ++round) {
     s.update(true);

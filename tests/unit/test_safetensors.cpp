@@ -189,7 +189,7 @@ TEST_CASE("empty tensors and 0-d scalars round-trip", "[io][safetensors]") {
   CHECK_THAT(std::string(reinterpret_cast<const char*>(raw.data()), raw.size()), Contains(R"("shape":[])"));
 }
 
-TEST_CASE("metadata round-trips; without metadata the header has none", "[io][safetensors]") {
+TEST_CASE("metadata round-trips, and without metadata the header has none", "[io][safetensors]") {
   temp_dir dir;
   const float x[] = {1};
   safetensors_writer w;
@@ -1085,7 +1085,7 @@ TEST_CASE("a sharded model loads through a name map, transposes, dtypes and a ti
   CHECK(values_of(plain) == want);
 }
 
-TEST_CASE("strict loads name every missing, unexpected and misshapen tensor; non-strict ones report them",
+TEST_CASE("strict loads name every missing, unexpected and misshapen tensor, and non-strict ones report them",
           "[io][state_dict]") {
   temp_dir dir;
   auto bad = lm_file;

@@ -232,7 +232,7 @@ TEST_CASE("per-rank memory equals the formula for groups, the library's and a us
   check_memory(4, example::HybridShardZeRO2{.group_size = 2});
 }
 
-TEST_CASE("wrap policies choose the units; the root claims the rest", "[shard][wrap]") {
+TEST_CASE("wrap policies choose the units, and the root claims the rest", "[shard][wrap]") {
   comm::launch(1, [](comm::ThreadComm& c) {
     Model m = make_model();
     auto by_name = shard::fully_shard<sgd>(m, c, shard::FullShard{}, {.wrap = shard::wrap_names{{"1.layers.1"}}});

@@ -12,12 +12,14 @@
 // exact and wrapping). Ranks whose calls disagree (kind, count, type, operation, root)
 // all get ncclInvalidUsage, named by ncclGetLastError, where NCCL would hang or corrupt.
 // A rank that aborts wakes its peers with ncclRemoteError; a peer that never comes makes
-// the others give up after two minutes (ncclSystemError) rather than hang the test run.
+// the others give up after two minutes (ncclSystemError, and the communicator is aborted)
+// rather than hang the test run, in a collective or a blocking initialisation.
 #pragma once
 #include "cuda_runtime.h"
 
+#include <shardlib/core/element.hpp>  // the 16-bit conversions
+
 #include <algorithm>           // std::sort
-#include <bit>                 // std::bit_cast
 #include <chrono>              // std::chrono
 #include <condition_variable>  // std::condition_variable
 #include <cstddef>             // std::size_t
@@ -121,21 +123,17 @@ inline std::size_t type_size(ncclDataType_t t) {
   return 0;
 }
 
-// The 16-bit floats, reduced in float and rounded back (to nearest even) after every
-// step, as a ring's partial sums are.
+// The 16-bit floats, reduced in float and rounded back after every step, as a ring's
+// partial sums are (the library's conversions: to nearest even, NaN as CUDA's).
 struct bf16_bits {
   std::uint16_t bits;
-  static float wide(bf16_bits x) { return std::bit_cast<float>(std::uint32_t(x.bits) << 16); }
-  static bf16_bits narrow(float f) {
-    const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
-    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-    return {std::uint16_t(nan ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
-  }
+  static float wide(bf16_bits x) { return shardlib::detail::bf16_bits_to_float(x.bits); }
+  static bf16_bits narrow(float f) { return {shardlib::detail::float_to_bf16_bits(f)}; }
 };
 struct f16_bits {
   std::uint16_t bits;
-  static float wide(f16_bits x) { return float(std::bit_cast<_Float16>(x.bits)); }
-  static f16_bits narrow(float f) { return {std::bit_cast<std::uint16_t>(_Float16(f))}; }
+  static float wide(f16_bits x) { return shardlib::detail::half_bits_to_float(x.bits); }
+  static f16_bits narrow(float f) { return {shardlib::detail::float_to_half_bits(f)}; }
 };
 template <class T>
 T combine(T a, T b, ncclRedOp_t op) {
@@ -205,6 +203,12 @@ inline std::string describe(kind k) {
     case kind::split: return "ncclCommSplit";
   }
   return "?";
+}
+// "ncclReduceScatter(count 4 of type 7, op 4, root 0)"; count as the caller passed it.
+inline std::string describe(const call& c, int ranks) {
+  const std::size_t count = c.what == kind::reduce_scatter ? c.count / std::size_t(ranks) : c.count;
+  return describe(c.what) + "(count " + std::to_string(count) + " of type " + std::to_string(int(c.type)) + ", op " +
+         std::to_string(int(c.op)) + ", root " + std::to_string(c.root) + ")";
 }
 
 }  // namespace nccl_emulator
@@ -286,15 +290,18 @@ inline ncclResult_t collective(ncclComm_t comm, call mine) {
     for (int r = 1; r < g.size; ++r)
       if (!(g.calls[std::size_t(r)] == g.calls[0])) {
         g.outcome = ncclInvalidUsage;
-        g.why = "rank " + std::to_string(r) + " called " + describe(g.calls[std::size_t(r)].what) + " of " +
-                std::to_string(g.calls[std::size_t(r)].count) + " while rank 0 called " + describe(g.calls[0].what) +
-                " of " + std::to_string(g.calls[0].count);
+        g.why = "rank " + std::to_string(r) + " called " + describe(g.calls[std::size_t(r)], g.size) +
+                " while rank 0 called " + describe(g.calls[0], g.size);
       }
     if (g.outcome == ncclSuccess) perform(g);
     g.arrived = 0;
     ++g.generation;
     g.cv.notify_all();
   } else if (!g.cv.wait_for(lock, peer_patience, [&] { return g.generation != generation || g.aborted; })) {
+    // The call stays counted with this rank's buffers: the group is unusable from here.
+    g.aborted = true;
+    g.why = "rank " + std::to_string(comm->rank) + " gave up waiting in " + describe(mine.what);
+    g.cv.notify_all();
     return fail(comm, ncclSystemError, describe(mine.what) + ": not every rank made the call within two minutes");
   }
   if (g.generation == generation) return fail(comm, ncclRemoteError, "a rank aborted the communicator: " + g.why);
@@ -354,7 +361,8 @@ inline ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUni
   g->cv.notify_all();
   *comm = new ncclComm{g, rank, {}};
   if (config && config->blocking == 0) return g->joined == g->size ? ncclSuccess : ncclInProgress;
-  g->cv.wait(lock, [&] { return g->joined == g->size; });
+  if (!g->cv.wait_for(lock, peer_patience, [&] { return g->joined == g->size || g->aborted; }) || g->aborted)
+    return fail(*comm, ncclSystemError, "not every rank joined within two minutes, or one aborted");
   return ncclSuccess;
 }
 inline ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
