@@ -25,13 +25,14 @@
 // host Linear (then the host's ReLU or GELU): fp32 within 1e-5 relative, bf16
 // within 1e-2, as tests/cuda/test_cuda_layers.cu (fp32 GELU is not fused, so
 // cuBLASLt's approximate tanh never meets the 1e-5 bound).
-#include <shardlib/cuda.hpp>
+#include <shardlib/cuda/blas.hpp>
 #include <shardlib/cuda/blas_lt.hpp>
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/nn/activation.hpp>
 #include <shardlib/nn/context.hpp>
 #include <shardlib/nn/cuda/linear.cuh>
 #include <shardlib/nn/linear.hpp>
+#include <shardlib/ops/cuda/gemm.hpp>
 #include <shardlib/ops/cuda/gemm_lt.hpp>
 #include <shardlib/ops/gemm.hpp>
 

@@ -1,0 +1,47 @@
+// The device tests of gemm_lt's epilogues, cuBLAS's products and the device Linear
+// (tests/cuda/test_cuda_gemm.cu), compiled by the host compiler and run on the CPU:
+// cuBLAS and cuBLASLt are the stand-ins of tests/emulated/include, which compute in
+// float64 as their documentation states the operations, so what runs here is the
+// library's side: which operand goes where, the layouts, transposes, leading
+// dimensions, the epilogue's vectors and aux, and the Linear's choice of path.
+#include "cuda/test_cuda_gemm.cu"
+
+namespace {
+
+// Sets the stand-in's "no algorithm" answer for a scope.
+struct lt_refusing {
+  lt_refusing() { cuda_emulator::lt_refuses = true; }
+  ~lt_refusing() { cuda_emulator::lt_refuses = false; }
+  lt_refusing(const lt_refusing&) = delete;
+  lt_refusing& operator=(const lt_refusing&) = delete;
+};
+
+}  // namespace
+
+// Counts the cuBLASLt products a forward and backward run: forward fuses the bias, ReLU
+// and (16-bit, out_features a multiple of 8) tanh-GELU; backward fuses the bias gradient
+// in fp32 only. With no algorithm, the layer still equals the host's through cuBLAS and
+// its kernels. Each part uses sizes the others do not: the cuBLASLt handle keeps its
+// heuristic's answer per problem.
+TEMPLATE_TEST_CASE("device Linear fuses what cuBLASLt takes, and runs unfused where it finds no algorithm",
+                   "[cuda][gemm][layers]", float, sl::bfloat16) {
+  using T = TestType;
+  sl::cuda::stream stream{0};
+  sl::cuda::stream_scope scope{stream};
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const auto products = [&](std::int64_t rows, std::int64_t in, std::int64_t out, nn::fused_activation act) {
+    const std::int64_t before = cuda_emulator::lt_matmuls;
+    compare_linear<T>(rows, in, out, act, rnd, stream);
+    return cuda_emulator::lt_matmuls - before;
+  };
+  constexpr bool fp32 = std::is_same_v<T, float>;
+  const std::int64_t bgrad = fp32 ? 1 : 0;
+  CHECK(products(9, 24, 16, nn::fused_activation::none) == 1 + bgrad);
+  CHECK(products(9, 24, 16, nn::fused_activation::relu) == 1 + bgrad);
+  CHECK(products(9, 24, 16, nn::fused_activation::gelu_tanh) == (fp32 ? 0 : 1) + bgrad);
+  CHECK(products(9, 24, 15, nn::fused_activation::gelu_tanh) == bgrad);  // GELU's aux would need padding
+  const lt_refusing none;
+  for (auto act : {nn::fused_activation::none, nn::fused_activation::relu, nn::fused_activation::gelu_tanh})
+    CHECK(products(11, 20, 24, act) == 0);
+}
