@@ -29,6 +29,7 @@
 
 #include <algorithm>   // std::all_of, std::any_of, std::fill
 #include <bit>         // std::bit_cast
+#include <chrono>      // std::chrono::nanoseconds
 #include <cmath>       // std::isfinite, std::isinf, std::isnan
 #include <cstddef>     // std::size_t
 #include <cstdint>     // std::uint16_t, std::uint64_t, std::uintptr_t
@@ -40,6 +41,7 @@
 #include <span>        // std::span
 #include <stdexcept>   // std::runtime_error
 #include <string>      // std::string, std::to_string
+#include <thread>      // std::this_thread::sleep_for
 #include <utility>     // std::exchange
 #include <vector>      // std::vector
 
@@ -408,3 +410,5 @@ inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v)
   return old;
 }
 [[noreturn]] inline void __trap() { throw cuda_emulator::emulation_error("__trap() reached"); }
+// Sleeps the OS thread, and with it the whole launch (one thread runs every block).
+inline void __nanosleep(unsigned ns) { std::this_thread::sleep_for(std::chrono::nanoseconds(ns)); }

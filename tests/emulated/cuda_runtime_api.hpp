@@ -8,9 +8,11 @@
 // bytes (NaN), so a kernel that reads what nobody wrote shows; the runtime keeps
 // its allocations, so cudaPointerGetAttributes tells device memory (and whose) from
 // pinned and from other host memory, and cudaFree of what it did not allocate fails.
+// Each device has 80 GiB: cudaMalloc beyond what is left fails, as cudaMemGetInfo says.
 // Errors are returned and kept for cudaGetLastError as the runtime does. The devices are
-// sm_90 ones (227 KiB of shared memory per block on opt-in); dynamic shared memory is
-// the `extern __shared__` arrays a test defines (cuda_emulator::define_dynamic_shared).
+// sm_90 ones: a launch may take 48 KiB of dynamic shared memory, and up to 227 KiB for a
+// kernel opted in on that device (cudaFuncSetAttribute); dynamic shared memory is the
+// `extern __shared__` arrays a test defines (cuda_emulator::define_dynamic_shared).
 #pragma once
 #include "cuda_emulator.hpp"
 
@@ -59,6 +61,7 @@ inline cudaError_t& last_error() {
 }
 inline cudaError_t fail(cudaError_t e) { return last_error() = e; }
 inline constexpr int device_count = 4;  // a node's worth, so that one rank per device runs too
+inline constexpr std::size_t device_memory = std::size_t(80) << 30;
 inline int& current_device() {
   thread_local int d = 0;
   return d;
@@ -125,13 +128,24 @@ inline std::map<const char*, allocation>& allocations() {
   static auto* a = new std::map<const char*, allocation>;
   return *a;
 }
+inline std::size_t (&device_bytes_used())[device_count] {  // under allocations_mutex
+  static std::size_t used[device_count] = {};
+  return used;
+}
 inline cudaError_t allocate(void** p, std::size_t bytes, cudaMemoryType type) {
   const std::size_t n = rounded_up(bytes == 0 ? 1 : bytes);
+  const int device = current_device();
+  {
+    const std::lock_guard<std::mutex> lock(allocations_mutex());
+    if (type == cudaMemoryTypeDevice && n > device_memory - device_bytes_used()[device])
+      return fail(cudaErrorMemoryAllocation);
+  }
   *p = std::aligned_alloc(256, n);
   if (!*p) return fail(cudaErrorMemoryAllocation);
   std::memset(*p, 0xFF, n);
   const std::lock_guard<std::mutex> lock(allocations_mutex());
-  allocations()[static_cast<const char*>(*p)] = {bytes, type, current_device()};
+  allocations()[static_cast<const char*>(*p)] = {bytes, type, device};
+  if (type == cudaMemoryTypeDevice) device_bytes_used()[device] += n;
   return cudaSuccess;
 }
 inline cudaError_t release(void* p, cudaMemoryType type) {
@@ -140,6 +154,8 @@ inline cudaError_t release(void* p, cudaMemoryType type) {
     const std::lock_guard<std::mutex> lock(allocations_mutex());
     const auto it = allocations().find(static_cast<const char*>(p));
     if (it == allocations().end() || it->second.type != type) return fail(cudaErrorInvalidValue);
+    if (type == cudaMemoryTypeDevice)
+      device_bytes_used()[it->second.device] -= rounded_up(it->second.bytes == 0 ? 1 : it->second.bytes);
     allocations().erase(it);
   }
   std::free(p);
@@ -158,6 +174,12 @@ cudaError_t cudaMalloc(T** p, std::size_t bytes) {
   return e;
 }
 inline cudaError_t cudaFree(void* p) { return cuda_emulator::release(p, cudaMemoryTypeDevice); }
+inline cudaError_t cudaMemGetInfo(std::size_t* free_bytes, std::size_t* total_bytes) {
+  const std::lock_guard<std::mutex> lock(cuda_emulator::allocations_mutex());
+  *total_bytes = cuda_emulator::device_memory;
+  *free_bytes = cuda_emulator::device_memory - cuda_emulator::device_bytes_used()[cuda_emulator::current_device()];
+  return cudaSuccess;
+}
 inline cudaError_t cudaMallocHost(void** p, std::size_t bytes) {
   return cuda_emulator::allocate(p, bytes, cudaMemoryTypeHost);
 }
@@ -225,6 +247,19 @@ inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSucce
 inline cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 
+namespace cuda_emulator {
+inline constexpr std::size_t default_dynamic_shared = 48 * 1024;  // without the opt-in
+// The dynamic shared memory a kernel may take on a device (cudaFuncSetAttribute).
+inline std::size_t& dynamic_shared_allowed(const void* kernel, int device) {
+  static std::map<std::pair<const void*, int>, std::size_t> allowed;  // under dynamic_shared_mutex
+  return allowed.try_emplace({kernel, device}, default_dynamic_shared).first->second;
+}
+inline std::mutex& dynamic_shared_mutex() {
+  static std::mutex m;
+  return m;
+}
+}  // namespace cuda_emulator
+
 // The launch runs the whole grid before it returns; what a kernel throws (an
 // emulation_error, __trap) comes out of here. Each kernel's launches alternate
 // between two schedules: blocks and threads first to last in lockstep, and last
@@ -236,6 +271,12 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(
   const dim3 g = config->gridDim, b = config->blockDim;
   if (b.x * b.y * b.z == 0 || b.x * b.y * b.z > 1024 || g.x * g.y * g.z == 0 || g.y > 65535 || g.z > 65535)
     return cuda_emulator::fail(cudaErrorInvalidConfiguration);
+  {
+    const std::lock_guard<std::mutex> lock(cuda_emulator::dynamic_shared_mutex());
+    if (config->dynamicSmemBytes > cuda_emulator::dynamic_shared_allowed(reinterpret_cast<const void*>(kernel),
+                                                                         cuda_emulator::current_device()))
+      return cuda_emulator::fail(cudaErrorInvalidValue);
+  }
   static std::mutex guard;  // ranks are threads
   static std::map<void (*)(Params...), bool> next_reversed;
   cuda_emulator::launch_options o;
@@ -251,8 +292,8 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(
   return cudaSuccess;
 }
 
-// The device's and kernels' facts (shardlib/cuda/kernel_facts.hpp): an sm_90 GPU;
-// the opt-in to dynamic shared memory is accepted and not enforced.
+// The device's and kernels' facts (shardlib/cuda/kernel_facts.hpp): an sm_90 GPU, kernels
+// built for compute_90, dynamic shared memory beyond 48 KiB for a kernel opted in.
 enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor = 75, cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 struct cudaFuncAttributes {
@@ -264,8 +305,33 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, 
   *value = attribute == cudaDevAttrComputeCapabilityMajor ? 9 : int(cuda_emulator::shared_capacity);
   return cudaSuccess;
 }
-inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, const void*) {
-  *a = {.maxDynamicSharedSizeBytes = int(cuda_emulator::shared_capacity), .ptxVersion = 90};
+struct cudaDeviceProp {
+  char name[256];
+  std::size_t totalGlobalMem;
+  std::size_t sharedMemPerBlockOptin;
+  int major, minor;
+};
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
+  if (device < 0 || device >= cuda_emulator::device_count) return cuda_emulator::fail(cudaErrorInvalidDevice);
+  *p = {.name = "emulated sm_90",
+        .totalGlobalMem = cuda_emulator::device_memory,
+        .sharedMemPerBlockOptin = cuda_emulator::shared_capacity,
+        .major = 9,
+        .minor = 0};
   return cudaSuccess;
 }
-inline cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute, int) { return cudaSuccess; }
+inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, const void* kernel) {
+  const std::lock_guard<std::mutex> lock(cuda_emulator::dynamic_shared_mutex());
+  *a = {.maxDynamicSharedSizeBytes =
+            int(cuda_emulator::dynamic_shared_allowed(kernel, cuda_emulator::current_device())),
+        .ptxVersion = 90};
+  return cudaSuccess;
+}
+inline cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute attribute, int value) {
+  if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+      std::size_t(value) > cuda_emulator::shared_capacity)
+    return cuda_emulator::fail(cudaErrorInvalidValue);
+  const std::lock_guard<std::mutex> lock(cuda_emulator::dynamic_shared_mutex());
+  cuda_emulator::dynamic_shared_allowed(kernel, cuda_emulator::current_device()) = std::size_t(value);
+  return cudaSuccess;
+}
