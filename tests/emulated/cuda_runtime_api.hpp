@@ -135,17 +135,20 @@ inline std::size_t (&device_bytes_used())[device_count] {  // under allocations_
 inline cudaError_t allocate(void** p, std::size_t bytes, cudaMemoryType type) {
   const std::size_t n = rounded_up(bytes == 0 ? 1 : bytes);
   const int device = current_device();
-  {
+  const std::size_t charged = type == cudaMemoryTypeDevice ? n : 0;
+  {  // charged before the allocation, so that two threads cannot both take the last bytes
     const std::lock_guard<std::mutex> lock(allocations_mutex());
-    if (type == cudaMemoryTypeDevice && n > device_memory - device_bytes_used()[device])
-      return fail(cudaErrorMemoryAllocation);
+    if (charged > device_memory - device_bytes_used()[device]) return fail(cudaErrorMemoryAllocation);
+    device_bytes_used()[device] += charged;
   }
   *p = std::aligned_alloc(256, n);
-  if (!*p) return fail(cudaErrorMemoryAllocation);
-  std::memset(*p, 0xFF, n);
   const std::lock_guard<std::mutex> lock(allocations_mutex());
+  if (!*p) {
+    device_bytes_used()[device] -= charged;
+    return fail(cudaErrorMemoryAllocation);
+  }
+  std::memset(*p, 0xFF, n);
   allocations()[static_cast<const char*>(*p)] = {bytes, type, device};
-  if (type == cudaMemoryTypeDevice) device_bytes_used()[device] += n;
   return cudaSuccess;
 }
 inline cudaError_t release(void* p, cudaMemoryType type) {
@@ -249,14 +252,15 @@ inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 
 namespace cuda_emulator {
 inline constexpr std::size_t default_dynamic_shared = 48 * 1024;  // without the opt-in
-// The dynamic shared memory a kernel may take on a device (cudaFuncSetAttribute).
+// The dynamic shared memory a kernel may take on a device (cudaFuncSetAttribute); never
+// destroyed, as the allocations: static destructors may still launch.
 inline std::size_t& dynamic_shared_allowed(const void* kernel, int device) {
-  static std::map<std::pair<const void*, int>, std::size_t> allowed;  // under dynamic_shared_mutex
-  return allowed.try_emplace({kernel, device}, default_dynamic_shared).first->second;
+  static auto* allowed = new std::map<std::pair<const void*, int>, std::size_t>;  // under dynamic_shared_mutex
+  return allowed->try_emplace({kernel, device}, default_dynamic_shared).first->second;
 }
 inline std::mutex& dynamic_shared_mutex() {
-  static std::mutex m;
-  return m;
+  static auto* m = new std::mutex;
+  return *m;
 }
 }  // namespace cuda_emulator
 

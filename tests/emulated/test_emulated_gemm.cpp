@@ -21,8 +21,9 @@ struct lt_refusing {
 // Counts the cuBLASLt products a forward and backward run: forward fuses the bias, ReLU
 // and (16-bit, out_features a multiple of 8) tanh-GELU; backward fuses the bias gradient
 // in fp32 only. With no algorithm, the layer still equals the host's through cuBLAS and
-// its kernels. Each part uses sizes the others do not: the cuBLASLt handle keeps its
-// heuristic's answer per problem.
+// its kernels. Each part uses sizes the others do not, and the refusing part comes last
+// and uses sizes no other case does: the cuBLASLt handle (one per thread and device, for
+// the whole process) keeps its heuristic's answer per problem, "none" included.
 TEMPLATE_TEST_CASE("device Linear fuses what cuBLASLt takes, and runs unfused where it finds no algorithm",
                    "[cuda][gemm][layers]", float, sl::bfloat16) {
   using T = TestType;

@@ -1,19 +1,23 @@
 // tests/emulated/include/cublasLt.h — stands in for cuBLASLt's header in the emulated
-// tests: the matmul with the epilogues ops::cuda::gemm_lt asks for, computed on the CPU in
-// float64 and rounded once to D's type, in cuBLASLt's column-major terms as its
-// documentation states them: D = epilogue(alpha op(A) op(B) + beta C); the bias runs along
-// D's rows (one value per row, broadcast over the columns); BGRADA sums op(A) over K (one
-// value per row of D, transa N only), BGRADB op(B) over K (one per column, transb T only);
-// DRELU_BGRAD and DGELU_BGRAD sum the epilogue's output along D's rows; the ReLU mask holds
-// bit (i + j ld) for D[i, j], set where the pre-activation is >= 0; GELU is the tanh form,
-// its aux the pre-activation in D's type. Vectors and aux have D's type.
+// tests: the matmul with the epilogues ops::cuda::gemm_lt asks for, summed on the CPU in
+// float64 and rounded through float to D's type, in cuBLASLt's column-major terms.
+// As its documentation states: D = epilogue(alpha op(A) op(B) + beta C); the bias runs
+// along D's rows (one value per row, broadcast over the columns); BGRADA sums op(A) over K
+// (one value per row of D), BGRADB op(B) over K (one per column); vectors and aux have D's
+// type; aux leading dimensions count elements (GELU: a multiple of 8; the ReLU mask: bits,
+// a multiple of 128), at least D's rows. Where it is silent, as the library assumes
+// (ops/cuda/gemm_lt.hpp), so these points show on a GPU only: GELU is the tanh form (its
+// aux the pre-activation); the mask holds bit (i + j ld) of D[i, j], lowest bit of each
+// byte first, set where the pre-activation is >= 0; ReLU turns NaN into 0; DRELU_BGRAD and
+// DGELU_BGRAD sum the epilogue's output along D's rows; BGRADA takes transa N only and
+// BGRADB transb T only (NOT_SUPPORTED otherwise, which gemm_lt takes as "no algorithm").
 //
-// The heuristic checks what cuBLASLt would refuse (layouts that do not make the product,
-// leading dimensions, the epilogue's pointers and aux rules) and answers
-// CUBLAS_STATUS_INVALID_VALUE or NOT_SUPPORTED, which gemm_lt takes as "no algorithm":
-// tests that require a fused product then fail. cuda_emulator::lt_refuses makes it find
-// nothing, as a cuBLASLt without the epilogue would, so the callers' unfused path runs;
-// cuda_emulator::lt_matmuls counts the products run.
+// A call cuBLASLt would answer INVALID_VALUE (layouts that do not make the product, leading
+// dimensions, missing vectors, aux rules) throws instead: gemm_lt would take that answer as
+// "no algorithm" and run unfused, hiding the library's mistake from tests that compare
+// values only. cuda_emulator::lt_refuses makes the heuristic find nothing, as a cuBLASLt
+// without the epilogue would, so the callers' unfused path runs; cuda_emulator::lt_matmuls
+// counts the products run.
 #pragma once
 #include "cublas_v2.h"
 
@@ -22,6 +26,7 @@
 #include <cstddef>  // std::size_t
 #include <cstdint>  // std::int64_t, std::uint8_t, std::uint32_t, std::uint64_t
 #include <cstring>  // std::memcpy
+#include <string>   // std::string, std::to_string
 #include <vector>
 
 enum cublasLtEpilogue_t {
@@ -43,8 +48,8 @@ enum cublasLtMatmulDescAttributes_t {
   CUBLASLT_MATMUL_DESC_TRANSB = 4,
   CUBLASLT_MATMUL_DESC_EPILOGUE = 7,
   CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8,
-  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 10,
-  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 11,
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11,
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12,
 };
 enum cublasLtMatmulPreferenceAttributes_t {
   CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,
@@ -117,7 +122,8 @@ constexpr bool lt_known(cublasLtEpilogue_t e) {
   return e == CUBLASLT_EPILOGUE_DEFAULT || lt_reads_bias(e) || lt_writes_bgrad(e) || lt_relu_mask(e) || lt_gelu_aux(e);
 }
 
-// What cuBLASLt would answer to this problem: SUCCESS where it is well formed.
+// What cuBLASLt would answer to this problem: SUCCESS where it is well formed, NOT_SUPPORTED
+// for a bias gradient on the other transpose; a malformed call raises (see above).
 inline cublasStatus_t lt_check(const cublasLtMatmulDescOpaque_t& d, const cublasLtMatrixLayoutOpaque_t& a,
                                const cublasLtMatrixLayoutOpaque_t& b, const cublasLtMatrixLayoutOpaque_t& c,
                                const cublasLtMatrixLayoutOpaque_t& dl) {
@@ -127,11 +133,21 @@ inline cublasStatus_t lt_check(const cublasLtMatmulDescOpaque_t& d, const cublas
   const bool shapes = a_m == m && b_n == n && a_k == b_k && c.rows == m && c.cols == n;
   const bool lds = a.ld >= a.rows && b.ld >= b.rows && c.ld >= c.rows && dl.ld >= dl.rows;
   const bool types = a.type == b.type && c.type == dl.type && a.type == dl.type;
-  if (!shapes || !lds || !types || !lt_known(d.epilogue)) return CUBLAS_STATUS_INVALID_VALUE;
+  const auto malformed = [&](const char* what) {
+    throw emulation_error(std::string("cuBLASLt stand-in: ") + what + " (D " + std::to_string(m) + " x " +
+                          std::to_string(n) + ", epilogue " + std::to_string(int(d.epilogue)) +
+                          "): cuBLASLt answers CUBLAS_STATUS_INVALID_VALUE");
+  };
+  if (!shapes) malformed("op(A), op(B), C and D do not make the product");
+  if (!lds) malformed("a leading dimension below its matrix's rows");
+  if (!types) malformed("A, B, C and D of different types");
+  if (!lt_known(d.epilogue)) malformed("an epilogue the stand-in does not know");
   const cublasLtEpilogue_t e = d.epilogue;
-  if ((lt_reads_bias(e) || lt_writes_bgrad(e)) && !d.bias) return CUBLAS_STATUS_INVALID_VALUE;
-  if (lt_relu_mask(e) && (!d.aux || d.aux_ld < m || d.aux_ld % 128 != 0)) return CUBLAS_STATUS_INVALID_VALUE;
-  if (lt_gelu_aux(e) && (!d.aux || d.aux_ld < m || d.aux_ld % 8 != 0)) return CUBLAS_STATUS_INVALID_VALUE;
+  if ((lt_reads_bias(e) || lt_writes_bgrad(e)) && !d.bias) malformed("no bias pointer");
+  if (lt_relu_mask(e) && (!d.aux || d.aux_ld < m || d.aux_ld % 128 != 0))
+    malformed("the ReLU mask missing, or its leading dimension below D's rows or not a multiple of 128");
+  if (lt_gelu_aux(e) && (!d.aux || d.aux_ld < m || d.aux_ld % 8 != 0))
+    malformed("the GELU aux missing, or its leading dimension below D's rows or not a multiple of 8");
   if (e == CUBLASLT_EPILOGUE_BGRADA && d.transa != CUBLAS_OP_N) return CUBLAS_STATUS_NOT_SUPPORTED;
   if (e == CUBLASLT_EPILOGUE_BGRADB && d.transb != CUBLAS_OP_T) return CUBLAS_STATUS_NOT_SUPPORTED;
   return CUBLAS_STATUS_SUCCESS;
