@@ -41,7 +41,6 @@
 #include <span>        // std::span
 #include <stdexcept>   // std::runtime_error
 #include <string>      // std::string, std::to_string
-#include <thread>      // std::this_thread::sleep_for
 #include <utility>     // std::exchange
 #include <vector>      // std::vector
 
@@ -410,5 +409,12 @@ inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v)
   return old;
 }
 [[noreturn]] inline void __trap() { throw cuda_emulator::emulation_error("__trap() reached"); }
-// Sleeps the OS thread, and with it the whole launch (one thread runs every block).
-inline void __nanosleep(unsigned ns) { std::this_thread::sleep_for(std::chrono::nanoseconds(ns)); }
+// Does not sleep: the time is added to how long the launch's stream stays busy after the
+// launch returns (cuda_runtime_api.hpp), as a GPU's stream would be (summed over threads).
+namespace cuda_emulator {
+inline std::chrono::nanoseconds& launch_sleep() {  // of the launch this OS thread is running
+  thread_local std::chrono::nanoseconds slept{0};
+  return slept;
+}
+}  // namespace cuda_emulator
+inline void __nanosleep(unsigned ns) { cuda_emulator::launch_sleep() += std::chrono::nanoseconds(ns); }

@@ -1,8 +1,12 @@
 // tests/emulated/cuda_runtime_api.hpp — the host side of CUDA's runtime that the
 // library's device code calls, for the emulated tests: four devices whose memory
-// is host memory, streams and events that order nothing because every launch runs
-// to its end before it returns (cuda_emulator.hpp), and kernel launches through the
-// typed cudaLaunchKernelEx (ops::cuda::launch_kernel).
+// is host memory, kernel launches through the typed cudaLaunchKernelEx
+// (ops::cuda::launch_kernel), each running to its end before it returns
+// (cuda_emulator.hpp), so streams and events order nothing. They only time: a kernel's
+// __nanosleep calls keep its stream busy for that long after the launch returns (its
+// effects are all there at once), and events recorded behind it are not ready until then,
+// so code that asks whether another stream's work is done (the caching allocator's
+// record_stream) meets "not yet"; synchronising waits it out.
 //
 // Device memory comes 256-byte aligned (as cudaMalloc's) and filled with 0xFF
 // bytes (NaN), so a kernel that reads what nobody wrote shows; the runtime keeps
@@ -16,12 +20,15 @@
 #pragma once
 #include "cuda_emulator.hpp"
 
-#include <cstddef>  // std::size_t
-#include <cstdlib>  // std::aligned_alloc, std::free
-#include <cstring>  // std::memcpy, std::memset
-#include <map>      // std::map
-#include <mutex>    // std::mutex, std::lock_guard
-#include <utility>  // std::forward
+#include <algorithm>  // std::max
+#include <chrono>     // std::chrono::steady_clock
+#include <cstddef>    // std::size_t
+#include <cstdlib>    // std::aligned_alloc, std::free
+#include <cstring>    // std::memcpy, std::memset
+#include <map>        // std::map
+#include <mutex>      // std::mutex, std::lock_guard
+#include <thread>     // std::this_thread::sleep_until
+#include <utility>    // std::forward
 
 enum cudaError_t {
   cudaSuccess = 0,
@@ -40,8 +47,12 @@ enum cudaMemcpyKind {
 };
 inline constexpr unsigned cudaStreamNonBlocking = 1, cudaEventDisableTiming = 2, cudaHostAllocDefault = 0;
 
-struct CUstream_st {};
-struct CUevent_st {};
+struct CUstream_st {
+  std::chrono::steady_clock::time_point busy_until{};  // the end of its kernels' __nanosleep time
+};
+struct CUevent_st {
+  std::chrono::steady_clock::time_point ready_at{};
+};
 using cudaStream_t = CUstream_st*;
 using cudaEvent_t = CUevent_st*;
 
@@ -96,7 +107,36 @@ inline cudaError_t cudaSetDevice(int device) {
   cuda_emulator::current_device() = device;
   return cudaSuccess;
 }
-inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+namespace cuda_emulator {
+using time_point = std::chrono::steady_clock::time_point;
+inline std::mutex& time_mutex() {  // guards the streams' and events' times
+  static auto* m = new std::mutex;
+  return *m;
+}
+inline CUstream_st& stream_of(cudaStream_t s) {  // nullptr: the default stream
+  static auto* default_stream = new CUstream_st;
+  return s ? *s : *default_stream;
+}
+inline time_point& all_streams_done() {
+  static time_point t{};
+  return t;
+}
+inline void wait_until(time_point t) { std::this_thread::sleep_until(t); }
+inline time_point busy_until(cudaStream_t s) {
+  const std::lock_guard<std::mutex> lock(time_mutex());
+  return stream_of(s).busy_until;
+}
+}  // namespace cuda_emulator
+
+inline cudaError_t cudaDeviceSynchronize() {
+  cuda_emulator::time_point t;
+  {
+    const std::lock_guard<std::mutex> lock(cuda_emulator::time_mutex());
+    t = cuda_emulator::all_streams_done();
+  }
+  cuda_emulator::wait_until(t);
+  return cudaSuccess;
+}
 
 enum cudaMemoryType {
   cudaMemoryTypeUnregistered = 0,
@@ -236,8 +276,16 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
   delete s;
   return cudaSuccess;
 }
-inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
+inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  cuda_emulator::wait_until(cuda_emulator::busy_until(s));
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  const std::lock_guard<std::mutex> lock(cuda_emulator::time_mutex());
+  auto& busy = cuda_emulator::stream_of(s).busy_until;
+  busy = std::max(busy, e->ready_at);
+  return cudaSuccess;
+}
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
   *e = new CUevent_st;
   return cudaSuccess;
@@ -246,9 +294,24 @@ inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
   delete e;
   return cudaSuccess;
 }
-inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
-inline cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
-inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  const std::lock_guard<std::mutex> lock(cuda_emulator::time_mutex());
+  e->ready_at = cuda_emulator::stream_of(s).busy_until;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventQuery(cudaEvent_t e) {  // not ready is no error: nothing kept for cudaGetLastError
+  const std::lock_guard<std::mutex> lock(cuda_emulator::time_mutex());
+  return std::chrono::steady_clock::now() >= e->ready_at ? cudaSuccess : cudaErrorNotReady;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  cuda_emulator::time_point t;
+  {
+    const std::lock_guard<std::mutex> lock(cuda_emulator::time_mutex());
+    t = e->ready_at;
+  }
+  cuda_emulator::wait_until(t);
+  return cudaSuccess;
+}
 
 namespace cuda_emulator {
 inline constexpr std::size_t default_dynamic_shared = 48 * 1024;  // without the opt-in
@@ -290,9 +353,17 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(
     o = {.reversed = reversed, .warp_serial = reversed};
     reversed = !reversed;
   }
+  cuda_emulator::launch_sleep() = {};
   [&](Params... converted) {
     cuda_emulator::launch(kernel, g, b, config->dynamicSmemBytes, o, converted...);
   }(std::forward<Args>(args)...);
+  if (const auto slept = std::exchange(cuda_emulator::launch_sleep(), {}); slept.count() > 0) {
+    const std::lock_guard<std::mutex> lock(cuda_emulator::time_mutex());
+    auto& busy = cuda_emulator::stream_of(config->stream).busy_until;
+    busy = std::max(busy, std::chrono::steady_clock::now()) +
+           std::chrono::duration_cast<std::chrono::steady_clock::duration>(slept);
+    cuda_emulator::all_streams_done() = std::max(cuda_emulator::all_streams_done(), busy);
+  }
   return cudaSuccess;
 }
 
