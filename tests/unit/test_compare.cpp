@@ -1,6 +1,7 @@
 // The tests' numeric comparison (tests/support/compare.hpp): a NaN or an infinity
 // anywhere fails every bound, where `std::max(worst, err)` let an all-NaN result pass.
 #include "support/compare.hpp"
+#include "support/gradcheck.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -27,6 +28,15 @@ TEST_CASE("std::max drops a NaN error, which is why the tests do not use it", "[
   double worst = 0;
   for (double err : {qnan, qnan, qnan}) worst = std::max(worst, err);
   CHECK(worst == 0);  // an all-NaN result would have passed `worst <= 1e-5`
+}
+
+TEST_CASE("gradcheck's norm-wise error is NaN, never 0, when either side holds a NaN", "[compare]") {
+  CHECK(gradcheck::rel_error({0.0, 0.0}, {0.0, 0.0}) == 0);
+  CHECK(gradcheck::rel_error({3.0, 4.0}, {3.0, 4.0}) == 0);
+  CHECK(std::isnan(gradcheck::rel_error({0.0, 0.0}, {qnan, 0.0})));  // the analytic side all zeros
+  CHECK(std::isnan(gradcheck::rel_error({qnan, 0.0}, {0.0, 0.0})));
+  CHECK(std::isnan(gradcheck::rel_error({1.0, 2.0}, {1.0, qnan})));
+  CHECK_FALSE(gradcheck::rel_error({0.0}, {qnan}) < 1e-6);
 }
 
 TEST_CASE("max_error fails every bound once a NaN error is added", "[compare]") {
