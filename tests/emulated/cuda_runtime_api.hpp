@@ -77,7 +77,8 @@ inline int& current_device() {
   thread_local int d = 0;
   return d;
 }
-inline std::size_t rounded_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+// What an allocation of `bytes` takes: whole 256-byte units, at least one.
+inline std::size_t footprint(std::size_t bytes) { return (bytes == 0 ? 256 : (bytes + 255) / 256 * 256); }
 }  // namespace cuda_emulator
 
 inline cudaError_t cudaGetLastError() { return std::exchange(cuda_emulator::last_error(), cudaSuccess); }
@@ -121,20 +122,19 @@ inline time_point& all_streams_done() {
   static time_point t{};
   return t;
 }
-inline void wait_until(time_point t) { std::this_thread::sleep_until(t); }
-inline time_point busy_until(cudaStream_t s) {
-  const std::lock_guard<std::mutex> lock(time_mutex());
-  return stream_of(s).busy_until;
+// Waits until the time `t` holds (read under time_mutex).
+inline void wait_until(const time_point& t) {
+  time_point until;
+  {
+    const std::lock_guard<std::mutex> lock(time_mutex());
+    until = t;
+  }
+  std::this_thread::sleep_until(until);
 }
 }  // namespace cuda_emulator
 
 inline cudaError_t cudaDeviceSynchronize() {
-  cuda_emulator::time_point t;
-  {
-    const std::lock_guard<std::mutex> lock(cuda_emulator::time_mutex());
-    t = cuda_emulator::all_streams_done();
-  }
-  cuda_emulator::wait_until(t);
+  cuda_emulator::wait_until(cuda_emulator::all_streams_done());
   return cudaSuccess;
 }
 
@@ -173,7 +173,7 @@ inline std::size_t (&device_bytes_used())[device_count] {  // under allocations_
   return used;
 }
 inline cudaError_t allocate(void** p, std::size_t bytes, cudaMemoryType type) {
-  const std::size_t n = rounded_up(bytes == 0 ? 1 : bytes);
+  const std::size_t n = footprint(bytes);
   const int device = current_device();
   const std::size_t charged = type == cudaMemoryTypeDevice ? n : 0;
   {  // charged before the allocation, so that two threads cannot both take the last bytes
@@ -198,7 +198,7 @@ inline cudaError_t release(void* p, cudaMemoryType type) {
     const auto it = allocations().find(static_cast<const char*>(p));
     if (it == allocations().end() || it->second.type != type) return fail(cudaErrorInvalidValue);
     if (type == cudaMemoryTypeDevice)
-      device_bytes_used()[it->second.device] -= rounded_up(it->second.bytes == 0 ? 1 : it->second.bytes);
+      device_bytes_used()[it->second.device] -= footprint(it->second.bytes);
     allocations().erase(it);
   }
   std::free(p);
@@ -277,7 +277,7 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-  cuda_emulator::wait_until(cuda_emulator::busy_until(s));
+  cuda_emulator::wait_until(cuda_emulator::stream_of(s).busy_until);
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
@@ -304,12 +304,7 @@ inline cudaError_t cudaEventQuery(cudaEvent_t e) {  // not ready is no error: no
   return std::chrono::steady_clock::now() >= e->ready_at ? cudaSuccess : cudaErrorNotReady;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
-  cuda_emulator::time_point t;
-  {
-    const std::lock_guard<std::mutex> lock(cuda_emulator::time_mutex());
-    t = e->ready_at;
-  }
-  cuda_emulator::wait_until(t);
+  cuda_emulator::wait_until(e->ready_at);
   return cudaSuccess;
 }
 
