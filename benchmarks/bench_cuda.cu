@@ -11,8 +11,10 @@
 //                               GPT-2 and LLaMA (~1B parameters at sequence 2048 by default)
 //                               and the reference encoder classifier
 // Usage: bench_cuda [--json FILE] [--model encoder,gpt2,llama|none] [--layers N] [--d N]
-//                   [--heads N] [--kv-heads N] [--seq N] [--batch N]
-// Prints the tables, then a short summary last.
+//                   [--heads N] [--kv-heads N] [--seq N] [--batch N] [--quick]
+// Prints the tables, then a short summary last. --quick runs every part at a small size
+// and a few repetitions: a check, in seconds, that the program works on a machine (CI
+// runs it on the CPU's emulated GPU); its figures measure nothing.
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/comm/nccl_comm.hpp>
 #include <shardlib/comm/thread_comm.hpp>
@@ -71,16 +73,39 @@ struct summary_line {
   std::string what, value, versus;
 };
 
-void json(std::FILE* f, const std::string& body) {
-  if (!f) return;
-  std::fprintf(f, "{%s}\n", body.c_str());
-  std::fflush(f);
-}
+// The sizes and repetitions of the fixed parts (all but the models, whose sizes are flags).
+struct run_sizes {
+  bool quick = false;
+  std::size_t copy_bytes = std::size_t(1) << 30, adam_params = std::size_t(1) << 28,
+              nccl_bytes = std::size_t(256) << 20;
+  std::int64_t gemm_n = 8192, attention_batch = 4, attention_heads = 16, attention_seq = 2048;
+  int warmup(int full) const { return quick ? 1 : full; }
+  int iters(int full) const { return quick ? 3 : full; }
+};
+constexpr run_sizes quick_sizes{.quick = true,
+                                .copy_bytes = std::size_t(1) << 20,
+                                .adam_params = std::size_t(1) << 14,
+                                .nccl_bytes = std::size_t(64) << 10,
+                                .gemm_n = 128,
+                                .attention_batch = 1,
+                                .attention_heads = 2,
+                                .attention_seq = 128};
+
+// One JSON line per measurement; a quick run's lines say so.
+struct json_lines {
+  std::FILE* f = nullptr;
+  bool quick = false;
+  void operator()(const std::string& body) const {
+    if (!f) return;
+    std::fprintf(f, "{%s%s}\n", quick ? "\"quick\":true," : "", body.c_str());
+    std::fflush(f);
+  }
+};
 
 // --- fused Adam against the copy bandwidth ---------------------------------------------------
 template <class G>
-double adam_gbps(std::size_t n, sl::cuda::stream& s, const char* label, double copy_gbps, std::FILE* jf,
-                 std::vector<summary_line>& summary) {
+double adam_gbps(std::size_t n, const run_sizes& z, sl::cuda::stream& s, const char* label, double copy_gbps,
+                 const json_lines& json, std::vector<summary_line>& summary) {
   auto& alloc = sl::cuda::device_allocator(0);
   sl::cuda::device_buffer<float> p(n, sl::category::parameters, s, alloc);
   sl::cuda::device_buffer<G> g(n, sl::category::gradients, s, alloc);
@@ -89,14 +114,14 @@ double adam_gbps(std::size_t n, sl::cuda::stream& s, const char* label, double c
   sl::cuda::fill_bytes_async(g.span(), 0, s);
   const sl::optim::AdamW opt{{.lr = 1e-3, .weight_decay = 0.01}};
   auto state = oc::make_adam_state(opt, n, s, alloc);
-  const double ms = median_ms(s, 3, 20, [&] {
+  const double ms = median_ms(s, z.warmup(3), z.iters(20), [&] {
     oc::fused_adam_step(opt, state, p.span(), std::span<const G>(g.span()), copy.span(), s);
   });
   // Read p, g, m, v; write p, m, v and the bf16 copy.
   const double bytes = double(n) * (4 * 3 + sizeof(G) + 4 * 3 + 2);
   const double gbps = bytes / (ms * 1e-3) / 1e9;
   std::printf("%-36s %10zu %10.3f %10.1f %9.2fx copy\n", label, n, ms, gbps, gbps / copy_gbps);
-  json(jf, sl::cat("\"bench\":\"cuda_adam\",\"grads\":\"", label, "\",\"params\":", n, ",\"ms\":", ms,
+  json(sl::cat("\"bench\":\"cuda_adam\",\"grads\":\"", label, "\",\"params\":", n, ",\"ms\":", ms,
                    ",\"GBps\":", gbps, ",\"vs_copy\":", gbps / copy_gbps));
   char v[64], vs[64];
   std::snprintf(v, sizeof v, "%.0f GB/s", gbps);
@@ -107,7 +132,7 @@ double adam_gbps(std::size_t n, sl::cuda::stream& s, const char* label, double c
 }
 
 // --- NCCL bus bandwidth ------------------------------------------------------------------------
-std::vector<bench::row> nccl_rows(int world, std::size_t bytes) {
+std::vector<bench::row> nccl_rows(int world, std::size_t bytes, const run_sizes& z) {
   std::vector<bench::row> rows(3);
   sl::comm::launch(world, [&](sl::comm::ThreadComm& host) {
     const int dev = host.rank();
@@ -121,7 +146,7 @@ std::vector<bench::row> nccl_rows(int world, std::size_t bytes) {
     const bench::collective ops[] = {bench::collective::all_gather, bench::collective::reduce_scatter,
                                      bench::collective::all_reduce};
     for (int k = 0; k < 3; ++k) {
-      const double ms = median_ms(s, 5, 20, [&] {
+      const double ms = median_ms(s, z.warmup(5), z.iters(20), [&] {
         switch (ops[k]) {
           case bench::collective::all_gather:
             c.all_gather(std::span<const float>(part.span()), full.span().first(shard * world));
@@ -154,14 +179,14 @@ struct uniform_fill {
 };
 
 template <class T>
-double gemm_tflops(std::int64_t n, sl::cuda::stream& s, sl::cuda::blas& handle) {
+double gemm_tflops(std::int64_t n, const run_sizes& z, sl::cuda::stream& s, sl::cuda::blas& handle) {
   auto& alloc = sl::cuda::device_allocator(0);
   const std::size_t count = std::size_t(n * n);
   sl::cuda::device_buffer<T> a(count, sl::category::activations, s, alloc), b(count, sl::category::activations, s, alloc),
       c(count, sl::category::activations, s, alloc);
   oc::for_each_index(std::int64_t(count), uniform_fill<T>{a.data(), sl::counter_rng(1, 0)}, s, "uniform_fill");
   oc::for_each_index(std::int64_t(count), uniform_fill<T>{b.data(), sl::counter_rng(1, 1)}, s, "uniform_fill");
-  const double ms = median_ms(s, 2, 10, [&] {
+  const double ms = median_ms(s, z.warmup(2), z.iters(10), [&] {
     oc::gemm(handle, s, sl::ops::trans::no, sl::ops::trans::no, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
              c.data(), n);
   });
@@ -169,15 +194,15 @@ double gemm_tflops(std::int64_t n, sl::cuda::stream& s, sl::cuda::blas& handle) 
 }
 
 // --- fused attention against the GEMM rate ----------------------------------------------------
-// Causal attention, batch 4, 16 heads, sequence 2048, bf16, forward and backward, by each kernel
-// set. FLOPs as FlashAttention's papers count them: 4 B H L^2 D forward (Q K^T and P V), 2.5
+// Causal attention, batch 4, 16 heads, sequence 2048 (unless quick), bf16, forward and backward,
+// by each kernel set. FLOPs as FlashAttention's papers count them: 4 B H L^2 D forward (Q K^T and P V), 2.5
 // times that backward (Q K^T again, dO V^T, P^T dO, dS^T Q, dS K), halved for the causal mask.
 struct attention_result {
   double forward_ms, backward_ms, tflops;
 };
-attention_result attention_step(std::int64_t dim, bool tensor_cores, sl::cuda::stream& s) {
+attention_result attention_step(std::int64_t dim, bool tensor_cores, const run_sizes& z, sl::cuda::stream& s) {
   using T = sl::bfloat16;
-  constexpr std::int64_t B = 4, H = 16, L = 2048;
+  const std::int64_t B = z.attention_batch, H = z.attention_heads, L = z.attention_seq;
   auto& alloc = sl::cuda::device_allocator(0);
   const std::size_t count = std::size_t(B * H * L * dim);
   std::vector<sl::cuda::device_buffer<T>> t;  // q k v out dout dq dk dv
@@ -192,11 +217,11 @@ attention_result attention_step(std::int64_t dim, bool tensor_cores, sl::cuda::s
   };
   oc::flash_options o{.is_causal = true};
   o.tensor_cores = tensor_cores;
-  const double fwd = median_ms(s, 2, 10, [&] {
+  const double fwd = median_ms(s, z.warmup(2), z.iters(10), [&] {
     oc::flash_attention_forward<T>(oc::as_const(view(0)), oc::as_const(view(1)), oc::as_const(view(2)), view(3),
                                    lse.data(), o, s);
   });
-  const double bwd = median_ms(s, 2, 10, [&] {
+  const double bwd = median_ms(s, z.warmup(2), z.iters(10), [&] {
     oc::flash_attention_backward<T>(oc::as_const(view(0)), oc::as_const(view(1)), oc::as_const(view(2)),
                                     oc::as_const(view(3)), oc::as_const(view(4)), lse.data(), view(5), view(6), view(7),
                                     o, s);
@@ -350,6 +375,7 @@ int main(int argc, char** argv) try {
   std::string json_path;
   std::vector<std::string> models{"encoder", "gpt2", "llama"};
   model_size flags{.model = "", .layers = 0, .d = 2048, .heads = 16, .kv_heads = 4, .ff = 0, .seq = 2048, .batch = 4};
+  bool quick = false;
   example::command_line cli("The GPU numbers (copy, fused Adam, NCCL, GEMM, the models' MFU), each against the limit "
                             "it should approach.",
                             "bench_cuda");
@@ -358,25 +384,33 @@ int main(int argc, char** argv) try {
       ->delimiter(',')
       ->check(CLI::IsMember({"encoder", "gpt2", "llama", "none"}));
   const CLI::Validator size = example::whole(1, example::max_size);
-  cli.add_option("--layers", flags.layers, "blocks (0: encoder 24, gpt2 20, llama 22)")
-      ->check(example::whole(0, example::max_size));
-  cli.add_option("--d", flags.d, "model width")->check(size);
-  cli.add_option("--heads", flags.heads, "attention heads (divides --d)")->check(size);
-  cli.add_option("--kv-heads", flags.kv_heads, "LLaMA's key/value heads (divides --heads)")->check(size);
+  CLI::Option* model_options[] = {
+      cli.add_option("--layers", flags.layers, "blocks (0: encoder 24, gpt2 20, llama 22)")
+          ->check(example::whole(0, example::max_size)),
+      cli.add_option("--d", flags.d, "model width")->check(size),
+      cli.add_option("--heads", flags.heads, "attention heads (divides --d)")->check(size),
+      cli.add_option("--kv-heads", flags.kv_heads, "LLaMA's key/value heads (divides --heads)")->check(size),
+      cli.add_option("--seq", flags.seq, "sequence length")->check(size),
+      cli.add_option("--batch", flags.batch, "sequences per step")->check(size)};
   cli.add_option("--ff", flags.ff, "MLP width (0: 4d; LLaMA 8d/3 rounded up to 256)")
       ->check(example::whole(0, example::max_size));
-  cli.add_option("--seq", flags.seq, "sequence length")->check(size);
-  cli.add_option("--batch", flags.batch, "sequences per step")->check(size);
+  cli.add_flag("--quick", quick,
+               "every part small and repeated a few times (model flags not given: 1 layer, d 64, 4 heads, 2 kv "
+               "heads, seq 32, batch 2): checks that the program runs; the figures measure nothing");
   cli.callback([&] {
+    if (quick) {  // the model sizes not given
+      long* value[] = {&flags.layers, &flags.d, &flags.heads, &flags.kv_heads, &flags.seq, &flags.batch};
+      const long small[] = {1, 64, 4, 2, 32, 2};
+      for (std::size_t i = 0; i < std::size(small); ++i)
+        if (model_options[i]->count() == 0) *value[i] = small[i];
+    }
     if (flags.d % flags.heads != 0 || flags.heads % flags.kv_heads != 0)
       throw CLI::ValidationError("--heads", "--heads must divide --d and --kv-heads must divide --heads");
   });
   cli.parse_or_exit(argc, argv);
-  std::FILE* jf = nullptr;
-  if (!json_path.empty()) {
-    jf = std::fopen(json_path.c_str(), "w");
-    sl::require(jf != nullptr, "bench_cuda: cannot open ", json_path);
-  }
+  const run_sizes z = quick ? quick_sizes : run_sizes{};
+  const json_lines json{json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "w"), quick};
+  sl::require(json_path.empty() || json.f != nullptr, "bench_cuda: cannot open ", json_path);
   const std::string problem = sl::cuda::device_problem();
   sl::require(problem.empty(), "bench_cuda needs a GPU: ", problem);
   const int gpus = sl::cuda::device_count();
@@ -384,17 +418,18 @@ int main(int argc, char** argv) try {
   sl::cuda::check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   std::printf("device 0: %s, %zu GiB, %d SMs; %d GPU(s)\n\n", prop.name, prop.totalGlobalMem >> 30,
               prop.multiProcessorCount, gpus);
+  if (quick) std::printf("--quick: small sizes, few repetitions; the figures below measure nothing\n\n");
   std::vector<summary_line> summary;
   sl::cuda::stream s(0);
 
   // 1. Device-to-device copy: the bandwidth every memory-bound kernel is held to.
-  const std::size_t copy_bytes = std::size_t(1) << 30;
+  const std::size_t copy_bytes = z.copy_bytes;
   double copy_gbps = 0;
   {
     sl::Buffer<std::byte, sl::cuda_space> src(copy_bytes, sl::category::activations),
         dst(copy_bytes, sl::category::activations);
     sl::cuda::check(cudaMemsetAsync(src.data(), 1, copy_bytes, s), "cudaMemsetAsync");
-    const double ms = median_ms(s, 3, 20, [&] {
+    const double ms = median_ms(s, z.warmup(3), z.iters(20), [&] {
       sl::cuda::check(cudaMemcpyAsync(dst.data(), src.data(), copy_bytes, cudaMemcpyDeviceToDevice, s),
                       "cudaMemcpyAsync");
     });
@@ -402,26 +437,24 @@ int main(int argc, char** argv) try {
     std::printf("%-36s %10s %10s %10s\n", "memory-bound kernels", "elements", "ms", "GB/s");
     std::printf("%-36s %10zu %10.3f %10.1f   (bytes read + written)\n", "cudaMemcpy device-to-device", copy_bytes, ms,
                 copy_gbps);
-    json(jf, sl::cat("\"bench\":\"cuda_copy\",\"bytes\":", copy_bytes, ",\"ms\":", ms, ",\"GBps\":", copy_gbps));
+    json(sl::cat("\"bench\":\"cuda_copy\",\"bytes\":", copy_bytes, ",\"ms\":", ms, ",\"GBps\":", copy_gbps));
     char v[64];
     std::snprintf(v, sizeof v, "%.0f GB/s", copy_gbps);
     summary.push_back({"device-to-device copy", v, "the reference"});
   }
 
   // 2. Fused AdamW over 256 M parameters (4.5-5 GiB of state and gradients).
-  const std::size_t n = std::size_t(1) << 28;
-  adam_gbps<sl::bfloat16>(n, s, "fused AdamW, bf16 grads, bf16 copy", copy_gbps, jf, summary);
-  adam_gbps<float>(n, s, "fused AdamW, fp32 grads, bf16 copy", copy_gbps, jf, summary);
+  adam_gbps<sl::bfloat16>(z.adam_params, z, s, "fused AdamW, bf16 grads, bf16 copy", copy_gbps, json, summary);
+  adam_gbps<float>(z.adam_params, z, s, "fused AdamW, fp32 grads, bf16 copy", copy_gbps, json, summary);
   sl::cuda::device_allocator(0).empty_cache();
 
   // 3. NCCL at every world size this machine has.
   std::printf("\n");
   bench::print_header();
-  const std::size_t nccl_bytes = std::size_t(256) << 20;
   for (int w = 1; w <= gpus; ++w)
-    for (const auto& r : nccl_rows(w, nccl_bytes)) {
+    for (const auto& r : nccl_rows(w, z.nccl_bytes, z)) {
       bench::print_row(r, w == 1 ? "W=1: busbw is 0 by definition, algbw is a local copy" : "");
-      bench::json_row(jf, r, "");
+      bench::json_row(json.f, r, quick ? ",\"quick\":true" : "");
       if (w == gpus) {
         char v[64], vs[96];
         std::snprintf(v, sizeof v, "%.0f GB/s busbw", r.busbw());
@@ -433,28 +466,29 @@ int main(int argc, char** argv) try {
   // 4. GEMM: the compute peak reference.
   std::printf("\n");
   sl::cuda::blas handle(0);
-  const std::int64_t g = 8192;
-  const double bf16 = gemm_tflops<sl::bfloat16>(g, s, handle), fp32 = gemm_tflops<float>(g, s, handle);
+  const std::int64_t g = z.gemm_n;
+  const double bf16 = gemm_tflops<sl::bfloat16>(g, z, s, handle), fp32 = gemm_tflops<float>(g, z, s, handle);
   std::printf("cublasGemmEx %lld^3: bf16 inputs %.1f TFLOP/s, fp32 (no TF32) %.1f TFLOP/s\n", (long long)g, bf16, fp32);
-  json(jf, sl::cat("\"bench\":\"cuda_gemm\",\"n\":", g, ",\"bf16_TFLOPs\":", bf16, ",\"fp32_TFLOPs\":", fp32));
+  json(sl::cat("\"bench\":\"cuda_gemm\",\"n\":", g, ",\"bf16_TFLOPs\":", bf16, ",\"fp32_TFLOPs\":", fp32));
   char v[64], vs[64];
   std::snprintf(v, sizeof v, "%.0f TFLOP/s", bf16);
   std::snprintf(vs, sizeof vs, "fp32 without TF32: %.1f TFLOP/s", fp32);
-  summary.push_back({"GEMM bf16 8192^3 (cuBLAS)", v, vs});
+  summary.push_back({sl::cat("GEMM bf16 ", g, "^3 (cuBLAS)"), v, vs});
   sl::cuda::device_allocator(0).empty_cache();
 
   // 5. The fused attention by each kernel set, against that GEMM rate.
-  std::printf("\n%-44s %10s %10s %10s %10s\n", "fused attention, bf16, causal, B 4, H 16, L 2048", "fwd ms", "bwd ms",
-              "TFLOP/s", "of GEMM");
+  const std::string attention_label = sl::cat("fused attention, bf16, causal, B ", z.attention_batch, ", H ",
+                                             z.attention_heads, ", L ", z.attention_seq);
+  std::printf("\n%-44s %10s %10s %10s %10s\n", attention_label.c_str(), "fwd ms", "bwd ms", "TFLOP/s", "of GEMM");
   for (const std::int64_t dim : {64, 128})
     for (const bool tensor_cores : {true, false}) {
       const bool tc = tensor_cores && oc::flash_uses_tensor_cores<sl::bfloat16>(dim, {});
       if (tensor_cores && !tc) continue;  // this GPU takes the CUDA-core kernels only
-      const attention_result r = attention_step(dim, tensor_cores, s);
+      const attention_result r = attention_step(dim, tensor_cores, z, s);
       const std::string label = sl::cat("head_dim ", dim, tc ? ", tensor cores" : ", CUDA cores");
       std::printf("%-44s %10.2f %10.2f %10.1f %9.1f%%\n", label.c_str(), r.forward_ms, r.backward_ms, r.tflops,
                   100 * r.tflops / bf16);
-      json(jf, sl::cat("\"bench\":\"cuda_attention\",\"head_dim\":", dim, ",\"tensor_cores\":", tc ? "true" : "false",
+      json(sl::cat("\"bench\":\"cuda_attention\",\"head_dim\":", dim, ",\"tensor_cores\":", tc ? "true" : "false",
                        ",\"forward_ms\":", r.forward_ms, ",\"backward_ms\":", r.backward_ms, ",\"TFLOPs\":", r.tflops,
                        ",\"gemm_bf16_TFLOPs\":", bf16));
       if (dim == 128) {
@@ -469,7 +503,7 @@ int main(int argc, char** argv) try {
   for (const std::string& name : models) {
     if (name == "none") continue;
     const model_size m = sized(name, flags);
-    const model_result r = run_model(m, 2, 8);
+    const model_result r = run_model(m, z.warmup(2), z.iters(8));
     const double achieved = r.tflop_per_step / (r.step_ms * 1e-3), mfu = achieved / bf16;
     std::printf("\n%s: %ld layers, d %ld, %ld heads (%ld kv), ff %ld, seq %ld, batch %ld: %.3f B parameters, %.3f B in "
                 "matrix products\n  FLOPs per token = %s = %.3g\n  FullShard W=1, bf16 compute, fp32 master + AdamW: "
@@ -477,7 +511,7 @@ int main(int argc, char** argv) try {
                 m.model.c_str(), m.layers, m.d, m.heads, m.kv_heads, m.ff, m.seq, m.batch, r.parameters / 1e9,
                 r.matmul_parameters / 1e9, flop_formula, r.flop_per_token, r.step_ms, r.tflop_per_step, achieved,
                 100 * mfu);
-    json(jf, sl::cat("\"bench\":\"cuda_model\",\"model\":\"", m.model, "\",\"layers\":", m.layers, ",\"d_model\":", m.d,
+    json(sl::cat("\"bench\":\"cuda_model\",\"model\":\"", m.model, "\",\"layers\":", m.layers, ",\"d_model\":", m.d,
                      ",\"heads\":", m.heads, ",\"kv_heads\":", m.kv_heads, ",\"ff\":", m.ff, ",\"seq\":", m.seq,
                      ",\"batch\":", m.batch, ",\"parameters\":", r.parameters, ",\"matmul_parameters\":",
                      r.matmul_parameters, ",\"flop_per_token\":", r.flop_per_token, ",\"flop_formula\":\"",
@@ -491,7 +525,7 @@ int main(int argc, char** argv) try {
 
   std::printf("\n== summary ==\n");
   for (const auto& l : summary) std::printf("%-38s %-18s %s\n", l.what.c_str(), l.value.c_str(), l.versus.c_str());
-  if (jf) std::fclose(jf);
+  if (json.f) std::fclose(json.f);
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "bench_cuda: %s\n", e.what());

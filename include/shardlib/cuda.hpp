@@ -2,8 +2,10 @@
 // allocator, copies, cuBLAS products and the kernels (link shardlib::cuda).
 // It holds kernels, so only nvcc compiles it; host code that only needs the
 // runtime parts includes shardlib/cuda/*.hpp and shardlib/ops/cuda/gemm.hpp.
+// (The project's tests build CUDA programs with g++ against an emulator of the
+// runtime, tests/emulated, and define SHARDLIB_CUDA_EMULATED there.)
 #pragma once
-#if !defined(__CUDACC__)
+#if !defined(__CUDACC__) && !defined(SHARDLIB_CUDA_EMULATED)
 #error "shardlib/cuda.hpp contains CUDA kernels: include it from a .cu file compiled by nvcc (host-only parts: shardlib/cuda/*.hpp, shardlib/ops/cuda/gemm.hpp)"
 #endif
 #include "shardlib/config.hpp"

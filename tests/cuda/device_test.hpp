@@ -7,6 +7,7 @@
 #include <shardlib/cuda/caching_allocator.hpp>
 #include <shardlib/cuda/copy.hpp>
 #include <shardlib/cuda/stream.hpp>
+#include <shardlib/nn/context.hpp>
 
 #include "support/random_inputs.hpp"
 
@@ -107,6 +108,17 @@ inline float max_abs(const std::vector<float>& v) {
   }
   return m;
 }
+
+// A context whose forwards keep nothing for backward (eval mode, a checkpointed
+// layer's first pass), as the sharded context says with grad_enabled(); a layer's
+// children are run with it too.
+struct no_grad_context : sl::nn::context {
+  bool grad_enabled() const { return false; }
+  template <class L, class X>
+  auto forward(L& layer, const X& x) {
+    return layer.forward(*this, x);
+  }
+};
 
 using test_support::host_tensor;
 using test_support::values;

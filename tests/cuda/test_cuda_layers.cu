@@ -695,11 +695,6 @@ TEMPLATE_TEST_CASE("device PositionEmbedding equals the host layer at offsets 0 
 }
 
 namespace {
-// A context whose forwards keep nothing for backward (eval mode, a checkpointed
-// layer's first pass), as the sharded context says with grad_enabled().
-struct no_grad_context : nn::context {
-  bool grad_enabled() const { return false; }
-};
 template <class L, class X>
 void check_refuses(L layer, const X& x, const std::string& name) {
   INFO(name);
@@ -708,6 +703,32 @@ void check_refuses(L layer, const X& x, const std::string& name) {
   CHECK_THROWS_WITH(layer.backward(ctx, y), Catch::Contains(name) && Catch::Contains("backward"));
 }
 }  // namespace
+
+// Eval mode (and a checkpointed layer's first pass) keeps no input for backward; the
+// products must still read the input they were given (they read the kept copy once: a
+// null operand, found when train_gpt_cuda's evaluation ran on the emulator).
+TEMPLATE_TEST_CASE("device Linear gives the same output with gradients disabled: each activation, bias or not",
+                   "[cuda][layers]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const auto x = device_tensor<T>({3, 5, 24}, rnd.normal(360));
+  for (const bool bias : {true, false})
+    for (const auto act : {nn::fused_activation::none, nn::fused_activation::relu, nn::fused_activation::gelu_tanh}) {
+      INFO("bias " << bias << ", activation " << int(act));
+      nn::Linear<float> host(24, 40, bias);
+      nn::Linear<T, cuda_space> dev(24, 40, bias);
+      bound_parameters<T> p(host, dev, rnd);
+      dev.fuse_activation(act);
+      nn::context with_grad;
+      no_grad_context without_grad;
+      const std::vector<float> want = values(dev.forward(with_grad, x)), got = values(dev.forward(without_grad, x));
+      REQUIRE(max_abs(want) > 0);
+      CHECK(got == want);  // the same kernels on the same values: the same bits (a NaN never compares equal)
+    }
+}
 
 TEST_CASE("device decoder layers keep nothing with gradients disabled and refuse a backward, naming the layer",
           "[cuda][layers][decoder]") {

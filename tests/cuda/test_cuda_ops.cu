@@ -539,33 +539,48 @@ std::vector<double> grid_column_sums(std::int64_t rows, std::int64_t cols) {
     for (std::size_t c = 0; c < std::size_t(cols); ++c) part[0][c] += part[w][c];
   return part[0];
 }
+
+// g[c] + the column sums of grid values [rows, cols] on the device, against the float64 sums
+// rounded once to T: the same bits.
+template <class T>
+void check_column_sums(device_fixture& f, std::int64_t rows, std::int64_t cols) {
+  INFO("rows " << rows << ", cols " << cols);
+  sl::cuda::device_buffer<T> d(std::size_t(rows * cols), sl::category::activations, f.stream, f.alloc);
+  oc::map_elements(rows * cols, grid_value_of<T>{}, f.stream, "grid values", d.data());
+  std::vector<T> g0(static_cast<std::size_t>(cols));
+  for (std::int64_t c = 0; c < cols; ++c) g0[std::size_t(c)] = T(grid_value(std::uint64_t(c) + 12345));
+  auto g = upload(g0, f.stream);
+  oc::add_column_sums(d.data(), rows, cols, g.data(), f.stream, f.alloc);
+  const auto got = download(g, f.stream);
+  const auto sums = grid_column_sums(rows, cols);
+  std::size_t bad = 0, first_bad = 0;
+  for (std::size_t c = 0; c < std::size_t(cols); ++c) {
+    const T want = T(double(float(g0[c])) + sums[c]);  // exact in float: one rounding to T on both sides
+    if (std::memcmp(&got[c], &want, sizeof(T)) != 0 && !bad++) first_bad = c;
+  }
+  INFO(bad << " wrong columns, the first " << first_bad << ": got " << float(got[first_bad]) << ", want "
+            << double(float(g0[first_bad])) + sums[first_bad]);
+  CHECK(bad == 0);
+}
 }  // namespace
 
+// Every path of the launch: one chunk of rows (1, 7), two chunks of 64 rows over a
+// vocabulary's width (128 x 50257) and hundreds of chunks (32768 rows, few columns).
 TEMPLATE_TEST_CASE("add_column_sums adds every row of every column to the gradient", "[cuda][reduce][bias]", float,
                    sl::bfloat16) {
   if (!have_device()) return;
-  using T = TestType;
   device_fixture f;
-  for (std::int64_t rows : {1, 7, 4096 * 8})
-    for (std::int64_t cols : {1, 3, 768, 50257}) {
-      INFO("rows " << rows << ", cols " << cols);
-      sl::cuda::device_buffer<T> d(std::size_t(rows * cols), sl::category::activations, f.stream, f.alloc);
-      oc::map_elements(rows * cols, grid_value_of<T>{}, f.stream, "grid values", d.data());
-      std::vector<T> g0(static_cast<std::size_t>(cols));
-      for (std::int64_t c = 0; c < cols; ++c) g0[std::size_t(c)] = T(grid_value(std::uint64_t(c) + 12345));
-      auto g = upload(g0, f.stream);
-      oc::add_column_sums(d.data(), rows, cols, g.data(), f.stream, f.alloc);
-      const auto got = download(g, f.stream);
-      const auto sums = grid_column_sums(rows, cols);
-      std::size_t bad = 0, first_bad = 0;
-      for (std::size_t c = 0; c < std::size_t(cols); ++c) {
-        const T want = T(double(float(g0[c])) + sums[c]);  // exact in float: one rounding to T on both sides
-        if (std::memcmp(&got[c], &want, sizeof(T)) != 0 && !bad++) first_bad = c;
-      }
-      INFO(bad << " wrong columns, the first " << first_bad << ": got " << float(got[first_bad]) << ", want "
-                << double(float(g0[first_bad])) + sums[first_bad]);
-      CHECK(bad == 0);
-    }
+  for (std::int64_t rows : {1, 7, 128, 4096 * 8})
+    for (std::int64_t cols : {1, 3, 768, 50257})
+      if (!(rows == 4096 * 8 && cols == 50257)) check_column_sums<TestType>(f, rows, cols);  // that one: [large]
+}
+
+// A bias gradient over a vocabulary for 32768 tokens: 1.6e9 elements (6.6 GB in float).
+TEMPLATE_TEST_CASE("add_column_sums over 32768 rows of a vocabulary's width", "[cuda][reduce][bias][large]", float,
+                   sl::bfloat16) {
+  if (!have_device()) return;
+  device_fixture f;
+  check_column_sums<TestType>(f, 4096 * 8, 50257);
 }
 
 // Rounding, on random values: within 1e-6 of the column's sum of |d| (fp32

@@ -36,6 +36,7 @@ enum cudaError_t {
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
   cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
   cudaErrorNotReady = 600,
 };
 enum cudaMemcpyKind {
@@ -51,7 +52,8 @@ struct CUstream_st {
   std::chrono::steady_clock::time_point busy_until{};  // the end of its kernels' __nanosleep time
 };
 struct CUevent_st {
-  std::chrono::steady_clock::time_point ready_at{};
+  std::chrono::steady_clock::time_point ready_at{};  // when the work recorded before it ends
+  bool timing = true, recorded = false;               // what cudaEventElapsedTime requires
 };
 using cudaStream_t = CUstream_st*;
 using cudaEvent_t = CUevent_st*;
@@ -89,6 +91,7 @@ inline const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady: return "cudaErrorNotReady";
   }
   return "an unknown cudaError_t";
@@ -286,17 +289,21 @@ inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) 
   busy = std::max(busy, e->ready_at);
   return cudaSuccess;
 }
-inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
   *e = new CUevent_st;
+  (*e)->timing = !(flags & cudaEventDisableTiming);
   return cudaSuccess;
 }
+inline cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
 inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
   delete e;
   return cudaSuccess;
 }
 inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   const std::lock_guard<std::mutex> lock(cuda_emulator::time_mutex());
-  e->ready_at = cuda_emulator::stream_of(s).busy_until;
+  // The work before it has run (launches return when their kernels have) but for its sleeps.
+  e->ready_at = std::max(std::chrono::steady_clock::now(), cuda_emulator::stream_of(s).busy_until);
+  e->recorded = true;
   return cudaSuccess;
 }
 inline cudaError_t cudaEventQuery(cudaEvent_t e) {  // not ready is no error: nothing kept for cudaGetLastError
@@ -305,6 +312,14 @@ inline cudaError_t cudaEventQuery(cudaEvent_t e) {  // not ready is no error: no
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   cuda_emulator::wait_until(e->ready_at);
+  return cudaSuccess;
+}
+// The host's time between the two records: kernels run on the CPU when launched.
+inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  if (!start->timing || !end->timing || !start->recorded || !end->recorded)
+    return cuda_emulator::fail(cudaErrorInvalidResourceHandle);
+  if (cudaEventQuery(end) != cudaSuccess) return cuda_emulator::fail(cudaErrorNotReady);
+  *ms = std::chrono::duration<float, std::milli>(end->ready_at - start->ready_at).count();
   return cudaSuccess;
 }
 
@@ -379,7 +394,7 @@ struct cudaDeviceProp {
   char name[256];
   std::size_t totalGlobalMem;
   std::size_t sharedMemPerBlockOptin;
-  int major, minor;
+  int major, minor, multiProcessorCount;
 };
 inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
   if (device < 0 || device >= cuda_emulator::device_count) return cuda_emulator::fail(cudaErrorInvalidDevice);
@@ -387,7 +402,8 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
         .totalGlobalMem = cuda_emulator::device_memory,
         .sharedMemPerBlockOptin = cuda_emulator::shared_capacity,
         .major = 9,
-        .minor = 0};
+        .minor = 0,
+        .multiProcessorCount = 132};
   return cudaSuccess;
 }
 inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, const void* kernel) {

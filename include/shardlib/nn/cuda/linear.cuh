@@ -73,19 +73,19 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
     output y(this->output_shape(x.shape()));
     switch (act_) {
       case fused_activation::none:
-        if (!fused_product(rows, ops::cuda::epilogue::bias, y)) plain_product(rows, y);
+        if (!fused_product(x, rows, ops::cuda::epilogue::bias, y)) plain_product(x, rows, y);
         break;
       case fused_activation::relu:
-        if (!fused_product(rows, ops::cuda::epilogue::relu_bias, y)) {
-          plain_product(rows, y);
+        if (!fused_product(x, rows, ops::cuda::epilogue::relu_bias, y)) {
+          plain_product(x, rows, y);
           ops::cuda::relu<T>(y.span(), y.span(), cuda::current_stream());
         }
         y_ = keep ? y : output{};
         break;
       case fused_activation::gelu_tanh:
         pre_ = output(y.shape());
-        if (!fused_product(rows, ops::cuda::epilogue::gelu_aux_bias, y)) {
-          plain_product(rows, pre_);
+        if (!fused_product(x, rows, ops::cuda::epilogue::gelu_aux_bias, y)) {
+          plain_product(x, rows, pre_);
           ops::cuda::gelu<T>(pre_.span(), y.span(), gelu_approx::tanh, cuda::current_stream());
         }
         if (!keep) pre_ = {};  // the product's aux output, needed by backward only
@@ -114,19 +114,19 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
  private:
   // y = the epilogue `kind` of x W^T + b (gelu_aux_bias: the pre-activation
   // in pre_ as well); false, having done nothing, where it is not taken.
-  bool fused_product(std::int64_t rows, ops::cuda::epilogue kind, output& y) {
+  bool fused_product(const input& x, std::int64_t rows, ops::cuda::epilogue kind, output& y) {
     const bool gelu = kind == ops::cuda::epilogue::gelu_aux_bias;
     if (!has_bias_ || (gelu && (std::is_same_v<T, float> || out_ % 8 != 0))) return false;
     return ops::cuda::gemm_lt(cuda::current_blas_lt(), cuda::current_stream(), ops::trans::no, ops::trans::yes, rows,
-                              out_, in_, 1.0f, x_.data(), in_, weight.value, in_, 0.0f, y.data(), out_,
+                              out_, in_, 1.0f, x.data(), in_, weight.value, in_, 0.0f, y.data(), out_,
                               {.kind = kind, .bias = bias.value, .aux = gelu ? pre_.data() : nullptr,
                                .aux_ld = gelu ? out_ : 0});
   }
   // y = x W^T (+ b) by cuBLAS.
-  void plain_product(std::int64_t rows, output& y) {
+  void plain_product(const input& x, std::int64_t rows, output& y) {
     if (has_bias_)  // y starts as the bias, which the product adds to (beta 1)
       ops::cuda::repeat_rows(std::span<const T>(bias.value, std::size_t(out_)), y.span(), cuda::current_stream());
-    detail::device_gemm(ops::trans::no, ops::trans::yes, rows, out_, in_, 1.0f, x_.data(), in_, weight.value, in_,
+    detail::device_gemm(ops::trans::no, ops::trans::yes, rows, out_, in_, 1.0f, x.data(), in_, weight.value, in_,
                         has_bias_ ? 1.0f : 0.0f, y.data(), out_);
   }
 
