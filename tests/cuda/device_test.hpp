@@ -113,6 +113,7 @@ inline float max_abs(const std::vector<float>& v) {
 // layer's first pass), as the sharded context says with grad_enabled(); a layer's
 // children are run with it too.
 struct no_grad_context : sl::nn::context {
+  using sl::nn::context::context;
   bool grad_enabled() const { return false; }
   template <class L, class X>
   auto forward(L& layer, const X& x) {

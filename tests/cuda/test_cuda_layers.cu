@@ -247,7 +247,8 @@ auto firm_relu_biases(int& count) {
   };
 }
 
-nn::context training(std::uint64_t seed) { return nn::context({.training = true, .seed = seed, .rank = 0, .step = 3}); }
+nn::context::options training_options(std::uint64_t seed) { return {.training = true, .seed = seed, .rank = 0, .step = 3}; }
+nn::context training(std::uint64_t seed) { return nn::context(training_options(seed)); }
 
 Tensor<std::uint8_t> padding_mask(std::int64_t n, std::int64_t l, random_inputs& rnd) {
   Tensor<std::uint8_t> m(Shape{n, l});
@@ -476,6 +477,12 @@ TEMPLATE_TEST_CASE("the reference model on the device: forward, cross-entropy an
   const auto logits_dev = dctx.forward(dev, device_tensor<T>({n, l, d}, x));
   const nn::loss_result<T, cuda_space> loss_dev = nn::cross_entropy(logits_dev, y_dev);
   const auto dx_dev = dctx.backward(dev, loss_dev.grad);
+  {
+    INFO("logits with gradients disabled (eval mode's forward, the same dropout masks)");
+    no_grad_context no_grad(training_options(rnd.seed));
+    no_grad.set_key_padding_mask(mask);
+    CHECK(values(dev.forward(no_grad, device_tensor<T>({n, l, d}, x))) == values(logits_dev));  // the same bits
+  }
 
   CHECK(loss_dev.loss == Approx(loss_host.loss).epsilon(rtol<T>));
   {
