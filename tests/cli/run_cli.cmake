@@ -1,6 +1,11 @@
 # Runs a command line and checks how it ends: exit status STATUS and output (stdout and stderr)
-# matching OUTPUT. A crash, a signal, a hang (60 s) or another status fails.
-#   cmake -DSTATUS=2 -DOUTPUT=regex -P run_cli.cmake -- program args...
+# matching OUTPUT. A crash, a signal, a hang (TIMEOUT seconds, 60 unless given) or another status
+# fails. Optionally also: each of FILES written and not empty (removed first: what an earlier run
+# left proves nothing), and every line of JSON a JSON object (a NaN or an infinity printed into
+# one is not JSON) whose "bench" is one of JSON_KINDS, every kind there, each marked "quick".
+#   cmake -DSTATUS=2 -DOUTPUT=regex [-DTIMEOUT=s] [-DFILES=a;b] [-DJSON=file -DJSON_KINDS=k1;k2]
+#         -P run_cli.cmake -- program args...
+cmake_policy(VERSION 3.25)  # IN_LIST
 set(command "")
 math(EXPR last "${CMAKE_ARGC} - 1")
 foreach(i RANGE ${last})
@@ -10,10 +15,45 @@ foreach(i RANGE ${last})
     set(program_args TRUE)
   endif()
 endforeach()
-execute_process(COMMAND ${command} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
+if(NOT DEFINED TIMEOUT)
+  set(TIMEOUT 60)
+endif()
+foreach(f IN LISTS FILES JSON)
+  file(REMOVE_RECURSE "${f}")
+endforeach()
+execute_process(COMMAND ${command} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT ${TIMEOUT})
 string(REPLACE ";" " " shown "${command}")
 if(NOT status STREQUAL STATUS OR NOT "${out}${err}" MATCHES "${OUTPUT}")
   message(FATAL_ERROR "$ ${shown}\nexpected exit status ${STATUS} and output matching '${OUTPUT}', "
                       "got status '${status}':\n${out}${err}")
 endif()
 message("$ ${shown}\n${out}${err}")
+foreach(f IN LISTS FILES)
+  file(SIZE "${f}" size)  # an error if missing
+  if(size EQUAL 0)
+    message(FATAL_ERROR "${f} is empty")
+  endif()
+endforeach()
+if(DEFINED JSON)
+  file(STRINGS "${JSON}" lines)
+  set(seen "")
+  foreach(line IN LISTS lines)
+    string(JSON kind ERROR_VARIABLE bad GET "${line}" bench)
+    if(bad)
+      message(FATAL_ERROR "${JSON}: not a JSON object with \"bench\": ${line}\n${bad}")
+    endif()
+    string(JSON quick ERROR_VARIABLE bad GET "${line}" quick)
+    if(bad OR NOT quick)
+      message(FATAL_ERROR "${JSON}: a line without \"quick\":true: ${line}")
+    endif()
+    if(NOT kind IN_LIST JSON_KINDS)
+      message(FATAL_ERROR "${JSON}: \"bench\":\"${kind}\" is none of ${JSON_KINDS}")
+    endif()
+    list(APPEND seen ${kind})
+  endforeach()
+  foreach(kind IN LISTS JSON_KINDS)
+    if(NOT kind IN_LIST seen)
+      message(FATAL_ERROR "${JSON}: no line of \"bench\":\"${kind}\"")
+    endif()
+  endforeach()
+endif()
