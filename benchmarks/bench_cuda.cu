@@ -405,7 +405,14 @@ int main(int argc, char** argv) try {
         if (model_options[i]->count() == 0) *value[i] = small[i];
     }
     if (flags.d % flags.heads != 0 || flags.heads % flags.kv_heads != 0)
-      throw CLI::ValidationError("--heads", "--heads must divide --d and --kv-heads must divide --heads");
+      throw CLI::ValidationError("--heads", sl::cat("--heads ", flags.heads, " must divide --d ", flags.d,
+                                                    " and --kv-heads ", flags.kv_heads, " must divide --heads"));
+    // Known before any timing starts: the fused attention's head sizes, RoPE's pairs.
+    const long head = flags.d / flags.heads;
+    if (head > oc::detail::fused::max_dim || head % 2 != 0)
+      throw CLI::ValidationError("--heads", sl::cat("--d ", flags.d, " / --heads ", flags.heads, " = ", head,
+                                                    ": a head's size must be even and at most ",
+                                                    oc::detail::fused::max_dim));
   });
   cli.parse_or_exit(argc, argv);
   const run_sizes z = quick ? quick_sizes : run_sizes{};

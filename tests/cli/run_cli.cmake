@@ -1,8 +1,9 @@
 # Runs a command line and checks how it ends: exit status STATUS and output (stdout and stderr)
 # matching OUTPUT. A crash, a signal, a hang (TIMEOUT seconds, 60 unless given) or another status
 # fails. Optionally also: each of FILES written and not empty (removed first: what an earlier run
-# left proves nothing), and every line of JSON a JSON object (a NaN or an infinity printed into
-# one is not JSON) whose "bench" is one of JSON_KINDS, every kind there, each marked "quick".
+# left proves nothing), and every line of JSON one JSON object and nothing else (a NaN or an
+# infinity printed into it is not JSON), whose "bench" is one of JSON_KINDS, every kind there,
+# each marked "quick".
 #   cmake -DSTATUS=2 -DOUTPUT=regex [-DTIMEOUT=s] [-DFILES=a;b] [-DJSON=file -DJSON_KINDS=k1;k2]
 #         -P run_cli.cmake -- program args...
 cmake_policy(VERSION 3.25)  # IN_LIST
@@ -39,7 +40,7 @@ if(DEFINED JSON)
   set(seen "")
   foreach(line IN LISTS lines)
     string(JSON kind ERROR_VARIABLE bad GET "${line}" bench)
-    if(bad)
+    if(bad OR NOT line MATCHES "^{.*}$")  # one object, nothing after it
       message(FATAL_ERROR "${JSON}: not a JSON object with \"bench\": ${line}\n${bad}")
     endif()
     string(JSON quick ERROR_VARIABLE bad GET "${line}" quick)

@@ -130,9 +130,10 @@ void check_logits_and_gradients(const Config& config, bool padded = false) {
   const auto logits = dctx.forward(dm, sl::cuda::to_device(ids));
   const float device_loss = sl::nn::cross_entropy(logits, sl::cuda::to_device(targets)).loss;
   dctx.backward(dm, sl::cuda::to_device(loss.grad));
-  // Eval mode (nothing kept for backward) computes the same logits: the same kernels
-  // on the same values give the same bits (a NaN never compares equal).
-  device_test::no_grad_context eval;
+  // Eval mode (gradients disabled, not training: the configs have no dropout) computes
+  // the same logits: the same kernels on the same values give the same bits (a NaN never
+  // compares equal).
+  device_test::no_grad_context eval({.training = false});
   if (padded) eval.set_key_padding_mask(padding);
   CHECK(host_copy(eval.forward(dm, sl::cuda::to_device(ids))) == host_copy(logits));
 
@@ -217,9 +218,10 @@ shard::mixed_precision compute_precision() {
 }
 
 // W ranks as threads on GPU 0, each block a unit, FullShard over
-// device_thread_comm (rank-ordered reductions, as ThreadComm's), the device AdamW.
+// device_thread_comm (rank-ordered reductions, as ThreadComm's), the device AdamW;
+// `checkpointed`: each block's activations recomputed in its backward.
 template <class T, class Config>
-run_record device_run(const Config& config, int world) {
+run_record device_run(const Config& config, int world, bool checkpointed = false) {
   using model_t = typename family<Config>::template model<T, sl::cuda_space>;
   std::vector<run_record> out(static_cast<std::size_t>(world));
   sl::comm::launch(world, [&](sl::comm::ThreadComm& host) {
@@ -228,9 +230,11 @@ run_record device_run(const Config& config, int world) {
     sl::cuda::stream_scope scope(stream.get());
     auto c = device_thread_comm(host);
     model_t model(config);
-    auto sharded = shard::fully_shard<sl::optim::cuda::AdamW>(
-        model, c, shard::FullShard{},
-        {.wrap = shard::wrap_types<typename model_t::block_type>{}, .seed = seed, .precision = compute_precision<T>()});
+    shard::options o{.wrap = shard::wrap_types<typename model_t::block_type>{},
+                     .seed = seed,
+                     .precision = compute_precision<T>()};
+    if (checkpointed) o.checkpoint = shard::wrap_types<typename model_t::block_type>{};
+    auto sharded = shard::fully_shard<sl::optim::cuda::AdamW>(model, c, shard::FullShard{}, o);
     sl::optim::cuda::AdamW adamw{adamw_options()};
     run_record t;
     for (int s = 0; s < steps; ++s) {
@@ -311,6 +315,20 @@ TEST_CASE("GPT-2 and LLaMA train under FullShard on two device ranks as unsharde
     CHECK(worst_loss(got, want) <= 1e-4);
     CHECK(worst_parameter(got, want) <= 1e-2);
     CHECK(test_support::relative_norm_error(got.params, want.params) <= 1e-5);
+  }
+}
+
+// Activation checkpointing: each block's first forward keeps nothing (gradients disabled,
+// the path eval mode takes too) and its backward runs the forward again. The same kernels
+// on the same values: the same losses and parameters, bit for bit.
+TEST_CASE("GPT-2 and LLaMA with every block checkpointed train on the device as without", "[cuda][decoder][training]") {
+  if (!have_device()) return;
+  for (int which = 0; which < 2; ++which) {
+    INFO((which == 0 ? "GPT-2" : "LLaMA"));
+    const run_record want = which == 0 ? device_run<float>(gpt2_tiny, 2) : device_run<float>(llama_tiny, 2);
+    const run_record got = which == 0 ? device_run<float>(gpt2_tiny, 2, true) : device_run<float>(llama_tiny, 2, true);
+    CHECK(got.losses == want.losses);  // a NaN never compares equal
+    CHECK(got.params == want.params);
   }
 }
 

@@ -478,7 +478,7 @@ TEMPLATE_TEST_CASE("the reference model on the device: forward, cross-entropy an
   const nn::loss_result<T, cuda_space> loss_dev = nn::cross_entropy(logits_dev, y_dev);
   const auto dx_dev = dctx.backward(dev, loss_dev.grad);
   {
-    INFO("logits with gradients disabled (eval mode's forward, the same dropout masks)");
+    INFO("logits with gradients disabled (still training: the same dropout masks)");
     no_grad_context no_grad(training_options(rnd.seed));
     no_grad.set_key_padding_mask(mask);
     CHECK(values(dev.forward(no_grad, device_tensor<T>({n, l, d}, x))) == values(logits_dev));  // the same bits
@@ -737,7 +737,7 @@ TEMPLATE_TEST_CASE("device Linear gives the same output with gradients disabled:
     }
 }
 
-TEST_CASE("device decoder layers keep nothing with gradients disabled and refuse a backward, naming the layer",
+TEST_CASE("device layers keep nothing with gradients disabled and refuse a backward, naming the layer",
           "[cuda][layers][decoder]") {
   if (!have_device()) return;
   on_stream s;
@@ -756,6 +756,7 @@ TEST_CASE("device decoder layers keep nothing with gradients disabled and refuse
   check_refuses(norm, x, "RMSNorm(4)");
   check_refuses(mlp, x, "LlamaMLP(4 -> 6)");
   check_refuses(pos, x, "PositionEmbedding(6, 4)");
+  check_refuses(nn::MeanPool<float, cuda_space>(1), x, "MeanPool(1)");
   Tensor<std::int64_t> ids(Shape{2, 3});
   for (std::int64_t i = 0; i < ids.numel(); ++i) ids[i] = i % 5;
   Tensor<std::int64_t, cuda_space> ids_dev(ids.shape());

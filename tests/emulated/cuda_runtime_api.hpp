@@ -314,11 +314,13 @@ inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   cuda_emulator::wait_until(e->ready_at);
   return cudaSuccess;
 }
-// The host's time between the two records: kernels run on the CPU when launched.
+// The host's time between the two records: kernels run on the CPU when launched. Not
+// ready (either event) is no error, as for cudaEventQuery.
 inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
   if (!start->timing || !end->timing || !start->recorded || !end->recorded)
     return cuda_emulator::fail(cudaErrorInvalidResourceHandle);
-  if (cudaEventQuery(end) != cudaSuccess) return cuda_emulator::fail(cudaErrorNotReady);
+  const std::lock_guard<std::mutex> lock(cuda_emulator::time_mutex());
+  if (std::chrono::steady_clock::now() < std::max(start->ready_at, end->ready_at)) return cudaErrorNotReady;
   *ms = std::chrono::duration<float, std::milli>(end->ready_at - start->ready_at).count();
   return cudaSuccess;
 }

@@ -72,6 +72,10 @@ class MeanPool<T, cuda_space> : public detail::mean_pool_base {
     output y(pooled_shape());
     ops::cuda::for_each_index(y.numel(), detail::mean_pool_at<T>{geometry(), x.data(), y.data()},
                               cuda::current_stream(), "MeanPool forward");
+    if (!grad_enabled(ctx)) {  // nothing kept for a backward, as the host layer
+      shape_ = {};
+      weights_ = {};
+    }
     return y;
   }
 
