@@ -1,0 +1,238 @@
+// shardlib/ops/cuda/flash_tensor_tiles.cuh — the tiles of the tensor-core attention
+// (ops/cuda/flash_tensor_kernels.cuh, whose opening comment gives the block's layout):
+// the tile and pitch constants, the shared memory each kernel takes, the head dims
+// and row layouts the kernels accept, and the pieces every kernel is made of — wmma
+// products, a tile staged into shared memory by cp.async, a warp's rows written out.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/element.hpp"  // bfloat16, half
+#include "shardlib/ops/attention_tiles.hpp"  // flash::tile_problem
+#include "shardlib/ops/cuda/flash_kernels.cuh"  // rows
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_pipeline.h>  // __pipeline_memcpy_async (cp.async)
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <algorithm>    // std::max
+#include <cstddef>      // std::size_t
+#include <cstdint>      // std::int64_t, std::uintptr_t
+#include <type_traits>  // std::is_same_v
+
+namespace shardlib::ops::cuda::detail::tensor {
+namespace flash = shardlib::ops::flash;
+using fused::rows;
+
+inline constexpr int tile = 64;         // queries per block; keys per tile (dk, dv: keys per block)
+inline constexpr int warps = 4;         // each takes 16 rows: one wmma tile high
+inline constexpr int edge = 16;         // a wmma tile's m, n and k
+inline constexpr int max_dim = 128;
+static_assert(warps * 32 == fused::threads, "launched with the CUDA-core kernels' block size");
+inline constexpr int score_pitch = tile + 4;   // fp32 [tile][tile + 4]
+inline constexpr int weight_pitch = tile + 8;  // 16-bit [tile][tile + 8]
+template <int DM>
+inline constexpr int row_pitch = DM + 8;  // 16-bit [tile][DM + 8]
+template <int DM>
+inline constexpr int acc_pitch = DM + 4;  // fp32 [tile][DM + 4]
+
+template <class T>
+inline constexpr bool takes = std::is_same_v<T, bfloat16> || std::is_same_v<T, shardlib::half>;
+
+// The CUDA type whose bits T holds, as wmma takes it.
+template <class T>
+struct wmma_type;
+template <>
+struct wmma_type<bfloat16> {
+  using type = __nv_bfloat16;
+};
+template <>
+struct wmma_type<shardlib::half> {
+  using type = __half;
+};
+
+// Shared memory per block (every region starts 32-byte aligned, as wmma's loads need).
+template <int DM>
+constexpr std::size_t rows_bytes = std::size_t(tile) * row_pitch<DM> * 2;
+constexpr std::size_t weights_bytes = std::size_t(tile) * weight_pitch * 2;
+constexpr std::size_t scores_bytes = std::size_t(tile) * score_pitch * 4;
+template <int DM>
+constexpr std::size_t acc_bytes = std::size_t(tile) * acc_pitch<DM> * 4;
+template <int DM>
+constexpr std::size_t forward_bytes = 3 * rows_bytes<DM> + weights_bytes + scores_bytes + acc_bytes<DM>;
+template <int DM>
+constexpr std::size_t dq_bytes = 4 * rows_bytes<DM> + weights_bytes + 2 * scores_bytes;
+// dk/dv's query tiles (Q, dO, lse, D) in flight while it works: double-buffered at head_dim 128,
+// where a block takes an SM's shared memory either way (one block per SM on an A100 and an
+// H100); single at 64, where two blocks share an H100's SM and the 99 KiB of sm_86, sm_89 and
+// sm_120 hold the kernels only without the second buffer.
+template <int DM>
+constexpr int query_buffers = DM == max_dim ? 2 : 1;
+template <int DM>
+constexpr std::size_t dkdv_bytes = (2 + 2 * query_buffers<DM>) * rows_bytes<DM> + 2 * weights_bytes +
+                                   2 * scores_bytes + 2 * query_buffers<DM> * tile * 4;
+template <int DM>
+constexpr std::size_t largest_bytes = std::max({forward_bytes<DM>, dq_bytes<DM>, dkdv_bytes<DM>});
+// Every region, and every warp's part of one, starts 32-byte aligned; every staged row
+// 16-byte aligned (stage's vector stores).
+template <int DM>
+constexpr bool aligned = rows_bytes<DM> % 32 == 0 && acc_bytes<DM> % 32 == 0 && edge * row_pitch<DM> * 2 % 32 == 0 &&
+                         edge * acc_pitch<DM> * 4 % 32 == 0 && row_pitch<DM> * 2 % 16 == 0;
+static_assert(aligned<64> && aligned<128> && weights_bytes % 32 == 0 && scores_bytes % 32 == 0 &&
+              edge * weight_pitch * 2 % 32 == 0 && edge * score_pitch * 4 % 32 == 0);
+static_assert(acc_bytes<max_dim> <= 2 * scores_bytes, "backward's accumulators are written out through its scores");
+
+// Head dims these kernels take: up to 128, a multiple of 8 (stage's 16-byte loads).
+inline bool takes_dim(std::int64_t dim) { return dim >= 1 && dim <= max_dim && dim % 8 == 0; }
+
+// Whether stage can load (and store_rows store) v's rows 16 bytes at a time: every row starts 16-byte aligned
+// (so does each 8-element piece of it when dim is a multiple of 8: the caller checks dim).
+template <class T>
+bool whole_vectors(const rows<T>& v) {
+  constexpr std::int64_t per = 16 / sizeof(T);
+  return reinterpret_cast<std::uintptr_t>(v.data) % 16 == 0 && v.batch_stride % per == 0 &&
+         v.head_stride % per == 0 && v.row_stride % per == 0;
+}
+
+// Calls f.template operator()<DM>() for DM = 64 or 128, the smaller holding dim
+// (dim <= max_dim: the caller checks). A smaller head is padded with zeros to 64:
+// two instantiations per kernel keep nvcc's time down.
+template <class F>
+void dispatch_dim(std::int64_t dim, F&& f) {
+  if (dim <= 64) f.template operator()<64>();
+  else f.template operator()<128>();
+}
+
+// bf16 wmma exists from sm_80: below it (and only there) the kernels' bodies are left out.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+namespace wmma = nvcuda::wmma;
+
+template <class T>
+using a_fragment = wmma::fragment<wmma::matrix_a, edge, edge, edge, typename wmma_type<T>::type, wmma::row_major>;
+template <class T, class Layout>
+using b_fragment = wmma::fragment<wmma::matrix_b, edge, edge, edge, typename wmma_type<T>::type, Layout>;
+using accumulator = wmma::fragment<wmma::accumulator, edge, edge, edge, float>;
+
+template <class T>
+__device__ const typename wmma_type<T>::type* as_wmma(const T* p) {
+  return reinterpret_cast<const typename wmma_type<T>::type*>(p);
+}
+
+// c += a . b over K: a is row-major [16][K] at `a` (pitch lda); b is [K][16], with
+// Transposed the transpose of row-major [16][K] at `b`, else row-major [K][16] at `b`
+// (pitch ldb).
+template <int K, bool Transposed, class T>
+__device__ void multiply(accumulator& c, const T* a, int lda, const T* b, int ldb) {
+#pragma unroll
+  for (int k = 0; k < K; k += edge) {
+    a_fragment<T> fa;
+    wmma::load_matrix_sync(fa, as_wmma(a + k), unsigned(lda));
+    if constexpr (Transposed) {
+      b_fragment<T, wmma::col_major> fb;
+      wmma::load_matrix_sync(fb, as_wmma(b + k), unsigned(ldb));
+      wmma::mma_sync(c, fa, fb, c);
+    } else {
+      b_fragment<T, wmma::row_major> fb;
+      wmma::load_matrix_sync(fb, as_wmma(b + std::size_t(k) * std::size_t(ldb)), unsigned(ldb));
+      wmma::mma_sync(c, fa, fb, c);
+    }
+  }
+}
+
+// out[16][tile] (fp32, pitch score_pitch) = a[16][DM] . b^T for the tile's 64 rows of b.
+template <int DM, class T>
+__device__ void scores(float* out, const T* a, const T* b) {
+#pragma unroll
+  for (int c = 0; c < tile / edge; ++c) {
+    accumulator s;
+    wmma::fill_fragment(s, 0.0f);
+    multiply<DM, true>(s, a, row_pitch<DM>, b + c * edge * row_pitch<DM>, row_pitch<DM>);
+    wmma::store_matrix_sync(out + c * edge, s, unsigned(score_pitch), wmma::mem_row_major);
+  }
+}
+
+// A warp's 16 rows of fp32 in shared memory (`from`, [16][acc_pitch]) out to rows
+// row0 + r < limit of dst, times factor, in T, the columns below dim: 8 elements (16
+// bytes) per store (dim a multiple of 8, dst's rows 16-byte aligned: whole_vectors).
+template <int DM, class T>
+__device__ void store_rows(const rows<T>& dst, std::int64_t n, std::int64_t h, std::int64_t row0, std::int64_t limit,
+                           const float* from, float factor, int dim) {
+  constexpr int per = 16 / sizeof(T);
+  for (int e = int(threadIdx.x) % 32; e < edge * DM / per; e += 32) {
+    const int r = e / (DM / per), d = e % (DM / per) * per;
+    if (row0 + r >= limit || d >= dim) continue;
+    struct alignas(16) {
+      T v[per];
+    } pack;
+#pragma unroll
+    for (int x = 0; x < per; ++x) pack.v[x] = T(factor * from[r * acc_pitch<DM> + d + x]);
+    *reinterpret_cast<uint4*>(dst.row(n, h, row0 + r) + d) = __builtin_bit_cast(uint4, pack);
+  }
+}
+
+// A warp's accumulators (one per 16 columns of its 16 rows) out through shared memory
+// `through` (fp32 [16][acc_pitch]) by store_rows.
+template <int DM, class T>
+__device__ void write_rows(const rows<T>& dst, std::int64_t n, std::int64_t h, std::int64_t row0, std::int64_t limit,
+                           float* through, const accumulator (&acc)[DM / edge], float factor, int dim) {
+#pragma unroll
+  for (int dc = 0; dc < DM / edge; ++dc)
+    wmma::store_matrix_sync(through + dc * edge, acc[dc], unsigned(acc_pitch<DM>), wmma::mem_row_major);
+  __syncwarp();
+  store_rows<DM>(dst, n, h, row0, limit, through, factor, dim);
+}
+#endif
+
+// Rows [first, first + tile) of a head into shared memory in T, zero past `count`
+// rows and past dim: [tile][row_pitch], 16 bytes (8 elements) per copy: dim is a
+// multiple of 8 and every row of src starts 16-byte aligned (whole_vectors, checked
+// before these kernels are chosen). The copies are asynchronous (cp.async, into the
+// thread's open group; the zeros are plain stores): the caller commits the group,
+// waits for it (__pipeline_wait_prior) and synchronises the block before reading.
+template <int DM, class T>
+__device__ void stage(T* dst, const rows<const T>& src, std::int64_t n, std::int64_t h, std::int64_t first,
+                      std::int64_t count, int dim) {
+  constexpr int per = 16 / sizeof(T);
+  for (int e = int(threadIdx.x); e < tile * DM / per; e += int(blockDim.x)) {
+    const int r = e / (DM / per), d = e % (DM / per) * per;
+    T* to = dst + r * row_pitch<DM> + d;
+    if (r < count - first && d < dim) __pipeline_memcpy_async(to, src.row(n, h, first + r) + d, 16);
+    else *reinterpret_cast<uint4*>(to) = uint4{0, 0, 0, 0};
+  }
+}
+
+// What this thread copied has landed, but for the newest `pending` groups, and every
+// thread of the block is past the same point: the tiles are there to read.
+template <int Pending>
+__device__ void landed() {
+  __pipeline_wait_prior(Pending);
+  __syncthreads();
+}
+
+// Shared memory handed out region by region, in order.
+struct carve {
+  unsigned char* at;
+  template <class U>
+  __device__ U* take(std::size_t count) {
+    U* p = reinterpret_cast<U*>(at);
+    at += count * sizeof(U);
+    return p;
+  }
+};
+
+// A query-tile block's place (forward and dq): batch element n, head h and its kv head g,
+// the tile's first query i0, and this thread's warp, lane and the warp's first query.
+struct query_block {
+  int lane, warp;
+  std::int64_t i0, h, n, g, first;
+  __device__ explicit query_block(const flash::tile_problem& p)
+      : lane(int(threadIdx.x) % 32),
+        warp(int(threadIdx.x) / 32),
+        i0(std::int64_t(blockIdx.x) * tile),
+        h(blockIdx.y),
+        n(blockIdx.z),
+        g(h / (p.heads / p.kv_heads)),
+        first(i0 + warp * edge) {}
+};
+
+}  // namespace shardlib::ops::cuda::detail::tensor
