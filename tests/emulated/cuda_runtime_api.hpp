@@ -48,12 +48,17 @@ enum cudaMemcpyKind {
 };
 inline constexpr unsigned cudaStreamNonBlocking = 1, cudaEventDisableTiming = 2, cudaHostAllocDefault = 0;
 
+// Streams and events belong to the device current when they were made: CUDA refuses to
+// record an event, or launch a kernel, into a stream of another device than the event's
+// or the current one (a thread's current device starts at 0, whatever a rank's is).
 struct CUstream_st {
   std::chrono::steady_clock::time_point busy_until{};  // the end of its kernels' __nanosleep time
+  int device = 0;
 };
 struct CUevent_st {
   std::chrono::steady_clock::time_point ready_at{};  // when the work recorded before it ends
   bool timing = true, recorded = false;               // what cudaEventElapsedTime requires
+  int device = 0;
 };
 using cudaStream_t = CUstream_st*;
 using cudaEvent_t = CUevent_st*;
@@ -121,6 +126,8 @@ inline CUstream_st& stream_of(cudaStream_t s) {  // nullptr: the default stream
   static auto* default_stream = new CUstream_st;
   return s ? *s : *default_stream;
 }
+// The device whose stream s is (the default stream: the current device's).
+inline int device_of(cudaStream_t s) { return s ? s->device : current_device(); }
 inline time_point& all_streams_done() {
   static time_point t{};
   return t;
@@ -272,7 +279,7 @@ inline cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned, int) {
-  *s = new CUstream_st;
+  *s = new CUstream_st{.device = cuda_emulator::current_device()};
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
@@ -290,7 +297,7 @@ inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) 
   return cudaSuccess;
 }
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
-  *e = new CUevent_st;
+  *e = new CUevent_st{.device = cuda_emulator::current_device()};
   (*e)->timing = !(flags & cudaEventDisableTiming);
   return cudaSuccess;
 }
@@ -300,6 +307,7 @@ inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
   return cudaSuccess;
 }
 inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  if (e->device != cuda_emulator::device_of(s)) return cuda_emulator::fail(cudaErrorInvalidResourceHandle);
   const std::lock_guard<std::mutex> lock(cuda_emulator::time_mutex());
   // The work before it has run (launches return when their kernels have) but for its sleeps.
   e->ready_at = std::max(std::chrono::steady_clock::now(), cuda_emulator::stream_of(s).busy_until);
@@ -350,6 +358,8 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(
   const dim3 g = config->gridDim, b = config->blockDim;
   if (b.x * b.y * b.z == 0 || b.x * b.y * b.z > 1024 || g.x * g.y * g.z == 0 || g.y > 65535 || g.z > 65535)
     return cuda_emulator::fail(cudaErrorInvalidConfiguration);
+  if (cuda_emulator::device_of(config->stream) != cuda_emulator::current_device())
+    return cuda_emulator::fail(cudaErrorInvalidResourceHandle);
   {
     const std::lock_guard<std::mutex> lock(cuda_emulator::dynamic_shared_mutex());
     if (config->dynamicSmemBytes > cuda_emulator::dynamic_shared_allowed(reinterpret_cast<const void*>(kernel),

@@ -77,6 +77,7 @@ struct call {
   ncclRedOp_t op{};
   int root = 0, color = 0, key = 0;
   ncclComm_t* child = nullptr;  // split
+  int device = 0;               // split: the calling rank's communicator's device, its child's
   bool operator==(const call& o) const {
     return std::tuple(what, count, type, op, root) == std::tuple(o.what, o.count, o.type, o.op, o.root);
   }
@@ -216,6 +217,7 @@ inline std::string describe(const call& c, int ranks) {
 struct ncclComm {
   std::shared_ptr<nccl_emulator::group> g;
   int rank = 0;
+  int device = 0;    // the device current at initialisation: its collectives run there
   std::string last;  // ncclGetLastError
 };
 
@@ -268,7 +270,8 @@ inline void perform(group& g) {
         auto child = std::make_shared<group>(int(members.size()));
         child->joined = child->size;
         for (std::size_t i = 0; i < members.size(); ++i)
-          *c[std::size_t(members[i].second)].child = new ncclComm{child, int(i), {}};
+          *c[std::size_t(members[i].second)].child =
+              new ncclComm{child, int(i), c[std::size_t(members[i].second)].device, {}};
       }
       return;
     }
@@ -359,7 +362,7 @@ inline ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUni
   g->taken[std::size_t(rank)] = true;
   ++g->joined;
   g->cv.notify_all();
-  *comm = new ncclComm{g, rank, {}};
+  *comm = new ncclComm{g, rank, cuda_emulator::current_device(), {}};
   if (config && config->blocking == 0) return g->joined == g->size ? ncclSuccess : ncclInProgress;
   if (!g->cv.wait_for(lock, peer_patience, [&] { return g->joined == g->size || g->aborted; }) || g->aborted)
     return fail(*comm, ncclSystemError, "not every rank joined within two minutes, or one aborted");
@@ -398,32 +401,47 @@ inline ncclResult_t ncclCommAbort(ncclComm_t comm) {
   return ncclSuccess;
 }
 inline ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t*) {
+  if (!comm) return nccl_emulator::fail(comm, ncclInvalidArgument, "a null communicator");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::split, .color = color, .key = key,
-                                          .child = newcomm});
+                                          .child = newcomm, .device = comm->device});
 }
 
+namespace nccl_emulator {
+// NCCL launches its kernels on the communicator's device, into the caller's stream: a
+// stream of another device fails that launch (CUDA's invalid resource handle).
+inline ncclResult_t wrong_stream(ncclComm_t comm, cudaStream_t stream) {
+  if (!comm || cuda_emulator::device_of(stream) == comm->device) return ncclSuccess;
+  return fail(comm, ncclUnhandledCudaError, "a stream of device " + std::to_string(cuda_emulator::device_of(stream)) +
+                                                " for a communicator of device " + std::to_string(comm->device));
+}
+}  // namespace nccl_emulator
+
 inline ncclResult_t ncclAllReduce(const void* send, void* recv, std::size_t count, ncclDataType_t type,
-                                  ncclRedOp_t op, ncclComm_t comm, cudaStream_t) {
+                                  ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  if (const ncclResult_t r = nccl_emulator::wrong_stream(comm, stream)) return r;
   if (!nccl_emulator::valid(type)) return nccl_emulator::fail(comm, ncclInvalidArgument, "an unknown data type");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::all_reduce, .send = send, .recv = recv,
                                           .count = count, .type = type, .op = op});
 }
 // count: elements each rank receives; the reduction runs over the send buffers' count * ranks.
 inline ncclResult_t ncclReduceScatter(const void* send, void* recv, std::size_t count, ncclDataType_t type,
-                                      ncclRedOp_t op, ncclComm_t comm, cudaStream_t) {
+                                      ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  if (const ncclResult_t r = nccl_emulator::wrong_stream(comm, stream)) return r;
   if (!nccl_emulator::valid(type) || !comm)
     return nccl_emulator::fail(comm, ncclInvalidArgument, "an unknown data type or a null communicator");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::reduce_scatter, .send = send, .recv = recv,
                                           .count = count * std::size_t(comm->g->size), .type = type, .op = op});
 }
 inline ncclResult_t ncclAllGather(const void* send, void* recv, std::size_t count, ncclDataType_t type,
-                                  ncclComm_t comm, cudaStream_t) {
+                                  ncclComm_t comm, cudaStream_t stream) {
+  if (const ncclResult_t r = nccl_emulator::wrong_stream(comm, stream)) return r;
   if (!nccl_emulator::valid(type)) return nccl_emulator::fail(comm, ncclInvalidArgument, "an unknown data type");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::all_gather, .send = send, .recv = recv,
                                           .count = count, .type = type});
 }
 inline ncclResult_t ncclBroadcast(const void* send, void* recv, std::size_t count, ncclDataType_t type, int root,
-                                  ncclComm_t comm, cudaStream_t) {
+                                  ncclComm_t comm, cudaStream_t stream) {
+  if (const ncclResult_t r = nccl_emulator::wrong_stream(comm, stream)) return r;
   if (!nccl_emulator::valid(type) || !comm || root < 0 || root >= comm->g->size)
     return nccl_emulator::fail(comm, ncclInvalidArgument, "an unknown data type, a null communicator or a bad root");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::broadcast, .send = send, .recv = recv,
