@@ -2,10 +2,11 @@
 # matching OUTPUT. A crash, a signal, a hang (TIMEOUT seconds, 60 unless given) or another status
 # fails. Optionally also: each of FILES written and not empty (removed first: what an earlier run
 # left proves nothing), and every line of JSON one JSON object and nothing else (a NaN or an
-# infinity printed into it is not JSON), whose "bench" is one of JSON_KINDS, every kind there,
-# each marked "quick".
-#   cmake -DSTATUS=2 -DOUTPUT=regex [-DTIMEOUT=s] [-DFILES=a;b] [-DJSON=file -DJSON_KINDS=k1;k2]
-#         -P run_cli.cmake -- program args...
+# infinity printed into it is not JSON) whose kind is one of JSON_KINDS, every kind there, and
+# with JSON_QUICK each marked "quick":true; with JSON_LINES, that many lines. A line's kind is its "bench", or "bench/model" where
+# it names a "model" (then either spelling may be listed; listing the second requires that model).
+#   cmake -DSTATUS=2 -DOUTPUT=regex [-DTIMEOUT=s] [-DFILES=a;b] [-DJSON=file -DJSON_KINDS=k1;k2/m
+#         [-DJSON_QUICK=ON] [-DJSON_LINES=n]] -P run_cli.cmake -- program args...
 cmake_policy(VERSION 3.25)  # IN_LIST
 set(command "")
 math(EXPR last "${CMAKE_ARGC} - 1")
@@ -37,24 +38,41 @@ foreach(f IN LISTS FILES)
 endforeach()
 if(DEFINED JSON)
   file(STRINGS "${JSON}" lines)
+  list(LENGTH lines count)
+  if(JSON_LINES AND NOT count EQUAL JSON_LINES)
+    message(FATAL_ERROR "${JSON}: ${count} lines, expected ${JSON_LINES}")
+  endif()
   set(seen "")
   foreach(line IN LISTS lines)
     string(JSON kind ERROR_VARIABLE bad GET "${line}" bench)
     if(bad OR NOT line MATCHES "^{.*}$")  # one object, nothing after it
       message(FATAL_ERROR "${JSON}: not a JSON object with \"bench\": ${line}\n${bad}")
     endif()
-    string(JSON quick ERROR_VARIABLE bad GET "${line}" quick)
-    if(bad OR NOT quick)
-      message(FATAL_ERROR "${JSON}: a line without \"quick\":true: ${line}")
+    if(JSON_QUICK)
+      string(JSON quick ERROR_VARIABLE bad GET "${line}" quick)
+      if(bad OR NOT quick)
+        message(FATAL_ERROR "${JSON}: a line without \"quick\":true: ${line}")
+      endif()
     endif()
-    if(NOT kind IN_LIST JSON_KINDS)
-      message(FATAL_ERROR "${JSON}: \"bench\":\"${kind}\" is none of ${JSON_KINDS}")
+    string(JSON model ERROR_VARIABLE no_model GET "${line}" model)
+    set(kinds "${kind}")
+    if(NOT no_model)
+      list(APPEND kinds "${kind}/${model}")
     endif()
-    list(APPEND seen ${kind})
+    set(known FALSE)
+    foreach(k IN LISTS kinds)
+      if(k IN_LIST JSON_KINDS)
+        set(known TRUE)
+      endif()
+    endforeach()
+    if(NOT known)
+      message(FATAL_ERROR "${JSON}: a line of kind ${kinds} is none of ${JSON_KINDS}: ${line}")
+    endif()
+    list(APPEND seen ${kinds})
   endforeach()
   foreach(kind IN LISTS JSON_KINDS)
     if(NOT kind IN_LIST seen)
-      message(FATAL_ERROR "${JSON}: no line of \"bench\":\"${kind}\"")
+      message(FATAL_ERROR "${JSON}: no line of kind ${kind}")
     endif()
   endforeach()
 endif()
