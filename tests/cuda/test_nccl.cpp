@@ -124,6 +124,19 @@ TEST_CASE("NcclComm refuses what NCCL cannot do with a message, not a crash or a
   c.barrier();
 }
 
+TEST_CASE("two ranks of one communicator on one GPU are refused, not hung", "[nccl][errors]") {
+  if (!have_device()) return;
+  // NCCL refuses it ("Duplicate GPU detected", ncclInvalidUsage): the initialisation fails on a
+  // rank, bootstrap raises there, and launch wakes the other.
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(sl::comm::launch(2,
+                                     [](sl::comm::ThreadComm& host) {
+                                       (void)NcclComm::bootstrap(host, 0, {.timeout = std::chrono::seconds(30)});
+                                     }),
+                    Catch::Contains("NCCL initialisation (rank"));
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60));
+}
+
 TEST_CASE("an initialisation that cannot complete times out and aborts instead of hanging", "[nccl][timeout]") {
   if (!have_device()) return;
   ncclUniqueId id;

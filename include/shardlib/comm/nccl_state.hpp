@@ -56,12 +56,12 @@ namespace detail {
 
 using nccl_clock = std::chrono::steady_clock;
 
+// NCCL's last error takes a null communicator too (it keeps one per process): an
+// initialisation that failed before making its communicator says why.
 inline std::string nccl_text(ncclResult_t r, ncclComm_t comm) {
   std::string t = ncclGetErrorString(r);
-  if (comm) {
-    const char* last = ncclGetLastError(comm);
-    if (last && *last) t += cat(" (", last, ")");
-  }
+  const char* last = ncclGetLastError(comm);
+  if (last && *last) t += cat(" (", last, ")");
   return t;
 }
 

@@ -14,6 +14,10 @@
 // A rank that aborts wakes its peers with ncclRemoteError; a peer that never comes makes
 // the others give up after two minutes (ncclSystemError, and the communicator is aborted)
 // rather than hang the test run, in a collective or a blocking initialisation.
+// Communicators and streams belong to devices: two ranks of one communicator on one
+// device are refused (NCCL's "Duplicate GPU detected": the rank that finds it gets
+// ncclInvalidUsage and the communicator is aborted for the others), and a collective on a
+// stream of another device than its communicator's fails.
 #pragma once
 #include "cuda_runtime.h"
 
@@ -91,6 +95,7 @@ struct group {
   std::condition_variable cv;
   int joined = 0;
   std::vector<bool> taken = std::vector<bool>(std::size_t(size));
+  std::vector<int> devices = std::vector<int>(std::size_t(size), -1);  // each joined rank's
   std::vector<call> calls;
   int arrived = 0;
   std::uint64_t generation = 0;  // collectives completed
@@ -359,10 +364,20 @@ inline ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUni
   if (g->size != nranks || g->taken[std::size_t(rank)])
     return fail(nullptr, ncclInvalidUsage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
                                                " joins an id already used by another communicator or rank");
+  const int device = cuda_emulator::current_device();
+  for (int r = 0; r < nranks; ++r)
+    if (g->devices[std::size_t(r)] == device && !g->aborted) {  // NCCL: "Duplicate GPU detected"
+      g->aborted = true;
+      g->why = "ranks " + std::to_string(r) + " and " + std::to_string(rank) + " both on device " +
+               std::to_string(device);
+      g->cv.notify_all();
+    }
+  if (g->aborted) return fail(nullptr, ncclInvalidUsage, "rank " + std::to_string(rank) + ": " + g->why);
   g->taken[std::size_t(rank)] = true;
+  g->devices[std::size_t(rank)] = device;
   ++g->joined;
   g->cv.notify_all();
-  *comm = new ncclComm{g, rank, cuda_emulator::current_device(), {}};
+  *comm = new ncclComm{g, rank, device, {}};
   if (config && config->blocking == 0) return g->joined == g->size ? ncclSuccess : ncclInProgress;
   if (!g->cv.wait_for(lock, peer_patience, [&] { return g->joined == g->size || g->aborted; }) || g->aborted)
     return fail(*comm, ncclSystemError, "not every rank joined within two minutes, or one aborted");
