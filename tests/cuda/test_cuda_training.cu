@@ -114,14 +114,17 @@ shard::mixed_precision compute_precision() {
   else return {.param = sl::dtype_of<T>, .reduce = sl::dtype::f32};
 }
 
-// The same run with the model in device memory on GPU 0, one stream per rank;
-// make_comm(host) gives the rank's device communicator.
+// The same run with the model in device memory on GPU 0, one stream per rank, or with
+// gpu_per_rank on GPU r for rank r; make_comm(host, stream) gives the rank's device
+// communicator.
 template <class T, class Strategy, class MakeComm>
-trace device_run(int world, Strategy strategy, MakeComm&& make_comm, bool read_late = false) {
+trace device_run(int world, Strategy strategy, MakeComm&& make_comm, bool read_late = false,
+                 bool gpu_per_rank = false) {
   std::vector<trace> out(world);
   sl::comm::launch(world, [&](sl::comm::ThreadComm& host) {
-    sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
-    sl::cuda::stream stream(0);
+    const int device = gpu_per_rank ? host.rank() : 0;
+    sl::cuda::check(cudaSetDevice(device), "cudaSetDevice(", device, ")");
+    sl::cuda::stream stream(device);
     sl::cuda::stream_scope scope(stream.get());
     auto c = make_comm(host, stream.get());
     auto model = example::reference_model<T, sl::cuda_space>(sizes);
@@ -144,6 +147,9 @@ trace device_run(int world, Strategy strategy, MakeComm&& make_comm, bool read_l
 auto thread_comm = [](sl::comm::ThreadComm& host, cudaStream_t) { return device_thread_comm(host); };
 auto nccl_comm = [](sl::comm::ThreadComm& host, cudaStream_t s) {
   return sl::comm::NcclComm::bootstrap(host, 0).on(s);
+};
+auto nccl_comm_per_gpu = [](sl::comm::ThreadComm& host, cudaStream_t s) {
+  return sl::comm::NcclComm::bootstrap(host, host.rank()).on(s);
 };
 
 // The device run against the host's: losses within 1e-4; parameters within 1e-5 of
@@ -226,6 +232,24 @@ TEST_CASE("FullShard bf16 over NCCL equals the thread communicator at world size
   const auto over_nccl = device_run<sl::bfloat16>(1, shard::FullShard{}, nccl_comm);
   CHECK(over_nccl.losses == over_threads.losses);
   CHECK(over_nccl.params == over_threads.params);
+}
+
+// What a multi-GPU node runs: one thread and one GPU per rank, NCCL between them (every
+// buffer, stream, event and launch of a rank on its own device). NCCL's reductions sum in
+// ring order, not the host's rank order: the fp32 bounds above hold either way.
+TEST_CASE("FullShard and HybridShard train over NCCL with one GPU per rank as on the host (fp32)",
+          "[cuda][training][nccl]") {
+  if (!have_device()) return;
+  const int gpus = sl::cuda::device_count();
+  if (gpus < 2) {
+    WARN("one GPU: training over NCCL with a GPU per rank runs on machines with several");
+    return;
+  }
+  require_trains_alike(device_run<float>(2, shard::FullShard{}, nccl_comm_per_gpu, false, true),
+                       host_run(2, shard::FullShard{}));
+  if (gpus < 4) return;
+  require_trains_alike(device_run<float>(4, shard::HybridShard{.group_size = 2}, nccl_comm_per_gpu, false, true),
+                       host_run(4, shard::HybridShard{.group_size = 2}));
 }
 
 // The global mean loss is left on the device (its sum, all-reduced there) until it is
