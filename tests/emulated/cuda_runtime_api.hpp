@@ -20,15 +20,17 @@
 #pragma once
 #include "cuda_emulator.hpp"
 
-#include <algorithm>  // std::max
-#include <chrono>     // std::chrono::steady_clock
-#include <cstddef>    // std::size_t
-#include <cstdlib>    // std::aligned_alloc, std::free
-#include <cstring>    // std::memcpy, std::memset
-#include <map>        // std::map
-#include <mutex>      // std::mutex, std::lock_guard
-#include <thread>     // std::this_thread::sleep_until
-#include <utility>    // std::forward
+#include <algorithm>    // std::max
+#include <chrono>       // std::chrono::steady_clock
+#include <cstddef>      // std::size_t
+#include <cstdlib>      // std::aligned_alloc, std::free
+#include <cstring>      // std::memcpy, std::memset
+#include <map>          // std::map
+#include <mutex>        // std::mutex, std::lock_guard
+#include <string>       // std::to_string
+#include <thread>       // std::this_thread::sleep_until
+#include <type_traits>  // std::is_pointer_v
+#include <utility>      // std::forward
 
 enum cudaError_t {
   cudaSuccess = 0,
@@ -214,6 +216,30 @@ inline cudaError_t release(void* p, cudaMemoryType type) {
   std::free(p);
   return cudaSuccess;
 }
+
+// The device whose memory p points into, or -1 (pinned or other host memory, or a pointer
+// past its allocation's end).
+inline int memory_device(const void* p) {
+  const auto* c = static_cast<const char*>(p);
+  const std::lock_guard<std::mutex> lock(allocations_mutex());
+  auto it = allocations().upper_bound(c);
+  if (it == allocations().begin()) return -1;
+  --it;
+  return it->second.type == cudaMemoryTypeDevice && c < it->first + it->second.bytes ? it->second.device : -1;
+}
+// A kernel launched on `device` reading or writing another device's memory faults on a GPU
+// (without peer access, which the library never enables): checked for the pointer and span
+// parameters (pointers inside structures are not seen).
+template <class P>
+void check_argument_device(const P& arg, int device, int index) {
+  const void* p = nullptr;
+  if constexpr (std::is_pointer_v<P>) p = arg;
+  else if constexpr (requires { arg.data(); arg.size(); }) p = arg.size() ? arg.data() : nullptr;
+  if (!p) return;
+  if (const int owner = memory_device(p); owner >= 0 && owner != device)
+    throw emulation_error("a kernel launched on device " + std::to_string(device) + " was given device " +
+                          std::to_string(owner) + "'s memory (parameter " + std::to_string(index) + ")");
+}
 }  // namespace cuda_emulator
 
 inline cudaError_t cudaMalloc(void** p, std::size_t bytes) {
@@ -377,6 +403,8 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(
   }
   cuda_emulator::launch_sleep() = {};
   [&](Params... converted) {
+    int index = 0;
+    (cuda_emulator::check_argument_device(converted, cuda_emulator::current_device(), index++), ...);
     cuda_emulator::launch(kernel, g, b, config->dynamicSmemBytes, o, converted...);
   }(std::forward<Args>(args)...);
   if (const auto slept = std::exchange(cuda_emulator::launch_sleep(), {}); slept.count() > 0) {

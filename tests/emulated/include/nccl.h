@@ -17,7 +17,7 @@
 // Communicators and streams belong to devices: two ranks of one communicator on one
 // device are refused (NCCL's "Duplicate GPU detected": the rank that finds it gets
 // ncclInvalidUsage and the communicator is aborted for the others), and a collective on a
-// stream of another device than its communicator's fails.
+// stream of another device than its communicator's, or on another device's memory, fails.
 #pragma once
 #include "cuda_runtime.h"
 
@@ -423,17 +423,24 @@ inline ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_
 
 namespace nccl_emulator {
 // NCCL launches its kernels on the communicator's device, into the caller's stream: a
-// stream of another device fails that launch (CUDA's invalid resource handle).
-inline ncclResult_t wrong_stream(ncclComm_t comm, cudaStream_t stream) {
-  if (!comm || cuda_emulator::device_of(stream) == comm->device) return ncclSuccess;
-  return fail(comm, ncclUnhandledCudaError, "a stream of device " + std::to_string(cuda_emulator::device_of(stream)) +
-                                                " for a communicator of device " + std::to_string(comm->device));
+// stream of another device fails that launch (CUDA's invalid resource handle), and a
+// buffer in another device's memory faults.
+inline ncclResult_t wrong_device(ncclComm_t comm, cudaStream_t stream, const void* send, const void* recv) {
+  if (!comm) return ncclSuccess;
+  const auto other = [&](int device, const char* what) {
+    return fail(comm, ncclUnhandledCudaError, std::string(what) + " of device " + std::to_string(device) +
+                                                  " for a communicator of device " + std::to_string(comm->device));
+  };
+  if (cuda_emulator::device_of(stream) != comm->device) return other(cuda_emulator::device_of(stream), "a stream");
+  for (const void* p : {send, recv})
+    if (const int d = p ? cuda_emulator::memory_device(p) : -1; d >= 0 && d != comm->device) return other(d, "a buffer");
+  return ncclSuccess;
 }
 }  // namespace nccl_emulator
 
 inline ncclResult_t ncclAllReduce(const void* send, void* recv, std::size_t count, ncclDataType_t type,
                                   ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-  if (const ncclResult_t r = nccl_emulator::wrong_stream(comm, stream)) return r;
+  if (const ncclResult_t r = nccl_emulator::wrong_device(comm, stream, send, recv)) return r;
   if (!nccl_emulator::valid(type)) return nccl_emulator::fail(comm, ncclInvalidArgument, "an unknown data type");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::all_reduce, .send = send, .recv = recv,
                                           .count = count, .type = type, .op = op});
@@ -441,7 +448,7 @@ inline ncclResult_t ncclAllReduce(const void* send, void* recv, std::size_t coun
 // count: elements each rank receives; the reduction runs over the send buffers' count * ranks.
 inline ncclResult_t ncclReduceScatter(const void* send, void* recv, std::size_t count, ncclDataType_t type,
                                       ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-  if (const ncclResult_t r = nccl_emulator::wrong_stream(comm, stream)) return r;
+  if (const ncclResult_t r = nccl_emulator::wrong_device(comm, stream, send, recv)) return r;
   if (!nccl_emulator::valid(type) || !comm)
     return nccl_emulator::fail(comm, ncclInvalidArgument, "an unknown data type or a null communicator");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::reduce_scatter, .send = send, .recv = recv,
@@ -449,14 +456,14 @@ inline ncclResult_t ncclReduceScatter(const void* send, void* recv, std::size_t 
 }
 inline ncclResult_t ncclAllGather(const void* send, void* recv, std::size_t count, ncclDataType_t type,
                                   ncclComm_t comm, cudaStream_t stream) {
-  if (const ncclResult_t r = nccl_emulator::wrong_stream(comm, stream)) return r;
+  if (const ncclResult_t r = nccl_emulator::wrong_device(comm, stream, send, recv)) return r;
   if (!nccl_emulator::valid(type)) return nccl_emulator::fail(comm, ncclInvalidArgument, "an unknown data type");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::all_gather, .send = send, .recv = recv,
                                           .count = count, .type = type});
 }
 inline ncclResult_t ncclBroadcast(const void* send, void* recv, std::size_t count, ncclDataType_t type, int root,
                                   ncclComm_t comm, cudaStream_t stream) {
-  if (const ncclResult_t r = nccl_emulator::wrong_stream(comm, stream)) return r;
+  if (const ncclResult_t r = nccl_emulator::wrong_device(comm, stream, send, recv)) return r;
   if (!nccl_emulator::valid(type) || !comm || root < 0 || root >= comm->g->size)
     return nccl_emulator::fail(comm, ncclInvalidArgument, "an unknown data type, a null communicator or a bad root");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::broadcast, .send = send, .recv = recv,
