@@ -310,7 +310,8 @@ step() {
     result=TIMEOUT detail="stopped after $limit s; last line: $(last_line "$log")"
   elif ((rc == 125)); then
     result=HUNG detail="still running 20 s after SIGTERM and SIGKILL; left behind"
-  elif ((rc > 128)) && ! grep -q '^test cases:' "$log"; then # Catch's status counts failures, up to 255
+  elif ((rc > 128)) && { grep -q 'fatal error condition' "$log" || ! grep -q '^test cases:' "$log"; }; then
+    # (Catch's status counts failed assertions, up to 255; on a signal it prints its totals too)
     result=CRASHED detail="signal $((rc - 128)); last line: $(last_line "$log")"
   else
     result=FAILED

@@ -126,8 +126,8 @@ TEST_CASE("NcclComm refuses what NCCL cannot do with a message, not a crash or a
 
 TEST_CASE("two ranks of one communicator on one GPU are refused, not hung", "[nccl][errors]") {
   if (!have_device()) return;
-  // NCCL refuses it ("Duplicate GPU detected", ncclInvalidUsage): the initialisation fails on a
-  // rank, bootstrap raises there, and launch wakes the other.
+  // NCCL refuses it ("Duplicate GPU detected", ncclInvalidUsage): the initialisation fails on
+  // each rank once all have joined, and bootstrap raises.
   const auto t0 = std::chrono::steady_clock::now();
   CHECK_THROWS_WITH(sl::comm::launch(2,
                                      [](sl::comm::ThreadComm& host) {

@@ -56,8 +56,9 @@ namespace detail {
 
 using nccl_clock = std::chrono::steady_clock;
 
-// NCCL's last error takes a null communicator too (it keeps one per process): an
-// initialisation that failed before making its communicator says why.
+// NCCL's last error takes a null communicator too: it keeps one per process (so with
+// ranks as threads it may be another rank's), and an initialisation that failed before
+// making its communicator says why.
 inline std::string nccl_text(ncclResult_t r, ncclComm_t comm) {
   std::string t = ncclGetErrorString(r);
   const char* last = ncclGetLastError(comm);

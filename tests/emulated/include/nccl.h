@@ -15,8 +15,8 @@
 // the others give up after two minutes (ncclSystemError, and the communicator is aborted)
 // rather than hang the test run, in a collective or a blocking initialisation.
 // Communicators and streams belong to devices: two ranks of one communicator on one
-// device are refused (NCCL's "Duplicate GPU detected": the rank that finds it gets
-// ncclInvalidUsage and the communicator is aborted for the others), and a collective on a
+// device are refused once every rank has joined (NCCL's "Duplicate GPU detected":
+// ncclInvalidUsage on every rank), and a collective on a
 // stream of another device than its communicator's, or on another device's memory, fails.
 #pragma once
 #include "cuda_runtime.h"
@@ -102,6 +102,7 @@ struct group {
   ncclResult_t outcome = ncclSuccess;  // of the last one
   std::string why;
   bool aborted = false;
+  std::string duplicate;  // set when every rank has joined and two share a device
 };
 
 inline constexpr auto peer_patience = std::chrono::minutes(2);
@@ -365,28 +366,33 @@ inline ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUni
     return fail(nullptr, ncclInvalidUsage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
                                                " joins an id already used by another communicator or rank");
   const int device = cuda_emulator::current_device();
-  for (int r = 0; r < nranks; ++r)
-    if (g->devices[std::size_t(r)] == device && !g->aborted) {  // NCCL: "Duplicate GPU detected"
-      g->aborted = true;
-      g->why = "ranks " + std::to_string(r) + " and " + std::to_string(rank) + " both on device " +
-               std::to_string(device);
-      g->cv.notify_all();
-    }
-  if (g->aborted) return fail(nullptr, ncclInvalidUsage, "rank " + std::to_string(rank) + ": " + g->why);
   g->taken[std::size_t(rank)] = true;
   g->devices[std::size_t(rank)] = device;
   ++g->joined;
+  if (g->joined == g->size)  // NCCL compares the ranks' devices once it knows them all
+    for (int a = 0; a < nranks && g->duplicate.empty(); ++a)
+      for (int b = a + 1; b < nranks && g->duplicate.empty(); ++b)
+        if (g->devices[std::size_t(a)] == g->devices[std::size_t(b)])
+          g->duplicate = "Duplicate GPU detected: ranks " + std::to_string(a) + " and " + std::to_string(b) +
+                         " both on device " + std::to_string(g->devices[std::size_t(a)]);
   g->cv.notify_all();
   *comm = new ncclComm{g, rank, device, {}};
-  if (config && config->blocking == 0) return g->joined == g->size ? ncclSuccess : ncclInProgress;
+  if (config && config->blocking == 0) return ncclInProgress;  // ncclCommGetAsyncError says how it ends
   if (!g->cv.wait_for(lock, peer_patience, [&] { return g->joined == g->size || g->aborted; }) || g->aborted)
     return fail(*comm, ncclSystemError, "not every rank joined within two minutes, or one aborted");
+  if (!g->duplicate.empty()) return fail(*comm, ncclInvalidUsage, g->duplicate);
   return ncclSuccess;
 }
+// An initialisation in progress until every rank has joined; then, as NCCL's, it fails on
+// every rank when two share a device.
 inline ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
   if (!comm) return ncclInvalidArgument;
   const std::lock_guard lock(comm->g->m);
-  *state = comm->g->aborted ? ncclRemoteError : comm->g->joined < comm->g->size ? ncclInProgress : ncclSuccess;
+  const nccl_emulator::group& g = *comm->g;
+  if (g.aborted) *state = ncclRemoteError;
+  else if (g.joined < g.size) *state = ncclInProgress;
+  else if (!g.duplicate.empty()) *state = nccl_emulator::fail(comm, ncclInvalidUsage, g.duplicate);
+  else *state = ncclSuccess;
   return ncclSuccess;
 }
 inline ncclResult_t ncclCommCount(ncclComm_t comm, int* count) {
