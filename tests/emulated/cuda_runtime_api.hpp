@@ -233,7 +233,7 @@ inline int memory_device(const void* p) {
 template <class P>
 void check_argument_device(const P& arg, int device, int index) {
   const void* p = nullptr;
-  if constexpr (std::is_pointer_v<P>) p = arg;
+  if constexpr (std::is_pointer_v<P>) p = const_cast<const void*>(static_cast<const volatile void*>(arg));
   else if constexpr (requires { arg.data(); arg.size(); }) p = arg.size() ? arg.data() : nullptr;
   if (!p) return;
   if (const int owner = memory_device(p); owner >= 0 && owner != device)
