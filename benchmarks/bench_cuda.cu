@@ -520,6 +520,7 @@ int main(int argc, char** argv) try {
     const model_size m = sized(name, flags);
     const model_result r = run_model(m, z.warmup(2), z.iters(8));
     const double achieved = r.tflop_per_step / (r.step_ms * 1e-3), mfu = achieved / bf16;
+    const double mfu_peak = datasheet > 0 ? achieved / datasheet : 0;
     std::printf("\n%s: %ld layers, d %ld, %ld heads (%ld kv), ff %ld, seq %ld, batch %ld: %.3f B parameters, %.3f B in "
                 "matrix products\n  FLOPs per token = %s = %.3g\n  FullShard W=1, bf16 compute, fp32 master + AdamW: "
                 "%.1f ms/step, %.1f TFLOP per step, %.1f TFLOP/s = %.1f%% of the bf16 GEMM rate above\n",
@@ -532,17 +533,15 @@ int main(int argc, char** argv) try {
                      r.matmul_parameters, ",\"flop_per_token\":", r.flop_per_token, ",\"flop_formula\":\"",
                      flop_formula, "\",\"step_ms\":", r.step_ms, ",\"TFLOPs\":", achieved,
                      ",\"gemm_bf16_TFLOPs\":", bf16, ",\"mfu\":", mfu,
-                     datasheet > 0 ? sl::cat(",\"peak_TFLOPs\":", datasheet, ",\"mfu_peak\":", achieved / datasheet)
-                                   : std::string()));
-    if (datasheet > 0)
-      std::printf("  = %.1f%% of the datasheet's %.0f TFLOP/s (--peak-tflops)\n", 100 * achieved / datasheet,
-                  datasheet);
+                     datasheet > 0 ? sl::cat(",\"peak_TFLOPs\":", datasheet, ",\"mfu_peak\":", mfu_peak) : std::string()));
     std::snprintf(v, sizeof v, "%.1f%% MFU", 100 * mfu);
-    if (datasheet > 0)
+    if (datasheet > 0) {
+      std::printf("  = %.1f%% of the datasheet's %.0f TFLOP/s (--peak-tflops)\n", 100 * mfu_peak, datasheet);
       std::snprintf(vs, sizeof vs, "%.0f ms/step, %.0f TFLOP/s = %.1f%% of the datasheet's %.0f (goal >= 45%% of the "
-                    "GEMM rate)", r.step_ms, achieved, 100 * achieved / datasheet, datasheet);
-    else
+                    "GEMM rate)", r.step_ms, achieved, 100 * mfu_peak, datasheet);
+    } else {
       std::snprintf(vs, sizeof vs, "%.0f ms/step, %.0f TFLOP/s (goal >= 45%%)", r.step_ms, achieved);
+    }
     summary.push_back({m.model + " step, bf16, " + std::to_string(int(std::lround(r.parameters / 1e6))) + "M", v, vs});
     sl::cuda::device_allocator(0).empty_cache();
   }

@@ -217,15 +217,21 @@ inline cudaError_t release(void* p, cudaMemoryType type) {
   return cudaSuccess;
 }
 
+// The allocation p points into (an empty one: its address), or null; under allocations_mutex.
+inline const allocation* allocation_of(const void* p) {
+  const auto* c = static_cast<const char*>(p);
+  auto it = allocations().upper_bound(c);
+  if (it == allocations().begin()) return nullptr;
+  --it;
+  const bool inside = c < it->first + it->second.bytes || (it->second.bytes == 0 && c == it->first);
+  return inside ? &it->second : nullptr;
+}
 // The device whose memory p points into, or -1 (pinned or other host memory, or a pointer
 // past its allocation's end).
 inline int memory_device(const void* p) {
-  const auto* c = static_cast<const char*>(p);
   const std::lock_guard<std::mutex> lock(allocations_mutex());
-  auto it = allocations().upper_bound(c);
-  if (it == allocations().begin()) return -1;
-  --it;
-  return it->second.type == cudaMemoryTypeDevice && c < it->first + it->second.bytes ? it->second.device : -1;
+  const allocation* a = allocation_of(p);
+  return a && a->type == cudaMemoryTypeDevice ? a->device : -1;
 }
 // A kernel launched on `device` reading or writing another device's memory faults on a GPU
 // (without peer access, which the library never enables): checked for the pointer and span
@@ -275,14 +281,11 @@ cudaError_t cudaHostAlloc(T** p, std::size_t bytes, unsigned flags) {
 inline cudaError_t cudaFreeHost(void* p) { return cuda_emulator::release(p, cudaMemoryTypeHost); }
 inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
   *a = {};
-  const auto* c = static_cast<const char*>(p);
   const std::lock_guard<std::mutex> lock(cuda_emulator::allocations_mutex());
-  auto it = cuda_emulator::allocations().upper_bound(c);
-  if (it == cuda_emulator::allocations().begin()) return cudaSuccess;
-  --it;
-  if (c >= it->first + it->second.bytes && !(it->second.bytes == 0 && c == it->first)) return cudaSuccess;
-  a->type = it->second.type;
-  a->device = it->second.device;
+  const cuda_emulator::allocation* found = cuda_emulator::allocation_of(p);
+  if (!found) return cudaSuccess;
+  a->type = found->type;
+  a->device = found->device;
   a->devicePointer = a->hostPointer = const_cast<void*>(p);
   return cudaSuccess;
 }
