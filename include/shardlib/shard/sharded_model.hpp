@@ -21,13 +21,13 @@
 #include "shardlib/shard/reduce.hpp"
 #include "shardlib/shard/space_ops.hpp"
 #include "shardlib/shard/step_decision.hpp"
+#include "shardlib/shard/step_readout.hpp"
 #include "shardlib/shard/strategy.hpp"
 #include "shardlib/shard/unit.hpp"
 #include "shardlib/shard/wrap.hpp"
 
 #include <cmath>        // std::sqrt, std::isfinite
 #include <cstdint>      // std::uint64_t
-#include <functional>   // std::function
 #include <map>          // std::map
 #include <memory>       // std::make_shared
 #include <optional>     // std::optional
@@ -46,6 +46,7 @@ namespace shardlib::shard {
 //   which layers are units          shard/discover.hpp
 //   gather, free, prefetch          shard/gather.hpp (gather_schedule)
 //   gradient reduction              shard/reduce.hpp (gradient_reducer)
+//   a step's loss and outcome read  shard/step_readout.hpp
 //   optimizer step, clipping, loss scaling, state access
 //                                   here
 //
@@ -317,7 +318,7 @@ class ShardedModel {
     // The loss and the units whose gradients overflowed, in the model's space.
     auto shared = ops::template make_scalars<float>(2);
     const bool global = scaler_ || so.loss == loss_report::global_mean;  // every rank decides alike
-    if (global) put_loss(l.loss, std::span<float>(shared.data(), 1));
+    if (global) put_loss<ops>(l.loss, std::span<float>(shared.data(), 1));
     if (scaler_)
       for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad->local()), shared.data() + 1);
     if (global) ops::all_reduce_in_place(*comm_, std::span<float>(shared.data(), 2), comm::reduce_op::sum);
@@ -339,13 +340,13 @@ class ShardedModel {
         ops::issue_to_host(std::span<const double>(norm_squared->data(), 1), std::span<double>(&squared, 1));
     };
     if (scaler_ || so.max_norm > 0) {  // the host decides: one read of everything, the loss's own read with it
-      const float own = read_with(l.loss, issue_reads);
+      const float own = read_with<ops>(l.loss, issue_reads);
       r.loss = mean ? seen[0] / world : own;
     } else if constexpr (std::is_same_v<space, host_space>) {
       issue_reads();
       r.loss = mean ? seen[0] / world : float(l.loss);
     } else {
-      r.loss = mean ? deferred_mean(l.loss, std::move(shared), world) : pending<float>(l.loss);
+      r.loss = mean ? deferred_mean<ops>(l.loss, std::move(shared), world) : pending<float>(l.loss);
     }
     const bool overflow = seen[1] != 0.f;
     r.skipped = overflow;
@@ -865,51 +866,6 @@ class ShardedModel {
     return sum;
   }
 
-  // A loss function's loss into slot[0] of the model's space: a host value as it is, a
-  // device one (pending) copied there on the device while unread.
-  template <class L>
-  static void put_loss(const L& loss, std::span<float> slot) {
-    if constexpr (requires { loss.device(); }) {
-      if (const float* d = loss.device()) ops::copy(std::span<const float>(d, 1), slot);
-      else ops::fill(slot, loss.get());
-    } else {
-      ops::fill(slot, float(loss));  // slot is the model's memory: a device's on a device
-    }
-  }
-  // The loss, with the copies `issue` makes read in the same wait: a pending loss's
-  // own read waits once for both (and raises the loss function's deferred errors).
-  template <class L, class Issue>
-  static float read_with(const L& loss, Issue&& issue) {
-    if constexpr (requires { loss.get_with(issue); }) {
-      if (!loss.ready()) return loss.get_with(issue);
-      issue();
-      ops::wait_for_reads();
-      return loss.get();
-    } else {
-      issue();
-      ops::wait_for_reads();
-      return float(loss);
-    }
-  }
-  // The global mean, read when the caller reads it: shared[0] / world, in the same
-  // wait as the loss function's own loss (whose read raises its deferred errors).
-  template <class Scalars>
-  static pending<float> deferred_mean(const pending<float>& loss, Scalars shared, float world) {
-    auto kept = std::make_shared<Scalars>(std::move(shared));
-    return pending<float>(
-        [loss, kept, world, at = ops::issued_here()](const std::function<void()>& before_wait) {
-          float sum = 0;
-          at.run([&] {
-            read_with(loss, [&] {
-              ops::issue_to_host(std::span<const float>(kept->data(), 1), std::span<float>(&sum, 1));
-              before_wait();
-            });
-          });
-          return sum / world;
-        },
-        nullptr);  // the mean is not in device memory as such: only its sum
-  }
-
   // The loss gradient times the fp16 loss scale (in fp32 when the layers compute in 16 bits).
   void scale_loss_gradient(std::span<C> g, const double* scale_in_space) {
     if constexpr (compute16) {
@@ -971,50 +927,8 @@ class ShardedModel {
     if (so.max_norm > 0)
       for (auto& u : units_) ops::scale_by(u.grad->local(), outcome->data() + coefficient_slot, false);
     step(opt, optim::skip_flag{outcome->data() + skip_slot});
-
-    // One read for the loss (the loss function's own, and shared[0] for the mean) and the outcome.
-    struct readout {
-      float loss;
-      double outcome[outcome_slots];
-    };
-    const bool mean = so.loss == loss_report::global_mean;
-    auto kept = std::make_shared<Scalars>(std::move(shared));
-    const float world = float(comm_->size());
-    const int rank = comm_->rank();
-    const float min_scale = rule.scaler.min_scale;
-    const pending<readout> all(
-        [loss, kept, outcome, mean, world, rank, min_scale,
-         at = ops::issued_here()](const std::function<void()>& before_wait) {
-          readout r{};
-          float sum = 0;
-          at.run([&] {
-            const float own = read_with(loss, [&] {
-              if (mean) ops::issue_to_host(std::span<const float>(kept->data(), 1), std::span<float>(&sum, 1));
-              ops::issue_to_host(std::span<const double>(outcome->data(), outcome_slots), std::span<double>(r.outcome));
-              before_wait();
-            });
-            r.loss = mean ? sum / world : own;
-          });
-          if (r.outcome[exhausted_scale_out] != 0) {  // this step, or an earlier one not read
-            loss_scaler s{};
-            s.skipped_in_row = int(r.outcome[exhausted_in_row_out]);
-            s.scale = float(r.outcome[exhausted_scale_out]);
-            s.min_scale = min_scale;
-            throw error(cat("rank ", rank, ": ", s.exhausted_message()));
-          }
-          return r;
-        },
-        nullptr);
-    // Each field reads `all`, once for all three. (A caller's before_wait passed to a
-    // second field's read would run with no wait after it; nothing passes one to these.)
-    pending_step_result r{pending<float>([all](const auto& bw) { return all.get_with(bw).loss; }, nullptr),
-                          std::nullopt,
-                          pending<bool>([all](const auto& bw) { return all.get_with(bw).outcome[skip_slot] != 0; },
-                                        nullptr)};
-    if (so.max_norm > 0)
-      r.grad_norm = pending<float>([all](const auto& bw) { return float(all.get_with(bw).outcome[norm_slot]); },
-                                   nullptr);
-    return r;
+    return read_step_result<ops>(loss, std::move(shared), std::move(outcome), so, float(comm_->size()), comm_->rank(),
+                                 rule.scaler.min_scale);
   }
 
   Model* model_;
