@@ -216,9 +216,10 @@ trap 'exit 130' INT TERM
 row prerequisites ok 0.0 "all found"
 
 # --- configure --------------------------------------------------------------------------------------
-# The programs built here run here: never CI's compile-only build, whatever the environment says.
+# The programs built here run here: never CI's compile-only or quick build, whatever the environment says.
 configure=(cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$nvcc"
-  -DCMAKE_CUDA_ARCHITECTURES="$arch" -DSHARDLIB_WERROR=OFF -DSHARDLIB_CUDA_COMPILE_ONLY=OFF)
+  -DCMAKE_CUDA_ARCHITECTURES="$arch" -DSHARDLIB_WERROR=OFF -DSHARDLIB_CUDA_COMPILE_ONLY=OFF
+  -DSHARDLIB_QUICK_BUILD=OFF)
 [[ -z $deps ]] || configure+=(-DSHARDLIB_DEPS="$deps")
 limit=$(limit_for 300) || { row configure "NOT RUN" "" "the deadline came first"; exit 1; }
 run_limited "$limit" "$logs/configure.txt" "${configure[@]}"
