@@ -216,7 +216,8 @@ trap 'exit 130' INT TERM
 row prerequisites ok 0.0 "all found"
 
 # --- configure --------------------------------------------------------------------------------------
-# The programs built here run here: never CI's compile-only or quick build, whatever the environment says.
+# The programs built here run here: never CI's compile-only or quick build, whatever the
+# environment says.
 configure=(cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$nvcc"
   -DCMAKE_CUDA_ARCHITECTURES="$arch" -DSHARDLIB_WERROR=OFF -DSHARDLIB_CUDA_COMPILE_ONLY=OFF
   -DSHARDLIB_QUICK_BUILD=OFF)
