@@ -13,11 +13,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <unistd.h>  // getpid
@@ -124,7 +126,121 @@ TEST_CASE("NcclComm refuses what NCCL cannot do with a message, not a crash or a
   c.barrier();
 }
 
-TEST_CASE("two ranks of one communicator on one GPU are refused, not hung", "[nccl][errors]") {
+// With check on, every rank's call is compared before the collective is enqueued: NCCL
+// itself would hang or write past the buffers. (The emulated NCCL refuses disagreeing
+// calls with a message of its own, "... while rank 0 called ...", which these do not
+// accept: the library's check has to be what raises.)
+TEST_CASE("with check on ranks calling different collectives raise on every rank and name both calls",
+          "[nccl][check]") {
+  if (!have_device()) return;
+  const int gpus = std::min(sl::cuda::device_count(), 4);
+  if (gpus < 2) {
+    WARN("one GPU: the check between ranks runs on machines with several");
+    return;
+  }
+  std::vector<std::string> sizes(gpus), kinds(gpus), invalid(gpus);
+  std::vector<float> after(gpus, -1.0f);
+  sl::comm::launch(gpus, [&](sl::comm::ThreadComm& host) {
+    const int r = host.rank();
+    sl::cuda::device_guard on(r);
+    NcclComm c = NcclComm::bootstrap(host, r, {.timeout = std::chrono::seconds(60), .check = true});
+    sl::cuda::device_buffer<float> src(8, sl::category::activations, nullptr),
+        buf(std::size_t(8 * gpus), sl::category::activations, nullptr);
+    const auto send = [&](std::size_t n) { return std::span<const float>(src.span()).first(n); };
+    const auto error_of = [](auto f) -> std::string {
+      try {
+        f();
+      } catch (const sl::comm_error& e) {
+        return e.what();
+      } catch (const sl::shape_error& e) {
+        return std::string("shape_error: ") + e.what();
+      }
+      return "no error";
+    };
+    const std::size_t n = r == 1 ? 5 : 4;  // rank 1 gathers five elements, the others four
+    sizes[r] = error_of([&] { c.all_gather(send(n), buf.span().first(n * gpus)); });
+    kinds[r] = error_of([&] {  // rank 1 reduces where the others gather
+      if (r == 1) c.all_reduce(buf.span().first(4), reduce_op::sum);
+      else c.all_gather(send(4), buf.span().first(4 * gpus));
+    });
+    invalid[r] = error_of([&] {  // rank 1's receive buffer is one short
+      c.all_gather(send(4), buf.span().first(4 * gpus - (r == 1 ? 1 : 0)));
+    });
+    // Every rank took part in every check: the communicator is still in step.
+    std::vector<float> ones(4, 1.0f);
+    sl::cuda::copy_async(buf.span().first(4), std::span<const float>(ones), nullptr);
+    c.all_reduce(buf.span().first(4), reduce_op::sum);
+    sl::cuda::copy_async(std::span<float>(ones), std::span<const float>(buf.span().first(4)), nullptr);
+    REQUIRE(cudaStreamSynchronize(nullptr) == cudaSuccess);
+    after[r] = ones[0];
+  });
+  for (int r = 0; r < gpus; ++r) {
+    INFO("rank " << r);
+    CHECK_THAT(sizes[r], Catch::Contains("rank " + std::to_string(r) + ": ranks disagree about a collective: rank 0 "
+                                         "called all_gather(4 x F32), rank 1 called all_gather(5 x F32)"));
+    CHECK_THAT(kinds[r], Catch::Contains("ranks disagree about a collective: rank 0 called all_gather(4 x F32), "
+                                         "rank 1 called all_reduce(4 x F32, sum)"));
+    if (r == 1)
+      CHECK_THAT(invalid[r], Catch::StartsWith("shape_error: rank 1: all_gather of 4 elements per rank"));
+    else
+      CHECK_THAT(invalid[r], Catch::Contains("all_gather(4 x F32) abandoned: rank 1 passed invalid arguments"));
+    CHECK(after[r] == float(gpus));
+  }
+}
+
+TEST_CASE("nccl_options::check: off unless asked for, or SHARDLIB_NCCL_CHECK=1 when unset", "[nccl][check]") {
+  ::unsetenv("SHARDLIB_NCCL_CHECK");
+  CHECK_FALSE(sl::comm::checks_calls({}));
+  CHECK(sl::comm::checks_calls({.check = true}));
+  ::setenv("SHARDLIB_NCCL_CHECK", "1", 1);
+  CHECK(sl::comm::checks_calls({}));
+  CHECK_FALSE(sl::comm::checks_calls({.check = false}));
+  ::setenv("SHARDLIB_NCCL_CHECK", "0", 1);
+  CHECK_FALSE(sl::comm::checks_calls({}));
+  ::unsetenv("SHARDLIB_NCCL_CHECK");
+}
+
+// A rank in a collective its peer never makes: NCCL may keep the call in progress (it
+// connects lazily; the emulated NCCL always does) or run it and leave its kernel waiting.
+// Either way abort() from another thread ends it at once, not at the timeout.
+TEST_CASE("abort() from another thread ends a collective that waits for a peer", "[nccl][errors]") {
+  if (!have_device()) return;
+  if (sl::cuda::device_count() < 2) {
+    WARN("one GPU: a communicator of two ranks needs two");
+    return;
+  }
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  const sl::comm::nccl_options o{.timeout = std::chrono::seconds(60)};
+  std::atomic<bool> finished = false;
+  std::thread peer([&] {  // rank 1 joins, then never makes the collective
+    NcclComm other(id, 1, 2, 1, o);
+    while (!finished) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    other.abort();  // finalising would wait for the collective it never made
+  });
+  NcclComm c(id, 0, 2, 0, o);
+  sl::cuda::device_guard on(0);
+  sl::cuda::device_buffer<float> x(4, sl::category::activations, nullptr);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string error = "no error";
+  std::thread rank0([&] {
+    sl::cuda::device_guard here(0);
+    try {
+      c.all_reduce_async(std::span<const float>(x.span()), x.span(), reduce_op::sum).wait_host();
+    } catch (const sl::comm_error& e) {
+      error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  c.abort();
+  rank0.join();
+  CHECK_THAT(error, Catch::Contains("rank 0/2: the NCCL communicator on device 0 was aborted: NcclComm::abort"));
+  finished = true;
+  peer.join();
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));  // the timeout is 60 s
+}
+
+TEST_CASE("two ranks of one communicator on one GPU are refused, not hung", "[nccl][errors][timeout]") {
   if (!have_device()) return;
   // NCCL refuses it ("Duplicate GPU detected", ncclInvalidUsage): the initialisation fails on
   // each rank once all have joined, and bootstrap raises.
@@ -145,6 +261,20 @@ TEST_CASE("an initialisation that cannot complete times out and aborts instead o
   // Rank 0 of 2, and rank 1 never comes.
   CHECK_THROWS_WITH(NcclComm(id, 0, 2, 0, {.timeout = std::chrono::seconds(3)}), Catch::Contains("timed out"));
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60));
+}
+
+TEST_CASE("from_env removes its id file when the initialisation fails too", "[nccl][bootstrap][timeout]") {
+  if (!have_device()) return;
+  const auto path = std::filesystem::temp_directory_path() / ("shardlib_nccl_failed_" + std::to_string(::getpid()));
+  std::filesystem::remove(path);
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "2", 1);  // rank 1 never comes
+  ::setenv("LOCAL_RANK", "0", 1);
+  CHECK_THROWS_WITH(NcclComm::from_env(path, {.timeout = std::chrono::seconds(2)}), Catch::Contains("timed out"));
+  CHECK_FALSE(std::filesystem::exists(path));  // the next run is not refused
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+  ::unsetenv("LOCAL_RANK");
 }
 
 TEST_CASE("from_env reads torchrun's variables and exchanges the id through a file", "[nccl][bootstrap]") {

@@ -28,6 +28,7 @@
 #include <cstdlib>             // std::getenv, std::strtol
 #include <cstring>             // std::memcpy
 #include <deque>               // std::deque
+#include <exception>           // std::exception_ptr
 #include <filesystem>          // std::filesystem
 #include <fstream>             // std::ifstream, std::ofstream
 #include <memory>              // std::shared_ptr
@@ -109,7 +110,7 @@ class NcclComm {
     ncclComm_t comm = nullptr;
     const ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &config);
     detail::settle_new(comm, r, options, rank, cat("NCCL initialisation (rank ", rank, " of ", size, ")").c_str());
-    state_ = std::make_shared<detail::nccl_state>(comm, device, std::move(s), options);
+    state_ = detail::nccl_state::adopt(comm, device, std::move(s), options);
   }
 
   // Every rank of `host` (a ThreadComm, an MpiComm: any Communicator) calls
@@ -172,12 +173,16 @@ class NcclComm {
     require<comm_error>(rank >= 0 && rank < size, "NcclComm::from_env: RANK ", rank, " is not in [0, WORLD_SIZE ",
                         size, ")");
     const ncclUniqueId id = rank == 0 ? publish_id(id_file) : read_id(id_file, rank, options.timeout);
-    NcclComm c(id, rank, size, local, options);
-    if (rank == 0) {
-      std::error_code ignored;  // every rank has read it: initialisation needed them all
-      std::filesystem::remove(id_file, ignored);
-    }
-    return c;
+    // Rank 0 removes the file once every rank has joined (initialisation needed them all)
+    // or once initialisation failed: a file left behind would make the next run refuse.
+    struct removal {
+      const std::filesystem::path* file;
+      ~removal() {
+        std::error_code ignored;
+        if (file) std::filesystem::remove(*file, ignored);
+      }
+    } remove_id{rank == 0 ? &id_file : nullptr};
+    return NcclComm(id, rank, size, local, options);
   }
 
   int rank() const { return state_->rank(); }
@@ -200,6 +205,7 @@ class NcclComm {
   // Blocks the host until every rank has reached it (a one-element all-reduce).
   void barrier() {
     const detail::signature sig{detail::op_kind::barrier};
+    agree(sig, [] {});
     float* x = state_->scratch();
     auto done = state_->enqueue(compute_, sig, [&](ncclComm_t c, cudaStream_t s) {
       return ncclAllReduce(x, x, 1, ncclFloat32, ncclSum, c, s);
@@ -215,9 +221,12 @@ class NcclComm {
   nccl_work all_gather_async(std::span<const T> send, std::span<T> recv) {
     const std::size_t n = send.size();
     const detail::signature sig{detail::op_kind::all_gather, dtype_of<T>, n};
-    require<shape_error>(recv.size() == n * size(), "rank ", rank(), ": all_gather of ", n, " elements per rank over ",
-                         size(), " ranks needs a receive buffer of ", n * size(), ", got ", recv.size());
-    check_buffers(sig, send, recv, recv.data() + rank() * n);
+    agree(sig, [&] {
+      require<shape_error>(recv.size() == n * size(), "rank ", rank(), ": all_gather of ", n,
+                           " elements per rank over ", size(), " ranks needs a receive buffer of ", n * size(),
+                           ", got ", recv.size());
+      check_buffers(sig, send, recv, recv.data() + rank() * n);
+    });
     if (n == 0) return {};
     return enqueue(sig, [&](ncclComm_t c, cudaStream_t s) {
       return ncclAllGather(send.data(), recv.data(), n * sizeof(T), ncclUint8, c, s);
@@ -232,11 +241,14 @@ class NcclComm {
   nccl_work reduce_scatter_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
     const std::size_t n = recv.size();
     const detail::signature sig{detail::op_kind::reduce_scatter, dtype_of<T>, n, op};
-    require<shape_error>(send.size() == n * size(), "rank ", rank(), ": reduce_scatter to ", n,
-                         " elements per rank over ", size(), " ranks needs a send buffer of ", n * size(), ", got ",
-                         send.size());
-    const ncclDataType_t type = reduction_type<T>(op);
-    check_buffers(sig, recv, send, send.data() + rank() * n);
+    ncclDataType_t type{};
+    agree(sig, [&] {
+      require<shape_error>(send.size() == n * size(), "rank ", rank(), ": reduce_scatter to ", n,
+                           " elements per rank over ", size(), " ranks needs a send buffer of ", n * size(), ", got ",
+                           send.size());
+      type = reduction_type<T>(op);
+      check_buffers(sig, recv, send, send.data() + rank() * n);
+    });
     if (n == 0) return {};
     return enqueue(sig, [&](ncclComm_t c, cudaStream_t s) {
       return ncclReduceScatter(send.data(), recv.data(), n, type, nccl_op(op), c, s);
@@ -255,10 +267,13 @@ class NcclComm {
   nccl_work all_reduce_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
     const std::size_t n = send.size();
     const detail::signature sig{detail::op_kind::all_reduce, dtype_of<T>, n, op};
-    require<shape_error>(recv.size() == n, "rank ", rank(), ": all_reduce of ", n,
-                         " elements needs a receive buffer of the same size, got ", recv.size());
-    const ncclDataType_t type = reduction_type<T>(op);
-    check_buffers(sig, send, recv, recv.data());
+    ncclDataType_t type{};
+    agree(sig, [&] {
+      require<shape_error>(recv.size() == n, "rank ", rank(), ": all_reduce of ", n,
+                           " elements needs a receive buffer of the same size, got ", recv.size());
+      type = reduction_type<T>(op);
+      check_buffers(sig, send, recv, recv.data());
+    });
     if (n == 0) return {};
     return enqueue(sig, [&](ncclComm_t c, cudaStream_t s) {
       return ncclAllReduce(send.data(), recv.data(), n, type, nccl_op(op), c, s);
@@ -272,9 +287,11 @@ class NcclComm {
   template <Element T>
   nccl_work broadcast_async(std::span<T> data, int root) {
     const detail::signature sig{detail::op_kind::broadcast, dtype_of<T>, data.size(), reduce_op::sum, root};
-    require<comm_error>(root >= 0 && root < size(), "rank ", rank(), ": broadcast root ", root, " is not a rank of ",
-                        size());
-    check_pointer(sig, data.data(), data.size_bytes(), "data");
+    agree(sig, [&] {
+      require<comm_error>(root >= 0 && root < size(), "rank ", rank(), ": broadcast root ", root,
+                          " is not a rank of ", size());
+      check_pointer(sig, data.data(), data.size_bytes(), "data");
+    });
     if (data.empty()) return {};
     return enqueue(sig, [&](ncclComm_t c, cudaStream_t s) {
       return ncclBroadcast(data.data(), data.data(), data.size_bytes(), ncclUint8, root, c, s);
@@ -285,20 +302,50 @@ class NcclComm {
   // rank here (ncclCommSplit). Every rank must call it; color must be >= 0. The
   // new communicator shares this one's stream and compute stream.
   NcclComm split(int color, int key) {
-    require<comm_error>(color >= 0, "rank ", rank(), ": split color must be >= 0, got ", color);
+    agree(detail::signature{detail::op_kind::split},
+          [&] { require<comm_error>(color >= 0, "rank ", rank(), ": split color must be >= 0, got ", color); });
     cuda::device_guard g(device());
     ncclConfig_t config = detail::nonblocking_config();
     ncclComm_t child = nullptr;
-    state_->call([&](ncclComm_t c) { return ncclCommSplit(c, color, key, &child, &config); }, "ncclCommSplit");
+    try {
+      state_->call([&](ncclComm_t c) { return ncclCommSplit(c, color, key, &child, &config); }, "ncclCommSplit");
+    } catch (...) {
+      if (child) (void)ncclCommAbort(child);
+      throw;
+    }
     detail::settle_new(child, ncclInProgress, state_->options(), rank(), "ncclCommSplit (the new communicator)");
     NcclComm c;
-    c.state_ = std::make_shared<detail::nccl_state>(child, device(), state_->comm_stream(), state_->options());
+    c.state_ = detail::nccl_state::adopt(child, device(), state_->comm_stream(), state_->options());
     c.compute_ = compute_;
     return c;
   }
 
  private:
   NcclComm() = default;
+
+  // The arguments' own checks (validate throws on this rank's mistakes); with
+  // nccl_options::check, then every rank's call compared before any data moves, so
+  // that every rank raises, naming the calls: a rank whose arguments were wrong
+  // rethrows its own error, the others raise comm_aborted naming it.
+  template <class Validate>
+  void agree(const detail::signature& sig, Validate&& validate) {
+    if (!state_->checks()) return validate();
+    std::exception_ptr invalid;
+    try {
+      validate();
+    } catch (...) {
+      invalid = std::current_exception();
+    }
+    const auto all = state_->gather_calls(compute_, sig, !invalid);
+    if (invalid) std::rethrow_exception(invalid);
+    for (int r = 0; r < size(); ++r)
+      if (!all[std::size_t(r)].valid)
+        throw comm_aborted(cat("rank ", rank(), ": ", detail::describe(sig), " abandoned: rank ", r,
+                               " passed invalid arguments to ", detail::describe(all[std::size_t(r)].sig)));
+    for (int r = 1; r < size(); ++r)
+      if (!(all[std::size_t(r)].sig == all[0].sig))
+        throw detail::disagreement(rank(), all[0].sig, r, all[std::size_t(r)].sig);
+  }
 
   template <class F>
   nccl_work enqueue(const detail::signature& sig, F f) {

@@ -12,7 +12,7 @@
 #include "shardlib/core/error.hpp"         // comm_error, shape_error, require, cat
 #include "shardlib/core/ledger.hpp"        // category
 #include "shardlib/cuda/error.hpp"         // check
-#include "shardlib/cuda/memory_space.hpp"  // cuda_space
+#include "shardlib/cuda/memory_space.hpp"  // cuda_space, pinned_space
 #include "shardlib/cuda/stream.hpp"        // device_guard, stream, event
 
 
@@ -30,12 +30,15 @@
 #include <filesystem>          // std::filesystem
 #include <fstream>             // std::ifstream, std::ofstream
 #include <memory>              // std::shared_ptr
-#include <mutex>               // std::mutex
+#include <mutex>               // std::mutex, std::unique_lock
+#include <optional>            // std::optional
 #include <span>                // std::span
 #include <string>              // std::string
+#include <string_view>         // std::string_view
 #include <thread>              // std::thread, std::this_thread
 #include <type_traits>         // std::is_same_v
 #include <utility>             // std::move
+#include <vector>              // std::vector
 
 #include <unistd.h>  // getpid: a per-process name for the id file written before its rename
 
@@ -50,7 +53,21 @@ struct nccl_options {
   // communicator's device (cudaPointerGetAttributes, about a microsecond), so a
   // host pointer raises comm_error instead of faulting inside NCCL.
   bool check_pointers = true;
+  // Before each collective, gather every rank's call (kind, count, type, operation, root)
+  // and compare them, so that ranks calling different collectives or sizes raise
+  // comm_error on every rank, naming both calls, instead of hanging until the timeout or
+  // corrupting memory (NCCL itself checks nothing of the kind). The comparison is on the
+  // host, so each collective then waits for the ranks to meet: a debugging mode, as
+  // PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL. Unset: on where SHARDLIB_NCCL_CHECK=1.
+  std::optional<bool> check = std::nullopt;
 };
+
+// The value nccl_options::check stands for.
+inline bool checks_calls(const nccl_options& o) {
+  if (o.check) return *o.check;
+  const char* env = std::getenv("SHARDLIB_NCCL_CHECK");
+  return env && std::string_view(env) == "1";
+}
 
 namespace detail {
 
@@ -115,7 +132,10 @@ inline ncclConfig_t nonblocking_config() {
 // oldest unfinished one is older than the timeout, or NCCL reports an
 // asynchronous error (ncclCommGetAsyncError), it aborts the communicator: the
 // stuck kernels exit, and every later call on this communicator throws the
-// reason. The mutex keeps the communicator alive while a call uses it.
+// reason. The mutex keeps the communicator alive while a call uses it; a call
+// that NCCL has not accepted yet (ncclInProgress) releases it between polls, so
+// that abort() and the watchdog reach the communicator meanwhile, and the other
+// calls wait for it to settle (NCCL takes no new call on a communicator then).
 class nccl_state {
  public:
   // Made with `device` current (the event and the scratch live there).
@@ -123,7 +143,22 @@ class nccl_state {
       : comm_(comm), device_(device), stream_(std::move(s)), options_(o), scratch_(1, category::comm_scratch) {
     check_nccl(ncclCommUserRank(comm, &rank_), "ncclCommUserRank");
     check_nccl(ncclCommCount(comm, &size_), "ncclCommCount");
+    if (checks_calls(options_)) {
+      calls_device_ = Buffer<std::int64_t, cuda_space>(std::size_t(size_) * call_fields, category::comm_scratch);
+      calls_host_ = Buffer<std::int64_t, pinned_space>(std::size_t(size_ + 1) * call_fields, category::comm_scratch);
+    }
     watchdog_ = std::thread([this] { watch(); });
+  }
+  // The state of `comm`, just settled; a construction that fails aborts it rather
+  // than leaving it behind.
+  static std::shared_ptr<nccl_state> adopt(ncclComm_t comm, int device, std::shared_ptr<cuda::stream> s,
+                                           const nccl_options& o) {
+    try {
+      return std::make_shared<nccl_state>(comm, device, std::move(s), o);
+    } catch (...) {
+      (void)ncclCommAbort(comm);
+      throw;
+    }
   }
   nccl_state(const nccl_state&) = delete;
   nccl_state& operator=(const nccl_state&) = delete;
@@ -151,6 +186,42 @@ class nccl_state {
   const nccl_options& options() const { return options_; }
   const std::shared_ptr<cuda::stream>& comm_stream() const { return stream_; }
   float* scratch() { return scratch_.data(); }
+  bool checks() const { return !calls_device_.empty(); }
+
+  // What each rank calls (nccl_options::check): this rank's `sig`, and whether its
+  // arguments passed its own checks, gathered from every rank before the collective
+  // is enqueued (an all-gather on the comm stream into pinned memory, then a wait).
+  struct posted_call {
+    signature sig;
+    bool valid;
+  };
+  std::vector<posted_call> gather_calls(cudaStream_t compute, const signature& sig, bool valid) {
+    std::int64_t* mine = calls_host_.data();  // then every rank's, from calls_host_[call_fields]
+    const std::int64_t fields[call_fields] = {std::int64_t(sig.kind), std::int64_t(sig.type), std::int64_t(sig.count),
+                                              std::int64_t(sig.op),   sig.root,               valid};
+    std::memcpy(mine, fields, sizeof fields);
+    const signature gather{op_kind::all_gather, dtype::i64, call_fields};
+    std::int64_t* slot = calls_device_.data() + std::size_t(rank_) * call_fields;
+    const std::size_t bytes = calls_device_.size() * sizeof(std::int64_t);
+    (void)enqueue(compute, gather, [&](ncclComm_t c, cudaStream_t s) {
+      cuda::check(cudaMemcpyAsync(slot, mine, sizeof fields, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (a call)");
+      return ncclAllGather(slot, calls_device_.data(), call_fields, ncclInt64, c, s);
+    });
+    // Issued once NCCL has accepted the gather (before, it may not be on the stream yet).
+    cuda::device_guard g(device_);
+    cuda::check(cudaMemcpyAsync(mine + call_fields, calls_device_.data(), bytes, cudaMemcpyDeviceToHost,
+                                stream_->get()),
+                "cudaMemcpyAsync (the ranks' calls)");
+    cuda::event read;
+    read.record(stream_->get());
+    wait_host(read, gather);
+    std::vector<posted_call> all(static_cast<std::size_t>(size_));
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      const std::int64_t* v = mine + (r + 1) * call_fields;
+      all[r] = {{op_kind(v[0]), dtype(v[1]), std::size_t(v[2]), reduce_op(v[3]), int(v[4])}, v[5] != 0};
+    }
+    return all;
+  }
 
   // Enqueues f(comm, comm_stream) after the work issued on `compute` so far;
   // returns the event that completes with it, which the watchdog follows.
@@ -158,13 +229,13 @@ class nccl_state {
   std::shared_ptr<cuda::event> enqueue(cudaStream_t compute, const signature& sig, F f) {
     cuda::device_guard g(device_);
     auto done = std::make_shared<cuda::event>();
-    std::lock_guard lock(m_);
-    throw_if_aborted_locked();
+    std::unique_lock lock(m_);
+    wait_until_settled(lock);
     // The comm stream waits on the device for the inputs (the llm.c pattern):
     // the host never blocks to order a collective.
     order_.record(compute);
     order_.make_wait(stream_->get());
-    run_locked(f(comm_, stream_->get()), sig);
+    run(lock, f(comm_, stream_->get()), sig);
     done->record(stream_->get());
     {
       std::lock_guard w(watch_m_);
@@ -176,9 +247,9 @@ class nccl_state {
   // A host-side NCCL call on the communicator (ncclCommSplit).
   template <class F>
   void call(F f, const std::string& what) {
-    std::lock_guard lock(m_);
-    throw_if_aborted_locked();
-    run_locked(f(comm_), what);
+    std::unique_lock lock(m_);
+    wait_until_settled(lock);
+    run(lock, f(comm_), what);
   }
 
   // Blocks the host until `done` has completed, polling NCCL's asynchronous
@@ -216,16 +287,41 @@ class nccl_state {
     nccl_clock::time_point deadline;
   };
 
+  static constexpr std::size_t call_fields = 6;  // gather_calls: kind, type, count, op, root, valid
+
   void check_nccl(ncclResult_t r, const char* call) const {
-    if (r != ncclSuccess) throw comm_error(cat("rank ", rank_, ": ", call, " failed: ", nccl_text(r, comm_)));
+    if (r != ncclSuccess)  // rank_ is not known before ncclCommUserRank
+      throw comm_error(cat(rank_ < 0 ? std::string("a rank") : cat("rank ", rank_), " on device ", device_, ": ",
+                           call, " failed: ", nccl_text(r, comm_)));
   }
 
-  // what: a signature or a call's name, turned into text only on failure.
+  // Until no call of another thread is waiting for NCCL to accept it; throws once aborted.
+  void wait_until_settled(std::unique_lock<std::mutex>& lock) {
+    settled_cv_.wait(lock, [&] { return !settling_ || aborted_; });
+    throw_if_aborted_locked();
+  }
+
+  // Waits, lock released between polls, until NCCL has accepted the call that answered
+  // `r`; aborts at the timeout. what: a signature or a call's name, text only on failure.
   template <class What>
-  void run_locked(ncclResult_t r, const What& what) {
-    bool timed_out = false;
-    r = settle(comm_, r, nccl_clock::now() + options_.timeout, timed_out);
-    if (timed_out) abort_locked(cat(text(what), " was not accepted within ", options_.timeout.count(), " ms"));
+  void run(std::unique_lock<std::mutex>& lock, ncclResult_t r, const What& what) {
+    const auto deadline = nccl_clock::now() + options_.timeout;
+    settling_ = true;
+    while (r == ncclInProgress && !aborted_) {
+      if (nccl_clock::now() > deadline) {
+        abort_locked(cat(text(what), " was not accepted within ", options_.timeout.count(), " ms"));
+        break;
+      }
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      lock.lock();
+      if (aborted_) break;  // abort() freed the communicator meanwhile
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
+      r = q != ncclSuccess ? q : state;
+    }
+    settling_ = false;
+    settled_cv_.notify_all();
     throw_if_aborted_locked();
     if (r != ncclSuccess) throw comm_error(cat("rank ", rank_, "/", size_, ": NCCL ", text(what),
                                                " failed on device ", device_, ": ", nccl_text(r, comm_)));
@@ -246,6 +342,7 @@ class nccl_state {
     (void)ncclCommAbort(comm_);
     aborted_ = true;
     why_ = why;
+    settled_cv_.notify_all();
   }
 
   void throw_if_aborted_locked() const {
@@ -264,27 +361,33 @@ class nccl_state {
       if (pending_.empty()) continue;
       const pending oldest = pending_.front();
       lock.unlock();  // m_ before watch_m_, never the other way (enqueue takes them in that order)
+      bool aborted = false;
       {
         std::lock_guard comm_lock(m_);
         poll_async_error_locked();
         if (nccl_clock::now() > oldest.deadline)
           abort_locked(cat(describe(oldest.sig), " did not finish within ", options_.timeout.count(), " ms"));
+        aborted = aborted_;
       }
       lock.lock();
-      if (aborted_) pending_.clear();
+      if (aborted) pending_.clear();
     }
   }
 
   ncclComm_t comm_;
-  int rank_ = 0, size_ = 0;
+  int rank_ = -1, size_ = 0;
   int device_;
   std::shared_ptr<cuda::stream> stream_;
   nccl_options options_;
   cuda::event order_;                  // compute stream -> comm stream
   Buffer<float, cuda_space> scratch_;  // barrier's all-reduce
+  Buffer<std::int64_t, cuda_space> calls_device_;   // gather_calls, with nccl_options::check: every rank's call
+  Buffer<std::int64_t, pinned_space> calls_host_;   // this rank's call, then every rank's
 
   std::mutex m_;  // the communicator: calls, polls, abort
   bool aborted_ = false;
+  bool settling_ = false;  // a call waits for NCCL to accept it (run)
+  std::condition_variable settled_cv_;
   std::string why_;
 
   std::mutex watch_m_;  // pending_ and stopping_

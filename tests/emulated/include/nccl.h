@@ -7,7 +7,10 @@
 // (here and from ncclCommGetAsyncError) until every rank of the id has joined, so an
 // initialisation a rank never joins stays in progress, as NCCL's does. A collective
 // returns once every rank of the communicator has made it (the emulated streams run
-// everything at issue); the last rank to arrive computes it for all, reductions in rank
+// everything at issue); on a non-blocking communicator, a rank that is not the last to
+// arrive gets ncclInProgress, and ncclCommGetAsyncError says ncclInProgress until the
+// last has come (NCCL answers so while it connects: the caller must poll before its
+// next call). The last rank to arrive computes it for all, reductions in rank
 // order (16-bit floats rounded after each step, as a ring's partial sums are; integers
 // exact and wrapping). Ranks whose calls disagree (kind, count, type, operation, root)
 // all get ncclInvalidUsage, named by ncclGetLastError, where NCCL would hang or corrupt.
@@ -32,9 +35,11 @@
 #include <map>                 // std::map
 #include <memory>              // std::shared_ptr, std::make_shared
 #include <mutex>               // std::mutex, std::unique_lock
+#include <optional>            // std::optional
 #include <string>              // std::string
 #include <tuple>               // std::tuple
 #include <type_traits>         // std::is_integral_v, std::make_unsigned_t
+#include <utility>             // std::move
 #include <vector>              // std::vector
 
 enum ncclResult_t {
@@ -82,6 +87,7 @@ struct call {
   int root = 0, color = 0, key = 0;
   ncclComm_t* child = nullptr;  // split
   int device = 0;               // split: the calling rank's communicator's device, its child's
+  bool blocking = true;         // split: the calling rank's communicator's, its child's
   bool operator==(const call& o) const {
     return std::tuple(what, count, type, op, root) == std::tuple(o.what, o.count, o.type, o.op, o.root);
   }
@@ -221,10 +227,16 @@ inline std::string describe(const call& c, int ranks) {
 }  // namespace nccl_emulator
 
 struct ncclComm {
+  ncclComm(std::shared_ptr<nccl_emulator::group> group, int r, int d, bool b)
+      : g(std::move(group)), rank(r), device(d), blocking(b) {}
   std::shared_ptr<nccl_emulator::group> g;
   int rank = 0;
   int device = 0;    // the device current at initialisation: its collectives run there
   std::string last;  // ncclGetLastError
+  bool blocking = true;
+  // A collective this rank has made and the others have not all made yet (non-blocking).
+  std::optional<std::uint64_t> waiting_for;
+  std::chrono::steady_clock::time_point waiting_since{};
 };
 
 namespace nccl_emulator {
@@ -275,9 +287,10 @@ inline void perform(group& g) {
         std::sort(members.begin(), members.end());
         auto child = std::make_shared<group>(int(members.size()));
         child->joined = child->size;
-        for (std::size_t i = 0; i < members.size(); ++i)
-          *c[std::size_t(members[i].second)].child =
-              new ncclComm{child, int(i), c[std::size_t(members[i].second)].device, {}};
+        for (std::size_t i = 0; i < members.size(); ++i) {
+          const call& parent = c[std::size_t(members[i].second)];
+          *parent.child = new ncclComm(child, int(i), parent.device, parent.blocking);
+        }
       }
       return;
     }
@@ -306,6 +319,10 @@ inline ncclResult_t collective(ncclComm_t comm, call mine) {
     g.arrived = 0;
     ++g.generation;
     g.cv.notify_all();
+  } else if (!comm->blocking) {
+    comm->waiting_for = generation;
+    comm->waiting_since = std::chrono::steady_clock::now();
+    return ncclInProgress;
   } else if (!g.cv.wait_for(lock, peer_patience, [&] { return g.generation != generation || g.aborted; })) {
     // The call stays counted with this rank's buffers: the group is unusable from here.
     g.aborted = true;
@@ -376,23 +393,36 @@ inline ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUni
           g->duplicate = "Duplicate GPU detected: ranks " + std::to_string(a) + " and " + std::to_string(b) +
                          " both on device " + std::to_string(g->devices[std::size_t(a)]);
   g->cv.notify_all();
-  *comm = new ncclComm{g, rank, device, {}};
-  if (config && config->blocking == 0) return ncclInProgress;  // ncclCommGetAsyncError says how it ends
+  const bool blocking = !config || config->blocking != 0;
+  *comm = new ncclComm(g, rank, device, blocking);
+  if (!blocking) return ncclInProgress;  // ncclCommGetAsyncError says how it ends
   if (!g->cv.wait_for(lock, peer_patience, [&] { return g->joined == g->size || g->aborted; }) || g->aborted)
     return fail(*comm, ncclSystemError, "not every rank joined within two minutes, or one aborted");
   if (!g->duplicate.empty()) return fail(*comm, ncclInvalidUsage, g->duplicate);
   return ncclSuccess;
 }
 // An initialisation in progress until every rank has joined; then, as NCCL's, it fails on
-// every rank when two share a device.
+// every rank when two share a device. A collective in progress until every rank has made
+// it, then its outcome; a peer that never comes makes it give up after two minutes.
 inline ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
   if (!comm) return ncclInvalidArgument;
   const std::lock_guard lock(comm->g->m);
-  const nccl_emulator::group& g = *comm->g;
+  nccl_emulator::group& g = *comm->g;
   if (g.aborted) *state = ncclRemoteError;
   else if (g.joined < g.size) *state = ncclInProgress;
   else if (!g.duplicate.empty()) *state = nccl_emulator::fail(comm, ncclInvalidUsage, g.duplicate);
-  else *state = ncclSuccess;
+  else if (!comm->waiting_for) *state = ncclSuccess;
+  else if (g.generation != *comm->waiting_for) {  // the last rank came: this rank's outcome is the group's
+    comm->waiting_for.reset();
+    *state = g.outcome == ncclSuccess ? ncclSuccess : nccl_emulator::fail(comm, g.outcome, g.why);
+  } else if (std::chrono::steady_clock::now() - comm->waiting_since > nccl_emulator::peer_patience) {
+    g.aborted = true;
+    g.why = "rank " + std::to_string(comm->rank) + " gave up waiting in a collective";
+    g.cv.notify_all();
+    *state = nccl_emulator::fail(comm, ncclSystemError, "not every rank made the collective within two minutes");
+  } else {
+    *state = ncclInProgress;
+  }
   return ncclSuccess;
 }
 inline ncclResult_t ncclCommCount(ncclComm_t comm, int* count) {
@@ -424,7 +454,7 @@ inline ncclResult_t ncclCommAbort(ncclComm_t comm) {
 inline ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t*) {
   if (!comm) return nccl_emulator::fail(comm, ncclInvalidArgument, "a null communicator");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::split, .color = color, .key = key,
-                                          .child = newcomm, .device = comm->device});
+                                          .child = newcomm, .device = comm->device, .blocking = comm->blocking});
 }
 
 namespace nccl_emulator {
