@@ -25,6 +25,7 @@
 set -euo pipefail
 export LC_ALL=C
 ((BASH_VERSINFO[0] >= 5)) || { echo "gpu_check: needs bash 5 or newer" >&2; exit 2; }
+ulimit -c 0 # a crashing device program would dump its 100 GB of mappings
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 usage() {
@@ -159,9 +160,10 @@ need cmake "CMake 3.25 or newer"
 need ninja "Ninja, the build tool"
 need "${CXX:-c++}" "a C++20 compiler (or set CXX)"
 need setsid "util-linux"
-need stdbuf "coreutils"
+need awk "awk (gawk or mawk)"
 need tar "tar and gzip, for logs.tar.gz"
 need gzip "tar and gzip, for logs.tar.gz"
+stdbuf -oL true 2>/dev/null || missing+=("stdbuf: coreutils' stdbuf and its libstdbuf.so")
 nvcc=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 [[ -x $nvcc ]] || missing+=("nvcc: the CUDA toolkit (on PATH, in CUDACXX, or under /usr/local/cuda)")
 if command -v cmake >/dev/null; then
