@@ -8,8 +8,8 @@
 # compute-sanitizer's memcheck over test_cuda_ops. The steps before bench_cuda leave it 120 s of the
 # deadline (its MFU figures are the run's goal). It stops itself at the deadline and leaves two files
 # under --out (only the summary when a prerequisite is missing: then nothing ran):
-#   summary.txt   the versions (driver, nvcc, NCCL, compiler, CMake), every step's result, time and
-#                 first error, and bench_cuda's JSON lines
+#   summary.txt   the versions (driver, nvcc, NCCL, compiler, CMake), the NCCL/CUDA environment,
+#                 every step's result, time and first error, and bench_cuda's JSON lines
 #   logs.tar.gz   configure and build logs, each program's output, train_fsdp_cuda's metrics
 # Seeds are fixed: SHARDLIB_TEST_SEED (default 1) for the tests' random inputs, --seed 0 for training.
 #
@@ -58,7 +58,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 # --- the summary: the versions, one row per step, bench_cuda's JSON lines --------------------------
 declare -A facts=()
-fact_keys=(machine gpu nvcc nccl c++ cmake deps sanitizer seeds)
+fact_keys=(machine gpu nvcc nccl c++ cmake deps sanitizer env seeds)
 info() { facts[$1]+="${facts[$1]:+$'\n'}$2"; } # KEY VALUE (a key may hold several lines)
 rows=() problems=0 bench_json=""
 # row STEP RESULT SECONDS DETAIL; results other than ok, passed, partial and omitted are problems.
@@ -200,6 +200,7 @@ if [[ -n $deps ]]; then
 else
   info deps "the installed packages"
 fi
+while IFS= read -r line; do info env "$line"; done < <(env | grep -E '^(NCCL|CUDA)_|^LD_LIBRARY_PATH=' | sort)
 info seeds "SHARDLIB_TEST_SEED=$SHARDLIB_TEST_SEED (the tests' inputs), Catch's --rng-seed 0, train_fsdp_cuda --seed 0"
 
 if ((${#missing[@]})); then
