@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # tools/gpu_check.sh — everything in this repository that only a GPU can check, in one bounded run
-# made for a bare, offline GPU node: check the prerequisites, configure (Ninja, warnings not errors),
+# made for a bare, offline GPU node: check the prerequisites and that the GPU can be used (else stop
+# at once), configure (Ninja, warnings not errors),
 # build the CUDA programs with keep-going, and run whatever built, each under its own time limit:
 # the device tests (test_nccl's initialisation-timeout case alone), train_fsdp_cuda (100 steps; under
 # mpirun too when there are several GPUs and MPI), train_gpt_cuda (GPT-2 and LLaMA, 300 steps each),
 # bench_cuda (its encoder, GPT-2 and LLaMA steps with their MFU), then, with the time left,
 # compute-sanitizer's memcheck over test_cuda_ops. The steps before bench_cuda leave it 120 s of the
 # deadline (its MFU figures are the run's goal). It stops itself at the deadline and leaves two files
-# under --out (only the summary when a prerequisite is missing: then nothing ran):
+# under --out (only the summary when it stopped before configure):
 #   summary.txt   the versions (driver, nvcc, NCCL, compiler, CMake), the NCCL/CUDA environment,
 #                 every step's result, time and first error, and bench_cuda's JSON lines
 #   logs.tar.gz   configure and build logs, each program's output, train_fsdp_cuda's metrics
@@ -20,8 +21,9 @@
 #   --build DIR       build folder, emptied first (default build/gpu-check)
 #   --jobs N          compile jobs (default: the number of cores)
 # Exit status: 0 when everything ran and passed; 1 when something failed, did not build, did not run
-# or skipped (on a GPU node a skip means CUDA does not work); 2 when a prerequisite is missing or
-# configure failed.
+# or skipped (on a GPU node a skip means CUDA does not work); 2 when a prerequisite is missing, the
+# GPU cannot be used (nvidia-smi fails, or the driver is older than CUDA 13's R580 and the toolkit's
+# compat libcuda does not initialise) or configure failed.
 set -euo pipefail
 export LC_ALL=C
 ((BASH_VERSINFO[0] >= 5)) || { echo "gpu_check: needs bash 5 or newer" >&2; exit 2; }
@@ -49,7 +51,7 @@ done
 mkdir -p "$out"
 out=$(realpath "$out")
 build=$(realpath -m "$build")
-logs=$build/logs
+logs="" # $build/logs once the build folder is ready
 summary=$out/summary.txt
 end=$((EPOCHSECONDS + deadline))
 begin=${EPOCHREALTIME/./}
@@ -146,12 +148,15 @@ finish() {
   local status=$?
   [[ -z $child ]] || kill -KILL -- "-$child" 2>/dev/null || true
   write_summary
-  tar -czf "$out/logs.tar.gz" -C "$build" logs || echo "gpu_check: could not write $out/logs.tar.gz" >&2
+  [[ -z $logs ]] || tar -czf "$out/logs.tar.gz" -C "$build" logs || echo "gpu_check: could not write $out/logs.tar.gz" >&2
   rm -rf "$tmp"
   echo
   cat "$summary"
   exit "$status"
 }
+tmp=$(mktemp -d)
+trap finish EXIT
+trap 'exit 130' INT TERM
 
 # --- prerequisites, all checked before anything runs -------------------------------------------------
 missing=()
@@ -179,16 +184,46 @@ fi
 memory=$(($(sed -n 's/^MemTotal: *\([0-9]*\).*/\1/p' /proc/meminfo) / 1048576))
 os=$(sed -n 's/^PRETTY_NAME="\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' /etc/os-release 2>/dev/null || true)
 info machine "$HOSTNAME, $(nproc) cores, $memory GiB, ${os:-unknown OS}"
-gpus=0 arch=90 # H100/H200 where there is no GPU to ask
-if command -v nvidia-smi >/dev/null && gpu_list=$(nvidia-smi --query-gpu=name,memory.total,compute_cap,driver_version \
-  --format=csv,noheader 2>&1); then
-  gpus=$(wc -l <<<"$gpu_list")
-  while read -r g; do info gpu "$g (name, memory, compute capability, driver)"; done <<<"$gpu_list"
-  cc=$(sed -n '1s/.*, \([0-9]*\)\.\([0-9]*\), .*/\1\2/p' <<<"$gpu_list")
-  arch=${cc:-$arch}
+
+# --- the GPU: none (a build machine: the device programs report themselves skipped) or a usable one --
+smi() { # nvidia-smi ARGS..., for at most 20 s where `timeout` exists: a wedged driver hangs it
+  if command -v timeout >/dev/null; then timeout -k 5 20 nvidia-smi "$@"; else nvidia-smi "$@"; fi
+}
+gpus=0 arch=90 gpu_list="" unusable="" # arch: H100/H200 where there is no GPU to ask
+models=$(sed -n 's/^Model:[[:space:]]*//p' /proc/driver/nvidia/gpus/*/information 2>/dev/null | paste -sd, - || true)
+if ! command -v nvidia-smi >/dev/null; then
+  info gpu "none: nvidia-smi is not installed${models:+ (/proc/driver/nvidia lists $models)}"
 else
-  gpu_list=${gpu_list:-nvidia-smi is not installed}
-  info gpu "none: ${gpu_list%%$'\n'*}" # the device programs then report themselves skipped
+  smi_rc=0
+  gpu_list=$(smi --query-gpu=name,memory.total,compute_cap,driver_version --format=csv,noheader 2>"$tmp/smi.err") ||
+    smi_rc=$?
+  if ((smi_rc == 0)) && [[ -n $gpu_list ]]; then
+    gpus=$(wc -l <<<"$gpu_list")
+    while read -r g; do info gpu "$g (name, memory, compute capability, driver)"; done <<<"$gpu_list"
+    cc=$(sed -n '1s/.*, \([0-9]*\)\.\([0-9]*\), .*/\1\2/p' <<<"$gpu_list")
+    arch=${cc:-$arch}
+    driver=${gpu_list%%$'\n'*} driver=${driver##*, }
+  else
+    case $smi_rc in
+    124 | 137) unusable="nvidia-smi gave no answer within 20 s" ;;
+    *) unusable="nvidia-smi failed (status $smi_rc): $(cat - "$tmp/smi.err" <<<"$gpu_list" | grep -m1 . || true)" ;;
+    esac
+    info gpu "${models:-unknown (/proc/driver/nvidia lists none)}; nvidia-smi failed (below)"
+  fi
+fi
+# CUDA 13 needs the R580 driver. With an older one, the toolkit's forward-compatibility libcuda
+# (compat/, datacenter GPUs) is used if it initialises; else stop.
+if [[ ${driver:-} =~ ^([0-9]+)\. ]] && ((BASH_REMATCH[1] < 580)); then
+  compat=$(realpath -m "$(dirname "$nvcc")/../compat")
+  if [[ -e $compat/libcuda.so.1 ]] && LD_LIBRARY_PATH=$compat${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+    python3 -c 'import ctypes, sys; sys.exit(ctypes.CDLL("libcuda.so.1").cuInit(0) != 0)' 2>/dev/null; then
+    export LD_LIBRARY_PATH=$compat${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    info gpu "driver $driver is older than CUDA 13's R580: $compat/libcuda.so.1 used (forward compatibility)"
+  elif [[ -e $compat/libcuda.so.1 ]]; then
+    unusable="driver $driver is older than CUDA 13's R580, and $compat/libcuda.so.1 did not initialise"
+  else
+    unusable="driver $driver is older than CUDA 13's R580 (and there is no $compat/libcuda.so.1)"
+  fi
 fi
 [[ ! -x $nvcc ]] || info nvcc "$("$nvcc" --version | sed -n 's/.*release [^,]*, V//p') ($nvcc)"
 sanitizer=$(command -v compute-sanitizer || echo "$(dirname "$nvcc")/compute-sanitizer")
@@ -203,19 +238,12 @@ fi
 while IFS= read -r line; do info env "$line"; done < <(env | grep -E '^(NCCL|CUDA)_|^LD_LIBRARY_PATH=' | sort)
 info seeds "SHARDLIB_TEST_SEED=$SHARDLIB_TEST_SEED (the tests' inputs), Catch's --rng-seed 0, train_fsdp_cuda --seed 0"
 
-if ((${#missing[@]})); then
-  printf 'gpu_check: missing prerequisites:\n' >&2
-  printf '  %s\n' "${missing[@]}" >&2
-  for m in "${missing[@]}"; do rows+=("$(printf '%-24s %-9s %7s  %s' prerequisites MISSING "" "$m")"); done
-  problems=${#missing[@]}
-  write_summary
-  exit 2
-fi
+for m in "${missing[@]}"; do row prerequisites MISSING "" "$m" >&2; done
+[[ -z $unusable ]] || row gpu UNUSABLE "" "$unusable" >&2
+((problems == 0)) || exit 2
 rm -rf "$build"
+logs=$build/logs
 mkdir -p "$logs"
-tmp=$(mktemp -d)
-trap finish EXIT
-trap 'exit 130' INT TERM
 row prerequisites ok 0.0 "all found"
 
 # --- configure --------------------------------------------------------------------------------------
