@@ -103,33 +103,32 @@ running() { # PID: alive and not a zombie (no fork: it is asked several times a 
 }
 # run_limited LIMIT LOG COMMAND...: COMMAND in its own session (stdout line-buffered), for at most
 # LIMIT seconds; then SIGTERM to its process group, SIGKILL 10 s later, and 10 s after that it is left
-# behind, since a process stuck in the driver cannot be waited for. Sets rc (124: stopped at its limit,
-# 125: left behind) and took (seconds with one decimal).
+# behind, since a process stuck in the driver cannot be waited for. Sets rc (COMMAND's exit status;
+# empty when left behind), stopped (empty, "limit" or "left behind") and took (seconds).
 run_limited() {
   local limit=$1 log=$2 t0=${EPOCHREALTIME/./} now signal="" nap=0.05
   shift 2
   setsid -w stdbuf -oL -eL "$@" >"$log" 2>&1 </dev/null &
   child=$!
-  rc=""
+  rc="" stopped=""
   while running "$child"; do
     now=${EPOCHREALTIME/./}
     if [[ -z $signal ]] && ((now > t0 + limit * 1000000)); then
-      signal=TERM
+      signal=TERM stopped=limit
       kill -TERM -- "-$child" 2>/dev/null || true
     elif [[ $signal == TERM ]] && ((now > t0 + (limit + 10) * 1000000)); then
       signal=KILL
       kill -KILL -- "-$child" 2>/dev/null || true
     elif ((now > t0 + (limit + 20) * 1000000)); then
-      rc=125
+      stopped="left behind"
       break
     fi
     ((now - t0 < 2000000)) || nap=0.5 # short runs timed closely, long ones polled lightly
     sleep "$nap"
   done
-  if [[ -z $rc ]]; then
+  if [[ $stopped != "left behind" ]]; then
     rc=0
     wait "$child" || rc=$?
-    [[ -z $signal ]] || rc=124
   fi
   child=""
   now=$(((${EPOCHREALTIME/./} - t0) / 100000))
@@ -267,7 +266,10 @@ else
 fi
 backends=$(sed -n 's/.*backends on: //p' "$logs/configure.txt")
 off=$(sed -n 's/.*backend off: \([a-z]*\).*/\1/p' "$logs/configure.txt" | paste -sd' ' -)
-if ((rc != 0)); then
+if [[ -n $stopped ]]; then
+  row configure STOPPED "$took" "after $limit s; last line: $(last_line "$logs/configure.txt")"
+  exit 2
+elif ((rc != 0)); then
   row configure FAILED "$took" "$(grep -m1 -A3 'CMake Error' "$logs/configure.txt" | paste -sd' ' - | tr -s ' ' || true)"
   exit 2
 fi
@@ -297,11 +299,13 @@ built=0
 for t in "${targets[@]}"; do
   if [[ -x $build/${program[$t]} ]]; then built=$((built + 1)); fi
 done
-case $rc in
-0) row build ok "$took" "$built of ${#program[@]} programs built${off:+ (backends off: $off)}" ;;
-124 | 125) row build STOPPED "$took" "at the deadline: $built of ${#targets[@]} built" ;;
-*) row build FAILED "$took" "$built of ${#targets[@]} built; $(grep -c '^FAILED: ' "$logs/build.txt") compile or link steps failed" ;;
-esac
+if [[ -n $stopped ]]; then
+  row build STOPPED "$took" "at the deadline: $built of ${#targets[@]} built"
+elif ((rc == 0)); then
+  row build ok "$took" "$built of ${#program[@]} programs built${off:+ (backends off: $off)}"
+else
+  row build FAILED "$took" "$built of ${#targets[@]} built; $(grep -c '^FAILED: ' "$logs/build.txt") compile or link steps failed"
+fi
 # The first compiler error of each failed step, as "output: message".
 awk '/^FAILED: / {sub(/^FAILED: (\[code=[0-9]+\] )?/, ""); f = $1; getline; next}
      f && /error/ {print f ": " $0; f = ""}' "$logs/build.txt" >"$logs/build-errors.txt"
@@ -333,16 +337,16 @@ step() {
   detail=$(grep -E -m1 'SKIPPED: no CUDA device|no usable GPU|needs a GPU' "$log" || true)
   if [[ -n $detail ]]; then
     result=skipped
+  elif [[ $stopped == "left behind" ]]; then
+    result=HUNG detail="still running 20 s after SIGTERM and SIGKILL; left behind"
+  elif [[ -n $stopped && $name == memcheck* ]]; then # it runs until the deadline by design
+    result=partial
+    detail="cut at the deadline; $(grep -c '^========= [A-Z][a-z]' "$log" || true) sanitizer reports before that"
+  elif [[ -n $stopped ]]; then
+    result=TIMEOUT detail="stopped after $limit s; last line: $(last_line "$log")"
   elif ((rc == 0)); then
     result=passed
     detail=$(grep -E '^(All tests passed|test cases:)|Loss:|s per step|ms/step|ERROR SUMMARY' "$log" | tail -n2 | paste -sd';' - || true)
-  elif ((rc == 124)) && [[ $name == memcheck* ]]; then # it runs until the deadline by design
-    result=partial
-    detail="cut at the deadline; $(grep -c '^========= [A-Z][a-z]' "$log" || true) sanitizer reports before that"
-  elif ((rc == 124)); then
-    result=TIMEOUT detail="stopped after $limit s; last line: $(last_line "$log")"
-  elif ((rc == 125)); then
-    result=HUNG detail="still running 20 s after SIGTERM and SIGKILL; left behind"
   elif ((rc > 128)) && { grep -q 'fatal error condition' "$log" || ! grep -q '^test cases:' "$log"; }; then
     # (Catch's status counts failed assertions, up to 255; on a signal it prints its totals too)
     result=CRASHED detail="signal $((rc - 128)); last line: $(last_line "$log")"
