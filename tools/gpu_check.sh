@@ -23,7 +23,8 @@
 # Exit status: 0 when everything ran and passed; 1 when something failed, did not build, did not run
 # or skipped (on a GPU node a skip means CUDA does not work); 2 when a prerequisite is missing, the
 # GPU cannot be used (nvidia-smi fails, or the driver is older than CUDA 13's R580 and the toolkit's
-# compat libcuda does not initialise) or configure failed.
+# compat libcuda does not initialise) or configure failed; 130 or 143
+# when interrupted by SIGINT or SIGTERM.
 set -euo pipefail
 export LC_ALL=C
 ((BASH_VERSINFO[0] >= 5)) || { echo "gpu_check: needs bash 5 or newer" >&2; exit 2; }
@@ -62,7 +63,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 declare -A facts=()
 fact_keys=(machine gpu nvcc nccl c++ cmake deps sanitizer env seeds)
 info() { facts[$1]+="${facts[$1]:+$'\n'}$2"; } # KEY VALUE (a key may hold several lines)
-rows=() problems=0 bench_json=""
+rows=() problems=0 bench_json="" interrupted=""
 # row STEP RESULT SECONDS DETAIL; results other than ok, passed, partial and omitted are problems.
 row() {
   rows+=("$(printf '%-24s %-9s %7s  %s' "$1" "$2" "$3" "$4")")
@@ -73,6 +74,7 @@ row() {
 write_summary() {
   local k line verdict="all passed"
   ((problems == 0)) || verdict="$problems problem(s), in the rows below"
+  [[ -z $interrupted ]] || verdict="interrupted by SIG$interrupted; $verdict"
   {
     echo "shardlib tools/gpu_check.sh, $(date -u '+%Y-%m-%d %H:%M UTC'):" \
       "$(((${EPOCHREALTIME/./} - begin) / 1000000)) s of a $deadline s deadline; $verdict"
@@ -87,52 +89,53 @@ write_summary() {
     if [[ -s $bench_json ]]; then
       echo
       echo "bench_cuda --json (JSON lines):"
-      cat "$bench_json"
+      awk 1 "$bench_json" # (the last line ends with a newline even when bench_cuda was cut)
     fi
   } >"$summary"
 }
 last_line() { grep . "$1" | tail -n1 || true; } # the last non-empty line of a file
+since() { local t=$(((${EPOCHREALTIME/./} - $1) / 100000)); echo "$((t / 10)).$((t % 10))"; } # seconds, 1 decimal
 
 # --- running programs: own session, own time limit, output to a log --------------------------------
-child=""
+child="" current="" current_log="" started=0
 running() { # PID: alive and not a zombie (no fork: it is asked several times a second)
   local stat
   { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 1
   stat=${stat##*) }
   [[ ${stat%% *} != Z ]]
 }
-# run_limited LIMIT LOG COMMAND...: COMMAND in its own session (stdout line-buffered), for at most
-# LIMIT seconds; then SIGTERM to its process group, SIGKILL 10 s later, and 10 s after that it is left
-# behind, since a process stuck in the driver cannot be waited for. Sets rc (COMMAND's exit status;
-# empty when left behind), stopped (empty, "limit" or "left behind") and took (seconds).
+# run_limited STEP LIMIT LOG COMMAND...: COMMAND in its own session (stdout line-buffered), for at
+# most LIMIT seconds; then SIGTERM to its process group, SIGKILL 10 s later, and 10 s after that it is
+# left behind, since a process stuck in the driver cannot be waited for. Sets rc (COMMAND's exit
+# status; empty when left behind), stopped (empty, "limit" or "left behind") and took (seconds).
 run_limited() {
-  local limit=$1 log=$2 t0=${EPOCHREALTIME/./} now signal="" nap=0.05
-  shift 2
-  setsid -w stdbuf -oL -eL "$@" >"$log" 2>&1 </dev/null &
+  current=$1 current_log=$3 started=${EPOCHREALTIME/./}
+  local until=$((started + $2 * 1000000)) now signal="" nap=0.05
+  shift 3
+  setsid -w stdbuf -oL -eL "$@" >"$current_log" 2>&1 </dev/null &
   child=$!
   rc="" stopped=""
   while running "$child"; do
     now=${EPOCHREALTIME/./}
-    if [[ -z $signal ]] && ((now > t0 + limit * 1000000)); then
+    if [[ -z $signal ]] && ((now > until)); then
       signal=TERM stopped=limit
       kill -TERM -- "-$child" 2>/dev/null || true
-    elif [[ $signal == TERM ]] && ((now > t0 + (limit + 10) * 1000000)); then
+    elif [[ $signal == TERM ]] && ((now > until + 10000000)); then
       signal=KILL
       kill -KILL -- "-$child" 2>/dev/null || true
-    elif ((now > t0 + (limit + 20) * 1000000)); then
+    elif ((now > until + 20000000)); then
       stopped="left behind"
       break
     fi
-    ((now - t0 < 2000000)) || nap=0.5 # short runs timed closely, long ones polled lightly
+    ((now - started < 2000000)) || nap=0.5 # short runs timed closely, long ones polled lightly
     sleep "$nap"
   done
   if [[ $stopped != "left behind" ]]; then
     rc=0
     wait "$child" || rc=$?
   fi
-  child=""
-  now=$(((${EPOCHREALTIME/./} - t0) / 100000))
-  took=$((now / 10)).$((now % 10))
+  child="" current=""
+  took=$(since "$started")
 }
 # limit_for CAP: the seconds a step may take: CAP, or less so that 15 s remain for the summary and
 # `reserve` for the steps kept for last; fails when under 10 s remain.
@@ -145,7 +148,10 @@ limit_for() {
 
 finish() {
   local status=$?
+  trap '' INT TERM
   [[ -z $child ]] || kill -KILL -- "-$child" 2>/dev/null || true
+  [[ -z $current ]] ||
+    row "$current" INTERRUPTED "$(since "$started")" "${interrupted:+by SIG$interrupted; }last line: $(last_line "$current_log")"
   write_summary
   [[ -z $logs ]] || tar -czf "$out/logs.tar.gz" -C "$build" logs || echo "gpu_check: could not write $out/logs.tar.gz" >&2
   rm -rf "$tmp"
@@ -155,7 +161,8 @@ finish() {
 }
 tmp=$(mktemp -d)
 trap finish EXIT
-trap 'exit 130' INT TERM
+trap 'interrupted=INT; exit 130' INT
+trap 'interrupted=TERM; exit 143' TERM
 
 # --- prerequisites, all checked before anything runs -------------------------------------------------
 missing=()
@@ -253,7 +260,7 @@ configure=(cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCM
   -DSHARDLIB_QUICK_BUILD=OFF)
 [[ -z $deps ]] || configure+=(-DSHARDLIB_DEPS="$deps")
 limit=$(limit_for 300) || { row configure "NOT RUN" "" "the deadline came first"; exit 1; }
-run_limited "$limit" "$logs/configure.txt" "${configure[@]}"
+run_limited configure "$limit" "$logs/configure.txt" "${configure[@]}"
 cache() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt" 2>/dev/null || true; }
 cxx=$(cache CMAKE_CXX_COMPILER)
 [[ -z $cxx ]] || info c++ "$("$cxx" --version | head -n1) ($cxx)"
@@ -294,7 +301,7 @@ fi
 echo "gpu_check: building ${#targets[@]} programs (ninja -k 0 -j$jobs)"
 cap=$((end - EPOCHSECONDS - 90))
 limit=$(limit_for $((cap > 30 ? cap : 30))) || { row build "NOT RUN" "" "the deadline came first"; exit 1; }
-run_limited "$limit" "$logs/build.txt" ninja -C "$build" -k 0 -j "$jobs" "${targets[@]}"
+run_limited build "$limit" "$logs/build.txt" ninja -C "$build" -k 0 -j "$jobs" "${targets[@]}"
 built=0
 for t in "${targets[@]}"; do
   if [[ -x $build/${program[$t]} ]]; then built=$((built + 1)); fi
@@ -333,7 +340,7 @@ step() {
     return
   fi
   log=$logs/$(tr -c 'A-Za-z0-9_.-' _ <<<"$name" | sed 's/_*$//').txt
-  run_limited "$limit" "$log" "${via[@]}" "$exe" "$@"
+  run_limited "$name" "$limit" "$log" "${via[@]}" "$exe" "$@"
   detail=$(grep -E -m1 'SKIPPED: no CUDA device|no usable GPU|needs a GPU' "$log" || true)
   if [[ -n $detail ]]; then
     result=skipped
