@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/gpu_check.sh — everything in this repository that only a GPU can check, in one bounded run
 # made for a bare, offline GPU node: check the prerequisites and that the GPU can be used (else stop
-# at once), configure (Ninja, warnings not errors),
+# at once), configure (Ninja, warnings not errors; on a GPU node, stop when NCCL was not found),
 # build the CUDA programs with keep-going, and run whatever built, each under its own time limit:
 # the device tests (test_nccl's initialisation-timeout case alone), train_fsdp_cuda (100 steps; under
 # mpirun too when there are several GPUs and MPI), train_gpt_cuda (GPT-2 and LLaMA, 300 steps each),
@@ -14,16 +14,17 @@
 #   logs.tar.gz   configure and build logs, each program's output, train_fsdp_cuda's metrics
 # Seeds are fixed: SHARDLIB_TEST_SEED (default 1) for the tests' random inputs, --seed 0 for training.
 #
-# Usage: tools/gpu_check.sh --out DIR [--deps DIR] [--deadline SECONDS] [--build DIR] [--jobs N]
+# Usage: tools/gpu_check.sh --out DIR [--deps DIR] [--nccl DIR] [--deadline SECONDS] [--build DIR] [--jobs N]
 #   --deps DIR        a folder made by tools/bundle-deps, where Eigen, Catch2, nlohmann-json, xxHash
 #                     and CLI11 are not installed
+#   --nccl DIR        NCCL's folder (include/nccl.h, lib/libnccl.so.2) where it is not found (NCCL_ROOT)
 #   --deadline S      stop everything after S seconds (default 480: 8 minutes on a 16-core node)
 #   --build DIR       build folder, emptied first (default build/gpu-check)
 #   --jobs N          compile jobs (default: the number of cores)
 # Exit status: 0 when everything ran and passed; 1 when something failed, did not build, did not run
 # or skipped (on a GPU node a skip means CUDA does not work); 2 when a prerequisite is missing, the
 # GPU cannot be used (nvidia-smi fails, or the driver is older than CUDA 13's R580 and the toolkit's
-# compat libcuda does not initialise) or configure failed; 130 or 143
+# compat libcuda does not initialise), configure failed, or NCCL is off on a GPU node; 130 or 143
 # when interrupted by SIGINT or SIGTERM.
 set -euo pipefail
 export LC_ALL=C
@@ -35,12 +36,13 @@ usage() {
   sed -n 's/^# \{0,1\}//; /^Usage:/,/^Exit/p' "${BASH_SOURCE[0]}" | sed '$d' >&2
   exit 2
 }
-out="" deps="" deadline=480 build=$root/build/gpu-check jobs=$(nproc)
+out="" deps="" nccl="" deadline=480 build=$root/build/gpu-check jobs=$(nproc)
 while (($#)); do
   case $1 in
-  --out | --deps | --deadline | --build | --jobs) (($# >= 2)) || usage ;;&
+  --out | --deps | --nccl | --deadline | --build | --jobs) (($# >= 2)) || usage ;;&
   --out) out=$2 ;;
   --deps) deps=$(realpath -m "$2") ;;
+  --nccl) nccl=$(realpath -m "$2") ;;
   --deadline) deadline=$2 ;;
   --build) build=$2 ;;
   --jobs) jobs=$2 ;;
@@ -183,6 +185,7 @@ if command -v cmake >/dev/null; then
     missing+=("cmake: version $cmake_version, 3.25 or newer needed")
 fi
 [[ -z $deps || -f $deps/MANIFEST ]] || missing+=("--deps $deps: not a folder made by tools/bundle-deps")
+[[ -z $nccl || -d $nccl ]] || missing+=("--nccl $nccl: not a folder")
 [[ ! -d $build || -f $build/CMakeCache.txt || -z $(ls -A "$build") ]] ||
   missing+=("--build $build: a folder that is not a build folder (it would be emptied)")
 [[ $out != "$build" && $out != "$build"/* ]] || missing+=("--out $out: inside the build folder, which is emptied")
@@ -259,6 +262,7 @@ configure=(cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCM
   -DCMAKE_CUDA_ARCHITECTURES="$arch" -DSHARDLIB_WERROR=OFF -DSHARDLIB_CUDA_COMPILE_ONLY=OFF
   -DSHARDLIB_QUICK_BUILD=OFF)
 [[ -z $deps ]] || configure+=(-DSHARDLIB_DEPS="$deps")
+[[ -z $nccl ]] || configure+=(-DNCCL_ROOT="$nccl")
 limit=$(limit_for 300) || { row configure "NOT RUN" "" "the deadline came first"; exit 1; }
 run_limited configure "$limit" "$logs/configure.txt" "${configure[@]}"
 cache() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt" 2>/dev/null || true; }
@@ -281,6 +285,13 @@ elif ((rc != 0)); then
   exit 2
 fi
 row configure ok "$took" "backends on: $backends${off:+ (off: $off)}; CUDA architectures $arch; warnings not errors"
+# Without NCCL, test_nccl, test_cuda_engine, test_cuda_training, train_fsdp_cuda and bench_cuda are
+# not built: on a GPU node, stop here rather than build for minutes without them.
+if ((gpus > 0)) && [[ " $off " == *" nccl "* ]]; then
+  searched=$(sed -n 's/.*NCCL not found.*searched: //p' "$logs/configure.txt")
+  row nccl "NOT FOUND" "" "--nccl DIR names its folder; searched: $searched" >&2
+  exit 2
+fi
 
 # --- build: every CUDA program configured, keep going past failures, until 90 s before the deadline --
 declare -A program=([test_cuda_device]=tests/cuda/test_cuda_device [test_cuda_runtime]=tests/cuda/test_cuda_runtime
