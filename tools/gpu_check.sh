@@ -14,13 +14,14 @@
 #   logs.tar.gz   configure and build logs, each program's output, train_fsdp_cuda's metrics
 # Seeds are fixed: SHARDLIB_TEST_SEED (default 1) for the tests' random inputs, --seed 0 for training.
 #
-# Usage: tools/gpu_check.sh --out DIR [--deps DIR] [--nccl DIR] [--deadline SECONDS] [--build DIR] [--jobs N]
+# Usage: tools/gpu_check.sh --out DIR [--deps DIR] [--nccl DIR] [--deadline SECONDS] [--build DIR] [--reuse] [--jobs N]
 #   --deps DIR        a folder made by tools/bundle-deps, where Eigen, Catch2, nlohmann-json, xxHash
 #                     and CLI11 are not installed
 #   --nccl DIR        NCCL's folder (include/nccl.h, lib/libnccl.so.2) where it is not found (NCCL_ROOT)
 #   --deadline S      stop everything after S seconds (default 570). The run ends by S + 5 s and the
 #                     time to pack the logs: give the harness's limit less about 30 s (570 for 600)
-#   --build DIR       build folder, emptied first (default build/gpu-check)
+#   --build DIR       build folder, emptied first unless --reuse (default build/gpu-check)
+#   --reuse           keep a build folder that holds a CMakeCache.txt: only what changed is rebuilt
 #   --jobs N          compile jobs (default: the number of cores)
 # Exit status: 0 when everything ran and passed; 1 when something failed, did not build, did not run
 # or skipped (on a GPU node a skip means CUDA does not work); 2 when a prerequisite is missing, the
@@ -37,7 +38,7 @@ usage() {
   sed -n 's/^# \{0,1\}//; /^Usage:/,/^Exit/p' "${BASH_SOURCE[0]}" | sed '$d' >&2
   exit 2
 }
-out="" deps="" nccl="" deadline=570 build=$root/build/gpu-check jobs=$(nproc)
+out="" deps="" nccl="" deadline=570 build=$root/build/gpu-check reuse=0 jobs=$(nproc)
 while (($#)); do
   case $1 in
   --out | --deps | --nccl | --deadline | --build | --jobs) (($# >= 2)) || usage ;;&
@@ -46,6 +47,7 @@ while (($#)); do
   --nccl) nccl=$(realpath -m "$2") ;;
   --deadline) deadline=$2 ;;
   --build) build=$2 ;;
+  --reuse) reuse=1; shift; continue ;;
   --jobs) jobs=$2 ;;
   *) usage ;;
   esac
@@ -252,10 +254,15 @@ info seeds "SHARDLIB_TEST_SEED=$SHARDLIB_TEST_SEED (the tests' inputs), Catch's 
 for m in "${missing[@]}"; do row prerequisites MISSING "" "$m" >&2; done
 [[ -z $unusable ]] || row gpu UNUSABLE "" "$unusable" >&2
 ((problems == 0)) || exit 2
-rm -rf "$build"
+if ((reuse)) && [[ -f $build/CMakeCache.txt ]]; then
+  rm -rf "$build/logs"
+  kept="; the build folder kept (--reuse)"
+else
+  rm -rf "$build"
+fi
 logs=$build/logs
 mkdir -p "$logs"
-row prerequisites ok 0.0 "all found"
+row prerequisites ok 0.0 "all found${kept:-}"
 
 # --- configure --------------------------------------------------------------------------------------
 # The programs built here run here: never CI's compile-only or quick build, whatever the
@@ -314,6 +321,8 @@ fi
 echo "gpu_check: building ${#targets[@]} programs (ninja -k 0 -j$jobs)"
 cap=$((end - EPOCHSECONDS - 90))
 limit=$(limit_for $((cap > 30 ? cap : 30))) || { row build "NOT RUN" "" "the deadline came first"; exit 1; }
+# (With --reuse, relinked: a program whose build fails now must not be run from the last build.)
+for t in "${targets[@]}"; do rm -f "$build/${program[$t]}"; done
 run_limited build "$limit" "$logs/build.txt" ninja -C "$build" -k 0 -j "$jobs" "${targets[@]}"
 built=0
 for t in "${targets[@]}"; do
