@@ -1,44 +1,53 @@
 #!/usr/bin/env bash
 # tools/gpu_check.sh — everything in this repository that only a GPU can check, in one bounded run
-# made for a bare, offline GPU node: check the prerequisites, configure (Ninja, warnings not errors),
+# made for a bare, offline GPU node: check the prerequisites and that the GPU can be used (else stop
+# at once), configure (Ninja, warnings not errors; on a GPU node, stop when NCCL was not found),
 # build the CUDA programs with keep-going, and run whatever built, each under its own time limit:
-# the device tests (test_nccl's initialisation-timeout case alone), train_fsdp_cuda (100 steps; under
-# mpirun too when there are several GPUs and MPI), train_gpt_cuda (GPT-2 and LLaMA, 300 steps each),
-# bench_cuda (its encoder, GPT-2 and LLaMA steps with their MFU), then, with the time left,
-# compute-sanitizer's memcheck over test_cuda_ops. The steps before bench_cuda leave it 120 s of the
-# deadline (its MFU figures are the run's goal). It stops itself at the deadline and leaves two files
-# under --out (only the summary when a prerequisite is missing: then nothing ran):
-#   summary.txt   the versions (driver, nvcc, NCCL, compiler, CMake), every step's result, time and
-#                 first error, and bench_cuda's JSON lines
+# the device tests (test_nccl's [timeout] cases alone), train_fsdp_cuda (100 steps; under mpirun too
+# when there are several GPUs and MPI), train_gpt_cuda (GPT-2 and LLaMA, 300 steps each), bench_cuda
+# (its encoder, GPT-2 and LLaMA steps with their MFU), the steps that bench_cuda's reserve kept back,
+# then, with the time left, compute-sanitizer's memcheck over test_cuda_ops. The steps before
+# bench_cuda leave it 120 s of the deadline (its MFU figures are the run's goal). It stops itself at
+# the deadline and leaves two files under --out (only the summary when it stopped before configure):
+#   summary.txt   the versions (driver, nvcc, NCCL, compiler, CMake), the NCCL/CUDA environment,
+#                 every step's result, time and first error, and bench_cuda's JSON lines
 #   logs.tar.gz   configure and build logs, each program's output, train_fsdp_cuda's metrics
 # Seeds are fixed: SHARDLIB_TEST_SEED (default 1) for the tests' random inputs, --seed 0 for training.
 #
-# Usage: tools/gpu_check.sh --out DIR [--deps DIR] [--deadline SECONDS] [--build DIR] [--jobs N]
+# Usage: tools/gpu_check.sh --out DIR [--deps DIR] [--nccl DIR] [--deadline SECONDS] [--build DIR] [--reuse] [--jobs N]
 #   --deps DIR        a folder made by tools/bundle-deps, where Eigen, Catch2, nlohmann-json, xxHash
 #                     and CLI11 are not installed
-#   --deadline S      stop everything after S seconds (default 480: 8 minutes on a 16-core node)
-#   --build DIR       build folder, emptied first (default build/gpu-check)
+#   --nccl DIR        NCCL's folder (include/nccl.h, lib/libnccl.so.2) where it is not found (NCCL_ROOT)
+#   --deadline S      stop everything after S seconds (default 570). The run ends by S + 5 s and the
+#                     time to pack the logs: give the harness's limit less about 30 s (570 for 600)
+#   --build DIR       build folder, emptied first unless --reuse (default build/gpu-check)
+#   --reuse           keep a build folder that holds a CMakeCache.txt: only what changed is rebuilt
 #   --jobs N          compile jobs (default: the number of cores)
 # Exit status: 0 when everything ran and passed; 1 when something failed, did not build, did not run
-# or skipped (on a GPU node a skip means CUDA does not work); 2 when a prerequisite is missing or
-# configure failed.
+# or skipped (on a GPU node a skip means CUDA does not work); 2 when a prerequisite is missing, the
+# GPU cannot be used (nvidia-smi fails, or the driver is older than CUDA 13's R580 and the toolkit's
+# compat libcuda does not initialise), configure failed, or NCCL is off on a GPU node; 130 or 143
+# when interrupted by SIGINT or SIGTERM.
 set -euo pipefail
 export LC_ALL=C
 ((BASH_VERSINFO[0] >= 5)) || { echo "gpu_check: needs bash 5 or newer" >&2; exit 2; }
+ulimit -c 0 # a crashing device program would dump its 100 GB of mappings
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 usage() {
   sed -n 's/^# \{0,1\}//; /^Usage:/,/^Exit/p' "${BASH_SOURCE[0]}" | sed '$d' >&2
   exit 2
 }
-out="" deps="" deadline=480 build=$root/build/gpu-check jobs=$(nproc)
+out="" deps="" nccl="" deadline=570 build=$root/build/gpu-check reuse=0 jobs=$(nproc)
 while (($#)); do
   case $1 in
-  --out | --deps | --deadline | --build | --jobs) (($# >= 2)) || usage ;;&
+  --out | --deps | --nccl | --deadline | --build | --jobs) (($# >= 2)) || usage ;;&
   --out) out=$2 ;;
   --deps) deps=$(realpath -m "$2") ;;
+  --nccl) nccl=$(realpath -m "$2") ;;
   --deadline) deadline=$2 ;;
   --build) build=$2 ;;
+  --reuse) reuse=1; shift; continue ;;
   --jobs) jobs=$2 ;;
   *) usage ;;
   esac
@@ -48,7 +57,7 @@ done
 mkdir -p "$out"
 out=$(realpath "$out")
 build=$(realpath -m "$build")
-logs=$build/logs
+logs="" # $build/logs once the build folder is ready
 summary=$out/summary.txt
 end=$((EPOCHSECONDS + deadline))
 begin=${EPOCHREALTIME/./}
@@ -57,9 +66,9 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 # --- the summary: the versions, one row per step, bench_cuda's JSON lines --------------------------
 declare -A facts=()
-fact_keys=(machine gpu nvcc nccl c++ cmake deps sanitizer seeds)
+fact_keys=(machine gpu nvcc nccl c++ cmake deps sanitizer env seeds)
 info() { facts[$1]+="${facts[$1]:+$'\n'}$2"; } # KEY VALUE (a key may hold several lines)
-rows=() problems=0 bench_json=""
+rows=() problems=0 bench_json="" interrupted=""
 # row STEP RESULT SECONDS DETAIL; results other than ok, passed, partial and omitted are problems.
 row() {
   rows+=("$(printf '%-24s %-9s %7s  %s' "$1" "$2" "$3" "$4")")
@@ -70,6 +79,7 @@ row() {
 write_summary() {
   local k line verdict="all passed"
   ((problems == 0)) || verdict="$problems problem(s), in the rows below"
+  [[ -z $interrupted ]] || verdict="interrupted by SIG$interrupted; $verdict"
   {
     echo "shardlib tools/gpu_check.sh, $(date -u '+%Y-%m-%d %H:%M UTC'):" \
       "$(((${EPOCHREALTIME/./} - begin) / 1000000)) s of a $deadline s deadline; $verdict"
@@ -84,56 +94,57 @@ write_summary() {
     if [[ -s $bench_json ]]; then
       echo
       echo "bench_cuda --json (JSON lines):"
-      cat "$bench_json"
+      awk 1 "$bench_json" # (the last line ends with a newline even when bench_cuda was cut)
     fi
   } >"$summary"
 }
 last_line() { grep . "$1" | tail -n1 || true; } # the last non-empty line of a file
+since() { local t=$(((${EPOCHREALTIME/./} - $1) / 100000)); echo "$((t / 10)).$((t % 10))"; } # seconds, 1 decimal
 
 # --- running programs: own session, own time limit, output to a log --------------------------------
-child=""
+child="" current="" current_log="" started=0
 running() { # PID: alive and not a zombie (no fork: it is asked several times a second)
   local stat
   { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 1
   stat=${stat##*) }
   [[ ${stat%% *} != Z ]]
 }
-# run_limited LIMIT LOG COMMAND...: COMMAND in its own session (stdout line-buffered), for at most
-# LIMIT seconds; then SIGTERM to its process group, SIGKILL 10 s later, and 10 s after that it is left
-# behind, since a process stuck in the driver cannot be waited for. Sets rc (124: stopped at its limit,
-# 125: left behind) and took (seconds with one decimal).
+# run_limited STEP LIMIT LOG COMMAND...: COMMAND in its own session (stdout line-buffered), for at
+# most LIMIT seconds; then SIGTERM to its process group, SIGKILL 10 s later, and 10 s after that it is
+# left behind, since a process stuck in the driver cannot be waited for. Sets rc (COMMAND's exit
+# status; empty when left behind), stopped (empty, "limit" or "left behind") and took (seconds).
 run_limited() {
-  local limit=$1 log=$2 t0=${EPOCHREALTIME/./} now signal="" nap=0.05
-  shift 2
-  setsid -w stdbuf -oL -eL "$@" >"$log" 2>&1 </dev/null &
+  current=$1 current_log=$3 started=${EPOCHREALTIME/./}
+  local until=$((started + $2 * 1000000)) now signal="" nap=0.05
+  shift 3
+  setsid -w stdbuf -oL -eL "$@" >"$current_log" 2>&1 </dev/null &
   child=$!
-  rc=""
+  rc="" stopped=""
   while running "$child"; do
     now=${EPOCHREALTIME/./}
-    if [[ -z $signal ]] && ((now > t0 + limit * 1000000)); then
-      signal=TERM
+    if [[ -z $signal ]] && ((now > until)); then
+      signal=TERM stopped=limit
       kill -TERM -- "-$child" 2>/dev/null || true
-    elif [[ $signal == TERM ]] && ((now > t0 + (limit + 10) * 1000000)); then
+    elif [[ $signal == TERM ]] && ((now > until + 10000000)); then
       signal=KILL
       kill -KILL -- "-$child" 2>/dev/null || true
-    elif ((now > t0 + (limit + 20) * 1000000)); then
-      rc=125
+    elif ((now > until + 20000000)); then
+      stopped="left behind"
       break
     fi
-    ((now - t0 < 2000000)) || nap=0.5 # short runs timed closely, long ones polled lightly
+    ((now - started < 2000000)) || nap=0.5 # short runs timed closely, long ones polled lightly
     sleep "$nap"
   done
-  if [[ -z $rc ]]; then
+  if [[ $stopped != "left behind" ]]; then
     rc=0
     wait "$child" || rc=$?
-    [[ -z $signal ]] || rc=124
   fi
-  child=""
-  now=$(((${EPOCHREALTIME/./} - t0) / 100000))
-  took=$((now / 10)).$((now % 10))
+  child="" current=""
+  took=$(since "$started")
 }
 # limit_for CAP: the seconds a step may take: CAP, or less so that 15 s remain for the summary and
-# `reserve` for the steps kept for last; fails when under 10 s remain.
+# `reserve` for bench_cuda; fails when under 10 s remain. A step stopped at its limit ends at most
+# 20 s later, so the run ends by the deadline + 5 s, and then packs the logs.
 reserve=0
 limit_for() {
   local left=$((end - EPOCHSECONDS - 15 - reserve))
@@ -143,14 +154,21 @@ limit_for() {
 
 finish() {
   local status=$?
+  trap '' INT TERM
   [[ -z $child ]] || kill -KILL -- "-$child" 2>/dev/null || true
+  [[ -z $current ]] ||
+    row "$current" INTERRUPTED "$(since "$started")" "${interrupted:+by SIG$interrupted; }last line: $(last_line "$current_log")"
   write_summary
-  tar -czf "$out/logs.tar.gz" -C "$build" logs || echo "gpu_check: could not write $out/logs.tar.gz" >&2
+  [[ -z $logs ]] || tar -czf "$out/logs.tar.gz" -C "$build" logs || echo "gpu_check: could not write $out/logs.tar.gz" >&2
   rm -rf "$tmp"
   echo
   cat "$summary"
   exit "$status"
 }
+tmp=$(mktemp -d)
+trap finish EXIT
+trap 'interrupted=INT; exit 130' INT
+trap 'interrupted=TERM; exit 143' TERM
 
 # --- prerequisites, all checked before anything runs -------------------------------------------------
 missing=()
@@ -159,9 +177,10 @@ need cmake "CMake 3.25 or newer"
 need ninja "Ninja, the build tool"
 need "${CXX:-c++}" "a C++20 compiler (or set CXX)"
 need setsid "util-linux"
-need stdbuf "coreutils"
+need awk "awk (gawk or mawk)"
 need tar "tar and gzip, for logs.tar.gz"
 need gzip "tar and gzip, for logs.tar.gz"
+stdbuf -oL true 2>/dev/null || missing+=("stdbuf: coreutils' stdbuf and its libstdbuf.so")
 nvcc=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 [[ -x $nvcc ]] || missing+=("nvcc: the CUDA toolkit (on PATH, in CUDACXX, or under /usr/local/cuda)")
 if command -v cmake >/dev/null; then
@@ -170,6 +189,7 @@ if command -v cmake >/dev/null; then
     missing+=("cmake: version $cmake_version, 3.25 or newer needed")
 fi
 [[ -z $deps || -f $deps/MANIFEST ]] || missing+=("--deps $deps: not a folder made by tools/bundle-deps")
+[[ -z $nccl || -d $nccl ]] || missing+=("--nccl $nccl: not a folder")
 [[ ! -d $build || -f $build/CMakeCache.txt || -z $(ls -A "$build") ]] ||
   missing+=("--build $build: a folder that is not a build folder (it would be emptied)")
 [[ $out != "$build" && $out != "$build"/* ]] || missing+=("--out $out: inside the build folder, which is emptied")
@@ -177,16 +197,46 @@ fi
 memory=$(($(sed -n 's/^MemTotal: *\([0-9]*\).*/\1/p' /proc/meminfo) / 1048576))
 os=$(sed -n 's/^PRETTY_NAME="\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' /etc/os-release 2>/dev/null || true)
 info machine "$HOSTNAME, $(nproc) cores, $memory GiB, ${os:-unknown OS}"
-gpus=0 arch=90 # H100/H200 where there is no GPU to ask
-if command -v nvidia-smi >/dev/null && gpu_list=$(nvidia-smi --query-gpu=name,memory.total,compute_cap,driver_version \
-  --format=csv,noheader 2>&1); then
-  gpus=$(wc -l <<<"$gpu_list")
-  while read -r g; do info gpu "$g (name, memory, compute capability, driver)"; done <<<"$gpu_list"
-  cc=$(sed -n '1s/.*, \([0-9]*\)\.\([0-9]*\), .*/\1\2/p' <<<"$gpu_list")
-  arch=${cc:-$arch}
+
+# --- the GPU: none (a build machine: the device programs report themselves skipped) or a usable one --
+smi() { # nvidia-smi ARGS..., for at most 20 s where `timeout` exists: a wedged driver hangs it
+  if command -v timeout >/dev/null; then timeout -k 5 20 nvidia-smi "$@"; else nvidia-smi "$@"; fi
+}
+gpus=0 arch=90 gpu_list="" unusable="" # arch: H100/H200 where there is no GPU to ask
+models=$(sed -n 's/^Model:[[:space:]]*//p' /proc/driver/nvidia/gpus/*/information 2>/dev/null | paste -sd, - || true)
+if ! command -v nvidia-smi >/dev/null; then
+  info gpu "none: nvidia-smi is not installed${models:+ (/proc/driver/nvidia lists $models)}"
 else
-  gpu_list=${gpu_list:-nvidia-smi is not installed}
-  info gpu "none: ${gpu_list%%$'\n'*}" # the device programs then report themselves skipped
+  smi_rc=0
+  gpu_list=$(smi --query-gpu=name,memory.total,compute_cap,driver_version --format=csv,noheader 2>"$tmp/smi.err") ||
+    smi_rc=$?
+  if ((smi_rc == 0)) && [[ -n $gpu_list ]]; then
+    gpus=$(wc -l <<<"$gpu_list")
+    while read -r g; do info gpu "$g (name, memory, compute capability, driver)"; done <<<"$gpu_list"
+    cc=$(sed -n '1s/.*, \([0-9]*\)\.\([0-9]*\), .*/\1\2/p' <<<"$gpu_list")
+    arch=${cc:-$arch}
+    driver=${gpu_list%%$'\n'*} driver=${driver##*, }
+  else
+    case $smi_rc in
+    124 | 137) unusable="nvidia-smi gave no answer within 20 s" ;;
+    *) unusable="nvidia-smi failed (status $smi_rc): $(cat - "$tmp/smi.err" <<<"$gpu_list" | grep -m1 . || true)" ;;
+    esac
+    info gpu "${models:-unknown (/proc/driver/nvidia lists none)}; nvidia-smi failed (below)"
+  fi
+fi
+# CUDA 13 needs the R580 driver. With an older one, the toolkit's forward-compatibility libcuda
+# (compat/, datacenter GPUs) is used if it initialises; else stop.
+if [[ ${driver:-} =~ ^([0-9]+)\. ]] && ((BASH_REMATCH[1] < 580)); then
+  compat=$(realpath -m "$(dirname "$nvcc")/../compat")
+  if [[ -e $compat/libcuda.so.1 ]] && LD_LIBRARY_PATH=$compat${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+    python3 -c 'import ctypes, sys; sys.exit(ctypes.CDLL("libcuda.so.1").cuInit(0) != 0)' 2>/dev/null; then
+    export LD_LIBRARY_PATH=$compat${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    info gpu "driver $driver is older than CUDA 13's R580: $compat/libcuda.so.1 used (forward compatibility)"
+  elif [[ -e $compat/libcuda.so.1 ]]; then
+    unusable="driver $driver is older than CUDA 13's R580, and $compat/libcuda.so.1 did not initialise"
+  else
+    unusable="driver $driver is older than CUDA 13's R580 (and there is no $compat/libcuda.so.1)"
+  fi
 fi
 [[ ! -x $nvcc ]] || info nvcc "$("$nvcc" --version | sed -n 's/.*release [^,]*, V//p') ($nvcc)"
 sanitizer=$(command -v compute-sanitizer || echo "$(dirname "$nvcc")/compute-sanitizer")
@@ -198,22 +248,21 @@ if [[ -n $deps ]]; then
 else
   info deps "the installed packages"
 fi
+while IFS= read -r line; do info env "$line"; done < <(env | grep -E '^(NCCL|CUDA)_|^LD_LIBRARY_PATH=' | sort)
 info seeds "SHARDLIB_TEST_SEED=$SHARDLIB_TEST_SEED (the tests' inputs), Catch's --rng-seed 0, train_fsdp_cuda --seed 0"
 
-if ((${#missing[@]})); then
-  printf 'gpu_check: missing prerequisites:\n' >&2
-  printf '  %s\n' "${missing[@]}" >&2
-  for m in "${missing[@]}"; do rows+=("$(printf '%-24s %-9s %7s  %s' prerequisites MISSING "" "$m")"); done
-  problems=${#missing[@]}
-  write_summary
-  exit 2
+for m in "${missing[@]}"; do row prerequisites MISSING "" "$m" >&2; done
+[[ -z $unusable ]] || row gpu UNUSABLE "" "$unusable" >&2
+((problems == 0)) || exit 2
+if ((reuse)) && [[ -f $build/CMakeCache.txt ]]; then
+  rm -rf "$build/logs"
+  kept="; the build folder kept (--reuse)"
+else
+  rm -rf "$build"
 fi
-rm -rf "$build"
+logs=$build/logs
 mkdir -p "$logs"
-tmp=$(mktemp -d)
-trap finish EXIT
-trap 'exit 130' INT TERM
-row prerequisites ok 0.0 "all found"
+row prerequisites ok 0.0 "all found${kept:-}"
 
 # --- configure --------------------------------------------------------------------------------------
 # The programs built here run here: never CI's compile-only or quick build, whatever the
@@ -222,8 +271,9 @@ configure=(cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCM
   -DCMAKE_CUDA_ARCHITECTURES="$arch" -DSHARDLIB_WERROR=OFF -DSHARDLIB_CUDA_COMPILE_ONLY=OFF
   -DSHARDLIB_QUICK_BUILD=OFF)
 [[ -z $deps ]] || configure+=(-DSHARDLIB_DEPS="$deps")
+[[ -z $nccl ]] || configure+=(-DNCCL_ROOT="$nccl")
 limit=$(limit_for 300) || { row configure "NOT RUN" "" "the deadline came first"; exit 1; }
-run_limited "$limit" "$logs/configure.txt" "${configure[@]}"
+run_limited configure "$limit" "$logs/configure.txt" "${configure[@]}"
 cache() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt" 2>/dev/null || true; }
 cxx=$(cache CMAKE_CXX_COMPILER)
 [[ -z $cxx ]] || info c++ "$("$cxx" --version | head -n1) ($cxx)"
@@ -236,11 +286,21 @@ else
 fi
 backends=$(sed -n 's/.*backends on: //p' "$logs/configure.txt")
 off=$(sed -n 's/.*backend off: \([a-z]*\).*/\1/p' "$logs/configure.txt" | paste -sd' ' -)
-if ((rc != 0)); then
+if [[ -n $stopped ]]; then
+  row configure STOPPED "$took" "after $limit s; last line: $(last_line "$logs/configure.txt")"
+  exit 2
+elif ((rc != 0)); then
   row configure FAILED "$took" "$(grep -m1 -A3 'CMake Error' "$logs/configure.txt" | paste -sd' ' - | tr -s ' ' || true)"
   exit 2
 fi
 row configure ok "$took" "backends on: $backends${off:+ (off: $off)}; CUDA architectures $arch; warnings not errors"
+# Without NCCL, test_nccl, test_cuda_engine, test_cuda_training, train_fsdp_cuda and bench_cuda are
+# not built: on a GPU node, stop here rather than build for minutes without them.
+if ((gpus > 0)) && [[ " $off " == *" nccl "* ]]; then
+  searched=$(sed -n 's/.*NCCL not found.*searched: //p' "$logs/configure.txt")
+  row nccl "NOT FOUND" "" "--nccl DIR names its folder; searched: $searched" >&2
+  exit 2
+fi
 
 # --- build: every CUDA program configured, keep going past failures, until 90 s before the deadline --
 declare -A program=([test_cuda_device]=tests/cuda/test_cuda_device [test_cuda_runtime]=tests/cuda/test_cuda_runtime
@@ -261,23 +321,28 @@ fi
 echo "gpu_check: building ${#targets[@]} programs (ninja -k 0 -j$jobs)"
 cap=$((end - EPOCHSECONDS - 90))
 limit=$(limit_for $((cap > 30 ? cap : 30))) || { row build "NOT RUN" "" "the deadline came first"; exit 1; }
-run_limited "$limit" "$logs/build.txt" ninja -C "$build" -k 0 -j "$jobs" "${targets[@]}"
+# (With --reuse, relinked: a program whose build fails now must not be run from the last build.)
+for t in "${targets[@]}"; do rm -f "$build/${program[$t]}"; done
+run_limited build "$limit" "$logs/build.txt" ninja -C "$build" -k 0 -j "$jobs" "${targets[@]}"
 built=0
 for t in "${targets[@]}"; do
   if [[ -x $build/${program[$t]} ]]; then built=$((built + 1)); fi
 done
-case $rc in
-0) row build ok "$took" "$built of ${#program[@]} programs built${off:+ (backends off: $off)}" ;;
-124 | 125) row build STOPPED "$took" "at the deadline: $built of ${#targets[@]} built" ;;
-*) row build FAILED "$took" "$built of ${#targets[@]} built; $(grep -c '^FAILED: ' "$logs/build.txt") compile or link steps failed" ;;
-esac
+if [[ -n $stopped ]]; then
+  row build STOPPED "$took" "at the deadline: $built of ${#targets[@]} built"
+elif ((rc == 0)); then
+  row build ok "$took" "$built of ${#program[@]} programs built${off:+ (backends off: $off)}"
+else
+  row build FAILED "$took" "$built of ${#targets[@]} built; $(grep -c '^FAILED: ' "$logs/build.txt") compile or link steps failed"
+fi
 # The first compiler error of each failed step, as "output: message".
 awk '/^FAILED: / {sub(/^FAILED: (\[code=[0-9]+\] )?/, ""); f = $1; getline; next}
      f && /error/ {print f ": " $0; f = ""}' "$logs/build.txt" >"$logs/build-errors.txt"
 
 # --- runs: from the temporary folder, so that nothing lands in the repository -----------------------
 cd "$tmp"
-via=() # what a step runs its program under (mpirun, compute-sanitizer)
+via=()      # what a step runs its program under (mpirun, compute-sanitizer)
+deferred=() # the steps that bench_cuda's reserve kept back, as commands to run after it
 # step NAME CAP TARGET [ARGS...]: runs TARGET's program for at most CAP seconds and adds its row.
 step() {
   local name=$1 cap=$2 target=$3 limit log result detail
@@ -294,24 +359,29 @@ step() {
     return
   fi
   if ! limit=$(limit_for "$cap"); then
-    row "$name" "NOT RUN" "" "the deadline came first"
+    if ((reserve > 0)); then
+      deferred+=("via=(${via[*]@Q}); step ${name@Q} $cap $target ${*@Q}")
+      echo "gpu_check: $name waits until after bench_cuda"
+    else
+      row "$name" "NOT RUN" "" "the deadline came first"
+    fi
     return
   fi
   log=$logs/$(tr -c 'A-Za-z0-9_.-' _ <<<"$name" | sed 's/_*$//').txt
-  run_limited "$limit" "$log" "${via[@]}" "$exe" "$@"
+  run_limited "$name" "$limit" "$log" "${via[@]}" "$exe" "$@"
   detail=$(grep -E -m1 'SKIPPED: no CUDA device|no usable GPU|needs a GPU' "$log" || true)
   if [[ -n $detail ]]; then
     result=skipped
+  elif [[ $stopped == "left behind" ]]; then
+    result=HUNG detail="still running 20 s after SIGTERM and SIGKILL; left behind"
+  elif [[ -n $stopped && $name == memcheck* ]]; then # it runs until the deadline by design
+    result=partial
+    detail="cut at the deadline; $(grep -c '^========= [A-Z][a-z]' "$log" || true) sanitizer reports before that"
+  elif [[ -n $stopped ]]; then
+    result=TIMEOUT detail="stopped after $limit s; last line: $(last_line "$log")"
   elif ((rc == 0)); then
     result=passed
     detail=$(grep -E '^(All tests passed|test cases:)|Loss:|s per step|ms/step|ERROR SUMMARY' "$log" | tail -n2 | paste -sd';' - || true)
-  elif ((rc == 124)) && [[ $name == memcheck* ]]; then # it runs until the deadline by design
-    result=partial
-    detail="cut at the deadline; $(grep -c '^========= [A-Z][a-z]' "$log" || true) sanitizer reports before that"
-  elif ((rc == 124)); then
-    result=TIMEOUT detail="stopped after $limit s; last line: $(last_line "$log")"
-  elif ((rc == 125)); then
-    result=HUNG detail="still running 20 s after SIGTERM and SIGKILL; left behind"
   elif ((rc > 128)) && { grep -q 'fatal error condition' "$log" || ! grep -q '^test cases:' "$log"; }; then
     # (Catch's status counts failed assertions, up to 255; on a signal it prints its totals too)
     result=CRASHED detail="signal $((rc - 128)); last line: $(last_line "$log")"
@@ -323,8 +393,10 @@ step() {
   row "$name" "$result" "$took" "${detail:0:200}"
 }
 
+# bench_cuda runs after the tests, which check the kernels it times (and which a slow bench_cuda
+# cannot crowd out); 120 s are kept for it, and the steps that this kept back run after it.
 catch=(--durations yes)
-reserve=120 # for bench_cuda
+[[ ! -x $build/${program[bench_cuda]} ]] || reserve=120
 step test_cuda_device 60 test_cuda_device "${catch[@]}"
 step test_cuda_runtime 120 test_cuda_runtime "${catch[@]}"
 step test_cuda_ops 150 test_cuda_ops "${catch[@]}"
@@ -332,8 +404,9 @@ step test_cuda_layers 180 test_cuda_layers "${catch[@]}"
 step test_cuda_gemm 120 test_cuda_gemm "${catch[@]}"
 step test_cuda_attention 150 test_cuda_attention "${catch[@]}"
 step test_cuda_engine 180 test_cuda_engine "${catch[@]}"
+# The cases tagged [timeout] may leave a half-initialised communicator or hang: alone, after the rest.
 step test_nccl 150 test_nccl "${catch[@]}" '~[timeout]'
-step 'test_nccl [timeout]' 75 test_nccl "${catch[@]}" '[timeout]' # may hang: alone, and last of the NCCL tests
+step 'test_nccl [timeout]' 75 test_nccl "${catch[@]}" '[timeout]'
 step test_cuda_training 240 test_cuda_training "${catch[@]}"
 step test_cuda_decoder 180 test_cuda_decoder "${catch[@]}"
 step test_cuda_checkpoint 120 test_cuda_checkpoint "${catch[@]}"
@@ -357,13 +430,16 @@ case ${gpu_list%%,*} in
 esac
 reserve=0
 step bench_cuda 300 bench_cuda --json "$bench_json" "${peak[@]}"
+for call in "${deferred[@]}"; do eval "$call"; done
+via=()
+# Without the 2^32-float sweep and the [large] cases, as the emulated twin test_emulated_ops.
 if [[ -z $sanitizer ]]; then
   row "memcheck test_cuda_ops" omitted "" "compute-sanitizer not found"
 elif ((end - EPOCHSECONDS < 60)); then
   row "memcheck test_cuda_ops" omitted "" "less than a minute left"
 else
   via=("$sanitizer" --tool memcheck --error-exitcode 1)
-  step "memcheck test_cuda_ops" "$deadline" test_cuda_ops
+  step "memcheck test_cuda_ops" "$deadline" test_cuda_ops '~[element]~[large]'
   via=()
 fi
 ((problems == 0))
