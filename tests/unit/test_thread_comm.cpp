@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <latch>
 #include <string>
 #include <vector>
 
@@ -151,6 +152,36 @@ TEST_CASE("an asynchronous collective's error surfaces on wait()", "[comm][threa
     }
   });
   for (auto& e : errors) CHECK_THAT(e, Catch::Contains("ranks disagree"));
+}
+
+TEST_CASE("an asynchronous collective outlives the handle that issued it", "[comm][thread][async]") {
+  // Rank 0 issues its part only once the others have dropped their handles, so their
+  // jobs, waiting for it, finish after the handle is gone: rank 1's was a temporary
+  // (ASan sees a use after scope), rank 2's was moved from.
+  std::latch dropped(2);
+  std::vector<std::vector<float>> gathered(3, std::vector<float>(3, -1.f));
+  comm::launch(3, [&](ThreadComm& c) {
+    const int r = c.rank();
+    std::vector<float> mine{float(r)};
+    std::span<const float> send(mine);
+    std::span<float> recv(gathered[r]);
+    comm::work w;
+    if (r == 1) {
+      w = c.split(0, r).all_gather_async(send, recv);
+      dropped.count_down();
+    } else if (r == 2) {
+      ThreadComm h = c.split(0, r);
+      w = h.all_gather_async(send, recv);
+      ThreadComm moved = std::move(h);
+      dropped.count_down();
+    } else {
+      ThreadComm h = c.split(0, r);
+      dropped.wait();
+      w = h.all_gather_async(send, recv);
+    }
+    w.wait();
+  });
+  for (auto& g : gathered) CHECK(g == std::vector<float>{0.f, 1.f, 2.f});
 }
 
 TEST_CASE("each rank has its own ledger, including its communication worker", "[comm][thread][ledger]") {

@@ -171,7 +171,7 @@ class ThreadComm {
   }
   template <Element T>
   work all_gather_async(std::span<const T> send, std::span<T> recv) {
-    return exec_->submit([=, this] { do_all_gather(send, recv); });
+    return exec_->submit([c = for_job(), send, recv]() mutable { c.do_all_gather(send, recv); });
   }
 
   template <Element T>
@@ -181,7 +181,7 @@ class ThreadComm {
   }
   template <Element T>
   work reduce_scatter_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
-    return exec_->submit([=, this] { do_reduce_scatter(send, recv, op); });
+    return exec_->submit([c = for_job(), send, recv, op]() mutable { c.do_reduce_scatter(send, recv, op); });
   }
 
   template <Element T>
@@ -195,7 +195,7 @@ class ThreadComm {
   }
   template <Element T>
   work all_reduce_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
-    return exec_->submit([=, this] { do_all_reduce(send, recv, op); });
+    return exec_->submit([c = for_job(), send, recv, op]() mutable { c.do_all_reduce(send, recv, op); });
   }
 
   template <Element T>
@@ -205,7 +205,7 @@ class ThreadComm {
   }
   template <Element T>
   work broadcast_async(std::span<T> data, int root) {
-    return exec_->submit([=, this] { do_broadcast(data, root); });
+    return exec_->submit([c = for_job(), data, root]() mutable { c.do_broadcast(data, root); });
   }
 
   // Ranks with the same color form a new communicator, ordered by key, then by
@@ -235,6 +235,11 @@ class ThreadComm {
   }
 
  private:
+  // What an asynchronous job runs on: a handle of its own, since the job may outlive
+  // this one (a temporary, or a handle moved or destroyed before wait()), but without
+  // the executor, whose last owner must not be a job running on it.
+  ThreadComm for_job() const { return ThreadComm(g_, rank_, nullptr); }
+
   std::vector<detail::slot>& next_slots() { return g_->slots[g_->posted[rank_] % 2]; }
   const std::vector<detail::slot>& peers() const { return g_->slots[(g_->posted[rank_] - 1) % 2]; }
 
