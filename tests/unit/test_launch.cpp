@@ -221,6 +221,44 @@ TEST_CASE("SocketComm ranks that disagree about a collective raise the same erro
   }
 }
 
+TEST_CASE("SocketComm: a rank's invalid arguments make every rank raise at once, and the ranks go on in step",
+          "[launch][socket]") {
+  std::vector<std::string> caught(3);
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = socket_ranks(
+      3,
+      [&](SocketComm& c) {
+        const int r = c.rank();
+        std::vector<float> x(4, float(r)), out(r == 1 ? 3 : 4);
+        try {
+          c.all_reduce(std::span<const float>(x), std::span<float>(out), reduce_op::sum);
+        } catch (const error& e) {
+          caught[r] = e.what();
+        }
+        try {
+          c.broadcast(std::span<float>(x), r == 2 ? 3 : 0);
+        } catch (const error& e) {
+          caught[r] += std::string(" | ") + e.what();
+        }
+        c.all_reduce(std::span<float>(x), reduce_op::sum);  // pairs with the others' all_reduce
+        require<error>(x[0] == 3.f, "rank ", r, ": all_reduce after the invalid calls gave ", x[0]);
+      },
+      {.timeout = 60s});
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  const std::string reduce = "rank 1: all_reduce of 4 elements needs a receive buffer of the same size, got 3";
+  for (int r = 0; r < 3; ++r) {
+    INFO("rank " << r);
+    CHECK(errors[r].empty());
+    CHECK_THAT(caught[r], Catch::StartsWith(r == 1 ? reduce
+                                                   : cat("rank ", r, ": all_reduce(4 x F32, sum) abandoned: rank 1 passed "
+                                                         "invalid arguments to all_reduce(4 x F32, sum) (", reduce, ")")));
+    CHECK_THAT(caught[r], Catch::EndsWith(r == 2 ? std::string("| rank 2: broadcast root 3 is not a rank of 3")
+                                                 : cat("| rank ", r, ": broadcast(4 x F32, root 0) abandoned: rank 2 "
+                                                       "passed invalid arguments to broadcast(4 x F32, root 3) (rank 2: "
+                                                       "broadcast root 3 is not a rank of 3)")));
+  }
+}
+
 TEST_CASE("a rank that leaves makes the others raise naming it, at once", "[launch][socket][failure]") {
   const auto start = std::chrono::steady_clock::now();
   const auto errors = socket_ranks(

@@ -127,6 +127,39 @@ TEST_CASE("ranks that disagree about a collective raise on every rank", "[comm][
   }
 }
 
+TEST_CASE("a rank's invalid arguments make every rank raise at once, and the ranks go on in step",
+          "[comm][thread][misuse]") {
+  std::vector<std::string> errors(3);
+  std::vector<float> sums(3);
+  comm::launch(3, [&](ThreadComm& c) {
+    const int r = c.rank();
+    std::vector<float> one{1.f}, all(r == 1 ? 2 : 3);
+    try {
+      c.all_gather(std::span<const float>(one), std::span<float>(all));
+    } catch (const error& e) {
+      errors[r] = e.what();
+    }
+    try {
+      c.split(r == 2 ? -1 : 0, r);
+    } catch (const error& e) {
+      errors[r] += std::string(" | ") + e.what();
+    }
+    float x = float(r + 1);
+    c.all_reduce(std::span<float>(&x, 1), reduce_op::sum);  // pairs with the others' all_reduce
+    sums[r] = x;
+  });
+  CHECK(sums == std::vector<float>{6.f, 6.f, 6.f});
+  const std::string gather = "all_gather of 1 elements per rank over 3 ranks needs a receive buffer of 3, got 2";
+  CHECK_THAT(errors[1], Catch::StartsWith("rank 1: " + gather) &&
+                            Catch::Contains("split abandoned: rank 2 passed invalid arguments to split"));
+  CHECK_THAT(errors[2], Catch::Contains("all_gather(1 x F32) abandoned: rank 1 passed invalid arguments") &&
+                            Catch::EndsWith("| rank 2: split color must be >= 0, got -1"));
+  CHECK_THAT(errors[0], Catch::StartsWith("rank 0: all_gather(1 x F32) abandoned: rank 1 passed invalid arguments to "
+                                          "all_gather(1 x F32) (rank 1: " + gather + ")") &&
+                            Catch::EndsWith("| rank 0: split abandoned: rank 2 passed invalid arguments to split "
+                                            "(rank 2: split color must be >= 0, got -1)"));
+}
+
 TEST_CASE("asynchronous collectives run in issue order on the rank's worker", "[comm][thread][async]") {
   std::vector<int> ok(3, 0);
   comm::launch(3, [&](ThreadComm& c) {

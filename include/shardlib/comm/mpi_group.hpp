@@ -218,12 +218,7 @@ class mpi_group {
   // left the group instead (see leave()).
   template <class Validate>
   void agree(const signature& sig, Validate&& validate) {
-    std::exception_ptr invalid;
-    try {
-      validate();
-    } catch (...) {
-      invalid = std::current_exception();
-    }
+    const std::exception_ptr invalid = invalid_call(validate);
     if (!opts_.check) {
       if (invalid) std::rethrow_exception(invalid);
       return;
@@ -236,8 +231,7 @@ class mpi_group {
     if (!departure_.empty()) abandon(sig);
     for (int r = 0; r < size_; ++r)
       if (arrival_of(all[r]) == arrival::invalid)
-        throw comm_aborted(cat("rank ", rank_, ": ", describe(sig), " abandoned: rank ", r,
-                               " passed invalid arguments to ", describe(signature_of(all[r]))));
+        throw invalid_elsewhere(rank_, sig, r, signature_of(all[r]));
     for (int r = 1; r < size_; ++r)
       if (!(signature_of(all[r]) == signature_of(all[0])))
         throw disagreement(rank_, signature_of(all[0]), r, signature_of(all[r]));
