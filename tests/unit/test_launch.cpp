@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <map>
 #include <string>
 #include <thread>
@@ -218,6 +219,25 @@ TEST_CASE("SocketComm ranks that disagree about a collective raise the same erro
     CHECK(errors[r].empty());
     CHECK_THAT(caught[r], Catch::Contains("rank " + std::to_string(r) + ": ranks disagree") &&
                               Catch::Contains("rank 0 called all_gather(4 x F32), rank 1 called all_gather(5 x F32)"));
+  }
+}
+
+TEST_CASE("an infinite or huge timeout means no limit, not a deadline already past", "[launch][socket][store]") {
+  for (const double limit : {std::numeric_limits<double>::infinity(), 1e300}) {
+    INFO("timeout " << limit << " s");
+    std::vector<float> sums(2);
+    const auto errors = socket_ranks(
+        2,
+        [&](SocketComm& c) {
+          float x = float(c.rank() + 1);
+          c.all_reduce(std::span<float>(&x, 1), reduce_op::sum);
+          sums[c.rank()] = x;
+        },
+        {.timeout = comm::seconds(limit)}, comm::seconds(limit));
+    for (int r = 0; r < 2; ++r) {
+      CHECK(errors[r].empty());
+      CHECK(sums[r] == 3.f);
+    }
   }
 }
 

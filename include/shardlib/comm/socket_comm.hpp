@@ -64,8 +64,7 @@ class SocketComm {
     std::vector<std::string> keys;
     for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
     mesh->addresses = store.get(keys);
-    const auto deadline = detail::tcp_clock::now() +
-                          std::chrono::duration_cast<detail::tcp_clock::duration>(store.timeout());
+    const auto deadline = detail::deadline_after(store.timeout());
     const std::int64_t hello[2] = {std::int64_t(tag), rank};
     for (int p = 0; p < rank; ++p) {
       const std::string& a = mesh->addresses[p];

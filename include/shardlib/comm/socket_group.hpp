@@ -31,7 +31,7 @@ namespace shardlib::comm {
 struct socket_options {
   // How long a collective may go without any byte from a peer it waits for before
   // it raises comm_error naming that peer. Unset: SHARDLIB_COMM_TIMEOUT (seconds)
-  // when set, else default_comm_timeout (600 s); zero: no limit.
+  // when set, else default_comm_timeout (600 s); zero or infinite: no limit.
   std::optional<seconds> timeout = std::nullopt;
 };
 
@@ -130,8 +130,7 @@ struct socket_group {
       if (p.len) to[p.peer].push_back(&p);
     for (auto& p : recvs)
       if (p.len) from[p.peer].push_back(&p);
-    const bool limited = mesh->timeout.count() > 0;
-    const auto limit = std::chrono::duration_cast<tcp_clock::duration>(limited ? mesh->timeout : seconds(1e6));
+    const auto limit = wait_of(mesh->timeout.count() > 0 ? mesh->timeout : seconds::max());
     auto deadline = tcp_clock::now() + limit;
     std::vector<pollfd> polls;
     std::vector<int> polled;  // group rank of each pollfd

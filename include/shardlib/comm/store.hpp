@@ -93,7 +93,7 @@ class store_server {
   ~store_server() {
     std::unique_lock lock(m_);
     stopping_ = true;
-    cv_.wait_for(lock, linger_, [&] { return active_ == 0; });
+    cv_.wait_until(lock, detail::deadline_after(linger_), [&] { return active_ == 0; });
     closing_ = true;  // ends the gets still waiting
     cv_.notify_all();
     for (auto& c : clients_) c.fd.shutdown();
@@ -181,7 +181,8 @@ class store_server {
         auto present = [&] {
           return std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return data_.count(k) > 0; });
         };
-        cv_.wait_for(lock, std::chrono::milliseconds(wait_ms), [&] { return present() || closing_; });
+        cv_.wait_until(lock, detail::deadline_after(std::chrono::milliseconds(wait_ms)),
+                       [&] { return present() || closing_; });
         if (detail::store_op(op) == detail::store_op::check) {
           out.num(present() ? 1 : 0);
         } else if (present()) {
@@ -221,8 +222,8 @@ class store_server {
 // A client of the store at host:port, as rank `rank` of `world_size`. Rank 0 may
 // host the store itself (host = true, port 0 for a free one), which it then serves
 // for as long as it lives. Connecting retries until `timeout`; every later wait is
-// bounded by it too, and a timeout names the key and the ranks that never
-// connected. Keys and values are byte strings. One thread uses a client at a time.
+// bounded by it too (an infinite one: no bound), and a timeout names the key and
+// the ranks that never connected. Keys and values are byte strings. One thread uses a client at a time.
 class TcpStore {
  public:
   TcpStore(std::string host, std::uint16_t port, int rank, int world_size, bool hosts, seconds timeout)
@@ -261,7 +262,7 @@ class TcpStore {
   std::string get(const std::string& key) { return get(std::vector<std::string>{key})[0]; }
   std::vector<std::string> get(const std::vector<std::string>& keys) {
     detail::wire w;
-    w.strs(keys).num(std::chrono::duration_cast<std::chrono::milliseconds>(timeout_).count());
+    w.strs(keys).num(std::chrono::duration_cast<std::chrono::milliseconds>(detail::wait_of(timeout_)).count());
     struct reply {
       bool found;
       std::vector<std::string> values, missing, absent;
@@ -320,7 +321,7 @@ class TcpStore {
 
  private:
   detail::tcp_clock::time_point deadline() const {
-    return detail::tcp_clock::now() + std::chrono::duration_cast<detail::tcp_clock::duration>(timeout_);
+    return detail::deadline_after(timeout_);
   }
 
   static std::string join(const std::vector<std::string>& v) {

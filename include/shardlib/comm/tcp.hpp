@@ -29,6 +29,16 @@ using tcp_clock = std::chrono::steady_clock;
 
 inline std::string errno_text(int e) { return std::strerror(e); }
 
+// `limit` as the clock counts it. Longer than it can count (infinite, 1e300 s) is
+// ~30 years, as good as no limit; so is NaN.
+inline tcp_clock::duration wait_of(std::chrono::duration<double> limit) {
+  constexpr std::chrono::duration<double> longest = std::chrono::hours(24 * 365 * 30);
+  return std::chrono::duration_cast<tcp_clock::duration>(limit < longest ? limit : longest);
+}
+inline tcp_clock::time_point deadline_after(std::chrono::duration<double> limit) {
+  return tcp_clock::now() + wait_of(limit);
+}
+
 // Milliseconds left until `deadline`, for poll (never negative).
 inline int ms_until(tcp_clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - tcp_clock::now()).count();
