@@ -16,6 +16,11 @@
 #include <thread>
 #include <vector>
 
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "../support/comm_conformance.hpp"
 
 using namespace shardlib;
@@ -186,6 +191,47 @@ TEST_CASE("a store nobody serves is an error naming its address, not a hang", "[
   }
   CHECK_THROWS_WITH(TcpStore("127.0.0.1", port, 1, 2, false, 0.3s),
                     Catch::Contains("rank 1: the store: cannot connect to 127.0.0.1:" + std::to_string(port)));
+}
+
+TEST_CASE("connecting to a listener that never answers ends at the timeout", "[launch][store]") {
+  // A listener whose accept queue is full drops new SYNs: a blocking connect would
+  // wait out the kernel's retries (about two minutes).
+  auto listener = comm::detail::listen_on(0, "test");
+  REQUIRE(::listen(listener.get(), 0) == 0);
+  const std::uint16_t port = comm::detail::bound_port(listener);
+  std::vector<comm::detail::socket_fd> queued;
+  for (int i = 0; i < 4; ++i) {
+    queued.emplace_back(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    ::connect(queued.back().get(), reinterpret_cast<sockaddr*>(&a), sizeof a);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(TcpStore("127.0.0.1", port, 1, 2, false, 0.5s),
+                    Catch::Contains("rank 1: the store: cannot connect to 127.0.0.1:" + std::to_string(port)));
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+}
+
+TEST_CASE("accepting goes on while the process is out of file descriptors for a moment", "[launch][socket]") {
+  auto listener = comm::detail::listen_on(0, "test");
+  auto client = comm::detail::connect_to("127.0.0.1", comm::detail::bound_port(listener),
+                                         comm::detail::deadline_after(5s), "test");
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+  const int lowest_free = ::dup(listener.get());
+  ::close(lowest_free);
+  rlimit none = saved;
+  none.rlim_cur = rlim_t(lowest_free);  // the accepted socket would need a descriptor past it
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &none) == 0);
+  std::thread restore([&] {
+    std::this_thread::sleep_for(200ms);
+    ::setrlimit(RLIMIT_NOFILE, &saved);
+  });
+  const auto accepted = comm::detail::accept_until(listener, comm::detail::deadline_after(10s));
+  restore.join();
+  CHECK(bool(accepted));
 }
 
 TEST_CASE("SocketComm passes the conformance suite", "[launch][socket]") {
