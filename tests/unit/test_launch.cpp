@@ -171,6 +171,29 @@ TEST_CASE("the store sets, gets, adds, checks and holds a barrier", "[launch][st
   for (auto& e : errors) CHECK(e == "");
 }
 
+TEST_CASE("the store hangs up on a malformed request and goes on serving the others", "[launch][store]") {
+  comm::store_server server(0, 1, 1s);
+  TcpStore good("127.0.0.1", server.port(), 0, 1, false, 20s);
+  // A set whose key is longer than the store takes, and a get of more keys than it
+  // takes, neither followed by what it announces: the server must not wait for it.
+  for (const auto& [op, count] : {std::pair{comm::detail::store_op::set, comm::detail::longest_store_string + 1},
+                                  std::pair{comm::detail::store_op::get, comm::detail::most_store_keys + 1}}) {
+    INFO("store_op " << int(op));
+    auto raw = comm::detail::connect_to("127.0.0.1", server.port(), comm::detail::deadline_after(5s), "test");
+    std::string request(1, char(op));
+    request.append(reinterpret_cast<const char*>(&count), sizeof count);
+    const auto deadline = comm::detail::deadline_after(5s);
+    REQUIRE(comm::detail::send_all(raw.get(), request.data(), request.size(), deadline) ==
+            comm::detail::io_status::done);
+    char reply = 0;
+    CHECK(comm::detail::recv_all(raw.get(), &reply, 1, deadline) == comm::detail::io_status::closed);
+    good.set("after", std::to_string(int(op)));
+    CHECK(good.get("after") == std::to_string(int(op)));
+  }
+  CHECK_THROWS_WITH(good.set("big", std::string(std::size_t(comm::detail::longest_store_string) + 1, 'x')),
+                    Catch::Contains("rank 0: setting 'big' in the store: keys and values may have up to"));
+}
+
 TEST_CASE("a store wait that outlasts its timeout names the key and the ranks that never came", "[launch][store]") {
   comm::store_server server(0, 3);
   TcpStore s("127.0.0.1", server.port(), 0, 3, false, 0.3s);
