@@ -187,6 +187,20 @@ TEST_CASE("an asynchronous collective's error surfaces on wait()", "[comm][threa
   for (auto& e : errors) CHECK_THAT(e, Catch::Contains("ranks disagree"));
 }
 
+TEST_CASE("an invalid reduction names the rank and the collective", "[comm][thread][misuse]") {
+  std::vector<std::string> errors(2);
+  comm::launch(2, [&](ThreadComm& c) {
+    std::vector<int> x(4);
+    try {
+      c.all_reduce(std::span<int>(x), reduce_op::avg);
+    } catch (const comm_error& e) {
+      errors[c.rank()] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r)
+    CHECK(errors[r] == cat("rank ", r, ": all_reduce: avg needs a floating element type, got I32"));
+}
+
 TEST_CASE("an asynchronous collective outlives the handle that issued it", "[comm][thread][async]") {
   // Rank 0 issues its part only once the others have dropped their handles, so their
   // jobs, waiting for it, finish after the handle is gone: rank 1's was a temporary

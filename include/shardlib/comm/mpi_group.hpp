@@ -118,7 +118,7 @@ class mpi_group {
                            " elements per rank over ", size_, " ranks needs a send buffer of ", n * size_, ", got ",
                            send.size());
     });
-    check_reducible(op, dtype_of<T>);
+    check_reducible(op, dtype_of<T>, rank_, "reduce_scatter");
     if (use_shm()) return shm_reduce_scatter(send.data(), recv.data(), n, op, sig);
     // MPI may not alias its buffers: an in-place call (recv is send's own slice) goes through scratch.
     const bool in_place = n > 0 && recv.data() == send.data() + rank_ * n;
@@ -139,7 +139,7 @@ class mpi_group {
       require<shape_error>(recv.size() == n, "rank ", rank_, ": all_reduce of ", n,
                            " elements needs a receive buffer of the same size, got ", recv.size());
     });
-    check_reducible(op, dtype_of<T>);
+    check_reducible(op, dtype_of<T>, rank_, "all_reduce");
     if (use_shm()) return shm_all_reduce(send.data(), recv.data(), n, op, sig);
     const void* src = send.data() == recv.data() ? MPI_IN_PLACE : send.data();
     check(MPI_Allreduce(src, recv.data(), mpi_count(n, sig), mpi_type<T>(), mpi_op<T>(op, rank_), comm_.c),

@@ -213,7 +213,7 @@ class SocketComm {
     g.begin(sig, detail::invalid_call([&] {
       require<shape_error>(send.size() == n * w, "rank ", me, ": reduce_scatter to ", n, " elements per rank over ", w,
                            " ranks needs a send buffer of ", n * w, ", got ", send.size());
-      check_reducible(op, dtype_of<T>);
+      check_reducible(op, dtype_of<T>, me, "reduce_scatter");
     }));
     reduce_ranges(g, send.data(), recv.data(), [n](int r) { return std::pair{n * r, n * (r + 1)}; }, op, sig);
   }
@@ -251,7 +251,7 @@ class SocketComm {
     g.begin(sig, detail::invalid_call([&] {
       require<shape_error>(recv.size() == n, "rank ", me, ": all_reduce of ", n,
                            " elements needs a receive buffer of the same size, got ", recv.size());
-      check_reducible(op, dtype_of<T>);
+      check_reducible(op, dtype_of<T>, me, "all_reduce");
     }));
     auto range = [n, w](int r) { return std::pair{n * r / w, n * (r + 1) / w}; };
     const auto [lo, hi] = range(me);

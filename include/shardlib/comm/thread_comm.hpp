@@ -301,7 +301,7 @@ class ThreadComm {
                      require<shape_error>(send.size() == n * size(), "rank ", rank_, ": reduce_scatter to ", n,
                                           " elements per rank over ", size(), " ranks needs a send buffer of ",
                                           n * size(), ", got ", send.size());
-                     check_reducible(op, dtype_of<T>);
+                     check_reducible(op, dtype_of<T>, rank_, "reduce_scatter");
                    }));
     for (int r = 0; r < size(); ++r) srcs[r] = static_cast<const T*>(peers()[r].send) + rank_ * n;
     reduce_into(recv.data(), std::span<const T* const>(srcs), n, op);
@@ -318,7 +318,7 @@ class ThreadComm {
                    detail::invalid_call([&] {
                      require<shape_error>(recv.size() == n, "rank ", rank_, ": all_reduce of ", n,
                                           " elements needs a receive buffer of the same size, got ", recv.size());
-                     check_reducible(op, dtype_of<T>);
+                     check_reducible(op, dtype_of<T>, rank_, "all_reduce");
                    }));
     auto range = [&](int r) { return std::pair{n * r / size(), n * (r + 1) / size()}; };
     auto [lo, hi] = range(rank_);
