@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <latch>
 #include <limits>
 #include <map>
 #include <string>
@@ -247,13 +248,17 @@ TEST_CASE("accepting goes on while the process is out of file descriptors for a 
   ::close(lowest_free);
   rlimit none = saved;
   none.rlim_cur = rlim_t(lowest_free);  // the accepted socket would need a descriptor past it
-  REQUIRE(::setrlimit(RLIMIT_NOFILE, &none) == 0);
-  std::thread restore([&] {
+  std::latch lowered(1);
+  std::thread restore([&] {  // started first: the sanitizers' runtime needs descriptors to start a thread
+    lowered.wait();
     std::this_thread::sleep_for(200ms);
     ::setrlimit(RLIMIT_NOFILE, &saved);
   });
+  const bool limited = ::setrlimit(RLIMIT_NOFILE, &none) == 0;
+  lowered.count_down();
   const auto accepted = comm::detail::accept_until(listener, comm::detail::deadline_after(10s));
   restore.join();
+  REQUIRE(limited);
   CHECK(bool(accepted));
 }
 
