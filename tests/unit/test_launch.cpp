@@ -10,10 +10,17 @@
 
 #include <atomic>
 #include <chrono>
+#include <latch>
+#include <limits>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "../support/comm_conformance.hpp"
 
@@ -165,6 +172,29 @@ TEST_CASE("the store sets, gets, adds, checks and holds a barrier", "[launch][st
   for (auto& e : errors) CHECK(e == "");
 }
 
+TEST_CASE("the store hangs up on a malformed request and goes on serving the others", "[launch][store]") {
+  comm::store_server server(0, 1, 1s);
+  TcpStore good("127.0.0.1", server.port(), 0, 1, false, 20s);
+  // A set whose key is longer than the store takes, and a get of more keys than it
+  // takes, neither followed by what it announces: the server must not wait for it.
+  for (const auto& [op, count] : {std::pair{comm::detail::store_op::set, comm::detail::longest_store_string + 1},
+                                  std::pair{comm::detail::store_op::get, comm::detail::most_store_keys + 1}}) {
+    INFO("store_op " << int(op));
+    auto raw = comm::detail::connect_to("127.0.0.1", server.port(), comm::detail::deadline_after(5s), "test");
+    std::string request(1, char(op));
+    request.append(reinterpret_cast<const char*>(&count), sizeof count);
+    const auto deadline = comm::detail::deadline_after(5s);
+    REQUIRE(comm::detail::send_all(raw.get(), request.data(), request.size(), deadline) ==
+            comm::detail::io_status::done);
+    char reply = 0;
+    CHECK(comm::detail::recv_all(raw.get(), &reply, 1, deadline) == comm::detail::io_status::closed);
+    good.set("after", std::to_string(int(op)));
+    CHECK(good.get("after") == std::to_string(int(op)));
+  }
+  CHECK_THROWS_WITH(good.set("big", std::string(std::size_t(comm::detail::longest_store_string) + 1, 'x')),
+                    Catch::Contains("rank 0: setting 'big' in the store: keys and values may have up to"));
+}
+
 TEST_CASE("a store wait that outlasts its timeout names the key and the ranks that never came", "[launch][store]") {
   comm::store_server server(0, 3);
   TcpStore s("127.0.0.1", server.port(), 0, 3, false, 0.3s);
@@ -185,6 +215,51 @@ TEST_CASE("a store nobody serves is an error naming its address, not a hang", "[
   }
   CHECK_THROWS_WITH(TcpStore("127.0.0.1", port, 1, 2, false, 0.3s),
                     Catch::Contains("rank 1: the store: cannot connect to 127.0.0.1:" + std::to_string(port)));
+}
+
+TEST_CASE("connecting to a listener that never answers ends at the timeout", "[launch][store]") {
+  // A listener whose accept queue is full drops new SYNs: a blocking connect would
+  // wait out the kernel's retries (about two minutes).
+  auto listener = comm::detail::listen_on(0, "test");
+  REQUIRE(::listen(listener.get(), 0) == 0);
+  const std::uint16_t port = comm::detail::bound_port(listener);
+  std::vector<comm::detail::socket_fd> queued;
+  for (int i = 0; i < 4; ++i) {
+    queued.emplace_back(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    ::connect(queued.back().get(), reinterpret_cast<sockaddr*>(&a), sizeof a);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(TcpStore("127.0.0.1", port, 1, 2, false, 0.5s),
+                    Catch::Contains("rank 1: the store: cannot connect to 127.0.0.1:" + std::to_string(port)));
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+}
+
+TEST_CASE("accepting goes on while the process is out of file descriptors for a moment", "[launch][socket]") {
+  auto listener = comm::detail::listen_on(0, "test");
+  auto client = comm::detail::connect_to("127.0.0.1", comm::detail::bound_port(listener),
+                                         comm::detail::deadline_after(5s), "test");
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+  const int lowest_free = ::dup(listener.get());
+  ::close(lowest_free);
+  rlimit none = saved;
+  none.rlim_cur = rlim_t(lowest_free);  // the accepted socket would need a descriptor past it
+  std::latch lowered(1);
+  std::thread restore([&] {  // started first: the sanitizers' runtime needs descriptors to start a thread
+    lowered.wait();
+    std::this_thread::sleep_for(200ms);
+    ::setrlimit(RLIMIT_NOFILE, &saved);
+  });
+  const bool limited = ::setrlimit(RLIMIT_NOFILE, &none) == 0;
+  lowered.count_down();
+  const auto accepted = comm::detail::accept_until(listener, comm::detail::deadline_after(10s));
+  restore.join();
+  REQUIRE(limited);
+  CHECK(bool(accepted));
 }
 
 TEST_CASE("SocketComm passes the conformance suite", "[launch][socket]") {
@@ -218,6 +293,63 @@ TEST_CASE("SocketComm ranks that disagree about a collective raise the same erro
     CHECK(errors[r].empty());
     CHECK_THAT(caught[r], Catch::Contains("rank " + std::to_string(r) + ": ranks disagree") &&
                               Catch::Contains("rank 0 called all_gather(4 x F32), rank 1 called all_gather(5 x F32)"));
+  }
+}
+
+TEST_CASE("an infinite or huge timeout means no limit, not a deadline already past", "[launch][socket][store]") {
+  for (const double limit : {std::numeric_limits<double>::infinity(), 1e300}) {
+    INFO("timeout " << limit << " s");
+    std::vector<float> sums(2);
+    const auto errors = socket_ranks(
+        2,
+        [&](SocketComm& c) {
+          float x = float(c.rank() + 1);
+          c.all_reduce(std::span<float>(&x, 1), reduce_op::sum);
+          sums[c.rank()] = x;
+        },
+        {.timeout = comm::seconds(limit)}, comm::seconds(limit));
+    for (int r = 0; r < 2; ++r) {
+      CHECK(errors[r].empty());
+      CHECK(sums[r] == 3.f);
+    }
+  }
+}
+
+TEST_CASE("SocketComm: a rank's invalid arguments make every rank raise at once, and the ranks go on in step",
+          "[launch][socket]") {
+  std::vector<std::string> caught(3);
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = socket_ranks(
+      3,
+      [&](SocketComm& c) {
+        const int r = c.rank();
+        std::vector<float> x(4, float(r)), out(r == 1 ? 3 : 4);
+        try {
+          c.all_reduce(std::span<const float>(x), std::span<float>(out), reduce_op::sum);
+        } catch (const error& e) {
+          caught[r] = e.what();
+        }
+        try {
+          c.broadcast(std::span<float>(x), r == 2 ? 3 : 0);
+        } catch (const error& e) {
+          caught[r] += std::string(" | ") + e.what();
+        }
+        c.all_reduce(std::span<float>(x), reduce_op::sum);  // pairs with the others' all_reduce
+        require<error>(x[0] == 3.f, "rank ", r, ": all_reduce after the invalid calls gave ", x[0]);
+      },
+      {.timeout = 60s});
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  const std::string reduce = "rank 1: all_reduce of 4 elements needs a receive buffer of the same size, got 3";
+  for (int r = 0; r < 3; ++r) {
+    INFO("rank " << r);
+    CHECK(errors[r].empty());
+    CHECK_THAT(caught[r], Catch::StartsWith(r == 1 ? reduce
+                                                   : cat("rank ", r, ": all_reduce(4 x F32, sum) abandoned: rank 1 passed "
+                                                         "invalid arguments to all_reduce(4 x F32, sum) (", reduce, ")")));
+    CHECK_THAT(caught[r], Catch::EndsWith(r == 2 ? std::string("| rank 2: broadcast root 3 is not a rank of 3")
+                                                 : cat("| rank ", r, ": broadcast(4 x F32, root 0) abandoned: rank 2 "
+                                                       "passed invalid arguments to broadcast(4 x F32, root 3) (rank 2: "
+                                                       "broadcast root 3 is not a rank of 3)")));
   }
 }
 

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <latch>
 #include <string>
 #include <vector>
 
@@ -126,6 +127,39 @@ TEST_CASE("ranks that disagree about a collective raise on every rank", "[comm][
   }
 }
 
+TEST_CASE("a rank's invalid arguments make every rank raise at once, and the ranks go on in step",
+          "[comm][thread][misuse]") {
+  std::vector<std::string> errors(3);
+  std::vector<float> sums(3);
+  comm::launch(3, [&](ThreadComm& c) {
+    const int r = c.rank();
+    std::vector<float> one{1.f}, all(r == 1 ? 2 : 3);
+    try {
+      c.all_gather(std::span<const float>(one), std::span<float>(all));
+    } catch (const error& e) {
+      errors[r] = e.what();
+    }
+    try {
+      c.split(r == 2 ? -1 : 0, r);
+    } catch (const error& e) {
+      errors[r] += std::string(" | ") + e.what();
+    }
+    float x = float(r + 1);
+    c.all_reduce(std::span<float>(&x, 1), reduce_op::sum);  // pairs with the others' all_reduce
+    sums[r] = x;
+  });
+  CHECK(sums == std::vector<float>{6.f, 6.f, 6.f});
+  const std::string gather = "all_gather of 1 elements per rank over 3 ranks needs a receive buffer of 3, got 2";
+  CHECK_THAT(errors[1], Catch::StartsWith("rank 1: " + gather) &&
+                            Catch::Contains("split abandoned: rank 2 passed invalid arguments to split"));
+  CHECK_THAT(errors[2], Catch::Contains("all_gather(1 x F32) abandoned: rank 1 passed invalid arguments") &&
+                            Catch::EndsWith("| rank 2: split color must be >= 0, got -1"));
+  CHECK_THAT(errors[0], Catch::StartsWith("rank 0: all_gather(1 x F32) abandoned: rank 1 passed invalid arguments to "
+                                          "all_gather(1 x F32) (rank 1: " + gather + ")") &&
+                            Catch::EndsWith("| rank 0: split abandoned: rank 2 passed invalid arguments to split "
+                                            "(rank 2: split color must be >= 0, got -1)"));
+}
+
 TEST_CASE("asynchronous collectives run in issue order on the rank's worker", "[comm][thread][async]") {
   std::vector<int> ok(3, 0);
   comm::launch(3, [&](ThreadComm& c) {
@@ -151,6 +185,50 @@ TEST_CASE("an asynchronous collective's error surfaces on wait()", "[comm][threa
     }
   });
   for (auto& e : errors) CHECK_THAT(e, Catch::Contains("ranks disagree"));
+}
+
+TEST_CASE("an invalid reduction names the rank and the collective", "[comm][thread][misuse]") {
+  std::vector<std::string> errors(2);
+  comm::launch(2, [&](ThreadComm& c) {
+    std::vector<int> x(4);
+    try {
+      c.all_reduce(std::span<int>(x), reduce_op::avg);
+    } catch (const comm_error& e) {
+      errors[c.rank()] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r)
+    CHECK(errors[r] == cat("rank ", r, ": all_reduce: avg needs a floating element type, got I32"));
+}
+
+TEST_CASE("an asynchronous collective outlives the handle that issued it", "[comm][thread][async]") {
+  // Rank 0 issues its part only once the others have dropped their handles, so their
+  // jobs, waiting for it, finish after the handle is gone: rank 1's was a temporary
+  // (ASan sees a use after scope), rank 2's was moved from.
+  std::latch dropped(2);
+  std::vector<std::vector<float>> gathered(3, std::vector<float>(3, -1.f));
+  comm::launch(3, [&](ThreadComm& c) {
+    const int r = c.rank();
+    std::vector<float> mine{float(r)};
+    std::span<const float> send(mine);
+    std::span<float> recv(gathered[r]);
+    comm::work w;
+    if (r == 1) {
+      w = c.split(0, r).all_gather_async(send, recv);
+      dropped.count_down();
+    } else if (r == 2) {
+      ThreadComm h = c.split(0, r);
+      w = h.all_gather_async(send, recv);
+      ThreadComm moved = std::move(h);
+      dropped.count_down();
+    } else {
+      ThreadComm h = c.split(0, r);
+      dropped.wait();
+      w = h.all_gather_async(send, recv);
+    }
+    w.wait();
+  });
+  for (auto& g : gathered) CHECK(g == std::vector<float>{0.f, 1.f, 2.f});
 }
 
 TEST_CASE("each rank has its own ledger, including its communication worker", "[comm][thread][ledger]") {

@@ -118,7 +118,7 @@ class mpi_group {
                            " elements per rank over ", size_, " ranks needs a send buffer of ", n * size_, ", got ",
                            send.size());
     });
-    check_reducible(op, dtype_of<T>);
+    check_reducible(op, dtype_of<T>, rank_, "reduce_scatter");
     if (use_shm()) return shm_reduce_scatter(send.data(), recv.data(), n, op, sig);
     // MPI may not alias its buffers: an in-place call (recv is send's own slice) goes through scratch.
     const bool in_place = n > 0 && recv.data() == send.data() + rank_ * n;
@@ -139,7 +139,7 @@ class mpi_group {
       require<shape_error>(recv.size() == n, "rank ", rank_, ": all_reduce of ", n,
                            " elements needs a receive buffer of the same size, got ", recv.size());
     });
-    check_reducible(op, dtype_of<T>);
+    check_reducible(op, dtype_of<T>, rank_, "all_reduce");
     if (use_shm()) return shm_all_reduce(send.data(), recv.data(), n, op, sig);
     const void* src = send.data() == recv.data() ? MPI_IN_PLACE : send.data();
     check(MPI_Allreduce(src, recv.data(), mpi_count(n, sig), mpi_type<T>(), mpi_op<T>(op, rank_), comm_.c),
@@ -218,12 +218,7 @@ class mpi_group {
   // left the group instead (see leave()).
   template <class Validate>
   void agree(const signature& sig, Validate&& validate) {
-    std::exception_ptr invalid;
-    try {
-      validate();
-    } catch (...) {
-      invalid = std::current_exception();
-    }
+    const std::exception_ptr invalid = invalid_call(validate);
     if (!opts_.check) {
       if (invalid) std::rethrow_exception(invalid);
       return;
@@ -236,8 +231,7 @@ class mpi_group {
     if (!departure_.empty()) abandon(sig);
     for (int r = 0; r < size_; ++r)
       if (arrival_of(all[r]) == arrival::invalid)
-        throw comm_aborted(cat("rank ", rank_, ": ", describe(sig), " abandoned: rank ", r,
-                               " passed invalid arguments to ", describe(signature_of(all[r]))));
+        throw invalid_elsewhere(rank_, sig, r, signature_of(all[r]));
     for (int r = 1; r < size_; ++r)
       if (!(signature_of(all[r]) == signature_of(all[0])))
         throw disagreement(rank_, signature_of(all[0]), r, signature_of(all[r]));

@@ -8,6 +8,8 @@
 #include <algorithm>    // std::min
 #include <cstddef>      // std::size_t
 #include <span>         // std::span
+#include <string>       // std::string
+#include <string_view>  // std::string_view
 #include <type_traits>  // std::conditional_t
 
 namespace shardlib::comm {
@@ -17,10 +19,13 @@ namespace shardlib::comm {
 template <class T>
 using accumulator_t = std::conditional_t<std::is_same_v<T, bfloat16> || std::is_same_v<T, half>, float, T>;
 
-inline void check_reducible(reduce_op op, dtype t) {
-  bool floating = t == dtype::f64 || t == dtype::f32 || t == dtype::f16 || t == dtype::bf16;
-  require<comm_error>(t != dtype::boolean, "reduce: ", name(op), " is not defined for BOOL");
-  require<comm_error>(op != reduce_op::avg || floating, "reduce: avg needs a floating element type, got ", name(t));
+// The error names the rank and its call where given.
+inline void check_reducible(reduce_op op, dtype t, int rank = -1, std::string_view call = "reduce") {
+  const bool floating = t == dtype::f64 || t == dtype::f32 || t == dtype::f16 || t == dtype::bf16;
+  if (t != dtype::boolean && (op != reduce_op::avg || floating)) return;  // no message built on the common path
+  const std::string who = rank >= 0 ? cat("rank ", rank, ": ", call) : std::string(call);
+  if (t == dtype::boolean) throw comm_error(cat(who, ": ", name(op), " is not defined for BOOL"));
+  throw comm_error(cat(who, ": avg needs a floating element type, got ", name(t)));
 }
 
 // dst[i] = op(srcs[0][i], srcs[1][i], ..., srcs[W-1][i]), combining the sources in

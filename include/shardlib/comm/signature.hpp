@@ -7,6 +7,7 @@
 #include "shardlib/core/error.hpp"
 
 #include <cstddef>      // std::size_t
+#include <exception>    // std::exception_ptr
 #include <string>       // std::string
 #include <string_view>  // std::string_view
 
@@ -42,6 +43,38 @@ inline std::string describe(const signature& s) {
 inline comm_error disagreement(int rank, const signature& first, int other, const signature& theirs) {
   return comm_error(cat("rank ", rank, ": ranks disagree about a collective: rank 0 called ", describe(first),
                         ", rank ", other, " called ", describe(theirs)));
+}
+
+// What a rank's checks of its own arguments threw, or null. A rank whose call is
+// invalid still posts it (marked invalid) to the agreement, so that every rank
+// raises at once and the ranks' next calls pair up as before.
+template <class Validate>
+std::exception_ptr invalid_call(Validate&& validate) {
+  try {
+    validate();
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+inline std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+// The error every other rank raises when rank `other` posted `theirs` marked invalid;
+// `why` is its error, where the backend carries it.
+inline comm_aborted invalid_elsewhere(int rank, const signature& mine, int other, const signature& theirs,
+                                      std::string_view why = {}) {
+  return comm_aborted(cat("rank ", rank, ": ", describe(mine), " abandoned: rank ", other,
+                          " passed invalid arguments to ", describe(theirs), why.empty() ? "" : " (", why,
+                          why.empty() ? "" : ")"));
 }
 
 }  // namespace shardlib::comm::detail

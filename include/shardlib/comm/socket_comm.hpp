@@ -64,8 +64,7 @@ class SocketComm {
     std::vector<std::string> keys;
     for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
     mesh->addresses = store.get(keys);
-    const auto deadline = detail::tcp_clock::now() +
-                          std::chrono::duration_cast<detail::tcp_clock::duration>(store.timeout());
+    const auto deadline = detail::deadline_after(store.timeout());
     const std::int64_t hello[2] = {std::int64_t(tag), rank};
     for (int p = 0; p < rank; ++p) {
       const std::string& a = mesh->addresses[p];
@@ -158,9 +157,10 @@ class SocketComm {
   // Ranks with the same color form a new communicator over the same connections,
   // ordered by key, then by rank here. Every rank must call it; color must be >= 0.
   SocketComm split(int color, int key) {
-    require<comm_error>(color >= 0, "rank ", rank(), ": split color must be >= 0, got ", color);
     exec_->drain();
-    const auto frames = g_->begin({detail::op_kind::split}, color, key);
+    const auto invalid = detail::invalid_call(
+        [&] { require<comm_error>(color >= 0, "rank ", rank(), ": split color must be >= 0, got ", color); });
+    const auto frames = g_->begin({detail::op_kind::split}, invalid, color, key);
     std::vector<int> chosen;  // group ranks of this color, in new-rank order
     for (int r = 0; r < size(); ++r)
       if (frames[r].color == color) chosen.push_back(r);
@@ -190,10 +190,11 @@ class SocketComm {
   static void all_gather_on(detail::socket_group& g, std::span<const T> send, std::span<T> recv) {
     const std::size_t n = send.size();
     const int w = g.size(), me = g.rank;
-    require<shape_error>(recv.size() == n * w, "rank ", me, ": all_gather of ", n, " elements per rank over ", w,
-                         " ranks needs a receive buffer of ", n * w, ", got ", recv.size());
     const detail::signature sig{detail::op_kind::all_gather, dtype_of<T>, n};
-    g.begin(sig);
+    g.begin(sig, detail::invalid_call([&] {
+      require<shape_error>(recv.size() == n * w, "rank ", me, ": all_gather of ", n, " elements per rank over ", w,
+                           " ranks needs a receive buffer of ", n * w, ", got ", recv.size());
+    }));
     std::vector<detail::part> sends, recvs;
     for (int p = 0; p < w; ++p)
       if (p != me) {
@@ -208,11 +209,12 @@ class SocketComm {
   static void reduce_scatter_on(detail::socket_group& g, std::span<const T> send, std::span<T> recv, reduce_op op) {
     const std::size_t n = recv.size();
     const int w = g.size(), me = g.rank;
-    require<shape_error>(send.size() == n * w, "rank ", me, ": reduce_scatter to ", n, " elements per rank over ", w,
-                         " ranks needs a send buffer of ", n * w, ", got ", send.size());
-    check_reducible(op, dtype_of<T>);
     const detail::signature sig{detail::op_kind::reduce_scatter, dtype_of<T>, n, op};
-    g.begin(sig);
+    g.begin(sig, detail::invalid_call([&] {
+      require<shape_error>(send.size() == n * w, "rank ", me, ": reduce_scatter to ", n, " elements per rank over ", w,
+                           " ranks needs a send buffer of ", n * w, ", got ", send.size());
+      check_reducible(op, dtype_of<T>, me, "reduce_scatter");
+    }));
     reduce_ranges(g, send.data(), recv.data(), [n](int r) { return std::pair{n * r, n * (r + 1)}; }, op, sig);
   }
 
@@ -245,11 +247,12 @@ class SocketComm {
   static void all_reduce_on(detail::socket_group& g, std::span<const T> send, std::span<T> recv, reduce_op op) {
     const std::size_t n = send.size();
     const int w = g.size(), me = g.rank;
-    require<shape_error>(recv.size() == n, "rank ", me, ": all_reduce of ", n,
-                         " elements needs a receive buffer of the same size, got ", recv.size());
-    check_reducible(op, dtype_of<T>);
     const detail::signature sig{detail::op_kind::all_reduce, dtype_of<T>, n, op};
-    g.begin(sig);
+    g.begin(sig, detail::invalid_call([&] {
+      require<shape_error>(recv.size() == n, "rank ", me, ": all_reduce of ", n,
+                           " elements needs a receive buffer of the same size, got ", recv.size());
+      check_reducible(op, dtype_of<T>, me, "all_reduce");
+    }));
     auto range = [n, w](int r) { return std::pair{n * r / w, n * (r + 1) / w}; };
     const auto [lo, hi] = range(me);
     reduce_ranges(g, send.data(), recv.data() + lo, range, op, sig);
@@ -265,10 +268,11 @@ class SocketComm {
 
   template <class T>
   static void broadcast_on(detail::socket_group& g, std::span<T> data, int root) {
-    require<comm_error>(root >= 0 && root < g.size(), "rank ", g.rank, ": broadcast root ", root, " is not a rank of ",
-                        g.size());
     const detail::signature sig{detail::op_kind::broadcast, dtype_of<T>, data.size(), reduce_op::sum, root};
-    g.begin(sig);
+    g.begin(sig, detail::invalid_call([&] {
+      require<comm_error>(root >= 0 && root < g.size(), "rank ", g.rank, ": broadcast root ", root,
+                          " is not a rank of ", g.size());
+    }));
     std::vector<detail::part> sends, recvs;
     if (g.rank == root) {
       for (int p = 0; p < g.size(); ++p)

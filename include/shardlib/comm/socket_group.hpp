@@ -13,11 +13,12 @@
 #include "shardlib/core/element.hpp"
 #include "shardlib/core/error.hpp"
 
-#include <algorithm>  // std::stable_sort, std::find
+#include <algorithm>  // std::any_of, std::min, std::stable_sort, std::find
 #include <chrono>     // std::chrono
 #include <cstddef>    // std::size_t, std::byte
 #include <cstdint>    // std::uint64_t, std::int32_t
 #include <cstring>    // std::memcpy
+#include <exception>  // std::exception_ptr, std::rethrow_exception
 #include <functional> // std::hash
 #include <memory>     // std::shared_ptr
 #include <optional>   // std::optional
@@ -30,7 +31,7 @@ namespace shardlib::comm {
 struct socket_options {
   // How long a collective may go without any byte from a peer it waits for before
   // it raises comm_error naming that peer. Unset: SHARDLIB_COMM_TIMEOUT (seconds)
-  // when set, else default_comm_timeout (600 s); zero: no limit.
+  // when set, else default_comm_timeout (600 s); zero or infinite: no limit.
   std::optional<seconds> timeout = std::nullopt;
 };
 
@@ -47,7 +48,10 @@ struct frame {
   std::uint64_t count = 0;
   std::int32_t kind = 0, type = 0, op = 0, root = 0;
   std::int32_t color = 0, key = 0;  // split
+  std::uint32_t invalid = 0;        // bytes of why this rank's arguments are wrong, sent after the frames; 0: right
 };
+
+inline constexpr std::size_t longest_invalid_reason = 4096;
 
 inline std::uint64_t mix(std::uint64_t x) {  // splitmix64's finaliser
   x += 0x9e3779b97f4a7c15ull;
@@ -126,8 +130,7 @@ struct socket_group {
       if (p.len) to[p.peer].push_back(&p);
     for (auto& p : recvs)
       if (p.len) from[p.peer].push_back(&p);
-    const bool limited = mesh->timeout.count() > 0;
-    const auto limit = std::chrono::duration_cast<tcp_clock::duration>(limited ? mesh->timeout : seconds(1e6));
+    const auto limit = wait_of(mesh->timeout.count() > 0 ? mesh->timeout : seconds::max());
     auto deadline = tcp_clock::now() + limit;
     std::vector<pollfd> polls;
     std::vector<int> polled;  // group rank of each pollfd
@@ -215,9 +218,11 @@ struct socket_group {
   }
 
   // Every rank sends its frame to every other and checks theirs; returns them by
-  // group rank. All ranks see the same frames, so a disagreement raises the same
-  // error everywhere, before any payload moves.
-  std::vector<frame> begin(const signature& sig, int color = 0, int key = 0) {
+  // group rank. All ranks see the same frames, so a disagreement, or a rank's
+  // `invalid` arguments (their error follows the frames), raises everywhere, before
+  // any payload moves.
+  std::vector<frame> begin(const signature& sig, const std::exception_ptr& invalid = nullptr, int color = 0,
+                           int key = 0) {
     require<comm_error>(mesh->broken.empty(), "rank ", rank, ": ", describe(sig),
                         ": the communicator failed earlier and cannot be used: ", mesh->broken);
     ++seq;
@@ -228,6 +233,9 @@ struct socket_group {
     mine.count = sig.count;
     mine.kind = int(sig.kind), mine.type = int(sig.type), mine.op = int(sig.op), mine.root = sig.root;
     mine.color = color, mine.key = key;
+    std::string why = invalid ? what_of(invalid).substr(0, longest_invalid_reason) : std::string();
+    if (invalid && why.empty()) why = "no reason given";
+    mine.invalid = std::uint32_t(why.size());
     std::vector<part> sends, recvs;
     for (int p = 0; p < size(); ++p)
       if (p != rank) {
@@ -243,6 +251,20 @@ struct socket_group {
     auto sig_of = [](const frame& f) {
       return signature{op_kind(f.kind), dtype(f.type), std::size_t(f.count), reduce_op(f.op), f.root};
     };
+    if (std::any_of(frames.begin(), frames.end(), [](const frame& f) { return f.invalid > 0; })) {
+      std::vector<std::string> reasons(size());
+      sends.clear(), recvs.clear();
+      for (int p = 0; p < size(); ++p) {
+        if (p == rank) continue;
+        if (mine.invalid) sends.push_back({p, reinterpret_cast<const std::byte*>(why.data()), nullptr, mine.invalid});
+        reasons[p].resize(std::min<std::size_t>(frames[p].invalid, longest_invalid_reason));
+        recvs.push_back({p, nullptr, reinterpret_cast<std::byte*>(reasons[p].data()), reasons[p].size()});
+      }
+      exchange(std::move(sends), std::move(recvs), sig);
+      if (invalid) std::rethrow_exception(invalid);
+      for (int p = 0; p < size(); ++p)
+        if (frames[p].invalid) throw invalid_elsewhere(rank, sig, p, sig_of(frames[p]), reasons[p]);
+    }
     for (int p = 1; p < size(); ++p)
       if (!(sig_of(frames[p]) == sig_of(frames[0])))  // every rank raises it; the streams still line up
         throw disagreement(rank, sig_of(frames[0]), p, sig_of(frames[p]));

@@ -10,6 +10,7 @@
 #include <chrono>              // std::chrono
 #include <condition_variable>  // std::condition_variable
 #include <cstdint>             // std::int64_t, std::uint8_t, std::uint32_t
+#include <cstdio>              // std::fputs
 #include <cstring>             // std::memcpy
 #include <list>                // std::list
 #include <map>                 // std::map
@@ -28,6 +29,11 @@ using seconds = std::chrono::duration<double>;
 namespace detail {
 
 enum class store_op : std::uint8_t { hello, set, get, add, check };
+
+// The most a request may carry: the server drops a client that sends more rather
+// than allocate what a malformed length says.
+inline constexpr std::int64_t longest_store_string = std::int64_t(1) << 26;  // bytes of a key or value
+inline constexpr std::int64_t most_store_keys = std::int64_t(1) << 20;
 
 // Requests and replies: numbers as 8 raw bytes, strings and lists with a count first.
 struct wire {
@@ -60,7 +66,7 @@ struct reader {
   }
   std::string str() {
     const std::int64_t n = num();
-    if (!ok || n < 0 || n > (std::int64_t(1) << 32)) return ok = false, std::string();
+    if (!ok || n < 0 || n > longest_store_string) return ok = false, std::string();
     std::string s(std::size_t(n), '\0');
     ok = recv_all(fd, s.data(), s.size(), deadline) == io_status::done;
     return s;
@@ -68,7 +74,8 @@ struct reader {
   std::vector<std::string> strs() {
     const std::int64_t n = num();
     std::vector<std::string> v;
-    for (std::int64_t i = 0; ok && i < n && i < (1 << 20); ++i) v.push_back(str());
+    if (n < 0 || n > most_store_keys) ok = false;
+    for (std::int64_t i = 0; ok && i < n; ++i) v.push_back(str());
     return v;
   }
 };
@@ -93,7 +100,7 @@ class store_server {
   ~store_server() {
     std::unique_lock lock(m_);
     stopping_ = true;
-    cv_.wait_for(lock, linger_, [&] { return active_ == 0; });
+    cv_.wait_until(lock, detail::deadline_after(linger_), [&] { return active_ == 0; });
     closing_ = true;  // ends the gets still waiting
     cv_.notify_all();
     for (auto& c : clients_) c.fd.shutdown();
@@ -115,19 +122,34 @@ class store_server {
       std::lock_guard lock(m_);
       if (stopping_) return;
       if (!s) continue;
-      auto& c = clients_.emplace_back(client{std::move(s), {}});
-      ++active_;
-      c.thread = std::thread([this, fd = c.fd.get()] { serve(fd); });
+      try {
+        auto& c = clients_.emplace_back(client{std::move(s), {}});
+        c.thread = std::thread([this, fd = c.fd.get()] { serve(fd); });
+        ++active_;
+      } catch (const std::exception& e) {  // this client is refused; the others are still served
+        if (!clients_.empty() && !clients_.back().thread.joinable()) clients_.pop_back();
+        dropped(e);
+      }
     }
   }
 
-  // Until the client hangs up, or the destructor shuts its socket (which wakes the poll).
+  static void dropped(const std::exception& e) {
+    std::fputs(cat("store: dropped a client: ", e.what(), "\n").c_str(), stderr);
+  }
+
+  // Until the client hangs up or sends a malformed request (then it is hung up on),
+  // or the destructor shuts its socket (which wakes the poll).
   void serve(int fd) {
     int rank = -1;
-    for (;;) {
-      if (!detail::wait_for(fd, POLLIN, detail::tcp_clock::now() + std::chrono::seconds(1))) continue;
-      if (!answer(fd, rank)) break;
+    try {
+      for (;;) {
+        if (!detail::wait_for(fd, POLLIN, detail::tcp_clock::now() + std::chrono::seconds(1))) continue;
+        if (!answer(fd, rank)) break;
+      }
+    } catch (const std::exception& e) {
+      dropped(e);
     }
+    ::shutdown(fd, SHUT_RDWR);
     std::lock_guard lock(m_);
     --active_;
     cv_.notify_all();
@@ -181,7 +203,8 @@ class store_server {
         auto present = [&] {
           return std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return data_.count(k) > 0; });
         };
-        cv_.wait_for(lock, std::chrono::milliseconds(wait_ms), [&] { return present() || closing_; });
+        cv_.wait_until(lock, detail::deadline_after(std::chrono::milliseconds(wait_ms)),
+                       [&] { return present() || closing_; });
         if (detail::store_op(op) == detail::store_op::check) {
           out.num(present() ? 1 : 0);
         } else if (present()) {
@@ -221,8 +244,8 @@ class store_server {
 // A client of the store at host:port, as rank `rank` of `world_size`. Rank 0 may
 // host the store itself (host = true, port 0 for a free one), which it then serves
 // for as long as it lives. Connecting retries until `timeout`; every later wait is
-// bounded by it too, and a timeout names the key and the ranks that never
-// connected. Keys and values are byte strings. One thread uses a client at a time.
+// bounded by it too (an infinite one: no bound), and a timeout names the key and
+// the ranks that never connected. Keys and values are byte strings. One thread uses a client at a time.
 class TcpStore {
  public:
   TcpStore(std::string host, std::uint16_t port, int rank, int world_size, bool hosts, seconds timeout)
@@ -252,6 +275,9 @@ class TcpStore {
   std::string local_address() const { return detail::local_address(conn_); }
 
   void set(const std::string& key, std::string_view value) {
+    require<comm_error>(std::int64_t(std::max(key.size(), value.size())) <= detail::longest_store_string, "rank ",
+                        rank_, ": setting '", key.substr(0, 100), "' in the store: keys and values may have up to ",
+                        detail::longest_store_string, " bytes, got ", std::max(key.size(), value.size()));
     detail::wire w;
     w.str(key).str(value);
     call(detail::store_op::set, w, cat("setting '", key, "'"));
@@ -261,7 +287,7 @@ class TcpStore {
   std::string get(const std::string& key) { return get(std::vector<std::string>{key})[0]; }
   std::vector<std::string> get(const std::vector<std::string>& keys) {
     detail::wire w;
-    w.strs(keys).num(std::chrono::duration_cast<std::chrono::milliseconds>(timeout_).count());
+    w.strs(keys).num(std::chrono::duration_cast<std::chrono::milliseconds>(detail::wait_of(timeout_)).count());
     struct reply {
       bool found;
       std::vector<std::string> values, missing, absent;
@@ -320,7 +346,7 @@ class TcpStore {
 
  private:
   detail::tcp_clock::time_point deadline() const {
-    return detail::tcp_clock::now() + std::chrono::duration_cast<detail::tcp_clock::duration>(timeout_);
+    return detail::deadline_after(timeout_);
   }
 
   static std::string join(const std::vector<std::string>& v) {

@@ -29,6 +29,16 @@ using tcp_clock = std::chrono::steady_clock;
 
 inline std::string errno_text(int e) { return std::strerror(e); }
 
+// `limit` as the clock counts it. Longer than it can count (infinite, 1e300 s) is
+// ~30 years, as good as no limit; so is NaN.
+inline tcp_clock::duration wait_of(std::chrono::duration<double> limit) {
+  constexpr std::chrono::duration<double> longest = std::chrono::hours(24 * 365 * 30);
+  return std::chrono::duration_cast<tcp_clock::duration>(limit < longest ? limit : longest);
+}
+inline tcp_clock::time_point deadline_after(std::chrono::duration<double> limit) {
+  return tcp_clock::now() + wait_of(limit);
+}
+
 // Milliseconds left until `deadline`, for poll (never negative).
 inline int ms_until(tcp_clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - tcp_clock::now()).count();
@@ -104,8 +114,38 @@ inline std::string local_address(const socket_fd& s) {
   return text;
 }
 
+// Waits for `events` on fd until the deadline; false on timeout.
+inline bool wait_for(int fd, short events, tcp_clock::time_point deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    const int n = ::poll(&p, 1, ms_until(deadline));
+    if (n > 0) return true;
+    if (n == 0) return false;
+    if (errno != EINTR) return false;
+  }
+}
+
+// One attempt to connect to `to`, waiting at most until `deadline` (a blocking
+// connect would wait out the kernel's SYN retries, minutes); empty, with `last`
+// saying why, on failure. The socket is non-blocking: its users poll.
+inline socket_fd try_connect(const addrinfo& to, tcp_clock::time_point deadline, std::string& last) {
+  socket_fd s(::socket(to.ai_family, to.ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, to.ai_protocol));
+  if (!s) return last = errno_text(errno), socket_fd();
+  if (::connect(s.get(), to.ai_addr, to.ai_addrlen) != 0) {
+    if (errno != EINPROGRESS && errno != EINTR) return last = errno_text(errno), socket_fd();
+    if (!wait_for(s.get(), POLLOUT, deadline)) return last = "timed out", socket_fd();
+    int e = 0;
+    socklen_t len = sizeof e;
+    if (::getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &e, &len) != 0) e = errno;
+    if (e != 0) return last = errno_text(e), socket_fd();
+  }
+  set_nodelay(s.get());
+  return s;
+}
+
 // Connects to host:port, retrying while nobody listens there yet (the listener may
-// start later), until `deadline`. `who` opens the error message.
+// start later), until `deadline` (resolving a name is bounded by the resolver's own
+// timeout). `who` opens the error message.
 inline socket_fd connect_to(const std::string& host, std::uint16_t port, tcp_clock::time_point deadline,
                             std::string_view who) {
   addrinfo hints{};
@@ -119,14 +159,9 @@ inline socket_fd connect_to(const std::string& host, std::uint16_t port, tcp_clo
     if (rc != 0) {
       last = cat("cannot resolve ", host, ": ", ::gai_strerror(rc));
     } else {
-      socket_fd s(::socket(found->ai_family, found->ai_socktype | SOCK_CLOEXEC, found->ai_protocol));
-      const bool ok = s && ::connect(s.get(), found->ai_addr, found->ai_addrlen) == 0;
-      last = ok ? "" : errno_text(errno);
+      socket_fd s = try_connect(*found, deadline, last);
       ::freeaddrinfo(found);
-      if (ok) {
-        set_nodelay(s.get());
-        return s;
-      }
+      if (s) return s;
     }
     require<comm_error>(tcp_clock::now() + pause < deadline, who, ": cannot connect to ", host, ":", port,
                         " (last error: ", last, ")");
@@ -135,23 +170,25 @@ inline socket_fd connect_to(const std::string& host, std::uint16_t port, tcp_clo
   }
 }
 
-// Waits for `events` on fd until the deadline; false on timeout.
-inline bool wait_for(int fd, short events, tcp_clock::time_point deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, ms_until(deadline));
-    if (n > 0) return true;
-    if (n == 0) return false;
-    if (errno != EINTR) return false;
-  }
-}
-
-// Accepts one connection until the deadline; an empty socket_fd on timeout.
+// Accepts one connection until the deadline; an empty socket_fd on timeout or when
+// the listener fails. A failure that passes (a signal, a connection reset before it
+// was accepted, no file descriptor free for now) is retried until the deadline.
 inline socket_fd accept_until(const socket_fd& listener, tcp_clock::time_point deadline) {
-  if (!wait_for(listener.get(), POLLIN, deadline)) return {};
-  socket_fd s(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-  if (s) set_nodelay(s.get());
-  return s;
+  while (wait_for(listener.get(), POLLIN, deadline)) {
+    socket_fd s(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (s) {
+      set_nodelay(s.get());
+      return s;
+    }
+    switch (errno) {
+      case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:  // the connection still waits: poll would not
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        break;
+      case EINTR: case ECONNABORTED: case EAGAIN: case EPROTO: case EPERM: break;
+      default: return {};
+    }
+  }
+  return {};
 }
 
 // The outcome of moving bytes through a blocking socket with a deadline.

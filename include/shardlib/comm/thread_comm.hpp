@@ -15,6 +15,7 @@
 #include <cstddef>             // std::size_t
 #include <cstdint>             // std::uint64_t
 #include <cstring>             // std::memcpy
+#include <exception>           // std::exception_ptr, std::rethrow_exception
 #include <memory>              // std::shared_ptr
 #include <mutex>               // std::mutex
 #include <span>                // std::span
@@ -30,6 +31,8 @@ struct group;
 
 struct slot {
   signature sig;
+  bool invalid = false;  // this rank's own arguments are wrong, for the reason in `why`
+  std::string why;
   const void* send = nullptr;
   void* recv = nullptr;
   int color = 0, key = 0;  // split
@@ -171,7 +174,7 @@ class ThreadComm {
   }
   template <Element T>
   work all_gather_async(std::span<const T> send, std::span<T> recv) {
-    return exec_->submit([=, this] { do_all_gather(send, recv); });
+    return exec_->submit([c = for_job(), send, recv]() mutable { c.do_all_gather(send, recv); });
   }
 
   template <Element T>
@@ -181,7 +184,7 @@ class ThreadComm {
   }
   template <Element T>
   work reduce_scatter_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
-    return exec_->submit([=, this] { do_reduce_scatter(send, recv, op); });
+    return exec_->submit([c = for_job(), send, recv, op]() mutable { c.do_reduce_scatter(send, recv, op); });
   }
 
   template <Element T>
@@ -195,7 +198,7 @@ class ThreadComm {
   }
   template <Element T>
   work all_reduce_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
-    return exec_->submit([=, this] { do_all_reduce(send, recv, op); });
+    return exec_->submit([c = for_job(), send, recv, op]() mutable { c.do_all_reduce(send, recv, op); });
   }
 
   template <Element T>
@@ -205,19 +208,20 @@ class ThreadComm {
   }
   template <Element T>
   work broadcast_async(std::span<T> data, int root) {
-    return exec_->submit([=, this] { do_broadcast(data, root); });
+    return exec_->submit([c = for_job(), data, root]() mutable { c.do_broadcast(data, root); });
   }
 
   // Ranks with the same color form a new communicator, ordered by key, then by
   // rank here. Every rank must call it; color must be >= 0.
   ThreadComm split(int color, int key) {
-    require<comm_error>(color >= 0, "rank ", rank_, ": split color must be >= 0, got ", color);
     exec_->drain();
     auto& slots = next_slots();
     slots[rank_].color = color;
     slots[rank_].key = key;
     slots[rank_].made = nullptr;
-    post_and_enter({detail::op_kind::split});
+    post_and_enter({detail::op_kind::split}, nullptr, nullptr, detail::invalid_call([&] {
+                     require<comm_error>(color >= 0, "rank ", rank_, ": split color must be >= 0, got ", color);
+                   }));
     std::vector<int> members;  // group ranks of this color, in new-rank order
     for (int r = 0; r < size(); ++r)
       if (slots[r].color == color) members.push_back(r);
@@ -235,21 +239,38 @@ class ThreadComm {
   }
 
  private:
+  // What an asynchronous job runs on: a handle of its own, since the job may outlive
+  // this one (a temporary, or a handle moved or destroyed before wait()), but without
+  // the executor, whose last owner must not be a job running on it.
+  ThreadComm for_job() const { return ThreadComm(g_, rank_, nullptr); }
+
   std::vector<detail::slot>& next_slots() { return g_->slots[g_->posted[rank_] % 2]; }
   const std::vector<detail::slot>& peers() const { return g_->slots[(g_->posted[rank_] - 1) % 2]; }
 
   // Posts this rank's signature, enters with all, and checks that all agree; on a
-  // mismatch every rank sees the same slots and raises the same error, before
-  // anyone reads. From here to the collective's last leave() nothing may throw:
-  // every peer waits there for this rank.
-  void post_and_enter(const detail::signature& sig, const void* send = nullptr, void* recv = nullptr) {
+  // mismatch, or a rank's `invalid` arguments, every rank sees the same slots and
+  // raises, before anyone reads. From here to the collective's last leave() nothing
+  // may throw: every peer waits there for this rank.
+  void post_and_enter(const detail::signature& sig, const void* send = nullptr, void* recv = nullptr,
+                      const std::exception_ptr& invalid = nullptr) {
     auto& mine = next_slots()[rank_];
     mine.sig = sig;
+    mine.invalid = bool(invalid);
+    mine.why = invalid ? detail::what_of(invalid) : std::string();
     mine.send = send;
     mine.recv = recv;
     ++g_->posted[rank_];
+    if (invalid) {
+      try {
+        g_->enter(rank_, sig);
+      } catch (const comm_error&) {  // its own error first, whatever the others did
+      }
+      std::rethrow_exception(invalid);
+    }
     g_->enter(rank_, sig);
     const auto& slots = peers();
+    for (int r = 0; r < size(); ++r)
+      if (slots[r].invalid) throw detail::invalid_elsewhere(rank_, sig, r, slots[r].sig, slots[r].why);
     for (int r = 1; r < size(); ++r)
       if (!(slots[r].sig == slots[0].sig)) throw detail::disagreement(rank_, slots[0].sig, r, slots[r].sig);
   }
@@ -257,9 +278,11 @@ class ThreadComm {
   template <class T>
   void do_all_gather(std::span<const T> send, std::span<T> recv) {
     const std::size_t n = send.size();
-    require<shape_error>(recv.size() == n * size(), "rank ", rank_, ": all_gather of ", n, " elements per rank over ",
-                         size(), " ranks needs a receive buffer of ", n * size(), ", got ", recv.size());
-    post_and_enter({detail::op_kind::all_gather, dtype_of<T>, n}, send.data(), recv.data());
+    post_and_enter({detail::op_kind::all_gather, dtype_of<T>, n}, send.data(), recv.data(), detail::invalid_call([&] {
+                     require<shape_error>(recv.size() == n * size(), "rank ", rank_, ": all_gather of ", n,
+                                          " elements per rank over ", size(), " ranks needs a receive buffer of ",
+                                          n * size(), ", got ", recv.size());
+                   }));
     for (int i = 0; i < size(); ++i) {
       const int r = (rank_ + i) % size();  // start at a different peer on each rank
       T* dst = recv.data() + r * n;
@@ -272,12 +295,14 @@ class ThreadComm {
   template <class T>
   void do_reduce_scatter(std::span<const T> send, std::span<T> recv, reduce_op op) {
     const std::size_t n = recv.size();
-    require<shape_error>(send.size() == n * size(), "rank ", rank_, ": reduce_scatter to ", n,
-                         " elements per rank over ", size(), " ranks needs a send buffer of ", n * size(), ", got ",
-                         send.size());
-    check_reducible(op, dtype_of<T>);
     std::vector<const T*> srcs(size());
-    post_and_enter({detail::op_kind::reduce_scatter, dtype_of<T>, n, op}, send.data(), recv.data());
+    post_and_enter({detail::op_kind::reduce_scatter, dtype_of<T>, n, op}, send.data(), recv.data(),
+                   detail::invalid_call([&] {
+                     require<shape_error>(send.size() == n * size(), "rank ", rank_, ": reduce_scatter to ", n,
+                                          " elements per rank over ", size(), " ranks needs a send buffer of ",
+                                          n * size(), ", got ", send.size());
+                     check_reducible(op, dtype_of<T>, rank_, "reduce_scatter");
+                   }));
     for (int r = 0; r < size(); ++r) srcs[r] = static_cast<const T*>(peers()[r].send) + rank_ * n;
     reduce_into(recv.data(), std::span<const T* const>(srcs), n, op);
     g_->leave();
@@ -288,11 +313,13 @@ class ThreadComm {
   template <class T>
   void do_all_reduce(std::span<const T> send, std::span<T> recv, reduce_op op) {
     const std::size_t n = send.size();
-    require<shape_error>(recv.size() == n, "rank ", rank_, ": all_reduce of ", n,
-                         " elements needs a receive buffer of the same size, got ", recv.size());
-    check_reducible(op, dtype_of<T>);
     std::vector<const T*> srcs(size());
-    post_and_enter({detail::op_kind::all_reduce, dtype_of<T>, n, op}, send.data(), recv.data());
+    post_and_enter({detail::op_kind::all_reduce, dtype_of<T>, n, op}, send.data(), recv.data(),
+                   detail::invalid_call([&] {
+                     require<shape_error>(recv.size() == n, "rank ", rank_, ": all_reduce of ", n,
+                                          " elements needs a receive buffer of the same size, got ", recv.size());
+                     check_reducible(op, dtype_of<T>, rank_, "all_reduce");
+                   }));
     auto range = [&](int r) { return std::pair{n * r / size(), n * (r + 1) / size()}; };
     auto [lo, hi] = range(rank_);
     for (int r = 0; r < size(); ++r) srcs[r] = static_cast<const T*>(peers()[r].send) + lo;
@@ -308,10 +335,11 @@ class ThreadComm {
 
   template <class T>
   void do_broadcast(std::span<T> data, int root) {
-    require<comm_error>(root >= 0 && root < size(), "rank ", rank_, ": broadcast root ", root, " is not a rank of ",
-                        size());
     post_and_enter({detail::op_kind::broadcast, dtype_of<T>, data.size(), reduce_op::sum, root}, data.data(),
-                   data.data());
+                   data.data(), detail::invalid_call([&] {
+                     require<comm_error>(root >= 0 && root < size(), "rank ", rank_, ": broadcast root ", root,
+                                         " is not a rank of ", size());
+                   }));
     if (rank_ != root && !data.empty())
       std::memcpy(data.data(), peers()[root].send, data.size() * sizeof(T));
     g_->leave();

@@ -29,7 +29,7 @@ using seconds = std::chrono::duration<double>;
 
 // The limit a communicator uses: `configured` when given, else the
 // SHARDLIB_COMM_TIMEOUT environment variable (seconds), else default_comm_timeout.
-// Zero means no limit.
+// Zero or infinite ("inf") means no limit; NaN is refused.
 inline seconds comm_timeout(std::optional<seconds> configured) {
   if (configured) {
     require<comm_error>(configured->count() >= 0, "communicator timeout must be >= 0 s, got ", configured->count());
