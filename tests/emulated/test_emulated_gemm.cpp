@@ -8,12 +8,14 @@
 
 namespace {
 
-// Sets the stand-in's "no algorithm" answer for a scope.
+// Sets one of the stand-in's refusals for a scope: the heuristic's "no algorithm"
+// (lt_refuses), or cublasLtMatmul's NOT_SUPPORTED (lt_matmul_refuses).
 struct lt_refusing {
-  lt_refusing() { cuda_emulator::lt_refuses = true; }
-  ~lt_refusing() { cuda_emulator::lt_refuses = false; }
+  explicit lt_refusing(std::atomic<bool>& f) : flag(f) { flag = true; }
+  ~lt_refusing() { flag = false; }
   lt_refusing(const lt_refusing&) = delete;
   lt_refusing& operator=(const lt_refusing&) = delete;
+  std::atomic<bool>& flag;
 };
 
 }  // namespace
@@ -21,10 +23,11 @@ struct lt_refusing {
 // Counts the cuBLASLt products a forward and backward run: forward fuses the bias, ReLU
 // and (16-bit, out_features a multiple of 8) tanh-GELU; backward fuses the bias gradient
 // in fp32 only. With no algorithm, the layer still equals the host's through cuBLAS and
-// its kernels. Each part uses sizes the others do not, and the refusing part comes last
-// and uses sizes no other case does: the cuBLASLt handle (one per thread and device, for
-// the whole process) keeps its heuristic's answer per problem, "none" included.
-TEMPLATE_TEST_CASE("device Linear fuses what cuBLASLt takes, and runs unfused where it finds no algorithm",
+// its kernels, and so where cublasLtMatmul refuses the algorithm its heuristic found.
+// Each part uses sizes the others do not, and the refusing parts come last and use sizes
+// no other case does: the cuBLASLt handle (one per thread and device, for the whole
+// process) keeps its answer per problem, "none" included.
+TEMPLATE_TEST_CASE("device Linear fuses what cuBLASLt takes, and runs unfused where it finds or runs no algorithm",
                    "[cuda][gemm][layers]", float, sl::bfloat16) {
   using T = TestType;
   sl::cuda::stream stream{0};
@@ -42,7 +45,13 @@ TEMPLATE_TEST_CASE("device Linear fuses what cuBLASLt takes, and runs unfused wh
   CHECK(products(9, 24, 16, nn::fused_activation::relu) == 1 + bgrad);
   CHECK(products(9, 24, 16, nn::fused_activation::gelu_tanh) == (fp32 ? 0 : 1) + bgrad);
   CHECK(products(9, 24, 15, nn::fused_activation::gelu_tanh) == bgrad);  // GELU's aux would need padding
-  const lt_refusing none;
-  for (auto act : {nn::fused_activation::none, nn::fused_activation::relu, nn::fused_activation::gelu_tanh})
-    CHECK(products(11, 20, 24, act) == 0);
+  constexpr nn::fused_activation acts[] = {nn::fused_activation::none, nn::fused_activation::relu,
+                                           nn::fused_activation::gelu_tanh};
+  {
+    const lt_refusing refused(cuda_emulator::lt_matmul_refuses);  // found, then refused by cublasLtMatmul
+    for (auto act : acts) CHECK(products(13, 28, 32, act) == 0);
+  }
+  for (auto act : acts) CHECK(products(13, 28, 32, act) == 0);  // the refusal is kept: not asked again
+  const lt_refusing none(cuda_emulator::lt_refuses);
+  for (auto act : acts) CHECK(products(11, 20, 24, act) == 0);
 }

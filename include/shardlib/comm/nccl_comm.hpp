@@ -6,7 +6,7 @@
 #include "shardlib/comm/nccl_state.hpp"    // nccl_options, detail::nccl_state
 #include "shardlib/comm/communicator.hpp"  // Communicator, reduce_op, check_communicator
 #include "shardlib/comm/reduce.hpp"        // check_reducible
-#include "shardlib/comm/signature.hpp"     // detail::signature, detail::describe
+#include "shardlib/comm/signature.hpp"     // detail::signature, describe, invalid_call, invalid_elsewhere
 #include "shardlib/comm/store.hpp"         // TcpStore (from_store)
 #include "shardlib/core/buffer.hpp"        // Buffer
 #include "shardlib/core/element.hpp"       // Element, dtype_of
@@ -330,18 +330,11 @@ class NcclComm {
   template <class Validate>
   void agree(const detail::signature& sig, Validate&& validate) {
     if (!state_->checks()) return validate();
-    std::exception_ptr invalid;
-    try {
-      validate();
-    } catch (...) {
-      invalid = std::current_exception();
-    }
+    const std::exception_ptr invalid = detail::invalid_call(validate);
     const auto all = state_->gather_calls(compute_, sig, !invalid);
     if (invalid) std::rethrow_exception(invalid);
     for (int r = 0; r < size(); ++r)
-      if (!all[std::size_t(r)].valid)
-        throw comm_aborted(cat("rank ", rank(), ": ", detail::describe(sig), " abandoned: rank ", r,
-                               " passed invalid arguments to ", detail::describe(all[std::size_t(r)].sig)));
+      if (!all[std::size_t(r)].valid) throw detail::invalid_elsewhere(rank(), sig, r, all[std::size_t(r)].sig);
     for (int r = 1; r < size(); ++r)
       if (!(all[std::size_t(r)].sig == all[0].sig))
         throw detail::disagreement(rank(), all[0].sig, r, all[std::size_t(r)].sig);

@@ -67,6 +67,8 @@ class blas_lt {
     if (it == choices_.end()) it = choices_.emplace(p, ask()).first;
     return it->second;
   }
+  // `p` has no algorithm after all (cublasLtMatmul refused the heuristic's).
+  void refuse(const lt_problem& p) const { choices_[p] = lt_choice{}; }
 
  private:
   cublasLtHandle_t h_ = nullptr;

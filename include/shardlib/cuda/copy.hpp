@@ -18,7 +18,8 @@ namespace shardlib::cuda {
 // dst = src, ordered on `stream`, between any two of device, pinned and host
 // memory (unified addressing tells the direction). Asynchronous for device and
 // pinned memory; a pageable host buffer makes CUDA stage the copy, which
-// returns only once the source has been read.
+// returns only once the source has been read: from the device into pageable
+// memory, once the stream has reached the copy and it is done (a wait).
 template <class T>
 void copy_async(std::span<T> dst, std::span<const std::type_identity_t<T>> src, cudaStream_t stream) {
   require<shape_error>(dst.size() == src.size(), "cuda::copy_async: destination has ", dst.size(),

@@ -91,6 +91,7 @@ struct cublasLtMatmulHeuristicResult_t {
 
 namespace cuda_emulator {
 inline std::atomic<bool> lt_refuses = false;      // the heuristic finds no algorithm at all
+inline std::atomic<bool> lt_matmul_refuses = false;  // the heuristic finds one, cublasLtMatmul refuses it
 inline std::atomic<std::int64_t> lt_matmuls = 0;  // cublasLtMatmul calls that computed a product
 constexpr std::uint64_t lt_workspace_bytes = std::uint64_t(1) << 20;  // what every "algorithm" asks for
 
@@ -286,6 +287,7 @@ inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, c
                                      cublasLtMatrixLayout_t dl, const cublasLtMatmulAlgo_t* algo, void* workspace,
                                      std::size_t workspace_bytes, cudaStream_t) {
   if (const cublasStatus_t s = cuda_emulator::lt_check(*d, *al, *bl, *cl, *dl); s != CUBLAS_STATUS_SUCCESS) return s;
+  if (cuda_emulator::lt_matmul_refuses) return CUBLAS_STATUS_NOT_SUPPORTED;
   if (!algo || workspace_bytes < algo->data[0] || (workspace_bytes > 0 && !workspace))
     return CUBLAS_STATUS_INVALID_VALUE;
   cuda_emulator::lt_matmul(*d, *static_cast<const float*>(alpha), a, *al, b, *bl, *static_cast<const float*>(beta), c,

@@ -163,8 +163,10 @@ void check_epilogue(trans ta, trans tb, std::int64_t n, const epilogue_args<T>& 
 // fp16 accumulate in fp32 and round once when C is written.
 //
 // Returns false, having done nothing, where cuBLASLt has no algorithm for this
-// product and epilogue (or M, N or K is 0): the caller then runs ops::cuda::gemm
-// and the epilogue's kernels. Throws on arguments the epilogue cannot take.
+// product and epilogue (the heuristic finds none, or cublasLtMatmul answers
+// NOT_SUPPORTED to the one it found; either is kept for the problem), or M, N or
+// K is 0: the caller then runs ops::cuda::gemm and the epilogue's kernels. Throws
+// on arguments the epilogue cannot take.
 //
 // As ops::cuda::gemm, row-major C is column-major C^T = op(B)^T op(A)^T:
 // cuBLASLt's A is our B and its B our A, its M our N. So the bias runs along
@@ -233,9 +235,13 @@ template <GemmElement T>
   if (!choice.found) return false;
 
   const shardlib::cuda::lt_workspace ws(choice.workspace, stream);
-  shardlib::cuda::check(cublasLtMatmul(handle.get(), desc.d, &alpha, b, la.l, a, lb.l, &beta, c, lc.l, c, lc.l,
-                                       &choice.algo, ws.data(), ws.bytes(), stream),
-                        "cublasLtMatmul [", m, " x ", n, " x ", k, ", epilogue ", detail::name(e.kind), "]");
+  const cublasStatus_t s = cublasLtMatmul(handle.get(), desc.d, &alpha, b, la.l, a, lb.l, &beta, c, lc.l, c, lc.l,
+                                          &choice.algo, ws.data(), ws.bytes(), stream);
+  if (s == CUBLAS_STATUS_NOT_SUPPORTED) {  // the heuristic's algorithm after all not for these arguments
+    handle.refuse(key);
+    return false;
+  }
+  shardlib::cuda::check(s, "cublasLtMatmul [", m, " x ", n, " x ", k, ", epilogue ", detail::name(e.kind), "]");
   return true;
 }
 
