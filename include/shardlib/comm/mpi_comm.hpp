@@ -103,6 +103,10 @@ class MpiComm {
   // Works on a duplicate of `comm` (collective over it), so that neither its
   // error handler nor its messages are touched.
   explicit MpiComm(MPI_Comm comm, const mpi_options& opts = {}) {
+    // The process's asynchronous collectives finish first: one MPI call at a time
+    // (MPI_THREAD_SERIALIZED), and one wait in the watchdog's slot.
+    const std::shared_ptr<executor> exec = detail::process_executor();
+    exec->drain();
     int rank = -1, size = 0, world_rank = 0;
     detail::mpi_check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", rank, "wrapping a communicator");
     detail::mpi_check(MPI_Comm_size(comm, &size), "MPI_Comm_size", rank, "wrapping a communicator");
@@ -113,7 +117,7 @@ class MpiComm {
         {detail::waiting_in::creating, rank, size, world_rank, 0, {}, *resolved.timeout, &detail::abort_job});
     MPI_Comm dup;
     detail::mpi_check(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup", rank, "creating a communicator");
-    g_ = std::make_shared<detail::mpi_group>(dup, resolved, detail::process_executor(), rank);
+    g_ = std::make_shared<detail::mpi_group>(dup, resolved, exec, rank);
   }
 
   int rank() const { return g_->rank(); }

@@ -84,7 +84,8 @@ class watchdog {
     return w;
   }
 
-  // One thread arms and disarms at a time, so the token needs no read-modify-write.
+  // One thread arms and disarms at a time (MpiComm drains the asynchronous worker
+  // before its own calls); the token's increments are atomic all the same.
   void arm(const watch& w) {
     std::lock_guard lock(m_);
     slot_ = w;
@@ -138,7 +139,7 @@ class watchdog {
     }
   }
 
-  void bump() { token_.store(token_.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+  void bump() { token_.fetch_add(1, std::memory_order_release); }
 
   std::mutex m_;
   std::condition_variable_any wake_;  // only the stop request wakes it early
