@@ -248,12 +248,14 @@ TEST_CASE("accepting goes on while the process is out of file descriptors for a 
   ::close(lowest_free);
   rlimit none = saved;
   none.rlim_cur = rlim_t(lowest_free);  // the accepted socket would need a descriptor past it
-  std::latch lowered(1);
-  std::thread restore([&] {  // started first: the sanitizers' runtime needs descriptors to start a thread
+  std::latch running(1), lowered(1);
+  std::thread restore([&] {  // running first: the sanitizers' runtime needs descriptors to start a thread
+    running.count_down();
     lowered.wait();
     std::this_thread::sleep_for(200ms);
     ::setrlimit(RLIMIT_NOFILE, &saved);
   });
+  running.wait();
   const bool limited = ::setrlimit(RLIMIT_NOFILE, &none) == 0;
   lowered.count_down();
   const auto accepted = comm::detail::accept_until(listener, comm::detail::deadline_after(10s));
