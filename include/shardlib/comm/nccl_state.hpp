@@ -86,14 +86,22 @@ inline std::string nccl_text(ncclResult_t r, ncclComm_t comm) {
 // A non-blocking communicator answers ncclInProgress while the work behind a
 // call (connecting, splitting) still runs; poll its state until it settles or
 // the deadline passes (then `timed_out` is set and ncclInProgress returned).
-inline ncclResult_t settle(ncclComm_t comm, ncclResult_t r, nccl_clock::time_point deadline, bool& timed_out) {
+// pause() runs between polls (by default a sleep); false stops polling at once
+// (the communicator went away meanwhile: ncclInProgress returned).
+inline bool short_pause() {
+  std::this_thread::sleep_for(std::chrono::microseconds(100));
+  return true;
+}
+template <class Pause = bool (*)()>
+ncclResult_t settle(ncclComm_t comm, ncclResult_t r, nccl_clock::time_point deadline, bool& timed_out,
+                    Pause&& pause = short_pause) {
   timed_out = false;
   while (r == ncclInProgress) {
     if (nccl_clock::now() > deadline) {
       timed_out = true;
       return r;
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    if (!pause()) return r;
     ncclResult_t state = ncclSuccess;
     const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
     r = q != ncclSuccess ? q : state;
@@ -305,21 +313,15 @@ class nccl_state {
   // `r`; aborts at the timeout. what: a signature or a call's name, text only on failure.
   template <class What>
   void run(std::unique_lock<std::mutex>& lock, ncclResult_t r, const What& what) {
-    const auto deadline = nccl_clock::now() + options_.timeout;
     settling_ = true;
-    while (r == ncclInProgress && !aborted_) {
-      if (nccl_clock::now() > deadline) {
-        abort_locked(cat(text(what), " was not accepted within ", options_.timeout.count(), " ms"));
-        break;
-      }
+    bool timed_out = false;
+    r = settle(comm_, r, nccl_clock::now() + options_.timeout, timed_out, [&] {
       lock.unlock();
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      short_pause();
       lock.lock();
-      if (aborted_) break;  // abort() freed the communicator meanwhile
-      ncclResult_t state = ncclSuccess;
-      const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
-      r = q != ncclSuccess ? q : state;
-    }
+      return !aborted_;  // abort() freed the communicator meanwhile
+    });
+    if (timed_out) abort_locked(cat(text(what), " was not accepted within ", options_.timeout.count(), " ms"));
     settling_ = false;
     settled_cv_.notify_all();
     throw_if_aborted_locked();
