@@ -63,14 +63,18 @@ class SocketComm {
     store.set(prefix + std::to_string(rank), me);
     std::vector<std::string> keys;
     for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
-    mesh->addresses = store.get(keys);
+    const std::vector<std::string> published = store.get(keys);
+    const std::string store_host = store.store_host_address();
+    for (const auto& a : published) mesh->addresses.push_back(detail::reachable(a, me, store_host));
     const auto deadline = detail::deadline_after(store.timeout());
     const std::int64_t hello[2] = {std::int64_t(tag), rank};
     for (int p = 0; p < rank; ++p) {
       const std::string& a = mesh->addresses[p];
       const auto colon = a.rfind(':');
       auto s = detail::connect_to(a.substr(0, colon), std::uint16_t(std::stoi(a.substr(colon + 1))), deadline,
-                                  cat("rank ", rank, ": SocketComm, connecting to rank ", p));
+                                  cat("rank ", rank, ": SocketComm, connecting to rank ", p,
+                                      a == published[p] ? "" : cat(" (it published ", published[p],
+                                                                   ", a loopback address: its host is the store's)")));
       require<comm_error>(detail::send_all(s.get(), hello, sizeof hello, deadline) == detail::io_status::done, "rank ",
                           rank, ": SocketComm: rank ", p, " at ", a, " closed the connection while this rank joined");
       mesh->peers[p] = std::move(s);

@@ -271,8 +271,11 @@ class TcpStore {
   std::uint16_t port() const { return port_; }
   std::string address() const { return cat(host_, ":", port_); }
   seconds timeout() const { return timeout_; }
-  // The address of this host that the store sees: where peers can reach it.
-  std::string local_address() const { return detail::local_address(conn_); }
+  // This host's address on the way to the store (where peers on other hosts can
+  // reach it, unless it is a loopback address), and the store's host as this rank
+  // reaches it.
+  std::string local_address() const { return detail::address_of(conn_, ::getsockname); }
+  std::string store_host_address() const { return detail::address_of(conn_, ::getpeername); }
 
   void set(const std::string& key, std::string_view value) {
     require<comm_error>(std::int64_t(std::max(key.size(), value.size())) <= detail::longest_store_string, "rank ",

@@ -10,6 +10,7 @@
 #include <cstdint>      // std::uint16_t
 #include <cstring>      // std::strerror, std::memset
 #include <string>       // std::string
+#include <string_view>  // std::string_view
 #include <thread>       // std::this_thread::sleep_for
 #include <utility>      // std::exchange
 
@@ -20,7 +21,7 @@
 #include <netinet/in.h>   // sockaddr_in
 #include <netinet/tcp.h>  // TCP_NODELAY
 #include <poll.h>         // poll
-#include <sys/socket.h>   // socket, bind, listen, accept, connect, send, recv
+#include <sys/socket.h>   // socket, bind, listen, accept, connect, send, recv, getsockname, getpeername
 #include <unistd.h>       // close
 
 namespace shardlib::comm::detail {
@@ -103,16 +104,20 @@ inline std::uint16_t bound_port(const socket_fd& s) {
   return ntohs(a.sin_port);
 }
 
-// The local IPv4 address of a connected socket: the interface through which peers
-// reach this process (the one that leads to the store).
-inline std::string local_address(const socket_fd& s) {
+// The IPv4 address of one end of a connected socket: ::getsockname gives this
+// process's (the interface through which it reached the peer), ::getpeername the
+// peer's (as this process reaches it).
+inline std::string address_of(const socket_fd& s, int (*end)(int, sockaddr*, socklen_t*)) {
   sockaddr_in a{};
   socklen_t len = sizeof a;
-  ::getsockname(s.get(), reinterpret_cast<sockaddr*>(&a), &len);
+  end(s.get(), reinterpret_cast<sockaddr*>(&a), &len);
   char text[INET_ADDRSTRLEN] = {};
   ::inet_ntop(AF_INET, &a.sin_addr, text, sizeof text);
   return text;
 }
+
+// Whether "a.b.c.d" or "a.b.c.d:port" lies in 127.0.0.0/8, the loopback block.
+inline bool is_loopback(std::string_view address) { return address.starts_with("127."); }
 
 // Waits for `events` on fd until the deadline; false on timeout.
 inline bool wait_for(int fd, short events, tcp_clock::time_point deadline) {
