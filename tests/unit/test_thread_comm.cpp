@@ -5,9 +5,16 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <latch>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <vector>
+
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "../support/comm_conformance.hpp"
 
@@ -63,6 +70,72 @@ TEST_CASE("launch re-raises a rank's exception, naming the rank, without leaving
     }
     CHECK(aborted == 3);
   }
+}
+
+// Root ignores RLIMIT_NPROC, so a child process becomes nobody, takes every thread
+// the limit allows but three, and launches 16 ranks: a few start and wait in an
+// all_reduce for ranks that never come. launch must raise naming the first rank
+// whose thread could not start, not terminate (joinable threads) or hang.
+TEST_CASE("a rank whose thread cannot start fails the launch and is named", "[comm][thread][launch]") {
+  if (::geteuid() != 0) {
+    WARN("skipped: needs root, to run as nobody under a thread limit");
+    return;
+  }
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    ::alarm(60);  // a hang ends the child by SIGALRM, which the parent sees
+    std::string msg = "launch returned normally";
+    const rlimit few{64, 64};
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0 || ::setrlimit(RLIMIT_NPROC, &few) != 0) {
+      msg = "cannot become nobody under a thread limit";
+    } else {
+      std::atomic<int> freed{0};
+      std::vector<std::thread> held;
+      for (bool room = true; room && held.size() < 1000;) {
+        try {
+          const int i = int(held.size());
+          held.emplace_back([&freed, i] {
+            for (int f; (f = freed.load()) <= i;) freed.wait(f);
+          });
+        } catch (const std::system_error&) {
+          room = false;
+        }
+      }
+      freed = 3;  // room for three rank threads
+      freed.notify_all();
+      for (int i = 0; i < 3 && i < int(held.size()); ++i) held[i].join();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the kernel counts a thread until it is reaped
+      try {
+        comm::launch(16, [](ThreadComm& c) {
+          std::vector<float> x(10, 1.f);
+          c.all_reduce(std::span<float>(x), reduce_op::sum);
+        });
+      } catch (const comm::rank_failure& e) {
+        msg = e.what();
+      } catch (const std::exception& e) {
+        msg = std::string("not a rank_failure: ") + e.what();
+      }
+      freed = 1 << 20;
+      freed.notify_all();
+      for (std::size_t i = 3; i < held.size(); ++i) held[i].join();
+    }
+    [[maybe_unused]] auto n = ::write(fds[1], msg.data(), msg.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string msg;
+  char buf[4096];
+  for (::ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, std::size_t(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  INFO(msg);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK_THAT(msg, Catch::Matches("rank ([1-9]|1[0-5]) of 16 failed: its thread could not start: .*"));
 }
 
 TEST_CASE("ranks that disagree about a collective raise on every rank", "[comm][thread][misuse]") {

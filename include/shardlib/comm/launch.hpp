@@ -55,6 +55,21 @@ void launch(int world_size, Fn&& fn) {
   std::string failure_what;
   bool failure_is_consequence = false;
 
+  auto record = [&](int r, std::exception_ptr e, std::string what, bool consequence) {
+    {
+      std::lock_guard lock(failure_m);
+      if (!failure || (failure_is_consequence && !consequence)) {
+        failure = std::move(e);
+        failed_rank = r;
+        failure_what = std::move(what);
+        failure_is_consequence = consequence;
+      }
+    }
+    int none = -1;
+    world->failed.compare_exchange_strong(none, r);  // the first rank to fail is the one others name
+    world->wake_all();
+  };
+
   auto body = [&](int r) {
     ledger own;
     ledger_scope scope(own);
@@ -81,24 +96,23 @@ void launch(int world_size, Fn&& fn) {
         what = x.what();
       } catch (...) {
       }
-      {
-        std::lock_guard lock(failure_m);
-        if (!failure || (failure_is_consequence && !consequence)) {
-          failure = e;
-          failed_rank = r;
-          failure_what = what;
-          failure_is_consequence = consequence;
-        }
-      }
-      int none = -1;
-      world->failed.compare_exchange_strong(none, r);  // the first rank to fail is the one others name
-      world->wake_all();
+      record(r, e, std::move(what), consequence);
     }
   };
 
+  // A rank whose thread cannot start (the process is out of threads or memory)
+  // fails like one whose function throws: the started ranks are woken out of the
+  // collectives that wait for it, and its error is raised here once they end.
   std::vector<std::thread> threads;
   threads.reserve(world_size);
-  for (int r = 0; r < world_size; ++r) threads.emplace_back(body, r);
+  for (int r = 0; r < world_size; ++r) {
+    try {
+      threads.emplace_back(body, r);
+    } catch (const std::exception& x) {
+      record(r, std::current_exception(), cat("its thread could not start: ", x.what()), false);
+      break;
+    }
+  }
   for (auto& t : threads) t.join();
   if (failure) throw rank_failure(failed_rank, world_size, failure, failure_what);
 }
