@@ -217,6 +217,14 @@ TEST_CASE("a store nobody serves is an error naming its address, not a hang", "[
                     Catch::Contains("rank 1: the store: cannot connect to 127.0.0.1:" + std::to_string(port)));
 }
 
+TEST_CASE("a store port another process holds is an error naming the rank and the port", "[launch][store]") {
+  comm::store_server holder(0, 1);
+  const auto port = holder.port();
+  CHECK_THROWS_WITH(TcpStore("127.0.0.1", port, 0, 2, true, 0.3s),
+                    Catch::Contains("rank 0: serving the store: cannot listen on port " + std::to_string(port) +
+                                    ": bind failed: Address already in use (another process listens there"));
+}
+
 TEST_CASE("connecting to a listener that never answers ends at the timeout", "[launch][store]") {
   // A listener whose accept queue is full drops new SYNs: a blocking connect would
   // wait out the kernel's retries (about two minutes).

@@ -89,9 +89,11 @@ struct reader {
 // up, so a rank that finishes first does not pull the store from under the others.
 class store_server {
  public:
-  // Listens on all interfaces at `port` (0: a free port, see port()).
-  explicit store_server(std::uint16_t port, int world_size, seconds linger = seconds(30))
-      : listener_(detail::listen_on(port, "store")), world_(world_size), linger_(linger), connected_(world_size) {
+  // Listens on all interfaces at `port` (0: a free port, see port()); `who` begins
+  // the errors of listening.
+  explicit store_server(std::uint16_t port, int world_size, seconds linger = seconds(30),
+                        std::string_view who = "the store")
+      : listener_(detail::listen_on(port, who)), world_(world_size), linger_(linger), connected_(world_size) {
     port_ = detail::bound_port(listener_);
     acceptor_ = std::thread([this] { accept_loop(); });
   }
@@ -254,7 +256,7 @@ class TcpStore {
                         " is not a rank of a world of ", world_size);
     require<comm_error>(timeout.count() > 0, "TcpStore: the timeout must be positive, got ", timeout.count(), " s");
     if (hosts) {
-      server_ = std::make_unique<store_server>(port, world_size);
+      server_ = std::make_unique<store_server>(port, world_size, seconds(30), cat("rank ", rank, ": serving the store"));
       port = server_->port();
     }
     port_ = port;

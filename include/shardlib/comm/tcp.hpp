@@ -91,8 +91,9 @@ inline socket_fd listen_on(std::uint16_t port, std::string_view who) {
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_ANY);
   a.sin_port = htons(port);
-  require<comm_error>(::bind(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0, who, ": cannot listen on port ",
-                      port, ": bind failed: ", errno_text(errno));
+  const int bound = ::bind(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 ? 0 : errno;
+  require<comm_error>(bound == 0, who, ": cannot listen on port ", port, ": bind failed: ", errno_text(bound),
+                      bound == EADDRINUSE ? " (another process listens there: choose a free port)" : "");
   require<comm_error>(::listen(s.get(), 1024) == 0, who, ": listen on port ", port, " failed: ", errno_text(errno));
   return s;
 }
