@@ -14,12 +14,15 @@
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <cerrno>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <unistd.h>
+#include <utility>
 #include <vector>
 
 using namespace shardlib;
@@ -164,6 +167,108 @@ TEST_CASE("collectives queued when a rank fails all raise naming it and none com
     REQUIRE(errors[std::size_t(r)].size() == 3);
     for (const auto& e : errors[std::size_t(r)]) CHECK_THAT(e, Catch::Contains("abandoned: rank 0 failed"));
   }
+}
+
+namespace {
+// ThreadComm whose asynchronous collectives count as open until waited; the n-th
+// (1: the first) raises comm_error on its wait, as a collective that failed. The
+// communicators split from it share the count.
+struct tracking {
+  std::atomic<int> open{0};
+  int fail_at = 0;
+};
+struct tracked_work {
+  comm::work inner;
+  std::shared_ptr<tracking> t;  // null once waited
+  bool fails = false;
+  void wait() {
+    if (auto o = std::exchange(t, nullptr)) --o->open;
+    inner.wait();
+    if (std::exchange(fails, false)) throw comm_error("tracked_comm: injected failure of a collective");
+  }
+  bool test() { return inner.test(); }
+};
+
+class tracked_comm {
+ public:
+  tracked_comm(comm::ThreadComm c, std::shared_ptr<tracking> t) : c_(std::move(c)), t_(std::move(t)) {}
+  int rank() const { return c_.rank(); }
+  int size() const { return c_.size(); }
+  void barrier() { c_.barrier(); }
+  tracked_comm split(int color, int key) { return tracked_comm(c_.split(color, key), t_); }
+  template <class T>
+  void all_gather(std::span<const T> in, std::span<T> out) {
+    c_.all_gather(in, out);
+  }
+  template <class T>
+  void reduce_scatter(std::span<const T> in, std::span<T> out, comm::reduce_op op) {
+    c_.reduce_scatter(in, out, op);
+  }
+  template <class T>
+  void all_reduce(std::span<const T> in, std::span<T> out, comm::reduce_op op) {
+    c_.all_reduce(in, out, op);
+  }
+  template <class T>
+  void all_reduce(std::span<T> data, comm::reduce_op op) {
+    c_.all_reduce(data, op);
+  }
+  template <class T>
+  void broadcast(std::span<T> data, int root) {
+    c_.broadcast(data, root);
+  }
+  template <class T>
+  tracked_work all_gather_async(std::span<const T> in, std::span<T> out) {
+    return track(c_.all_gather_async(in, out));
+  }
+  template <class T>
+  tracked_work reduce_scatter_async(std::span<const T> in, std::span<T> out, comm::reduce_op op) {
+    return track(c_.reduce_scatter_async(in, out, op));
+  }
+  template <class T>
+  tracked_work all_reduce_async(std::span<const T> in, std::span<T> out, comm::reduce_op op) {
+    return track(c_.all_reduce_async(in, out, op));
+  }
+  template <class T>
+  tracked_work broadcast_async(std::span<T> data, int root) {
+    return track(c_.broadcast_async(data, root));
+  }
+
+ private:
+  tracked_work track(comm::work w) {
+    ++t_->open;
+    return {std::move(w), t_, --t_->fail_at == 0};
+  }
+  comm::ThreadComm c_;
+  std::shared_ptr<tracking> t_;
+};
+static_assert(comm::Communicator<tracked_comm>);
+}  // namespace
+
+// ZeRO-1 with bfloat16 parameters all-gathers every unit's values at once when it
+// is built. When the first
+// gather fails, the constructor must wait for the others before its buffers go.
+TEST_CASE("a constructor whose gather fails waits for the others it issued", "[failures][comm]") {
+  std::vector<std::string> errors(2);
+  std::vector<int> open(2, -1);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    auto t = std::make_shared<tracking>();
+    t->fail_at = c.rank() == 0 ? 1 : 0;
+    tracked_comm tc(c, t);
+    Model m = make_model();
+    try {
+      auto model = shard::fully_shard<optim::SGD>(m, tc, shard::ShardOptimizer{},
+                                                  {.wrap = shard::wrap_types<tripwire>{},
+                                                   .seed = 42,
+                                                   .precision = {.param = dtype::bf16}});
+    } catch (const comm_error& e) {
+      errors[std::size_t(c.rank())] = e.what();
+    }
+    open[std::size_t(c.rank())] = t->open;
+  });
+  CHECK_THAT(errors[0], Catch::Contains("injected failure"));
+  CHECK(errors[1].empty());
+  CHECK(open[0] == 0);
+  CHECK(open[1] == 0);
 }
 
 TEST_CASE("backward twice without a forward raises on every rank and leaves the model usable", "[failures][misuse]") {

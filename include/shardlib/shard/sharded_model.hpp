@@ -125,7 +125,14 @@ class ShardedModel {
       for (std::size_t k = 0; k < u.params.size(); ++k) u.params[k]->owner_name = u.layout.entries[k].name;
     check_structure();
     for (auto& u : units_) materialize(u);
-    if (!policy_.shard_parameters && !master_in_values()) refresh_values();
+    if (!policy_.shard_parameters && !master_in_values()) {
+      try {
+        refresh_values();
+      } catch (...) {
+        drain();  // no destructor runs: the gathers still in flight write into units_
+        throw;
+      }
+    }
   }
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
