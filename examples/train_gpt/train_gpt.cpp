@@ -37,7 +37,8 @@ struct settings {
   std::string data = "/usr/share/common-licenses/GPL-3", save = "train_gpt_model";
   long world = 4, layers = 4, d_model = 128, heads = 4, seq = 128, batch = 4, steps = 500, every = 25,
        eval_every = 100, warmup = 30, sample = 96, top_k = 8;
-  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, dropout = 0, val_fraction = 0.1, temperature = 0.8;
+  double lr = 3e-3, weight_decay = 0.1, dropout = 0, val_fraction = 0.1, temperature = 0.8;
+  double min_lr = 0;  // --min-lr; unset: a tenth of lr
   std::uint64_t seed = 0;
 };
 
@@ -160,7 +161,8 @@ int main(int argc, char** argv) {
   cli.add_option("--eval-every", s.eval_every, "validation loss every this many steps")->check(size);
   cli.add_option("--warmup", s.warmup, "linear warmup steps")->check(example::whole(0, example::max_size));
   cli.add_option("--lr", s.lr, "peak learning rate")->check(example::positive());
-  cli.add_option("--min-lr", s.min_lr, "learning rate at the end of the cosine decay")->check(example::real(0, 1));
+  cli.add_option("--min-lr", s.min_lr, "learning rate at the end of the cosine decay (default: a tenth of --lr)")
+      ->check(example::real(0, 1));
   cli.add_option("--weight-decay", s.weight_decay, "AdamW's decoupled weight decay")->check(example::real(0, 1));
   cli.add_option("--dropout", s.dropout, "residual, embedding and attention dropout")->check(example::real(0, 0.99));
   cli.add_option("--val-fraction", s.val_fraction, "the held-out tail's share of the text")->check(example::real(0.01, 0.5));
@@ -172,6 +174,10 @@ int main(int argc, char** argv) {
       ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for the Hugging Face checkpoint (empty: none)");
   cli.callback([&] {
+    if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
+    if (s.min_lr > s.lr)
+      throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +
+                                                 " (the cosine decay would climb)");
     if (s.d_model % s.heads != 0)
       throw CLI::ValidationError("--heads", std::to_string(s.heads) + " does not divide --d-model " +
                                                 std::to_string(s.d_model));

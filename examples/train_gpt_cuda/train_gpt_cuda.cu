@@ -55,7 +55,8 @@ struct settings {
   std::string data = "/usr/share/common-licenses/GPL-3", model = "gpt2", dtype = "bf16", save;
   long layers = 4, d_model = 256, heads = 8, kv_heads = 2, seq = 256, batch = 8, steps = 300, every = 25,
        eval_every = 100, warmup = 30;
-  double lr = 2e-3, min_lr = 2e-4, weight_decay = 0.1, dropout = 0, val_fraction = 0.1;
+  double lr = 2e-3, weight_decay = 0.1, dropout = 0, val_fraction = 0.1;
+  double min_lr = 0;  // --min-lr; unset: a tenth of lr
   std::uint64_t seed = 0;
 };
 
@@ -223,7 +224,8 @@ int main(int argc, char** argv) {
   cli.add_option("--eval-every", s.eval_every, "validation loss every this many steps")->check(size);
   cli.add_option("--warmup", s.warmup, "linear warmup steps")->check(example::whole(0, example::max_size));
   cli.add_option("--lr", s.lr, "peak learning rate")->check(example::positive());
-  cli.add_option("--min-lr", s.min_lr, "learning rate at the end of the cosine decay")->check(example::real(0, 1));
+  cli.add_option("--min-lr", s.min_lr, "learning rate at the end of the cosine decay (default: a tenth of --lr)")
+      ->check(example::real(0, 1));
   cli.add_option("--weight-decay", s.weight_decay, "AdamW's decoupled weight decay")->check(example::real(0, 1));
   cli.add_option("--dropout", s.dropout, "GPT-2: residual, embedding and attention dropout")
       ->check(example::real(0, 0.99));
@@ -233,9 +235,17 @@ int main(int argc, char** argv) {
       ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for a Hugging Face checkpoint (empty: none)");
   cli.callback([&] {
+    if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
+    if (s.min_lr > s.lr)
+      throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +
+                                                 " (the cosine decay would climb)");
     if (s.d_model % s.heads != 0)
       throw CLI::ValidationError("--heads", std::to_string(s.heads) + " does not divide --d-model " +
                                                 std::to_string(s.d_model));
+    if (s.model == "llama" && (s.d_model / s.heads) % 2 != 0)
+      throw CLI::ValidationError("--heads", "LLaMA's rotary embeddings need an even head dimension, and --d-model " +
+                                                std::to_string(s.d_model) + " / --heads " + std::to_string(s.heads) +
+                                                " is odd");
     if (s.model == "llama" && s.heads % s.kv_heads != 0)
       throw CLI::ValidationError("--kv-heads", std::to_string(s.kv_heads) + " does not divide --heads " +
                                                    std::to_string(s.heads));

@@ -317,6 +317,8 @@ TEST_CASE("decoder layers' errors name the layer, the limit and what was expecte
                     "max_positions 8");
   CHECK_NOTHROW(ctx.forward(pos, Tensor<float>::zeros({1, 2, 4})));  // 6..7 fits exactly
   CHECK_THROWS_WITH(pos.set_offset(-1), "PositionEmbedding(8, 4): offset must not be negative, got -1");
+  CHECK_THROWS_WITH(ctx.forward(pos, Tensor<float>({2, 0, 4})),
+                    "PositionEmbedding(8, 4): the input [2, 0, 4] has no positions");
   CHECK_THROWS_WITH(ctx.forward(pos, Tensor<float>({3, 5})),
                     "PositionEmbedding(8, 4): input must be [..., sequence, 4], got shape [3, 5]");
   CHECK_THROWS_WITH(ctx.backward(pos, Tensor<float>({1, 3, 4})),

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -154,6 +155,56 @@ TEST_CASE("GPT-2 and LLaMA carry Hugging Face's parameter names", "[models]") {
   CHECK(l.back() == "lm_head.weight");
   CHECK(std::set<std::string>(l.begin(), l.end()) == file_names(hf_dir / "llama" / "initial"));
   CHECK(std::set<std::string>(l.begin(), l.end()).size() == l.size());
+}
+
+// config.json's fields that change the numbers are read (LLaMA's head_dim and
+// attention_dropout) or refused (GPT-2's other attention scalings), never dropped.
+TEST_CASE("config.json fields that change the model are read or refused", "[models][hf]") {
+  const fs::path file = fs::temp_directory_path() / cat("shardlib_test_config_", ::getpid(), ".json");
+  const auto read = [&]<class Config>(const std::string& json, Config) {
+    std::FILE* f = std::fopen(file.c_str(), "w");
+    REQUIRE(f);
+    std::fputs(json.c_str(), f);
+    std::fclose(f);
+    return models::read_hf_config<Config>(file);
+  };
+  const auto llama = read(R"({"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                              "head_dim": 16, "attention_dropout": 0.25, "vocab_size": 50,
+                              "intermediate_size": 64, "num_hidden_layers": 1})",
+                          models::llama_config{});
+  CHECK(llama.head_dim == 16);
+  CHECK(llama.attention_dropout == 0.25);
+  CHECK(llama.max_position_embeddings == 2048);  // transformers' default when the file has none
+  CHECK(models::hf_config_json(llama)["head_dim"] == 16);
+  CHECK(models::hf_config_json(llama)["attention_dropout"] == 0.25);
+  models::LlamaForCausalLM<float> m(llama);
+  std::map<std::string, Shape> shapes;
+  m.parameters([&](std::string_view name, auto& p) { shapes[std::string(name)] = p.shape; });
+  CHECK(shapes.at("model.layers.0.self_attn.q_proj.weight") == Shape{64, 32});  // 4 heads of 16
+  CHECK(shapes.at("model.layers.0.self_attn.k_proj.weight") == Shape{32, 32});  // 2 kv heads of 16
+  CHECK(shapes.at("model.layers.0.self_attn.o_proj.weight") == Shape{32, 64});
+
+  CHECK_THROWS_WITH(read(R"({"scale_attn_weights": false})", models::gpt2_config{}),
+                    Catch::Contains("scale_attn_weights false (unscaled scores) is not supported"));
+  CHECK_THROWS_WITH(read(R"({"scale_attn_by_inverse_layer_idx": true})", models::gpt2_config{}),
+                    Catch::Contains("scale_attn_by_inverse_layer_idx true"));
+  CHECK_NOTHROW(read(R"({"scale_attn_weights": true, "scale_attn_by_inverse_layer_idx": false})",
+                     models::gpt2_config{}));
+  fs::remove(file);
+}
+
+// A forward past the position table raises naming the positions, as GPT-2's wpe does.
+TEST_CASE("LLaMA refuses positions past max_position_embeddings", "[models]") {
+  models::llama_config c{.vocab_size = 20, .hidden_size = 8, .intermediate_size = 16, .num_hidden_layers = 1,
+                         .num_attention_heads = 2, .max_position_embeddings = 4};
+  models::LlamaForCausalLM<double> m(c);
+  nn::Replicated<double, models::LlamaForCausalLM<double>> owner(m, 1);
+  nn::context ctx({.training = false});
+  CHECK_THROWS_WITH(ctx.forward(m, tokens(1, 5, 20, 1)),
+                    Catch::Contains("positions 0..4 (0 cached, sequence 5) exceed max_position_embeddings 4"));
+  m.enable_kv_cache(4);
+  CHECK_NOTHROW(ctx.forward(m, tokens(1, 3, 20, 2)));
+  CHECK_THROWS_WITH(ctx.forward(m, tokens(1, 2, 20, 3)), Catch::Contains("positions 3..4 (3 cached"));
 }
 
 TEMPLATE_TEST_CASE("generation with the KV cache equals generation by full forwards", "[models][generate]",

@@ -587,4 +587,7 @@ TEST_CASE("constant and warmup + cosine schedules at their key steps", "[optim][
 
   CHECK_THROWS_AS((warmup_cosine{.warmup_steps = 10, .total_steps = 5}(0)), error);
   CHECK_THROWS_AS(s(-1), error);
+  // A minimum above the peak would make the "decay" climb.
+  CHECK_THROWS_WITH((warmup_cosine{.peak_lr = 1e-4, .min_lr = 3e-4, .total_steps = 10}(0)),
+                    "warmup_cosine: needs 0 <= min_lr <= peak_lr, got min_lr 0.0003 and peak_lr 0.0001");
 }

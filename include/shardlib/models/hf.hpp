@@ -46,6 +46,12 @@ inline void from_json(const nlohmann::json& j, gpt2_config& c) {
   get("layer_norm_epsilon", c.layer_norm_epsilon);
   get("initializer_range", c.initializer_range);
   get("tie_word_embeddings", c.tie_word_embeddings);
+  // transformers' switches that change the attention's scores: only their defaults
+  // (scores q.k / sqrt(head_dim)) are GPT-2's here.
+  require(!j.contains("scale_attn_weights") || j["scale_attn_weights"] != false,
+          "gpt2_config: scale_attn_weights false (unscaled scores) is not supported");
+  require(!j.contains("scale_attn_by_inverse_layer_idx") || j["scale_attn_by_inverse_layer_idx"] != true,
+          "gpt2_config: scale_attn_by_inverse_layer_idx true (scores also divided by layer + 1) is not supported");
   if (j.contains("activation_function"))
     require(j["activation_function"] == "gelu_new", "gpt2_config: activation_function ", j["activation_function"].dump(),
             " is not supported (GPT-2's MLP uses gelu_new, the tanh approximation)");
@@ -60,12 +66,14 @@ inline void from_json(const nlohmann::json& j, llama_config& c) {
   get("num_hidden_layers", c.num_hidden_layers);
   get("num_attention_heads", c.num_attention_heads);
   get("num_key_value_heads", c.num_key_value_heads);
+  get("head_dim", c.head_dim);
   get("max_position_embeddings", c.max_position_embeddings);
   get("rms_norm_eps", c.rms_norm_eps);
   get("rope_theta", c.rope_theta);
   get("initializer_range", c.initializer_range);
   get("attention_bias", c.attention_bias);
   get("mlp_bias", c.mlp_bias);
+  get("attention_dropout", c.attention_dropout);
   get("tie_word_embeddings", c.tie_word_embeddings);
   require(!j.contains("rope_scaling") || j["rope_scaling"].is_null(), "llama_config: rope_scaling ",
           j.contains("rope_scaling") ? j["rope_scaling"].dump() : "", " is not supported");
@@ -108,6 +116,8 @@ inline nlohmann::ordered_json hf_config_json(const llama_config& c) {
           {"initializer_range", c.initializer_range},
           {"attention_bias", c.attention_bias},
           {"mlp_bias", c.mlp_bias},
+          {"attention_dropout", c.attention_dropout},
+          {"head_dim", c.head_dim > 0 ? c.head_dim : c.hidden_size / c.num_attention_heads},
           {"tie_word_embeddings", c.tie_word_embeddings},
           {"torch_dtype", "float32"}};
 }

@@ -19,7 +19,7 @@
 
 namespace shardlib::models {
 
-// LlamaConfig's fields; the defaults are LLaMA-2-7B's.
+// LlamaConfig's fields, with transformers' defaults (LLaMA-1-7B's sizes).
 struct llama_config {
   std::int64_t vocab_size = 32000;
   std::int64_t hidden_size = 4096;
@@ -27,11 +27,13 @@ struct llama_config {
   std::int64_t num_hidden_layers = 32;
   std::int64_t num_attention_heads = 32;
   std::int64_t num_key_value_heads = 0;  // 0 = num_attention_heads (no grouping)
-  std::int64_t max_position_embeddings = 4096;
+  std::int64_t head_dim = 0;             // 0 = hidden_size / num_attention_heads
+  std::int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000;
   double initializer_range = 0.02;
   bool attention_bias = false, mlp_bias = false;
+  double attention_dropout = 0;  // on the attention weights, in training
   bool tie_word_embeddings = false;
 };
 
@@ -50,8 +52,10 @@ class LlamaDecoderLayer {
       : self_attn({.hidden_size = c.hidden_size,
                    .num_attention_heads = c.num_attention_heads,
                    .num_key_value_heads = c.num_key_value_heads,
+                   .head_dim = c.head_dim,
                    .rope_theta = c.rope_theta,
                    .attention_bias = c.attention_bias,
+                   .attention_dropout = c.attention_dropout,
                    .initializer_range = c.initializer_range}),
         mlp({.hidden_size = c.hidden_size, .intermediate_size = c.intermediate_size, .bias = c.mlp_bias}),
         input_layernorm(c.hidden_size, c.rms_norm_eps),
@@ -120,7 +124,8 @@ class LlamaModel {
   explicit LlamaModel(const llama_config& c)
       : embed_tokens(detail::checked(c).vocab_size, c.hidden_size),
         layers(std::size_t(c.num_hidden_layers), LlamaDecoderLayer<T, Space>(c)),
-        norm(c.hidden_size, c.rms_norm_eps) {
+        norm(c.hidden_size, c.rms_norm_eps),
+        max_position_embeddings_(c.max_position_embeddings) {
     embed_tokens.weight.init = nn::init_rule::normal_with(0, c.initializer_range);
   }
 
@@ -144,6 +149,12 @@ class LlamaModel {
   template <class Ctx>
   output forward(Ctx& ctx, const input& ids) {
     require<shape_error>(ids.rank() == 2, "LlamaModel: input_ids must be [batch, seq], got ", ids.shape());
+    if constexpr (requires { layers[0].self_attn.kv_cache_length(); }) {
+      const std::int64_t cached = layers.empty() ? 0 : layers[0].self_attn.kv_cache_length();
+      require<shape_error>(cached + ids.shape()[1] <= max_position_embeddings_, "LlamaModel: positions ", cached, "..",
+                           cached + ids.shape()[1] - 1, " (", cached, " cached, sequence ", ids.shape()[1],
+                           ") exceed max_position_embeddings ", max_position_embeddings_);
+    }
     output x = ctx.forward(embed_tokens, ids);
     for (auto& layer : layers) x = ctx.forward(layer, x);
     return ctx.forward(norm, x);
@@ -162,6 +173,9 @@ class LlamaModel {
   void disable_kv_cache() {
     for (auto& layer : layers) layer.disable_kv_cache();
   }
+
+ private:
+  std::int64_t max_position_embeddings_;
 };
 
 // Hugging Face's LlamaForCausalLM: ids [batch, seq] -> logits [batch, seq,

@@ -170,6 +170,7 @@ class position_embedding_base {
     require<shape_error>(x.rank() >= 2 && x[x.rank() - 1] == dim_, "PositionEmbedding(", max_, ", ", dim_,
                          "): input must be [..., sequence, ", dim_, "], got shape ", x);
     const std::int64_t seq = x[x.rank() - 2];
+    require<shape_error>(seq > 0, "PositionEmbedding(", max_, ", ", dim_, "): the input ", x, " has no positions");
     require<shape_error>(offset_ + seq <= max_, "PositionEmbedding(", max_, ", ", dim_, "): positions ", offset_, "..",
                          offset_ + seq - 1, " (offset ", offset_, ", sequence ", seq,
                          ") exceed the table's max_positions ", max_);

@@ -43,6 +43,8 @@ struct warmup_cosine {
     const std::int64_t w = warmup_steps, n = total_steps;
     require(t >= 0, "warmup_cosine: negative step ", t);
     require(w >= 0 && n >= w, "warmup_cosine: needs 0 <= warmup_steps <= total_steps, got ", w, " and ", n);
+    require(min_lr >= 0 && min_lr <= peak_lr, "warmup_cosine: needs 0 <= min_lr <= peak_lr, got min_lr ", min_lr,
+            " and peak_lr ", peak_lr);
     require(start_factor >= 0 && start_factor <= 1, "warmup_cosine: start_factor ", start_factor,
             " is not in [0, 1]");
     if (t < w) return static_cast<float>(peak_lr * (start_factor + (1 - start_factor) * double(t) / double(w)));
