@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <string>
@@ -370,6 +372,77 @@ TEMPLATE_TEST_CASE("GPT-2 and LLaMA save in Hugging Face's layout and load back"
   }
   CHECK(saved[0] == saved[1]);
   fs::remove_all(out);
+}
+
+// save_pretrained's rule: a save replaces what an earlier one left in the directory,
+// so that a load never reads the old weights or a mix of two saves.
+TEST_CASE("saving again into a directory replaces the earlier save, single or sharded", "[models][hf]") {
+  using Model = models::GPT2LMHeadModel<float>;
+  const fs::path dir = fs::temp_directory_path() / cat("shardlib_test_resave_", ::getpid());
+  fs::remove_all(dir);
+  Model model = golden_model<Model>();
+  nn::Replicated<float, Model> owner(model, 1);
+  const auto values = [&] {
+    std::vector<float> v;
+    model.parameters([&](std::string_view, nn::Param<float>& p) { v.insert(v.end(), p.values().begin(), p.values().end()); });
+    return v;
+  };
+  const auto loaded = [&] {
+    Model other = golden_model<Model>();
+    nn::Replicated<float, Model> o(other, 99);
+    models::load_hf(o, dir);
+    std::vector<float> v;
+    other.parameters([&](std::string_view, nn::Param<float>& p) { v.insert(v.end(), p.values().begin(), p.values().end()); });
+    return v;
+  };
+  const auto shards = [&] {
+    std::set<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.path().filename().string().starts_with("model-")) names.insert(e.path().filename().string());
+    return names;
+  };
+  models::save_hf(owner, dir);
+  owner.values()[0] += 1;
+  models::save_hf(owner, dir, 20'000);  // sharded over the single file
+  CHECK_FALSE(fs::exists(dir / "model.safetensors"));
+  CHECK(loaded() == values());
+  const auto many = shards();
+  CHECK(many.size() > 2);
+  owner.values()[0] += 1;
+  models::save_hf(owner, dir, 60'000);  // fewer files: the others go
+  CHECK(shards().size() < many.size());
+  CHECK(loaded() == values());
+  std::ifstream in(dir / "model.safetensors.index.json");
+  const std::string index((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const auto& f : shards()) CHECK_THAT(index, Catch::Contains(f));
+  owner.values()[0] += 1;
+  models::save_hf(owner, dir);  // single over sharded: the index and its files go
+  CHECK(shards().empty());
+  CHECK_FALSE(fs::exists(dir / "model.safetensors.index.json"));
+  CHECK(loaded() == values());
+  fs::remove_all(dir);
+}
+
+// A directory rank 0 cannot create fails the save on every rank, none left waiting.
+TEST_CASE("save_hf that fails on rank 0 raises io_error on every rank", "[models][hf][shard]") {
+  using Model = models::GPT2LMHeadModel<float>;
+  const fs::path file = fs::temp_directory_path() / cat("shardlib_test_not_a_dir_", ::getpid());
+  std::ofstream(file) << "a plain file\n";
+  std::vector<std::string> errors(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model model = golden_model<Model>();
+    auto sharded = shard::fully_shard<optim::AdamW>(model, c, shard::FullShard{},
+                                                    {.wrap = shard::wrap_types<Model::block_type>{}, .seed = 3});
+    try {
+      models::save_hf(sharded, file / "out");  // a directory inside a plain file
+    } catch (const io_error& e) {
+      errors[std::size_t(c.rank())] = e.what();
+    }
+    c.barrier();  // the ranks are still in step
+  });
+  CHECK_THAT(errors[0], Catch::StartsWith("rank 0: creating " + (file / "out").string()));
+  CHECK_THAT(errors[1], Catch::Contains("rank 1: creating") && Catch::Contains("stopped because rank 0 failed"));
+  fs::remove(file);
 }
 
 namespace {

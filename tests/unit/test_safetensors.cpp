@@ -1147,6 +1147,18 @@ TEST_CASE("strict loads name every missing, unexpected and misshapen tensor, and
                    Contains("missing (1): 1.layers.0.bias"));
 }
 
+// One index maps names to files: a name in two files would lose one of them.
+TEST_CASE("a sharded save refuses two parameters under one file name", "[io][state_dict]") {
+  temp_dir dir;
+  Lm m = make_lm();
+  nn::Replicated<float, Lm> owner(m, 1);
+  state_dict_options o;
+  o.names = name_map([](std::string_view f) { return std::string(f); }, [](std::string_view) { return "x"s; });
+  o.max_shard_bytes = 1;  // a file per tensor: no one file holds both
+  CHECK_THROWS_WITH(save_state_dict(dir / "out", owner, o), Contains("two parameters are written under the name 'x'"));
+  CHECK_FALSE(std::filesystem::exists(dir / "out"));
+}
+
 TEST_CASE("save_state_dict writes the file's names, layouts and dtype, the tie once, and loads back",
           "[io][state_dict]") {
   temp_dir dir;

@@ -29,7 +29,7 @@
 #include <algorithm>    // std::copy, std::reverse
 #include <cstddef>      // std::byte, std::size_t
 #include <cstdint>      // std::uint64_t, std::int64_t
-#include <cstdio>       // std::snprintf
+#include <cstdio>       // std::snprintf, std::sscanf
 #include <filesystem>   // std::filesystem
 #include <functional>   // std::function, std::less
 #include <map>          // std::map
@@ -303,6 +303,18 @@ inline std::string shard_file_name(std::size_t k, std::size_t n) {
   std::snprintf(b, sizeof b, "model-%05zu-of-%05zu.safetensors", k, n);
   return b;
 }
+inline bool is_shard_file_name(const std::string& name) {
+  std::size_t k = 0, n = 0;
+  return std::sscanf(name.c_str(), "model-%zu-of-%zu.safetensors", &k, &n) == 2 && shard_file_name(k, n) == name;
+}
+
+// The files of an earlier sharded save into `dir` that a new save did not overwrite.
+inline void remove_shards_except(const std::filesystem::path& dir, const std::set<std::string>& keep) {
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (is_shard_file_name(name) && !keep.contains(name)) std::filesystem::remove(e.path());
+  }
+}
 
 // Writes tensors under the file's names and layout (one file, or the sharded layout).
 template <class T>
@@ -344,7 +356,20 @@ void write_state_dict(const std::filesystem::path& path, const std::vector<tenso
     for (std::size_t i = from; i < to; ++i) w.add(out[i].name, type, out[i].shape, out[i].bytes);
     w.write(file);
   };
-  if (o.max_shard_bytes == 0) return write_file(path, 0, out.size());
+  if (o.max_shard_bytes == 0) {
+    write_file(path, 0, out.size());
+    // Over an earlier sharded save in Hugging Face's layout: its files go (loads read
+    // model.safetensors first anyway).
+    if (path.filename() == hf_single_name) {
+      const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
+      std::filesystem::remove(dir / hf_index_name);
+      remove_shards_except(dir, {});
+    }
+    return;
+  }
+  std::set<std::string_view> names;  // the files' tensors are found by name through one index
+  for (const auto& c : out)
+    if (!names.insert(c.name).second) fail(path.string(), "two parameters are written under the name '", c.name, "'");
   std::vector<std::size_t> starts{0};  // files hold out[starts[k], starts[k + 1])
   std::uint64_t in_file = 0, total = 0;
   for (std::size_t i = 0; i < out.size(); ++i) {
@@ -358,16 +383,24 @@ void write_state_dict(const std::filesystem::path& path, const std::vector<tenso
   }
   starts.push_back(out.size());
   std::filesystem::create_directories(path);
+  // No moment at which a load could mix files of two saves: the old index and a
+  // model.safetensors (read before any index) go first, the new index comes last,
+  // and the files of the old save that the new one did not overwrite go then.
+  std::filesystem::remove(path / hf_index_name);
+  std::filesystem::remove(path / hf_single_name);
   const std::size_t n = starts.size() - 1;
   nlohmann::ordered_json index{{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::ordered_json::object()}};
+  std::set<std::string> written;
   for (std::size_t k = 0; k < n; ++k) {
     const std::string fn = shard_file_name(k + 1, n);
     write_file(path / fn, starts[k], starts[k + 1]);
+    written.insert(fn);
     for (std::size_t i = starts[k]; i < starts[k + 1]; ++i) index["weight_map"][out[i].name] = fn;
   }
   atomic_file f(path / hf_index_name);
   f.write(as_bytes(index.dump(2) + "\n"));
   f.commit();
+  remove_shards_except(path, written);
 }
 
 }  // namespace detail

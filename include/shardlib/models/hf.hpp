@@ -24,6 +24,7 @@
 #include <filesystem>   // std::filesystem::path
 #include <fstream>      // std::ifstream
 #include <string>       // std::string
+#include <string_view>  // std::string_view
 #include <type_traits>  // std::is_same_v
 
 namespace shardlib::models {
@@ -156,6 +157,27 @@ auto& held_model(Holder& h) {
   if constexpr (requires { h.model(); }) return h.model();
   else return h.layer();
 }
+
+// Runs f as the rank that writes: rank 0 of a ShardedModel, all ranks agreeing on
+// whether it failed (io_error on every rank, none left waiting in a collective),
+// or the one caller of an nn::Replicated.
+template <class Holder, class F>
+void as_writer(Holder& h, std::string_view what, F&& f) {
+  if constexpr (requires { h.comm(); }) {
+    auto comm = io::detail::host_collectives_of(h);
+    io::detail::on_all_ranks(comm, what, [&] {
+      if (h.comm().rank() == 0) f();
+    });
+  } else {
+    try {
+      f();
+    } catch (const io_error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw io_error(cat(what, ": ", e.what()));
+    }
+  }
+}
 }  // namespace detail
 
 // Loads a checkpoint transformers wrote (a directory with model.safetensors or the
@@ -177,14 +199,13 @@ void save_hf(Holder& holder, const std::filesystem::path& dir, std::uint64_t max
   auto& model = detail::held_model(holder);
   io::state_dict_options o = hf_options(model);
   o.max_shard_bytes = max_shard_bytes;
-  bool writer = true;
-  if constexpr (requires { holder.comm(); }) writer = holder.comm().rank() == 0;
-  if (writer) std::filesystem::create_directories(dir);
+  detail::as_writer(holder, cat("creating ", dir.string()), [&] { std::filesystem::create_directories(dir); });
   io::save_state_dict(max_shard_bytes > 0 ? dir : dir / "model.safetensors", holder, o);
-  if (!writer) return;
-  io::detail::atomic_file f(dir / "config.json");
-  f.write(io::detail::as_bytes(hf_config_json(model.config()).dump(2) + "\n"));
-  f.commit();
+  detail::as_writer(holder, cat("writing ", (dir / "config.json").string()), [&] {
+    io::detail::atomic_file f(dir / "config.json");
+    f.write(io::detail::as_bytes(hf_config_json(model.config()).dump(2) + "\n"));
+    f.commit();
+  });
 }
 
 }  // namespace shardlib::models
