@@ -621,6 +621,24 @@ TEST_CASE("saving under an existing tag replaces it in one atomic step", "[check
   CHECK(io::verify_checkpoint(dir / "best").empty());
 }
 
+TEST_CASE("a tag naming a directory that is not a checkpoint leaves it alone", "[checkpoint][atomic]") {
+  temp_dir dir("not_a_checkpoint");
+  fs::create_directories(dir / "data");
+  std::ofstream(dir / "data" / "keep.txt") << "the user's\n";
+  std::vector<std::string> errors(2);
+  on_ranks(2, shard::FullShard{}, wrap_blocks(), [&](auto& model, auto& adam, auto& c) {
+    try {
+      io::save_checkpoint(dir.path, model, adam, {.tag = "data"});
+    } catch (const io_error& e) {
+      errors[std::size_t(c.rank())] = e.what();
+    }
+  });
+  for (const auto& e : errors)
+    CHECK_THAT(e, Contains((dir / "data").string() + ": exists and is not a checkpoint (it has no metadata.json)"));
+  CHECK(fs::exists(dir / "data" / "keep.txt"));
+  CHECK(dir_names(dir.path) == std::vector<std::string>{"data"});
+}
+
 TEST_CASE("bad input: each case raises a clear error on every rank and changes nothing", "[checkpoint][bad]") {
   temp_dir dir("bad");
   const auto root = dir / "root";

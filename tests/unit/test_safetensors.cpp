@@ -1159,6 +1159,17 @@ TEST_CASE("a sharded save refuses two parameters under one file name", "[io][sta
   CHECK_FALSE(std::filesystem::exists(dir / "out"));
 }
 
+// F16 holds at most 65504: a larger weight saved in it is an error naming it, not an inf.
+TEST_CASE("a save in F16 refuses values beyond its range", "[io][state_dict]") {
+  temp_dir dir;
+  Lm m = make_lm();
+  nn::Replicated<float, Lm> owner(m, 1);
+  owner.values()[owner.values().size() - 1] = 7e4f;
+  CHECK_THROWS_WITH(save_state_dict(dir / "f16.safetensors", owner, {.save_dtype = dtype::f16}),
+                    Contains("parameter '2.bias' holds 70000, beyond F16's range: it would be saved as inf"));
+  CHECK_NOTHROW(save_state_dict(dir / "bf16.safetensors", owner, {.save_dtype = dtype::bf16}));  // bf16 reaches 3e38
+}
+
 TEST_CASE("save_state_dict writes the file's names, layouts and dtype, the tie once, and loads back",
           "[io][state_dict]") {
   temp_dir dir;

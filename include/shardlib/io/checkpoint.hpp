@@ -95,7 +95,7 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
   });
   try {
     detail::on_all_ranks(comm, what, [&] {
-      if (rank == 0) m.sequence = detail::prepare_save(root, temp);
+      if (rank == 0) m.sequence = detail::prepare_save(final_dir, temp);
     });
     m.tag = tag;
     m.world_size = comm.size();

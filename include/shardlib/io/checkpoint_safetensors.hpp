@@ -239,7 +239,7 @@ inline std::filesystem::path safetensors_to_checkpoint(const std::filesystem::pa
   if (!detail::valid_tag(m.tag))
     throw io_error(cat("checkpoint tag \"", m.tag, "\" must be 1-200 letters, digits or -_.+= not starting with '.'"));
   const auto final_dir = root / m.tag, temp = root / cat(detail::temp_prefix, m.tag);
-  m.sequence = detail::prepare_save(root, temp);
+  m.sequence = detail::prepare_save(final_dir, temp);
   try {
     for (int p = 0; p < m.partitions; ++p)
       m.files.push_back(detail::write_shard_file(

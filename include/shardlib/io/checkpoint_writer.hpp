@@ -135,8 +135,20 @@ inline void remove_quietly(const std::filesystem::path& p) {
   std::filesystem::remove_all(p, ignored);
 }
 
-// Creates root and a fresh temporary directory; returns the next save's sequence number.
-inline std::uint64_t prepare_save(const std::filesystem::path& root, const std::filesystem::path& temp) {
+// A tag's directory is replaced only when it holds a checkpoint (metadata.json),
+// never data of the user's that happens to have the tag's name.
+inline void require_replaceable(const std::filesystem::path& final_dir) {
+  std::error_code ec;
+  if (!std::filesystem::exists(final_dir, ec) || std::filesystem::is_regular_file(final_dir / metadata_name, ec)) return;
+  fail(final_dir.string(), "exists and is not a checkpoint (it has no ", metadata_name,
+       "), so a save under this tag does not replace it; remove it or choose another tag");
+}
+
+// Creates the root (final_dir's parent) and a fresh temporary directory; returns the
+// next save's sequence number.
+inline std::uint64_t prepare_save(const std::filesystem::path& final_dir, const std::filesystem::path& temp) {
+  require_replaceable(final_dir);
+  const std::filesystem::path root = final_dir.parent_path();
   std::error_code ec;
   std::filesystem::create_directories(root, ec);
   if (ec) fail(root.string(), "cannot create the checkpoint root: ", ec.message());
@@ -159,6 +171,7 @@ inline void commit_checkpoint(const std::filesystem::path& temp, const std::file
   out.write(as_bytes(text));
   out.finish();
   sync_directory(temp);
+  require_replaceable(final_dir);
   std::error_code ec;
   if (std::filesystem::exists(final_dir, ec)) {
     if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0)

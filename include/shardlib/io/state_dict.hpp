@@ -27,6 +27,7 @@
 #include <nlohmann/json.hpp>  // nlohmann::json, nlohmann::ordered_json
 
 #include <algorithm>    // std::copy, std::reverse
+#include <cmath>        // std::isinf, std::isfinite
 #include <cstddef>      // std::byte, std::size_t
 #include <cstdint>      // std::uint64_t, std::int64_t
 #include <cstdio>       // std::snprintf, std::sscanf
@@ -283,18 +284,20 @@ struct tensor_to_save {
   std::span<const T> values;
 };
 
+// Appends v in `type`; false when a finite v is beyond its range (it would be inf).
 template <class T>
-void append_converted(std::vector<std::byte>& out, dtype type, T v) {
+bool append_converted(std::vector<std::byte>& out, dtype type, T v) {
   const auto put = [&](auto x) {
     const auto* b = reinterpret_cast<const std::byte*>(&x);
     out.insert(out.end(), b, b + sizeof x);
+    return !std::isinf(double(x)) || !std::isfinite(double(v));
   };
   switch (type) {
     case dtype::f32: return put(element_cast<float>(v));
     case dtype::f64: return put(element_cast<double>(v));
     case dtype::f16: return put(element_cast<half>(v));
     case dtype::bf16: return put(element_cast<bfloat16>(v));
-    default: break;
+    default: return true;
   }
 }
 
@@ -346,8 +349,12 @@ void write_state_dict(const std::filesystem::path& path, const std::vector<tenso
     converted c{o.names.to_file(t.name), transpose ? reversed(t.shape) : t.shape, {}};
     c.bytes.reserve(t.values.size() * size_of(type));
     const auto rows = std::size_t(transpose ? t.shape[0] : 0), cols = std::size_t(transpose ? t.shape[1] : 0);
-    for (std::size_t i = 0; i < t.values.size(); ++i)  // file element i is model element (i % rows, i / rows)
-      append_converted(c.bytes, type, transpose ? t.values[(i % rows) * cols + i / rows] : t.values[i]);
+    for (std::size_t i = 0; i < t.values.size(); ++i) {  // file element i is model element (i % rows, i / rows)
+      const T v = transpose ? t.values[(i % rows) * cols + i / rows] : t.values[i];
+      if (!append_converted(c.bytes, type, v))
+        fail(path.string(), "parameter '", t.name, "' holds ", double(v), ", beyond ", shardlib::name(type),
+             "'s range: it would be saved as inf");
+    }
     out.push_back(std::move(c));
   }
   const auto write_file = [&](const std::filesystem::path& file, std::size_t from, std::size_t to) {

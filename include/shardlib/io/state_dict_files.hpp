@@ -114,20 +114,22 @@ class state_dict_files {
     for (const auto& [fn, names] : by_file) open_file(p.parent_path() / fn, &names);
   }
 
+  // A finite value beyond T's range (F64 into float, F32 into half) is an error,
+  // not an inf in the model.
   template <class T>
   T convert(const stored& t, std::uint64_t element, const std::byte* p) const {
+    const auto checked = [&](auto v) {
+      const T x = element_cast<T>(v);
+      if (std::isinf(double(x)) && std::isfinite(double(v)))
+        fail(origin_, "tensor \"", t.info.name, "\" element ", element, " is ", double(v), ", beyond ",
+             shardlib::name(dtype_of<T>), "'s range: it would load as inf");
+      return x;
+    };
     switch (t.info.type) {
-      case dtype::f32: return element_cast<T>(load<float>(p));
-      case dtype::f16: return element_cast<T>(load<half>(p));
-      case dtype::bf16: return element_cast<T>(load<bfloat16>(p));
-      case dtype::f64: {
-        const double v = load<double>(p);
-        const T x = element_cast<T>(v);
-        if (std::isinf(double(x)) && std::isfinite(v))
-          fail(origin_, "tensor \"", t.info.name, "\" element ", element, " is ", v, ", beyond ", shardlib::name(dtype_of<T>),
-               "'s range: it would load as inf");
-        return x;
-      }
+      case dtype::f32: return checked(load<float>(p));
+      case dtype::f16: return checked(load<half>(p));
+      case dtype::bf16: return checked(load<bfloat16>(p));
+      case dtype::f64: return checked(load<double>(p));
       default:
         fail(origin_, "tensor \"", t.info.name, "\" has dtype ", shardlib::name(t.info.type),
              "; parameters load from F32, F64, F16 or BF16");
