@@ -58,6 +58,7 @@ struct settings {
   // --encoder's model; --params reads its --layers, --heads and --seq.
   example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .classes = 10, .seq = 16};
   int world = 4, group = 2, prefetch = 1;
+  bool group_given = false;  // --group: the chooser tries that group size alone
   std::vector<int> worlds;
   std::string strategy = "all", param = "f32", reduce = "f32", compute, optimizer = "adam", json;
   double memory = 80, bandwidth = 100, flops = 100;
@@ -125,6 +126,11 @@ settings parse(int argc, char** argv) {
   cli.add_option("--json", s.json, "writes one JSON line per strategy and world size");
   cli.callback([&] {
     if (s.article) return;
+    s.group_given = cli.get_option("--group")->count() > 0;
+    if (s.group_given)
+      for (int w : s.worlds.empty() ? std::vector<int>{s.world} : s.worlds)
+        if (w % s.group != 0)
+          throw CLI::ValidationError("--group", cat(s.group, " does not divide the world size ", w));
     if (!s.preset.empty()) {
       if (cli.get_option("--seq")->count() == 0) s.model.seq = 0;  // the preset's
       if (batch->count() == 0) s.batch = 1;
@@ -294,13 +300,17 @@ void print_table(const plan::model_desc& d, const plan::setup& base, const std::
                  std::string(name(s.precision.compute)).c_str(), d.units.size(), d.parameters(), bytes.c_str(),
                  p.sent.total(), p.sent.all_gather, p.sent.reduce_scatter, p.sent.all_reduce);
   }
+  for (const plan::setup& s : setups)
+    if (const std::string why = plan::engine_refusal(s); !why.empty())
+      std::printf("# %s: the formula only; the engine refuses it: %s\n", plan::label(s).c_str(), why.c_str());
   if (!setups.empty() && base.precision.param != dtype::f32) print_model_states(d, setups, u);
 }
 
-void print_choice(const plan::model_desc& d, const plan::setup& base, const plan::machine& mc) {
+void print_choice(const plan::model_desc& d, const plan::setup& base, const plan::machine& mc, bool group_given) {
   std::printf("\n# which fits %g GB per rank, sending %g GB/s and computing %g TFLOP/s per rank (fastest first)\n",
               mc.memory_bytes / 1e9, mc.link_bytes_per_s / 1e9, mc.flops_per_s / 1e12);
-  for (const auto& c : plan::choose(d, base, mc)) std::printf("%s %s\n", c.fits ? "+" : "-", c.why.c_str());
+  const std::vector<int> groups = group_given ? std::vector<int>{base.group} : std::vector<int>{};
+  for (const auto& c : plan::choose(d, base, mc, groups)) std::printf("%s %s\n", c.fits ? "+" : "-", c.why.c_str());
 }
 
 void article() {
@@ -334,7 +344,7 @@ void article() {
       "#   gathers the blocks again in backward: (3/4)·4 B·(2Ψ - root) + 18 = 52.9 GB.\n"
       "#   activations (Korthikanti et al. 2022): 28·2048·4096·(34 + 5·16·2048/4096) B = 17.381 GB in 16 bits.\n");
   print_choice(plan::transformer(shape, dtype::bf16), {.world = 4, .precision = bf16},
-               {.memory_bytes = 80e9, .link_bytes_per_s = 200e9, .flops_per_s = 150e12});
+               {.memory_bytes = 80e9, .link_bytes_per_s = 200e9, .flops_per_s = 150e12}, false);
 }
 
 }  // namespace
@@ -385,7 +395,7 @@ int main(int argc, char** argv) {
       std::printf("\n");
       print_setup(base);
       print_table(d, base, strategies(s.strategy), json);
-      print_choice(d, base, mc);
+      print_choice(d, base, mc, s.group_given);
     }
     if (json) std::fclose(json);
   } catch (const std::exception& e) {

@@ -11,6 +11,7 @@
 #include "shardlib/nn/sequential.hpp"
 #include "shardlib/nn/stack.hpp"
 #include "shardlib/optim/adam.hpp"
+#include "shardlib/plan/memory_plan.hpp"
 #include "shardlib/shard/sharded_model.hpp"
 #include "support/checkpoint_files.hpp"
 #include "support/negated_space.hpp"
@@ -344,6 +345,36 @@ TEST_CASE("the same with the optimizer offloaded to host memory beside the model
 TEST_CASE("the same with 16-bit layers, whose fp32 master lives only in the offload space",
           "[staging][checkpoint][offload][compute16]") {
   compare_with_host<true, bfloat16>();
+}
+
+// The planner's engine_refusal against the engine itself: 16-bit layers under each
+// strategy and reduction dtype are built, or refused, alike.
+TEST_CASE("16-bit layers: the engine refuses exactly the setups plan::engine_refusal names", "[plan][compute16]") {
+  const auto check = [](auto strategy, plan::strategy s, dtype param, dtype reduce, auto value) {
+    using V = decltype(value);
+    std::string engine;
+    comm::launch(2, [&](comm::ThreadComm& c) {
+      auto model = make_model<host_space, V>();
+      try {
+        auto sharded = shard::fully_shard<optim::Adam>(
+            model, c, strategy, {.wrap = shard::wrap_types<Layer<host_space, V>>{}, .precision = {param, reduce}});
+      } catch (const error& e) {
+        if (c.rank() == 0) engine = e.what();
+      }
+    });
+    const std::string planned = plan::engine_refusal(
+        {.strategy = s, .world = 2, .group = 2, .precision = plan::precision::param_layers({param, reduce})});
+    INFO(plan::name(s) << ", " << name(param) << " layers, " << name(reduce) << " reduction: engine \"" << engine
+                       << "\", planner \"" << planned << "\"");
+    CHECK(engine.empty() == planned.empty());
+  };
+  for (dtype reduce : {dtype::f32, dtype::bf16, dtype::f16}) {
+    check(shard::FullShard{}, plan::strategy::full_shard, dtype::bf16, reduce, bfloat16{});
+    check(shard::ShardGradOp{}, plan::strategy::shard_grad_op, dtype::bf16, reduce, bfloat16{});
+    check(shard::ShardOptimizer{}, plan::strategy::shard_optimizer, dtype::f16, reduce, half{});
+    check(shard::NoShard{}, plan::strategy::no_shard, dtype::bf16, reduce, bfloat16{});
+    check(shard::HybridShard{.group_size = 2}, plan::strategy::hybrid_shard, dtype::f16, reduce, half{});
+  }
 }
 
 // --- train_step deciding in the model's space -----------------------------------------------

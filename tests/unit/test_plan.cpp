@@ -296,26 +296,52 @@ TEST_CASE("the chooser keeps what fits and ranks it by predicted step time", "[p
   CHECK(tight[0].config.strategy == plan::strategy::full_shard);
   CHECK(tight[0].fits);
   CHECK_THAT(tight[0].why, Catch::StartsWith("FullShard (ZeRO-3/FSDP) fits in 47.6 GB of 50.0 GB"));
-  for (std::size_t i = 1; i < tight.size(); ++i) {
+  for (std::size_t i = 1; i < 4; ++i) {
     CHECK(!tight[i].fits);
     CHECK_THAT(tight[i].why, Catch::Contains("does not fit"));
     CHECK(tight[i].plan.memory.total() >= tight[i - 1].plan.memory.total());
   }
+  // bf16 compute under NoShard: the engine refuses it, so it comes last, whatever it needs.
+  CHECK(tight[4].config.strategy == plan::strategy::no_shard);
+  CHECK(!tight[4].runs);
+  CHECK_THAT(tight[4].why, Catch::StartsWith("NoShard (DDP) cannot run: BF16 compute keeps fp32 masters"));
   // Unlimited memory, a slow link (1 GB/s), instant compute: step time is bytes sent.
-  // ZeRO-2's gather + reduce-scatter, ZeRO-1's reduce-scatter + bf16 all-gather of its
-  // updated quarters, and DDP's bf16 all-reduce send 18 GB each (ties go to the smaller
-  // memory: ZeRO-2, ZeRO-1, DDP); FullShard gathers again in backward (26.5 GB);
-  // HybridShard all-reduces fp32 shards across its 2 replicas (17.6 + 12 GB).
+  // ZeRO-2's gather + reduce-scatter and ZeRO-1's reduce-scatter + bf16 all-gather of
+  // its updated quarters send 18 GB each (ties go to the smaller memory: ZeRO-2, then
+  // ZeRO-1); FullShard gathers again in backward (26.5 GB); HybridShard all-reduces fp32
+  // shards across its 2 replicas (17.6 + 12 GB); NoShard would fit but cannot run.
   auto slow = plan::choose(d, base, {.memory_bytes = 1e15, .link_bytes_per_s = 1e9, .flops_per_s = 1e30});
   std::vector<plan::strategy> order;
   for (const auto& c : slow) order.push_back(c.config.strategy);
   CHECK(order == std::vector<plan::strategy>{plan::strategy::shard_grad_op, plan::strategy::shard_optimizer,
-                                             plan::strategy::no_shard, plan::strategy::full_shard,
-                                             plan::strategy::hybrid_shard});
+                                             plan::strategy::full_shard, plan::strategy::hybrid_shard,
+                                             plan::strategy::no_shard});
   CHECK(slow[0].step_s == Approx(18.0));
   CHECK(slow[1].step_s == Approx(18.0));
-  CHECK(slow[3].step_s == Approx(0.75 * 2 * (2 * 6e9 - double(root)) / 1e9 + 9.0));
+  CHECK(slow[2].step_s == Approx(0.75 * 2 * (2 * 6e9 - double(root)) / 1e9 + 9.0));
   CHECK_THAT(slow[0].why, Catch::Contains("communication-bound"));
+  CHECK(!slow[4].runs);
+
+  // No FLOPs: no compute time to weigh, which would call every setup communication-bound.
+  auto no_flops = d;
+  no_flops.flops = 0;
+  CHECK_THROWS_WITH(plan::choose(no_flops, base, {}), Catch::Contains("plan::choose: model_desc.flops is 0"));
+}
+
+// engine_refusal mirrors ShardedModel's constructor: what one refuses, the other does too.
+TEST_CASE("the planner refuses the setups the engine refuses", "[plan][chooser]") {
+  const auto bf16 = [](dtype reduce) { return plan::precision::param_layers({.param = dtype::bf16, .reduce = reduce}); };
+  const auto f16 = plan::precision::param_layers({.param = dtype::f16, .reduce = dtype::bf16});
+  CHECK_THAT(plan::engine_refusal({.strategy = plan::strategy::no_shard, .world = 4, .precision = bf16(dtype::bf16)}),
+             Catch::Contains("BF16 compute keeps fp32 masters beside the values"));
+  CHECK_THAT(plan::engine_refusal({.strategy = plan::strategy::full_shard, .world = 4, .precision = f16}),
+             Catch::Contains("with F16 compute the reduction is in F32 or F16, not BF16"));
+  for (plan::strategy s : {plan::strategy::full_shard, plan::strategy::shard_grad_op, plan::strategy::shard_optimizer})
+    for (dtype r : {dtype::f32, dtype::bf16}) CHECK(plan::engine_refusal({.strategy = s, .world = 4, .precision = bf16(r)}).empty());
+  for (plan::strategy s : plan::all_strategies)  // fp32 layers: any strategy, any 16-bit communication
+    CHECK(plan::engine_refusal({.strategy = s, .world = 4, .group = 2,
+                                .precision = plan::precision::fp32_layers({.param = dtype::bf16, .reduce = dtype::f16})})
+              .empty());
 }
 
 // The ZeRO paper's example (Rajbhandari et al. 2020, fig. 1): a 7.5B-parameter model on

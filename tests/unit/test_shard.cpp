@@ -432,6 +432,66 @@ TEMPLATE_TEST_CASE("gradient accumulation, with and without no-sync, equals accu
   }
 }
 
+// A no_sync left on must not reach the optimizer: the gradients would be one rank's
+// alone (NoShard: replicas drift apart) or zeros (sharded gradients: nothing reduced).
+TEMPLATE_TEST_CASE("step and train_step refuse gradients that no backward reduced", "[shard][accumulation]",
+                   shard::FullShard, shard::NoShard) {
+  std::vector<std::string> errors(6);
+  std::vector<int> synced(2, -1);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model m = make_model();
+    auto model = shard::fully_shard<sgd>(m, c, TestType{}, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+    sgd opt;
+    const auto x = batch(0, 2, 5, 1, 2 * c.rank()), y = batch(0, 2, 3, 2, 2 * c.rank());
+    const auto r = std::size_t(c.rank());
+    auto attempt = [&](std::size_t k, auto&& f) {
+      try {
+        f();
+      } catch (const error& e) {
+        if (r == 0) errors[k] = e.what();
+      }
+    };
+    {
+      auto guard = model.no_sync();
+      model.backward(mse(model.forward(x), y).grad);
+    }
+    synced[r] = 0;
+    attempt(0, [&] { model.step(opt); });  // the guard ended, but the backward ran under it
+    model.backward(mse(model.forward(x), y).grad);  // with sync: reduces both micro-batches
+    attempt(1, [&] { model.step(opt); });
+    model.set_sync(false);
+    attempt(2, [&] { model.train_step(opt, x, y, mse); });
+    model.set_sync(true);
+    attempt(3, [&] { model.train_step(opt, x, y, mse); });
+    synced[r] = 1;
+  });
+  CHECK_THAT(errors[0], Catch::Contains("rank 0: step after a backward under set_sync(false) (no_sync): its "
+                                        "gradients were never reduced across ranks"));
+  CHECK(errors[1].empty());
+  CHECK_THAT(errors[2], Catch::Contains("rank 0: train_step under set_sync(false) (no_sync)"));
+  CHECK(errors[3].empty());
+  CHECK(synced == std::vector<int>{1, 1});
+}
+
+TEST_CASE("with fp16 a manual step is refused: only train_step scales and checks", "[shard][precision]") {
+  std::string error_text;
+  comm::launch(1, [&](comm::ThreadComm& c) {
+    Model m = make_model();
+    auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{},
+                                         {.wrap = shard::wrap_types<Block>{}, .seed = 42, .precision = {.param = dtype::f16}});
+    sgd opt;
+    const auto x = batch(0, 2, 5, 1), y = batch(0, 2, 3, 2);
+    model.backward(mse(model.forward(x), y).grad);
+    try {
+      model.step(opt);
+    } catch (const error& e) {
+      error_text = e.what();
+    }
+    CHECK_NOTHROW(model.train_step(opt, x, y, mse));
+  });
+  CHECK_THAT(error_text, Catch::Contains("rank 0: step with fp16 (loss scaling)"));
+}
+
 namespace {
 std::vector<trace> sharded_mixed(int world, int per_rank, int steps, shard::AnyStrategy strategy, shard::mixed_precision p) {
   std::vector<trace> out(world);

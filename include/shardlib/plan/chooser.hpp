@@ -23,6 +23,7 @@ struct choice {
   setup config;
   rank_plan plan;
   bool fits = false;
+  bool runs = true;  // false: the engine refuses the setup (engine_refusal), and why says why
   double compute_s = 0, comm_s = 0, step_s = 0;
   std::string why;  // one line
 };
@@ -52,7 +53,9 @@ inline std::string seconds(double s) {
 
 // Every strategy for base's world, precision, prefetch and optimizer (HybridShard once
 // per group size in hybrid_groups; by default every divisor of the world between 1
-// and it): those that fit first, fastest first, then those that do not, smallest first.
+// and it): those that fit first, fastest first, then those that do not, smallest first,
+// then those the engine refuses (engine_refusal). d.flops must be set: the step time
+// weighs compute against communication.
 // A strategy fits when the sum of its category peaks fits (an upper bound on the
 // peak). Step time = max(compute, overlapped communication) + exposed communication:
 // prefetched gathers and reductions issued as each unit's backward ends run during
@@ -62,6 +65,9 @@ inline std::vector<choice> choose(const model_desc& d, const setup& base, const 
                                   std::vector<int> hybrid_groups = {}) {
   require(mc.memory_bytes > 0 && mc.link_bytes_per_s > 0 && mc.flops_per_s > 0,
           "plan::choose: memory, link bandwidth and compute rate must be positive");
+  require(d.flops > 0, "plan::choose: model_desc.flops is ", d.flops, "; set the forward + backward FLOPs of one "
+          "rank's batch (6 x parameters x tokens, plus attention's 12 x layers x hidden x seq x tokens, for a "
+          "transformer) so that compute is weighed against communication");
   if (hybrid_groups.empty())
     for (int g = 2; g < base.world; ++g)
       if (base.world % g == 0) hybrid_groups.push_back(g);
@@ -83,6 +89,12 @@ inline std::vector<choice> choose(const model_desc& d, const setup& base, const 
     choice ch;
     ch.config = c;
     ch.plan = make_plan(d, c);
+    if (const std::string refusal = engine_refusal(c); !refusal.empty()) {
+      ch.runs = false;
+      ch.why = cat(label(c), " cannot run: ", refusal);
+      out.push_back(std::move(ch));
+      continue;
+    }
     const double total = double(ch.plan.memory.total()), sent = ch.plan.sent.total();
     ch.fits = total <= mc.memory_bytes;
     ch.compute_s = d.flops / mc.flops_per_s;
@@ -100,7 +112,9 @@ inline std::vector<choice> choose(const model_desc& d, const setup& base, const 
       ch.why = cat(label(c), " fits in ", detail::human(total), " of ", detail::human(mc.memory_bytes), "; sends ",
                    detail::human(sent), " per step, ", detail::seconds(ch.comm_s), " against ",
                    detail::seconds(ch.compute_s), " of compute",
-                   exposed_s > 0 ? cat(" (", detail::seconds(exposed_s), " of it not overlapped)") : std::string(),
+                   // under a thousandth of the step (the loss's all-reduce): not worth a clause
+                   exposed_s > 1e-3 * ch.step_s ? cat(" (", detail::seconds(exposed_s), " of it not overlapped)")
+                                                : std::string(),
                    bound ? ": communication-bound" : ": compute-bound", ", ", detail::seconds(ch.step_s), " per step");
     }
     out.push_back(std::move(ch));
@@ -108,6 +122,7 @@ inline std::vector<choice> choose(const model_desc& d, const setup& base, const 
   // Equal step times: fewer bytes sent (less exposed to a slower link than assumed),
   // then less memory (room for a larger batch).
   std::stable_sort(out.begin(), out.end(), [](const choice& a, const choice& b) {
+    if (a.runs != b.runs) return a.runs;
     if (a.fits != b.fits) return a.fits;
     if (a.fits && a.step_s != b.step_s) return a.step_s < b.step_s;
     if (a.fits && a.plan.sent.total() != b.plan.sent.total()) return a.plan.sent.total() < b.plan.sent.total();

@@ -12,6 +12,7 @@
 #include <algorithm>    // std::max, std::min
 #include <cstddef>      // std::size_t
 #include <numeric>      // std::accumulate
+#include <string>       // std::string
 #include <string_view>  // std::string_view
 #include <optional>     // std::optional
 #include <vector>       // std::vector
@@ -222,6 +223,21 @@ inline std::size_t scratch_peak(const std::vector<std::size_t>& send, const std:
   return peak;
 }
 }  // namespace detail
+
+// Why the engine (ShardedModel's constructor) refuses the setup, or "" when it runs
+// it: 16-bit compute keeps fp32 masters beside the 16-bit values, which only a policy
+// that shards optimizer state splits, and reduces in fp32 or the compute dtype.
+// make_plan still gives such a setup's formula (the ZeRO paper's baseline is one).
+inline std::string engine_refusal(const setup& s) {
+  const dtype c = s.precision.compute;
+  if (c == dtype::f32) return "";
+  if (!s.resolved().shard_optimizer)
+    return cat(name(c), " compute keeps fp32 masters beside the values, which a policy that does not shard "
+               "optimizer state cannot hold (use ShardOptimizer and up)");
+  if (s.precision.reduce != dtype::f32 && s.precision.reduce != c)
+    return cat("with ", name(c), " compute the reduction is in F32 or ", name(c), ", not ", name(s.precision.reduce));
+  return "";
+}
 
 // The plan of one rank for one train_step (zero_grad, forward, backward, step; no
 // gradient accumulation) after the first, which records the order and runs no

@@ -163,7 +163,9 @@ class ShardedModel {
     require(forwarded_, "rank ", comm_->rank(), ": backward without a forward: each backward needs a forward "
             "completed after the previous backward");
     forwarded_ = false;
-    return ctx_.backward(*model_, dy);
+    auto dx = ctx_.backward(*model_, dy);
+    unreduced_ = !sync_;  // a backward with sync reduces what earlier ones accumulated too
+    return dx;
   }
 
   // Evaluation (PyTorch's model.eval() and torch.no_grad() at once): every forward
@@ -232,8 +234,23 @@ class ShardedModel {
 
   // Micro-batches run with sync(false) only accumulate gradients locally (in the
   // unsharded gradient buffers, as PyTorch's no_sync); the next backward with
-  // sync(true) reduces everything accumulated.
+  // sync(true) reduces everything accumulated. step() refuses gradients that a
+  // backward left unreduced, and train_step (one whole step) refuses sync(false).
   void set_sync(bool on) { sync_ = on; }
+  // FSDP's no_sync() context: sync off until the guard ends.
+  //   { auto guard = model.no_sync(); model.backward(...); }  model.backward(...);  // reduces both
+  class sync_off {
+   public:
+    explicit sync_off(ShardedModel& m) : m_(&m), was_(m.sync_) { m.sync_ = false; }
+    ~sync_off() { m_->sync_ = was_; }
+    sync_off(const sync_off&) = delete;
+    sync_off& operator=(const sync_off&) = delete;
+
+   private:
+    ShardedModel* m_;
+    bool was_;
+  };
+  [[nodiscard]] sync_off no_sync() { return sync_off(*this); }
 
   void zero_grad() {
     for (auto& u : units_) {
@@ -243,6 +260,7 @@ class ShardedModel {
       else if (policy_.shard_optimizer) ops::fill(u.full_grad.span(), C(0));
       u.grad_clean = true;
     }
+    unreduced_ = false;
   }
 
   // The global 2-norm of the gradients the optimizer steps. Each rank sums the
@@ -277,18 +295,13 @@ class ShardedModel {
   // takes an optim::skip_flag; not with options.offload).
   template <class O>
   void step(O& opt, optim::skip_flag flag) {
-    static_assert(std::is_same_v<std::remove_cvref_t<O>, Optimizer>,
-                  "ShardedModel::step: the model keeps optimizer state of the type it was wrapped for; wrap it "
-                  "with fully_shard<YourOptimizer>(...) or fully_shard(model, comm, strategy, optimizer, options)");
-    if (offload_) {
-      require(!flag.skip, "rank ", comm_->rank(), ": a step cancelled on the device cannot be offloaded");
-      offloaded_step(opt);
-    } else {
-      for (auto& u : units_)
-        update<ops>(opt, u, master_local(u), std::span<const T>(u.grad->local()), u.compute_shard.span(), flag);
-    }
-    if (!policy_.shard_parameters) refresh_values();
-    ++step_;
+    const int r = comm_->rank();
+    require(!unreduced_, "rank ", r, ": step after a backward under set_sync(false) (no_sync): its gradients were "
+            "never reduced across ranks; run the last micro-batch's backward with sync on");
+    require(!scaler_, "rank ", r, ": step with fp16 (loss scaling): the gradients of a manual backward are neither "
+            "scaled nor checked for overflow; use train_step, which scales the loss, unscales and skips "
+            "overflowed steps (or bf16, which needs no scaling)");
+    apply_step(opt, flag);
   }
 
   // One optimisation step on this rank's batch: zero, forward, loss, backward, step
@@ -313,6 +326,8 @@ class ShardedModel {
                                    const step_options& so = {}) {
     require(so.max_norm >= 0, "rank ", comm_->rank(), ": step_options.max_norm must be >= 0 (0: no clipping), got ",
             so.max_norm);
+    require(sync_, "rank ", comm_->rank(), ": train_step under set_sync(false) (no_sync): its backward would not "
+            "reduce the gradients across ranks, and it runs one whole step; call it with sync on");
     const bool on_space = (scaler_ || so.max_norm > 0) && decides_on_space<O>();
     const double* loss_scale = on_space && scaler_ ? space_scaler().data() + scale_slot : nullptr;
     zero_grad();
@@ -320,7 +335,12 @@ class ShardedModel {
     auto l = loss_fn(out, y);
     if (scaler_) scale_loss_gradient(l.grad.span(), loss_scale);
     reducer_.set_op(so.reduction == grad_reduction::sum ? comm::reduce_op::sum : comm::reduce_op::avg);
-    backward(l.grad);
+    try {
+      backward(l.grad);
+    } catch (...) {
+      reducer_.set_op(comm::reduce_op::avg);  // a later backward of the caller's averages
+      throw;
+    }
     reducer_.set_op(comm::reduce_op::avg);
     // The loss and the units whose gradients overflowed, in the model's space.
     auto shared = ops::template make_scalars<float>(2);
@@ -367,7 +387,7 @@ class ShardedModel {
       }
     }
     if (r.skipped) ++step_;  // parameters and optimizer state stay as they were
-    else step(opt);
+    else apply_step(opt);
     if (scaler_) with_rank([&] { scaler_->update(overflow); });  // raises on every rank alike: the flag is shared
     return r;
   }
@@ -559,6 +579,23 @@ class ShardedModel {
   }
 
  private:
+  // step() without its checks: train_step's own step, after it scaled, reduced and decided.
+  template <class O>
+  void apply_step(O& opt, optim::skip_flag flag = {}) {
+    static_assert(std::is_same_v<std::remove_cvref_t<O>, Optimizer>,
+                  "ShardedModel::step: the model keeps optimizer state of the type it was wrapped for; wrap it "
+                  "with fully_shard<YourOptimizer>(...) or fully_shard(model, comm, strategy, optimizer, options)");
+    if (offload_) {
+      require(!flag.skip, "rank ", comm_->rank(), ": a step cancelled on the device cannot be offloaded");
+      offloaded_step(opt);
+    } else {
+      for (auto& u : units_)
+        update<ops>(opt, u, master_local(u), std::span<const T>(u.grad->local()), u.compute_shard.span(), flag);
+    }
+    if (!policy_.shard_parameters) refresh_values();
+    ++step_;
+  }
+
   // --- construction --------------------------------------------------------------------------
   void check_options() {
     const int r = comm_->rank();
@@ -933,7 +970,7 @@ class ShardedModel {
                      scaler_ ? space_scaler().data() : nullptr, outcome->data());
     if (so.max_norm > 0)
       for (auto& u : units_) ops::scale_by(u.grad->local(), outcome->data() + coefficient_slot, false);
-    step(opt, optim::skip_flag{outcome->data() + skip_slot});
+    apply_step(opt, optim::skip_flag{outcome->data() + skip_slot});
     return read_step_result<ops>(loss, std::move(shared), std::move(outcome), so, float(comm_->size()), comm_->rank(),
                                  rule.scaler.min_scale);
   }
@@ -949,6 +986,7 @@ class ShardedModel {
   gather_schedule<unit_type, T, C, space, Comm> gathers_;
   gradient_reducer<unit_type, T, C, space, Comm> reducer_;
   bool sync_ = true;
+  bool unreduced_ = false;  // the last backward ran under sync(false)
   bool forwarded_ = false;  // a forward completed since the last backward
   mutable std::optional<loss_scaler> scaler_;  // scaler() refreshes it from scaler_slots_
   std::optional<typename ops::template scalars<double>> scaler_slots_;  // when the space decides (space_scaler())
