@@ -395,6 +395,12 @@ TEST_CASE("decoder presets count their parameters from the architecture", "[plan
   auto untied = gpt2;
   untied.tied = false;
   CHECK(plan::parameters(untied) - plan::parameters(gpt2) == 50257 * h);  // a tied head is counted once
+  // FLOPs count the weights a token multiplies: not wpe, nor an untied embedding (the head is multiplied).
+  CHECK(plan::multiplied_parameters(gpt2) == 124'439'808 - 1024 * h);
+  CHECK(plan::multiplied_parameters(untied) == plan::multiplied_parameters(gpt2));
+  CHECK(plan::multiplied_parameters(l7) == 6'738'415'616 - 32000 * 4096);
+  CHECK(plan::decoder(l7, 2, 1024).flops == 6.0 * double(6'738'415'616 - 32000 * 4096) * 2048 +
+                                                12.0 * 32 * 4096 * 1024 * 2048);
 
   const auto d = plan::decoder(l70, 1);
   CHECK(d.units.size() == 81);
