@@ -122,6 +122,8 @@ void check_failure(failure_point where) {
         CHECK_THAT(errors[std::size_t(r)],
                    Catch::Contains(r == failing ? std::string(own) : cat("rank ", failing, " failed")));
       }
+      if (where == failure_point::step)  // the optimizer's own error names where it stepped
+        CHECK_THAT(errors[std::size_t(failing)], Catch::StartsWith(cat("rank ", failing, ", unit '")));
     }
   });
 }

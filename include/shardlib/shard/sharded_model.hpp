@@ -279,7 +279,8 @@ class ShardedModel {
   // clip_grad_norm_) and returns the norm before clipping.
   float clip_grad_norm(float max_norm) {
     const double total = grad_norm();
-    const float coefficient = optim::clip_coefficient(total, max_norm);
+    float coefficient = 1;
+    with_rank([&] { coefficient = optim::clip_coefficient(total, max_norm); });
     for (auto& u : units_) ops::scale(u.grad->local(), coefficient);
     return float(total);
   }
@@ -857,12 +858,19 @@ class ShardedModel {
     if (flag.skip) {
       if constexpr (skips_on_space<O>) opt.step(values, grads, st, compute16 ? copy16 : std::span<C>{}, flag);
       else throw error(cat("rank ", comm_->rank(), ": this optimizer has no step a flag in the model's space can cancel"));
-    } else if constexpr (compute16 && requires { opt.step(values, grads, st, copy16); }) {
-      opt.step(values, grads, st, copy16);
-    } else {
-      if constexpr (optim::is_param_groups<Optimizer>) opt.step(values, grads, st, segments(opt, u));
-      else opt.step(values, grads, st);
-      if constexpr (compute16) Ops::narrow(std::span<const T>(values), copy16);
+      return;
+    }
+    try {  // the optimizer's own errors (its options, its state) name the rank and unit too
+      if constexpr (compute16 && requires { opt.step(values, grads, st, copy16); }) {
+        opt.step(values, grads, st, copy16);
+      } else {
+        if constexpr (optim::is_param_groups<Optimizer>) opt.step(values, grads, st, segments(opt, u));
+        else opt.step(values, grads, st);
+        if constexpr (compute16) Ops::narrow(std::span<const T>(values), copy16);
+      }
+    } catch (const error& e) {
+      if (std::string_view(e.what()).starts_with("rank ")) throw;
+      throw error(cat("rank ", comm_->rank(), ", unit '", u.name, "': ", e.what()));
     }
   }
   // options.offload's step, pipelined per unit: unit i+1's reduced gradients travel to
