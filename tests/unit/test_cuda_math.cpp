@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -197,6 +198,15 @@ TEST_CASE("cross_entropy rows match nn::cross_entropy_loss", "[cuda_math][cross_
     require_close(grad.data(), want.grad.data(), grad.size(), 1e-5, 1e-8);
   }
 
+  SECTION("a -inf logit without smoothing leaves the loss finite, as the host's") {
+    std::vector<float> masked(logits.data(), logits.data() + classes), grad(classes);
+    masked[5] = -std::numeric_limits<float>::infinity();
+    const auto res = oc::cross_entropy_row(lane, masked.data(), targets[0] == 5 ? 4 : targets[0], int(classes), -100,
+                                           0.0f, 1.0f, grad.data());
+    REQUIRE(res.status == oc::row_status::counted);
+    CHECK(std::isfinite(res.loss));
+    CHECK(grad[5] == 0.0f);
+  }
   SECTION("a target out of range is reported and gets a zero gradient") {
     std::vector<float> grad(classes, 1.0f);
     const auto res = oc::cross_entropy_row(lane, logits.data(), classes, int(classes), -100, 0.0f, 1.0f, grad.data());

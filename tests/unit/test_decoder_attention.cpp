@@ -265,6 +265,39 @@ TEST_CASE("sdpa_forward matches naive loops: causal, masks, key padding, GQA", "
   }
 }
 
+// A host layer written for T runs in bfloat16 as in float: its -inf is a real -inf
+// (std::numeric_limits<bfloat16>), so scores that are all negative are not "masked".
+TEST_CASE("sdpa in bfloat16 gives the float softmax of negative scores", "[nn][decoder][sdpa]") {
+  const std::int64_t B = 1, H = 1, L = 4, D = 2;
+  Tensor<float> q({B, H, L, D}), k({B, H, L, D}), v({B, H, L, D});
+  for (std::int64_t i = 0; i < q.numel(); ++i) {  // q.k < 0 everywhere: q > 0, k < 0
+    q[i] = 0.5f + 0.25f * float(i % 3);
+    k[i] = -1.0f - 0.5f * float(i % 2);
+    v[i] = float(i) / 8;
+  }
+  const auto to16 = [](const Tensor<float>& t) {
+    Tensor<bfloat16> r(t.shape());
+    for (std::int64_t i = 0; i < t.numel(); ++i) r[i] = bfloat16(t[i]);
+    return r;
+  };
+  const auto q16 = to16(q), k16 = to16(k), v16 = to16(v);
+  Tensor<float> out({B, H, L, D}), probs({B, H, L, L});
+  Tensor<bfloat16> out16({B, H, L, D}), probs16({B, H, L, L});
+  sdpa_options o{};
+  sdpa_forward(head_view<float>::bhsd(q), head_view<float>::bhsd(k), head_view<float>::bhsd(v),
+               head_view<float>::bhsd(out), probs.data(), o);
+  sdpa_forward(head_view<bfloat16>::bhsd(q16), head_view<bfloat16>::bhsd(k16), head_view<bfloat16>::bhsd(v16),
+               head_view<bfloat16>::bhsd(out16), probs16.data(), o);
+  test_support::max_error worst;  // NaN counts as +inf
+  for (std::int64_t i = 0; i < probs.numel(); ++i) worst.absolute(double(probs16[i]), double(probs[i]));
+  CHECK(worst <= 2e-2);  // bf16 keeps 8 bits: each probability within a few 2^-8 of float's
+  for (std::int64_t r = 0; r < L; ++r) {  // rows of weights, not of zeros
+    double sum = 0;
+    for (std::int64_t c = 0; c < L; ++c) sum += double(probs16[r * L + c]);
+    CHECK(sum == Approx(1.0).margin(2e-2));
+  }
+}
+
 TEST_CASE("sdpa: a query with no key left gets zeros, not NaN", "[nn][decoder][sdpa]") {
   const std::int64_t B = 1, H = 1, L = 3, D = 2;
   const auto q = gradcheck::random_tensor({B, H, L, D}, 1), k = gradcheck::random_tensor({B, H, L, D}, 2);

@@ -441,6 +441,30 @@ TEST_CASE("element_cast between floating element types", "[element]") {
   CHECK(element_cast<half>(bfloat16::from_bits(0xFFC1)).bits == 0x7FFF);
 }
 
+TEST_CASE("numeric_limits of the 16-bit types hold their formats' values", "[element]") {
+  using bl = std::numeric_limits<bfloat16>;
+  using hl = std::numeric_limits<half>;
+  STATIC_REQUIRE(bl::is_specialized);
+  STATIC_REQUIRE(hl::is_specialized);
+  CHECK(float(bl::max()) == std::ldexp(255.0f, 120));  // (2 - 2^-7) 2^127
+  CHECK(float(hl::max()) == 65504.0f);
+  CHECK(float(bl::lowest()) == -float(bl::max()));
+  CHECK(float(hl::lowest()) == -65504.0f);
+  CHECK(float(bl::min()) == std::ldexp(1.0f, -126));
+  CHECK(float(hl::min()) == std::ldexp(1.0f, -14));
+  CHECK(float(bl::denorm_min()) == std::ldexp(1.0f, -133));
+  CHECK(float(hl::denorm_min()) == std::ldexp(1.0f, -24));
+  CHECK(float(bl::epsilon()) == std::ldexp(1.0f, -7));  // the gap after 1
+  CHECK(float(hl::epsilon()) == std::ldexp(1.0f, -10));
+  CHECK(float(bfloat16(1.0f + float(bl::epsilon()))) > 1.0f);
+  CHECK(float(bl::infinity()) == std::numeric_limits<float>::infinity());
+  CHECK(float(-hl::infinity()) == -std::numeric_limits<float>::infinity());
+  CHECK(std::isnan(float(bl::quiet_NaN())));
+  CHECK(std::isnan(float(hl::signaling_NaN())));
+  CHECK(bl::digits == 8);
+  CHECK(hl::digits == 11);
+}
+
 TEST_CASE("dtype tags", "[element]") {
   using shardlib::dtype_of;
   using shardlib::name;

@@ -449,6 +449,15 @@ TEST_CASE("cross_entropy: defaults, ignore_index, smoothing and reductions as to
   const double want = 0.8 * -std::log(0.75) + 0.1 * (-std::log(0.25) - std::log(0.75));
   CHECK(cross_entropy_loss{{.label_smoothing = 0.2}}(row, ids({1}, {1})).loss == Approx(want).epsilon(1e-14));
 
+  // A -inf logit (a masked-out class) is probability 0: without smoothing the loss stays
+  // finite, as torch's; with smoothing it is +inf (the smoothed target puts mass there).
+  const double inf = std::numeric_limits<double>::infinity();
+  auto masked = tensor<double>({1, 3}, {0, std::log(3.0), -inf});
+  const auto unsmoothed = cross_entropy(masked, ids({1}, {1}));
+  CHECK(unsmoothed.loss == Approx(-std::log(0.75)).epsilon(1e-14));
+  CHECK(unsmoothed.grad[2] == 0);
+  CHECK(cross_entropy_loss{{.label_smoothing = 0.2}}(masked, ids({1}, {1})).loss == inf);
+
   // ignore_index (default -100): no loss, no gradient, and the mean counts only the rest.
   auto z = gradcheck::random_tensor({4, 3}, 81);
   auto with_ignored = cross_entropy(z, ids({4}, {1, -100, 2, -100}));

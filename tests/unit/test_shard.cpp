@@ -3,6 +3,7 @@
 #include "custom_strategy/hybrid_zero2.hpp"
 #include "shardlib/comm/launch.hpp"
 #include "support/shard_fixture.hpp"
+#include "shardlib/nn/dropout.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/sequential.hpp"
@@ -471,6 +472,34 @@ TEMPLATE_TEST_CASE("step and train_step refuse gradients that no backward reduce
   CHECK_THAT(errors[2], Catch::Contains("rank 0: train_step under set_sync(false) (no_sync)"));
   CHECK(errors[3].empty());
   CHECK(synced == std::vector<int>{1, 1});
+}
+
+// Each micro-batch of an accumulated step is another batch: its dropout masks are new
+// draws, not the first micro-batch's again; and the draws are the same on every run.
+TEST_CASE("micro-batches of one step draw their own dropout masks", "[shard][accumulation][dropout]") {
+  using Dropped = nn::Sequential<nn::Linear<float>, nn::Dropout<float>, nn::Linear<float>>;
+  std::vector<std::vector<float>> outs;
+  for (int run = 0; run < 2; ++run)
+    comm::launch(1, [&](comm::ThreadComm& c) {
+      Dropped m{nn::Linear<float>(5, 64), nn::Dropout<float>(0.5), nn::Linear<float>(64, 3)};
+      auto model = shard::fully_shard<sgd>(m, c, shard::NoShard{}, {.seed = 42});
+      sgd opt;
+      const auto x = batch(0, 4, 5, 1), y = batch(0, 4, 3, 2);
+      for (int micro = 0; micro < 2; ++micro) {
+        auto guard = model.no_sync();
+        const auto out = model.forward(x);
+        outs.emplace_back(out.span().begin(), out.span().end());
+        model.backward(mse(out, y).grad);
+      }
+      const auto out = model.forward(x);  // the last micro-batch, with sync
+      outs.emplace_back(out.span().begin(), out.span().end());
+      model.backward(mse(out, y).grad);
+      model.step(opt);
+    });
+  REQUIRE(outs.size() == 6);
+  CHECK(outs[0] != outs[1]);  // the same input, other masks
+  CHECK(outs[1] != outs[2]);
+  for (int k = 0; k < 3; ++k) CHECK(outs[std::size_t(k)] == outs[std::size_t(k + 3)]);  // reproducible
 }
 
 TEST_CASE("with fp16 a manual step is refused: only train_step scales and checks", "[shard][precision]") {

@@ -7,6 +7,7 @@
 #include <concepts>     // std::integral
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::uint16_t ...
+#include <limits>       // std::numeric_limits (specialised for the 16-bit types below)
 #include <string>
 #include <string_view>
 #include <type_traits>  // std::is_same_v
@@ -215,6 +216,34 @@ struct half : detail::float16_ops<half> {
   SHARDLIB_HD constexpr operator float() const { return detail::half_bits_to_float(bits); }
 };
 
+namespace detail {
+// std::numeric_limits of a 16-bit float, from its significand and exponent widths
+// (digits counts the implicit bit) and its bit patterns.
+template <class T, int Digits, int MinExp, int MaxExp, std::uint16_t Min, std::uint16_t Max, std::uint16_t Epsilon,
+          std::uint16_t Inf, std::uint16_t QuietNaN, std::uint16_t SignalingNaN>
+struct float16_limits {
+  static constexpr bool is_specialized = true, is_signed = true, is_integer = false, is_exact = false;
+  static constexpr bool has_infinity = true, has_quiet_NaN = true, has_signaling_NaN = true;
+  static constexpr std::float_denorm_style has_denorm = std::denorm_present;
+  static constexpr bool has_denorm_loss = false, is_bounded = true, is_modulo = false;
+  static constexpr bool is_iec559 = Digits == 11;  // binary16; bfloat16 is not an IEEE format
+  static constexpr bool traps = false, tinyness_before = false;
+  static constexpr std::float_round_style round_style = std::round_to_nearest;
+  static constexpr int radix = 2, digits = Digits, digits10 = Digits == 11 ? 3 : 2, max_digits10 = Digits == 11 ? 5 : 4;
+  static constexpr int min_exponent = MinExp, max_exponent = MaxExp;
+  static constexpr int min_exponent10 = Digits == 11 ? -4 : -37, max_exponent10 = Digits == 11 ? 4 : 38;
+  SHARDLIB_HD static constexpr T min() noexcept { return T::from_bits(Min); }
+  SHARDLIB_HD static constexpr T max() noexcept { return T::from_bits(Max); }
+  SHARDLIB_HD static constexpr T lowest() noexcept { return T::from_bits(Max | 0x8000); }
+  SHARDLIB_HD static constexpr T epsilon() noexcept { return T::from_bits(Epsilon); }
+  SHARDLIB_HD static constexpr T round_error() noexcept { return T(0.5f); }
+  SHARDLIB_HD static constexpr T infinity() noexcept { return T::from_bits(Inf); }
+  SHARDLIB_HD static constexpr T quiet_NaN() noexcept { return T::from_bits(QuietNaN); }
+  SHARDLIB_HD static constexpr T signaling_NaN() noexcept { return T::from_bits(SignalingNaN); }
+  SHARDLIB_HD static constexpr T denorm_min() noexcept { return T::from_bits(1); }
+};
+}  // namespace detail
+
 static_assert(sizeof(bfloat16) == 2 && alignof(bfloat16) == 2);
 static_assert(sizeof(half) == 2 && alignof(half) == 2);
 static_assert(std::is_trivially_copyable_v<bfloat16> && std::is_standard_layout_v<bfloat16>);
@@ -316,3 +345,14 @@ SHARDLIB_HD constexpr To element_cast(From x) {
 }
 
 }  // namespace shardlib
+
+// Generic code (a host layer written for T) reads infinity() and lowest() of the
+// 16-bit types as of float and double; unspecialised, they would be 0.
+template <>
+struct std::numeric_limits<shardlib::bfloat16>
+    : public shardlib::detail::float16_limits<shardlib::bfloat16, 8, -125, 128, 0x0080, 0x7f7f, 0x3c00, 0x7f80, 0x7fc0,
+                                              0x7fa0> {};
+template <>
+struct std::numeric_limits<shardlib::half>
+    : public shardlib::detail::float16_limits<shardlib::half, 11, -13, 16, 0x0400, 0x7bff, 0x1400, 0x7c00, 0x7e00,
+                                              0x7d00> {};

@@ -15,6 +15,8 @@ namespace shardlib {
 class Shape {
  public:
   static constexpr int max_rank = 8;
+  // Most elements a shape may hold: bytes of 8-byte elements still fit an int64.
+  static constexpr std::int64_t max_numel = std::int64_t(1) << 60;
 
   constexpr Shape() = default;
   Shape(std::initializer_list<std::int64_t> extents) { assign(extents); }
@@ -46,9 +48,13 @@ class Shape {
   template <class Range>
   void assign(const Range& extents) {
     require<shape_error>(extents.size() <= max_rank, "Shape: rank ", extents.size(), " exceeds the maximum ", max_rank);
+    std::int64_t n = 1;
     for (std::int64_t e : extents) {
       require<shape_error>(e >= 0, "Shape: extent ", e, " is negative");
       extents_[rank_++] = e;
+      // Checked before it is formed: an int64 product that wrapped would size a small buffer.
+      if (n != 0 && e > max_numel / n) throw shape_error(cat("Shape ", *this, ": more than 2^60 elements"));
+      n *= e;
     }
   }
 

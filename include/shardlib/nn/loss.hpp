@@ -114,7 +114,8 @@ struct cross_entropy_rows<host_space> {
         g[c] = std::exp(z[c] - lse) - off;
       }
       g[y] -= T(1) - e;
-      total += double((T(1) - e) * (lse - z[y]) - off * sum_lp);
+      // Without smoothing the term is absent, not 0 * sum_lp: a -inf logit makes sum_lp -inf.
+      total += double((T(1) - e) * (lse - z[y]) - (e > 0 ? off * sum_lp : T(0)));
       ++counted;
     }
     if (o.reduction == loss_reduction::sum) return {T(total), grad};

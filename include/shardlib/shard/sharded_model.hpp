@@ -148,7 +148,10 @@ class ShardedModel {
 
   output forward(const input& x) {
     ops::check_stream(*comm_, comm_->rank());
-    ctx_.set_step(step_);
+    if (stepped_ != step_) {  // micro-batches of one step draw on (other dropout masks), not again
+      ctx_.set_step(step_);
+      stepped_ = step_;
+    }
     ctx_.forget_kept();  // a forward without its backward leaves checkpointed inputs
     forwarded_ = false;
     auto y = ctx_.forward(*model_, x);
@@ -995,6 +998,7 @@ class ShardedModel {
   gradient_reducer<unit_type, T, C, space, Comm> reducer_;
   bool sync_ = true;
   bool unreduced_ = false;  // the last backward ran under sync(false)
+  std::optional<std::uint64_t> stepped_;  // the step the context's random streams count from
   bool forwarded_ = false;  // a forward completed since the last backward
   mutable std::optional<loss_scaler> scaler_;  // scaler() refreshes it from scaler_slots_
   std::optional<typename ops::template scalars<double>> scaler_slots_;  // when the space decides (space_scaler())

@@ -45,7 +45,8 @@ SHARDLIB_HD cross_entropy_row_result cross_entropy_row(const Tm& team, const T* 
     grad[c] = T((c == y ? g - target_weight : g) * grad_scale);
   }
   sum_lp = team.sum(sum_lp);
-  return {target_weight * (lse - float(z[y])) - off * sum_lp, row_status::counted};
+  // Without smoothing the term is absent, not 0 * sum_lp: a -inf logit makes sum_lp -inf.
+  return {target_weight * (lse - float(z[y])) - (smoothing > 0 ? off * sum_lp : 0.0f), row_status::counted};
 }
 
 }  // namespace shardlib::ops::cuda
