@@ -1184,4 +1184,19 @@ TEST_CASE("sharded -> safetensors -> sharded at another world size without a mod
                     Contains("holds no optimizer state"));
   CHECK_THROWS_WITH(io::safetensors_to_checkpoint(dir / "weights.safetensors", dir / "x", {.world = 4, .strategy = "HybridShard", .group_size = 3}),
                     Contains("HybridShard group size 3 must divide the world size 4"));
+
+  // Converting again under the same tag replaces the checkpoint only when asked to.
+  const auto shards_of = [](const fs::path& p) { return io::read_checkpoint_metadata(p).partitions; };
+  CHECK_THROWS_WITH(io::safetensors_to_checkpoint(dir / "weights.safetensors", dir / "weights",
+                                                  {.world = 2, .strategy = "FullShard"}),
+                    Contains("step-00000002: exists; a conversion replaces a checkpoint only when asked to"));
+  CHECK(shards_of(dir / "weights" / "step-00000002") == 2);  // HybridShard groups of 2: two partitions
+  io::safetensors_to_checkpoint(dir / "weights.safetensors", dir / "weights",
+                                {.world = 3, .strategy = "FullShard", .replace = true});
+  CHECK(shards_of(dir / "weights" / "step-00000002") == 3);
+  // An export into its own checkpoint would replace one of its files.
+  const auto inside = dir / "four" / "step-00000002" / "metadata.json";
+  CHECK_THROWS_WITH(io::checkpoint_to_safetensors(dir / "four", inside, false),
+                    Contains("lies inside the checkpoint"));
+  CHECK(io::verify_checkpoint(dir / "four" / "step-00000002").empty());
 }

@@ -13,6 +13,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -118,9 +119,13 @@ int run(const std::string& command, const operands& a) {
                 a.with_optimizer ? "parameters and optimizer state" : "parameters");
     return 0;
   }
+  std::set<fs::path> before;  // what ROOT held: --force may replace one of them
+  std::error_code ec;
+  for (fs::directory_iterator it(a.path, ec), end; !ec && it != end; it.increment(ec)) before.insert(it->path());
   const auto dir = io::safetensors_to_checkpoint(fs::path(a.file), fs::path(a.path), a.convert);  // from-safetensors
   const auto m = io::read_checkpoint_metadata(dir);
-  std::printf("wrote %s: %d shard file%s for %d ranks with %s, steps %llu, %s\n", dir.c_str(), m.partitions,
+  std::printf("%s %s: %d shard file%s for %d ranks with %s, steps %llu, %s\n",
+              before.contains(dir) ? "replaced" : "wrote", dir.c_str(), m.partitions,
               m.partitions == 1 ? "" : "s", m.world_size, describe_strategy(m).c_str(),
               static_cast<unsigned long long>(m.steps), m.optimizer ? "with optimizer state" : "weights only");
   return 0;
@@ -160,6 +165,7 @@ int main(int argc, char** argv) {
       ->check(example::whole(1, 1 << 24))
       ->default_str("");
   from->add_option("--tag", o.tag, "the checkpoint's directory name (default: step-<steps>)");
+  from->add_flag("--force", o.replace, "replace a checkpoint of the same tag under ROOT");
   from->add_option("--chunk-bytes", o.chunk_bytes, "bytes per checksum")
       ->check(example::whole(io::detail::min_chunk_bytes, io::detail::max_chunk_bytes));
   from->callback([&] {

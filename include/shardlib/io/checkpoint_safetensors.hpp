@@ -164,6 +164,13 @@ inline std::filesystem::path checkpoint_to_safetensors(const std::filesystem::pa
                                                        const std::filesystem::path& file, bool with_optimizer) {
   checkpoint_reader r(resolve_checkpoint(path));
   const auto& m = r.metadata();
+  {  // writing into the checkpoint would replace a file of it (a shard, its metadata) with the export
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::weakly_canonical(r.path()), out = fs::weakly_canonical(file);
+    const auto [d, o] = std::mismatch(dir.begin(), dir.end(), out.begin(), out.end());
+    if (d == dir.end())
+      detail::fail(file.string(), "lies inside the checkpoint ", r.path().string(), " it is exported from");
+  }
   if (with_optimizer && !m.optimizer)
     detail::fail(r.path().string(), "holds no optimizer state to export (it was made from weights only)");
   r.open_all();
@@ -195,13 +202,15 @@ struct convert_options {
   int group_size = 0;  // HybridShard only
   std::string tag{};   // "step-<steps>" when empty
   std::uint64_t chunk_bytes = default_chunk_bytes;
+  bool replace = false;  // an existing checkpoint root/<tag> is replaced; otherwise that is an error
 };
 
 // Makes a sharded checkpoint root/<tag> for `world` ranks and `strategy` from a
 // safetensors file (F32, F64, F16 or BF16 tensors; with this library's optimizer
 // tensors and metadata, the optimizer state too). Every tensor becomes a parameter of
 // one unit: a resharding load maps by name, so any model with these names and shapes
-// loads it, whatever its units. Atomic like save_checkpoint. Returns root/<tag>.
+// loads it, whatever its units. Atomic like save_checkpoint; an existing root/<tag>
+// is an error unless o.replace. Returns root/<tag>.
 inline std::filesystem::path safetensors_to_checkpoint(const std::filesystem::path& file,
                                                        const std::filesystem::path& root,
                                                        const convert_options& o) {
@@ -239,6 +248,9 @@ inline std::filesystem::path safetensors_to_checkpoint(const std::filesystem::pa
   if (!detail::valid_tag(m.tag))
     throw io_error(cat("checkpoint tag \"", m.tag, "\" must be 1-200 letters, digits or -_.+= not starting with '.'"));
   const auto final_dir = root / m.tag, temp = root / cat(detail::temp_prefix, m.tag);
+  if (!o.replace && std::filesystem::exists(final_dir))
+    detail::fail(final_dir.string(), "exists; a conversion replaces a checkpoint only when asked to (replace, "
+                 "shardlib-ckpt --force) or writes under another tag");
   m.sequence = detail::prepare_save(final_dir, temp);
   try {
     for (int p = 0; p < m.partitions; ++p)
