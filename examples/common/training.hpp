@@ -9,6 +9,7 @@
 #include <shardlib/nn/loss.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <functional>  // std::function
 #include <string>
@@ -56,6 +57,7 @@ void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, cons
   sl::ledger& l = sl::current_ledger();  // this rank's
   const double tokens = double(per_rank * task.seq);  // per rank and step
   auto t0 = std::chrono::steady_clock::now();
+  long diverged = -1;  // the first step whose loss was inf or NaN on this rank
   for (long step = 0; step < steps; ++step) {
     // Each rank takes its own slice of the global batch of step `step`.
     const long first = (step * c.size() + c.rank()) * per_rank;
@@ -67,6 +69,11 @@ void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, cons
     if (finish) finish();
     if (metrics) log_metrics(metrics, program, strategy, c.size(), c.rank(), step, loss, since(t_step), tokens, l);
     if (step % every == 0) std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
+    if (!std::isfinite(loss) && diverged < 0) {  // the ranks go on in step: stopping one alone would hang the others
+      diverged = step;
+      std::printf("Rank %d, Step %ld: the loss is %f: training diverged (try a lower --lr)\n", c.rank(), step,
+                  double(loss));
+    }
     if (step % every == 0 && c.rank() == 0) {
       const double elapsed = since(t0), per_step = elapsed / double(step + 1);
       std::printf("%s: step %ld/%ld, %.0f tokens/s over %d ranks, %.3f s/step, ETA %.1f s\n",
@@ -76,7 +83,14 @@ void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, cons
   }
   const double seconds = since(t0);
   auto state = sharded.full_state_dict();  // rank 0 holds it, one unit gathered at a time
+  if (diverged >= 0)
+    throw sl::error(sl::cat("rank ", c.rank(), ": the loss was not finite from step ", diverged, " on; ",
+                            c.rank() == 0 ? "the model is not written" : "rank 0 writes no model"));
   if (c.rank() == 0) {
+    for (auto& [name, t] : state)
+      for (float v : t.span())
+        if (!std::isfinite(v))
+          throw sl::error(sl::cat("rank 0: parameter '", name, "' holds ", v, "; the model is not written"));
     sl::io::safetensors_writer out;
     for (auto& [name, t] : state) out.add<float>(name, t.shape(), t.span());
     out.set_metadata("format", "pt");
