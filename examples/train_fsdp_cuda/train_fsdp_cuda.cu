@@ -16,9 +16,6 @@
 #include <shardlib/optim/cuda/adam.cuh>
 #include <shardlib/shard/cuda/space_ops.cuh>
 #include <shardlib/shard/sharded_model.hpp>
-#if SHARDLIB_EXAMPLE_WITH_MPI
-#include <shardlib/mpi.hpp>
-#endif
 
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +25,7 @@
 #include "common/flags.hpp"
 #include "common/reference_model.hpp"
 #include "common/device_data.cuh"
+#include "common/device_world.cuh"
 #include "common/synthetic.hpp"
 #include "common/training.hpp"
 
@@ -90,27 +88,13 @@ int main(int argc, char** argv) {
   try {
     if (const std::string problem = sl::cuda::device_problem(); !problem.empty())
       throw sl::error(sl::cat("no usable GPU: ", problem));
-#if SHARDLIB_EXAMPLE_WITH_MPI
-    if (std::getenv("OMPI_COMM_WORLD_SIZE")) {  // one process per GPU
-      sl::comm::mpi_session mpi(&argc, &argv);
-      auto world = sl::comm::MpiComm::world();
-      const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-      const int device = (local ? std::atoi(local) : world.rank()) % sl::cuda::device_count();
+    example::on_device_world(argc, argv, [&](const sl::comm::NcclComm& nccl, auto&& barrier) {
       if (!metrics_path.empty()) {  // rank 0 empties the file, then every process appends
-        if (world.rank() == 0) std::fclose(open_metrics("w"));
-        world.barrier();
+        if (nccl.rank() == 0) std::fclose(open_metrics("w"));
+        barrier();
         metrics = open_metrics("a");
       }
-      sl::cuda::check(cudaSetDevice(device), "cudaSetDevice(", device, ")");
-      train(sl::comm::NcclComm::bootstrap(world, device), s, metrics);
-      if (metrics) std::fclose(metrics);
-      return 0;
-    }
-#endif
-    if (!metrics_path.empty()) metrics = open_metrics("w");
-    sl::comm::launch(1, [&](sl::comm::ThreadComm& host) {  // one GPU: a world of one
-      sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
-      train(sl::comm::NcclComm::bootstrap(host, 0), s, metrics);
+      train(nccl, s, metrics);
     });
     if (metrics) std::fclose(metrics);
   } catch (const std::exception& e) {

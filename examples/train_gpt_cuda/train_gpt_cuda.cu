@@ -15,10 +15,7 @@
 // Differences from train_gpt: no sample at the end (the device layers have no KV
 // cache; save with --save and generate with the host model), and the validation
 // loss is the mean over the ranks' windows through NCCL.
-#include <shardlib/comm/environment.hpp>
-#include <shardlib/comm/launch.hpp>
 #include <shardlib/comm/nccl_comm.hpp>
-#include <shardlib/comm/store.hpp>
 #include <shardlib/core/random.hpp>
 #include <shardlib/cuda.hpp>
 #include <shardlib/cuda/current.hpp>
@@ -28,9 +25,6 @@
 #include <shardlib/optim/schedule.hpp>
 #include <shardlib/shard/cuda/space_ops.cuh>
 #include <shardlib/shard/sharded_model.hpp>
-#if SHARDLIB_EXAMPLE_WITH_MPI
-#include <shardlib/mpi.hpp>
-#endif
 
 #include <algorithm>
 #include <array>
@@ -45,6 +39,7 @@
 #include <vector>
 
 #include "common/flags.hpp"
+#include "common/device_world.cuh"
 #include "common/text_corpus.hpp"
 
 namespace sl = shardlib;  // not `using namespace`: CUDA declares a global `half`
@@ -194,13 +189,6 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   }
 }
 
-// This process's GPU: the launcher's local rank, modulo the GPUs it sees.
-int select_device(int local_rank) {
-  const int device = local_rank % sl::cuda::device_count();
-  sl::cuda::check(cudaSetDevice(device), "cudaSetDevice(", device, ")");
-  return device;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -255,31 +243,7 @@ int main(int argc, char** argv) {
     if (const std::string problem = sl::cuda::device_problem(); !problem.empty())
       throw sl::error(sl::cat("no usable GPU: ", problem));
     const corpus data(s.data, s.val_fraction, s.seq);
-    const sl::comm::launch_environment env = sl::comm::discover_environment();
-    if (env.kind == sl::comm::launcher::none) {
-      sl::comm::launch(1, [&](sl::comm::ThreadComm& host) {  // one GPU: a world of one
-        train(sl::comm::NcclComm::bootstrap(host, select_device(0)), s, data);
-      });
-      return 0;
-    }
-#if SHARDLIB_EXAMPLE_WITH_MPI
-    if (env.is_mpi()) {  // mpirun: NCCL's id through MPI
-      sl::comm::mpi_session mpi(&argc, &argv);
-      auto world = sl::comm::MpiComm::world();
-      const int device = select_device(env.local_rank);
-      train(sl::comm::NcclComm::bootstrap(world, device), s, data);
-      return 0;
-    }
-#endif
-    // torchrun-style variables (tools/launch, torchrun, Slurm): NCCL's id through
-    // the TCP store rank 0 serves at MASTER_ADDR:MASTER_PORT.
-    const bool alone = env.size == 1 && !(env.master_addr && env.master_port);
-    sl::require(alone || (env.master_addr && env.master_port), "started by ", sl::comm::name(env.kind), " as rank ",
-                env.rank, " of ", env.size, ", but MASTER_ADDR and MASTER_PORT are not both set");
-    sl::comm::TcpStore store(alone ? "127.0.0.1" : *env.master_addr, alone ? 0 : *env.master_port, env.rank, env.size,
-                             env.rank == 0, sl::comm::seconds{300});
-    const int device = select_device(env.local_rank);
-    train(sl::comm::NcclComm::from_store(store, device), s, data);
+    example::on_device_world(argc, argv, [&](const sl::comm::NcclComm& nccl, auto&&) { train(nccl, s, data); });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt_cuda: %s\n", e.what());
     return 1;
