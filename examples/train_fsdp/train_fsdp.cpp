@@ -76,7 +76,19 @@ int main(int argc, char** argv) {
       ->check(example::whole(1, example::max_thread_ranks));
   example::add_model_flags(cli, s.model);
   example::add_train_flags(cli, s.run);
-  cli.callback([&] { example::check_model_flags(s.model); });
+  cli.callback([&] {
+    example::check_model_flags(s.model);
+    // Rank threads: --world is the world. Under a launcher the world is the launcher's, checked at run time
+    // (as are malformed launcher variables).
+    bool threads = false;
+    try {
+      threads = comm::discover_environment().kind == comm::launcher::none;
+    } catch (const error&) {
+    }
+    if (s.strategy == "hybrid" && threads && s.world % s.group != 0)
+      throw CLI::ValidationError("--group", std::to_string(s.group) + " does not divide --world " +
+                                                std::to_string(s.world));
+  });
   cli.parse_or_exit(argc, argv);
   const std::string& metrics_path = s.run.metrics;
   auto open_metrics = [&](const char* mode) {

@@ -90,7 +90,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   const counter_rng draws(s.seed, fnv1a("train_gpt batches"));
   const std::size_t positions = data.train.size() - std::size_t(s.seq) - 1;
   float loss = 0;
-  double val = 0;
+  double val = 0, eval_s = 0;  // eval_s: the validation passes' share of the time
   for (long step = 0; step < s.steps; ++step) {
     std::vector<std::size_t> starts;  // this rank's windows of the step
     for (long i = 0; i < s.batch; ++i)
@@ -106,13 +106,15 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
     loss = l.loss;
     if (step % s.every == 0 || step + 1 == s.steps) std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
     if ((step + 1) % s.eval_every == 0 || step + 1 == s.steps) {
+      const double before = seconds();
       val = validation_loss(sharded, c, data, s.seq, s.batch);
+      eval_s += seconds() - before;
       if (c.rank() == 0)
         std::printf("train_gpt: step %ld, %.1f s, validation loss %.4f nats per byte (unigram entropy %.4f)\n",
                     step + 1, seconds(), val, entropy);
     }
   }
-  const double trained_s = seconds();
+  const double trained_s = seconds() - eval_s;
 
   // A continuation of the held-out tail's first paragraph (or its first bytes), every rank
   // alike (each forward is collective).
@@ -131,8 +133,9 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   if (c.rank() != 0) return;
   std::string prompt_text, continuation;
   for (std::int64_t t = 0; t < out.numel(); ++t) (t < prompt_len ? prompt_text : continuation) += char(out[t]);
-  std::printf("train_gpt: %ld steps in %.1f s (%.3f s/step); final training loss %.4f (rank 0's batch), "
-              "validation %.4f nats per byte = %.2f bits, unigram entropy %.4f nats = %.2f bits\n",
+  std::printf("train_gpt: %ld steps in %.1f s of training (%.3f s/step; validation excluded); final training "
+              "loss %.4f (rank 0's batch), validation %.4f nats per byte = %.2f bits, unigram entropy %.4f nats = "
+              "%.2f bits\n",
               s.steps, trained_s, trained_s / double(s.steps), double(loss), val, val / std::log(2.0), entropy,
               entropy / std::log(2.0));
   std::printf("train_gpt: sample (top-%ld, temperature %.2f)\n--- prompt ---\n%s\n--- continuation ---\n%s\n---\n",

@@ -145,7 +145,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   const auto t0 = std::chrono::steady_clock::now();
   const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   float loss = 0;
-  double val = 0;
+  double val = 0, eval_s = 0;  // eval_s: the validation passes' share of the time
   for (long step = 0; step < s.steps; ++step) {
     std::vector<std::size_t> starts;  // this rank's windows of the step
     for (long i = 0; i < s.batch; ++i)
@@ -160,18 +160,23 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
       std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
     }
     if ((step + 1) % s.eval_every == 0 || step + 1 == s.steps) {
+      // The steps queued before it count as training: wait for them first.
+      sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (before validation)");
+      const double before = seconds();
       val = validation_loss();
+      eval_s += seconds() - before;
       if (c.rank() == 0)
         std::printf("train_gpt_cuda: step %ld, %.1f s, validation loss %.4f nats per byte (unigram entropy %.4f)\n",
                     step + 1, seconds(), val, entropy);
     }
   }
   sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (end of training)");
-  const double trained_s = seconds();
+  const double trained_s = seconds() - eval_s;
   if (!s.save.empty()) sl::models::save_hf(sharded, s.save);
   if (c.rank() != 0) return;
   const double tokens = double(s.steps) * double(s.batch) * double(s.seq) * double(c.size());
-  std::printf("train_gpt_cuda: %ld steps in %.1f s (%.1f ms/step, %.0f tokens/s over %d GPU(s)); final training loss "
+  std::printf("train_gpt_cuda: %ld steps in %.1f s of training (%.1f ms/step, %.0f tokens/s over %d GPU(s); "
+              "validation excluded); final training loss "
               "%.4f (rank 0's batch), validation %.4f nats per byte, unigram entropy %.4f\n",
               s.steps, trained_s, 1e3 * trained_s / double(s.steps), tokens / trained_s, c.size(), double(loss), val,
               entropy);
