@@ -621,6 +621,23 @@ TEST_CASE("saving under an existing tag replaces it in one atomic step", "[check
   CHECK(io::verify_checkpoint(dir / "best").empty());
 }
 
+// Metadata shapes: too many elements, or an empty shape whose other extents multiply
+// past what Shape holds, are the file's error (io_error naming it), not a shape_error.
+TEST_CASE("metadata shapes that no Shape holds are the file's error", "[checkpoint][bad]") {
+  const auto error_of = [](const nlohmann::json& j) {
+    try {
+      io::detail::shape_from_json(j, "meta.json", "unit 0: ");
+    } catch (const io_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no io_error");
+  };
+  const std::int64_t big = std::int64_t(1) << 40;
+  CHECK_THAT(error_of({big, big}), Contains("meta.json: unit 0: shape [1099511627776,1099511627776] has too many"));
+  CHECK_THAT(error_of({0, big, big}), Contains("meta.json: unit 0: Shape [0, 1099511627776, 1099511627776]: more than 2^60"));
+  CHECK(io::detail::shape_from_json({0, big}, "meta.json", "") == Shape{0, big});
+}
+
 TEST_CASE("a tag naming a directory that is not a checkpoint leaves it alone", "[checkpoint][atomic]") {
   temp_dir dir("not_a_checkpoint");
   fs::create_directories(dir / "data");

@@ -32,11 +32,12 @@ TEST_CASE("Shape counts elements, compares, prints and rejects bad extents", "[c
   CHECK_THROWS_AS((Shape{2, -1}), shape_error);
   CHECK_THROWS_WITH((Shape{1, 1, 1, 1, 1, 1, 1, 1, 1}), Catch::Contains("rank 9 exceeds the maximum 8"));
   // A product past 2^60 is refused, not wrapped (2^32 · 2^32 would be 0 elements).
-  CHECK_THROWS_WITH((Shape{std::int64_t(1) << 32, std::int64_t(1) << 32}),
-                    "Shape [4294967296, 4294967296]: more than 2^60 elements");
+  CHECK_THROWS_WITH((Shape{std::int64_t(1) << 32, std::int64_t(1) << 32, 3}),
+                    "Shape [4294967296, 4294967296, 3]: more than 2^60 elements (its nonzero extents' product)");
   CHECK_THROWS_AS((Shape{(std::int64_t(1) << 33) + 1, std::int64_t(1) << 31}), shape_error);
   CHECK(Shape{std::int64_t(1) << 30, std::int64_t(1) << 30}.numel() == Shape::max_numel);
-  CHECK(Shape{0, std::int64_t(1) << 62, std::int64_t(1) << 62}.numel() == 0);  // empty: nothing to overflow
+  CHECK(Shape{std::int64_t(1) << 30, 0, std::int64_t(1) << 30}.numel() == 0);  // empty, no partial product past 2^60
+  CHECK_THROWS_AS((Shape{std::int64_t(1) << 32, std::int64_t(1) << 32, 0}), shape_error);  // as safetensors counts
 }
 
 TEST_CASE("host memory space and reachability", "[core][space]") {

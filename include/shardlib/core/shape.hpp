@@ -9,13 +9,15 @@
 #include <initializer_list>  // std::initializer_list
 #include <ostream>           // std::ostream
 #include <span>              // std::span
+#include <string>            // std::string
 
 namespace shardlib {
 
 class Shape {
  public:
   static constexpr int max_rank = 8;
-  // Most elements a shape may hold: bytes of 8-byte elements still fit an int64.
+  // Most elements a shape may hold, counting its nonzero extents only (so that no
+  // partial product overflows whatever the order): bytes of 8-byte elements fit an int64.
   static constexpr std::int64_t max_numel = std::int64_t(1) << 60;
 
   constexpr Shape() = default;
@@ -48,13 +50,18 @@ class Shape {
   template <class Range>
   void assign(const Range& extents) {
     require<shape_error>(extents.size() <= max_rank, "Shape: rank ", extents.size(), " exceeds the maximum ", max_rank);
-    std::int64_t n = 1;
+    std::int64_t nonzero = 1;
     for (std::int64_t e : extents) {
       require<shape_error>(e >= 0, "Shape: extent ", e, " is negative");
       extents_[rank_++] = e;
+      if (e == 0) continue;
       // Checked before it is formed: an int64 product that wrapped would size a small buffer.
-      if (n != 0 && e > max_numel / n) throw shape_error(cat("Shape ", *this, ": more than 2^60 elements"));
-      n *= e;
+      if (e > max_numel / nonzero) {
+        std::string all;
+        for (std::int64_t x : extents) all += cat(all.empty() ? "" : ", ", x);
+        throw shape_error(cat("Shape [", all, "]: more than 2^60 elements (its nonzero extents' product)"));
+      }
+      nonzero *= e;
     }
   }
 

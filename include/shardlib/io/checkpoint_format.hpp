@@ -232,7 +232,11 @@ inline Shape shape_from_json(const nlohmann::json& j, std::string_view origin, s
     if (!mul_within(numel, x, max_numel, numel)) fail(origin, where, "shape ", j.dump(), " has too many elements");
     e[i] = std::int64_t(x);
   }
-  return Shape(std::span<const std::int64_t>(e.data(), j.size()));
+  try {  // an empty shape whose other extents multiply past what Shape holds
+    return Shape(std::span<const std::int64_t>(e.data(), j.size()));
+  } catch (const shape_error& x) {
+    fail(origin, where, x.what());
+  }
 }
 inline nlohmann::json shape_to_json(const Shape& s) {
   return std::vector<std::int64_t>(s.extents().begin(), s.extents().end());

@@ -174,10 +174,11 @@ inline std::uint64_t json_count(const nlohmann::json& j, std::uint64_t max, std:
     if (v > max) fail(origin, where, what, " ", v, " exceeds the maximum ", max);
     return v;
   }
-  if (j.is_number_integer()) {  // nlohmann stores only negative integers (and -0) as signed
+  if (j.is_number_integer()) {  // parsed: negative integers (and -0); built in code: any signed value
     const auto v = j.get<std::int64_t>();
     if (v < 0) fail(origin, where, what, " ", v, " is negative");
-    return 0;
+    if (std::uint64_t(v) > max) fail(origin, where, what, " ", v, " exceeds the maximum ", max);
+    return std::uint64_t(v);
   }
   fail(origin, where, what, " must be a non-negative integer, found ", j.is_number() ? j.dump() : j.type_name());
 }
@@ -214,7 +215,11 @@ inline tensor_info read_tensor_entry(const std::string& tensor, const nlohmann::
     extents[i] = static_cast<std::int64_t>(
         json_count(shape[i], std::numeric_limits<std::int64_t>::max(), origin, where, cat("shape entry ", i)));
   }
-  t.shape = Shape(std::span<const std::int64_t>(extents.data(), shape.size()));
+  try {
+    t.shape = Shape(std::span<const std::int64_t>(extents.data(), shape.size()));
+  } catch (const shape_error& e) {
+    fail(origin, where, e.what());
+  }
 
   const auto& offsets = field("data_offsets");
   if (!offsets.is_array() || offsets.size() != 2) {
