@@ -192,6 +192,7 @@ TEST_CASE("activations: per-element values match torch's", "[nn][activation]") {
   CHECK(std::isnan(relu(std::numeric_limits<double>::quiet_NaN())));
   CHECK(relu_backward(0.0, 3.0) == 0.0);
   CHECK(relu_backward(0.5, 3.0) == 3.0);
+  CHECK(relu_backward(std::numeric_limits<double>::quiet_NaN(), 3.0) == 0.0);  // torch: dy where relu(x) > 0
   // x Φ(x) with Φ(1) = 0.8413447460685429; the tanh form from its definition.
   CHECK(gelu(1.0) == Approx(0.8413447460685429).epsilon(1e-15));
   CHECK(gelu(-1.0) == Approx(-0.15865525393145707).epsilon(1e-15));

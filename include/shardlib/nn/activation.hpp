@@ -22,14 +22,15 @@ enum class gelu_approx { none, tanh };
 // device kernels call the same code; nvcc provides device overloads of std::erf,
 // std::exp and std::tanh for float and double.
 
-// NaN propagates (clamp_min semantics, as torch.relu); the gradient at 0 is 0, as torch's.
+// NaN propagates (clamp_min semantics, as torch.relu); the gradient at 0 and at NaN is 0,
+// as torch's (its backward passes dy where relu(x) > 0).
 template <class T>
 SHARDLIB_HD constexpr T relu(T x) {
   return x < T(0) ? T(0) : x;
 }
 template <class T>
 SHARDLIB_HD constexpr T relu_backward(T x, T dy) {
-  return x <= T(0) ? T(0) : dy;
+  return x > T(0) ? dy : T(0);
 }
 
 template <class T>
