@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# signals_stop_ranks.sh LAUNCH: for each of SIGHUP, SIGQUIT, SIGINT and SIGTERM, the
-# launcher of two ranks that would sleep for a minute gets the signal (a terminal's
-# hangup, Ctrl-\, Ctrl-C, kill); both ranks must be gone within seconds and the
-# launcher must exit with 128 + the signal. The ranks run in sessions of their own,
-# so only the launcher can pass the signal on.
+# signals_stop_ranks.sh LAUNCH: for each of SIGHUP, SIGQUIT, SIGINT, SIGTERM and
+# SIGKILL, the launcher of two ranks that would sleep for a minute gets the signal (a
+# terminal's hangup, Ctrl-\, Ctrl-C, kill, kill -9 or the OOM killer); both ranks must be
+# gone within seconds and the launcher must exit with 128 + the signal. The ranks run
+# in sessions of their own, so only the launcher can pass the first four on; after
+# SIGKILL only the ranks' parent-death signal stops them.
 set -u
 launch=$1
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 fail=0
-for sig in HUP QUIT INT TERM; do
+for sig in HUP QUIT INT TERM KILL; do
   rm -f "$dir"/pid.*
   "$launch" -n 2 --grace 2 -- sh -c "echo \$\$ > $dir/pid.\$RANK; exec sleep 60" >/dev/null 2>&1 &
   launcher=$!
