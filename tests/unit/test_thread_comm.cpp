@@ -6,7 +6,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <latch>
+#include <new>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -21,6 +23,24 @@
 using namespace shardlib;
 using comm::reduce_op;
 using comm::ThreadComm;
+
+namespace {
+// Allocation failure on demand: when a thread sets this to k >= 0, its allocation
+// after k more fails with bad_alloc (once; -1 again then).
+thread_local int allocations_before_failure = -1;
+}  // namespace
+
+void* operator new(std::size_t n) {
+  if (allocations_before_failure == 0) {
+    allocations_before_failure = -1;
+    throw std::bad_alloc();
+  }
+  if (allocations_before_failure > 0) --allocations_before_failure;
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 void require_clean(const std::vector<conformance::report>& reports) {
@@ -231,6 +251,69 @@ TEST_CASE("a rank's invalid arguments make every rank raise at once, and the ran
                                           "all_gather(1 x F32) (rank 1: " + gather + ")") &&
                             Catch::EndsWith("| rank 0: split abandoned: rank 2 passed invalid arguments to split "
                                             "(rank 2: split color must be >= 0, got -1)"));
+}
+
+// split builds the new communicators between entering and leaving its collective, where
+// a rank that raised would leave its peers waiting for ever. Rank 0's allocations fail
+// one at a time, the k-th in the k-th launch, until split needs fewer: every launch must
+// end (a hang ends the forked child by SIGALRM), and when rank 0 fails building its
+// color's communicator, rank 2 (its color) must raise naming it. (An allocation that
+// may fail, such as stable_sort's buffer, fails without a rank raising.)
+TEST_CASE("a rank whose allocation fails inside split leaves no peer waiting", "[comm][thread][split]") {
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    ::alarm(60);
+    std::string report;
+    int built_by_none = 0;  // launches where rank 2 found no communicator of its color
+    for (int k = 0; k < 1000; ++k) {
+      std::vector<std::string> errors(4);
+      bool split_done = false;
+      try {
+        comm::launch(4, [&](ThreadComm& c) {
+          try {
+            if (c.rank() == 0) allocations_before_failure = k;
+            auto half = c.split(c.rank() % 2, c.rank());
+            if (c.rank() == 0) split_done = allocations_before_failure >= 0;
+            allocations_before_failure = -1;
+            float x = 1.f;
+            half.all_reduce(std::span<float>(&x, 1), reduce_op::sum);
+          } catch (const std::exception& e) {
+            allocations_before_failure = -1;
+            errors[c.rank()] = e.what();
+            throw;
+          }
+        });
+      } catch (const comm::rank_failure&) {
+      }
+      if (split_done) break;
+      if (errors[0].empty() && errors[2].empty()) continue;  // a nothrow allocation failed (stable_sort's buffer)
+      if (errors[0] != std::bad_alloc().what()) report += "launch " + std::to_string(k) + ": rank 0: " + errors[0] + "\n";
+      if (errors[2].find("could not build the color's communicator") != std::string::npos) {
+        ++built_by_none;
+        if (errors[2] != "rank 2: split to color 0: rank 0 could not build the color's communicator (its own error "
+                         "says why)")
+          report += "launch " + std::to_string(k) + ": rank 2: " + errors[2] + "\n";
+      } else if (errors[2].find("rank 0 failed") == std::string::npos) {
+        report += "launch " + std::to_string(k) + ": rank 2: '" + errors[2] + "'\n";
+      }
+    }
+    report += "built by none: " + std::to_string(built_by_none);
+    [[maybe_unused]] auto n = ::write(fds[1], report.data(), report.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string report;
+  char buf[4096];
+  for (::ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) report.append(buf, std::size_t(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  INFO(report);
+  REQUIRE(WIFEXITED(status));  // not SIGALRM: no launch hung
+  CHECK_THAT(report, Catch::Matches("built by none: [1-9][0-9]*"));  // only that line: nothing unexpected
 }
 
 TEST_CASE("asynchronous collectives run in issue order on the rank's worker", "[comm][thread][async]") {

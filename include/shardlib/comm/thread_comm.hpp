@@ -222,20 +222,35 @@ class ThreadComm {
     post_and_enter({detail::op_kind::split}, nullptr, nullptr, detail::invalid_call([&] {
                      require<comm_error>(color >= 0, "rank ", rank_, ": split color must be >= 0, got ", color);
                    }));
+    // Between entering and leaving nothing may escape: the peers wait at leave() for
+    // this rank. A failure (bad_alloc) is raised after leaving; the other members of
+    // this rank's color then find no group and raise too.
     std::vector<int> members;  // group ranks of this color, in new-rank order
-    for (int r = 0; r < size(); ++r)
-      if (slots[r].color == color) members.push_back(r);
-    std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return slots[a].key < slots[b].key; });
-    const int new_rank = int(std::find(members.begin(), members.end(), rank_) - members.begin());
-    if (new_rank == 0) {  // the first member builds the group the others pick up
-      std::vector<int> world_ranks;
-      for (int r : members) world_ranks.push_back(g_->world_ranks[r]);
-      slots[rank_].made = std::make_shared<detail::group>(g_->world, std::move(world_ranks));
-      std::lock_guard lock(g_->world->m);
-      g_->world->groups.push_back(slots[rank_].made);
+    int new_rank = -1;
+    std::exception_ptr failed;
+    try {
+      for (int r = 0; r < size(); ++r)
+        if (slots[r].color == color) members.push_back(r);
+      std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return slots[a].key < slots[b].key; });
+      new_rank = int(std::find(members.begin(), members.end(), rank_) - members.begin());
+      if (new_rank == 0) {  // the first member builds the group the others pick up
+        std::vector<int> world_ranks;
+        for (int r : members) world_ranks.push_back(g_->world_ranks[r]);
+        auto made = std::make_shared<detail::group>(g_->world, std::move(world_ranks));
+        std::lock_guard lock(g_->world->m);
+        g_->world->groups.push_back(made);
+        slots[rank_].made = std::move(made);
+      }
+    } catch (...) {
+      failed = std::current_exception();
     }
     g_->leave();
-    return ThreadComm(slots[members[0]].made, new_rank, exec_);
+    if (failed) std::rethrow_exception(failed);
+    const auto& made = slots[members[0]].made;
+    if (!made)
+      throw comm_error(cat("rank ", rank_, ": split to color ", color, ": rank ", members[0],
+                           " could not build the color's communicator (its own error says why)"));
+    return ThreadComm(made, new_rank, exec_);
   }
 
  private:
