@@ -26,11 +26,10 @@ using comm::ThreadComm;
 
 namespace {
 // Allocation failure on demand: when a thread sets this to k >= 0, its allocation
-// after k more fails with bad_alloc (once; -1 again then).
+// after k more fails with bad_alloc (once; -1 again then). Every non-aligned form of
+// new and delete is replaced, so that all pair malloc with free (sanitizers check).
 thread_local int allocations_before_failure = -1;
-}  // namespace
-
-void* operator new(std::size_t n) {
+void* allocate(std::size_t n) {
   if (allocations_before_failure == 0) {
     allocations_before_failure = -1;
     throw std::bad_alloc();
@@ -39,8 +38,25 @@ void* operator new(std::size_t n) {
   if (void* p = std::malloc(n ? n : 1)) return p;
   throw std::bad_alloc();
 }
+void* allocate(std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return allocate(n);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+}  // namespace
+
+void* operator new(std::size_t n) { return allocate(n); }
+void* operator new[](std::size_t n) { return allocate(n); }
+void* operator new(std::size_t n, const std::nothrow_t& t) noexcept { return allocate(n, t); }
+void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return allocate(n, t); }
 void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace {
 void require_clean(const std::vector<conformance::report>& reports) {
