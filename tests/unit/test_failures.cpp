@@ -273,6 +273,67 @@ TEST_CASE("a constructor whose gather fails waits for the others it issued", "[f
   CHECK(open[1] == 0);
 }
 
+// A layer that raises on every rank (a bad batch) and is caught: the model goes on.
+// Its forward or backward leaves nothing gathered or in flight; the partial gradients
+// of a failed backward are refused by step() until zero_grad(); and the next steps
+// train exactly as a run that never saw that batch.
+TEST_CASE("a forward or backward that raises on every rank leaves a model that trains on", "[failures]") {
+  for (failure_point where : {failure_point::forward, failure_point::backward})
+    for_each_strategy([&](auto s) {
+      for (int prefetch : {0, 2}) {
+        INFO(decltype(s)::name << ", prefetch " << prefetch << ", every rank fails in " << point_names[int(where)]);
+        auto train = [&](bool with_bad_batch) {
+          std::vector<float> params;
+          std::vector<std::string> errors(world);
+          comm::launch(world, [&](comm::ThreadComm& c) {
+            Model m = make_model();
+            auto model = shard::fully_shard<optim::SGD>(
+                m, c, s, {.wrap = shard::wrap_types<tripwire>{}, .seed = 42, .prefetch = prefetch});
+            optim::SGD opt{{.lr = 0.05}};
+            const auto r = std::size_t(c.rank());
+            for (int step = 0; step < 4; ++step) {
+              const auto x = fixture::batch(step, 2, 5, 1, 2 * c.rank()),
+                         y = fixture::batch(step, 2, 3, 2, 2 * c.rank());
+              if (step != 1) {
+                model.train_step(opt, x, y, fixture::mse);
+                continue;
+              }
+              if (!with_bad_batch) continue;
+              m.get<1>()[1].armed = where;
+              try {
+                model.train_step(opt, x, y, fixture::mse);
+              } catch (const std::runtime_error& e) {
+                errors[r] = e.what();
+              }
+              m.get<1>()[1].armed.reset();
+              try {
+                model.step(opt);  // without zero_grad: refused after a failed backward
+              } catch (const error& e) {
+                errors[r] += cat(" | ", e.what());
+              }
+            }
+            for (auto& [name, t] : model.full_state_dict())
+              if (r == 0) params.insert(params.end(), t.span().begin(), t.span().end());
+          });
+          return std::pair{params, errors};
+        };
+        const auto [skipped, none] = train(false);
+        const auto [recovered, errors] = train(true);
+        for (int r = 0; r < world; ++r) {
+          INFO("rank " << r << ": " << errors[std::size_t(r)]);
+          if (where == failure_point::forward)  // its step steps train_step's zeroed gradients: no change
+            CHECK(errors[std::size_t(r)] == "tripwire: forward");
+          else
+            CHECK(errors[std::size_t(r)] == cat("tripwire: backward | rank ", r,
+                                                ": step after a backward that raised: the gradients are partial; "
+                                                "call zero_grad() and run the step's micro-batches again"));
+        }
+        REQUIRE(skipped.size() == recovered.size());
+        CHECK(recovered == skipped);  // bit for bit
+      }
+    });
+}
+
 TEST_CASE("backward twice without a forward raises on every rank and leaves the model usable", "[failures][misuse]") {
   for_each_strategy([](auto s) {
     INFO(decltype(s)::name);

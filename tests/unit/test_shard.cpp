@@ -474,6 +474,39 @@ TEMPLATE_TEST_CASE("step and train_step refuse gradients that no backward reduce
   CHECK(synced == std::vector<int>{1, 1});
 }
 
+// A forward in training mode after the backward (a metric on the training batch)
+// leaves units gathered: FullShard's root, ShardGradOp's every unit. The step must
+// free them, or the next forward finds them gathered and computes with the values
+// from before the step. The root owns parameters here (its first and last Linear).
+TEMPLATE_TEST_CASE("a forward between backward and step changes nothing", "[shard][eval]", shard::FullShard,
+                   shard::ShardGradOp, shard::ShardOptimizer, shard::NoShard) {
+  auto train = [](bool extra_forward) {
+    std::vector<float> losses, params;
+    comm::launch(2, [&](comm::ThreadComm& c) {
+      Model m = make_model();
+      auto model = shard::fully_shard<sgd>(
+          m, c, TestType{}, {.wrap = shard::wrap_names{{"1.layers.0", "1.layers.1", "1.layers.2"}}, .seed = 3});
+      sgd opt;
+      for (int s = 0; s < 3; ++s) {
+        const auto x = batch(s, 2, 5, 1, 2 * c.rank()), y = batch(s, 2, 3, 2, 2 * c.rank());
+        model.zero_grad();
+        const auto l = mse(model.forward(x), y);
+        model.backward(l.grad);
+        if (extra_forward) (void)model.forward(x);
+        model.step(opt);
+        if (c.rank() == 0) losses.push_back(l.loss);
+      }
+      for (auto& [name, t] : model.full_state_dict())
+        if (c.rank() == 0) params.insert(params.end(), t.span().begin(), t.span().end());
+    });
+    return std::pair{losses, params};
+  };
+  const auto plain = train(false), extra = train(true);
+  REQUIRE(plain.second.size() == 291);
+  CHECK(extra.first == plain.first);  // bit for bit: the same arithmetic
+  CHECK(extra.second == plain.second);
+}
+
 // Each micro-batch of an accumulated step is another batch: its dropout masks are new
 // draws, not the first micro-batch's again; and the draws are the same on every run.
 TEST_CASE("micro-batches of one step draw their own dropout masks", "[shard][accumulation][dropout]") {

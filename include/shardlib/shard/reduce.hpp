@@ -122,8 +122,9 @@ class gradient_reducer {
       if (u != keep) finish(*u);
     std::erase_if(in_flight_, [](const unit_type* u) { return !u->reducing; });
   }
-  // Waits for every reduction in flight, whatever happens to the results: a rank
-  // that fails mid-step must not free buffers a collective still writes.
+  // Waits for every reduction in flight and drops its result: a rank that fails
+  // mid-step must not free buffers a collective still writes, and a later
+  // reduction must not add this one's scratch.
   void drain() noexcept {
     for (auto* u : in_flight_)
       if (u->reducing) {
@@ -132,6 +133,9 @@ class gradient_reducer {
         } catch (...) {
         }
         u->reducing = false;
+        u->scratch.reduce.reset();
+        u->scratch.wide.reset();
+        u->scratch.narrow.reset();
       }
     in_flight_.clear();
   }

@@ -154,9 +154,14 @@ class ShardedModel {
     }
     ctx_.forget_kept();  // a forward without its backward leaves checkpointed inputs
     forwarded_ = false;
-    auto y = ctx_.forward(*model_, x);
-    forwarded_ = true;
-    return y;
+    try {
+      auto y = ctx_.forward(*model_, x);
+      forwarded_ = true;
+      return y;
+    } catch (...) {
+      drain();  // nothing left gathered or in flight: the next forward gathers afresh
+      throw;
+    }
   }
   // Refused before anything is gathered unless a forward completed since the last
   // backward: the layers' cached activations are gone.
@@ -166,9 +171,17 @@ class ShardedModel {
     require(forwarded_, "rank ", comm_->rank(), ": backward without a forward: each backward needs a forward "
             "completed after the previous backward");
     forwarded_ = false;
-    auto dx = ctx_.backward(*model_, dy);
-    unreduced_ = !sync_;  // a backward with sync reduces what earlier ones accumulated too
-    return dx;
+    try {
+      auto dx = ctx_.backward(*model_, dy);
+      unreduced_ = !sync_;  // a backward with sync reduces what earlier ones accumulated too
+      return dx;
+    } catch (...) {
+      // Its reductions still in flight are waited for and dropped, so the gradients are
+      // partial until zero_grad(), which step() requires; the model itself goes on.
+      drain();
+      incomplete_ = true;
+      throw;
+    }
   }
 
   // Evaluation (PyTorch's model.eval() and torch.no_grad() at once): every forward
@@ -178,11 +191,7 @@ class ShardedModel {
   // backward raises. eval() also frees what a forward without backward left gathered
   // (ShardGradOp keeps units until their backward) and forgets that forward.
   void eval() {
-    if (policy_.shard_parameters)
-      for (auto& u : units_) {
-        if (u.where == state::gathering) gathers_.complete(u);
-        if (u.where == state::gathered) gathers_.free(u);
-      }
+    release_full_params();
     forwarded_ = false;
     ctx_.set_training(false);
     ctx_.set_grad_enabled(false);
@@ -257,13 +266,15 @@ class ShardedModel {
 
   void zero_grad() {
     for (auto& u : units_) {
-      require(!u.reducing, "zero_grad: a gradient reduction of unit '", u.name, "' is still pending");
+      require(!u.reducing, "rank ", comm_->rank(), ": zero_grad: a gradient reduction of unit '", u.name,
+              "' is still pending");
       ops::fill(u.grad->local(), T(0));
       if (policy_.shard_gradients) u.full_grad.reset();  // drops gradients accumulated under sync(false)
       else if (policy_.shard_optimizer) ops::fill(u.full_grad.span(), C(0));
       u.grad_clean = true;
     }
     unreduced_ = false;
+    incomplete_ = false;
   }
 
   // The global 2-norm of the gradients the optimizer steps. Each rank sums the
@@ -302,6 +313,8 @@ class ShardedModel {
     const int r = comm_->rank();
     require(!unreduced_, "rank ", r, ": step after a backward under set_sync(false) (no_sync): its gradients were "
             "never reduced across ranks; run the last micro-batch's backward with sync on");
+    require(!incomplete_, "rank ", r, ": step after a backward that raised: the gradients are partial; call "
+            "zero_grad() and run the step's micro-batches again");
     require(!scaler_, "rank ", r, ": step with fp16 (loss scaling): the gradients of a manual backward are neither "
             "scaled nor checked for overflow; use train_step, which scales the loss, unscales and skips "
             "overflowed steps (or bf16, which needs no scaling)");
@@ -589,6 +602,10 @@ class ShardedModel {
     static_assert(std::is_same_v<std::remove_cvref_t<O>, Optimizer>,
                   "ShardedModel::step: the model keeps optimizer state of the type it was wrapped for; wrap it "
                   "with fully_shard<YourOptimizer>(...) or fully_shard(model, comm, strategy, optimizer, options)");
+    // A forward without its backward left units gathered (the root; ShardGradOp's units):
+    // their values would be the old ones at the next forward, which finds them gathered.
+    release_full_params();
+    forwarded_ = false;
     if (offload_) {
       require(!flag.skip, "rank ", comm_->rank(), ": a step cancelled on the device cannot be offloaded");
       offloaded_step(opt);
@@ -815,10 +832,13 @@ class ShardedModel {
     if (u.offload && !compute16) offload_->wait(offload_->to_offload(std::span<const T>(master), u.offload->master.span()));
     if (!policy_.shard_parameters) refresh_values(u);
   }
+  // Frees every gathered unit (waiting for gathers in flight first).
   void release_full_params() {
     if (policy_.shard_parameters)
-      for (auto& u : units_)
+      for (auto& u : units_) {
+        if (u.where == state::gathering) gathers_.complete(u);
         if (u.where == state::gathered) gathers_.free(u);
+      }
   }
 
   // --- gradients -------------------------------------------------------------------------------
@@ -827,17 +847,24 @@ class ShardedModel {
     if (policy_.shard_parameters)
       for (auto& u : units_) require(u.where == state::sharded, "internal: unit '", u.name, "' still gathered");
   }
-  // Waits for every collective this rank issued; errors are dropped (the rank is
-  // already failing, or the destructor runs).
+  // Waits for every collective this rank issued, frees what is gathered and drops
+  // the reductions' results; errors are dropped (the rank is already failing, or the
+  // destructor runs).
   void drain() noexcept {
-    for (auto& u : units_)
+    for (auto& u : units_) {
       if (u.where == state::gathering) {
         try {
           u.gather_work.wait();
         } catch (...) {
         }
+        u.where = state::gathered;
+      }
+      if (policy_.shard_parameters && u.where == state::gathered) {
+        u.unbind();
+        u.values.reset();
         u.where = state::sharded;
       }
+    }
     reducer_.drain();
   }
 
@@ -998,6 +1025,7 @@ class ShardedModel {
   gradient_reducer<unit_type, T, C, space, Comm> reducer_;
   bool sync_ = true;
   bool unreduced_ = false;  // the last backward ran under sync(false)
+  bool incomplete_ = false;  // a backward raised since the last zero_grad
   std::optional<std::uint64_t> stepped_;  // the step the context's random streams count from
   bool forwarded_ = false;  // a forward completed since the last backward
   mutable std::optional<loss_scaler> scaler_;  // scaler() refreshes it from scaler_slots_
