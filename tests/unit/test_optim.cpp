@@ -563,8 +563,8 @@ TEST_CASE("constant and warmup + cosine schedules at their key steps", "[optim][
   STATIC_REQUIRE(Schedule<constant_lr>);
   STATIC_REQUIRE(Schedule<warmup_cosine>);
   STATIC_REQUIRE_FALSE(Schedule<int>);
-  CHECK(constant_lr{.lr = 3e-4}(0) == 3e-4f);
-  CHECK(constant_lr{.lr = 3e-4}(123456) == 3e-4f);
+  CHECK(constant_lr{.lr = 3e-4}(0) == 3e-4);
+  CHECK(constant_lr{.lr = 3e-4}(123456) == 3e-4);
 
   // W = 10, T = 110: warmup over steps 0..9, cosine over 10..109, min from 110.
   const warmup_cosine s{.peak_lr = 1e-3, .min_lr = 1e-5, .warmup_steps = 10, .total_steps = 110};
@@ -584,6 +584,13 @@ TEST_CASE("constant and warmup + cosine schedules at their key steps", "[optim][
   CHECK(f(5) == Approx(5.5e-4).epsilon(1e-6));
   CHECK(f(20) == 0.0f);
   CHECK(warmup_cosine{.peak_lr = 1e-3, .total_steps = 100}(0) == Approx(1e-3).epsilon(1e-6));  // no warmup
+
+  // Rates are doubles, as torch's schedulers give them: Adam rounds lr / (1 - beta1^t)
+  // to float once. The formula in double, exactly (a rate rounded to float is ~1e-8 off).
+  const double x = double(35 - 10) / double(110 - 10);
+  CHECK(s(35) == 1e-5 + (1e-3 - 1e-5) * 0.5 * (1 + std::cos(std::numbers::pi * x)));
+  CHECK(s(5) == 1e-3 * (0 + (1 - 0) * 5.0 / 10.0));
+  CHECK(constant_lr{.lr = 3e-4}(7) != double(3e-4f));
 
   CHECK_THROWS_AS((warmup_cosine{.warmup_steps = 10, .total_steps = 5}(0)), error);
   CHECK_THROWS_AS(s(-1), error);

@@ -19,6 +19,7 @@
 
 #include <unistd.h>  // getpid
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -235,6 +236,74 @@ TEST_CASE("groups step each segment as that group's own optimizer steps it alone
   check(optim::param_groups<optim::Adam>({{.name = "usual", .rule = optim::no_decay, .options = usual},
                                           {.name = "ams", .rule = optim::no_decay, .options = ams}}),
         optim::Adam{usual}, optim::Adam{ams});
+}
+
+// Options are checked for every group before any segment steps: a later group's bad
+// option must not leave the earlier segments stepped with the step uncounted (a retry
+// would step them twice as the same step).
+TEST_CASE("a group's invalid options leave every segment, moment and the step count unchanged",
+          "[param_groups][segments]") {
+  const std::size_t n = 20, cut = 8;
+  Groups g = make_groups();
+  g["no_decay"].options.beta2 = 1.5;
+  std::vector<float> p(n, 1.f), grads(n, 0.5f);
+  auto st = g.make_state(n);
+  const std::vector<optim::segment> runs{{0, cut, 0}, {cut, n - cut, 1}};  // decay first, then no_decay
+  CHECK_THROWS_WITH(g.step(std::span<float>(p), std::span<const float>(grads), st, runs),
+                    "param_groups: group 'no_decay': AdamW: invalid beta2 1.5 (needs 0 <= beta2 < 1)");
+  CHECK(p == std::vector<float>(n, 1.f));
+  for (std::size_t i = 0; i < n; ++i) CHECK((st.exp_avg[i] == 0 && st.exp_avg_sq[i] == 0));
+  CHECK(st.step == 0);
+}
+
+// In the engine the groups are assigned over every parameter and checked before any
+// unit steps, on every rank alike: a rank whose piece holds none of the offending
+// parameters raises too (it would otherwise go on and wait for the others), and the
+// model is unchanged. After the groups are fixed, the next step trains.
+TEST_CASE("bad groups raise on every rank before any unit steps, and a fixed group trains on",
+          "[param_groups][engine]") {
+  for (const bool no_group : {true, false}) {
+    INFO((no_group ? "a parameter in no group" : "a group's invalid beta2"));
+    std::vector<std::string> errors(2);
+    std::vector<int> trained(2, 0), unchanged(2, 0);
+    comm::launch(2, [&](comm::ThreadComm& c) {
+      Model m = fixture::make_model();
+      // decay holds the matrices; in the first case no group takes the biases
+      Groups g({{.name = "decay", .rule = [](std::string_view, const Shape& s) { return s.rank() == 2; },
+                 .options = {.lr = 0.01}}});
+      if (!no_group) g.groups().push_back({.name = "no_decay", .rule = optim::no_decay, .options = {.beta2 = 1.5}});
+      auto model = shard::fully_shard(m, c, shard::FullShard{}, g, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+      const auto x = fixture::batch(0, 2, 5, 1, 2 * c.rank()), y = fixture::batch(0, 2, 3, 2, 2 * c.rank());
+      const auto before = model.full_state_dict();
+      try {
+        model.train_step(g, x, y, fixture::mse);
+      } catch (const error& e) {
+        errors[std::size_t(c.rank())] = e.what();
+      }
+      const auto after = model.full_state_dict();
+      bool same = before.size() == after.size();
+      for (std::size_t i = 0; same && i < before.size(); ++i)
+        same = std::ranges::equal(before[i].value.span(), after[i].value.span());
+      unchanged[std::size_t(c.rank())] = same;
+      if (no_group) g.groups().push_back({.name = "no_decay", .rule = optim::no_decay, .options = {.lr = 0.01}});
+      else g["no_decay"].options.beta2 = 0.999;
+      model.train_step(g, x, y, fixture::mse);
+      trained[std::size_t(c.rank())] = int(model.steps());
+    });
+    for (int r = 0; r < 2; ++r) {
+      INFO("rank " << r << ": " << errors[std::size_t(r)]);
+      if (no_group)
+        CHECK_THAT(errors[std::size_t(r)], Catch::StartsWith(cat("rank ", r, ": param_groups: parameter '")) &&
+                                               Contains("' [8] is in no group (decay)"));
+      else
+        CHECK_THAT(errors[std::size_t(r)],
+                   Catch::StartsWith(cat("rank ", r, ", unit '")) &&
+                       Catch::EndsWith("': param_groups: group 'no_decay': AdamW: invalid beta2 1.5 (needs 0 <= beta2 "
+                                       "< 1)"));
+    }
+    CHECK(unchanged == std::vector<int>{1, 1});
+    CHECK(trained == std::vector<int>{1, 1});
+  }
 }
 
 TEST_CASE("the no-decay split on the encoder classifier: matrices decay, biases and norm weights do not",

@@ -165,6 +165,13 @@ struct BasicAdam {
     require(o.eps >= 0, name, ": invalid eps ", o.eps);
     require(o.weight_decay >= 0, name, ": invalid weight_decay ", o.weight_decay);
   }
+  // The options, and that a state of n elements has what they need.
+  void check(const state& s, std::size_t n) const {
+    check_options();
+    require(!options.amsgrad || !s.max_exp_avg_sq.empty() || n == 0, name,
+            ": amsgrad is set but the state was made without it (no max_exp_avg_sq); make the state after "
+            "setting options.amsgrad");
+  }
   // The arithmetic alone, for checked options (host and device code: a device that
   // counts the steps itself computes them there, with CUDA's pow, within 2 ulp in
   // double where glibc's is correctly rounded; the product is kept out of a fused
@@ -218,16 +225,14 @@ struct BasicAdam {
   template <FloatingElement G>
   void step_segment(std::span<float> params, std::span<const G> grads, state& s, std::size_t first) const {
     const auto& o = options;
-    const detail::adam_scalars k = step_scalars(s.step + 1);
     const std::size_t n = params.size();
+    check(s, n);
+    const detail::adam_scalars k = step_scalars(s.step + 1);
     detail::require_size(name, "gradients", grads.size(), n);
     require<shape_error>(first + n <= s.exp_avg.size() && first + n <= s.exp_avg_sq.size(), name,
                          "::step: elements [", first, ", ", first + n, ") of a state of ", s.exp_avg.size(),
                          " (exp_avg) and ", s.exp_avg_sq.size(), " (exp_avg_sq)");
     if (o.amsgrad) {
-      require(!s.max_exp_avg_sq.empty() || n == 0, name,
-              ": amsgrad is set but the state was made without it (no max_exp_avg_sq); make the state after "
-              "setting options.amsgrad");
       require<shape_error>(first + n <= s.max_exp_avg_sq.size(), name, "::step: elements [", first, ", ", first + n,
                            ") of ", s.max_exp_avg_sq.size(), " max_exp_avg_sq entries");
     }

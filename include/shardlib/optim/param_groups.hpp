@@ -18,7 +18,7 @@
 #include <span>         // std::span
 #include <string>       // std::string
 #include <string_view>  // std::string_view
-#include <utility>      // std::move
+#include <utility>      // std::move, std::as_const
 #include <vector>       // std::vector
 
 namespace shardlib::optim {
@@ -68,7 +68,8 @@ struct segment {
 };
 
 // An optimizer whose options can differ over the elements of one state: it steps a
-// segment of its state (elements [first, first + n)) without counting the step.
+// segment of its state (elements [first, first + n)) without counting the step, and
+// checks its options and a state of n elements before a step changes anything.
 template <class O>
 concept SegmentOptimizer =
     Optimizer<O> && std::default_initializable<O> && requires { typename O::options_type; } &&
@@ -77,6 +78,7 @@ concept SegmentOptimizer =
       o.step_segment(p, g, s, first);
       o.step_segment(p, gb, s, first);
       o.step_segment(p, gh, s, first);
+      o.check(std::as_const(s), first);  // options and a state of n elements, before any segment changes
     };
 
 template <SegmentOptimizer O>
@@ -193,6 +195,7 @@ class param_groups {
   template <FloatingElement G>
   void step(std::span<float> params, std::span<const G> grads, state& s, std::span<const segment> segments) const {
     detail::require_size(name, "gradients", grads.size(), params.size());
+    check(s, params.size());
     std::size_t covered = 0;
     for (const auto& r : segments) {
       require(r.begin == covered && r.size <= params.size() - covered && r.group >= 0 &&
@@ -214,6 +217,18 @@ class param_groups {
   template <Schedule S>
   void set_lr(const S& shared, std::int64_t step) {
     for (auto& g : groups_) g.options.lr = (g.schedule ? g.schedule(step) : double(shared(step))) * g.lr_scale;
+  }
+
+  // Every group's options, and that a state of n elements has the buffers they need
+  // (amsgrad's, momentum's): an error naming the group, before any element changes.
+  void check(const state& s, std::size_t n) const {
+    for (const auto& g : groups_) {
+      try {
+        of(g).check(s, n);
+      } catch (const error& e) {
+        throw error(cat("param_groups: group '", g.name, "': ", e.what()));
+      }
+    }
   }
 
  private:

@@ -14,15 +14,18 @@ namespace shardlib::optim {
 // from 0 (the number of steps already taken: an optimizer state's `step`
 // before the call), as PyTorch's LR schedulers and Hugging Face's do:
 //   opt.options.lr = schedule(state.step);
+// Rates are doubles, as PyTorch's schedulers compute them: the optimizer rounds once,
+// where torch does (Adam's step size lr / (1 - beta1^t) is rounded to float from a
+// double lr, not from an lr already rounded to float).
 template <class S>
 concept Schedule = requires(const S& s, std::int64_t step) {
-  { s(step) } -> std::convertible_to<float>;
+  { s(step) } -> std::convertible_to<double>;
 };
 
 struct constant_lr {
   double lr = 1e-3;
 
-  float operator()(std::int64_t) const { return static_cast<float>(lr); }
+  double operator()(std::int64_t) const { return lr; }
 };
 
 // Linear warmup, then cosine decay to min_lr, then min_lr; with W = warmup_steps,
@@ -39,7 +42,7 @@ struct warmup_cosine {
   std::int64_t total_steps = 1;
   double start_factor = 0;
 
-  float operator()(std::int64_t t) const {
+  double operator()(std::int64_t t) const {
     const std::int64_t w = warmup_steps, n = total_steps;
     require(t >= 0, "warmup_cosine: negative step ", t);
     require(w >= 0 && n >= w, "warmup_cosine: needs 0 <= warmup_steps <= total_steps, got ", w, " and ", n);
@@ -47,10 +50,10 @@ struct warmup_cosine {
             " and peak_lr ", peak_lr);
     require(start_factor >= 0 && start_factor <= 1, "warmup_cosine: start_factor ", start_factor,
             " is not in [0, 1]");
-    if (t < w) return static_cast<float>(peak_lr * (start_factor + (1 - start_factor) * double(t) / double(w)));
-    if (t >= n) return static_cast<float>(min_lr);
+    if (t < w) return peak_lr * (start_factor + (1 - start_factor) * double(t) / double(w));
+    if (t >= n) return min_lr;
     const double progress = double(t - w) / double(n - w);
-    return static_cast<float>(min_lr + (peak_lr - min_lr) * 0.5 * (1 + std::cos(std::numbers::pi * progress)));
+    return min_lr + (peak_lr - min_lr) * 0.5 * (1 + std::cos(std::numbers::pi * progress));
   }
 };
 

@@ -83,6 +83,23 @@ struct SGD {
 
   options_type options;
 
+  void check_options() const {
+    const auto& o = options;
+    require(o.lr >= 0, name, ": invalid learning rate ", o.lr);
+    require(o.momentum >= 0, name, ": invalid momentum ", o.momentum);
+    require(o.weight_decay >= 0, name, ": invalid weight_decay ", o.weight_decay);
+    require(!o.nesterov || (o.momentum > 0 && o.dampening == 0), name,
+            ": Nesterov momentum requires a momentum and zero dampening (momentum ", o.momentum, ", dampening ",
+            o.dampening, ")");
+  }
+  // The options, and that a state of n elements has what they need.
+  void check(const state& s, std::size_t n) const {
+    check_options();
+    require(options.momentum == 0 || !s.momentum_buffer.empty() || n == 0, name, ": momentum is ", options.momentum,
+            " but the state was made with momentum 0 (no momentum buffer); make the state after setting "
+            "options.momentum");
+  }
+
   // 4 bytes per parameter with momentum, none without.
   state make_state(std::size_t n) const {
     return {options.momentum != 0 ? detail::zeroed_state(n) : Buffer<float>{}, 0};
@@ -108,19 +125,11 @@ struct SGD {
   template <FloatingElement G>
   void step_segment(std::span<float> params, std::span<const G> grads, state& s, std::size_t first) const {
     const auto& o = options;
-    require(o.lr >= 0, name, ": invalid learning rate ", o.lr);
-    require(o.momentum >= 0, name, ": invalid momentum ", o.momentum);
-    require(o.weight_decay >= 0, name, ": invalid weight_decay ", o.weight_decay);
-    require(!o.nesterov || (o.momentum > 0 && o.dampening == 0), name,
-            ": Nesterov momentum requires a momentum and zero dampening (momentum ", o.momentum, ", dampening ",
-            o.dampening, ")");
     const std::size_t n = params.size();
+    check(s, n);
     detail::require_size(name, "gradients", grads.size(), n);
     const bool momentum = o.momentum != 0;
     if (momentum) {
-      require(!s.momentum_buffer.empty() || n == 0, name, ": momentum is ", o.momentum,
-              " but the state was made with momentum 0 (no momentum buffer); make the state after setting "
-              "options.momentum");
       require<shape_error>(first + n <= s.momentum_buffer.size(), name, "::step: elements [", first, ", ", first + n,
                            ") of ", s.momentum_buffer.size(), " momentum_buffer entries");
     }

@@ -606,6 +606,7 @@ class ShardedModel {
     // their values would be the old ones at the next forward, which finds them gathered.
     release_full_params();
     forwarded_ = false;
+    check_step(opt);
     if (offload_) {
       require(!flag.skip, "rank ", comm_->rank(), ": a step cancelled on the device cannot be offloaded");
       offloaded_step(opt);
@@ -903,6 +904,21 @@ class ShardedModel {
       throw error(cat("rank ", comm_->rank(), ", unit '", u.name, "': ", e.what()));
     }
   }
+  // What the optimizer can check (its options and groups, each unit's state) is
+  // checked for every unit before any steps: a later unit's error must not leave the
+  // earlier ones stepped, and every rank, whatever its piece, raises alike.
+  template <class O>
+  void check_step(O& opt) {
+    if constexpr (optim::is_param_groups<Optimizer>) segments(opt, units_.front());
+    if constexpr (requires(const typename Optimizer::state& s) { opt.check(s, std::size_t{}); })
+      for (auto& u : units_) {
+        try {
+          opt.check(optimizer_state(opt, u), master_local(u).size());
+        } catch (const error& e) {
+          throw error(cat("rank ", comm_->rank(), ", unit '", u.name, "': ", e.what()));
+        }
+      }
+  }
   // options.offload's step, pipelined per unit: unit i+1's reduced gradients travel to
   // the offload space while unit i steps there, and unit i's updated piece travels back
   // while unit i+1 steps (on the device, on the channel's side stream; the host copies
@@ -927,14 +943,21 @@ class ShardedModel {
     channel.fence();
   }
 
-  // Each unit's runs of parameter groups over this rank's piece, made at the first grouped step.
+  // Each unit's runs of parameter groups over this rank's piece, made at the first grouped
+  // step. Every parameter's group is looked up, not only those of this rank's piece, so
+  // that a parameter in no group is an error on every rank.
   const std::vector<optim::segment>& segments(const Optimizer& opt, const unit_type& u) {
-    if (segments_.empty())
-      for (std::size_t i = 0; i < units_.size(); ++i)
-        with_rank([&] {
-          segments_.push_back(opt.segments(units_[i].layout, partition(i).begin(partition_rank()),
-                                           partition(i).shard_size()));
-        });
+    if (segments_.empty()) {
+      std::vector<std::vector<optim::segment>> made;
+      with_rank([&] {
+        for (std::size_t i = 0; i < units_.size(); ++i) {
+          for (const auto& e : units_[i].layout.entries) opt.group_of(e.name, e.shape);
+          made.push_back(opt.segments(units_[i].layout, partition(i).begin(partition_rank()),
+                                      partition(i).shard_size()));
+        }
+      });
+      segments_ = std::move(made);
+    }
     return segments_[std::size_t(index_of(u))];
   }
 

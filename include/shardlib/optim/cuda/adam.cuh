@@ -88,6 +88,15 @@ struct BasicAdam {
     return {zeroed(n), zeroed(n), options.amsgrad ? zeroed(n) : Buffer<float, cuda_space>{}, 0, {}, {}, nullptr, false};
   }
 
+  // The options, and that a state of n elements has what they need (the engine checks
+  // every unit's before any steps).
+  void check(const state& s, std::size_t n) const {
+    host_optimizer{options}.check_options();
+    require(!options.amsgrad || !s.max_exp_avg_sq.empty() || n == 0, name,
+            " (CUDA): amsgrad is set but the state was made without it (no max_exp_avg_sq); make the state after "
+            "setting options.amsgrad");
+  }
+
   void step(std::span<float> params, std::span<const float> grads, state& s) const {
     step<float>(params, grads, s);
   }
@@ -122,9 +131,7 @@ struct BasicAdam {
   void step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy) const {
     const cudaStream_t stream = shardlib::cuda::current_stream();
     if (!s.cancelled.empty()) return gated_step(params, grads, s, compute_copy, s.cancelled.data() + 1, stream);
-    require(!options.amsgrad || !s.max_exp_avg_sq.empty() || params.empty(), name,
-            " (CUDA): amsgrad is set but the state was made without it (no max_exp_avg_sq); make the state after "
-            "setting options.amsgrad");
+    check(s, params.size());
     ops::cuda::fused_adam_step(host_optimizer{options},
                                {s.exp_avg.span(), s.exp_avg_sq.span(), s.max_exp_avg_sq.span()}, s.step, params,
                                grads, compute_copy, stream);
@@ -134,9 +141,7 @@ struct BasicAdam {
   template <FloatingElement G, FloatingElement H>
   void gated_step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy,
                   const double* skip, cudaStream_t stream) const {
-    require(!options.amsgrad || !s.max_exp_avg_sq.empty() || params.empty(), name,
-            " (CUDA): amsgrad is set but the state was made without it (no max_exp_avg_sq); make the state after "
-            "setting options.amsgrad");
+    check(s, params.size());
     const ops::cuda::adam_gate gate{skip, s.cancelled.data(), s.gate_scalars.data()};
     ops::cuda::fused_adam_step(host_optimizer{options},
                                {s.exp_avg.span(), s.exp_avg_sq.span(), s.max_exp_avg_sq.span()}, s.step, params,
