@@ -474,6 +474,69 @@ TEMPLATE_TEST_CASE("step and train_step refuse gradients that no backward reduce
   CHECK(synced == std::vector<int>{1, 1});
 }
 
+// LayerDrop: a Stack whose forward and backward skip one layer when told to. A unit
+// that does not run in a pass was prefetched along the recorded order all the same.
+struct dropping_stack {
+  using input = Tensor<float>;
+  using output = Tensor<float>;
+  std::vector<Block> layers;
+  int skip = -1;
+  template <class V>
+  void children(V&& v) {
+    for (std::size_t i = 0; i < layers.size(); ++i) v("layers." + std::to_string(i), layers[i]);
+  }
+  template <class V>
+  void parameters(V&& v) {
+    for (std::size_t i = 0; i < layers.size(); ++i) nn::visit_parameters("layers." + std::to_string(i), layers[i], v);
+  }
+  template <class Ctx>
+  output forward(Ctx& ctx, const input& x) {
+    input h = x;
+    for (std::size_t i = 0; i < layers.size(); ++i)
+      if (int(i) != skip) h = ctx.forward(layers[i], h);
+    return h;
+  }
+  template <class Ctx>
+  input backward(Ctx& ctx, const output& dy) {
+    output g = dy;
+    for (std::size_t i = layers.size(); i-- > 0;)
+      if (int(i) != skip) g = ctx.backward(layers[i], g);
+    return g;
+  }
+};
+
+TEMPLATE_TEST_CASE("a unit its parent skips on some steps (LayerDrop) trains as replicated training does",
+                   "[shard][prefetch]", shard::FullShard, shard::ShardGradOp, shard::HybridShard) {
+  using Dropping = nn::Sequential<nn::Linear<float>, dropping_stack, nn::Linear<float>>;
+  auto train = [](auto strategy, int prefetch) {
+    std::vector<float> params;
+    comm::launch(4, [&](comm::ThreadComm& c) {
+      Dropping m{nn::Linear<float>(5, 8), dropping_stack{{Block(8, 8), Block(8, 8), Block(8, 8)}}, nn::Linear<float>(8, 3)};
+      auto model = shard::fully_shard<sgd>(m, c, strategy,
+                                           {.wrap = shard::wrap_types<Block>{}, .seed = 7, .prefetch = prefetch});
+      sgd opt;
+      for (int s = 0; s < 4; ++s) {
+        m.get<1>().skip = s == 1 ? 1 : s == 2 ? 0 : -1;  // the middle layer, then the first
+        const auto x = batch(s, 2, 5, 1, 2 * c.rank()), y = batch(s, 2, 3, 2, 2 * c.rank());
+        model.train_step(opt, x, y, mse);
+      }
+      for (auto& [name, t] : model.full_state_dict())
+        if (c.rank() == 0) params.insert(params.end(), t.span().begin(), t.span().end());
+    });
+    return params;
+  };
+  const auto want = train(shard::NoShard{}, 1);
+  REQUIRE(want.size() == 291);
+  for (int prefetch : {1, 2}) {
+    auto strategy = TestType{};
+    if constexpr (requires { strategy.group_size; }) strategy.group_size = 2;
+    test_support::max_error worst;
+    worst.relative(train(strategy, prefetch), want, 1e-3);
+    INFO("prefetch " << prefetch << ": worst relative difference " << worst);
+    CHECK(worst <= 1e-5);
+  }
+}
+
 // A forward in training mode after the backward (a metric on the training batch)
 // leaves units gathered: FullShard's root, ShardGradOp's every unit. The step must
 // free them, or the next forward finds them gathered and computes with the values

@@ -843,10 +843,12 @@ class ShardedModel {
   }
 
   // --- gradients -------------------------------------------------------------------------------
+  // A unit whose layer did not run this pass (LayerDrop, a branch) may have been
+  // prefetched along the recorded order: it is freed here, as FSDP2 reshards
+  // everything at the end of backward.
   void finish_backward() {
     reducer_.finish_all_except(nullptr);
-    if (policy_.shard_parameters)
-      for (auto& u : units_) require(u.where == state::sharded, "internal: unit '", u.name, "' still gathered");
+    release_full_params();
   }
   // Waits for every collective this rank issued, frees what is gathered and drops
   // the reductions' results; errors are dropped (the rank is already failing, or the
