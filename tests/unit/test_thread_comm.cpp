@@ -12,6 +12,7 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <sys/resource.h>
@@ -59,6 +60,30 @@ void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace {
+// Runs f() in a forked child, which a hang ends by SIGALRM after `seconds`; returns the
+// child's wait status and the text f() returned.
+template <class F>
+std::pair<int, std::string> in_child(unsigned seconds, F&& f) {
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    ::alarm(seconds);
+    const std::string text = f();
+    [[maybe_unused]] auto n = ::write(fds[1], text.data(), text.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string text;
+  char buf[4096];
+  for (::ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) text.append(buf, std::size_t(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return {status, text};
+}
+
 void require_clean(const std::vector<conformance::report>& reports) {
   for (std::size_t r = 0; r < reports.size(); ++r) {
     INFO("rank " << r);
@@ -117,12 +142,7 @@ TEST_CASE("a rank whose thread cannot start fails the launch and is named", "[co
     WARN("skipped: needs root, to run as nobody under a thread limit");
     return;
   }
-  int fds[2];
-  REQUIRE(::pipe(fds) == 0);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::close(fds[0]);
-    ::alarm(60);  // a hang ends the child by SIGALRM, which the parent sees
+  const auto [status, msg] = in_child(60, [] {  // a hang ends the child by SIGALRM, which the parent sees
     std::string msg = "launch returned normally";
     const rlimit few{64, 64};
     if (::setgid(65534) != 0 || ::setuid(65534) != 0 || ::setrlimit(RLIMIT_NPROC, &few) != 0) {
@@ -158,16 +178,8 @@ TEST_CASE("a rank whose thread cannot start fails the launch and is named", "[co
       freed.notify_all();
       for (std::size_t i = 3; i < held.size(); ++i) held[i].join();
     }
-    [[maybe_unused]] auto n = ::write(fds[1], msg.data(), msg.size());
-    ::_exit(0);
-  }
-  ::close(fds[1]);
-  std::string msg;
-  char buf[4096];
-  for (::ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, std::size_t(n));
-  ::close(fds[0]);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
+    return msg;
+  });
   INFO(msg);
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
@@ -276,12 +288,7 @@ TEST_CASE("a rank's invalid arguments make every rank raise at once, and the ran
 // color's communicator, rank 2 (its color) must raise naming it. (An allocation that
 // may fail, such as stable_sort's buffer, fails without a rank raising.)
 TEST_CASE("a rank whose allocation fails inside split leaves no peer waiting", "[comm][thread][split]") {
-  int fds[2];
-  REQUIRE(::pipe(fds) == 0);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::close(fds[0]);
-    ::alarm(60);
+  const auto [status, report] = in_child(60, [] {
     std::string report;
     int built_by_none = 0;  // launches where rank 2 found no communicator of its color
     for (int k = 0; k < 1000; ++k) {
@@ -317,16 +324,8 @@ TEST_CASE("a rank whose allocation fails inside split leaves no peer waiting", "
       }
     }
     report += "built by none: " + std::to_string(built_by_none);
-    [[maybe_unused]] auto n = ::write(fds[1], report.data(), report.size());
-    ::_exit(0);
-  }
-  ::close(fds[1]);
-  std::string report;
-  char buf[4096];
-  for (::ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) report.append(buf, std::size_t(n));
-  ::close(fds[0]);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
+    return report;
+  });
   INFO(report);
   REQUIRE(WIFEXITED(status));  // not SIGALRM: no launch hung
   CHECK_THAT(report, Catch::Matches("built by none: [1-9][0-9]*"));  // only that line: nothing unexpected
