@@ -520,6 +520,10 @@ TEMPLATE_TEST_CASE("a unit its parent skips on some steps (LayerDrop) trains as 
         const auto x = batch(s, 2, 5, 1, 2 * c.rank()), y = batch(s, 2, 3, 2, 2 * c.rank());
         model.train_step(opt, x, y, mse);
       }
+      model.eval();  // an eval forward that skips a prefetched unit leaves nothing gathered either
+      m.get<1>().skip = 1;
+      (void)model.forward(batch(0, 2, 5, 1, 2 * c.rank()));
+      model.summon_full_params([] {}, {.writeback = false});  // raises while a unit is gathered
       for (auto& [name, t] : model.full_state_dict())
         if (c.rank() == 0) params.insert(params.end(), t.span().begin(), t.span().end());
     });

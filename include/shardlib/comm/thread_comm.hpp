@@ -37,6 +37,7 @@ struct slot {
   void* recv = nullptr;
   int color = 0, key = 0;  // split
   std::shared_ptr<group> made;  // split: the group this rank created for its color
+  bool split_failed = false;     // split: this rank raised between entering and leaving
 };
 
 // State shared by all ranks of one launch: failure and exit flags every wait checks.
@@ -219,12 +220,13 @@ class ThreadComm {
     slots[rank_].color = color;
     slots[rank_].key = key;
     slots[rank_].made = nullptr;
+    slots[rank_].split_failed = false;
     post_and_enter({detail::op_kind::split}, nullptr, nullptr, detail::invalid_call([&] {
                      require<comm_error>(color >= 0, "rank ", rank_, ": split color must be >= 0, got ", color);
                    }));
     // Between entering and leaving nothing may escape: the peers wait at leave() for
-    // this rank. A failure (bad_alloc) is raised after leaving; the other members of
-    // this rank's color then find no group and raise too.
+    // this rank. A failure (bad_alloc) is marked in the slot and raised after leaving;
+    // every other member of this rank's color then raises too.
     std::vector<int> members;  // group ranks of this color, in new-rank order
     int new_rank = -1;
     std::exception_ptr failed;
@@ -243,14 +245,15 @@ class ThreadComm {
       }
     } catch (...) {
       failed = std::current_exception();
+      slots[rank_].split_failed = true;
     }
     g_->leave();
     if (failed) std::rethrow_exception(failed);
-    const auto& made = slots[members[0]].made;
-    if (!made)
-      throw comm_error(cat("rank ", rank_, ": split to color ", color, ": rank ", members[0],
-                           " could not build the color's communicator (its own error says why)"));
-    return ThreadComm(made, new_rank, exec_);
+    for (int r : members)
+      if (slots[r].split_failed)
+        throw comm_error(cat("rank ", rank_, ": split to color ", color, ": rank ", r,
+                             " of that color failed in split (its own error says why)"));
+    return ThreadComm(slots[members[0]].made, new_rank, exec_);
   }
 
  private:

@@ -143,9 +143,12 @@ class sharded_context : public nn::context {
     auto [x, at] = ckpt_.take(layer);
     const std::uint64_t now = draws();
     rewind_draws(at);
-    {
+    try {
       depth on(recomputing_);
       layer.forward(*this, x);  // caches what backward needs; the output goes
+    } catch (...) {
+      rewind_draws(now);
+      throw;
     }
     rewind_draws(now);
   }

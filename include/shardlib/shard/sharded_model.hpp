@@ -154,12 +154,14 @@ class ShardedModel {
     }
     ctx_.forget_kept();  // a forward without its backward leaves checkpointed inputs
     forwarded_ = false;
+    forward_draws_ = ctx_.draws();
     try {
       auto y = ctx_.forward(*model_, x);
       forwarded_ = true;
       return y;
     } catch (...) {
       drain();  // nothing left gathered or in flight: the next forward gathers afresh
+      ctx_.rewind_draws(forward_draws_);
       throw;
     }
   }
@@ -179,6 +181,7 @@ class ShardedModel {
       // Its reductions still in flight are waited for and dropped, so the gradients are
       // partial until zero_grad(), which step() requires; the model itself goes on.
       drain();
+      ctx_.rewind_draws(forward_draws_);  // the next forward draws the masks this pass's drew
       incomplete_ = true;
       throw;
     }
@@ -577,6 +580,7 @@ class ShardedModel {
     if (root) gathers_.stop_recording();  // the root finishes last: the order is complete
     if (policy_.shard_parameters && (ctx_.evaluating() || (!root && policy_.free == free_point::after_forward)))
       gathers_.free(u);
+    if (root && ctx_.evaluating()) release_full_params();  // a prefetched unit that did not run
   }
   void pre_backward(unit_type& u) {
     if (policy_.shard_parameters) {
@@ -860,13 +864,10 @@ class ShardedModel {
           u.gather_work.wait();
         } catch (...) {
         }
+        u.scratch.send.reset();
         u.where = state::gathered;
       }
-      if (policy_.shard_parameters && u.where == state::gathered) {
-        u.unbind();
-        u.values.reset();
-        u.where = state::sharded;
-      }
+      if (policy_.shard_parameters && u.where == state::gathered) gathers_.free(u);
     }
     reducer_.drain();
   }
@@ -1051,6 +1052,7 @@ class ShardedModel {
   bool sync_ = true;
   bool unreduced_ = false;  // the last backward ran under sync(false)
   bool incomplete_ = false;  // a backward raised since the last zero_grad
+  std::uint64_t forward_draws_ = 0;  // random streams drawn before the last forward: a pass that raises rewinds
   std::optional<std::uint64_t> stepped_;  // the step the context's random streams count from
   bool forwarded_ = false;  // a forward completed since the last backward
   mutable std::optional<loss_scaler> scaler_;  // scaler() refreshes it from scaler_slots_
