@@ -276,9 +276,10 @@ TEST_CASE("a constructor whose gather fails waits for the others it issued", "[f
 
 // A layer that raises on every rank (a bad batch) and is caught: the model goes on.
 // Its forward or backward leaves nothing gathered or in flight; the partial gradients
-// of a failed backward are refused by step() until zero_grad(); train_step's summed
-// reduction ends with it; and the next steps train exactly as a run that never saw
-// that batch, dropout masks included (the failed pass's draws are rewound).
+// of a failed backward are refused by clip_grad_norm() and step() until zero_grad();
+// train_step's summed reduction ends with it; and the next steps train exactly as a
+// run that never saw that batch, dropout masks included (the failed pass's draws are
+// rewound).
 TEST_CASE("a forward or backward that raises on every rank leaves a model that trains on", "[failures]") {
   for (failure_point where : {failure_point::forward, failure_point::backward})
     for_each_strategy([&](auto s) {
@@ -313,9 +314,14 @@ TEST_CASE("a forward or backward that raises on every rank leaves a model that t
                 errors[r] = e.what();
               }
               m.get<2>()[1].armed.reset();
-              if (where == failure_point::backward) {
+              if (where == failure_point::backward) {  // without zero_grad: refused after a failed backward
                 try {
-                  model.step(opt);  // without zero_grad: refused after a failed backward
+                  model.clip_grad_norm(1.f);
+                } catch (const error& e) {
+                  errors[r] += cat(" | ", e.what());
+                }
+                try {
+                  model.step(opt);
                 } catch (const error& e) {
                   errors[r] += cat(" | ", e.what());
                 }
@@ -333,9 +339,11 @@ TEST_CASE("a forward or backward that raises on every rank leaves a model that t
           if (where == failure_point::forward)
             CHECK(errors[std::size_t(r)] == "tripwire: forward");
           else
-            CHECK(errors[std::size_t(r)] == cat("tripwire: backward | rank ", r,
-                                                ": step after a backward that raised: the gradients are partial; "
-                                                "call zero_grad() and run the step's micro-batches again"));
+            CHECK(errors[std::size_t(r)] ==
+                  cat("tripwire: backward | rank ", r, ": grad_norm after a backward that raised: the gradients are "
+                      "partial; call zero_grad() and run the step's micro-batches again | rank ", r, ": step after a "
+                      "backward that raised: the gradients are partial; call zero_grad() and run the step's "
+                      "micro-batches again"));
         }
         REQUIRE(skipped.size() == recovered.size());
         CHECK(recovered == skipped);  // bit for bit

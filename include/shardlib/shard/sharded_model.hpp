@@ -286,6 +286,7 @@ class ShardedModel {
   // call after backward.
   // On a device the squares are summed and reduced there, and read once.
   double grad_norm() {
+    require_complete("grad_norm");
     auto sum = grad_norm_squared();
     double total = 0;
     ops::issue_to_host(std::span<const double>(sum.data(), 1), std::span<double>(&total, 1));
@@ -316,8 +317,7 @@ class ShardedModel {
     const int r = comm_->rank();
     require(!unreduced_, "rank ", r, ": step after a backward under set_sync(false) (no_sync): its gradients were "
             "never reduced across ranks; run the last micro-batch's backward with sync on");
-    require(!incomplete_, "rank ", r, ": step after a backward that raised: the gradients are partial; call "
-            "zero_grad() and run the step's micro-batches again");
+    require_complete("step");
     require(!scaler_, "rank ", r, ": step with fp16 (loss scaling): the gradients of a manual backward are neither "
             "scaled nor checked for overflow; use train_step, which scales the loss, unscales and skips "
             "overflowed steps (or bf16, which needs no scaling)");
@@ -906,6 +906,10 @@ class ShardedModel {
       if (std::string_view(e.what()).starts_with("rank ")) throw;
       throw error(cat("rank ", comm_->rank(), ", unit '", u.name, "': ", e.what()));
     }
+  }
+  void require_complete(std::string_view what) const {
+    require(!incomplete_, "rank ", comm_->rank(), ": ", what, " after a backward that raised: the gradients are "
+            "partial; call zero_grad() and run the step's micro-batches again");
   }
   // What the optimizer can check (its options and groups, each unit's state) is
   // checked for every unit before any steps: a later unit's error must not leave the
