@@ -117,6 +117,21 @@ TEST_CASE("max propagates NaN on both reduction paths", "[comm][mpi]") {
   }
 }
 
+// A mean within half's range is not inf on either path: MPI's own 16-bit sums round at
+// every step, so the sum of the ranks' 60000 would overflow before it is divided.
+TEST_CASE("half averages of values near the top of the range stay finite on both paths", "[comm][mpi]") {
+  for (bool shm : {true, false}) {
+    auto c = MpiComm::world({.shared_memory = shm});
+    INFO("shared memory " << shm);
+    std::vector<half> x(3, half(60000.f));
+    c.all_reduce(std::span<half>(x), reduce_op::avg);
+    CHECK(float(x[0]) == 60000.f);  // exact for 4 and 8 ranks: every partial sum is a half
+    std::vector<half> send(std::size_t(c.size()), half(60000.f)), mine(1);
+    c.reduce_scatter(std::span<const half>(send), std::span<half>(mine), reduce_op::avg);
+    CHECK(float(mine[0]) == 60000.f);
+  }
+}
+
 TEST_CASE("shared-memory bfloat16 sums accumulate in float and round once", "[comm][mpi]") {
   auto c = MpiComm::world();
   if (c.size() < 3) return;  // needs three contributions
@@ -144,6 +159,18 @@ TEST_CASE("ranks that disagree about a collective raise on every rank", "[comm][
     std::vector<float> ok(c.size()), one{float(c.rank())};
     c.all_gather(std::span<const float>(one), std::span<float>(ok));
     CHECK(ok.back() == float(c.size() - 1));
+  }
+  SECTION("in a communicator split in reverse, the messages name each process's world rank too") {
+    auto rev = c.split(0, -c.rank());  // new rank r is world rank size - 1 - r
+    const int w = c.size();
+    std::vector<float> send(rev.rank() == 1 ? 5 : 4), recv(send.size() * w);
+    const auto name = [&](int r) {  // the world's middle rank keeps its number
+      return r == w - 1 - r ? cat("rank ", r) : cat("rank ", r, " (world rank ", w - 1 - r, ")");
+    };
+    const auto e = error_of([&] { rev.all_gather(std::span<const float>(send), std::span<float>(recv)); });
+    CHECK_THAT(e, Catch::Contains(name(rev.rank()) + ": ranks disagree") &&
+                      Catch::Contains(name(0) + " called all_gather(4 x F32)") &&
+                      Catch::Contains(name(1) + " called all_gather(5 x F32)"));
   }
   SECTION("different operations, types and roots") {
     std::vector<double> d(8);

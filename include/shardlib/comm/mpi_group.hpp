@@ -120,6 +120,8 @@ class mpi_group {
     });
     check_reducible(op, dtype_of<T>, rank_, "reduce_scatter");
     if (use_shm()) return shm_reduce_scatter(send.data(), recv.data(), n, op, sig);
+    if constexpr (std::is_same_v<T, half>)
+      if (op == reduce_op::avg) return half_mean(send, recv, sig);
     // MPI may not alias its buffers: an in-place call (recv is send's own slice) goes through scratch.
     const bool in_place = n > 0 && recv.data() == send.data() + rank_ * n;
     Buffer<T> scratch = in_place ? Buffer<T>(n, category::comm_scratch) : Buffer<T>();
@@ -141,6 +143,8 @@ class mpi_group {
     });
     check_reducible(op, dtype_of<T>, rank_, "all_reduce");
     if (use_shm()) return shm_all_reduce(send.data(), recv.data(), n, op, sig);
+    if constexpr (std::is_same_v<T, half>)
+      if (op == reduce_op::avg) return half_mean(send, recv, sig);
     const void* src = send.data() == recv.data() ? MPI_IN_PLACE : send.data();
     check(MPI_Allreduce(src, recv.data(), mpi_count(n, sig), mpi_type<T>(), mpi_op<T>(op, rank_), comm_.c),
           "MPI_Allreduce", sig);
@@ -229,12 +233,13 @@ class mpi_group {
     if (invalid) std::rethrow_exception(invalid);  // its own error first, whatever the others did
     if (all.empty()) return;
     if (!departure_.empty()) abandon(sig);
+    const auto name = [&](int r) { return name_of(r); };
     for (int r = 0; r < size_; ++r)
       if (arrival_of(all[r]) == arrival::invalid)
-        throw invalid_elsewhere(rank_, sig, r, signature_of(all[r]));
+        throw invalid_elsewhere(rank_, sig, r, signature_of(all[r]), {}, name);
     for (int r = 1; r < size_; ++r)
       if (!(signature_of(all[r]) == signature_of(all[0])))
-        throw disagreement(rank_, signature_of(all[0]), r, signature_of(all[r]));
+        throw disagreement(rank_, signature_of(all[0]), r, signature_of(all[r]), name);
   }
 
   // "rank r", and its rank in MPI_COMM_WORLD where that differs: a process takes
@@ -303,6 +308,23 @@ class mpi_group {
     }
     if (stays && shm_) shm_->abandon();
     shm_.reset();  // MPI_Win_free, still watched
+  }
+
+  // MPI's own half sums round at every step, so a sum divided afterwards overflows
+  // where the mean would not (ranks' 60000 each): half means are summed in float and
+  // rounded once, as the shared-memory path and ThreadComm do, at twice the bytes.
+  // (bfloat16 has float's range: its sums take the usual path.)
+  void half_mean(std::span<const half> send, std::span<half> recv, const signature& sig) {
+    const std::size_t n = recv.size();
+    Buffer<float> wide(send.size(), category::comm_scratch), sum(n, category::comm_scratch);
+    for (std::size_t i = 0; i < send.size(); ++i) wide.data()[i] = float(send[i]);
+    if (sig.kind == op_kind::all_reduce)
+      check(MPI_Allreduce(wide.data(), sum.data(), mpi_count(n, sig), MPI_FLOAT, MPI_SUM, comm_.c), "MPI_Allreduce",
+            sig);
+    else
+      check(MPI_Reduce_scatter_block(wide.data(), sum.data(), mpi_count(n, sig), MPI_FLOAT, MPI_SUM, comm_.c),
+            "MPI_Reduce_scatter_block", sig);
+    for (std::size_t i = 0; i < n; ++i) recv[i] = half(sum.data()[i] / float(size_));
   }
 
   template <Element T>

@@ -39,10 +39,16 @@ inline std::string describe(const signature& s) {
   return d + ")";
 }
 
+// "rank r": how the messages below name a rank, unless the backend names processes
+// otherwise (MpiComm adds the rank in MPI_COMM_WORLD).
+inline std::string plain_rank(int r) { return cat("rank ", r); }
+
 // The error every rank raises when rank `other` posted `theirs` where rank 0 posted `first`.
-inline comm_error disagreement(int rank, const signature& first, int other, const signature& theirs) {
-  return comm_error(cat("rank ", rank, ": ranks disagree about a collective: rank 0 called ", describe(first),
-                        ", rank ", other, " called ", describe(theirs)));
+template <class Name = std::string (*)(int)>
+comm_error disagreement(int rank, const signature& first, int other, const signature& theirs,
+                        Name name = plain_rank) {
+  return comm_error(cat(name(rank), ": ranks disagree about a collective: ", name(0), " called ", describe(first), ", ",
+                        name(other), " called ", describe(theirs)));
 }
 
 // What a rank's checks of its own arguments threw, or null. A rank whose call is
@@ -70,11 +76,11 @@ inline std::string what_of(const std::exception_ptr& e) {
 
 // The error every other rank raises when rank `other` posted `theirs` marked invalid;
 // `why` is its error, where the backend carries it.
-inline comm_aborted invalid_elsewhere(int rank, const signature& mine, int other, const signature& theirs,
-                                      std::string_view why = {}) {
-  return comm_aborted(cat("rank ", rank, ": ", describe(mine), " abandoned: rank ", other,
-                          " passed invalid arguments to ", describe(theirs), why.empty() ? "" : " (", why,
-                          why.empty() ? "" : ")"));
+template <class Name = std::string (*)(int)>
+comm_aborted invalid_elsewhere(int rank, const signature& mine, int other, const signature& theirs,
+                               std::string_view why = {}, Name name = plain_rank) {
+  return comm_aborted(cat(name(rank), ": ", describe(mine), " abandoned: ", name(other), " passed invalid arguments to ",
+                          describe(theirs), why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
 }
 
 }  // namespace shardlib::comm::detail
