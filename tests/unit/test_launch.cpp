@@ -10,9 +10,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <latch>
 #include <limits>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -193,6 +195,42 @@ TEST_CASE("the store hangs up on a malformed request and goes on serving the oth
   }
   CHECK_THROWS_WITH(good.set("big", std::string(std::size_t(comm::detail::longest_store_string) + 1, 'x')),
                     Catch::Contains("rank 0: setting 'big' in the store: keys and values may have up to"));
+}
+
+namespace {
+int open_descriptors() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+}  // namespace
+
+// Connections that come and go (health checks, port scans, reconnects) are reaped: the
+// server kept each one's descriptor and thread until it ended, and ran out of
+// descriptors after about a thousand, when no rank could join any more.
+TEST_CASE("the store reaps clients that hung up: descriptors do not pile up", "[launch][store]") {
+  comm::store_server server(0, 2, 1s);
+  const int before = open_descriptors();
+  for (int i = 0; i < 300; ++i)
+    comm::detail::connect_to("127.0.0.1", server.port(), comm::detail::deadline_after(5s), "test");  // closed at once
+  int after = 0;
+  for (int tries = 0; tries < 100 && (after = open_descriptors()) > before + 5; ++tries) std::this_thread::sleep_for(50ms);
+  INFO(before << " descriptors before, " << after << " after 300 connections came and went");
+  CHECK(after <= before + 5);
+  TcpStore s("127.0.0.1", server.port(), 1, 2, false, 5s);  // a rank still joins
+  s.set("k", "v");
+  CHECK(s.get("k") == "v");
+}
+
+// The store lingers at the end for ranks still connected, not for a connection that
+// never said which rank it is.
+TEST_CASE("a silent connection does not hold the store's end", "[launch][store]") {
+  auto server = std::make_unique<comm::store_server>(0, 1, 30s);
+  auto silent = comm::detail::connect_to("127.0.0.1", server->port(), comm::detail::deadline_after(5s), "test");
+  std::this_thread::sleep_for(200ms);  // accepted
+  const auto start = std::chrono::steady_clock::now();
+  server.reset();
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
 }
 
 TEST_CASE("a store wait that outlasts its timeout names the key and the ranks that never came", "[launch][store]") {

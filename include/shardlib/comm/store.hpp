@@ -84,9 +84,12 @@ struct reader {
 
 // The server half: rank 0 of a job runs it (TcpStore does, when it is rank 0).
 // One thread accepts, one thread per client answers; get waits in the server
-// until its keys exist or the client's timeout passes. The destructor stops
-// accepting and waits (at most `linger`) for the clients still connected to hang
-// up, so a rank that finishes first does not pull the store from under the others.
+// until its keys exist or the client's timeout passes. A client that hangs up is
+// reaped (its thread joined, its descriptor closed), so connections that come and
+// go (health checks, port scans) cost nothing for long. The destructor stops
+// accepting and waits (at most `linger`) for the ranks still connected to hang up,
+// so a rank that finishes first does not pull the store from under the others; a
+// connection that never said which rank it is does not hold it.
 class store_server {
  public:
   // Listens on all interfaces at `port` (0: a free port, see port()); `who` begins
@@ -116,6 +119,7 @@ class store_server {
   struct client {
     detail::socket_fd fd;
     std::thread thread;
+    bool done = false;  // serve() has returned but for its last lines
   };
 
   void accept_loop() {
@@ -123,15 +127,28 @@ class store_server {
       auto s = detail::accept_until(listener_, detail::tcp_clock::now() + std::chrono::milliseconds(100));
       std::lock_guard lock(m_);
       if (stopping_) return;
+      reap();
       if (!s) continue;
       try {
         auto& c = clients_.emplace_back(client{std::move(s), {}});
-        c.thread = std::thread([this, fd = c.fd.get()] { serve(fd); });
-        ++active_;
+        c.thread = std::thread([this, &c] { serve(c); });
       } catch (const std::exception& e) {  // this client is refused; the others are still served
         if (!clients_.empty() && !clients_.back().thread.joinable()) clients_.pop_back();
         dropped(e);
       }
+    }
+  }
+
+  // Under m_: the clients that hung up. Their done is set under m_ too, so their
+  // threads have only to return.
+  void reap() {
+    for (auto it = clients_.begin(); it != clients_.end();) {
+      if (!it->done) {
+        ++it;
+        continue;
+      }
+      it->thread.join();
+      it = clients_.erase(it);
     }
   }
 
@@ -141,7 +158,8 @@ class store_server {
 
   // Until the client hangs up or sends a malformed request (then it is hung up on),
   // or the destructor shuts its socket (which wakes the poll).
-  void serve(int fd) {
+  void serve(client& c) {
+    const int fd = c.fd.get();
     int rank = -1;
     try {
       for (;;) {
@@ -153,7 +171,8 @@ class store_server {
     }
     ::shutdown(fd, SHUT_RDWR);
     std::lock_guard lock(m_);
-    --active_;
+    if (rank >= 0) --active_;
+    c.done = true;
     cv_.notify_all();
   }
 
@@ -166,10 +185,14 @@ class store_server {
     detail::wire out;
     switch (detail::store_op(op)) {
       case detail::store_op::hello: {
-        rank = int(in.num());
+        const auto said = in.num();
         if (!in.ok) return false;
         std::lock_guard lock(m_);
-        if (rank >= 0 && rank < world_) connected_[rank] = true;
+        if (rank < 0 && said >= 0 && said < world_) {  // a rank: the destructor lingers for it
+          rank = int(said);
+          connected_[std::size_t(rank)] = true;
+          ++active_;
+        }
         out.num(world_);
         break;
       }
@@ -237,7 +260,7 @@ class store_server {
   std::map<std::string, std::string> data_;
   std::vector<bool> connected_;  // ranks that have said hello
   std::list<client> clients_;    // stable addresses for the threads
-  int active_ = 0;
+  int active_ = 0;  // connected clients that said hello as a rank
   bool stopping_ = false;  // no more clients
   bool closing_ = false;   // the server ends
   std::thread acceptor_;
