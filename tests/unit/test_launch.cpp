@@ -471,6 +471,30 @@ TEST_CASE("a rank that never joins makes the others raise naming it, not hang", 
                               Catch::Contains("'socket_comm/0/2'") && Catch::Contains("never connected: 2"));
 }
 
+// A connection to a rank's listener that says nothing (a port scan, a health check)
+// must not hold up the ranks that connect after it: the join read one handshake at a
+// time and waited on the stray until the join's deadline.
+TEST_CASE("a silent stray connection does not hold up the ranks joining", "[launch][socket]") {
+  comm::store_server server(0, 2);
+  comm::detail::socket_fd stray;
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = on_threads(2, [&](int r) {
+    TcpStore store("127.0.0.1", server.port(), r, 2, false, 20s);
+    if (r == 1) {  // first the stray, at rank 0's published address
+      const std::string a = store.get("socket_comm/0/0");
+      const auto colon = a.rfind(':');
+      stray = comm::detail::connect_to(a.substr(0, colon), std::uint16_t(std::stoi(a.substr(colon + 1))),
+                                       comm::detail::deadline_after(5s), "test");
+    }
+    SocketComm c(store);
+    std::vector<float> x{float(r)};
+    c.all_reduce(std::span<float>(x), reduce_op::sum);
+    if (x[0] != 1.f) throw error("wrong sum");
+  });
+  CHECK(errors == std::vector<std::string>(2));
+  CHECK(std::chrono::steady_clock::now() - start < 5s);  // not the 20 s deadline
+}
+
 TEST_CASE("run_from_environment: threads without a launcher, SocketComm under torchrun variables",
           "[launch][run]") {
   std::atomic<int> ranks{0};

@@ -14,7 +14,8 @@
 #include "shardlib/core/element.hpp"
 #include "shardlib/core/error.hpp"
 
-#include <algorithm>  // std::stable_sort, std::find
+#include <algorithm>  // std::stable_sort, std::find, std::min
+#include <cerrno>     // errno
 #include <chrono>     // std::chrono
 #include <cstddef>    // std::size_t, std::byte
 #include <cstdint>    // std::uint64_t, std::int32_t
@@ -25,6 +26,8 @@
 #include <span>       // std::span
 #include <string>     // std::string
 #include <vector>     // std::vector
+
+#include <poll.h>  // pollfd, poll
 
 namespace shardlib::comm {
 
@@ -79,24 +82,38 @@ class SocketComm {
                           rank, ": SocketComm: rank ", p, " at ", a, " closed the connection while this rank joined");
       mesh->peers[p] = std::move(s);
     }
-    for (int joined = rank + 1; joined < size; ++joined) {
-      auto s = detail::accept_until(listener, deadline);
-      std::int64_t theirs[2] = {0, -1};
-      if (s && detail::recv_all(s.get(), theirs, sizeof theirs, deadline) == detail::io_status::done &&
-          theirs[0] == std::int64_t(tag) && theirs[1] > rank && theirs[1] < size && !mesh->peers[theirs[1]]) {
-        mesh->peers[theirs[1]] = std::move(s);
-        continue;
-      }
-      if (s) {  // a stray connection, not a rank of this communicator
-        --joined;
-        continue;
-      }
-      std::string missing;
+    // The higher ranks' handshakes are read as they arrive, from every accepted
+    // connection at once: a stray that connects and says nothing (a port scan) holds
+    // up no rank. A hello is 16 bytes sent at once, so one begun ends within a second.
+    const auto missing = [&] {
+      std::string m;
       for (int p = rank + 1; p < size; ++p)
-        if (!mesh->peers[p]) missing += cat(missing.empty() ? "" : ", ", p, " (", mesh->addresses[p], ")");
-      throw comm_error(cat("rank ", rank, ": SocketComm: ranks ", missing, " never connected to this rank at ", me,
-                           " within ", store.timeout().count(), " s"));
+        if (!mesh->peers[p]) m += cat(m.empty() ? "" : ", ", p, " (", mesh->addresses[p], ")");
+      return m;
+    };
+    std::vector<detail::socket_fd> pending;
+    while (!missing().empty()) {
+      std::vector<pollfd> ready{{listener.get(), POLLIN, 0}};
+      for (const auto& c : pending) ready.push_back({c.get(), POLLIN, 0});
+      const int n = ::poll(ready.data(), ready.size(), detail::ms_until(deadline));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      for (std::size_t i = ready.size() - 1; i >= 1; --i) {  // from the back: erasing keeps earlier indices
+        if (!ready[i].revents) continue;
+        detail::socket_fd c = std::move(pending[i - 1]);
+        pending.erase(pending.begin() + std::ptrdiff_t(i - 1));
+        std::int64_t theirs[2] = {0, -1};
+        if (detail::recv_all(c.get(), theirs, sizeof theirs, std::min(deadline, detail::deadline_after(seconds(1)))) ==
+                detail::io_status::done &&
+            theirs[0] == std::int64_t(tag) && theirs[1] > rank && theirs[1] < size && !mesh->peers[theirs[1]])
+          mesh->peers[theirs[1]] = std::move(c);  // anything else was a stray: closed here
+      }
+      if (ready[0].revents)
+        if (auto c = detail::accept_until(listener, detail::tcp_clock::now())) pending.push_back(std::move(c));
     }
+    if (const std::string m = missing(); !m.empty())
+      throw comm_error(cat("rank ", rank, ": SocketComm: ranks ", m, " never connected to this rank at ", me,
+                           " within ", store.timeout().count(), " s"));
     for (auto& s : mesh->peers)
       if (s) detail::set_nonblocking(s.get());
     std::vector<int> members(size);
