@@ -495,6 +495,41 @@ TEST_CASE("a silent stray connection does not hold up the ranks joining", "[laun
   CHECK(std::chrono::steady_clock::now() - start < 5s);  // not the 20 s deadline
 }
 
+// The out-of-band notice that a rank has gone carries its mesh rank in one byte; 255
+// stands for any rank from 255 on. A peer that sends it reports a loss, it is not the
+// one lost: rank 0 of a 300-process job hears from rank 1 (alive) of a 2-rank group.
+TEST_CASE("a notice of a lost rank numbered 255 or more does not blame the rank that reports it",
+          "[launch][socket][failure]") {
+  auto error_after_notice = [](unsigned char notice) {
+    auto listener = comm::detail::listen_on(0, "test");
+    auto mine = comm::detail::connect_to("127.0.0.1", comm::detail::bound_port(listener),
+                                         comm::detail::deadline_after(5s), "test");
+    auto theirs = comm::detail::accept_until(listener, comm::detail::deadline_after(5s));
+    auto mesh = std::make_shared<comm::detail::socket_mesh>();
+    mesh->rank = 0;
+    mesh->timeout = comm::seconds(5);
+    mesh->peers.resize(300);
+    for (int r = 0; r < 300; ++r) mesh->addresses.push_back("10.0.0.1:" + std::to_string(1000 + r));
+    comm::detail::set_nonblocking(mine.get());
+    mesh->peers[1] = std::move(mine);
+    comm::detail::socket_group g{mesh, {0, 1}, 0, 42, 0};
+    ::send(theirs.get(), &notice, 1, MSG_OOB);  // what rank 1 sends after it lost a rank
+    std::this_thread::sleep_for(100ms);
+    try {
+      g.begin({comm::detail::op_kind::barrier});
+    } catch (const comm_aborted& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK_THAT(error_after_notice(7), Catch::Contains("the connection to process rank 7 (10.0.0.1:1007) closed (rank 1 "
+                                                    "reports it)"));
+  const std::string unnamed = error_after_notice(255);
+  CHECK_THAT(unnamed, Catch::Contains("rank 1 (10.0.0.1:1001) reports that a process of the job numbered 255 or more "
+                                      "has gone"));
+  CHECK_THAT(unnamed, !Catch::Contains("rank 1 exited"));
+}
+
 TEST_CASE("run_from_environment: threads without a launcher, SocketComm under torchrun variables",
           "[launch][run]") {
   std::atomic<int> ranks{0};

@@ -203,18 +203,25 @@ struct socket_group {
   // outside the byte stream) that the connection to another rank closed. Names the
   // rank that has gone and passes the notice on, so that every rank names the same
   // one rather than the peers that left after it.
+  // A notice of 255 is "some rank": one numbered 255 or more, which a byte cannot name.
   [[noreturn]] void lost(int p, const signature& sig) {
     const int from_rank = members[p];
     int gone = from_rank;  // mesh ranks
+    bool unnamed = false;  // p reports a rank the notice cannot name
     unsigned char notice = 0;
-    if (::recv(fd(p), &notice, 1, MSG_OOB | MSG_DONTWAIT) == 1 && notice != 255 && int(notice) != mesh->rank &&
-        int(notice) < int(mesh->peers.size()))
-      gone = notice;
-    if (mesh->broken.empty()) {
-      notice = gone < 255 ? (unsigned char)(gone) : 255;  // 255: "some rank"
-      for (int q = 0; q < int(mesh->peers.size()); ++q)
-        if (q != gone && mesh->peers[q]) ::send(mesh->peers[q].get(), &notice, 1, MSG_OOB | MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (::recv(fd(p), &notice, 1, MSG_OOB | MSG_DONTWAIT) == 1) {
+      if (notice == 255) unnamed = true;
+      else if (int(notice) != mesh->rank && int(notice) < int(mesh->peers.size())) gone = notice;
     }
+    if (mesh->broken.empty()) {
+      notice = unnamed || gone >= 255 ? 255 : (unsigned char)(gone);
+      for (int q = 0; q < int(mesh->peers.size()); ++q)
+        if ((unnamed || q != gone) && mesh->peers[q])
+          ::send(mesh->peers[q].get(), &notice, 1, MSG_OOB | MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+    if (unnamed)
+      fail(comm_aborted(cat(where(sig), ": rank ", p, " (", mesh->addresses[from_rank], ") reports that a process of "
+                            "the job numbered 255 or more has gone (exited, failed, or left)")));
     const auto it = std::find(members.begin(), members.end(), gone);
     const std::string who = it != members.end() ? cat("rank ", it - members.begin()) : cat("process rank ", gone);
     fail(comm_aborted(cat(where(sig), ": the connection to ", who, " (", mesh->addresses[gone], ") closed",
