@@ -172,6 +172,9 @@ TEST_CASE("the store sets, gets, adds, checks and holds a barrier", "[launch][st
     s.barrier();
   });
   for (auto& e : errors) CHECK(e == "");
+  TcpStore s("127.0.0.1", server.port(), 0, 3, false, 20s);  // a counter past the top wraps (no overflow)
+  CHECK(s.add("big", std::numeric_limits<std::int64_t>::max()) == std::numeric_limits<std::int64_t>::max());
+  CHECK(s.add("big", 1) == std::numeric_limits<std::int64_t>::min());
 }
 
 TEST_CASE("the store hangs up on a malformed request and goes on serving the others", "[launch][store]") {

@@ -156,6 +156,8 @@ struct socket_group {
       if (polls.empty()) return;
       const int n = ::poll(polls.data(), polls.size(), ms_until(deadline));
       if (n < 0 && errno == EINTR) continue;
+      if (n < 0)  // ENOMEM: no pollfd was filled in, and a retry would spin
+        fail(comm_error(cat(where(sig), ": poll failed: ", std::strerror(errno))));
       if (n == 0 && tcp_clock::now() >= deadline) {
         std::string late;
         for (int p : polled) late += cat(late.empty() ? "" : ", ", p, " (", address(p), ")");

@@ -213,7 +213,7 @@ class store_server {
         auto& v = data_[key];
         std::int64_t now = 0;  // a value that is not a number counts as 0
         std::from_chars(v.data(), v.data() + v.size(), now);
-        now += delta;
+        now = std::int64_t(std::uint64_t(now) + std::uint64_t(delta));  // wraps, as in two's complement
         v = std::to_string(now);
         cv_.notify_all();
         out.num(now);
