@@ -136,7 +136,7 @@ class MpiComm {
     g_->all_gather(send, recv);
   }
   template <Element T>
-  work all_gather_async(std::span<const T> send, std::span<T> recv) {
+  [[nodiscard]] work all_gather_async(std::span<const T> send, std::span<T> recv) {
     return submit([=, g = g_.get()] { g->all_gather(send, recv); });
   }
 
@@ -146,7 +146,7 @@ class MpiComm {
     g_->reduce_scatter(send, recv, op);
   }
   template <Element T>
-  work reduce_scatter_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
+  [[nodiscard]] work reduce_scatter_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
     return submit([=, g = g_.get()] { g->reduce_scatter(send, recv, op); });
   }
 
@@ -160,7 +160,7 @@ class MpiComm {
     all_reduce(std::span<const T>(data), data, op);
   }
   template <Element T>
-  work all_reduce_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
+  [[nodiscard]] work all_reduce_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
     return submit([=, g = g_.get()] { g->all_reduce(send, recv, op); });
   }
 
@@ -170,7 +170,7 @@ class MpiComm {
     g_->broadcast(data, root);
   }
   template <Element T>
-  work broadcast_async(std::span<T> data, int root) {
+  [[nodiscard]] work broadcast_async(std::span<T> data, int root) {
     return submit([=, g = g_.get()] { g->broadcast(data, root); });
   }
 

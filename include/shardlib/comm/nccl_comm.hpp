@@ -218,7 +218,7 @@ class NcclComm {
     all_gather_async(send, recv).wait();
   }
   template <Element T>
-  nccl_work all_gather_async(std::span<const T> send, std::span<T> recv) {
+  [[nodiscard]] nccl_work all_gather_async(std::span<const T> send, std::span<T> recv) {
     const std::size_t n = send.size();
     const detail::signature sig{detail::op_kind::all_gather, dtype_of<T>, n};
     agree(sig, [&] {
@@ -238,7 +238,7 @@ class NcclComm {
     reduce_scatter_async(send, recv, op).wait();
   }
   template <Element T>
-  nccl_work reduce_scatter_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
+  [[nodiscard]] nccl_work reduce_scatter_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
     const std::size_t n = recv.size();
     const detail::signature sig{detail::op_kind::reduce_scatter, dtype_of<T>, n, op};
     ncclDataType_t type{};
@@ -264,7 +264,7 @@ class NcclComm {
     all_reduce(std::span<const T>(data), data, op);
   }
   template <Element T>
-  nccl_work all_reduce_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
+  [[nodiscard]] nccl_work all_reduce_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
     const std::size_t n = send.size();
     const detail::signature sig{detail::op_kind::all_reduce, dtype_of<T>, n, op};
     ncclDataType_t type{};
@@ -285,7 +285,7 @@ class NcclComm {
     broadcast_async(data, root).wait();
   }
   template <Element T>
-  nccl_work broadcast_async(std::span<T> data, int root) {
+  [[nodiscard]] nccl_work broadcast_async(std::span<T> data, int root) {
     const detail::signature sig{detail::op_kind::broadcast, dtype_of<T>, data.size(), reduce_op::sum, root};
     agree(sig, [&] {
       require<comm_error>(root >= 0 && root < size(), "rank ", rank(), ": broadcast root ", root,

@@ -137,7 +137,7 @@ class SocketComm {
     all_gather_on(*g_, send, recv);
   }
   template <Element T>
-  work all_gather_async(std::span<const T> send, std::span<T> recv) {
+  [[nodiscard]] work all_gather_async(std::span<const T> send, std::span<T> recv) {
     return exec_->submit([g = g_, send, recv] { all_gather_on(*g, send, recv); });
   }
 
@@ -147,7 +147,7 @@ class SocketComm {
     reduce_scatter_on(*g_, send, recv, op);
   }
   template <Element T>
-  work reduce_scatter_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
+  [[nodiscard]] work reduce_scatter_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
     return exec_->submit([g = g_, send, recv, op] { reduce_scatter_on(*g, send, recv, op); });
   }
 
@@ -161,7 +161,7 @@ class SocketComm {
     all_reduce(std::span<const T>(data), data, op);
   }
   template <Element T>
-  work all_reduce_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
+  [[nodiscard]] work all_reduce_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
     return exec_->submit([g = g_, send, recv, op] { all_reduce_on(*g, send, recv, op); });
   }
 
@@ -171,7 +171,7 @@ class SocketComm {
     broadcast_on(*g_, data, root);
   }
   template <Element T>
-  work broadcast_async(std::span<T> data, int root) {
+  [[nodiscard]] work broadcast_async(std::span<T> data, int root) {
     return exec_->submit([g = g_, data, root] { broadcast_on(*g, data, root); });
   }
 

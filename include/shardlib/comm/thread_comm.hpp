@@ -174,7 +174,7 @@ class ThreadComm {
     do_all_gather(send, recv);
   }
   template <Element T>
-  work all_gather_async(std::span<const T> send, std::span<T> recv) {
+  [[nodiscard]] work all_gather_async(std::span<const T> send, std::span<T> recv) {
     return exec_->submit([c = for_job(), send, recv]() mutable { c.do_all_gather(send, recv); });
   }
 
@@ -184,7 +184,7 @@ class ThreadComm {
     do_reduce_scatter(send, recv, op);
   }
   template <Element T>
-  work reduce_scatter_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
+  [[nodiscard]] work reduce_scatter_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
     return exec_->submit([c = for_job(), send, recv, op]() mutable { c.do_reduce_scatter(send, recv, op); });
   }
 
@@ -198,7 +198,7 @@ class ThreadComm {
     all_reduce(std::span<const T>(data), data, op);
   }
   template <Element T>
-  work all_reduce_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
+  [[nodiscard]] work all_reduce_async(std::span<const T> send, std::span<T> recv, reduce_op op) {
     return exec_->submit([c = for_job(), send, recv, op]() mutable { c.do_all_reduce(send, recv, op); });
   }
 
@@ -208,7 +208,7 @@ class ThreadComm {
     do_broadcast(data, root);
   }
   template <Element T>
-  work broadcast_async(std::span<T> data, int root) {
+  [[nodiscard]] work broadcast_async(std::span<T> data, int root) {
     return exec_->submit([c = for_job(), data, root]() mutable { c.do_broadcast(data, root); });
   }
 

@@ -36,8 +36,9 @@ struct work_state {
 // test() says whether it has finished without blocking (and rethrows too).
 // A default-constructed work is already complete. Destroying a work does not wait:
 // the collective still reads and writes its buffers, which must outlive it (wait()
-// first, also on the way out of an exception). Not [[nodiscard]]: nvcc then warns on
-// every assignment of one (operator= returns a reference to it).
+// first, also on the way out of an exception). The communicators' _async methods are
+// [[nodiscard]]; the class is not, as nvcc would then warn on every assignment of one
+// (operator= returns a reference to it).
 class work {
  public:
   work() = default;
