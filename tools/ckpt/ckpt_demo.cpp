@@ -98,9 +98,12 @@ int compare(const std::string& a, const std::string& b) {
   const auto ra = read_results(a), rb = read_results(b);
   double worst_loss = 0, worst_param = 0;
   std::size_t losses = 0, values = 0;
+  const auto fold = [](double& worst, double e) {  // a NaN sticks (std::max would drop it)
+    if (std::isnan(e) || e > worst) worst = std::isnan(worst) ? worst : e;
+  };
   for (const auto& [step, v] : rb.losses)
     if (const auto it = ra.losses.find(step); it != ra.losses.end()) {
-      worst_loss = std::max(worst_loss, std::abs(v - it->second) / std::max(1e-6, std::abs(it->second)));
+      fold(worst_loss, std::abs(v - it->second) / std::max(1e-6, std::abs(it->second)));
       ++losses;
     }
   if (ra.params.size() != rb.params.size()) throw io_error(cat(a, " and ", b, " hold different parameters"));
@@ -108,7 +111,7 @@ int compare(const std::string& a, const std::string& b) {
     const auto& got = rb.params.at(name);
     if (got.size() != want.size()) throw io_error(cat("parameter ", name, " has different sizes"));
     for (std::size_t i = 0; i < want.size(); ++i, ++values)
-      worst_param = std::max(worst_param, std::abs(got[i] - want[i]) / std::max(1e-2, std::abs(want[i])));
+      fold(worst_param, std::abs(got[i] - want[i]) / std::max(1e-2, std::abs(want[i])));
   }
   const bool match = losses > 0 && worst_loss <= 1e-5 && worst_param <= 1e-5;
   std::printf("compared %zu common steps' losses and %zu parameter values: worst relative difference %.2g (losses), "

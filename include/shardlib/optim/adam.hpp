@@ -227,7 +227,7 @@ struct BasicAdam {
     const auto& o = options;
     const std::size_t n = params.size();
     check(s, n);
-    const detail::adam_scalars k = step_scalars(s.step + 1);
+    const detail::adam_scalars k = scalars_at(o, s.step + 1);
     detail::require_size(name, "gradients", grads.size(), n);
     require<shape_error>(first + n <= s.exp_avg.size() && first + n <= s.exp_avg_sq.size(), name,
                          "::step: elements [", first, ", ", first + n, ") of a state of ", s.exp_avg.size(),

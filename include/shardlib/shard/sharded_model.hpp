@@ -894,7 +894,7 @@ class ShardedModel {
       else throw error(cat("rank ", comm_->rank(), ": this optimizer has no step a flag in the model's space can cancel"));
       return;
     }
-    try {  // the optimizer's own errors (its options, its state) name the rank and unit too
+    with_unit(u, [&] {
       if constexpr (compute16 && requires { opt.step(values, grads, st, copy16); }) {
         opt.step(values, grads, st, copy16);
       } else {
@@ -902,6 +902,13 @@ class ShardedModel {
         else opt.step(values, grads, st);
         if constexpr (compute16) Ops::narrow(std::span<const T>(values), copy16);
       }
+    });
+  }
+  // Runs f; the optimizer's own errors (its options, its state) then name the rank and unit too.
+  template <class F>
+  void with_unit(const unit_type& u, F&& f) const {
+    try {
+      f();
     } catch (const error& e) {
       if (std::string_view(e.what()).starts_with("rank ")) throw;
       throw error(cat("rank ", comm_->rank(), ", unit '", u.name, "': ", e.what()));
@@ -918,13 +925,7 @@ class ShardedModel {
   void check_step(O& opt) {
     if constexpr (optim::is_param_groups<Optimizer>) segments(opt, units_.front());
     if constexpr (requires(const typename Optimizer::state& s) { opt.check(s, std::size_t{}); })
-      for (auto& u : units_) {
-        try {
-          opt.check(optimizer_state(opt, u), master_local(u).size());
-        } catch (const error& e) {
-          throw error(cat("rank ", comm_->rank(), ", unit '", u.name, "': ", e.what()));
-        }
-      }
+      for (auto& u : units_) with_unit(u, [&] { opt.check(optimizer_state(opt, u), master_local(u).size()); });
   }
   // options.offload's step, pipelined per unit: unit i+1's reduced gradients travel to
   // the offload space while unit i steps there, and unit i's updated piece travels back
