@@ -413,6 +413,11 @@ TEMPLATE_TEST_CASE("device MultiheadAttention equals the host layer: layouts, pa
   nn::context ctx;
   ctx.set_key_padding_mask(Tensor<std::uint8_t>(Shape{n, l + 1}));
   CHECK_THROWS_AS(dev.forward(ctx, Tensor<T, cuda_space>(Shape{l, n, e})), sl::shape_error);
+  ctx.set_key_padding_mask({});
+  ctx.set_attention_mask(Tensor<std::uint8_t>::zeros(Shape{l, l}));  // the host applies it; the device refuses
+  CHECK_THROWS_WITH(dev.forward(ctx, Tensor<T, cuda_space>(Shape{l, n, e})),
+                    Catch::Contains("MultiheadAttention(embed_dim 32, num_heads 4): on the device only a key padding "
+                                    "mask is supported, not an attention mask (got one of shape [7, 7])"));
 }
 
 TEMPLATE_TEST_CASE("device TransformerEncoderLayer equals the host layer", "[cuda][layers]", float, sl::bfloat16) {
@@ -783,7 +788,9 @@ TEMPLATE_TEST_CASE("device rotary embeddings equal the host table: offsets, head
   INFO("seed " << rnd.seed);
   const std::int64_t B = 2, H = 3, L = 9, positions = 64;
   for (const std::int64_t D : {64, 128}) {
-    const nn::rotary_options o{.head_dim = D, .base = 10000};
+    const nn::rope_scaling llama3{.type = nn::rope_scaling::kind::llama3, .factor = 8,
+                                  .original_max_position_embeddings = 32};  // the host's scaled frequencies at 128
+    const nn::rotary_options o{.head_dim = D, .base = 10000, .scaling = D == 128 ? llama3 : nn::rope_scaling{}};
     const sl::ops::cuda::rotary_device_table table(o, positions, st);  // once, for every offset
     for (const std::int64_t offset : {0, 17})
       for (const bool inverse : {false, true}) {

@@ -1,6 +1,6 @@
 // Multi-head self-attention and the transformer encoder layer: torch's names and
-// layout, forward against naive loops, key padding, dropout, finite-difference
-// gradients, and shape errors.
+// layout, forward against naive loops, key padding and attention masks, dropout,
+// finite-difference gradients, and shape errors.
 #include "shardlib/nn/attention.hpp"
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/nn/replicated.hpp"
@@ -21,20 +21,23 @@ using namespace shardlib::nn;
 
 namespace {
 
-// Runs its layer with a key-padding mask in the context, so gradcheck (which
-// makes its own plain context) sees the mask on every evaluation.
+// Runs its layer with a key-padding mask and an attention mask in the context, so
+// gradcheck (which makes its own plain context) sees them on every evaluation.
 template <class L>
 struct with_mask {
   using input = typename L::input;
   using output = typename L::output;
   L inner;
   Tensor<std::uint8_t> mask;
+  attn_mask attn{};
 
   template <class V>
   void parameters(V&& v) { inner.parameters(v); }
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
     ctx.set_key_padding_mask(mask);
+    if (!attn.allowed.empty()) ctx.set_attention_mask(attn.allowed);
+    if (!attn.bias.empty()) ctx.set_attention_mask(attn.bias);
     return ctx.forward(inner, x);
   }
   template <class Ctx>
@@ -48,17 +51,48 @@ Tensor<std::uint8_t> padding_mask(std::int64_t n, std::int64_t l, const std::vec
   return m;
 }
 
+// A boolean mask letting query i see keys j <= i: a [L, L] causal mask.
+Tensor<std::uint8_t> causal_mask(std::int64_t l) {
+  auto m = Tensor<std::uint8_t>::zeros({l, l});
+  for (std::int64_t i = 0; i < l; ++i)
+    for (std::int64_t j = 0; j <= i; ++j) m[i * l + j] = 1;
+  return m;
+}
+// An additive mask of the given shape: entries in (-1, 1), and -inf at every
+// third one (a query whose keys are all -inf gets zero weights).
+Tensor<float> additive_mask(const Shape& shape, std::uint64_t seed) {
+  const auto r = gradcheck::random_tensor(shape, seed, 1.0);
+  Tensor<float> m(shape);
+  for (std::int64_t i = 0; i < m.numel(); ++i) m[i] = i % 3 == 1 ? -INFINITY : float(r[i]);
+  return m;
+}
+
 std::vector<std::string> names_and_shapes(const flat_layout& f) {
   std::vector<std::string> out;
   for (const auto& e : f.entries) out.push_back(e.name + cat(e.shape));
   return out;
 }
 
+// The attention mask's term for query i, key j of head h of batch element n, its
+// shape aligned on the right of [N, H, L, L] with 1 broadcasting: -inf where a
+// boolean mask forbids the pair, the additive entry, or 0 without a mask.
+double mask_term(const attn_mask& m, std::int64_t n, std::int64_t h, std::int64_t i, std::int64_t j) {
+  if (m.empty()) return 0;
+  const Shape& s = m.shape();
+  const std::int64_t at[4] = {n, h, i, j};
+  std::int64_t index = 0;
+  for (int d = 0; d < s.rank(); ++d) index = index * s[d] + (s[d] == 1 ? 0 : at[4 - s.rank() + d]);
+  if (!m.allowed.empty()) return m.allowed[index] ? 0.0 : -INFINITY;
+  return m.bias[index];
+}
+
 // torch's MultiheadAttention in plain loops over double: x is [L, N, E] or
-// [N, L, E]; mask [N, L] or empty; param(name) gives a parameter's values.
+// [N, L, E]; mask [N, L] or empty; attn as the context's attention mask (nonzero
+// = may attend, scaled_dot_product_attention's convention); param(name) gives a
+// parameter's values.
 template <class Params>
 std::vector<double> reference_attention(Params param, const Tensor<double>& x, std::int64_t heads, bool batch_first,
-                                        const Tensor<std::uint8_t>& mask) {
+                                        const Tensor<std::uint8_t>& mask, const attn_mask& attn = {}) {
   const std::int64_t E = x.dim(2), L = x.dim(batch_first ? 1 : 0), N = x.dim(batch_first ? 0 : 1), D = E / heads;
   auto w = param("in_proj_weight"), b = param("in_proj_bias");
   auto wo = param("out_proj.weight"), bo = param("out_proj.bias");
@@ -81,7 +115,7 @@ std::vector<double> reference_attention(Params param, const Tensor<double>& x, s
           if (!mask.empty() && mask[n * L + j]) continue;
           double dot = 0;
           for (std::int64_t d = 0; d < D; ++d) dot += at(n, i, h * D + d) * at(n, j, E + h * D + d);
-          s[std::size_t(j)] = dot / std::sqrt(double(D));
+          s[std::size_t(j)] = dot / std::sqrt(double(D)) + mask_term(attn, n, h, i, j);
           mx = std::max(mx, s[std::size_t(j)]);
         }
         double z = 0;
@@ -114,7 +148,8 @@ void randomise_biases(Owner& owner) {
 
 // torch's TransformerEncoderLayer in evaluation (no dropout), in plain loops.
 std::vector<double> reference_encoder(Replicated<double, TransformerEncoderLayer<double>>& p, const Tensor<double>& x,
-                                      const transformer_encoder_options& o, const Tensor<std::uint8_t>& mask) {
+                                      const transformer_encoder_options& o, const Tensor<std::uint8_t>& mask,
+                                      const attn_mask& attn = {}) {
   using vec = std::vector<double>;
   const std::int64_t E = o.d_model, F = o.dim_feedforward, R = x.numel() / E;
   auto norm = [&](const std::string& name, const vec& v) {
@@ -134,7 +169,7 @@ std::vector<double> reference_encoder(Replicated<double, TransformerEncoderLayer
     Tensor<double> t(x.shape());
     std::copy(v.begin(), v.end(), t.data());
     return reference_attention([&](std::string_view n) { return p.value(cat("self_attn.", n)); }, t, o.nhead,
-                               o.batch_first, mask);
+                               o.batch_first, mask, attn);
   };
   auto feedforward = [&](const vec& v) {
     auto w1 = p.value("linear1.weight"), b1 = p.value("linear1.bias");
@@ -223,6 +258,43 @@ TEST_CASE("MultiheadAttention forward matches a naive reference", "[nn][attentio
     }
 }
 
+TEST_CASE("MultiheadAttention applies the context's attention mask as torch's attn_mask", "[nn][attention]") {
+  const std::int64_t L = 5, N = 3, E = 8, H = 2;
+  auto forbidding_a_row = Tensor<std::uint8_t>::zeros({N, 1, L, L});  // batch element 1's query 2 sees no key
+  for (std::int64_t i = 0; i < forbidding_a_row.numel(); ++i) forbidding_a_row[i] = (i * 7) % 5 != 0;
+  for (std::int64_t j = 0; j < L; ++j) forbidding_a_row[(1 * L + 2) * L + j] = 0;
+  const std::vector<std::pair<const char*, attn_mask>> masks{
+      {"causal [L, L]", {causal_mask(L), {}}},
+      {"boolean [N, 1, L, L]", {forbidding_a_row, {}}},
+      {"additive [N, H, L, L]", {{}, additive_mask({N, H, L, L}, 3)}},
+      {"additive [L, L]", {{}, additive_mask({L, L}, 5)}},
+  };
+  for (const auto& [what, attn] : masks)
+    for (bool batch_first : {false, true})
+      for (bool padded : {false, true}) {
+        INFO(what << ", batch_first " << batch_first << ", padded " << padded);
+        MultiheadAttention<double> m({.embed_dim = E, .num_heads = H, .batch_first = batch_first});
+        Replicated<double, MultiheadAttention<double>> owner(m, 11);
+        randomise_biases(owner);
+        const auto x = gradcheck::random_tensor(batch_first ? Shape{N, L, E} : Shape{L, N, E}, 4);
+        context ctx({.training = false});
+        if (padded) ctx.set_key_padding_mask(padding_mask(N, L, {5, 3, 4}));
+        const auto plain = m.forward(ctx, x);
+        if (!attn.allowed.empty()) ctx.set_attention_mask(attn.allowed);
+        else ctx.set_attention_mask(attn.bias);
+        const auto y = m.forward(ctx, x);
+        const auto want = reference_attention([&](std::string_view p) { return owner.value(p); }, x, H, batch_first,
+                                              ctx.key_padding_mask(), attn);
+        test_support::max_error worst, moved;  // NaN and infinities count as +inf
+        for (std::int64_t i = 0; i < y.numel(); ++i) {
+          worst.absolute(y[i], want[std::size_t(i)]);
+          moved.absolute(y[i], plain[i]);
+        }
+        CHECK(worst < 1e-12);
+        CHECK(moved.value() > 1e-3);  // the mask changed the output
+      }
+}
+
 TEST_CASE("MultiheadAttention batch_first is the transpose of sequence first", "[nn][attention]") {
   const std::int64_t L = 4, N = 2, E = 6;
   MultiheadAttention<double> seq({.embed_dim = E, .num_heads = 3}), bat({.embed_dim = E, .num_heads = 3, .batch_first = true});
@@ -299,6 +371,17 @@ TEST_CASE("MultiheadAttention backward matches finite differences", "[nn][attent
     CHECK(r.max_rel_error < 1e-6);
     CHECK(r.compared > 100);
   }
+  for (bool additive : {false, true}) {  // attention masks, with key padding and dropout
+    INFO((additive ? "additive [N, H, L, L]" : "causal [L, L]") << " attention mask");
+    with_mask<MultiheadAttention<double>> m{
+        MultiheadAttention<double>({.embed_dim = E, .num_heads = H, .dropout = 0.3, .batch_first = true}),
+        padding_mask(N, L, {3, 5, 4}), additive ? attn_mask{{}, additive_mask({N, H, L, L}, 9)}
+                                                : attn_mask{causal_mask(L), {}}};
+    auto r = gradcheck::check(m, gradcheck::random_tensor(Shape{N, L, E}, 6));
+    INFO("worst: " << r.worst);
+    CHECK(r.max_rel_error < 1e-6);
+    CHECK(r.compared > 100);
+  }
   MultiheadAttention<double> nobias({.embed_dim = 6, .num_heads = 1, .bias = false});
   auto r = gradcheck::check(nobias, gradcheck::random_tensor({4, 2, 6}, 7));
   INFO("no bias, one head; worst: " << r.worst);
@@ -323,6 +406,26 @@ TEST_CASE("MultiheadAttention names what is wrong with a shape", "[nn][attention
   CHECK_THROWS_WITH(m.forward(ctx, Tensor<float>::zeros({5, 2, 8})),
                     Catch::Contains("key_padding_mask must be [N, L] = [2, 5] (batch, keys), got [5, 2]"));
   CHECK_THROWS_WITH(m.backward(ctx, Tensor<float>({5, 2, 8})), Catch::Contains("backward needs the gradient"));
+
+  // A bad attention mask raises before the forward changes anything: the last
+  // forward's backward still gives its own gradient.
+  ctx.set_key_padding_mask({});
+  const auto x = gradcheck::random_tensor({5, 2, 8}, 1), dy = gradcheck::random_tensor({5, 2, 8}, 2);
+  Tensor<float> xf({5, 2, 8}), dyf({5, 2, 8});
+  for (std::int64_t i = 0; i < x.numel(); ++i) xf[i] = float(x[i]), dyf[i] = float(dy[i]);
+  m.forward(ctx, xf);
+  const auto want = m.backward(ctx, dyf);
+  m.forward(ctx, xf);
+  ctx.set_attention_mask(Tensor<float>::zeros({5, 4}));
+  CHECK_THROWS_WITH(m.forward(ctx, Tensor<float>::zeros({3, 2, 8})),
+                    Catch::Contains("MultiheadAttention(embed_dim 8, num_heads 2): the attention mask must broadcast "
+                                    "to [batch, heads, queries, keys] = [2, 2, 3, 3] (rank 2 to 4, each dimension "
+                                    "equal or 1), got [5, 4]"));
+  owner.zero_grad();
+  const auto got = m.backward(ctx, dyf);
+  REQUIRE(got.shape() == want.shape());
+  for (std::int64_t i = 0; i < got.numel(); ++i) CHECK(got[i] == want[i]);
+  ctx.clear_attention_mask();
 
   MultiheadAttention<float> bf({.embed_dim = 8, .num_heads = 2, .batch_first = true});
   Replicated<float, MultiheadAttention<float>> o2(bf, 0);
@@ -381,12 +484,16 @@ TEST_CASE("TransformerEncoderLayer forward matches a naive reference", "[nn][att
         const auto x = gradcheck::random_tensor(batch_first ? Shape{N, L, E} : Shape{L, N, E}, 5, 2.0);
         context ctx({.training = false});  // dropout is the identity
         ctx.set_key_padding_mask(padding_mask(N, L, {4, 1, 3}));
-        const auto y = layer.forward(ctx, x);
-        const auto want = reference_encoder(owner, x, o, ctx.key_padding_mask());
-        REQUIRE(y.shape() == x.shape());
-        test_support::max_error worst;  // NaN and infinities count as +inf
-        for (std::int64_t i = 0; i < y.numel(); ++i) worst.absolute(y[i], want[std::size_t(i)]);
-        CHECK(worst < 1e-12);
+        for (bool causal : {false, true}) {  // the attention mask reaches self_attn through the context
+          INFO("causal " << causal);
+          if (causal) ctx.set_attention_mask(causal_mask(L));
+          const auto y = layer.forward(ctx, x);
+          const auto want = reference_encoder(owner, x, o, ctx.key_padding_mask(), ctx.attention_mask());
+          REQUIRE(y.shape() == x.shape());
+          test_support::max_error worst;  // NaN and infinities count as +inf
+          for (std::int64_t i = 0; i < y.numel(); ++i) worst.absolute(y[i], want[std::size_t(i)]);
+          CHECK(worst < 1e-12);
+        }
       }
 }
 

@@ -18,6 +18,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <numbers>
 #include <span>
 #include <string>
 #include <vector>
@@ -157,16 +158,39 @@ vec merge_heads(const vec& t, std::int64_t B, std::int64_t L, std::int64_t H, st
   return rows;
 }
 
+// RoPE's frequencies for head_dim D, written as Hugging Face's rope_init_fn
+// computes them: the base frequencies, then for llama3 a where() over wavelengths
+// (divided by factor beyond the low-frequency wavelength, blended between the two
+// thresholds), for linear a division by factor.
+vec reference_frequencies(std::int64_t D, double base, const rope_scaling& r = {}) {
+  vec f;
+  for (std::int64_t i = 0; 2 * i < D; ++i) f.push_back(1.0 / std::pow(base, double(2 * i) / double(D)));
+  if (r.type == rope_scaling::kind::linear)
+    for (double& v : f) v /= r.factor;
+  if (r.type != rope_scaling::kind::llama3) return f;
+  const double old_len = double(r.original_max_position_embeddings);
+  const double low_wavelen = old_len / r.low_freq_factor, high_wavelen = old_len / r.high_freq_factor;
+  for (double& v : f) {
+    const double wavelen = 2 * std::numbers::pi / v;
+    const double scaled = wavelen > low_wavelen ? v / r.factor : v;
+    const double smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+    const double smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+    const bool medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+    v = medium ? smoothed : scaled;
+  }
+  return f;
+}
+
 // RoPE on [B, H, L, D] in place, positions offset.., written from the formula:
 // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
-void reference_rope(vec& t, std::int64_t BH, std::int64_t L, std::int64_t D, std::int64_t offset, double base) {
+void reference_rope(vec& t, std::int64_t BH, std::int64_t L, std::int64_t D, std::int64_t offset, const vec& freq) {
   const std::int64_t half = D / 2;
   for (std::int64_t bh = 0; bh < BH; ++bh)
     for (std::int64_t l = 0; l < L; ++l) {
       double* x = t.data() + (bh * L + l) * D;
       vec rotated(static_cast<std::size_t>(D));
       for (std::int64_t d = 0; d < D; ++d) {
-        const double angle = double(offset + l) / std::pow(base, double(2 * (d % half)) / double(D));
+        const double angle = double(offset + l) * freq[std::size_t(d % half)];
         const double rot_half = d < half ? -x[d + half] : x[d - half];
         rotated[std::size_t(d)] = x[d] * std::cos(angle) + rot_half * std::sin(angle);
       }
@@ -210,8 +234,9 @@ vec reference_llama(Owner& p, const Tensor<double>& x, const llama_attention_opt
                       Hkv, D);
   const vec v = split_heads(reference_linear(xs, p.value("v_proj.weight"), bias("v_proj.bias"), E, Hkv * D), B, L,
                             Hkv * D, 0, Hkv, D);
-  reference_rope(q, B * H, L, D, 0, c.rope_theta);
-  reference_rope(k, B * Hkv, L, D, 0, c.rope_theta);
+  const vec freq = reference_frequencies(D, c.rope_theta, c.rope_scaling);
+  reference_rope(q, B * H, L, D, 0, freq);
+  reference_rope(k, B * Hkv, L, D, 0, freq);
   sdpa_options o = masks;
   o.is_causal = true;
   const vec a = reference_sdpa(q, k, v, B, H, Hkv, L, L, D, o);
@@ -335,7 +360,7 @@ TEST_CASE("rotary embeddings: Hugging Face's rotate_half layout, offsets, and th
       const rotary_table<double> table({.head_dim = D, .base = base}, offset, L);
       table.apply(head_view<double>::bhsd(y));
       vec want = values_of(x);
-      reference_rope(want, B * H, L, D, offset, base);
+      reference_rope(want, B * H, L, D, offset, reference_frequencies(D, base));
       test_support::max_error worst;
       worst.absolute(y.span(), want);
       CHECK(worst <= 1e-14);
@@ -345,6 +370,63 @@ TEST_CASE("rotary embeddings: Hugging Face's rotate_half layout, offsets, and th
       CHECK(back <= 1e-14);
     }
   CHECK_THROWS_WITH(rotary_table<float>({.head_dim = 7}, 0, 4), Catch::Contains("head_dim must be even and positive, got 7"));
+}
+
+TEST_CASE("rotary embeddings with rope_scaling: linear and llama3 as Hugging Face computes them", "[nn][decoder][rope]") {
+  // Llama 3.1's scaling at head_dim 64 and base 500000 (its 1B/8B config), and a
+  // small one where 16 frequencies fall in each of the three llama3 regimes' ranges.
+  using kind = rope_scaling::kind;
+  const rope_scaling llama31{.type = kind::llama3, .factor = 8, .low_freq_factor = 1, .high_freq_factor = 4,
+                             .original_max_position_embeddings = 8192};
+  const rope_scaling small{.type = kind::llama3, .factor = 4, .low_freq_factor = 2, .high_freq_factor = 8,
+                           .original_max_position_embeddings = 256};
+  const rope_scaling linear{.type = kind::linear, .factor = 2.5};
+  struct variant {
+    const char* name;
+    std::int64_t D;
+    double base;
+    rope_scaling scaling;
+  };
+  for (const variant v : {variant{"llama 3.1", 64, 500000, llama31}, variant{"small llama3", 96, 10000, small},
+                          variant{"linear", 16, 10000, linear}}) {
+    INFO(v.name);
+    const vec want_freq = reference_frequencies(v.D, v.base, v.scaling), plain = reference_frequencies(v.D, v.base);
+    const auto got_freq = rotary_frequencies({.head_dim = v.D, .base = v.base, .scaling = v.scaling});
+    REQUIRE(got_freq.size() == want_freq.size());
+    test_support::max_error worst;
+    worst.relative(std::span<const double>(got_freq), want_freq, 0);
+    CHECK(worst <= 1e-15);
+    int kept = 0, divided = 0, blended = 0;  // every regime the rule has is used
+    for (std::size_t i = 0; i < plain.size(); ++i) {
+      const double ratio = want_freq[i] / plain[i];
+      kept += ratio == 1;
+      divided += std::abs(ratio - 1 / v.scaling.factor) < 1e-15;
+      blended += ratio != 1 && std::abs(ratio - 1 / v.scaling.factor) >= 1e-15;
+    }
+    INFO("kept " << kept << ", divided " << divided << ", blended " << blended);
+    if (v.scaling.type == kind::llama3) CHECK((kept > 0 && divided > 0 && blended > 0));
+    else CHECK(divided == int(plain.size()));
+
+    const std::int64_t B = 1, H = 2, L = 9, offset = 5000;  // far positions: where the scaling matters
+    const auto x = gradcheck::random_tensor({B, H, L, v.D}, 12);
+    Tensor<double> y({B, H, L, v.D});
+    std::copy(x.data(), x.data() + x.numel(), y.data());
+    rotary_table<double>({.head_dim = v.D, .base = v.base, .scaling = v.scaling}, offset, L)
+        .apply(head_view<double>::bhsd(y));
+    vec want = values_of(x);
+    reference_rope(want, B * H, L, v.D, offset, want_freq);
+    test_support::max_error rotated;
+    rotated.absolute(y.span(), want);
+    CHECK(rotated <= 1e-10);  // angles up to 5008 radians: cos and sin of them agree to ~1e-12
+  }
+  const auto bad = [](rope_scaling r) { return rotary_table<float>({.head_dim = 8, .scaling = r}, 0, 2); };
+  CHECK_THROWS_WITH(bad({.type = kind::linear, .factor = 0}), Catch::Contains("rope_scaling factor must be positive, got 0"));
+  CHECK_THROWS_WITH(bad({.type = kind::llama3, .factor = 8, .low_freq_factor = 4, .high_freq_factor = 4}),
+                    Catch::Contains("llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor"));
+  CHECK_THROWS_WITH(LlamaAttention<float>({.hidden_size = 16, .num_attention_heads = 2,
+                                           .rope_scaling = {.type = kind::linear, .factor = -1}}),
+                    Catch::Contains("LlamaAttention(hidden_size 16, heads 2, kv_heads 2, head_dim 8): rope_scaling "
+                                    "factor must be positive, got -1"));
 }
 
 TEST_CASE("GPT2Attention and LlamaAttention model Composite", "[nn][decoder][concepts]") {

@@ -192,7 +192,81 @@ TEST_CASE("config.json fields that change the model are read or refused", "[mode
                     Catch::Contains("scale_attn_by_inverse_layer_idx true"));
   CHECK_NOTHROW(read(R"({"scale_attn_weights": true, "scale_attn_by_inverse_layer_idx": false})",
                      models::gpt2_config{}));
+
+  // rope_scaling: linear and llama3 read (rope_type, or the older type), written back as
+  // read; "default" is none; other kinds and missing fields refused.
+  using kind = nn::rope_scaling::kind;
+  const auto l3 = read(R"({"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})",
+                       models::llama_config{});
+  CHECK(l3.rope_scaling.type == kind::llama3);
+  CHECK(l3.rope_scaling.factor == 32);
+  CHECK(l3.rope_scaling.low_freq_factor == 1);
+  CHECK(l3.rope_scaling.high_freq_factor == 4);
+  CHECK(l3.rope_scaling.original_max_position_embeddings == 8192);
+  const auto back = read(models::hf_config_json(l3).dump(), models::llama_config{});
+  CHECK(back.rope_scaling.type == kind::llama3);
+  CHECK(back.rope_scaling.factor == 32);
+  CHECK(back.rope_scaling.original_max_position_embeddings == 8192);
+  const auto lin = read(R"({"rope_scaling": {"type": "linear", "factor": 2.0}})", models::llama_config{});
+  CHECK(lin.rope_scaling.type == kind::linear);
+  CHECK(lin.rope_scaling.factor == 2);
+  CHECK(models::hf_config_json(lin)["rope_scaling"]["rope_type"] == "linear");
+  CHECK(read(R"({"rope_scaling": {"rope_type": "default"}})", models::llama_config{}).rope_scaling.type == kind::none);
+  CHECK(read(R"({"rope_scaling": null})", models::llama_config{}).rope_scaling.type == kind::none);
+  CHECK(models::hf_config_json(models::llama_config{})["rope_scaling"].is_null());
+  CHECK_THROWS_WITH(read(R"({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})", models::llama_config{}),
+                    Catch::Contains("rope_type 'dynamic' is not supported (linear and llama3 are"));
+  CHECK_THROWS_WITH(read(R"({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0}})",
+                         models::llama_config{}),
+                    Catch::Contains("llama3 scaling needs a number 'original_max_position_embeddings'"));
+  CHECK_THROWS_WITH(read(R"({"rope_scaling": {"rope_type": "linear", "factor": 0}})", models::llama_config{}),
+                    Catch::Contains("rope_scaling factor must be positive, got 0"));
   fs::remove(file);
+}
+
+// Llama 3.1's rope_scaling against transformers (tests/golden/hf/llama3_rope,
+// make_rope_goldens.py: transformers 4.45 in float32). Its frequencies carry
+// float32 rounding (a few 6e-8), so they agree to 1e-6 relative; its logits are
+// float32 with float32 angles, so both layer types are held to 1e-5 of the largest
+// logit, as float32 layers are above. Without the scaling the logits miss by far more.
+TEMPLATE_TEST_CASE("LLaMA with llama3 rope_scaling gives transformers' frequencies and logits", "[models][hf][rope]",
+                   double, float) {
+  using T = TestType;
+  const fs::path dir = hf_dir / "llama3_rope";
+  const auto config = models::read_hf_config<models::llama_config>(dir);
+  REQUIRE(config.rope_scaling.type == nn::rope_scaling::kind::llama3);
+  CHECK(config.rope_scaling.factor == 8);
+  CHECK(config.rope_scaling.original_max_position_embeddings == 64);
+  const auto f = io::safetensors::load(dir / "expected.safetensors");
+  const auto freq = [&](nn::rope_scaling r) { return nn::rotary_frequencies({.head_dim = 8, .base = 10000, .scaling = r}); };
+  test_support::max_error l3, lin;
+  l3.relative(freq(config.rope_scaling), f.template get<float>("inv_freq_llama3"), 0);
+  lin.relative(freq({.type = nn::rope_scaling::kind::linear, .factor = 4}), f.template get<float>("inv_freq_linear"), 0);
+  INFO("frequencies: llama3 " << l3 << ", linear " << lin);
+  CHECK(l3.count() == 4);
+  CHECK(l3 <= 1e-6);
+  CHECK(lin <= 1e-6);
+
+  Tensor<std::int64_t> ids = golden::read<std::int64_t>(f, "input_ids");
+  Tensor<double> want(f.info("logits").shape);
+  const auto v = f.template get<float>("logits");
+  std::copy(v.begin(), v.end(), want.data());
+  const auto logits_of = [&](const models::llama_config& c) {
+    models::LlamaForCausalLM<T> model(c);
+    nn::Replicated<T, models::LlamaForCausalLM<T>> owner(model, 0);
+    CHECK(models::load_hf(owner, dir).ok());
+    nn::context ctx({.training = false});
+    return ctx.forward(model, ids);
+  };
+  const auto err = logits_error(logits_of(config), want);
+  models::llama_config unscaled = config;
+  unscaled.rope_scaling = {};
+  const auto without = logits_error(logits_of(unscaled), want);
+  INFO("logits differ by " << err << " of the largest; without the scaling by " << without);
+  CHECK(err <= 1e-5);
+  CHECK(without.value() > 1e-4);  // 2.4e-3 measured: the random model attends almost uniformly
 }
 
 // A forward past the position table raises naming the positions, as GPT-2's wpe does.

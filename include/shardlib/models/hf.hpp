@@ -57,6 +57,45 @@ inline void from_json(const nlohmann::json& j, gpt2_config& c) {
     require(j["activation_function"] == "gelu_new", "gpt2_config: activation_function ", j["activation_function"].dump(),
             " is not supported (GPT-2's MLP uses gelu_new, the tanh approximation)");
 }
+// LlamaConfig's rope_scaling: {"rope_type" (or the older "type"): "linear" or
+// "llama3", "factor", and llama3's "low_freq_factor", "high_freq_factor" and
+// "original_max_position_embeddings"}. Other kinds (dynamic, yarn, longrope) are
+// refused, and so is a field missing that its kind needs.
+inline nn::rope_scaling rope_scaling_from(const nlohmann::json& j) {
+  const auto where = [&] { return cat("llama_config: rope_scaling ", j.dump()); };
+  require(j.is_object(), where(), " must be an object");
+  const std::string type = j.contains("rope_type") ? j["rope_type"].get<std::string>()
+                           : j.contains("type")    ? j["type"].get<std::string>()
+                                                   : std::string();
+  nn::rope_scaling r;
+  if (type == "default") return r;
+  require(type == "linear" || type == "llama3", where(), ": rope_type '", type,
+          "' is not supported (linear and llama3 are; dynamic, yarn and longrope are not)");
+  const auto need = [&](const char* key, auto& field) {
+    require(j.contains(key) && j[key].is_number(), where(), ": ", type, " scaling needs a number '", key, "'");
+    j[key].get_to(field);
+  };
+  r.type = type == "linear" ? nn::rope_scaling::kind::linear : nn::rope_scaling::kind::llama3;
+  need("factor", r.factor);
+  if (r.type == nn::rope_scaling::kind::llama3) {
+    need("low_freq_factor", r.low_freq_factor);
+    need("high_freq_factor", r.high_freq_factor);
+    need("original_max_position_embeddings", r.original_max_position_embeddings);
+  }
+  nn::check_rotary({.head_dim = 2, .scaling = r}, where());
+  return r;
+}
+inline nlohmann::ordered_json rope_scaling_json(const nn::rope_scaling& r) {
+  using kind = nn::rope_scaling::kind;
+  if (r.type == kind::none) return nullptr;
+  if (r.type == kind::linear) return {{"rope_type", "linear"}, {"factor", r.factor}};
+  return {{"rope_type", "llama3"},
+          {"factor", r.factor},
+          {"low_freq_factor", r.low_freq_factor},
+          {"high_freq_factor", r.high_freq_factor},
+          {"original_max_position_embeddings", r.original_max_position_embeddings}};
+}
+
 inline void from_json(const nlohmann::json& j, llama_config& c) {
   const auto get = [&](const char* key, auto& field) {
     if (j.contains(key) && !j[key].is_null()) j[key].get_to(field);
@@ -76,8 +115,7 @@ inline void from_json(const nlohmann::json& j, llama_config& c) {
   get("mlp_bias", c.mlp_bias);
   get("attention_dropout", c.attention_dropout);
   get("tie_word_embeddings", c.tie_word_embeddings);
-  require(!j.contains("rope_scaling") || j["rope_scaling"].is_null(), "llama_config: rope_scaling ",
-          j.contains("rope_scaling") ? j["rope_scaling"].dump() : "", " is not supported");
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) c.rope_scaling = rope_scaling_from(j["rope_scaling"]);
   if (j.contains("hidden_act"))
     require(j["hidden_act"] == "silu", "llama_config: hidden_act ", j["hidden_act"].dump(), " is not supported (silu)");
 }
@@ -114,6 +152,7 @@ inline nlohmann::ordered_json hf_config_json(const llama_config& c) {
           {"max_position_embeddings", c.max_position_embeddings},
           {"rms_norm_eps", c.rms_norm_eps},
           {"rope_theta", c.rope_theta},
+          {"rope_scaling", rope_scaling_json(c.rope_scaling)},
           {"initializer_range", c.initializer_range},
           {"attention_bias", c.attention_bias},
           {"mlp_bias", c.mlp_bias},

@@ -31,6 +31,7 @@ struct llama_config {
   std::int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000;
+  nn::rope_scaling rope_scaling{};  // none; Llama 3.1 and later: llama3 (nn/rotary.hpp)
   double initializer_range = 0.02;
   bool attention_bias = false, mlp_bias = false;
   double attention_dropout = 0;  // on the attention weights, in training
@@ -54,6 +55,7 @@ class LlamaDecoderLayer {
                    .num_key_value_heads = c.num_key_value_heads,
                    .head_dim = c.head_dim,
                    .rope_theta = c.rope_theta,
+                   .rope_scaling = c.rope_scaling,
                    .attention_bias = c.attention_bias,
                    .attention_dropout = c.attention_dropout,
                    .initializer_range = c.initializer_range}),

@@ -66,8 +66,9 @@ class attention_base {
   }
 
  protected:
-  // forward's checks of x's shape and of the context's key padding mask, which
-  // it returns; keeps the sequence length and batch size for backward.
+  // forward's checks of x's shape and of the context's masks (before anything
+  // changes: a bad one leaves the last forward's state for its backward); returns
+  // the key padding mask and keeps the sequence length and batch size for backward.
   template <class Ctx>
   const Tensor<std::uint8_t>& begin_forward(Ctx& ctx, const Shape& x) {
     const std::int64_t E = o_.embed_dim;
@@ -77,6 +78,8 @@ class attention_base {
     const Tensor<std::uint8_t>& mask = ctx.key_padding_mask();
     require<shape_error>(mask.empty() || mask.shape() == Shape{N, L}, name(),
                          ": key_padding_mask must be [N, L] = ", Shape{N, L}, " (batch, keys), got ", mask.shape());
+    const attn_mask& allowed = ctx.attention_mask();
+    if (!allowed.empty()) mask_strides(allowed.shape(), Shape{N, o_.num_heads, L, L}, name());
     check_bound(false);
     seq_ = L;
     batch_ = N;
@@ -139,9 +142,14 @@ class attention_base {
 // out_proj.bias alone and no gradient flows through it. torch returns NaN there
 // (softmax of all -inf, pytorch/pytorch#40932); we give the finite answer so one
 // fully padded sample cannot turn a whole step's loss and gradients into NaN.
-// Compare with torch only on samples that keep at least one key. The context's
-// attention mask (ctx.attention_mask()) is not read: it belongs to the decoder
-// layers (nn/decoder_attention.hpp).
+// Compare with torch only on samples that keep at least one key.
+//
+// The context's attention mask (ctx.attention_mask(), broadcast to [N, H, L, L])
+// applies as torch's attn_mask does, with the context's meaning: a boolean mask's
+// nonzero entries are the pairs that may attend (scaled_dot_product_attention's
+// convention; nn.MultiheadAttention's boolean attn_mask means the opposite), an
+// additive one is added to the scaled scores. A query it leaves no key gets zero
+// weights, as with padding.
 template <class T, class Space = host_space>
 class MultiheadAttention : public detail::attention_base<T, Space> {
   static_assert(std::is_same_v<Space, host_space>,
@@ -175,7 +183,7 @@ class MultiheadAttention : public detail::attention_base<T, Space> {
     if (ctx.training() && o_.dropout > 0) drop_ = ctx.random_stream();
     probs_ = Tensor<T>({batch_, o_.num_heads, seq_, seq_});
     Tensor<T> attn(x.shape());  // heads concatenated, rows laid out as x's
-    sdpa_forward(heads(qkv_, 0), heads(qkv_, 1), heads(qkv_, 2), heads(attn, 0), probs_.data(), sdpa(mask));
+    sdpa_forward(heads(qkv_, 0), heads(qkv_, 1), heads(qkv_, 2), heads(attn, 0), probs_.data(), sdpa(mask, ctx.attention_mask()));
     if (!grad_enabled(ctx)) x_ = qkv_ = probs_ = {};  // kept only for backward
     return ctx.forward(out_proj, attn);
   }
@@ -190,7 +198,7 @@ class MultiheadAttention : public detail::attention_base<T, Space> {
     // again (masked weights are zero in probs_).
     Tensor<T> dqkv({R, 3 * E});
     sdpa_backward(heads(dattn, 0), heads(qkv_, 0), heads(qkv_, 1), heads(qkv_, 2), probs_.data(), heads(dqkv, 0),
-                  heads(dqkv, 1), heads(dqkv, 2), sdpa({}));
+                  heads(dqkv, 1), heads(dqkv, 2), sdpa({}, {}));
 
     // The three projections read the same x, so dx = dqkv W_in sums their contributions.
     ops::gemm(ops::trans::yes, ops::trans::no, 3 * E, E, R, T(1), dqkv.data(), 3 * E, x_.data(), E, T(1),
@@ -215,8 +223,12 @@ class MultiheadAttention : public detail::attention_base<T, Space> {
             step() * width};
   }
   // The default scale 1 / sqrt(D); the dropout stream of this forward, if it drops.
-  sdpa_options sdpa(const Tensor<std::uint8_t>& key_padding) const {
-    return {.dropout_p = o_.dropout, .dropout = drop_, .key_padding_mask = key_padding, .who = "MultiheadAttention"};
+  sdpa_options sdpa(const Tensor<std::uint8_t>& key_padding, const attn_mask& mask) const {
+    return {.dropout_p = o_.dropout,
+            .dropout = drop_,
+            .key_padding_mask = key_padding,
+            .mask = mask,
+            .who = "MultiheadAttention"};
   }
 
   // Cached by forward for backward (and drop_, seq_, batch_ in the base).

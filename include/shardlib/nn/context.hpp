@@ -34,7 +34,7 @@ struct attn_mask {
 // for the batch's key-padding mask (side data of the batch, like torch's
 // src_key_padding_mask: [batch, sequence], nonzero = a padding position that
 // attention ignores as a key; empty = no padding) and attention mask (attn_mask
-// above; decoder attention applies both).
+// above; the host's attention layers apply both, the device's key padding only).
 class context {
  public:
   struct options {

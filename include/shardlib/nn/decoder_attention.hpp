@@ -91,6 +91,7 @@ inline void check_decoder_attention_options(const std::string& name, const decod
   require<shape_error>(o.head_dim > 0, name, ": head_dim must be positive, got ", o.head_dim);
   require<shape_error>(!o.rotary || o.head_dim % 2 == 0, name, ": rotary embeddings need an even head_dim, got ",
                        o.head_dim);
+  if (o.rotary) check_rotary(*o.rotary, name);
   require(o.dropout >= 0 && o.dropout < 1, name, ": attention dropout must be in [0, 1), got ", o.dropout);
 }
 

@@ -25,6 +25,7 @@ struct llama_attention_options {
   std::int64_t num_key_value_heads = 0;  // 0 = num_attention_heads (no grouping)
   std::int64_t head_dim = 0;             // 0 = hidden_size / num_attention_heads
   double rope_theta = 10000;             // RoPE's base
+  nn::rope_scaling rope_scaling{};       // RoPE's frequencies stretched (nn/rotary.hpp); none by default
   bool attention_bias = false;           // biases on all four projections
   double attention_dropout = 0;          // on the attention weights, in training
   double initializer_range = 0.02;       // weights ~ N(0, initializer_range), biases 0
@@ -34,11 +35,11 @@ struct llama_attention_options {
 // them: q_proj [H hd, hidden], k_proj and v_proj [Hkv hd, hidden], o_proj
 // [hidden, H hd] (torch's [out, in], as Hugging Face stores them: no transpose on
 // import). Head h of a projection is columns [h hd, (h + 1) hd). RoPE
-// (nn/rotary.hpp, base rope_theta) turns q and k at positions 0.. (or after
-// the cached ones), query head h reads kv head h / (H / Hkv), scores are
-// q.k / sqrt(hd), causal, with the context's key padding and attention masks.
-// Parameter binding checks, the KV cache and Space as GPT2Attention's (on the
-// device RoPE is ops::cuda's rotary kernel).
+// (nn/rotary.hpp, base rope_theta, frequencies scaled by rope_scaling) turns q
+// and k at positions 0.. (or after the cached ones), query head h reads kv head
+// h / (H / Hkv), scores are q.k / sqrt(hd), causal, with the context's key
+// padding and attention masks. Parameter binding checks, the KV cache and Space
+// as GPT2Attention's (on the device RoPE is ops::cuda's rotary kernel).
 template <class T, class Space = host_space>
 class LlamaAttention {
  public:
@@ -58,7 +59,7 @@ class LlamaAttention {
                .kv_heads = o_.num_key_value_heads,
                .head_dim = o_.head_dim,
                .dropout = o_.attention_dropout,
-               .rotary = rotary_options{.head_dim = o_.head_dim, .base = o_.rope_theta}}) {
+               .rotary = rotary_options{.head_dim = o_.head_dim, .base = o_.rope_theta, .scaling = o_.rope_scaling}}) {
     for (Linear<T, Space>* l : projections()) {
       l->weight.init = init_rule::normal_with(0, o_.initializer_range);
       l->bias.init = init_rule::constant_zero();

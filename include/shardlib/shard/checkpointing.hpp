@@ -90,6 +90,15 @@ struct no_units {
 inline no_units no_units_engine;
 }  // namespace detail
 
+// The context layers see inside a sharded model: running a child that is a unit
+// runs the engine's hooks around it; anything else runs as in the plain context.
+//
+// Activation checkpointing: the forward of a picked layer runs with grad_enabled()
+// false (layers cache nothing; a nested unit is gathered and freed as in any
+// forward) and keeps its input and the draw count of random_stream(). Its backward
+// gathers its unit (pre_backward, as always), runs the forward again from the kept
+// input with the draw count rewound, so dropout draws the same masks, and then the
+// backward: the same operations in the same order as without checkpointing.
 template <class Engine>
 class sharded_context : public nn::context {
  public:

@@ -1069,15 +1069,6 @@ class ShardedModel {
   sharded_context<ShardedModel> ctx_;
 };
 
-// The context layers see inside a ShardedModel: running a child that is a unit
-// runs the unit's hooks around it; anything else runs as in the plain context.
-//
-// Activation checkpointing: the forward of a picked layer runs with grad_enabled()
-// false (layers cache nothing; a nested unit is gathered and freed as in any
-// forward) and keeps its input and the draw count of random_stream(). Its backward
-// gathers its unit (pre_backward, as always), runs the forward again from the kept
-// input with the draw count rewound, so dropout draws the same masks, and then the
-// backward: the same operations in the same order as without checkpointing.
 // Wraps `model` for training on the ranks of `comm` with a sharding strategy and
 // the optimizer whose state the units keep (Adam unless named):
 //   auto sharded = shard::fully_shard(model, comm, shard::FullShard{}, {.wrap = shard::wrap_types<Encoder>{}});

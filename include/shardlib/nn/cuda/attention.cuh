@@ -31,7 +31,8 @@ namespace shardlib::nn {
 // log-sum-exp ([N, H, L] floats) for backward, which recomputes the weights.
 // The key padding mask and the weights' dropout (element i of [N, H, L, L] drawn
 // at index i from one ctx.random_stream() per forward) are the host's, so the
-// masks are the host's bit for bit.
+// masks are the host's bit for bit. An attention mask (ctx.attention_mask()) is
+// refused with an error naming the layer: the fused kernel reads none.
 template <class T>
 class MultiheadAttention<T, cuda_space> : public detail::attention_base<T, cuda_space> {
   using base = detail::attention_base<T, cuda_space>;
@@ -48,6 +49,9 @@ class MultiheadAttention<T, cuda_space> : public detail::attention_base<T, cuda_
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
     const std::int64_t E = o_.embed_dim;
+    const attn_mask& allowed = ctx.attention_mask();
+    require(allowed.empty(), this->name(), ": on the device only a key padding mask is supported, not an attention "
+            "mask (got one of shape ", allowed.shape(), "); run the host layer for arbitrary masks");
     const Tensor<std::uint8_t>& mask = this->begin_forward(ctx, x.shape());
     const std::int64_t R = seq_ * batch_;
     const cudaStream_t s = cuda::current_stream();
