@@ -23,7 +23,9 @@
 #include "shardlib/shard/step_decision.hpp"
 #include "shardlib/shard/step_readout.hpp"
 #include "shardlib/shard/strategy.hpp"
+#include "shardlib/shard/structure_check.hpp"
 #include "shardlib/shard/unit.hpp"
+#include "shardlib/shard/unit_optimizer.hpp"
 #include "shardlib/shard/wrap.hpp"
 
 #include <cmath>        // std::sqrt, std::isfinite
@@ -47,7 +49,9 @@ namespace shardlib::shard {
 //   gather, free, prefetch          shard/gather.hpp (gather_schedule)
 //   gradient reduction              shard/reduce.hpp (gradient_reducer)
 //   a step's loss and outcome read  shard/step_readout.hpp
-//   optimizer step, clipping, loss scaling, state access
+//   optimizer state, groups, checks shard/unit_optimizer.hpp
+//   model agreement across ranks    shard/structure_check.hpp
+//   the step's order, offload, clipping, loss scaling, state access
 //                                   here
 //
 // T is the master dtype. The model's output tensor type says the rest: its
@@ -96,6 +100,7 @@ class ShardedModel {
         opts_(std::move(o)),
         gathers_(opts_.precision, opts_.prefetch),
         reducer_(policy_, opts_.precision),
+        steps_(comm.rank()),
         ctx_(this, opts_.context, checkpoints(model, opts_.checkpoint)) {
     check_precision(opts_.precision);
     if constexpr (!std::is_same_v<T, float>)
@@ -123,7 +128,7 @@ class ShardedModel {
     }
     for (auto& u : units_)  // names for errors: the layouts no longer move
       for (std::size_t k = 0; k < u.params.size(); ++k) u.params[k]->owner_name = u.layout.entries[k].name;
-    check_structure();
+    check_same_model<ops>(comm, units_, strategy_.name, policy_, opts_.seed, sizeof(T), sizeof(C));
     for (auto& u : units_) materialize(u);
     if (!policy_.shard_parameters && !master_in_values()) {
       try {
@@ -509,7 +514,7 @@ class ShardedModel {
   // After steps cancelled on the device its step count is settled first (one read).
   template <class O>
   typename Optimizer::state& optimizer_state(O& opt, std::size_t i) {
-    auto& st = optimizer_state(opt, units_.at(i));
+    auto& st = steps_.state_of(opt, units_.at(i), piece(i));
     if constexpr (requires { st.settle(); }) st.settle();
     return st;
   }
@@ -610,13 +615,16 @@ class ShardedModel {
     // their values would be the old ones at the next forward, which finds them gathered.
     release_full_params();
     forwarded_ = false;
-    check_step(opt);
+    steps_.check(opt, units_, [&](std::size_t i) { return piece(i); });
     if (offload_) {
       require(!flag.skip, "rank ", comm_->rank(), ": a step cancelled on the device cannot be offloaded");
       offloaded_step(opt);
     } else {
-      for (auto& u : units_)
-        update<ops>(opt, u, master_local(u), std::span<const T>(u.grad->local()), u.compute_shard.span(), flag);
+      for (std::size_t i = 0; i < units_.size(); ++i) {
+        auto& u = units_[i];
+        steps_.template step<ops>(opt, u, i, piece(i), master_local(u), std::span<const T>(u.grad->local()),
+                                  u.compute_shard.span(), flag);
+      }
     }
     if (!policy_.shard_parameters) refresh_values();
     ++step_;
@@ -653,6 +661,11 @@ class ShardedModel {
   Comm& shard_comm() { return shard_comm_ ? *shard_comm_ : *comm_; }
   int shard_rank() const { return shard_comm_ ? shard_comm_->rank() : comm_->rank(); }
   int index_of(const unit_type& u) const { return int(&u - units_.data()); }
+  // This rank's piece of unit i's masters and optimizer state (partition(i)'s).
+  unit_piece piece(std::size_t i) const {
+    const shard_layout l = partition(i);
+    return {l.begin(partition_rank()), l.shard_size()};
+  }
 
   // Replicated values kept in the master dtype hold the master themselves.
   bool master_in_values() const {
@@ -726,45 +739,6 @@ class ShardedModel {
     if constexpr (!compute16)
       if (!policy_.shard_optimizer) return u.grad->local().data();
     return u.full_grad.data();
-  }
-
-  // Ranks compare a hash of the policy, every parameter's name and shape, and the
-  // seed; on a mismatch every rank raises, naming the first thing that differs.
-  void check_structure() {
-    std::vector<std::int64_t> mine;  // hashes (int64: an element type every communicator carries)
-    const auto& p = policy_;
-    mine.push_back(std::int64_t(fnv1a(cat(strategy_.name, p.shard_parameters, p.shard_gradients, p.shard_optimizer,
-                                          p.group(comm_->size()), int(p.free), int(p.reduce)))));
-    mine.push_back(std::int64_t(opts_.seed));
-    for (const auto& u : units_)
-      for (const auto& e : u.layout.entries)
-        mine.push_back(std::int64_t(fnv1a(cat(u.name, "|", e.name, e.shape, "|", sizeof(T), sizeof(C)))));
-    for (const auto& u : units_)  // ties: ranks that tie differently would lay units out differently
-      for (const auto& a : u.aliases) mine.push_back(std::int64_t(fnv1a(cat(u.name, "|", a.name, "=", a.entry))));
-    std::vector<std::int64_t> most{std::int64_t(mine.size())};
-    ops::all_reduce_values(*comm_, std::span<std::int64_t>(most), comm::reduce_op::max);
-    mine.resize(std::size_t(most[0]), 0);  // absent entries hash to 0
-    std::vector<std::int64_t> all(mine.size() * std::size_t(comm_->size()));
-    ops::all_gather_values(*comm_, std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
-    for (std::size_t i = 0; i < mine.size(); ++i)
-      for (int r = 0; r < comm_->size(); ++r) {
-        if (all[std::size_t(r) * mine.size() + i] == all[i]) continue;
-        const std::string what =
-            i == 0   ? cat("the strategy or its policy (here: ", strategy_.name, ")")
-            : i == 1 ? cat("options.seed (here: ", opts_.seed, "): ranks would start from different parameters")
-                     : cat("parameter #", i - 2, " (here: ", describe_entry(i - 2), ")");
-        throw error(cat("rank ", comm_->rank(), ": the model differs between ranks 0 and ", r, " at ", what,
-                        ": every rank must wrap the same model with the same strategy and seed"));
-      }
-  }
-  std::string describe_entry(std::size_t k) const {
-    for (const auto& u : units_)
-      for (const auto& e : u.layout.entries)
-        if (k-- == 0) return cat("'", e.name, "' ", e.shape);
-    for (const auto& u : units_)
-      for (const auto& a : u.aliases)
-        if (k-- == 0) return cat("the tie of '", a.name, "' to '", u.layout.entries[a.entry].name, "'");
-    return "no such parameter on this rank";
   }
 
   bool mixed() const { return opts_.precision.param != dtype::f32 || opts_.precision.reduce != dtype::f32; }
@@ -873,59 +847,9 @@ class ShardedModel {
   }
 
   // --- optimizer -------------------------------------------------------------------------------
-  template <class O>
-  typename Optimizer::state& optimizer_state(O& opt, unit_type& u) {
-    if (!u.optimizer_state) {
-      std::optional<ledger_scope> in_offload;
-      if (u.offload) in_offload.emplace(current_ledger().offload());
-      u.optimizer_state.emplace(opt.make_state(master_local(u).size()));
-    }
-    return *u.optimizer_state;
-  }
-
-  // One unit's optimizer step over values and grads in the memory Ops works on, and
-  // the 16-bit compute copy for the next gather (in the same pass where the optimizer can).
-  template <class Ops, class O>
-  void update(O& opt, unit_type& u, std::span<T> values, std::span<const T> grads, std::span<C> copy16,
-              optim::skip_flag flag = {}) {
-    auto& st = optimizer_state(opt, u);
-    if (flag.skip) {
-      if constexpr (skips_on_space<O>) opt.step(values, grads, st, compute16 ? copy16 : std::span<C>{}, flag);
-      else throw error(cat("rank ", comm_->rank(), ": this optimizer has no step a flag in the model's space can cancel"));
-      return;
-    }
-    with_unit(u, [&] {
-      if constexpr (compute16 && requires { opt.step(values, grads, st, copy16); }) {
-        opt.step(values, grads, st, copy16);
-      } else {
-        if constexpr (optim::is_param_groups<Optimizer>) opt.step(values, grads, st, segments(opt, u));
-        else opt.step(values, grads, st);
-        if constexpr (compute16) Ops::narrow(std::span<const T>(values), copy16);
-      }
-    });
-  }
-  // Runs f; the optimizer's own errors (its options, its state) then name the rank and unit too.
-  template <class F>
-  void with_unit(const unit_type& u, F&& f) const {
-    try {
-      f();
-    } catch (const error& e) {
-      if (std::string_view(e.what()).starts_with("rank ")) throw;
-      throw error(cat("rank ", comm_->rank(), ", unit '", u.name, "': ", e.what()));
-    }
-  }
   void require_complete(std::string_view what) const {
     require(!incomplete_, "rank ", comm_->rank(), ": ", what, " after a backward that raised: the gradients are "
             "partial; call zero_grad() and run the step's micro-batches again");
-  }
-  // What the optimizer can check (its options and groups, each unit's state) is
-  // checked for every unit before any steps: a later unit's error must not leave the
-  // earlier ones stepped, and every rank, whatever its piece, raises alike.
-  template <class O>
-  void check_step(O& opt) {
-    if constexpr (optim::is_param_groups<Optimizer>) segments(opt, units_.front());
-    if constexpr (requires(const typename Optimizer::state& s) { opt.check(s, std::size_t{}); })
-      for (auto& u : units_) with_unit(u, [&] { opt.check(optimizer_state(opt, u), master_local(u).size()); });
   }
   // options.offload's step, pipelined per unit: unit i+1's reduced gradients travel to
   // the offload space while unit i steps there, and unit i's updated piece travels back
@@ -944,29 +868,12 @@ class ShardedModel {
       channel.wait(sent[i]);
       auto& u = units_[i];
       auto& o = *u.offload;
-      update<offload_ops>(opt, u, o.master.span(), std::span<const T>(o.grad.span()), o.compute_copy.span());
+      steps_.template step<offload_ops>(opt, u, i, piece(i), o.master.span(), std::span<const T>(o.grad.span()),
+                                        o.compute_copy.span());
       if constexpr (compute16) channel.from_offload(std::span<const C>(o.compute_copy.span()), u.compute_shard.span());
       else channel.from_offload(std::span<const T>(o.master.span()), master_local(u));
     }
     channel.fence();
-  }
-
-  // Each unit's runs of parameter groups over this rank's piece, made at the first grouped
-  // step. Every parameter's group is looked up, not only those of this rank's piece, so
-  // that a parameter in no group is an error on every rank.
-  const std::vector<optim::segment>& segments(const Optimizer& opt, const unit_type& u) {
-    if (segments_.empty()) {
-      std::vector<std::vector<optim::segment>> made;
-      with_rank([&] {
-        for (std::size_t i = 0; i < units_.size(); ++i) {
-          for (const auto& e : units_[i].layout.entries) opt.group_of(e.name, e.shape);
-          made.push_back(opt.segments(units_[i].layout, partition(i).begin(partition_rank()),
-                                      partition(i).shard_size()));
-        }
-      });
-      segments_ = std::move(made);
-    }
-    return segments_[std::size_t(index_of(u))];
   }
 
   // The sum of squares of the gradients the optimizer steps, over the ranks that hold
@@ -1006,14 +913,10 @@ class ShardedModel {
   // optimizer steps on the host).
   template <class O>
   bool decides_on_space() const {
-    if constexpr (std::is_same_v<space, host_space> || !skips_on_space<O>) return false;
+    if constexpr (std::is_same_v<space, host_space> || !skips_on_space<O, T, C, typename Optimizer::state>)
+      return false;
     else return !offload_;
   }
-  template <class O>
-  static constexpr bool skips_on_space =
-      requires(const O& o, std::span<T> v, std::span<const T> g, typename Optimizer::state& st, std::span<C> c) {
-        o.step(v, g, st, c, optim::skip_flag{});
-      };
   // The loss scaler's changing fields in the model's space (made from the host's at first use).
   typename ops::template scalars<double>& space_scaler() {
     scaler_issued_ = ops::issued_here();  // where train_step issues its work: scaler() reads there
@@ -1063,7 +966,7 @@ class ShardedModel {
   mutable std::optional<loss_scaler> scaler_;  // scaler() refreshes it from scaler_slots_
   std::optional<typename ops::template scalars<double>> scaler_slots_;  // when the space decides (space_scaler())
   typename ops::issue_point scaler_issued_{};  // where the steps that use scaler_slots_ are issued
-  std::vector<std::vector<optim::segment>> segments_;  // parameter groups' runs per unit (segments())
+  unit_optimizer<unit_type, Optimizer, T, C> steps_;
   std::optional<typename space_ops<space>::offload_channel> offload_;  // options.offload
   std::uint64_t step_ = 0;
   sharded_context<ShardedModel> ctx_;
