@@ -223,6 +223,18 @@ TEST_CASE("config.json fields that change the model are read or refused", "[mode
                     Catch::Contains("llama3 scaling needs a number 'original_max_position_embeddings'"));
   CHECK_THROWS_WITH(read(R"({"rope_scaling": {"rope_type": "linear", "factor": 0}})", models::llama_config{}),
                     Catch::Contains("rope_scaling factor must be positive, got 0"));
+  CHECK(read(R"({"rope_scaling": {"type": "linear", "rope_type": "linear", "factor": 2.0}})", models::llama_config{})
+            .rope_scaling.type == kind::linear);  // transformers 4.4x's own saves carry both, alike
+  CHECK_THROWS_WITH(read(R"({"rope_scaling": {"type": "linear", "rope_type": "default", "factor": 4}})",
+                         models::llama_config{}),
+                    Catch::Contains("'type' and 'rope_type' differ"));
+  CHECK_THROWS_WITH(read(R"({"rope_scaling": {"rope_type": null, "factor": 4}})", models::llama_config{}),
+                    Catch::Contains("llama_config: rope_scaling {\"factor\":4,\"rope_type\":null}: 'rope_type' must be a string"));
+  for (const char* positions : {"8192.5", "0", "1e30", "18446744073709551615"})
+    CHECK_THROWS_WITH(read(cat(R"({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1,
+                                   "high_freq_factor": 4, "original_max_position_embeddings": )", positions, "}}"),
+                           models::llama_config{}),
+                      Catch::Contains("original_max_position_embeddings must be a positive integer"));
   fs::remove(file);
 }
 

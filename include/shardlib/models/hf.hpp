@@ -20,7 +20,8 @@
 
 #include <nlohmann/json.hpp>  // nlohmann::json, nlohmann::ordered_json
 
-#include <cstdint>      // std::uint64_t
+#include <cmath>        // std::floor
+#include <cstdint>      // std::int64_t, std::uint64_t
 #include <filesystem>   // std::filesystem::path
 #include <fstream>      // std::ifstream
 #include <string>       // std::string
@@ -59,11 +60,17 @@ inline void from_json(const nlohmann::json& j, gpt2_config& c) {
 }
 // LlamaConfig's rope_scaling: {"rope_type" (or the older "type"): "linear" or
 // "llama3", "factor", and llama3's "low_freq_factor", "high_freq_factor" and
-// "original_max_position_embeddings"}. Other kinds (dynamic, yarn, longrope) are
-// refused, and so is a field missing that its kind needs.
+// "original_max_position_embeddings" (an integer)}. Other kinds (dynamic, yarn,
+// longrope) are refused, and so is a field missing that its kind needs. Both
+// "type" and "rope_type" with different values are refused: transformers 4.4x
+// reads the first, 5.x the second.
 inline nn::rope_scaling rope_scaling_from(const nlohmann::json& j) {
   const auto where = [&] { return cat("llama_config: rope_scaling ", j.dump()); };
   require(j.is_object(), where(), " must be an object");
+  for (const char* key : {"rope_type", "type"})
+    require(!j.contains(key) || j[key].is_string(), where(), ": '", key, "' must be a string");
+  require(!j.contains("rope_type") || !j.contains("type") || j["rope_type"] == j["type"], where(),
+          ": 'type' and 'rope_type' differ (transformers 4.4x reads 'type', 5.x 'rope_type'); make them agree");
   const std::string type = j.contains("rope_type") ? j["rope_type"].get<std::string>()
                            : j.contains("type")    ? j["type"].get<std::string>()
                                                    : std::string();
@@ -71,16 +78,19 @@ inline nn::rope_scaling rope_scaling_from(const nlohmann::json& j) {
   if (type == "default") return r;
   require(type == "linear" || type == "llama3", where(), ": rope_type '", type,
           "' is not supported (linear and llama3 are; dynamic, yarn and longrope are not)");
-  const auto need = [&](const char* key, auto& field) {
+  const auto need = [&](const char* key) {
     require(j.contains(key) && j[key].is_number(), where(), ": ", type, " scaling needs a number '", key, "'");
-    j[key].get_to(field);
+    return j[key].get<double>();
   };
   r.type = type == "linear" ? nn::rope_scaling::kind::linear : nn::rope_scaling::kind::llama3;
-  need("factor", r.factor);
+  r.factor = need("factor");
   if (r.type == nn::rope_scaling::kind::llama3) {
-    need("low_freq_factor", r.low_freq_factor);
-    need("high_freq_factor", r.high_freq_factor);
-    need("original_max_position_embeddings", r.original_max_position_embeddings);
+    r.low_freq_factor = need("low_freq_factor");
+    r.high_freq_factor = need("high_freq_factor");
+    const double positions = need("original_max_position_embeddings");
+    require(positions == std::floor(positions) && positions > 0 && positions <= 0x1p53, where(),
+            ": original_max_position_embeddings must be a positive integer, got ", positions);
+    r.original_max_position_embeddings = std::int64_t(positions);
   }
   nn::check_rotary({.head_dim = 2, .scaling = r}, where());
   return r;

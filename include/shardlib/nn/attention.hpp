@@ -79,6 +79,8 @@ class attention_base {
     require<shape_error>(mask.empty() || mask.shape() == Shape{N, L}, name(),
                          ": key_padding_mask must be [N, L] = ", Shape{N, L}, " (batch, keys), got ", mask.shape());
     const attn_mask& allowed = ctx.attention_mask();
+    require<shape_error>(allowed.allowed.empty() || allowed.bias.empty(), name(),
+                         ": the attention mask is either boolean or additive, not both");
     if (!allowed.empty()) mask_strides(allowed.shape(), Shape{N, o_.num_heads, L, L}, name());
     check_bound(false);
     seq_ = L;
