@@ -1,15 +1,15 @@
 // train_gpt — a byte-level GPT-2 (models::GPT2LMHeadModel, vocabulary 256: one token
-// per byte) trained on a text file, sharded over --world rank threads (FullShard, every
-// transformer block its own unit, the tied head with the embedding in the root), AdamW
+// per byte; or, with --model llama, a LLaMA: RMSNorm, RoPE, SwiGLU, grouped-query
+// attention) trained on a text file, sharded over --world rank threads (FullShard, every
+// transformer block its own unit, GPT-2's tied head with the embedding in the root), AdamW
 // with linear warmup and cosine decay, gradients clipped to norm 1. It prints
 // "Rank r, Step s, Loss: x" every --every steps as train_fsdp does, the loss on a
 // held-out tail of the text every --eval-every steps, the text's unigram entropy (the
 // loss of the best model that ignores context: what "learned something" must beat), a
 // continuation sampled with the KV cache at the end, and saves the model as Hugging
-// Face's GPT2LMHeadModel would (config.json + model.safetensors, --save DIR), which
-// transformers loads with GPT2LMHeadModel.from_pretrained(DIR).
+// Face's GPT2LMHeadModel or LlamaForCausalLM would (config.json + model.safetensors, --save
+// DIR), which transformers loads with from_pretrained(DIR).
 #include <shardlib/comm/launch.hpp>
-#include <shardlib/models/gpt2.hpp>
 #include <shardlib/models/hf.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/optim/adam.hpp>
@@ -24,8 +24,10 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "common/byte_models.hpp"
 #include "common/flags.hpp"
 #include "common/text_corpus.hpp"
 
@@ -33,11 +35,10 @@ using namespace shardlib;
 
 namespace {
 
-struct settings {
+struct settings : example::byte_model_shape {  // model, layers, d_model, heads, kv_heads, seq, dropout
   std::string data = "/usr/share/common-licenses/GPL-3", save = "train_gpt_model";
-  long world = 4, layers = 4, d_model = 128, heads = 4, seq = 128, batch = 4, steps = 500, every = 25,
-       eval_every = 100, warmup = 30, sample = 96, top_k = 8;
-  double lr = 3e-3, weight_decay = 0.1, dropout = 0, val_fraction = 0.1, temperature = 0.8;
+  long world = 4, batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30, sample = 96, top_k = 8;
+  double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1, temperature = 0.8;
   double min_lr = 0;  // --min-lr; unset: a tenth of lr
   std::uint64_t seed = 0;
 };
@@ -60,29 +61,23 @@ double validation_loss(Sharded& sharded, comm::ThreadComm& c, const corpus& data
   return loss[0];
 }
 
+template <class Config>
 void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
-  const models::gpt2_config config{.vocab_size = 256,
-                                   .n_positions = s.seq,
-                                   .n_embd = s.d_model,
-                                   .n_layer = s.layers,
-                                   .n_head = s.heads,
-                                   .resid_pdrop = s.dropout,
-                                   .embd_pdrop = s.dropout,
-                                   .attn_pdrop = s.dropout};
-  models::GPT2LMHeadModel<float> model(config);
+  auto model = example::make_byte_model<float, host_space>(s, std::type_identity<Config>{});
+  using model_t = decltype(model);
   auto sharded = shard::fully_shard<optim::AdamW>(
-      model, c, shard::FullShard{}, {.wrap = shard::wrap_types<models::GPT2Block<float>>{}, .seed = s.seed});
+      model, c, shard::FullShard{}, {.wrap = shard::wrap_types<typename model_t::block_type>{}, .seed = s.seed});
   optim::AdamW adamw{{.lr = s.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = s.weight_decay}};
   const optim::warmup_cosine schedule{
       .peak_lr = s.lr, .min_lr = s.min_lr, .warmup_steps = std::min(s.warmup, s.steps), .total_steps = s.steps};
   const double entropy = data.unigram_entropy();
-  const std::size_t parameters = nn::parameter_count(model);  // the tied head's weight once
+  const std::size_t parameters = nn::parameter_count(model);  // GPT-2's tied head's weight once
   if (c.rank() == 0)
     std::printf("train_gpt: %s, %zu bytes (%zu training, %zu held out); unigram entropy %.4f nats = %.4f bits per "
-                "byte\ntrain_gpt: %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld) in %zu units, "
+                "byte\ntrain_gpt: %s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld) in %zu units, "
                 "FullShard over %d ranks, %ld sequences per rank\n",
                 s.data.c_str(), data.train.size() + data.val.size(), data.train.size(), data.val.size(), entropy,
-                entropy / std::log(2.0), parameters,
+                entropy / std::log(2.0), s.model.c_str(), parameters,
                 s.layers, s.d_model, s.heads, s.seq, sharded.unit_count(), c.size(), s.batch);
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -147,16 +142,19 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
 
 int main(int argc, char** argv) {
   settings s;
-  example::command_line cli("A byte-level GPT-2 trained on a text file, FullShard over --world rank threads, every "
-                            "block a unit; validation on the text's tail, a sample, a Hugging Face checkpoint.",
+  example::command_line cli("A byte-level GPT-2 (or LLaMA) trained on a text file, FullShard over --world rank "
+                            "threads, every block a unit; validation on the text's tail, a sample, a Hugging Face "
+                            "checkpoint.",
                             "train_gpt");
   const CLI::Validator size = example::whole(1, example::max_size);
   cli.add_option("--data", s.data, "the text to train on")->check(CLI::ExistingFile);
   cli.add_option("--world", s.world, "ranks, as threads of this process")
       ->check(example::whole(1, example::max_thread_ranks));
+  cli.add_option("--model", s.model, "architecture")->check(CLI::IsMember({"gpt2", "llama"}));
   cli.add_option("--layers", s.layers, "transformer blocks")->check(size);
   cli.add_option("--d-model", s.d_model, "model width (n_embd)")->check(size);
   cli.add_option("--heads", s.heads, "attention heads (divides --d-model)")->check(size);
+  cli.add_option("--kv-heads", s.kv_heads, "LLaMA: key/value heads (divides --heads)")->check(size);
   cli.add_option("--seq", s.seq, "context length in bytes (n_positions)")->check(example::whole(2, example::max_size));
   cli.add_option("--batch", s.batch, "sequences per rank and step")->check(size);
   cli.add_option("--steps", s.steps, "training steps")->check(size);
@@ -167,7 +165,8 @@ int main(int argc, char** argv) {
   cli.add_option("--min-lr", s.min_lr, "learning rate at the end of the cosine decay (default: a tenth of --lr)")
       ->check(example::real(0, 1));
   cli.add_option("--weight-decay", s.weight_decay, "AdamW's decoupled weight decay")->check(example::real(0, 1));
-  cli.add_option("--dropout", s.dropout, "residual, embedding and attention dropout")->check(example::real(0, 0.99));
+  cli.add_option("--dropout", s.dropout, "GPT-2: residual, embedding and attention dropout")
+      ->check(example::real(0, 0.99));
   cli.add_option("--val-fraction", s.val_fraction, "the held-out tail's share of the text")->check(example::real(0.01, 0.5));
   cli.add_option("--sample", s.sample, "bytes to generate at the end (at most --seq minus the prompt)")
       ->check(example::whole(0, example::max_size));
@@ -181,14 +180,15 @@ int main(int argc, char** argv) {
     if (s.min_lr > s.lr)
       throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +
                                                  " (the cosine decay would climb)");
-    if (s.d_model % s.heads != 0)
-      throw CLI::ValidationError("--heads", std::to_string(s.heads) + " does not divide --d-model " +
-                                                std::to_string(s.d_model));
+    example::check_byte_model(s);
   });
   cli.parse_or_exit(argc, argv);
   try {
     const corpus data(s.data, s.val_fraction, s.seq);
-    comm::launch(int(s.world), [&](comm::ThreadComm& c) { train(c, s, data); });
+    comm::launch(int(s.world), [&](comm::ThreadComm& c) {
+      if (s.model == "llama") train<models::llama_config>(c, s, data);
+      else train<models::gpt2_config>(c, s, data);
+    });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 1;

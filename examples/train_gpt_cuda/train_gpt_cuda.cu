@@ -38,6 +38,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/byte_models.hpp"
 #include "common/flags.hpp"
 #include "common/device_world.cuh"
 #include "common/text_corpus.hpp"
@@ -46,11 +47,15 @@ namespace sl = shardlib;  // not `using namespace`: CUDA declares a global `half
 
 namespace {
 
-struct settings {
-  std::string data = "/usr/share/common-licenses/GPL-3", model = "gpt2", dtype = "bf16", save;
-  long layers = 4, d_model = 256, heads = 8, kv_heads = 2, seq = 256, batch = 8, steps = 300, every = 25,
-       eval_every = 100, warmup = 30;
-  double lr = 2e-3, weight_decay = 0.1, dropout = 0, val_fraction = 0.1;
+struct settings : example::byte_model_shape {  // model, layers, d_model, heads, kv_heads, seq, dropout
+  settings() {
+    d_model = 256;
+    heads = 8;
+    seq = 256;
+  }
+  std::string data = "/usr/share/common-licenses/GPL-3", dtype = "bf16", save;
+  long batch = 8, steps = 300, every = 25, eval_every = 100, warmup = 30;
+  double lr = 2e-3, weight_decay = 0.1, val_fraction = 0.1;
   double min_lr = 0;  // --min-lr; unset: a tenth of lr
   std::uint64_t seed = 0;
 };
@@ -64,31 +69,6 @@ std::pair<sl::Tensor<std::int64_t, sl::cuda_space>, sl::Tensor<std::int64_t, sl:
   return {sl::cuda::to_device(ids), sl::cuda::to_device(targets)};
 }
 
-// The two models from the flags: vocabulary 256 (one token per byte), context --seq.
-template <class T>
-sl::models::GPT2LMHeadModel<T, sl::cuda_space> make_model(const settings& s,
-                                                          std::type_identity<sl::models::gpt2_config>) {
-  return sl::models::GPT2LMHeadModel<T, sl::cuda_space>({.vocab_size = 256,
-                                                         .n_positions = s.seq,
-                                                         .n_embd = s.d_model,
-                                                         .n_layer = s.layers,
-                                                         .n_head = s.heads,
-                                                         .resid_pdrop = s.dropout,
-                                                         .embd_pdrop = s.dropout,
-                                                         .attn_pdrop = s.dropout});
-}
-template <class T>
-sl::models::LlamaForCausalLM<T, sl::cuda_space> make_model(const settings& s,
-                                                           std::type_identity<sl::models::llama_config>) {
-  return sl::models::LlamaForCausalLM<T, sl::cuda_space>({.vocab_size = 256,
-                                                          .hidden_size = s.d_model,
-                                                          .intermediate_size = s.d_model * 8 / 3 / 64 * 64 + 64,
-                                                          .num_hidden_layers = s.layers,
-                                                          .num_attention_heads = s.heads,
-                                                          .num_key_value_heads = s.kv_heads,
-                                                          .max_position_embeddings = s.seq});
-}
-
 template <class T>
 sl::shard::mixed_precision compute_precision() {
   if constexpr (std::is_same_v<T, float>) return {};
@@ -100,7 +80,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   sl::cuda::stream compute(nccl.device());
   sl::cuda::stream_scope on_compute(compute.get());  // where tensors are allocated and layers run
   auto c = nccl.on(compute.get());                   // collectives ordered after that stream's work
-  auto model = make_model<T>(s, std::type_identity<Config>{});
+  auto model = example::make_byte_model<T, sl::cuda_space>(s, std::type_identity<Config>{});
   using model_t = decltype(model);
   auto sharded = sl::shard::fully_shard<sl::optim::cuda::AdamW>(
       model, c, sl::shard::FullShard{},
@@ -232,16 +212,7 @@ int main(int argc, char** argv) {
     if (s.min_lr > s.lr)
       throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +
                                                  " (the cosine decay would climb)");
-    if (s.d_model % s.heads != 0)
-      throw CLI::ValidationError("--heads", std::to_string(s.heads) + " does not divide --d-model " +
-                                                std::to_string(s.d_model));
-    if (s.model == "llama" && (s.d_model / s.heads) % 2 != 0)
-      throw CLI::ValidationError("--heads", "LLaMA's rotary embeddings need an even head dimension, and --d-model " +
-                                                std::to_string(s.d_model) + " / --heads " + std::to_string(s.heads) +
-                                                " is odd");
-    if (s.model == "llama" && s.heads % s.kv_heads != 0)
-      throw CLI::ValidationError("--kv-heads", std::to_string(s.kv_heads) + " does not divide --heads " +
-                                                   std::to_string(s.heads));
+    example::check_byte_model(s);
   });
   cli.parse_or_exit(argc, argv);
   try {

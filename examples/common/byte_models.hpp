@@ -1,0 +1,62 @@
+// examples/common/byte_models.hpp — the byte-level decoders train_gpt and train_gpt_cuda
+// train (vocabulary 256: one token per byte, context --seq), from their shared flags.
+#pragma once
+#include <shardlib/models/gpt2.hpp>
+#include <shardlib/models/llama.hpp>
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+#include <type_traits>
+
+namespace example {
+
+// The flags both examples take for the model's shape.
+struct byte_model_shape {
+  std::string model = "gpt2";  // gpt2 or llama
+  long layers = 4, d_model = 128, heads = 4, kv_heads = 2, seq = 128;
+  double dropout = 0;  // GPT-2: residual, embedding and attention
+};
+
+// --heads must divide --d-model; LLaMA's RoPE needs an even head dimension and its
+// --kv-heads must divide --heads. Raised as CLI11 validation errors, naming the flag.
+inline void check_byte_model(const byte_model_shape& s) {
+  if (s.d_model % s.heads != 0)
+    throw CLI::ValidationError("--heads",
+                               std::to_string(s.heads) + " does not divide --d-model " + std::to_string(s.d_model));
+  if (s.model != "llama") return;
+  if ((s.d_model / s.heads) % 2 != 0)
+    throw CLI::ValidationError("--heads", "LLaMA's rotary embeddings need an even head dimension, and --d-model " +
+                                              std::to_string(s.d_model) + " / --heads " + std::to_string(s.heads) +
+                                              " is odd");
+  if (s.heads % s.kv_heads != 0)
+    throw CLI::ValidationError("--kv-heads",
+                               std::to_string(s.kv_heads) + " does not divide --heads " + std::to_string(s.heads));
+}
+
+template <class T, class Space>
+shardlib::models::GPT2LMHeadModel<T, Space> make_byte_model(const byte_model_shape& s,
+                                                            std::type_identity<shardlib::models::gpt2_config>) {
+  return shardlib::models::GPT2LMHeadModel<T, Space>({.vocab_size = 256,
+                                                      .n_positions = s.seq,
+                                                      .n_embd = s.d_model,
+                                                      .n_layer = s.layers,
+                                                      .n_head = s.heads,
+                                                      .resid_pdrop = s.dropout,
+                                                      .embd_pdrop = s.dropout,
+                                                      .attn_pdrop = s.dropout});
+}
+// LLaMA's MLP width: 8/3 of d_model, rounded down to a multiple of 64, plus 64.
+template <class T, class Space>
+shardlib::models::LlamaForCausalLM<T, Space> make_byte_model(const byte_model_shape& s,
+                                                             std::type_identity<shardlib::models::llama_config>) {
+  return shardlib::models::LlamaForCausalLM<T, Space>({.vocab_size = 256,
+                                                       .hidden_size = s.d_model,
+                                                       .intermediate_size = s.d_model * 8 / 3 / 64 * 64 + 64,
+                                                       .num_hidden_layers = s.layers,
+                                                       .num_attention_heads = s.heads,
+                                                       .num_key_value_heads = s.kv_heads,
+                                                       .max_position_embeddings = s.seq});
+}
+
+}  // namespace example
