@@ -25,6 +25,7 @@ name), so adding a case leaves the others' files unchanged.
 Tensors in a file (plain little-endian safetensors, written by write_safetensors):
     input            x, or token ids (I64) for the embedding, or logits for a loss
     mask             U8 [batch, sequence], nonzero = padding key (attention cases with a mask)
+    attn_mask        F32 [sequence, sequence], added to the scores (attention cases with an attn_mask)
     target           class ids (I64) or regression targets (losses, classifier)
     r                dL/d(output) (cases without a loss)
     output           the module's output (cases with a module)
@@ -156,10 +157,10 @@ class MeanPool(nn.Module):
         return x.mean(self.dim)
 
 
-def emit(case, x, module=None, call=None, mask=None, target=None, loss=None, about=""):
+def emit(case, x, module=None, call=None, mask=None, target=None, loss=None, about="", attn_mask=None):
     """Runs `module` (float64; None for a bare loss) on x as call(module, x, mask)
-    in both precisions and writes the two files. With `loss`, the objective is
-    loss(y, target); otherwise sum(y * r)."""
+    in both precisions (call(module, x, mask, attn_mask) when there is one) and writes
+    the two files. With `loss`, the objective is loss(y, target); otherwise sum(y * r)."""
     if ONLY and case not in ONLY:
         return
     WRITTEN.add(case)
@@ -179,7 +180,12 @@ def emit(case, x, module=None, call=None, mask=None, target=None, loss=None, abo
         m = copy.deepcopy(module).to(dtype) if module is not None else None
         xi = x.to(dtype).clone().requires_grad_() if x.is_floating_point() else x
         ti = target.to(dtype) if target is not None and target.is_floating_point() else target
-        y = call(m, xi, mask) if m is not None else xi
+        if m is None:
+            y = xi
+        elif attn_mask is not None:
+            y = call(m, xi, mask, attn_mask.to(dtype))
+        else:
+            y = call(m, xi, mask)
         if loss is not None:
             objective = loss(y, ti)
         else:
@@ -191,6 +197,8 @@ def emit(case, x, module=None, call=None, mask=None, target=None, loss=None, abo
         t = {"input": xi}
         if mask is not None:
             t["mask"] = mask.to(torch.uint8)
+        if attn_mask is not None:
+            t["attn_mask"] = attn_mask.to(torch.float32)
         if target is not None:
             t["target"] = ti
         if loss is None:
@@ -222,12 +230,21 @@ def plain(m, x, mask):
     return m(x)
 
 
-def self_attention(m, x, mask):
-    return m(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+def self_attention(m, x, mask, attn_mask=None):
+    return m(x, x, x, key_padding_mask=mask, attn_mask=attn_mask, need_weights=False)[0]
 
 
-def encoder(m, x, mask):
-    return m(x, src_key_padding_mask=mask)
+def encoder(m, x, mask, attn_mask=None):
+    return m(x, src_mask=attn_mask, src_key_padding_mask=mask)
+
+
+def scores_mask():
+    """An additive [SEQ, SEQ] mask: -inf above the diagonal (causal), values in
+    (-1, 1) elsewhere; float32 values, so both precisions add the same numbers. Key 0
+    is never padded (LENGTHS), so every query keeps a key."""
+    g = generator("scores_mask")
+    m = uniform(g, (SEQ, SEQ)).float().double()
+    return m.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
 
 
 def main():
@@ -251,11 +268,16 @@ def main():
             emit(f"mha_{layout}" + ("_mask" if mask is not None else ""), x,
                  lambda: nn.MultiheadAttention(D_MODEL, NHEAD, batch_first=batch_first), self_attention, mask)
 
+    emit("mha_batch_first_attn_mask", batch_first_input,
+         lambda: nn.MultiheadAttention(D_MODEL, NHEAD, batch_first=True), self_attention, padding_mask(),
+         attn_mask=scores_mask())
     emit("encoder_post_relu", seq_first_input,
          lambda: nn.TransformerEncoderLayer(D_MODEL, NHEAD, DIM_FF, dropout=0.0), encoder)
     emit("encoder_pre_gelu_mask", batch_first_input,
          lambda: nn.TransformerEncoderLayer(D_MODEL, NHEAD, DIM_FF, dropout=0.0, activation="gelu",
                                             batch_first=True, norm_first=True), encoder, padding_mask())
+    emit("encoder_post_relu_attn_mask", seq_first_input,
+         lambda: nn.TransformerEncoderLayer(D_MODEL, NHEAD, DIM_FF, dropout=0.0), encoder, attn_mask=scores_mask())
 
     rows = BATCH * SEQ
     logits = lambda g: 2 * torch.randn(rows, 7, generator=g, dtype=torch.float64)

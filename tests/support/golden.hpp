@@ -36,7 +36,8 @@ inline const std::set<std::string> layer_cases{
     // test_parity.cpp
     "linear_bias", "linear_nobias", "embedding", "layer_norm", "relu", "gelu", "gelu_tanh", "meanpool_dim0",
     "meanpool_dim1", "mha_seq_first", "mha_seq_first_mask", "mha_batch_first", "mha_batch_first_mask",
-    "encoder_post_relu", "encoder_pre_gelu_mask", "cross_entropy", "cross_entropy_ignore_index",
+    "mha_batch_first_attn_mask", "encoder_post_relu", "encoder_pre_gelu_mask", "encoder_post_relu_attn_mask",
+    "cross_entropy", "cross_entropy_ignore_index",
     "cross_entropy_label_smoothing", "cross_entropy_ignore_smoothing", "mse_loss", "classifier",
     // test_decoder_layers.cpp
     "rms_norm", "silu", "llama_mlp", "gpt2_mlp", "position_embedding_offset", "token_cross_entropy",

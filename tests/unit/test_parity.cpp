@@ -65,15 +65,19 @@ TEST_CASE("LayerNorm, activations and MeanPool match torch", "[nn][parity]") {
   parity("meanpool_dim1", [](auto t) { return MeanPool<decltype(t)>(1); });
 }
 
-TEST_CASE("MultiheadAttention matches torch in both layouts, with and without key padding", "[nn][parity][attention]") {
+TEST_CASE("MultiheadAttention matches torch in both layouts, with and without key padding, and with an attention mask", "[nn][parity][attention]") {
   for (bool batch_first : {false, true})
     for (bool mask : {false, true})
       parity(std::string(batch_first ? "mha_batch_first" : "mha_seq_first") + (mask ? "_mask" : ""), [&](auto t) {
         return MultiheadAttention<decltype(t)>({.embed_dim = d_model, .num_heads = nhead, .batch_first = batch_first});
       });
+  // torch's additive attn_mask [L, L] (causal -inf plus finite values) with key padding.
+  parity("mha_batch_first_attn_mask", [&](auto t) {
+    return MultiheadAttention<decltype(t)>({.embed_dim = d_model, .num_heads = nhead, .batch_first = true});
+  });
 }
 
-TEST_CASE("TransformerEncoderLayer matches torch post-norm and pre-norm", "[nn][parity][attention]") {
+TEST_CASE("TransformerEncoderLayer matches torch post-norm and pre-norm, with key padding or an attention mask", "[nn][parity][attention]") {
   parity("encoder_post_relu", [](auto t) {
     return TransformerEncoderLayer<decltype(t)>({.d_model = d_model, .nhead = nhead, .dim_feedforward = dim_ff,
                                                  .dropout = 0});
@@ -86,6 +90,10 @@ TEST_CASE("TransformerEncoderLayer matches torch post-norm and pre-norm", "[nn][
                                                  .activation = transformer_activation::gelu,
                                                  .batch_first = true,
                                                  .norm_first = true});
+  });
+  parity("encoder_post_relu_attn_mask", [](auto t) {  // torch's src_mask, additive [L, L]
+    return TransformerEncoderLayer<decltype(t)>({.d_model = d_model, .nhead = nhead, .dim_feedforward = dim_ff,
+                                                 .dropout = 0});
   });
 }
 
