@@ -919,6 +919,55 @@ TEST_CASE("ranks saving different optimizers fail the save on every rank, naming
                            R"(["exp_avg","exp_avg_sq","max_exp_avg_sq"] on rank 1)"));
 }
 
+TEST_CASE("ranks passing different save options fail the save on every rank, naming the option", "[checkpoint][bad]") {
+  // Rank 0's chunk size went into the metadata while rank 1 hashed its file in its own:
+  // the save succeeded and nothing could load it (nor the root, its newest entry unreadable).
+  temp_dir dir("mixed_save_options");
+  const auto root = dir / "root";
+  struct variant {
+    const char* key;
+    io::save_options rank0, rank1;
+  };
+  const std::vector<variant> variants{
+      {"chunk_bytes", {.chunk_bytes = 256}, {.chunk_bytes = 1024}},
+      {"tag", {.tag = "a"}, {.tag = "b"}},
+      {"keep_last", {.keep_last = 0}, {.keep_last = 2}},
+      {"user", {.user = {{"epoch", 1}}}, {.user = {{"epoch", 2}}}},
+  };
+  std::vector<std::vector<std::string>> errors(variants.size(), std::vector<std::string>(2));
+  std::vector<std::vector<float>> before(2), after(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model m = make_model();
+    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, wrap_blocks());
+    optim::AdamW adamw{{.lr = 1e-2}};
+    train(model, adamw, 0, 1);
+    io::save_checkpoint(root, model, adamw, {.tag = "good"});
+    for (std::size_t v = 0; v < variants.size(); ++v) {
+      try {
+        io::save_checkpoint(root, model, adamw, c.rank() == 0 ? variants[v].rank0 : variants[v].rank1);
+      } catch (const io_error& e) {
+        errors[v][std::size_t(c.rank())] = e.what();
+      }
+    }
+    const auto piece = model.master_piece(0);
+    before[std::size_t(c.rank())].assign(piece.begin(), piece.end());
+    train(model, adamw, 1, 1);
+    io::load_checkpoint(root, model, adamw);  // the root still resolves to the good one
+    const auto loaded = model.master_piece(0);
+    after[std::size_t(c.rank())].assign(loaded.begin(), loaded.end());
+  });
+  for (std::size_t v = 0; v < variants.size(); ++v)
+    for (int r = 0; r < 2; ++r) {
+      INFO(variants[v].key << ", rank " << r << ": " << errors[v][std::size_t(r)]);
+      CHECK_THAT(errors[v][std::size_t(r)],
+                 Contains("ranks 0 and 1 pass different save options, which one checkpoint cannot follow: ") &&
+                     Contains(cat(variants[v].key, " ")));
+    }
+  CHECK_THAT(errors[0][1], Contains("chunk_bytes 256 on rank 0, 1024 on rank 1"));
+  CHECK(dir_names(root) == std::vector<std::string>{"good"});  // nothing written, no temporary left
+  CHECK(after == before);
+}
+
 TEST_CASE("randomized mutations of metadata and shard files never load silently wrong", "[checkpoint][mutation]") {
   temp_dir dir("mutation");
   const auto root = dir / "root";

@@ -70,6 +70,25 @@ struct load_result {
   std::vector<int> files_read;   // the shard files this rank opened
 };
 
+namespace detail {
+// What every rank must pass alike to one save: rank 0 writes the metadata with its own
+// chunk size, user fields, tag and keep_last, so another rank's would leave files the
+// metadata does not describe (checksums per chunk), or be dropped unsaid.
+template <class Comm>
+void check_same_save_options(Comm& comm, const std::string& tag, std::uint64_t chunk_bytes, int keep_last,
+                             const nlohmann::json& user, std::string_view what) {
+  const nlohmann::json ours{{"tag", tag}, {"chunk_bytes", chunk_bytes}, {"keep_last", keep_last}, {"user", user}};
+  const nlohmann::json first = nlohmann::json::parse(broadcast_string(comm, ours.dump(), 0));
+  on_all_ranks(comm, what, [&] {
+    for (const char* key : {"tag", "chunk_bytes", "keep_last", "user"})
+      if (ours[key] != first[key])
+        throw io_error(cat("ranks 0 and ", comm.rank(), " pass different save options, which one checkpoint cannot ",
+                           "follow: ", key, " ", first[key].dump(), " on rank 0, ", ours[key].dump(), " on rank ",
+                           comm.rank()));
+  });
+}
+}  // namespace detail
+
 // Saves model and optimizer as a sharded checkpoint root/<tag> from every rank: each
 // rank that holds a distinct shard writes one file; rank 0 writes metadata.json last.
 // All of it goes into root/.tmp-<tag>, and only once every rank has written and synced
@@ -93,6 +112,7 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
                          detail::max_chunk_bytes, "]"));
     if (o.keep_last < 0) throw io_error(cat("keep_last ", o.keep_last, " is negative (0 keeps every checkpoint)"));
   });
+  detail::check_same_save_options(comm, tag, o.chunk_bytes, o.keep_last, o.user, what);
   try {
     detail::on_all_ranks(comm, what, [&] {
       if (rank == 0) m.sequence = detail::prepare_save(final_dir, temp);
