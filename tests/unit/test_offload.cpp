@@ -234,21 +234,32 @@ TEST_CASE("offload: checkpoints save from and load into the offload space, resha
   });
   // Loaded at three ranks under ShardOptimizer, offloaded and not: one more step
   // each must agree bit for bit (the masters and the Adam moments were restored).
+  // The loaded moments are charged where the engine keeps its own: the offload ledger.
   std::vector<std::vector<std::uint32_t>> after(2);
+  std::vector<std::size_t> state_bytes(3), offloaded_state_bytes(3);
   for (bool offload : {true, false})
-    comm::launch(3, [&](comm::ThreadComm& c) {
+    comm::launch(3, [&](comm::ThreadComm& c, ledger& l) {
       Model m = make_model();
       auto o = opts;
       o.offload = offload;
       auto model = shard::fully_shard<optim::Adam>(m, c, shard::AnyStrategy(shard::ShardOptimizer{}), o);
       optim::Adam adam;
       io::load_checkpoint(saved, model, adam);
+      if (offload) {
+        state_bytes[std::size_t(c.rank())] = l.current(category::optimizer_state);
+        offloaded_state_bytes[std::size_t(c.rank())] = l.offload().current(category::optimizer_state);
+      }
       step(model, adam, 2);
       auto full = model.full_state_dict();
       if (c.rank() == 0)
         for (auto& [n, t] : full) append(after[offload ? 0 : 1], t.span());
     });
   fs::remove_all(dir);
+  for (int r = 0; r < 3; ++r) {
+    INFO("rank " << r);
+    CHECK(state_bytes[std::size_t(r)] == 0);
+    CHECK(offloaded_state_bytes[std::size_t(r)] > 0);
+  }
   REQUIRE(!after[0].empty());
   CHECK(after[0] == after[1]);
   for (auto bits : after[0]) CHECK(std::isfinite(std::bit_cast<float>(bits)));

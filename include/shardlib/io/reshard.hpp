@@ -9,7 +9,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/buffer.hpp"           // Buffer
 #include "shardlib/core/error.hpp"            // io_error, cat
-#include "shardlib/core/ledger.hpp"           // category
+#include "shardlib/core/ledger.hpp"           // category, ledger_scope, current_ledger
 #include "shardlib/core/shape.hpp"            // Shape
 #include "shardlib/io/checkpoint_format.hpp"  // checkpoint_optimizer
 #include "shardlib/io/checkpoint_reader.hpp"  // checkpoint_reader
@@ -119,6 +119,8 @@ template <class Engine, class Source, class O>
 std::vector<typename O::state> request_states(Engine& model, Source& src, O& maker, std::int64_t step,
                                              std::vector<pending_upload>& uploads) {
   std::vector<typename O::state> out;
+  std::optional<ledger_scope> in_offload;  // charged where the engine's own states are (options.offload)
+  if (model.offloaded()) in_offload.emplace(current_ledger().offload());
   for (std::size_t i = 0; i < model.unit_count(); ++i) {
     auto st = maker.make_state(model.partition(i).shard_size());
     st.step = step;
