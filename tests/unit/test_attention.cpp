@@ -421,6 +421,14 @@ TEST_CASE("MultiheadAttention names what is wrong with a shape", "[nn][attention
                     Catch::Contains("MultiheadAttention(embed_dim 8, num_heads 2): the attention mask must broadcast "
                                     "to [batch, heads, queries, keys] = [2, 2, 3, 3] (rank 2 to 4, each dimension "
                                     "equal or 1), got [5, 4]"));
+  // A context whose attention mask holds both kinds (nn::context's setters cannot make
+  // one) is refused before the forward too.
+  struct both_kinds : context {
+    attn_mask both{Tensor<std::uint8_t>::zeros({3, 3}), Tensor<float>::zeros({3, 3})};
+    const attn_mask& attention_mask() const { return both; }
+  } odd;
+  CHECK_THROWS_WITH(m.forward(odd, Tensor<float>::zeros({3, 2, 8})),
+                    Catch::Contains("num_heads 2): the attention mask is either boolean or additive, not both"));
   owner.zero_grad();
   const auto got = m.backward(ctx, dyf);
   REQUIRE(got.shape() == want.shape());
