@@ -320,12 +320,45 @@ TEMPLATE_TEST_CASE("generation with the KV cache equals generation by full forwa
   const auto c = models::generate(model, prompt, {.max_new_tokens = 12, .top_k = 8, .seed = 5});
   CHECK(std::vector<std::int64_t>(a.span().begin(), a.span().end()) !=
         std::vector<std::int64_t>(c.span().begin(), c.span().end()));
+  // The draws are keyed by (row, position): fewer new tokens give a prefix of every row.
+  const auto shorter = models::generate(model, prompt, {.max_new_tokens = 6, .top_k = 8, .seed = 4});
+  for (std::int64_t n = 0; n < 2; ++n)
+    for (std::int64_t t = 0; t < 11; ++t) {
+      INFO("row " << n << ", position " << t);
+      CHECK(shorter[n * 11 + t] == a[n * 17 + t]);
+    }
 
   // Too long a request is refused; the cache is off again afterwards, so training forwards work.
   CHECK_THROWS_WITH(models::generate(model, prompt, {.max_new_tokens = 28}),
                     Catch::Contains("33 positions exceed the model's 32"));
   nn::context training;
   CHECK(training.forward(model, prompt).shape() == Shape{2, 5, 96});
+}
+
+// Logits a sampler cannot order or normalise: NaN and a row of -inf raise naming the
+// row and position; a +inf logit has all the probability, greedy or top-k.
+TEST_CASE("generation picks a +inf logit and raises on NaN or a row of -inf", "[models][generate]") {
+  models::GPT2LMHeadModel<float> model({.vocab_size = 5, .n_positions = 8, .n_embd = 4, .n_layer = 1, .n_head = 1});
+  const auto prompt = tokens(2, 2, 5, 1);
+  const auto with = [&](std::vector<float> last) {
+    return [&, last](const Tensor<std::int64_t>& ids) {
+      Tensor<float> z({2, ids.dim(1), 5});
+      for (std::int64_t i = 0; i < z.numel(); ++i) z[i] = float(i % 5);
+      std::copy(last.begin(), last.end(), z.data() + (2 * ids.dim(1) - 1) * 5);  // row 1's last position
+      return z;
+    };
+  };
+  for (std::int64_t k : {0, 3}) {
+    INFO("top_k " << k);
+    const models::generate_options o{.max_new_tokens = 2, .top_k = k, .use_cache = false};
+    const auto out = models::generate(model, with({0, 1, INFINITY, 2, -1}), prompt, o);
+    CHECK(out[1 * 4 + 2] == 2);  // greedy and top-k alike: the k-th ranked token was picked before
+    CHECK(out[1 * 4 + 3] == 2);
+    CHECK_THROWS_WITH(models::generate(model, with({0, NAN, 2, 3, -1}), prompt, o),
+                      Catch::Contains("generate: the logit of token 1 is NaN (row 1, position 2)"));
+    CHECK_THROWS_WITH(models::generate(model, with({-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY}), prompt, o),
+                      Catch::Contains("generate: every logit is -inf (row 1, position 2)"));
+  }
 }
 
 // float64 layers reproduce transformers' float64 logits up to the rounding of a

@@ -293,6 +293,11 @@ TEST_CASE("the chooser keeps what fits and ranks it by predicted step time", "[p
   // 50 GB: only FullShard (47.6 GB with activations, the bf16 copy of its shard included) fits.
   auto tight = plan::choose(d, base, {.memory_bytes = 50e9});
   REQUIRE(tight.size() == 5);  // four strategies and HybridShard in groups of 2
+  // A base carrying a policy would give every candidate that policy under another name.
+  plan::setup with_policy = base;
+  with_policy.policy = shard::ShardGradOp{}.policy();
+  CHECK_THROWS_WITH(plan::choose(d, with_policy, {.memory_bytes = 50e9}),
+                    Catch::Contains("plan::choose: base.policy is set, and a set policy overrides every candidate"));
   CHECK(tight[0].config.strategy == plan::strategy::full_shard);
   CHECK(tight[0].fits);
   CHECK_THAT(tight[0].why, Catch::StartsWith("FullShard (ZeRO-3/FSDP) fits in 47.6 GB of 50.0 GB"));

@@ -14,7 +14,7 @@
 #include "shardlib/nn/tied_linear.hpp"
 
 #include <algorithm>    // std::copy_n, std::partial_sort
-#include <cmath>        // std::exp
+#include <cmath>        // std::exp, std::isnan, INFINITY
 #include <concepts>     // std::convertible_to, std::invocable, std::same_as
 #include <cstdint>      // std::int64_t, std::uint64_t
 #include <numeric>      // std::iota
@@ -100,16 +100,25 @@ struct generate_options {
   std::int64_t max_new_tokens = 32;
   std::int64_t top_k = 0;    // 0: greedy (the most likely token); k: sample among the k most likely
   double temperature = 1.0;  // top-k divides the logits by it before the softmax
-  std::uint64_t seed = 0;    // top-k's draws: (seed, sample, position), the same on every rank
+  std::uint64_t seed = 0;    // top-k's draws: (seed, row, position), the same on every rank and for any max_new_tokens
   bool use_cache = true;     // false: every token by a forward over the whole sequence so far
 };
 
 namespace detail {
 // The token chosen from one row of logits: the first maximum (greedy), or a draw
-// u in [0, 1) against the softmax of the k largest (ties: the lower id first).
+// u in [0, 1) against the softmax of the k largest (ties: the lower id first). A NaN
+// logit has no order and a row whose largest logit is -inf no softmax: both raise,
+// naming the row and position; a +inf logit has all the probability (the first, if several).
 template <class T>
-std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& o, double u) {
-  if (o.top_k == 0) return std::int64_t(std::max_element(z, z + vocab) - z);
+std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& o, double u, std::int64_t row = 0,
+                        std::int64_t position = 0) {
+  for (std::int64_t i = 0; i < vocab; ++i)
+    require(!std::isnan(double(z[i])), "generate: the logit of token ", i, " is NaN (row ", row, ", position ",
+            position, ")");
+  const std::int64_t best = std::int64_t(std::max_element(z, z + vocab) - z);
+  require(double(z[best]) > -INFINITY, "generate: every logit is -inf (row ", row, ", position ", position,
+          "): no token can follow");
+  if (o.top_k == 0 || double(z[best]) == INFINITY) return best;
   const std::int64_t k = std::min(o.top_k, vocab);
   std::vector<std::int64_t> ids(static_cast<std::size_t>(vocab));
   std::iota(ids.begin(), ids.end(), std::int64_t(0));
@@ -167,7 +176,7 @@ Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int
     const std::int64_t seq = logits.dim(1), vocab = logits.dim(2);
     for (std::int64_t n = 0; n < B; ++n)
       out[n * total + t] = detail::pick_token(logits.data() + (n * seq + seq - 1) * vocab, vocab, o,
-                                              draws.uniform_double(std::uint64_t(n * total + t)));
+                                              draws.uniform_double(std::uint64_t(n * model.max_positions() + t)), n, t);
     if (t + 1 == total) return out;
     const std::int64_t len = o.use_cache ? 1 : t + 1, first = o.use_cache ? t : 0;
     Tensor<std::int64_t> ids({B, len});

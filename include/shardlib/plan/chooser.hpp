@@ -55,7 +55,8 @@ inline std::string seconds(double s) {
 // per group size in hybrid_groups; by default every divisor of the world between 1
 // and it): those that fit first, fastest first, then those that do not, smallest first,
 // then those the engine refuses (engine_refusal). d.flops must be set: the step time
-// weighs compute against communication.
+// weighs compute against communication; base.policy must not be (it would replace
+// every candidate's strategy).
 // A strategy fits when the sum of its category peaks fits (an upper bound on the
 // peak). Step time = max(compute, overlapped communication) + exposed communication:
 // prefetched gathers and reductions issued as each unit's backward ends run during
@@ -65,6 +66,8 @@ inline std::vector<choice> choose(const model_desc& d, const setup& base, const 
                                   std::vector<int> hybrid_groups = {}) {
   require(mc.memory_bytes > 0 && mc.link_bytes_per_s > 0 && mc.flops_per_s > 0,
           "plan::choose: memory, link bandwidth and compute rate must be positive");
+  require(!base.policy, "plan::choose: base.policy is set, and a set policy overrides every candidate's strategy: "
+          "leave it unset (choose compares the library's strategies; plan your own with make_plan)");
   require(d.flops > 0, "plan::choose: model_desc.flops is ", d.flops, "; set the forward + backward FLOPs of one "
           "rank's batch (6 x parameters x tokens, plus attention's 12 x layers x hidden x seq x tokens, for a "
           "transformer) so that compute is weighed against communication");
