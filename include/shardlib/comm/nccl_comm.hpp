@@ -308,11 +308,20 @@ class NcclComm {
     ncclConfig_t config = detail::nonblocking_config();
     ncclComm_t child = nullptr;
     try {
-      state_->call([&](ncclComm_t c) { return ncclCommSplit(c, color, key, &child, &config); }, "ncclCommSplit");
+      // On a non-blocking communicator NCCL (2.28) answers ncclSuccess while the split still
+      // runs, and writes `child` when it ends, which the parent's state tells: poll it always.
+      state_->call(
+          [&](ncclComm_t c) {
+            const ncclResult_t r = ncclCommSplit(c, color, key, &child, &config);
+            return r == ncclSuccess ? ncclInProgress : r;
+          },
+          "ncclCommSplit");
     } catch (...) {
       if (child) (void)ncclCommAbort(child);
       throw;
     }
+    require<comm_error>(child != nullptr, "rank ", rank(), ": ncclCommSplit (color ", color,
+                        ") settled without giving a communicator");
     detail::settle_new(child, ncclInProgress, state_->options(), rank(), "ncclCommSplit (the new communicator)");
     NcclComm c;
     c.state_ = detail::nccl_state::adopt(child, device(), state_->comm_stream(), state_->options());

@@ -10,7 +10,9 @@
 // everything at issue); on a non-blocking communicator, a rank that is not the last to
 // arrive gets ncclInProgress, and ncclCommGetAsyncError says ncclInProgress until the
 // last has come (NCCL answers so while it connects: the caller must poll before its
-// next call). The last rank to arrive computes it for all, reductions in rank
+// next call). A non-blocking ncclCommSplit answers ncclSuccess at once with the new
+// communicator still null, and completes (writing it) at a later ncclCommGetAsyncError
+// once every rank has made it, as NCCL 2.28 does (its split runs in a job of its own). The last rank to arrive computes it for all, reductions in rank
 // order (16-bit floats rounded after each step, as a ring's partial sums are; integers
 // exact and wrapping). Ranks whose calls disagree (kind, count, type, operation, root)
 // all get ncclInvalidUsage, named by ncclGetLastError, where NCCL would hang or corrupt.
@@ -109,6 +111,7 @@ struct group {
   std::string why;
   bool aborted = false;
   std::string duplicate;  // set when every rank has joined and two share a device
+  bool deferred = false;  // a non-blocking split every rank has made, completed at the next poll
 };
 
 inline constexpr auto peer_patience = std::chrono::minutes(2);
@@ -299,30 +302,39 @@ inline void perform(group& g) {
     if (!out[r].empty()) std::memcpy(c[r].recv, out[r].data(), out[r].size());
 }
 
+// The collective every rank has made: checks that the calls agree, computes it, wakes the ranks.
+inline void complete(group& g) {
+  g.outcome = ncclSuccess;
+  for (int r = 1; r < g.size; ++r)
+    if (!(g.calls[std::size_t(r)] == g.calls[0])) {
+      g.outcome = ncclInvalidUsage;
+      g.why = "rank " + std::to_string(r) + " called " + describe(g.calls[std::size_t(r)], g.size) +
+              " while rank 0 called " + describe(g.calls[0], g.size);
+    }
+  if (g.outcome == ncclSuccess) perform(g);
+  g.arrived = 0;
+  ++g.generation;
+  g.cv.notify_all();
+}
+
 // Rank c->rank's part in a collective: waits for the others; the last computes it.
 inline ncclResult_t collective(ncclComm_t comm, call mine) {
   if (!comm) return fail(comm, ncclInvalidArgument, "a null communicator");
   group& g = *comm->g;
   std::unique_lock lock(g.m);
   if (g.aborted) return fail(comm, ncclRemoteError, "a rank of this communicator aborted it: " + g.why);
+  const bool job = mine.what == kind::split && !comm->blocking;  // completed by a later poll
+  if (job) *mine.child = nullptr;
   g.calls[std::size_t(comm->rank)] = mine;
   const std::uint64_t generation = g.generation;
-  if (++g.arrived == g.size) {
-    g.outcome = ncclSuccess;
-    for (int r = 1; r < g.size; ++r)
-      if (!(g.calls[std::size_t(r)] == g.calls[0])) {
-        g.outcome = ncclInvalidUsage;
-        g.why = "rank " + std::to_string(r) + " called " + describe(g.calls[std::size_t(r)], g.size) +
-                " while rank 0 called " + describe(g.calls[0], g.size);
-      }
-    if (g.outcome == ncclSuccess) perform(g);
-    g.arrived = 0;
-    ++g.generation;
-    g.cv.notify_all();
+  const bool last = ++g.arrived == g.size;
+  if (last && !job) {
+    complete(g);
   } else if (!comm->blocking) {
     comm->waiting_for = generation;
     comm->waiting_since = std::chrono::steady_clock::now();
-    return ncclInProgress;
+    if (last) g.deferred = true;
+    return job ? ncclSuccess : ncclInProgress;
   } else if (!g.cv.wait_for(lock, peer_patience, [&] { return g.generation != generation || g.aborted; })) {
     // The call stays counted with this rank's buffers: the group is unusable from here.
     g.aborted = true;
@@ -408,6 +420,10 @@ inline ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) 
   if (!comm) return ncclInvalidArgument;
   const std::lock_guard lock(comm->g->m);
   nccl_emulator::group& g = *comm->g;
+  if (g.deferred && !g.aborted) {
+    g.deferred = false;
+    nccl_emulator::complete(g);
+  }
   if (g.aborted) *state = ncclRemoteError;
   else if (g.joined < g.size) *state = ncclInProgress;
   else if (!g.duplicate.empty()) *state = nccl_emulator::fail(comm, ncclInvalidUsage, g.duplicate);
