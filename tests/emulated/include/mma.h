@@ -4,7 +4,9 @@
 // r * 16 + c = l mod 32), as the hardware's lanes each store their part: a thread
 // that reads a stored tile before the __syncwarp that orders it finds the shares of
 // lanes that have not run yet still unwritten. Pointers must be 32-byte aligned and
-// leading dimensions a multiple of 16 bytes, as wmma requires.
+// leading dimensions a multiple of 16 bytes, as wmma requires. A fragment's elements
+// x[16 r + c] are the whole tile in every lane, which `whole_tile` tells the kernels
+// (ops/cuda/flash_tensor_tiles.cuh) that read and write them one by one.
 #pragma once
 #include "../cuda_emulator.hpp"
 
@@ -25,7 +27,9 @@ enum layout_t { mem_row_major, mem_col_major };
 template <class Use, int M, int N, int K, class T, class Layout = void>
 struct fragment {
   static_assert(M == 16 && N == 16 && K == 16, "the emulation has 16x16x16 tiles only");
-  float cell[16][16];  // [row][column] of the tile the fragment holds
+  static constexpr bool whole_tile = true;
+  static constexpr int num_elements = 256;
+  float x[256];  // [16 row + column] of the tile the fragment holds
 };
 
 namespace detail {
@@ -44,7 +48,7 @@ template <class Frag, class T>
 void load(Frag& f, const T* p, unsigned ld, bool column_major) {
   check(p, ld, "load_matrix_sync");
   for (int r = 0; r < 16; ++r)
-    for (int c = 0; c < 16; ++c) f.cell[r][c] = cuda_emulator::to_float(p[at(r, c, ld, column_major)]);
+    for (int c = 0; c < 16; ++c) f.x[r * 16 + c] = cuda_emulator::to_float(p[at(r, c, ld, column_major)]);
 }
 }  // namespace detail
 
@@ -59,12 +63,11 @@ inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, 
   detail::check(p, ld, "store_matrix_sync");
   const int lane = int(threadIdx.x) % cuda_emulator::warp_size;
   for (int e = lane; e < 256; e += cuda_emulator::warp_size)
-    p[detail::at(e / 16, e % 16, ld, l == mem_col_major)] = f.cell[e / 16][e % 16];
+    p[detail::at(e / 16, e % 16, ld, l == mem_col_major)] = f.x[e];
 }
 template <class Use, class T, class Layout>
 void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, float v) {
-  for (auto& row : f.cell)
-    for (float& x : row) x = v;
+  for (float& x : f.x) x = v;
 }
 // d = a b + c, summed in fp32 (d may be c).
 template <class T, class LayoutA, class LayoutB>
@@ -73,9 +76,9 @@ void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix
   fragment<accumulator, 16, 16, 16, float> t;
   for (int m = 0; m < 16; ++m)
     for (int n = 0; n < 16; ++n) {
-      float s = c.cell[m][n];
-      for (int k = 0; k < 16; ++k) s += a.cell[m][k] * b.cell[k][n];
-      t.cell[m][n] = s;
+      float s = c.x[m * 16 + n];
+      for (int k = 0; k < 16; ++k) s += a.x[m * 16 + k] * b.x[k * 16 + n];
+      t.x[m * 16 + n] = s;
     }
   d = t;
 }

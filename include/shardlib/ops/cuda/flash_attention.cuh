@@ -11,6 +11,8 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/ledger.hpp"             // category
 #include "shardlib/cuda/caching_allocator.hpp"  // device_buffer
+#include "shardlib/cuda/copy.hpp"               // copy_async
+#include "shardlib/cuda/current.hpp"            // current_stream
 #include "shardlib/cuda/kernel_facts.hpp"       // allow_shared_memory, current_device_facts, kernel_ptx_version
 #include "shardlib/nn/sdpa.hpp"                 // head_view
 #include "shardlib/ops/cuda/launch.cuh"         // launch_kernel
@@ -19,8 +21,12 @@
 
 #include <cuda_runtime.h>
 
-#include <cstddef>  // std::size_t
-#include <cstdint>  // std::int64_t
+#include <algorithm>  // std::all_of
+#include <array>      // std::array
+#include <cstddef>    // std::size_t
+#include <cstdint>    // std::int64_t
+#include <map>        // std::map
+#include <span>       // std::span
 
 namespace shardlib::ops::cuda {
 
@@ -45,12 +51,32 @@ bool tensor_kernel_usable(Kernel kernel, std::size_t shared_bytes) {
   return d.major >= 8 && shared_bytes <= std::size_t(d.shared_optin) &&
          shardlib::cuda::kernel_ptx_version(reinterpret_cast<const void*>(kernel)) >= 80;
 }
+
+// Whether the current GPU's wmma accumulators hold their elements where the tensor-core
+// kernels read them one by one (flash_tensor_tiles.cuh): asked of the GPU once per thread
+// and device, by one warp of layout_probe_kernel.
+inline bool accumulator_layout_holds() {
+  namespace ft = detail::tensor;
+  thread_local std::map<int, bool> known;
+  const int device = shardlib::cuda::current_device_facts().device;
+  if (const auto it = known.find(device); it != known.end()) return it->second;
+  const cudaStream_t stream = shardlib::cuda::current_stream();
+  shardlib::cuda::device_buffer<int> flags(32, category::activations, stream);
+  launch_kernel("the tensor-core attention's layout probe", ft::layout_probe_kernel<ft::edge>, 1, 32, 0, stream,
+                flags.data());
+  std::array<int, 32> got{};
+  shardlib::cuda::copy_async(std::span<int>(got), std::span<const int>(flags.data(), 32), stream);
+  shardlib::cuda::check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (the layout probe)");
+  const bool holds = std::all_of(got.begin(), got.end(), [](int f) { return f == 1; });
+  known.emplace(device, holds);
+  return holds;
+}
 }  // namespace detail
 
 // Whether flash_attention_forward and _backward take the tensor-core kernels for T
 // and head_dim on the current GPU (bfloat16 or half, head_dim a multiple of 8 up to
 // 128, sm_80 or later with the shared memory they need, a build for sm_80 or later,
-// o.tensor_cores), given views (inputs and outputs) whose rows start 16-byte aligned,
+// accumulators laid out as they read them, o.tensor_cores), given views (inputs and outputs) whose rows start 16-byte aligned,
 // as a contiguous tensor's do (they load and store 16 bytes at a time; other views
 // take the CUDA cores).
 template <class T>
@@ -63,7 +89,7 @@ bool flash_uses_tensor_cores(std::int64_t head_dim, const flash_options& o) {
     bool usable = false;
     ft::dispatch_dim(head_dim,
                      [&]<int DM>() { usable = detail::tensor_kernel_usable(ft::forward_kernel<DM, T>, ft::largest_bytes<DM>); });
-    return usable;
+    return usable && detail::accumulator_layout_holds();
   }
 }
 

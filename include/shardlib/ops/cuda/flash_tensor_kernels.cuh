@@ -11,21 +11,21 @@
 // tests/emulated/test_emulated_attention.cpp runs these kernels themselves on the CPU.
 //
 // A block of 4 warps takes 64 queries (or, for dk and dv, 64 keys), 16 rows per
-// warp, one wmma tile high. Tiles are staged in shared memory in the input type,
-// rows padded by 8 elements (16 bytes) against bank conflicts; a warp stores its
-// 16 x 64 scores in fp32, applies the softmax row by row (lanes along keys,
-// shuffles for the row's maximum and sum) and writes its weights in the input
-// type for the next product. Forward keeps the output accumulator in shared
-// memory (fp32), because the online softmax rescales it by row and a wmma
-// accumulator's element layout is unspecified; backward's dq, dk and dv never
-// rescale and stay in accumulator fragments until the end.
+// warp, one wmma tile high. K, V and query tiles are staged in shared memory in the
+// input type, rows padded by 8 elements (16 bytes) against bank conflicts. What a
+// warp computes stays in its registers: the scores and their gradients are
+// accumulators the softmax reads and rewrites element by element (a lane knows each
+// element's row and column: flash_tensor_tiles.cuh), rows reduced across the 4 lanes
+// that share them; the output, dq, dk and dv accumulate in fragments, forward's
+// rescaled there by the online softmax. Only the weights pass through shared memory
+// (16 rows x 64 in T per warp), from the accumulators to the next product's operand;
+// the finished rows go out through the staged tiles' memory, 16 bytes per store.
 //
 // Tiles come in by cp.async (16 bytes per copy), the next while the warps work on
 // the current one: forward and dq keep one K and one V tile and fetch K_{j+1}
 // (forward) or V_{j+1} (dq) as soon as every warp is done with this tile's; dk/dv
 // double-buffer the query tiles (Q, dO, lse, D), its heaviest loop. Shared memory
-// per block at head_dim 128: forward 112,640 bytes, dq 113,664, dk/dv 158,720 (an
-// sm_80 or sm_90 GPU holds them; one with less falls back to the CUDA-core kernels).
+// per block at head_dim 128: forward 61,440 bytes, dq 78,848, dk/dv 123,904.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/ops/attention_tiles.hpp"
@@ -47,7 +47,7 @@ using fused::last_row;
 template <int DM, class T>
 __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  constexpr int rp = row_pitch<DM>, ap = acc_pitch<DM>;
+  constexpr int rp = row_pitch<DM>;
   const flash::tile_problem& p = a.p;
   const query_block b(p);
   const int lane = b.lane, warp = b.warp;
@@ -58,10 +58,7 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
   T* qs = c.take<T>(tile * rp);
   T* ks = c.take<T>(tile * rp);
   T* vs = c.take<T>(tile * rp);
-  T* pw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;       // the warp's weights
-  float* sw = c.take<float>(tile * score_pitch) + warp * edge * score_pitch;  // and scores
-  float* oa = c.take<float>(tile * ap);                                       // the output accumulator
-  float* ow = oa + warp * edge * ap;                                          // and the warp's rows
+  T* pw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // the warp's weights
 
   // K and V go in separate groups, the next tile's as soon as this tile's is read:
   // V_j lands while the warps compute Q K_j^T and the softmax, K_{j+1} during P V_j.
@@ -73,67 +70,77 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
   __pipeline_commit();
   if (end > 0) stage<DM>(vs, a.v, n, g, 0, p.keys, a.dim);
   __pipeline_commit();
-  for (int e = int(threadIdx.x); e < tile * ap; e += int(blockDim.x)) oa[e] = 0.0f;
-  __syncthreads();  // read below even when no key tile comes
-  flash::softmax_row<float> row[edge];
+  accumulator o[DM / edge];
+#pragma unroll
+  for (int dc = 0; dc < DM / edge; ++dc) wmma::fill_fragment(o[dc], 0.0f);
+  flash::softmax_row<float> row[slots];
   const bool warp_rows = first < p.queries;  // the warp has rows; then its last is
   const std::int64_t warp_last = warp_rows ? last_row(first, edge, p.queries) : i_last;
   for (std::int64_t j0 = 0; j0 < end; j0 += tile) {
     const bool next = j0 + tile < end;
     const bool seen = warp_rows && j0 < flash::key_end(p, warp_last);  // a row of this warp sees a key of the tile
     landed<1>();  // Q and K_j (V_j may still be on its way)
-    if (seen) scores<DM>(sw, qs + warp * edge * rp, ks);
-    __syncthreads();  // every warp is done with K_j (and has its scores)
+    accumulator s[chunks];
+    if (seen) products<DM>(s, qs + warp * edge * rp, ks);
+    __syncthreads();  // every warp is done with K_j
     if (next) stage<DM>(ks, a.k, n, g, j0 + tile, p.keys, a.dim);
     __pipeline_commit();
     if (seen) {
+      float top[slots], alpha[slots], sum[slots];
 #pragma unroll
-      for (int r = 0; r < edge; ++r) {  // lanes along keys: lane and lane + 32
-        const std::int64_t i = first + r;
-        float s[2];
+      for (int r = 0; r < slots; ++r) top[r] = -INFINITY;
 #pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          const std::int64_t j = j0 + lane + 32 * x;
+      for (int cc = 0; cc < chunks; ++cc)
+#pragma unroll
+        for (int e = 0; e < accumulator::num_elements; ++e) {
+          const std::int64_t i = first + row_of(slot_of(e), lane), j = j0 + cc * edge + column_of(e, lane);
           const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-          s[x] = flash::masked_score(sw[r * score_pitch + lane + 32 * x], a.scale, vis);
+          s[cc].x[e] = flash::masked_score(s[cc].x[e], a.scale, vis);
+          top[slot_of(e)] = fmaxf(top[slot_of(e)], s[cc].x[e]);
         }
-        const float alpha = flash::raise_max(row[r], fused::warp_max(fmaxf(s[0], s[1])));
-        float sum = 0.0f;
 #pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          const std::int64_t j = j0 + lane + 32 * x;
-          const float e = flash::unnormalised_weight(s[x], row[r]);
-          sum += e;
-          pw[r * weight_pitch + lane + 32 * x] = T(e != 0.0f ? e * flash::keep_scale(p, kept, n, h, i, j) : 0.0f);
-        }
-        row[r].sum += fused::warp_sum(sum);
-        for (int d = lane; d < DM; d += 32) ow[r * ap + d] *= alpha;
+      for (int r = 0; r < slots; ++r) {
+        alpha[r] = flash::raise_max(row[r], row_max(top[r]));
+        sum[r] = 0.0f;
       }
+#pragma unroll
+      for (int cc = 0; cc < chunks; ++cc)
+#pragma unroll
+        for (int e = 0; e < accumulator::num_elements; ++e) {
+          const int r = slot_of(e), col = cc * edge + column_of(e, lane);
+          const std::int64_t i = first + row_of(r, lane), j = j0 + col;
+          const float w = flash::unnormalised_weight(s[cc].x[e], row[r]);
+          sum[r] += w;
+          pw[row_of(r, lane) * weight_pitch + col] = T(w != 0.0f ? w * flash::keep_scale(p, kept, n, h, i, j) : 0.0f);
+        }
+#pragma unroll
+      for (int r = 0; r < slots; ++r) row[r].sum += row_sum(sum[r]);
+#pragma unroll
+      for (int dc = 0; dc < DM / edge; ++dc)
+#pragma unroll
+        for (int e = 0; e < accumulator::num_elements; ++e) o[dc].x[e] *= alpha[slot_of(e)];
+      __syncwarp();  // the weights are in shared memory for the product
     }
     landed<1>();  // V_j (K_{j+1} may still be on its way)
-    if (seen) {
-#pragma unroll
-      for (int dc = 0; dc < DM / edge; ++dc) {  // O = alpha O + P V, 16 columns at a time
-        accumulator o;
-        wmma::load_matrix_sync(o, ow + dc * edge, unsigned(ap), wmma::mem_row_major);
-        multiply<tile, false>(o, pw, weight_pitch, vs + dc * edge, rp);
-        wmma::store_matrix_sync(ow + dc * edge, o, unsigned(ap), wmma::mem_row_major);
-      }
-    }
+    if (seen) accumulate<DM>(o, pw, vs);  // O = alpha O + P V
     __syncthreads();  // every warp is done with V_j
     if (next) stage<DM>(vs, a.v, n, g, j0 + tile, p.keys, a.dim);
     __pipeline_commit();
   }
+  float f[slots];
 #pragma unroll
-  for (int r = 0; r < edge; ++r) {  // unrolled, as every loop over row[]: the array stays in registers
-    const std::int64_t i = first + r;
-    if (i >= p.queries) continue;
-    const float f = flash::output_scale(row[r]);
-    for (int d = lane; d < DM; d += 32) ow[r * ap + d] *= f;
-    if (lane == 0) a.lse[(n * p.heads + h) * p.queries + i] = flash::log_sum_exp(row[r]);
+  for (int r = 0; r < slots; ++r) {  // unrolled, as every loop over row[]: the array stays in registers
+    const std::int64_t i = first + row_of(r, lane);
+    f[r] = flash::output_scale(row[r]);
+    if (writes_row(lane) && i < p.queries) a.lse[(n * p.heads + h) * p.queries + i] = flash::log_sum_exp(row[r]);
   }
-  __syncwarp();
-  store_rows<DM>(a.out, n, h, first, p.queries, ow, 1.0f, a.dim);
+#pragma unroll
+  for (int dc = 0; dc < DM / edge; ++dc)
+#pragma unroll
+    for (int e = 0; e < accumulator::num_elements; ++e) o[dc].x[e] *= f[slot_of(e)];
+  // Every warp is past the loop's last barrier: the staged tiles' memory takes the rows out.
+  write_rows<DM>(a.out, n, h, first, p.queries, reinterpret_cast<float*>(ks) + warp * edge * acc_pitch<DM>, o, 1.0f,
+                 a.dim);
 #else
   __trap();  // never launched: tensor_kernel_usable() requires code built for sm_80 or later
 #endif
@@ -155,10 +162,7 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
   T* dos = c.take<T>(tile * rp);
   T* ks = c.take<T>(tile * rp);
   T* vs = c.take<T>(tile * rp);
-  T* dsw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // the warp's score gradients,
-  float* sc = c.take<float>(tile * score_pitch);                         // scores
-  float* sw = sc + warp * edge * score_pitch;
-  float* dpw = c.take<float>(tile * score_pitch) + warp * edge * score_pitch;  // and weight gradients
+  T* dsw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // the warp's score gradients
 
   // V before K, in separate groups, the next tile's as soon as this tile's is read:
   // V_{j+1} lands while the warps compute Q K_j^T, dS and dS K_j, K_{j+1} during dO V_{j+1}^T.
@@ -171,10 +175,10 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
   __pipeline_commit();
   if (end > 0) stage<DM>(ks, a.k, n, g, 0, p.keys, a.dim);
   __pipeline_commit();
-  float lse[edge], row_d[edge];
+  float lse[slots], row_d[slots];
 #pragma unroll
-  for (int r = 0; r < edge; ++r) {
-    const std::int64_t i = first + r, x = (n * p.heads + h) * p.queries + i;
+  for (int r = 0; r < slots; ++r) {
+    const std::int64_t i = first + row_of(r, lane), x = (n * p.heads + h) * p.queries + i;
     lse[r] = i < p.queries ? a.lse[x] : INFINITY;
     row_d[r] = i < p.queries ? a.row_d[x] : 0.0f;
   }
@@ -186,39 +190,36 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
   for (std::int64_t j0 = 0; j0 < end; j0 += tile) {
     const bool next = j0 + tile < end;
     const bool seen = warp_rows && j0 < flash::key_end(p, warp_last);
-    landed<1>();                                                   // Q, dO and V_j (K_j may still be on its way)
-    if (seen) scores<DM>(dpw, dos + warp * edge * rp, vs);        // dO V^T
-    landed<0>();                                                   // K_j; every warp is done with V_j
+    landed<1>();  // Q, dO and V_j (K_j may still be on its way)
+    accumulator dp[chunks], s[chunks];
+    if (seen) products<DM>(dp, dos + warp * edge * rp, vs);  // dO V^T
+    landed<0>();                                             // K_j; every warp is done with V_j
     if (next) stage<DM>(vs, a.v, n, g, j0 + tile, p.keys, a.dim);
     __pipeline_commit();
     if (seen) {
-      scores<DM>(sw, qs + warp * edge * rp, ks);  // Q K^T
-      __syncwarp();
+      products<DM>(s, qs + warp * edge * rp, ks);  // Q K^T
 #pragma unroll
-      for (int r = 0; r < edge; ++r) {
-        const std::int64_t i = first + r;
+      for (int cc = 0; cc < chunks; ++cc)
 #pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          const int c = lane + 32 * x;
-          const std::int64_t j = j0 + c;
+        for (int e = 0; e < accumulator::num_elements; ++e) {
+          const int r = slot_of(e), col = cc * edge + column_of(e, lane);
+          const std::int64_t i = first + row_of(r, lane), j = j0 + col;
           const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-          const float w = flash::weight(flash::masked_score(sw[r * score_pitch + c], a.scale, vis), lse[r]);
-          const float ds = w != 0.0f ? flash::score_grad(w, dpw[r * score_pitch + c],
-                                                         flash::keep_scale(p, kept, n, h, i, j), row_d[r])
-                                     : 0.0f;
-          dsw[r * weight_pitch + c] = T(ds);
+          const float w = flash::weight(flash::masked_score(s[cc].x[e], a.scale, vis), lse[r]);
+          const float ds =
+              w != 0.0f ? flash::score_grad(w, dp[cc].x[e], flash::keep_scale(p, kept, n, h, i, j), row_d[r]) : 0.0f;
+          dsw[row_of(r, lane) * weight_pitch + col] = T(ds);
         }
-      }
       __syncwarp();
-#pragma unroll
-      for (int dc = 0; dc < DM / edge; ++dc) multiply<tile, false>(gq[dc], dsw, weight_pitch, ks + dc * edge, rp);
+      accumulate<DM>(gq, dsw, ks);  // dQ += dS K
     }
-    __syncthreads();  // every warp is done with K_j and, after the last tile, with the scores' memory
+    __syncthreads();  // every warp is done with K_j
     if (next) stage<DM>(ks, a.k, n, g, j0 + tile, p.keys, a.dim);
     __pipeline_commit();
   }
-  // The scores' memory takes the accumulators on their way out.
-  write_rows<DM>(a.dq, n, h, first, p.queries, sc + warp * edge * acc_pitch<DM>, gq, a.scale, a.dim);
+  // Every warp is past the loop's last barrier: the staged tiles' memory takes the rows out.
+  write_rows<DM>(a.dq, n, h, first, p.queries, reinterpret_cast<float*>(ks) + warp * edge * acc_pitch<DM>, gq,
+                 a.scale, a.dim);
 #else
   __trap();
 #endif
@@ -239,20 +240,16 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
   carve c{smem};
   T* ks = c.take<T>(tile * rp);
   T* vs = c.take<T>(tile * rp);
-  constexpr int buffers = query_buffers<DM>;
-  T* const qs = c.take<T>(buffers * tile * rp);  // query tiles, buffer b at b * tile * rp
-  T* const dos = c.take<T>(buffers * tile * rp);
-  T* ptw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;   // the warp's P^T (dropped),
-  T* dstw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // dS^T,
-  float* st = c.take<float>(tile * score_pitch);                          // S^T
-  float* stw = st + warp * edge * score_pitch;
-  float* dptw = c.take<float>(tile * score_pitch) + warp * edge * score_pitch;  // and dP^T
-  float* const lse = c.take<float>(buffers * tile);                             // the query tiles'
-  float* const row_d = c.take<float>(buffers * tile);
+  T* const qs = c.take<T>(2 * tile * rp);  // query tiles, buffer b at b * tile * rp
+  T* const dos = c.take<T>(2 * tile * rp);
+  T* ptw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;   // the warp's P^T (dropped)
+  T* dstw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // and dS^T
+  float* const lse = c.take<float>(2 * tile);                            // the query tiles'
+  float* const row_d = c.take<float>(2 * tile);
 
   // Tiles go head by head over the kv head's query heads, from the first query tile that
-  // can see a key of this block. With two buffers, tile t + 1 is copied into the other
-  // while the warps work on tile t; with one, each tile is copied when the last is done.
+  // can see a key of this block; tile t + 1 is copied into the other buffer while the
+  // warps work on tile t.
   const std::int64_t start = flash::query_begin(p, j0) / tile * tile;
   const auto stage_queries = [&](int b, std::int64_t h, std::int64_t i0) {
     stage<DM>(qs + b * tile * rp, a.q, n, h, i0, p.queries, a.dim);
@@ -272,7 +269,7 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
   if (start < p.queries) {  // else nothing is read (and no copy is left in flight at the end)
     stage<DM>(ks, a.k, n, g, j0, p.keys, a.dim);
     stage<DM>(vs, a.v, n, g, j0, p.keys, a.dim);
-    if constexpr (buffers == 2) stage_queries(0, g * rep, start);
+    stage_queries(0, g * rep, start);
   }
   __pipeline_commit();
   accumulator gk[DM / edge], gv[DM / edge];
@@ -282,51 +279,45 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
     wmma::fill_fragment(gv[dc], 0.0f);
   }
   int b = 0;
-  for (std::int64_t h = g * rep, i0 = start; start < p.queries && h < (g + 1) * rep; b = (b + 1) % buffers) {
+  for (std::int64_t h = g * rep, i0 = start; start < p.queries && h < (g + 1) * rep; b ^= 1) {
     const std::int64_t next_h = i0 + tile < p.queries ? h : h + 1, next_i0 = i0 + tile < p.queries ? i0 + tile : start;
-    if constexpr (buffers == 2) {
-      if (next_h < (g + 1) * rep) stage_queries(b ^ 1, next_h, next_i0);
-    } else {
-      stage_queries(0, h, i0);
-    }
+    if (next_h < (g + 1) * rep) stage_queries(b ^ 1, next_h, next_i0);
     __pipeline_commit();
-    landed<buffers - 1>();  // K, V and query tile t (with two buffers, t + 1 may still be on its way)
+    landed<1>();  // K, V and query tile t (t + 1 may still be on its way)
     // The warp's keys start at `first`: past the tile's last query's causal limit, or past the keys, none is seen.
     if (first < flash::key_end(p, last_row(i0, tile, p.queries))) {
       const T* q = qs + b * tile * rp;
       const T* dout = dos + b * tile * rp;
       const float* tile_lse = lse + b * tile;
       const float* tile_d = row_d + b * tile;
-      scores<DM>(stw, ks + warp * edge * rp, q);     // K Q^T = S^T
-      scores<DM>(dptw, vs + warp * edge * rp, dout);  // V dO^T = dP^T
-      __syncwarp();
 #pragma unroll
-      for (int r = 0; r < edge; ++r) {  // key first + r; lanes along queries
-        const std::int64_t j = first + r;
+      for (int half = 0; half < 2; ++half) {  // 32 queries at a time: fewer registers
+        accumulator st[chunks / 2], dpt[chunks / 2];
+        products<DM>(st, ks + warp * edge * rp, q + half * (tile / 2) * rp);      // K Q^T = S^T
+        products<DM>(dpt, vs + warp * edge * rp, dout + half * (tile / 2) * rp);  // V dO^T = dP^T
 #pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          const int c = lane + 32 * x;
-          const std::int64_t i = i0 + c;
-          const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-          const float w = flash::weight(flash::masked_score(stw[r * score_pitch + c], a.scale, vis), tile_lse[c]);
-          const float keep = w != 0.0f ? flash::keep_scale(p, kept, n, h, i, j) : 0.0f;
-          dstw[r * weight_pitch + c] = T(flash::score_grad(w, dptw[r * score_pitch + c], keep, tile_d[c]));
-          ptw[r * weight_pitch + c] = T(w * keep);
-        }
+        for (int cc = 0; cc < chunks / 2; ++cc)
+#pragma unroll
+          for (int e = 0; e < accumulator::num_elements; ++e) {  // key first + row, query i0 + col
+            const int r = row_of(slot_of(e), lane), col = half * (tile / 2) + cc * edge + column_of(e, lane);
+            const std::int64_t i = i0 + col, j = first + r;
+            const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
+            const float w = flash::weight(flash::masked_score(st[cc].x[e], a.scale, vis), tile_lse[col]);
+            const float keep = w != 0.0f ? flash::keep_scale(p, kept, n, h, i, j) : 0.0f;
+            dstw[r * weight_pitch + col] = T(flash::score_grad(w, dpt[cc].x[e], keep, tile_d[col]));
+            ptw[r * weight_pitch + col] = T(w * keep);
+          }
       }
       __syncwarp();
-#pragma unroll
-      for (int dc = 0; dc < DM / edge; ++dc) {
-        multiply<tile, false>(gv[dc], ptw, weight_pitch, dout + dc * edge, rp);  // dV += P^T dO
-        multiply<tile, false>(gk[dc], dstw, weight_pitch, q + dc * edge, rp);    // dK += dS^T Q
-      }
+      accumulate<DM>(gv, ptw, dout);  // dV += P^T dO
+      accumulate<DM>(gk, dstw, q);    // dK += dS^T Q
     }
-    __syncthreads();  // every warp is done with tile t's buffer, which tile t + buffers takes (and with S^T, dP^T)
+    __syncthreads();  // every warp is done with tile t's buffer, which tile t + 2 takes
     h = next_h;
     i0 = next_i0;
   }
-  // The scores' memory takes the accumulators on their way out.
-  float* through = st + warp * edge * acc_pitch<DM>;
+  // Every warp is past the loop's last barrier: the staged tiles' memory takes the rows out.
+  float* through = reinterpret_cast<float*>(ks) + warp * edge * acc_pitch<DM>;
   write_rows<DM>(a.dk, n, g, first, p.keys, through, gk, a.scale, a.dim);
   __syncwarp();
   write_rows<DM>(a.dv, n, g, first, p.keys, through, gv, 1.0f, a.dim);

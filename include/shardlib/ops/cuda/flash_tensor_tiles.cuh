@@ -2,7 +2,8 @@
 // (ops/cuda/flash_tensor_kernels.cuh, whose opening comment gives the block's layout):
 // the tile and pitch constants, the shared memory each kernel takes, the head dims
 // and row layouts the kernels accept, and the pieces every kernel is made of — wmma
-// products, a tile staged into shared memory by cp.async, a warp's rows written out.
+// products, which element of an accumulator a lane holds, a tile staged into shared
+// memory by cp.async, a warp's rows written out.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/element.hpp"  // bfloat16, half
@@ -29,7 +30,7 @@ inline constexpr int warps = 4;         // each takes 16 rows: one wmma tile hig
 inline constexpr int edge = 16;         // a wmma tile's m, n and k
 inline constexpr int max_dim = 128;
 static_assert(warps * 32 == fused::threads, "launched with the CUDA-core kernels' block size");
-inline constexpr int score_pitch = tile + 4;   // fp32 [tile][tile + 4]
+inline constexpr int chunks = tile / edge;     // a tile's wmma tiles across
 inline constexpr int weight_pitch = tile + 8;  // 16-bit [tile][tile + 8]
 template <int DM>
 inline constexpr int row_pitch = DM + 8;  // 16-bit [tile][DM + 8]
@@ -51,36 +52,30 @@ struct wmma_type<shardlib::half> {
   using type = __half;
 };
 
-// Shared memory per block (every region starts 32-byte aligned, as wmma's loads need).
+// Shared memory per block (every region starts 32-byte aligned, as wmma's loads need):
+// staged tiles of rows, each warp's 16 rows of weights (P, dS, ...) on their way from
+// its accumulators to the next product, and dk/dv's two query buffers with their lse
+// and D. At the end the accumulators go out through the first two staged tiles.
 template <int DM>
 constexpr std::size_t rows_bytes = std::size_t(tile) * row_pitch<DM> * 2;
 constexpr std::size_t weights_bytes = std::size_t(tile) * weight_pitch * 2;
-constexpr std::size_t scores_bytes = std::size_t(tile) * score_pitch * 4;
 template <int DM>
-constexpr std::size_t acc_bytes = std::size_t(tile) * acc_pitch<DM> * 4;
+constexpr std::size_t through_bytes = std::size_t(warps) * edge * acc_pitch<DM> * 4;
 template <int DM>
-constexpr std::size_t forward_bytes = 3 * rows_bytes<DM> + weights_bytes + scores_bytes + acc_bytes<DM>;
+constexpr std::size_t forward_bytes = 3 * rows_bytes<DM> + weights_bytes;
 template <int DM>
-constexpr std::size_t dq_bytes = 4 * rows_bytes<DM> + weights_bytes + 2 * scores_bytes;
-// dk/dv's query tiles (Q, dO, lse, D) in flight while it works: double-buffered at head_dim 128,
-// where a block takes an SM's shared memory either way (one block per SM on an A100 and an
-// H100); single at 64, where two blocks share an H100's SM and the 99 KiB of sm_86, sm_89 and
-// sm_120 hold the kernels only without the second buffer.
+constexpr std::size_t dq_bytes = 4 * rows_bytes<DM> + weights_bytes;
 template <int DM>
-constexpr int query_buffers = DM == max_dim ? 2 : 1;
-template <int DM>
-constexpr std::size_t dkdv_bytes = (2 + 2 * query_buffers<DM>) * rows_bytes<DM> + 2 * weights_bytes +
-                                   2 * scores_bytes + 2 * query_buffers<DM> * tile * 4;
+constexpr std::size_t dkdv_bytes = 6 * rows_bytes<DM> + 2 * weights_bytes + 2 * 2 * tile * 4;
 template <int DM>
 constexpr std::size_t largest_bytes = std::max({forward_bytes<DM>, dq_bytes<DM>, dkdv_bytes<DM>});
 // Every region, and every warp's part of one, starts 32-byte aligned; every staged row
 // 16-byte aligned (stage's vector stores).
 template <int DM>
-constexpr bool aligned = rows_bytes<DM> % 32 == 0 && acc_bytes<DM> % 32 == 0 && edge * row_pitch<DM> * 2 % 32 == 0 &&
-                         edge * acc_pitch<DM> * 4 % 32 == 0 && row_pitch<DM> * 2 % 16 == 0;
-static_assert(aligned<64> && aligned<128> && weights_bytes % 32 == 0 && scores_bytes % 32 == 0 &&
-              edge * weight_pitch * 2 % 32 == 0 && edge * score_pitch * 4 % 32 == 0);
-static_assert(acc_bytes<max_dim> <= 2 * scores_bytes, "backward's accumulators are written out through its scores");
+constexpr bool aligned = rows_bytes<DM> % 32 == 0 && edge * row_pitch<DM> * 2 % 32 == 0 &&
+                         edge * acc_pitch<DM> * 4 % 32 == 0 && row_pitch<DM> * 2 % 16 == 0 &&
+                         through_bytes<DM> <= 2 * rows_bytes<DM>;
+static_assert(aligned<64> && aligned<128> && weights_bytes % 32 == 0 && edge * weight_pitch * 2 % 32 == 0);
 
 // Head dims these kernels take: up to 128, a multiple of 8 (stage's 16-byte loads).
 inline bool takes_dim(std::int64_t dim) { return dim >= 1 && dim <= max_dim && dim % 8 == 0; }
@@ -118,38 +113,75 @@ __device__ const typename wmma_type<T>::type* as_wmma(const T* p) {
   return reinterpret_cast<const typename wmma_type<T>::type*>(p);
 }
 
-// c += a . b over K: a is row-major [16][K] at `a` (pitch lda); b is [K][16], with
-// Transposed the transpose of row-major [16][K] at `b`, else row-major [K][16] at `b`
-// (pitch ldb).
-template <int K, bool Transposed, class T>
-__device__ void multiply(accumulator& c, const T* a, int lda, const T* b, int ldb) {
+// s[c] = a . b^T for a's 16 rows ([16][DM] at a) and b's rows 16c to 16c + 15 ([16 N][DM]
+// at b), both pitch row_pitch: Q K^T, dO V^T, K Q^T, V dO^T. Each of a's fragments is
+// loaded once, for all N products.
+template <int DM, int N, class T>
+__device__ void products(accumulator (&s)[N], const T* a, const T* b) {
 #pragma unroll
-  for (int k = 0; k < K; k += edge) {
+  for (int c = 0; c < N; ++c) wmma::fill_fragment(s[c], 0.0f);
+#pragma unroll
+  for (int k = 0; k < DM; k += edge) {
     a_fragment<T> fa;
-    wmma::load_matrix_sync(fa, as_wmma(a + k), unsigned(lda));
-    if constexpr (Transposed) {
+    wmma::load_matrix_sync(fa, as_wmma(a + k), unsigned(row_pitch<DM>));
+#pragma unroll
+    for (int c = 0; c < N; ++c) {
       b_fragment<T, wmma::col_major> fb;
-      wmma::load_matrix_sync(fb, as_wmma(b + k), unsigned(ldb));
-      wmma::mma_sync(c, fa, fb, c);
-    } else {
-      b_fragment<T, wmma::row_major> fb;
-      wmma::load_matrix_sync(fb, as_wmma(b + std::size_t(k) * std::size_t(ldb)), unsigned(ldb));
-      wmma::mma_sync(c, fa, fb, c);
+      wmma::load_matrix_sync(fb, as_wmma(b + c * edge * row_pitch<DM> + k), unsigned(row_pitch<DM>));
+      wmma::mma_sync(s[c], fa, fb, s[c]);
     }
   }
 }
 
-// out[16][tile] (fp32, pitch score_pitch) = a[16][DM] . b^T for the tile's 64 rows of b.
+// acc[dc] += w . b for w, a warp's [16][tile] weights (pitch weight_pitch), and b's
+// [tile][DM] (pitch row_pitch): P V, dS K, P^T dO, dS^T Q. Each of w's fragments is
+// loaded once, for all DM / 16 products.
 template <int DM, class T>
-__device__ void scores(float* out, const T* a, const T* b) {
+__device__ void accumulate(accumulator (&acc)[DM / edge], const T* w, const T* b) {
 #pragma unroll
-  for (int c = 0; c < tile / edge; ++c) {
-    accumulator s;
-    wmma::fill_fragment(s, 0.0f);
-    multiply<DM, true>(s, a, row_pitch<DM>, b + c * edge * row_pitch<DM>, row_pitch<DM>);
-    wmma::store_matrix_sync(out + c * edge, s, unsigned(score_pitch), wmma::mem_row_major);
+  for (int k = 0; k < tile; k += edge) {
+    a_fragment<T> fa;
+    wmma::load_matrix_sync(fa, as_wmma(w + k), unsigned(weight_pitch));
+#pragma unroll
+    for (int dc = 0; dc < DM / edge; ++dc) {
+      b_fragment<T, wmma::row_major> fb;
+      wmma::load_matrix_sync(fb, as_wmma(b + k * row_pitch<DM> + dc * edge), unsigned(row_pitch<DM>));
+      wmma::mma_sync(acc[dc], fa, fb, acc[dc]);
+    }
   }
 }
+
+// --- which elements of a 16x16 accumulator a lane holds -------------------------------------
+// The softmax and the score gradients work on the accumulators of the products in
+// registers, and the output and gradient accumulators are rescaled there. On the GPU a
+// lane's element e sits where mma.sync's m16n8k16 tiles put it, as wmma's 16x16x16 fp32
+// accumulators do on sm_80 and sm_90: row lane / 4 + 8 ((e / 2) % 2), column
+// 2 (lane % 4) + e % 2 + 8 (e / 4). CUDA does not document it, so flash_uses_tensor_cores
+// checks it once per device (layout_probe_kernel) and test_cuda_attention asserts that it
+// holds. A lane so holds elements of two rows (its slots), each row shared by 4 lanes.
+// tests/emulated's fragments hold the whole tile in every lane: slot = row, nothing shared.
+template <class F>
+inline constexpr bool holds_whole_tile = requires { F::whole_tile; };
+inline constexpr bool whole_tiles = holds_whole_tile<accumulator>;
+inline constexpr int slots = whole_tiles ? edge : 2;  // the rows a lane holds elements of
+
+__device__ inline int slot_of(int e) { return whole_tiles ? e / edge : (e >> 1) & 1; }
+__device__ inline int row_of(int slot, int lane) { return whole_tiles ? slot : lane / 4 + 8 * slot; }
+__device__ inline int column_of(int e, int lane) { return whole_tiles ? e % edge : 2 * (lane & 3) + (e & 1) + 8 * (e >> 2); }
+// The lane that writes a row's own results (lse): one of the row's lanes.
+__device__ inline bool writes_row(int lane) { return whole_tiles ? lane == 0 : (lane & 3) == 0; }
+// The largest and the sum of v over the lanes sharing a row.
+__device__ inline float row_max(float v) {
+  if constexpr (!whole_tiles)
+    for (int x = 1; x < 4; x *= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, x));
+  return v;
+}
+__device__ inline float row_sum(float v) {
+  if constexpr (!whole_tiles)
+    for (int x = 1; x < 4; x *= 2) v += __shfl_xor_sync(0xffffffffu, v, x);
+  return v;
+}
+
 
 // A warp's 16 rows of fp32 in shared memory (`from`, [16][acc_pitch]) out to rows
 // row0 + r < limit of dst, times factor, in T, the columns below dim: 8 elements (16
@@ -182,6 +214,28 @@ __device__ void write_rows(const rows<T>& dst, std::int64_t n, std::int64_t h, s
   store_rows<DM>(dst, n, h, row0, limit, through, factor, dim);
 }
 #endif
+
+// One warp: flags[lane] = 1 when every element the lane holds of a 16x16 accumulator
+// loaded from row-major values 16 row + column sits where row_of and column_of say.
+// (A template, as every kernel of these headers: defined in each program that uses it.)
+template <int N>
+__global__ void layout_probe_kernel(int* flags) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  static_assert(N == edge);
+  __shared__ __align__(32) float m[N * N];
+  const int lane = int(threadIdx.x) % 32;
+  for (int e = lane; e < N * N; e += 32) m[e] = float(e);
+  __syncwarp();
+  accumulator f;
+  wmma::load_matrix_sync(f, m, unsigned(N), wmma::mem_row_major);
+  int ok = 1;
+  for (int e = 0; e < accumulator::num_elements; ++e)
+    ok &= f.x[e] == float(row_of(slot_of(e), lane) * N + column_of(e, lane));
+  flags[lane] = ok;
+#else
+  flags[threadIdx.x % 32] = 0;  // no wmma below sm_80
+#endif
+}
 
 // Rows [first, first + tile) of a head into shared memory in T, zero past `count`
 // rows and past dim: [tile][row_pitch], 16 bytes (8 elements) per copy: dim is a
