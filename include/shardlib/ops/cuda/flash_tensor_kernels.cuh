@@ -3,10 +3,11 @@
 //
 // The arithmetic is ops/attention_tiles.hpp's with Operand = the input type: the
 // products Q K^T, dO V^T, P V, P^T dO, dS^T Q and dS K run as 16x16x16 wmma tiles
-// with 16-bit operands and fp32 accumulation, so the weights P (dropout applied)
-// and the score gradients dS are rounded to the input type before they multiply,
-// as in FlashAttention-2; the online softmax, masks, dropout and every sum stay in
-// fp32. tests/unit/test_attention_tiles.cpp runs that arithmetic on the host
+// with 16-bit operands and fp32 accumulation, so the weights P and the score
+// gradients dS are rounded to the input type before they multiply, as in
+// FlashAttention-2 (forward rounds a weight before dropout, whose 1 / (1 - p)
+// then scales its output in fp32; backward after); the online softmax, masks,
+// dropout and every sum stay in fp32, exp on the special-function unit. tests/unit/test_attention_tiles.cpp runs that arithmetic on the host
 // (forward_tiles / backward_tiles with Operand = bfloat16 or half, these tiles);
 // tests/emulated/test_emulated_attention.cpp runs these kernels themselves on the CPU.
 //
@@ -16,7 +17,7 @@
 // warp computes stays in its registers: the scores and their gradients are
 // accumulators the softmax reads and rewrites element by element (a lane knows each
 // element's row and column: flash_tensor_tiles.cuh), rows reduced across the 4 lanes
-// that share them; the output, dq, dk and dv accumulate in fragments, forward's
+// that share them, masks decided per tile (most tiles need no test per element); the output, dq, dk and dv accumulate in fragments, forward's
 // rescaled there by the online softmax. Only the weights pass through shared memory
 // (16 rows x 64 in T per warp), from the accumulators to the next product's operand;
 // the finished rows go out through the staged tiles' memory, 16 bytes per store.
@@ -86,18 +87,20 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
     if (next) stage<DM>(ks, a.k, n, g, j0 + tile, p.keys, a.dim);
     __pipeline_commit();
     if (seen) {
+      const tile_view v = query_rows(p, n, first, j0);
       float top[slots], alpha[slots], sum[slots];
 #pragma unroll
       for (int r = 0; r < slots; ++r) top[r] = -INFINITY;
+      {
 #pragma unroll
-      for (int cc = 0; cc < chunks; ++cc)
+        for (int cc = 0; cc < chunks; ++cc)
 #pragma unroll
-        for (int e = 0; e < accumulator::num_elements; ++e) {
-          const std::int64_t i = first + row_of(slot_of(e), lane), j = j0 + cc * edge + column_of(e, lane);
-          const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-          s[cc].x[e] = flash::masked_score(s[cc].x[e], a.scale, vis);
-          top[slot_of(e)] = fmaxf(top[slot_of(e)], s[cc].x[e]);
-        }
+          for (int e = 0; e < accumulator::num_elements; ++e) {
+            const bool vis = v.all || v.sees(row_of(slot_of(e), lane), cc * edge + column_of(e, lane));
+            s[cc].x[e] = flash::masked_score(s[cc].x[e], a.scale, vis);
+            top[slot_of(e)] = fmaxf(top[slot_of(e)], s[cc].x[e]);
+          }
+      }
 #pragma unroll
       for (int r = 0; r < slots; ++r) {
         alpha[r] = flash::raise_max(row[r], row_max(top[r]));
@@ -106,13 +109,23 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
 #pragma unroll
       for (int cc = 0; cc < chunks; ++cc)
 #pragma unroll
-        for (int e = 0; e < accumulator::num_elements; ++e) {
-          const int r = slot_of(e), col = cc * edge + column_of(e, lane);
-          const std::int64_t i = first + row_of(r, lane), j = j0 + col;
-          const float w = flash::unnormalised_weight(s[cc].x[e], row[r]);
-          sum[r] += w;
-          pw[row_of(r, lane) * weight_pitch + col] = T(w != 0.0f ? w * flash::keep_scale(p, kept, n, h, i, j) : 0.0f);
+        for (int e = 0; e < accumulator::num_elements; e += 2) {  // two neighbours in a row
+          const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
+          float w[2];
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {  // flash::unnormalised_weight with fast_exp
+            const float sc = s[cc].x[e + x];
+            w[x] = sc == -INFINITY ? 0.0f : fast_exp(sc - row[r].max);
+            sum[r] += w[x];
+          }
+          store_pair(pw + rr * weight_pitch + col, w[0], w[1]);
         }
+      if (p.dropout) {  // dropped weights zeroed in a pass of their own: the generator stays out of the loop above
+        __syncwarp();
+        for (int r = 0; r < edge; ++r)
+          for (int c = lane; c < tile; c += 32)
+            if (flash::keep_scale(p, kept, n, h, first + r, j0 + c) == 0.0f) pw[r * weight_pitch + c] = T(0.0f);
+      }
 #pragma unroll
       for (int r = 0; r < slots; ++r) row[r].sum += row_sum(sum[r]);
 #pragma unroll
@@ -131,7 +144,7 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
 #pragma unroll
   for (int r = 0; r < slots; ++r) {  // unrolled, as every loop over row[]: the array stays in registers
     const std::int64_t i = first + row_of(r, lane);
-    f[r] = flash::output_scale(row[r]);
+    f[r] = flash::output_scale(row[r]) * (p.dropout ? kept : 1.0f);  // dropout's 1 / (1 - p), in fp32
     if (writes_row(lane) && i < p.queries) a.lse[(n * p.heads + h) * p.queries + i] = flash::log_sum_exp(row[r]);
   }
 #pragma unroll
@@ -198,18 +211,24 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
     __pipeline_commit();
     if (seen) {
       products<DM>(s, qs + warp * edge * rp, ks);  // Q K^T
+      const tile_view v = query_rows(p, n, first, j0);
+      {
 #pragma unroll
-      for (int cc = 0; cc < chunks; ++cc)
+        for (int cc = 0; cc < chunks; ++cc)
 #pragma unroll
-        for (int e = 0; e < accumulator::num_elements; ++e) {
-          const int r = slot_of(e), col = cc * edge + column_of(e, lane);
-          const std::int64_t i = first + row_of(r, lane), j = j0 + col;
-          const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-          const float w = flash::weight(flash::masked_score(s[cc].x[e], a.scale, vis), lse[r]);
-          const float ds =
-              w != 0.0f ? flash::score_grad(w, dp[cc].x[e], flash::keep_scale(p, kept, n, h, i, j), row_d[r]) : 0.0f;
-          dsw[row_of(r, lane) * weight_pitch + col] = T(ds);
-        }
+          for (int e = 0; e < accumulator::num_elements; e += 2) {  // two neighbours in a row
+            const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
+            float ds[2];
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {  // flash::weight with fast_exp, then the score's gradient
+              const float sc = flash::masked_score(s[cc].x[e + x], a.scale, v.all || v.sees(rr, col + x));
+              const float w = sc == -INFINITY ? 0.0f : fast_exp(sc - lse[r]);
+              const float keep = p.dropout ? flash::keep_scale(p, kept, n, h, first + rr, j0 + col + x) : 1.0f;
+              ds[x] = w != 0.0f ? flash::score_grad(w, dp[cc].x[e + x], keep, row_d[r]) : 0.0f;
+            }
+            store_pair(dsw + rr * weight_pitch + col, ds[0], ds[1]);
+          }
+      }
       __syncwarp();
       accumulate<DM>(gq, dsw, ks);  // dQ += dS K
     }
@@ -290,23 +309,33 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
       const T* dout = dos + b * tile * rp;
       const float* tile_lse = lse + b * tile;
       const float* tile_d = row_d + b * tile;
+      const tile_view v = key_rows(p, n, first, i0);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // 32 queries at a time: fewer registers
         accumulator st[chunks / 2], dpt[chunks / 2];
         products<DM>(st, ks + warp * edge * rp, q + half * (tile / 2) * rp);      // K Q^T = S^T
         products<DM>(dpt, vs + warp * edge * rp, dout + half * (tile / 2) * rp);  // V dO^T = dP^T
+        {
 #pragma unroll
-        for (int cc = 0; cc < chunks / 2; ++cc)
+          for (int cc = 0; cc < chunks / 2; ++cc)
 #pragma unroll
-          for (int e = 0; e < accumulator::num_elements; ++e) {  // key first + row, query i0 + col
-            const int r = row_of(slot_of(e), lane), col = half * (tile / 2) + cc * edge + column_of(e, lane);
-            const std::int64_t i = i0 + col, j = first + r;
-            const bool vis = i < p.queries && j < p.keys && flash::visible(p, n, i, j);
-            const float w = flash::weight(flash::masked_score(st[cc].x[e], a.scale, vis), tile_lse[col]);
-            const float keep = w != 0.0f ? flash::keep_scale(p, kept, n, h, i, j) : 0.0f;
-            dstw[r * weight_pitch + col] = T(flash::score_grad(w, dpt[cc].x[e], keep, tile_d[col]));
-            ptw[r * weight_pitch + col] = T(w * keep);
-          }
+            for (int e = 0; e < accumulator::num_elements; e += 2) {  // key first + rr, queries i0 + col, col + 1
+              const int rr = row_of(slot_of(e), lane), col = half * (tile / 2) + cc * edge + column_of(e, lane);
+              float ds[2], pt[2];
+#pragma unroll
+              for (int x = 0; x < 2; ++x) {  // flash::weight with fast_exp, its dropout and the score's gradient
+                const int c = col + x;
+                const float sc = flash::masked_score(st[cc].x[e + x], a.scale, v.all || v.sees(rr, c));
+                const float w = sc == -INFINITY ? 0.0f : fast_exp(sc - tile_lse[c]);
+                const float keep =
+                    w == 0.0f ? 0.0f : p.dropout ? flash::keep_scale(p, kept, n, h, i0 + c, first + rr) : 1.0f;
+                ds[x] = flash::score_grad(w, dpt[cc].x[e + x], keep, tile_d[c]);
+                pt[x] = w * keep;
+              }
+              store_pair(dstw + rr * weight_pitch + col, ds[0], ds[1]);
+              store_pair(ptw + rr * weight_pitch + col, pt[0], pt[1]);
+            }
+        }
       }
       __syncwarp();
       accumulate<DM>(gv, ptw, dout);  // dV += P^T dO

@@ -237,6 +237,54 @@ __global__ void layout_probe_kernel(int* flags) {
 #endif
 }
 
+// --- the element-wise work, decided once per tile -------------------------------------------
+// Which elements of a warp's 16 x 64 scores exist and are visible: rows and columns
+// counted from the warp's first row and the tile's first column. The causal rule is a
+// band of column - row, padding flags index the rows (dk/dv: rows are keys) or the
+// columns (forward, dq); `all` says that every element is visible, so the kernels
+// test nothing more per element (the tiles below the causal diagonal, without padding).
+struct tile_view {
+  int rows, cols, lo, hi;
+  const std::uint8_t* pad_rows;
+  const std::uint8_t* pad_cols;
+  bool all;
+  __device__ bool sees(int r, int c) const {
+    return r < rows && c < cols && c - r >= lo && c - r <= hi && !(pad_rows && pad_rows[r]) &&
+           !(pad_cols && pad_cols[c]);
+  }
+};
+__device__ inline int clamped(std::int64_t x) {  // |column - row| < tile: the band's ends need no more
+  return int(x < -2 * tile ? -2 * tile : x > 2 * tile ? 2 * tile : x);
+}
+// Rows are queries first.., columns keys j0..: key j is visible to query i when j <= i + offset.
+__device__ inline tile_view query_rows(const flash::tile_problem& p, std::int64_t n, std::int64_t first, std::int64_t j0) {
+  tile_view v{clamped(p.queries - first), clamped(p.keys - j0), -2 * tile,
+              p.is_causal ? clamped(first + p.query_offset - j0) : 2 * tile, nullptr,
+              p.key_padding ? p.key_padding + n * p.keys + j0 : nullptr, false};
+  v.all = v.rows >= edge && v.cols >= tile && v.hi >= tile - 1 && !p.key_padding;
+  return v;
+}
+// Rows are keys first.., columns queries i0..: the same rule, seen from the keys.
+__device__ inline tile_view key_rows(const flash::tile_problem& p, std::int64_t n, std::int64_t first, std::int64_t i0) {
+  tile_view v{clamped(p.keys - first), clamped(p.queries - i0),
+              p.is_causal ? clamped(first - i0 - p.query_offset) : -2 * tile, 2 * tile,
+              p.key_padding ? p.key_padding + n * p.keys + first : nullptr, nullptr, false};
+  v.all = v.rows >= edge && v.cols >= tile && v.lo <= 1 - edge && !p.key_padding;
+  return v;
+}
+// exp(x) on the special-function unit (ex2): within a few ulp of expf, far below the 16-bit
+// rounding of the weights it makes, and the same in forward and backward.
+__device__ inline float fast_exp(float x) { return exp2f(x * 1.4426950408889634f); }
+// Two neighbouring elements (an accumulator's e and e + 1: columns c and c + 1) stored as one
+// 4-byte word (c even, the rows' pitch even).
+template <class T>
+__device__ void store_pair(T* at, float a, float b) {
+  struct alignas(4) {
+    T v[2];
+  } pair{{T(a), T(b)}};
+  *reinterpret_cast<std::uint32_t*>(at) = __builtin_bit_cast(std::uint32_t, pair);
+}
+
 // Rows [first, first + tile) of a head into shared memory in T, zero past `count`
 // rows and past dim: [tile][row_pitch], 16 bytes (8 elements) per copy: dim is a
 // multiple of 8 and every row of src starts 16-byte aligned (whole_vectors, checked
