@@ -6,7 +6,8 @@
 # the device tests (test_nccl's [timeout] cases alone), train_fsdp_cuda (100 steps; under mpirun too
 # when there are several GPUs and MPI), train_gpt_cuda (GPT-2 and LLaMA, 300 steps each), bench_cuda
 # (its encoder, GPT-2 and LLaMA steps with their MFU), the steps that bench_cuda's reserve kept back,
-# then, with the time left, compute-sanitizer's memcheck over test_cuda_ops. The steps before
+# then Nsight Compute's profile of the tensor-core attention's three kernels (head_dim 128, bf16)
+# and, with the time left, compute-sanitizer's memcheck over test_cuda_ops. The steps before
 # bench_cuda leave it 120 s of the deadline (its MFU figures are the run's goal). It stops itself at
 # the deadline and leaves two files under --out (only the summary when it stopped before configure):
 #   summary.txt   the versions (driver, nvcc, NCCL, compiler, CMake), the NCCL/CUDA environment,
@@ -66,7 +67,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 # --- the summary: the versions, one row per step, bench_cuda's JSON lines --------------------------
 declare -A facts=()
-fact_keys=(machine gpu nvcc nccl c++ cmake deps sanitizer env seeds)
+fact_keys=(machine gpu nvcc nccl c++ cmake deps sanitizer profiler env seeds)
 info() { facts[$1]+="${facts[$1]:+$'\n'}$2"; } # KEY VALUE (a key may hold several lines)
 rows=() problems=0 bench_json="" interrupted=""
 # row STEP RESULT SECONDS DETAIL; results other than ok, passed, partial and omitted are problems.
@@ -242,6 +243,8 @@ fi
 sanitizer=$(command -v compute-sanitizer || echo "$(dirname "$nvcc")/compute-sanitizer")
 [[ -x $sanitizer ]] || sanitizer=""
 info sanitizer "${sanitizer:-compute-sanitizer not found: memcheck is omitted}"
+profiler=$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n1 || true)
+info profiler "${profiler:-ncu (Nsight Compute) not found: no profile of the attention kernels}"
 info cmake "${cmake_version:-none}, ninja $(ninja --version 2>/dev/null || echo none)"
 if [[ -n $deps ]]; then
   info deps "$deps: $(grep -v '^#' "$deps/MANIFEST" 2>/dev/null | paste -sd, - | sed 's/,/, /g')"
@@ -379,6 +382,13 @@ step() {
     detail="cut at the deadline; $(grep -c '^========= [A-Z][a-z]' "$log" || true) sanitizer reports before that"
   elif [[ -n $stopped ]]; then
     result=TIMEOUT detail="stopped after $limit s; last line: $(last_line "$log")"
+  elif ((rc == 0)) && [[ $name == ncu* ]]; then # the profile's figures; no kernel profiled is a failure
+    detail=$(awk 'function add(s) { out = out sep s; sep = "; " }
+      /^    Duration / { add($NF " " $(NF - 1)) } /^    Registers Per Thread / { add($NF " registers") }
+      /^    Achieved Occupancy / { add($NF "% occupancy") } /^    Issue Slots Busy / { add($NF "% issue slots busy") }
+      END { print out }' "$log")
+    result=passed
+    [[ -n $detail ]] || result=FAILED detail="no kernel profiled; last line: $(last_line "$log")"
   elif ((rc == 0)); then
     result=passed
     detail=$(grep -E '^(All tests passed|test cases:)|Loss:|s per step|ms/step|ERROR SUMMARY' "$log" | tail -n2 | paste -sd';' - || true)
@@ -432,6 +442,21 @@ reserve=0
 step bench_cuda 300 bench_cuda --json "$bench_json" "${peak[@]}"
 for call in "${deferred[@]}"; do eval "$call"; done
 via=()
+# One launch of each tensor-core attention kernel at head_dim 128 (bench_cuda's: bf16, causal,
+# L 2048): time, registers, occupancy, issue rate, stall reasons; the whole report in the logs.
+for kernel in forward dq dkdv; do
+  if [[ -z $profiler ]]; then
+    row "ncu $kernel" omitted "" "ncu not found"
+  elif ((end - EPOCHSECONDS < 40)); then
+    row "ncu $kernel" omitted "" "less than 40 s left"
+  else
+    via=("$profiler" --clock-control none --kernel-name-base demangled -c 1
+      -k "regex:tensor::${kernel}_kernel<\\(int\\)128" --section SpeedOfLight --section Occupancy
+      --section LaunchStats --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis)
+    step "ncu $kernel" 60 bench_cuda --model none
+    via=()
+  fi
+done
 # Without the 2^32-float sweep and the [large] cases, as the emulated twin test_emulated_ops.
 if [[ -z $sanitizer ]]; then
   row "memcheck test_cuda_ops" omitted "" "compute-sanitizer not found"
