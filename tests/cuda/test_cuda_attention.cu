@@ -155,7 +155,7 @@ TEST_CASE("flash attention takes the tensor cores for 16-bit inputs up to head_d
   const fa::flash_options on{}, off{.tensor_cores = false};
   // The kernels read wmma's accumulators element by element, where mma.sync puts them
   // (flash_tensor_tiles.cuh): if this GPU lays them out otherwise, the CUDA cores take over.
-  CHECK(fa::detail::accumulator_layout_holds() == (major >= 8));
+  if (major >= 8) CHECK(fa::detail::accumulator_layout_holds());
   CHECK(fa::flash_uses_tensor_cores<sl::bfloat16>(64, on) == (major >= 8));
   CHECK(fa::flash_uses_tensor_cores<sl::half>(128, on) == (major >= 8));
   CHECK_FALSE(fa::flash_uses_tensor_cores<sl::bfloat16>(64, off));

@@ -174,6 +174,14 @@ double tolerance() {
 
 }  // namespace
 
+// The kernels read accumulators element by element where row_of and column_of say; the
+// probe that checks it on a GPU must hold here, where every lane holds the whole tile.
+TEST_CASE("the accumulator layout probe holds for the emulated fragments", "[emulated][flash]") {
+  std::vector<int> flags(32, -1);
+  cuda_emulator::launch(ft::layout_probe_kernel<ft::edge>, dim3(1), dim3(32), 0, {}, flags.data());
+  CHECK(flags == std::vector<int>(32, 1));
+}
+
 TEMPLATE_TEST_CASE("the tensor-core attention kernels, emulated, equal nn::sdpa", "[emulated][flash]", sl::bfloat16,
                    sl::half) {
   test_support::random_inputs rnd;

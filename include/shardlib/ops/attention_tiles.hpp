@@ -155,7 +155,10 @@ SHARDLIB_HD Acc score_grad(Acc p, Acc dp, Acc keep, Acc row_d) {
 // for float and 16-bit inputs, as the kernels; double for double). Operand is
 // what the weights and score gradients are rounded to before they multiply V,
 // dO, Q or K: Acc for the CUDA-core kernels, the 16-bit input type for the
-// tensor-core ones (whose matrix products take 16-bit operands).
+// tensor-core ones (whose matrix products take 16-bit operands). With dropout,
+// the tensor-core forward rounds a weight, zeroes it if dropped, and scales the
+// output by 1 / (1 - p) at the end; the CUDA-core one multiplies each weight by
+// its factor. Backward multiplies before rounding in both.
 
 namespace detail {
 template <class Acc, class T>
@@ -177,6 +180,7 @@ void forward_tiles(const nn::head_view<const T>& q, const nn::head_view<const T>
                    std::int64_t block_k) {
   const std::int64_t D = q.dim, rep = p.heads / p.kv_heads;
   const Acc kept = Acc(p.kept);
+  constexpr bool tensor_cores = !std::is_same_v<Operand, Acc>;  // see above: where dropout's scale goes
   std::vector<Acc> acc(static_cast<std::size_t>(block_q * D)), s(static_cast<std::size_t>(block_k));
   std::vector<softmax_row<Acc>> rows(static_cast<std::size_t>(block_q));
   for (std::int64_t n = 0; n < p.batch; ++n)
@@ -206,7 +210,9 @@ void forward_tiles(const nn::head_view<const T>& q, const nn::head_view<const T>
               const std::int64_t j = j0 + c;
               const Acc w = unnormalised_weight(s[std::size_t(c)], row);
               tile_sum += w;
-              const Acc wd = detail::rounded<Operand>(w * keep_scale(p, kept, n, h, i, j));
+              const Acc keep = keep_scale(p, kept, n, h, i, j);
+              const Acc wd = tensor_cores ? (keep != Acc(0) ? detail::rounded<Operand>(w) : Acc(0))
+                                          : detail::rounded<Operand>(w * keep);
               const T* vj = v.at(n, g) + j * v.row_stride;
               for (std::int64_t d = 0; d < D; ++d) o[d] += wd * Acc(vj[d]);
             }
@@ -215,7 +221,7 @@ void forward_tiles(const nn::head_view<const T>& q, const nn::head_view<const T>
         }
         for (std::int64_t r = 0; r < bq; ++r) {
           const softmax_row<Acc>& row = rows[std::size_t(r)];
-          const Acc f = output_scale(row);
+          const Acc f = output_scale(row) * (tensor_cores && p.dropout ? kept : Acc(1));
           T* o = out.at(n, h) + (i0 + r) * out.row_stride;
           for (std::int64_t d = 0; d < D; ++d) o[d] = T(acc[std::size_t(r * D + d)] * f);
           lse[(n * p.heads + h) * p.queries + i0 + r] = log_sum_exp(row);

@@ -12,7 +12,7 @@
 #include "shardlib/core/ledger.hpp"             // category
 #include "shardlib/cuda/caching_allocator.hpp"  // device_buffer
 #include "shardlib/cuda/copy.hpp"               // copy_async
-#include "shardlib/cuda/current.hpp"            // current_stream
+#include "shardlib/cuda/stream.hpp"             // stream
 #include "shardlib/cuda/kernel_facts.hpp"       // allow_shared_memory, current_device_facts, kernel_ptx_version
 #include "shardlib/nn/sdpa.hpp"                 // head_view
 #include "shardlib/ops/cuda/launch.cuh"         // launch_kernel
@@ -26,6 +26,7 @@
 #include <cstddef>    // std::size_t
 #include <cstdint>    // std::int64_t
 #include <map>        // std::map
+#include <memory>     // std::unique_ptr
 #include <span>       // std::span
 
 namespace shardlib::ops::cuda {
@@ -34,7 +35,7 @@ namespace detail {
 // Dynamic shared memory above 48 KiB needs the kernel's opt-in, up to the device's
 // limit (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89: head_dim 256's
 // backward on CUDA cores needs 130 KiB, the tensor-core kernels at head_dim 128 up
-// to 158,720 bytes), checked first so that a small GPU gets a message.
+// to 123,904 bytes), checked first so that a small GPU gets a message.
 template <class K, class Args>
 void launch_flash(K kernel, dim3 grid, std::size_t shared_bytes, cudaStream_t stream, const char* name,
                   const Args& args) {
@@ -54,19 +55,22 @@ bool tensor_kernel_usable(Kernel kernel, std::size_t shared_bytes) {
 
 // Whether the current GPU's wmma accumulators hold their elements where the tensor-core
 // kernels read them one by one (flash_tensor_tiles.cuh): asked of the GPU once per thread
-// and device, by one warp of layout_probe_kernel.
+// and device, by one warp of layout_probe_kernel on a stream of its own (no other work
+// waits for it). Call it where tensor_kernel_usable holds: on older GPUs it fails.
 inline bool accumulator_layout_holds() {
   namespace ft = detail::tensor;
   thread_local std::map<int, bool> known;
   const int device = shardlib::cuda::current_device_facts().device;
   if (const auto it = known.find(device); it != known.end()) return it->second;
-  const cudaStream_t stream = shardlib::cuda::current_stream();
-  shardlib::cuda::device_buffer<int> flags(32, category::activations, stream);
-  launch_kernel("the tensor-core attention's layout probe", ft::layout_probe_kernel<ft::edge>, 1, 32, 0, stream,
-                flags.data());
+  const shardlib::cuda::stream own(device);
+  int* flags = nullptr;  // 128 bytes once: not worth the caching allocator's books for a stream that ends here
+  shardlib::cuda::check(cudaMalloc(&flags, 32 * sizeof(int)), "cudaMalloc (the layout probe)");
+  const std::unique_ptr<int, cudaError_t (*)(void*)> owned(flags, &cudaFree);
+  launch_kernel("the tensor-core attention's layout probe", ft::layout_probe_kernel<ft::edge>, 1, 32, 0, own.get(),
+                flags);
   std::array<int, 32> got{};
-  shardlib::cuda::copy_async(std::span<int>(got), std::span<const int>(flags.data(), 32), stream);
-  shardlib::cuda::check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (the layout probe)");
+  shardlib::cuda::copy_async(std::span<int>(got), std::span<const int>(flags, 32), own.get());
+  shardlib::cuda::check(cudaStreamSynchronize(own.get()), "cudaStreamSynchronize (the layout probe)");
   const bool holds = std::all_of(got.begin(), got.end(), [](int f) { return f == 1; });
   known.emplace(device, holds);
   return holds;

@@ -124,7 +124,8 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
         __syncwarp();
         for (int r = 0; r < edge; ++r)
           for (int c = lane; c < tile; c += 32)
-            if (flash::keep_scale(p, kept, n, h, first + r, j0 + c) == 0.0f) pw[r * weight_pitch + c] = T(0.0f);
+            if ((v.all || v.sees(r, c)) && flash::keep_scale(p, kept, n, h, first + r, j0 + c) == 0.0f)
+              pw[r * weight_pitch + c] = T(0.0f);
       }
 #pragma unroll
       for (int r = 0; r < slots; ++r) row[r].sum += row_sum(sum[r]);

@@ -222,7 +222,7 @@ template <int N>
 __global__ void layout_probe_kernel(int* flags) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   static_assert(N == edge);
-  __shared__ __align__(32) float m[N * N];
+  static __shared__ __align__(32) float m[N * N];
   const int lane = int(threadIdx.x) % 32;
   for (int e = lane; e < N * N; e += 32) m[e] = float(e);
   __syncwarp();
