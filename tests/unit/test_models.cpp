@@ -335,6 +335,50 @@ TEMPLATE_TEST_CASE("generation with the KV cache equals generation by full forwa
   CHECK(training.forward(model, prompt).shape() == Shape{2, 5, 96});
 }
 
+// eos_token_id: a row that picks it has ended (its later tokens are the same token) and
+// generation stops once every row has, so the result can be shorter than asked.
+TEST_CASE("generation stops at eos_token_id once every row has ended", "[models][generate]") {
+  using Model = models::GPT2LMHeadModel<double>;
+  Model model = golden_model<Model>();
+  nn::Replicated<double, Model> owner(model, 5);
+  // What a run with the end token should give: each row as without it up to its first end
+  // token, then that token; as long as the longest row, or the whole length if one never ends.
+  const auto expected = [](const Tensor<std::int64_t>& free, std::int64_t P, std::int64_t eos) {
+    const std::int64_t B = free.dim(0), total = free.dim(1);
+    std::vector<std::int64_t> ends;
+    for (std::int64_t n = 0; n < B; ++n) {
+      std::int64_t end = total;
+      for (std::int64_t t = P; t < total && end == total; ++t)
+        if (free[n * total + t] == eos) end = t;
+      ends.push_back(end);
+    }
+    const std::int64_t last = *std::max_element(ends.begin(), ends.end());
+    const std::int64_t len = last == total ? total : last + 1;
+    std::vector<std::int64_t> v;
+    for (std::int64_t n = 0; n < B; ++n)
+      for (std::int64_t t = 0; t < len; ++t) v.push_back(t > ends[std::size_t(n)] ? eos : free[n * total + t]);
+    return std::pair{len, v};
+  };
+  for (const std::int64_t rows : {1, 2})
+    for (const std::int64_t k : {0, 8})  // greedy, and draws (after its end a row would draw other tokens)
+      for (const bool cache : {true, false}) {
+        INFO(rows << " rows, top_k " << k << ", " << (cache ? "with" : "without") << " the cache");
+        const auto prompt = tokens(rows, 5, 96, 3);
+        const models::generate_options o{.max_new_tokens = 12, .top_k = k, .seed = 4, .use_cache = cache};
+        const auto free = models::generate(model, prompt, o);
+        const std::int64_t eos = free[7];  // row 0's third new token
+        models::generate_options until = o;
+        until.eos_token_id = eos;
+        const auto got = models::generate(model, prompt, until);
+        const auto [len, want] = expected(free, 5, eos);
+        if (rows == 1) CHECK(len <= 8);  // a lone row stops at its end token
+        REQUIRE(got.shape() == Shape{rows, len});
+        CHECK(std::vector<std::int64_t>(got.span().begin(), got.span().end()) == want);
+      }
+  CHECK_THROWS_WITH(models::generate(model, tokens(1, 5, 96, 3), {.max_new_tokens = 2, .eos_token_id = 96}),
+                    Catch::Contains("eos_token_id 96 is not a token of the model's 96"));
+}
+
 // Logits a sampler cannot order or normalise: NaN and a row of -inf raise naming the
 // row and position; a +inf logit has all the probability, greedy or top-k.
 TEST_CASE("generation picks a +inf logit and raises on NaN or a row of -inf", "[models][generate]") {

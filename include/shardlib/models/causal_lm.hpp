@@ -102,6 +102,10 @@ struct generate_options {
   double temperature = 1.0;  // top-k divides the logits by it before the softmax
   std::uint64_t seed = 0;    // top-k's draws: (seed, row, position), the same on every rank and for any max_new_tokens
   bool use_cache = true;     // false: every token by a forward over the whole sequence so far
+  // A row that picks this token has ended: its later tokens are this one too, and generation
+  // stops once every row has ended (the result then has fewer than max_new_tokens new tokens),
+  // as transformers' eos_token_id with no pad_token_id.
+  std::optional<std::int64_t> eos_token_id = std::nullopt;
 };
 
 namespace detail {
@@ -169,14 +173,29 @@ Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int
   std::optional<cache_scope> scope;
   if (o.use_cache) scope.emplace(model, total);
   const counter_rng draws(o.seed, fnv1a("generate"));
+  std::vector<bool> ended(static_cast<std::size_t>(B), false);
   auto logits = forward(prompt);
   for (std::int64_t t = P;; ++t) {
     require<shape_error>(logits.rank() == 3 && logits.dim(0) == B, "generate: the model returned logits ",
                          logits.shape(), " for ", B, " sequences");
     const std::int64_t seq = logits.dim(1), vocab = logits.dim(2);
-    for (std::int64_t n = 0; n < B; ++n)
-      out[n * total + t] = detail::pick_token(logits.data() + (n * seq + seq - 1) * vocab, vocab, o,
-                                              draws.uniform_double(std::uint64_t(n * model.max_positions() + t)), n, t);
+    require(!o.eos_token_id || (*o.eos_token_id >= 0 && *o.eos_token_id < vocab), "generate: eos_token_id ",
+            o.eos_token_id.value_or(0), " is not a token of the model's ", vocab);
+    bool all_ended = bool(o.eos_token_id);
+    for (std::int64_t n = 0; n < B; ++n) {
+      std::int64_t& next = out[n * total + t];
+      const auto row = static_cast<std::size_t>(n);
+      next = ended[row] ? *o.eos_token_id
+                        : detail::pick_token(logits.data() + (n * seq + seq - 1) * vocab, vocab, o,
+                                             draws.uniform_double(std::uint64_t(n * model.max_positions() + t)), n, t);
+      ended[row] = o.eos_token_id && next == *o.eos_token_id;
+      all_ended = all_ended && ended[row];
+    }
+    if (all_ended && t + 1 < total) {  // every row has ended: the tokens so far
+      Tensor<std::int64_t> done({B, t + 1});
+      for (std::int64_t n = 0; n < B; ++n) std::copy_n(out.data() + n * total, t + 1, done.data() + n * (t + 1));
+      return done;
+    }
     if (t + 1 == total) return out;
     const std::int64_t len = o.use_cache ? 1 : t + 1, first = o.use_cache ? t : 0;
     Tensor<std::int64_t> ids({B, len});
