@@ -243,7 +243,9 @@ fi
 sanitizer=$(command -v compute-sanitizer || echo "$(dirname "$nvcc")/compute-sanitizer")
 [[ -x $sanitizer ]] || sanitizer=""
 info sanitizer "${sanitizer:-compute-sanitizer not found: memcheck is omitted}"
-profiler=$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n1 || true)
+profiler=$(command -v ncu || ls -d "$(dirname "$nvcc")/ncu" /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V |
+  tail -n1 || true)
+[[ -n $profiler && -x $profiler ]] || profiler=""
 info profiler "${profiler:-ncu (Nsight Compute) not found: no profile of the attention kernels}"
 info cmake "${cmake_version:-none}, ninja $(ninja --version 2>/dev/null || echo none)"
 if [[ -n $deps ]]; then
@@ -447,8 +449,10 @@ via=()
 for kernel in forward dq dkdv; do
   if [[ -z $profiler ]]; then
     row "ncu $kernel" omitted "" "ncu not found"
-  elif ((end - EPOCHSECONDS < 40)); then
-    row "ncu $kernel" omitted "" "less than 40 s left"
+  elif [[ ! -x $build/${program[bench_cuda]} ]]; then
+    row "ncu $kernel" omitted "" "bench_cuda was not built"
+  elif ((end - EPOCHSECONDS < 75)); then # its 60 s and the 15 s limit_for keeps
+    row "ncu $kernel" omitted "" "less than 75 s left"
   else
     via=("$profiler" --clock-control none --kernel-name-base demangled -c 1
       -k "regex:tensor::${kernel}_kernel<\\(int\\)128" --section SpeedOfLight --section Occupancy

@@ -359,6 +359,7 @@ TEST_CASE("generation stops at eos_token_id once every row has ended", "[models]
       for (std::int64_t t = 0; t < len; ++t) v.push_back(t > ends[std::size_t(n)] ? eos : free[n * total + t]);
     return std::pair{len, v};
   };
+  bool apart = false;  // two rows ended at different steps (or one never): the ended row waited
   for (const std::int64_t rows : {1, 2})
     for (const std::int64_t k : {0, 8})  // greedy, and draws (after its end a row would draw other tokens)
       for (const bool cache : {true, false}) {
@@ -367,6 +368,13 @@ TEST_CASE("generation stops at eos_token_id once every row has ended", "[models]
         const models::generate_options o{.max_new_tokens = 12, .top_k = k, .seed = 4, .use_cache = cache};
         const auto free = models::generate(model, prompt, o);
         const std::int64_t eos = free[7];  // row 0's third new token
+        if (rows == 2) {
+          std::int64_t end[2] = {17, 17};
+          for (std::int64_t n = 0; n < 2; ++n)
+            for (std::int64_t t = 16; t >= 5; --t)
+              if (free[n * 17 + t] == eos) end[n] = t;
+          apart = apart || end[0] != end[1];
+        }
         models::generate_options until = o;
         until.eos_token_id = eos;
         const auto got = models::generate(model, prompt, until);
@@ -375,6 +383,7 @@ TEST_CASE("generation stops at eos_token_id once every row has ended", "[models]
         REQUIRE(got.shape() == Shape{rows, len});
         CHECK(std::vector<std::int64_t>(got.span().begin(), got.span().end()) == want);
       }
+  CHECK(apart);
   CHECK_THROWS_WITH(models::generate(model, tokens(1, 5, 96, 3), {.max_new_tokens = 2, .eos_token_id = 96}),
                     Catch::Contains("eos_token_id 96 is not a token of the model's 96"));
 }
@@ -755,9 +764,13 @@ TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates
   nn::Replicated<float, Model> owner(plain, 0);
   models::load_hf(owner, hf_dir / "gpt2" / "initial");
   const auto want = models::generate(plain, prompt, {.max_new_tokens = 16, .top_k = 4, .seed = 1});
+  // With an end token (row 0's fourth new token) every rank stops where the unsharded model does.
+  const models::generate_options until{
+      .max_new_tokens = 16, .top_k = 4, .seed = 1, .eos_token_id = want[prompt.dim(1) + 3]};
+  const auto want_until = models::generate(plain, prompt, until);
 
   std::vector<test_support::max_error> logits(2);
-  std::vector<std::vector<std::int64_t>> got(2);
+  std::vector<std::vector<std::int64_t>> got(2), got_until(2);
   std::vector<std::string> why(2);  // each rank's findings (Catch's assertions are not thread-safe)
   comm::launch(2, [&](comm::ThreadComm& c, ledger& l) {
     auto& w = why[std::size_t(c.rank())];
@@ -771,6 +784,9 @@ TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates
     const auto out = models::generate(model, [&](const Tensor<std::int64_t>& ids) { return sharded.forward(ids); },
                                       prompt, {.max_new_tokens = 16, .top_k = 4, .seed = 1});
     got[std::size_t(c.rank())].assign(out.span().begin(), out.span().end());
+    const auto ended = models::generate(
+        model, [&](const Tensor<std::int64_t>& ids) { return sharded.forward(ids); }, prompt, until);
+    got_until[std::size_t(c.rank())].assign(ended.span().begin(), ended.span().end());
     if (l.current(category::gathered_parameters) != 0) w += "gathered bytes after generate; ";
     try {
       sharded.backward(Tensor<float>({2, 8, 96}));
@@ -782,4 +798,6 @@ TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates
   for (const auto& w : why) CHECK(w == "");
   for (const auto& err : logits) CHECK(err <= 1e-5);
   for (const auto& g : got) CHECK(g == std::vector<std::int64_t>(want.span().begin(), want.span().end()));
+  for (const auto& g : got_until)
+    CHECK(g == std::vector<std::int64_t>(want_until.span().begin(), want_until.span().end()));
 }

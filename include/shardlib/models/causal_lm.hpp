@@ -140,13 +140,16 @@ std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& 
 }  // namespace detail
 
 // Continues every prompt row [batch, prompt_len] by max_new_tokens tokens and
-// returns prompt and continuation [batch, prompt_len + max_new_tokens]. `forward`
+// returns prompt and continuation [batch, prompt_len + max_new_tokens] (fewer new
+// tokens when every row has reached eos_token_id, which is checked against the
+// vocabulary of the first logits). `forward`
 // maps ids to logits in inference mode: ctx.training() false (a plain context, or
 // a sharded model's forward in eval), so dropout is off and the KV cache may be
 // used. With the cache, the prompt runs once and each new token alone (its
 // position after the cached ones); the cache is disabled again on return, also
 // when forward throws. Every rank of a sharded model must call this alike (same
-// prompt and options): each forward gathers units collectively.
+// prompt and options): each forward gathers units collectively, and the ranks stop
+// together because they pick the same tokens (the same logits and draws).
 template <CausalLM M, class Forward>
   requires std::invocable<Forward&, const Tensor<std::int64_t>&>
 Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int64_t>& prompt,
