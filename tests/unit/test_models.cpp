@@ -335,6 +335,20 @@ TEMPLATE_TEST_CASE("generation with the KV cache equals generation by full forwa
   CHECK(training.forward(model, prompt).shape() == Shape{2, 5, 96});
 }
 
+// Top-k keeps every token tied with the k-th, as transformers' TopKLogitsWarper does:
+// here k = 2 keeps tokens 0, 1, 2 and 4 (logits 3, 2, 2, 2), drawn in that order.
+TEST_CASE("top-k keeps the tokens tied with the k-th", "[models][generate]") {
+  const std::vector<double> z = {3, 2, 2, 1, 2};
+  const models::generate_options o{.top_k = 2};
+  const double e = std::exp(-1.0), sum = 1 + 3 * e;
+  CHECK(models::detail::pick_token(z.data(), 5, o, 0.0) == 0);
+  CHECK(models::detail::pick_token(z.data(), 5, o, (1 + 0.5 * e) / sum) == 1);
+  CHECK(models::detail::pick_token(z.data(), 5, o, (1 + 1.5 * e) / sum) == 2);
+  CHECK(models::detail::pick_token(z.data(), 5, o, (1 + 2.5 * e) / sum) == 4);
+  CHECK(models::detail::pick_token(z.data(), 5, o, 0.999) == 4);
+  CHECK(models::detail::pick_token(z.data(), 5, {.top_k = 1}, 0.999) == 0);  // no tie with the first: greedy
+}
+
 // eos_token_id: a row that picks it has ended (its later tokens are the same token) and
 // generation stops once every row has, so the result can be shorter than asked.
 TEST_CASE("generation stops at eos_token_id once every row has ended", "[models][generate]") {

@@ -110,7 +110,8 @@ struct generate_options {
 
 namespace detail {
 // The token chosen from one row of logits: the first maximum (greedy), or a draw
-// u in [0, 1) against the softmax of the k largest (ties: the lower id first). A NaN
+// u in [0, 1) against the softmax of the k largest and every token tied with the
+// k-th, as transformers' top-k keeps them (in order of logit, then id). A NaN
 // logit has no order and a row whose largest logit is -inf no softmax: both raise,
 // naming the row and position; a +inf logit has all the probability (the first, if several).
 template <class T>
@@ -128,14 +129,18 @@ std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& 
   std::iota(ids.begin(), ids.end(), std::int64_t(0));
   std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
                     [&](std::int64_t a, std::int64_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
-  std::vector<double> w(static_cast<std::size_t>(k));
+  const T kth = z[ids[std::size_t(k - 1)]];
+  const auto tied_end = std::partition(ids.begin() + k, ids.end(), [&](std::int64_t i) { return z[i] == kth; });
+  std::sort(ids.begin() + k, tied_end);
+  const std::int64_t kept = tied_end - ids.begin();
+  std::vector<double> w(static_cast<std::size_t>(kept));
   double sum = 0;
-  for (std::int64_t i = 0; i < k; ++i)
+  for (std::int64_t i = 0; i < kept; ++i)
     sum += w[std::size_t(i)] = std::exp((double(z[ids[std::size_t(i)]]) - double(z[ids[0]])) / o.temperature);
   double acc = 0;
-  for (std::int64_t i = 0; i < k; ++i)
+  for (std::int64_t i = 0; i < kept; ++i)
     if (u * sum < (acc += w[std::size_t(i)])) return ids[std::size_t(i)];
-  return ids[std::size_t(k - 1)];  // u * sum rounded up to the total
+  return ids[std::size_t(kept - 1)];  // u * sum rounded up to the total
 }
 }  // namespace detail
 
