@@ -11,6 +11,7 @@
 // DIR), which transformers loads with from_pretrained(DIR).
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/models/hf.hpp>
+#include <shardlib/models/sharded_generate.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/optim/adam.hpp>
 #include <shardlib/optim/schedule.hpp>
@@ -118,8 +119,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   from = from == std::string::npos || from + 2 + std::size_t(prompt_len) > data.val.size() ? 0 : from + 2;
   Tensor<std::int64_t> prompt({1, prompt_len});
   for (long t = 0; t < prompt_len; ++t) prompt[t] = static_cast<unsigned char>(data.val[from + std::size_t(t)]);
-  sharded.eval();
-  const auto out = models::generate(model, [&](const Tensor<std::int64_t>& ids) { return sharded.forward(ids); }, prompt,
+  const auto out = models::generate(sharded, prompt,  // in eval, the ranks checked to agree
                                     {.max_new_tokens = std::min(s.sample, s.seq - prompt_len),
                                      .top_k = s.top_k,
                                      .temperature = s.temperature,

@@ -61,6 +61,7 @@
 #include "shardlib/models/hf.hpp"            // load_hf, save_hf, read_hf_config
 #include "shardlib/models/llama.hpp"         // LlamaForCausalLM, LlamaDecoderLayer, llama_config
 #include "shardlib/models/causal_lm.hpp"     // generate (greedy, top-k, KV cache), causal_lm_targets
+#include "shardlib/models/sharded_generate.hpp"  // generate on a sharded model (ranks checked to agree)
 #include "shardlib/plan/chooser.hpp"         // choose
 #include "shardlib/plan/describe.hpp"        // describe, describe_model, measure_activations
 #include "shardlib/plan/memory_plan.hpp"     // make_plan, zero_model_states

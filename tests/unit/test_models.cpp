@@ -7,6 +7,7 @@
 #include <shardlib/models/gpt2.hpp>
 #include <shardlib/models/hf.hpp>
 #include <shardlib/models/llama.hpp>
+#include <shardlib/models/sharded_generate.hpp>
 #include <shardlib/nn/replicated.hpp>
 #include <shardlib/optim/adam.hpp>
 #include <shardlib/plan/describe.hpp>
@@ -795,11 +796,9 @@ TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates
     sharded.eval();
     logits[std::size_t(c.rank())] = logits_error(sharded.forward(e.ids), e.logits);
     if (l.current(category::gathered_parameters) != 0) w += "gathered bytes after an eval forward; ";
-    const auto out = models::generate(model, [&](const Tensor<std::int64_t>& ids) { return sharded.forward(ids); },
-                                      prompt, {.max_new_tokens = 16, .top_k = 4, .seed = 1});
+    const auto out = models::generate(sharded, prompt, {.max_new_tokens = 16, .top_k = 4, .seed = 1});
     got[std::size_t(c.rank())].assign(out.span().begin(), out.span().end());
-    const auto ended = models::generate(
-        model, [&](const Tensor<std::int64_t>& ids) { return sharded.forward(ids); }, prompt, until);
+    const auto ended = models::generate(sharded, prompt, until);
     got_until[std::size_t(c.rank())].assign(ended.span().begin(), ended.span().end());
     if (l.current(category::gathered_parameters) != 0) w += "gathered bytes after generate; ";
     try {
@@ -814,4 +813,85 @@ TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates
   for (const auto& g : got) CHECK(g == std::vector<std::int64_t>(want.span().begin(), want.span().end()));
   for (const auto& g : got_until)
     CHECK(g == std::vector<std::int64_t>(want_until.span().begin(), want_until.span().end()));
+}
+
+// A sharded model in training mode with dropout: generate() runs its forwards in eval
+// (the ranks would otherwise draw different dropout masks and tokens), with and
+// without the KV cache, and leaves the model in training mode.
+TEST_CASE("generate on a sharded model in training mode picks the unsharded model's tokens and trains on",
+          "[models][shard][generate]") {
+  using Model = models::GPT2LMHeadModel<float>;
+  auto config = models::read_hf_config<models::gpt2_config>(hf_dir / "gpt2" / "initial");
+  config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.5;
+  const auto prompt = rows(expected<Model>().ids, 0, 2);
+  Model plain(config);
+  nn::Replicated<float, Model> owner(plain, 0);
+  models::load_hf(owner, hf_dir / "gpt2" / "initial");
+  const models::generate_options o{.max_new_tokens = 16, .top_k = 4, .seed = 1};
+  const auto want = models::generate(plain, prompt, o);
+  const std::vector<std::int64_t> want_ids(want.span().begin(), want.span().end());
+
+  std::vector<std::string> why(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    auto& w = why[std::size_t(c.rank())];
+    Model model(config);
+    auto sharded = shard::fully_shard<fixture_sgd>(model, c, shard::AnyStrategy(shard::FullShard{}),
+                                                   {.wrap = shard::wrap_types<models::GPT2Block<float>>{}});
+    models::load_hf(sharded, hf_dir / "gpt2" / "initial");
+    for (const bool cache : {true, false}) {
+      auto with = o;
+      with.use_cache = cache;
+      const auto out = models::generate(sharded, prompt, with);
+      if (std::vector<std::int64_t>(out.span().begin(), out.span().end()) != want_ids)
+        w += cat("other tokens with use_cache ", cache, "; ");
+      if (!sharded.training()) w += "left in eval; ";
+    }
+    const auto y = sharded.forward(prompt);  // and a training pass runs after it
+    sharded.backward(Tensor<float>(y.shape()));
+  });
+  for (const auto& w : why) CHECK(w == "");
+}
+
+// Ranks that would generate apart raise together, naming what differs: the prompt,
+// the options, or (another rank's parameters) the tokens picked; a rank whose pick
+// fails (a NaN logit) raises its own error and the others name it.
+TEST_CASE("generate on a sharded model raises on every rank when the ranks disagree", "[models][shard][generate]") {
+  using Model = models::GPT2LMHeadModel<float>;
+  const auto prompt = rows(expected<Model>().ids, 0, 2);
+  const models::generate_options o{.max_new_tokens = 8, .top_k = 4, .seed = 1};
+  enum class fault { prompt, seed, parameters, nan };
+  for (const fault f : {fault::prompt, fault::seed, fault::parameters, fault::nan}) {
+    std::vector<std::string> what(2);
+    comm::launch(2, [&](comm::ThreadComm& c) {
+      Model model = golden_model<Model>();
+      auto sharded = shard::fully_shard<fixture_sgd>(model, c, shard::AnyStrategy(shard::NoShard{}),
+                                                     {.wrap = shard::wrap_types<models::GPT2Block<float>>{}});
+      models::load_hf(sharded, hf_dir / "gpt2" / "initial");
+      auto mine = rows(prompt, 0, prompt.dim(0));  // its own copy (a Tensor copy shares storage)
+      auto with = o;
+      if (c.rank() == 1) {  // NoShard: each rank computes with its own replica of the values
+        const auto bias = model.transformer.ln_f.bias.values();
+        if (f == fault::prompt) mine[5] = (mine[5] + 1) % 96;
+        if (f == fault::seed) with.seed = 2;
+        if (f == fault::parameters)
+          for (std::size_t i = 0; i < bias.size(); ++i) bias[i] = float(i % 7) - 3;
+        if (f == fault::nan) bias[0] = NAN;
+      }
+      try {
+        models::generate(sharded, mine, with);
+      } catch (const std::exception& e) {
+        what[std::size_t(c.rank())] = e.what();
+      }
+    });
+    INFO("fault " << int(f) << ": rank 0: " << what[0] << "; rank 1: " << what[1]);
+    const char* differ[] = {"different prompts", "different options", "picked different tokens for row "};
+    for (int r = 0; r < 2; ++r) {
+      CHECK(what[std::size_t(r)].starts_with(cat("rank ", r, ": ")));
+      if (f != fault::nan) CHECK(what[std::size_t(r)].find(differ[int(f)]) != std::string::npos);
+    }
+    if (f == fault::nan) {
+      CHECK(what[1].find("is NaN (row 0, position 8)") != std::string::npos);
+      CHECK(what[0].find("stopped because rank 1 failed: generate: the logit of token") != std::string::npos);
+    }
+  }
 }

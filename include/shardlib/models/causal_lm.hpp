@@ -19,6 +19,7 @@
 #include <cstdint>      // std::int64_t, std::uint64_t
 #include <numeric>      // std::iota
 #include <optional>     // std::optional
+#include <span>         // std::span
 #include <vector>       // std::vector
 
 namespace shardlib::models {
@@ -142,23 +143,12 @@ std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& 
     if (u * sum < (acc += w[std::size_t(i)])) return ids[std::size_t(i)];
   return ids[std::size_t(kept - 1)];  // u * sum rounded up to the total
 }
-}  // namespace detail
 
-// Continues every prompt row [batch, prompt_len] by max_new_tokens tokens and
-// returns prompt and continuation [batch, prompt_len + max_new_tokens] (fewer new
-// tokens when every row has reached eos_token_id, which is checked against the
-// vocabulary of the first logits). `forward`
-// maps ids to logits in inference mode: ctx.training() false (a plain context, or
-// a sharded model's forward in eval), so dropout is off and the KV cache may be
-// used. With the cache, the prompt runs once and each new token alone (its
-// position after the cached ones); the cache is disabled again on return, also
-// when forward throws. Every rank of a sharded model must call this alike (same
-// prompt and options): each forward gathers units collectively, and the ranks stop
-// together because they pick the same tokens (the same logits and draws).
-template <CausalLM M, class Forward>
-  requires std::invocable<Forward&, const Tensor<std::int64_t>&>
-Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int64_t>& prompt,
-                              const generate_options& o = {}) {
+// generate()'s loop. `pick(pick_row, tokens, t)` runs pick_row(), which fills tokens
+// (one per row, position t); the sharded overload wraps it to check that the ranks agree.
+template <CausalLM M, class Forward, class Pick>
+Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int64_t>& prompt,
+                              const generate_options& o, Pick&& pick) {
   require<shape_error>(prompt.rank() == 2 && prompt.dim(0) > 0 && prompt.dim(1) > 0,
                        "generate: the prompt must be [batch, seq] token ids with both positive, got ", prompt.shape());
   require(o.max_new_tokens >= 0 && o.top_k >= 0 && o.temperature > 0,
@@ -182,6 +172,7 @@ Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int
   if (o.use_cache) scope.emplace(model, total);
   const counter_rng draws(o.seed, fnv1a("generate"));
   std::vector<bool> ended(static_cast<std::size_t>(B), false);
+  std::vector<std::int64_t> next(static_cast<std::size_t>(B));
   auto logits = forward(prompt);
   for (std::int64_t t = P;; ++t) {
     require<shape_error>(logits.rank() == 3 && logits.dim(0) == B, "generate: the model returned logits ",
@@ -189,14 +180,21 @@ Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int
     const std::int64_t seq = logits.dim(1), vocab = logits.dim(2);
     require(!o.eos_token_id || (*o.eos_token_id >= 0 && *o.eos_token_id < vocab), "generate: eos_token_id ",
             o.eos_token_id.value_or(0), " is not a token of the model's ", vocab);
+    pick(
+        [&] {
+          for (std::int64_t n = 0; n < B; ++n)
+            next[std::size_t(n)] =
+                ended[std::size_t(n)]
+                    ? *o.eos_token_id
+                    : pick_token(logits.data() + (n * seq + seq - 1) * vocab, vocab, o,
+                                 draws.uniform_double(std::uint64_t(n * model.max_positions() + t)), n, t);
+        },
+        std::span<std::int64_t>(next), t);
     bool all_ended = bool(o.eos_token_id);
     for (std::int64_t n = 0; n < B; ++n) {
-      std::int64_t& next = out[n * total + t];
       const auto row = static_cast<std::size_t>(n);
-      next = ended[row] ? *o.eos_token_id
-                        : detail::pick_token(logits.data() + (n * seq + seq - 1) * vocab, vocab, o,
-                                             draws.uniform_double(std::uint64_t(n * model.max_positions() + t)), n, t);
-      ended[row] = o.eos_token_id && next == *o.eos_token_id;
+      out[n * total + t] = next[row];
+      ended[row] = o.eos_token_id && next[row] == *o.eos_token_id;
       all_ended = all_ended && ended[row];
     }
     if (all_ended && t + 1 < total) {  // every row has ended: the tokens so far
@@ -210,6 +208,26 @@ Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int
     for (std::int64_t n = 0; n < B; ++n) std::copy_n(out.data() + n * total + first, len, ids.data() + n * len);
     logits = forward(ids);
   }
+}
+}  // namespace detail
+
+// Continues every prompt row [batch, prompt_len] by max_new_tokens tokens and
+// returns prompt and continuation [batch, prompt_len + max_new_tokens] (fewer new
+// tokens when every row has reached eos_token_id, which is checked against the
+// vocabulary of the first logits). `forward`
+// maps ids to logits in inference mode: ctx.training() false (a plain context, or
+// a sharded model's forward in eval), so dropout is off and the KV cache may be
+// used. With the cache, the prompt runs once and each new token alone (its
+// position after the cached ones); the cache is disabled again on return, also
+// when forward throws. On a sharded model every rank must call this alike (same
+// prompt and options), each forward gathering units collectively; the overload for
+// sharded models (models/sharded_generate.hpp) checks that they do and that they pick
+// the same tokens, so that they stop together.
+template <CausalLM M, class Forward>
+  requires std::invocable<Forward&, const Tensor<std::int64_t>&>
+Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int64_t>& prompt,
+                              const generate_options& o = {}) {
+  return detail::generate(model, forward, prompt, o, [](auto&& pick, std::span<std::int64_t>, std::int64_t) { pick(); });
 }
 
 // generate() on an unsharded model: forwards in a plain context, not training.

@@ -1,0 +1,125 @@
+// shardlib/models/sharded_generate.hpp — generate() on a sharded model: every rank
+// calls it alike, its forwards run in eval (whatever mode the model was in, which it
+// has again on return), and the ranks check that they agree: on the prompt and
+// options before the first forward, on each position's tokens after it is picked.
+// Ranks that disagree (another prompt, another seed, other parameters) raise
+// together, where they would otherwise generate apart and stop at different steps.
+//
+//   auto sharded = shard::fully_shard(model, comm, shard::FullShard{}, {...});
+//   auto out = models::generate(sharded, prompt, {.max_new_tokens = 64, .top_k = 40});
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
+#include "shardlib/core/random.hpp"          // fnv1a
+#include "shardlib/io/rank_agreement.hpp"    // broadcast_string
+#include "shardlib/io/staging.hpp"           // host_collectives_of
+#include "shardlib/models/causal_lm.hpp"
+
+#include <bit>          // std::bit_cast
+#include <concepts>     // std::convertible_to
+#include <cstdint>      // std::int64_t, std::uint64_t
+#include <exception>    // std::exception
+#include <span>         // std::span
+#include <string>       // std::string
+#include <string_view>  // std::string_view
+#include <type_traits>  // std::remove_cvref_t
+#include <vector>       // std::vector
+
+namespace shardlib::models {
+
+// A sharded engine (shard::ShardedModel) over a CausalLM.
+template <class S>
+concept ShardedCausalLM = requires(S& s, const S& cs, const Tensor<std::int64_t>& ids) {
+  s.forward(ids);
+  s.comm();
+  s.eval();
+  s.train();
+  { cs.training() } -> std::convertible_to<bool>;
+  requires CausalLM<std::remove_cvref_t<decltype(s.model())>>;
+};
+
+namespace detail {
+
+// A hash that any rank computes alike, kept non-negative so that its negation fits.
+inline std::int64_t agreement_hash(std::string_view bytes) { return std::int64_t(fnv1a(bytes) >> 1); }
+
+inline std::int64_t prompt_hash(const Tensor<std::int64_t>& prompt) {
+  std::string bytes = cat(prompt.shape(), ":");
+  bytes.append(reinterpret_cast<const char*>(prompt.data()), prompt.numel() * sizeof(std::int64_t));
+  return agreement_hash(bytes);
+}
+
+inline std::int64_t options_hash(const generate_options& o) {
+  return agreement_hash(cat(o.max_new_tokens, ",", o.top_k, ",", std::bit_cast<std::uint64_t>(o.temperature), ",",
+                            o.seed, ",", o.use_cache, ",", o.eos_token_id ? cat(*o.eos_token_id) : "none"));
+}
+
+// One all-reduce (max) of each value, its negation, and a failure flag: every rank learns
+// whether all hold the same values and none failed, and raises alike if not. The rank
+// that failed raises its own message, the others the lowest failing rank's. `differ(i,
+// lowest, highest)` is the message when value i differs between ranks. Values must be
+// >= 0 (token ids, agreement_hash).
+template <class Comm, class Differ>
+void require_same_on_ranks(Comm& comm, std::span<const std::int64_t> mine, const std::string& failure,
+                           Differ&& differ) {
+  const std::size_t n = mine.size();
+  std::vector<std::int64_t> v(2 * n + 1);
+  for (std::size_t i = 0; i < n; ++i) {
+    v[i] = mine[i];
+    v[n + i] = -mine[i];
+  }
+  v[2 * n] = failure.empty() ? 0 : std::int64_t(comm.size() - comm.rank());
+  comm.all_reduce(std::span<std::int64_t>(v), comm::reduce_op::max);
+  const int r = comm.rank();
+  if (v[2 * n] != 0) {
+    const int first = comm.size() - int(v[2 * n]);
+    const std::string message = io::detail::broadcast_string(comm, failure, first);
+    if (!failure.empty()) throw error(cat("rank ", r, ": ", failure));
+    throw error(cat("rank ", r, ": generate stopped because rank ", first, " failed: ", message));
+  }
+  for (std::size_t i = 0; i < n; ++i)
+    if (v[i] != -v[n + i]) throw error(cat("rank ", r, ": ", differ(i, -v[n + i], v[i])));
+}
+
+}  // namespace detail
+
+// generate() (models/causal_lm.hpp) on a sharded model, collective: see the header.
+template <ShardedCausalLM S>
+Tensor<std::int64_t> generate(S& sharded, const Tensor<std::int64_t>& prompt, const generate_options& o = {}) {
+  auto comm = io::detail::host_collectives_of(sharded);
+  const std::int64_t hashes[] = {detail::prompt_hash(prompt), detail::options_hash(o)};
+  detail::require_same_on_ranks(comm, hashes, "", [](std::size_t i, std::int64_t, std::int64_t) {
+    return cat("generate: the ranks passed different ", i == 0 ? "prompts" : "options",
+               "; every rank of a sharded model must call it alike");
+  });
+
+  struct mode_scope {  // training mode again however this returns
+    explicit mode_scope(S& s) : s_(&s), training_(s.training()) {
+      if (training_) s.eval();
+    }
+    mode_scope(const mode_scope&) = delete;
+    mode_scope& operator=(const mode_scope&) = delete;
+    ~mode_scope() {
+      if (training_) s_->train();
+    }
+    S* s_;
+    bool training_;
+  } mode(sharded);
+
+  const auto agree = [&](auto&& pick_rows, std::span<std::int64_t> tokens, std::int64_t t) {
+    std::string failure;
+    try {
+      pick_rows();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    detail::require_same_on_ranks(comm, tokens, failure, [&](std::size_t row, std::int64_t lo, std::int64_t hi) {
+      return cat("generate: the ranks picked different tokens for row ", row, " at position ", t, " (ids ", lo,
+                 " to ", hi, "): their logits differ; every rank needs the same parameters");
+    });
+  };
+  auto forward = [&](const Tensor<std::int64_t>& ids) { return sharded.forward(ids); };
+  return detail::generate(sharded.model(), forward, prompt, o, agree);
+}
+
+}  // namespace shardlib::models
