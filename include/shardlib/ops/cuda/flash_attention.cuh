@@ -35,7 +35,7 @@ namespace detail {
 // Dynamic shared memory above 48 KiB needs the kernel's opt-in, up to the device's
 // limit (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89: head_dim 256's
 // backward on CUDA cores needs 130 KiB, the tensor-core kernels at head_dim 128 up
-// to 123,904 bytes), checked first so that a small GPU gets a message.
+// to 106,496 bytes), checked first so that a small GPU gets a message.
 template <class K, class Args>
 void launch_flash(K kernel, dim3 grid, std::size_t shared_bytes, cudaStream_t stream, const char* name,
                   const Args& args) {

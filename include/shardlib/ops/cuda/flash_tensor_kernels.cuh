@@ -25,8 +25,9 @@
 // Tiles come in by cp.async (16 bytes per copy), the next while the warps work on
 // the current one: forward and dq keep one K and one V tile and fetch K_{j+1}
 // (forward) or V_{j+1} (dq) as soon as every warp is done with this tile's; dk/dv
-// double-buffer the query tiles (Q, dO, lse, D), its heaviest loop. Shared memory
-// per block at head_dim 128: forward 61,440 bytes, dq 78,848, dk/dv 123,904.
+// double-buffers Q (with lse and D) and fetches dO_{t+1} once every warp is done with
+// dO_t. Shared memory per block at head_dim 128: forward 61,440 bytes, dq 78,848,
+// dk/dv 106,496 (each two blocks per SM on an H100 or H200).
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/ops/attention_tiles.hpp"
@@ -257,19 +258,21 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
   T* ks = c.take<T>(tile * rp);
   T* vs = c.take<T>(tile * rp);
   T* const qs = c.take<T>(2 * tile * rp);  // query tiles, buffer b at b * tile * rp
-  T* const dos = c.take<T>(2 * tile * rp);
+  T* const dos = c.take<T>(tile * rp);     // one dO tile
   T* ptw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;   // the warp's P^T (dropped)
   T* dstw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // and dS^T
   float* const lse = c.take<float>(2 * tile);                            // the query tiles'
   float* const row_d = c.take<float>(2 * tile);
 
   // Tiles go head by head over the kv head's query heads, from the first query tile that
-  // can see a key of this block; tile t + 1 is copied into the other buffer while the
-  // warps work on tile t.
+  // can see a key of this block. Q_{t+1} (with its lse and D) is copied into the other
+  // buffer while the warps work on tile t, dO_{t+1} into dO's once every warp is past
+  // dV += P^T dO_t: one dO buffer keeps the block within half an SM's shared memory at
+  // head_dim 128 (two blocks, 8 warps, per SM on an H100 or H200), and dO_{t+1} still
+  // lands while the warps do dK += dS^T Q_t.
   const std::int64_t start = flash::query_begin(p, j0) / tile * tile;
   const auto stage_queries = [&](int b, std::int64_t h, std::int64_t i0) {
     stage<DM>(qs + b * tile * rp, a.q, n, h, i0, p.queries, a.dim);
-    stage<DM>(dos + b * tile * rp, a.dout, n, h, i0, p.queries, a.dim);
     if (threadIdx.x < tile) {
       const std::int64_t i = i0 + threadIdx.x, x = (n * p.heads + h) * p.queries + i;
       const int at = b * tile + int(threadIdx.x);
@@ -286,6 +289,7 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
     stage<DM>(ks, a.k, n, g, j0, p.keys, a.dim);
     stage<DM>(vs, a.v, n, g, j0, p.keys, a.dim);
     stage_queries(0, g * rep, start);
+    stage<DM>(dos, a.dout, n, g * rep, start, p.queries, a.dim);
   }
   __pipeline_commit();
   accumulator gk[DM / edge], gv[DM / edge];
@@ -297,13 +301,14 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
   int b = 0;
   for (std::int64_t h = g * rep, i0 = start; start < p.queries && h < (g + 1) * rep; b ^= 1) {
     const std::int64_t next_h = i0 + tile < p.queries ? h : h + 1, next_i0 = i0 + tile < p.queries ? i0 + tile : start;
-    if (next_h < (g + 1) * rep) stage_queries(b ^ 1, next_h, next_i0);
+    const bool more = next_h < (g + 1) * rep;
+    if (more) stage_queries(b ^ 1, next_h, next_i0);
     __pipeline_commit();
-    landed<1>();  // K, V and query tile t (t + 1 may still be on its way)
+    landed<1>();  // K, V, Q_t and dO_t (Q_{t+1} may still be on its way)
     // The warp's keys start at `first`: past the tile's last query's causal limit, or past the keys, none is seen.
-    if (first < flash::key_end(p, last_row(i0, tile, p.queries))) {
-      const T* q = qs + b * tile * rp;
-      const T* dout = dos + b * tile * rp;
+    const bool sees = first < flash::key_end(p, last_row(i0, tile, p.queries));
+    const T* q = qs + b * tile * rp;
+    if (sees) {
       const float* tile_lse = lse + b * tile;
       const float* tile_d = row_d + b * tile;
       const tile_view v = key_rows(p, n, first, i0);
@@ -311,7 +316,7 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
       for (int half = 0; half < 2; ++half) {  // 32 queries at a time: fewer registers
         accumulator st[chunks / 2], dpt[chunks / 2];
         products<DM>(st, ks + warp * edge * rp, q + half * (tile / 2) * rp);      // K Q^T = S^T
-        products<DM>(dpt, vs + warp * edge * rp, dout + half * (tile / 2) * rp);  // V dO^T = dP^T
+        products<DM>(dpt, vs + warp * edge * rp, dos + half * (tile / 2) * rp);  // V dO^T = dP^T
 #pragma unroll
         for (int cc = 0; cc < chunks / 2; ++cc)
 #pragma unroll
@@ -333,10 +338,13 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
           }
       }
       __syncwarp();
-      accumulate<DM>(gv, ptw, dout);  // dV += P^T dO
-      accumulate<DM>(gk, dstw, q);    // dK += dS^T Q
+      accumulate<DM>(gv, ptw, dos);  // dV += P^T dO
     }
-    __syncthreads();  // every warp is done with tile t's buffer, which tile t + 2 takes
+    __syncthreads();  // every warp is done with dO_t
+    if (more) stage<DM>(dos, a.dout, n, next_h, next_i0, p.queries, a.dim);
+    __pipeline_commit();
+    if (sees) accumulate<DM>(gk, dstw, q);  // dK += dS^T Q
+    __syncthreads();  // every warp is done with Q_t's buffer, which Q_{t+2} takes
     h = next_h;
     i0 = next_i0;
   }

@@ -55,7 +55,8 @@ struct wmma_type<shardlib::half> {
 // Shared memory per block (every region starts 32-byte aligned, as wmma's loads need):
 // staged tiles of rows, each warp's 16 rows of weights (P, dS, ...) on their way from
 // its accumulators to the next product, and dk/dv's two query buffers with their lse
-// and D. At the end the accumulators go out through the first two staged tiles.
+// and D (and one dO buffer). At the end the accumulators go out through the first two
+// staged tiles.
 template <int DM>
 constexpr std::size_t rows_bytes = std::size_t(tile) * row_pitch<DM> * 2;
 constexpr std::size_t weights_bytes = std::size_t(tile) * weight_pitch * 2;
@@ -66,9 +67,12 @@ constexpr std::size_t forward_bytes = 3 * rows_bytes<DM> + weights_bytes;
 template <int DM>
 constexpr std::size_t dq_bytes = 4 * rows_bytes<DM> + weights_bytes;
 template <int DM>
-constexpr std::size_t dkdv_bytes = 6 * rows_bytes<DM> + 2 * weights_bytes + 2 * 2 * tile * 4;
+constexpr std::size_t dkdv_bytes = 5 * rows_bytes<DM> + 2 * weights_bytes + 2 * 2 * tile * 4;
 template <int DM>
 constexpr std::size_t largest_bytes = std::max({forward_bytes<DM>, dq_bytes<DM>, dkdv_bytes<DM>});
+// Two blocks of each kernel per SM on sm_90 (228 KiB of shared memory per SM, 1 KiB of it
+// reserved per block), at the largest head_dim: 8 warps to hide each other's latency.
+static_assert(2 * (largest_bytes<128> + 1024) <= 228 * 1024, "two blocks per SM on sm_90 at head_dim 128");
 // Every region, and every warp's part of one, starts 32-byte aligned; every staged row
 // 16-byte aligned (stage's vector stores).
 template <int DM>
