@@ -862,6 +862,7 @@ TEST_CASE("generate on a sharded model raises on every rank when the ranks disag
   enum class fault { prompt, seed, parameters, nan };
   for (const fault f : {fault::prompt, fault::seed, fault::parameters, fault::nan}) {
     std::vector<std::string> what(2);
+    std::vector<int> training(2, 0);
     comm::launch(2, [&](comm::ThreadComm& c) {
       Model model = golden_model<Model>();
       auto sharded = shard::fully_shard<fixture_sgd>(model, c, shard::AnyStrategy(shard::NoShard{}),
@@ -882,8 +883,10 @@ TEST_CASE("generate on a sharded model raises on every rank when the ranks disag
       } catch (const std::exception& e) {
         what[std::size_t(c.rank())] = e.what();
       }
+      training[std::size_t(c.rank())] = sharded.training();  // back in training mode after the raise
     });
     INFO("fault " << int(f) << ": rank 0: " << what[0] << "; rank 1: " << what[1]);
+    CHECK(training == std::vector<int>{1, 1});
     const char* differ[] = {"different prompts", "different options", "picked different tokens for row "};
     for (int r = 0; r < 2; ++r) {
       CHECK(what[std::size_t(r)].starts_with(cat("rank ", r, ": ")));

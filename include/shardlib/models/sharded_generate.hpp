@@ -30,6 +30,7 @@ namespace shardlib::models {
 // A sharded engine (shard::ShardedModel) over a CausalLM.
 template <class S>
 concept ShardedCausalLM = requires(S& s, const S& cs, const Tensor<std::int64_t>& ids) {
+  typename S::space;
   s.forward(ids);
   s.comm();
   s.eval();
@@ -54,27 +55,37 @@ inline std::int64_t options_hash(const generate_options& o) {
                             o.seed, ",", o.use_cache, ",", o.eos_token_id ? cat(*o.eos_token_id) : "none"));
 }
 
-// One all-reduce (max) of each value, its negation, and a failure flag: every rank learns
-// whether all hold the same values and none failed, and raises alike if not. The rank
-// that failed raises its own message, the others the lowest failing rank's. `differ(i,
-// lowest, highest)` is the message when value i differs between ranks. Values must be
-// >= 0 (token ids, agreement_hash).
-template <class Comm, class Differ>
-void require_same_on_ranks(Comm& comm, std::span<const std::int64_t> mine, const std::string& failure,
-                           Differ&& differ) {
+// Runs f(), then one all-reduce (max) of each value of `mine` (which f may fill), its
+// negation, and a failure flag: every rank learns whether all hold the same values and
+// none failed, and raises alike if not. The rank whose f threw raises its own message,
+// the others the lowest failing rank's. `differ(i, lowest, highest)` is the message when
+// value i differs between ranks. Values must be >= 0 (token ids, agreement_hash).
+template <class Comm, class F, class Differ>
+void require_same_on_ranks(Comm& comm, F&& f, std::span<const std::int64_t> mine, Differ&& differ) {
+  bool failed = false;
+  std::string failure;
+  try {
+    f();
+  } catch (const std::exception& e) {
+    failed = true;
+    failure = e.what();
+  } catch (...) {
+    failed = true;
+    failure = "an exception not derived from std::exception";
+  }
   const std::size_t n = mine.size();
   std::vector<std::int64_t> v(2 * n + 1);
-  for (std::size_t i = 0; i < n; ++i) {
+  for (std::size_t i = 0; i < n && !failed; ++i) {
     v[i] = mine[i];
     v[n + i] = -mine[i];
   }
-  v[2 * n] = failure.empty() ? 0 : std::int64_t(comm.size() - comm.rank());
+  v[2 * n] = failed ? std::int64_t(comm.size() - comm.rank()) : 0;
   comm.all_reduce(std::span<std::int64_t>(v), comm::reduce_op::max);
   const int r = comm.rank();
   if (v[2 * n] != 0) {
     const int first = comm.size() - int(v[2 * n]);
     const std::string message = io::detail::broadcast_string(comm, failure, first);
-    if (!failure.empty()) throw error(cat("rank ", r, ": ", failure));
+    if (failed) throw error(cat("rank ", r, ": ", failure));
     throw error(cat("rank ", r, ": generate stopped because rank ", first, " failed: ", message));
   }
   for (std::size_t i = 0; i < n; ++i)
@@ -83,15 +94,21 @@ void require_same_on_ranks(Comm& comm, std::span<const std::int64_t> mine, const
 
 }  // namespace detail
 
-// generate() (models/causal_lm.hpp) on a sharded model, collective: see the header.
+// generate() (models/causal_lm.hpp) on a sharded model, collective: see the header. In
+// training mode it calls eval() first, which forgets a forward still waiting for its
+// backward (that backward then raises), and train() on return.
 template <ShardedCausalLM S>
 Tensor<std::int64_t> generate(S& sharded, const Tensor<std::int64_t>& prompt, const generate_options& o = {}) {
   auto comm = io::detail::host_collectives_of(sharded);
-  const std::int64_t hashes[] = {detail::prompt_hash(prompt), detail::options_hash(o)};
-  detail::require_same_on_ranks(comm, hashes, "", [](std::size_t i, std::int64_t, std::int64_t) {
-    return cat("generate: the ranks passed different ", i == 0 ? "prompts" : "options",
-               "; every rank of a sharded model must call it alike");
-  });
+  // What generate checks before its first forward depends on these alone.
+  const std::int64_t facts[] = {detail::prompt_hash(prompt), detail::options_hash(o),
+                                std::int64_t(sharded.model().max_positions())};
+  detail::require_same_on_ranks(
+      comm, [] {}, facts, [](std::size_t i, std::int64_t lo, std::int64_t hi) {
+        constexpr const char* what[] = {"prompts", "options", "models (max_positions)"};
+        return cat("generate: the ranks passed different ", what[i], i == 2 ? cat(", ", lo, " to ", hi) : "",
+                   "; every rank of a sharded model must call it alike");
+      });
 
   struct mode_scope {  // training mode again however this returns
     explicit mode_scope(S& s) : s_(&s), training_(s.training()) {
@@ -107,13 +124,7 @@ Tensor<std::int64_t> generate(S& sharded, const Tensor<std::int64_t>& prompt, co
   } mode(sharded);
 
   const auto agree = [&](auto&& pick_rows, std::span<std::int64_t> tokens, std::int64_t t) {
-    std::string failure;
-    try {
-      pick_rows();
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-    detail::require_same_on_ranks(comm, tokens, failure, [&](std::size_t row, std::int64_t lo, std::int64_t hi) {
+    detail::require_same_on_ranks(comm, pick_rows, tokens, [&](std::size_t row, std::int64_t lo, std::int64_t hi) {
       return cat("generate: the ranks picked different tokens for row ", row, " at position ", t, " (ids ", lo,
                  " to ", hi, "): their logits differ; every rank needs the same parameters");
     });
