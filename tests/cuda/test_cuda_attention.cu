@@ -153,9 +153,13 @@ TEST_CASE("flash attention takes the tensor cores for 16-bit inputs up to head_d
   REQUIRE(cudaGetDevice(&device) == cudaSuccess);
   REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess);
   const fa::flash_options on{}, off{.tensor_cores = false};
-  // The kernels read wmma's accumulators element by element, where mma.sync puts them
-  // (flash_tensor_tiles.cuh): if this GPU lays them out otherwise, the CUDA cores take over.
-  if (major >= 8) CHECK(fa::detail::accumulator_layout_holds());
+  // The kernels read wmma's accumulators element by element, where mma.sync puts them, and
+  // multiply by ldmatrix and mma.sync (flash_tensor_tiles.cuh): if this GPU lays them out
+  // otherwise or a product is wrong, the CUDA cores take over.
+  if (major >= 8) {
+    CHECK(fa::detail::tensor_tiles_hold<sl::bfloat16>());
+    CHECK(fa::detail::tensor_tiles_hold<sl::half>());
+  }
   CHECK(fa::flash_uses_tensor_cores<sl::bfloat16>(64, on) == (major >= 8));
   CHECK(fa::flash_uses_tensor_cores<sl::half>(128, on) == (major >= 8));
   CHECK_FALSE(fa::flash_uses_tensor_cores<sl::bfloat16>(64, off));

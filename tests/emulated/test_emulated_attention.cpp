@@ -174,11 +174,50 @@ double tolerance() {
 
 }  // namespace
 
+// On a GPU the products load operands by ldmatrix.x4 and multiply by mma.sync m16n8k16
+// (the emulator runs wmma instead). Modelled here on the PTX ISA's layouts: ldmatrix gives
+// lane t row t / 4, elements 2 (t % 4) and + 1, of each 8x8 matrix (transposed: column t / 4,
+// rows 2 (t % 4) and + 1), whose row i lane 8 j + i addresses; mma wants lane t's A element
+// i at row t / 4 + 8 ((i / 2) % 2), k 2 (t % 4) + i % 2 + 8 (i / 4), and B element i at k
+// 2 (t % 4) + i % 2 + 8 (i / 2), column t / 4. Each lane must receive what mma wants.
+TEST_CASE("the lanes' ldmatrix addresses give mma.sync its operands", "[emulated][flash]") {
+  const auto ldmatrix = [](const std::vector<int>& m, auto piece, bool trans, int t) {
+    std::array<std::array<int, 2>, 4> r{};
+    for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const int row = trans ? 2 * (t % 4) + h : t / 4, col = trans ? t / 4 : 2 * (t % 4) + h;
+        const ft::piece p = piece(8 * j + row);
+        r[std::size_t(j)][std::size_t(h)] = m[std::size_t(p.row * 16 + p.col + col)];
+      }
+    return r;
+  };
+  std::vector<int> tile(256);  // element (row, col) holds 100 row + col
+  for (int e = 0; e < 256; ++e) tile[std::size_t(e)] = 100 * (e / 16) + e % 16;
+  int wrong = 0;
+  for (int t = 0; t < 32; ++t) {
+    const int g = t / 4, q = t % 4;
+    const auto a = ldmatrix(tile, ft::a_piece, false, t);
+    for (int i = 0; i < 8; ++i)  // A [row][k]
+      wrong += a[std::size_t(i / 2)][std::size_t(i % 2)] != 100 * (g + 8 * ((i / 2) % 2)) + 2 * q + i % 2 + 8 * (i / 4);
+    const auto bt = ldmatrix(tile, ft::b_transposed_piece, false, t), b = ldmatrix(tile, ft::b_piece, true, t);
+    for (int half = 0; half < 2; ++half)  // columns 0-7, then 8-15
+      for (int i = 0; i < 4; ++i) {
+        const int k = 2 * q + i % 2 + 8 * (i / 2), n = g + 8 * half;
+        const auto at = [&](const auto& r) { return r[std::size_t(2 * half + i / 2)][std::size_t(i % 2)]; };
+        wrong += at(bt) != 100 * n + k;  // the tile holds B^T: [n][k]
+        wrong += at(b) != 100 * k + n;   // the tile holds B: [k][n]
+      }
+  }
+  CHECK(wrong == 0);
+}
+
 // The kernels read accumulators element by element where row_of and column_of say; the
-// probe that checks it on a GPU must hold here, where every lane holds the whole tile.
-TEST_CASE("the accumulator layout probe holds for the emulated fragments", "[emulated][flash]") {
+// probe that checks it (and the products) on a GPU must hold here, where every lane holds
+// the whole tile.
+TEMPLATE_TEST_CASE("the accumulator layout probe holds for the emulated fragments", "[emulated][flash]",
+                   sl::bfloat16, sl::half) {
   std::vector<int> flags(32, -1);
-  cuda_emulator::launch(ft::layout_probe_kernel<ft::edge>, dim3(1), dim3(32), 0, {}, flags.data());
+  cuda_emulator::launch(ft::layout_probe_kernel<TestType>, dim3(1), dim3(32), 0, {}, flags.data());
   CHECK(flags == std::vector<int>(32, 1));
 }
 

@@ -54,10 +54,12 @@ bool tensor_kernel_usable(Kernel kernel, std::size_t shared_bytes) {
 }
 
 // Whether the current GPU's wmma accumulators hold their elements where the tensor-core
-// kernels read them one by one (flash_tensor_tiles.cuh): asked of the GPU once per thread
-// and device, by one warp of layout_probe_kernel on a stream of its own (no other work
-// waits for it). Call it where tensor_kernel_usable holds: on older GPUs it fails.
-inline bool accumulator_layout_holds() {
+// kernels read them one by one, and the kernels' products in T are exact where they
+// should be (flash_tensor_tiles.cuh): asked of the GPU once per thread, device and T, by
+// one warp of layout_probe_kernel on a stream of its own (no other work waits for it).
+// Call it where tensor_kernel_usable holds: on older GPUs it fails.
+template <class T>
+bool tensor_tiles_hold() {
   namespace ft = detail::tensor;
   thread_local std::map<int, bool> known;
   const int device = shardlib::cuda::current_device_facts().device;
@@ -66,7 +68,7 @@ inline bool accumulator_layout_holds() {
   int* flags = nullptr;  // 128 bytes once: not worth the caching allocator's books for a stream that ends here
   shardlib::cuda::check(cudaMalloc(&flags, 32 * sizeof(int)), "cudaMalloc (the layout probe)");
   const std::unique_ptr<int, cudaError_t (*)(void*)> owned(flags, &cudaFree);
-  launch_kernel("the tensor-core attention's layout probe", ft::layout_probe_kernel<ft::edge>, 1, 32, 0, own.get(),
+  launch_kernel("the tensor-core attention's layout probe", ft::layout_probe_kernel<T>, 1, 32, 0, own.get(),
                 flags);
   std::array<int, 32> got{};
   shardlib::cuda::copy_async(std::span<int>(got), std::span<const int>(flags, 32), own.get());
@@ -93,7 +95,7 @@ bool flash_uses_tensor_cores(std::int64_t head_dim, const flash_options& o) {
     bool usable = false;
     ft::dispatch_dim(head_dim,
                      [&]<int DM>() { usable = detail::tensor_kernel_usable(ft::forward_kernel<DM, T>, ft::largest_bytes<DM>); });
-    return usable && detail::accumulator_layout_holds();
+    return usable && detail::tensor_tiles_hold<T>();
   }
 }
 

@@ -2,8 +2,8 @@
 // tensor cores: bfloat16 or half inputs, head_dim up to 128, sm_80 and later.
 //
 // The arithmetic is ops/attention_tiles.hpp's with Operand = the input type: the
-// products Q K^T, dO V^T, P V, P^T dO, dS^T Q and dS K run as 16x16x16 wmma tiles
-// with 16-bit operands and fp32 accumulation, so the weights P and the score
+// products Q K^T, dO V^T, P V, P^T dO, dS^T Q and dS K run as 16x16x16 tiles on the
+// tensor cores (flash_tensor_tiles.cuh: products, accumulate) with 16-bit operands and fp32 accumulation, so the weights P and the score
 // gradients dS are rounded to the input type before they multiply, as in
 // FlashAttention-2 (forward rounds a weight before dropout, whose 1 / (1 - p)
 // then scales its output in fp32; backward after); the online softmax, masks,

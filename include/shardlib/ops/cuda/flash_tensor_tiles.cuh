@@ -1,9 +1,10 @@
 // shardlib/ops/cuda/flash_tensor_tiles.cuh — the tiles of the tensor-core attention
 // (ops/cuda/flash_tensor_kernels.cuh, whose opening comment gives the block's layout):
 // the tile and pitch constants, the shared memory each kernel takes, the head dims
-// and row layouts the kernels accept, and the pieces every kernel is made of — wmma
-// products, which element of an accumulator a lane holds, a tile staged into shared
-// memory by cp.async, a warp's rows written out.
+// and row layouts the kernels accept, and the pieces every kernel is made of — the
+// products (ldmatrix and mma.sync into wmma accumulators), which element of an
+// accumulator a lane holds, a tile staged into shared memory by cp.async, a warp's rows
+// written out.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/element.hpp"  // bfloat16, half
@@ -117,6 +118,87 @@ __device__ const typename wmma_type<T>::type* as_wmma(const T* p) {
   return reinterpret_cast<const typename wmma_type<T>::type*>(p);
 }
 
+// Which row piece of a 16x16 16-bit tile a lane addresses for ldmatrix.x4 (8 elements from
+// (row, col)): lanes 0-7, 8-15, 16-23 and 24-31 give the rows of its four 8x8 matrices.
+struct piece {
+  int row, col;
+};
+// A from [16 rows][16 k]: matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15),
+// mma's a0a1, a2a3, a4a5, a6a7.
+__host__ __device__ constexpr piece a_piece(int lane) { return {lane % 16, 8 * (lane / 16)}; }
+// B = m^T from m [16 n][16 k]: (n 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15): b0b1,
+// b2b3 of columns 0-7, then of columns 8-15.
+__host__ __device__ constexpr piece b_transposed_piece(int lane) {
+  return {lane % 8 + 8 * (lane / 16), 8 * ((lane / 8) % 2)};
+}
+// B from [16 k][16 n], each matrix transposed: (k 0-7, n 0-7), (8-15, 0-7), (0-7, 8-15),
+// (8-15, 8-15), the same registers.
+__host__ __device__ constexpr piece b_piece(int lane) { return {lane % 8 + 8 * ((lane / 8) % 2), 8 * (lane / 16)}; }
+
+#if defined(__CUDA_ARCH__)
+// On the GPU the operands come in by ldmatrix and multiply by mma.sync (m16n8k16, fp32
+// accumulation): wmma's loads take generic addresses, four loads per fragment and a
+// movmatrix for each transposed 8x8, where one ldmatrix reads four 8x8 matrices from
+// shared memory, transposed if asked. Registers and lanes are as the PTX ISA lays them
+// out for m16n8k16; the accumulators stay wmma's, whose element order matches it
+// (row_of, column_of below), and layout_probe_kernel checks these products on each GPU.
+// tests/emulated runs the wmma products in the #else branch.
+struct operand {  // 16x16 16-bit values: A's a0..a7, or B's b0..b3 for columns 0-7 then 8-15
+  std::uint32_t r[4];
+};
+// The four 8x8 matrices whose rows lanes 0-7, 8-15, 16-23 and 24-31 address (16-byte aligned
+// rows in shared memory), in r[0..3]; Trans: each transposed.
+template <bool Trans, class T>
+__device__ void load_matrices(operand& f, const T* row) {
+  const auto at = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3])
+                 : "r"(at)
+                 : "memory");
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3])
+                 : "r"(at)
+                 : "memory");
+}
+// The operands of one mma from a tile at `at` (rows `pitch` apart): A (rows of Q, dO, K,
+// V or weights), B = m^T for m the rows of K, V, Q or dO, B from rows of V, K, dO or Q.
+template <class T>
+__device__ void load_a(operand& f, const T* at, int pitch) {
+  const piece p = a_piece(int(threadIdx.x) % 32);
+  load_matrices<false>(f, at + p.row * pitch + p.col);
+}
+template <class T>
+__device__ void load_b_transposed(operand& f, const T* at, int pitch) {
+  const piece p = b_transposed_piece(int(threadIdx.x) % 32);
+  load_matrices<false>(f, at + p.row * pitch + p.col);
+}
+template <class T>
+__device__ void load_b(operand& f, const T* at, int pitch) {
+  const piece p = b_piece(int(threadIdx.x) % 32);
+  load_matrices<true>(f, at + p.row * pitch + p.col);
+}
+// c += a b: columns 0-7 into c.x[0..3], 8-15 into c.x[4..7].
+template <class T>
+__device__ void mma(accumulator& c, const operand& a, const operand& b) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float* d = c.x + 4 * h;
+    if constexpr (std::is_same_v<T, bfloat16>)
+      asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+          "{%0, %1, %2, %3};\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[2 * h]), "r"(b.r[2 * h + 1]));
+    else
+      asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+          "{%0, %1, %2, %3};\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[2 * h]), "r"(b.r[2 * h + 1]));
+  }
+}
+#endif
+
 // s[c] = a . b^T for a's 16 rows ([16][DM] at a) and b's rows 16c to 16c + 15 ([16 N][DM]
 // at b), both pitch row_pitch: Q K^T, dO V^T, K Q^T, V dO^T. Each of a's fragments is
 // loaded once, for all N products.
@@ -126,6 +208,16 @@ __device__ void products(accumulator (&s)[N], const T* a, const T* b) {
   for (int c = 0; c < N; ++c) wmma::fill_fragment(s[c], 0.0f);
 #pragma unroll
   for (int k = 0; k < DM; k += edge) {
+#if defined(__CUDA_ARCH__)
+    operand fa;
+    load_a(fa, a + k, row_pitch<DM>);
+#pragma unroll
+    for (int c = 0; c < N; ++c) {
+      operand fb;
+      load_b_transposed(fb, b + c * edge * row_pitch<DM> + k, row_pitch<DM>);
+      mma<T>(s[c], fa, fb);
+    }
+#else
     a_fragment<T> fa;
     wmma::load_matrix_sync(fa, as_wmma(a + k), unsigned(row_pitch<DM>));
 #pragma unroll
@@ -134,6 +226,7 @@ __device__ void products(accumulator (&s)[N], const T* a, const T* b) {
       wmma::load_matrix_sync(fb, as_wmma(b + c * edge * row_pitch<DM> + k), unsigned(row_pitch<DM>));
       wmma::mma_sync(s[c], fa, fb, s[c]);
     }
+#endif
   }
 }
 
@@ -144,6 +237,16 @@ template <int DM, class T>
 __device__ void accumulate(accumulator (&acc)[DM / edge], const T* w, const T* b) {
 #pragma unroll
   for (int k = 0; k < tile; k += edge) {
+#if defined(__CUDA_ARCH__)
+    operand fa;
+    load_a(fa, w + k, weight_pitch);
+#pragma unroll
+    for (int dc = 0; dc < DM / edge; ++dc) {
+      operand fb;
+      load_b(fb, b + k * row_pitch<DM> + dc * edge, row_pitch<DM>);
+      mma<T>(acc[dc], fa, fb);
+    }
+#else
     a_fragment<T> fa;
     wmma::load_matrix_sync(fa, as_wmma(w + k), unsigned(weight_pitch));
 #pragma unroll
@@ -152,6 +255,7 @@ __device__ void accumulate(accumulator (&acc)[DM / edge], const T* w, const T* b
       wmma::load_matrix_sync(fb, as_wmma(b + k * row_pitch<DM> + dc * edge), unsigned(row_pitch<DM>));
       wmma::mma_sync(acc[dc], fa, fb, acc[dc]);
     }
+#endif
   }
 }
 
@@ -161,8 +265,8 @@ __device__ void accumulate(accumulator (&acc)[DM / edge], const T* w, const T* b
 // lane's element e sits where mma.sync's m16n8k16 tiles put it, as wmma's 16x16x16 fp32
 // accumulators do on sm_80 and sm_90: row lane / 4 + 8 ((e / 2) % 2), column
 // 2 (lane % 4) + e % 2 + 8 (e / 4). CUDA does not document it, so flash_uses_tensor_cores
-// checks it once per device (layout_probe_kernel) and test_cuda_attention asserts that it
-// holds. A lane so holds elements of two rows (its slots), each row shared by 4 lanes.
+// checks it once per device and input type, with the products above (layout_probe_kernel),
+// and test_cuda_attention asserts that it holds. A lane so holds elements of two rows (its slots), each row shared by 4 lanes.
 // tests/emulated's fragments hold the whole tile in every lane: slot = row, nothing shared.
 template <class F>
 inline constexpr bool holds_whole_tile = requires { F::whole_tile; };
@@ -220,21 +324,41 @@ __device__ void write_rows(const rows<T>& dst, std::int64_t n, std::int64_t h, s
 #endif
 
 // One warp: flags[lane] = 1 when every element the lane holds of a 16x16 accumulator
-// loaded from row-major values 16 row + column sits where row_of and column_of say.
+// loaded from row-major values 16 row + column sits where row_of and column_of say, and
+// when the products of the kernels (products: a b^T, accumulate: w b) give the lane's
+// elements exactly, for small integers in T (sums of 64 products below 2^24: exact in fp32).
 // (A template, as every kernel of these headers: defined in each program that uses it.)
-template <int N>
+template <class T>
 __global__ void layout_probe_kernel(int* flags) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  static_assert(N == edge);
-  static __shared__ __align__(32) float m[N * N];
+  constexpr int DM = 64;
+  static __shared__ __align__(32) float m[edge * edge];
+  static __shared__ __align__(32) T a[edge * row_pitch<DM>], w[edge * weight_pitch], b[tile * row_pitch<DM>];
   const int lane = int(threadIdx.x) % 32;
-  for (int e = lane; e < N * N; e += 32) m[e] = float(e);
+  const auto a_at = [](int r, int k) { return float((r + 2 * k) % 5 - 2); };
+  const auto b_at = [](int r, int k) { return float((3 * r + k) % 7 - 3); };
+  for (int e = lane; e < edge * edge; e += 32) m[e] = float(e);
+  for (int e = lane; e < edge * DM; e += 32) a[e / DM * row_pitch<DM> + e % DM] = T(a_at(e / DM, e % DM));
+  for (int e = lane; e < edge * tile; e += 32) w[e / tile * weight_pitch + e % tile] = T(a_at(e / tile, e % tile));
+  for (int e = lane; e < tile * DM; e += 32) b[e / DM * row_pitch<DM> + e % DM] = T(b_at(e / DM, e % DM));
   __syncwarp();
-  accumulator f;
-  wmma::load_matrix_sync(f, m, unsigned(N), wmma::mem_row_major);
+  accumulator f, s[1], acc[DM / edge];
+  wmma::load_matrix_sync(f, m, unsigned(edge), wmma::mem_row_major);
+  products<DM>(s, a, b);  // s = a b[0:16]^T
+#pragma unroll
+  for (int dc = 0; dc < DM / edge; ++dc) wmma::fill_fragment(acc[dc], 0.0f);
+  accumulate<DM>(acc, w, b);  // acc = w b
   int ok = 1;
-  for (int e = 0; e < accumulator::num_elements; ++e)
-    ok &= f.x[e] == float(row_of(slot_of(e), lane) * N + column_of(e, lane));
+  for (int e = 0; e < accumulator::num_elements; ++e) {
+    const int r = row_of(slot_of(e), lane), c = column_of(e, lane);
+    ok &= f.x[e] == float(r * edge + c);
+    float dot = 0.0f, sum[DM / edge] = {};
+    for (int k = 0; k < DM; ++k) dot += a_at(r, k) * b_at(c, k);
+    for (int k = 0; k < tile; ++k)
+      for (int dc = 0; dc < DM / edge; ++dc) sum[dc] += a_at(r, k) * b_at(k, dc * edge + c);
+    ok &= s[0].x[e] == dot;
+    for (int dc = 0; dc < DM / edge; ++dc) ok &= acc[dc].x[e] == sum[dc];
+  }
   flags[lane] = ok;
 #else
   flags[threadIdx.x % 32] = 0;  // no wmma below sm_80
