@@ -89,21 +89,24 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
     __pipeline_commit();
     if (seen) {
       const tile_view v = query_rows(p, n, first, j0);
-      float top[slots], alpha[slots], sum[slots];
+      float top[slots], alpha[slots], sum[slots], max2[slots];
 #pragma unroll
       for (int r = 0; r < slots; ++r) top[r] = -INFINITY;
+      with_flags(v.all, [&](auto all) {
 #pragma unroll
-      for (int cc = 0; cc < chunks; ++cc)
+        for (int cc = 0; cc < chunks; ++cc)
 #pragma unroll
-        for (int e = 0; e < accumulator::num_elements; ++e) {
-          const bool vis = v.all || v.sees(row_of(slot_of(e), lane), cc * edge + column_of(e, lane));
-          s[cc].x[e] = flash::masked_score(s[cc].x[e], a.scale, vis);
-          top[slot_of(e)] = fmaxf(top[slot_of(e)], s[cc].x[e]);
-        }
+          for (int e = 0; e < accumulator::num_elements; ++e) {
+            const bool vis = all || v.sees(row_of(slot_of(e), lane), cc * edge + column_of(e, lane));
+            s[cc].x[e] = flash::masked_score(s[cc].x[e], a.scale, vis);
+            top[slot_of(e)] = fmaxf(top[slot_of(e)], s[cc].x[e]);
+          }
+      });
 #pragma unroll
       for (int r = 0; r < slots; ++r) {
         alpha[r] = flash::raise_max(row[r], row_max(top[r]));
         sum[r] = 0.0f;
+        max2[r] = log2_scaled(row[r].max);
       }
 #pragma unroll
       for (int cc = 0; cc < chunks; ++cc)
@@ -112,9 +115,8 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
           const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
           float w[2];
 #pragma unroll
-          for (int x = 0; x < 2; ++x) {  // flash::unnormalised_weight with fast_exp
-            const float sc = s[cc].x[e + x];
-            w[x] = sc == -INFINITY ? 0.0f : fast_exp(sc - row[r].max);
+          for (int x = 0; x < 2; ++x) {  // flash::unnormalised_weight by exp_less
+            w[x] = exp_less(s[cc].x[e + x], max2[r]);
             sum[r] += w[x];
           }
           store_pair(pw + rr * weight_pitch + col, w[0], w[1]);
@@ -188,11 +190,11 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
   __pipeline_commit();
   if (end > 0) stage<DM>(ks, a.k, n, g, 0, p.keys, a.dim);
   __pipeline_commit();
-  float lse[slots], row_d[slots];
+  float lse2[slots], row_d[slots];  // log2_scaled(lse)
 #pragma unroll
   for (int r = 0; r < slots; ++r) {
     const std::int64_t i = first + row_of(r, lane), x = (n * p.heads + h) * p.queries + i;
-    lse[r] = i < p.queries ? a.lse[x] : INFINITY;
+    lse2[r] = log2_scaled(i < p.queries ? a.lse[x] : INFINITY);
     row_d[r] = i < p.queries ? a.row_d[x] : 0.0f;
   }
   accumulator gq[DM / edge];
@@ -212,21 +214,23 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
     if (seen) {
       products<DM>(s, qs + warp * edge * rp, ks);  // Q K^T
       const tile_view v = query_rows(p, n, first, j0);
+      with_flags(v.all, [&](auto all) {
 #pragma unroll
-      for (int cc = 0; cc < chunks; ++cc)
+        for (int cc = 0; cc < chunks; ++cc)
 #pragma unroll
-        for (int e = 0; e < accumulator::num_elements; e += 2) {  // two neighbours in a row
-          const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
-          float ds[2];
+          for (int e = 0; e < accumulator::num_elements; e += 2) {  // two neighbours in a row
+            const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
+            float ds[2];
 #pragma unroll
-          for (int x = 0; x < 2; ++x) {  // flash::weight with fast_exp, then the score's gradient
-            const float sc = flash::masked_score(s[cc].x[e + x], a.scale, v.all || v.sees(rr, col + x));
-            const float w = sc == -INFINITY ? 0.0f : fast_exp(sc - lse[r]);
-            const float keep = p.dropout ? flash::keep_scale(p, kept, n, h, first + rr, j0 + col + x) : 1.0f;
-            ds[x] = w != 0.0f ? flash::score_grad(w, dp[cc].x[e + x], keep, row_d[r]) : 0.0f;
+            for (int x = 0; x < 2; ++x) {  // flash::weight by exp_less, then the score's gradient
+              const float sc = flash::masked_score(s[cc].x[e + x], a.scale, all || v.sees(rr, col + x));
+              const float w = exp_less(sc, lse2[r]);
+              const float keep = p.dropout ? flash::keep_scale(p, kept, n, h, first + rr, j0 + col + x) : 1.0f;
+              ds[x] = w != 0.0f ? flash::score_grad(w, dp[cc].x[e + x], keep, row_d[r]) : 0.0f;
+            }
+            store_pair(dsw + rr * weight_pitch + col, ds[0], ds[1]);
           }
-          store_pair(dsw + rr * weight_pitch + col, ds[0], ds[1]);
-        }
+      });
       __syncwarp();
       accumulate<DM>(gq, dsw, ks);  // dQ += dS K
     }
@@ -317,25 +321,27 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
         accumulator st[chunks / 2], dpt[chunks / 2];
         products<DM>(st, ks + warp * edge * rp, q + half * (tile / 2) * rp);      // K Q^T = S^T
         products<DM>(dpt, vs + warp * edge * rp, dos + half * (tile / 2) * rp);  // V dO^T = dP^T
+        with_flags(v.all, p.dropout, [&](auto all, auto dropout) {
 #pragma unroll
-        for (int cc = 0; cc < chunks / 2; ++cc)
+          for (int cc = 0; cc < chunks / 2; ++cc)
 #pragma unroll
-          for (int e = 0; e < accumulator::num_elements; e += 2) {  // key first + rr, queries i0 + col, col + 1
-            const int rr = row_of(slot_of(e), lane), col = half * (tile / 2) + cc * edge + column_of(e, lane);
-            float ds[2], pt[2];
+            for (int e = 0; e < accumulator::num_elements; e += 2) {  // key first + rr, queries i0 + col, col + 1
+              const int rr = row_of(slot_of(e), lane), col = half * (tile / 2) + cc * edge + column_of(e, lane);
+              float ds[2], pt[2];
 #pragma unroll
-            for (int x = 0; x < 2; ++x) {  // flash::weight with fast_exp, its dropout and the score's gradient
-              const int c = col + x;
-              const float sc = flash::masked_score(st[cc].x[e + x], a.scale, v.all || v.sees(rr, c));
-              const float w = sc == -INFINITY ? 0.0f : fast_exp(sc - tile_lse[c]);
-              const float keep =
-                  w == 0.0f ? 0.0f : p.dropout ? flash::keep_scale(p, kept, n, h, i0 + c, first + rr) : 1.0f;
-              ds[x] = flash::score_grad(w, dpt[cc].x[e + x], keep, tile_d[c]);
-              pt[x] = w * keep;
+              for (int x = 0; x < 2; ++x) {  // flash::weight by exp_less, its dropout and the score's gradient
+                const int c = col + x;
+                const float sc = flash::masked_score(st[cc].x[e + x], a.scale, all || v.sees(rr, c));
+                const float w = exp_less(sc, tile_lse[c] * log2e);  // lse is never -inf
+                const float keep =
+                    w == 0.0f ? 0.0f : dropout ? flash::keep_scale(p, kept, n, h, i0 + c, first + rr) : 1.0f;
+                ds[x] = flash::score_grad(w, dpt[cc].x[e + x], keep, tile_d[c]);
+                pt[x] = w * keep;
+              }
+              store_pair(dstw + rr * weight_pitch + col, ds[0], ds[1]);
+              store_pair(ptw + rr * weight_pitch + col, pt[0], pt[1]);
             }
-            store_pair(dstw + rr * weight_pitch + col, ds[0], ds[1]);
-            store_pair(ptw + rr * weight_pitch + col, pt[0], pt[1]);
-          }
+        });
       }
       __syncwarp();
       accumulate<DM>(gv, ptw, dos);  // dV += P^T dO

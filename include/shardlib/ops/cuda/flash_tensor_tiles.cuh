@@ -18,6 +18,7 @@
 #include <mma.h>
 
 #include <algorithm>    // std::max
+#include <cmath>        // std::exp2 (tests/emulated)
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::int64_t, std::uintptr_t
 #include <type_traits>  // std::is_same_v
@@ -400,9 +401,39 @@ __device__ inline tile_view key_rows(const flash::tile_problem& p, std::int64_t 
   v.all = v.rows >= edge && v.cols >= tile && v.lo <= 1 - edge && !p.key_padding;
   return v;
 }
-// exp(x) on the special-function unit (ex2): within a few ulp of expf, far below the 16-bit
-// rounding of the weights it makes, and the same in forward and backward.
-__device__ inline float fast_exp(float x) { return exp2f(x * 1.4426950408889634f); }
+// exp(x - m) as 2^(x log2(e) - m2), m2 = log2_scaled(m): one FFMA and one ex2 on the
+// special-function unit, whose error (a few ulp, and the FFMA's rounding of the exponent:
+// about 1e-5 of the weight when x and m are near 100) is far below the 16-bit rounding of
+// the weights it makes, and the same in forward and backward. ex2.approx.ftz flushes a
+// subnormal result to 0 (a weight below 2^-126 of its row's largest) and gives 0 for
+// x = -inf (a hidden key) with no test; m = +inf (backward's lse of a row that saw no key)
+// gives 0 too, and m = -inf (a forward row that has seen only hidden keys) takes m2 = 0 so
+// that its -inf scores give 0, not NaN. exp2f would add subnormal handling, 8 instructions
+// per weight.
+inline constexpr float log2e = 1.4426950408889634f;
+// f(x) or f(x, y) with runtime flags as std::bool_constant: the element loops test a flag
+// (a tile wholly visible, dropout) once per tile, where `all || v.sees(r, c)` per element
+// cost a branch and its reconvergence for every element.
+template <class F>
+__device__ void with_flags(bool a, F&& f) {
+  if (a) f(std::true_type{});
+  else f(std::false_type{});
+}
+template <class F>
+__device__ void with_flags(bool a, bool b, F&& f) {
+  with_flags(a, [&](auto x) { with_flags(b, [&](auto y) { f(x, y); }); });
+}
+__device__ inline float log2_scaled(float m) { return m == -INFINITY ? 0.0f : m * log2e; }
+__device__ inline float exp_less(float x, float m2) {
+  const float y = fmaf(x, log2e, -m2);
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(y));
+  return r;
+#else
+  return std::exp2(y);
+#endif
+}
 // Two neighbouring elements (an accumulator's e and e + 1: columns c and c + 1) stored as one
 // 4-byte word (c even, the rows' pitch even).
 template <class T>
