@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
         for (int cc = 0; cc < chunks; ++cc)
 #pragma unroll
           for (int e = 0; e < accumulator::num_elements; ++e) {
-            const bool vis = all || v.sees(row_of(slot_of(e), lane), cc * edge + column_of(e, lane));
+            const bool vis = all.value || v.sees(row_of(slot_of(e), lane), cc * edge + column_of(e, lane));
             s[cc].x[e] = flash::masked_score(s[cc].x[e], a.scale, vis);
             top[slot_of(e)] = fmaxf(top[slot_of(e)], s[cc].x[e]);
           }
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
             float ds[2];
 #pragma unroll
             for (int x = 0; x < 2; ++x) {  // flash::weight by exp_less, then the score's gradient
-              const float sc = flash::masked_score(s[cc].x[e + x], a.scale, all || v.sees(rr, col + x));
+              const float sc = flash::masked_score(s[cc].x[e + x], a.scale, all.value || v.sees(rr, col + x));
               const float w = exp_less(sc, lse2[r]);
               const float keep = p.dropout ? flash::keep_scale(p, kept, n, h, first + rr, j0 + col + x) : 1.0f;
               ds[x] = w != 0.0f ? flash::score_grad(w, dp[cc].x[e + x], keep, row_d[r]) : 0.0f;
@@ -331,10 +331,10 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
 #pragma unroll
               for (int x = 0; x < 2; ++x) {  // flash::weight by exp_less, its dropout and the score's gradient
                 const int c = col + x;
-                const float sc = flash::masked_score(st[cc].x[e + x], a.scale, all || v.sees(rr, c));
+                const float sc = flash::masked_score(st[cc].x[e + x], a.scale, all.value || v.sees(rr, c));
                 const float w = exp_less(sc, tile_lse[c] * log2e);  // lse is never -inf
                 const float keep =
-                    w == 0.0f ? 0.0f : dropout ? flash::keep_scale(p, kept, n, h, i0 + c, first + rr) : 1.0f;
+                    w == 0.0f ? 0.0f : dropout.value ? flash::keep_scale(p, kept, n, h, i0 + c, first + rr) : 1.0f;
                 ds[x] = flash::score_grad(w, dpt[cc].x[e + x], keep, tile_d[c]);
                 pt[x] = w * keep;
               }
