@@ -451,14 +451,20 @@ __device__ void store_pair(T* at, float a, float b) {
 // before these kernels are chosen). The copies are asynchronous (cp.async, into the
 // thread's open group; the zeros are plain stores): the caller commits the group,
 // waits for it (__pipeline_wait_prior) and synchronises the block before reading.
+// A thread copies one column piece of every step-th row, its offsets computed once and
+// advanced by a step (the 64-bit index of each copy cost about 30 instructions).
 template <int DM, class T>
 __device__ void stage(T* dst, const rows<const T>& src, std::int64_t n, std::int64_t h, std::int64_t first,
                       std::int64_t count, int dim) {
-  constexpr int per = 16 / sizeof(T);
-  for (int e = int(threadIdx.x); e < tile * DM / per; e += int(blockDim.x)) {
-    const int r = e / (DM / per), d = e % (DM / per) * per;
-    T* to = dst + r * row_pitch<DM> + d;
-    if (r < count - first && d < dim) __pipeline_memcpy_async(to, src.row(n, h, first + r) + d, 16);
+  constexpr int per = 16 / sizeof(T), across = DM / per, step = warps * 32 / across;
+  static_assert(warps * 32 % across == 0 && tile % step == 0);
+  const int r0 = int(threadIdx.x) / across, d = int(threadIdx.x) % across * per;
+  const std::int64_t left = count - first;  // rows of src from `first`
+  std::int64_t at = n * src.batch_stride + h * src.head_stride + (first + r0) * src.row_stride + d;
+  T* to = dst + r0 * row_pitch<DM> + d;
+#pragma unroll
+  for (int i = 0; i < tile / step; ++i, at += step * src.row_stride, to += step * row_pitch<DM>) {
+    if (r0 + i * step < left && d < dim) __pipeline_memcpy_async(to, src.data + at, 16);
     else *reinterpret_cast<uint4*>(to) = uint4{0, 0, 0, 0};
   }
 }
