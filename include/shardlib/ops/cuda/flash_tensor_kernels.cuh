@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
           float w[2];
 #pragma unroll
           for (int x = 0; x < 2; ++x) {  // flash::unnormalised_weight by exp_less
-            w[x] = exp_less(s[cc].x[e + x], max2[r]);
+            w[x] = exp_less(s[cc].x[e + x], log2e, max2[r]);
             sum[r] += w[x];
           }
           store_pair(pw + rr * weight_pitch + col, w[0], w[1]);
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
   const query_block b(p);
   const int lane = b.lane, warp = b.warp;
   const std::int64_t i0 = b.i0, h = b.h, n = b.n, g = b.g, first = b.first;
-  const float kept = float(p.kept);
+  const float kept = float(p.kept), scale2 = a.scale * log2e;  // exp_less's k: the scale in base 2
   extern __shared__ __align__(128) unsigned char smem[];
   carve c{smem};
   T* qs = c.take<T>(tile * rp);
@@ -223,8 +223,7 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
             float ds[2];
 #pragma unroll
             for (int x = 0; x < 2; ++x) {  // flash::weight by exp_less, then the score's gradient
-              const float sc = flash::masked_score(s[cc].x[e + x], a.scale, all.value || v.sees(rr, col + x));
-              const float w = exp_less(sc, lse2[r]);
+              const float w = all.value || v.sees(rr, col + x) ? exp_less(s[cc].x[e + x], scale2, lse2[r]) : 0.0f;
               const float keep = p.dropout ? flash::keep_scale(p, kept, n, h, first + rr, j0 + col + x) : 1.0f;
               ds[x] = w != 0.0f ? flash::score_grad(w, dp[cc].x[e + x], keep, row_d[r]) : 0.0f;
             }
@@ -256,7 +255,7 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const std::int64_t j0 = std::int64_t(blockIdx.x) * tile, g = blockIdx.y, n = blockIdx.z;
   const std::int64_t rep = p.heads / p.kv_heads, first = j0 + warp * edge;
-  const float kept = float(p.kept);
+  const float kept = float(p.kept), scale2 = a.scale * log2e;  // exp_less's k: the scale in base 2
   extern __shared__ __align__(128) unsigned char smem[];
   carve c{smem};
   T* ks = c.take<T>(tile * rp);
@@ -331,8 +330,9 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
 #pragma unroll
               for (int x = 0; x < 2; ++x) {  // flash::weight by exp_less, its dropout and the score's gradient
                 const int c = col + x;
-                const float sc = flash::masked_score(st[cc].x[e + x], a.scale, all.value || v.sees(rr, c));
-                const float w = exp_less(sc, tile_lse[c] * log2e);  // lse is never -inf
+                const float w = all.value || v.sees(rr, c)  // lse is never -inf
+                                    ? exp_less(st[cc].x[e + x], scale2, tile_lse[c] * log2e)
+                                    : 0.0f;
                 const float keep =
                     w == 0.0f ? 0.0f : dropout.value ? flash::keep_scale(p, kept, n, h, i0 + c, first + rr) : 1.0f;
                 ds[x] = flash::score_grad(w, dpt[cc].x[e + x], keep, tile_d[c]);

@@ -402,15 +402,16 @@ __device__ inline tile_view key_rows(const flash::tile_problem& p, std::int64_t 
   v.all = v.rows >= edge && v.cols >= tile && v.lo <= 1 - edge && !p.key_padding;
   return v;
 }
-// exp(x - m) as 2^(x log2(e) - m2), m2 = log2_scaled(m): one FFMA and one ex2 on the
-// special-function unit, whose error (a few ulp, and the FFMA's rounding of the exponent:
-// about 1e-5 of the weight when x and m are near 100) is far below the 16-bit rounding of
-// the weights it makes, and the same in forward and backward. ex2.approx.ftz flushes a
-// subnormal result to 0 (a weight below 2^-126 of its row's largest) and gives 0 for
-// x = -inf (a hidden key) with no test; m = +inf (backward's lse of a row that saw no key)
-// gives 0 too, and m = -inf (a forward row that has seen only hidden keys) takes m2 = 0 so
-// that its -inf scores give 0, not NaN. exp2f would add subnormal handling, 8 instructions
-// per weight.
+// exp(k' x - m) as 2^(k x - m2), k = k' log2(e), m2 = log2_scaled(m): one FFMA and one ex2
+// on the special-function unit (forward: k' = 1 on scaled scores; backward: k' = the scale
+// on the products q.k), whose error (a few ulp, and the FFMA's rounding of the exponent:
+// about 1e-5 of the weight when the score and m are near 100) is far below the 16-bit
+// rounding of the weights it makes, and the same in forward and backward. ex2.approx.ftz
+// flushes a subnormal result to 0 (a weight below 2^-126 of its row's largest) and gives 0
+// for x = -inf (a hidden key) with no test; m = +inf (backward's lse of a row that saw no
+// key) gives 0 too, and m = -inf (a forward row that has seen only hidden keys) takes
+// m2 = 0 so that its -inf scores give 0, not NaN. exp2f would add subnormal handling, 8
+// instructions per weight.
 inline constexpr float log2e = 1.4426950408889634f;
 // f(x) or f(x, y) with runtime flags as std::bool_constant: the element loops test a flag
 // (a tile wholly visible, dropout) once per tile, where `all || v.sees(r, c)` per element
@@ -425,8 +426,8 @@ __device__ void with_flags(bool a, bool b, F&& f) {
   with_flags(a, [&](auto x) { with_flags(b, [&](auto y) { f(x, y); }); });
 }
 __device__ inline float log2_scaled(float m) { return m == -INFINITY ? 0.0f : m * log2e; }
-__device__ inline float exp_less(float x, float m2) {
-  const float y = fmaf(x, log2e, -m2);
+__device__ inline float exp_less(float x, float k, float m2) {
+  const float y = fmaf(x, k, -m2);
 #if defined(__CUDA_ARCH__)
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(y));
