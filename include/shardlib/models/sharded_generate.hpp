@@ -9,6 +9,7 @@
 //   auto out = models::generate(sharded, prompt, {.max_new_tokens = 64, .top_k = 40});
 #pragma once
 #include "shardlib/config.hpp"
+#include "shardlib/comm/signature.hpp"       // invalid_call, what_of
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/random.hpp"          // fnv1a
 #include "shardlib/io/rank_agreement.hpp"    // broadcast_string
@@ -18,7 +19,7 @@
 #include <bit>          // std::bit_cast
 #include <concepts>     // std::convertible_to
 #include <cstdint>      // std::int64_t, std::uint64_t
-#include <exception>    // std::exception
+#include <exception>    // std::exception_ptr
 #include <span>         // std::span
 #include <string>       // std::string
 #include <string_view>  // std::string_view
@@ -62,17 +63,9 @@ inline std::int64_t options_hash(const generate_options& o) {
 // value i differs between ranks. Values must be >= 0 (token ids, agreement_hash).
 template <class Comm, class F, class Differ>
 void require_same_on_ranks(Comm& comm, F&& f, std::span<const std::int64_t> mine, Differ&& differ) {
-  bool failed = false;
-  std::string failure;
-  try {
-    f();
-  } catch (const std::exception& e) {
-    failed = true;
-    failure = e.what();
-  } catch (...) {
-    failed = true;
-    failure = "an exception not derived from std::exception";
-  }
+  const std::exception_ptr thrown = comm::detail::invalid_call(f);
+  const bool failed = bool(thrown);
+  const std::string failure = failed ? comm::detail::what_of(thrown) : "";
   const std::size_t n = mine.size();
   std::vector<std::int64_t> v(2 * n + 1);
   for (std::size_t i = 0; i < n && !failed; ++i) {
