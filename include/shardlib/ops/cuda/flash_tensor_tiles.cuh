@@ -268,7 +268,8 @@ __device__ void accumulate(accumulator (&acc)[DM / edge], const T* w, const T* b
 // accumulators do on sm_80 and sm_90: row lane / 4 + 8 ((e / 2) % 2), column
 // 2 (lane % 4) + e % 2 + 8 (e / 4). CUDA does not document it, so flash_uses_tensor_cores
 // checks it once per device and input type, with the products above (layout_probe_kernel),
-// and test_cuda_attention asserts that it holds. A lane so holds elements of two rows (its slots), each row shared by 4 lanes.
+// and test_cuda_attention asserts that it holds. A lane so holds elements of two rows (its
+// slots), each row shared by 4 lanes.
 // tests/emulated's fragments hold the whole tile in every lane: slot = row, nothing shared.
 template <class F>
 inline constexpr bool holds_whole_tile = requires { F::whole_tile; };
@@ -402,17 +403,6 @@ __device__ inline tile_view key_rows(const flash::tile_problem& p, std::int64_t 
   v.all = v.rows >= edge && v.cols >= tile && v.lo <= 1 - edge && !p.key_padding;
   return v;
 }
-// exp(k' x - m) as 2^(k x - m2), k = k' log2(e), m2 = log2_scaled(m): one FFMA and one ex2
-// on the special-function unit (forward: k' = 1 on scaled scores; backward: k' = the scale
-// on the products q.k), whose error (a few ulp, and the FFMA's rounding of the exponent:
-// about 1e-5 of the weight when the score and m are near 100) is far below the 16-bit
-// rounding of the weights it makes, and the same in forward and backward. ex2.approx.ftz
-// flushes a subnormal result to 0 (a weight below 2^-126 of its row's largest) and gives 0
-// for x = -inf (a hidden key) with no test; m = +inf (backward's lse of a row that saw no
-// key) gives 0 too, and m = -inf (a forward row that has seen only hidden keys) takes
-// m2 = 0 so that its -inf scores give 0, not NaN. exp2f would add subnormal handling, 8
-// instructions per weight.
-inline constexpr float log2e = 1.4426950408889634f;
 // f(x) or f(x, y) with runtime flags as std::bool_constant: the element loops test a flag
 // (a tile wholly visible, dropout) once per tile, where `all || v.sees(r, c)` per element
 // cost a branch and its reconvergence for every element.
@@ -425,6 +415,17 @@ template <class F>
 __device__ void with_flags(bool a, bool b, F&& f) {
   with_flags(a, [&](auto x) { with_flags(b, [&](auto y) { f(x, y); }); });
 }
+// exp(k' x - m) as 2^(k x - m2), k = k' log2(e), m2 = log2_scaled(m): one FFMA and one ex2
+// on the special-function unit (forward: k' = 1 on scaled scores; backward: k' = the scale
+// on the products q.k), whose error (a few ulp, and the FFMA's rounding of the exponent:
+// about 1e-5 of the weight when the score and m are near 100) is far below the 16-bit
+// rounding of the weights it makes, and the same in forward and backward. ex2.approx.ftz
+// flushes a subnormal result to 0 (a weight below 2^-126 of its row's largest) and gives 0
+// for x = -inf (a hidden key) with no test; m = +inf (backward's lse of a row that saw no
+// key) gives 0 too, and m = -inf (a forward row that has seen only hidden keys) takes
+// m2 = 0 so that its -inf scores give 0, not NaN. exp2f would add subnormal handling, 8
+// instructions per weight.
+inline constexpr float log2e = 1.4426950408889634f;
 __device__ inline float log2_scaled(float m) { return m == -INFINITY ? 0.0f : m * log2e; }
 __device__ inline float exp_less(float x, float k, float m2) {
   const float y = fmaf(x, k, -m2);
