@@ -211,6 +211,18 @@ TEST_CASE("the lanes' ldmatrix addresses give mma.sync its operands", "[emulated
   CHECK(wrong == 0);
 }
 
+// dk/dv reads each query's lse and D once per column a lane holds (its column slots, 4 on a
+// GPU), not once per element: the slot of each of the 8 elements must name its column.
+TEST_CASE("the accumulator's column slots name each element's column", "[emulated][flash]") {
+  int wrong = 0;
+  for (int lane = 0; lane < 32; ++lane)
+    for (int e = 0; e < 8; ++e) {
+      const int j = ft::mma_column_slot(e);
+      wrong += j < 0 || j >= 4 || ft::mma_column_of_slot(j, lane) != ft::mma_column(e, lane);
+    }
+  CHECK(wrong == 0);
+}
+
 // The kernels read accumulators element by element where row_of and column_of say; the
 // probe that checks it (and the products) on a GPU must hold here, where every lane holds
 // the whole tile.

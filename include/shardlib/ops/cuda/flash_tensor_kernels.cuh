@@ -322,25 +322,31 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
         products<DM>(dpt, vs + warp * edge * rp, dos + half * (tile / 2) * rp);  // V dO^T = dP^T
         with_flags(v.all, p.dropout, [&](auto all, auto dropout) {
 #pragma unroll
-          for (int cc = 0; cc < chunks / 2; ++cc)
+          for (int cc = 0; cc < chunks / 2; ++cc) {
+            float lse2[column_slots], d[column_slots];  // the lane's queries' lse (base 2; never -inf) and D
+#pragma unroll
+            for (int j = 0; j < column_slots; ++j) {
+              const int c = half * (tile / 2) + cc * edge + column_of_slot(j, lane);
+              lse2[j] = tile_lse[c] * log2e;
+              d[j] = tile_d[c];
+            }
 #pragma unroll
             for (int e = 0; e < accumulator::num_elements; e += 2) {  // key first + rr, queries i0 + col, col + 1
               const int rr = row_of(slot_of(e), lane), col = half * (tile / 2) + cc * edge + column_of(e, lane);
               float ds[2], pt[2];
 #pragma unroll
               for (int x = 0; x < 2; ++x) {  // flash::weight by exp_less, its dropout and the score's gradient
-                const int c = col + x;
-                const float w = all.value || v.sees(rr, c)  // lse is never -inf
-                                    ? exp_less(st[cc].x[e + x], scale2, tile_lse[c] * log2e)
-                                    : 0.0f;
+                const int c = col + x, j = column_slot_of(e + x);
+                const float w = all.value || v.sees(rr, c) ? exp_less(st[cc].x[e + x], scale2, lse2[j]) : 0.0f;
                 const float keep =
                     w == 0.0f ? 0.0f : dropout.value ? flash::keep_scale(p, kept, n, h, i0 + c, first + rr) : 1.0f;
-                ds[x] = flash::score_grad(w, dpt[cc].x[e + x], keep, tile_d[c]);
+                ds[x] = flash::score_grad(w, dpt[cc].x[e + x], keep, d[j]);
                 pt[x] = w * keep;
               }
               store_pair(dstw + rr * weight_pitch + col, ds[0], ds[1]);
               store_pair(ptw + rr * weight_pitch + col, pt[0], pt[1]);
             }
+          }
         });
       }
       __syncwarp();

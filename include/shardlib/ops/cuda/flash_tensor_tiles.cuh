@@ -262,6 +262,11 @@ __device__ void accumulate(accumulator (&acc)[DM / edge], const T* w, const T* b
 }
 
 // --- which elements of a 16x16 accumulator a lane holds -------------------------------------
+// On a GPU (the layout the probe checks): element e of lane `lane` at column mma_column; the
+// lane's four columns numbered by mma_column_slot (tests/emulated checks the three agree).
+__host__ __device__ constexpr int mma_column(int e, int lane) { return 2 * (lane & 3) + (e & 1) + 8 * (e >> 2); }
+__host__ __device__ constexpr int mma_column_slot(int e) { return (e & 1) + 2 * (e >> 2); }
+__host__ __device__ constexpr int mma_column_of_slot(int j, int lane) { return 2 * (lane & 3) + (j & 1) + 8 * (j >> 1); }
 // The softmax and the score gradients work on the accumulators of the products in
 // registers, and the output and gradient accumulators are rescaled there. On the GPU a
 // lane's element e sits where mma.sync's m16n8k16 tiles put it, as wmma's 16x16x16 fp32
@@ -278,7 +283,12 @@ inline constexpr int slots = whole_tiles ? edge : 2;  // the rows a lane holds e
 
 __device__ inline int slot_of(int e) { return whole_tiles ? e / edge : (e >> 1) & 1; }
 __device__ inline int row_of(int slot, int lane) { return whole_tiles ? slot : lane / 4 + 8 * slot; }
-__device__ inline int column_of(int e, int lane) { return whole_tiles ? e % edge : 2 * (lane & 3) + (e & 1) + 8 * (e >> 2); }
+__device__ inline int column_of(int e, int lane) { return whole_tiles ? e % edge : mma_column(e, lane); }
+// The columns a lane holds elements of (4 on a GPU: two pairs 8 apart), which of them
+// element e is in, and column slot j's column.
+inline constexpr int column_slots = whole_tiles ? edge : 4;
+__device__ inline int column_slot_of(int e) { return whole_tiles ? e % edge : mma_column_slot(e); }
+__device__ inline int column_of_slot(int j, int lane) { return whole_tiles ? j : mma_column_of_slot(j, lane); }
 // The lane that writes a row's own results (lse): one of the row's lanes.
 __device__ inline bool writes_row(int lane) { return whole_tiles ? lane == 0 : (lane & 3) == 0; }
 // The largest and the sum of v over the lanes sharing a row.
