@@ -397,6 +397,13 @@ V __shfl_sync(unsigned mask, V v, int source) {
   cuda_emulator::require_full_warp(mask, "__shfl_sync");
   return cuda_emulator::exchange(v, [&](int) { return source % cuda_emulator::warp_size; });
 }
+inline int __any_sync(unsigned mask, int predicate) {  // an OR over the warp, by its shuffles
+  cuda_emulator::require_full_warp(mask, "__any_sync");
+  int any = predicate != 0;
+  for (int x = 1; x < cuda_emulator::warp_size; x *= 2)
+    any |= cuda_emulator::exchange(any, [&](int lane) { return lane ^ x; });
+  return any;
+}
 inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
 // CUDA's math headers declare these in the global namespace.
 using std::isfinite;

@@ -211,6 +211,19 @@ TEST_CASE("the lanes' ldmatrix addresses give mma.sync its operands", "[emulated
   CHECK(wrong == 0);
 }
 
+// Forward skips O's rescale unless some lane's row raised its max (__any_sync). Emulated
+// lanes each hold every row, so they agree whatever the vote; the vote itself is checked here.
+__global__ void any_kernel(int* votes, int lane_on) {
+  votes[threadIdx.x] = __any_sync(0xffffffffu, int(threadIdx.x) == lane_on);
+}
+TEST_CASE("the emulator's __any_sync is an OR over the warp", "[emulated][flash]") {
+  for (const int lane_on : {-1, 0, 17, 31}) {
+    std::vector<int> votes(32, -1);
+    cuda_emulator::launch(any_kernel, dim3(1), dim3(32), 0, {}, votes.data(), lane_on);
+    CHECK(votes == std::vector<int>(32, lane_on >= 0 ? 1 : 0));
+  }
+}
+
 // dk/dv reads each query's lse and D once per column a lane holds (its column slots, 4 on a
 // GPU), not once per element: the slot of each of the 8 elements must name its column.
 TEST_CASE("the accumulator's column slots name each element's column", "[emulated][flash]") {

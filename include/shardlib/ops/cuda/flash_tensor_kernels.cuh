@@ -128,12 +128,17 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
             if ((v.all || v.sees(r, c)) && flash::keep_scale(p, kept, n, h, first + r, j0 + c) == 0.0f)
               pw[r * weight_pitch + c] = T(0.0f);
       }
+      bool raised = false;  // a row's max moved: alpha != 1 (or NaN)
 #pragma unroll
-      for (int r = 0; r < slots; ++r) row[r].sum += row_sum(sum[r]);
+      for (int r = 0; r < slots; ++r) {
+        row[r].sum += row_sum(sum[r]);
+        raised = raised || !(alpha[r] == 1.0f);
+      }
+      if (__any_sync(0xffffffffu, raised))  // else O = 1 O: skipped, exactly
 #pragma unroll
-      for (int dc = 0; dc < DM / edge; ++dc)
+        for (int dc = 0; dc < DM / edge; ++dc)
 #pragma unroll
-        for (int e = 0; e < accumulator::num_elements; ++e) o[dc].x[e] *= alpha[slot_of(e)];
+          for (int e = 0; e < accumulator::num_elements; ++e) o[dc].x[e] *= alpha[slot_of(e)];
       __syncwarp();  // the weights are in shared memory for the product
     }
     landed<1>();  // V_j (K_{j+1} may still be on its way)
