@@ -3,13 +3,15 @@
 //
 // The arithmetic is ops/attention_tiles.hpp's with Operand = the input type: the
 // products Q K^T, dO V^T, P V, P^T dO, dS^T Q and dS K run as 16x16x16 tiles on the
-// tensor cores (flash_tensor_tiles.cuh: products, accumulate) with 16-bit operands and fp32 accumulation, so the weights P and the score
-// gradients dS are rounded to the input type before they multiply, as in
-// FlashAttention-2 (forward rounds a weight before dropout, whose 1 / (1 - p)
-// then scales its output in fp32; backward after); the online softmax, masks,
-// dropout and every sum stay in fp32, exp on the special-function unit. tests/unit/test_attention_tiles.cpp runs that arithmetic on the host
-// (forward_tiles / backward_tiles with Operand = bfloat16 or half, these tiles);
-// tests/emulated/test_emulated_attention.cpp runs these kernels themselves on the CPU.
+// tensor cores (flash_tensor_tiles.cuh: products, accumulate) with 16-bit operands
+// and fp32 accumulation, so the weights P and the score gradients dS are rounded to
+// the input type before they multiply, as in FlashAttention-2 (forward rounds a
+// weight before dropout, whose 1 / (1 - p) then scales its output in fp32; backward
+// after); the online softmax, masks, dropout and every sum stay in fp32, exp on the
+// special-function unit. tests/unit/test_attention_tiles.cpp runs that arithmetic on
+// the host (forward_tiles / backward_tiles with Operand = bfloat16 or half, these
+// tiles); tests/emulated/test_emulated_attention.cpp runs these kernels themselves on
+// the CPU.
 //
 // A block of 4 warps takes 64 queries (or, for dk and dv, 64 keys), 16 rows per
 // warp, one wmma tile high. K, V and query tiles are staged in shared memory in the
