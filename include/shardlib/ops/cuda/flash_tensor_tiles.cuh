@@ -17,7 +17,7 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 
-#include <algorithm>    // std::max
+#include <algorithm>    // std::clamp, std::max
 #include <cmath>        // std::exp2 (tests/emulated)
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::int64_t, std::uintptr_t
@@ -457,28 +457,41 @@ __device__ void store_pair(T* at, float a, float b) {
   *reinterpret_cast<std::uint32_t*>(at) = __builtin_bit_cast(std::uint32_t, pair);
 }
 
+// 16 bytes from global memory into shared memory by cp.async, or 16 zeros where !whole (and
+// `from` is not read): cp.async's source size, so no branch and no store of its own.
+template <class T>
+__device__ void copy_or_zero(T* to, const T* from, bool whole) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(to))),
+               "l"(from), "r"(whole ? 16 : 0)
+               : "memory");
+#else
+  __pipeline_memcpy_async(to, from, 16, whole ? 0 : 16);
+#endif
+}
+
 // Rows [first, first + tile) of a head into shared memory in T, zero past `count`
 // rows and past dim: [tile][row_pitch], 16 bytes (8 elements) per copy: dim is a
 // multiple of 8 and every row of src starts 16-byte aligned (whole_vectors, checked
 // before these kernels are chosen). The copies are asynchronous (cp.async, into the
-// thread's open group; the zeros are plain stores): the caller commits the group,
-// waits for it (__pipeline_wait_prior) and synchronises the block before reading.
-// A thread copies one column piece of every step-th row, its offsets computed once and
-// advanced by a step (the 64-bit index of each copy cost about 30 instructions).
+// thread's open group, zeros included): the caller commits the group, waits for it
+// (__pipeline_wait_prior) and synchronises the block before reading.
+// A thread copies one column piece of every step-th row, its source advanced by a step
+// and its tests on 32-bit values (a 64-bit index per copy cost about 30 instructions).
 template <int DM, class T>
 __device__ void stage(T* dst, const rows<const T>& src, std::int64_t n, std::int64_t h, std::int64_t first,
                       std::int64_t count, int dim) {
   constexpr int per = 16 / sizeof(T), across = DM / per, step = warps * 32 / across;
   static_assert(warps * 32 % across == 0 && tile % step == 0);
   const int r0 = int(threadIdx.x) / across, d = int(threadIdx.x) % across * per;
-  const std::int64_t left = count - first;  // rows of src from `first`
-  std::int64_t at = n * src.batch_stride + h * src.head_stride + (first + r0) * src.row_stride + d;
+  const int left = int(std::clamp<std::int64_t>(count - first, 0, tile));  // rows of src from `first`
+  const T* from = src.data + (n * src.batch_stride + h * src.head_stride + (first + r0) * src.row_stride + d);
+  const std::int64_t next = step * src.row_stride;
   T* to = dst + r0 * row_pitch<DM> + d;
 #pragma unroll
-  for (int i = 0; i < tile / step; ++i, at += step * src.row_stride, to += step * row_pitch<DM>) {
-    if (r0 + i * step < left && d < dim) __pipeline_memcpy_async(to, src.data + at, 16);
-    else *reinterpret_cast<uint4*>(to) = uint4{0, 0, 0, 0};
-  }
+  for (int i = 0; i < tile / step; ++i, from += next)
+    copy_or_zero(to + i * step * row_pitch<DM>, from, r0 + i * step < left && d < dim);
 }
 
 // What this thread copied has landed, but for the newest `pending` groups, and every
