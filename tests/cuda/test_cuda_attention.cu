@@ -166,6 +166,8 @@ TEST_CASE("flash attention takes the tensor cores for 16-bit inputs up to head_d
   CHECK_FALSE(fa::flash_uses_tensor_cores<sl::bfloat16>(256, on));
   CHECK_FALSE(fa::flash_uses_tensor_cores<sl::bfloat16>(36, on));
   CHECK_FALSE(fa::flash_uses_tensor_cores<float>(64, on));
+  CHECK_FALSE(fa::flash_uses_tensor_cores<sl::bfloat16>(64, {.scale = -0.125f}));  // the scale must be positive
+  CHECK_FALSE(fa::flash_uses_tensor_cores<sl::bfloat16>(64, {.scale = NAN}));
   // and only for views whose rows start 16-byte aligned
   namespace ft = fa::detail::tensor;
   alignas(16) static sl::bfloat16 storage[64];

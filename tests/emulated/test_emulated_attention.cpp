@@ -246,11 +246,24 @@ TEMPLATE_TEST_CASE("the accumulator layout probe holds for the emulated fragment
   CHECK(flags == std::vector<int>(32, 1));
 }
 
+// Forward takes a row's largest product and scales it, which only a positive scale
+// keeps the largest: flash_uses_tensor_cores asks takes_scale, and other scales (the
+// negative case of small_attention_cases) take the CUDA cores.
+TEST_CASE("the tensor-core kernels take finite positive scales only", "[emulated][flash]") {
+  CHECK(ft::takes_scale(0.125f));
+  CHECK(ft::takes_scale(fd::scale_of({}, 128)));
+  CHECK_FALSE(ft::takes_scale(-0.3f));
+  CHECK_FALSE(ft::takes_scale(0.0f));
+  CHECK_FALSE(ft::takes_scale(NAN));
+  CHECK_FALSE(ft::takes_scale(INFINITY));
+}
+
 TEMPLATE_TEST_CASE("the tensor-core attention kernels, emulated, equal nn::sdpa", "[emulated][flash]", sl::bfloat16,
                    sl::half) {
   test_support::random_inputs rnd;
   for (const attention_case& c : test_support::small_attention_cases())
-    if (ft::takes_dim(c.dim)) check_case<TestType>(c, rnd, tolerance<TestType>(), true);
+    if (ft::takes_dim(c.dim) && ft::takes_scale(fd::scale_of({.scale = float(c.scale)}, c.dim)))
+      check_case<TestType>(c, rnd, tolerance<TestType>(), true);
 }
 
 // The small cases see at most two key tiles per query tile: these keep the tensor

@@ -50,6 +50,8 @@ inline std::vector<attention_case> small_attention_cases() {
       {"D 256, causal, L 40", 1, 2, 2, 40, 40, 256, true},
       {"dropout 1: every weight dropped", 1, 2, 1, 9, 11, 32, true, 3, 1, 1.0},
       {"scale 0.3 (given, not 1 / sqrt(D)), causal, offset 2", 2, 2, 1, 24, 26, 48, true, 2, 0, -1, false, 0.3},
+      // A negative scale: the CUDA cores also for 16-bit types (the tensor-core forward scales a row's largest product).
+      {"scale -0.3, causal, padding, GQA 2 over 1", 2, 2, 1, 24, 26, 48, true, 0, 1, -1, false, -0.3},
       // D not a multiple of 8: the CUDA cores also for 16-bit types (tensor-core tiles load 16 bytes).
       {"D 36, causal, rows layout, GQA 4 over 2", 2, 4, 2, 33, 33, 36, true, 0, 0, -1, true},
   };

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
   const query_block b(p);
   const int lane = b.lane, warp = b.warp;
   const std::int64_t i0 = b.i0, h = b.h, n = b.n, g = b.g, first = b.first;
-  const float kept = float(p.kept);
+  const float kept = float(p.kept), scale2 = a.scale * log2e;  // exp_less's k: the scale in base 2
   extern __shared__ __align__(128) unsigned char smem[];
   carve c{smem};
   T* qs = c.take<T>(tile * rp);
@@ -100,13 +100,13 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
 #pragma unroll
           for (int e = 0; e < accumulator::num_elements; ++e) {
             const bool vis = all.value || v.sees(row_of(slot_of(e), lane), cc * edge + column_of(e, lane));
-            s[cc].x[e] = flash::masked_score(s[cc].x[e], a.scale, vis);
+            s[cc].x[e] = vis ? s[cc].x[e] : -INFINITY;  // the product q.k, unscaled
             top[slot_of(e)] = fmaxf(top[slot_of(e)], s[cc].x[e]);
           }
       });
 #pragma unroll
       for (int r = 0; r < slots; ++r) {
-        alpha[r] = flash::raise_max(row[r], row_max(top[r]));
+        alpha[r] = flash::raise_max(row[r], row_max(top[r]) * a.scale);  // max(scale x) = scale max(x): scale > 0
         sum[r] = 0.0f;
         max2[r] = log2_scaled(row[r].max);
       }
@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
           const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
           float w[2];
 #pragma unroll
-          for (int x = 0; x < 2; ++x) {  // flash::unnormalised_weight by exp_less
-            w[x] = exp_less(s[cc].x[e + x], log2e, max2[r]);
+          for (int x = 0; x < 2; ++x) {  // flash::unnormalised_weight by exp_less, the scale folded in
+            w[x] = exp_less(s[cc].x[e + x], scale2, max2[r]);
             sum[r] += w[x];
           }
           store_pair(pw + rr * weight_pitch + col, w[0], w[1]);

@@ -18,7 +18,7 @@
 #include <mma.h>
 
 #include <algorithm>    // std::clamp, std::max
-#include <cmath>        // std::exp2 (tests/emulated)
+#include <cmath>        // std::exp2 (tests/emulated), std::isfinite
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::int64_t, std::uintptr_t
 #include <type_traits>  // std::is_same_v
@@ -85,6 +85,8 @@ static_assert(aligned<64> && aligned<128> && weights_bytes % 32 == 0 && edge * w
 
 // Head dims these kernels take: up to 128, a multiple of 8 (stage's 16-byte loads).
 inline bool takes_dim(std::int64_t dim) { return dim >= 1 && dim <= max_dim && dim % 8 == 0; }
+// Scales they take: finite and positive (forward scales a row's largest product: exp_less).
+inline bool takes_scale(float scale) { return scale > 0 && std::isfinite(scale); }
 
 // Whether stage can load (and store_rows store) v's rows 16 bytes at a time: every row starts 16-byte aligned
 // (so does each 8-element piece of it when dim is a multiple of 8: the caller checks dim).
@@ -426,15 +428,16 @@ __device__ void with_flags(bool a, bool b, F&& f) {
   with_flags(a, [&](auto x) { with_flags(b, [&](auto y) { f(x, y); }); });
 }
 // exp(k' x - m) as 2^(k x - m2), k = k' log2(e), m2 = log2_scaled(m): one FFMA and one ex2
-// on the special-function unit (forward: k' = 1 on scaled scores; backward: k' = the scale
-// on the products q.k), whose error (a few ulp, and the FFMA's rounding of the exponent:
-// about 1e-5 of the weight when the score and m are near 100) is far below the 16-bit
-// rounding of the weights it makes, and the same in forward and backward. ex2.approx.ftz
-// flushes a subnormal result to 0 (a weight below 2^-126 of its row's largest) and gives 0
-// for x = -inf (a hidden key) with no test; m = +inf (backward's lse of a row that saw no
-// key) gives 0 too, and m = -inf (a forward row that has seen only hidden keys) takes
-// m2 = 0 so that its -inf scores give 0, not NaN. exp2f would add subnormal handling, 8
-// instructions per weight.
+// on the special-function unit, k' the scale and x the product q.k (forward takes a row's
+// max over the products and then scales it: this holds for a positive scale only, and the
+// tensor-core kernels are chosen for no other). Its error (a few ulp, and the FFMA's
+// rounding of the exponent: about 1e-5 of the weight when the score and m are near 100)
+// is far below the 16-bit rounding of the weights it makes, and the same in forward and
+// backward. ex2.approx.ftz flushes a subnormal result to 0 (a weight below 2^-126 of its
+// row's largest) and gives 0 for x = -inf (a hidden key) with no test; m = +inf
+// (backward's lse of a row that saw no key) gives 0 too, and m = -inf (a forward row that
+// has seen only hidden keys) takes m2 = 0 so that its -inf scores give 0, not NaN. exp2f
+// would add subnormal handling, 8 instructions per weight.
 inline constexpr float log2e = 1.4426950408889634f;
 __device__ inline float log2_scaled(float m) { return m == -INFINITY ? 0.0f : m * log2e; }
 __device__ inline float exp_less(float x, float k, float m2) {
