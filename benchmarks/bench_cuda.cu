@@ -13,10 +13,15 @@
 //                               against the GPU's datasheet dense bf16 rate (MFU as PaLM and
 //                               torchtitan state it; the measured GEMM rate is below that)
 // Usage: bench_cuda [--json FILE] [--model encoder,gpt2,llama|none] [--layers N] [--d N]
-//                   [--heads N] [--kv-heads N] [--seq N] [--batch N] [--peak-tflops T] [--quick]
+//                   [--heads N] [--kv-heads N] [--seq N] [--batch N] [--peak-tflops T]
+//                   [--profile-step] [--quick]
 // Prints the tables, then a short summary last. --quick runs every part at a small size
 // and a few repetitions: a check, in seconds, that the program works on a machine (CI
-// runs it on the CPU's emulated GPU); its figures measure nothing.
+// runs it on the CPU's emulated GPU); its figures measure nothing. --profile-step runs,
+// after each model's timed steps, one more step between cudaProfilerStart and
+// cudaProfilerStop: what a profiler started with capture off (ncu --profile-from-start
+// off, nsys --capture-range=cudaProfilerApi) records is that one step, and the timing is
+// untouched (tools/gpu_check.sh sums it by kernel with tools/step-kernels).
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/comm/nccl_comm.hpp>
 #include <shardlib/comm/thread_comm.hpp>
@@ -29,6 +34,8 @@
 #include <shardlib/shard/sharded_model.hpp>
 #include <shardlib/ops/cuda/flash_attention.cuh>
 #include <shardlib/ops/cuda/launch.cuh>
+
+#include <cuda_profiler_api.h>
 
 #include <algorithm>
 #include <chrono>
@@ -292,7 +299,7 @@ double median_step_ms(Sharded& sharded, Opt& opt, const X& x, const Y& y, cudaSt
 // examples' step, each Block a unit. make() builds the model, batch() gives (x, y)
 // on the device.
 template <class Block, class Make, class Batch>
-model_result model_step(const model_size& m, int warmup, int steps, Make&& make, Batch&& batch) {
+model_result model_step(const model_size& m, int warmup, int steps, bool profile, Make&& make, Batch&& batch) {
   model_result r{};
   sl::comm::launch(1, [&](sl::comm::ThreadComm& host) {
     sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
@@ -307,6 +314,12 @@ model_result model_step(const model_size& m, int warmup, int steps, Make&& make,
     sl::optim::cuda::AdamW opt{{.lr = 1e-4}};
     const auto [x, y] = batch();
     r.step_ms = median_step_ms(sharded, opt, x, y, compute.get(), warmup, steps);
+    if (profile) {  // one step more, for a profiler that records between these two calls
+      sl::cuda::check(cudaProfilerStart(), "cudaProfilerStart");
+      sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+      sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (the profiled step)");
+      sl::cuda::check(cudaProfilerStop(), "cudaProfilerStop");
+    }
     r.parameters = double(sl::nn::parameter_count(model));
     r.matmul_parameters = matmul_parameters(model);
   });
@@ -315,12 +328,12 @@ model_result model_step(const model_size& m, int warmup, int steps, Make&& make,
   return r;
 }
 
-model_result run_model(const model_size& m, int warmup, int steps) {
+model_result run_model(const model_size& m, int warmup, int steps, bool profile) {
   if (m.model == "encoder") {
     const example::model_flags sizes{.layers = m.layers, .d_model = m.d, .heads = m.heads, .ff = m.ff, .seq = m.seq};
     const example::synthetic_task task = example::task_for(sizes);
     return model_step<example::EncoderOf<sl::bfloat16, sl::cuda_space>>(
-        m, warmup, steps, [&] { return example::reference_model<sl::bfloat16, sl::cuda_space>(sizes); },
+        m, warmup, steps, profile, [&] { return example::reference_model<sl::bfloat16, sl::cuda_space>(sizes); },
         [&] {
           return std::pair(example::to_device<sl::bfloat16>(task.inputs(0, m.batch)),
                            sl::cuda::to_device(task.labels(0, m.batch)));
@@ -346,7 +359,7 @@ model_result run_model(const model_size& m, int warmup, int steps) {
                                          .attn_pdrop = 0};
     using model_t = sl::models::GPT2LMHeadModel<sl::bfloat16, sl::cuda_space>;
     return model_step<model_t::block_type>(
-        m, warmup, steps, [&] { return model_t(config); },
+        m, warmup, steps, profile, [&] { return model_t(config); },
         [&] { return tokens(config.vocab_size); });
   }
   const sl::models::llama_config config{.vocab_size = 32000,
@@ -358,7 +371,7 @@ model_result run_model(const model_size& m, int warmup, int steps) {
                                         .max_position_embeddings = m.seq};
   using model_t = sl::models::LlamaForCausalLM<sl::bfloat16, sl::cuda_space>;
   return model_step<model_t::block_type>(
-      m, warmup, steps, [&] { return model_t(config); },
+      m, warmup, steps, profile, [&] { return model_t(config); },
       [&] { return tokens(config.vocab_size); });
 }
 
@@ -378,7 +391,7 @@ int main(int argc, char** argv) try {
   std::string json_path;
   std::vector<std::string> models{"encoder", "gpt2", "llama"};
   model_size flags{.model = "", .layers = 0, .d = 2048, .heads = 16, .kv_heads = 4, .ff = 0, .seq = 2048, .batch = 4};
-  bool quick = false;
+  bool quick = false, profile = false;
   double datasheet = 0;  // TFLOP/s; 0: not given
   example::command_line cli("The GPU numbers (copy, fused Adam, NCCL, GEMM, the models' MFU), each against the limit "
                             "it should approach.",
@@ -402,6 +415,9 @@ int main(int argc, char** argv) try {
                  "the GPU's datasheet dense bf16 tensor-core rate in TFLOP/s (H100 SXM and H200: 989): MFU is "
                  "then also given against it")
       ->check(example::positive());
+  cli.add_flag("--profile-step", profile,
+               "after each model's timed steps, one more between cudaProfilerStart and cudaProfilerStop (for ncu "
+               "--profile-from-start off or nsys --capture-range=cudaProfilerApi)");
   cli.add_flag("--quick", quick,
                "every part small and repeated a few times (model flags not given: 1 layer, d 64, 4 heads, 2 kv "
                "heads, seq 32, batch 2): checks that the program runs; the figures measure nothing");
@@ -518,7 +534,7 @@ int main(int argc, char** argv) try {
   for (const std::string& name : models) {
     if (name == "none") continue;
     const model_size m = sized(name, flags);
-    const model_result r = run_model(m, z.warmup(2), z.iters(8));
+    const model_result r = run_model(m, z.warmup(2), z.iters(8), profile);
     const double achieved = r.tflop_per_step / (r.step_ms * 1e-3), mfu = achieved / bf16;
     const double mfu_peak = datasheet > 0 ? achieved / datasheet : 0;
     std::printf("\n%s: %ld layers, d %ld, %ld heads (%ld kv), ff %ld, seq %ld, batch %ld: %.3f B parameters, %.3f B in "

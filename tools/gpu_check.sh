@@ -7,11 +7,14 @@
 # when there are several GPUs and MPI), train_gpt_cuda (GPT-2 and LLaMA, 300 steps each), bench_cuda
 # (its encoder, GPT-2 and LLaMA steps with their MFU), the steps that bench_cuda's reserve kept back,
 # then Nsight Compute's profile of the tensor-core attention's three kernels (head_dim 128, bf16)
-# and, with the time left, compute-sanitizer's memcheck over test_cuda_ops. The steps before
+# and its time of every kernel in one GPT-2 training step (bench_cuda's sizes, 2 layers; summed by
+# kernel by tools/step-kernels) and, with the time left, compute-sanitizer's memcheck over
+# test_cuda_ops. The steps before
 # bench_cuda leave it 120 s of the deadline (its MFU figures are the run's goal). It stops itself at
 # the deadline and leaves two files under --out (only the summary when it stopped before configure):
 #   summary.txt   the versions (driver, nvcc, NCCL, compiler, CMake), the NCCL/CUDA environment,
-#                 every step's result, time and first error, and bench_cuda's JSON lines
+#                 every step's result, time and first error, bench_cuda's JSON lines and the
+#                 GPT-2 step's time by kernel
 #   logs.tar.gz   configure and build logs, each program's output, train_fsdp_cuda's metrics
 # Seeds are fixed: SHARDLIB_TEST_SEED (default 1) for the tests' random inputs, --seed 0 for training.
 #
@@ -69,7 +72,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 declare -A facts=()
 fact_keys=(machine gpu nvcc nccl c++ cmake deps sanitizer profiler env seeds)
 info() { facts[$1]+="${facts[$1]:+$'\n'}$2"; } # KEY VALUE (a key may hold several lines)
-rows=() problems=0 bench_json="" interrupted=""
+rows=() problems=0 bench_json="" step_kernels="" interrupted=""
 # row STEP RESULT SECONDS DETAIL; results other than ok, passed, partial and omitted are problems.
 row() {
   rows+=("$(printf '%-24s %-9s %7s  %s' "$1" "$2" "$3" "$4")")
@@ -96,6 +99,11 @@ write_summary() {
       echo
       echo "bench_cuda --json (JSON lines):"
       awk 1 "$bench_json" # (the last line ends with a newline even when bench_cuda was cut)
+    fi
+    if [[ -s $step_kernels ]]; then
+      echo
+      echo "one GPT-2 training step (bench_cuda's sizes, 2 layers), GPU time by kernel (ncu, tools/step-kernels):"
+      cat "$step_kernels"
     fi
   } >"$summary"
 }
@@ -384,6 +392,11 @@ step() {
     detail="cut at the deadline; $(grep -c '^========= [A-Z][a-z]' "$log" || true) sanitizer reports before that"
   elif [[ -n $stopped ]]; then
     result=TIMEOUT detail="stopped after $limit s; last line: $(last_line "$log")"
+  elif ((rc == 0)) && [[ $name == "ncu gpt2 step" ]]; then # the step's time by kernel; none is a failure
+    result=passed
+    python3 "$root/tools/step-kernels" "$log" >"$logs/step-kernels.txt" 2>&1 || result=FAILED
+    detail=$(head -n1 "$logs/step-kernels.txt")
+    step_kernels=$logs/step-kernels.txt
   elif ((rc == 0)) && [[ $name == ncu* ]]; then # the profile's figures; no kernel profiled is a failure
     detail=$(awk 'function add(s) { out = out sep s; sep = "; " }
       /^    Duration / { add($NF " " $(NF - 1)) } /^    Registers Per Thread / { add($NF " registers") }
@@ -461,6 +474,21 @@ for kernel in forward dq dkdv; do
     via=()
   fi
 done
+# Every kernel of one GPT-2 training step at bench_cuda's sizes but 2 layers (the step's other kernels
+# are per layer or once per step), timed as it runs (clocks and caches left alone): where a step's
+# time goes. bench_cuda brackets that step with cudaProfilerStart/Stop (--profile-step).
+if [[ -z $profiler ]]; then
+  row "ncu gpt2 step" omitted "" "ncu not found"
+elif [[ ! -x $build/${program[bench_cuda]} ]]; then
+  row "ncu gpt2 step" omitted "" "bench_cuda was not built"
+elif ((end - EPOCHSECONDS < 105)); then # its 90 s and the 15 s limit_for keeps
+  row "ncu gpt2 step" omitted "" "less than 105 s left"
+else
+  via=("$profiler" --profile-from-start off --clock-control none --cache-control none --csv
+    --metrics gpu__time_duration.sum)
+  step "ncu gpt2 step" 90 bench_cuda --model gpt2 --layers 2 --profile-step
+  via=()
+fi
 # Without the 2^32-float sweep and the [large] cases, as the emulated twin test_emulated_ops.
 if [[ -z $sanitizer ]]; then
   row "memcheck test_cuda_ops" omitted "" "compute-sanitizer not found"

@@ -21,6 +21,7 @@
 #include "cuda_emulator.hpp"
 
 #include <algorithm>    // std::max
+#include <atomic>       // std::atomic
 #include <chrono>       // std::chrono::steady_clock
 #include <cstddef>      // std::size_t
 #include <cstdlib>      // std::aligned_alloc, std::free
@@ -374,6 +375,12 @@ inline std::mutex& dynamic_shared_mutex() {
   static auto* m = new std::mutex;
   return *m;
 }
+// The kernel launches between cudaProfilerStart and cudaProfilerStop (include/cuda_profiler_api.h),
+// as a profiler started with capture off would record them; -1 while not recording.
+inline std::atomic<long>& profiled_launches() {
+  static std::atomic<long> n{-1};
+  return n;
+}
 }  // namespace cuda_emulator
 
 // The launch runs the whole grid before it returns; what a kernel throws (an
@@ -405,6 +412,7 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(
     reversed = !reversed;
   }
   cuda_emulator::launch_sleep() = {};
+  if (cuda_emulator::profiled_launches() >= 0) ++cuda_emulator::profiled_launches();
   [&](Params... converted) {
     int index = 0;
     (cuda_emulator::check_argument_device(converted, cuda_emulator::current_device(), index++), ...);
