@@ -457,38 +457,39 @@ reserve=0
 step bench_cuda 300 bench_cuda --json "$bench_json" "${peak[@]}"
 for call in "${deferred[@]}"; do eval "$call"; done
 via=()
+# profiled NAME CAP NCU_ARGS... -- ARGS...: bench_cuda ARGS under ncu NCU_ARGS for at most CAP
+# seconds, or the row that says why not.
+profiled() {
+  local name=$1 cap=$2
+  local -a options=()
+  shift 2
+  while [[ $1 != -- ]]; do options+=("$1"); shift; done
+  shift
+  if [[ -z $profiler ]]; then
+    row "$name" omitted "" "ncu not found"
+  elif [[ ! -x $build/${program[bench_cuda]} ]]; then
+    row "$name" omitted "" "bench_cuda was not built"
+  elif ((end - EPOCHSECONDS < cap + 15)); then # and the 15 s limit_for keeps
+    row "$name" omitted "" "less than $((cap + 15)) s left"
+  else
+    via=("$profiler" "${options[@]}")
+    step "$name" "$cap" bench_cuda "$@"
+    via=()
+  fi
+}
 # One launch of each tensor-core attention kernel at head_dim 128 (bench_cuda's: bf16, causal,
 # L 2048): time, registers, occupancy, issue rate, stall reasons; the whole report in the logs.
 for kernel in forward dq dkdv; do
-  if [[ -z $profiler ]]; then
-    row "ncu $kernel" omitted "" "ncu not found"
-  elif [[ ! -x $build/${program[bench_cuda]} ]]; then
-    row "ncu $kernel" omitted "" "bench_cuda was not built"
-  elif ((end - EPOCHSECONDS < 75)); then # its 60 s and the 15 s limit_for keeps
-    row "ncu $kernel" omitted "" "less than 75 s left"
-  else
-    via=("$profiler" --clock-control none --kernel-name-base demangled -c 1
-      -k "regex:tensor::${kernel}_kernel<\\(int\\)128" --section SpeedOfLight --section Occupancy
-      --section LaunchStats --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis)
-    step "ncu $kernel" 60 bench_cuda --model none
-    via=()
-  fi
+  profiled "ncu $kernel" 60 --clock-control none --kernel-name-base demangled -c 1 \
+    -k "regex:tensor::${kernel}_kernel<\\(int\\)128" --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+    -- --model none
 done
 # Every kernel of one GPT-2 training step at bench_cuda's sizes but 2 layers (the step's other kernels
 # are per layer or once per step), timed as it runs (clocks and caches left alone): where a step's
 # time goes. bench_cuda brackets that step with cudaProfilerStart/Stop (--profile-step).
-if [[ -z $profiler ]]; then
-  row "ncu gpt2 step" omitted "" "ncu not found"
-elif [[ ! -x $build/${program[bench_cuda]} ]]; then
-  row "ncu gpt2 step" omitted "" "bench_cuda was not built"
-elif ((end - EPOCHSECONDS < 105)); then # its 90 s and the 15 s limit_for keeps
-  row "ncu gpt2 step" omitted "" "less than 105 s left"
-else
-  via=("$profiler" --profile-from-start off --clock-control none --cache-control none --csv
-    --metrics gpu__time_duration.sum)
-  step "ncu gpt2 step" 90 bench_cuda --model gpt2 --layers 2 --profile-step
-  via=()
-fi
+profiled "ncu gpt2 step" 90 --profile-from-start off --clock-control none --cache-control none --csv \
+  --metrics gpu__time_duration.sum -- --model gpt2 --layers 2 --profile-step
 # Without the 2^32-float sweep and the [large] cases, as the emulated twin test_emulated_ops.
 if [[ -z $sanitizer ]]; then
   row "memcheck test_cuda_ops" omitted "" "compute-sanitizer not found"
