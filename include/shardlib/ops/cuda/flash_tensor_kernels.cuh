@@ -232,7 +232,9 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
             for (int x = 0; x < 2; ++x) {  // flash::weight by exp_less, then the score's gradient
               const float w = all.value || v.sees(rr, col + x) ? exp_less(s[cc].x[e + x], scale2, lse2[r]) : 0.0f;
               const float keep = p.dropout ? flash::keep_scale(p, kept, n, h, first + rr, j0 + col + x) : 1.0f;
-              ds[x] = w != 0.0f ? flash::score_grad(w, dp[cc].x[e + x], keep, row_d[r]) : 0.0f;
+              // a hidden key's gradient is 0 even where dO . v is not finite (an inf in a value
+              // row this query does not see); a wholly visible tile has none to test
+              ds[x] = all.value || w != 0.0f ? flash::score_grad(w, dp[cc].x[e + x], keep, row_d[r]) : 0.0f;
             }
             store_pair(dsw + rr * weight_pitch + col, ds[0], ds[1]);
           }
@@ -345,8 +347,9 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
               for (int x = 0; x < 2; ++x) {  // flash::weight by exp_less, its dropout and the score's gradient
                 const int c = col + x, j = column_slot_of(e + x);
                 const float w = all.value || v.sees(rr, c) ? exp_less(st[cc].x[e + x], scale2, lse2[j]) : 0.0f;
+                // with dropout a hidden key's keep is 0 without the generator (without, keep 1 changes nothing)
                 const float keep =
-                    w == 0.0f ? 0.0f : dropout.value ? flash::keep_scale(p, kept, n, h, i0 + c, first + rr) : 1.0f;
+                    !dropout.value ? 1.0f : w == 0.0f ? 0.0f : flash::keep_scale(p, kept, n, h, i0 + c, first + rr);
                 ds[x] = flash::score_grad(w, dpt[cc].x[e + x], keep, d[j]);
                 pt[x] = w * keep;
               }
