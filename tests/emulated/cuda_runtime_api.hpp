@@ -412,7 +412,8 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(
     reversed = !reversed;
   }
   cuda_emulator::launch_sleep() = {};
-  if (cuda_emulator::profiled_launches() >= 0) ++cuda_emulator::profiled_launches();
+  for (long n = cuda_emulator::profiled_launches(); n >= 0;)  // counted only while recording
+    if (cuda_emulator::profiled_launches().compare_exchange_weak(n, n + 1)) break;
   [&](Params... converted) {
     int index = 0;
     (cuda_emulator::check_argument_device(converted, cuda_emulator::current_device(), index++), ...);

@@ -31,6 +31,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -256,6 +257,8 @@ TEST_CASE("the tensor-core kernels take finite positive scales only", "[emulated
   CHECK_FALSE(ft::takes_scale(0.0f));
   CHECK_FALSE(ft::takes_scale(NAN));
   CHECK_FALSE(ft::takes_scale(INFINITY));
+  CHECK_FALSE(ft::takes_scale(1e-40f));                                // subnormal: 0 under -ftz
+  CHECK_FALSE(ft::takes_scale(std::numeric_limits<float>::max() / 1.2f));  // times log2(e) overflows
 }
 
 TEMPLATE_TEST_CASE("the tensor-core attention kernels, emulated, equal nn::sdpa", "[emulated][flash]", sl::bfloat16,

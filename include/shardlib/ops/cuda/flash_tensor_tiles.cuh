@@ -21,6 +21,7 @@
 #include <cmath>        // std::exp2 (tests/emulated), std::isfinite
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::int64_t, std::uintptr_t
+#include <limits>       // std::numeric_limits
 #include <type_traits>  // std::is_same_v
 
 namespace shardlib::ops::cuda::detail::tensor {
@@ -85,8 +86,12 @@ static_assert(aligned<64> && aligned<128> && weights_bytes % 32 == 0 && edge * w
 
 // Head dims these kernels take: up to 128, a multiple of 8 (stage's 16-byte loads).
 inline bool takes_dim(std::int64_t dim) { return dim >= 1 && dim <= max_dim && dim % 8 == 0; }
-// Scales they take: finite and positive (forward scales a row's largest product: exp_less).
-inline bool takes_scale(float scale) { return scale > 0 && std::isfinite(scale); }
+// Scales they take: positive (forward scales a row's largest product: exp_less), normal (not
+// flushed to 0 where code is built with -ftz) and with scale log2(e) finite.
+inline constexpr float log2e = 1.4426950408889634f;
+inline bool takes_scale(float scale) {
+  return scale >= std::numeric_limits<float>::min() && std::isfinite(scale * log2e);
+}
 
 // Whether stage can load (and store_rows store) v's rows 16 bytes at a time: every row starts 16-byte aligned
 // (so does each 8-element piece of it when dim is a multiple of 8: the caller checks dim).
@@ -438,7 +443,6 @@ __device__ void with_flags(bool a, bool b, F&& f) {
 // (backward's lse of a row that saw no key) gives 0 too, and m = -inf (a forward row that
 // has seen only hidden keys) takes m2 = 0 so that its -inf scores give 0, not NaN. exp2f
 // would add subnormal handling, 8 instructions per weight.
-inline constexpr float log2e = 1.4426950408889634f;
 __device__ inline float log2_scaled(float m) { return m == -INFINITY ? 0.0f : m * log2e; }
 __device__ inline float exp_less(float x, float k, float m2) {
   const float y = fmaf(x, k, -m2);
