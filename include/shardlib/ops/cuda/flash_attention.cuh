@@ -82,9 +82,10 @@ bool tensor_tiles_hold() {
 // Whether flash_attention_forward and _backward take the tensor-core kernels for T
 // and head_dim on the current GPU (bfloat16 or half, head_dim a multiple of 8 up to
 // 128, sm_80 or later with the shared memory they need, a build for sm_80 or later,
-// accumulators laid out as they read them, o.tensor_cores, a finite positive scale),
-// given views (inputs and outputs) whose rows start 16-byte aligned, as a contiguous
-// tensor's do (they load and store 16 bytes at a time; other views take the CUDA cores).
+// accumulators laid out as they read them, o.tensor_cores, a normal positive scale:
+// takes_scale), given views (inputs and outputs) whose rows start 16-byte aligned, as a
+// contiguous tensor's do (they load and store 16 bytes at a time; other views take the
+// CUDA cores).
 template <class T>
 bool flash_uses_tensor_cores(std::int64_t head_dim, const flash_options& o) {
   namespace ft = detail::tensor;
