@@ -22,8 +22,8 @@ namespace test_support {
 
 inline constexpr double infinity = std::numeric_limits<double>::infinity();
 
-// The larger of two magnitudes, NaN when either is NaN (std::max(0.0, NaN) is 0:
-// folding a scale with it would drop a NaN).
+// The larger of two values, NaN when either is NaN (std::max(0.0, NaN) is 0: folding
+// a scale or a reference's row maximum with it would drop a NaN).
 inline double max_keeping_nan(double a, double b) {
   return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
 }

@@ -116,7 +116,7 @@ std::vector<double> reference_attention(Params param, const Tensor<double>& x, s
           double dot = 0;
           for (std::int64_t d = 0; d < D; ++d) dot += at(n, i, h * D + d) * at(n, j, E + h * D + d);
           s[std::size_t(j)] = dot / std::sqrt(double(D)) + mask_term(attn, n, h, i, j);
-          mx = std::max(mx, s[std::size_t(j)]);
+          mx = test_support::max_keeping_nan(mx, s[std::size_t(j)]);
         }
         double z = 0;
         for (auto& v : s) z += v = std::isinf(v) ? 0.0 : std::exp(v - mx);

@@ -31,6 +31,7 @@
 #include "shardlib/ops/cuda/softmax.hpp"
 #include "shardlib/optim/adam.hpp"
 
+#include "support/compare.hpp"  // max_keeping_nan
 #include "support/random_inputs.hpp"
 
 #include <catch2/catch.hpp>
@@ -138,7 +139,7 @@ TEST_CASE("masked softmax rows and their backward match double-precision referen
     oc::masked_softmax_row(lane, p.data(), m, n);
     double mx = -INFINITY, sum = 0;
     for (int j = 0; j < n; ++j)
-      if (!(m && m[j])) mx = std::max(mx, double(scores[j]));
+      if (!(m && m[j])) mx = test_support::max_keeping_nan(mx, double(scores[j]));
     for (int j = 0; j < n; ++j)
       if (!(m && m[j])) sum += std::exp(double(scores[j]) - mx);
     std::vector<float> want(n);

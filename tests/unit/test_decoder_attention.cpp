@@ -110,7 +110,7 @@ vec reference_sdpa(const vec& q, const vec& k, const vec& v, std::int64_t B, std
           for (std::int64_t d = 0; d < D; ++d)
             dot += q[std::size_t(((n * H + h) * Lq + i) * D + d)] * k[std::size_t(((n * Hkv + g) * Lk + j) * D + d)];
           s[std::size_t(j)] = dot * scale + (o.mask.bias.empty() ? 0.0 : double(o.mask.bias[m]));
-          mx = std::max(mx, s[std::size_t(j)]);
+          mx = test_support::max_keeping_nan(mx, s[std::size_t(j)]);
         }
         if (mx == -inf) continue;  // no key: zeros
         double z = 0;
