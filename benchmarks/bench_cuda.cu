@@ -4,6 +4,8 @@
 //   NCCL all_gather, reduce_scatter, all_reduce bus bandwidth (nccl-tests
 //                               definitions), world size 1 .. #GPUs, one thread per GPU
 //   cublasGemmEx bf16 TFLOP/s   at 8192^3 on random values: the compute peak reference (and fp32)
+//   LM head products            GPT-2's vocabulary (50257: rows off 16-byte boundaries) by cuBLAS
+//                               as it is, by gemm_staged, and padded to 50304: vs that GEMM rate
 //   fused attention             causal, bf16, L 2048, head_dim 64 and 128, forward + backward, on
 //                               tensor cores and on CUDA cores: TFLOP/s vs that bf16 GEMM rate
 //   model steps                 FullShard, bf16 compute, fp32 master + AdamW, on one GPU:
@@ -88,6 +90,7 @@ struct run_sizes {
   std::size_t copy_bytes = std::size_t(1) << 30, adam_params = std::size_t(1) << 28,
               nccl_bytes = std::size_t(256) << 20;
   std::int64_t gemm_n = 8192, attention_batch = 4, attention_heads = 16, attention_seq = 2048;
+  std::int64_t head_rows = 8192, head_d = 2048, head_vocab = 50257;  // GPT-2's head at the models' sizes
   int warmup(int full) const { return quick ? 1 : full; }
   int iters(int full) const { return quick ? 3 : full; }
 };
@@ -98,7 +101,10 @@ constexpr run_sizes quick_sizes{.quick = true,
                                 .gemm_n = 128,
                                 .attention_batch = 1,
                                 .attention_heads = 2,
-                                .attention_seq = 128};
+                                .attention_seq = 128,
+                                .head_rows = 128,
+                                .head_d = 64,
+                                .head_vocab = 257};
 
 // One JSON line per measurement; a quick run's lines say so.
 struct json_lines {
@@ -201,6 +207,41 @@ double gemm_tflops(std::int64_t n, const run_sizes& z, sl::cuda::stream& s, sl::
              c.data(), n);
   });
   return 2.0 * double(n) * double(n) * double(n) / (ms * 1e-3) / 1e12;
+}
+
+// --- the LM head's products, logits rows off 16-byte boundaries ---------------------------------
+// GPT-2's tied head: logits [R, V] = h [R, d] W^T (W [V, d]), dW += dlogits^T h, dh = dlogits W
+// (the logits stand in for their gradient), bf16. With V = 50257 the logits' rows are 100,514
+// bytes apart: cuBLAS on them as they are, then gemm_staged (the library's path: aligned copies
+// first, their time included), then V padded to a multiple of 64 as nanoGPT and llm.c pad
+// GPT-2's vocabulary (every row aligned; the products 0.1% larger). Milliseconds for the three.
+struct head_times {
+  double direct, staged, padded;
+};
+head_times lm_head_ms(const run_sizes& z, sl::cuda::stream& s, sl::cuda::blas& handle) {
+  using T = sl::bfloat16;
+  const std::int64_t R = z.head_rows, D = z.head_d, V = z.head_vocab, Vp = (V + 63) / 64 * 64;
+  auto& alloc = sl::cuda::device_allocator(0);
+  const auto filled = [&](std::int64_t count, std::uint64_t stream_id) {
+    sl::cuda::device_buffer<T> b(std::size_t(count), sl::category::activations, s, alloc);
+    oc::for_each_index(count, uniform_fill<T>{b.data(), sl::counter_rng(3, stream_id)}, s, "uniform_fill");
+    return b;
+  };
+  auto h = filled(R * D, 0), w = filled(Vp * D, 1), logits = filled(R * Vp, 2), dw = filled(Vp * D, 3),
+       dh = filled(R * D, 4);
+  const auto head = [&](auto&& gemm, std::int64_t v) {  // v: the vocabulary, the logits' leading dimension
+    using sl::ops::trans;
+    gemm(trans::no, trans::yes, R, v, D, 1.0f, h.data(), D, w.data(), D, 0.0f, logits.data(), v);
+    gemm(trans::yes, trans::no, v, D, R, 1.0f, logits.data(), v, h.data(), D, 1.0f, dw.data(), D);
+    gemm(trans::no, trans::no, R, D, v, 1.0f, logits.data(), v, w.data(), D, 0.0f, dh.data(), D);
+  };
+  const auto cublas = [&](auto... args) { oc::gemm(handle, s, args...); };
+  const auto staged = [&](auto... args) { oc::gemm_staged(handle, s, alloc, args...); };
+  head_times t{};
+  t.direct = median_ms(s, z.warmup(2), z.iters(10), [&] { head(cublas, V); });
+  t.staged = median_ms(s, z.warmup(2), z.iters(10), [&] { head(staged, V); });
+  t.padded = median_ms(s, z.warmup(2), z.iters(10), [&] { head(cublas, Vp); });
+  return t;
 }
 
 // --- fused attention against the GEMM rate ----------------------------------------------------
@@ -506,6 +547,30 @@ int main(int argc, char** argv) try {
   std::snprintf(vs, sizeof vs, "fp32 without TF32: %.1f TFLOP/s", fp32);
   summary.push_back({sl::cat("GEMM bf16 ", g, "^3 (cuBLAS)"), v, vs});
   sl::cuda::device_allocator(0).empty_cache();
+
+  // 4b. The LM head's products where the logits' rows are off 16-byte boundaries.
+  {
+    const head_times t = lm_head_ms(z, s, handle);
+    const std::int64_t V = z.head_vocab, Vp = (V + 63) / 64 * 64;
+    const double flop = 3 * 2.0 * double(z.head_rows) * double(z.head_d);  // per vocabulary entry
+    const auto rate = [&](double ms, std::int64_t v) { return flop * double(v) / (ms * 1e-3) / 1e12; };
+    const std::string label = sl::cat("LM head products (fwd, dW, dx), bf16, rows ", z.head_rows, ", d ", z.head_d);
+    std::printf("\n%-58s %10s %10s %10s\n", label.c_str(), "ms", "TFLOP/s", "of GEMM");
+    const auto row = [&](const std::string& what, double ms, std::int64_t v) {
+      std::printf("%-58s %10.3f %10.1f %9.1f%%\n", what.c_str(), ms, rate(ms, v), 100 * rate(ms, v) / bf16);
+    };
+    row(sl::cat("V ", V, ", cuBLAS on unaligned rows"), t.direct, V);
+    row(sl::cat("V ", V, ", gemm_staged (aligned copies, included)"), t.staged, V);
+    row(sl::cat("V padded to ", Vp, " (every row aligned)"), t.padded, Vp);
+    json(sl::cat("\"bench\":\"cuda_lm_head\",\"rows\":", z.head_rows, ",\"d\":", z.head_d, ",\"vocab\":", V,
+                 ",\"padded_vocab\":", Vp, ",\"direct_ms\":", t.direct, ",\"staged_ms\":", t.staged,
+                 ",\"padded_ms\":", t.padded, ",\"gemm_bf16_TFLOPs\":", bf16));
+    std::snprintf(v, sizeof v, "%.0f TFLOP/s", rate(t.staged, V));
+    std::snprintf(vs, sizeof vs, "staged; unaligned %.0f, V padded to %lld %.0f", rate(t.direct, V), (long long)Vp,
+                  rate(t.padded, Vp));
+    summary.push_back({sl::cat("LM head products, V ", V), v, vs});
+    sl::cuda::device_allocator(0).empty_cache();
+  }
 
   // 5. The fused attention by each kernel set, against that GEMM rate.
   const std::string attention_label = sl::cat("fused attention, bf16, causal, B ", z.attention_batch, ", H ",

@@ -1,4 +1,5 @@
-// ops::cuda::gemm (plain cuBLAS) against the host ops::gemm; ops::cuda::gemm_lt
+// ops::cuda::gemm (plain cuBLAS) and gemm_staged (the same, rows not on 16-byte
+// boundaries copied to aligned scratch first) against the host ops::gemm; ops::cuda::gemm_lt
 // (cuBLASLt with fused epilogues) and the device Linear that uses it. Every
 // epilogue against an unfused reference computed on the host in float64 from
 // the same T-rounded inputs: the product, then the bias, then nn::relu /
@@ -27,6 +28,7 @@
 // cuBLASLt's approximate tanh never meets the 1e-5 bound).
 #include <shardlib/cuda/blas.hpp>
 #include <shardlib/cuda/blas_lt.hpp>
+#include <shardlib/cuda/caching_allocator.hpp>
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/nn/activation.hpp>
 #include <shardlib/nn/context.hpp>
@@ -541,6 +543,71 @@ TEMPLATE_TEST_CASE("gemm matches the host ops::gemm for every transpose, with pa
         require_close(got, want, rtol<T>, rtol<T> * max_abs(want));
         if (beta == 0)  // the padding columns of C are left alone (still the poison)
           for (std::int64_t i = 0; i < m; ++i) REQUIRE(std::isnan(c_dev[i * ldc + n]));
+      }
+}
+
+// gemm_staged: the operands it copies, then the product against the host's.
+TEST_CASE("gemm_staged copies the operands whose rows are not 16 bytes apart, in products of 64 and more (host)",
+          "[cuda][gemm]") {
+  using bf = sl::bfloat16;
+  alignas(16) static bf b16[8];
+  alignas(16) static float f32[8];
+  const bf* p = b16;  // only its address is looked at
+  CHECK_FALSE(oc::staged_for<bf>(64, 64, 64, p, 64, p, 2048, p, 50304).any());
+  const auto vocab = oc::staged_for<bf>(8192, 50257, 2048, p, 2048, p, 2048, p, 50257);  // logits = h W^T
+  CHECK((!vocab.a && !vocab.b && vocab.c));
+  const auto dw = oc::staged_for<bf>(50257, 2048, 8192, p, 50257, p, 2048, p, 2048);  // dW = dlogits^T h
+  CHECK((dw.a && !dw.b && !dw.c));
+  const auto shifted = oc::staged_for<bf>(64, 64, 64, p, 64, p + 1, 64, p, 64);  // a pointer 2 bytes off
+  CHECK((!shifted.a && shifted.b && !shifted.c));
+  CHECK_FALSE(oc::staged_for<bf>(63, 64, 64, p, 67, p, 67, p, 67).any());  // too small to pay for the copies
+  CHECK_FALSE(oc::staged_for<bf>(64, 64, 63, p, 67, p, 67, p, 67).any());
+  CHECK_FALSE(oc::staged_for<float>(64, 64, 64, f32, 68, f32, 4, f32, 64).any());  // fp32: 4 elements are 16 bytes
+  CHECK(oc::staged_for<float>(64, 64, 64, f32, 66, f32, 64, f32, 64).a);
+}
+
+TEMPLATE_TEST_CASE("gemm_staged equals the host ops::gemm where no operand's rows are 16 bytes apart",
+                   "[cuda][gemm]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  sl::cuda::blas handle(0);
+  auto& alloc = sl::cuda::device_allocator(0);
+  const std::int64_t m = 67, n = 65, k = 71;  // every leading dimension 2 past its columns: odd, so unaligned
+  for (auto ta : {sl::ops::trans::no, sl::ops::trans::yes})
+    for (auto tb : {sl::ops::trans::no, sl::ops::trans::yes})
+      for (float beta : {0.0f, 0.5f}) {
+        INFO("ta " << int(ta) << " tb " << int(tb) << " beta " << beta);
+        const std::int64_t a_rows = ta == sl::ops::trans::no ? m : k, a_cols = ta == sl::ops::trans::no ? k : m;
+        const std::int64_t b_rows = tb == sl::ops::trans::no ? k : n, b_cols = tb == sl::ops::trans::no ? n : k;
+        const std::int64_t lda = a_cols + 2, ldb = b_cols + 2, ldc = n + 2;
+        const auto a = rounded<T>(rnd.normal(std::size_t(a_rows * lda)));
+        const auto b = rounded<T>(rnd.normal(std::size_t(b_rows * ldb)));
+        auto c_host = rounded<T>(rnd.normal(std::size_t(m * ldc)));
+        auto da = upload(as<T>(a), f.stream), db = upload(as<T>(b), f.stream);
+        auto dc = beta == 0 ? poisoned<T>(c_host.size(), f.stream) : upload(as<T>(c_host), f.stream);
+        const auto staged = oc::staged_for<T>(m, n, k, da.data(), lda, db.data(), ldb, dc.data(), ldc);
+        REQUIRE((staged.a && staged.b && staged.c));
+        oc::gemm_staged(handle, f.stream, alloc, ta, tb, m, n, k, 1.5f, da.data(), lda, db.data(), ldb, beta,
+                        dc.data(), ldc);
+        const auto c_dev = download_float(dc, f.stream);
+        const std::vector<float> c_before = c_host;
+        sl::ops::gemm<float>(ta, tb, m, n, k, 1.5f, a.data(), lda, b.data(), ldb, beta, c_host.data(), ldc);
+        std::vector<float> got, want;
+        for (std::int64_t i = 0; i < m; ++i)
+          for (std::int64_t j = 0; j < n; ++j) {
+            got.push_back(c_dev[i * ldc + j]);
+            want.push_back(c_host[i * ldc + j]);
+          }
+        require_close(got, want, rtol<T>, rtol<T> * max_abs(want));
+        for (std::int64_t i = 0; i < m; ++i)  // the copy back leaves C's padding columns alone
+          for (std::int64_t j = n; j < ldc; ++j) {
+            const float pad = c_dev[i * ldc + j];
+            if (beta == 0) REQUIRE(std::isnan(pad));
+            else REQUIRE(pad == c_before[std::size_t(i * ldc + j)]);
+          }
       }
 }
 

@@ -38,6 +38,7 @@ enum cudaError_t {
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidPitchValue = 12,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorNotReady = 600,
@@ -98,6 +99,7 @@ inline const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidPitchValue: return "cudaErrorInvalidPitchValue";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady: return "cudaErrorNotReady";
@@ -297,6 +299,15 @@ inline cudaError_t cudaMemcpy(void* to, const void* from, std::size_t bytes, cud
 }
 inline cudaError_t cudaMemcpyAsync(void* to, const void* from, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
   return cudaMemcpy(to, from, bytes, kind);
+}
+// As CUDA's: `height` rows of `width` bytes, rows `spitch` and `dpitch` bytes apart
+// (each at least `width`, else cudaErrorInvalidPitchValue).
+inline cudaError_t cudaMemcpy2DAsync(void* to, std::size_t dpitch, const void* from, std::size_t spitch,
+                                     std::size_t width, std::size_t height, cudaMemcpyKind, cudaStream_t) {
+  if (width > dpitch || width > spitch) return cuda_emulator::fail(cudaErrorInvalidPitchValue);
+  for (std::size_t r = 0; r < height && width; ++r)
+    std::memcpy(static_cast<char*>(to) + r * dpitch, static_cast<const char*>(from) + r * spitch, width);
+  return cudaSuccess;
 }
 inline cudaError_t cudaMemsetAsync(void* p, int byte, std::size_t bytes, cudaStream_t) {
   if (bytes) std::memset(p, byte, bytes);

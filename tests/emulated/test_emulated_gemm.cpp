@@ -55,3 +55,35 @@ TEMPLATE_TEST_CASE("device Linear fuses what cuBLASLt takes, and runs unfused wh
   const lt_refusing none(cuda_emulator::lt_refuses);
   for (auto act : acts) CHECK(products(11, 20, 24, act) == 0);
 }
+
+// cuBLAS (the stand-in) counts the products it gets with rows off 16-byte boundaries:
+// gemm hands them on, gemm_staged copies them first, and the device Linear's products
+// (an output of 67 features: dy's rows 134 bytes apart) take gemm_staged.
+TEST_CASE("gemm_staged gives cuBLAS aligned rows, and the device Linear's products go through it", "[cuda][gemm]") {
+  using T = sl::bfloat16;
+  sl::cuda::stream stream{0};
+  sl::cuda::stream_scope scope{stream};
+  sl::cuda::blas handle(0);
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const auto unaligned = [](auto&& run) {
+    const std::int64_t before = cuda_emulator::unaligned_products;
+    run();
+    return cuda_emulator::unaligned_products - before;
+  };
+  const std::int64_t m = 64, n = 67, k = 64;  // C = A B^T with C's rows n = 67 elements apart
+  auto a = upload(as<T>(rounded<T>(rnd.normal(std::size_t(m * k)))), stream);
+  auto b = upload(as<T>(rounded<T>(rnd.normal(std::size_t(n * k)))), stream);
+  auto c = poisoned<T>(std::size_t(m * n), stream);
+  const auto product = [&](bool staged) {
+    if (staged)
+      oc::gemm_staged(handle, stream, sl::cuda::device_allocator(0), trans::no, trans::yes, m, n, k, 1.0f, a.data(), k,
+                      b.data(), k, 0.0f, c.data(), n);
+    else
+      oc::gemm(handle, stream, trans::no, trans::yes, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(), n);
+  };
+  CHECK(unaligned([&] { product(false); }) == 1);
+  CHECK(unaligned([&] { product(true); }) == 0);
+  // bf16 backward: dW += dy^T x and dx = dy W, dy [64, 67]; forward is cuBLASLt's bias epilogue.
+  CHECK(unaligned([&] { compare_linear<T>(64, 64, 67, nn::fused_activation::none, rnd, stream); }) == 0);
+}

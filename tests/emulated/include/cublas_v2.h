@@ -2,13 +2,15 @@
 // tests: handles, status names, and the two products the library calls (cublasGemmEx_64
 // and its strided-batched form) computed on the CPU in float64 and rounded once to the
 // output type. As cuBLAS, C is not read when beta is 0 (a NaN there stays out).
+// cuda_emulator::unaligned_products counts the products with unaligned rows.
 #pragma once
 #include "cuda_runtime.h"
 #include "library_types.h"
 
+#include <atomic>   // std::atomic
 #include <bit>      // std::bit_cast
 #include <cmath>    // std::isnan
-#include <cstdint>  // std::int64_t, std::uint16_t, std::uint32_t
+#include <cstdint>  // std::int64_t, std::uint16_t, std::uint32_t, std::uintptr_t
 
 enum cublasStatus_t {
   CUBLAS_STATUS_SUCCESS = 0,
@@ -62,6 +64,12 @@ inline void store_element(void* p, cudaDataType_t t, std::int64_t i, double x) {
     static_cast<std::uint16_t*>(p)[i] = std::bit_cast<std::uint16_t>(_Float16(f));
   }
 }
+// Products cuBLAS would run on its slower kernels: an operand whose rows do not all
+// start on 16-byte boundaries (pointer or leading dimension), for tests of gemm_staged.
+inline std::atomic<std::int64_t> unaligned_products = 0;
+inline bool rows_aligned(const void* p, cudaDataType_t t, std::int64_t ld) {
+  return reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && ld * (t == CUDA_R_32F ? 4 : 2) % 16 == 0;
+}
 // Column-major C[m, n] = alpha op(A) op(B) + beta C, with op(A) [m, k] and op(B) [k, n].
 inline void gemm(cublasOperation_t ta, cublasOperation_t tb, std::int64_t m, std::int64_t n, std::int64_t k,
                  float alpha, const void* a, cudaDataType_t at, std::int64_t lda, const void* b, cudaDataType_t bt,
@@ -83,6 +91,9 @@ inline cublasStatus_t cublasGemmEx_64(cublasHandle_t, cublasOperation_t ta, cubl
                                       cudaDataType_t at, std::int64_t lda, const void* b, cudaDataType_t bt,
                                       std::int64_t ldb, const void* beta, void* c, cudaDataType_t ct, std::int64_t ldc,
                                       cublasComputeType_t, cublasGemmAlgo_t) {
+  if (!cuda_emulator::rows_aligned(a, at, lda) || !cuda_emulator::rows_aligned(b, bt, ldb) ||
+      !cuda_emulator::rows_aligned(c, ct, ldc))
+    ++cuda_emulator::unaligned_products;
   cuda_emulator::gemm(ta, tb, m, n, k, *static_cast<const float*>(alpha), a, at, lda, b, bt, ldb,
                       *static_cast<const float*>(beta), c, ct, ldc);
   return CUBLAS_STATUS_SUCCESS;

@@ -4,7 +4,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/cuda/current.hpp"            // current_stream, current_blas
 #include "shardlib/cuda/caching_allocator.hpp"  // device_allocator
-#include "shardlib/ops/cuda/gemm.hpp"           // gemm, gemm_strided_batched
+#include "shardlib/ops/cuda/gemm.hpp"           // gemm_staged, gemm_strided_batched
 #include "shardlib/ops/cuda/reduce.cuh"         // add_column_sums
 
 #include <cuda_runtime.h>
@@ -13,11 +13,13 @@
 
 namespace shardlib::nn::detail {
 
-// ops::cuda::gemm on the current stream (row-major, as ops::gemm).
+// ops::cuda::gemm on the current stream (row-major, as ops::gemm), rows not on
+// 16-byte boundaries staged (gemm_staged: a vocabulary of 50257 logits).
 template <class T>
 void device_gemm(ops::trans ta, ops::trans tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const T* a,
                  std::int64_t lda, const T* b, std::int64_t ldb, float beta, T* c, std::int64_t ldc) {
-  ops::cuda::gemm(cuda::current_blas(), cuda::current_stream(), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  ops::cuda::gemm_staged(cuda::current_blas(), cuda::current_stream(), cuda::device_allocator(cuda::current_device()),
+                         ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 // ops::cuda::gemm_strided_batched on the current stream.

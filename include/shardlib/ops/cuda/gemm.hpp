@@ -2,16 +2,20 @@
 // with the row-major signature of the host ops::gemm (ops/gemm.hpp).
 #pragma once
 #include "shardlib/config.hpp"
-#include "shardlib/core/element.hpp"  // bfloat16, half
-#include "shardlib/cuda/blas.hpp"     // blas
-#include "shardlib/cuda/error.hpp"    // check
-#include "shardlib/ops/gemm.hpp"      // trans
+#include "shardlib/core/element.hpp"            // bfloat16, half
+#include "shardlib/core/ledger.hpp"             // category
+#include "shardlib/cuda/blas.hpp"               // blas
+#include "shardlib/cuda/caching_allocator.hpp"  // caching_allocator, device_buffer
+#include "shardlib/cuda/error.hpp"              // check
+#include "shardlib/ops/gemm.hpp"                // trans
 
 #include <cublas_v2.h>
+#include <cuda_runtime.h>
 #include <library_types.h>  // cudaDataType_t
 
-#include <algorithm>    // std::max
-#include <cstdint>      // std::int64_t
+#include <algorithm>    // std::max, std::min
+#include <cstddef>      // std::size_t
+#include <cstdint>      // std::int64_t, std::uintptr_t
 #include <type_traits>  // std::is_same_v
 
 namespace shardlib::ops::cuda {
@@ -74,6 +78,78 @@ void gemm_strided_batched(const shardlib::cuda::blas& handle, cudaStream_t strea
                                     detail::ld(ldb), stride_b, a, t, detail::ld(lda), stride_a, &beta, c, t, ldc,
                                     stride_c, batch, detail::compute<T>(math), CUBLAS_GEMM_DEFAULT),
       "cublasGemmStridedBatchedEx [", batch, " x ", m, " x ", n, " x ", k, "]");
+}
+
+// --- Rows that do not start on 16-byte boundaries ----------------------------------------------
+// cuBLAS's fast kernels move whole 16-byte pieces of rows (TMA on sm_90, 16-byte
+// cp.async and stores before it); a matrix whose rows do not all start on 16-byte
+// boundaries (its pointer, or a leading dimension that is not a multiple of 16 bytes,
+// as GPT-2's vocabulary of 50257 bf16 logits) sends the whole product to kernels that
+// move an element at a time. gemm_staged copies each such operand (and C) into scratch
+// rows padded to 16 bytes, one cudaMemcpy2DAsync pass at copy bandwidth, and C back
+// after. Only where every dimension is at least staging_min_dim: each staged element
+// then takes part in 64 or more multiply-adds, so the copy is small beside the product
+// (a rule of thumb; bench_cuda's "LM head" rows time the two paths).
+inline constexpr std::int64_t staging_min_dim = 64;
+
+struct staged_operands {
+  bool a = false, b = false, c = false;
+  bool any() const { return a || b || c; }
+};
+
+namespace detail {
+template <class T>
+bool rows_aligned(const T* p, std::int64_t ld) {
+  return reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && (ld * std::int64_t(sizeof(T))) % 16 == 0;
+}
+// rows x cols elements from `from` (rows ld_from apart) to `to` (ld_to apart), on `stream`.
+template <class T>
+void copy_rows(T* to, std::int64_t ld_to, const T* from, std::int64_t ld_from, std::int64_t rows, std::int64_t cols,
+               cudaStream_t stream) {
+  constexpr std::size_t e = sizeof(T);
+  shardlib::cuda::check(cudaMemcpy2DAsync(to, std::size_t(ld_to) * e, from, std::size_t(ld_from) * e,
+                                          std::size_t(cols) * e, std::size_t(rows), cudaMemcpyDeviceToDevice, stream),
+                        "cudaMemcpy2DAsync (gemm_staged: ", rows, " rows of ", cols, ")");
+}
+}  // namespace detail
+
+// The operands of gemm's call with these arguments that gemm_staged copies.
+template <GemmElement T>
+staged_operands staged_for(std::int64_t m, std::int64_t n, std::int64_t k, const T* a, std::int64_t lda, const T* b,
+                           std::int64_t ldb, const T* c, std::int64_t ldc) {
+  if (std::min({m, n, k}) < staging_min_dim) return {};
+  return {!detail::rows_aligned(a, lda), !detail::rows_aligned(b, ldb), !detail::rows_aligned(c, ldc)};
+}
+
+// gemm, with the operands staged_for names copied to rows 16 bytes apart first (C
+// only where beta != 0 reads it) and C copied back after; the scratch comes from
+// `alloc` on `stream`. The same product: cuBLAS sees the same values, only aligned.
+template <GemmElement T>
+void gemm_staged(const shardlib::cuda::blas& handle, cudaStream_t stream, shardlib::cuda::caching_allocator& alloc,
+                 trans ta, trans tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const T* a,
+                 std::int64_t lda, const T* b, std::int64_t ldb, float beta, T* c, std::int64_t ldc,
+                 fp32_math math = fp32_math::exact) {
+  const staged_operands s = staged_for(m, n, k, a, lda, b, ldb, c, ldc);
+  if (!s.any()) return gemm(handle, stream, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, math);
+  using buffer = shardlib::cuda::device_buffer<T>;
+  constexpr std::int64_t step = 16 / std::int64_t(sizeof(T));
+  // A scratch copy of a rows x cols operand (its contents copied when `copy`); ld becomes its pitch.
+  const auto stage = [&](buffer& scratch, std::int64_t rows, std::int64_t cols, const T* from, std::int64_t& ld,
+                         bool copy) {
+    const std::int64_t pitch = (cols + step - 1) / step * step;
+    scratch = buffer(std::size_t(rows * pitch), category::activations, stream, alloc);
+    if (copy) detail::copy_rows(scratch.data(), pitch, from, ld, rows, cols, stream);
+    ld = pitch;
+    return scratch.data();
+  };
+  buffer sa, sb, sc;
+  std::int64_t la = lda, lb = ldb, lc = ldc;
+  const bool at = ta == trans::yes, bt = tb == trans::yes;
+  const T* pa = s.a ? stage(sa, at ? k : m, at ? m : k, a, la, true) : a;
+  const T* pb = s.b ? stage(sb, bt ? n : k, bt ? k : n, b, lb, true) : b;
+  T* pc = s.c ? stage(sc, m, n, c, lc, beta != 0.0f) : c;
+  gemm(handle, stream, ta, tb, m, n, k, alpha, pa, la, pb, lb, beta, pc, lc, math);
+  if (s.c) detail::copy_rows(c, ldc, pc, lc, m, n, stream);
 }
 
 }  // namespace shardlib::ops::cuda
