@@ -541,14 +541,20 @@ TEMPLATE_TEST_CASE("device LlamaMLP (fused SwiGLU) and GPT2MLP equal the host la
     nn::LlamaMLP<T, cuda_space> dev(o);
     compare_layers<T, require_composite_near<T>>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1), 2.0f);
   }
-  for (double p : {0.0, 0.1}) {
-    INFO("GPT2MLP, dropout " << p);
-    const nn::gpt2_mlp_options o{.n_embd = 24, .n_inner = 50, .resid_pdrop = p};
-    nn::GPT2MLP<float> host(o);
-    nn::GPT2MLP<T, cuda_space> dev(o);
-    compare_layers<T, require_composite_near<T>>(host, dev, Shape{3, 7, 24}, rnd, training(rnd.seed),
-                                                 training(rnd.seed));
-  }
+  // n_inner 48, a multiple of 8: in bf16 c_fc's product applies the tanh-GELU in cuBLASLt's epilogue
+  // (50: the Linear's product, then its GELU kernel); torch's erf GELU is the act layer after c_fc.
+  for (double p : {0.0, 0.1})
+    for (std::int64_t inner : {50, 48})
+      for (auto gelu : {nn::gelu_approx::tanh, nn::gelu_approx::none}) {
+        INFO("GPT2MLP, dropout " << p << ", n_inner " << inner << ", GELU " << (gelu == nn::gelu_approx::tanh ? "tanh" : "erf"));
+        const nn::gpt2_mlp_options o{.n_embd = 24, .n_inner = inner, .resid_pdrop = p, .activation = gelu};
+        nn::GPT2MLP<float> host(o);
+        nn::GPT2MLP<T, cuda_space> dev(o);
+        compare_layers<T, require_composite_near<T>>(host, dev, Shape{3, 7, 24}, rnd, training(rnd.seed),
+                                                     training(rnd.seed));
+        CHECK(dev.c_fc.activation() ==
+              (gelu == nn::gelu_approx::tanh ? nn::fused_activation::gelu_tanh : nn::fused_activation::none));
+      }
   nn::LlamaMLP<T, cuda_space> dev({.hidden_size = 4, .intermediate_size = 6});
   nn::context ctx;
   CHECK_THROWS_WITH(dev.backward(ctx, Tensor<T, cuda_space>(Shape{2, 4})),

@@ -148,7 +148,8 @@ struct gpt2_mlp_options {
 // there, so a GPT-2 block adds none after it. HF stores c_fc and c_proj as Conv1D,
 // whose weight is [in, out]: these are Linear's [out, in], so a checkpoint's
 // weights load transposed. Space is where tensors and parameters live; for
-// cuda_space include shardlib/nn/cuda/feed_forward.cuh.
+// cuda_space include shardlib/nn/cuda/feed_forward.cuh (there c_fc applies the
+// tanh-GELU in its product's epilogue, and `act` is not called).
 template <class T, class Space = host_space>
 class GPT2MLP {
  public:
@@ -186,11 +187,11 @@ class GPT2MLP {
   output forward(Ctx& ctx, const input& x) {
     require<shape_error>(x.rank() >= 1 && x.dim(x.rank() - 1) == o_.n_embd, "GPT2MLP(", o_.n_embd, " -> ",
                          inner(o_), "): input's last dimension must be ", o_.n_embd, ", got shape ", x.shape());
-    return ctx.forward(dropout, ctx.forward(c_proj, ctx.forward(act, ctx.forward(c_fc, x))));
+    return ctx.forward(dropout, ctx.forward(c_proj, detail::linear_activation<Space>::forward(ctx, c_fc, act, x)));
   }
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    return ctx.backward(c_fc, ctx.backward(act, ctx.backward(c_proj, ctx.backward(dropout, dy))));
+    return detail::linear_activation<Space>::backward(ctx, c_fc, act, ctx.backward(c_proj, ctx.backward(dropout, dy)));
   }
 
  private:

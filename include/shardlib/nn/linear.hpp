@@ -130,4 +130,21 @@ class Linear : public detail::linear_base<T> {
   input x_;  // cached for backward
 };
 
+namespace detail {
+// A Linear and the activation after it (the encoder's linear1, GPT-2's c_fc), forward
+// and backward: here one child after the other; on the device (nn/cuda/linear.cuh)
+// one product whose epilogue applies the activation, where cuBLASLt has it.
+template <class Space>
+struct linear_activation {
+  template <class Ctx, class L, class A, class X>
+  static X forward(Ctx& ctx, L& linear, A& act, const X& x) {
+    return ctx.forward(act, ctx.forward(linear, x));
+  }
+  template <class Ctx, class L, class A, class X>
+  static X backward(Ctx& ctx, L& linear, A& act, const X& dy) {
+    return ctx.backward(linear, ctx.backward(act, dy));
+  }
+};
+}  // namespace detail
+
 }  // namespace shardlib::nn

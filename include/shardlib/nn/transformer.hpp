@@ -37,20 +37,6 @@ struct residual<host_space> {
     return s;
   }
 };
-
-// linear1 and the activation after it, forward and backward: here one child
-// after the other; nn/cuda/transformer.cuh fuses the pair on the device.
-template <class Space>
-struct linear_activation {
-  template <class Ctx, class L, class A, class X>
-  static X forward(Ctx& ctx, L& linear, A& act, const X& x) {
-    return ctx.forward(act, ctx.forward(linear, x));
-  }
-  template <class Ctx, class L, class A, class X>
-  static X backward(Ctx& ctx, L& linear, A& act, const X& dy) {
-    return ctx.backward(linear, ctx.backward(act, dy));
-  }
-};
 }  // namespace detail
 
 // torch.nn.TransformerEncoderLayer's constructor arguments, with its defaults.

@@ -6,8 +6,9 @@
 #include "shardlib/cuda/blas_lt.hpp"          // current_blas_lt
 #include "shardlib/cuda/current.hpp"          // current_stream
 #include "shardlib/cuda/memory_space.hpp"     // cuda_space
+#include "shardlib/nn/activation.hpp"         // ReLU, GELU, gelu_approx
 #include "shardlib/nn/cuda/device.cuh"        // device_gemm, add_column_sums_device
-#include "shardlib/nn/linear.hpp"             // the host layer
+#include "shardlib/nn/linear.hpp"             // the host layer, detail::linear_activation
 #include "shardlib/nn/param.hpp"
 #include "shardlib/ops/cuda/elementwise.cuh"  // repeat_rows, add
 #include "shardlib/ops/cuda/gemm_lt.hpp"      // gemm_lt
@@ -163,5 +164,37 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
   output y_, pre_;  // ... with relu, the output; with gelu_tanh, the pre-activation
   fused_activation act_ = fused_activation::none;
 };
+
+namespace detail {
+// A Linear and the activation after it on the device (the encoder's linear1 and its
+// ReLU, GPT-2's c_fc and its tanh-GELU): one Linear with fuse_activation, the
+// activation layer not called (nor hooks on it). Its math is the layer's (see
+// above); torch's erf GELU has no epilogue: the Linear, then the GELU layer.
+template <>
+struct linear_activation<cuda_space> {
+  template <class T, class A>
+  static fused_activation fusable([[maybe_unused]] const A& act) {
+    if constexpr (std::is_same_v<A, ReLU<T, cuda_space>>)
+      return fused_activation::relu;
+    else if constexpr (std::is_same_v<A, GELU<T, cuda_space>>)
+      return act.approximate() == gelu_approx::tanh ? fused_activation::gelu_tanh : fused_activation::none;
+    else
+      return fused_activation::none;
+  }
+  template <class Ctx, class T, class A>
+  static Tensor<T, cuda_space> forward(Ctx& ctx, Linear<T, cuda_space>& linear, A& act,
+                                       const Tensor<T, cuda_space>& x) {
+    linear.fuse_activation(fusable<T>(act));
+    if (linear.activation() == fused_activation::none) return ctx.forward(act, ctx.forward(linear, x));
+    return ctx.forward(linear, x);
+  }
+  template <class Ctx, class T, class A>
+  static Tensor<T, cuda_space> backward(Ctx& ctx, Linear<T, cuda_space>& linear, A& act,
+                                        const Tensor<T, cuda_space>& dy) {
+    if (linear.activation() == fused_activation::none) return ctx.backward(linear, ctx.backward(act, dy));
+    return ctx.backward(linear, dy);
+  }
+};
+}  // namespace detail
 
 }  // namespace shardlib::nn
