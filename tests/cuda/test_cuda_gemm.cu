@@ -506,31 +506,28 @@ void compare_linear(std::int64_t rows, std::int64_t in, std::int64_t out, nn::fu
   near(to_host(dgb.span()), hgb);
 }
 
-}  // namespace
-
-// ops::cuda::gemm (cuBLAS, no epilogue) against the host ops::gemm.
-TEMPLATE_TEST_CASE("gemm matches the host ops::gemm for every transpose, with padded leading dimensions",
-                   "[cuda][gemm]", float, sl::bfloat16, sl::half) {
-  if (!have_device()) return;
-  using T = TestType;
+// C[m, n] = 1.5 op(A) op(B) + beta C by run(a, lda, b, ldb, c, ldc) on the device (gemm or
+// gemm_staged), each leading dimension its columns + pad, against the host ops::gemm, for every
+// transpose; C's padding columns are left as they were (the poison where beta is 0).
+template <class T, class Run>
+void compare_with_host(std::int64_t m, std::int64_t n, std::int64_t k, std::array<std::int64_t, 3> pad, Run run) {
   device_fixture f;
   random_inputs rnd;
   INFO("seed " << rnd.seed);
-  sl::cuda::blas handle(0);
-  const std::int64_t m = 37, n = 53, k = 29;
   for (auto ta : {sl::ops::trans::no, sl::ops::trans::yes})
     for (auto tb : {sl::ops::trans::no, sl::ops::trans::yes})
       for (float beta : {0.0f, 0.5f}) {
         INFO("ta " << int(ta) << " tb " << int(tb) << " beta " << beta);
         const std::int64_t a_rows = ta == sl::ops::trans::no ? m : k, a_cols = ta == sl::ops::trans::no ? k : m;
         const std::int64_t b_rows = tb == sl::ops::trans::no ? k : n, b_cols = tb == sl::ops::trans::no ? n : k;
-        const std::int64_t lda = a_cols + 3, ldb = b_cols + 1, ldc = n + 2;
+        const std::int64_t lda = a_cols + pad[0], ldb = b_cols + pad[1], ldc = n + pad[2];
         const auto a = rounded<T>(rnd.normal(std::size_t(a_rows * lda)));
         const auto b = rounded<T>(rnd.normal(std::size_t(b_rows * ldb)));
         auto c_host = rounded<T>(rnd.normal(std::size_t(m * ldc)));
+        const std::vector<float> c_before = c_host;
         auto da = upload(as<T>(a), f.stream), db = upload(as<T>(b), f.stream);
         auto dc = beta == 0 ? poisoned<T>(c_host.size(), f.stream) : upload(as<T>(c_host), f.stream);
-        oc::gemm(handle, f.stream, ta, tb, m, n, k, 1.5f, da.data(), lda, db.data(), ldb, beta, dc.data(), ldc);
+        run(f.stream, ta, tb, beta, da.data(), lda, db.data(), ldb, dc.data(), ldc);
         const auto c_dev = download_float(dc, f.stream);
         sl::ops::gemm<float>(ta, tb, m, n, k, 1.5f, a.data(), lda, b.data(), ldb, beta, c_host.data(), ldc);
         std::vector<float> got, want;
@@ -541,9 +538,28 @@ TEMPLATE_TEST_CASE("gemm matches the host ops::gemm for every transpose, with pa
           }
         // Products of sums cancel: the absolute slack scales with the result's size.
         require_close(got, want, rtol<T>, rtol<T> * max_abs(want));
-        if (beta == 0)  // the padding columns of C are left alone (still the poison)
-          for (std::int64_t i = 0; i < m; ++i) REQUIRE(std::isnan(c_dev[i * ldc + n]));
+        for (std::int64_t i = 0; i < m; ++i)
+          for (std::int64_t j = n; j < ldc; ++j) {
+            const float p = c_dev[i * ldc + j];
+            if (beta == 0) REQUIRE(std::isnan(p));
+            else REQUIRE(p == c_before[std::size_t(i * ldc + j)]);
+          }
       }
+}
+
+}  // namespace
+
+// ops::cuda::gemm (cuBLAS, no epilogue) against the host ops::gemm.
+TEMPLATE_TEST_CASE("gemm matches the host ops::gemm for every transpose, with padded leading dimensions",
+                   "[cuda][gemm]", float, sl::bfloat16, sl::half) {
+  if (!have_device()) return;
+  using T = TestType;
+  sl::cuda::blas handle(0);
+  const std::int64_t m = 37, n = 53, k = 29;
+  compare_with_host<T>(m, n, k, {3, 1, 2}, [&](cudaStream_t s, trans ta, trans tb, float beta, const T* a,
+                                               std::int64_t lda, const T* b, std::int64_t ldb, T* c, std::int64_t ldc) {
+    oc::gemm(handle, s, ta, tb, m, n, k, 1.5f, a, lda, b, ldb, beta, c, ldc);
+  });
 }
 
 // gemm_staged: the operands it copies, then the product against the host's.
@@ -570,45 +586,15 @@ TEMPLATE_TEST_CASE("gemm_staged equals the host ops::gemm where no operand's row
                    "[cuda][gemm]", float, sl::bfloat16) {
   if (!have_device()) return;
   using T = TestType;
-  device_fixture f;
-  random_inputs rnd;
-  INFO("seed " << rnd.seed);
   sl::cuda::blas handle(0);
   auto& alloc = sl::cuda::device_allocator(0);
   const std::int64_t m = 67, n = 65, k = 71;  // every leading dimension 2 past its columns: odd, so unaligned
-  for (auto ta : {sl::ops::trans::no, sl::ops::trans::yes})
-    for (auto tb : {sl::ops::trans::no, sl::ops::trans::yes})
-      for (float beta : {0.0f, 0.5f}) {
-        INFO("ta " << int(ta) << " tb " << int(tb) << " beta " << beta);
-        const std::int64_t a_rows = ta == sl::ops::trans::no ? m : k, a_cols = ta == sl::ops::trans::no ? k : m;
-        const std::int64_t b_rows = tb == sl::ops::trans::no ? k : n, b_cols = tb == sl::ops::trans::no ? n : k;
-        const std::int64_t lda = a_cols + 2, ldb = b_cols + 2, ldc = n + 2;
-        const auto a = rounded<T>(rnd.normal(std::size_t(a_rows * lda)));
-        const auto b = rounded<T>(rnd.normal(std::size_t(b_rows * ldb)));
-        auto c_host = rounded<T>(rnd.normal(std::size_t(m * ldc)));
-        auto da = upload(as<T>(a), f.stream), db = upload(as<T>(b), f.stream);
-        auto dc = beta == 0 ? poisoned<T>(c_host.size(), f.stream) : upload(as<T>(c_host), f.stream);
-        const auto staged = oc::staged_for<T>(m, n, k, da.data(), lda, db.data(), ldb, dc.data(), ldc);
-        REQUIRE((staged.a && staged.b && staged.c));
-        oc::gemm_staged(handle, f.stream, alloc, ta, tb, m, n, k, 1.5f, da.data(), lda, db.data(), ldb, beta,
-                        dc.data(), ldc);
-        const auto c_dev = download_float(dc, f.stream);
-        const std::vector<float> c_before = c_host;
-        sl::ops::gemm<float>(ta, tb, m, n, k, 1.5f, a.data(), lda, b.data(), ldb, beta, c_host.data(), ldc);
-        std::vector<float> got, want;
-        for (std::int64_t i = 0; i < m; ++i)
-          for (std::int64_t j = 0; j < n; ++j) {
-            got.push_back(c_dev[i * ldc + j]);
-            want.push_back(c_host[i * ldc + j]);
-          }
-        require_close(got, want, rtol<T>, rtol<T> * max_abs(want));
-        for (std::int64_t i = 0; i < m; ++i)  // the copy back leaves C's padding columns alone
-          for (std::int64_t j = n; j < ldc; ++j) {
-            const float pad = c_dev[i * ldc + j];
-            if (beta == 0) REQUIRE(std::isnan(pad));
-            else REQUIRE(pad == c_before[std::size_t(i * ldc + j)]);
-          }
-      }
+  compare_with_host<T>(m, n, k, {2, 2, 2}, [&](cudaStream_t s, trans ta, trans tb, float beta, const T* a,
+                                               std::int64_t lda, const T* b, std::int64_t ldb, T* c, std::int64_t ldc) {
+    const auto staged = oc::staged_for<T>(m, n, k, a, lda, b, ldb, c, ldc);
+    REQUIRE((staged.a && staged.b && staged.c));
+    oc::gemm_staged(handle, s, alloc, ta, tb, m, n, k, 1.5f, a, lda, b, ldb, beta, c, ldc);
+  });
 }
 
 TEMPLATE_TEST_CASE("strided batched gemm equals one gemm per batch element", "[cuda][gemm]", float, sl::bfloat16) {
