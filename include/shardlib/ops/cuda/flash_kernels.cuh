@@ -101,6 +101,29 @@ __device__ void stage(float* dst, const rows<const T>& src, std::int64_t n, std:
   }
 }
 
+// Which tile of queries (or keys), head (or kv head) and batch element a block takes.
+// The grids are one-dimensional (query_grid, key_grid), the tile index slowest, and
+// the GPU starts blocks in index order: so the tiles with the most work come first.
+// Under a causal mask query tile i sees the keys up to it and key tile j the queries
+// from it, so queries go last tile first and keys first tile first; the shortest blocks
+// then start last and fill the gaps the longest leave (longest-first list scheduling),
+// where a tile-fastest order started the longest block of the last head last. Without
+// a causal mask every tile has the same work and the order changes nothing.
+struct block_place {
+  std::int64_t tile, head, batch;
+};
+__host__ __device__ inline block_place place_of_block(std::int64_t block, std::int64_t blocks, std::int64_t heads,
+                                                      std::int64_t batch, bool last_tile_first) {
+  const std::int64_t per_tile = heads * batch, t = block / per_tile, rest = block % per_tile;
+  return {last_tile_first ? blocks / per_tile - 1 - t : t, rest % heads, rest / heads};
+}
+__device__ inline block_place query_block_place(const flash::tile_problem& p) {
+  return place_of_block(blockIdx.x, gridDim.x, p.heads, p.batch, true);
+}
+__device__ inline block_place key_block_place(const flash::tile_problem& p) {
+  return place_of_block(blockIdx.x, gridDim.x, p.kv_heads, p.batch, false);
+}
+
 // The last of the `count` rows from `first` that exist, first < rows.
 __device__ inline std::int64_t last_row(std::int64_t first, std::int64_t count, std::int64_t rows) {
   return (first + count < rows ? first + count : rows) - 1;
@@ -134,7 +157,7 @@ struct forward_args {
   int dim;
 };
 
-// One block per (query tile, head, batch element).
+// One block per (query tile, head, batch element), the longest first (block_place).
 template <int DM, class T>
 __global__ void __launch_bounds__(tile * warps) forward_kernel(forward_args<T> a) {
   constexpr int cols = DM / 32;  // output columns per lane
@@ -144,7 +167,8 @@ __global__ void __launch_bounds__(tile * warps) forward_kernel(forward_args<T> a
   float* vt = kt + DM * pitch;   // [DM][pitch]
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const std::int64_t i0 = std::int64_t(blockIdx.x) * tile, h = blockIdx.y, n = blockIdx.z;
+  const block_place at = query_block_place(p);
+  const std::int64_t i0 = at.tile * tile, h = at.head, n = at.batch;
   const std::int64_t g = h / (p.heads / p.kv_heads);
   const float kept = float(p.kept);
 
@@ -229,7 +253,8 @@ __global__ void __launch_bounds__(tile * warps) dq_kernel(backward_args<T> a) {
   float* vt = kt + DM * pitch;    // [DM][pitch]
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const std::int64_t i0 = std::int64_t(blockIdx.x) * tile, h = blockIdx.y, n = blockIdx.z;
+  const block_place at = query_block_place(p);
+  const std::int64_t i0 = at.tile * tile, h = at.head, n = at.batch;
   const std::int64_t g = h / (p.heads / p.kv_heads);
   const float kept = float(p.kept);
 
@@ -292,7 +317,8 @@ __global__ void __launch_bounds__(tile * warps) dkdv_kernel(backward_args<T> a) 
   float* row_d = lse + tile;        // [tile]
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const std::int64_t j0 = std::int64_t(blockIdx.x) * tile, g = blockIdx.y, n = blockIdx.z;
+  const block_place at = key_block_place(p);
+  const std::int64_t j0 = at.tile * tile, g = at.head, n = at.batch;
   const std::int64_t rep = p.heads / p.kv_heads;
   const float kept = float(p.kept);
 
@@ -360,12 +386,18 @@ void dispatch_dim(std::int64_t dim, const char* who, F&& f) {
 }
 
 // The kernels' grids: a block per tile of `rows` queries (or keys) of each head (or kv
-// head) and batch element.
+// head) and batch element, in the order of block_place.
+inline dim3 tile_grid(std::int64_t tiles, std::int64_t heads, std::int64_t batch) {
+  const std::int64_t blocks = tiles * heads * batch;
+  require<shape_error>(blocks <= 0x7fffffff, "fused attention: ", tiles, " tiles x ", heads, " heads x ", batch,
+                       " batch elements is more blocks than a grid holds (2^31 - 1)");
+  return dim3(unsigned(blocks));
+}
 inline dim3 query_grid(const flash::tile_problem& p, int rows) {
-  return dim3(unsigned((p.queries + rows - 1) / rows), unsigned(p.heads), unsigned(p.batch));
+  return tile_grid((p.queries + rows - 1) / rows, p.heads, p.batch);
 }
 inline dim3 key_grid(const flash::tile_problem& p, int rows) {
-  return dim3(unsigned((p.keys + rows - 1) / rows), unsigned(p.kv_heads), unsigned(p.batch));
+  return tile_grid((p.keys + rows - 1) / rows, p.kv_heads, p.batch);
 }
 // The CUDA-core kernels' dynamic shared memory: fp32 tiles, rows and transposed.
 template <int DM>

@@ -47,7 +47,7 @@ using fused::backward_args;
 using fused::forward_args;
 using fused::last_row;
 
-// One block per (query tile, head, batch element).
+// One block per (query tile, head, batch element), the longest first (block_place).
 template <int DM, class T>
 __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -262,7 +262,8 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
   constexpr int rp = row_pitch<DM>;
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const std::int64_t j0 = std::int64_t(blockIdx.x) * tile, g = blockIdx.y, n = blockIdx.z;
+  const fused::block_place at = fused::key_block_place(p);
+  const std::int64_t j0 = at.tile * tile, g = at.head, n = at.batch;
   const std::int64_t rep = p.heads / p.kv_heads, first = j0 + warp * edge;
   const float kept = float(p.kept), scale2 = a.scale * log2e;  // exp_less's k: the scale in base 2
   extern __shared__ __align__(128) unsigned char smem[];

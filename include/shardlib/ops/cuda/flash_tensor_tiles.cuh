@@ -523,14 +523,16 @@ struct carve {
 // A query-tile block's place (forward and dq): batch element n, head h and its kv head g,
 // the tile's first query i0, and this thread's warp, lane and the warp's first query.
 struct query_block {
+  fused::block_place at;  // the grid's order: fused::query_block_place
   int lane, warp;
   std::int64_t i0, h, n, g, first;
   __device__ explicit query_block(const flash::tile_problem& p)
-      : lane(int(threadIdx.x) % 32),
+      : at(fused::query_block_place(p)),
+        lane(int(threadIdx.x) % 32),
         warp(int(threadIdx.x) / 32),
-        i0(std::int64_t(blockIdx.x) * tile),
-        h(blockIdx.y),
-        n(blockIdx.z),
+        i0(at.tile * tile),
+        h(at.head),
+        n(at.batch),
         g(h / (p.heads / p.kv_heads)),
         first(i0 + warp * edge) {}
 };
