@@ -583,7 +583,7 @@ TEST_CASE("gemm_staged copies the operands whose rows are not 16 bytes apart, in
 }
 
 TEMPLATE_TEST_CASE("gemm_staged equals the host ops::gemm where no operand's rows are 16 bytes apart",
-                   "[cuda][gemm]", float, sl::bfloat16) {
+                   "[cuda][gemm]", float, sl::bfloat16, sl::half) {
   if (!have_device()) return;
   using T = TestType;
   sl::cuda::blas handle(0);

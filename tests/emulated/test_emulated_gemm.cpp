@@ -58,9 +58,11 @@ TEMPLATE_TEST_CASE("device Linear fuses what cuBLASLt takes, and runs unfused wh
 
 // cuBLAS (the stand-in) counts the products it gets with rows off 16-byte boundaries:
 // gemm hands them on, gemm_staged copies them first, and the device Linear's products
-// (an output of 67 features: dy's rows 134 bytes apart) take gemm_staged.
-TEST_CASE("gemm_staged gives cuBLAS aligned rows, and the device Linear's products go through it", "[cuda][gemm]") {
-  using T = sl::bfloat16;
+// (an output of 67 features: y's and dy's rows 134 or 268 bytes apart) take gemm_staged,
+// none cuBLASLt, whose products the staging does not reach.
+TEMPLATE_TEST_CASE("gemm_staged gives cuBLAS aligned rows, and the device Linear's products go through it",
+                   "[cuda][gemm]", float, sl::bfloat16) {
+  using T = TestType;
   sl::cuda::stream stream{0};
   sl::cuda::stream_scope scope{stream};
   sl::cuda::blas handle(0);
@@ -84,6 +86,8 @@ TEST_CASE("gemm_staged gives cuBLAS aligned rows, and the device Linear's produc
   };
   CHECK(unaligned([&] { product(false); }) == 1);
   CHECK(unaligned([&] { product(true); }) == 0);
-  // bf16 backward: dW += dy^T x and dx = dy W, dy [64, 67]; forward is cuBLASLt's bias epilogue.
-  CHECK(unaligned([&] { compare_linear<T>(64, 64, 67, nn::fused_activation::none, rnd, stream); }) == 0);
+  const std::int64_t lt_before = cuda_emulator::lt_matmuls;
+  for (auto act : {nn::fused_activation::none, nn::fused_activation::relu})
+    CHECK(unaligned([&] { compare_linear<T>(64, 64, 67, act, rnd, stream); }) == 0);
+  CHECK(cuda_emulator::lt_matmuls == lt_before);
 }

@@ -148,8 +148,10 @@ struct gpt2_mlp_options {
 // there, so a GPT-2 block adds none after it. HF stores c_fc and c_proj as Conv1D,
 // whose weight is [in, out]: these are Linear's [out, in], so a checkpoint's
 // weights load transposed. Space is where tensors and parameters live; for
-// cuda_space include shardlib/nn/cuda/feed_forward.cuh (there c_fc applies the
-// tanh-GELU in its product's epilogue, and `act` is not called).
+// cuda_space include shardlib/nn/cuda/feed_forward.cuh. There the tanh-GELU is
+// c_fc's (Linear::fuse_activation: cuBLASLt's epilogue in 16 bits where n_inner is
+// a multiple of 8, else the Linear's own GELU kernel) and `act` is not called, so
+// after a forward c_fc alone gives GELU(c_fc(x)); the erf GELU is `act` as here.
 template <class T, class Space = host_space>
 class GPT2MLP {
  public:

@@ -33,7 +33,9 @@ enum class fused_activation { none, relu, gelu_tanh };
 // BGRADB sums dy while it reads it), written to a scratch vector and added to
 // bias.grad; cuBLASLt writes that vector in T, so 16-bit layers take the
 // fp32 column-sum kernel instead, which rounds once (sum + gradient) as before.
-// Where cuBLASLt has no algorithm the products run as cuBLAS plus kernels.
+// Where cuBLASLt has no algorithm the products run as cuBLAS plus kernels, and
+// so do products whose rows are off 16-byte boundaries (ops::cuda::gemm_staged:
+// cuBLAS on aligned copies; an out_features of 50257 in bf16, say).
 //
 // fuse_activation(a) makes the layer Linear followed by that activation (its
 // output and backward are the pair's), the activation applied by the
@@ -118,6 +120,8 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
   bool fused_product(const input& x, std::int64_t rows, ops::cuda::epilogue kind, output& y) {
     const bool gelu = kind == ops::cuda::epilogue::gelu_aux_bias;
     if (!has_bias_ || (gelu && (std::is_same_v<T, float> || out_ % 8 != 0))) return false;
+    if (ops::cuda::staged_for<T>(rows, out_, in_, x.data(), in_, weight.value, in_, y.data(), out_).any())
+      return false;  // rows off 16-byte boundaries: cuBLAS on aligned copies (plain_product) instead
     return ops::cuda::gemm_lt(cuda::current_blas_lt(), cuda::current_stream(), ops::trans::no, ops::trans::yes, rows,
                               out_, in_, 1.0f, x.data(), in_, weight.value, in_, 0.0f, y.data(), out_,
                               {.kind = kind, .bias = bias.value, .aux = gelu ? pre_.data() : nullptr,
@@ -149,6 +153,8 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
     if constexpr (!std::is_same_v<T, float>) {
       return false;
     } else {
+      if (ops::cuda::staged_for<T>(out_, in_, rows, dy.data(), out_, x_.data(), in_, weight.grad, in_).any())
+        return false;  // as fused_product
       Tensor<T, cuda_space> db(Shape{out_});
       if (!ops::cuda::gemm_lt(cuda::current_blas_lt(), cuda::current_stream(), ops::trans::yes, ops::trans::no, out_,
                               in_, rows, 1.0f, dy.data(), out_, x_.data(), in_, 1.0f, weight.grad, in_,

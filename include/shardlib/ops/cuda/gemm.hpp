@@ -123,7 +123,9 @@ staged_operands staged_for(std::int64_t m, std::int64_t n, std::int64_t k, const
 
 // gemm, with the operands staged_for names copied to rows 16 bytes apart first (C
 // only where beta != 0 reads it) and C copied back after; the scratch comes from
-// `alloc` on `stream`. The same product: cuBLAS sees the same values, only aligned.
+// `alloc` on `stream`, booked as activations (a transient the size of the staged
+// operands: 823 MB for GPT-2's logits of 8192 tokens). The same values reach cuBLAS,
+// aligned; it may pick another kernel, so the last bits may differ from gemm's.
 template <GemmElement T>
 void gemm_staged(const shardlib::cuda::blas& handle, cudaStream_t stream, shardlib::cuda::caching_allocator& alloc,
                  trans ta, trans tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const T* a,
