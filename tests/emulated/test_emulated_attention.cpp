@@ -261,32 +261,36 @@ TEST_CASE("the tensor-core kernels take finite positive scales only", "[emulated
   CHECK_FALSE(ft::takes_scale(std::numeric_limits<float>::max() / 1.2f));  // times log2(e) overflows
 }
 
-// The grids' blocks, in the order a GPU starts them: each tile of each head and batch
-// element once, the tiles with the most causal work first (the last query tiles, the
-// first key tiles), heads sharing a kv head next to each other.
+// The grids' blocks, in the order a GPU starts them (x fastest): each tile of each head
+// and batch element once, the tiles with the most causal work first (the last query
+// tiles, the first key tiles), heads sharing a kv head next to each other.
 TEST_CASE("the fused attention's blocks cover every tile once, the longest causal tiles first", "[emulated][flash]") {
   const auto p = sl::ops::flash::make_problem(3, 4, 2, 200, 130, true, 0, nullptr, std::nullopt, 0.0);
   for (const bool queries : {true, false}) {
     INFO((queries ? "query" : "key") << " tiles");
     const std::int64_t heads = queries ? p.heads : p.kv_heads, count = queries ? p.queries : p.keys;
-    const std::int64_t tiles = (count + ft::tile - 1) / ft::tile, blocks = queries ? fd::query_grid(p, ft::tile).x
-                                                                                   : fd::key_grid(p, ft::tile).x;
+    const std::int64_t tiles = (count + ft::tile - 1) / ft::tile;
+    const dim3 grid = queries ? fd::query_grid(p, ft::tile) : fd::key_grid(p, ft::tile);
+    const std::int64_t blocks = std::int64_t(grid.x) * grid.y * grid.z;
     REQUIRE(blocks == tiles * heads * p.batch);
-    CHECK((fd::query_grid(p, ft::tile).y == 1 && fd::query_grid(p, ft::tile).z == 1));
     std::vector<int> seen(std::size_t(blocks), 0);
     std::int64_t previous = queries ? tiles : -1;
+    fd::block_place last{};
     for (std::int64_t b = 0; b < blocks; ++b) {
-      const fd::block_place at = fd::place_of_block(b, blocks, heads, p.batch, queries);
+      const fd::block_place at = fd::place_in_grid(unsigned(b % grid.x), unsigned(b / grid.x % grid.y),
+                                                   unsigned(b / grid.x / grid.y), grid.z, queries);
       REQUIRE((at.tile >= 0 && at.tile < tiles && at.head >= 0 && at.head < heads && at.batch >= 0 &&
                at.batch < p.batch));
       ++seen[std::size_t((at.tile * p.batch + at.batch) * heads + at.head)];
       CHECK((queries ? at.tile <= previous : at.tile >= previous));  // longest first
-      if (b % heads != 0) CHECK(at.head == fd::place_of_block(b - 1, blocks, heads, p.batch, queries).head + 1);
+      if (b % heads != 0) CHECK(at.head == last.head + 1);
       previous = at.tile;
+      last = at;
     }
     CHECK(std::count(seen.begin(), seen.end(), 1) == blocks);
   }
-  CHECK_THROWS_AS(fd::tile_grid(1 << 16, 1 << 10, 1 << 5), sl::shape_error);  // 2^31 blocks
+  CHECK_THROWS_AS(fd::tile_grid(65536, 1, 1), sl::shape_error);  // a grid's z and y hold 65535
+  CHECK_THROWS_AS(fd::tile_grid(1, 1, 65536), sl::shape_error);
 }
 
 TEMPLATE_TEST_CASE("the tensor-core attention kernels, emulated, equal nn::sdpa", "[emulated][flash]", sl::bfloat16,

@@ -102,26 +102,28 @@ __device__ void stage(float* dst, const rows<const T>& src, std::int64_t n, std:
 }
 
 // Which tile of queries (or keys), head (or kv head) and batch element a block takes.
-// The grids are one-dimensional (query_grid, key_grid), the tile index slowest, and
-// the GPU starts blocks in index order: so the tiles with the most work come first.
-// Under a causal mask query tile i sees the keys up to it and key tile j the queries
-// from it, so queries go last tile first and keys first tile first; the shortest blocks
-// then start last and fill the gaps the longest leave (longest-first list scheduling),
-// where a tile-fastest order started the longest block of the last head last. Without
-// a causal mask every tile has the same work and the order changes nothing.
+// The grids are (heads, batch, tiles) (query_grid, key_grid), the tile slowest, and the
+// GPU starts blocks in index order, x fastest: so the tiles with the most work come
+// first. Under a causal mask query tile i sees the keys up to it and key tile j the
+// queries from it, so queries go last tile first and keys first tile first; the shortest
+// blocks then start last and fill the gaps the longest leave (longest-first list
+// scheduling), where a tile-fastest order started the longest block of the last head
+// last. Without a causal mask every tile has the same work and the order changes
+// nothing. (Read from blockIdx, which the compiler reloads where it needs them, rather
+// than decoded from a one-dimensional grid, which kept the results in registers.)
 struct block_place {
   std::int64_t tile, head, batch;
 };
-__host__ __device__ inline block_place place_of_block(std::int64_t block, std::int64_t blocks, std::int64_t heads,
-                                                      std::int64_t batch, bool last_tile_first) {
-  const std::int64_t per_tile = heads * batch, t = block / per_tile, rest = block % per_tile;
-  return {last_tile_first ? blocks / per_tile - 1 - t : t, rest % heads, rest / heads};
+// Block (x, y, z) of a grid z blocks deep.
+__host__ __device__ inline block_place place_in_grid(unsigned x, unsigned y, unsigned z, unsigned depth,
+                                                     bool last_tile_first) {
+  return {last_tile_first ? std::int64_t(depth) - 1 - z : z, x, y};
 }
-__device__ inline block_place query_block_place(const flash::tile_problem& p) {
-  return place_of_block(blockIdx.x, gridDim.x, p.heads, p.batch, true);
+__device__ inline block_place query_block_place() {
+  return place_in_grid(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, true);
 }
-__device__ inline block_place key_block_place(const flash::tile_problem& p) {
-  return place_of_block(blockIdx.x, gridDim.x, p.kv_heads, p.batch, false);
+__device__ inline block_place key_block_place() {
+  return place_in_grid(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, false);
 }
 
 // The last of the `count` rows from `first` that exist, first < rows.
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(tile * warps) forward_kernel(forward_args<T> a
   float* vt = kt + DM * pitch;   // [DM][pitch]
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const block_place at = query_block_place(p);
+  const block_place at = query_block_place();
   const std::int64_t i0 = at.tile * tile, h = at.head, n = at.batch;
   const std::int64_t g = h / (p.heads / p.kv_heads);
   const float kept = float(p.kept);
@@ -253,7 +255,7 @@ __global__ void __launch_bounds__(tile * warps) dq_kernel(backward_args<T> a) {
   float* vt = kt + DM * pitch;    // [DM][pitch]
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const block_place at = query_block_place(p);
+  const block_place at = query_block_place();
   const std::int64_t i0 = at.tile * tile, h = at.head, n = at.batch;
   const std::int64_t g = h / (p.heads / p.kv_heads);
   const float kept = float(p.kept);
@@ -317,7 +319,7 @@ __global__ void __launch_bounds__(tile * warps) dkdv_kernel(backward_args<T> a) 
   float* row_d = lse + tile;        // [tile]
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const block_place at = key_block_place(p);
+  const block_place at = key_block_place();
   const std::int64_t j0 = at.tile * tile, g = at.head, n = at.batch;
   const std::int64_t rep = p.heads / p.kv_heads;
   const float kept = float(p.kept);
@@ -388,10 +390,9 @@ void dispatch_dim(std::int64_t dim, const char* who, F&& f) {
 // The kernels' grids: a block per tile of `rows` queries (or keys) of each head (or kv
 // head) and batch element, in the order of block_place.
 inline dim3 tile_grid(std::int64_t tiles, std::int64_t heads, std::int64_t batch) {
-  const std::int64_t blocks = tiles * heads * batch;
-  require<shape_error>(blocks <= 0x7fffffff, "fused attention: ", tiles, " tiles x ", heads, " heads x ", batch,
-                       " batch elements is more blocks than a grid holds (2^31 - 1)");
-  return dim3(unsigned(blocks));
+  require<shape_error>(tiles <= 65535 && batch <= 65535, "fused attention: ", tiles, " tiles of queries or keys and ",
+                       batch, " batch elements; a grid holds at most 65535 of each (sequences up to 65535 tiles)");
+  return dim3(unsigned(heads), unsigned(batch), unsigned(tiles));
 }
 inline dim3 query_grid(const flash::tile_problem& p, int rows) {
   return tile_grid((p.queries + rows - 1) / rows, p.heads, p.batch);

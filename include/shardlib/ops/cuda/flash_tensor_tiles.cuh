@@ -527,7 +527,7 @@ struct query_block {
   int lane, warp;
   std::int64_t i0, h, n, g, first;
   __device__ explicit query_block(const flash::tile_problem& p)
-      : at(fused::query_block_place(p)),
+      : at(fused::query_block_place()),
         lane(int(threadIdx.x) % 32),
         warp(int(threadIdx.x) / 32),
         i0(at.tile * tile),
