@@ -261,36 +261,52 @@ TEST_CASE("the tensor-core kernels take finite positive scales only", "[emulated
   CHECK_FALSE(ft::takes_scale(std::numeric_limits<float>::max() / 1.2f));  // times log2(e) overflows
 }
 
-// The grids' blocks, in the order a GPU starts them (x fastest): each tile of each head
-// and batch element once, the tiles with the most causal work first (the last query
-// tiles, the first key tiles), heads sharing a kv head next to each other.
-TEST_CASE("the fused attention's blocks cover every tile once, the longest causal tiles first", "[emulated][flash]") {
-  const auto p = sl::ops::flash::make_problem(3, 4, 2, 200, 130, true, 0, nullptr, std::nullopt, 0.0);
-  for (const bool queries : {true, false}) {
-    INFO((queries ? "query" : "key") << " tiles");
-    const std::int64_t heads = queries ? p.heads : p.kv_heads, count = queries ? p.queries : p.keys;
-    const std::int64_t tiles = (count + ft::tile - 1) / ft::tile;
-    const dim3 grid = queries ? fd::query_grid(p, ft::tile) : fd::key_grid(p, ft::tile);
-    const std::int64_t blocks = std::int64_t(grid.x) * grid.y * grid.z;
-    REQUIRE(blocks == tiles * heads * p.batch);
-    std::vector<int> seen(std::size_t(blocks), 0);
-    std::int64_t previous = queries ? tiles : -1;
-    fd::block_place last{};
-    for (std::int64_t b = 0; b < blocks; ++b) {
-      const fd::block_place at = fd::place_in_grid(unsigned(b % grid.x), unsigned(b / grid.x % grid.y),
-                                                   unsigned(b / grid.x / grid.y), grid.z, queries);
-      REQUIRE((at.tile >= 0 && at.tile < tiles && at.head >= 0 && at.head < heads && at.batch >= 0 &&
-               at.batch < p.batch));
-      ++seen[std::size_t((at.tile * p.batch + at.batch) * heads + at.head)];
-      CHECK((queries ? at.tile <= previous : at.tile >= previous));  // longest first
-      if (b % heads != 0) CHECK(at.head == last.head + 1);
-      previous = at.tile;
-      last = at;
+// The grids' blocks, in the order a GPU starts them (x fastest), through the kernels'
+// own query_place and key_place: each tile of each head and batch element once, the
+// causal work of each (keys a query tile sees, queries a key tile meets) never growing,
+// heads sharing a kv head next to each other; and the limits, checked before a launch.
+TEST_CASE("the fused attention's blocks cover every tile once, the most causal work first", "[emulated][flash]") {
+  for (const std::int64_t offset : {0, 70}) {  // 70: keys - queries, the last query sees every key
+    INFO("query_offset " << offset);
+    const auto p = sl::ops::flash::make_problem(3, 4, 2, 130, 200, true, offset, nullptr, std::nullopt, 0.0);
+    for (const bool queries : {true, false}) {
+      INFO((queries ? "query" : "key") << " tiles");
+      const std::int64_t heads = queries ? p.heads : p.kv_heads, count = queries ? p.queries : p.keys;
+      const std::int64_t tiles = (count + ft::tile - 1) / ft::tile;
+      const dim3 grid = queries ? fd::query_grid(p, ft::tile) : fd::key_grid(p, ft::tile);
+      const std::int64_t blocks = std::int64_t(grid.x) * grid.y * grid.z;
+      REQUIRE(blocks == tiles * heads * p.batch);
+      const auto work = [&](std::int64_t t) {
+        const std::int64_t first = t * ft::tile, last = std::min(first + ft::tile, count) - 1;
+        return queries ? sl::ops::flash::key_end(p, last) : p.queries - sl::ops::flash::query_begin(p, first);
+      };
+      CHECK(work(queries ? tiles - 1 : 0) > work(queries ? 0 : tiles - 1));  // the order matters here
+      std::vector<int> seen(std::size_t(blocks), 0);
+      std::int64_t previous = work(queries ? tiles - 1 : 0);
+      fd::block_place last{};
+      for (std::int64_t b = 0; b < blocks; ++b) {
+        const unsigned x = unsigned(b % grid.x), y = unsigned(b / grid.x % grid.y), z = unsigned(b / grid.x / grid.y);
+        const fd::block_place at = queries ? fd::query_place(x, y, z, grid.z) : fd::key_place(x, y, z);
+        REQUIRE((at.tile >= 0 && at.tile < tiles && at.head >= 0 && at.head < heads && at.batch >= 0 &&
+                 at.batch < p.batch));
+        ++seen[std::size_t((at.tile * p.batch + at.batch) * heads + at.head)];
+        CHECK(work(at.tile) <= previous);  // the most work first
+        if (b % heads != 0) CHECK(at.head == last.head + 1);
+        previous = work(at.tile);
+        last = at;
+      }
+      CHECK(std::count(seen.begin(), seen.end(), 1) == blocks);
     }
-    CHECK(std::count(seen.begin(), seen.end(), 1) == blocks);
   }
-  CHECK_THROWS_AS(fd::tile_grid(65536, 1, 1), sl::shape_error);  // a grid's z and y hold 65535
-  CHECK_THROWS_AS(fd::tile_grid(1, 1, 65536), sl::shape_error);
+  // A sequence of more tiles than a grid's z holds raises before anything runs, for queries or keys.
+  const auto view = [](std::int64_t batch, std::int64_t seq) {
+    return sl::nn::head_view<const sl::bfloat16>{nullptr, batch, 1, seq, 64, seq * 64, seq * 64, 64};
+  };
+  const std::int64_t most = fd::max_sequence;
+  CHECK_NOTHROW(fd::problem(view(1, most), view(1, most), view(1, most), {}, "test"));
+  CHECK_THROWS_AS(fd::problem(view(1, most + 1), view(1, 8), view(1, 8), {}, "test"), sl::shape_error);
+  CHECK_THROWS_AS(fd::problem(view(1, 8), view(1, most + 1), view(1, most + 1), {}, "test"), sl::shape_error);
+  CHECK_THROWS_AS(fd::problem(view(65536, 8), view(65536, 8), view(65536, 8), {}, "test"), sl::shape_error);
 }
 
 TEMPLATE_TEST_CASE("the tensor-core attention kernels, emulated, equal nn::sdpa", "[emulated][flash]", sl::bfloat16,

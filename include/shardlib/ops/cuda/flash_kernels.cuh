@@ -102,29 +102,28 @@ __device__ void stage(float* dst, const rows<const T>& src, std::int64_t n, std:
 }
 
 // Which tile of queries (or keys), head (or kv head) and batch element a block takes.
-// The grids are (heads, batch, tiles) (query_grid, key_grid), the tile slowest, and the
-// GPU starts blocks in index order, x fastest: so the tiles with the most work come
-// first. Under a causal mask query tile i sees the keys up to it and key tile j the
-// queries from it, so queries go last tile first and keys first tile first; the shortest
-// blocks then start last and fill the gaps the longest leave (longest-first list
-// scheduling), where a tile-fastest order started the longest block of the last head
-// last. Without a causal mask every tile has the same work and the order changes
-// nothing. (Read from blockIdx, which the compiler reloads where it needs them, rather
-// than decoded from a one-dimensional grid, which kept the results in registers.)
+// The grids are (heads, batch, tiles) (query_grid, key_grid), the tile slowest, and a
+// GPU starts blocks in index order, x fastest (in practice; CUDA does not promise it):
+// so the tiles with the most work come first. Under a causal mask query tile i sees the
+// keys up to it and key tile j the queries from it, so queries go last tile first and
+// keys first tile first; the shortest blocks then start last and fill the gaps the
+// longest leave (longest-first list scheduling), where a tile-fastest order started the
+// longest block of the last head last. Without a causal mask every tile has the same
+// work and the order changes nothing. (Read from blockIdx, whose parts the compiler
+// reloads where it needs them: a one-dimensional grid decoded by division kept the
+// quotients in registers.)
 struct block_place {
   std::int64_t tile, head, batch;
 };
-// Block (x, y, z) of a grid z blocks deep.
-__host__ __device__ inline block_place place_in_grid(unsigned x, unsigned y, unsigned z, unsigned depth,
-                                                     bool last_tile_first) {
-  return {last_tile_first ? std::int64_t(depth) - 1 - z : z, x, y};
+// Block (x, y, z) of a grid `depth` blocks deep in z.
+__host__ __device__ inline block_place query_place(unsigned x, unsigned y, unsigned z, unsigned depth) {
+  return {std::int64_t(depth) - 1 - z, x, y};
 }
+__host__ __device__ inline block_place key_place(unsigned x, unsigned y, unsigned z) { return {z, x, y}; }
 __device__ inline block_place query_block_place() {
-  return place_in_grid(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, true);
+  return query_place(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z);
 }
-__device__ inline block_place key_block_place() {
-  return place_in_grid(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, false);
-}
+__device__ inline block_place key_block_place() { return key_place(blockIdx.x, blockIdx.y, blockIdx.z); }
 
 // The last of the `count` rows from `first` that exist, first < rows.
 __device__ inline std::int64_t last_row(std::int64_t first, std::int64_t count, std::int64_t rows) {
@@ -388,10 +387,8 @@ void dispatch_dim(std::int64_t dim, const char* who, F&& f) {
 }
 
 // The kernels' grids: a block per tile of `rows` queries (or keys) of each head (or kv
-// head) and batch element, in the order of block_place.
+// head) and batch element, in the order of block_place (check_grid keeps y and z <= 65535).
 inline dim3 tile_grid(std::int64_t tiles, std::int64_t heads, std::int64_t batch) {
-  require<shape_error>(tiles <= 65535 && batch <= 65535, "fused attention: ", tiles, " tiles of queries or keys and ",
-                       batch, " batch elements; a grid holds at most 65535 of each (sequences up to 65535 tiles)");
   return dim3(unsigned(heads), unsigned(batch), unsigned(tiles));
 }
 inline dim3 query_grid(const flash::tile_problem& p, int rows) {
@@ -408,9 +405,13 @@ inline constexpr std::size_t dq_bytes = sizeof(float) * (2 * tile * DM + 2 * DM 
 template <int DM>
 inline constexpr std::size_t dkdv_bytes = dq_bytes<DM> + sizeof(float) * 2 * tile;  // and lse, D of a query tile
 
+// The grids' y (batch) and z (tiles of `tile` rows, the smaller kernel set's: any shape
+// taken here runs on either) hold 65535: checked before anything is launched.
+inline constexpr std::int64_t max_sequence = 65535 * std::int64_t(tile);
 inline void check_grid(const flash::tile_problem& p, const char* who) {
-  require(p.batch <= 65535 && p.heads <= 65535, who, ": batch and heads must be at most 65535 (the grid's y and z), got ",
-          p.batch, " and ", p.heads);
+  require<shape_error>(p.batch <= 65535, who, ": batch must be at most 65535 (the grid's y), got ", p.batch);
+  require<shape_error>(p.queries <= max_sequence && p.keys <= max_sequence, who, ": queries and keys must be at most ",
+                       max_sequence, " (65535 tiles of ", tile, ", the grid's z), got ", p.queries, " and ", p.keys);
 }
 
 template <class Q, class K, class V>
