@@ -84,12 +84,13 @@ bool same_bits(const outputs<T>& a, const outputs<T>& b) {
 
 template <class T>
 outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool tensor_cores,
-                       cuda_emulator::launch_options lo) {
+                       cuda_emulator::launch_options lo, bool longest_first = true) {
   const std::int64_t B = c.batch, H = c.heads, G = c.kv_heads, Lq = c.queries, Lk = c.keys, D = c.dim;
   using test_support::as;
   const std::vector<T> q = as<T>(in.q), k = as<T>(in.k), v = as<T>(in.v), dout = as<T>(in.dout);
   std::vector<std::uint8_t> padding;
   fa::flash_options fo = in.flash;
+  fo.longest_first = longest_first;
   if (c.padding) {
     padding.assign(in.options.key_padding_mask.data(), in.options.key_padding_mask.data() + B * Lk);
     fo.key_padding = padding.data();
@@ -105,7 +106,7 @@ outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool t
   const sl::ops::flash::tile_problem p = fd::problem(view(q, H, Lq), view(k, G, Lk), view(v, G, Lk), fo, "emulated");
   const float scale = fd::scale_of(fo, D);
   const fd::forward_args<T> fwd{fd::rows_of(view(q, H, Lq)), fd::rows_of(view(k, G, Lk)), fd::rows_of(view(v, G, Lk)),
-                                fd::rows_of(out_view(r.out, H, Lq)), r.lse.data(), p, scale, int(D)};
+                                fd::rows_of(out_view(r.out, H, Lq)), r.lse.data(), p, scale, int(D), longest_first};
   std::vector<float> row_d = poisoned<float>(std::size_t(B * H * Lq));
   const fd::backward_args<T> bwd{fd::rows_of(view(q, H, Lq)),    fd::rows_of(view(k, G, Lk)),
                                  fd::rows_of(view(v, G, Lk)),    fd::rows_of(view(r.out, H, Lq)),
@@ -113,16 +114,16 @@ outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool t
                                  row_d.data(),                   fd::rows_of(out_view(r.dq, H, Lq)),
                                  fd::rows_of(out_view(r.dk, G, Lk)), fd::rows_of(out_view(r.dv, G, Lk)),
                                  p,                              scale,
-                                 int(D)};
+                                 int(D),                         longest_first};
   // One kernel set's forward, dq and dk/dv (kernels, query or key tile, shared bytes),
   // with D = dO . O between forward and backward.
   const auto run_set = [&](auto forward, auto dq, auto dkdv, int rows, std::array<std::size_t, 3> bytes) {
     const dim3 block(fd::threads);
-    cuda_emulator::launch(forward, fd::query_grid(p, rows), block, bytes[0], lo, fwd);
+    cuda_emulator::launch(forward, fd::query_grid(p, rows, longest_first), block, bytes[0], lo, fwd);
     cuda_emulator::launch(fd::row_d_kernel<T>, dim3(unsigned((B * H * Lq + fd::warps - 1) / fd::warps)), block, 0, lo,
                           bwd);
-    cuda_emulator::launch(dq, fd::query_grid(p, rows), block, bytes[1], lo, bwd);
-    cuda_emulator::launch(dkdv, fd::key_grid(p, rows), block, bytes[2], lo, bwd);
+    cuda_emulator::launch(dq, fd::query_grid(p, rows, longest_first), block, bytes[1], lo, bwd);
+    cuda_emulator::launch(dkdv, fd::key_grid(p, rows, longest_first), block, bytes[2], lo, bwd);
   };
   if constexpr (ft::takes<T>) {
     if (tensor_cores) {
@@ -162,10 +163,12 @@ void check_case(const attention_case& c, test_support::random_inputs& rnd, doubl
   CHECK(test_support::wrong_lse_rows(c, in, got.lse) == 0);
   CHECK((guard_intact(got.out) && guard_intact(got.dq) && guard_intact(got.dk) && guard_intact(got.dv) &&
          guard_intact(got.lse)));
-  // The same bits with the threads run the other way round, warp by warp, and the
-  // asynchronous copies landing when issued (above: in lockstep, when waited for).
-  CHECK(same_bits(
-      run_kernels<T>(c, in, tensor_cores, {.reversed = true, .warp_serial = true, .copies_at_issue = true}), got));
+  // The same bits with the threads run the other way round, warp by warp, the
+  // asynchronous copies landing when issued (above: in lockstep, when waited for), and
+  // the blocks in the tile-fastest grid (above: longest first).
+  CHECK(same_bits(run_kernels<T>(c, in, tensor_cores,
+                                 {.reversed = true, .warp_serial = true, .copies_at_issue = true}, false),
+                  got));
 }
 
 template <class T>
@@ -273,7 +276,7 @@ TEST_CASE("the fused attention's blocks cover every tile once, the most causal w
       INFO((queries ? "query" : "key") << " tiles");
       const std::int64_t heads = queries ? p.heads : p.kv_heads, count = queries ? p.queries : p.keys;
       const std::int64_t tiles = (count + ft::tile - 1) / ft::tile;
-      const dim3 grid = queries ? fd::query_grid(p, ft::tile) : fd::key_grid(p, ft::tile);
+      const dim3 grid = queries ? fd::query_grid(p, ft::tile, true) : fd::key_grid(p, ft::tile, true);
       const std::int64_t blocks = std::int64_t(grid.x) * grid.y * grid.z;
       REQUIRE(blocks == tiles * heads * p.batch);
       const auto work = [&](std::int64_t t) {
@@ -286,7 +289,7 @@ TEST_CASE("the fused attention's blocks cover every tile once, the most causal w
       fd::block_place last{};
       for (std::int64_t b = 0; b < blocks; ++b) {
         const unsigned x = unsigned(b % grid.x), y = unsigned(b / grid.x % grid.y), z = unsigned(b / grid.x / grid.y);
-        const fd::block_place at = queries ? fd::query_place(x, y, z, grid.z) : fd::key_place(x, y, z);
+        const fd::block_place at = queries ? fd::query_place(x, y, z, grid.z, true) : fd::key_place(x, y, z, true);
         REQUIRE((at.tile >= 0 && at.tile < tiles && at.head >= 0 && at.head < heads && at.batch >= 0 &&
                  at.batch < p.batch));
         ++seen[std::size_t((at.tile * p.batch + at.batch) * heads + at.head)];
@@ -296,6 +299,11 @@ TEST_CASE("the fused attention's blocks cover every tile once, the most causal w
         last = at;
       }
       CHECK(std::count(seen.begin(), seen.end(), 1) == blocks);
+      // The tile-fastest grid, for comparison: the same blocks, each head's tiles in turn.
+      const dim3 by_tile = queries ? fd::query_grid(p, ft::tile, false) : fd::key_grid(p, ft::tile, false);
+      CHECK((by_tile.x == tiles && by_tile.y == heads && by_tile.z == p.batch));
+      const fd::block_place second = queries ? fd::query_place(1, 0, 0, by_tile.z, false) : fd::key_place(1, 0, 0, false);
+      CHECK((second.tile == 1 && second.head == 0 && second.batch == 0));
     }
   }
   // A sequence of more tiles than a grid's z holds raises before anything runs, for queries or keys.
@@ -307,6 +315,7 @@ TEST_CASE("the fused attention's blocks cover every tile once, the most causal w
   CHECK_THROWS_AS(fd::problem(view(1, most + 1), view(1, 8), view(1, 8), {}, "test"), sl::shape_error);
   CHECK_THROWS_AS(fd::problem(view(1, 8), view(1, most + 1), view(1, most + 1), {}, "test"), sl::shape_error);
   CHECK_THROWS_AS(fd::problem(view(65536, 8), view(65536, 8), view(65536, 8), {}, "test"), sl::shape_error);
+  CHECK_NOTHROW(fd::problem(view(1, most + 1), view(1, 8), view(1, 8), {.longest_first = false}, "test"));
 }
 
 TEMPLATE_TEST_CASE("the tensor-core attention kernels, emulated, equal nn::sdpa", "[emulated][flash]", sl::bfloat16,

@@ -115,19 +115,19 @@ void flash_attention_forward(nn::head_view<const T> q, nn::head_view<const T> k,
                        out.shape());
   if (p.batch * p.heads * p.queries == 0) return;
   const fd::forward_args<T> args{fd::rows_of(q), fd::rows_of(k), fd::rows_of(v), fd::rows_of(out), lse, p,
-                                 fd::scale_of(o, q.dim), int(q.dim)};
+                                 fd::scale_of(o, q.dim), int(q.dim), o.longest_first};
   if constexpr (ft::takes<T>)
     if (flash_uses_tensor_cores<T>(q.dim, o) && ft::whole_vectors(args.q) && ft::whole_vectors(args.k) &&
         ft::whole_vectors(args.v) && ft::whole_vectors(args.out)) {
       ft::dispatch_dim(q.dim, [&]<int DM>() {
-        detail::launch_flash(ft::forward_kernel<DM, T>, fd::query_grid(p, ft::tile), ft::forward_bytes<DM>, stream, who,
-                             args);
+        detail::launch_flash(ft::forward_kernel<DM, T>, fd::query_grid(p, ft::tile, o.longest_first),
+                             ft::forward_bytes<DM>, stream, who, args);
       });
       return;
     }
   fd::dispatch_dim(q.dim, who, [&]<int DM>() {
-    detail::launch_flash(fd::forward_kernel<DM, T>, fd::query_grid(p, fd::tile), fd::forward_bytes<DM>, stream, who,
-                         args);
+    detail::launch_flash(fd::forward_kernel<DM, T>, fd::query_grid(p, fd::tile, o.longest_first),
+                         fd::forward_bytes<DM>, stream, who, args);
   });
 }
 
@@ -152,7 +152,7 @@ void flash_attention_backward(nn::head_view<const T> q, nn::head_view<const T> k
   const fd::backward_args<T> args{fd::rows_of(q),  fd::rows_of(k),  fd::rows_of(v),  fd::rows_of(out),
                                   fd::rows_of(dout), lse,           row_d.data(),    fd::rows_of(dq),
                                   fd::rows_of(dk), fd::rows_of(dv), p,               fd::scale_of(o, q.dim),
-                                  int(q.dim)};
+                                  int(q.dim),      o.longest_first};
   if (rows > 0) {
     launch_kernel("flash_attention_backward (D = dO . O)", fd::row_d_kernel<T>,
                   unsigned((rows + fd::warps - 1) / fd::warps), fd::threads, 0, stream, args);
@@ -163,21 +163,21 @@ void flash_attention_backward(nn::head_view<const T> q, nn::head_view<const T> k
         ft::whole_vectors(args.dk) && ft::whole_vectors(args.dv)) {
       ft::dispatch_dim(q.dim, [&]<int DM>() {
         if (rows > 0)
-          detail::launch_flash(ft::dq_kernel<DM, T>, fd::query_grid(p, ft::tile), ft::dq_bytes<DM>, stream,
-                               "flash_attention_backward (dq)", args);
+          detail::launch_flash(ft::dq_kernel<DM, T>, fd::query_grid(p, ft::tile, o.longest_first), ft::dq_bytes<DM>,
+                               stream, "flash_attention_backward (dq)", args);
         if (p.keys > 0)
-          detail::launch_flash(ft::dkdv_kernel<DM, T>, fd::key_grid(p, ft::tile), ft::dkdv_bytes<DM>, stream,
-                               "flash_attention_backward (dk, dv)", args);
+          detail::launch_flash(ft::dkdv_kernel<DM, T>, fd::key_grid(p, ft::tile, o.longest_first),
+                               ft::dkdv_bytes<DM>, stream, "flash_attention_backward (dk, dv)", args);
       });
       return;
     }
   fd::dispatch_dim(q.dim, who, [&]<int DM>() {
     if (rows > 0)
-      detail::launch_flash(fd::dq_kernel<DM, T>, fd::query_grid(p, fd::tile), fd::dq_bytes<DM>, stream,
-                           "flash_attention_backward (dq)", args);
+      detail::launch_flash(fd::dq_kernel<DM, T>, fd::query_grid(p, fd::tile, o.longest_first), fd::dq_bytes<DM>,
+                           stream, "flash_attention_backward (dq)", args);
     if (p.keys > 0)
-      detail::launch_flash(fd::dkdv_kernel<DM, T>, fd::key_grid(p, fd::tile), fd::dkdv_bytes<DM>, stream,
-                           "flash_attention_backward (dk, dv)", args);
+      detail::launch_flash(fd::dkdv_kernel<DM, T>, fd::key_grid(p, fd::tile, o.longest_first), fd::dkdv_bytes<DM>,
+                           stream, "flash_attention_backward (dk, dv)", args);
   });
 }
 

@@ -47,6 +47,9 @@ struct flash_options {
   std::optional<counter_rng> dropout{};
   const std::uint8_t* key_padding = nullptr;  // device [B, Lk], nonzero = padding; nullptr = none
   bool tensor_cores = true;  // bfloat16/half, head_dim <= 128, sm_80+: the tensor-core kernels; false: CUDA cores
+  // Blocks start with the most causal work (detail::fused::block_place); false: each head's tiles
+  // in turn, shortest first under a causal mask. The same results either way; bench_cuda times both.
+  bool longest_first = true;
 };
 
 // The same view with read-only elements.
@@ -107,23 +110,31 @@ __device__ void stage(float* dst, const rows<const T>& src, std::int64_t n, std:
 // so the tiles with the most work come first. Under a causal mask query tile i sees the
 // keys up to it and key tile j the queries from it, so queries go last tile first and
 // keys first tile first; the shortest blocks then start last and fill the gaps the
-// longest leave (longest-first list scheduling), where a tile-fastest order started the
+// longest leave (longest-first list scheduling), where a tile-fastest order starts the
 // longest block of the last head last. Without a causal mask every tile has the same
-// work and the order changes nothing. (Read from blockIdx, whose parts the compiler
-// reloads where it needs them: a one-dimensional grid decoded by division kept the
-// quotients in registers.)
+// work and the order changes nothing. flash_options::longest_first = false gives the
+// tile-fastest grid, (tiles, heads, batch), for comparison. (Read from blockIdx, whose
+// parts the compiler reloads where it needs them: a one-dimensional grid decoded by
+// division kept the quotients in registers.)
 struct block_place {
   std::int64_t tile, head, batch;
 };
 // Block (x, y, z) of a grid `depth` blocks deep in z.
-__host__ __device__ inline block_place query_place(unsigned x, unsigned y, unsigned z, unsigned depth) {
+__host__ __device__ inline block_place query_place(unsigned x, unsigned y, unsigned z, unsigned depth,
+                                                   bool longest_first) {
+  if (!longest_first) return {x, y, z};
   return {std::int64_t(depth) - 1 - z, x, y};
 }
-__host__ __device__ inline block_place key_place(unsigned x, unsigned y, unsigned z) { return {z, x, y}; }
-__device__ inline block_place query_block_place() {
-  return query_place(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z);
+__host__ __device__ inline block_place key_place(unsigned x, unsigned y, unsigned z, bool longest_first) {
+  if (!longest_first) return {x, y, z};
+  return {z, x, y};
 }
-__device__ inline block_place key_block_place() { return key_place(blockIdx.x, blockIdx.y, blockIdx.z); }
+__device__ inline block_place query_block_place(bool longest_first) {
+  return query_place(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, longest_first);
+}
+__device__ inline block_place key_block_place(bool longest_first) {
+  return key_place(blockIdx.x, blockIdx.y, blockIdx.z, longest_first);
+}
 
 // The last of the `count` rows from `first` that exist, first < rows.
 __device__ inline std::int64_t last_row(std::int64_t first, std::int64_t count, std::int64_t rows) {
@@ -156,6 +167,7 @@ struct forward_args {
   flash::tile_problem p;
   float scale;
   int dim;
+  bool longest_first = true;  // flash_options::longest_first
 };
 
 // One block per (query tile, head, batch element), the longest first (block_place).
@@ -168,7 +180,7 @@ __global__ void __launch_bounds__(tile * warps) forward_kernel(forward_args<T> a
   float* vt = kt + DM * pitch;   // [DM][pitch]
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const block_place at = query_block_place();
+  const block_place at = query_block_place(a.longest_first);
   const std::int64_t i0 = at.tile * tile, h = at.head, n = at.batch;
   const std::int64_t g = h / (p.heads / p.kv_heads);
   const float kept = float(p.kept);
@@ -226,6 +238,7 @@ struct backward_args {
   flash::tile_problem p;
   float scale;
   int dim;
+  bool longest_first = true;  // flash_options::longest_first
 };
 
 // D = dO . O per query row: one warp per row.
@@ -254,7 +267,7 @@ __global__ void __launch_bounds__(tile * warps) dq_kernel(backward_args<T> a) {
   float* vt = kt + DM * pitch;    // [DM][pitch]
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const block_place at = query_block_place();
+  const block_place at = query_block_place(a.longest_first);
   const std::int64_t i0 = at.tile * tile, h = at.head, n = at.batch;
   const std::int64_t g = h / (p.heads / p.kv_heads);
   const float kept = float(p.kept);
@@ -318,7 +331,7 @@ __global__ void __launch_bounds__(tile * warps) dkdv_kernel(backward_args<T> a) 
   float* row_d = lse + tile;        // [tile]
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const block_place at = key_block_place();
+  const block_place at = key_block_place(a.longest_first);
   const std::int64_t j0 = at.tile * tile, g = at.head, n = at.batch;
   const std::int64_t rep = p.heads / p.kv_heads;
   const float kept = float(p.kept);
@@ -388,14 +401,15 @@ void dispatch_dim(std::int64_t dim, const char* who, F&& f) {
 
 // The kernels' grids: a block per tile of `rows` queries (or keys) of each head (or kv
 // head) and batch element, in the order of block_place (check_grid keeps y and z <= 65535).
-inline dim3 tile_grid(std::int64_t tiles, std::int64_t heads, std::int64_t batch) {
-  return dim3(unsigned(heads), unsigned(batch), unsigned(tiles));
+inline dim3 tile_grid(std::int64_t tiles, std::int64_t heads, std::int64_t batch, bool longest_first) {
+  return longest_first ? dim3(unsigned(heads), unsigned(batch), unsigned(tiles))
+                       : dim3(unsigned(tiles), unsigned(heads), unsigned(batch));
 }
-inline dim3 query_grid(const flash::tile_problem& p, int rows) {
-  return tile_grid((p.queries + rows - 1) / rows, p.heads, p.batch);
+inline dim3 query_grid(const flash::tile_problem& p, int rows, bool longest_first) {
+  return tile_grid((p.queries + rows - 1) / rows, p.heads, p.batch, longest_first);
 }
-inline dim3 key_grid(const flash::tile_problem& p, int rows) {
-  return tile_grid((p.keys + rows - 1) / rows, p.kv_heads, p.batch);
+inline dim3 key_grid(const flash::tile_problem& p, int rows, bool longest_first) {
+  return tile_grid((p.keys + rows - 1) / rows, p.kv_heads, p.batch, longest_first);
 }
 // The CUDA-core kernels' dynamic shared memory: fp32 tiles, rows and transposed.
 template <int DM>
@@ -405,13 +419,18 @@ inline constexpr std::size_t dq_bytes = sizeof(float) * (2 * tile * DM + 2 * DM 
 template <int DM>
 inline constexpr std::size_t dkdv_bytes = dq_bytes<DM> + sizeof(float) * 2 * tile;  // and lse, D of a query tile
 
-// The grids' y (batch) and z (tiles of `tile` rows, the smaller kernel set's: any shape
-// taken here runs on either) hold 65535: checked before anything is launched.
+// A grid's y and z hold 65535: batch and tiles (of `tile` rows, the smaller kernel set's:
+// any shape taken here runs on either), or heads and batch in the tile-fastest order;
+// checked before anything is launched.
 inline constexpr std::int64_t max_sequence = 65535 * std::int64_t(tile);
-inline void check_grid(const flash::tile_problem& p, const char* who) {
-  require<shape_error>(p.batch <= 65535, who, ": batch must be at most 65535 (the grid's y), got ", p.batch);
-  require<shape_error>(p.queries <= max_sequence && p.keys <= max_sequence, who, ": queries and keys must be at most ",
-                       max_sequence, " (65535 tiles of ", tile, ", the grid's z), got ", p.queries, " and ", p.keys);
+inline void check_grid(const flash::tile_problem& p, bool longest_first, const char* who) {
+  require<shape_error>(p.batch <= 65535, who, ": batch must be at most 65535 (a grid's y or z), got ", p.batch);
+  if (longest_first)
+    require<shape_error>(p.queries <= max_sequence && p.keys <= max_sequence, who,
+                         ": queries and keys must be at most ", max_sequence, " (65535 tiles of ", tile,
+                         ", the grid's z), got ", p.queries, " and ", p.keys);
+  else
+    require<shape_error>(p.heads <= 65535, who, ": heads must be at most 65535 (the grid's y), got ", p.heads);
 }
 
 template <class Q, class K, class V>
@@ -423,7 +442,7 @@ flash::tile_problem problem(const Q& q, const K& k, const V& v, const flash_opti
                        k.shape(), " need one batch and dim and heads a multiple of kv_heads");
   flash::tile_problem p = flash::make_problem(q.batch, q.heads, k.heads, q.seq, k.seq, o.is_causal, o.query_offset,
                                               o.key_padding, o.dropout, o.dropout_p);
-  check_grid(p, who);
+  check_grid(p, o.longest_first, who);
   return p;
 }
 inline float scale_of(const flash_options& o, std::int64_t dim) {

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   constexpr int rp = row_pitch<DM>;
   const flash::tile_problem& p = a.p;
-  const query_block b(p);
+  const query_block b(p, a.longest_first);
   const int lane = b.lane, warp = b.warp;
   const std::int64_t i0 = b.i0, h = b.h, n = b.n, g = b.g, first = b.first;
   const float kept = float(p.kept), scale2 = a.scale * log2e;  // exp_less's k: the scale in base 2
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   constexpr int rp = row_pitch<DM>;
   const flash::tile_problem& p = a.p;
-  const query_block b(p);
+  const query_block b(p, a.longest_first);
   const int lane = b.lane, warp = b.warp;
   const std::int64_t i0 = b.i0, h = b.h, n = b.n, g = b.g, first = b.first;
   const float kept = float(p.kept), scale2 = a.scale * log2e;  // exp_less's k: the scale in base 2
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
   constexpr int rp = row_pitch<DM>;
   const flash::tile_problem& p = a.p;
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const fused::block_place at = fused::key_block_place();
+  const fused::block_place at = fused::key_block_place(a.longest_first);
   const std::int64_t j0 = at.tile * tile, g = at.head, n = at.batch;
   const std::int64_t rep = p.heads / p.kv_heads, first = j0 + warp * edge;
   const float kept = float(p.kept), scale2 = a.scale * log2e;  // exp_less's k: the scale in base 2

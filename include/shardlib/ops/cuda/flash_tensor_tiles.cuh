@@ -526,8 +526,8 @@ struct query_block {
   fused::block_place at;  // the grid's order: fused::query_block_place
   int lane, warp;
   std::int64_t i0, h, n, g, first;
-  __device__ explicit query_block(const flash::tile_problem& p)
-      : at(fused::query_block_place()),
+  __device__ query_block(const flash::tile_problem& p, bool longest_first)
+      : at(fused::query_block_place(longest_first)),
         lane(int(threadIdx.x) % 32),
         warp(int(threadIdx.x) / 32),
         i0(at.tile * tile),
