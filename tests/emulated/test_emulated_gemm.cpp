@@ -6,6 +6,9 @@
 // dimensions, the epilogue's vectors and aux, and the Linear's choice of path.
 #include "cuda/test_cuda_gemm.cu"
 
+#include <shardlib/nn/cuda/tied_linear.cuh>
+#include <shardlib/nn/tied_linear.hpp>
+
 namespace {
 
 // Sets one of the stand-in's refusals for a scope: the heuristic's "no algorithm"
@@ -90,4 +93,48 @@ TEMPLATE_TEST_CASE("gemm_staged gives cuBLAS aligned rows, and the device Linear
   for (auto act : {nn::fused_activation::none, nn::fused_activation::relu})
     CHECK(unaligned([&] { compare_linear<T>(64, 64, 67, act, rnd, stream); }) == 0);
   CHECK(cuda_emulator::lt_matmuls == lt_before);
+}
+
+// GPT-2's tied head at an odd vocabulary (the logits' rows 67 elements apart): the device
+// TiedLinear's three products reach cuBLAS with aligned rows, and equal the host layer's.
+TEMPLATE_TEST_CASE("the device TiedLinear at an odd vocabulary gives cuBLAS aligned rows and equals the host's",
+                   "[cuda][gemm][layers]", float, sl::bfloat16) {
+  using T = TestType;
+  sl::cuda::stream stream{0};
+  sl::cuda::stream_scope scope{stream};
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  const std::int64_t rows = 64, in = 64, vocab = 67;
+  std::vector<float> w = rounded<T>(rnd.normal(std::size_t(vocab * in), 0.2f)), hgw(w.size(), 0.0f);
+  nn::Param<float> hp{.shape = Shape{vocab, in}, .init = {}, .value = w.data(), .grad = hgw.data()};
+  nn::TiedLinear<float> host(in, vocab);
+  host.tie(hp);
+  auto dw = upload(as<T>(w), stream), dgw = upload(as<T>(hgw), stream);
+  nn::Param<T> dp{.shape = Shape{vocab, in}, .init = {}, .value = dw.data(), .grad = dgw.data()};
+  nn::TiedLinear<T, cuda_space> dev(in, vocab);
+  dev.tie(dp);
+  const auto x = rounded<T>(rnd.normal(std::size_t(rows * in))), dy = rounded<T>(rnd.normal(std::size_t(rows * vocab)));
+  nn::context ctx({.training = true});
+  const auto hy = values(host.forward(ctx, host_tensor(Shape{rows, in}, x)));
+  const auto hdx = values(host.backward(ctx, host_tensor(Shape{rows, vocab}, dy)));
+  Tensor<T, cuda_space> dx_in(Shape{rows, in}), dy_in(Shape{rows, vocab});
+  const std::vector<T> x_t = as<T>(x), dy_t = as<T>(dy);
+  sl::cuda::copy_async(dx_in.span(), std::span<const T>(x_t), stream);
+  sl::cuda::copy_async(dy_in.span(), std::span<const T>(dy_t), stream);
+  const std::int64_t before = cuda_emulator::unaligned_products;
+  const auto y = dev.forward(ctx, dx_in);
+  const auto dx = dev.backward(ctx, dy_in);
+  CHECK(cuda_emulator::unaligned_products == before);
+  const auto near = [](const std::vector<float>& got, const std::vector<float>& want) {
+    require_close(got, want, rtol<T>, rtol<T> * max_abs(want));
+  };
+  const auto to_host = [&](std::span<const T> d) {
+    std::vector<T> v(d.size());
+    sl::cuda::copy_async(std::span<T>(v), d, stream);
+    sl::cuda::check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    return widened(v);
+  };
+  near(to_host(y.span()), hy);
+  near(to_host(dx.span()), hdx);
+  near(download_float(dgw, stream), hgw);
 }
