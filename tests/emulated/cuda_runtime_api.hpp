@@ -301,10 +301,14 @@ inline cudaError_t cudaMemcpyAsync(void* to, const void* from, std::size_t bytes
   return cudaMemcpy(to, from, bytes, kind);
 }
 // As CUDA's: `height` rows of `width` bytes, rows `spitch` and `dpitch` bytes apart
-// (each at least `width`, else cudaErrorInvalidPitchValue).
+// (each at least `width`, else cudaErrorInvalidPitchValue); counted in copies_2d.
+namespace cuda_emulator {
+inline std::atomic<long> copies_2d = 0;
+}  // namespace cuda_emulator
 inline cudaError_t cudaMemcpy2DAsync(void* to, std::size_t dpitch, const void* from, std::size_t spitch,
                                      std::size_t width, std::size_t height, cudaMemcpyKind, cudaStream_t) {
   if (width > dpitch || width > spitch) return cuda_emulator::fail(cudaErrorInvalidPitchValue);
+  ++cuda_emulator::copies_2d;
   for (std::size_t r = 0; r < height && width; ++r)
     std::memcpy(static_cast<char*>(to) + r * dpitch, static_cast<const char*>(from) + r * spitch, width);
   return cudaSuccess;

@@ -1,5 +1,6 @@
 // shardlib/nn/cuda/device.cuh — what the device layers share: products on the
-// thread's current stream and parameter-gradient column sums.
+// thread's current stream, a backward's dy aligned once for them, and
+// parameter-gradient column sums.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/cuda/current.hpp"            // current_stream, current_blas
@@ -20,6 +21,15 @@ void device_gemm(ops::trans ta, ops::trans tb, std::int64_t m, std::int64_t n, s
                  std::int64_t lda, const T* b, std::int64_t ldb, float beta, T* c, std::int64_t ldc) {
   ops::cuda::gemm_staged(cuda::current_blas(), cuda::current_stream(), cuda::device_allocator(cuda::current_device()),
                          ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// A backward's dy [rows, cols] for its two products (dW += dy^T x, dx = dy W, third
+// dimension `other`): copied once to rows 16 bytes apart where each would stage it
+// (ops::cuda::operand_for_products), on the current stream.
+template <class T>
+ops::cuda::aligned_operand<T> gradient_operand(const T* dy, std::int64_t rows, std::int64_t cols, std::int64_t other) {
+  return ops::cuda::operand_for_products(dy, cols, rows, cols, other, cuda::current_stream(),
+                                         cuda::device_allocator(cuda::current_device()));
 }
 
 // ops::cuda::gemm_strided_batched on the current stream.

@@ -102,13 +102,14 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
     this->check_grad(x_, dy_out);
     const std::int64_t rows = x_.numel() / in_;
     const output dy = activation_backward(dy_out);
-    if (!(has_bias_ && weight_and_bias_grad(dy, rows))) {
-      detail::device_gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, 1.0f, dy.data(), out_, x_.data(), in_,
-                          1.0f, weight.grad, in_);  // dW += dy^T x
+    const auto d = detail::gradient_operand(dy.data(), rows, out_, in_);  // dy, its rows 16 bytes apart
+    if (!(has_bias_ && weight_and_bias_grad(d, rows))) {
+      detail::device_gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, 1.0f, d.data, d.ld, x_.data(), in_, 1.0f,
+                          weight.grad, in_);  // dW += dy^T x
       if (has_bias_) detail::add_column_sums_device(dy.data(), rows, out_, bias.grad);
     }
     input dx(x_.shape());
-    detail::device_gemm(ops::trans::no, ops::trans::no, rows, in_, out_, 1.0f, dy.data(), out_, weight.value, in_, 0.0f,
+    detail::device_gemm(ops::trans::no, ops::trans::no, rows, in_, out_, 1.0f, d.data, d.ld, weight.value, in_, 0.0f,
                         dx.data(), in_);  // dx = dy W
     x_ = {};
     return dx;
@@ -149,15 +150,15 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
 
   // dW += dy^T x with db = the column sums of dy from the same product, then
   // bias.grad += db; false (nothing done) where that is not taken (see above).
-  bool weight_and_bias_grad(const output& dy, std::int64_t rows) {
+  bool weight_and_bias_grad(const ops::cuda::aligned_operand<T>& dy, std::int64_t rows) {
     if constexpr (!std::is_same_v<T, float>) {
       return false;
     } else {
-      if (ops::cuda::staged_for<T>(out_, in_, rows, dy.data(), out_, x_.data(), in_, weight.grad, in_).any())
+      if (ops::cuda::staged_for<T>(out_, in_, rows, dy.data, dy.ld, x_.data(), in_, weight.grad, in_).any())
         return false;  // as fused_product
       Tensor<T, cuda_space> db(Shape{out_});
       if (!ops::cuda::gemm_lt(cuda::current_blas_lt(), cuda::current_stream(), ops::trans::yes, ops::trans::no, out_,
-                              in_, rows, 1.0f, dy.data(), out_, x_.data(), in_, 1.0f, weight.grad, in_,
+                              in_, rows, 1.0f, dy.data, dy.ld, x_.data(), in_, 1.0f, weight.grad, in_,
                               {.kind = ops::cuda::epilogue::bgrad_a, .bias_grad = db.data()}))
         return false;
       const std::span<T> g(bias.grad, std::size_t(out_));

@@ -50,11 +50,12 @@ class TiedLinear<T, cuda_space> : public detail::tied_linear_base<T> {
   input backward(Ctx&, const output& dy) {
     this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / in_;
-    detail::device_gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, 1.0f, dy.data(), out_, x_.data(), in_, 1.0f,
+    const auto d = detail::gradient_operand(dy.data(), rows, out_, in_);  // dy, its rows 16 bytes apart
+    detail::device_gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, 1.0f, d.data, d.ld, x_.data(), in_, 1.0f,
                         weight_->grad, in_);  // dW += dy^T x
     input dx(x_.shape());
-    detail::device_gemm(ops::trans::no, ops::trans::no, rows, in_, out_, 1.0f, dy.data(), out_, weight_->value, in_,
-                        0.0f, dx.data(), in_);  // dx = dy W
+    detail::device_gemm(ops::trans::no, ops::trans::no, rows, in_, out_, 1.0f, d.data, d.ld, weight_->value, in_, 0.0f,
+                        dx.data(), in_);  // dx = dy W
     x_ = {};
     return dx;
   }

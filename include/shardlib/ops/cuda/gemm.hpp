@@ -17,6 +17,7 @@
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::int64_t, std::uintptr_t
 #include <type_traits>  // std::is_same_v
+#include <utility>      // std::move
 
 namespace shardlib::ops::cuda {
 
@@ -97,10 +98,24 @@ struct staged_operands {
   bool any() const { return a || b || c; }
 };
 
+// An operand with its rows 16 bytes apart: the operand itself, or an aligned copy.
+template <GemmElement T>
+struct aligned_operand {
+  const T* data;
+  std::int64_t ld;
+  shardlib::cuda::device_buffer<T> copy;  // holds data where it is a copy
+};
+
 namespace detail {
 template <class T>
 bool rows_aligned(const T* p, std::int64_t ld) {
   return reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && (ld * std::int64_t(sizeof(T))) % 16 == 0;
+}
+// The leading dimension of cols elements padded to 16 bytes.
+template <class T>
+std::int64_t aligned_pitch(std::int64_t cols) {
+  constexpr std::int64_t step = 16 / std::int64_t(sizeof(T));
+  return (cols + step - 1) / step * step;
 }
 // rows x cols elements from `from` (rows ld_from apart) to `to` (ld_to apart), on `stream`.
 template <class T>
@@ -110,6 +125,17 @@ void copy_rows(T* to, std::int64_t ld_to, const T* from, std::int64_t ld_from, s
   shardlib::cuda::check(cudaMemcpy2DAsync(to, std::size_t(ld_to) * e, from, std::size_t(ld_from) * e,
                                           std::size_t(cols) * e, std::size_t(rows), cudaMemcpyDeviceToDevice, stream),
                         "cudaMemcpy2DAsync (gemm_staged: ", rows, " rows of ", cols, ")");
+}
+// rows x cols of p (rows ld apart) copied to scratch rows 16 bytes apart, booked as
+// activations (a transient: 823 MB for GPT-2's logits of 8192 tokens).
+template <class T>
+aligned_operand<T> aligned_copy(const T* p, std::int64_t ld, std::int64_t rows, std::int64_t cols, cudaStream_t stream,
+                                shardlib::cuda::caching_allocator& alloc) {
+  const std::int64_t pitch = aligned_pitch<T>(cols);
+  shardlib::cuda::device_buffer<T> copy(std::size_t(rows * pitch), category::activations, stream, alloc);
+  copy_rows(copy.data(), pitch, p, ld, rows, cols, stream);
+  T* const data = copy.data();
+  return {data, pitch, std::move(copy)};
 }
 }  // namespace detail
 
@@ -121,11 +147,21 @@ staged_operands staged_for(std::int64_t m, std::int64_t n, std::int64_t k, const
   return {!detail::rows_aligned(a, lda), !detail::rows_aligned(b, ldb), !detail::rows_aligned(c, ldc)};
 }
 
+// A rows x cols operand of several products whose third dimension is `other` (a
+// backward's dy: dW += dy^T x and dx = dy W), copied once where gemm_staged would
+// copy it for each product, else itself.
+template <GemmElement T>
+aligned_operand<T> operand_for_products(const T* p, std::int64_t ld, std::int64_t rows, std::int64_t cols,
+                                        std::int64_t other, cudaStream_t stream,
+                                        shardlib::cuda::caching_allocator& alloc) {
+  if (std::min({rows, cols, other}) < staging_min_dim || detail::rows_aligned(p, ld)) return {p, ld, {}};
+  return detail::aligned_copy(p, ld, rows, cols, stream, alloc);
+}
+
 // gemm, with the operands staged_for names copied to rows 16 bytes apart first (C
 // only where beta != 0 reads it) and C copied back after; the scratch comes from
-// `alloc` on `stream`, booked as activations (a transient the size of the staged
-// operands: 823 MB for GPT-2's logits of 8192 tokens). The same values reach cuBLAS,
-// aligned; it may pick another kernel, so the last bits may differ from gemm's.
+// `alloc` on `stream`, booked as activations. The same values reach cuBLAS, aligned;
+// it may pick another kernel, so the last bits may differ from gemm's.
 template <GemmElement T>
 void gemm_staged(const shardlib::cuda::blas& handle, cudaStream_t stream, shardlib::cuda::caching_allocator& alloc,
                  trans ta, trans tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const T* a,
@@ -133,24 +169,21 @@ void gemm_staged(const shardlib::cuda::blas& handle, cudaStream_t stream, shardl
                  fp32_math math = fp32_math::exact) {
   const staged_operands s = staged_for(m, n, k, a, lda, b, ldb, c, ldc);
   if (!s.any()) return gemm(handle, stream, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, math);
-  using buffer = shardlib::cuda::device_buffer<T>;
-  constexpr std::int64_t step = 16 / std::int64_t(sizeof(T));
-  // A scratch copy of a rows x cols operand (its contents copied when `copy`); ld becomes its pitch.
-  const auto stage = [&](buffer& scratch, std::int64_t rows, std::int64_t cols, const T* from, std::int64_t& ld,
-                         bool copy) {
-    const std::int64_t pitch = (cols + step - 1) / step * step;
-    scratch = buffer(std::size_t(rows * pitch), category::activations, stream, alloc);
-    if (copy) detail::copy_rows(scratch.data(), pitch, from, ld, rows, cols, stream);
-    ld = pitch;
-    return scratch.data();
-  };
-  buffer sa, sb, sc;
-  std::int64_t la = lda, lb = ldb, lc = ldc;
   const bool at = ta == trans::yes, bt = tb == trans::yes;
-  const T* pa = s.a ? stage(sa, at ? k : m, at ? m : k, a, la, true) : a;
-  const T* pb = s.b ? stage(sb, bt ? n : k, bt ? k : n, b, lb, true) : b;
-  T* pc = s.c ? stage(sc, m, n, c, lc, beta != 0.0f) : c;
-  gemm(handle, stream, ta, tb, m, n, k, alpha, pa, la, pb, lb, beta, pc, lc, math);
+  const aligned_operand<T> sa = s.a ? detail::aligned_copy(a, lda, at ? k : m, at ? m : k, stream, alloc)
+                                    : aligned_operand<T>{a, lda, {}};
+  const aligned_operand<T> sb = s.b ? detail::aligned_copy(b, ldb, bt ? n : k, bt ? k : n, stream, alloc)
+                                    : aligned_operand<T>{b, ldb, {}};
+  shardlib::cuda::device_buffer<T> sc;
+  T* pc = c;
+  std::int64_t lc = ldc;
+  if (s.c) {
+    lc = detail::aligned_pitch<T>(n);
+    sc = shardlib::cuda::device_buffer<T>(std::size_t(m * lc), category::activations, stream, alloc);
+    pc = sc.data();
+    if (beta != 0.0f) detail::copy_rows(pc, lc, c, ldc, m, n, stream);
+  }
+  gemm(handle, stream, ta, tb, m, n, k, alpha, sa.data, sa.ld, sb.data, sb.ld, beta, pc, lc, math);
   if (s.c) detail::copy_rows(c, ldc, pc, lc, m, n, stream);
 }
 
