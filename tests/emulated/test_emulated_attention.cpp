@@ -289,7 +289,8 @@ TEST_CASE("the fused attention's blocks cover every tile once, the most causal w
       fd::block_place last{};
       for (std::int64_t b = 0; b < blocks; ++b) {
         const unsigned x = unsigned(b % grid.x), y = unsigned(b / grid.x % grid.y), z = unsigned(b / grid.x / grid.y);
-        const fd::block_place at = queries ? fd::query_place(x, y, z, grid.z, true) : fd::key_place(x, y, z, true);
+        const fd::block_place at =
+            queries ? fd::query_place(x, y, z, grid.z, true) : fd::key_place(x, y, z, true);
         REQUIRE((at.tile >= 0 && at.tile < tiles && at.head >= 0 && at.head < heads && at.batch >= 0 &&
                  at.batch < p.batch));
         ++seen[std::size_t((at.tile * p.batch + at.batch) * heads + at.head)];
@@ -302,7 +303,8 @@ TEST_CASE("the fused attention's blocks cover every tile once, the most causal w
       // The tile-fastest grid, for comparison: the same blocks, each head's tiles in turn.
       const dim3 by_tile = queries ? fd::query_grid(p, ft::tile, false) : fd::key_grid(p, ft::tile, false);
       CHECK((by_tile.x == tiles && by_tile.y == heads && by_tile.z == p.batch));
-      const fd::block_place second = queries ? fd::query_place(1, 0, 0, by_tile.z, false) : fd::key_place(1, 0, 0, false);
+      const fd::block_place second =
+          queries ? fd::query_place(1, 0, 0, by_tile.z, false) : fd::key_place(1, 0, 0, false);
       CHECK((second.tile == 1 && second.head == 0 && second.batch == 0));
     }
   }

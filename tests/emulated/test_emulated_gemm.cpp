@@ -21,6 +21,13 @@ struct lt_refusing {
   std::atomic<bool>& flag;
 };
 
+// A case's stream (the thread's current one while it lives) and seeded inputs.
+struct device_case {
+  sl::cuda::stream stream{0};
+  sl::cuda::stream_scope scope{stream};
+  random_inputs rnd;
+};
+
 }  // namespace
 
 // Counts the cuBLASLt products a forward and backward run: forward fuses the bias, ReLU
@@ -33,13 +40,11 @@ struct lt_refusing {
 TEMPLATE_TEST_CASE("device Linear fuses what cuBLASLt takes, and runs unfused where it finds or runs no algorithm",
                    "[cuda][gemm][layers]", float, sl::bfloat16) {
   using T = TestType;
-  sl::cuda::stream stream{0};
-  sl::cuda::stream_scope scope{stream};
-  random_inputs rnd;
-  INFO("seed " << rnd.seed);
+  device_case dc;
+  INFO("seed " << dc.rnd.seed);
   const auto products = [&](std::int64_t rows, std::int64_t in, std::int64_t out, nn::fused_activation act) {
     const std::int64_t before = cuda_emulator::lt_matmuls;
-    compare_linear<T>(rows, in, out, act, rnd, stream);
+    compare_linear<T>(rows, in, out, act, dc.rnd, dc.stream);
     return cuda_emulator::lt_matmuls - before;
   };
   constexpr bool fp32 = std::is_same_v<T, float>;
@@ -67,33 +72,31 @@ TEMPLATE_TEST_CASE("device Linear fuses what cuBLASLt takes, and runs unfused wh
 TEMPLATE_TEST_CASE("gemm_staged gives cuBLAS aligned rows, and the device Linear's products go through it",
                    "[cuda][gemm]", float, sl::bfloat16) {
   using T = TestType;
-  sl::cuda::stream stream{0};
-  sl::cuda::stream_scope scope{stream};
+  device_case dc;
+  INFO("seed " << dc.rnd.seed);
   sl::cuda::blas handle(0);
-  random_inputs rnd;
-  INFO("seed " << rnd.seed);
   const auto unaligned = [](auto&& run) {
     const std::int64_t before = cuda_emulator::unaligned_products;
     run();
     return cuda_emulator::unaligned_products - before;
   };
   const std::int64_t m = 64, n = 67, k = 64;  // C = A B^T with C's rows n = 67 elements apart
-  auto a = upload(as<T>(rounded<T>(rnd.normal(std::size_t(m * k)))), stream);
-  auto b = upload(as<T>(rounded<T>(rnd.normal(std::size_t(n * k)))), stream);
-  auto c = poisoned<T>(std::size_t(m * n), stream);
+  auto a = upload(as<T>(rounded<T>(dc.rnd.normal(std::size_t(m * k)))), dc.stream);
+  auto b = upload(as<T>(rounded<T>(dc.rnd.normal(std::size_t(n * k)))), dc.stream);
+  auto c = poisoned<T>(std::size_t(m * n), dc.stream);
   const auto product = [&](bool staged) {
     if (staged)
-      oc::gemm_staged(handle, stream, sl::cuda::device_allocator(0), trans::no, trans::yes, m, n, k, 1.0f, a.data(), k,
-                      b.data(), k, 0.0f, c.data(), n);
+      oc::gemm_staged(handle, dc.stream, sl::cuda::device_allocator(0), trans::no, trans::yes, m, n, k, 1.0f, a.data(),
+                      k, b.data(), k, 0.0f, c.data(), n);
     else
-      oc::gemm(handle, stream, trans::no, trans::yes, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(), n);
+      oc::gemm(handle, dc.stream, trans::no, trans::yes, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(), n);
   };
   CHECK(unaligned([&] { product(false); }) == 1);
   CHECK(unaligned([&] { product(true); }) == 0);
   const std::int64_t lt_before = cuda_emulator::lt_matmuls;
   for (auto act : {nn::fused_activation::none, nn::fused_activation::relu})
-    CHECK(unaligned([&] { compare_linear<T>(64, 64, 67, act, rnd, stream); }) == 0);
-  CHECK(cuda_emulator::lt_matmuls - lt_before == (std::is_same_v<T, float> ? 2 : 0));  // fp32: dW and db
+    CHECK(unaligned([&] { compare_linear<T>(64, 64, 67, act, dc.rnd, dc.stream); }) == 0);
+  CHECK(cuda_emulator::lt_matmuls - lt_before == (std::is_same_v<T, float> ? 2 : 0));  // fp32: dW with db, per layer
 }
 
 // GPT-2's tied head at an odd vocabulary (the logits' rows 67 elements apart): the device
@@ -101,27 +104,26 @@ TEMPLATE_TEST_CASE("gemm_staged gives cuBLAS aligned rows, and the device Linear
 TEMPLATE_TEST_CASE("the device TiedLinear at an odd vocabulary gives cuBLAS aligned rows and equals the host's",
                    "[cuda][gemm][layers]", float, sl::bfloat16) {
   using T = TestType;
-  sl::cuda::stream stream{0};
-  sl::cuda::stream_scope scope{stream};
-  random_inputs rnd;
-  INFO("seed " << rnd.seed);
+  device_case dc;
+  INFO("seed " << dc.rnd.seed);
   const std::int64_t rows = 64, in = 64, vocab = 67;
-  std::vector<float> w = rounded<T>(rnd.normal(std::size_t(vocab * in), 0.2f)), hgw(w.size(), 0.0f);
+  std::vector<float> w = rounded<T>(dc.rnd.normal(std::size_t(vocab * in), 0.2f)), hgw(w.size(), 0.0f);
   nn::Param<float> hp{.shape = Shape{vocab, in}, .init = {}, .value = w.data(), .grad = hgw.data()};
   nn::TiedLinear<float> host(in, vocab);
   host.tie(hp);
-  auto dw = upload(as<T>(w), stream), dgw = upload(as<T>(hgw), stream);
+  auto dw = upload(as<T>(w), dc.stream), dgw = upload(as<T>(hgw), dc.stream);
   nn::Param<T> dp{.shape = Shape{vocab, in}, .init = {}, .value = dw.data(), .grad = dgw.data()};
   nn::TiedLinear<T, cuda_space> dev(in, vocab);
   dev.tie(dp);
-  const auto x = rounded<T>(rnd.normal(std::size_t(rows * in))), dy = rounded<T>(rnd.normal(std::size_t(rows * vocab)));
+  const auto x = rounded<T>(dc.rnd.normal(std::size_t(rows * in)));
+  const auto dy = rounded<T>(dc.rnd.normal(std::size_t(rows * vocab)));
   nn::context ctx({.training = true});
   const auto hy = values(host.forward(ctx, host_tensor(Shape{rows, in}, x)));
   const auto hdx = values(host.backward(ctx, host_tensor(Shape{rows, vocab}, dy)));
   Tensor<T, cuda_space> dx_in(Shape{rows, in}), dy_in(Shape{rows, vocab});
   const std::vector<T> x_t = as<T>(x), dy_t = as<T>(dy);
-  sl::cuda::copy_async(dx_in.span(), std::span<const T>(x_t), stream);
-  sl::cuda::copy_async(dy_in.span(), std::span<const T>(dy_t), stream);
+  sl::cuda::copy_async(dx_in.span(), std::span<const T>(x_t), dc.stream);
+  sl::cuda::copy_async(dy_in.span(), std::span<const T>(dy_t), dc.stream);
   const std::int64_t before = cuda_emulator::unaligned_products;
   const long copies = cuda_emulator::copies_2d;
   const auto y = dev.forward(ctx, dx_in);
@@ -134,11 +136,11 @@ TEMPLATE_TEST_CASE("the device TiedLinear at an odd vocabulary gives cuBLAS alig
   };
   const auto to_host = [&](std::span<const T> d) {
     std::vector<T> v(d.size());
-    sl::cuda::copy_async(std::span<T>(v), d, stream);
-    sl::cuda::check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    sl::cuda::copy_async(std::span<T>(v), d, dc.stream);
+    sl::cuda::check(cudaStreamSynchronize(dc.stream), "cudaStreamSynchronize");
     return widened(v);
   };
   near(to_host(y.span()), hy);
   near(to_host(dx.span()), hdx);
-  near(download_float(dgw, stream), hgw);
+  near(download_float(dgw, dc.stream), hgw);
 }

@@ -27,7 +27,8 @@ void device_gemm(ops::trans ta, ops::trans tb, std::int64_t m, std::int64_t n, s
 // dimension `other`): copied once to rows 16 bytes apart where each would stage it
 // (ops::cuda::operand_for_products), on the current stream.
 template <class T>
-ops::cuda::aligned_operand<T> gradient_operand(const T* dy, std::int64_t rows, std::int64_t cols, std::int64_t other) {
+ops::cuda::aligned_operand<T> gradient_operand(const T* dy, std::int64_t rows, std::int64_t cols,
+                                               std::int64_t other) {
   return ops::cuda::operand_for_products(dy, cols, rows, cols, other, cuda::current_stream(),
                                          cuda::device_allocator(cuda::current_device()));
 }
