@@ -9,6 +9,7 @@
 #include <shardlib/cuda/stream.hpp>
 #include <shardlib/nn/context.hpp>
 
+#include "support/compare.hpp"  // max_keeping_nan
 #include "support/random_inputs.hpp"
 
 #include <catch2/catch.hpp>
@@ -101,12 +102,9 @@ inline void require_close(const std::vector<float>& got, const std::vector<float
 
 // NaN if any element is NaN (std::max would drop it).
 inline float max_abs(const std::vector<float>& v) {
-  float m = 0;
-  for (float x : v) {
-    if (std::isnan(x)) return x;
-    m = std::max(m, std::abs(x));
-  }
-  return m;
+  double m = 0;
+  for (float x : v) m = test_support::max_keeping_nan(m, std::abs(x));
+  return float(m);
 }
 
 // A context whose forwards keep nothing for backward (eval mode, a checkpointed

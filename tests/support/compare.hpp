@@ -135,7 +135,7 @@ max_error normwise_error(const Got& got, const Want& want) {
   for (const auto& w : want) {
     const double a = std::abs(double(w));
     finite = finite && std::isfinite(a);
-    scale = std::max(scale, a);
+    scale = max_keeping_nan(scale, a);
   }
   max_error e;
   if (!finite) e.add(infinity);

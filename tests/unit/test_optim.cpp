@@ -102,7 +102,7 @@ trajectory run_reference(const BasicAdam<Style>& opt, std::size_t n, const lr_sc
       else g += o.weight_decay * p[i];
       m[i] = o.beta1 * m[i] + (1 - o.beta1) * g;
       v[i] = o.beta2 * v[i] + (1 - o.beta2) * g * g;
-      vmax[i] = std::max(vmax[i], v[i]);
+      vmax[i] = test_support::max_keeping_nan(vmax[i], v[i]);  // torch.maximum keeps a NaN
       const double m_hat = m[i] / (1 - std::pow(o.beta1, t));
       const double v_hat = (o.amsgrad ? vmax[i] : v[i]) / (1 - std::pow(o.beta2, t));
       p[i] -= lr * m_hat / (std::sqrt(v_hat) + o.eps);

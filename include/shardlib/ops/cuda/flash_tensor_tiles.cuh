@@ -523,12 +523,12 @@ struct carve {
 // A query-tile block's place (forward and dq): batch element n, head h and its kv head g,
 // the tile's first query i0, and this thread's warp, lane and the warp's first query.
 struct query_block {
-  fused::block_place at;  // the grid's order: fused::query_block_place
   int lane, warp;
   std::int64_t i0, h, n, g, first;
   __device__ query_block(const flash::tile_problem& p, bool longest_first)
-      : at(fused::query_block_place(longest_first)),
-        lane(int(threadIdx.x) % 32),
+      : query_block(p, fused::query_block_place(longest_first)) {}  // the grid's order
+  __device__ query_block(const flash::tile_problem& p, const fused::block_place& at)
+      : lane(int(threadIdx.x) % 32),
         warp(int(threadIdx.x) / 32),
         i0(at.tile * tile),
         h(at.head),
