@@ -928,6 +928,8 @@ struct file_tensor {
   std::string name;
   dtype type;
   Shape shape;
+  int values = -1;             // it holds the values of the file's tensor number `values` (-1: its own)
+  std::int64_t changed = -1;  // and this element 1/8 higher
 };
 const std::vector<file_tensor> lm_file = {{"transformer.wte.weight", dtype::f64, {V, D}},
                                           {"transformer.h.0.mlp.c_fc.weight", dtype::f32, {D, D}},
@@ -941,7 +943,8 @@ void write_lm_file(const fs::path& file, const std::vector<file_tensor>& tensors
   for (std::size_t k = 0; k < tensors.size(); ++k) {
     const auto& t = tensors[k];
     std::vector<std::byte> bytes;
-    for (std::int64_t i = 0; i < t.shape.numel(); ++i) io::detail::append_converted(bytes, t.type, value_of(int(k), i));
+    for (std::int64_t i = 0; i < t.shape.numel(); ++i)
+      io::detail::append_converted(bytes, t.type, value_of(t.values < 0 ? int(k) : t.values, i) + (i == t.changed) / 8.0);
     w.add(t.name, t.type, t.shape, bytes);
   }
   w.write(file);
@@ -1237,7 +1240,7 @@ TEST_CASE("a model whose engine ties parameters loads and saves them once, under
   temp_dir dir;
   auto hf = lm_file, both = lm_file;
   hf.pop_back();                                            // no lm_head at all, as Hugging Face writes it
-  both.back() = {"lm_head.weight", dtype::f32, {V, D}};  // PyTorch's state_dict lists a tied weight under both names
+  both.back() = {"lm_head.weight", dtype::f32, {V, D}, 0};  // PyTorch's state_dict lists a tied weight under both names
   write_lm_file(dir / "hf.safetensors", hf);
   write_lm_file(dir / "both.safetensors", both);
   const state_dict_options o{.names = lm_names, .transposed = {"layers.0.weight", "layers.1.weight"}};  // no tie given
@@ -1269,6 +1272,67 @@ TEST_CASE("a model whose engine ties parameters loads and saves them once, under
   for (int r = 0; r < 2; ++r) {
     INFO("rank " << r << ": " << failures[std::size_t(r)]);
     CHECK(failures[std::size_t(r)].empty());
+  }
+}
+
+// A file holding a tied weight under both names holds it twice: a model that keeps one
+// parameter can take the file only if both copies are the same.
+TEST_CASE("a tied parameter the file holds twice loads when both copies are equal and raises naming both when not",
+          "[io][state_dict][tied]") {
+  temp_dir dir;
+  auto files = std::map<std::string, std::vector<file_tensor>>{};
+  for (const char* f : {"equal", "differ_first", "differ_last", "misshapen"})
+    files[f].assign(lm_file.begin(), lm_file.end() - 1);  // TiedLinear has no lm_head.bias
+  files["equal"].push_back({"lm_head.weight", dtype::f32, {V, D}, 0});  // the F64 embedding's values in F32
+  files["differ_first"].push_back({"lm_head.weight", dtype::bf16, {V, D}, 0, 0});
+  files["differ_last"].push_back({"lm_head.weight", dtype::f32, {V, D}, 0, V * D - 1});
+  files["misshapen"].push_back({"lm_head.weight", dtype::f32, {D, V}, 0});
+  for (const auto& [name, tensors] : files) write_lm_file(dir.path / (name + ".safetensors"), tensors);
+  const auto path = [&](const std::string& name) { return (dir.path / (name + ".safetensors")).string(); };
+  const state_dict_options o{.names = lm_names, .transposed = {"layers.0.weight", "layers.1.weight"}};
+  using TiedLm = nn::Sequential<nn::Embedding<float>, nn::Stack<nn::Linear<float>>, nn::TiedLinear<float>>;
+  auto want = lm_expected();
+  want.erase("2.bias");
+  const auto differ = [&](const std::string& name, std::int64_t at) {
+    return cat(path(name), ": tensors \"lm_head.weight\" and \"transformer.wte.weight\" are one tied parameter of the "
+               "model ('0.weight') but hold different values (element ", at, ": ", value_of(0, at) + 0.125, " against ",
+               value_of(0, at), "); load the file into a model that keeps them apart");
+  };
+  for (const int world : {1, 3}) {
+    // Catch's assertions are not thread-safe: each rank records what it saw, checked after.
+    std::vector<std::string> failures(std::size_t(world), "");
+    comm::launch(world, [&](comm::ThreadComm& c) {
+      auto& why = failures[std::size_t(c.rank())];
+      TiedLm m{nn::Embedding<float>(V, D), nn::Stack<nn::Linear<float>>(2, nn::Linear<float>(D, D)),
+               nn::TiedLinear<float>(D, V)};
+      m.get<2>().tie(m.get<0>().weight);
+      auto model = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<nn::Linear<float>>{}});
+      if (const auto r = load_state_dict(path("equal"), model, o); !r.ok() || !r.from_tied.empty())
+        why += cat("equal: ", r.describe(), "; ");
+      if (values_of_sharded(model) != want) why += "equal: values differ; ";
+      for (const auto& [name, at] : {std::pair{"differ_first"s, std::int64_t(0)}, {"differ_last"s, V * D - 1}}) {
+        try {
+          load_state_dict(path(name), model, o);
+          why += cat(name, ": loaded; ");
+        } catch (const io_error& e) {  // every rank raises, the one whose range holds the element and the others
+          if (!std::string_view(e.what()).ends_with(differ(name, at) + " (an untied head: tie_word_embeddings false), "
+                                                                        "or drop one of them"))
+            why += cat(name, ": ", e.what(), "; ");
+        }
+        if (values_of_sharded(model) != want) why += cat(name, ": the failed load changed the model; ");
+      }
+      try {
+        load_state_dict(path("misshapen"), model, o);
+        why += "misshapen: loaded; ";
+      } catch (const io_error& e) {
+        if (!std::string_view(e.what()).ends_with("shape mismatch (1): 2.weight is [5, 7] in the file but [7, 5] in the model"))
+          why += cat("misshapen: ", e.what(), "; ");
+      }
+    });
+    for (int r = 0; r < world; ++r) {
+      INFO("world " << world << ", rank " << r << ": " << failures[std::size_t(r)]);
+      CHECK(failures[std::size_t(r)].empty());
+    }
   }
 }
 

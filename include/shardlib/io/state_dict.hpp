@@ -4,7 +4,8 @@
 //   - a name map between the file's names and the model's dotted names (identity by default),
 //   - tensors stored transposed (Hugging Face GPT-2's Conv1D keeps [in, out]; Linear [out, in]),
 //   - any of F32, F64, F16, BF16 in the file, converted to the model's master dtype,
-//   - tied parameters (a name the file leaves out because it shares its partner's values),
+//   - tied parameters (a name the file leaves out because it shares its partner's values, or
+//     holds twice: then both must hold the same values),
 //   - strict loading (an error listing every missing, unexpected and misshapen tensor) or a report,
 //   - one file, or Hugging Face's sharded layout (model-0000k-of-0000n.safetensors and
 //     model.safetensors.index.json).
@@ -28,6 +29,7 @@
 #include <algorithm>    // std::copy, std::max, std::min
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::uint64_t
+#include <cstring>      // std::memcmp
 #include <filesystem>   // std::filesystem
 #include <functional>   // std::less
 #include <map>          // std::map, std::multimap
@@ -44,10 +46,17 @@ namespace shardlib::io {
 
 namespace detail {
 
-// A parameter of the model and where its values come from in the file.
+// A parameter of the model and where its values come from in the file. A file may hold a
+// tied parameter under several names (PyTorch's state_dict lists it under each): the
+// others are `copies`, read beside the source and required to hold the same values.
 struct load_plan {
+  struct copy {
+    std::string name;  // the model's name the file's tensor maps to
+    const state_dict_files::stored* tensor;
+  };
   std::map<std::string, const state_dict_files::stored*, std::less<>> source;  // model name -> tensor
-  std::set<std::string, std::less<>> transposed;                              // model names
+  std::map<std::string, std::vector<copy>, std::less<>> copies;                // model name -> its tie partners'
+  std::set<const state_dict_files::stored*> transposed;  // the tensors stored transposed
   load_report report;
 };
 
@@ -77,6 +86,17 @@ inline load_plan plan_load(const std::vector<std::pair<std::string, Shape>>& par
     return std::nullopt;
   };
 
+  // Whether the file's tensor for model name m has the shape of parameter `shape`
+  // (reversed where m is stored transposed); a mismatch is reported under m.
+  const auto fits = [&](const std::string& m, const state_dict_files::stored& t, const Shape& shape) {
+    const bool transpose = shape.rank() == 2 && ends_with_any(m, o.transposed);
+    if (t.info.shape != (transpose ? reversed(shape) : shape)) {
+      plan.report.mismatched.push_back({m, t.info.shape, shape, transpose});
+      return false;
+    }
+    if (transpose) plan.transposed.insert(&t);
+    return true;
+  };
   for (const auto& [n, shape] : params) {
     auto it = by_model.find(n);
     if (it == by_model.end())
@@ -88,14 +108,12 @@ inline load_plan plan_load(const std::vector<std::pair<std::string, Shape>>& par
       plan.report.missing.push_back(n);
       continue;
     }
-    const Shape& stored = it->second->info.shape;
-    const bool transpose = shape.rank() == 2 && ends_with_any(n, o.transposed);
-    if (stored != (transpose ? reversed(shape) : shape)) {
-      plan.report.mismatched.push_back({n, stored, shape, transpose});
-      continue;
-    }
-    if (transpose) plan.transposed.insert(n);
+    if (!fits(it->first, *it->second, shape)) continue;
     plan.source.emplace(n, it->second);
+    for (auto [p, end] = partners.equal_range(n); p != end; ++p)
+      if (const auto c = by_model.find(p->second); c != by_model.end() && c != it && !ours.contains(p->second) &&
+                                                   fits(p->second, *c->second, shape))
+        plan.copies[n].push_back({p->second, c->second});
   }
   for (const auto& [m, fname] : file_name_of)
     if (!ours.contains(m) && !partner_where(m, [&](const std::string& q) { return ours.contains(q); }))
@@ -103,12 +121,12 @@ inline load_plan plan_load(const std::vector<std::pair<std::string, Shape>>& par
   return plan;
 }
 
-// Elements [first, first + out.size()) of parameter n (shape `shape`) from its tensor.
+// Elements [first, first + out.size()) of a parameter of shape `shape` from tensor t, stored
+// transposed or not.
 template <class T>
-void read_parameter(const state_dict_files& files, const load_plan& plan, const std::string& n, const Shape& shape,
-                    std::uint64_t first, std::span<T> out) {
-  const auto& t = *plan.source.at(n);
-  if (!plan.transposed.contains(n)) {
+void read_elements(const state_dict_files& files, const state_dict_files::stored& t, bool transposed,
+                   const Shape& shape, std::uint64_t first, std::span<T> out) {
+  if (!transposed) {
     files.read(t, first, out);
     return;
   }
@@ -120,6 +138,28 @@ void read_parameter(const state_dict_files& files, const load_plan& plan, const 
   for (std::size_t i = 0; i < out.size(); ++i) {
     const std::uint64_t e = first + i, r = e / cols, c = e % cols;
     out[i] = whole[c * rows + r];
+  }
+}
+
+// Elements [first, first + out.size()) of parameter n (shape `shape`) from its tensor; the
+// same range of each copy of it in the file must hold the same bits, else io_error (the
+// model would keep one of two different tensors).
+template <class T>
+void read_parameter(const state_dict_files& files, const load_plan& plan, const std::string& n, const Shape& shape,
+                    std::uint64_t first, std::span<T> out) {
+  const auto& source = *plan.source.at(n);
+  read_elements(files, source, plan.transposed.contains(&source), shape, first, out);
+  const auto copies = plan.copies.find(n);
+  if (copies == plan.copies.end()) return;
+  std::vector<T> other(out.size());
+  for (const auto& c : copies->second) {
+    read_elements(files, *c.tensor, plan.transposed.contains(c.tensor), shape, first, std::span<T>(other));
+    for (std::size_t i = 0; i < out.size(); ++i)
+      if (std::memcmp(&other[i], &out[i], sizeof(T)) != 0)
+        fail(files.origin(), "tensors \"", c.tensor->info.name, "\" and \"", source.info.name,
+             "\" are one tied parameter of the model ('", n, "') but hold different values (element ", first + i, ": ",
+             double(other[i]), " against ", double(out[i]), "); load the file into a model that keeps them apart",
+             " (an untied head: tie_word_embeddings false), or drop one of them");
   }
 }
 
