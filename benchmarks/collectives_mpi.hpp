@@ -124,7 +124,7 @@ inline void run_mpi_collectives(const std::vector<std::size_t>& sizes, std::FILE
     }
   }
   if (me == 0)
-    std::printf("# misuse check (one MPI_Allreduce of 12 int64 per collective) at %s:%s\n",
+    std::printf("# misuse check (one MPI_Iallreduce of 12 int64 per collective) at %s:%s\n",
                 human(sizes.front()).c_str(), check_costs.c_str());
 }
 

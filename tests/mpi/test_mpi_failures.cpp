@@ -7,7 +7,14 @@
 //   train-returns-early  the same with train_step of a sharded model
 //   throws               rank 1 throws in step 2; main catches it and returns 1
 //   throws-uncaught      rank 1 throws in step 2 and nothing catches it
+//   throws-under-own-mpi as throws, under an MPI that main starts and finalises itself
+//   throws-holding-two   pairs of ranks gather in a split, then all ranks reduce in the world;
+//                        rank 1 throws in step 2 between the two, where rank 0 waits in the
+//                        world's collective and rank 1 leaves the pair's communicator first
 //   stops                rank 1 stops itself (SIGSTOP) in step 2
+//   pair-fails           pairs of ranks gather in a split; rank 1 throws between two of its
+//                        collectives, every rank catches what it gets and the world goes on:
+//                        the job must succeed, each rank having seen what it must
 //   finishes             every rank runs 4 steps: the job must succeed, silently
 #include "shardlib/mpi.hpp"
 #include "shardlib/optim/adam.hpp"
@@ -39,13 +46,54 @@ void step(MpiComm& c, int s) {
 
 void inject(const std::string& mode, int rank, int s) {
   if (rank != 1 || s != 2) return;
-  if (mode == "throws" || mode == "throws-uncaught") throw std::runtime_error(cat("rank 1: injected failure in step ", s));
+  if (mode.starts_with("throws")) throw std::runtime_error(cat("rank 1: injected failure in step ", s));
   if (mode == "stops") std::raise(SIGSTOP);
+}
+
+// Rank 1 leaves its pair unwinding while rank 0 waits there; rank 1 then waits in the
+// world's collectives with its leave still going (rank 0 gathers every posting to name
+// it), so the world's waits must move it on. Returns 0 when every rank saw what it must:
+// rank 1 its own error, rank 0 comm_aborted naming rank 1, ranks 2 and 3 nothing.
+int pair_fails(MpiComm& c) {
+  std::string seen;
+  try {
+    MpiComm pair = c.split(c.rank() / 2, c.rank());
+    std::vector<float> shard(8, 1.0f), full(16);
+    pair.all_gather(std::span<const float>(shard), std::span<float>(full));
+    if (c.rank() == 1) throw std::runtime_error("rank 1: injected failure");
+    pair.reduce_scatter(std::span<const float>(full), std::span<float>(shard), comm::reduce_op::sum);
+  } catch (const comm_aborted& e) {
+    seen = e.what();
+  } catch (const std::runtime_error& e) {
+    seen = e.what();
+  }
+  const bool right = c.rank() == 0 ? seen.find("abandoned: rank 1 left the communicator while unwinding") !=
+                                         std::string::npos
+                     : c.rank() == 1 ? seen == "rank 1: injected failure"
+                                     : seen.empty();
+  if (!right) std::fprintf(stderr, "rank %d saw \"%s\"\n", c.rank(), seen.c_str());
+  float wrong = right ? 0 : 1;
+  c.all_reduce(std::span<float>(&wrong, 1), comm::reduce_op::sum);
+  c.barrier();
+  return wrong == 0 ? 0 : 1;
 }
 
 int run(const std::string& mode) {
   auto c = MpiComm::world({.check = !mode.starts_with("unchecked")});
   const int steps = mode.ends_with("returns-early") && c.rank() == 0 ? 3 : 4;
+  if (mode == "throws-holding-two") {
+    MpiComm pair = c.split(c.rank() / 2, c.rank());  // destroyed first
+    for (int s = 0; s < steps; ++s) {
+      std::vector<float> shard(8, float(s)), full(8 * std::size_t(pair.size()));
+      pair.all_gather(std::span<const float>(shard), std::span<float>(full));
+      pair.reduce_scatter(std::span<const float>(full), std::span<float>(shard), comm::reduce_op::sum);
+      inject(mode, c.rank(), s);
+      float loss = shard[0];
+      c.all_reduce(std::span<float>(&loss, 1), comm::reduce_op::avg);
+    }
+    return 0;
+  }
+  if (mode == "pair-fails") return pair_fails(c);
   if (mode == "train-returns-early") {
     fixture::Model m = fixture::make_model();
     auto model = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<fixture::Block>{}});
@@ -66,19 +114,30 @@ int run(const std::string& mode) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  comm::mpi_session session(&argc, &argv);
   const std::string mode = argc == 2 ? argv[1] : "";
-  const std::string modes[] = {"returns-early", "unchecked-returns-early", "train-returns-early", "throws",
-                               "throws-uncaught", "stops", "finishes"};
-  if (std::find(std::begin(modes), std::end(modes), mode) == std::end(modes)) {
-    std::fprintf(stderr, "usage: %s CASE (see the comment at the top of test_mpi_failures.cpp)\n", argv[0]);
-    return 2;
+  const bool own_mpi = mode == "throws-under-own-mpi";  // MPI started and ended here, not by the session
+  if (own_mpi) {
+    int level = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &level);
   }
-  if (mode == "throws-uncaught") return run(mode);
-  try {
-    return run(mode);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 1;
+  int status = 1;
+  {
+    comm::mpi_session session(&argc, &argv);
+    const std::string modes[] = {"returns-early",      "unchecked-returns-early", "train-returns-early",
+                                 "throws",             "throws-uncaught",         "throws-holding-two",
+                                 "throws-under-own-mpi", "stops",                 "pair-fails",
+                                 "finishes"};
+    if (std::find(std::begin(modes), std::end(modes), mode) == std::end(modes)) {
+      std::fprintf(stderr, "usage: %s CASE (see the comment at the top of test_mpi_failures.cpp)\n", argv[0]);
+      return 2;
+    }
+    if (mode == "throws-uncaught") return run(mode);
+    try {
+      status = run(mode);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+    }
   }
+  if (own_mpi) MPI_Finalize();  // finishes rank 1's leave, which nothing waited for
+  return status;
 }

@@ -54,10 +54,11 @@ class mpi_session {
   mpi_session(const mpi_session&) = delete;
   mpi_session& operator=(const mpi_session&) = delete;
   // MPI_Finalize waits for every process, so a stopped one ends the job through the
-  // watchdog. A process whose peers failed exits with status 1 here even when its
+  // watchdog; so do the leaves this process posted while unwinding, finished first. A process whose peers failed exits with status 1 here even when its
   // own main succeeded: every process of a failed job says so.
   ~mpi_session() {
     if (!owner_ || detail::mpi_finalized()) return;
+    detail::departures::process().finish();  // each watched on its own
     {
       const detail::watchdog::scope watched(
           {detail::waiting_in::finalizing, rank_, size_, rank_, 0, {}, timeout_, &detail::abort_job});

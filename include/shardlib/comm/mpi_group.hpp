@@ -3,6 +3,7 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/comm/communicator.hpp"
+#include "shardlib/comm/mpi_departures.hpp"
 #include "shardlib/comm/mpi_support.hpp"
 #include "shardlib/comm/signature.hpp"
 #include "shardlib/comm/watchdog.hpp"
@@ -187,9 +188,6 @@ class mpi_group {
   }
 
   // What each rank posts to the agreement: its signature and its arrival.
-  static constexpr int fields = 6;
-  using posting = std::array<std::int64_t, fields>;
-
   static posting post(const signature& s, arrival a) {
     return {std::int64_t(s.kind), std::int64_t(s.type), std::int64_t(s.count),
             std::int64_t(s.op),   std::int64_t(s.root), std::int64_t(a)};
@@ -199,21 +197,30 @@ class mpi_group {
   }
   static arrival arrival_of(const posting& p) { return arrival(p[5]); }
 
-  // Every rank's posting, or none when all ranks posted the same. The cheap path is
-  // one MPI_Allreduce(MAX) of the fields and their negations, which yields every
-  // field's maximum and minimum over ranks; only on a mismatch do the ranks gather
-  // all postings to say who called what.
+  // Every rank's posting, or none when all ranks posted the same (mpi_departures.hpp:
+  // posting_bounds yields every field's maximum and minimum over ranks; only on a
+  // mismatch do the ranks gather all postings to say who called what).
   std::vector<posting> exchange(const posting& mine, const signature& sig) {
-    std::array<std::int64_t, 2 * fields> bounds;
-    for (int i = 0; i < fields; ++i) bounds[i] = mine[i], bounds[fields + i] = -mine[i];
-    check(MPI_Allreduce(MPI_IN_PLACE, bounds.data(), 2 * fields, MPI_INT64_T, MPI_MAX, comm_.c), "MPI_Allreduce", sig);
-    bool uniform = true;
-    for (int i = 0; i < fields; ++i) uniform = uniform && bounds[i] == -bounds[fields + i];
-    if (uniform) return {};
+    posting_bounds bounds = bounds_of(mine);
+    MPI_Request request;
+    check(MPI_Iallreduce(MPI_IN_PLACE, bounds.data(), 2 * posting_fields, MPI_INT64_T, MPI_MAX, comm_.c, &request),
+          "MPI_Iallreduce", sig);
+    wait(request, "MPI_Iallreduce", sig);
+    if (uniform(bounds)) return {};
     std::vector<posting> all(static_cast<std::size_t>(size_));
-    check(MPI_Allgather(mine.data(), fields, MPI_INT64_T, all.data(), fields, MPI_INT64_T, comm_.c), "MPI_Allgather",
-          sig);
+    check(MPI_Iallgather(mine.data(), posting_fields, MPI_INT64_T, all.data(), posting_fields, MPI_INT64_T, comm_.c,
+                         &request),
+          "MPI_Iallgather", sig);
+    wait(request, "MPI_Iallgather", sig);
     return all;
+  }
+
+  // Waits for an exchange, moving the process's departures on meanwhile (a peer may
+  // wait for this rank's side of one before it posts its side of this).
+  void wait(MPI_Request& request, std::string_view call, const signature& sig) const {
+    departures& d = departures::process();
+    if (d.empty()) return check(MPI_Wait(&request, MPI_STATUS_IGNORE), call, sig);
+    for (int done = 0; !done; d.progress()) check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), call, sig);
   }
 
   // Raises on every rank, before any data moves, when the ranks post different
@@ -280,20 +287,29 @@ class mpi_group {
   // A rank that leaves cleanly while a peer did not (it called a collective, or
   // left unwinding an exception) records the job as failed. When a rank stays,
   // every member leaves the window to MPI_Finalize rather than wait in
-  // MPI_Win_free. Without the check there is no agreement to join, and a peer left
-  // waiting is ended by the watchdog.
+  // MPI_Win_free. A rank unwinding an exception posts its side and goes on (the
+  // process finishes it later: mpi_departures.hpp), taking the communicator along,
+  // and leaves the window to MPI_Finalize too. Without the check there is no
+  // agreement to join, and a peer left waiting is ended by the watchdog.
   void leave() noexcept {
     const watchdog::scope watched(watching(waiting_in::leaving));
     bool stays = !departure_.empty();
-    if (opts_.check && !stays) {
+    const bool unwinding = std::uncaught_exceptions() > uncaught_at_creation_;
+    if (opts_.check && !stays && unwinding) {
+      try {  // the departure owns the communicator from here, and frees it even if posting fails
+        departures::process().post(std::exchange(comm_.c, MPI_COMM_NULL), post(last_, arrival::leaving_unwinding),
+                                   watching(waiting_in::leaving));
+      } catch (...) {
+      }
+      stays = true;
+    } else if (opts_.check && !stays) {
       try {
-        const bool unwinding = std::uncaught_exceptions() > uncaught_at_creation_;
-        const auto all = exchange(post(last_, unwinding ? arrival::leaving_unwinding : arrival::leaving), last_);
+        const auto all = exchange(post(last_, arrival::leaving), last_);
         std::string failure;
         for (int r = 0; r < int(all.size()); ++r) {
           const arrival a = arrival_of(all[r]);
           stays = stays || a < arrival::leaving;
-          if (unwinding || a == arrival::leaving || !failure.empty()) continue;
+          if (a == arrival::leaving || !failure.empty()) continue;
           failure = a == arrival::leaving_unwinding
                         ? cat(name_of(rank_), ": ", name_of(r), " left a communicator of ", size_,
                               " ranks while unwinding an exception, after collective ", calls_)

@@ -36,7 +36,7 @@ namespace shardlib::comm {
 
 
 struct mpi_options {
-  // Before each collective, one small MPI_Allreduce checks that every rank calls
+  // Before each collective, one small MPI_Iallreduce checks that every rank calls
   // the same one with the same count, type, operation and root, so misuse raises
   // instead of hanging or corrupting data. Off only for measured hot loops.
   bool check = true;
