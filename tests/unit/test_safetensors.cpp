@@ -1298,7 +1298,9 @@ TEST_CASE("a tied parameter the file holds twice loads when both copies are equa
                "model ('0.weight') but hold different values (element ", at, ": ", value_of(0, at) + 0.125, " against ",
                value_of(0, at), "); load the file into a model that keeps them apart");
   };
-  for (const int world : {1, 3}) {
+  auto o_tied = o;  // the engine's tie declared again: still one copy to compare
+  o_tied.tied = {{"2.weight", "0.weight"}};
+  for (const auto& [world, o] : {std::pair{1, o}, {3, o}, {2, o_tied}}) {
     // Catch's assertions are not thread-safe: each rank records what it saw, checked after.
     std::vector<std::string> failures(std::size_t(world), "");
     comm::launch(world, [&](comm::ThreadComm& c) {
@@ -1334,6 +1336,23 @@ TEST_CASE("a tied parameter the file holds twice loads when both copies are equa
       CHECK(failures[std::size_t(r)].empty());
     }
   }
+
+  // A tie the options declare for a name the model lacks (a body without the head, under
+  // GPT-2's names) is not the model's: the file's lm_head.weight is not read, equal or not.
+  using Body = nn::Sequential<nn::Embedding<float>, nn::Stack<nn::Linear<float>>>;
+  Body body{nn::Embedding<float>(V, D), nn::Stack<nn::Linear<float>>(2, nn::Linear<float>(D, D))};
+  nn::Replicated<float, Body> plain_body(body, 3);
+  CHECK(load_state_dict(path("differ_first"), plain_body, lm_options()).ok());
+  CHECK(values_of(plain_body).at("0.weight") == want.at("0.weight"));
+
+  // A misshapen tensor two of the model's parameters read is reported under each.
+  auto misshapen_wte = lm_file;
+  misshapen_wte[0].shape = {D, V};
+  write_lm_file(dir.path / "misshapen_wte.safetensors", misshapen_wte);
+  Lm m = make_lm();
+  nn::Replicated<float, Lm> plain(m, 3);
+  CHECK(load_state_dict(path("misshapen_wte"), plain, lm_options(false)).mismatched ==
+        std::vector<shape_mismatch>{{"0.weight", {D, V}, {V, D}, false}, {"2.weight", {D, V}, {V, D}, false}});
 }
 
 TEST_CASE("Hugging Face's sharded index: shards are found by name and a bad index is refused", "[io][state_dict]") {

@@ -26,7 +26,7 @@
 #include "shardlib/nn/flat.hpp"                // nn::flat_entry
 #include "shardlib/nn/replicated.hpp"          // nn::Replicated
 
-#include <algorithm>    // std::copy, std::max, std::min
+#include <algorithm>    // std::any_of, std::copy, std::max, std::min
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::uint64_t
 #include <cstring>      // std::memcmp
@@ -47,22 +47,23 @@ namespace shardlib::io {
 namespace detail {
 
 // A parameter of the model and where its values come from in the file. A file may hold a
-// tied parameter under several names (PyTorch's state_dict lists it under each): the
-// others are `copies`, read beside the source and required to hold the same values.
+// parameter the model ties under another of its names too (PyTorch's state_dict lists a
+// tied weight under each): those are `copies`, read beside the source and required to
+// hold the same values.
 struct load_plan {
   struct copy {
-    std::string name;  // the model's name the file's tensor maps to
     const state_dict_files::stored* tensor;
+    bool transposed;  // stored transposed (by the alias's name)
   };
   std::map<std::string, const state_dict_files::stored*, std::less<>> source;  // model name -> tensor
-  std::map<std::string, std::vector<copy>, std::less<>> copies;                // model name -> its tie partners'
-  std::set<const state_dict_files::stored*> transposed;  // the tensors stored transposed
+  std::map<std::string, std::vector<copy>, std::less<>> copies;                // model name -> its aliases' tensors
+  std::set<std::string, std::less<>> transposed;                              // model names
   load_report report;
 };
 
 // Matches the model's parameters (name, shape) with the file's tensors.
 inline load_plan plan_load(const std::vector<std::pair<std::string, Shape>>& params, const state_dict_files& files,
-                           const state_dict_options& o) {
+                           const state_dict_options& o, const std::set<std::string, std::less<>>& aliases = {}) {
   load_plan plan;
   std::map<std::string, const state_dict_files::stored*, std::less<>> by_model;  // mapped file tensors
   std::map<std::string, std::string, std::less<>> file_name_of;
@@ -86,16 +87,16 @@ inline load_plan plan_load(const std::vector<std::pair<std::string, Shape>>& par
     return std::nullopt;
   };
 
-  // Whether the file's tensor for model name m has the shape of parameter `shape`
-  // (reversed where m is stored transposed); a mismatch is reported under m.
+  // Whether tensor t, read as model name m, is stored transposed and has the shape of a
+  // parameter of shape `shape` (reversed if so); a mismatch is reported under m.
+  const auto transposed = [&](const std::string& m, const Shape& shape) {
+    return shape.rank() == 2 && ends_with_any(m, o.transposed);
+  };
   const auto fits = [&](const std::string& m, const state_dict_files::stored& t, const Shape& shape) {
-    const bool transpose = shape.rank() == 2 && ends_with_any(m, o.transposed);
-    if (t.info.shape != (transpose ? reversed(shape) : shape)) {
-      plan.report.mismatched.push_back({m, t.info.shape, shape, transpose});
-      return false;
-    }
-    if (transpose) plan.transposed.insert(&t);
-    return true;
+    const bool transpose = transposed(m, shape);
+    if (t.info.shape == (transpose ? reversed(shape) : shape)) return true;
+    plan.report.mismatched.push_back({m, t.info.shape, shape, transpose});
+    return false;
   };
   for (const auto& [n, shape] : params) {
     auto it = by_model.find(n);
@@ -108,12 +109,19 @@ inline load_plan plan_load(const std::vector<std::pair<std::string, Shape>>& par
       plan.report.missing.push_back(n);
       continue;
     }
-    if (!fits(it->first, *it->second, shape)) continue;
+    if (!fits(n, *it->second, shape)) continue;
+    if (transposed(n, shape)) plan.transposed.insert(n);
     plan.source.emplace(n, it->second);
-    for (auto [p, end] = partners.equal_range(n); p != end; ++p)
-      if (const auto c = by_model.find(p->second); c != by_model.end() && c != it && !ours.contains(p->second) &&
-                                                   fits(p->second, *c->second, shape))
-        plan.copies[n].push_back({p->second, c->second});
+    // The model's own aliases of n the file holds too (a tie the options declare for a
+    // name the model lacks, say a head-less body under Hugging Face's GPT-2 names,
+    // leaves the file's tensor unread, as before).
+    for (const auto& a : aliases) {
+      const auto c = by_model.find(a);
+      if (c == by_model.end() || c == it) continue;
+      const bool of_n = std::any_of(partners.lower_bound(a), partners.upper_bound(a),
+                                    [&](const auto& p) { return p.second == n; });
+      if (of_n && fits(a, *c->second, shape)) plan.copies[n].push_back({c->second, transposed(a, shape)});
+    }
   }
   for (const auto& [m, fname] : file_name_of)
     if (!ours.contains(m) && !partner_where(m, [&](const std::string& q) { return ours.contains(q); }))
@@ -148,12 +156,12 @@ template <class T>
 void read_parameter(const state_dict_files& files, const load_plan& plan, const std::string& n, const Shape& shape,
                     std::uint64_t first, std::span<T> out) {
   const auto& source = *plan.source.at(n);
-  read_elements(files, source, plan.transposed.contains(&source), shape, first, out);
+  read_elements(files, source, plan.transposed.contains(n), shape, first, out);
   const auto copies = plan.copies.find(n);
   if (copies == plan.copies.end()) return;
   std::vector<T> other(out.size());
   for (const auto& c : copies->second) {
-    read_elements(files, *c.tensor, plan.transposed.contains(c.tensor), shape, first, std::span<T>(other));
+    read_elements(files, *c.tensor, c.transposed, shape, first, std::span<T>(other));
     for (std::size_t i = 0; i < out.size(); ++i)
       if (std::memcmp(&other[i], &out[i], sizeof(T)) != 0)
         fail(files.origin(), "tensors \"", c.tensor->info.name, "\" and \"", source.info.name,
@@ -182,14 +190,22 @@ inline void check_plan(const load_plan& plan, const state_dict_files& files, con
     throw io_error(cat(files.origin(), ": does not match the model (strict load): ", plan.report.describe()));
 }
 
-// The options plus the ties the engine found (shard/discover.hpp: a Param listed under
+// The ties the engine found, {alias, target} (shard/discover.hpp: a Param listed under
 // several names is laid out under the first, the others are aliases).
+template <class Engine>
+std::vector<std::pair<std::string, std::string>> engine_ties(const Engine& model) {
+  std::vector<std::pair<std::string, std::string>> ties;
+  if constexpr (requires { model.units().front().aliases; })
+    for (const auto& u : model.units())
+      for (const auto& a : u.aliases) ties.emplace_back(a.name, u.layout.entries.at(a.entry).name);
+  return ties;
+}
+
+// The options plus the engine's ties.
 template <class Engine>
 state_dict_options with_engine_ties(const Engine& model, const state_dict_options& options) {
   state_dict_options o = options;
-  if constexpr (requires { model.units().front().aliases; })
-    for (const auto& u : model.units())
-      for (const auto& a : u.aliases) o.tied.emplace_back(a.name, u.layout.entries.at(a.entry).name);
+  for (auto& t : engine_ties(model)) o.tied.push_back(std::move(t));
   return o;
 }
 }  // namespace detail
@@ -217,6 +233,8 @@ load_report load_state_dict(const std::filesystem::path& path, Engine& model, co
   using T = typename std::remove_cvref_t<decltype(model.master_piece(0))>::value_type;
   stager<typename Engine::space> staging;
   const state_dict_options o = detail::with_engine_ties(model, options);
+  std::set<std::string, std::less<>> aliases;  // the model's further names of tied parameters
+  for (const auto& [alias, target] : detail::engine_ties(model)) aliases.insert(alias);
   std::vector<std::vector<T>> pieces(model.unit_count());
   load_report report;
   auto comm = detail::host_collectives_of(model);
@@ -225,7 +243,7 @@ load_report load_state_dict(const std::filesystem::path& path, Engine& model, co
     std::vector<std::pair<std::string, Shape>> params;
     for (std::size_t i = 0; i < model.unit_count(); ++i)
       for (const auto& e : model.unit_layout(i).entries) params.emplace_back(e.name, e.shape);
-    auto plan = detail::plan_load(params, files, o);
+    auto plan = detail::plan_load(params, files, o, aliases);
     detail::check_plan(plan, files, o);
     for (std::size_t i = 0; i < model.unit_count(); ++i) {
       // what nothing loads keeps its value

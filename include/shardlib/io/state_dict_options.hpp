@@ -90,9 +90,10 @@ struct state_dict_options {
   // Tied parameters {alias, target}, both the model's names: the file may hold only one
   // of them (Hugging Face keeps the target: GPT-2's lm_head.weight is transformer.wte.weight).
   // Loading, a parameter the file lacks takes its partner's tensor (either way round) and is
-  // not missing, and a tensor of a name whose partner the model has is not unexpected: it
-  // must hold the same values (bits, once converted) as the tensor the parameter loads, or
-  // the load raises io_error naming both (the model would keep only one of them).
+  // not missing, and a tensor of a name whose partner the model has is not unexpected.
+  // Where the model itself ties the two (a ShardedModel's aliases) and the file holds
+  // both, they must hold the same values (bits, once converted), else io_error naming
+  // both (the model would keep only one); other such tensors are not read.
   // Saving writes the target only (a model holding both as two parameters must hold equal
   // values). A ShardedModel's own ties (shard/discover.hpp's aliases) are added to these.
   std::vector<std::pair<std::string, std::string>> tied{};
