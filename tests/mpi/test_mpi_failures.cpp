@@ -7,14 +7,20 @@
 //   train-returns-early  the same with train_step of a sharded model
 //   throws               rank 1 throws in step 2; main catches it and returns 1
 //   throws-uncaught      rank 1 throws in step 2 and nothing catches it
-//   throws-under-own-mpi as throws, under an MPI that main starts and finalises itself
+//   throws-under-own-mpi as throws, under an MPI that main starts and finalises itself, the
+//                        others late to step 2's collective
+//   throws-then-raw-mpi  as throws, then every rank calls MPI_Barrier itself: rank 1's leave
+//                        must be over by then (the others waited for it already)
 //   throws-holding-two   pairs of ranks gather in a split, then all ranks reduce in the world;
 //                        rank 1 throws in step 2 between the two, where rank 0 waits in the
 //                        world's collective and rank 1 leaves the pair's communicator first
 //   stops                rank 1 stops itself (SIGSTOP) in step 2
 //   pair-fails           pairs of ranks gather in a split; rank 1 throws between two of its
-//                        collectives, every rank catches what it gets and the world goes on:
-//                        the job must succeed, each rank having seen what it must
+//                        collectives, rank 0 comes late to the next, every rank catches what it
+//                        gets and the world goes on: the job must succeed, each rank having
+//                        seen what it must
+//   unwinds-beside-clean-leaver  rank 1 drops a communicator with a shared-memory window
+//                        while unwinding, rank 0 drops it cleanly: neither may wait to free it
 //   finishes             every rank runs 4 steps: the job must succeed, silently
 #include "shardlib/mpi.hpp"
 #include "shardlib/optim/adam.hpp"
@@ -22,12 +28,14 @@
 #include "support/shard_fixture.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <exception>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace shardlib;
@@ -45,37 +53,66 @@ void step(MpiComm& c, int s) {
 }
 
 void inject(const std::string& mode, int rank, int s) {
-  if (rank != 1 || s != 2) return;
+  if (s != 2) return;
+  // The others reach step 2's collective after rank 1's grace (0.5 s here): its leave is
+  // still going when it reaches MPI_Finalize.
+  if (mode == "throws-under-own-mpi" && rank != 1) std::this_thread::sleep_for(std::chrono::seconds(1));
+  if (rank != 1) return;
   if (mode.starts_with("throws")) throw std::runtime_error(cat("rank 1: injected failure in step ", s));
   if (mode == "stops") std::raise(SIGSTOP);
 }
 
-// Rank 1 leaves its pair unwinding while rank 0 waits there; rank 1 then waits in the
-// world's collectives with its leave still going (rank 0 gathers every posting to name
-// it), so the world's waits must move it on. Returns 0 when every rank saw what it must:
-// rank 1 its own error, rank 0 comm_aborted naming rank 1, ranks 2 and 3 nothing.
+// Rank 1 leaves its pair unwinding; rank 0 reaches the pair's next collective only after
+// rank 1's grace (its leave is still going then: rank 0 gathers every posting to name it),
+// so rank 1's next call must move it on: an agreement in the world's collective, the
+// creation of a communicator, a collective without the check. Returns 0 when every rank saw
+// what it must each time: rank 1 its own error, rank 0 comm_aborted naming rank 1, ranks 2
+// and 3 nothing.
 int pair_fails(MpiComm& c) {
-  std::string seen;
-  try {
-    MpiComm pair = c.split(c.rank() / 2, c.rank());
-    std::vector<float> shard(8, 1.0f), full(16);
-    pair.all_gather(std::span<const float>(shard), std::span<float>(full));
-    if (c.rank() == 1) throw std::runtime_error("rank 1: injected failure");
-    pair.reduce_scatter(std::span<const float>(full), std::span<float>(shard), comm::reduce_op::sum);
-  } catch (const comm_aborted& e) {
-    seen = e.what();
-  } catch (const std::runtime_error& e) {
-    seen = e.what();
+  MpiComm unchecked = MpiComm::world({.check = false});
+  float wrong = 0;
+  for (const std::string then : {"agreement", "creation", "unchecked"}) {
+    std::string seen;
+    try {
+      MpiComm pair = c.split(c.rank() / 2, c.rank());
+      std::vector<float> shard(8, 1.0f), full(16);
+      pair.all_gather(std::span<const float>(shard), std::span<float>(full));
+      if (c.rank() == 1) throw std::runtime_error("rank 1: injected failure");
+      if (c.rank() == 0) std::this_thread::sleep_for(std::chrono::seconds(1));  // the grace is 0.5 s here
+      pair.reduce_scatter(std::span<const float>(full), std::span<float>(shard), comm::reduce_op::sum);
+    } catch (const comm_aborted& e) {
+      seen = e.what();
+    } catch (const std::runtime_error& e) {
+      seen = e.what();
+    }
+    const bool right = c.rank() == 0 ? seen.find("abandoned: rank 1 left the communicator while unwinding") !=
+                                           std::string::npos
+                       : c.rank() == 1 ? seen == "rank 1: injected failure"
+                                       : seen.empty();
+    if (!right) std::fprintf(stderr, "rank %d saw \"%s\"\n", c.rank(), seen.c_str());
+    if (then == "creation") MpiComm again = MpiComm::world();
+    float failed = right ? 0 : 1;
+    (then == "unchecked" ? unchecked : c).all_reduce(std::span<float>(&failed, 1), comm::reduce_op::sum);
+    wrong += failed;
   }
-  const bool right = c.rank() == 0 ? seen.find("abandoned: rank 1 left the communicator while unwinding") !=
-                                         std::string::npos
-                     : c.rank() == 1 ? seen == "rank 1: injected failure"
-                                     : seen.empty();
-  if (!right) std::fprintf(stderr, "rank %d saw \"%s\"\n", c.rank(), seen.c_str());
-  float wrong = right ? 0 : 1;
-  c.all_reduce(std::span<float>(&wrong, 1), comm::reduce_op::sum);
   c.barrier();
   return wrong == 0 ? 0 : 1;
+}
+
+// Rank 1 throws holding a split whose reductions made a shared-memory window, and catches;
+// rank 0 drops the split cleanly. Rank 1 leaves the window to MPI_Finalize, so rank 0 must
+// too (MPI_Win_free waits for every rank), and says the job failed.
+int unwinds_beside_clean_leaver(MpiComm& c) {
+  try {
+    MpiComm pair = c.split(0, c.rank());
+    float x = 1;
+    pair.all_reduce(std::span<float>(&x, 1), comm::reduce_op::sum);
+    if (c.rank() == 1) throw std::runtime_error("rank 1: injected failure");
+  } catch (const std::runtime_error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+  return 0;
 }
 
 int run(const std::string& mode) {
@@ -94,6 +131,7 @@ int run(const std::string& mode) {
     return 0;
   }
   if (mode == "pair-fails") return pair_fails(c);
+  if (mode == "unwinds-beside-clean-leaver") return unwinds_beside_clean_leaver(c);
   if (mode == "train-returns-early") {
     fixture::Model m = fixture::make_model();
     auto model = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<fixture::Block>{}});
@@ -126,7 +164,7 @@ int main(int argc, char** argv) {
     const std::string modes[] = {"returns-early",      "unchecked-returns-early", "train-returns-early",
                                  "throws",             "throws-uncaught",         "throws-holding-two",
                                  "throws-under-own-mpi", "stops",                 "pair-fails",
-                                 "finishes"};
+                                 "unwinds-beside-clean-leaver", "throws-then-raw-mpi", "finishes"};
     if (std::find(std::begin(modes), std::end(modes), mode) == std::end(modes)) {
       std::fprintf(stderr, "usage: %s CASE (see the comment at the top of test_mpi_failures.cpp)\n", argv[0]);
       return 2;
@@ -136,6 +174,7 @@ int main(int argc, char** argv) {
       status = run(mode);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s\n", e.what());
+      if (mode == "throws-then-raw-mpi") MPI_Barrier(MPI_COMM_WORLD);  // blocks without moving any leave on
     }
   }
   if (own_mpi) MPI_Finalize();  // finishes rank 1's leave, which nothing waited for

@@ -54,8 +54,9 @@ class mpi_session {
   mpi_session(const mpi_session&) = delete;
   mpi_session& operator=(const mpi_session&) = delete;
   // MPI_Finalize waits for every process, so a stopped one ends the job through the
-  // watchdog; so do the leaves this process posted while unwinding, finished first. A process whose peers failed exits with status 1 here even when its
-  // own main succeeded: every process of a failed job says so.
+  // watchdog; so do the leaves this process posted while unwinding, finished first.
+  // A process whose peers failed exits with status 1 here even when its own main
+  // succeeded: every process of a failed job says so.
   ~mpi_session() {
     if (!owner_ || detail::mpi_finalized()) return;
     detail::departures::process().finish();  // each watched on its own
@@ -117,7 +118,9 @@ class MpiComm {
     const detail::watchdog::scope watched(
         {detail::waiting_in::creating, rank, size, world_rank, 0, {}, *resolved.timeout, &detail::abort_job});
     MPI_Comm dup;
-    detail::mpi_check(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup", rank, "creating a communicator");
+    MPI_Request request;
+    detail::mpi_check(MPI_Comm_idup(comm, &dup, &request), "MPI_Comm_idup", rank, "creating a communicator");
+    detail::mpi_check(detail::wait_moving_departures(request), "MPI_Comm_idup", rank, "creating a communicator");
     g_ = std::make_shared<detail::mpi_group>(dup, resolved, exec, rank);
   }
 

@@ -8,8 +8,10 @@
 
 #include <mpi.h>
 
-#include <array>    // std::array
-#include <cstdint>  // std::int64_t
+#include <algorithm>  // std::any_of
+#include <array>      // std::array
+#include <chrono>     // std::chrono::steady_clock
+#include <cstdint>    // std::int64_t
 #include <memory>   // std::unique_ptr
 #include <mutex>    // std::mutex, std::lock_guard
 #include <thread>   // std::this_thread::yield
@@ -51,8 +53,11 @@ class departures {
     return d;
   }
 
-  // Posts `mine` (a leaving_unwinding posting) on comm, which it takes over.
-  void post(MPI_Comm comm, const posting& mine, const watch& w) {
+  // Posts `mine` (a leaving_unwinding posting) on comm, which it takes over, and moves
+  // it on for up to `grace`: where the peers already wait in this communicator (most
+  // failures), the leave ends here, as a blocking one would, and nothing is left to
+  // finish while the process goes on.
+  void post(MPI_Comm comm, const posting& mine, const watch& w, seconds grace) {
     auto d = std::make_unique<departure>(comm, mine, w);
     {
       std::lock_guard lock(m_);
@@ -61,8 +66,16 @@ class departures {
     mpi_check(MPI_Iallreduce(MPI_IN_PLACE, d->bounds.data(), 2 * posting_fields, MPI_INT64_T, MPI_MAX, comm,
                              &d->request),
               "MPI_Iallreduce", w.rank, "leaving a communicator");
-    std::lock_guard lock(m_);
-    pending_.push_back(std::move(d));
+    const departure* posted = d.get();
+    {
+      std::lock_guard lock(m_);
+      pending_.push_back(std::move(d));
+    }
+    const auto until = std::chrono::steady_clock::now() + grace;
+    while (holds(posted) && std::chrono::steady_clock::now() < until) {
+      progress();
+      std::this_thread::yield();
+    }
   }
 
   bool empty() {
@@ -118,6 +131,10 @@ class departures {
     std::lock_guard lock(m_);
     return pending_.empty() ? nullptr : pending_.front().get();
   }
+  bool holds(const departure* d) {
+    std::lock_guard lock(m_);
+    return std::any_of(pending_.begin(), pending_.end(), [&](const auto& p) { return p.get() == d; });
+  }
 
   // Under an MPI that no mpi_session finalises, MPI_Finalize's first act (deleting
   // MPI_COMM_SELF's attributes) finishes the departures.
@@ -138,5 +155,16 @@ class departures {
   std::vector<std::unique_ptr<departure>> pending_;
   bool hooked_ = false;
 };
+
+// Waits for a request of the process's own (an exchange, a communicator's creation),
+// moving its departures on meanwhile: a peer may wait for this rank's side of one
+// before it posts its side of this. Returns MPI's code.
+inline int wait_moving_departures(MPI_Request& request) {
+  departures& d = departures::process();
+  if (d.empty()) return MPI_Wait(&request, MPI_STATUS_IGNORE);
+  for (int done = 0; !done; d.progress())
+    if (const int rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) return rc;
+  return MPI_SUCCESS;
+}
 
 }  // namespace shardlib::comm::detail

@@ -179,6 +179,9 @@ class mpi_group {
   [[nodiscard]] watchdog::scope begin(const signature& sig) {
     ++calls_;
     if (!departure_.empty()) abandon(sig);
+    // Without the check the collective blocks at once: the process's departures end
+    // first, as the leaves they stand for did when they waited.
+    if (!opts_.check) departures::process().finish();
     last_ = sig;
     return watchdog::scope(watching(waiting_in::collective));
   }
@@ -215,12 +218,8 @@ class mpi_group {
     return all;
   }
 
-  // Waits for an exchange, moving the process's departures on meanwhile (a peer may
-  // wait for this rank's side of one before it posts its side of this).
   void wait(MPI_Request& request, std::string_view call, const signature& sig) const {
-    departures& d = departures::process();
-    if (d.empty()) return check(MPI_Wait(&request, MPI_STATUS_IGNORE), call, sig);
-    for (int done = 0; !done; d.progress()) check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), call, sig);
+    check(wait_moving_departures(request), call, sig);
   }
 
   // Raises on every rank, before any data moves, when the ranks post different
@@ -297,8 +296,9 @@ class mpi_group {
     const bool unwinding = std::uncaught_exceptions() > uncaught_at_creation_;
     if (opts_.check && !stays && unwinding) {
       try {  // the departure owns the communicator from here, and frees it even if posting fails
+        const seconds grace = std::min(seconds(1), *opts_.timeout / 10);
         departures::process().post(std::exchange(comm_.c, MPI_COMM_NULL), post(last_, arrival::leaving_unwinding),
-                                   watching(waiting_in::leaving));
+                                   watching(waiting_in::leaving), opts_.timeout->count() > 0 ? grace : seconds(1));
       } catch (...) {
       }
       stays = true;
@@ -308,7 +308,7 @@ class mpi_group {
         std::string failure;
         for (int r = 0; r < int(all.size()); ++r) {
           const arrival a = arrival_of(all[r]);
-          stays = stays || a < arrival::leaving;
+          stays = stays || a != arrival::leaving;  // a peer unwinding left the window to MPI_Finalize
           if (a == arrival::leaving || !failure.empty()) continue;
           failure = a == arrival::leaving_unwinding
                         ? cat(name_of(rank_), ": ", name_of(r), " left a communicator of ", size_,
