@@ -6,6 +6,8 @@
 //   unchecked-returns-early  the same with the check off: only the watchdog sees it
 //   train-returns-early  the same with train_step of a sharded model
 //   throws               rank 1 throws in step 2; main catches it and returns 1
+//   train-throws-hybrid  HybridShard in groups of 2 (a shard and a replica communicator
+//                        besides the world): rank 1's layer throws in step 2's forward
 //   throws-uncaught      rank 1 throws in step 2 and nothing catches it
 //   throws-under-own-mpi as throws, under an MPI that main starts and finalises itself, the
 //                        others late to step 2's collective
@@ -99,6 +101,33 @@ int pair_fails(MpiComm& c) {
   return wrong == 0 ? 0 : 1;
 }
 
+// A Linear whose forward throws once armed.
+struct tripwire : nn::Linear<float> {
+  using nn::Linear<float>::Linear;
+  bool armed = false;
+  template <class Ctx>
+  output forward(Ctx& ctx, const input& x) {
+    if (armed) throw std::runtime_error("rank 1: injected failure in a layer's forward");
+    return nn::Linear<float>::forward(ctx, x);
+  }
+};
+
+// Trains HybridShard over groups of 2 (rank 1 shards with rank 0, replicates rank 3), until
+// rank 1's middle layer throws in step 2: rank 1 unwinds out of three communicators, its
+// peers wait for it in one or another.
+int train_throws_hybrid(MpiComm& c) {
+  using Model = nn::Sequential<nn::Linear<float>, nn::Stack<tripwire>, nn::Linear<float>>;
+  Model m{nn::Linear<float>(5, 8), nn::Stack<tripwire>(3, tripwire(8, 8)), nn::Linear<float>(8, 3)};
+  auto model = shard::fully_shard(m, c, shard::HybridShard{.group_size = 2}, {.wrap = shard::wrap_types<tripwire>{}});
+  optim::Adam adam;
+  for (int s = 0; s < 4; ++s) {
+    if (s == 2 && c.rank() == 1) m.get<1>()[1].armed = true;
+    const int first = c.rank() * 3;
+    model.train_step(adam, fixture::batch(s, 3, 5, 1, first), fixture::batch(s, 3, 3, 2, first), fixture::mse);
+  }
+  return 0;
+}
+
 // Rank 1 throws holding a split whose reductions made a shared-memory window, and catches;
 // rank 0 drops the split cleanly. Rank 1 leaves the window to MPI_Finalize, so rank 0 must
 // too (MPI_Win_free waits for every rank), and says the job failed.
@@ -131,6 +160,7 @@ int run(const std::string& mode) {
     return 0;
   }
   if (mode == "pair-fails") return pair_fails(c);
+  if (mode == "train-throws-hybrid") return train_throws_hybrid(c);
   if (mode == "unwinds-beside-clean-leaver") return unwinds_beside_clean_leaver(c);
   if (mode == "train-returns-early") {
     fixture::Model m = fixture::make_model();
@@ -164,7 +194,8 @@ int main(int argc, char** argv) {
     const std::string modes[] = {"returns-early",      "unchecked-returns-early", "train-returns-early",
                                  "throws",             "throws-uncaught",         "throws-holding-two",
                                  "throws-under-own-mpi", "stops",                 "pair-fails",
-                                 "unwinds-beside-clean-leaver", "throws-then-raw-mpi", "finishes"};
+                                 "unwinds-beside-clean-leaver", "throws-then-raw-mpi", "train-throws-hybrid",
+                                 "finishes"};
     if (std::find(std::begin(modes), std::end(modes), mode) == std::end(modes)) {
       std::fprintf(stderr, "usage: %s CASE (see the comment at the top of test_mpi_failures.cpp)\n", argv[0]);
       return 2;
