@@ -34,6 +34,7 @@
 #include <csignal>
 #include <cstdio>
 #include <exception>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -67,15 +68,22 @@ void inject(const std::string& mode, int rank, int s) {
 // Rank 1 leaves its pair unwinding; rank 0 reaches the pair's next collective only after
 // rank 1's grace (its leave is still going then: rank 0 gathers every posting to name it),
 // so rank 1's next call must move it on: an agreement in the world's collective, the
-// creation of a communicator, a collective without the check. Returns 0 when every rank saw
-// what it must each time: rank 1 its own error, rank 0 comm_aborted naming rank 1, ranks 2
-// and 3 nothing.
+// creation of a communicator, a collective without the check, or (dropping, unwinding, an
+// unchecked pair whose reduction made a shared-memory window) MPI_Win_free. Returns 0 when
+// every rank saw what it must each time: rank 1 its own error, rank 0 comm_aborted naming
+// rank 1, ranks 2 and 3 nothing.
 int pair_fails(MpiComm& c) {
   MpiComm unchecked = MpiComm::world({.check = false});
   float wrong = 0;
-  for (const std::string then : {"agreement", "creation", "unchecked"}) {
+  for (const std::string then : {"agreement", "creation", "unchecked", "window"}) {
     std::string seen;
     try {
+      std::optional<MpiComm> unchecked_pair;  // dropped after pair
+      if (then == "window") {
+        unchecked_pair = unchecked.split(c.rank() / 2, c.rank());
+        float x = 1;
+        unchecked_pair->all_reduce(std::span<float>(&x, 1), comm::reduce_op::sum);
+      }
       MpiComm pair = c.split(c.rank() / 2, c.rank());
       std::vector<float> shard(8, 1.0f), full(16);
       pair.all_gather(std::span<const float>(shard), std::span<float>(full));

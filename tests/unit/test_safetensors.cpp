@@ -36,6 +36,7 @@ using namespace shardlib;
 using namespace shardlib::io;
 using namespace std::string_literals;
 using Catch::Contains;
+using Catch::EndsWith;
 using Catch::StartsWith;
 namespace fs = std::filesystem;
 
@@ -1336,6 +1337,19 @@ TEST_CASE("a tied parameter the file holds twice loads when both copies are equa
       CHECK(failures[std::size_t(r)].empty());
     }
   }
+
+  // A plain model's tie (a Param listed under two names) is compared the same way.
+  TiedLm tied_m{nn::Embedding<float>(V, D), nn::Stack<nn::Linear<float>>(2, nn::Linear<float>(D, D)),
+                nn::TiedLinear<float>(D, V)};
+  tied_m.get<2>().tie(tied_m.get<0>().weight);
+  nn::Replicated<float, TiedLm> plain_tied(tied_m, 3);
+  auto want_plain = want;
+  want_plain.erase("2.weight");  // laid out once, under its first name
+  CHECK(load_state_dict(path("equal"), plain_tied, o).ok());
+  CHECK(values_of(plain_tied) == want_plain);
+  CHECK_THROWS_WITH(load_state_dict(path("differ_last"), plain_tied, o), EndsWith(differ("differ_last", V * D - 1) +
+                    " (an untied head: tie_word_embeddings false), or drop one of them"));
+  CHECK(values_of(plain_tied) == want_plain);
 
   // A tie the options declare for a name the model lacks (a body without the head, under
   // GPT-2's names) is not the model's: the file's lm_head.weight is not read, equal or not.

@@ -10,13 +10,15 @@
 
 #include <algorithm>  // std::any_of
 #include <array>      // std::array
-#include <chrono>     // std::chrono::steady_clock
+#include <atomic>     // std::atomic
+#include <chrono>     // std::chrono::steady_clock, std::chrono::microseconds
+#include <cstddef>    // std::size_t
 #include <cstdint>    // std::int64_t
-#include <memory>   // std::unique_ptr
-#include <mutex>    // std::mutex, std::lock_guard
-#include <thread>   // std::this_thread::yield
-#include <utility>  // std::move
-#include <vector>   // std::vector, std::erase_if
+#include <memory>     // std::unique_ptr
+#include <mutex>      // std::mutex, std::lock_guard
+#include <thread>     // std::this_thread::sleep_for, std::this_thread::yield
+#include <utility>    // std::move
+#include <vector>     // std::vector, std::erase_if
 
 namespace shardlib::comm::detail {
 
@@ -70,23 +72,22 @@ class departures {
     {
       std::lock_guard lock(m_);
       pending_.push_back(std::move(d));
+      count_ = pending_.size();
     }
     const auto until = std::chrono::steady_clock::now() + grace;
     while (holds(posted) && std::chrono::steady_clock::now() < until) {
       progress();
-      std::this_thread::yield();
+      pause();
     }
   }
 
-  bool empty() {
-    std::lock_guard lock(m_);
-    return pending_.empty();
-  }
+  bool empty() const { return count_ == 0; }  // no lock: checked before every unchecked collective
 
   // Moves every pending departure on as far as it goes without waiting.
   void progress() {
     std::lock_guard lock(m_);
     std::erase_if(pending_, [](const std::unique_ptr<departure>& d) { return d->advance(); });
+    count_ = pending_.size();
   }
 
   // Waits until every departure is done, each watched (the watchdog ends the job
@@ -96,10 +97,13 @@ class departures {
       const watchdog::scope watched(first->watched);
       while (front() == first) {
         progress();
-        std::this_thread::yield();
+        pause();
       }
     }
   }
+
+  // Between two looks at the departures: the awaited peer may need this core.
+  static void pause() { std::this_thread::sleep_for(std::chrono::microseconds(50)); }
 
  private:
   struct departure {
@@ -128,6 +132,7 @@ class departures {
   };
 
   const departure* front() {
+    if (empty()) return nullptr;
     std::lock_guard lock(m_);
     return pending_.empty() ? nullptr : pending_.front().get();
   }
@@ -153,6 +158,7 @@ class departures {
 
   std::mutex m_;
   std::vector<std::unique_ptr<departure>> pending_;
+  std::atomic<std::size_t> count_ = 0;  // pending_.size()
   bool hooked_ = false;
 };
 
@@ -162,8 +168,10 @@ class departures {
 inline int wait_moving_departures(MPI_Request& request) {
   departures& d = departures::process();
   if (d.empty()) return MPI_Wait(&request, MPI_STATUS_IGNORE);
-  for (int done = 0; !done; d.progress())
+  for (int done = 0; !done; d.progress()) {
     if (const int rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) return rc;
+    std::this_thread::yield();
+  }
   return MPI_SUCCESS;
 }
 

@@ -323,6 +323,7 @@ class mpi_group {
       }
     }
     if (stays && shm_) shm_->abandon();
+    if (!opts_.check && shm_) departures::process().finish();  // as begin(): MPI_Win_free blocks
     shm_.reset();  // MPI_Win_free, still watched
   }
 

@@ -201,12 +201,31 @@ std::vector<std::pair<std::string, std::string>> engine_ties(const Engine& model
   return ties;
 }
 
-// The options plus the engine's ties.
-template <class Engine>
-state_dict_options with_engine_ties(const Engine& model, const state_dict_options& options) {
+// The ties a plain model's layer holds: a Param it lists under several names (nn::flatten
+// lays it out under the first), {later name, first name}.
+template <nn::Layer L>
+std::vector<std::pair<std::string, std::string>> layer_ties(L& layer) {
+  std::map<const void*, std::string> first;
+  std::vector<std::pair<std::string, std::string>> ties;
+  layer.parameters([&](std::string_view name, auto& p) {
+    if (const auto [it, fresh] = first.emplace(&p, std::string(name)); !fresh) ties.emplace_back(name, it->second);
+  });
+  return ties;
+}
+
+// The options plus the model's ties.
+inline state_dict_options with_ties(const state_dict_options& options,
+                                    const std::vector<std::pair<std::string, std::string>>& ties) {
   state_dict_options o = options;
-  for (auto& t : engine_ties(model)) o.tied.push_back(std::move(t));
+  o.tied.insert(o.tied.end(), ties.begin(), ties.end());
   return o;
+}
+
+// The names the model's ties add: its aliases, whose tensors in a file must equal their targets'.
+inline std::set<std::string, std::less<>> alias_names(const std::vector<std::pair<std::string, std::string>>& ties) {
+  std::set<std::string, std::less<>> names;
+  for (const auto& [alias, target] : ties) names.insert(alias);
+  return names;
 }
 }  // namespace detail
 
@@ -232,9 +251,9 @@ template <StateDictEngine Engine>
 load_report load_state_dict(const std::filesystem::path& path, Engine& model, const state_dict_options& options = {}) {
   using T = typename std::remove_cvref_t<decltype(model.master_piece(0))>::value_type;
   stager<typename Engine::space> staging;
-  const state_dict_options o = detail::with_engine_ties(model, options);
-  std::set<std::string, std::less<>> aliases;  // the model's further names of tied parameters
-  for (const auto& [alias, target] : detail::engine_ties(model)) aliases.insert(alias);
+  const auto ties = detail::engine_ties(model);
+  const state_dict_options o = detail::with_ties(options, ties);
+  const auto aliases = detail::alias_names(ties);
   std::vector<std::vector<T>> pieces(model.unit_count());
   load_report report;
   auto comm = detail::host_collectives_of(model);
@@ -264,11 +283,13 @@ load_report load_state_dict(const std::filesystem::path& path, Engine& model, co
 // errors name the file).
 template <class T, nn::Layer L>
 load_report load_state_dict(const std::filesystem::path& path, nn::Replicated<T, L>& owner,
-                            const state_dict_options& o = {}) {
+                            const state_dict_options& options = {}) {
+  const auto ties = detail::layer_ties(owner.layer());
+  const state_dict_options o = detail::with_ties(options, ties);
   const detail::state_dict_files files(path);
   std::vector<std::pair<std::string, Shape>> params;
   for (const auto& e : owner.layout().entries) params.emplace_back(e.name, e.shape);
-  auto plan = detail::plan_load(params, files, o);
+  auto plan = detail::plan_load(params, files, o, detail::alias_names(ties));
   detail::check_plan(plan, files, o);
   std::vector<T> values(owner.values().begin(), owner.values().end());
   detail::read_range(files, plan, owner.layout().entries, 0, std::span<T>(values));
@@ -284,7 +305,7 @@ load_report load_state_dict(const std::filesystem::path& path, nn::Replicated<T,
 // every rank.
 template <StateDictEngine Engine>
 void save_state_dict(const std::filesystem::path& path, Engine& model, const state_dict_options& options = {}) {
-  const state_dict_options o = detail::with_engine_ties(model, options);
+  const state_dict_options o = detail::with_ties(options, detail::engine_ties(model));
   auto full = model.full_state_dict();
   auto comm = detail::host_collectives_of(model);
   detail::on_all_ranks(comm, cat("saving ", path.string()), [&] {

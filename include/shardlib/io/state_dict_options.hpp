@@ -91,11 +91,13 @@ struct state_dict_options {
   // of them (Hugging Face keeps the target: GPT-2's lm_head.weight is transformer.wte.weight).
   // Loading, a parameter the file lacks takes its partner's tensor (either way round) and is
   // not missing, and a tensor of a name whose partner the model has is not unexpected.
-  // Where the model itself ties the two (a ShardedModel's aliases) and the file holds
-  // both, they must hold the same values (bits, once converted), else io_error naming
-  // both (the model would keep only one); other such tensors are not read.
+  // Where the model itself ties the two (one Param listed under both names: a
+  // ShardedModel's aliases, a plain model's repeated Param) and the file holds both, they
+  // must hold the same values (bits, once converted), else io_error naming both (the
+  // model would keep only one); other such tensors are not read. The model's own ties
+  // are added to these.
   // Saving writes the target only (a model holding both as two parameters must hold equal
-  // values). A ShardedModel's own ties (shard/discover.hpp's aliases) are added to these.
+  // values).
   std::vector<std::pair<std::string, std::string>> tied{};
   // Loading: any missing, unexpected or misshapen tensor is an io_error naming them all
   // (PyTorch's strict=True); otherwise they are returned in the report and the model
