@@ -44,10 +44,11 @@ inline bool uniform(const posting_bounds& b) {
 }
 
 // A rank unwinding an exception leaves each communicator it drops by posting its
-// exchange and going on, and the process finishes those exchanges later: while it
-// waits in any other exchange, and before MPI_Finalize. (Waiting at once could
-// deadlock: its peer in this communicator may be waiting for it in another one,
-// which this rank leaves next.) Each departure owns its communicator until done.
+// exchange and moving it on for a grace; what is left then, the process finishes
+// later: while it waits in any other exchange or a communicator's creation, before
+// an unchecked communicator blocks, and before MPI_Finalize. (Waiting without bound
+// could deadlock: its peer in this communicator may be waiting for it in another
+// one, which this rank leaves next.) Each departure owns its communicator until done.
 class departures {
  public:
   static departures& process() {

@@ -286,9 +286,9 @@ class mpi_group {
   // A rank that leaves cleanly while a peer did not (it called a collective, or
   // left unwinding an exception) records the job as failed. When a rank stays,
   // every member leaves the window to MPI_Finalize rather than wait in
-  // MPI_Win_free. A rank unwinding an exception posts its side and goes on (the
-  // process finishes it later: mpi_departures.hpp), taking the communicator along,
-  // and leaves the window to MPI_Finalize too. Without the check there is no
+  // MPI_Win_free. A rank unwinding an exception posts its side and waits for it only
+  // a grace (the process finishes it later: mpi_departures.hpp), the communicator
+  // going with it, and leaves the window to MPI_Finalize too. Without the check there is no
   // agreement to join, and a peer left waiting is ended by the watchdog.
   void leave() noexcept {
     const watchdog::scope watched(watching(waiting_in::leaving));
