@@ -69,17 +69,19 @@ void inject(const std::string& mode, int rank, int s) {
 // rank 1's grace (its leave is still going then: rank 0 gathers every posting to name it),
 // so rank 1's next call must move it on: an agreement in the world's collective, the
 // creation of a communicator, a collective without the check, or (dropping, unwinding, an
-// unchecked pair whose reduction made a shared-memory window) MPI_Win_free. Returns 0 when
-// every rank saw what it must each time: rank 1 its own error, rank 0 comm_aborted naming
-// rank 1, ranks 2 and 3 nothing.
+// unchecked pair whose reduction made a shared-memory window) the meeting before
+// MPI_Win_free; last, the others keep the pair and free that window before they use the
+// pair again. Returns 0 when every rank saw what it must each time: rank 1 its own error,
+// rank 0 comm_aborted naming rank 1, ranks 2 and 3 nothing.
 int pair_fails(MpiComm& c) {
   MpiComm unchecked = MpiComm::world({.check = false});
   float wrong = 0;
-  for (const std::string then : {"agreement", "creation", "unchecked", "window"}) {
+  for (const std::string then : {"agreement", "creation", "unchecked", "window", "window, pair kept"}) {
     std::string seen;
+    std::optional<MpiComm> kept;  // "window, pair kept": the ranks that do not fail keep the pair
     try {
       std::optional<MpiComm> unchecked_pair;  // dropped after pair
-      if (then == "window") {
+      if (then.starts_with("window")) {
         unchecked_pair = unchecked.split(c.rank() / 2, c.rank());
         float x = 1;
         unchecked_pair->all_reduce(std::span<float>(&x, 1), comm::reduce_op::sum);
@@ -88,18 +90,30 @@ int pair_fails(MpiComm& c) {
       std::vector<float> shard(8, 1.0f), full(16);
       pair.all_gather(std::span<const float>(shard), std::span<float>(full));
       if (c.rank() == 1) throw std::runtime_error("rank 1: injected failure");
-      if (c.rank() == 0) std::this_thread::sleep_for(std::chrono::seconds(1));  // the grace is 0.5 s here
-      pair.reduce_scatter(std::span<const float>(full), std::span<float>(shard), comm::reduce_op::sum);
+      if (then == "window, pair kept") {
+        kept = std::move(pair);  // rank 0 frees the unchecked pair's window first, then uses this
+      } else {
+        if (c.rank() == 0) std::this_thread::sleep_for(std::chrono::seconds(1));  // the grace is 0.5 s here
+        pair.reduce_scatter(std::span<const float>(full), std::span<float>(shard), comm::reduce_op::sum);
+      }
     } catch (const comm_aborted& e) {
       seen = e.what();
     } catch (const std::runtime_error& e) {
+      seen = e.what();
+    }
+    try {
+      if (kept) {
+        std::vector<float> full(16, 1.0f), shard(8);
+        kept->reduce_scatter(std::span<const float>(full), std::span<float>(shard), comm::reduce_op::sum);
+      }
+    } catch (const comm_aborted& e) {
       seen = e.what();
     }
     const bool right = c.rank() == 0 ? seen.find("abandoned: rank 1 left the communicator while unwinding") !=
                                            std::string::npos
                        : c.rank() == 1 ? seen == "rank 1: injected failure"
                                        : seen.empty();
-    if (!right) std::fprintf(stderr, "rank %d saw \"%s\"\n", c.rank(), seen.c_str());
+    if (!right) std::fprintf(stderr, "rank %d, %s: saw \"%s\"\n", c.rank(), then.c_str(), seen.c_str());
     if (then == "creation") MpiComm again = MpiComm::world();
     float failed = right ? 0 : 1;
     (then == "unchecked" ? unchecked : c).all_reduce(std::span<float>(&failed, 1), comm::reduce_op::sum);

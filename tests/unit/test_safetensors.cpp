@@ -1350,6 +1350,15 @@ TEST_CASE("a tied parameter the file holds twice loads when both copies are equa
   CHECK_THROWS_WITH(load_state_dict(path("differ_last"), plain_tied, o), EndsWith(differ("differ_last", V * D - 1) +
                     " (an untied head: tie_word_embeddings false), or drop one of them"));
   CHECK(values_of(plain_tied) == want_plain);
+  auto only_head = files.at("equal");  // the embedding only under the head's name
+  only_head.pop_back();
+  only_head[0].name = "lm_head.weight";
+  write_lm_file(dir.path / "only_head.safetensors", only_head);
+  std::fill(plain_tied.values().begin(), plain_tied.values().end(), 0.0f);
+  const auto from_head = load_state_dict(path("only_head"), plain_tied, o);
+  CHECK(from_head.ok());
+  CHECK(from_head.from_tied == std::vector<std::string>{"0.weight"});
+  CHECK(values_of(plain_tied) == want_plain);
 
   // A tie the options declare for a name the model lacks (a body without the head, under
   // GPT-2's names) is not the model's: the file's lm_head.weight is not read, equal or not.

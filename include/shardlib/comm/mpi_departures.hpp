@@ -44,9 +44,10 @@ inline bool uniform(const posting_bounds& b) {
 }
 
 // A rank unwinding an exception leaves each communicator it drops by posting its
-// exchange and moving it on for a grace; what is left then, the process finishes
-// later: while it waits in any other exchange or a communicator's creation, before
-// an unchecked communicator blocks, and before MPI_Finalize. (Waiting without bound
+// exchange and moving it on for a grace; what is left then, the process moves on
+// while it waits in any other exchange, a communicator's creation or the meeting
+// before an unchecked communicator frees its window, and finishes before an
+// unchecked collective and before MPI_Finalize. (Waiting without bound
 // could deadlock: its peer in this communicator may be waiting for it in another
 // one, which this rank leaves next.) Each departure owns its communicator until done.
 class departures {
@@ -94,8 +95,16 @@ class departures {
   // Waits until every departure is done, each watched (the watchdog ends the job
   // where a peer never posts its side).
   void finish() {
-    while (const departure* first = front()) {
-      const watchdog::scope watched(first->watched);
+    for (;;) {
+      const departure* first = nullptr;
+      watch w;
+      {
+        std::lock_guard lock(m_);
+        if (pending_.empty()) return;
+        first = pending_.front().get();
+        w = first->watched;
+      }
+      const watchdog::scope watched(w);
       while (front() == first) {
         progress();
         pause();
@@ -166,6 +175,8 @@ class departures {
 // Waits for a request of the process's own (an exchange, a communicator's creation),
 // moving its departures on meanwhile: a peer may wait for this rank's side of one
 // before it posts its side of this. Returns MPI's code.
+// (It yields between looks, where a departure's own waits sleep: an exchange is on the
+// way of every collective.)
 inline int wait_moving_departures(MPI_Request& request) {
   departures& d = departures::process();
   if (d.empty()) return MPI_Wait(&request, MPI_STATUS_IGNORE);

@@ -323,7 +323,10 @@ class mpi_group {
       }
     }
     if (stays && shm_) shm_->abandon();
-    if (!opts_.check && shm_) departures::process().finish();  // as begin(): MPI_Win_free blocks
+    if (!opts_.check && shm_) {  // MPI_Win_free blocks: meet the others first, moving departures on
+      MPI_Request request;
+      if (MPI_Ibarrier(comm_.c, &request) == MPI_SUCCESS) (void)wait_moving_departures(request);
+    }
     shm_.reset();  // MPI_Win_free, still watched
   }
 
