@@ -154,7 +154,7 @@ TEST_CASE("flash attention takes the tensor cores for 16-bit inputs up to head_d
   REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess);
   const fa::flash_options on{}, off{.tensor_cores = false};
   // The kernels read wmma's accumulators element by element, where mma.sync puts them, and
-  // multiply by ldmatrix and mma.sync (flash_tensor_tiles.cuh): if this GPU lays them out
+  // multiply by ldmatrix and mma.sync (flash_tensor_products.cuh): if this GPU lays them out
   // otherwise or a product is wrong, the CUDA cores take over.
   if (major >= 8) {
     CHECK(fa::detail::tensor_tiles_hold<sl::bfloat16>());

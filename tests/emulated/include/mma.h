@@ -6,7 +6,7 @@
 // lanes that have not run yet still unwritten. Pointers must be 32-byte aligned and
 // leading dimensions a multiple of 16 bytes, as wmma requires. A fragment's elements
 // x[16 r + c] are the whole tile in every lane, which `whole_tile` tells the kernels
-// (ops/cuda/flash_tensor_tiles.cuh) that read and write them one by one.
+// (ops/cuda/flash_tensor_products.cuh) that read and write them one by one.
 #pragma once
 #include "../cuda_emulator.hpp"
 

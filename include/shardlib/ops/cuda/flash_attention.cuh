@@ -55,7 +55,7 @@ bool tensor_kernel_usable(Kernel kernel, std::size_t shared_bytes) {
 
 // Whether the current GPU's wmma accumulators hold their elements where the tensor-core
 // kernels read them one by one, and the kernels' products in T are exact where they
-// should be (flash_tensor_tiles.cuh): asked of the GPU once per thread, device and T, by
+// should be (flash_tensor_products.cuh): asked of the GPU once per thread, device and T, by
 // one warp of layout_probe_kernel on a stream of its own (no other work waits for it).
 // Call it where tensor_kernel_usable holds: on older GPUs it fails.
 template <class T>

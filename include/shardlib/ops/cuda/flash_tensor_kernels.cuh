@@ -3,7 +3,7 @@
 //
 // The arithmetic is ops/attention_tiles.hpp's with Operand = the input type: the
 // products Q K^T, dO V^T, P V, P^T dO, dS^T Q and dS K run as 16x16x16 tiles on the
-// tensor cores (flash_tensor_tiles.cuh: products, accumulate) with 16-bit operands
+// tensor cores (flash_tensor_products.cuh: products, accumulate) with 16-bit operands
 // and fp32 accumulation, so the weights P and the score gradients dS are rounded to
 // the input type before they multiply, as in FlashAttention-2 (forward rounds a
 // weight before dropout, whose 1 / (1 - p) then scales its output in fp32; backward
@@ -18,7 +18,7 @@
 // input type, rows padded by 8 elements (16 bytes) against bank conflicts. What a
 // warp computes stays in its registers: the scores and their gradients are
 // accumulators the softmax reads and rewrites element by element (a lane knows each
-// element's row and column: flash_tensor_tiles.cuh), rows reduced across the 4 lanes
+// element's row and column: flash_tensor_products.cuh), rows reduced across the 4 lanes
 // that share them, masks decided per tile (most tiles need no test per element); the output, dq, dk and dv accumulate in fragments, forward's
 // rescaled there by the online softmax. Only the weights pass through shared memory
 // (16 rows x 64 in T per warp), from the accumulators to the next product's operand;
