@@ -23,7 +23,7 @@
 #include "shardlib/io/state_dict_files.hpp"    // detail::state_dict_files
 #include "shardlib/io/state_dict_options.hpp"  // state_dict_options, name_map, load_report
 #include "shardlib/io/state_dict_writer.hpp"   // detail::tensor_to_save, detail::write_state_dict
-#include "shardlib/nn/flat.hpp"                // nn::flat_entry
+#include "shardlib/nn/flat.hpp"                // nn::flat_entry, nn::tied_names
 #include "shardlib/nn/replicated.hpp"          // nn::Replicated
 
 #include <algorithm>    // std::any_of, std::copy, std::max, std::min
@@ -201,18 +201,6 @@ std::vector<std::pair<std::string, std::string>> engine_ties(const Engine& model
   return ties;
 }
 
-// The ties a plain model's layer holds: a Param it lists under several names (nn::flatten
-// lays it out under the first), {later name, first name}.
-template <nn::Layer L>
-std::vector<std::pair<std::string, std::string>> layer_ties(L& layer) {
-  std::map<const void*, std::string> first;
-  std::vector<std::pair<std::string, std::string>> ties;
-  layer.parameters([&](std::string_view name, auto& p) {
-    if (const auto [it, fresh] = first.emplace(&p, std::string(name)); !fresh) ties.emplace_back(name, it->second);
-  });
-  return ties;
-}
-
 // The options plus the model's ties.
 inline state_dict_options with_ties(const state_dict_options& options,
                                     const std::vector<std::pair<std::string, std::string>>& ties) {
@@ -284,7 +272,7 @@ load_report load_state_dict(const std::filesystem::path& path, Engine& model, co
 template <class T, nn::Layer L>
 load_report load_state_dict(const std::filesystem::path& path, nn::Replicated<T, L>& owner,
                             const state_dict_options& options = {}) {
-  const auto ties = detail::layer_ties(owner.layer());
+  const auto ties = nn::tied_names(owner.layer());  // {alias, target}, as the engine's
   const state_dict_options o = detail::with_ties(options, ties);
   const detail::state_dict_files files(path);
   std::vector<std::pair<std::string, Shape>> params;

@@ -11,9 +11,11 @@
 #include <cstdint>      // std::uint64_t
 #include <span>         // std::span
 #include <string>       // std::string
+#include <string_view>  // std::string_view
 #include <type_traits>  // std::is_same_v
+#include <unordered_map>  // std::unordered_map
 #include <unordered_set>  // std::unordered_set
-#include <utility>      // std::move
+#include <utility>      // std::move, std::pair
 #include <vector>       // std::vector
 
 namespace shardlib::nn {
@@ -57,6 +59,18 @@ flat_layout flatten(L& layer) {
     if (seen.insert(&p).second) f.append(std::string(name), p.shape, p.init);
   });
   return f;
+}
+
+// The further names of the Params the layer lists under several names, {later name, first
+// name}: the names flatten leaves out, each with the one it lays the Param out under.
+template <Layer L>
+std::vector<std::pair<std::string, std::string>> tied_names(L& layer) {
+  std::unordered_map<const void*, std::string> first;
+  std::vector<std::pair<std::string, std::string>> ties;
+  layer.parameters([&](std::string_view name, auto& p) {
+    if (const auto [it, fresh] = first.emplace(&p, std::string(name)); !fresh) ties.emplace_back(name, it->second);
+  });
+  return ties;
 }
 
 // Points every Param of `layer` into values/grads (each f.numel elements, or
