@@ -31,15 +31,16 @@
 #include "common/byte_models.hpp"
 #include "common/flags.hpp"
 #include "common/text_corpus.hpp"
+#include "common/text_sample.hpp"
 
 using namespace shardlib;
 
 namespace {
 
-struct settings : example::byte_model_shape {  // model, layers, d_model, heads, kv_heads, seq, dropout
+struct settings : example::byte_model_shape, example::sample_settings {  // the model's shape; the sample
   std::string data = "/usr/share/common-licenses/GPL-3", save = "train_gpt_model";
-  long world = 4, batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30, sample = 96, top_k = 8;
-  double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1, temperature = 0.8;
+  long world = 4, batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30;
+  double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1;
   double min_lr = 0;  // --min-lr; unset: a tenth of lr
   std::uint64_t seed = 0;
 };
@@ -114,27 +115,18 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
 
   // A continuation of the held-out tail's first paragraph (or its first bytes), every rank
   // alike (each forward is collective).
-  const long prompt_len = std::min<long>(32, s.seq - 1);
-  std::size_t from = data.val.find("\n\n");
-  from = from == std::string::npos || from + 2 + std::size_t(prompt_len) > data.val.size() ? 0 : from + 2;
-  Tensor<std::int64_t> prompt({1, prompt_len});
-  for (long t = 0; t < prompt_len; ++t) prompt[t] = static_cast<unsigned char>(data.val[from + std::size_t(t)]);
+  const Tensor<std::int64_t> prompt = example::sample_prompt(data, s.seq);
+  const long prompt_len = long(prompt.dim(1));
   const auto out = models::generate(sharded, prompt,  // in eval, the ranks checked to agree
-                                    {.max_new_tokens = std::min(s.sample, s.seq - prompt_len),
-                                     .top_k = s.top_k,
-                                     .temperature = s.temperature,
-                                     .seed = s.seed});
+                                    example::sample_options(s, prompt_len, s.seq, s.seed));
   if (!s.save.empty()) models::save_hf(sharded, s.save);
   if (c.rank() != 0) return;
-  std::string prompt_text, continuation;
-  for (std::int64_t t = 0; t < out.numel(); ++t) (t < prompt_len ? prompt_text : continuation) += char(out[t]);
   std::printf("train_gpt: %ld steps in %.1f s of training (%.3f s/step; validation excluded); final training "
               "loss %.4f (rank 0's batch), validation %.4f nats per byte = %.2f bits, unigram entropy %.4f nats = "
               "%.2f bits\n",
               s.steps, trained_s, trained_s / double(s.steps), double(loss), val, val / std::log(2.0), entropy,
               entropy / std::log(2.0));
-  std::printf("train_gpt: sample (top-%ld, temperature %.2f)\n--- prompt ---\n%s\n--- continuation ---\n%s\n---\n",
-              s.top_k, s.temperature, prompt_text.c_str(), continuation.c_str());
+  example::print_sample("train_gpt", s, out, prompt_len);
   if (!s.save.empty()) std::printf("train_gpt: Hugging Face checkpoint written to %s\n", s.save.c_str());
 }
 
@@ -168,10 +160,7 @@ int main(int argc, char** argv) {
   cli.add_option("--dropout", s.dropout, "GPT-2: residual, embedding and attention dropout")
       ->check(example::real(0, 0.99));
   cli.add_option("--val-fraction", s.val_fraction, "the held-out tail's share of the text")->check(example::real(0.01, 0.5));
-  cli.add_option("--sample", s.sample, "bytes to generate at the end (at most --seq minus the prompt)")
-      ->check(example::whole(0, example::max_size));
-  cli.add_option("--top-k", s.top_k, "sample among the k most likely bytes (1 = greedy)")->check(example::whole(1, 256));
-  cli.add_option("--temperature", s.temperature, "divides the logits before sampling")->check(example::positive(100));
+  example::add_sample_flags(cli, s);
   cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
       ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for the Hugging Face checkpoint (empty: none)");

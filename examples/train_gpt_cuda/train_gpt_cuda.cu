@@ -4,7 +4,8 @@
 // over fp32 master weights and AdamW state (optim::cuda::AdamW), FullShard over
 // NCCL with every block its own unit, linear warmup and cosine decay, gradients
 // clipped to norm 1. It prints "Rank r, Step s, Loss: x" every --every steps,
-// the held-out loss every --eval-every steps, and the throughput at the end.
+// the held-out loss every --eval-every steps, the throughput at the end, and a
+// continuation of a held-out prompt sampled on the GPUs with the KV cache.
 //
 //   train_gpt_cuda                                  one GPU (world size 1)
 //   mpirun -np 8 train_gpt_cuda                     one process per GPU (device = local rank)
@@ -12,15 +13,15 @@
 //                                                   variables, NCCL's id through the TCP store)
 //   --model llama --dtype fp32 --data FILE          ...
 //
-// Differences from train_gpt: no sample at the end (the device layers have no KV
-// cache; save with --save and generate with the host model), and the validation
-// loss is the mean over the ranks' windows through NCCL.
+// Differences from train_gpt: the validation loss is the mean over the ranks'
+// windows through NCCL.
 #include <shardlib/comm/nccl_comm.hpp>
 #include <shardlib/core/random.hpp>
 #include <shardlib/cuda.hpp>
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/models/cuda.cuh>
 #include <shardlib/models/hf.hpp>
+#include <shardlib/models/sharded_generate.hpp>
 #include <shardlib/optim/cuda/adam.cuh>
 #include <shardlib/optim/schedule.hpp>
 #include <shardlib/shard/cuda/space_ops.cuh>
@@ -42,12 +43,13 @@
 #include "common/flags.hpp"
 #include "common/device_world.cuh"
 #include "common/text_corpus.hpp"
+#include "common/text_sample.hpp"
 
 namespace sl = shardlib;  // not `using namespace`: CUDA declares a global `half`
 
 namespace {
 
-struct settings : example::byte_model_shape {  // model, layers, d_model, heads, kv_heads, seq, dropout
+struct settings : example::byte_model_shape, example::sample_settings {  // the model's shape; the sample
   settings() {
     d_model = 256;
     heads = 8;
@@ -152,6 +154,12 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   }
   sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (end of training)");
   const double trained_s = seconds() - eval_s;
+  // Every rank alike (each forward is collective); the cache and the logits on the device.
+  const sl::Tensor<std::int64_t> prompt = example::sample_prompt(data, s.seq);
+  const long prompt_len = long(prompt.dim(1));
+  const double before_sample = seconds();
+  const auto out = sl::models::generate(sharded, prompt, example::sample_options(s, prompt_len, s.seq, s.seed));
+  const double sample_s = seconds() - before_sample;
   if (!s.save.empty()) sl::models::save_hf(sharded, s.save);
   if (c.rank() != 0) return;
   const double tokens = double(s.steps) * double(s.batch) * double(s.seq) * double(c.size());
@@ -160,6 +168,10 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
               "%.4f (rank 0's batch), validation %.4f nats per byte, unigram entropy %.4f\n",
               s.steps, trained_s, 1e3 * trained_s / double(s.steps), tokens / trained_s, c.size(), double(loss), val,
               entropy);
+  example::print_sample("train_gpt_cuda", s, out, prompt_len);
+  std::printf("train_gpt_cuda: sampled %lld bytes in %.3f s (%.1f ms per byte, the KV cache on the GPU)\n",
+              static_cast<long long>(out.dim(1) - prompt_len), sample_s,
+              1e3 * sample_s / double(std::max<std::int64_t>(out.dim(1) - prompt_len, 1)));
   if (!s.save.empty()) std::printf("train_gpt_cuda: Hugging Face checkpoint written to %s\n", s.save.c_str());
 }
 
@@ -204,7 +216,8 @@ int main(int argc, char** argv) {
       ->check(example::real(0, 0.99));
   cli.add_option("--val-fraction", s.val_fraction, "the held-out tail's share of the text")
       ->check(example::real(0.01, 0.5));
-  cli.add_option("--seed", s.seed, "seed of the initialization and the batches")
+  example::add_sample_flags(cli, s);
+  cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
       ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for a Hugging Face checkpoint (empty: none)");
   cli.callback([&] {

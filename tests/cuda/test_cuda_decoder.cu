@@ -2,11 +2,13 @@
 // configs, the same parameter values (the engine's seeded init, by name and
 // index), the same token batches. Logits and every parameter's gradient in fp32;
 // a few AdamW steps under FullShard at two ranks on one GPU (device_thread_comm)
-// against the unsharded host run; bf16 compute against fp32.
+// against the unsharded host run; bf16 compute against fp32; the KV cache and
+// generation on the device against the host and against full forwards.
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/core/random.hpp>
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/models/cuda.cuh>
+#include <shardlib/models/sharded_generate.hpp>
 #include <shardlib/nn/flat.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/replicated.hpp>
@@ -158,6 +160,68 @@ void check_logits_and_gradients(const Config& config, bool padded = false) {
     CHECK(max_abs(want_g) > 0);  // every parameter takes part (a tied weight twice)
     CHECK(worst_relative(got_g, want_g, double(max_abs(want_g))) <= 1e-4);
   }
+}
+
+// A device model bound to one flat device buffer holding `values` (fp32, the
+// layout's order), gradients unbound (inference).
+template <class Model>
+struct bound_model {
+  Model model;
+  sl::Buffer<float, sl::cuda_space> values;
+  template <class Config>
+  bound_model(const Config& config, std::span<const float> host_values)
+      : model(config), values(host_values.size(), sl::category::parameters) {
+    const sl::nn::flat_layout layout = sl::nn::flatten<float>(model);
+    REQUIRE(layout.numel == host_values.size());
+    sl::cuda::copy_async(values.span(), host_values, sl::cuda::current_stream());
+    sl::nn::bind<float>(model, layout, values.data(), nullptr);
+  }
+};
+
+// Columns [first, first + count) of ids [batch, seq].
+sl::Tensor<std::int64_t> columns(const sl::Tensor<std::int64_t>& ids, std::int64_t first, std::int64_t count) {
+  const std::int64_t B = ids.dim(0), S = ids.dim(1);
+  sl::Tensor<std::int64_t> out({B, count});
+  for (std::int64_t n = 0; n < B; ++n)
+    for (std::int64_t t = 0; t < count; ++t) out[n * count + t] = ids[n * S + first + t];
+  return out;
+}
+
+// The last position's logits of every row, [batch * vocab], from host or device
+// logits, as generate reads them (a device read also takes the Embeddings' checks).
+template <class T, class Space>
+std::vector<float> last_position(const sl::Tensor<T, Space>& logits) {
+  const sl::Tensor<T> last = models::detail::generate_io<Space>::logits(logits);
+  const std::int64_t B = last.dim(0), S = last.dim(1), V = last.dim(2);
+  std::vector<float> v;
+  for (std::int64_t n = 0; n < B; ++n)
+    for (std::int64_t i = 0; i < V; ++i) v.push_back(float(last[(n * S + S - 1) * V + i]));
+  return v;
+}
+
+// Every generated token of `got` [batch, total] is the host model's most likely one
+// at its position within `tolerance` of the logits' largest magnitude (host and
+// device sum in other orders, so a near-tie may go either way; anything else is
+// a wrong token). The host runs one forward over each row.
+template <class HostModel>
+void check_tokens_are_hosts_choice(HostModel& hm, const sl::Tensor<std::int64_t>& got, std::int64_t prompt_len,
+                                   double tolerance) {
+  sl::nn::context ctx({.training = false});
+  const auto logits = ctx.forward(hm, got);
+  const std::int64_t B = got.dim(0), S = got.dim(1), V = logits.dim(2);
+  for (std::int64_t n = 0; n < B; ++n)
+    for (std::int64_t t = prompt_len; t < S; ++t) {
+      const float* z = logits.data() + (n * S + t - 1) * V;
+      double best = z[0], scale = 0;
+      for (std::int64_t i = 0; i < V; ++i) {
+        best = test_support::max_keeping_nan(best, z[i]);
+        scale = test_support::max_keeping_nan(scale, std::abs(z[i]));
+      }
+      const double picked = z[got[n * S + t]];
+      INFO("row " << n << ", position " << t << ": token " << got[n * S + t] << " has logit " << picked
+                  << ", the best " << best);
+      CHECK(picked >= best - tolerance * scale);  // false where any is NaN
+    }
 }
 
 struct run_record {
@@ -348,22 +412,168 @@ TEST_CASE("GPT-2 and LLaMA in bf16 compute over fp32 masters train as in fp32 wi
   }
 }
 
-// What the device layers refuse, with the layer's name in the message.
-TEST_CASE("device decoder attention refuses the KV cache and attention masks, naming the layer",
+// The KV cache on the device: a prompt of 5, then one token at a time, against the
+// host model's cached forwards (every position's logits) and against the device's
+// own full forward over the sequence so far (the last position's), with and without
+// left padding (a key padding mask over every cached key). Then models::generate on
+// the device model, with and without the cache. fp32; the tolerance as above.
+template <class Config>
+void check_cached_steps(const Config& config, bool padded) {
+  using host_model = typename family<Config>::template model<float, sl::host_space>;
+  using device_model = typename family<Config>::template model<float, sl::cuda_space>;
+  INFO(family<Config>::name() << (padded ? " with key padding" : ""));
+  host_model hm(config);
+  sl::nn::Replicated<float, host_model> host(hm, seed);
+  sl::cuda::stream stream(0);
+  sl::cuda::stream_scope scope(stream.get());
+  const std::span<const float> values(host.values());
+  bound_model<device_model> cached(config, values), full(config, values);
+  const auto ids = tokens(0, 2, config.vocab_size);
+  constexpr std::int64_t prompt_len = 5, singles = 4;
+  const auto padding = [&](std::int64_t keys) {  // row 1 starts with 2 padding positions
+    sl::Tensor<std::uint8_t> m({2, keys});
+    for (std::int64_t j = 0; j < keys; ++j) m[j] = 0, m[keys + j] = j < 2 ? 1 : 0;
+    return m;
+  };
+  hm.enable_kv_cache(seq);
+  cached.model.enable_kv_cache(seq);
+  sl::nn::context hctx({.training = false}), dctx({.training = false}), fctx({.training = false});
+  for (std::int64_t done = 0; done < prompt_len + singles;) {
+    const std::int64_t len = done == 0 ? prompt_len : 1;
+    INFO("positions " << done << ".." << done + len - 1);
+    if (padded)
+      for (auto* c : {&hctx, &dctx, &fctx}) c->set_key_padding_mask(padding(done + len));
+    const auto want = hctx.forward(hm, columns(ids, done, len));
+    const auto got = dctx.forward(cached.model, sl::cuda::to_device(columns(ids, done, len)));
+    REQUIRE(got.shape() == want.shape());
+    CHECK(worst_relative(host_copy(got), std::vector<float>(want.span().begin(), want.span().end()), 1e-2) <= 1e-4);
+    const auto whole = fctx.forward(full.model, sl::cuda::to_device(columns(ids, 0, done + len)));
+    CHECK(worst_relative(last_position(got), last_position(whole), 1e-2) <= 1e-4);
+    done += len;
+  }
+  hm.disable_kv_cache();
+  cached.model.disable_kv_cache();
+  if (padded) return;
+  const auto prompt = columns(ids, 0, prompt_len);
+  for (const bool use_cache : {true, false}) {
+    INFO("generate, " << (use_cache ? "with" : "without") << " the cache");
+    const auto got = models::generate(cached.model, prompt, {.max_new_tokens = 7, .use_cache = use_cache});
+    REQUIRE(got.shape() == sl::Shape{2, prompt_len + 7});
+    check_tokens_are_hosts_choice(hm, got, prompt_len, 1e-4);
+  }
+}
+
+TEST_CASE("GPT-2 and LLaMA on the device: the KV cache's logits equal the host's and a full forward's, and generate "
+          "picks the host's tokens",
+          "[cuda][decoder][generate]") {
+  if (!have_device()) return;
+  for (const bool padded : {false, true}) {
+    check_cached_steps(gpt2_tiny, padded);
+    check_cached_steps(llama_tiny, padded);
+  }
+}
+
+// A sharded device model (FullShard on two ranks, each block a unit) in eval: the
+// last position's logits with the cache, step by step, against full forwards
+// without it (fp32 1e-4; bf16 compute 2e-2, its rounding as above), and
+// models::generate over the ranks, whose tokens the host model would pick (fp32).
+template <class T, class Config>
+void check_sharded_generation(const Config& config) {
+  using model_t = typename family<Config>::template model<T, sl::cuda_space>;
+  using host_model = typename family<Config>::template model<float, sl::host_space>;
+  INFO(family<Config>::name() << (std::is_same_v<T, float> ? ", fp32" : ", bf16 compute"));
+  constexpr std::int64_t prompt_len = 4, total = 9;
+  const auto ids = tokens(3, 2, config.vocab_size);
+  std::vector<double> errors(2);
+  std::vector<sl::Tensor<std::int64_t>> generated(2);
+  sl::comm::launch(2, [&](sl::comm::ThreadComm& host) {
+    sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
+    sl::cuda::stream stream(0);
+    sl::cuda::stream_scope scope(stream.get());
+    auto c = device_thread_comm(host);
+    model_t model(config);
+    auto sharded = shard::fully_shard<sl::optim::cuda::AdamW>(
+        model, c, shard::FullShard{},
+        {.wrap = shard::wrap_types<typename model_t::block_type>{}, .seed = seed, .precision = compute_precision<T>()});
+    sharded.eval();
+    std::vector<std::vector<float>> want;
+    for (std::int64_t end = prompt_len; end <= total; ++end)
+      want.push_back(last_position(sharded.forward(sl::cuda::to_device(columns(ids, 0, end)))));
+    model.enable_kv_cache(total);
+    test_support::max_error e;
+    for (std::int64_t end = prompt_len; end <= total; ++end) {
+      const std::int64_t first = end == prompt_len ? 0 : end - 1;
+      const auto got = sharded.forward(sl::cuda::to_device(columns(ids, first, end - first)));
+      e.relative(last_position(got), want[std::size_t(end - prompt_len)], 1e-2);
+    }
+    model.disable_kv_cache();
+    errors[std::size_t(host.rank())] = e.value();
+    generated[std::size_t(host.rank())] = models::generate(sharded, columns(ids, 0, prompt_len), {.max_new_tokens = 6});
+  });
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(errors[std::size_t(r)] <= (std::is_same_v<T, float> ? 1e-4 : 2e-2));
+    REQUIRE(generated[std::size_t(r)].shape() == sl::Shape{2, prompt_len + 6});
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    host_model hm(config);
+    sl::nn::Replicated<float, host_model> host(hm, seed);  // the engine's seeded values
+    check_tokens_are_hosts_choice(hm, generated[0], prompt_len, 1e-4);
+  }
+}
+
+TEST_CASE("GPT-2 and LLaMA sharded on two device ranks generate with the KV cache as full forwards do (fp32, bf16)",
+          "[cuda][decoder][generate]") {
+  if (!have_device()) return;
+  check_sharded_generation<float>(gpt2_tiny);
+  check_sharded_generation<float>(llama_tiny);
+  check_sharded_generation<sl::bfloat16>(gpt2_tiny);
+  check_sharded_generation<sl::bfloat16>(llama_tiny);
+}
+
+// What the device layers refuse, with the layer's name in the message: attention
+// masks; the KV cache in training, past its capacity, for another batch, and in backward.
+TEST_CASE("device decoder attention refuses attention masks and misuse of the KV cache, naming the layer",
           "[cuda][decoder][errors]") {
   if (!have_device()) return;
   sl::cuda::stream stream(0);
   sl::cuda::stream_scope scope(stream.get());
   models::GPT2LMHeadModel<float, sl::cuda_space> model(gpt2_tiny);
-  const std::string cache = message_of([&] { model.enable_kv_cache(16); });
-  CHECK_THAT(cache, Catch::Contains("GPT2Attention") && Catch::Contains("KV cache"));
   const sl::nn::flat_layout layout = sl::nn::flatten<float>(model);
-  sl::Buffer<float, sl::cuda_space> values(layout.numel, sl::category::parameters);
+  sl::Buffer<float, sl::cuda_space> values(layout.numel, sl::category::parameters),
+      grads(layout.numel, sl::category::gradients);
   sl::cuda::fill_bytes_async(values.span(), 0, stream.get());
-  sl::nn::bind<float>(model, layout, values.data(), nullptr);
-  sl::nn::context ctx({.training = false});
-  ctx.set_attention_mask(sl::Tensor<std::uint8_t>({seq, seq}));
+  sl::nn::bind<float>(model, layout, values.data(), grads.data());
   const auto ids = sl::cuda::to_device(tokens(0, 1, gpt2_tiny.vocab_size));
-  const std::string masked = message_of([&] { ctx.forward(model, ids); });
-  CHECK_THAT(masked, Catch::Contains("GPT2Attention") && Catch::Contains("attention mask"));
+  sl::nn::context masked({.training = false});
+  masked.set_attention_mask(sl::Tensor<std::uint8_t>({seq, seq}));
+  CHECK_THAT(message_of([&] { masked.forward(model, ids); }),
+             Catch::Contains("GPT2Attention") && Catch::Contains("attention mask"));
+
+  model.enable_kv_cache(seq + 2);
+  sl::nn::context training, inference({.training = false});
+  CHECK_THAT(message_of([&] { training.forward(model, ids); }),
+             Catch::Contains("GPT2Attention") && Catch::Contains("KV cache is for inference"));
+  const auto logits = inference.forward(model, ids);
+  CHECK_THAT(message_of([&] { inference.backward(model, sl::cuda::to_device(sl::Tensor<float>(logits.shape()))); }),
+             Catch::Contains("GPT2Attention") && Catch::Contains("backward with the KV cache on"));
+  CHECK_THAT(message_of([&] { inference.forward(model, sl::cuda::to_device(columns(tokens(0, 2, gpt2_tiny.vocab_size), 0, 1))); }),
+             Catch::Contains("GPT2Attention") && Catch::Contains("reset_kv_cache() before a new batch"));
+  const auto three = sl::cuda::to_device(columns(tokens(0, 1, gpt2_tiny.vocab_size), 0, 3));
+  CHECK_THAT(message_of([&] { inference.forward(model, three); }),
+             Catch::Contains("GPT2Attention") && Catch::Contains("holds 14 positions (max_seq); 12 cached + 3 new exceed it"));
+  model.disable_kv_cache();
+  CHECK(inference.forward(model, three).shape() == sl::Shape{1, 3, gpt2_tiny.vocab_size});
+
+  // generate reads the Embedding's check of its ids with the first logits: a prompt
+  // id out of range raises the layer's error there, and no check is left unread.
+  auto prompt = columns(tokens(0, 2, gpt2_tiny.vocab_size), 0, 3);
+  prompt[4] = gpt2_tiny.vocab_size + 1;
+  (void)sl::ops::cuda::deferred_index_reports().take();  // the forwards' above
+  CHECK_THROWS_WITH(models::generate(model, prompt, {.max_new_tokens = 2}),
+                    Catch::Contains("Embedding(64, 32): id 65 at position [1, 1] of the input [2, 3] is out of range"));
+  CHECK(sl::ops::cuda::deferred_index_reports().size() == 0);
+  prompt[4] = 0;
+  CHECK(models::generate(model, prompt, {.max_new_tokens = 2}).shape() == sl::Shape{2, 5});
+  CHECK(sl::ops::cuda::deferred_index_reports().size() == 0);
 }

@@ -29,6 +29,7 @@
 // element.
 //
 // The same file runs on the CPU as tests/emulated/test_emulated_layers.cpp.
+#include <shardlib/comm/launch.hpp>
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/nn/context.hpp>
 #include <shardlib/nn/cuda.cuh>
@@ -687,6 +688,28 @@ TEST_CASE("device Embedding leaves its check to the next loss read", "[cuda][lay
   (void)dev.forward(ctx, good);
   CHECK(sl::host_syncs() - before == 1);
   (void)reports.take();
+}
+
+// Inference without a loss leaves the checks unread in the thread's list: a rank
+// thread that ends so releases them at its very end, into its rank's ledger, which
+// launch keeps until every thread has ended (one in the thread's own frame would be
+// gone by then, and the release would write into a dead frame).
+TEST_CASE("a rank thread that ends with device Embedding checks unread releases them safely",
+          "[cuda][layers][decoder][pending]") {
+  if (!have_device()) return;
+  std::vector<std::size_t> unread(2);
+  sl::comm::launch(2, [&](sl::comm::ThreadComm& c) {
+    sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
+    on_stream s;
+    random_inputs rnd;
+    nn::Embedding<float> host(8, 5);
+    nn::Embedding<float, cuda_space> dev(8, 5);
+    bound_parameters<float> params(host, dev, rnd);
+    nn::context ctx({.training = false});
+    for (int i = 0; i < 3; ++i) (void)dev.forward(ctx, device_ids({2, 3}, 1));
+    unread[std::size_t(c.rank())] = sl::ops::cuda::deferred_index_reports().size();
+  });
+  CHECK(unread == std::vector<std::size_t>{3, 3});
 }
 
 TEMPLATE_TEST_CASE("device PositionEmbedding equals the host layer at offsets 0 and 3", "[cuda][layers][decoder]",

@@ -42,6 +42,8 @@ inline std::vector<attention_case> small_attention_cases() {
       {"plain, L 37", 2, 4, 4, 37, 37, 64},
       {"causal, rows layout, L 50", 2, 4, 4, 50, 50, 64, true, 0, 0, -1, true},
       {"causal, Lq 20 < Lk 25, offset 5 (a cache), D 16", 2, 2, 2, 20, 25, 16, true, 5},
+      {"one query over 37 keys, offset 36 (a decoding step), GQA 4 over 2, padding, rows layout", 2, 4, 2, 1, 37, 64,
+       true, 36, 1, -1, true},
       {"causal, offset -7 (rows without keys), padding, a sample all padding, D 32", 2, 2, 2, 30, 30, 32, true, -7, 2},
       {"causal, offset -70 (whole query tiles without keys), Lq 100, D 64", 1, 2, 1, 100, 100, 64, true, -70},
       {"GQA 8 over 2, D 128, key padding, Lq 70, Lk 45", 2, 8, 2, 70, 45, 128, false, 0, 1},

@@ -112,6 +112,8 @@ std::vector<attention_case> cases() {
       {"plain, tiles dividing nothing", 2, 4, 4, 37, 37, 16, false, 0, 0, -1, 16, 8},
       {"causal, L 50, D 64", 1, 2, 2, 50, 50, 64, true},
       {"causal, Lq 20 < Lk 25, offset 5 (a cache)", 2, 2, 2, 20, 25, 16, true, 5, 0, -1, 8, 16},
+      {"one query over 37 keys, offset 36 (a decoding step), GQA 4 over 2, padding", 2, 4, 2, 1, 37, 16, true, 36, 1,
+       -1, 16, 16},
       {"causal, offset -7: rows without keys", 1, 3, 3, 30, 30, 16, true, -7, 0, -1, 16, 16},
       {"GQA 6 over 2, Lq 19, Lk 41, D 128, key padding, a sample all padding", 2, 6, 2, 19, 41, 128, false, 0, 2},
       {"GQA 4 over 1, causal, padding, dropout 0.3", 2, 4, 1, 33, 33, 64, true, 0, 1, 0.3, 16, 32},

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <latch>
 #include <new>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -137,6 +138,38 @@ TEST_CASE("launch re-raises a rank's exception, naming the rank, without leaving
 // the limit allows but three, and launches 16 ranks: a few start and wait in an
 // all_reduce for ranks that never come. launch must raise naming the first rank
 // whose thread could not start, not terminate (joinable threads) or hang.
+// A rank's thread-local objects are destroyed after fn returns, as its thread ends
+// (the device Embedding's unread checks, ops/cuda/index_report.hpp, hold memory its
+// ledger counts). launch keeps the ledgers until every thread has ended, so those
+// objects release into a live ledger; one in the thread's own frame would be gone
+// by then (ASan's stack-use-after-return, which the asan test preset turns on,
+// reports the write into it).
+TEST_CASE("a rank's thread-local buffers are released into its ledger as its thread ends",
+          "[comm][thread][launch][ledger]") {
+  struct held_until_thread_end {
+    ledger* rank_ledger = nullptr;
+    std::optional<Buffer<float>> buffer;
+    std::size_t *before = nullptr, *after = nullptr;
+    ~held_until_thread_end() {
+      if (!rank_ledger) return;
+      *before = rank_ledger->current(category::activations);
+      buffer.reset();
+      *after = rank_ledger->current(category::activations);
+    }
+  };
+  std::vector<std::size_t> before(2, 0), after(2, 1);
+  comm::launch(2, [&](ThreadComm& c, ledger& l) {
+    thread_local held_until_thread_end held;
+    const auto r = std::size_t(c.rank());
+    held.rank_ledger = &l;
+    held.before = &before[r];
+    held.after = &after[r];
+    held.buffer.emplace(1000, category::activations);
+  });
+  CHECK(before == std::vector<std::size_t>{4000, 4000});
+  CHECK(after == std::vector<std::size_t>{0, 0});
+}
+
 TEST_CASE("a rank whose thread cannot start fails the launch and is named", "[comm][thread][launch]") {
   if (::geteuid() != 0) {
     WARN("skipped: needs root, to run as nobody under a thread limit");

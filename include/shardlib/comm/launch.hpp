@@ -7,7 +7,7 @@
 
 #include <exception>    // std::exception_ptr, std::rethrow_exception
 #include <functional>   // std::invoke
-#include <memory>       // std::make_shared
+#include <memory>       // std::make_shared, std::unique_ptr
 #include <mutex>        // std::mutex
 #include <numeric>      // std::iota
 #include <string>       // std::string
@@ -70,8 +70,11 @@ void launch(int world_size, Fn&& fn) {
     world->wake_all();
   };
 
+  // The ranks' ledgers outlive their threads: what a rank's thread-local objects
+  // still hold when the thread ends is released into its ledger after fn returns.
+  const std::unique_ptr<ledger[]> ledgers(new ledger[std::size_t(world_size)]);
   auto body = [&](int r) {
-    ledger own;
+    ledger& own = ledgers[std::size_t(r)];
     ledger_scope scope(own);
     try {
       {

@@ -1,7 +1,8 @@
 // shardlib/models/causal_lm.hpp — what the decoder language models (models/gpt2.hpp,
 // models/llama.hpp) share: the LM head (owned or tied to the token embedding), the
 // shifted next-token targets Hugging Face's loss uses, and generation (greedy or
-// top-k) with the attention layers' KV cache.
+// top-k) with the attention layers' KV cache, on the host or on a device (the ids
+// go to the model's memory space, the last position's logits come back).
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
@@ -88,9 +89,11 @@ inline Tensor<std::int64_t> causal_lm_targets(const Tensor<std::int64_t>& labels
 }
 
 // A decoder language model generate() can drive: token ids [batch, seq] in,
-// logits [batch, seq, vocab] out, and a KV cache in every attention layer.
+// logits [batch, seq, vocab] out (in the model's memory space), and a KV cache in
+// every attention layer.
 template <class M>
-concept CausalLM = nn::Layer<M> && std::same_as<typename M::input, Tensor<std::int64_t>> &&
+concept CausalLM = nn::Layer<M> &&
+                   std::same_as<typename M::input, Tensor<std::int64_t, typename M::output::space>> &&
                    requires(M& m, const M& cm, std::int64_t n) {
                      m.enable_kv_cache(n);
                      m.disable_kv_cache();
@@ -110,6 +113,20 @@ struct generate_options {
 };
 
 namespace detail {
+// How generate moves host ids to a model in Space and brings the logits it picks
+// from back: on the host nothing moves; cuda_space's is in models/cuda.cuh.
+template <class Space>
+struct generate_io;
+
+template <>
+struct generate_io<host_space> {
+  static Tensor<std::int64_t> ids(const Tensor<std::int64_t>& ids) { return ids; }
+  template <class T>
+  static Tensor<T> logits(const Tensor<T>& logits) {
+    return logits;
+  }
+};
+
 // The token chosen from one row of logits: the first maximum (greedy), or a draw
 // u in [0, 1) against the softmax of the k largest and every token tied with the
 // k-th, as transformers' top-k keeps them (in order of logit, then id). A NaN
@@ -173,10 +190,11 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
   const counter_rng draws(o.seed, fnv1a("generate"));
   std::vector<bool> ended(static_cast<std::size_t>(B), false);
   std::vector<std::int64_t> next(static_cast<std::size_t>(B));
-  auto logits = forward(prompt);
+  using io = generate_io<typename M::output::space>;
+  auto logits = io::logits(forward(prompt));
   for (std::int64_t t = P;; ++t) {
-    require<shape_error>(logits.rank() == 3 && logits.dim(0) == B, "generate: the model returned logits ",
-                         logits.shape(), " for ", B, " sequences");
+    require<shape_error>(logits.rank() == 3 && logits.dim(0) == B && logits.dim(1) > 0,
+                         "generate: the model returned logits ", logits.shape(), " for ", B, " sequences");
     const std::int64_t seq = logits.dim(1), vocab = logits.dim(2);
     require(!o.eos_token_id || (*o.eos_token_id >= 0 && *o.eos_token_id < vocab), "generate: eos_token_id ",
             o.eos_token_id.value_or(0), " is not a token of the model's ", vocab);
@@ -206,7 +224,7 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
     const std::int64_t len = o.use_cache ? 1 : t + 1, first = o.use_cache ? t : 0;
     Tensor<std::int64_t> ids({B, len});
     for (std::int64_t n = 0; n < B; ++n) std::copy_n(out.data() + n * total + first, len, ids.data() + n * len);
-    logits = forward(ids);
+    logits = io::logits(forward(ids));
   }
 }
 }  // namespace detail
@@ -215,7 +233,7 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
 // returns prompt and continuation [batch, prompt_len + max_new_tokens] (fewer new
 // tokens when every row has reached eos_token_id, which is checked against the
 // vocabulary of the first logits). `forward`
-// maps ids to logits in inference mode: ctx.training() false (a plain context, or
+// maps host ids to logits (on the host or in the model's space) in inference mode: ctx.training() false (a plain context, or
 // a sharded model's forward in eval), so dropout is off and the KV cache may be
 // used. With the cache, the prompt runs once and each new token alone (its
 // position after the cached ones); the cache is disabled again on return, also
@@ -230,11 +248,19 @@ Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int
   return detail::generate(model, forward, prompt, o, [](auto&& pick, std::span<std::int64_t>, std::int64_t) { pick(); });
 }
 
-// generate() on an unsharded model: forwards in a plain context, not training.
+// generate() on an unsharded model: forwards in a plain context, not training. A
+// device model (include shardlib/models/cuda.cuh) takes the ids in device memory,
+// and each step copies the last position's logits back, on the current stream,
+// raising the Embedding's error for a bad id there.
 template <CausalLM M>
 Tensor<std::int64_t> generate(M& model, const Tensor<std::int64_t>& prompt, const generate_options& o = {}) {
   nn::context ctx({.training = false});
-  return generate(model, [&](const Tensor<std::int64_t>& ids) { return ctx.forward(model, ids); }, prompt, o);
+  return generate(
+      model,
+      [&](const Tensor<std::int64_t>& ids) {
+        return ctx.forward(model, detail::generate_io<typename M::output::space>::ids(ids));
+      },
+      prompt, o);
 }
 
 }  // namespace shardlib::models

@@ -2,8 +2,8 @@
 // only): models::GPT2LMHeadModel<T, cuda_space> and LlamaForCausalLM<T,
 // cuda_space> are the host templates over the device layers this header brings.
 // Ids [batch, seq] and logits [batch, seq, vocab] are device tensors; the token
-// cross-entropy of nn/cuda/loss.cuh takes the logits and device targets. No KV
-// cache on the device (generation runs on the host model).
+// cross-entropy of nn/cuda/loss.cuh takes the logits and device targets. The KV
+// cache lives in device memory, and models::generate (plain or sharded) runs there.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/models/gpt2.hpp"
@@ -14,3 +14,45 @@
 #include "shardlib/nn/cuda/feed_forward.cuh"       // GPT2MLP, LlamaMLP
 #include "shardlib/nn/cuda/rms_norm.cuh"           // RMSNorm
 #include "shardlib/nn/cuda/tied_linear.cuh"        // the tied lm_head
+#include "shardlib/core/pending.hpp"              // count_host_sync
+#include "shardlib/cuda/copy.hpp"                  // to_device
+#include "shardlib/cuda/error.hpp"                 // check
+#include "shardlib/ops/cuda/index_report.hpp"      // deferred_index_reports
+
+#include <cuda_runtime.h>
+
+#include <cstddef>  // std::size_t
+#include <cstdint>  // std::int64_t
+
+namespace shardlib::models::detail {
+
+// generate on the device: the ids are copied in, and each step's last position of
+// every row comes back in one strided copy. The Embeddings' deferred checks of the
+// forwards so far are read in the same wait (as a device loss reads them), so a bad
+// id raises its layer's error at the step that used it, and an inference thread
+// keeps none of them.
+template <>
+struct generate_io<cuda_space> {
+  static Tensor<std::int64_t, cuda_space> ids(const Tensor<std::int64_t>& ids) { return cuda::to_device(ids); }
+
+  template <class T>
+  static Tensor<T> logits(const Tensor<T, cuda_space>& logits) {
+    require<shape_error>(logits.rank() == 3 && logits.dim(1) > 0, "generate: the model returned logits ",
+                         logits.shape(), ", not [batch, seq > 0, vocab]");
+    const std::int64_t B = logits.dim(0), S = logits.dim(1), V = logits.dim(2);
+    const cudaStream_t s = cuda::current_stream();
+    auto reports = ops::cuda::deferred_index_reports().take();
+    for (auto& r : reports) r.copy_to_host(s);
+    Tensor<T> last({B, 1, V});
+    const std::size_t row = std::size_t(V) * sizeof(T);
+    cuda::check(cudaMemcpy2DAsync(last.data(), row, logits.data() + (S - 1) * V, std::size_t(S) * row, row,
+                                  std::size_t(B), cudaMemcpyDeviceToHost, s),
+                "cudaMemcpy2DAsync (generate: the last position's logits)");
+    count_host_sync();
+    cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (generate: reading the logits)");
+    for (const auto& r : reports) r.raise_if_bad();
+    return last;
+  }
+};
+
+}  // namespace shardlib::models::detail

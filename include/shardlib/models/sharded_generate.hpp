@@ -4,6 +4,8 @@
 // options before the first forward, on each position's tokens after it is picked.
 // Ranks that disagree (another prompt, another seed, other parameters) raise
 // together, where they would otherwise generate apart and stop at different steps.
+// A device model (shardlib/models/cuda.cuh) generates on the device: the prompt and
+// the picked tokens go to it, the last position's logits come back each step.
 //
 //   auto sharded = shard::fully_shard(model, comm, shard::FullShard{}, {...});
 //   auto out = models::generate(sharded, prompt, {.max_new_tokens = 64, .top_k = 40});
@@ -30,8 +32,7 @@ namespace shardlib::models {
 
 // A sharded engine (shard::ShardedModel) over a CausalLM.
 template <class S>
-concept ShardedCausalLM = requires(S& s, const S& cs, const Tensor<std::int64_t>& ids) {
-  typename S::space;
+concept ShardedCausalLM = requires(S& s, const S& cs, const Tensor<std::int64_t, typename S::space>& ids) {
   s.forward(ids);
   s.comm();
   s.eval();
@@ -122,7 +123,9 @@ Tensor<std::int64_t> generate(S& sharded, const Tensor<std::int64_t>& prompt, co
                  " to ", hi, "): their logits differ; every rank needs the same parameters");
     });
   };
-  auto forward = [&](const Tensor<std::int64_t>& ids) { return sharded.forward(ids); };
+  auto forward = [&](const Tensor<std::int64_t>& ids) {
+    return sharded.forward(detail::generate_io<typename S::space>::ids(ids));
+  };
   return detail::generate(sharded.model(), forward, prompt, o, agree);
 }
 

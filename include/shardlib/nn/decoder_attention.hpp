@@ -19,10 +19,26 @@
 
 namespace shardlib::nn {
 
+// How a KV cache in Space copies new rows after the cached ones: `to` is shaped
+// as `from`. The host's here; cuda_space's in nn/cuda/decoder_attention.cuh.
+template <class Space>
+struct kv_rows;
+
+template <>
+struct kv_rows<host_space> {
+  template <class T>
+  static void copy(const head_view<T>& from, const head_view<T>& to) {
+    for (std::int64_t n = 0; n < from.batch; ++n)
+      for (std::int64_t h = 0; h < from.heads; ++h)
+        for (std::int64_t l = 0; l < from.seq; ++l)
+          std::copy_n(from.at(n, h) + l * from.row_stride, from.dim, to.at(n, h) + l * to.row_stride);
+  }
+};
+
 // The keys and values (after RoPE) of every position a layer has seen since the
 // last reset, for generating one step at a time: [batch, capacity, heads * dim]
-// each, allocated by the first append after a reset.
-template <class T>
+// each in Space, allocated by the first append after a reset.
+template <class T, class Space = host_space>
 class kv_cache {
  public:
   explicit kv_cache(std::int64_t capacity) : capacity_(capacity) {
@@ -47,33 +63,28 @@ class kv_cache {
   std::pair<head_view<T>, head_view<T>> append(const head_view<T>& k, const head_view<T>& v, std::string_view who) {
     const std::int64_t B = k.batch, H = k.heads, D = k.dim, S = k.seq;
     if (length_ == 0 && (k_.empty() || k_.dim(0) != B || k_.dim(2) != H * D)) {
-      k_ = Tensor<T>({B, capacity_, H * D});
-      v_ = Tensor<T>({B, capacity_, H * D});
+      k_ = Tensor<T, Space>({B, capacity_, H * D});
+      v_ = Tensor<T, Space>({B, capacity_, H * D});
     }
     require<shape_error>(k_.dim(0) == B && k_.dim(2) == H * D, who, ": the KV cache holds a batch of ", k_.dim(0),
                          " and ", k_.dim(2), " key columns; this step has ", B, " and ", H * D,
                          " (reset_kv_cache() before a new batch)");
     require<shape_error>(length_ + S <= capacity_, who, ": the KV cache holds ", capacity_, " positions (max_seq); ",
                          length_, " cached + ", S, " new exceed it");
-    const auto all = [&](const Tensor<T>& t) {
-      head_view<T> c = head_view<T>::rows(t.data(), B, length_ + S, H, D, H * D);
+    const auto rows = [&](const Tensor<T, Space>& t, std::int64_t first, std::int64_t count) {
+      head_view<T> c = head_view<T>::rows(t.data() + first * H * D, B, count, H, D, H * D);
       c.batch_stride = capacity_ * H * D;
       return c;
     };
-    const head_view<T> kc = all(k_), vc = all(v_);
-    for (std::int64_t n = 0; n < B; ++n)
-      for (std::int64_t h = 0; h < H; ++h)
-        for (std::int64_t l = 0; l < S; ++l) {
-          std::copy_n(k.at(n, h) + l * k.row_stride, D, kc.at(n, h) + (length_ + l) * kc.row_stride);
-          std::copy_n(v.at(n, h) + l * v.row_stride, D, vc.at(n, h) + (length_ + l) * vc.row_stride);
-        }
+    kv_rows<Space>::copy(k, rows(k_, length_, S));
+    kv_rows<Space>::copy(v, rows(v_, length_, S));
     length_ += S;
-    return {kc, vc};
+    return {rows(k_, 0, length_), rows(v_, 0, length_)};
   }
 
  private:
   std::int64_t capacity_, length_ = 0;
-  Tensor<T> k_, v_;
+  Tensor<T, Space> k_, v_;
 };
 
 namespace detail {
@@ -95,22 +106,14 @@ inline void check_decoder_attention_options(const std::string& name, const decod
   require(o.dropout >= 0 && o.dropout < 1, name, ": attention dropout must be in [0, 1), got ", o.dropout);
 }
 
-// Causal self-attention between a decoder layer's projections and its output
-// projection: takes the context's masks, applies RoPE (when configured), runs
-// SDPA, keeps what backward needs, and owns the KV cache. The views passed to
-// forward must stay valid until backward (the layer keeps their tensors).
-// Space is where the views point: this is the host's core; the device's
-// (fused attention, no KV cache) is in nn/cuda/decoder_attention.cuh.
-template <class T, class Space = host_space>
-class decoder_attention {
-  static_assert(std::is_same_v<Space, host_space>,
-                "nn::detail::decoder_attention: the host core; for cuda_space include "
-                "shardlib/nn/cuda/decoder_attention.cuh");
-
+// What the host and device cores share besides their arithmetic: the layer's name
+// and checked options, and the KV cache with its rules (inference only: a forward
+// in training or a backward with it on raises; a copied layer starts with an
+// empty cache, layers being copied as descriptions).
+template <class T, class Space>
+class decoder_attention_base {
  public:
-  using options = decoder_attention_options;
-
-  decoder_attention(std::string name, const options& o) : name_(std::move(name)), o_(o) {
+  decoder_attention_base(std::string name, const decoder_attention_options& o) : name_(std::move(name)), o_(o) {
     check_decoder_attention_options(name_, o);
   }
 
@@ -125,16 +128,57 @@ class decoder_attention {
   // Positions cached so far (0 without a cache).
   std::int64_t kv_cache_length() const { return cache_ ? cache_->length() : 0; }
 
+ protected:
+  bool caching() const { return cache_.has_value(); }
+  template <class Ctx>
+  void check_cache_for_forward(const Ctx& ctx) const {
+    require(!(cache_ && ctx.training()), name_,
+            ": the KV cache is for inference; forward with it on needs ctx.training() false (disable_kv_cache() to "
+            "train)");
+  }
+  void check_cache_for_backward() const {
+    require(!cache_, name_, ": backward with the KV cache on: the cache is for inference (disable_kv_cache() to train)");
+  }
+  // The keys and values to attend over: with the cache on, k and v appended to it
+  // and every cached position; without, k and v.
+  std::pair<head_view<T>, head_view<T>> keys_and_values(const head_view<T>& k, const head_view<T>& v) {
+    return cache_ ? cache_->append(k, v, name_) : std::pair{k, v};
+  }
+
+  std::string name_;
+  decoder_attention_options o_;
+
+ private:
+  std::optional<kv_cache<T, Space>> cache_;
+};
+
+// Causal self-attention between a decoder layer's projections and its output
+// projection: takes the context's masks, applies RoPE (when configured), runs
+// SDPA, keeps what backward needs, and owns the KV cache. The views passed to
+// forward must stay valid until backward (the layer keeps their tensors).
+// Space is where the views point: this is the host's core; the device's (the
+// fused attention) is in nn/cuda/decoder_attention.cuh.
+template <class T, class Space = host_space>
+class decoder_attention : public decoder_attention_base<T, host_space> {
+  static_assert(std::is_same_v<Space, host_space>,
+                "nn::detail::decoder_attention: the host core; for cuda_space include "
+                "shardlib/nn/cuda/decoder_attention.cuh");
+  using base = decoder_attention_base<T, host_space>;
+  using base::name_, base::o_;
+
+ public:
+  using options = decoder_attention_options;
+
+  decoder_attention(std::string name, const options& o) : base(std::move(name), o) {}
+
   // out = attention of q over k, v (rows views of this forward's projections,
   // [B, S, heads of head_dim]); q and k are rotated in place. With the cache on,
   // the new positions follow the cached ones: RoPE and the causal rule are offset
   // by the cached length and k, v are appended first.
   template <class Ctx>
   void forward(Ctx& ctx, const head_view<T>& q, const head_view<T>& k, const head_view<T>& v, const head_view<T>& out) {
-    require(!(cache_ && ctx.training()), name_,
-            ": the KV cache is for inference; forward with it on needs ctx.training() false (disable_kv_cache() to "
-            "train)");
-    const std::int64_t offset = kv_cache_length(), B = q.batch, S = q.seq;
+    this->check_cache_for_forward(ctx);
+    const std::int64_t offset = this->kv_cache_length(), B = q.batch, S = q.seq;
     sdpa_ = {.is_causal = true,
              .query_offset = offset,
              .scale = 0,
@@ -152,10 +196,10 @@ class decoder_attention {
       table.apply(q);
       table.apply(k);
     }
-    auto [keys, values] = cache_ ? cache_->append(k, v, name_) : std::pair{k, v};
+    auto [keys, values] = this->keys_and_values(k, v);
     probs_ = Tensor<T>({B, o_.heads, S, keys.seq});
     sdpa_forward(q, keys, values, out, probs_.data(), sdpa_);
-    if (cache_ || !grad_enabled(ctx)) {  // no backward follows
+    if (this->caching() || !grad_enabled(ctx)) {  // no backward follows
       probs_ = {};
       return;
     }
@@ -166,7 +210,7 @@ class decoder_attention {
 
   // dq, dk, dv (views shaped as forward's q, k, v) from dout, overwritten.
   void backward(const head_view<T>& dout, const head_view<T>& dq, const head_view<T>& dk, const head_view<T>& dv) {
-    require(!cache_, name_, ": backward with the KV cache on: the cache is for inference (disable_kv_cache() to train)");
+    this->check_cache_for_backward();
     require_activations(!probs_.empty(), name_);
     sdpa_backward(dout, q_, k_, v_, probs_.data(), dq, dk, dv, sdpa_);
     if (o_.rotary) {
@@ -178,9 +222,6 @@ class decoder_attention {
   }
 
  private:
-  std::string name_;
-  options o_;
-  std::optional<kv_cache<T>> cache_;
   // Cached by forward for backward.
   sdpa_options sdpa_;
   head_view<T> q_, k_, v_;

@@ -1,12 +1,13 @@
 // shardlib/nn/cuda/decoder_attention.cuh — the decoder attention's core on the
 // device: nn::detail::decoder_attention<T, cuda_space>, which makes
 // GPT2Attention<T, cuda_space> and LlamaAttention<T, cuda_space> (their
-// projections are device Linears).
+// projections are device Linears), and the KV cache's copies in device memory.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/cuda/copy.hpp"               // to_device
+#include "shardlib/cuda/error.hpp"              // check
 #include "shardlib/cuda/current.hpp"            // current_stream
 #include "shardlib/cuda/memory_space.hpp"       // cuda_space
 #include "shardlib/nn/cuda/dropout.cuh"         // Dropout (GPT-2's resid_dropout)
@@ -25,6 +26,28 @@
 #include <string>    // std::string
 #include <utility>   // std::move
 
+namespace shardlib::nn {
+
+// A device KV cache's new rows: one strided copy per sequence of the batch, on the
+// current stream (the projections' rows hold their heads side by side).
+template <>
+struct kv_rows<cuda_space> {
+  template <class T>
+  static void copy(const head_view<T>& from, const head_view<T>& to) {
+    require<shape_error>(from.head_stride == from.dim && to.head_stride == to.dim,
+                         "kv_cache: the device copies rows whose heads lie side by side (head_stride == head_dim), "
+                         "got head strides ", from.head_stride, " and ", to.head_stride, " for head_dim ", from.dim);
+    const std::size_t e = sizeof(T);
+    for (std::int64_t n = 0; n < from.batch; ++n)
+      cuda::check(cudaMemcpy2DAsync(to.at(n, 0), std::size_t(to.row_stride) * e, from.at(n, 0),
+                                    std::size_t(from.row_stride) * e, std::size_t(from.heads * from.dim) * e,
+                                    std::size_t(from.seq), cudaMemcpyDeviceToDevice, cuda::current_stream()),
+                  "cudaMemcpy2DAsync (kv_cache: ", from.seq, " rows of sequence ", n, ")");
+  }
+};
+
+}  // namespace shardlib::nn
+
 namespace shardlib::nn::detail {
 
 // The host core's contract (the views passed to forward stay valid until
@@ -35,22 +58,25 @@ namespace shardlib::nn::detail {
 // as nn::sdpa draws it, by the weight's index in [B, H, Lq, Lk] from the
 // context's stream), which keeps only the row log-sum-exps [B, H, S] for
 // backward, never the [S, S] weights. Backward runs the fused backward, then the
-// inverse rotation of dq and dk.
+// inverse rotation of dq and dk. The KV cache (inference) is the host's, in device
+// memory: the new queries are rotated and masked at their positions after the
+// cached ones, and attend over every cached key (a key padding mask then covers
+// them all, [B, cached + S]).
 //
 // Not on the device, refused with an error naming the layer: attention masks
-// other than causal and key padding (ctx.attention_mask()), and the KV cache
-// (generation runs on the host model; enable_kv_cache raises).
+// other than causal and key padding (ctx.attention_mask()).
 template <class T>
-class decoder_attention<T, cuda_space> {
+class decoder_attention<T, cuda_space> : public decoder_attention_base<T, cuda_space> {
+  using base = decoder_attention_base<T, cuda_space>;
+  using base::name_, base::o_;
+
  public:
   using options = decoder_attention_options;
 
-  decoder_attention(std::string name, const options& o) : name_(std::move(name)), o_(o) {
-    check_decoder_attention_options(name_, o);
-  }
+  decoder_attention(std::string name, const options& o) : base(std::move(name), o) {}
   // Copies share no device state (layers are copyable descriptions; Stack and
   // the models copy a prototype block).
-  decoder_attention(const decoder_attention& other) : name_(other.name_), o_(other.o_) {}
+  decoder_attention(const decoder_attention& other) : base(other) {}
   decoder_attention& operator=(const decoder_attention& other) {
     if (this != &other) *this = decoder_attention(other);
     return *this;
@@ -58,28 +84,21 @@ class decoder_attention<T, cuda_space> {
   decoder_attention(decoder_attention&&) = default;
   decoder_attention& operator=(decoder_attention&&) = default;
 
-  const std::string& name() const { return name_; }
-
-  void enable_kv_cache(std::int64_t) {
-    throw error(cat(name_, ": the KV cache is not supported on the device (cuda_space); generate with the host "
-                           "model (the same parameters, e.g. through a state dict)"));
-  }
-  void disable_kv_cache() {}
-  void reset_kv_cache() { enable_kv_cache(0); }
-  std::int64_t kv_cache_length() const { return 0; }
-
   template <class Ctx>
   void forward(Ctx& ctx, const head_view<T>& q, const head_view<T>& k, const head_view<T>& v, const head_view<T>& out) {
+    this->check_cache_for_forward(ctx);
     const attn_mask& mask = ctx.attention_mask();
     require(mask.empty(), name_, ": on the device only the causal rule and a key padding mask are supported, not an ",
             "attention mask (got one of shape ", mask.shape(), "); run the host layer for arbitrary masks");
-    const std::int64_t B = q.batch, S = q.seq;
+    const std::int64_t offset = this->kv_cache_length(), B = q.batch, S = q.seq;
     const cudaStream_t s = cuda::current_stream();
     const Tensor<std::uint8_t>& padding = ctx.key_padding_mask();
-    require<shape_error>(padding.empty() || padding.shape() == Shape{B, S}, name_,
-                         ": key_padding_mask must be [batch, keys] = ", Shape{B, S}, ", got ", padding.shape());
+    // Checked before the cache grows, so a bad mask leaves it as it was.
+    require<shape_error>(padding.empty() || padding.shape() == Shape{B, offset + S}, name_,
+                         ": key_padding_mask must be [batch, keys] = ", Shape{B, offset + S}, ", got ",
+                         padding.shape());
     flash_ = {.is_causal = true,
-              .query_offset = 0,
+              .query_offset = offset,
               .scale = 0,
               .dropout_p = float(o_.dropout),
               .dropout = std::nullopt,
@@ -88,14 +107,15 @@ class decoder_attention<T, cuda_space> {
     flash_.key_padding = padding_.data();
     if (ctx.training() && o_.dropout > 0) flash_.dropout = ctx.random_stream();
     if (o_.rotary) {
-      if (!table_ || table_->positions() < S) table_.emplace(*o_.rotary, S, s);
-      ops::cuda::apply_rotary(q, q, *table_, 0, false, s);
-      ops::cuda::apply_rotary(k, k, *table_, 0, false, s);
+      if (!table_ || table_->positions() < offset + S) table_.emplace(*o_.rotary, offset + S, s);
+      ops::cuda::apply_rotary(q, q, *table_, offset, false, s);
+      ops::cuda::apply_rotary(k, k, *table_, offset, false, s);
     }
+    const auto [keys, values] = this->keys_and_values(k, v);
     lse_ = Tensor<float, cuda_space>({B, o_.heads, S});
-    ops::cuda::flash_attention_forward<T>(ops::cuda::as_const(q), ops::cuda::as_const(k), ops::cuda::as_const(v), out,
-                                          lse_.data(), flash_, s);
-    if (!grad_enabled(ctx)) {  // no backward follows
+    ops::cuda::flash_attention_forward<T>(ops::cuda::as_const(q), ops::cuda::as_const(keys),
+                                          ops::cuda::as_const(values), out, lse_.data(), flash_, s);
+    if (this->caching() || !grad_enabled(ctx)) {  // no backward follows
       lse_ = {};
       padding_ = {};
       return;
@@ -108,6 +128,7 @@ class decoder_attention<T, cuda_space> {
 
   // dq, dk, dv (views shaped as forward's q, k, v) from dout, overwritten.
   void backward(const head_view<T>& dout, const head_view<T>& dq, const head_view<T>& dk, const head_view<T>& dv) {
+    this->check_cache_for_backward();
     require_activations(!lse_.empty(), name_);
     const cudaStream_t s = cuda::current_stream();
     ops::cuda::flash_attention_backward<T>(ops::cuda::as_const(q_), ops::cuda::as_const(k_), ops::cuda::as_const(v_),
@@ -122,9 +143,7 @@ class decoder_attention<T, cuda_space> {
   }
 
  private:
-  std::string name_;
-  options o_;
-  std::optional<ops::cuda::rotary_device_table> table_;  // cos, sin of positions [0, longest sequence so far)
+  std::optional<ops::cuda::rotary_device_table> table_;  // cos, sin of positions [0, furthest position so far)
   // Cached by forward for backward.
   ops::cuda::flash_options flash_;
   head_view<T> q_, k_, v_, out_;

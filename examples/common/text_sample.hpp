@@ -1,0 +1,59 @@
+// examples/common/text_sample.hpp — the continuation the byte-level language-model
+// examples (train_gpt, train_gpt_cuda) sample at the end: its flags, its prompt (the
+// held-out tail's first paragraph), its options and its printout.
+#pragma once
+#include <shardlib/core/tensor.hpp>
+#include <shardlib/models/causal_lm.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "common/flags.hpp"
+#include "common/text_corpus.hpp"
+
+namespace example {
+
+struct sample_settings {
+  long sample = 96, top_k = 8;  // bytes to generate (0: none); the k most likely bytes drawn from
+  double temperature = 0.8;
+};
+
+inline void add_sample_flags(command_line& cli, sample_settings& s) {
+  cli.add_option("--sample", s.sample, "bytes to generate at the end (at most --seq minus the prompt)")
+      ->check(whole(0, max_size));
+  cli.add_option("--top-k", s.top_k, "sample among the k most likely bytes (1 = greedy)")->check(whole(1, 256));
+  cli.add_option("--temperature", s.temperature, "divides the logits before sampling")->check(positive(100));
+}
+
+// The first min(32, seq / 2) bytes of the held-out tail's first paragraph (or of
+// the tail, where it has none that long), as ids [1, len]: half the context at
+// least is left for the continuation.
+inline shardlib::Tensor<std::int64_t> sample_prompt(const corpus& data, long seq) {
+  const long len = std::min<long>(32, seq / 2);
+  std::size_t from = data.val.find("\n\n");
+  from = from == std::string::npos || from + 2 + std::size_t(len) > data.val.size() ? 0 : from + 2;
+  shardlib::Tensor<std::int64_t> prompt({1, len});
+  for (long t = 0; t < len; ++t) prompt[t] = static_cast<unsigned char>(data.val[from + std::size_t(t)]);
+  return prompt;
+}
+
+// As many new bytes as --sample asks and the context leaves after the prompt.
+inline shardlib::models::generate_options sample_options(const sample_settings& s, long prompt_len, long seq,
+                                                        std::uint64_t seed) {
+  return {.max_new_tokens = std::min(s.sample, seq - prompt_len),
+          .top_k = s.top_k,
+          .temperature = s.temperature,
+          .seed = seed};
+}
+
+inline void print_sample(const char* program, const sample_settings& s, const shardlib::Tensor<std::int64_t>& out,
+                         long prompt_len) {
+  std::string prompt, continuation;
+  for (std::int64_t t = 0; t < out.numel(); ++t) (t < prompt_len ? prompt : continuation) += char(out[t]);
+  std::printf("%s: sample (top-%ld, temperature %.2f)\n--- prompt ---\n%s\n--- continuation ---\n%s\n---\n", program,
+              s.top_k, s.temperature, prompt.c_str(), continuation.c_str());
+}
+
+}  // namespace example
