@@ -485,7 +485,7 @@ void check_sharded_generation(const Config& config) {
   constexpr std::int64_t prompt_len = 4, total = 9;
   const auto ids = tokens(3, 2, config.vocab_size);
   std::vector<double> errors(2);
-  std::vector<sl::Tensor<std::int64_t>> generated(2);
+  std::vector<std::vector<std::int64_t>> generated(2);  // values: a rank's tensors must not outlive launch
   sl::comm::launch(2, [&](sl::comm::ThreadComm& host) {
     sl::cuda::check(cudaSetDevice(0), "cudaSetDevice(0)");
     sl::cuda::stream stream(0);
@@ -508,17 +508,21 @@ void check_sharded_generation(const Config& config) {
     }
     model.disable_kv_cache();
     errors[std::size_t(host.rank())] = e.value();
-    generated[std::size_t(host.rank())] = models::generate(sharded, columns(ids, 0, prompt_len), {.max_new_tokens = 6});
+    const auto out = models::generate(sharded, columns(ids, 0, prompt_len), {.max_new_tokens = 6});
+    REQUIRE(out.shape() == sl::Shape{2, prompt_len + 6});
+    generated[std::size_t(host.rank())].assign(out.span().begin(), out.span().end());
   });
   for (int r = 0; r < 2; ++r) {
     INFO("rank " << r);
     CHECK(errors[std::size_t(r)] <= (std::is_same_v<T, float> ? 1e-4 : 2e-2));
-    REQUIRE(generated[std::size_t(r)].shape() == sl::Shape{2, prompt_len + 6});
   }
+  CHECK(generated[0] == generated[1]);  // generate checks that they agree, and raises if not
   if constexpr (std::is_same_v<T, float>) {
     host_model hm(config);
     sl::nn::Replicated<float, host_model> host(hm, seed);  // the engine's seeded values
-    check_tokens_are_hosts_choice(hm, generated[0], prompt_len, 1e-4);
+    sl::Tensor<std::int64_t> tokens_got({2, prompt_len + 6});
+    std::copy(generated[0].begin(), generated[0].end(), tokens_got.data());
+    check_tokens_are_hosts_choice(hm, tokens_got, prompt_len, 1e-4);
   }
 }
 
@@ -564,6 +568,18 @@ TEST_CASE("device decoder attention refuses attention masks and misuse of the KV
              Catch::Contains("GPT2Attention") && Catch::Contains("holds 14 positions (max_seq); 12 cached + 3 new exceed it"));
   model.disable_kv_cache();
   CHECK(inference.forward(model, three).shape() == sl::Shape{1, 3, gpt2_tiny.vocab_size});
+
+  // A forward whose attention fails after appending to the cache (here the fused
+  // kernels refusing head_dim 264) leaves the cache as it was, as the host's does.
+  sl::nn::GPT2Attention<float, sl::cuda_space> wide({.n_embd = 264, .n_head = 1});
+  const sl::nn::flat_layout wide_layout = sl::nn::flatten<float>(wide);
+  sl::Buffer<float, sl::cuda_space> wide_values(wide_layout.numel, sl::category::parameters);
+  sl::cuda::fill_bytes_async(wide_values.span(), 0, stream.get());
+  sl::nn::bind<float>(wide, wide_layout, wide_values.data(), nullptr);
+  wide.enable_kv_cache(4);
+  CHECK_THAT(message_of([&] { inference.forward(wide, sl::cuda::to_device(sl::Tensor<float>::zeros({1, 2, 264}))); }),
+             Catch::Contains("head_dim must be in [1, 256], got 264"));
+  CHECK(wide.kv_cache_length() == 0);
 
   // generate reads the Embedding's check of its ids with the first logits: a prompt
   // id out of range raises the layer's error there, and no check is left unread.

@@ -134,10 +134,6 @@ TEST_CASE("launch re-raises a rank's exception, naming the rank, without leaving
   }
 }
 
-// Root ignores RLIMIT_NPROC, so a child process becomes nobody, takes every thread
-// the limit allows but three, and launches 16 ranks: a few start and wait in an
-// all_reduce for ranks that never come. launch must raise naming the first rank
-// whose thread could not start, not terminate (joinable threads) or hang.
 // A rank's thread-local objects are destroyed after fn returns, as its thread ends
 // (the device Embedding's unread checks, ops/cuda/index_report.hpp, hold memory its
 // ledger counts). launch keeps the ledgers until every thread has ended, so those
@@ -170,6 +166,10 @@ TEST_CASE("a rank's thread-local buffers are released into its ledger as its thr
   CHECK(after == std::vector<std::size_t>{0, 0});
 }
 
+// Root ignores RLIMIT_NPROC, so a child process becomes nobody, takes every thread
+// the limit allows but three, and launches 16 ranks: a few start and wait in an
+// all_reduce for ranks that never come. launch must raise naming the first rank
+// whose thread could not start, not terminate (joinable threads) or hang.
 TEST_CASE("a rank whose thread cannot start fails the launch and is named", "[comm][thread][launch]") {
   if (::geteuid() != 0) {
     WARN("skipped: needs root, to run as nobody under a thread limit");

@@ -40,6 +40,9 @@ class rank_failure : public error {
 // error, no longer reads this rank's buffers (ThreadComm), so unwinding only
 // needs to wait for what it issued.
 // fn may also take (ThreadComm&, ledger&) to read its rank's ledger afterwards.
+// What a rank allocates is counted in its ledger, which lives until launch returns
+// (after the threads' thread-local objects have gone): nothing a rank allocates
+// may outlive launch (copy values out, not tensors).
 template <class Fn>
 void launch(int world_size, Fn&& fn) {
   require(world_size >= 1, "launch: the world size must be at least 1, got ", world_size);

@@ -23,14 +23,16 @@
 
 #include <cstddef>  // std::size_t
 #include <cstdint>  // std::int64_t
+#include <span>     // std::span
 
 namespace shardlib::models::detail {
 
 // generate on the device: the ids are copied in, and each step's last position of
-// every row comes back in one strided copy. The Embeddings' deferred checks of the
-// forwards so far are read in the same wait (as a device loss reads them), so a bad
-// id raises its layer's error at the step that used it, and an inference thread
-// keeps none of them.
+// every row comes back, a copy per row (one strided copy's pitch, a row of the
+// whole sequence's logits, passes the 2^31-byte limit for long sequences of large
+// vocabularies). The Embeddings' deferred checks of the forwards so far are read
+// in the same wait (as a device loss reads them), so a bad id raises its layer's
+// error at the step that used it, and an inference thread keeps none of them.
 template <>
 struct generate_io<cuda_space> {
   static Tensor<std::int64_t, cuda_space> ids(const Tensor<std::int64_t>& ids) { return cuda::to_device(ids); }
@@ -44,10 +46,9 @@ struct generate_io<cuda_space> {
     auto reports = ops::cuda::deferred_index_reports().take();
     for (auto& r : reports) r.copy_to_host(s);
     Tensor<T> last({B, 1, V});
-    const std::size_t row = std::size_t(V) * sizeof(T);
-    cuda::check(cudaMemcpy2DAsync(last.data(), row, logits.data() + (S - 1) * V, std::size_t(S) * row, row,
-                                  std::size_t(B), cudaMemcpyDeviceToHost, s),
-                "cudaMemcpy2DAsync (generate: the last position's logits)");
+    for (std::int64_t n = 0; n < B; ++n)
+      cuda::copy_async(std::span<T>(last.data() + n * V, std::size_t(V)),
+                       std::span<const T>(logits.data() + (n * S + S - 1) * V, std::size_t(V)), s);
     count_host_sync();
     cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (generate: reading the logits)");
     for (const auto& r : reports) r.raise_if_bad();

@@ -183,7 +183,7 @@ class GPT2Model {
 // them transposed (models::load_hf / save_hf convert). The tied head borrows
 // transformer.wte.weight; copies and moves re-tie to their own embedding.
 // GPT2LMHeadModel<T, cuda_space> is the same model on the device (include
-// shardlib/models/cuda.cuh): ids and logits in device memory, no KV cache.
+// shardlib/models/cuda.cuh): ids, logits and the KV cache in device memory.
 template <class T, class Space = host_space>
 class GPT2LMHeadModel {
  public:

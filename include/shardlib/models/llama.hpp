@@ -185,7 +185,7 @@ class LlamaModel {
 // (model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, ...,
 // lm_head.weight), all stored as Hugging Face stores them ([out, in]).
 // LlamaForCausalLM<T, cuda_space> is the same model on the device (include
-// shardlib/models/cuda.cuh): ids and logits in device memory, no KV cache.
+// shardlib/models/cuda.cuh): ids, logits and the KV cache in device memory.
 template <class T, class Space = host_space>
 class LlamaForCausalLM {
  public:

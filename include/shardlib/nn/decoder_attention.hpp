@@ -9,7 +9,7 @@
 #include "shardlib/nn/rotary.hpp"
 #include "shardlib/nn/sdpa.hpp"
 
-#include <algorithm>    // std::copy_n
+#include <algorithm>    // std::copy_n, std::min
 #include <cstdint>      // std::int64_t
 #include <optional>     // std::optional
 #include <string>       // std::string
@@ -20,14 +20,15 @@
 namespace shardlib::nn {
 
 // How a KV cache in Space copies new rows after the cached ones: `to` is shaped
-// as `from`. The host's here; cuda_space's in nn/cuda/decoder_attention.cuh.
+// as `from`; `who` names the layer in errors. The host's here; cuda_space's in
+// nn/cuda/decoder_attention.cuh.
 template <class Space>
 struct kv_rows;
 
 template <>
 struct kv_rows<host_space> {
   template <class T>
-  static void copy(const head_view<T>& from, const head_view<T>& to) {
+  static void copy(const head_view<T>& from, const head_view<T>& to, std::string_view) {
     for (std::int64_t n = 0; n < from.batch; ++n)
       for (std::int64_t h = 0; h < from.heads; ++h)
         for (std::int64_t l = 0; l < from.seq; ++l)
@@ -57,6 +58,8 @@ class kv_cache {
   std::int64_t capacity() const { return capacity_; }
   std::int64_t length() const { return length_; }
   void reset() { length_ = 0; }
+  // Forgets the positions from `length` on (a forward that failed after appending).
+  void truncate(std::int64_t length) { length_ = std::min(length_, length); }
 
   // Copies the s_new positions of k and v after the cached ones and returns
   // views of all of them.
@@ -76,8 +79,8 @@ class kv_cache {
       c.batch_stride = capacity_ * H * D;
       return c;
     };
-    kv_rows<Space>::copy(k, rows(k_, length_, S));
-    kv_rows<Space>::copy(v, rows(v_, length_, S));
+    kv_rows<Space>::copy(k, rows(k_, length_, S), who);
+    kv_rows<Space>::copy(v, rows(v_, length_, S), who);
     length_ += S;
     return {rows(k_, 0, length_), rows(v_, 0, length_)};
   }
@@ -130,6 +133,10 @@ class decoder_attention_base {
 
  protected:
   bool caching() const { return cache_.has_value(); }
+  std::int64_t kv_cache_capacity() const { return cache_ ? cache_->capacity() : 0; }
+  void forget_cached_from(std::int64_t position) {
+    if (cache_) cache_->truncate(position);
+  }
   template <class Ctx>
   void check_cache_for_forward(const Ctx& ctx) const {
     require(!(cache_ && ctx.training()), name_,

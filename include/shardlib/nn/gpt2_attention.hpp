@@ -52,7 +52,7 @@ struct gpt2_attention_options {
 // Space: the host's layer by default; with cuda_space (include
 // shardlib/nn/cuda/decoder_attention.cuh) the projections are device Linears and
 // the attention between them the fused kernel (detail::decoder_attention<T,
-// cuda_space>: causal and key padding only, no KV cache).
+// cuda_space>: causal and key padding only, the KV cache in device memory).
 template <class T, class Space = host_space>
 class GPT2Attention {
  public:

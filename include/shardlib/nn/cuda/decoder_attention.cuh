@@ -21,10 +21,12 @@
 #include "shardlib/ops/cuda/flash_attention.cuh"  // flash_attention_forward, _backward
 #include "shardlib/ops/cuda/rotary.cuh"           // rotary_device_table, apply_rotary
 
-#include <cstdint>   // std::int64_t, std::uint8_t
-#include <optional>  // std::optional, std::nullopt
-#include <string>    // std::string
-#include <utility>   // std::move
+#include <algorithm>    // std::max
+#include <cstdint>      // std::int64_t, std::uint8_t
+#include <optional>     // std::optional, std::nullopt
+#include <string>       // std::string
+#include <string_view>  // std::string_view
+#include <utility>      // std::move
 
 namespace shardlib::nn {
 
@@ -33,16 +35,16 @@ namespace shardlib::nn {
 template <>
 struct kv_rows<cuda_space> {
   template <class T>
-  static void copy(const head_view<T>& from, const head_view<T>& to) {
-    require<shape_error>(from.head_stride == from.dim && to.head_stride == to.dim,
-                         "kv_cache: the device copies rows whose heads lie side by side (head_stride == head_dim), "
+  static void copy(const head_view<T>& from, const head_view<T>& to, std::string_view who) {
+    require<shape_error>(from.head_stride == from.dim && to.head_stride == to.dim, who,
+                         ": the device KV cache copies rows whose heads lie side by side (head_stride == head_dim), "
                          "got head strides ", from.head_stride, " and ", to.head_stride, " for head_dim ", from.dim);
     const std::size_t e = sizeof(T);
     for (std::int64_t n = 0; n < from.batch; ++n)
       cuda::check(cudaMemcpy2DAsync(to.at(n, 0), std::size_t(to.row_stride) * e, from.at(n, 0),
                                     std::size_t(from.row_stride) * e, std::size_t(from.heads * from.dim) * e,
                                     std::size_t(from.seq), cudaMemcpyDeviceToDevice, cuda::current_stream()),
-                  "cudaMemcpy2DAsync (kv_cache: ", from.seq, " rows of sequence ", n, ")");
+                  "cudaMemcpy2DAsync (", who, "'s KV cache: ", from.seq, " rows of sequence ", n, ")");
   }
 };
 
@@ -53,7 +55,8 @@ namespace shardlib::nn::detail {
 // The host core's contract (the views passed to forward stay valid until
 // backward: the layer keeps their tensors, the output's included) over device
 // memory: RoPE by ops::cuda::apply_rotary with a float table of the positions
-// seen so far (uploaded when a longer sequence comes), then the fused attention
+// seen so far (uploaded when a longer sequence comes; with the KV cache on, once
+// for its capacity), then the fused attention
 // (ops/cuda/flash_attention.cuh: causal, the context's key padding, dropout drawn
 // as nn::sdpa draws it, by the weight's index in [B, H, Lq, Lk] from the
 // context's stream), which keeps only the row log-sum-exps [B, H, S] for
@@ -61,7 +64,8 @@ namespace shardlib::nn::detail {
 // inverse rotation of dq and dk. The KV cache (inference) is the host's, in device
 // memory: the new queries are rotated and masked at their positions after the
 // cached ones, and attend over every cached key (a key padding mask then covers
-// them all, [B, cached + S]).
+// them all, [B, cached + S]); a forward that fails after appending forgets what it
+// appended, as the host's fails before appending.
 //
 // Not on the device, refused with an error naming the layer: attention masks
 // other than causal and key padding (ctx.attention_mask()).
@@ -107,14 +111,20 @@ class decoder_attention<T, cuda_space> : public decoder_attention_base<T, cuda_s
     flash_.key_padding = padding_.data();
     if (ctx.training() && o_.dropout > 0) flash_.dropout = ctx.random_stream();
     if (o_.rotary) {
-      if (!table_ || table_->positions() < offset + S) table_.emplace(*o_.rotary, offset + S, s);
+      const std::int64_t positions = std::max(offset + S, this->kv_cache_capacity());
+      if (!table_ || table_->positions() < offset + S) table_.emplace(*o_.rotary, positions, s);
       ops::cuda::apply_rotary(q, q, *table_, offset, false, s);
       ops::cuda::apply_rotary(k, k, *table_, offset, false, s);
     }
     const auto [keys, values] = this->keys_and_values(k, v);
-    lse_ = Tensor<float, cuda_space>({B, o_.heads, S});
-    ops::cuda::flash_attention_forward<T>(ops::cuda::as_const(q), ops::cuda::as_const(keys),
-                                          ops::cuda::as_const(values), out, lse_.data(), flash_, s);
+    try {
+      lse_ = Tensor<float, cuda_space>({B, o_.heads, S});
+      ops::cuda::flash_attention_forward<T>(ops::cuda::as_const(q), ops::cuda::as_const(keys),
+                                            ops::cuda::as_const(values), out, lse_.data(), flash_, s);
+    } catch (...) {
+      this->forget_cached_from(offset);
+      throw;
+    }
     if (this->caching() || !grad_enabled(ctx)) {  // no backward follows
       lse_ = {};
       padding_ = {};
