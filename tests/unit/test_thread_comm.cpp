@@ -166,6 +166,23 @@ TEST_CASE("a rank's thread-local buffers are released into its ledger as its thr
   CHECK(after == std::vector<std::size_t>{0, 0});
 }
 
+// A buffer a rank allocated and the caller kept after launch releases into its
+// rank's ledger later: launch keeps a ledger that still counts bytes (it would be
+// freed memory, which ASan reports).
+TEST_CASE("a buffer kept after launch releases into its rank's ledger, which launch keeps", "[comm][thread][launch][ledger]") {
+  std::optional<Buffer<float>> kept;
+  ledger* counted_in = nullptr;
+  comm::launch(2, [&](ThreadComm& c, ledger& l) {
+    if (c.rank() != 1) return;
+    kept.emplace(250, category::activations);
+    counted_in = &l;
+  });
+  REQUIRE(counted_in != nullptr);
+  CHECK(counted_in->current(category::activations) == 1000);
+  kept.reset();
+  CHECK(counted_in->current(category::activations) == 0);
+}
+
 // Root ignores RLIMIT_NPROC, so a child process becomes nobody, takes every thread
 // the limit allows but three, and launches 16 ranks: a few start and wait in an
 // all_reduce for ranks that never come. launch must raise naming the first rank

@@ -7,7 +7,7 @@
 
 #include <exception>    // std::exception_ptr, std::rethrow_exception
 #include <functional>   // std::invoke
-#include <memory>       // std::make_shared, std::unique_ptr
+#include <memory>       // std::make_shared, std::make_unique, std::unique_ptr
 #include <mutex>        // std::mutex
 #include <numeric>      // std::iota
 #include <string>       // std::string
@@ -31,6 +31,17 @@ class rank_failure : public error {
   std::exception_ptr original_;
 };
 
+namespace detail {
+// A rank's ledger that still counts bytes after its launch: what the caller kept
+// releases into it later, so it stays (reachable, never destroyed) for the process.
+inline void keep_for_the_process(std::unique_ptr<ledger> l) {
+  static std::mutex m;
+  static auto* kept = new std::vector<std::unique_ptr<ledger>>();
+  std::lock_guard lock(m);
+  kept->push_back(std::move(l));
+}
+}  // namespace detail
+
 // Runs fn(ThreadComm&) on `world_size` threads, one per rank, each with its own
 // memory ledger. Returns when all ranks have returned. If any rank throws, the
 // others are woken out of any collective they wait in and refused any later one
@@ -40,9 +51,9 @@ class rank_failure : public error {
 // error, no longer reads this rank's buffers (ThreadComm), so unwinding only
 // needs to wait for what it issued.
 // fn may also take (ThreadComm&, ledger&) to read its rank's ledger afterwards.
-// What a rank allocates is counted in its ledger, which lives until launch returns
-// (after the threads' thread-local objects have gone): nothing a rank allocates
-// may outlive launch (copy values out, not tensors).
+// What a rank allocates is counted in its ledger, which outlives the rank's thread
+// (its thread-local objects release into it as the thread ends) and, while it still
+// counts bytes when launch returns (a tensor the caller kept), the process.
 template <class Fn>
 void launch(int world_size, Fn&& fn) {
   require(world_size >= 1, "launch: the world size must be at least 1, got ", world_size);
@@ -73,11 +84,10 @@ void launch(int world_size, Fn&& fn) {
     world->wake_all();
   };
 
-  // The ranks' ledgers outlive their threads: what a rank's thread-local objects
-  // still hold when the thread ends is released into its ledger after fn returns.
-  const std::unique_ptr<ledger[]> ledgers(new ledger[std::size_t(world_size)]);
+  std::vector<std::unique_ptr<ledger>> ledgers(static_cast<std::size_t>(world_size));
+  for (auto& l : ledgers) l = std::make_unique<ledger>();
   auto body = [&](int r) {
-    ledger& own = ledgers[std::size_t(r)];
+    ledger& own = *ledgers[std::size_t(r)];
     ledger_scope scope(own);
     try {
       {
@@ -120,6 +130,8 @@ void launch(int world_size, Fn&& fn) {
     }
   }
   for (auto& t : threads) t.join();
+  for (auto& l : ledgers)
+    if (l->in_use()) detail::keep_for_the_process(std::move(l));
   if (failure) throw rank_failure(failed_rank, world_size, failure, failure_what);
 }
 

@@ -56,6 +56,8 @@ class ledger {
   std::size_t current(category c) const { return entries_[static_cast<int>(c)].current.load(); }
   std::size_t peak(category c) const { return entries_[static_cast<int>(c)].peak.load(); }
   std::size_t current() const { return total_.current.load(); }  // all categories
+  // Whether anything is still counted, here or in the offload ledger.
+  bool in_use() const { return current() != 0 || (offload_ && offload_->in_use()); }
   std::size_t peak() const { return total_.peak.load(); }        // peak of the sum, not the sum of peaks
 
   // Restarts the high-water marks from what is allocated now (e.g. after setup);
