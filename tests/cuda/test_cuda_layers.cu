@@ -693,9 +693,8 @@ TEST_CASE("device Embedding leaves its check to the next loss read", "[cuda][lay
 // Inference without a loss leaves the checks unread in the thread's list: a rank
 // thread that ends so releases them at its very end, into its rank's ledger, which
 // launch keeps until every thread has ended (one in the thread's own frame would be
-// gone by then, and the release would write into a dead frame: ASan's
-// stack-use-after-return, on in the asan test preset, reports it; elsewhere it is
-// silent or corrupts the heap).
+// gone by then, and the release would write into a dead frame: silent, or heap
+// corruption; test_thread_comm checks the ledger's lifetime under ASan).
 TEST_CASE("a rank thread that ends with device Embedding checks unread releases them safely",
           "[cuda][layers][decoder][pending]") {
   if (!have_device()) return;

@@ -381,3 +381,43 @@ TEST_CASE("backward twice without a forward raises on every rank and leaves the 
       CHECK_THAT(errors[std::size_t(r)], Catch::Contains(cat("rank ", r, ": backward without a forward")));
   });
 }
+
+// Ranks that run different numbers of micro-batches (no_sync on all but the last)
+// under a strategy that gathers parameters for each forward and backward call
+// different collectives at some point: every rank raises the disagreement instead
+// of waiting for the others. (ShardOptimizer and NoShard only reduce at the last
+// micro-batch, as DDP's no_sync: their ranks accumulate their own counts, and the
+// reduction averages those sums, as PyTorch does.)
+TEST_CASE("ranks running different numbers of micro-batches raise on every rank under a gathering strategy",
+          "[failures][misuse]") {
+  const auto mismatched = [](auto strategy) {
+    std::vector<std::string> errors(2);
+    try {
+      comm::launch(2, [&](comm::ThreadComm& c) {
+        fixture::Model m = fixture::make_model();
+        auto model = shard::fully_shard<optim::SGD>(m, c, strategy, {.wrap = shard::wrap_types<fixture::Block>{}});
+        optim::SGD opt{{.lr = 0.05}};
+        const auto x = fixture::batch(0, 2, 5, 1, 2 * c.rank()), y = fixture::batch(0, 2, 3, 2, 2 * c.rank());
+        try {
+          const int micro_batches = c.rank() == 0 ? 2 : 3;
+          for (int k = 0; k < micro_batches; ++k) {
+            model.set_sync(k + 1 == micro_batches);
+            model.backward(fixture::mse(model.forward(x), y).grad);
+          }
+          model.step(opt);
+        } catch (const std::exception& e) {
+          errors[std::size_t(c.rank())] = e.what();
+          throw;
+        }
+      });
+    } catch (const comm::rank_failure&) {
+    }
+    return errors;
+  };
+  for (const auto& [name, errors] : {std::pair{"FullShard", mismatched(shard::FullShard{})},
+                                     std::pair{"ShardGradOp", mismatched(shard::ShardGradOp{})}})
+    for (int r = 0; r < 2; ++r) {
+      INFO(name << ", rank " << r << ": " << errors[std::size_t(r)]);
+      CHECK_THAT(errors[std::size_t(r)], Catch::Contains(cat("rank ", r, ": ranks disagree about a collective")));
+    }
+}

@@ -138,8 +138,8 @@ TEST_CASE("launch re-raises a rank's exception, naming the rank, without leaving
 // (the device Embedding's unread checks, ops/cuda/index_report.hpp, hold memory its
 // ledger counts). launch keeps the ledgers until every thread has ended, so those
 // objects release into a live ledger; one in the thread's own frame would be gone
-// by then (ASan's stack-use-after-return, which the asan test preset turns on,
-// reports the write into it).
+// by then (ASan's stack-use-after-return, which tests/CMakeLists.txt turns on for this
+// program, reports the write into it).
 TEST_CASE("a rank's thread-local buffers are released into its ledger as its thread ends",
           "[comm][thread][launch][ledger]") {
   struct held_until_thread_end {
