@@ -190,11 +190,14 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
   const counter_rng draws(o.seed, fnv1a("generate"));
   std::vector<bool> ended(static_cast<std::size_t>(B), false);
   std::vector<std::int64_t> next(static_cast<std::size_t>(B));
-  using io = generate_io<typename M::output::space>;
-  auto logits = io::logits(forward(prompt));
-  for (std::int64_t t = P;; ++t) {
+  // A forward's logits, checked, where the picking reads them.
+  const auto read = [&](const auto& logits) {
     require<shape_error>(logits.rank() == 3 && logits.dim(0) == B && logits.dim(1) > 0,
                          "generate: the model returned logits ", logits.shape(), " for ", B, " sequences");
+    return generate_io<typename M::output::space>::logits(logits);
+  };
+  auto logits = read(forward(prompt));
+  for (std::int64_t t = P;; ++t) {
     const std::int64_t seq = logits.dim(1), vocab = logits.dim(2);
     require(!o.eos_token_id || (*o.eos_token_id >= 0 && *o.eos_token_id < vocab), "generate: eos_token_id ",
             o.eos_token_id.value_or(0), " is not a token of the model's ", vocab);
@@ -224,7 +227,7 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
     const std::int64_t len = o.use_cache ? 1 : t + 1, first = o.use_cache ? t : 0;
     Tensor<std::int64_t> ids({B, len});
     for (std::int64_t n = 0; n < B; ++n) std::copy_n(out.data() + n * total + first, len, ids.data() + n * len);
-    logits = io::logits(forward(ids));
+    logits = read(forward(ids));
   }
 }
 }  // namespace detail
@@ -232,10 +235,10 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
 // Continues every prompt row [batch, prompt_len] by max_new_tokens tokens and
 // returns prompt and continuation [batch, prompt_len + max_new_tokens] (fewer new
 // tokens when every row has reached eos_token_id, which is checked against the
-// vocabulary of the first logits). `forward`
-// maps host ids to logits (on the host or in the model's space) in inference mode: ctx.training() false (a plain context, or
-// a sharded model's forward in eval), so dropout is off and the KV cache may be
-// used. With the cache, the prompt runs once and each new token alone (its
+// vocabulary of the first logits). `forward` maps host ids to logits (on the host
+// or in the model's space) in inference mode: ctx.training() false (a plain
+// context, or a sharded model's forward in eval), so dropout is off and the KV
+// cache may be used. With the cache, the prompt runs once and each new token alone (its
 // position after the cached ones); the cache is disabled again on return, also
 // when forward throws. On a sharded model every rank must call this alike (same
 // prompt and options), each forward gathering units collectively; the overload for

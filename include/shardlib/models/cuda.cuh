@@ -6,6 +6,9 @@
 // cache lives in device memory, and models::generate (plain or sharded) runs there.
 #pragma once
 #include "shardlib/config.hpp"
+#include "shardlib/core/pending.hpp"                // count_host_sync
+#include "shardlib/cuda/copy.hpp"                  // copy_async, to_device
+#include "shardlib/cuda/error.hpp"                 // check
 #include "shardlib/models/gpt2.hpp"
 #include "shardlib/models/llama.hpp"
 #include "shardlib/nn/cuda.cuh"                    // Linear, LayerNorm, Dropout, GELU, residual, cross-entropy
@@ -14,9 +17,6 @@
 #include "shardlib/nn/cuda/feed_forward.cuh"       // GPT2MLP, LlamaMLP
 #include "shardlib/nn/cuda/rms_norm.cuh"           // RMSNorm
 #include "shardlib/nn/cuda/tied_linear.cuh"        // the tied lm_head
-#include "shardlib/core/pending.hpp"              // count_host_sync
-#include "shardlib/cuda/copy.hpp"                  // to_device
-#include "shardlib/cuda/error.hpp"                 // check
 #include "shardlib/ops/cuda/index_report.hpp"      // deferred_index_reports
 
 #include <cuda_runtime.h>
@@ -37,10 +37,9 @@ template <>
 struct generate_io<cuda_space> {
   static Tensor<std::int64_t, cuda_space> ids(const Tensor<std::int64_t>& ids) { return cuda::to_device(ids); }
 
+  // Logits [batch, seq > 0, vocab] (generate checks them first).
   template <class T>
   static Tensor<T> logits(const Tensor<T, cuda_space>& logits) {
-    require<shape_error>(logits.rank() == 3 && logits.dim(1) > 0, "generate: the model returned logits ",
-                         logits.shape(), ", not [batch, seq > 0, vocab]");
     const std::int64_t B = logits.dim(0), S = logits.dim(1), V = logits.dim(2);
     const cudaStream_t s = cuda::current_stream();
     auto reports = ops::cuda::deferred_index_reports().take();

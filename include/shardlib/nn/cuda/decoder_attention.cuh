@@ -153,7 +153,8 @@ class decoder_attention<T, cuda_space> : public decoder_attention_base<T, cuda_s
   }
 
  private:
-  std::optional<ops::cuda::rotary_device_table> table_;  // cos, sin of positions [0, furthest position so far)
+  // cos, sin of positions [0, the furthest so far or, with the KV cache, its capacity)
+  std::optional<ops::cuda::rotary_device_table> table_;
   // Cached by forward for backward.
   ops::cuda::flash_options flash_;
   head_view<T> q_, k_, v_, out_;
