@@ -171,7 +171,7 @@ TEST_CASE("with check on ranks calling different collectives raise on every rank
     sl::cuda::copy_async(buf.span().first(4), std::span<const float>(ones), nullptr);
     c.all_reduce(buf.span().first(4), reduce_op::sum);
     sl::cuda::copy_async(std::span<float>(ones), std::span<const float>(buf.span().first(4)), nullptr);
-    REQUIRE(cudaStreamSynchronize(nullptr) == cudaSuccess);
+    sl::cuda::check(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
     after[r] = ones[0];
   });
   for (int r = 0; r < gpus; ++r) {

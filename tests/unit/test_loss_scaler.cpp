@@ -5,6 +5,7 @@
 #include "shardlib/shard/precision.hpp"
 #include "shardlib/shard/sharded_model.hpp"
 #include "support/shard_fixture.hpp"
+#include "support/raised.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -113,11 +114,19 @@ TEST_CASE("a scaler that could not work is refused, naming the field", "[scaler]
 }
 
 TEST_CASE("the engine refuses an invalid initial scale at wrap time, naming the rank", "[scaler][shard]") {
-  comm::launch(2, [](comm::ThreadComm& c) {
+  const std::vector<float> bad{0.f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  std::vector<std::vector<std::string>> errors(2);  // [rank][bad scale]
+  comm::launch(2, [&](comm::ThreadComm& c) {
     Model m = make_model();
-    for (float bad : {0.f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()})
-      CHECK_THROWS_WITH(shard::fully_shard<sgd>(m, c, shard::FullShard{},
-                                                {.precision = {.param = dtype::f16}, .scaler = {.scale = bad}}),
-                        Catch::Contains(cat("rank ", c.rank(), ": loss_scaler.scale must lie in")));
+    for (float scale : bad)
+      errors[std::size_t(c.rank())].push_back(test_support::raised([&] {
+        shard::fully_shard<sgd>(m, c, shard::FullShard{},
+                                {.precision = {.param = dtype::f16}, .scaler = {.scale = scale}});
+      }));
   });
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(errors[std::size_t(r)].size() == bad.size());
+    for (const auto& e : errors[std::size_t(r)])
+      CHECK_THAT(e, Catch::Contains(cat("rank ", r, ": loss_scaler.scale must lie in")));
+  }
 }

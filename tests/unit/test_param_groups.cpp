@@ -376,20 +376,17 @@ TEST_CASE("checkpoints keep the groups: a resharding load resumes, a different g
 
   std::vector<float> resumed;
   std::vector<std::string> errors(3);
+  double restored_lr = 0, other_weight_decay = 0;  // rank 0's, checked after launch
+  nlohmann::json loaded_groups;
   comm::launch(3, [&](comm::ThreadComm& c) {
     Model m = fixture::make_model();
     Groups opt = make_groups();
     auto model = shard::fully_shard(m, c, shard::ShardOptimizer{}, opt, wrapped());
     opt["decay"].options.lr = 123;  // restored from the checkpoint
     const auto loaded = io::load_checkpoint(dir.path / "three", model, opt);
-    if (c.rank() == 0) {  // Catch's assertions from one thread only
-      CHECK(opt["decay"].options.lr == double(shared_schedule(2)));
-      const auto& groups = loaded.metadata.optimizer->hyperparameters.at("param_groups");
-      CHECK(groups.at(0).at("params") == nlohmann::json({"0.weight", "1.layers.0.weight", "1.layers.1.weight",
-                                                         "1.layers.2.weight", "2.weight"}));
-      CHECK(groups.at(1).at("params") ==
-            nlohmann::json({"0.bias", "1.layers.0.bias", "1.layers.1.bias", "1.layers.2.bias", "2.bias"}));
-      CHECK(groups.at(1).at("beta1") == 0.8);
+    if (c.rank() == 0) {
+      restored_lr = opt["decay"].options.lr;
+      loaded_groups = loaded.metadata.optimizer->hyperparameters.at("param_groups");
     }
     train_groups(model, opt, 3, 3);
     auto p = full_params(model);
@@ -405,8 +402,15 @@ TEST_CASE("checkpoints keep the groups: a resharding load resumes, a different g
     } catch (const error& e) {
       errors[std::size_t(c.rank())] = e.what();
     }
-    if (c.rank() == 0) CHECK(other["no_decay"].options.weight_decay == 0.05);  // nothing changed
+    if (c.rank() == 0) other_weight_decay = other["no_decay"].options.weight_decay;
   });
+  CHECK(restored_lr == double(shared_schedule(2)));
+  CHECK(loaded_groups.at(0).at("params") ==
+        nlohmann::json({"0.weight", "1.layers.0.weight", "1.layers.1.weight", "1.layers.2.weight", "2.weight"}));
+  CHECK(loaded_groups.at(1).at("params") ==
+        nlohmann::json({"0.bias", "1.layers.0.bias", "1.layers.1.bias", "1.layers.2.bias", "2.bias"}));
+  CHECK(loaded_groups.at(1).at("beta1") == 0.8);
+  CHECK(other_weight_decay == 0.05);  // the refused load changed nothing
   test_support::max_error worst;
   worst.relative(resumed, uninterrupted, 1e-3);
   CHECK(worst <= 1e-5);
@@ -524,26 +528,33 @@ TEST_CASE("train_step: clipping under fp16 loss scaling equals clipping without 
 }
 
 TEST_CASE("train_step: a step skipped for an fp16 overflow still reports its loss and norm", "[train_step][skip]") {
+  bool first_skipped = true, unchanged = false;  // rank 0's, checked after launch
+  shard::step_result r;
+  float scale = 0;
   comm::launch(2, [&](comm::ThreadComm& c) {
     Model m = fixture::make_model();
     auto model = shard::fully_shard<fixture::sgd>(
         m, c, shard::FullShard{}, wrapped({.precision = {.reduce = dtype::f16}, .scaler = {.scale = 1024}}));
     fixture::sgd opt;
     auto x = fixture::batch(0, 2, 5, 1, c.rank() * 2), y = fixture::batch(0, 2, 3, 2, c.rank() * 2);
-    const bool first_skipped = model.train_step(opt, x, y, fixture::mse, {.max_norm = 1}).skipped;
+    const bool skipped = model.train_step(opt, x, y, fixture::mse, {.max_norm = 1}).skipped;
     const auto before = full_params(model);
     Tensor<float> huge(x.shape());
     for (std::int64_t i = 0; i < x.numel(); ++i) huge[i] = x[i] * 1e4f;  // gradients beyond fp16's 65504
-    const auto r = model.train_step(opt, huge, y, fixture::mse, {.max_norm = 1});
+    const auto result = model.train_step(opt, huge, y, fixture::mse, {.max_norm = 1});
     const auto after = full_params(model);
-    if (c.rank() != 0) return;  // Catch's assertions from one thread only
-    CHECK(!first_skipped);
-    CHECK(r.skipped);
-    CHECK(std::isfinite(r.loss));
-    CHECK(r.loss > 1e4f);
-    REQUIRE(r.grad_norm);
-    CHECK(!std::isfinite(*r.grad_norm));
-    CHECK(after == before);
-    CHECK(model.scaler()->scale == 512);
+    if (c.rank() != 0) return;
+    first_skipped = skipped;
+    r = result;
+    unchanged = after == before;
+    scale = model.scaler()->scale;
   });
+  CHECK(!first_skipped);
+  CHECK(r.skipped);
+  CHECK(std::isfinite(r.loss));
+  CHECK(r.loss > 1e4f);
+  REQUIRE(r.grad_norm);
+  CHECK(!std::isfinite(*r.grad_norm));
+  CHECK(unchanged);
+  CHECK(scale == 512);
 }

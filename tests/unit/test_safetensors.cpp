@@ -1070,20 +1070,28 @@ TEST_CASE("a sharded model loads through a name map, transposes, dtypes and a ti
   const auto want = lm_expected();
   for (int world : {1, 2, 3}) {
     INFO("W = " << world);
+    bool ok = false;
+    std::vector<std::string> from_tied;
+    std::map<std::string, std::vector<double>> got;  // rank 0's, checked after launch
     on_sharded_lm(world, shard::FullShard{}, [&](auto& model, comm::ThreadComm& c) {
       const auto r = load_state_dict(dir / "lm.safetensors", model, lm_options());
-      const auto got = values_of_sharded(model);  // collective: every rank
-      if (c.rank() != 0) return;  // Catch's assertions from one thread only
-      CHECK(r.ok());
-      CHECK(r.from_tied == std::vector<std::string>{"2.weight"});
-      CHECK(got == want);
+      auto values = values_of_sharded(model);  // collective: every rank
+      if (c.rank() != 0) return;
+      ok = r.ok();
+      from_tied = r.from_tied;
+      got = std::move(values);
     });
+    CHECK(ok);
+    CHECK(from_tied == std::vector<std::string>{"2.weight"});
+    CHECK(got == want);
   }
+  std::map<std::string, std::vector<double>> replicated;
   on_sharded_lm(2, shard::NoShard{}, [&](auto& model, comm::ThreadComm& c) {
     load_state_dict(dir / "lm.safetensors", model, lm_options());
-    const auto got = values_of_sharded(model);
-    if (c.rank() == 0) CHECK(got == want);
+    auto values = values_of_sharded(model);
+    if (c.rank() == 0) replicated = std::move(values);
   });
+  CHECK(replicated == want);
   Lm m = make_lm();
   nn::Replicated<float, Lm> plain(m, 3);
   load_state_dict(dir / "lm.safetensors", plain, lm_options());
@@ -1182,6 +1190,8 @@ TEST_CASE("save_state_dict writes the file's names, layouts and dtype, the tie o
   const auto want = lm_expected();
   for (int world : {1, 3}) {
     INFO("W = " << world);
+    bool index_ok = false, file_ok = false;
+    std::map<std::string, std::vector<double>> from_index, from_file;  // rank 0's, checked after launch
     on_sharded_lm(world, shard::FullShard{}, [&](auto& model, comm::ThreadComm& c) {
       load_state_dict(dir / "lm.safetensors", model, lm_options());
       auto f32 = lm_options();
@@ -1192,42 +1202,41 @@ TEST_CASE("save_state_dict writes the file's names, layouts and dtype, the tie o
       sharded.max_shard_bytes = 80;  // BF16: the embedding (70 B), then 50 + 10, then 50 + 10 + 14
       save_state_dict(dir / "out", model, sharded);
       c.barrier();
-      if (c.rank() == 0) {
-        // The file as another reader sees it: the file's names, [in, out] layouts, no lm_head.weight.
-        const auto out = read_files({dir / "out.safetensors"});
-        CHECK(out.metadata == std::map<std::string, std::string>{{"format", "pt"}});
-        CHECK(out.tensors.size() == lm_file.size());
-        for (std::size_t k = 0; k < lm_file.size(); ++k) {
-          const auto& t = out.tensors.at(lm_file[k].name);
-          CHECK(t.type == dtype::f32);
-          CHECK(t.shape == lm_file[k].shape);
-          std::vector<double> v;
-          for (std::int64_t i = 0; i < t.shape.numel(); ++i) v.push_back(value_of(int(k), i));
-          CHECK(out.values.at(lm_file[k].name) == v);
-        }
-        const auto files = shard_files(dir / "out");
-        CHECK(files.size() == 3);
-        CHECK(files[0].filename() == "model-00001-of-00003.safetensors");
-        const auto sharded_back = read_files(files);
-        CHECK(sharded_back.values == out.values);
-        CHECK(sharded_back.tensors.at("transformer.wte.weight").type == dtype::bf16);
-      }
-      c.barrier();
       // And back: into a fresh model at another world size's layout, through the index.
       Lm m2 = make_lm();
       auto fresh = shard::fully_shard(m2, c, shard::ShardOptimizer{}, {.seed = 9});
-      const bool index_ok = load_state_dict(dir / "out", fresh, lm_options()).ok();
-      const auto from_index = values_of_sharded(fresh);
-      const bool file_ok = load_state_dict(dir / "out.safetensors", fresh, lm_options()).ok();
-      const auto from_file = values_of_sharded(fresh);
-      if (c.rank() == 0) {  // Catch's assertions from one thread only
-        CHECK(index_ok);
-        CHECK(from_index == want);
-        CHECK(file_ok);
-        CHECK(from_file == want);
-      }
-      c.barrier();
+      const bool index_loaded = load_state_dict(dir / "out", fresh, lm_options()).ok();
+      auto index_values = values_of_sharded(fresh);
+      const bool file_loaded = load_state_dict(dir / "out.safetensors", fresh, lm_options()).ok();
+      auto file_values = values_of_sharded(fresh);
+      if (c.rank() != 0) return;
+      index_ok = index_loaded;
+      file_ok = file_loaded;
+      from_index = std::move(index_values);
+      from_file = std::move(file_values);
     });
+    CHECK(index_ok);
+    CHECK(from_index == want);
+    CHECK(file_ok);
+    CHECK(from_file == want);
+    // The file as another reader sees it: the file's names, [in, out] layouts, no lm_head.weight.
+    const auto out = read_files({dir / "out.safetensors"});
+    CHECK(out.metadata == std::map<std::string, std::string>{{"format", "pt"}});
+    CHECK(out.tensors.size() == lm_file.size());
+    for (std::size_t k = 0; k < lm_file.size(); ++k) {
+      const auto& t = out.tensors.at(lm_file[k].name);
+      CHECK(t.type == dtype::f32);
+      CHECK(t.shape == lm_file[k].shape);
+      std::vector<double> v;
+      for (std::int64_t i = 0; i < t.shape.numel(); ++i) v.push_back(value_of(int(k), i));
+      CHECK(out.values.at(lm_file[k].name) == v);
+    }
+    const auto files = shard_files(dir / "out");
+    CHECK(files.size() == 3);
+    CHECK(files[0].filename() == "model-00001-of-00003.safetensors");
+    const auto sharded_back = read_files(files);
+    CHECK(sharded_back.values == out.values);
+    CHECK(sharded_back.tensors.at("transformer.wte.weight").type == dtype::bf16);
   }
   // Tied parameters that differ cannot be written once.
   Lm m = make_lm();
@@ -1413,21 +1422,27 @@ TEST_CASE("files transformers wrote load with the Hugging Face conventions, and 
   REQUIRE(gpt2.tensors.size() == 28);  // 2 + 12 per block + ln_f's 2
   CHECK(!gpt2.tensors.contains("lm_head.weight"));
   CHECK(gpt2.tensors.at("transformer.h.0.attn.c_attn.weight").shape == Shape{32, 96});  // [in, out]
+  bool ok = false;
+  std::vector<std::string> from_tied;
+  std::map<std::string, std::vector<double>> got;  // rank 0's, checked after launch
   comm::launch(2, [&](comm::ThreadComm& c) {
     auto h = mirror<float>(gpt2.tensors, io::hf::gpt2(), {{"lm_head.weight", {96, 32}}});
     auto model = shard::fully_shard(h, c, shard::FullShard{});
     const auto r = load_state_dict(gpt2_dir, model, io::hf::gpt2());
-    const auto got = values_of_sharded(model);  // collective: every rank
+    auto values = values_of_sharded(model);  // collective: every rank
     save_state_dict(dir / "gpt2.safetensors", model, io::hf::gpt2());
-    if (c.rank() != 0) return;  // Catch's assertions from one thread only
-    CHECK(r.ok());
-    CHECK(r.from_tied == std::vector<std::string>{"lm_head.weight"});
-    CHECK(got.at("lm_head.weight") == gpt2.values.at("transformer.wte.weight"));
-    const auto& w = got.at("transformer.h.1.mlp.c_fc.weight");  // [128, 32] here, [32, 128] in the file
-    const auto& f = gpt2.values.at("transformer.h.1.mlp.c_fc.weight");
-    CHECK(w[3 * 32 + 5] == f[5 * 128 + 3]);
-    CHECK(got.at("transformer.h.0.ln_1.bias") == gpt2.values.at("transformer.h.0.ln_1.bias"));
+    if (c.rank() != 0) return;
+    ok = r.ok();
+    from_tied = r.from_tied;
+    got = std::move(values);
   });
+  CHECK(ok);
+  CHECK(from_tied == std::vector<std::string>{"lm_head.weight"});
+  CHECK(got.at("lm_head.weight") == gpt2.values.at("transformer.wte.weight"));
+  const auto& w = got.at("transformer.h.1.mlp.c_fc.weight");  // [128, 32] here, [32, 128] in the file
+  const auto& f = gpt2.values.at("transformer.h.1.mlp.c_fc.weight");
+  CHECK(w[3 * 32 + 5] == f[5 * 128 + 3]);
+  CHECK(got.at("transformer.h.0.ln_1.bias") == gpt2.values.at("transformer.h.0.ln_1.bias"));
   const auto back = read_files({dir / "gpt2.safetensors"});
   CHECK(back.values == gpt2.values);  // every tensor, bit for bit, under the same names and shapes
   CHECK(back.tensors.size() == gpt2.tensors.size());
