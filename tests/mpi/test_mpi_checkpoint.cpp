@@ -156,6 +156,36 @@ TEST_CASE("a checkpoint saved by every process loads on 3 and on 2 of them, and 
   }
 }
 
+TEST_CASE("an async save across processes holds the values of its call while training goes on",
+          "[checkpoint][mpi][async]") {
+  auto world = MpiComm::world();
+  shared_dir dir(world, "async");
+  if (world.rank() == 0) fs::create_directories(dir.path);
+  world.barrier();
+  Model m = make_model();
+  auto model = shard::fully_shard(m, world, shard::FullShard{}, wrap_blocks());
+  optim::Adam adam{{.lr = 1e-2}};
+  train(model, adam, 0, 2);
+  io::export_safetensors(dir.path / "saved.safetensors", model, adam);
+  auto pending = io::async_save_checkpoint(dir.path / "ckpt", model, adam, {.chunk_bytes = 128});
+  train(model, adam, 2, 2);  // MPI collectives while each process's thread writes its file
+  const auto path = pending.wait();
+
+  Model m2 = make_model();
+  auto fresh = shard::fully_shard(m2, world, shard::FullShard{}, wrap_blocks(7));
+  optim::Adam other;
+  io::load_checkpoint(path, fresh, other);
+  io::export_safetensors(dir.path / "loaded.safetensors", fresh, other);
+  world.barrier();
+  const auto saved = io::safetensors::load(dir.path / "saved.safetensors");
+  const auto loaded = io::safetensors::load(dir.path / "loaded.safetensors");
+  CHECK(loaded.tensors().size() == saved.tensors().size());
+  for (const auto& t : saved.tensors()) {
+    INFO(t.name);
+    CHECK(loaded.get<float>(t.name) == saved.get<float>(t.name));  // step 2's values, not step 4's
+  }
+}
+
 TEST_CASE("a process failing mid-save raises on every process and keeps the previous checkpoint",
           "[checkpoint][mpi][atomic]") {
   auto world = MpiComm::world();

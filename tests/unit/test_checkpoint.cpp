@@ -13,12 +13,16 @@
 #include "shardlib/optim/adam.hpp"
 #include "shardlib/optim/sgd.hpp"
 #include "shardlib/shard/sharded_model.hpp"
+#include "support/checkpoint_files.hpp"
 #include "support/compare.hpp"
+#include "support/raised.hpp"
 
 #include <catch2/catch.hpp>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -31,6 +35,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fcntl.h>      // open: waking a reader blocked on a FIFO
@@ -492,6 +497,105 @@ TEST_CASE("a failure on one rank mid-save raises on every rank and keeps the pre
     if (c.rank() == 0) reloaded = std::move(s);
   });
   CHECK(first_difference(reloaded, first) == "");
+}
+
+// --- async_save_checkpoint ----------------------------------------------------------------------
+namespace {
+// A write hook that holds each rank's first write until the rank's training thread says
+// so (or 30 s pass): a save that wrote on the calling thread would hold that thread, and
+// the rank would report that it never released its own writes.
+struct held_writes {
+  std::array<std::atomic<bool>, 3> go{};
+  std::array<int, 3> released{-1, -1, -1};  // per rank: 1 released by its thread, 0 timed out
+  io::write_callback hook() {
+    return [this](const io::write_event& e) {
+      auto& r = released[std::size_t(e.rank)];
+      if (r == -1) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (!go[std::size_t(e.rank)].load() && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        r = go[std::size_t(e.rank)].load() ? 1 : 0;
+      }
+      return 0;
+    };
+  }
+};
+}  // namespace
+
+TEST_CASE("async_save_checkpoint writes while training goes on, the values of its call, as save_checkpoint does",
+          "[checkpoint][async]") {
+  temp_dir dir("async");
+  held_writes held;
+  std::vector<int> written_before_wait(3, -1);
+  std::vector<std::string> paths(3);
+  on_ranks(3, shard::FullShard{}, wrap_blocks(), [&](auto& model, auto& adam, comm::ThreadComm& c) {
+    train(model, adam, 0, 2);
+    io::save_checkpoint(dir / "sync", model, adam, {.tag = "t", .chunk_bytes = 256});
+    auto pending =
+        io::async_save_checkpoint(dir / "async", model, adam, {.tag = "t", .chunk_bytes = 256, .write_hook = held.hook()});
+    train(model, adam, 2, 2);  // collectives and new values while the files are being written
+    const int r = c.rank();
+    written_before_wait[std::size_t(r)] = pending.written();  // held: not yet
+    held.go[std::size_t(r)] = true;
+    paths[std::size_t(r)] = pending.wait().string();
+  });
+  CHECK(held.released == std::array<int, 3>{1, 1, 1});
+  CHECK(written_before_wait == std::vector<int>{0, 0, 0});
+  for (const auto& p : paths) CHECK(p == (dir / "async" / "t").string());
+  const auto sync = test_support::files_under(dir / "sync" / "t"), async = test_support::files_under(dir / "async" / "t");
+  CHECK(sync.size() == 4);  // metadata.json and three shard files
+  CHECK(async == sync);     // byte for byte: the values of step 2, not step 4
+  CHECK(dir_names(dir / "async") == std::vector<std::string>{"t"});
+}
+
+TEST_CASE("an async save that fails on one rank raises at wait on every rank and keeps the previous checkpoint",
+          "[checkpoint][async][atomic]") {
+  temp_dir dir("async_fail");
+  std::vector<std::string> errors(3);
+  std::vector<int> written(3, 0);
+  on_ranks(3, shard::FullShard{}, wrap_blocks(), [&](auto& model, auto& adam, comm::ThreadComm& c) {
+    train(model, adam, 0, 2);
+    io::save_checkpoint(dir.path, model, adam);
+    auto pending = io::async_save_checkpoint(dir.path, model, adam, {.write_hook = [](const io::write_event& e) {
+                                                                      return e.rank == 1 ? ENOSPC : 0;
+                                                                    }});
+    train(model, adam, 2, 1);
+    while (!pending.written()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    written[std::size_t(c.rank())] = 1;
+    errors[std::size_t(c.rank())] = test_support::raised([&] { pending.wait(); });
+  });
+  CHECK(written == std::vector<int>{1, 1, 1});
+  CHECK_THAT(errors[1], StartsWith("rank 1: saving checkpoint") && Contains("No space left on device"));
+  for (int r : {0, 2})
+    CHECK_THAT(errors[std::size_t(r)], Contains("stopped because rank 1 failed") && Contains("No space left"));
+  CHECK(dir_names(dir.path) == std::vector<std::string>{"step-00000002"});  // no step 3, no temporary directory
+}
+
+TEST_CASE("a save under a tag in flight is refused, others go on beside it, and an abandoned one leaves nothing",
+          "[checkpoint][async]") {
+  temp_dir dir("async_tags");
+  held_writes held;
+  std::vector<std::string> refused(3);
+  on_ranks(3, shard::FullShard{}, wrap_blocks(), [&](auto& model, auto& adam, comm::ThreadComm& c) {
+    train(model, adam, 0, 1);
+    auto x = io::async_save_checkpoint(dir.path, model, adam, {.tag = "x", .write_hook = held.hook()});
+    refused[std::size_t(c.rank())] =
+        test_support::raised([&] { io::save_checkpoint(dir.path, model, adam, {.tag = "x"}); });
+    train(model, adam, 1, 1);
+    io::save_checkpoint(dir.path, model, adam, {.tag = "y"});  // completes first; its pruning spares x's directory
+    held.go[std::size_t(c.rank())] = true;
+    x.wait();  // commits after y: the latest
+    {
+      auto abandoned = io::async_save_checkpoint(dir.path, model, adam, {.tag = "z"});
+    }  // destroyed without wait: nothing committed
+    io::save_checkpoint(dir.path, model, adam, {.keep_last = 3, .tag = "w"});  // removes z's temporary directory
+  });
+  CHECK_THAT(refused[0], Contains("rank 0: saving checkpoint") && Contains("a save under this tag is still in flight"));
+  for (int r : {1, 2}) CHECK_THAT(refused[std::size_t(r)], Contains("stopped because rank 0 failed"));
+  CHECK(dir_names(dir.path) == std::vector<std::string>{"w", "x", "y"});
+  CHECK(io::read_checkpoint_metadata(dir / "x").sequence == io::read_checkpoint_metadata(dir / "y").sequence + 1);
+  CHECK(io::read_checkpoint_metadata(dir / "x").steps == 1);  // the values of its call
+  CHECK(io::read_checkpoint_metadata(dir / "y").steps == 2);
 }
 
 TEST_CASE("a full disk mid-write (an injected ENOSPC) and a failed metadata write lose nothing",

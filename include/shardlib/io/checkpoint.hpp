@@ -39,13 +39,17 @@
 
 #include <nlohmann/json.hpp>  // nlohmann::json
 
+#include <atomic>       // std::atomic
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::uint64_t, std::int64_t
+#include <exception>    // std::exception_ptr, std::current_exception, std::rethrow_exception
 #include <filesystem>   // std::filesystem
+#include <memory>       // std::unique_ptr, std::make_unique
 #include <optional>     // std::optional
 #include <span>         // std::span
 #include <string>       // std::string
 #include <string_view>  // std::string_view
+#include <thread>       // std::thread
 #include <type_traits>  // std::is_same_v
 #include <utility>      // std::move
 #include <vector>       // std::vector
@@ -95,34 +99,51 @@ void check_same_save_options(Comm& comm, const std::string& tag, std::uint64_t c
 }
 }  // namespace detail
 
-// Saves model and optimizer as a sharded checkpoint root/<tag> from every rank: each
-// rank that holds a distinct shard writes one file; rank 0 writes metadata.json last.
-// All of it goes into root/.tmp-<tag>, and only once every rank has written and synced
-// its file does rank 0 rename it into place: a failure on any rank raises io_error on
-// every rank and leaves earlier checkpoints as they were. Collective; returns root/<tag>.
-template <class M, class C, class S, SavableOptimizer O>
-std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::ShardedModel<M, C, S, float, O>& model,
-                                      O& opt, const save_options& o = {}) {
-  auto comm = detail::host_collectives_of(model);  // io's own collectives, staged where the model's need it
-  const int rank = comm.rank();
-  const std::string tag = o.tag.empty() ? detail::default_tag(model.steps()) : o.tag;
-  const auto final_dir = root / tag, temp = root / cat(detail::temp_prefix, tag);
-  const std::string what = cat("saving checkpoint ", final_dir.string());
+namespace detail {
 
-  checkpoint_metadata m;
-  detail::on_all_ranks(comm, what, [&] {  // before any path built from the tag is touched
-    if (!detail::valid_tag(tag))
+// One save from its snapshot to its commit. begin_save takes the snapshot (collective);
+// write_own_file writes this rank's shard file from it and touches nothing else (no
+// communication, not the model: it may run on another thread while training goes on);
+// finish_save agrees and commits (collective).
+struct save_state {
+  std::filesystem::path root, final_dir, temp;
+  std::string what;
+  save_options options;
+  int rank = 0;
+  int part = -1;          // the partition this rank writes; -1: none (another rank holds the same shard)
+  temp_claim claim;       // rank 0's, from prepare_save to the end
+  checkpoint_metadata m;  // sequence and files are filled at the commit
+  model_state_dict params;
+  optim_state_dict state;
+  checkpoint_file mine;
+};
+
+template <class Comm, class Engine, class O>
+std::unique_ptr<save_state> begin_save(Comm& comm, const std::filesystem::path& root, Engine& model, O& opt,
+                                       const save_options& o) {
+  auto s = std::make_unique<save_state>();
+  s->options = o;
+  s->rank = comm.rank();
+  const std::string tag = o.tag.empty() ? default_tag(model.steps()) : o.tag;
+  s->root = root;
+  s->final_dir = root / tag;
+  s->temp = root / cat(temp_prefix, tag);
+  s->what = cat("saving checkpoint ", s->final_dir.string());
+  const std::string& what = s->what;
+
+  on_all_ranks(comm, what, [&] {  // before any path built from the tag is touched
+    if (!valid_tag(tag))
       throw io_error(cat("checkpoint tag \"", tag, "\" must be 1-200 letters, digits or -_.+= not starting with '.'"));
-    if (o.chunk_bytes < detail::min_chunk_bytes || o.chunk_bytes > detail::max_chunk_bytes)
-      throw io_error(cat("chunk_bytes ", o.chunk_bytes, " is outside [", detail::min_chunk_bytes, ", ",
-                         detail::max_chunk_bytes, "]"));
+    if (o.chunk_bytes < min_chunk_bytes || o.chunk_bytes > max_chunk_bytes)
+      throw io_error(cat("chunk_bytes ", o.chunk_bytes, " is outside [", min_chunk_bytes, ", ", max_chunk_bytes, "]"));
     if (o.keep_last < 0) throw io_error(cat("keep_last ", o.keep_last, " is negative (0 keeps every checkpoint)"));
   });
-  detail::check_same_save_options(comm, tag, o.chunk_bytes, o.keep_last, o.user, what);
+  check_same_save_options(comm, tag, o.chunk_bytes, o.keep_last, o.user, what);
   try {
-    detail::on_all_ranks(comm, what, [&] {
-      if (rank == 0) m.sequence = detail::prepare_save(final_dir, temp);
+    on_all_ranks(comm, what, [&] {
+      if (s->rank == 0) s->claim = prepare_save(s->final_dir, s->temp);
     });
+    auto& m = s->m;
     m.tag = tag;
     m.world_size = comm.size();
     m.strategy = std::string(model.strategy().name);
@@ -132,14 +153,12 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
     m.reduce_dtype = std::string(name(model.precision().reduce));
     m.steps = model.steps();
     // What this rank holds, as the in-memory sharded state dict: its file holds these pieces.
-    model_state_dict params;
-    optim_state_dict state;
-    detail::on_all_ranks(comm, what, [&] {
-      params = get_model_state(model);
-      state = get_optimizer_state(model, opt);
+    on_all_ranks(comm, what, [&] {
+      s->params = get_model_state(model);
+      s->state = get_optimizer_state(model, opt);
     });
-    m.optimizer = state.record;
-    detail::check_same_optimizer(comm, *m.optimizer, what);
+    m.optimizer = s->state.record;
+    check_same_optimizer(comm, *m.optimizer, what);
     m.scaler = model.scaler();
     m.user = o.user;
     m.chunk_bytes = o.chunk_bytes;
@@ -149,26 +168,43 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
       for (const auto& e : l.entries) cu.params.push_back({e.name, e.shape, e.offset});
       m.units.push_back(std::move(cu));
     }
+    s->part = model.written_partition();
+  } catch (...) {
+    if (s->claim.held()) remove_quietly(s->temp);  // only this save's own directory
+    throw;
+  }
+  return s;
+}
 
-    // This rank's shard file: its partition is exactly the pieces it holds.
-    const int part = model.written_partition();
-    checkpoint_file mine;
-    detail::on_all_ranks(comm, what, [&] {
-      if (part < 0) return;
-      const detail::offered_pieces src(std::span(&params, 1), std::span(&state, 1));
-      mine = detail::write_shard_file(
-          temp, part, m, rank, o.write_hook,
-          [&](std::size_t u, std::string_view kind, std::uint64_t first, std::span<float> out) {
-            detail::request_range(m.units[u].params, src, kind, first, out);
-          });
+// This rank's shard file: its partition is exactly the pieces it holds. The snapshot is
+// dropped once written.
+inline void write_own_file(save_state& s) {
+  if (s.part >= 0) {
+    const offered_pieces src(std::span(&s.params, 1), std::span(&s.state, 1));
+    s.mine = write_shard_file(s.temp, s.part, s.m, s.rank, s.options.write_hook,
+                              [&](std::size_t u, std::string_view kind, std::uint64_t first, std::span<float> out) {
+                                request_range(s.m.units[u].params, src, kind, first, out);
+                              });
+  }
+  s.params = {};
+  s.state = {};
+}
+
+// Every rank learns whether every file was written (write_error: this rank's), rank 0
+// every file's size and checksums, and commits; then keep_last.
+template <class Comm>
+std::filesystem::path finish_save(Comm& comm, save_state& s, std::exception_ptr write_error) {
+  auto& m = s.m;
+  try {
+    on_all_ranks(comm, s.what, [&] {
+      if (write_error) std::rethrow_exception(write_error);
     });
-
-    // Rank 0 learns every file's size and checksums: [partition, bytes, chunk count, hashes...].
-    std::vector<std::int64_t> mine_enc{part};
-    if (part >= 0) {
-      mine_enc.push_back(std::int64_t(mine.bytes));
-      mine_enc.push_back(std::int64_t(mine.chunks.size()));
-      for (auto h : mine.chunks) mine_enc.push_back(std::int64_t(h));
+    // [partition, bytes, chunk count, hashes...] of every rank.
+    std::vector<std::int64_t> mine_enc{s.part};
+    if (s.part >= 0) {
+      mine_enc.push_back(std::int64_t(s.mine.bytes));
+      mine_enc.push_back(std::int64_t(s.mine.chunks.size()));
+      for (auto h : s.mine.chunks) mine_enc.push_back(std::int64_t(h));
     }
     std::vector<std::int64_t> longest{std::int64_t(mine_enc.size())};
     comm.all_reduce(std::span<std::int64_t>(longest), shardlib::comm::reduce_op::max);
@@ -176,26 +212,112 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
     std::vector<std::int64_t> all(mine_enc.size() * std::size_t(comm.size()));
     comm.all_gather(std::span<const std::int64_t>(mine_enc), std::span<std::int64_t>(all));
 
-    detail::on_all_ranks(comm, what, [&] {
-      if (rank != 0) return;
+    on_all_ranks(comm, s.what, [&] {
+      if (s.rank != 0) return;
       m.files.resize(std::size_t(m.partitions));
       for (int r = 0; r < comm.size(); ++r) {
         const std::int64_t* e = all.data() + std::size_t(r) * mine_enc.size();
         if (e[0] < 0) continue;
         auto& f = m.files[std::size_t(e[0])];
-        f = {detail::shard_file_name(int(e[0]), m.partitions), std::uint64_t(e[1]), {}};
+        f = {shard_file_name(int(e[0]), m.partitions), std::uint64_t(e[1]), {}};
         for (std::int64_t c = 0; c < e[2]; ++c) f.chunks.push_back(std::uint64_t(e[3 + c]));
       }
-      detail::commit_checkpoint(temp, final_dir, m, o.write_hook);
+      commit_checkpoint(s.temp, s.final_dir, m, s.options.write_hook);
     });
   } catch (...) {
-    if (rank == 0) detail::remove_quietly(temp);
+    if (s.claim.held()) remove_quietly(s.temp);
+    s.claim.release();
     throw;
   }
-  detail::on_all_ranks(comm, cat(what, " (it is complete; removing old ones)"), [&] {
-    if (rank == 0) detail::prune(root, o.keep_last);
+  s.claim.release();
+  on_all_ranks(comm, cat(s.what, " (it is complete; removing old ones)"), [&] {
+    if (s.rank == 0) prune(s.root, s.options.keep_last);
   });
-  return final_dir;
+  return s.final_dir;
+}
+
+}  // namespace detail
+
+// Saves model and optimizer as a sharded checkpoint root/<tag> from every rank: each
+// rank that holds a distinct shard writes one file; rank 0 writes metadata.json last.
+// All of it goes into root/.tmp-<tag>, and only once every rank has written and synced
+// its file does rank 0 rename it into place: a failure on any rank raises io_error on
+// every rank and leaves earlier checkpoints as they were. Collective; returns root/<tag>.
+template <class M, class C, class S, SavableOptimizer O>
+std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::ShardedModel<M, C, S, float, O>& model,
+                                      O& opt, const save_options& o = {}) {
+  auto comm = detail::host_collectives_of(model);  // io's own collectives, staged where the model's need it
+  const auto s = detail::begin_save(comm, root, model, opt, o);
+  std::exception_ptr write_error;
+  try {
+    detail::write_own_file(*s);
+  } catch (...) {
+    write_error = std::current_exception();
+  }
+  return detail::finish_save(comm, *s, write_error);
+}
+
+// A checkpoint being written in the background (async_save_checkpoint). wait() is
+// collective: every rank calls it, and it returns the checkpoint's path once every rank's
+// file is written and rank 0 has committed, or raises io_error on every rank as
+// save_checkpoint does. Destroyed without wait(), it waits for this rank's writing to end
+// and commits nothing: no checkpoint appears, and the next complete save removes the
+// temporary directory. It refers to the model's communicator: the model outlives it.
+template <class Comm>
+class pending_checkpoint {
+ public:
+  pending_checkpoint(Comm comm, std::unique_ptr<detail::save_state> s)
+      : comm_(std::move(comm)), s_(std::move(s)), progress_(std::make_unique<progress>()) {
+    writer_ = std::thread([s = s_.get(), p = progress_.get()] {
+      try {
+        detail::write_own_file(*s);
+      } catch (...) {
+        p->error = std::current_exception();
+      }
+      p->written.store(true, std::memory_order_release);
+    });
+  }
+  pending_checkpoint(pending_checkpoint&&) noexcept = default;
+  pending_checkpoint& operator=(pending_checkpoint&&) = delete;  // would abandon a save unsaid: use std::optional
+  ~pending_checkpoint() {
+    if (writer_.joinable()) writer_.join();
+  }
+
+  // Whether this rank's file is written (or its writing failed): wait() then blocks only
+  // for the other ranks and the commit. Never blocks.
+  bool written() const { return !s_ || progress_->written.load(std::memory_order_acquire); }
+
+  std::filesystem::path wait() {
+    if (!s_) throw io_error("pending_checkpoint::wait: this save has been waited for already");
+    writer_.join();
+    const auto s = std::move(s_);
+    return detail::finish_save(comm_, *s, progress_->error);
+  }
+
+ private:
+  struct progress {
+    std::atomic<bool> written{false};
+    std::exception_ptr error;  // written before `written` is set
+  };
+  Comm comm_;
+  std::unique_ptr<detail::save_state> s_;
+  std::unique_ptr<progress> progress_;
+  std::thread writer_;
+};
+
+// save_checkpoint with the writing in the background: the collective part that copies
+// this rank's shards and optimizer state to host memory runs now (so the checkpoint holds
+// the values of this call, whatever training does next), each rank's file is written by a
+// thread of its own, and the returned pending_checkpoint's wait() (collective) agrees and
+// commits. Training may go on meanwhile; the copy costs host memory of this rank's
+// shards and state until its file is written. write_hook runs on the writing thread. A
+// second save under the same tag is refused until the first is waited for.
+template <class M, class C, class S, SavableOptimizer O>
+auto async_save_checkpoint(const std::filesystem::path& root, shard::ShardedModel<M, C, S, float, O>& model, O& opt,
+                           const save_options& o = {}) {
+  auto comm = detail::host_collectives_of(model);
+  auto s = detail::begin_save(comm, root, model, opt, o);
+  return pending_checkpoint<decltype(comm)>(std::move(comm), std::move(s));
 }
 
 // Loads a checkpoint into model and optimizer on every rank, whatever world size,

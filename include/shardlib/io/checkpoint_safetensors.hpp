@@ -251,7 +251,7 @@ inline std::filesystem::path safetensors_to_checkpoint(const std::filesystem::pa
   if (!o.replace && std::filesystem::exists(final_dir))
     detail::fail(final_dir.string(), "exists; a conversion replaces a checkpoint only when asked to (replace, "
                  "shardlib-ckpt --force) or writes under another tag");
-  m.sequence = detail::prepare_save(final_dir, temp);
+  const auto claim = detail::prepare_save(final_dir, temp);
   try {
     for (int p = 0; p < m.partitions; ++p)
       m.files.push_back(detail::write_shard_file(

@@ -16,12 +16,13 @@
 #include <cstdio>        // rename, renameat2, RENAME_EXCHANGE
 #include <filesystem>    // std::filesystem
 #include <functional>    // std::function, std::less
+#include <mutex>         // std::mutex, std::lock_guard
 #include <set>           // std::set
 #include <span>          // std::span
 #include <string>        // std::string
 #include <string_view>   // std::string_view
 #include <system_error>  // std::error_code
-#include <utility>       // std::move
+#include <utility>       // std::exchange, std::move
 #include <vector>        // std::vector
 
 #include <fcntl.h>   // open, AT_FDCWD
@@ -144,9 +145,54 @@ inline void require_replaceable(const std::filesystem::path& final_dir) {
        "), so a save under this tag does not replace it; remove it or choose another tag");
 }
 
-// Creates the root (final_dir's parent) and a fresh temporary directory; returns the
-// next save's sequence number.
-inline std::uint64_t prepare_save(const std::filesystem::path& final_dir, const std::filesystem::path& temp) {
+// The temporary directories of this process's saves from their start to their end (an
+// asynchronous save's until its wait): a second save into one is refused while the first
+// is in flight, and prune leaves them. Held by the rank that prepares the save.
+class temp_claim {
+ public:
+  temp_claim() = default;
+  explicit temp_claim(std::filesystem::path temp) {
+    std::lock_guard lock(registry().m);
+    if (!registry().dirs.insert(temp.string()).second)
+      fail(temp.string(), "a save under this tag is still in flight (an async_save_checkpoint not yet waited for); "
+                          "wait() for it first or save under another tag");
+    temp_ = std::move(temp);
+  }
+  temp_claim(temp_claim&& o) noexcept : temp_(std::exchange(o.temp_, {})) {}
+  temp_claim& operator=(temp_claim&& o) noexcept {
+    release();
+    temp_ = std::exchange(o.temp_, {});
+    return *this;
+  }
+  ~temp_claim() { release(); }
+
+  bool held() const { return !temp_.empty(); }
+  void release() {
+    if (!held()) return;
+    std::lock_guard lock(registry().m);
+    registry().dirs.erase(std::exchange(temp_, {}).string());
+  }
+  static bool claimed(const std::filesystem::path& temp) {
+    std::lock_guard lock(registry().m);
+    return registry().dirs.contains(temp.string());
+  }
+
+ private:
+  struct claims {
+    std::mutex m;
+    std::set<std::string, std::less<>> dirs;
+  };
+  static claims& registry() {
+    static claims c;
+    return c;
+  }
+  std::filesystem::path temp_;
+};
+
+// Claims the temporary directory, creates the root (final_dir's parent) and the
+// directory afresh.
+inline temp_claim prepare_save(const std::filesystem::path& final_dir, const std::filesystem::path& temp) {
+  temp_claim claim(temp);
   require_replaceable(final_dir);
   const std::filesystem::path root = final_dir.parent_path();
   std::error_code ec;
@@ -156,16 +202,19 @@ inline std::uint64_t prepare_save(const std::filesystem::path& final_dir, const 
   if (ec) fail(temp.string(), "cannot remove a stale temporary directory: ", ec.message());
   if (!std::filesystem::create_directory(temp, ec) || ec)
     fail(temp.string(), "cannot create the temporary directory: ", ec ? ec.message() : "it exists");
-  std::uint64_t last = 0;
-  for (const auto& e : scan_checkpoints(root))
-    if (e.metadata) last = std::max(last, e.metadata->sequence);
-  return last + 1;
+  return claim;
 }
 
-// Writes metadata.json last, syncs, and renames the temporary directory into place; an
-// existing checkpoint of the same tag is swapped out in the same atomic step, then removed.
+// Numbers the checkpoint one past the highest complete one under its root (at commit,
+// so that saves in flight together number in the order they complete), writes
+// metadata.json last, syncs, and renames the temporary directory into place; an existing
+// checkpoint of the same tag is swapped out in the same atomic step, then removed.
 inline void commit_checkpoint(const std::filesystem::path& temp, const std::filesystem::path& final_dir,
-                              const checkpoint_metadata& m, const write_callback& hook) {
+                              checkpoint_metadata& m, const write_callback& hook) {
+  std::uint64_t last = 0;
+  for (const auto& e : scan_checkpoints(final_dir.parent_path()))
+    if (e.metadata) last = std::max(last, e.metadata->sequence);
+  m.sequence = last + 1;
   const std::string text = metadata_text(m);
   chunked_writer out(temp / metadata_name, m.chunk_bytes, 0, hook);
   out.write(as_bytes(text));
@@ -185,7 +234,7 @@ inline void commit_checkpoint(const std::filesystem::path& temp, const std::file
 }
 
 // After a save completed: deletes all but the newest keep_last checkpoints (0 keeps
-// all), and the temporary directories of saves that were killed.
+// all), and the temporary directories of saves that were killed (not those in flight).
 inline void prune(const std::filesystem::path& root, int keep_last) {
   std::vector<std::filesystem::path> complete;  // newest first
   const auto entries = scan_checkpoints(root);
@@ -198,7 +247,8 @@ inline void prune(const std::filesystem::path& root, int keep_last) {
   }
   std::error_code ec;
   for (std::filesystem::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec))
-    if (it->path().filename().string().starts_with(temp_prefix)) remove_quietly(it->path());
+    if (it->path().filename().string().starts_with(temp_prefix) && !temp_claim::claimed(it->path()))
+      remove_quietly(it->path());
 }
 
 }  // namespace detail
