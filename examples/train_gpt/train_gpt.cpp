@@ -8,7 +8,8 @@
 // loss of the best model that ignores context: what "learned something" must beat), a
 // continuation sampled with the KV cache at the end, and saves the model as Hugging
 // Face's GPT2LMHeadModel or LlamaForCausalLM would (config.json + model.safetensors, --save
-// DIR), which transformers loads with from_pretrained(DIR).
+// DIR), which transformers loads with from_pretrained(DIR). With --checkpoint-dir and
+// --checkpoint-every it saves sharded checkpoints while it trains; --resume goes on from one.
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/models/hf.hpp>
 #include <shardlib/models/sharded_generate.hpp>
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "common/byte_models.hpp"
+#include "common/checkpointing.hpp"
 #include "common/flags.hpp"
 #include "common/text_corpus.hpp"
 #include "common/text_sample.hpp"
@@ -37,7 +39,7 @@ using namespace shardlib;
 
 namespace {
 
-struct settings : example::byte_model_shape, example::sample_settings {  // the model's shape; the sample
+struct settings : example::byte_model_shape, example::sample_settings, example::checkpoint_settings {
   std::string data = "/usr/share/common-licenses/GPL-3", save = "train_gpt_model";
   long world = 4, batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30;
   double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1;
@@ -82,13 +84,15 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
                 entropy / std::log(2.0), s.model.c_str(), parameters,
                 s.layers, s.d_model, s.heads, s.seq, sharded.unit_count(), c.size(), s.batch);
 
+  const long first = example::resume(sharded, adamw, s, "train_gpt");  // batches and schedule go on from its step
+  example::periodic_checkpoints checkpoints(sharded, adamw, s, "train_gpt");
   const auto t0 = std::chrono::steady_clock::now();
   const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   const counter_rng draws(s.seed, fnv1a("train_gpt batches"));
   const std::size_t positions = data.train.size() - std::size_t(s.seq) - 1;
   float loss = 0;
   double val = 0, eval_s = 0;  // eval_s: the validation passes' share of the time
-  for (long step = 0; step < s.steps; ++step) {
+  for (long step = first; step < s.steps; ++step) {
     std::vector<std::size_t> starts;  // this rank's windows of the step
     for (long i = 0; i < s.batch; ++i)
       starts.push_back(std::size_t(draws.uniform_double(std::uint64_t((step * c.size() + c.rank()) * s.batch + i)) *
@@ -101,6 +105,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
     sharded.clip_grad_norm(1.0f);
     sharded.step(adamw);
     loss = l.loss;
+    checkpoints.after_step(step);
     if (step % s.every == 0 || step + 1 == s.steps) std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
     if ((step + 1) % s.eval_every == 0 || step + 1 == s.steps) {
       const double before = seconds();
@@ -111,6 +116,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
                     step + 1, seconds(), val, entropy);
     }
   }
+  checkpoints.finish();
   const double trained_s = seconds() - eval_s;
 
   // A continuation of the held-out tail's first paragraph (or its first bytes), every rank
@@ -124,7 +130,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   std::printf("train_gpt: %ld steps in %.1f s of training (%.3f s/step; validation excluded); final training "
               "loss %.4f (rank 0's batch), validation %.4f nats per byte = %.2f bits, unigram entropy %.4f nats = "
               "%.2f bits\n",
-              s.steps, trained_s, trained_s / double(s.steps), double(loss), val, val / std::log(2.0), entropy,
+              s.steps - first, trained_s, trained_s / double(std::max(s.steps - first, 1L)), double(loss), val, val / std::log(2.0), entropy,
               entropy / std::log(2.0));
   example::print_sample("train_gpt", s, out, prompt_len);
   if (!s.save.empty()) std::printf("train_gpt: Hugging Face checkpoint written to %s\n", s.save.c_str());
@@ -164,12 +170,14 @@ int main(int argc, char** argv) {
   cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
       ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for the Hugging Face checkpoint (empty: none)");
+  example::add_checkpoint_flags(cli, s);
   cli.callback([&] {
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
     if (s.min_lr > s.lr)
       throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +
                                                  " (the cosine decay would climb)");
     example::check_byte_model(s);
+    example::check_checkpoint_settings(s);
   });
   cli.parse_or_exit(argc, argv);
   try {

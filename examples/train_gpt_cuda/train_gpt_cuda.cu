@@ -5,7 +5,10 @@
 // NCCL with every block its own unit, linear warmup and cosine decay, gradients
 // clipped to norm 1. It prints "Rank r, Step s, Loss: x" every --every steps,
 // the held-out loss every --eval-every steps, the throughput at the end, and a
-// continuation of a held-out prompt sampled on the GPUs with the KV cache.
+// continuation of a held-out prompt sampled on the GPUs with the KV cache. With
+// --checkpoint-dir and --checkpoint-every it saves sharded checkpoints while it trains
+// (the shards copied to the host, the files written in the background); --resume goes on
+// from one, saved at any world size (train_gpt's too: the files are the same).
 //
 //   train_gpt_cuda                                  one GPU (world size 1)
 //   mpirun -np 8 train_gpt_cuda                     one process per GPU (device = local rank)
@@ -40,6 +43,7 @@
 #include <vector>
 
 #include "common/byte_models.hpp"
+#include "common/checkpointing.hpp"
 #include "common/flags.hpp"
 #include "common/device_world.cuh"
 #include "common/text_corpus.hpp"
@@ -49,7 +53,7 @@ namespace sl = shardlib;  // not `using namespace`: CUDA declares a global `half
 
 namespace {
 
-struct settings : example::byte_model_shape, example::sample_settings {  // the model's shape; the sample
+struct settings : example::byte_model_shape, example::sample_settings, example::checkpoint_settings {
   settings() {
     d_model = 256;
     heads = 8;
@@ -126,9 +130,11 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   const std::size_t positions = data.train.size() - std::size_t(s.seq) - 1;
   const auto t0 = std::chrono::steady_clock::now();
   const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  const long first = example::resume(sharded, adamw, s, "train_gpt_cuda");  // batches and schedule go on from its step
+  example::periodic_checkpoints checkpoints(sharded, adamw, s, "train_gpt_cuda");
   float loss = 0;
   double val = 0, eval_s = 0;  // eval_s: the validation passes' share of the time
-  for (long step = 0; step < s.steps; ++step) {
+  for (long step = first; step < s.steps; ++step) {
     std::vector<std::size_t> starts;  // this rank's windows of the step
     for (long i = 0; i < s.batch; ++i)
       starts.push_back(std::size_t(draws.uniform_double(std::uint64_t((step * c.size() + c.rank()) * s.batch + i)) *
@@ -137,6 +143,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
     adamw.options.lr = schedule(step);
     const auto r = sharded.train_step(adamw, x, y, sl::nn::cross_entropy,
                                       {.max_norm = 1.0f, .loss = sl::shard::loss_report::local});
+    checkpoints.after_step(step);
     if (step % s.every == 0 || step + 1 == s.steps) {
       loss = r.loss;  // waits for this step's loss only when printed
       std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
@@ -152,6 +159,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
                     step + 1, seconds(), val, entropy);
     }
   }
+  checkpoints.finish();
   sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (end of training)");
   const double trained_s = seconds() - eval_s;
   // Every rank alike (each forward is collective); the cache and the logits on the device.
@@ -162,11 +170,12 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   const double sample_s = seconds() - before_sample;
   if (!s.save.empty()) sl::models::save_hf(sharded, s.save);
   if (c.rank() != 0) return;
-  const double tokens = double(s.steps) * double(s.batch) * double(s.seq) * double(c.size());
+  const long trained = std::max(s.steps - first, 1L);
+  const double tokens = double(trained) * double(s.batch) * double(s.seq) * double(c.size());
   std::printf("train_gpt_cuda: %ld steps in %.1f s of training (%.1f ms/step, %.0f tokens/s over %d GPU(s); "
               "validation excluded); final training loss "
               "%.4f (rank 0's batch), validation %.4f nats per byte, unigram entropy %.4f\n",
-              s.steps, trained_s, 1e3 * trained_s / double(s.steps), tokens / trained_s, c.size(), double(loss), val,
+              s.steps - first, trained_s, 1e3 * trained_s / double(trained), tokens / trained_s, c.size(), double(loss), val,
               entropy);
   example::print_sample("train_gpt_cuda", s, out, prompt_len);
   std::printf("train_gpt_cuda: sampled %lld bytes in %.3f s (%.1f ms per byte, the KV cache on the GPU)\n",
@@ -220,12 +229,14 @@ int main(int argc, char** argv) {
   cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
       ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for a Hugging Face checkpoint (empty: none)");
+  example::add_checkpoint_flags(cli, s);
   cli.callback([&] {
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
     if (s.min_lr > s.lr)
       throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +
                                                  " (the cosine decay would climb)");
     example::check_byte_model(s);
+    example::check_checkpoint_settings(s);
   });
   cli.parse_or_exit(argc, argv);
   try {
