@@ -4,15 +4,7 @@
 # and it must print at least one.
 #   cmake -DDIR=dir -DEVERY=n -P resume_check.cmake -- program args...
 cmake_policy(VERSION 3.25)  # IN_LIST
-set(command "")
-math(EXPR last "${CMAKE_ARGC} - 1")
-foreach(i RANGE ${last})
-  if(DEFINED program_args)
-    list(APPEND command "${CMAKE_ARGV${i}}")
-  elseif(CMAKE_ARGV${i} STREQUAL "--")
-    set(program_args TRUE)
-  endif()
-endforeach()
+include(${CMAKE_CURRENT_LIST_DIR}/command_after_dashes.cmake)
 file(REMOVE_RECURSE "${DIR}")
 string(REPLACE ";" " " shown "${command}")
 

@@ -8,15 +8,7 @@
 #   cmake -DSTATUS=2 -DOUTPUT=regex [-DTIMEOUT=s] [-DFILES=a;b] [-DJSON=file -DJSON_KINDS=k1;k2/m
 #         [-DJSON_QUICK=ON] [-DJSON_LINES=n]] -P run_cli.cmake -- program args...
 cmake_policy(VERSION 3.25)  # IN_LIST
-set(command "")
-math(EXPR last "${CMAKE_ARGC} - 1")
-foreach(i RANGE ${last})
-  if(DEFINED program_args)
-    list(APPEND command "${CMAKE_ARGV${i}}")
-  elseif(CMAKE_ARGV${i} STREQUAL "--")
-    set(program_args TRUE)
-  endif()
-endforeach()
+include(${CMAKE_CURRENT_LIST_DIR}/command_after_dashes.cmake)
 if(NOT DEFINED TIMEOUT)
   set(TIMEOUT 60)
 endif()

@@ -1,0 +1,10 @@
+# The command line a `cmake -P script -- program args...` call gives after "--", as the list `command`.
+set(command "")
+math(EXPR last "${CMAKE_ARGC} - 1")
+foreach(i RANGE ${last})
+  if(DEFINED program_args)
+    list(APPEND command "${CMAKE_ARGV${i}}")
+  elseif(CMAKE_ARGV${i} STREQUAL "--")
+    set(program_args TRUE)
+  endif()
+endforeach()
