@@ -28,6 +28,10 @@ class assertion_thread_guard : public Catch::TestEventListenerBase {
     test_thread_ = std::this_thread::get_id();
     TestEventListenerBase::testCaseStarting(info);
   }
+  void sectionStarting(Catch::SectionInfo const& info) override {
+    check(info.lineInfo, "SECTION");
+    TestEventListenerBase::sectionStarting(info);
+  }
   void assertionStarting(Catch::AssertionInfo const& info) override { check(info.lineInfo, info.macroName); }
   bool assertionEnded(Catch::AssertionStats const& stats) override {
     check(stats.assertionResult.getSourceInfo(), stats.assertionResult.getTestMacroName());

@@ -575,16 +575,18 @@ TEST_CASE("a save under a tag in flight is refused, others go on beside it, and 
           "[checkpoint][async]") {
   temp_dir dir("async_tags");
   held_writes held;
-  std::vector<std::string> refused(3);
+  std::vector<std::string> refused(3), respelled(3);
   on_ranks(3, shard::FullShard{}, wrap_blocks(), [&](auto& model, auto& adam, comm::ThreadComm& c) {
     train(model, adam, 0, 1);
     auto x = io::async_save_checkpoint(dir.path, model, adam, {.tag = "x", .write_hook = held.hook()});
     refused[std::size_t(c.rank())] =
         test_support::raised([&] { io::save_checkpoint(dir.path, model, adam, {.tag = "x"}); });
+    respelled[std::size_t(c.rank())] =  // the same directory spelled another way
+        test_support::raised([&] { io::save_checkpoint(dir.path / "." / "", model, adam, {.tag = "x"}); });
     train(model, adam, 1, 1);
     io::save_checkpoint(dir.path, model, adam, {.tag = "y"});  // completes first; its pruning spares x's directory
     held.go[std::size_t(c.rank())] = true;
-    x.wait();  // commits after y: the latest
+    x.wait();  // commits after y, numbered before it: begun before it
     {
       auto abandoned = io::async_save_checkpoint(dir.path, model, adam, {.tag = "z"});
     }  // destroyed without wait: nothing committed
@@ -592,8 +594,10 @@ TEST_CASE("a save under a tag in flight is refused, others go on beside it, and 
   });
   CHECK_THAT(refused[0], Contains("rank 0: saving checkpoint") && Contains("a save under this tag is still in flight"));
   for (int r : {1, 2}) CHECK_THAT(refused[std::size_t(r)], Contains("stopped because rank 0 failed"));
+  CHECK_THAT(respelled[0], Contains("a save under this tag is still in flight"));
   CHECK(dir_names(dir.path) == std::vector<std::string>{"w", "x", "y"});
-  CHECK(io::read_checkpoint_metadata(dir / "x").sequence == io::read_checkpoint_metadata(dir / "y").sequence + 1);
+  CHECK(io::read_checkpoint_metadata(dir / "y").sequence == io::read_checkpoint_metadata(dir / "x").sequence + 1);
+  CHECK(io::read_checkpoint_metadata(dir / "w").sequence == io::read_checkpoint_metadata(dir / "y").sequence + 1);
   CHECK(io::read_checkpoint_metadata(dir / "x").steps == 1);  // the values of its call
   CHECK(io::read_checkpoint_metadata(dir / "y").steps == 2);
 }

@@ -112,10 +112,13 @@ struct save_state {
   int rank = 0;
   int part = -1;          // the partition this rank writes; -1: none (another rank holds the same shard)
   temp_claim claim;       // rank 0's, from prepare_save to the end
-  checkpoint_metadata m;  // sequence and files are filled at the commit
+  checkpoint_metadata m;  // rank 0's: its files are filled at the commit
   model_state_dict params;
   optim_state_dict state;
   checkpoint_file mine;
+  // An async save's writing thread: the file's outcome, the error written before the flag.
+  std::atomic<bool> written{false};
+  std::exception_ptr write_error;
 };
 
 template <class Comm, class Engine, class O>
@@ -141,7 +144,9 @@ std::unique_ptr<save_state> begin_save(Comm& comm, const std::filesystem::path& 
   check_same_save_options(comm, tag, o.chunk_bytes, o.keep_last, o.user, what);
   try {
     on_all_ranks(comm, what, [&] {
-      if (s->rank == 0) s->claim = prepare_save(s->final_dir, s->temp);
+      if (s->rank != 0) return;
+      s->claim = prepare_save(s->final_dir, s->temp);
+      s->m.sequence = s->claim.sequence();
     });
     auto& m = s->m;
     m.tag = tag;
@@ -177,17 +182,25 @@ std::unique_ptr<save_state> begin_save(Comm& comm, const std::filesystem::path& 
 }
 
 // This rank's shard file: its partition is exactly the pieces it holds. The snapshot is
-// dropped once written.
+// dropped once written, or once the writing failed.
 inline void write_own_file(save_state& s) {
-  if (s.part >= 0) {
-    const offered_pieces src(std::span(&s.params, 1), std::span(&s.state, 1));
-    s.mine = write_shard_file(s.temp, s.part, s.m, s.rank, s.options.write_hook,
-                              [&](std::size_t u, std::string_view kind, std::uint64_t first, std::span<float> out) {
-                                request_range(s.m.units[u].params, src, kind, first, out);
-                              });
+  const auto drop_snapshot = [&] {
+    s.params = {};
+    s.state = {};
+  };
+  try {
+    if (s.part >= 0) {
+      const offered_pieces src(std::span(&s.params, 1), std::span(&s.state, 1));
+      s.mine = write_shard_file(s.temp, s.part, s.m, s.rank, s.options.write_hook,
+                                [&](std::size_t u, std::string_view kind, std::uint64_t first, std::span<float> out) {
+                                  request_range(s.m.units[u].params, src, kind, first, out);
+                                });
+    }
+  } catch (...) {
+    drop_snapshot();
+    throw;
   }
-  s.params = {};
-  s.state = {};
+  drop_snapshot();
 }
 
 // Every rank learns whether every file was written (write_error: this rank's), rank 0
@@ -266,16 +279,23 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
 template <class Comm>
 class pending_checkpoint {
  public:
-  pending_checkpoint(Comm comm, std::unique_ptr<detail::save_state> s)
-      : comm_(std::move(comm)), s_(std::move(s)), progress_(std::make_unique<progress>()) {
-    writer_ = std::thread([s = s_.get(), p = progress_.get()] {
+  // Never throws past the save's collective start: were this rank alone to raise here,
+  // the others would wait for it in wait(). A thread that cannot start writes inline.
+  pending_checkpoint(Comm comm, std::unique_ptr<detail::save_state> s) noexcept
+      : comm_(std::move(comm)), s_(std::move(s)) {
+    const auto write = [s = s_.get()] {
       try {
         detail::write_own_file(*s);
       } catch (...) {
-        p->error = std::current_exception();
+        s->write_error = std::current_exception();
       }
-      p->written.store(true, std::memory_order_release);
-    });
+      s->written.store(true, std::memory_order_release);
+    };
+    try {
+      writer_ = std::thread(write);
+    } catch (...) {  // std::system_error: no thread to be had
+      write();
+    }
   }
   pending_checkpoint(pending_checkpoint&&) noexcept = default;
   pending_checkpoint& operator=(pending_checkpoint&&) = delete;  // would abandon a save unsaid: use std::optional
@@ -285,23 +305,18 @@ class pending_checkpoint {
 
   // Whether this rank's file is written (or its writing failed): wait() then blocks only
   // for the other ranks and the commit. Never blocks.
-  bool written() const { return !s_ || progress_->written.load(std::memory_order_acquire); }
+  bool written() const { return !s_ || s_->written.load(std::memory_order_acquire); }
 
   std::filesystem::path wait() {
     if (!s_) throw io_error("pending_checkpoint::wait: this save has been waited for already");
-    writer_.join();
+    if (writer_.joinable()) writer_.join();
     const auto s = std::move(s_);
-    return detail::finish_save(comm_, *s, progress_->error);
+    return detail::finish_save(comm_, *s, s->write_error);
   }
 
  private:
-  struct progress {
-    std::atomic<bool> written{false};
-    std::exception_ptr error;  // written before `written` is set
-  };
   Comm comm_;
   std::unique_ptr<detail::save_state> s_;
-  std::unique_ptr<progress> progress_;
   std::thread writer_;
 };
 

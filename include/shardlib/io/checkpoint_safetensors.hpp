@@ -252,6 +252,7 @@ inline std::filesystem::path safetensors_to_checkpoint(const std::filesystem::pa
     detail::fail(final_dir.string(), "exists; a conversion replaces a checkpoint only when asked to (replace, "
                  "shardlib-ckpt --force) or writes under another tag");
   const auto claim = detail::prepare_save(final_dir, temp);
+  m.sequence = claim.sequence();
   try {
     for (int p = 0; p < m.partitions; ++p)
       m.files.push_back(detail::write_shard_file(

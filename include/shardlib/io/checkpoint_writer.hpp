@@ -17,6 +17,7 @@
 #include <filesystem>    // std::filesystem
 #include <functional>    // std::function, std::less
 #include <mutex>         // std::mutex, std::lock_guard
+#include <map>           // std::map
 #include <set>           // std::set
 #include <span>          // std::span
 #include <string>        // std::string
@@ -145,59 +146,87 @@ inline void require_replaceable(const std::filesystem::path& final_dir) {
        "), so a save under this tag does not replace it; remove it or choose another tag");
 }
 
+// The one spelling of a path the claims below compare: absolute, symbolic links and dot
+// segments resolved as far as the path exists ("ckpt", "./ckpt" and a link to it match).
+inline std::string path_key(const std::filesystem::path& p) {
+  std::error_code ec;
+  const auto canonical = std::filesystem::weakly_canonical(p, ec);
+  return (ec ? std::filesystem::absolute(p).lexically_normal() : canonical).string();
+}
+
 // The temporary directories of this process's saves from their start to their end (an
-// asynchronous save's until its wait): a second save into one is refused while the first
-// is in flight, and prune leaves them. Held by the rank that prepares the save.
+// asynchronous save's until its wait), each with the sequence number its save took at its
+// start: one past every complete checkpoint under its root and every save in flight
+// there, so that saves number in the order they begin (and a resume from the root takes
+// the one begun last) even when an earlier one completes later. A second save into a
+// claimed directory is refused, and prune leaves claimed ones. Held by the rank that
+// prepares the save.
 class temp_claim {
  public:
   temp_claim() = default;
-  explicit temp_claim(std::filesystem::path temp) {
+  explicit temp_claim(const std::filesystem::path& temp) {
+    const std::string key = path_key(temp), root = path_key(temp.parent_path());
     std::lock_guard lock(registry().m);
-    if (!registry().dirs.insert(temp.string()).second)
+    if (registry().dirs.contains(key))
       fail(temp.string(), "a save under this tag is still in flight (an async_save_checkpoint not yet waited for); "
                           "wait() for it first or save under another tag");
-    temp_ = std::move(temp);
+    std::uint64_t last = 0;
+    for (const auto& e : scan_checkpoints(temp.parent_path()))
+      if (e.metadata) last = std::max(last, e.metadata->sequence);
+    for (const auto& [dir, flight] : registry().dirs)
+      if (flight.root == root) last = std::max(last, flight.sequence);
+    sequence_ = last + 1;
+    registry().dirs.emplace(key, in_flight{root, sequence_});
+    key_ = key;
   }
-  temp_claim(temp_claim&& o) noexcept : temp_(std::exchange(o.temp_, {})) {}
+  temp_claim(temp_claim&& o) noexcept : key_(std::exchange(o.key_, {})), sequence_(o.sequence_) {}
   temp_claim& operator=(temp_claim&& o) noexcept {
     release();
-    temp_ = std::exchange(o.temp_, {});
+    key_ = std::exchange(o.key_, {});
+    sequence_ = o.sequence_;
     return *this;
   }
   ~temp_claim() { release(); }
 
-  bool held() const { return !temp_.empty(); }
+  bool held() const { return !key_.empty(); }
+  std::uint64_t sequence() const { return sequence_; }
   void release() {
     if (!held()) return;
     std::lock_guard lock(registry().m);
-    registry().dirs.erase(std::exchange(temp_, {}).string());
+    registry().dirs.erase(std::exchange(key_, {}));
   }
   static bool claimed(const std::filesystem::path& temp) {
+    const std::string key = path_key(temp);
     std::lock_guard lock(registry().m);
-    return registry().dirs.contains(temp.string());
+    return registry().dirs.contains(key);
   }
 
  private:
+  struct in_flight {
+    std::string root;
+    std::uint64_t sequence;
+  };
   struct claims {
     std::mutex m;
-    std::set<std::string, std::less<>> dirs;
+    std::map<std::string, in_flight, std::less<>> dirs;  // by path_key of the temporary directory
   };
   static claims& registry() {
     static claims c;
     return c;
   }
-  std::filesystem::path temp_;
+  std::string key_;
+  std::uint64_t sequence_ = 0;
 };
 
-// Claims the temporary directory, creates the root (final_dir's parent) and the
-// directory afresh.
+// Claims the temporary directory (and the save's sequence number), creates the root
+// (final_dir's parent) and the directory afresh.
 inline temp_claim prepare_save(const std::filesystem::path& final_dir, const std::filesystem::path& temp) {
-  temp_claim claim(temp);
   require_replaceable(final_dir);
   const std::filesystem::path root = final_dir.parent_path();
   std::error_code ec;
   std::filesystem::create_directories(root, ec);
   if (ec) fail(root.string(), "cannot create the checkpoint root: ", ec.message());
+  temp_claim claim(temp);  // with the root in place: its key is the resolved path
   std::filesystem::remove_all(temp, ec);  // left by a save that was killed
   if (ec) fail(temp.string(), "cannot remove a stale temporary directory: ", ec.message());
   if (!std::filesystem::create_directory(temp, ec) || ec)
@@ -205,16 +234,10 @@ inline temp_claim prepare_save(const std::filesystem::path& final_dir, const std
   return claim;
 }
 
-// Numbers the checkpoint one past the highest complete one under its root (at commit,
-// so that saves in flight together number in the order they complete), writes
-// metadata.json last, syncs, and renames the temporary directory into place; an existing
-// checkpoint of the same tag is swapped out in the same atomic step, then removed.
+// Writes metadata.json last, syncs, and renames the temporary directory into place; an
+// existing checkpoint of the same tag is swapped out in the same atomic step, then removed.
 inline void commit_checkpoint(const std::filesystem::path& temp, const std::filesystem::path& final_dir,
-                              checkpoint_metadata& m, const write_callback& hook) {
-  std::uint64_t last = 0;
-  for (const auto& e : scan_checkpoints(final_dir.parent_path()))
-    if (e.metadata) last = std::max(last, e.metadata->sequence);
-  m.sequence = last + 1;
+                              const checkpoint_metadata& m, const write_callback& hook) {
   const std::string text = metadata_text(m);
   chunked_writer out(temp / metadata_name, m.chunk_bytes, 0, hook);
   out.write(as_bytes(text));
