@@ -117,6 +117,11 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
     }
   }
   checkpoints.finish();
+  if (first >= s.steps) {  // resumed at the end: nothing to train, the held-out loss still measured
+    const double before = seconds();
+    val = validation_loss(sharded, c, data, s.seq, s.batch);
+    eval_s += seconds() - before;
+  }
   const double trained_s = seconds() - eval_s;
 
   // A continuation of the held-out tail's first paragraph (or its first bytes), every rank

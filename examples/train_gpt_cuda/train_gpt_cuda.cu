@@ -128,10 +128,10 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
 
   const sl::counter_rng draws(s.seed, sl::fnv1a("train_gpt batches"));
   const std::size_t positions = data.train.size() - std::size_t(s.seq) - 1;
-  const auto t0 = std::chrono::steady_clock::now();
-  const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   const long first = example::resume(sharded, adamw, s, "train_gpt_cuda");  // batches and schedule go on from its step
   example::periodic_checkpoints checkpoints(sharded, adamw, s, "train_gpt_cuda");
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   float loss = 0;
   double val = 0, eval_s = 0;  // eval_s: the validation passes' share of the time
   for (long step = first; step < s.steps; ++step) {
@@ -160,6 +160,11 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
     }
   }
   checkpoints.finish();
+  if (first >= s.steps) {  // resumed at the end: nothing to train, the held-out loss still measured
+    const double before = seconds();
+    val = validation_loss();
+    eval_s += seconds() - before;
+  }
   sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (end of training)");
   const double trained_s = seconds() - eval_s;
   // Every rank alike (each forward is collective); the cache and the logits on the device.
