@@ -20,6 +20,7 @@
 #include "device_test.hpp"
 #include "device_thread_comm.hpp"
 #include "support/compare.hpp"
+#include "support/raised.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -326,16 +327,6 @@ double worst_parameter(const run_record& got, const run_record& want) {
   w.relative(got.params, want.params, lr);
   return w.value();
 }
-// The message of what f throws ("" when it returns).
-template <class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace
 
@@ -551,20 +542,20 @@ TEST_CASE("device decoder attention refuses attention masks and misuse of the KV
   const auto ids = sl::cuda::to_device(tokens(0, 1, gpt2_tiny.vocab_size));
   sl::nn::context masked({.training = false});
   masked.set_attention_mask(sl::Tensor<std::uint8_t>({seq, seq}));
-  CHECK_THAT(message_of([&] { masked.forward(model, ids); }),
+  CHECK_THAT(test_support::raised([&] { masked.forward(model, ids); }),
              Catch::Contains("GPT2Attention") && Catch::Contains("attention mask"));
 
   model.enable_kv_cache(seq + 2);
   sl::nn::context training, inference({.training = false});
-  CHECK_THAT(message_of([&] { training.forward(model, ids); }),
+  CHECK_THAT(test_support::raised([&] { training.forward(model, ids); }),
              Catch::Contains("GPT2Attention") && Catch::Contains("KV cache is for inference"));
   const auto logits = inference.forward(model, ids);
-  CHECK_THAT(message_of([&] { inference.backward(model, sl::cuda::to_device(sl::Tensor<float>(logits.shape()))); }),
+  CHECK_THAT(test_support::raised([&] { inference.backward(model, sl::cuda::to_device(sl::Tensor<float>(logits.shape()))); }),
              Catch::Contains("GPT2Attention") && Catch::Contains("backward with the KV cache on"));
-  CHECK_THAT(message_of([&] { inference.forward(model, sl::cuda::to_device(columns(tokens(0, 2, gpt2_tiny.vocab_size), 0, 1))); }),
+  CHECK_THAT(test_support::raised([&] { inference.forward(model, sl::cuda::to_device(columns(tokens(0, 2, gpt2_tiny.vocab_size), 0, 1))); }),
              Catch::Contains("GPT2Attention") && Catch::Contains("reset_kv_cache() before a new batch"));
   const auto three = sl::cuda::to_device(columns(tokens(0, 1, gpt2_tiny.vocab_size), 0, 3));
-  CHECK_THAT(message_of([&] { inference.forward(model, three); }),
+  CHECK_THAT(test_support::raised([&] { inference.forward(model, three); }),
              Catch::Contains("GPT2Attention") && Catch::Contains("holds 14 positions (max_seq); 12 cached + 3 new exceed it"));
   model.disable_kv_cache();
   CHECK(inference.forward(model, three).shape() == sl::Shape{1, 3, gpt2_tiny.vocab_size});
@@ -577,7 +568,7 @@ TEST_CASE("device decoder attention refuses attention masks and misuse of the KV
   sl::cuda::fill_bytes_async(wide_values.span(), 0, stream.get());
   sl::nn::bind<float>(wide, wide_layout, wide_values.data(), nullptr);
   wide.enable_kv_cache(4);
-  CHECK_THAT(message_of([&] { inference.forward(wide, sl::cuda::to_device(sl::Tensor<float>::zeros({1, 2, 264}))); }),
+  CHECK_THAT(test_support::raised([&] { inference.forward(wide, sl::cuda::to_device(sl::Tensor<float>::zeros({1, 2, 264}))); }),
              Catch::Contains("head_dim must be in [1, 256], got 264"));
   CHECK(wide.kv_cache_length() == 0);
 

@@ -355,19 +355,7 @@ TEST_CASE("full_state_dict lists a tied parameter under each of its names", "[ti
   });
 }
 
-namespace {
-// What f raised ("" if nothing): ranks collect messages, the main thread checks them
-// (Catch's assertions are not thread-safe).
-template <class F>
-std::string raised(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-}  // namespace
+using test_support::raised;  // ranks collect messages, the main thread checks them
 
 TEST_CASE("ties that cannot hold raise at fully_shard, naming the parameter", "[tied][errors]") {
   std::vector<std::vector<std::string>> what(2);
