@@ -134,6 +134,7 @@ int main(int argc, char** argv) {
       measured[std::size_t(r)][std::size_t(c.rank())] = t;
     }
   });
+  io::finish_background_deletions();  // the async saves' keep_last deletes inside root
   fs::remove_all(root);
 
   // The median over rounds of the slowest rank's figure.

@@ -602,6 +602,32 @@ TEST_CASE("a save under a tag in flight is refused, others go on beside it, and 
   CHECK(io::read_checkpoint_metadata(dir / "y").steps == 2);
 }
 
+TEST_CASE("an async save's keep_last takes old checkpoints out of sight at once and deletes them in the background",
+          "[checkpoint][async][keep]") {
+  temp_dir dir("async_keep");
+  fs::create_directories(dir / ".tmp-#purge-left-by-a-killed-process" / "x");  // cleaned up too
+  std::vector<std::vector<std::string>> listed(2);  // rank 0's list after each wait
+  auto& deleter = io::detail::background_deleter::instance();
+  deleter.pause(true);  // what wait() leaves to the thread stays on the disk until resumed
+  on_ranks(3, shard::FullShard{}, wrap_blocks(), [&](auto& model, auto& adam, comm::ThreadComm& c) {
+    for (int k = 0; k < 3; ++k) {
+      train(model, adam, k, 1);
+      auto pending = io::async_save_checkpoint(dir.path, model, adam, {.keep_last = 1});
+      pending.wait();
+      if (k == 0 || c.rank() != 0) continue;
+      for (const auto& e : io::list_checkpoints(dir.path)) listed[std::size_t(k - 1)].push_back(e.path.filename().string());
+    }
+  });
+  CHECK(listed[0] == std::vector<std::string>{"step-00000002"});  // at once: the old one is no checkpoint any more
+  CHECK(listed[1] == std::vector<std::string>{"step-00000003"});
+  CHECK(dir_names(dir.path) == std::vector<std::string>{".tmp-#purge-left-by-a-killed-process",
+                                                         ".tmp-#purge-step-00000001", ".tmp-#purge-step-00000002",
+                                                         "step-00000003"});  // renamed, not deleted, by wait()
+  deleter.pause(false);
+  io::finish_background_deletions();
+  CHECK(dir_names(dir.path) == std::vector<std::string>{"step-00000003"});  // and then gone from the disk
+}
+
 TEST_CASE("a full disk mid-write (an injected ENOSPC) and a failed metadata write lose nothing",
           "[checkpoint][atomic]") {
   temp_dir dir("enospc");

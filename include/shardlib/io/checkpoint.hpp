@@ -111,6 +111,7 @@ struct save_state {
   save_options options;
   int rank = 0;
   int part = -1;          // the partition this rank writes; -1: none (another rank holds the same shard)
+  bool in_background = false;  // an async save: keep_last's deletions too (detail::prune)
   temp_claim claim;       // rank 0's, from prepare_save to the end
   checkpoint_metadata m;  // rank 0's: its files are filled at the commit
   model_state_dict params;
@@ -244,7 +245,7 @@ std::filesystem::path finish_save(Comm& comm, save_state& s, std::exception_ptr 
   }
   s.claim.release();
   on_all_ranks(comm, cat(s.what, " (it is complete; removing old ones)"), [&] {
-    if (s.rank == 0) prune(s.root, s.options.keep_last);
+    if (s.rank == 0) prune(s.root, s.options.keep_last, s.in_background);
   });
   return s.final_dir;
 }
@@ -320,18 +321,25 @@ class pending_checkpoint {
   std::thread writer_;
 };
 
+// Waits until the old checkpoints that asynchronous saves' keep_last took out of sight are
+// deleted from the disk (a thread of the process deletes them after wait() returns; at a
+// normal exit it finishes first). For a caller about to remove or move the root itself.
+inline void finish_background_deletions() { detail::background_deleter::instance().drain(); }
+
 // save_checkpoint with the writing in the background: the collective part that copies
 // this rank's shards and optimizer state to host memory runs now (so the checkpoint holds
 // the values of this call, whatever training does next), each rank's file is written by a
 // thread of its own, and the returned pending_checkpoint's wait() (collective) agrees and
 // commits. Training may go on meanwhile; the copy costs host memory of this rank's
 // shards and state until its file is written. write_hook runs on the writing thread. A
-// second save under the same tag is refused until the first is waited for.
+// second save under the same tag is refused until the first is waited for. keep_last
+// renames the old checkpoints out of sight in wait() and deletes them in the background.
 template <class M, class C, class S, SavableOptimizer O>
 auto async_save_checkpoint(const std::filesystem::path& root, shard::ShardedModel<M, C, S, float, O>& model, O& opt,
                            const save_options& o = {}) {
   auto comm = detail::host_collectives_of(model);
   auto s = detail::begin_save(comm, root, model, opt, o);
+  s->in_background = true;
   return pending_checkpoint<decltype(comm)>(std::move(comm), std::move(s));
 }
 

@@ -4,27 +4,31 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/element.hpp"             // dtype
+#include "shardlib/core/error.hpp"               // cat
 #include "shardlib/core/shape.hpp"               // Shape
 #include "shardlib/io/checkpoint_directory.hpp"  // detail::scan_checkpoints
 #include "shardlib/io/checkpoint_format.hpp"     // checkpoint_metadata, checkpoint_file, detail::metadata_text, ...
 #include "shardlib/io/safetensors.hpp"           // tensor_info, detail::fd_handle, lay_out, header_block, os_error
 
-#include <algorithm>     // std::min, std::max
-#include <cerrno>        // errno, EINTR, EINVAL
-#include <cstddef>       // std::byte, std::size_t, std::ptrdiff_t
-#include <cstdint>       // std::uint64_t, std::int64_t
-#include <cstdio>        // rename, renameat2, RENAME_EXCHANGE
-#include <filesystem>    // std::filesystem
-#include <functional>    // std::function, std::less
-#include <mutex>         // std::mutex, std::lock_guard
-#include <map>           // std::map
-#include <set>           // std::set
-#include <span>          // std::span
-#include <string>        // std::string
-#include <string_view>   // std::string_view
-#include <system_error>  // std::error_code
-#include <utility>       // std::exchange, std::move
-#include <vector>        // std::vector
+#include <algorithm>           // std::min, std::max
+#include <cerrno>              // errno, EINTR, EINVAL
+#include <condition_variable>  // std::condition_variable
+#include <cstddef>             // std::byte, std::size_t, std::ptrdiff_t
+#include <cstdint>             // std::uint64_t, std::int64_t
+#include <cstdio>              // rename, renameat2, RENAME_EXCHANGE
+#include <deque>               // std::deque
+#include <filesystem>          // std::filesystem
+#include <functional>          // std::function, std::less
+#include <map>                 // std::map
+#include <mutex>               // std::mutex, std::lock_guard, std::unique_lock
+#include <set>                 // std::set
+#include <span>                // std::span
+#include <string>              // std::string
+#include <string_view>         // std::string_view
+#include <system_error>        // std::error_code
+#include <thread>              // std::thread
+#include <utility>             // std::exchange, std::move
+#include <vector>              // std::vector
 
 #include <fcntl.h>   // open, AT_FDCWD
 #include <unistd.h>  // write, fsync, close, ssize_t
@@ -256,22 +260,103 @@ inline void commit_checkpoint(const std::filesystem::path& temp, const std::file
   sync_directory(final_dir.parent_path());
 }
 
+// Directories deleted by one thread of the process in the background, in order; the
+// thread starts with the first and, at a normal exit, finishes the queue before the
+// process ends. Errors are ignored: what is left keeps its ".tmp-" name, which readers
+// skip and the next prune deletes.
+class background_deleter {
+ public:
+  static background_deleter& instance() {
+    static background_deleter d;
+    return d;
+  }
+  void add(std::filesystem::path dir) {
+    {
+      std::lock_guard lock(m_);
+      queue_.push_back(std::move(dir));
+      if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+    }
+    work_.notify_all();
+  }
+  // Holds the deletions not yet started (tests: to see what waits for the thread).
+  void pause(bool paused) {
+    {
+      std::lock_guard lock(m_);
+      paused_ = paused;
+    }
+    work_.notify_all();
+  }
+  // Waits until everything added so far is deleted (not while paused).
+  void drain() {
+    std::unique_lock lock(m_);
+    idle_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  }
+  ~background_deleter() {
+    {
+      std::lock_guard lock(m_);
+      stop_ = true;
+    }
+    work_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
+ private:
+  background_deleter() = default;
+  void run() {
+    std::unique_lock lock(m_);
+    for (;;) {
+      work_.wait(lock, [&] { return stop_ || (!paused_ && !queue_.empty()); });
+      if (queue_.empty()) return;  // stopping, and nothing left
+      const auto dir = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      remove_quietly(dir);
+      lock.lock();
+      busy_ = false;
+      idle_.notify_all();
+    }
+  }
+  std::mutex m_;
+  std::condition_variable work_, idle_;
+  std::deque<std::filesystem::path> queue_;
+  bool stop_ = false, busy_ = false, paused_ = false;
+  std::thread worker_;
+};
+
+// The name an old checkpoint takes while it waits for the background deleter: a ".tmp-"
+// name no save's temporary directory can have ('#' is not a tag character).
+inline constexpr std::string_view purge_prefix = ".tmp-#purge-";
+
 // After a save completed: deletes all but the newest keep_last checkpoints (0 keeps
 // all), and the temporary directories of saves that were killed (not those in flight).
-inline void prune(const std::filesystem::path& root, int keep_last) {
+// In the background (an asynchronous save's wait()), an old checkpoint is renamed out of
+// sight at once and deleted by background_deleter; so are such leftovers.
+inline void prune(const std::filesystem::path& root, int keep_last, bool in_background = false) {
   std::vector<std::filesystem::path> complete;  // newest first
   const auto entries = scan_checkpoints(root);
   for (auto it = entries.rbegin(); it != entries.rend(); ++it)
     if (it->metadata) complete.push_back(it->path);
   for (std::size_t i = std::size_t(keep_last); keep_last > 0 && i < complete.size(); ++i) {
+    if (in_background) {
+      const auto hidden = root / cat(purge_prefix, complete[i].filename().string());
+      remove_quietly(hidden);  // a leftover of the same name
+      if (::rename(complete[i].c_str(), hidden.c_str()) == 0) {
+        background_deleter::instance().add(hidden);
+        continue;
+      }
+    }
     std::error_code ec;
     std::filesystem::remove_all(complete[i], ec);
     if (ec) fail(complete[i].string(), "cannot delete this old checkpoint: ", ec.message());
   }
   std::error_code ec;
-  for (std::filesystem::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec))
-    if (it->path().filename().string().starts_with(temp_prefix) && !temp_claim::claimed(it->path()))
-      remove_quietly(it->path());
+  for (std::filesystem::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!name.starts_with(temp_prefix) || temp_claim::claimed(it->path())) continue;
+    if (in_background && name.starts_with(purge_prefix)) background_deleter::instance().add(it->path());
+    else remove_quietly(it->path());
+  }
 }
 
 }  // namespace detail
