@@ -988,6 +988,21 @@ std::map<std::string, std::vector<double>> values_of_sharded(Engine& model) {
   return out;
 }
 
+// Rank 0's load report and values, kept for the assertions after launch (Catch is not
+// thread-safe).
+struct loaded {
+  bool ok = false;
+  std::vector<std::string> from_tied;
+  std::map<std::string, std::vector<double>> values;
+  template <class Report>
+  void keep(const comm::ThreadComm& c, const Report& r, std::map<std::string, std::vector<double>> v) {
+    if (c.rank() != 0) return;
+    ok = r.ok();
+    from_tied = r.from_tied;
+    values = std::move(v);
+  }
+};
+
 // Runs f(model) on every rank of a W-rank FullShard (each Linear a unit) or NoShard model.
 template <class Strategy, class F>
 void on_sharded_lm(int world, Strategy strategy, F&& f) {
@@ -1070,20 +1085,14 @@ TEST_CASE("a sharded model loads through a name map, transposes, dtypes and a ti
   const auto want = lm_expected();
   for (int world : {1, 2, 3}) {
     INFO("W = " << world);
-    bool ok = false;
-    std::vector<std::string> from_tied;
-    std::map<std::string, std::vector<double>> got;  // rank 0's, checked after launch
+    loaded got;
     on_sharded_lm(world, shard::FullShard{}, [&](auto& model, comm::ThreadComm& c) {
       const auto r = load_state_dict(dir / "lm.safetensors", model, lm_options());
-      auto values = values_of_sharded(model);  // collective: every rank
-      if (c.rank() != 0) return;
-      ok = r.ok();
-      from_tied = r.from_tied;
-      got = std::move(values);
+      got.keep(c, r, values_of_sharded(model));  // collective: every rank
     });
-    CHECK(ok);
-    CHECK(from_tied == std::vector<std::string>{"2.weight"});
-    CHECK(got == want);
+    CHECK(got.ok);
+    CHECK(got.from_tied == std::vector<std::string>{"2.weight"});
+    CHECK(got.values == want);
   }
   std::map<std::string, std::vector<double>> replicated;
   on_sharded_lm(2, shard::NoShard{}, [&](auto& model, comm::ThreadComm& c) {
@@ -1422,22 +1431,17 @@ TEST_CASE("files transformers wrote load with the Hugging Face conventions, and 
   REQUIRE(gpt2.tensors.size() == 28);  // 2 + 12 per block + ln_f's 2
   CHECK(!gpt2.tensors.contains("lm_head.weight"));
   CHECK(gpt2.tensors.at("transformer.h.0.attn.c_attn.weight").shape == Shape{32, 96});  // [in, out]
-  bool ok = false;
-  std::vector<std::string> from_tied;
-  std::map<std::string, std::vector<double>> got;  // rank 0's, checked after launch
+  loaded loaded_gpt2;
   comm::launch(2, [&](comm::ThreadComm& c) {
     auto h = mirror<float>(gpt2.tensors, io::hf::gpt2(), {{"lm_head.weight", {96, 32}}});
     auto model = shard::fully_shard(h, c, shard::FullShard{});
     const auto r = load_state_dict(gpt2_dir, model, io::hf::gpt2());
-    auto values = values_of_sharded(model);  // collective: every rank
+    loaded_gpt2.keep(c, r, values_of_sharded(model));  // collective: every rank
     save_state_dict(dir / "gpt2.safetensors", model, io::hf::gpt2());
-    if (c.rank() != 0) return;
-    ok = r.ok();
-    from_tied = r.from_tied;
-    got = std::move(values);
   });
-  CHECK(ok);
-  CHECK(from_tied == std::vector<std::string>{"lm_head.weight"});
+  CHECK(loaded_gpt2.ok);
+  CHECK(loaded_gpt2.from_tied == std::vector<std::string>{"lm_head.weight"});
+  const auto& got = loaded_gpt2.values;
   CHECK(got.at("lm_head.weight") == gpt2.values.at("transformer.wte.weight"));
   const auto& w = got.at("transformer.h.1.mlp.c_fc.weight");  // [128, 32] here, [32, 128] in the file
   const auto& f = gpt2.values.at("transformer.h.1.mlp.c_fc.weight");

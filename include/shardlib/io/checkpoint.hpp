@@ -44,6 +44,7 @@
 #include <cstdint>      // std::uint64_t, std::int64_t
 #include <exception>    // std::exception_ptr, std::current_exception, std::rethrow_exception
 #include <filesystem>   // std::filesystem
+#include <functional>   // std::ref
 #include <memory>       // std::unique_ptr, std::make_unique
 #include <optional>     // std::optional
 #include <span>         // std::span
@@ -117,9 +118,9 @@ struct save_state {
   model_state_dict params;
   optim_state_dict state;
   checkpoint_file mine;
-  // An async save's writing thread: the file's outcome, the error written before the flag.
-  std::atomic<bool> written{false};
+  // The file's outcome: the error (none: written) is set before the flag.
   std::exception_ptr write_error;
+  std::atomic<bool> written{false};
 };
 
 template <class Comm, class Engine, class O>
@@ -182,13 +183,9 @@ std::unique_ptr<save_state> begin_save(Comm& comm, const std::filesystem::path& 
   return s;
 }
 
-// This rank's shard file: its partition is exactly the pieces it holds. The snapshot is
-// dropped once written, or once the writing failed.
-inline void write_own_file(save_state& s) {
-  const auto drop_snapshot = [&] {
-    s.params = {};
-    s.state = {};
-  };
+// This rank's shard file: its partition is exactly the pieces it holds. An error is kept
+// for finish_save to raise on every rank; the snapshot is dropped either way.
+inline void write_own_file(save_state& s) noexcept {
   try {
     if (s.part >= 0) {
       const offered_pieces src(std::span(&s.params, 1), std::span(&s.state, 1));
@@ -198,20 +195,21 @@ inline void write_own_file(save_state& s) {
                                 });
     }
   } catch (...) {
-    drop_snapshot();
-    throw;
+    s.write_error = std::current_exception();
   }
-  drop_snapshot();
+  s.params = {};
+  s.state = {};
+  s.written.store(true, std::memory_order_release);
 }
 
-// Every rank learns whether every file was written (write_error: this rank's), rank 0
-// every file's size and checksums, and commits; then keep_last.
+// Every rank learns whether every file was written, rank 0 every file's size and
+// checksums, and commits; then keep_last.
 template <class Comm>
-std::filesystem::path finish_save(Comm& comm, save_state& s, std::exception_ptr write_error) {
+std::filesystem::path finish_save(Comm& comm, save_state& s) {
   auto& m = s.m;
   try {
     on_all_ranks(comm, s.what, [&] {
-      if (write_error) std::rethrow_exception(write_error);
+      if (s.write_error) std::rethrow_exception(s.write_error);
     });
     // [partition, bytes, chunk count, hashes...] of every rank.
     std::vector<std::int64_t> mine_enc{s.part};
@@ -240,10 +238,8 @@ std::filesystem::path finish_save(Comm& comm, save_state& s, std::exception_ptr 
     });
   } catch (...) {
     if (s.claim.held()) remove_quietly(s.temp);
-    s.claim.release();
     throw;
   }
-  s.claim.release();
   on_all_ranks(comm, cat(s.what, " (it is complete; removing old ones)"), [&] {
     if (s.rank == 0) prune(s.root, s.options.keep_last, s.in_background);
   });
@@ -262,13 +258,8 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, shard::
                                       O& opt, const save_options& o = {}) {
   auto comm = detail::host_collectives_of(model);  // io's own collectives, staged where the model's need it
   const auto s = detail::begin_save(comm, root, model, opt, o);
-  std::exception_ptr write_error;
-  try {
-    detail::write_own_file(*s);
-  } catch (...) {
-    write_error = std::current_exception();
-  }
-  return detail::finish_save(comm, *s, write_error);
+  detail::write_own_file(*s);
+  return detail::finish_save(comm, *s);
 }
 
 // A checkpoint being written in the background (async_save_checkpoint). wait() is
@@ -284,18 +275,10 @@ class pending_checkpoint {
   // the others would wait for it in wait(). A thread that cannot start writes inline.
   pending_checkpoint(Comm comm, std::unique_ptr<detail::save_state> s) noexcept
       : comm_(std::move(comm)), s_(std::move(s)) {
-    const auto write = [s = s_.get()] {
-      try {
-        detail::write_own_file(*s);
-      } catch (...) {
-        s->write_error = std::current_exception();
-      }
-      s->written.store(true, std::memory_order_release);
-    };
     try {
-      writer_ = std::thread(write);
+      writer_ = std::thread(detail::write_own_file, std::ref(*s_));
     } catch (...) {  // std::system_error: no thread to be had
-      write();
+      detail::write_own_file(*s_);
     }
   }
   pending_checkpoint(pending_checkpoint&&) noexcept = default;
@@ -312,7 +295,7 @@ class pending_checkpoint {
     if (!s_) throw io_error("pending_checkpoint::wait: this save has been waited for already");
     if (writer_.joinable()) writer_.join();
     const auto s = std::move(s_);
-    return detail::finish_save(comm_, *s, s->write_error);
+    return detail::finish_save(comm_, *s);
   }
 
  private:

@@ -331,21 +331,17 @@ inline constexpr std::string_view purge_prefix = ".tmp-#purge-";
 // After a save completed: deletes all but the newest keep_last checkpoints (0 keeps
 // all), and the temporary directories of saves that were killed (not those in flight).
 // In the background (an asynchronous save's wait()), an old checkpoint is renamed out of
-// sight at once and deleted by background_deleter; so are such leftovers.
+// sight at once (inline where a leftover holds its new name) and deleted, with any such
+// leftover, by background_deleter.
 inline void prune(const std::filesystem::path& root, int keep_last, bool in_background = false) {
   std::vector<std::filesystem::path> complete;  // newest first
   const auto entries = scan_checkpoints(root);
   for (auto it = entries.rbegin(); it != entries.rend(); ++it)
     if (it->metadata) complete.push_back(it->path);
   for (std::size_t i = std::size_t(keep_last); keep_last > 0 && i < complete.size(); ++i) {
-    if (in_background) {
-      const auto hidden = root / cat(purge_prefix, complete[i].filename().string());
-      remove_quietly(hidden);  // a leftover of the same name
-      if (::rename(complete[i].c_str(), hidden.c_str()) == 0) {
-        background_deleter::instance().add(hidden);
-        continue;
-      }
-    }
+    if (in_background &&
+        ::rename(complete[i].c_str(), (root / cat(purge_prefix, complete[i].filename().string())).c_str()) == 0)
+      continue;  // queued below
     std::error_code ec;
     std::filesystem::remove_all(complete[i], ec);
     if (ec) fail(complete[i].string(), "cannot delete this old checkpoint: ", ec.message());
