@@ -25,6 +25,7 @@ struct flat_entry {
   Shape shape;
   init_rule init;
   std::size_t offset;  // first element in the flat buffer
+  bool requires_grad = true;  // its Param's: false is a frozen parameter
   std::size_t numel() const { return std::size_t(shape.numel()); }
 };
 
@@ -39,9 +40,9 @@ struct flat_layout {
   std::size_t numel = 0;  // including the alignment gaps
 
   // Places one more parameter after the last, at the next aligned offset.
-  const flat_entry& append(std::string name, const Shape& shape, const init_rule& init) {
+  const flat_entry& append(std::string name, const Shape& shape, const init_rule& init, bool requires_grad = true) {
     numel = (numel + alignment - 1) / alignment * alignment;
-    entries.push_back({std::move(name), shape, init, numel});
+    entries.push_back({std::move(name), shape, init, numel, requires_grad});
     numel += entries.back().numel();
     return entries.back();
   }

@@ -58,6 +58,10 @@ struct Param {
   T* value = nullptr;
   T* grad = nullptr;
   std::string_view owner_name{};  // its dotted name, set by a sharded owner (for errors)
+  // PyTorch's requires_grad: false freezes the parameter for a sharding engine, which
+  // then keeps its gradient at zero and never steps it (docs/design.md, "Frozen
+  // parameters"). Layers still write a gradient for it: they need not know.
+  bool requires_grad = true;
 
   std::size_t numel() const { return std::size_t(shape.numel()); }
   bool bound() const { return value != nullptr || numel() == 0; }

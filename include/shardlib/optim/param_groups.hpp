@@ -18,7 +18,7 @@
 #include <span>         // std::span
 #include <string>       // std::string
 #include <string_view>  // std::string_view
-#include <utility>      // std::move, std::as_const
+#include <utility>      // std::move, std::as_const, std::pair
 #include <vector>       // std::vector
 
 namespace shardlib::optim {
@@ -61,11 +61,85 @@ inline group_rule match_names(std::vector<std::string> patterns) {
 // as nanoGPT's configure_optimizers decides (dim < 2). Matrices and embeddings decay.
 inline bool no_decay(std::string_view, const Shape& shape) { return shape.rank() < 2; }
 
-// A run of a shard stepped with one group's options: elements [begin, begin + size).
+// A run of a shard stepped with one group's options: elements [begin, begin + size);
+// or, with group `frozen`, a run of frozen parameters' elements, which no step touches.
 struct segment {
+  static constexpr int frozen = -1;
   std::size_t begin = 0, size = 0;
   int group = 0;
 };
+
+// `runs`, which tile flat elements [first, first + n) of a unit laid out as `layout`
+// (their begin counted from first), with the elements of frozen parameters (entries
+// whose requires_grad is false) cut out as runs of segment::frozen.
+template <class Layout>
+std::vector<segment> cut_frozen(const std::vector<segment>& runs, const Layout& layout, std::size_t first,
+                                std::size_t n) {
+  std::vector<std::pair<std::size_t, std::size_t>> frozen;  // [lo, hi) from first, by offset
+  for (const auto& e : layout.entries) {
+    const std::size_t lo = std::max(first, std::size_t(e.offset));
+    const std::size_t hi = std::min(first + n, std::size_t(e.offset + e.numel()));
+    if (!e.requires_grad && lo < hi) frozen.emplace_back(lo - first, hi - first);
+  }
+  if (frozen.empty()) return runs;
+  std::vector<segment> out;
+  auto emit = [&](std::size_t lo, std::size_t hi, int group) {
+    if (!out.empty() && out.back().group == group && out.back().begin + out.back().size == lo)
+      out.back().size += hi - lo;
+    else
+      out.push_back({lo, hi - lo, group});
+  };
+  std::size_t f = 0;
+  for (const auto& r : runs)
+    for (std::size_t at = r.begin, end = r.begin + r.size; at < end;) {
+      while (f < frozen.size() && frozen[f].second <= at) ++f;
+      const bool in = f < frozen.size() && frozen[f].first <= at;
+      const std::size_t to = std::min(end, in ? frozen[f].second : f < frozen.size() ? frozen[f].first : end);
+      emit(at, to, in ? segment::frozen : r.group);
+      at = to;
+    }
+  return out;
+}
+
+// That `runs` tile a shard of n elements, each of one of `groups` groups or frozen.
+inline void check_runs(std::string_view who, std::size_t n, std::span<const segment> runs, std::size_t groups) {
+  std::size_t covered = 0;
+  for (const auto& r : runs) {
+    require(r.begin == covered && r.size <= n - covered &&
+                (r.group == segment::frozen || (r.group >= 0 && std::size_t(r.group) < groups)),
+            who, "::step: segment [", r.begin, ", ", r.begin + r.size, ") of group ", r.group,
+            " does not continue the runs of a shard of ", n, " at ", covered, " (", groups, " groups)");
+    covered += r.size;
+  }
+  require(covered == n, who, "::step: the segments cover ", covered, " of ", n, " elements");
+}
+
+// One step over a shard that `runs` tile: step_run(r) steps every run r but the frozen
+// ones, then the step is counted once. Nothing is stepped unless all runs are valid.
+template <class State, class StepRun>
+void step_runs(std::string_view who, std::size_t n, State& s, std::span<const segment> runs, std::size_t groups,
+               StepRun&& step_run) {
+  check_runs(who, n, runs, groups);
+  for (const auto& r : runs)
+    if (r.group != segment::frozen) step_run(r);
+  ++s.step;
+}
+
+// An optimizer's step over the runs of a shard that are not frozen (a shard holding
+// frozen parameters), counted once: each run as step_segment updates it.
+template <class O, FloatingElement G>
+  requires requires(const O& o, std::span<float> p, std::span<const G> g, typename O::state& s) {
+    o.step_segment(p, g, s, std::size_t{});
+    o.check(std::as_const(s), std::size_t{});
+  }
+void step_unfrozen(const O& opt, std::span<float> params, std::span<const G> grads, typename O::state& s,
+                   std::span<const segment> runs) {
+  detail::require_size(O::name, "gradients", grads.size(), params.size());
+  opt.check(s, params.size());
+  step_runs(O::name, params.size(), s, runs, 1, [&](const segment& r) {
+    opt.step_segment(params.subspan(r.begin, r.size), grads.subspan(r.begin, r.size), s, r.begin);
+  });
+}
 
 // An optimizer whose options can differ over the elements of one state: it steps a
 // segment of its state (elements [first, first + n)) without counting the step, and
@@ -191,25 +265,15 @@ class param_groups {
   }
 
   // Steps a shard whose runs `segments` tile [0, params.size()), each with its group's
-  // options, then counts one step.
+  // options (frozen runs not at all), then counts one step.
   template <FloatingElement G>
   void step(std::span<float> params, std::span<const G> grads, state& s, std::span<const segment> segments) const {
     detail::require_size(name, "gradients", grads.size(), params.size());
     check(s, params.size());
-    std::size_t covered = 0;
-    for (const auto& r : segments) {
-      require(r.begin == covered && r.size <= params.size() - covered && r.group >= 0 &&
-                  std::size_t(r.group) < groups_.size(),
-              "param_groups::step: segment [", r.begin, ", ", r.begin + r.size, ") of group ", r.group,
-              " does not continue the runs of a shard of ", params.size(), " at ", covered, " (", groups_.size(),
-              " groups)");
+    step_runs("param_groups", params.size(), s, segments, groups_.size(), [&](const segment& r) {
       of(groups_[std::size_t(r.group)]).step_segment(params.subspan(r.begin, r.size), grads.subspan(r.begin, r.size),
                                                      s, r.begin);
-      covered += r.size;
-    }
-    require(covered == params.size(), "param_groups::step: the segments cover ", covered, " of ", params.size(),
-            " elements");
-    ++s.step;
+    });
   }
 
   // Learning rates for the update at `step` (a state's step before it): each group's

@@ -87,7 +87,7 @@ void discover(L& layer, const std::string& name, bool root, walk_state<C>& w) {
       u.aliases.push_back({std::move(pname), it->second});
     } else {
       entry.emplace(p, u.params.size());
-      u.layout.append(std::move(pname), p->shape, p->init);
+      u.layout.append(std::move(pname), p->shape, p->init, p->requires_grad);
       u.params.push_back(p);
       numel += p->numel();
     }

@@ -599,6 +599,7 @@ class ShardedModel {
     u.bind(u.values.data(), full_grads(u));
   }
   void post_backward(unit_type& u) {
+    zero_frozen_grads(u);
     if (policy_.shard_parameters) gathers_.free(u);
     if (sync_) reducer_.issue(u, shard_comm(), *comm_);
     if (&u == &units_[0]) finish_backward();
@@ -821,6 +822,13 @@ class ShardedModel {
   }
 
   // --- gradients -------------------------------------------------------------------------------
+  // Frozen parameters (requires_grad = false): what layers wrote as their gradients is
+  // zeroed before anything reads it, so they reduce, count in the norm and step as zeros
+  // (and the optimizer leaves their elements out: unit_optimizer's runs).
+  void zero_frozen_grads(unit_type& u) {
+    for (const auto& e : u.layout.entries)
+      if (!e.requires_grad) ops::fill(std::span<C>(full_grads(u) + e.offset, e.numel()), C(0));
+  }
   // A unit whose layer did not run this pass (LayerDrop, a branch) may have been
   // prefetched along the recorded order: it is freed here, as FSDP2 reshards
   // everything at the end of backward.

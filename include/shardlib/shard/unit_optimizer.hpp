@@ -60,7 +60,7 @@ class unit_optimizer {
   // piece(i) is this rank's piece of units[i].
   template <class O, class Piece>
   void check(O& opt, std::vector<Unit>& units, Piece&& piece) {
-    if constexpr (optim::is_param_groups<Optimizer>) make_segments(opt, units, piece);
+    make_segments(opt, units, piece);
     if constexpr (requires(const state& s) { opt.check(s, std::size_t{}); })
       for (std::size_t i = 0; i < units.size(); ++i) {
         const unit_piece p = piece(i);
@@ -75,17 +75,29 @@ class unit_optimizer {
   void step(O& opt, Unit& u, std::size_t i, unit_piece piece, std::span<T> values, std::span<const T> grads,
             std::span<C> copy16, optim::skip_flag flag = {}) {
     auto& st = state_of(opt, u, piece);
+    const std::span<const optim::segment> runs = segments_.empty() ? std::span<const optim::segment>{} : segments_.at(i);
+    const std::span<C> copy = compute16 ? copy16 : std::span<C>{};
     if (flag.skip) {
-      if constexpr (skips_on_space<O, T, C, state>) opt.step(values, grads, st, compute16 ? copy16 : std::span<C>{}, flag);
-      else throw error(cat("rank ", rank_, ": this optimizer has no step a flag in the model's space can cancel"));
+      if constexpr (skips_on_space<O, T, C, state>) {
+        if (runs.empty()) opt.step(values, grads, st, copy, flag);
+        else if constexpr (steps_runs_on_space<O>) opt.step(values, grads, st, copy, runs, flag);
+        else throw error(cat("rank ", rank_, ": this optimizer cannot leave frozen parameters out of a step"));
+      } else {
+        throw error(cat("rank ", rank_, ": this optimizer has no step a flag in the model's space can cancel"));
+      }
       return;
     }
     with_unit(u, [&] {
       if constexpr (compute16 && requires { opt.step(values, grads, st, copy16); }) {
-        opt.step(values, grads, st, copy16);
+        if (runs.empty()) opt.step(values, grads, st, copy16);
+        else if constexpr (steps_runs_on_space<O>) opt.step(values, grads, st, copy16, runs, optim::skip_flag{});
+        else throw error(cat("rank ", rank_, ": this optimizer cannot leave frozen parameters out of a step"));
       } else {
-        if constexpr (optim::is_param_groups<Optimizer>) opt.step(values, grads, st, segments_.at(i));
-        else opt.step(values, grads, st);
+        if constexpr (optim::is_param_groups<Optimizer>) opt.step(values, grads, st, runs);
+        else if (runs.empty()) opt.step(values, grads, st);
+        else if constexpr (steps_runs_on_host<O>) optim::step_unfrozen(opt, values, grads, st, runs);
+        else if constexpr (steps_runs_on_space<O>) opt.step(values, grads, st, std::span<C>{}, runs, optim::skip_flag{});
+        else throw error(cat("rank ", rank_, ": this optimizer cannot leave frozen parameters out of a step"));
         if constexpr (compute16) Ops::narrow(std::span<const T>(values), copy16);
       }
     });
@@ -103,28 +115,62 @@ class unit_optimizer {
     }
   }
 
-  // Each unit's runs of parameter groups over this rank's piece, made at the first
-  // grouped step. Every parameter's group is looked up, not only those of this rank's
-  // piece, so that a parameter in no group is an error on every rank; the table is
-  // assigned only once whole.
+  // Whether an optimizer can step a shard but its frozen runs: on the host through
+  // step_segment (optim::step_unfrozen), in the model's space through a step over runs.
+  template <class O>
+  static constexpr bool steps_runs_on_host = requires(const O& o, std::span<T> v, std::span<const T> g, state& st) {
+    optim::step_unfrozen(o, v, g, st, std::span<const optim::segment>{});
+  };
+  template <class O>
+  static constexpr bool steps_runs_on_space =
+      requires(const O& o, std::span<T> v, std::span<const T> g, state& st, std::span<C> c) {
+        o.step(v, g, st, c, std::span<const optim::segment>{}, optim::skip_flag{});
+      };
+  template <class O>
+  static constexpr bool steps_runs() {
+    if constexpr (optim::is_param_groups<O>) return true;
+    else if constexpr (compute16 && requires(const O& o, std::span<T> v, std::span<const T> g, state& st,
+                                             std::span<C> c) { o.step(v, g, st, c); })
+      return steps_runs_on_space<O>;  // the optimizer's own pass writes the compute copy
+    else return steps_runs_on_host<O> || steps_runs_on_space<O>;
+  }
+
+  // Each unit's runs over this rank's piece, made at the first step: parameter groups'
+  // runs, and frozen parameters' runs, which no step touches. Without either, none.
+  // Every parameter is looked up, not only those of this rank's piece, so that a
+  // parameter in no group, or a frozen one an optimizer cannot leave out, is an error
+  // on every rank; the table is assigned only once whole.
   template <class Piece>
   void make_segments(const Optimizer& opt, const std::vector<Unit>& units, Piece& piece) {
-    if (!segments_.empty()) return;
+    if (made_) return;
     std::vector<std::vector<optim::segment>> made;
+    bool frozen = false;
     try {
       for (std::size_t i = 0; i < units.size(); ++i) {
-        for (const auto& e : units[i].layout.entries) opt.group_of(e.name, e.shape);
+        for (const auto& e : units[i].layout.entries) {
+          if constexpr (optim::is_param_groups<Optimizer>) opt.group_of(e.name, e.shape);
+          if (!e.requires_grad && !frozen) {
+            frozen = true;
+            require(steps_runs<Optimizer>(), "unit '", units[i].name, "': parameter '", e.name, "' is frozen ",
+                    "(requires_grad = false) and this optimizer cannot leave part of a shard out of its step: use ",
+                    "one with step_segment (Adam, AdamW, SGD, param_groups) or a device Adam");
+          }
+        }
         const unit_piece p = piece(i);
-        made.push_back(opt.segments(units[i].layout, p.begin, p.size));
+        std::vector<optim::segment> whole{{0, p.size, 0}};
+        if constexpr (optim::is_param_groups<Optimizer>) whole = opt.segments(units[i].layout, p.begin, p.size);
+        made.push_back(optim::cut_frozen(whole, units[i].layout, p.begin, p.size));
       }
     } catch (const error& e) {
       throw error(cat("rank ", rank_, ": ", e.what()));
     }
-    segments_ = std::move(made);
+    if (frozen || optim::is_param_groups<Optimizer>) segments_ = std::move(made);
+    made_ = true;
   }
 
   int rank_;
-  std::vector<std::vector<optim::segment>> segments_;  // parameter groups' runs per unit
+  bool made_ = false;
+  std::vector<std::vector<optim::segment>> segments_;  // runs per unit (groups', frozen); empty: none
 };
 
 }  // namespace shardlib::shard

@@ -128,26 +128,11 @@ struct adam_moments {
   std::span<float> max_exp_avg_sq;  // read and written only with amsgrad
 };
 
-// One step of `opt` (optim::Adam or optim::AdamW, the same update as its host
-// step, element by element, with its step_scalars) over params with grads, on
-// `stream`; `step` counts the steps taken, as the host state's does. copy, when
-// not empty, receives the new params rounded to C. With a gate the device decides
-// whether the step is taken: `step` then counts attempts, gate->cancelled the
-// ones cancelled.
-template <optim::decay_style Style, FloatingElement G, FloatingElement C = bfloat16>
-void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_moments state, std::int64_t& step,
-                     std::span<float> params, std::span<const G> grads, std::span<C> copy, cudaStream_t stream,
-                     const adam_gate* gate = nullptr) {
-  using A = optim::BasicAdam<Style>;
-  const std::size_t n = params.size();
-  auto require_size = [&](const char* what, std::size_t got) {
-    require<shape_error>(got == n, A::name, " (CUDA): ", what, " has ", got, " entries, the parameters ", n);
-  };
-  require_size("gradients", grads.size());
-  require_size("exp_avg", state.exp_avg.size());
-  require_size("exp_avg_sq", state.exp_avg_sq.size());
-  if (opt.options.amsgrad) require_size("max_exp_avg_sq", state.max_exp_avg_sq.size());
-  if (!copy.empty()) require_size("the compute copy", copy.size());
+// Step number step + 1's scalars, the step counted: from the host, or, with a gate,
+// made on the device by the gate kernel (the k returned is then unused).
+template <optim::decay_style Style>
+optim::detail::adam_scalars begin_adam_step(const optim::BasicAdam<Style>& opt, std::int64_t& step,
+                                            cudaStream_t stream, const adam_gate* gate) {
   optim::detail::adam_scalars k{};
   if (gate) {
     opt.check_options();
@@ -156,8 +141,18 @@ void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_moments state, std
     k = opt.step_scalars(step + 1);
   }
   ++step;
-  if (n == 0) return;
+  return k;
+}
 
+// The update of one step over params and the same elements of the moments and the
+// copy (spans of equal length), with scalars k or the gate's.
+template <optim::decay_style Style, FloatingElement G, FloatingElement C>
+void adam_update(const optim::BasicAdam<Style>& opt, adam_moments state, std::span<float> params,
+                 std::span<const G> grads, std::span<C> copy, optim::detail::adam_scalars k, cudaStream_t stream,
+                 const adam_gate* gate) {
+  using A = optim::BasicAdam<Style>;
+  const std::size_t n = params.size();
+  if (n == 0) return;
   float* vmax = state.max_exp_avg_sq.data();
   C* out = copy.empty() ? nullptr : copy.data();
   const bool vec = detail::aligned(params.data(), 16) && detail::aligned(grads.data(), 4 * sizeof(G)) &&
@@ -174,6 +169,36 @@ void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_moments state, std
       });
     });
   });
+}
+
+// That the gradients, moments and copy (when not empty) have n entries, as the parameters.
+template <optim::decay_style Style, FloatingElement G, FloatingElement C>
+void require_adam_sizes(const optim::BasicAdam<Style>& opt, const adam_moments& state, std::size_t n,
+                        std::span<const G> grads, std::span<C> copy) {
+  auto require_size = [&](const char* what, std::size_t got) {
+    require<shape_error>(got == n, optim::BasicAdam<Style>::name, " (CUDA): ", what, " has ", got,
+                         " entries, the parameters ", n);
+  };
+  require_size("gradients", grads.size());
+  require_size("exp_avg", state.exp_avg.size());
+  require_size("exp_avg_sq", state.exp_avg_sq.size());
+  if (opt.options.amsgrad) require_size("max_exp_avg_sq", state.max_exp_avg_sq.size());
+  if (!copy.empty()) require_size("the compute copy", copy.size());
+}
+
+// One step of `opt` (optim::Adam or optim::AdamW, the same update as its host
+// step, element by element, with its step_scalars) over params with grads, on
+// `stream`; `step` counts the steps taken, as the host state's does. copy, when
+// not empty, receives the new params rounded to C. With a gate the device decides
+// whether the step is taken: `step` then counts attempts, gate->cancelled the
+// ones cancelled.
+template <optim::decay_style Style, FloatingElement G, FloatingElement C = bfloat16>
+void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_moments state, std::int64_t& step,
+                     std::span<float> params, std::span<const G> grads, std::span<C> copy, cudaStream_t stream,
+                     const adam_gate* gate = nullptr) {
+  require_adam_sizes(opt, state, params.size(), grads, copy);
+  const auto k = begin_adam_step(opt, step, stream, gate);
+  adam_update(opt, state, params, grads, copy, k, stream, gate);
 }
 
 // The same over an adam_device_state.

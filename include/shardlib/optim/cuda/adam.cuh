@@ -15,6 +15,7 @@
 #include "shardlib/ops/cuda/adam.cuh"       // fused_adam_step, adam_moments
 #include "shardlib/optim/adam.hpp"          // BasicAdam, decay_style
 #include "shardlib/optim/optimizer.hpp"     // skip_flag
+#include "shardlib/optim/param_groups.hpp"  // segment, check_runs
 
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::int64_t
@@ -113,41 +114,52 @@ struct BasicAdam {
   void step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy,
             optim::skip_flag flag) const {
     require(flag.skip != nullptr, name, " (CUDA): a gated step needs the flag's device address");
-    const cudaStream_t stream = shardlib::cuda::current_stream();
-    if (s.cancelled.empty()) {
-      // Persistent, but not optimizer state in the planner's sense: 56 bytes of scratch.
-      s.cancelled = shardlib::cuda::device_buffer<double>(2, category::comm_scratch, stream);
-      shardlib::cuda::fill_bytes_async(s.cancelled.span(), 0, stream);
-      s.gate_scalars = shardlib::cuda::device_buffer<ops::cuda::gated_adam_scalars>(1, category::comm_scratch, stream);
-    }
-    if (flag.skip != s.cancelled.data() + 1) s.unsettled = true;
-    s.gated_on = stream;
-    gated_step(params, grads, s, compute_copy, flag.skip, stream);
+    const optim::segment whole{0, params.size(), 0};
+    step(params, grads, s, compute_copy, std::span<const optim::segment>(&whole, 1), flag);
   }
 
   // The same, also writing the new parameters rounded to H into compute_copy
   // (the 16-bit copy the next all-gather sends) in the same pass.
   template <FloatingElement G, FloatingElement H>
   void step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy) const {
-    const cudaStream_t stream = shardlib::cuda::current_stream();
-    if (!s.cancelled.empty()) return gated_step(params, grads, s, compute_copy, s.cancelled.data() + 1, stream);
-    check(s, params.size());
-    ops::cuda::fused_adam_step(host_optimizer{options},
-                               {s.exp_avg.span(), s.exp_avg_sq.span(), s.max_exp_avg_sq.span()}, s.step, params,
-                               grads, compute_copy, stream);
+    const optim::segment whole{0, params.size(), 0};
+    step(params, grads, s, compute_copy, std::span<const optim::segment>(&whole, 1), optim::skip_flag{});
   }
 
- private:
+  // The same over a shard that `runs` tile (optim::segment), one pass per run, leaving
+  // the frozen runs' elements as they are (parameters, moments, compute copy); the
+  // step is counted once, and with flag.skip one gate decides it for every run.
   template <FloatingElement G, FloatingElement H>
-  void gated_step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy,
-                  const double* skip, cudaStream_t stream) const {
+  void step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy,
+            std::span<const optim::segment> runs, optim::skip_flag flag) const {
+    const cudaStream_t stream = shardlib::cuda::current_stream();
+    const host_optimizer host{options};
+    const ops::cuda::adam_moments moments{s.exp_avg.span(), s.exp_avg_sq.span(), s.max_exp_avg_sq.span()};
     check(s, params.size());
-    const ops::cuda::adam_gate gate{skip, s.cancelled.data(), s.gate_scalars.data()};
-    ops::cuda::fused_adam_step(host_optimizer{options},
-                               {s.exp_avg.span(), s.exp_avg_sq.span(), s.max_exp_avg_sq.span()}, s.step, params,
-                               grads, compute_copy, stream, &gate);
+    ops::cuda::require_adam_sizes(host, moments, params.size(), grads, compute_copy);
+    optim::check_runs(name, params.size(), runs, 1);
+    if (flag.skip) {
+      if (s.cancelled.empty()) {
+        // Persistent, but not optimizer state in the planner's sense: 56 bytes of scratch.
+        s.cancelled = shardlib::cuda::device_buffer<double>(2, category::comm_scratch, stream);
+        shardlib::cuda::fill_bytes_async(s.cancelled.span(), 0, stream);
+        s.gate_scalars = shardlib::cuda::device_buffer<ops::cuda::gated_adam_scalars>(1, category::comm_scratch, stream);
+      }
+      if (flag.skip != s.cancelled.data() + 1) s.unsettled = true;
+      s.gated_on = stream;
+    } else if (!s.cancelled.empty()) {
+      flag.skip = s.cancelled.data() + 1;  // the always-0 flag: t leaves the cancelled steps out
+    }
+    const ops::cuda::adam_gate gate{flag.skip, s.cancelled.data(), s.gate_scalars.data()};
+    const ops::cuda::adam_gate* gated = flag.skip ? &gate : nullptr;
+    const auto k = ops::cuda::begin_adam_step(host, s.step, stream, gated);
+    for (const auto& r : runs) {
+      if (r.group == optim::segment::frozen) continue;
+      auto part = [&](auto b) { return b.empty() ? b : b.subspan(r.begin, r.size); };
+      ops::cuda::adam_update(host, {part(moments.exp_avg), part(moments.exp_avg_sq), part(moments.max_exp_avg_sq)},
+                             part(params), part(grads), part(compute_copy), k, stream, gated);
+    }
   }
-
 };
 
 using Adam = BasicAdam<decay_style::l2>;

@@ -1,0 +1,324 @@
+// Frozen parameters (nn::Param::requires_grad = false) under every strategy: they
+// keep their values, count nowhere in the gradient norm, and the others train as a
+// float64 reference that steps only them.
+#include "shardlib/comm/launch.hpp"
+#include "shardlib/nn/linear.hpp"
+#include "shardlib/nn/replicated.hpp"
+#include "shardlib/nn/sequential.hpp"
+#include "shardlib/nn/stack.hpp"
+#include "shardlib/optim/adam.hpp"
+#include "shardlib/optim/param_groups.hpp"
+#include "shardlib/optim/sgd.hpp"
+#include "shardlib/shard/sharded_model.hpp"
+#include "support/compare.hpp"
+#include "support/raised.hpp"
+#include "support/shard_fixture.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+using namespace shardlib;
+using fixture::Block;
+using fixture::Model;
+using Catch::Matchers::Contains;
+
+namespace {
+
+constexpr int rows = 12;  // the global batch: divides by W = 1, 2, 3, 4
+// A whole parameter that opens a unit, and a bias inside a unit of the stack: shards of
+// 2 and 3 cut through both (units of 56, 72, 72, 72 and 35 elements).
+const std::set<std::string> frozen_names{"0.weight", "1.layers.1.bias"};
+const optim::AdamW::options_type adamw{.lr = 0.01, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
+constexpr float clip_at = 0.5f;  // below the first steps' norms (checked): clipping acts
+
+template <class L>
+void freeze(L& model, const std::set<std::string>& names) {
+  model.parameters([&](std::string_view name, auto& p) { p.requires_grad = !names.contains(std::string(name)); });
+}
+
+struct reference_run {
+  std::vector<double> params;  // final values in the model's order
+  std::vector<double> norms;   // each step's norm before clipping, over the trained parameters
+};
+
+// Unsharded AdamW in double on the global batch from the float initial values, as
+// PyTorch trains with requires_grad = false: frozen parameters have no gradient, so
+// clip_grad_norm_ and the optimizer never see them.
+reference_run reference(int steps, float max_norm) {
+  using ModelD = nn::Sequential<nn::Linear<double>, nn::Stack<nn::Linear<double>>, nn::Linear<double>>;
+  Model mf = fixture::make_model();
+  nn::Replicated<float, Model> init(mf, 42);
+  ModelD m{nn::Linear<double>(5, 8), nn::Stack<nn::Linear<double>>(3, nn::Linear<double>(8, 8)),
+           nn::Linear<double>(8, 3)};
+  nn::Replicated<double, ModelD> owner(m, 42);
+  auto values = owner.values();
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = double(init.values()[i]);
+  std::vector<double> exp_avg(values.size(), 0.0), exp_avg_sq(values.size(), 0.0);
+  reference_run out;
+  nn::context ctx;
+  for (int s = 0; s < steps; ++s) {
+    auto xf = fixture::batch(s, rows, 5, 1), yf = fixture::batch(s, rows, 3, 2);
+    Tensor<double> x(xf.shape()), y(yf.shape());
+    for (std::int64_t i = 0; i < x.numel(); ++i) x[i] = xf[i];
+    for (std::int64_t i = 0; i < y.numel(); ++i) y[i] = yf[i];
+    owner.zero_grad();
+    auto o = ctx.forward(m, x);
+    Tensor<double> dy(o.shape());
+    for (std::int64_t i = 0; i < o.numel(); ++i) dy[i] = 2 * (o[i] - y[i]) / double(o.numel());
+    ctx.backward(m, dy);
+    double squares = 0;
+    for (const auto& e : owner.layout().entries)
+      if (!frozen_names.contains(e.name))
+        for (std::size_t i = e.offset; i < e.offset + e.numel(); ++i) squares += owner.grads()[i] * owner.grads()[i];
+    const double norm = std::sqrt(squares);
+    out.norms.push_back(norm);
+    const double clip = std::min(1.0, double(max_norm) / (norm + 1e-6));
+    const double t = s + 1;
+    for (const auto& e : owner.layout().entries) {
+      if (frozen_names.contains(e.name)) continue;
+      for (std::size_t i = e.offset; i < e.offset + e.numel(); ++i) {
+        const double g = owner.grads()[i] * clip;
+        values[i] *= 1 - adamw.lr * adamw.weight_decay;
+        exp_avg[i] = adamw.beta1 * exp_avg[i] + (1 - adamw.beta1) * g;
+        exp_avg_sq[i] = adamw.beta2 * exp_avg_sq[i] + (1 - adamw.beta2) * g * g;
+        const double m_hat = exp_avg[i] / (1 - std::pow(adamw.beta1, t));
+        const double v_hat = exp_avg_sq[i] / (1 - std::pow(adamw.beta2, t));
+        values[i] -= adamw.lr * m_hat / (std::sqrt(v_hat) + adamw.eps);
+      }
+    }
+  }
+  for (const auto& e : owner.layout().entries)
+    for (std::size_t i = 0; i < e.numel(); ++i) out.params.push_back(values[e.offset + i]);
+  return out;
+}
+
+// What rank 0 ends with, every rank's values compared with rank 0's.
+struct sharded_run {
+  std::vector<float> initial, params, norms;  // full values before and after, each step's reported norm
+  std::vector<std::string> names;             // the parameter of each full value, in the model's order
+  bool replicas_agree = true;
+};
+
+template <class Opt>
+sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::set<std::string>& frozen, int steps,
+                  float max_norm, bool offload = false) {
+  std::vector<sharded_run> runs(static_cast<std::size_t>(world));
+  comm::launch(world, [&](comm::ThreadComm& c) {
+    Model m = fixture::make_model();
+    freeze(m, frozen);
+    auto model = shard::fully_shard<Opt>(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42,
+                                                          .offload = offload});
+    Opt opt = opt0;
+    auto& run = runs[std::size_t(c.rank())];
+    auto flatten = [&](std::vector<float>& out, bool names) {
+      for (auto& [name, t] : model.full_state_dict(false)) {
+        for (float v : t.span()) {
+          out.push_back(v);
+          if (names) run.names.push_back(name);
+        }
+      }
+    };
+    flatten(run.initial, true);
+    const int per_rank = rows / world, first = c.rank() * per_rank;
+    for (int s = 0; s < steps; ++s) {
+      auto r = model.train_step(opt, fixture::batch(s, per_rank, 5, 1, first), fixture::batch(s, per_rank, 3, 2, first),
+                                fixture::mse, {.max_norm = max_norm});
+      if (r.grad_norm) run.norms.push_back(*r.grad_norm);
+    }
+    flatten(run.params, false);
+  });
+  for (int r = 1; r < world; ++r)
+    runs[0].replicas_agree = runs[0].replicas_agree && runs[std::size_t(r)].params == runs[0].params;
+  return runs[0];
+}
+
+// Whether the frozen parameters' values are the initial ones, bit for bit (and finite).
+bool frozen_unchanged(const sharded_run& run, const std::set<std::string>& frozen) {
+  std::size_t seen = 0;
+  for (std::size_t i = 0; i < run.params.size(); ++i) {
+    if (!frozen.contains(run.names[i])) continue;
+    ++seen;
+    if (!std::isfinite(run.params[i]) ||
+        std::bit_cast<std::uint32_t>(run.params[i]) != std::bit_cast<std::uint32_t>(run.initial[i]))
+      return false;
+  }
+  return seen > 0;
+}
+
+std::vector<std::uint32_t> bits(const std::vector<float>& v) {
+  std::vector<std::uint32_t> out;
+  for (float x : v) out.push_back(std::bit_cast<std::uint32_t>(x));
+  return out;
+}
+
+}  // namespace
+
+// Tolerance as test_param_groups' float64 comparison (5e-5 relative to max(|want|, 0.1),
+// measured there at most 1.6e-5): the sharded run is float, the reference double.
+// A frozen element stepped moves by ~lr = 1e-2; a frozen gradient counted in the norm
+// changes every clipped step.
+TEST_CASE("frozen parameters keep their values and the others train as a float64 reference",
+          "[frozen][equivalence]") {
+  const int steps = 6;
+  const auto want = reference(steps, clip_at);
+  REQUIRE(want.norms.front() > clip_at);  // the clipping is exercised
+  auto check = [&](shard::AnyStrategy strategy, int w, bool offload) {
+    INFO(strategy.name << " at W = " << w << (offload ? ", offloaded" : ""));
+    const auto got = train(w, strategy, optim::AdamW{adamw}, frozen_names, steps, clip_at, offload);
+    CHECK(got.replicas_agree);
+    CHECK(frozen_unchanged(got, frozen_names));
+    test_support::max_error params, norms;
+    params.relative(got.params, want.params, 0.1);
+    norms.relative(got.norms, want.norms, 1e-6);
+    CHECK(params <= 5e-5);
+    CHECK(norms <= 1e-5);
+  };
+  for (int w : {1, 2, 3}) {
+    check(shard::FullShard{}, w, false);
+    check(shard::ShardGradOp{}, w, false);
+    check(shard::ShardOptimizer{}, w, false);
+    check(shard::NoShard{}, w, false);
+  }
+  check(shard::FullShard{}, 3, true);
+  check(shard::HybridShard{.group_size = 2}, 4, false);
+}
+
+// Bit for bit: a shard's trained runs step as they would beside parameters that are
+// not frozen but stepped with lr 0 and no weight decay (param groups), without
+// clipping (which would count the latter's gradients); param groups over frozen
+// parameters and plain AdamW agree too, and so does an SGD with momentum.
+TEST_CASE("frozen runs are left out of a shard's step, which steps the rest as before", "[frozen][segments]") {
+  using Groups = optim::param_groups<optim::AdamW>;
+  auto held = adamw;
+  held.lr = 0;
+  held.weight_decay = 0;
+  const Groups lr0({{.name = "held", .rule = optim::match_names({"0.weight", "1.layers.1.bias"}), .options = held},
+                    {.name = "rest", .rule = [](std::string_view, const Shape&) { return true; }, .options = adamw}});
+  const Groups one({{.name = "all", .rule = [](std::string_view, const Shape&) { return true; }, .options = adamw}});
+  for (int w : {2, 3}) {
+    INFO("W = " << w);
+    const auto plain = train(w, shard::FullShard{}, optim::AdamW{adamw}, frozen_names, 4, 0);
+    const auto groups = train(w, shard::FullShard{}, one, frozen_names, 4, 0);
+    const auto stepped_at_zero = train(w, shard::FullShard{}, lr0, {}, 4, 0);
+    CHECK(frozen_unchanged(plain, frozen_names));
+    CHECK(bits(plain.params) == bits(groups.params));
+    CHECK(bits(plain.params) == bits(stepped_at_zero.params));
+    CHECK(plain.params != plain.initial);  // the rest trained
+  }
+  const optim::SGD sgd{{.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01}};
+  const auto plain = train(3, shard::ShardOptimizer{}, sgd, frozen_names, 4, clip_at);
+  CHECK(frozen_unchanged(plain, frozen_names));
+  CHECK(plain.params != plain.initial);
+}
+
+TEST_CASE("a frozen parameter's gradient and optimizer state stay zero on every rank", "[frozen]") {
+  const int w = 3;
+  std::vector<std::string> problems(w);
+  comm::launch(w, [&](comm::ThreadComm& c) {
+    Model m = fixture::make_model();
+    freeze(m, frozen_names);
+    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{},
+                                                                             .seed = 42});
+    optim::AdamW opt{adamw};
+    const int per_rank = rows / w, first = c.rank() * per_rank;
+    for (int s = 0; s < 3; ++s)
+      model.train_step(opt, fixture::batch(s, per_rank, 5, 1, first), fixture::batch(s, per_rank, 3, 2, first),
+                       fixture::mse);
+    std::size_t frozen_seen = 0, trained_nonzero = 0;
+    for (std::size_t i = 0; i < model.unit_count(); ++i) {
+      const auto part = model.partition(i);
+      const std::size_t begin = part.begin(model.partition_rank());
+      const auto grads = model.units()[i].grad->local();
+      auto& st = model.optimizer_state(opt, i);
+      for (const auto& e : model.unit_layout(i).entries)
+        for (std::size_t k = e.offset; k < e.offset + e.numel(); ++k) {
+          if (k < begin || k >= begin + grads.size()) continue;
+          const std::size_t j = k - begin;
+          if (e.requires_grad) {
+            trained_nonzero += grads[j] != 0 && st.exp_avg[j] != 0 && st.exp_avg_sq[j] != 0;
+            continue;
+          }
+          ++frozen_seen;
+          if (grads[j] != 0 || st.exp_avg[j] != 0 || st.exp_avg_sq[j] != 0)
+            problems[std::size_t(c.rank())] += cat(e.name, "[", k - e.offset, "] ");
+        }
+    }
+    if (frozen_seen == 0 || trained_nonzero == 0)
+      problems[std::size_t(c.rank())] += cat("frozen elements seen ", frozen_seen, ", trained ", trained_nonzero);
+  });
+  for (const auto& p : problems) CHECK(p == "");
+}
+
+TEST_CASE("ranks that freeze different parameters all raise, naming the first that differs", "[frozen][errors]") {
+  std::vector<std::string> errors(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model m = fixture::make_model();
+    freeze(m, c.rank() == 1 ? std::set<std::string>{"1.layers.1.bias"} : frozen_names);
+    errors[std::size_t(c.rank())] = test_support::raised([&] {
+      auto model = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+    });
+  });
+  CHECK_THAT(errors[0], Contains("rank 0: the model differs between ranks 0 and 1") &&
+                            Contains("'0.weight' [8, 5], frozen"));
+  CHECK_THAT(errors[1], Contains("rank 1: the model differs between ranks 0 and 1") && Contains("(here: '0.weight' [8, 5])"));
+}
+
+// An optimizer that steps a shard only whole (no step_segment) cannot leave frozen
+// elements out: every rank raises at the first step, before any unit steps.
+TEST_CASE("an optimizer that cannot step part of a shard is refused with frozen parameters", "[frozen][errors]") {
+  std::vector<std::string> errors(2);
+  std::vector<std::vector<float>> before(2), after(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model m = fixture::make_model();
+    freeze(m, {"1.layers.2.weight"});
+    auto model = shard::fully_shard<fixture::sgd>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{},
+                                                                             .seed = 42});
+    fixture::sgd opt;
+    for (auto& [name, t] : model.full_state_dict(false)) before[std::size_t(c.rank())].push_back(t[0]);
+    errors[std::size_t(c.rank())] = test_support::raised([&] {
+      model.train_step(opt, fixture::batch(0, 2, 5, 1, 2 * c.rank()), fixture::batch(0, 2, 3, 2, 2 * c.rank()),
+                       fixture::mse);
+    });
+    for (auto& [name, t] : model.full_state_dict(false)) after[std::size_t(c.rank())].push_back(t[0]);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK_THAT(errors[std::size_t(r)], Contains(cat("rank ", r, ": unit '1.layers.2': parameter '1.layers.2.weight' is frozen")) &&
+                                           Contains("cannot leave part of a shard out of its step"));
+    CHECK(before[std::size_t(r)] == after[std::size_t(r)]);
+  }
+}
+
+// cut_frozen's runs over a piece of a layout: frozen entries cut out of group runs,
+// gaps kept in the run they fall in, a piece inside one frozen entry.
+TEST_CASE("cut_frozen cuts frozen entries out of a piece's runs", "[frozen][segments]") {
+  nn::flat_layout layout;  // a [0, 20) gap [20, 32) b [32, 40) gap [40, 48) c [48, 58)
+  layout.append("a", Shape{20}, {});
+  layout.append("b", Shape{8}, {}, false);
+  layout.append("c", Shape{10}, {});
+  using optim::segment;
+  auto same = [](const std::vector<segment>& got, const std::vector<segment>& want) {
+    if (got.size() != want.size()) return false;
+    for (std::size_t i = 0; i < got.size(); ++i)
+      if (got[i].begin != want[i].begin || got[i].size != want[i].size || got[i].group != want[i].group) return false;
+    return true;
+  };
+  // The whole unit as one group: a and its gap, b frozen, b's gap and c.
+  CHECK(same(optim::cut_frozen({{0, 58, 0}}, layout, 0, 58), {{0, 32, 0}, {32, 8, segment::frozen}, {40, 18, 0}}));
+  // Two groups meeting inside the gap after a; the piece [10, 50) counted from 10.
+  CHECK(same(optim::cut_frozen({{0, 15, 0}, {15, 25, 1}}, layout, 10, 40),
+             {{0, 15, 0}, {15, 7, 1}, {22, 8, segment::frozen}, {30, 10, 1}}));
+  // Inside b alone; and a piece with no frozen element is returned as it was.
+  CHECK(same(optim::cut_frozen({{0, 4, 1}}, layout, 34, 4), {{0, 4, segment::frozen}}));
+  CHECK(same(optim::cut_frozen({{0, 10, 0}, {10, 8, 1}}, layout, 40, 18), {{0, 10, 0}, {10, 8, 1}}));
+  // Runs that do not tile a shard are refused before anything steps.
+  optim::SGD::state st;
+  CHECK_THROWS_WITH(optim::step_runs("x", 10, st, std::vector<segment>{{0, 4, 0}, {5, 5, 0}}, 1, [](auto&) {}),
+                    Contains("x::step: segment [5, 10) of group 0 does not continue the runs of a shard of 10 at 4"));
+  CHECK(st.step == 0);
+}
