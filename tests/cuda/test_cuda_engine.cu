@@ -25,6 +25,7 @@
 #include <catch2/catch.hpp>
 #include <cuda/std/chrono>  // the gate kernel's clock
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <functional>
@@ -412,6 +413,59 @@ TEST_CASE("device Adam and AdamW follow the host optimizers over ten steps", "[c
   }
 }
 
+// A shard holding frozen parameters: its runs but the frozen ones step as the host's
+// step_unfrozen steps them (gated steps too, one of them cancelled), and the frozen
+// runs' parameters, moments and compute copy are left exactly as they were.
+TEST_CASE("device AdamW over runs steps the rest as the host does and leaves frozen runs alone",
+          "[cuda][optim][frozen]") {
+  if (!have_device()) return;
+  device_fixture f;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  using sl::optim::segment;
+  const std::size_t count = 1003;
+  const std::vector<segment> runs{{0, 301, 0}, {301, 99, segment::frozen}, {400, 600, 0}, {1000, 3, segment::frozen}};
+  const sl::optim::AdamW host{{.lr = 1e-2, .weight_decay = 0.1}};
+  const sl::optim::cuda::AdamW dev{{.lr = 1e-2, .weight_decay = 0.1}};
+  auto p_host = rnd.normal(count);
+  const auto initial = p_host;
+  auto hstate = host.make_state(count);
+  auto dstate = dev.make_state(count);
+  auto dp = upload(p_host, f.stream);
+  auto copy = poisoned<sl::bfloat16>(count, f.stream);
+  const auto poison = fetch(cspan(copy), f.stream);
+  const std::vector<double> zero{0.0}, one{1.0};
+  auto skip = upload(zero, f.stream);
+  for (int step = 0; step < 6; ++step) {
+    const auto g = rnd.normal(count, 0.1f);
+    const auto dg = upload(g, f.stream);
+    const bool gated = step >= 2, cancelled = step == 3;
+    if (cancelled) sl::cuda::copy_async(skip.span(), std::span<const double>(one), f.stream);
+    if (step == 4) sl::cuda::copy_async(skip.span(), std::span<const double>(zero), f.stream);
+    dev.step(dp.span(), cspan(dg), dstate, copy.span(), runs, sl::optim::skip_flag{gated ? skip.data() : nullptr});
+    if (!cancelled) sl::optim::step_unfrozen(host, std::span<float>(p_host), std::span<const float>(g), hstate, runs);
+  }
+  dstate.settle();
+  CHECK(dstate.step == hstate.step);
+  CHECK(hstate.step == 5);
+  const auto p_dev = fetch(cspan(dp), f.stream);
+  require_close(p_dev, p_host, 1e-5, 1e-7);
+  const auto m_dev = fetch(std::span<const float>(dstate.exp_avg.span()), f.stream);
+  const auto c_dev = fetch(cspan(copy), f.stream);
+  std::size_t frozen = 0;
+  for (const auto& r : runs)
+    for (std::size_t i = r.begin; i < r.begin + r.size; ++i) {
+      if (r.group != segment::frozen) continue;
+      ++frozen;
+      CHECK(std::memcmp(&p_dev[i], &initial[i], sizeof(float)) == 0);
+      CHECK(m_dev[i] == 0.0f);
+      CHECK(std::memcmp(&c_dev[i], &poison[i], sizeof(sl::bfloat16)) == 0);
+    }
+  CHECK(frozen == 102);
+  for (std::size_t i : {std::size_t(0), std::size_t(300), std::size_t(400), std::size_t(999)})
+    CHECK(std::memcmp(&c_dev[i], &poison[i], sizeof(sl::bfloat16)) != 0);  // the rest's copy written
+}
+
 TEST_CASE("device Adam refuses what the host one refuses, naming what is wrong", "[cuda][optim]") {
   if (!have_device()) return;
   device_fixture f;
@@ -504,9 +558,13 @@ struct mlp_run {
   sl::optim::cuda::Adam adam{{.lr = 1e-2}};
   std::optional<sharded_type> sharded;
 
-  // fp16's scale starts low enough that this model's gradients never overflow, unless given.
-  explicit mlp_run(float scale = 256.f) {
+  // fp16's scale starts low enough that this model's gradients never overflow, unless
+  // given; the parameters named in `frozen` are frozen (requires_grad = false).
+  explicit mlp_run(float scale = 256.f, const std::vector<std::string>& frozen = {}) {
     sl::cuda::stream_scope scope(stream.get());
+    model.parameters([&](std::string_view name, auto& p) {
+      p.requires_grad = std::find(frozen.begin(), frozen.end(), name) == frozen.end();
+    });
     sl::shard::mixed_precision precision{};
     if constexpr (!std::is_same_v<C, float>) precision = {.param = sl::dtype_of<C>, .reduce = sl::dtype::f32};
     sharded.emplace(model, comm, sl::shard::FullShard{},
@@ -651,6 +709,32 @@ TEST_CASE("clipping decides on the device: the step never waits, and its loss, n
   const double norm = run.sharded->grad_norm();
   CHECK(sl::host_syncs() - before == 1);
   CHECK(std::isfinite(norm));
+}
+
+// A frozen weight on the device, in fp32 and in bf16 layers: steps decided by the host,
+// on the device (clipping: gated), and after those (through the gate's always-0 flag)
+// leave it exactly as it was, and train the rest.
+TEMPLATE_TEST_CASE("a frozen parameter stays as it was through device steps, gated or not",
+                   "[cuda][engine][frozen]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  mlp_run<TestType> run(256.f, {"0.weight"});
+  run.adam.options.weight_decay = 0.1;  // a frozen element stepped would move even with a zero gradient
+  const auto before = [&] {
+    sl::cuda::stream_scope scope(run.stream.get());
+    return run.sharded->full_state_dict(false);
+  }();
+  (void)float(run.step(0));
+  (void)float(run.step(1, {.max_norm = 0.05f}));
+  (void)float(run.step(2));
+  sl::cuda::stream_scope scope(run.stream.get());
+  const auto after = run.sharded->full_state_dict(false);
+  REQUIRE(after.size() == before.size());
+  for (std::size_t k = 0; k < after.size(); ++k) {
+    INFO(after[k].name);
+    const auto a = after[k].value.span(), b = before[k].value.span();
+    const bool same = std::memcmp(a.data(), b.data(), a.size_bytes()) == 0;
+    CHECK(same == (after[k].name == "0.weight"));
+  }
 }
 
 // half compute with fp16 loss scaling: the overflow vote, the skip decision and the
