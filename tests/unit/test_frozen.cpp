@@ -1,6 +1,7 @@
 // Frozen parameters (nn::Param::requires_grad = false) under every strategy: they
 // keep their values, count nowhere in the gradient norm, and the others train as a
 // float64 reference that steps only them.
+#include "../../benchmarks/counting_comm.hpp"  // bytes sent per rank, ring model
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/replicated.hpp"
@@ -50,7 +51,7 @@ struct reference_run {
 // Unsharded AdamW in double on the global batch from the float initial values, as
 // PyTorch trains with requires_grad = false: frozen parameters have no gradient, so
 // clip_grad_norm_ and the optimizer never see them.
-reference_run reference(int steps, float max_norm) {
+reference_run reference(int steps, float max_norm, const std::set<std::string>& frozen = frozen_names) {
   using ModelD = nn::Sequential<nn::Linear<double>, nn::Stack<nn::Linear<double>>, nn::Linear<double>>;
   Model mf = fixture::make_model();
   nn::Replicated<float, Model> init(mf, 42);
@@ -74,14 +75,14 @@ reference_run reference(int steps, float max_norm) {
     ctx.backward(m, dy);
     double squares = 0;
     for (const auto& e : owner.layout().entries)
-      if (!frozen_names.contains(e.name))
+      if (!frozen.contains(e.name))
         for (std::size_t i = e.offset; i < e.offset + e.numel(); ++i) squares += owner.grads()[i] * owner.grads()[i];
     const double norm = std::sqrt(squares);
     out.norms.push_back(norm);
-    const double clip = std::min(1.0, double(max_norm) / (norm + 1e-6));
+    const double clip = max_norm > 0 ? std::min(1.0, double(max_norm) / (norm + 1e-6)) : 1.0;
     const double t = s + 1;
     for (const auto& e : owner.layout().entries) {
-      if (frozen_names.contains(e.name)) continue;
+      if (frozen.contains(e.name)) continue;
       for (std::size_t i = e.offset; i < e.offset + e.numel(); ++i) {
         const double g = owner.grads()[i] * clip;
         values[i] *= 1 - adamw.lr * adamw.weight_decay;
@@ -103,13 +104,16 @@ struct sharded_run {
   std::vector<float> initial, params, norms;  // full values before and after, each step's reported norm
   std::vector<std::string> names;             // the parameter of each full value, in the model's order
   bool replicas_agree = true;
+  double reduced_bytes = 0;  // what rank 0 sent reducing gradients, per step (ring model)
 };
 
 template <class Opt>
 sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::set<std::string>& frozen, int steps,
                   float max_norm, bool offload = false) {
   std::vector<sharded_run> runs(static_cast<std::size_t>(world));
-  comm::launch(world, [&](comm::ThreadComm& c) {
+  comm::launch(world, [&](comm::ThreadComm& inner) {
+    auto tally = std::make_shared<bench::traffic>();
+    bench::counting_comm<comm::ThreadComm> c(inner, tally);
     Model m = fixture::make_model();
     freeze(m, frozen);
     auto model = shard::fully_shard<Opt>(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42,
@@ -126,11 +130,13 @@ sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::s
     };
     flatten(run.initial, true);
     const int per_rank = rows / world, first = c.rank() * per_rank;
+    tally->reset();  // construction and the state dict: only steps count
     for (int s = 0; s < steps; ++s) {
       auto r = model.train_step(opt, fixture::batch(s, per_rank, 5, 1, first), fixture::batch(s, per_rank, 3, 2, first),
                                 fixture::mse, {.max_norm = max_norm});
       if (r.grad_norm) run.norms.push_back(*r.grad_norm);
     }
+    run.reduced_bytes = (tally->reduce_scatter + tally->all_reduce) / steps;
     flatten(run.params, false);
   });
   for (int r = 1; r < world; ++r)
@@ -321,4 +327,27 @@ TEST_CASE("cut_frozen cuts frozen entries out of a piece's runs", "[frozen][segm
   CHECK_THROWS_WITH(optim::step_runs("x", 10, st, std::vector<segment>{{0, 4, 0}, {5, 5, 0}}, 1, [](auto&) {}),
                     Contains("x::step: segment [5, 10) of group 0 does not continue the runs of a shard of 10 at 4"));
   CHECK(st.step == 0);
+}
+
+// A unit whose parameters are all frozen sends nothing for its gradients (FSDP2 reduces
+// only parameters with gradients): a reduce-scatter (all-reduce under NoShard) the size
+// of its padded flat buffer less per step, and training as the reference still.
+TEST_CASE("a unit whose parameters are all frozen reduces nothing", "[frozen][traffic]") {
+  const std::set<std::string> block{"1.layers.0.weight", "1.layers.0.bias"};  // unit 1.layers.0: 72 elements
+  const int steps = 4;
+  const auto want = reference(steps, 0, block);
+  for (int w : {2, 3}) {
+    const double padded = double(shard::shard_layout{72, w}.padded_size()) * sizeof(float);
+    for (shard::AnyStrategy strategy : {shard::AnyStrategy(shard::FullShard{}), shard::AnyStrategy(shard::NoShard{})}) {
+      INFO(strategy.name << " at W = " << w);
+      const auto plain = train(w, strategy, optim::AdamW{adamw}, {}, steps, 0);
+      const auto got = train(w, strategy, optim::AdamW{adamw}, block, steps, 0);
+      const double ring = strategy.name == "NoShard" ? 2.0 * (w - 1) / w : double(w - 1) / w;
+      CHECK(plain.reduced_bytes - got.reduced_bytes == Approx(ring * padded).epsilon(1e-12));
+      CHECK(frozen_unchanged(got, block));
+      test_support::max_error params;
+      params.relative(got.params, want.params, 0.1);
+      CHECK(params <= 5e-5);
+    }
+  }
 }

@@ -601,7 +601,11 @@ class ShardedModel {
   void post_backward(unit_type& u) {
     zero_frozen_grads(u);
     if (policy_.shard_parameters) gathers_.free(u);
-    if (sync_) reducer_.issue(u, shard_comm(), *comm_);
+    if (u.frozen()) {  // every gradient is zero: nothing to send (FSDP2 reduces only what has gradients)
+      if (policy_.shard_gradients) u.full_grad.reset();
+    } else if (sync_) {
+      reducer_.issue(u, shard_comm(), *comm_);
+    }
     if (&u == &units_[0]) finish_backward();
   }
 

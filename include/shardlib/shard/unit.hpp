@@ -72,6 +72,12 @@ struct unit {
   } scratch;
 
   std::size_t numel() const { return layout.numel; }
+  // Every parameter it owns is frozen (requires_grad = false), and it owns some.
+  bool frozen() const {
+    for (const auto& e : layout.entries)
+      if (e.requires_grad) return false;
+    return !layout.entries.empty();
+  }
 
   // Points every Param at values (and grads, or null) laid out as `layout`.
   void bind(C* v, C* g) {
