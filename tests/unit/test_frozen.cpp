@@ -3,6 +3,7 @@
 // float64 reference that steps only them.
 #include "../../benchmarks/counting_comm.hpp"  // bytes sent per rank, ring model
 #include "shardlib/comm/launch.hpp"
+#include "shardlib/io/checkpoint.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/sequential.hpp"
@@ -17,9 +18,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <unistd.h>  // getpid
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -109,15 +114,14 @@ struct sharded_run {
 
 template <class Opt>
 sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::set<std::string>& frozen, int steps,
-                  float max_norm, bool offload = false) {
+                  float max_norm, bool offload = false, shard::wrap_policy wrap = shard::wrap_types<Block>{}) {
   std::vector<sharded_run> runs(static_cast<std::size_t>(world));
   comm::launch(world, [&](comm::ThreadComm& inner) {
     auto tally = std::make_shared<bench::traffic>();
     bench::counting_comm<comm::ThreadComm> c(inner, tally);
     Model m = fixture::make_model();
     freeze(m, frozen);
-    auto model = shard::fully_shard<Opt>(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42,
-                                                          .offload = offload});
+    auto model = shard::fully_shard<Opt>(m, c, strategy, {.wrap = wrap, .seed = 42, .offload = offload});
     Opt opt = opt0;
     auto& run = runs[std::size_t(c.rank())];
     auto flatten = [&](std::vector<float>& out, bool names) {
@@ -193,6 +197,16 @@ TEST_CASE("frozen parameters keep their values and the others train as a float64
   }
   check(shard::FullShard{}, 3, true);
   check(shard::HybridShard{.group_size = 2}, 4, false);
+  // One unit of everything: pieces where trained runs lie on both sides of a frozen one.
+  for (int w : {1, 2, 3}) {
+    INFO("one unit at W = " << w);
+    const auto got = train(w, shard::FullShard{}, optim::AdamW{adamw}, frozen_names, steps, clip_at, false,
+                           shard::wrap_none{});
+    CHECK(frozen_unchanged(got, frozen_names));
+    test_support::max_error params;
+    params.relative(got.params, want.params, 0.1);
+    CHECK(params <= 5e-5);
+  }
 }
 
 // Bit for bit: a shard's trained runs step as they would beside parameters that are
@@ -223,9 +237,12 @@ TEST_CASE("frozen runs are left out of a shard's step, which steps the rest as b
   CHECK(plain.params != plain.initial);
 }
 
-TEST_CASE("a frozen parameter's gradient and optimizer state stay zero on every rank", "[frozen]") {
+// A frozen element's gradient is zero and it has no optimizer state: each rank's state
+// holds its piece's other elements only (gaps and padding included), in order.
+TEST_CASE("a frozen parameter's gradient is zero and it has no optimizer state", "[frozen][memory]") {
   const int w = 3;
   std::vector<std::string> problems(w);
+  std::vector<std::size_t> state_elements(w), frozen_total(w), padded_total(w);
   comm::launch(w, [&](comm::ThreadComm& c) {
     Model m = fixture::make_model();
     freeze(m, frozen_names);
@@ -236,29 +253,94 @@ TEST_CASE("a frozen parameter's gradient and optimizer state stay zero on every 
     for (int s = 0; s < 3; ++s)
       model.train_step(opt, fixture::batch(s, per_rank, 5, 1, first), fixture::batch(s, per_rank, 3, 2, first),
                        fixture::mse);
-    std::size_t frozen_seen = 0, trained_nonzero = 0;
+    auto& problem = problems[std::size_t(c.rank())];
     for (std::size_t i = 0; i < model.unit_count(); ++i) {
-      const auto part = model.partition(i);
-      const std::size_t begin = part.begin(model.partition_rank());
+      const std::size_t begin = model.partition(i).begin(model.partition_rank());
       const auto grads = model.units()[i].grad->local();
       auto& st = model.optimizer_state(opt, i);
-      for (const auto& e : model.unit_layout(i).entries)
-        for (std::size_t k = e.offset; k < e.offset + e.numel(); ++k) {
-          if (k < begin || k >= begin + grads.size()) continue;
-          const std::size_t j = k - begin;
-          if (e.requires_grad) {
-            trained_nonzero += grads[j] != 0 && st.exp_avg[j] != 0 && st.exp_avg_sq[j] != 0;
-            continue;
-          }
-          ++frozen_seen;
-          if (grads[j] != 0 || st.exp_avg[j] != 0 || st.exp_avg_sq[j] != 0)
-            problems[std::size_t(c.rank())] += cat(e.name, "[", k - e.offset, "] ");
+      state_elements[std::size_t(c.rank())] += st.exp_avg.size();
+      padded_total[std::size_t(c.rank())] += model.partition(i).padded_size();
+      // Element k of the piece is frozen or is the next element of the state, which moved.
+      std::size_t next = 0;
+      for (std::size_t k = 0; k < grads.size(); ++k) {
+        bool frozen = false;
+        for (const auto& e : model.unit_layout(i).entries)
+          frozen = frozen || (!e.requires_grad && begin + k >= e.offset && begin + k < e.offset + e.numel());
+        if (frozen) {
+          if (grads[k] != 0) problem += cat("unit ", i, " element ", begin + k, ": a frozen gradient ", grads[k], "; ");
+          continue;
         }
+        if (next >= st.exp_avg.size()) problem += cat("unit ", i, ": the state ends before element ", begin + k, "; ");
+        ++next;
+      }
+      if (next != st.exp_avg.size()) problem += cat("unit ", i, ": ", st.exp_avg.size(), " state elements for ", next);
+      for (const auto& e : model.unit_layout(i).entries) frozen_total[std::size_t(c.rank())] += e.requires_grad ? 0 : e.numel();
     }
-    if (frozen_seen == 0 || trained_nonzero == 0)
-      problems[std::size_t(c.rank())] += cat("frozen elements seen ", frozen_seen, ", trained ", trained_nonzero);
   });
   for (const auto& p : problems) CHECK(p == "");
+  // 0.weight (40) and 1.layers.1.bias (8) have no state on any rank.
+  std::size_t total = 0;
+  for (auto n : state_elements) total += n;
+  CHECK(frozen_total[0] == 48);
+  CHECK(total == padded_total[0] - 48);
+}
+
+// Files and state dicts hold every element of each piece, zeros where frozen (the same
+// as before freezing was known to the state), so they load into any world size: the
+// whole optimizer state read back after a resharding load is the one saved.
+TEST_CASE("checkpoints of a model with frozen parameters reshard and resume", "[frozen][checkpoint]") {
+  const auto root = std::filesystem::temp_directory_path() / cat("shardlib-frozen-", ::getpid());
+  std::filesystem::remove_all(root);
+  auto full_state = [](auto& model, auto& opt) {
+    std::map<std::string, std::vector<float>> out;
+    const auto d = io::get_optimizer_state(model, opt, {.full = true});
+    for (const auto& [buffer, tensors] : d.buffers)
+      for (const auto& [name, t] : tensors)
+        for (const auto& p : t.pieces)
+          out[buffer + "/" + name].assign(p.values.span().begin(), p.values.span().end());
+    return out;
+  };
+  std::map<std::string, std::vector<float>> saved, loaded;
+  std::vector<float> resumed, straight;
+  auto run = [&](int w, int steps, bool save, bool load, std::vector<float>* params) {
+    comm::launch(w, [&](comm::ThreadComm& c) {
+      Model m = fixture::make_model();
+      freeze(m, frozen_names);
+      // One unit of everything: W = 2 and 3 both cut pieces with trained runs on both sides of a frozen one.
+      auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, {.wrap = shard::wrap_none{}, .seed = 42});
+      optim::AdamW opt{adamw};
+      if (load) io::load_checkpoint(root, model, opt);
+      const int per_rank = rows / w, first = c.rank() * per_rank;
+      const int start = int(model.steps());
+      for (int s = start; s < start + steps; ++s)
+        model.train_step(opt, fixture::batch(s, per_rank, 5, 1, first), fixture::batch(s, per_rank, 3, 2, first),
+                         fixture::mse);
+      auto state = full_state(model, opt);
+      if (save) io::save_checkpoint(root, model, opt);
+      const auto values = model.full_state_dict();  // collective; rank 0 keeps the values
+      if (c.rank() == 0) {
+        (load ? loaded : saved) = std::move(state);
+        if (params) {
+          params->clear();
+          for (const auto& [name, t] : values) params->insert(params->end(), t.span().begin(), t.span().end());
+        }
+      }
+    });
+  };
+  run(2, 2, true, false, nullptr);
+  run(3, 0, false, true, nullptr);  // resharded: W = 2 to 3
+  REQUIRE(!saved.empty());
+  CHECK(loaded == saved);
+  std::size_t zeros = 0;
+  for (const auto& name : frozen_names)
+    for (float v : saved.at("exp_avg/" + name)) zeros += v == 0.0f;
+  CHECK(zeros == 48);
+  std::filesystem::remove_all(root);
+  run(3, 2, true, false, nullptr);
+  run(3, 2, false, true, &resumed);  // resumed at W = 3: the same bits as four steps straight
+  run(3, 4, false, false, &straight);
+  CHECK(bits(resumed) == bits(straight));
+  std::filesystem::remove_all(root);
 }
 
 TEST_CASE("ranks that freeze different parameters all raise, naming the first that differs", "[frozen][errors]") {
@@ -324,7 +406,7 @@ TEST_CASE("cut_frozen cuts frozen entries out of a piece's runs", "[frozen][segm
   CHECK(same(optim::cut_frozen({{0, 10, 0}, {10, 8, 1}}, layout, 40, 18), {{0, 10, 0}, {10, 8, 1}}));
   // Runs that do not tile a shard are refused before anything steps.
   optim::SGD::state st;
-  CHECK_THROWS_WITH(optim::step_runs("x", 10, st, std::vector<segment>{{0, 4, 0}, {5, 5, 0}}, 1, [](auto&) {}),
+  CHECK_THROWS_WITH(optim::step_runs("x", 10, st, std::vector<segment>{{0, 4, 0}, {5, 5, 0}}, 1, [](auto&, std::size_t) {}),
                     Contains("x::step: segment [5, 10) of group 0 does not continue the runs of a shard of 10 at 4"));
   CHECK(st.step == 0);
 }

@@ -111,7 +111,7 @@ void export_impl(const std::filesystem::path& file, Engine& model, O* opt) {
     if constexpr (!std::is_same_v<O, no_optimizer>) {
       auto& st = model.optimizer_state(*opt, i);
       for (const auto& k : kinds) {
-        const bool found = with_buffer(st, k, [&](std::span<const float> piece, auto space) {
+        const bool found = with_piece_buffer(model, i, st, k, staging, [&](std::span<const float> piece, auto space) {
           write_whole(i, k, piece, space);
         });
         require(found, "rank ", comm.rank(), ": unit ", i, " has no optimizer buffer '", k, "'");

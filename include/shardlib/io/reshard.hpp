@@ -16,10 +16,11 @@
 #include "shardlib/io/consolidated_file.hpp"  // safetensors_source
 #include "shardlib/io/optimizer_record.hpp"   // detail::known_optimizer, restore_hyperparameters, check_buffers, ...
 #include "shardlib/io/rank_agreement.hpp"     // detail::on_all_ranks
-#include "shardlib/io/staging.hpp"            // stager, host_collectives_of
+#include "shardlib/io/staging.hpp"            // stager, host_collectives_of, copy_to_host
+#include "shardlib/optim/param_groups.hpp"     // optim::segment, trained_size
 #include "shardlib/shard/sharded_model.hpp"   // ShardedModel
 
-#include <algorithm>    // std::fill, std::min, std::max
+#include <algorithm>    // std::fill, std::min, std::max, std::copy, std::copy_n
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::uint64_t, std::int64_t
 #include <functional>   // std::less
@@ -97,6 +98,54 @@ bool with_buffer(State& st, std::string_view name, F&& f) {
   return found;
 }
 
+// A state over runs (optim::segment: frozen parameters' elements have none) and the
+// piece it belongs to, both in host memory: spread writes the piece (zeros where
+// frozen), gather_runs the state.
+inline void spread(std::span<const optim::segment> runs, std::span<const float> state, std::span<float> piece) {
+  std::fill(piece.begin(), piece.end(), 0.0f);
+  std::size_t at = 0;
+  for (const auto& r : runs)
+    if (r.group != optim::segment::frozen) {
+      std::copy_n(state.begin() + std::ptrdiff_t(at), r.size, piece.begin() + std::ptrdiff_t(r.begin));
+      at += r.size;
+    }
+}
+inline void gather_runs(std::span<const optim::segment> runs, std::span<const float> piece, std::span<float> state) {
+  std::size_t at = 0;
+  for (const auto& r : runs)
+    if (r.group != optim::segment::frozen) {
+      std::copy_n(piece.begin() + std::ptrdiff_t(r.begin), r.size, state.begin() + std::ptrdiff_t(at));
+      at += r.size;
+    }
+}
+
+// with_buffer for unit i's state, its values as the unit's whole piece (what files and
+// state dicts hold): a state without the frozen parameters' elements is spread over a
+// piece in host memory first, zeros where frozen; a state of no elements, which may omit
+// buffers (Adam's max_exp_avg_sq), gives zeros for those.
+template <class Engine, class State, class F>
+bool with_piece_buffer(Engine& model, std::size_t i, State& st, std::string_view name,
+                       stager<typename Engine::space>& staging, F&& f) {
+  const auto runs = model.piece_runs(i);
+  const std::size_t piece = model.partition(i).shard_size(), kept = optim::trained_size(runs);
+  auto whole = [&](auto fill) {
+    Buffer<float> values(piece, category::comm_scratch);
+    fill(values.span());
+    f(std::span<const float>(values.span()), std::type_identity<host_space>{});
+  };
+  const bool found = with_buffer(st, name, [&]<class S>(std::span<const float> values, std::type_identity<S> space) {
+    if (kept == piece) return f(values, space);
+    whole([&](std::span<float> out) {
+      Buffer<float> state(values.size(), category::comm_scratch);
+      copy_to_host<S>(staging, values, state.span());
+      spread(runs, state.span(), out);
+    });
+  });
+  if (found || kept > 0) return found;
+  whole([](std::span<float> out) { std::fill(out.begin(), out.end(), 0.0f); });
+  return true;
+}
+
 // New master shards and optimizer states for this rank, their pieces requested from
 // src (they arrive at src.finish()); the model is untouched until all ranks have them.
 template <class Engine, class Source>
@@ -109,11 +158,27 @@ std::vector<Buffer<float>> request_masters(Engine& model, Source& src) {
   }
   return out;
 }
-// An optimizer buffer in memory the host cannot reach (the model's space): its values
-// are requested into host memory and copied into place after src.finish().
+// An optimizer buffer in memory the host cannot reach (the model's space), or one
+// without the frozen parameters' elements: its piece is requested into host memory and
+// copied into place after src.finish().
 struct pending_upload {
-  Buffer<float> values;     // host memory
-  std::span<float> target;  // the new state's buffer
+  Buffer<float> values;               // host memory: the unit's piece
+  std::span<float> target;            // the new state's buffer
+  bool on_host = false;               // target is host memory
+  std::vector<optim::segment> runs{};  // of the piece, when the state leaves frozen runs out
+
+  template <class Space>
+  void place(stager<Space>& staging) {
+    std::span<const float> from = values.span();
+    Buffer<float> state;
+    if (!runs.empty()) {
+      state = Buffer<float>(target.size(), category::comm_scratch);
+      gather_runs(runs, from, state.span());
+      from = state.span();
+    }
+    if (on_host) std::copy(from.begin(), from.end(), target.begin());
+    else staging.upload(from, target);
+  }
 };
 template <class Engine, class Source, class O>
 std::vector<typename O::state> request_states(Engine& model, Source& src, O& maker, std::int64_t step,
@@ -122,14 +187,18 @@ std::vector<typename O::state> request_states(Engine& model, Source& src, O& mak
   std::optional<ledger_scope> in_offload;  // charged where the engine's own states are (options.offload)
   if (model.offloaded()) in_offload.emplace(current_ledger().offload());
   for (std::size_t i = 0; i < model.unit_count(); ++i) {
-    auto st = maker.make_state(model.partition(i).shard_size());
+    const auto runs = model.piece_runs(i);
+    const std::size_t piece = model.partition(i).shard_size(), kept = optim::trained_size(runs);
+    auto st = maker.make_state(kept);
     st.step = step;
     st.for_each_buffer([&]<class S>(std::string_view name, Buffer<float, S>& b) {
       std::span<float> into = b.span();
-      if constexpr (!can_access<host_space, S>) {
-        static_assert(std::is_same_v<S, typename Engine::space>,
-                      "io: optimizer state in a memory space neither the host nor the model's is");
-        uploads.push_back({Buffer<float>(b.size(), category::optimizer_state), b.span()});
+      constexpr bool on_host = can_access<host_space, S>;
+      static_assert(on_host || std::is_same_v<S, typename Engine::space>,
+                    "io: optimizer state in a memory space neither the host nor the model's is");
+      if (!on_host || kept < piece) {
+        uploads.push_back({Buffer<float>(piece, category::optimizer_state), b.span(), on_host,
+                           kept < piece ? runs : std::vector<optim::segment>{}});
         into = uploads.back().values.span();
       }
       request_range(model.unit_layout(i).entries, src, name, piece_begin(model, i), into);
@@ -174,7 +243,7 @@ void load_from(Engine& model, Source& src, O* opt, const std::optional<checkpoin
     masters = request_masters(model, src);
     src.finish();  // the buffers' storage stays put as they move into the vectors
     stager<typename Engine::space> staging;
-    for (auto& u : uploads) staging.upload(std::span<const float>(u.values.span()), u.target);
+    for (auto& u : uploads) u.place(staging);
   });
   for (std::size_t i = 0; i < masters.size(); ++i) model.load_master(i, masters[i].span());
   if constexpr (!std::is_same_v<O, no_optimizer>)

@@ -239,13 +239,12 @@ optim_state_dict get_optimizer_state(shard::ShardedModel<M, C, S, float, O>& mod
   for (std::size_t i = 0; i < model.unit_count(); ++i) {
     auto& st = model.optimizer_state(opt, i);
     for (const auto& name : out.record.state) {  // in the record's order on every rank: the gathers match
-      const bool found = detail::with_buffer(st, name, [&](std::span<const float> piece, auto space) {
+      const bool found = detail::with_piece_buffer(model, i, st, name, staging, [&](std::span<const float> piece,
+                                                                                     auto space) {
         detail::add_unit<typename decltype(space)::type>(model, i, piece, o, out.buffers[name], staging);
       });
-      // A state made for an empty piece may omit buffers (Adam's max_exp_avg_sq).
-      require(found || model.master_piece(i).empty(), "rank ", model.comm().rank(), ": unit '", model.unit_name(i),
-              "' has no optimizer buffer '", name, "'");
-      if (!found) detail::add_unit<Space>(model, i, std::span<const float>{}, o, out.buffers[name], staging);
+      require(found, "rank ", model.comm().rank(), ": unit '", model.unit_name(i), "' has no optimizer buffer '", name,
+              "'");
     }
   }
   return out;

@@ -62,12 +62,21 @@ inline group_rule match_names(std::vector<std::string> patterns) {
 inline bool no_decay(std::string_view, const Shape& shape) { return shape.rank() < 2; }
 
 // A run of a shard stepped with one group's options: elements [begin, begin + size);
-// or, with group `frozen`, a run of frozen parameters' elements, which no step touches.
+// or, with group `frozen`, a run of frozen parameters' elements, which no step touches
+// and which have no optimizer state: a state over runs holds the other runs' elements
+// end to end (without frozen runs, element i of the shard is the state's element i).
 struct segment {
   static constexpr int frozen = -1;
   std::size_t begin = 0, size = 0;
   int group = 0;
 };
+
+// How many elements of the runs are not frozen: the size of their optimizer state.
+inline std::size_t trained_size(std::span<const segment> runs) {
+  std::size_t n = 0;
+  for (const auto& r : runs) n += r.group == segment::frozen ? 0 : r.size;
+  return n;
+}
 
 // `runs`, which tile flat elements [first, first + n) of a unit laid out as `layout`
 // (their begin counted from first), with the elements of frozen parameters (entries
@@ -114,19 +123,25 @@ inline void check_runs(std::string_view who, std::size_t n, std::span<const segm
   require(covered == n, who, "::step: the segments cover ", covered, " of ", n, " elements");
 }
 
-// One step over a shard that `runs` tile: step_run(r) steps every run r but the frozen
-// ones, then the step is counted once. Nothing is stepped unless all runs are valid.
+// One step over a shard that `runs` tile: step_run(r, state_first) steps every run r
+// but the frozen ones, whose state starts at element state_first of the state; then
+// the step is counted once. Nothing is stepped unless all runs are valid.
 template <class State, class StepRun>
 void step_runs(std::string_view who, std::size_t n, State& s, std::span<const segment> runs, std::size_t groups,
                StepRun&& step_run) {
   check_runs(who, n, runs, groups);
-  for (const auto& r : runs)
-    if (r.group != segment::frozen) step_run(r);
+  std::size_t state_first = 0;
+  for (const auto& r : runs) {
+    if (r.group == segment::frozen) continue;
+    step_run(r, state_first);
+    state_first += r.size;
+  }
   ++s.step;
 }
 
 // An optimizer's step over the runs of a shard that are not frozen (a shard holding
-// frozen parameters), counted once: each run as step_segment updates it.
+// frozen parameters) with a state of their elements only, counted once: each run as
+// step_segment updates it.
 template <class O, FloatingElement G>
   requires requires(const O& o, std::span<float> p, std::span<const G> g, typename O::state& s) {
     o.step_segment(p, g, s, std::size_t{});
@@ -135,9 +150,9 @@ template <class O, FloatingElement G>
 void step_unfrozen(const O& opt, std::span<float> params, std::span<const G> grads, typename O::state& s,
                    std::span<const segment> runs) {
   detail::require_size(O::name, "gradients", grads.size(), params.size());
-  opt.check(s, params.size());
-  step_runs(O::name, params.size(), s, runs, 1, [&](const segment& r) {
-    opt.step_segment(params.subspan(r.begin, r.size), grads.subspan(r.begin, r.size), s, r.begin);
+  opt.check(s, trained_size(runs));
+  step_runs(O::name, params.size(), s, runs, 1, [&](const segment& r, std::size_t state_first) {
+    opt.step_segment(params.subspan(r.begin, r.size), grads.subspan(r.begin, r.size), s, state_first);
   });
 }
 
@@ -269,10 +284,10 @@ class param_groups {
   template <FloatingElement G>
   void step(std::span<float> params, std::span<const G> grads, state& s, std::span<const segment> segments) const {
     detail::require_size(name, "gradients", grads.size(), params.size());
-    check(s, params.size());
-    step_runs("param_groups", params.size(), s, segments, groups_.size(), [&](const segment& r) {
+    check(s, trained_size(segments));
+    step_runs("param_groups", params.size(), s, segments, groups_.size(), [&](const segment& r, std::size_t first) {
       of(groups_[std::size_t(r.group)]).step_segment(params.subspan(r.begin, r.size), grads.subspan(r.begin, r.size),
-                                                     s, r.begin);
+                                                     s, first);
     });
   }
 

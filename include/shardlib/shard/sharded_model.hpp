@@ -510,6 +510,10 @@ class ShardedModel {
   std::span<const T> master_piece(std::size_t i) { return master_local(units_.at(i)); }
   // With 16-bit layers and options.offload the master lives only in the offload space.
   bool master_piece_offloaded(std::size_t i) const { return master_offloaded(units_.at(i)); }
+  // This rank's piece of unit i as runs (shard/unit_optimizer.hpp): the frozen ones
+  // (optim::segment::frozen) have no optimizer state, the others' lies end to end in
+  // each buffer of optimizer_state(opt, i). Without frozen parameters: one run.
+  std::vector<optim::segment> piece_runs(std::size_t i) const { return shard::piece_runs(units_.at(i), piece(i)); }
   // Unit i's optimizer state, made (zeroed) on first use exactly as step() makes it.
   // After steps cancelled on the device its step count is settled first (one read).
   template <class O>

@@ -30,6 +30,13 @@ struct unit_piece {
   std::size_t begin = 0, size = 0;
 };
 
+// This rank's piece of unit u as runs: its frozen parameters' (optim::segment::frozen),
+// which have no optimizer state, and the others (group 0), whose state lies end to end.
+template <class Unit>
+std::vector<optim::segment> piece_runs(const Unit& u, unit_piece p) {
+  return optim::cut_frozen({{0, p.size, 0}}, u.layout, p.begin, p.size);
+}
+
 // Unit is shard/unit.hpp's unit with master dtype T and compute dtype C; Optimizer
 // the type whose state each unit keeps. Every error names the rank, and the unit
 // where one is at fault.
@@ -42,14 +49,15 @@ class unit_optimizer {
 
   explicit unit_optimizer(int rank) : rank_(rank) {}
 
-  // The unit's optimizer state, made (zeroed) on first use for its piece, and charged
-  // to the offload ledger when the unit's optimizer side lives there.
+  // The unit's optimizer state, made (zeroed) on first use for its piece's elements
+  // that are not frozen, and charged to the offload ledger when the unit's optimizer
+  // side lives there.
   template <class O>
   state& state_of(O& opt, Unit& u, unit_piece piece) {
     if (!u.optimizer_state) {
       std::optional<ledger_scope> in_offload;
       if (u.offload) in_offload.emplace(current_ledger().offload());
-      u.optimizer_state.emplace(opt.make_state(piece.size));
+      u.optimizer_state.emplace(opt.make_state(optim::trained_size(piece_runs(u, piece))));
     }
     return *u.optimizer_state;
   }
@@ -64,7 +72,7 @@ class unit_optimizer {
     if constexpr (requires(const state& s) { opt.check(s, std::size_t{}); })
       for (std::size_t i = 0; i < units.size(); ++i) {
         const unit_piece p = piece(i);
-        with_unit(units[i], [&] { opt.check(state_of(opt, units[i], p), p.size); });
+        with_unit(units[i], [&] { opt.check(state_of(opt, units[i], p), optim::trained_size(piece_runs(units[i], p))); });
       }
   }
 
@@ -157,9 +165,10 @@ class unit_optimizer {
           }
         }
         const unit_piece p = piece(i);
-        std::vector<optim::segment> whole{{0, p.size, 0}};
-        if constexpr (optim::is_param_groups<Optimizer>) whole = opt.segments(units[i].layout, p.begin, p.size);
-        made.push_back(optim::cut_frozen(whole, units[i].layout, p.begin, p.size));
+        if constexpr (optim::is_param_groups<Optimizer>)
+          made.push_back(optim::cut_frozen(opt.segments(units[i].layout, p.begin, p.size), units[i].layout, p.begin,
+                                           p.size));
+        else made.push_back(piece_runs(units[i], p));
       }
     } catch (const error& e) {
       throw error(cat("rank ", rank_, ": ", e.what()));

@@ -171,19 +171,20 @@ void adam_update(const optim::BasicAdam<Style>& opt, adam_moments state, std::sp
   });
 }
 
-// That the gradients, moments and copy (when not empty) have n entries, as the parameters.
+// That the moments have `stepped` entries (the parameters' elements that are not
+// frozen), and the gradients and copy (when not empty) n, as the parameters.
 template <optim::decay_style Style, FloatingElement G, FloatingElement C>
-void require_adam_sizes(const optim::BasicAdam<Style>& opt, const adam_moments& state, std::size_t n,
-                        std::span<const G> grads, std::span<C> copy) {
-  auto require_size = [&](const char* what, std::size_t got) {
-    require<shape_error>(got == n, optim::BasicAdam<Style>::name, " (CUDA): ", what, " has ", got,
-                         " entries, the parameters ", n);
+void require_adam_sizes(const optim::BasicAdam<Style>& opt, const adam_moments& state, std::size_t stepped,
+                        std::size_t n, std::span<const G> grads, std::span<C> copy) {
+  auto require_size = [&](const char* what, std::size_t got, std::size_t want, const char* of) {
+    require<shape_error>(got == want, optim::BasicAdam<Style>::name, " (CUDA): ", what, " has ", got, " entries, ",
+                         of, " ", want);
   };
-  require_size("gradients", grads.size());
-  require_size("exp_avg", state.exp_avg.size());
-  require_size("exp_avg_sq", state.exp_avg_sq.size());
-  if (opt.options.amsgrad) require_size("max_exp_avg_sq", state.max_exp_avg_sq.size());
-  if (!copy.empty()) require_size("the compute copy", copy.size());
+  require_size("gradients", grads.size(), n, "the parameters");
+  require_size("exp_avg", state.exp_avg.size(), stepped, "the parameters stepped");
+  require_size("exp_avg_sq", state.exp_avg_sq.size(), stepped, "the parameters stepped");
+  if (opt.options.amsgrad) require_size("max_exp_avg_sq", state.max_exp_avg_sq.size(), stepped, "the parameters stepped");
+  if (!copy.empty()) require_size("the compute copy", copy.size(), n, "the parameters");
 }
 
 // One step of `opt` (optim::Adam or optim::AdamW, the same update as its host
@@ -196,7 +197,7 @@ template <optim::decay_style Style, FloatingElement G, FloatingElement C = bfloa
 void fused_adam_step(const optim::BasicAdam<Style>& opt, adam_moments state, std::int64_t& step,
                      std::span<float> params, std::span<const G> grads, std::span<C> copy, cudaStream_t stream,
                      const adam_gate* gate = nullptr) {
-  require_adam_sizes(opt, state, params.size(), grads, copy);
+  require_adam_sizes(opt, state, params.size(), params.size(), grads, copy);
   const auto k = begin_adam_step(opt, step, stream, gate);
   adam_update(opt, state, params, grads, copy, k, stream, gate);
 }

@@ -127,17 +127,19 @@ struct BasicAdam {
   }
 
   // The same over a shard that `runs` tile (optim::segment), one pass per run, leaving
-  // the frozen runs' elements as they are (parameters, moments, compute copy); the
-  // step is counted once, and with flag.skip one gate decides it for every run.
+  // the frozen runs' parameters and compute copy as they are; the state holds the
+  // other runs' moments end to end. The step is counted once, and with flag.skip one
+  // gate decides it for every run.
   template <FloatingElement G, FloatingElement H>
   void step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy,
             std::span<const optim::segment> runs, optim::skip_flag flag) const {
     const cudaStream_t stream = shardlib::cuda::current_stream();
     const host_optimizer host{options};
     const ops::cuda::adam_moments moments{s.exp_avg.span(), s.exp_avg_sq.span(), s.max_exp_avg_sq.span()};
-    check(s, params.size());
-    ops::cuda::require_adam_sizes(host, moments, params.size(), grads, compute_copy);
+    const std::size_t trained = optim::trained_size(runs);
+    check(s, trained);
     optim::check_runs(name, params.size(), runs, 1);
+    ops::cuda::require_adam_sizes(host, moments, trained, params.size(), grads, compute_copy);
     if (flag.skip) {
       if (s.cancelled.empty()) {
         // Persistent, but not optimizer state in the planner's sense: 56 bytes of scratch.
@@ -153,11 +155,16 @@ struct BasicAdam {
     const ops::cuda::adam_gate gate{flag.skip, s.cancelled.data(), s.gate_scalars.data()};
     const ops::cuda::adam_gate* gated = flag.skip ? &gate : nullptr;
     const auto k = ops::cuda::begin_adam_step(host, s.step, stream, gated);
+    std::size_t first = 0;  // the run's first element in the state
     for (const auto& r : runs) {
       if (r.group == optim::segment::frozen) continue;
       auto part = [&](auto b) { return b.empty() ? b : b.subspan(r.begin, r.size); };
-      ops::cuda::adam_update(host, {part(moments.exp_avg), part(moments.exp_avg_sq), part(moments.max_exp_avg_sq)},
+      auto state_part = [&](std::span<float> b) { return b.empty() ? b : b.subspan(first, r.size); };
+      ops::cuda::adam_update(host,
+                             {state_part(moments.exp_avg), state_part(moments.exp_avg_sq),
+                              state_part(moments.max_exp_avg_sq)},
                              part(params), part(grads), part(compute_copy), k, stream, gated);
+      first += r.size;
     }
   }
 };
