@@ -11,6 +11,8 @@
 #include "shardlib/optim/adam.hpp"
 #include "shardlib/optim/param_groups.hpp"
 #include "shardlib/optim/sgd.hpp"
+#include "shardlib/plan/describe.hpp"
+#include "shardlib/plan/memory_plan.hpp"
 #include "shardlib/shard/sharded_model.hpp"
 #include "support/compare.hpp"
 #include "support/raised.hpp"
@@ -431,5 +433,49 @@ TEST_CASE("a unit whose parameters are all frozen reduces nothing", "[frozen][tr
       params.relative(got.params, want.params, 0.1);
       CHECK(params <= 5e-5);
     }
+  }
+}
+
+// The planner does not read the flag: with frozen parameters its plan is an upper
+// bound (docs/planner.md). Measured against it: every category at most as planned, the
+// optimizer state exactly Adam's 8 bytes per element the state holds, below the plan,
+// and less sent (a whole frozen unit reduces nothing).
+TEST_CASE("with frozen parameters the plan bounds the ledger from above", "[frozen][plan]") {
+  const int w = 3;
+  struct measured {
+    std::vector<std::size_t> peak = std::vector<std::size_t>(category_count);
+    std::size_t state_elements = 0;
+    double sent = 0;
+    plan::rank_plan plan;
+  };
+  std::vector<measured> out(w);
+  comm::launch(w, [&](comm::ThreadComm& inner, ledger& l) {
+    auto tally = std::make_shared<bench::traffic>();
+    bench::counting_comm<comm::ThreadComm> c(inner, tally);
+    Model m = fixture::make_model();
+    freeze(m, {"0.weight", "1.layers.0.weight", "1.layers.0.bias"});
+    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{},
+                                                                             .seed = 42});
+    optim::AdamW opt{adamw};
+    tally->reset();
+    const int per_rank = rows / w, first = c.rank() * per_rank;
+    for (int s = 0; s < 3; ++s)
+      model.train_step(opt, fixture::batch(s, per_rank, 5, 1, first), fixture::batch(s, per_rank, 3, 2, first),
+                       fixture::mse);
+    auto& o = out[std::size_t(c.rank())];
+    for (int k = 0; k < category_count; ++k) o.peak[std::size_t(k)] = l.peak(category(k));
+    for (std::size_t i = 0; i < model.unit_count(); ++i) o.state_elements += model.optimizer_state(opt, i).exp_avg.size();
+    o.sent = tally->total() / 3;
+    o.plan = plan::make_plan(plan::describe(model), {.policy = shard::FullShard{}.policy(), .world = w});
+  });
+  for (const auto& o : out) {
+    for (int k = 0; k < category_count; ++k) {
+      if (category(k) == category::activations) continue;  // not measured for the plan here
+      INFO(name(category(k)));
+      CHECK(o.peak[std::size_t(k)] <= o.plan.memory[category(k)]);
+    }
+    CHECK(o.peak[std::size_t(category::optimizer_state)] == 8 * o.state_elements);
+    CHECK(o.peak[std::size_t(category::optimizer_state)] < o.plan.memory.optimizer_state);
+    CHECK(o.sent < o.plan.sent.total());
   }
 }
