@@ -3,7 +3,9 @@
 // float64 reference that steps only them.
 #include "../../benchmarks/counting_comm.hpp"  // bytes sent per rank, ring model
 #include "shardlib/comm/launch.hpp"
+#include "shardlib/core/glob.hpp"
 #include "shardlib/io/checkpoint.hpp"
+#include "shardlib/nn/freeze.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/sequential.hpp"
@@ -45,8 +47,9 @@ const std::set<std::string> frozen_names{"0.weight", "1.layers.1.bias"};
 const optim::AdamW::options_type adamw{.lr = 0.01, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
 constexpr float clip_at = 0.5f;  // below the first steps' norms (checked): clipping acts
 
+// Exactly the parameters named are frozen (the test's own, not nn::freeze).
 template <class L>
-void freeze(L& model, const std::set<std::string>& names) {
+void freeze_only(L& model, const std::set<std::string>& names) {
   model.parameters([&](std::string_view name, auto& p) { p.requires_grad = !names.contains(std::string(name)); });
 }
 
@@ -122,7 +125,7 @@ sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::s
     auto tally = std::make_shared<bench::traffic>();
     bench::counting_comm<comm::ThreadComm> c(inner, tally);
     Model m = fixture::make_model();
-    freeze(m, frozen);
+    freeze_only(m, frozen);
     auto model = shard::fully_shard<Opt>(m, c, strategy, {.wrap = wrap, .seed = 42, .offload = offload});
     Opt opt = opt0;
     auto& run = runs[std::size_t(c.rank())];
@@ -247,7 +250,7 @@ TEST_CASE("a frozen parameter's gradient is zero and it has no optimizer state",
   std::vector<std::size_t> state_elements(w), frozen_total(w), padded_total(w);
   comm::launch(w, [&](comm::ThreadComm& c) {
     Model m = fixture::make_model();
-    freeze(m, frozen_names);
+    freeze_only(m, frozen_names);
     auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{},
                                                                              .seed = 42});
     optim::AdamW opt{adamw};
@@ -307,7 +310,7 @@ TEST_CASE("checkpoints of a model with frozen parameters reshard and resume", "[
   auto run = [&](int w, int steps, bool save, bool load, std::vector<float>* params) {
     comm::launch(w, [&](comm::ThreadComm& c) {
       Model m = fixture::make_model();
-      freeze(m, frozen_names);
+      freeze_only(m, frozen_names);
       // One unit of everything: W = 2 and 3 both cut pieces with trained runs on both sides of a frozen one.
       auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, {.wrap = shard::wrap_none{}, .seed = 42});
       optim::AdamW opt{adamw};
@@ -349,7 +352,7 @@ TEST_CASE("ranks that freeze different parameters all raise, naming the first th
   std::vector<std::string> errors(2);
   comm::launch(2, [&](comm::ThreadComm& c) {
     Model m = fixture::make_model();
-    freeze(m, c.rank() == 1 ? std::set<std::string>{"1.layers.1.bias"} : frozen_names);
+    freeze_only(m, c.rank() == 1 ? std::set<std::string>{"1.layers.1.bias"} : frozen_names);
     errors[std::size_t(c.rank())] = test_support::raised([&] {
       auto model = shard::fully_shard(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
     });
@@ -366,7 +369,7 @@ TEST_CASE("an optimizer that cannot step part of a shard is refused with frozen 
   std::vector<std::vector<float>> before(2), after(2);
   comm::launch(2, [&](comm::ThreadComm& c) {
     Model m = fixture::make_model();
-    freeze(m, {"1.layers.2.weight"});
+    freeze_only(m, {"1.layers.2.weight"});
     auto model = shard::fully_shard<fixture::sgd>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{},
                                                                              .seed = 42});
     fixture::sgd opt;
@@ -453,7 +456,7 @@ TEST_CASE("with frozen parameters the plan bounds the ledger from above", "[froz
     auto tally = std::make_shared<bench::traffic>();
     bench::counting_comm<comm::ThreadComm> c(inner, tally);
     Model m = fixture::make_model();
-    freeze(m, {"0.weight", "1.layers.0.weight", "1.layers.0.bias"});
+    freeze_only(m, {"0.weight", "1.layers.0.weight", "1.layers.0.bias"});
     auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{},
                                                                              .seed = 42});
     optim::AdamW opt{adamw};
@@ -478,4 +481,24 @@ TEST_CASE("with frozen parameters the plan bounds the ledger from above", "[froz
     CHECK(o.peak[std::size_t(category::optimizer_state)] < o.plan.memory.optimizer_state);
     CHECK(o.sent < o.plan.sent.total());
   }
+}
+
+TEST_CASE("nn::freeze freezes the parameters its globs name, each once, and names a glob that matches none",
+          "[frozen][freeze]") {
+  CHECK(glob_match("1.layers.*.bias", "1.layers.2.bias"));
+  CHECK(glob_match("*", ""));
+  CHECK(glob_match("0.*", "0.weight"));
+  CHECK_FALSE(glob_match("0.*", "10.weight"));
+  CHECK_FALSE(glob_match("1.layers.*.bias", "1.layers.2.weight"));
+  Model m = fixture::make_model();
+  CHECK(nn::freeze(m, {"0.*", "1.layers.*.bias", "0.weight"}) == 5);  // 0.weight matched twice, frozen once
+  std::vector<std::string> frozen;
+  m.parameters([&](std::string_view name, auto& p) {
+    if (!p.requires_grad) frozen.emplace_back(name);
+  });
+  CHECK(frozen == std::vector<std::string>{"0.weight", "0.bias", "1.layers.0.bias", "1.layers.1.bias",
+                                           "1.layers.2.bias"});
+  CHECK(nn::freeze(m, {"0.*"}) == 0);  // already frozen
+  Model other = fixture::make_model();
+  CHECK_THROWS_WITH(nn::freeze(other, {"2.*", "3.*"}), Contains("freeze: no parameter matches '3.*'"));
 }

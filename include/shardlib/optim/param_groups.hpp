@@ -5,6 +5,7 @@
 #include "shardlib/core/buffer.hpp"      // Buffer
 #include "shardlib/core/element.hpp"     // FloatingElement, bfloat16, half
 #include "shardlib/core/error.hpp"       // require, cat
+#include "shardlib/core/glob.hpp"        // glob_match
 #include "shardlib/core/shape.hpp"       // Shape
 #include "shardlib/optim/optimizer.hpp"  // Optimizer, detail::require_size
 #include "shardlib/optim/schedule.hpp"   // Schedule
@@ -26,32 +27,13 @@ namespace shardlib::optim {
 // Which parameters a group takes: a predicate over the dotted name and the shape.
 using group_rule = std::function<bool(std::string_view name, const Shape& shape)>;
 
-namespace detail {
-// Glob match: '*' matches any run of characters (dots included), anything else itself.
-inline bool glob(std::string_view pattern, std::string_view s) {
-  std::size_t p = 0, i = 0, star = std::string_view::npos, from = 0;
-  while (i < s.size()) {
-    if (p < pattern.size() && pattern[p] != '*' && pattern[p] == s[i]) {
-      ++p, ++i;
-    } else if (p < pattern.size() && pattern[p] == '*') {
-      star = p++, from = i;
-    } else if (star != std::string_view::npos) {
-      p = star + 1, i = ++from;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
-}
-}  // namespace detail
 
 // The parameters whose dotted name matches any of the glob patterns, where only '*'
 // is special: match_names({"*.bias", "*norm*"}).
 inline group_rule match_names(std::vector<std::string> patterns) {
   return [patterns = std::move(patterns)](std::string_view name, const Shape&) {
     for (const auto& p : patterns)
-      if (detail::glob(p, name)) return true;
+      if (glob_match(p, name)) return true;
     return false;
   };
 }
