@@ -58,6 +58,39 @@ inline Tensor<float> batch(int step, std::int64_t rows, std::int64_t cols, std::
   return t;
 }
 
+// The fixture's model in double, starting from the float model's initial values drawn
+// with `seed`: the float64 reference engine tests compare with. mse_gradients(s, rows)
+// leaves in owner.grads() the gradient of the mean squared error on the first `rows`
+// rows of step s's batch.
+struct double_model {
+  using type = nn::Sequential<nn::Linear<double>, nn::Stack<nn::Linear<double>>, nn::Linear<double>>;
+  type m{nn::Linear<double>(5, 8), nn::Stack<nn::Linear<double>>(3, nn::Linear<double>(8, 8)),
+         nn::Linear<double>(8, 3)};
+  nn::Replicated<double, type> owner;
+  nn::context ctx;
+
+  explicit double_model(std::uint64_t seed) : owner(m, seed) {
+    Model mf = make_model();
+    nn::Replicated<float, Model> init(mf, seed);
+    auto values = owner.values();
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = double(init.values()[i]);
+  }
+  double_model(const double_model&) = delete;
+  double_model& operator=(const double_model&) = delete;
+
+  void mse_gradients(int step, std::int64_t rows) {
+    auto xf = batch(step, rows, 5, 1), yf = batch(step, rows, 3, 2);
+    Tensor<double> x(xf.shape()), y(yf.shape());
+    for (std::int64_t i = 0; i < x.numel(); ++i) x[i] = xf[i];
+    for (std::int64_t i = 0; i < y.numel(); ++i) y[i] = yf[i];
+    owner.zero_grad();
+    auto out = ctx.forward(m, x);
+    Tensor<double> dy(out.shape());
+    for (std::int64_t i = 0; i < out.numel(); ++i) dy[i] = 2 * (out[i] - y[i]) / double(out.numel());
+    ctx.backward(m, dy);
+  }
+};
+
 struct trace {
   std::vector<float> losses;
   std::vector<float> norms;   // gradient norms before clipping, when clipping

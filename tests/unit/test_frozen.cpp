@@ -62,27 +62,13 @@ struct reference_run {
 // PyTorch trains with requires_grad = false: frozen parameters have no gradient, so
 // clip_grad_norm_ and the optimizer never see them.
 reference_run reference(int steps, float max_norm, const std::set<std::string>& frozen = frozen_names) {
-  using ModelD = nn::Sequential<nn::Linear<double>, nn::Stack<nn::Linear<double>>, nn::Linear<double>>;
-  Model mf = fixture::make_model();
-  nn::Replicated<float, Model> init(mf, 42);
-  ModelD m{nn::Linear<double>(5, 8), nn::Stack<nn::Linear<double>>(3, nn::Linear<double>(8, 8)),
-           nn::Linear<double>(8, 3)};
-  nn::Replicated<double, ModelD> owner(m, 42);
+  fixture::double_model d(42);
+  auto& owner = d.owner;
   auto values = owner.values();
-  for (std::size_t i = 0; i < values.size(); ++i) values[i] = double(init.values()[i]);
   std::vector<double> exp_avg(values.size(), 0.0), exp_avg_sq(values.size(), 0.0);
   reference_run out;
-  nn::context ctx;
   for (int s = 0; s < steps; ++s) {
-    auto xf = fixture::batch(s, rows, 5, 1), yf = fixture::batch(s, rows, 3, 2);
-    Tensor<double> x(xf.shape()), y(yf.shape());
-    for (std::int64_t i = 0; i < x.numel(); ++i) x[i] = xf[i];
-    for (std::int64_t i = 0; i < y.numel(); ++i) y[i] = yf[i];
-    owner.zero_grad();
-    auto o = ctx.forward(m, x);
-    Tensor<double> dy(o.shape());
-    for (std::int64_t i = 0; i < o.numel(); ++i) dy[i] = 2 * (o[i] - y[i]) / double(o.numel());
-    ctx.backward(m, dy);
+    d.mse_gradients(s, rows);
     double squares = 0;
     for (const auto& e : owner.layout().entries)
       if (!frozen.contains(e.name))

@@ -56,7 +56,6 @@ Groups make_groups() {
 }
 
 // --- the float64 reference: the same model and data in double, AdamW per parameter ----------
-using ModelD = nn::Sequential<nn::Linear<double>, nn::Stack<nn::Linear<double>>, nn::Linear<double>>;
 
 struct adamw_hyper {
   double beta1, beta2, eps, weight_decay;
@@ -66,26 +65,13 @@ struct adamw_hyper {
 // 1-D parameters step with no_decay's hyperparameters, the others with decay's.
 // Returns the final parameters in the model's order.
 std::vector<double> reference(int steps) {
-  Model mf = fixture::make_model();
-  nn::Replicated<float, Model> init(mf, 42);
-  ModelD m{nn::Linear<double>(5, 8), nn::Stack<nn::Linear<double>>(3, nn::Linear<double>(8, 8)),
-           nn::Linear<double>(8, 3)};
-  nn::Replicated<double, ModelD> owner(m, 42);
+  fixture::double_model d(42);
+  auto& owner = d.owner;
   auto values = owner.values();
-  for (std::size_t i = 0; i < values.size(); ++i) values[i] = double(init.values()[i]);
   std::vector<double> exp_avg(values.size(), 0.0), exp_avg_sq(values.size(), 0.0);
   const adamw_hyper decay{0.9, 0.99, 1e-8, 0.1}, none{0.8, 0.95, 1e-6, 0.0};
-  nn::context ctx;
   for (int s = 0; s < steps; ++s) {
-    auto xf = fixture::batch(s, rows, 5, 1), yf = fixture::batch(s, rows, 3, 2);
-    Tensor<double> x(xf.shape()), y(yf.shape());
-    for (std::int64_t i = 0; i < x.numel(); ++i) x[i] = xf[i];
-    for (std::int64_t i = 0; i < y.numel(); ++i) y[i] = yf[i];
-    owner.zero_grad();
-    auto out = ctx.forward(m, x);
-    Tensor<double> dy(out.shape());
-    for (std::int64_t i = 0; i < out.numel(); ++i) dy[i] = 2 * (out[i] - y[i]) / double(out.numel());
-    ctx.backward(m, dy);
+    d.mse_gradients(s, rows);
     const double t = s + 1;
     for (const auto& e : owner.layout().entries) {
       const bool is_none = e.shape.rank() < 2;
