@@ -717,26 +717,34 @@ TEST_CASE("clipping decides on the device: the step never waits, and its loss, n
 // A frozen weight on the device, in fp32 and in bf16 layers: steps decided by the host,
 // on the device (clipping: gated), and after those (through the gate's always-0 flag)
 // leave it exactly as it was, and train the rest.
+// With the whole first layer frozen, its unit keeps no gradients and its steps only count.
 TEMPLATE_TEST_CASE("a frozen parameter stays as it was through device steps, gated or not",
                    "[cuda][engine][frozen]", float, sl::bfloat16) {
   if (!have_device()) return;
-  mlp_run<TestType> run(256.f, {"0.weight"});
-  run.adam.options.weight_decay = 0.1;  // a frozen element stepped would move even with a zero gradient
-  const auto before = [&] {
+  for (const std::vector<std::string>& frozen : {std::vector<std::string>{"0.weight"}, {"0.weight", "0.bias"}}) {
+    INFO(frozen.size() << " frozen");
+    mlp_run<TestType> run(256.f, frozen);
+    run.adam.options.weight_decay = 0.1;  // a frozen element stepped would move even with a zero gradient
+    const auto before = [&] {
+      sl::cuda::stream_scope scope(run.stream.get());
+      return run.sharded->full_state_dict(false);
+    }();
+    (void)float(run.step(0));
+    (void)float(run.step(1, {.max_norm = 0.05f}));
+    (void)float(run.step(2));
     sl::cuda::stream_scope scope(run.stream.get());
-    return run.sharded->full_state_dict(false);
-  }();
-  (void)float(run.step(0));
-  (void)float(run.step(1, {.max_norm = 0.05f}));
-  (void)float(run.step(2));
-  sl::cuda::stream_scope scope(run.stream.get());
-  const auto after = run.sharded->full_state_dict(false);
-  REQUIRE(after.size() == before.size());
-  for (std::size_t k = 0; k < after.size(); ++k) {
-    INFO(after[k].name);
-    const auto a = after[k].value.span(), b = before[k].value.span();
-    const bool same = std::memcmp(a.data(), b.data(), a.size_bytes()) == 0;
-    CHECK(same == (after[k].name == "0.weight"));
+    const auto after = run.sharded->full_state_dict(false);
+    REQUIRE(after.size() == before.size());
+    for (std::size_t k = 0; k < after.size(); ++k) {
+      INFO(after[k].name);
+      const auto a = after[k].value.span(), b = before[k].value.span();
+      const bool same = std::memcmp(a.data(), b.data(), a.size_bytes()) == 0;
+      CHECK(same == (std::find(frozen.begin(), frozen.end(), after[k].name) != frozen.end()));
+    }
+    std::size_t kept = 0;  // the frozen unit's reduced gradients
+    for (const auto& u : run.sharded->units()) kept += u.frozen() ? u.grad->local().size() + 1 : 0;
+    CHECK(kept == (frozen.size() == 2 ? 1 : 0));  // one frozen unit, no gradients
+    CHECK(run.sharded->optimizer_state(run.adam, 1).step == 3);  // its steps counted
   }
 }
 

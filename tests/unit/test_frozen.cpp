@@ -101,6 +101,7 @@ struct sharded_run {
   std::vector<std::string> names;             // the parameter of each full value, in the model's order
   bool replicas_agree = true;
   double reduced_bytes = 0;  // what rank 0 sent reducing gradients, per step (ring model)
+  std::size_t frozen_unit_grads = 0;  // reduced gradients rank 0 keeps for units of frozen parameters
 };
 
 template <class Opt>
@@ -132,6 +133,7 @@ sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::s
       if (r.grad_norm) run.norms.push_back(*r.grad_norm);
     }
     run.reduced_bytes = (tally->reduce_scatter + tally->all_reduce) / steps;
+    for (const auto& u : model.units()) run.frozen_unit_grads += u.frozen() ? u.grad->local().size() : 0;
     flatten(run.params, false);
   });
   for (int r = 1; r < world; ++r)
@@ -265,7 +267,8 @@ TEST_CASE("a frozen parameter's gradient is zero and it has no optimizer state",
         ++next;
       }
       if (next != st.exp_avg.size()) problem += cat("unit ", i, ": ", st.exp_avg.size(), " state elements for ", next);
-      for (const auto& e : model.unit_layout(i).entries) frozen_total[std::size_t(c.rank())] += e.requires_grad ? 0 : e.numel();
+      for (const auto& e : model.unit_layout(i).entries)
+        frozen_total[std::size_t(c.rank())] += e.requires_grad ? 0 : e.numel();
     }
   });
   for (const auto& p : problems) CHECK(p == "");
@@ -345,7 +348,8 @@ TEST_CASE("ranks that freeze different parameters all raise, naming the first th
   });
   CHECK_THAT(errors[0], Contains("rank 0: the model differs between ranks 0 and 1") &&
                             Contains("'0.weight' [8, 5], frozen"));
-  CHECK_THAT(errors[1], Contains("rank 1: the model differs between ranks 0 and 1") && Contains("(here: '0.weight' [8, 5])"));
+  CHECK_THAT(errors[1],
+             Contains("rank 1: the model differs between ranks 0 and 1") && Contains("(here: '0.weight' [8, 5])"));
 }
 
 // An optimizer that steps a shard only whole (no step_segment) cannot leave frozen
@@ -367,7 +371,8 @@ TEST_CASE("an optimizer that cannot step part of a shard is refused with frozen 
     for (auto& [name, t] : model.full_state_dict(false)) after[std::size_t(c.rank())].push_back(t[0]);
   });
   for (int r = 0; r < 2; ++r) {
-    CHECK_THAT(errors[std::size_t(r)], Contains(cat("rank ", r, ": unit '1.layers.2': parameter '1.layers.2.weight' is frozen")) &&
+    CHECK_THAT(errors[std::size_t(r)],
+               Contains(cat("rank ", r, ": unit '1.layers.2': parameter '1.layers.2.weight' is frozen")) &&
                                            Contains("cannot leave part of a shard out of its step"));
     CHECK(before[std::size_t(r)] == after[std::size_t(r)]);
   }
@@ -397,14 +402,16 @@ TEST_CASE("cut_frozen cuts frozen entries out of a piece's runs", "[frozen][segm
   CHECK(same(optim::cut_frozen({{0, 10, 0}, {10, 8, 1}}, layout, 40, 18), {{0, 10, 0}, {10, 8, 1}}));
   // Runs that do not tile a shard are refused before anything steps.
   optim::SGD::state st;
-  CHECK_THROWS_WITH(optim::step_runs("x", 10, st, std::vector<segment>{{0, 4, 0}, {5, 5, 0}}, 1, [](auto&, std::size_t) {}),
+  const std::vector<segment> gap{{0, 4, 0}, {5, 5, 0}};
+  CHECK_THROWS_WITH(optim::step_runs("x", 10, st, gap, 1, [](auto&, std::size_t) {}),
                     Contains("x::step: segment [5, 10) of group 0 does not continue the runs of a shard of 10 at 4"));
   CHECK(st.step == 0);
 }
 
 // A unit whose parameters are all frozen sends nothing for its gradients (FSDP2 reduces
 // only parameters with gradients): a reduce-scatter (all-reduce under NoShard) the size
-// of its padded flat buffer less per step, and training as the reference still.
+// of its padded flat buffer less per step; and keeps no reduced gradients but where its
+// fp32 layers write them (NoShard); and trains as the reference still.
 TEST_CASE("a unit whose parameters are all frozen reduces nothing", "[frozen][traffic]") {
   const std::set<std::string> block{"1.layers.0.weight", "1.layers.0.bias"};  // unit 1.layers.0: 72 elements
   const int steps = 4;
@@ -418,11 +425,19 @@ TEST_CASE("a unit whose parameters are all frozen reduces nothing", "[frozen][tr
       const double ring = strategy.name == "NoShard" ? 2.0 * (w - 1) / w : double(w - 1) / w;
       CHECK(plain.reduced_bytes - got.reduced_bytes == Approx(ring * padded).epsilon(1e-12));
       CHECK(frozen_unchanged(got, block));
+      CHECK(got.frozen_unit_grads == (strategy.name == "NoShard" ? padded / sizeof(float) : 0));
       test_support::max_error params;
       params.relative(got.params, want.params, 0.1);
       CHECK(params <= 5e-5);
     }
   }
+  // Offloaded (the optimizer's side in host memory, no gradient copy for the frozen unit).
+  const auto offloaded = train(3, shard::FullShard{}, optim::AdamW{adamw}, block, steps, 0, true);
+  CHECK(frozen_unchanged(offloaded, block));
+  CHECK(offloaded.frozen_unit_grads == 0);
+  test_support::max_error params;
+  params.relative(offloaded.params, want.params, 0.1);
+  CHECK(params <= 5e-5);
 }
 
 // The planner does not read the flag: with frozen parameters its plan is an upper
@@ -453,7 +468,8 @@ TEST_CASE("with frozen parameters the plan bounds the ledger from above", "[froz
                        fixture::mse);
     auto& o = out[std::size_t(c.rank())];
     for (int k = 0; k < category_count; ++k) o.peak[std::size_t(k)] = l.peak(category(k));
-    for (std::size_t i = 0; i < model.unit_count(); ++i) o.state_elements += model.optimizer_state(opt, i).exp_avg.size();
+    for (std::size_t i = 0; i < model.unit_count(); ++i)
+      o.state_elements += model.optimizer_state(opt, i).exp_avg.size();
     o.sent = tally->total() / 3;
     o.plan = plan::make_plan(plan::describe(model), {.policy = shard::FullShard{}.policy(), .world = w});
   });

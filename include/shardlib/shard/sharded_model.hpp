@@ -713,12 +713,15 @@ class ShardedModel {
     const std::size_t i = std::size_t(index_of(u));
     const shard_layout part = partition(i);
     const int pr = partition_rank();
+    // A unit of frozen parameters keeps no reduced gradients (none are ever reduced), unless
+    // they are where its layers write (replicated fp32 layers, nothing sharded).
+    const bool no_grads = u.frozen() && (compute16 || policy_.shard_optimizer);
     if (offload_) {  // the optimizer's side, drawn in place as the model's space draws it
       ledger_scope in_offload(current_ledger().offload());
       auto& o = u.offload.emplace();
       o.master = Buffer<T, offload_space>(part.shard_size(), category::parameters);
       offload_ops::initialize(u.layout, opts_.seed, part.begin(pr), o.master.span());
-      o.grad = Buffer<T, offload_space>(part.shard_size(), category::gradients);
+      o.grad = Buffer<T, offload_space>(no_grads ? 0 : part.shard_size(), category::gradients);
       if constexpr (compute16) o.compute_copy = Buffer<C, offload_space>(part.shard_size(), category::parameters);
     }
     if (!master_in_values() && !(compute16 && offload_)) {
@@ -729,7 +732,7 @@ class ShardedModel {
       u.compute_shard = Buffer<C, space>(part.shard_size(), category::parameters);
       narrow_master(u);
     }
-    u.grad.emplace(part.numel, part.world, pr, category::gradients);
+    u.grad.emplace(no_grads ? 0 : part.numel, part.world, pr, category::gradients);
     if (policy_.shard_parameters) return;
     // Replicated values, padded like the partition so that ZeRO-1 all-gathers in place.
     u.values = Buffer<C, space>(part.padded_size(),

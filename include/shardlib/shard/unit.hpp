@@ -38,7 +38,9 @@ struct unit {
   // (replicated parameters kept in the master dtype: NoShard, ZeRO-1 in fp32), or
   // in `offload` (16-bit compute with options.offload).
   std::optional<ShardedTensor<T, Space>> master;
-  std::optional<ShardedTensor<T, Space>> grad;  // reduced gradients, the same partition as the master
+  // Reduced gradients, the same partition as the master; none (numel 0) in a unit of
+  // frozen parameters, unless its layers write there (replicated fp32 layers).
+  std::optional<ShardedTensor<T, Space>> grad;
   Buffer<C, Space> compute_shard;               // 16-bit compute: the master rounded to C
   std::optional<State> optimizer_state;         // made on the first step (in `offload`'s space when offloaded)
 

@@ -72,18 +72,27 @@ class unit_optimizer {
     if constexpr (requires(const state& s) { opt.check(s, std::size_t{}); })
       for (std::size_t i = 0; i < units.size(); ++i) {
         const unit_piece p = piece(i);
-        with_unit(units[i], [&] { opt.check(state_of(opt, units[i], p), optim::trained_size(piece_runs(units[i], p))); });
+        const std::size_t stepped = optim::trained_size(piece_runs(units[i], p));
+        with_unit(units[i], [&] { opt.check(state_of(opt, units[i], p), stepped); });
       }
   }
 
   // Unit i's step over values and grads in the memory Ops works on, and the 16-bit
   // compute copy for the next gather (in the same pass where the optimizer can).
-  // After check() for the same optimizer.
+  // After check() for the same optimizer. A unit of frozen parameters that keeps no
+  // gradients (empty grads) only counts the step: a step over nothing.
   template <class Ops, class O>
   void step(O& opt, Unit& u, std::size_t i, unit_piece piece, std::span<T> values, std::span<const T> grads,
             std::span<C> copy16, optim::skip_flag flag = {}) {
     auto& st = state_of(opt, u, piece);
-    const std::span<const optim::segment> runs = segments_.empty() ? std::span<const optim::segment>{} : segments_.at(i);
+    const bool counted_only = grads.empty() && u.frozen();
+    if (counted_only) {
+      values = values.first(0);
+      copy16 = copy16.first(0);
+    }
+    const std::span<const optim::segment> runs = segments_.empty() || counted_only
+                                                     ? std::span<const optim::segment>{}
+                                                     : std::span<const optim::segment>(segments_.at(i));
     const std::span<C> copy = compute16 ? copy16 : std::span<C>{};
     if (flag.skip) {
       if constexpr (skips_on_space<O, T, C, state>) {
@@ -104,7 +113,8 @@ class unit_optimizer {
         if constexpr (optim::is_param_groups<Optimizer>) opt.step(values, grads, st, runs);
         else if (runs.empty()) opt.step(values, grads, st);
         else if constexpr (steps_runs_on_host<O>) optim::step_unfrozen(opt, values, grads, st, runs);
-        else if constexpr (steps_runs_on_space<O>) opt.step(values, grads, st, std::span<C>{}, runs, optim::skip_flag{});
+        else if constexpr (steps_runs_on_space<O>)
+          opt.step(values, grads, st, std::span<C>{}, runs, optim::skip_flag{});
         else throw error(cat("rank ", rank_, ": this optimizer cannot leave frozen parameters out of a step"));
         if constexpr (compute16) Ops::narrow(std::span<const T>(values), copy16);
       }

@@ -183,7 +183,8 @@ void require_adam_sizes(const optim::BasicAdam<Style>& opt, const adam_moments& 
   require_size("gradients", grads.size(), n, "the parameters");
   require_size("exp_avg", state.exp_avg.size(), stepped, "the parameters stepped");
   require_size("exp_avg_sq", state.exp_avg_sq.size(), stepped, "the parameters stepped");
-  if (opt.options.amsgrad) require_size("max_exp_avg_sq", state.max_exp_avg_sq.size(), stepped, "the parameters stepped");
+  if (opt.options.amsgrad)
+    require_size("max_exp_avg_sq", state.max_exp_avg_sq.size(), stepped, "the parameters stepped");
   if (!copy.empty()) require_size("the compute copy", copy.size(), n, "the parameters");
 }
 

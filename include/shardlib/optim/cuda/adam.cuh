@@ -145,7 +145,8 @@ struct BasicAdam {
         // Persistent, but not optimizer state in the planner's sense: 56 bytes of scratch.
         s.cancelled = shardlib::cuda::device_buffer<double>(2, category::comm_scratch, stream);
         shardlib::cuda::fill_bytes_async(s.cancelled.span(), 0, stream);
-        s.gate_scalars = shardlib::cuda::device_buffer<ops::cuda::gated_adam_scalars>(1, category::comm_scratch, stream);
+        s.gate_scalars =
+            shardlib::cuda::device_buffer<ops::cuda::gated_adam_scalars>(1, category::comm_scratch, stream);
       }
       if (flag.skip != s.cancelled.data() + 1) s.unsettled = true;
       s.gated_on = stream;
