@@ -14,7 +14,6 @@
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/models/hf.hpp>
 #include <shardlib/models/sharded_generate.hpp>
-#include <shardlib/nn/freeze.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/optim/adam.hpp>
 #include <shardlib/optim/schedule.hpp>
@@ -27,7 +26,6 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
-#include <set>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -35,6 +33,7 @@
 #include "common/byte_models.hpp"
 #include "common/checkpointing.hpp"
 #include "common/flags.hpp"
+#include "common/freezing.hpp"
 #include "common/text_corpus.hpp"
 #include "common/text_sample.hpp"
 
@@ -42,22 +41,14 @@ using namespace shardlib;
 
 namespace {
 
-struct settings : example::byte_model_shape, example::sample_settings, example::checkpoint_settings {
+struct settings : example::byte_model_shape, example::sample_settings, example::checkpoint_settings,
+                  example::freeze_settings {
   std::string data = "/usr/share/common-licenses/GPL-3", save = "train_gpt_model";
   long world = 4, batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30;
   double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1;
   double min_lr = 0;  // --min-lr; unset: a tenth of lr
   std::uint64_t seed = 0;
-  std::vector<std::string> freeze;  // globs over the parameters' dotted names
 };
-
-// The model of the settings, its parameters named in --freeze frozen (the count returned).
-template <class Config>
-auto frozen_byte_model(const settings& s, std::size_t& frozen) {
-  auto model = example::make_byte_model<float, host_space>(s, std::type_identity<Config>{});
-  frozen = nn::freeze(model, s.freeze);
-  return model;
-}
 
 using example::corpus;
 using example::windows;
@@ -79,8 +70,8 @@ double validation_loss(Sharded& sharded, comm::ThreadComm& c, const corpus& data
 
 template <class Config>
 void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
-  std::size_t frozen = 0;
-  auto model = frozen_byte_model<Config>(s, frozen);
+  auto model = example::make_byte_model<float, host_space>(s, std::type_identity<Config>{});
+  example::freeze(model, s, c.rank(), "train_gpt");
   using model_t = decltype(model);
   auto sharded = shard::fully_shard<optim::AdamW>(
       model, c, shard::FullShard{}, {.wrap = shard::wrap_types<typename model_t::block_type>{}, .seed = s.seed});
@@ -96,14 +87,6 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
                 s.data.c_str(), data.train.size() + data.val.size(), data.train.size(), data.val.size(), entropy,
                 entropy / std::log(2.0), s.model.c_str(), parameters,
                 s.layers, s.d_model, s.heads, s.seq, sharded.unit_count(), c.size(), s.batch);
-  if (c.rank() == 0 && frozen > 0) {
-    std::size_t elements = 0;
-    std::set<const void*> seen;  // GPT-2's tied head lists the embedding twice
-    model.parameters([&](std::string_view, auto& p) {
-      if (!p.requires_grad && seen.insert(&p).second) elements += p.numel();
-    });
-    std::printf("train_gpt: frozen (--freeze): %zu parameters, %zu elements\n", frozen, elements);
-  }
 
   const long first = example::resume(sharded, adamw, s, "train_gpt");  // batches and schedule go on from its step
   example::periodic_checkpoints checkpoints(sharded, adamw, s, "train_gpt");
@@ -196,8 +179,7 @@ int main(int argc, char** argv) {
   cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
       ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for the Hugging Face checkpoint (empty: none)");
-  cli.add_option("--freeze", s.freeze, "parameters kept as they are: globs over dotted names ('*' any run of "
-                 "characters), e.g. 'transformer.wte.*' 'transformer.h.0.*'");
+  example::add_freeze_flag(cli, s);
   example::add_checkpoint_flags(cli, s);
   cli.callback([&] {
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
@@ -206,13 +188,7 @@ int main(int argc, char** argv) {
                                                  " (the cosine decay would climb)");
     example::check_byte_model(s);
     example::check_checkpoint_settings(s);
-    try {  // a pattern that names nothing is a flag error, found before any rank starts
-      std::size_t frozen = 0;
-      if (s.model == "llama") frozen_byte_model<models::llama_config>(s, frozen);
-      else frozen_byte_model<models::gpt2_config>(s, frozen);
-    } catch (const error& e) {
-      throw CLI::ValidationError("--freeze", e.what());
-    }
+    example::check_freeze(s);
   });
   cli.parse_or_exit(argc, argv);
   try {

@@ -8,7 +8,8 @@
 // continuation of a held-out prompt sampled on the GPUs with the KV cache. With
 // --checkpoint-dir and --checkpoint-every it saves sharded checkpoints while it trains
 // (the shards copied to the host, the files written in the background); --resume goes on
-// from one, saved at any world size (train_gpt's too: the files are the same).
+// from one, saved at any world size (train_gpt's too: the files are the same). --freeze
+// PATTERN... keeps the parameters it names as they are.
 //
 //   train_gpt_cuda                                  one GPU (world size 1)
 //   mpirun -np 8 train_gpt_cuda                     one process per GPU (device = local rank)
@@ -45,6 +46,7 @@
 #include "common/byte_models.hpp"
 #include "common/checkpointing.hpp"
 #include "common/flags.hpp"
+#include "common/freezing.hpp"
 #include "common/device_world.cuh"
 #include "common/text_corpus.hpp"
 #include "common/text_sample.hpp"
@@ -53,7 +55,8 @@ namespace sl = shardlib;  // not `using namespace`: CUDA declares a global `half
 
 namespace {
 
-struct settings : example::byte_model_shape, example::sample_settings, example::checkpoint_settings {
+struct settings : example::byte_model_shape, example::sample_settings, example::checkpoint_settings,
+                  example::freeze_settings {
   settings() {
     d_model = 256;
     heads = 8;
@@ -87,6 +90,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   sl::cuda::stream_scope on_compute(compute.get());  // where tensors are allocated and layers run
   auto c = nccl.on(compute.get());                   // collectives ordered after that stream's work
   auto model = example::make_byte_model<T, sl::cuda_space>(s, std::type_identity<Config>{});
+  example::freeze(model, s, c.rank(), "train_gpt_cuda");
   using model_t = decltype(model);
   auto sharded = sl::shard::fully_shard<sl::optim::cuda::AdamW>(
       model, c, sl::shard::FullShard{},
@@ -235,6 +239,7 @@ int main(int argc, char** argv) {
       ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for a Hugging Face checkpoint (empty: none)");
   example::add_checkpoint_flags(cli, s);
+  example::add_freeze_flag(cli, s);
   cli.callback([&] {
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
     if (s.min_lr > s.lr)
@@ -242,6 +247,7 @@ int main(int argc, char** argv) {
                                                  " (the cosine decay would climb)");
     example::check_byte_model(s);
     example::check_checkpoint_settings(s);
+    example::check_freeze(s);
   });
   cli.parse_or_exit(argc, argv);
   try {
