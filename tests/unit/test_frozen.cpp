@@ -504,3 +504,28 @@ TEST_CASE("nn::freeze freezes the parameters its globs name, each once, and name
   Model other = fixture::make_model();
   CHECK_THROWS_WITH(nn::freeze(other, {"2.*", "3.*"}), Contains("freeze: no parameter matches '3.*'"));
 }
+
+// Unit 0 (Linear(5, 8): weight [0, 40), a gap, bias [48, 56)) frozen whole: its gap, and
+// at W = 3 its padding, belong to no parameter, and still no rank keeps optimizer state
+// for it or steps it (a rank whose piece held only the gap once raised alone).
+TEST_CASE("a unit of frozen parameters with gaps and padding is stepped by no optimizer on any rank",
+          "[frozen][segments]") {
+  const std::set<std::string> unit0{"0.weight", "0.bias"};
+  const auto want = reference(3, 0, unit0);
+  using Groups = optim::param_groups<optim::AdamW>;
+  const Groups one({{.name = "all", .rule = [](std::string_view, const Shape&) { return true; }, .options = adamw}});
+  const optim::SGD sgd{{.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01}};
+  for (int w : {1, 2, 3})
+    for (shard::AnyStrategy strategy : {shard::AnyStrategy(shard::FullShard{}), shard::AnyStrategy(shard::ShardOptimizer{}),
+                                        shard::AnyStrategy(shard::NoShard{})}) {
+      INFO(strategy.name << " at W = " << w);
+      const auto adam = train(w, strategy, optim::AdamW{adamw}, unit0, 3, 0);
+      CHECK(frozen_unchanged(adam, unit0));
+      test_support::max_error params;
+      params.relative(adam.params, want.params, 0.1);
+      CHECK(params <= 5e-5);
+      const auto groups = train(w, strategy, one, unit0, 3, 0);
+      CHECK(bits(groups.params) == bits(adam.params));
+      CHECK(frozen_unchanged(train(w, strategy, sgd, unit0, 3, clip_at), unit0));
+    }
+}

@@ -31,10 +31,14 @@ struct unit_piece {
 };
 
 // This rank's piece of unit u as runs: its frozen parameters' (optim::segment::frozen),
-// which have no optimizer state, and the others (group 0), whose state lies end to end.
+// which have no optimizer state, and the others (`runs`' groups: one group 0 unless
+// given), whose state lies end to end. Alignment gaps and padding go with the runs
+// around them, but in a unit of frozen parameters only, which is one frozen run whole.
 template <class Unit>
-std::vector<optim::segment> piece_runs(const Unit& u, unit_piece p) {
-  return optim::cut_frozen({{0, p.size, 0}}, u.layout, p.begin, p.size);
+std::vector<optim::segment> piece_runs(const Unit& u, unit_piece p, std::vector<optim::segment> runs = {}) {
+  if (u.frozen()) return {{0, p.size, optim::segment::frozen}};
+  if (runs.empty()) runs = {{0, p.size, 0}};
+  return optim::cut_frozen(runs, u.layout, p.begin, p.size);
 }
 
 // Unit is shard/unit.hpp's unit with master dtype T and compute dtype C; Optimizer
@@ -176,8 +180,7 @@ class unit_optimizer {
         }
         const unit_piece p = piece(i);
         if constexpr (optim::is_param_groups<Optimizer>)
-          made.push_back(optim::cut_frozen(opt.segments(units[i].layout, p.begin, p.size), units[i].layout, p.begin,
-                                           p.size));
+          made.push_back(piece_runs(units[i], p, opt.segments(units[i].layout, p.begin, p.size)));
         else made.push_back(piece_runs(units[i], p));
       }
     } catch (const error& e) {
