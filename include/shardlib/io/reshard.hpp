@@ -98,23 +98,14 @@ bool with_buffer(State& st, std::string_view name, F&& f) {
   return found;
 }
 
-// A state over runs (optim::segment: frozen parameters' elements have none) and the
-// piece it belongs to, both in host memory: spread writes the piece (zeros where
-// frozen), gather_runs the state.
+// A state over runs (optim::segment: frozen parameters' elements have none) spread
+// over the piece it belongs to, both in host memory: zeros where frozen.
 inline void spread(std::span<const optim::segment> runs, std::span<const float> state, std::span<float> piece) {
   std::fill(piece.begin(), piece.end(), 0.0f);
   std::size_t at = 0;
   for (const auto& r : runs)
     if (r.group != optim::segment::frozen) {
       std::copy_n(state.begin() + std::ptrdiff_t(at), r.size, piece.begin() + std::ptrdiff_t(r.begin));
-      at += r.size;
-    }
-}
-inline void gather_runs(std::span<const optim::segment> runs, std::span<const float> piece, std::span<float> state) {
-  std::size_t at = 0;
-  for (const auto& r : runs)
-    if (r.group != optim::segment::frozen) {
-      std::copy_n(piece.begin() + std::ptrdiff_t(r.begin), r.size, state.begin() + std::ptrdiff_t(at));
       at += r.size;
     }
 }
@@ -158,27 +149,11 @@ std::vector<Buffer<float>> request_masters(Engine& model, Source& src) {
   }
   return out;
 }
-// An optimizer buffer in memory the host cannot reach (the model's space), or one
-// without the frozen parameters' elements: its piece is requested into host memory and
-// copied into place after src.finish().
+// An optimizer buffer in memory the host cannot reach (the model's space): its values
+// are requested into host memory and copied into place after src.finish().
 struct pending_upload {
-  Buffer<float> values;               // host memory: the unit's piece
-  std::span<float> target;            // the new state's buffer
-  bool on_host = false;               // target is host memory
-  std::vector<optim::segment> runs{};  // of the piece, when the state leaves frozen runs out
-
-  template <class Space>
-  void place(stager<Space>& staging) {
-    std::span<const float> from = values.span();
-    Buffer<float> state;
-    if (!runs.empty()) {
-      state = Buffer<float>(target.size(), category::comm_scratch);
-      gather_runs(runs, from, state.span());
-      from = state.span();
-    }
-    if (on_host) std::copy(from.begin(), from.end(), target.begin());
-    else staging.upload(from, target);
-  }
+  Buffer<float> values;     // host memory
+  std::span<float> target;  // the new state's buffer
 };
 template <class Engine, class Source, class O>
 std::vector<typename O::state> request_states(Engine& model, Source& src, O& maker, std::int64_t step,
@@ -188,20 +163,24 @@ std::vector<typename O::state> request_states(Engine& model, Source& src, O& mak
   if (model.offloaded()) in_offload.emplace(current_ledger().offload());
   for (std::size_t i = 0; i < model.unit_count(); ++i) {
     const auto runs = model.piece_runs(i);
-    const std::size_t piece = model.partition(i).shard_size(), kept = optim::trained_size(runs);
-    auto st = maker.make_state(kept);
+    auto st = maker.make_state(optim::trained_size(runs));
     st.step = step;
     st.for_each_buffer([&]<class S>(std::string_view name, Buffer<float, S>& b) {
       std::span<float> into = b.span();
-      constexpr bool on_host = can_access<host_space, S>;
-      static_assert(on_host || std::is_same_v<S, typename Engine::space>,
-                    "io: optimizer state in a memory space neither the host nor the model's is");
-      if (!on_host || kept < piece) {
-        uploads.push_back({Buffer<float>(piece, category::optimizer_state), b.span(), on_host,
-                           kept < piece ? runs : std::vector<optim::segment>{}});
+      if constexpr (!can_access<host_space, S>) {
+        static_assert(std::is_same_v<S, typename Engine::space>,
+                      "io: optimizer state in a memory space neither the host nor the model's is");
+        uploads.push_back({Buffer<float>(b.size(), category::optimizer_state), b.span()});
         into = uploads.back().values.span();
       }
-      request_range(model.unit_layout(i).entries, src, name, piece_begin(model, i), into);
+      // Run by run: the state holds the trained runs of the piece end to end.
+      std::size_t at = 0;
+      for (const auto& r : runs) {
+        if (r.group == optim::segment::frozen) continue;
+        request_range(model.unit_layout(i).entries, src, name, piece_begin(model, i) + r.begin,
+                      into.subspan(at, r.size));
+        at += r.size;
+      }
     });
     out.push_back(std::move(st));  // device buffers keep their storage as they move: the targets stay valid
   }
@@ -243,7 +222,7 @@ void load_from(Engine& model, Source& src, O* opt, const std::optional<checkpoin
     masters = request_masters(model, src);
     src.finish();  // the buffers' storage stays put as they move into the vectors
     stager<typename Engine::space> staging;
-    for (auto& u : uploads) u.place(staging);
+    for (auto& u : uploads) staging.upload(std::span<const float>(u.values.span()), u.target);
   });
   for (std::size_t i = 0; i < masters.size(); ++i) model.load_master(i, masters[i].span());
   if constexpr (!std::is_same_v<O, no_optimizer>)
