@@ -400,6 +400,11 @@ TEST_CASE("cut_frozen cuts frozen entries out of a piece's runs", "[frozen][segm
   // Inside b alone; and a piece with no frozen element is returned as it was.
   CHECK(same(optim::cut_frozen({{0, 4, 1}}, layout, 34, 4), {{0, 4, segment::frozen}}));
   CHECK(same(optim::cut_frozen({{0, 10, 0}, {10, 8, 1}}, layout, 40, 18), {{0, 10, 0}, {10, 8, 1}}));
+  // Every parameter frozen: the gap between them and the padding after them too.
+  nn::flat_layout all;  // a [0, 20) gap [20, 32) b [32, 40)
+  all.append("a", Shape{20}, {}, false);
+  all.append("b", Shape{8}, {}, false);
+  CHECK(same(optim::cut_frozen({{0, 12, 0}}, all, 30, 12), {{0, 12, segment::frozen}}));
   // Runs that do not tile a shard are refused before anything steps.
   optim::SGD::state st;
   const std::vector<segment> gap{{0, 4, 0}, {5, 5, 0}};

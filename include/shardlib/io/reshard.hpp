@@ -102,12 +102,9 @@ bool with_buffer(State& st, std::string_view name, F&& f) {
 // over the piece it belongs to, both in host memory: zeros where frozen.
 inline void spread(std::span<const optim::segment> runs, std::span<const float> state, std::span<float> piece) {
   std::fill(piece.begin(), piece.end(), 0.0f);
-  std::size_t at = 0;
-  for (const auto& r : runs)
-    if (r.group != optim::segment::frozen) {
-      std::copy_n(state.begin() + std::ptrdiff_t(at), r.size, piece.begin() + std::ptrdiff_t(r.begin));
-      at += r.size;
-    }
+  optim::for_each_trained_run(runs, [&](const optim::segment& r, std::size_t at) {
+    std::copy_n(state.begin() + std::ptrdiff_t(at), r.size, piece.begin() + std::ptrdiff_t(r.begin));
+  });
 }
 
 // with_buffer for unit i's state, its values as the unit's whole piece (what files and
@@ -174,13 +171,10 @@ std::vector<typename O::state> request_states(Engine& model, Source& src, O& mak
         into = uploads.back().values.span();
       }
       // Run by run: the state holds the trained runs of the piece end to end.
-      std::size_t at = 0;
-      for (const auto& r : runs) {
-        if (r.group == optim::segment::frozen) continue;
+      optim::for_each_trained_run(runs, [&](const optim::segment& r, std::size_t at) {
         request_range(model.unit_layout(i).entries, src, name, piece_begin(model, i) + r.begin,
                       into.subspan(at, r.size));
-        at += r.size;
-      }
+      });
     });
     out.push_back(std::move(st));  // device buffers keep their storage as they move: the targets stay valid
   }

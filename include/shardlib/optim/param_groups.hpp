@@ -27,7 +27,6 @@ namespace shardlib::optim {
 // Which parameters a group takes: a predicate over the dotted name and the shape.
 using group_rule = std::function<bool(std::string_view name, const Shape& shape)>;
 
-
 // The parameters whose dotted name matches any of the glob patterns, where only '*'
 // is special: match_names({"*.bias", "*norm*"}).
 inline group_rule match_names(std::vector<std::string> patterns) {
@@ -53,19 +52,36 @@ struct segment {
   int group = 0;
 };
 
+// f(r, state_first) for every run r that is not frozen, in order, with the element of
+// a state over the runs (their elements end to end) where r's state starts.
+template <class F>
+void for_each_trained_run(std::span<const segment> runs, F&& f) {
+  std::size_t state_first = 0;
+  for (const auto& r : runs) {
+    if (r.group == segment::frozen) continue;
+    f(r, state_first);
+    state_first += r.size;
+  }
+}
+
 // How many elements of the runs are not frozen: the size of their optimizer state.
 inline std::size_t trained_size(std::span<const segment> runs) {
   std::size_t n = 0;
-  for (const auto& r : runs) n += r.group == segment::frozen ? 0 : r.size;
+  for_each_trained_run(runs, [&](const segment& r, std::size_t) { n += r.size; });
   return n;
 }
 
 // `runs`, which tile flat elements [first, first + n) of a unit laid out as `layout`
 // (their begin counted from first), with the elements of frozen parameters (entries
-// whose requires_grad is false) cut out as runs of segment::frozen.
+// whose requires_grad is false) cut out as runs of segment::frozen. Alignment gaps and
+// padding go with the runs around them, but where every parameter is frozen the whole
+// range is one frozen run (no state is kept for a gap alone).
 template <class Layout>
 std::vector<segment> cut_frozen(const std::vector<segment>& runs, const Layout& layout, std::size_t first,
                                 std::size_t n) {
+  bool all_frozen = !layout.entries.empty();
+  for (const auto& e : layout.entries) all_frozen = all_frozen && !e.requires_grad;
+  if (all_frozen) return {{0, n, segment::frozen}};
   std::vector<std::pair<std::size_t, std::size_t>> frozen;  // [lo, hi) from first, by offset
   for (const auto& e : layout.entries) {
     const std::size_t lo = std::max(first, std::size_t(e.offset));
@@ -112,12 +128,7 @@ template <class State, class StepRun>
 void step_runs(std::string_view who, std::size_t n, State& s, std::span<const segment> runs, std::size_t groups,
                StepRun&& step_run) {
   check_runs(who, n, runs, groups);
-  std::size_t state_first = 0;
-  for (const auto& r : runs) {
-    if (r.group == segment::frozen) continue;
-    step_run(r, state_first);
-    state_first += r.size;
-  }
+  for_each_trained_run(runs, step_run);
   ++s.step;
 }
 

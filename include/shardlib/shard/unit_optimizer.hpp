@@ -30,13 +30,11 @@ struct unit_piece {
   std::size_t begin = 0, size = 0;
 };
 
-// This rank's piece of unit u as runs: its frozen parameters' (optim::segment::frozen),
+// This rank's piece of unit u as runs (optim::cut_frozen): its frozen parameters',
 // which have no optimizer state, and the others (`runs`' groups: one group 0 unless
-// given), whose state lies end to end. Alignment gaps and padding go with the runs
-// around them, but in a unit of frozen parameters only, which is one frozen run whole.
+// given), whose state lies end to end.
 template <class Unit>
 std::vector<optim::segment> piece_runs(const Unit& u, unit_piece p, std::vector<optim::segment> runs = {}) {
-  if (u.frozen()) return {{0, p.size, optim::segment::frozen}};
   if (runs.empty()) runs = {{0, p.size, 0}};
   return optim::cut_frozen(runs, u.layout, p.begin, p.size);
 }
@@ -102,7 +100,7 @@ class unit_optimizer {
       if constexpr (skips_on_space<O, T, C, state>) {
         if (runs.empty()) opt.step(values, grads, st, copy, flag);
         else if constexpr (steps_runs_on_space<O>) opt.step(values, grads, st, copy, runs, flag);
-        else throw error(cat("rank ", rank_, ": this optimizer cannot leave frozen parameters out of a step"));
+        else cannot_leave_runs_out();
       } else {
         throw error(cat("rank ", rank_, ": this optimizer has no step a flag in the model's space can cancel"));
       }
@@ -112,20 +110,25 @@ class unit_optimizer {
       if constexpr (compute16 && requires { opt.step(values, grads, st, copy16); }) {
         if (runs.empty()) opt.step(values, grads, st, copy16);
         else if constexpr (steps_runs_on_space<O>) opt.step(values, grads, st, copy16, runs, optim::skip_flag{});
-        else throw error(cat("rank ", rank_, ": this optimizer cannot leave frozen parameters out of a step"));
+        else cannot_leave_runs_out();
       } else {
         if constexpr (optim::is_param_groups<Optimizer>) opt.step(values, grads, st, runs);
         else if (runs.empty()) opt.step(values, grads, st);
         else if constexpr (steps_runs_on_host<O>) optim::step_unfrozen(opt, values, grads, st, runs);
         else if constexpr (steps_runs_on_space<O>)
           opt.step(values, grads, st, std::span<C>{}, runs, optim::skip_flag{});
-        else throw error(cat("rank ", rank_, ": this optimizer cannot leave frozen parameters out of a step"));
+        else cannot_leave_runs_out();
         if constexpr (compute16) Ops::narrow(std::span<const T>(values), copy16);
       }
     });
   }
 
  private:
+  // The else of steps over runs: make_segments refuses such an optimizer first.
+  [[noreturn]] void cannot_leave_runs_out() const {
+    throw error(cat("rank ", rank_, ": this optimizer cannot leave frozen parameters out of a step"));
+  }
+
   // Runs f; the optimizer's own errors (its options, its state) then name the rank and unit too.
   template <class F>
   void with_unit(const Unit& u, F&& f) const {

@@ -156,17 +156,14 @@ struct BasicAdam {
     const ops::cuda::adam_gate gate{flag.skip, s.cancelled.data(), s.gate_scalars.data()};
     const ops::cuda::adam_gate* gated = flag.skip ? &gate : nullptr;
     const auto k = ops::cuda::begin_adam_step(host, s.step, stream, gated);
-    std::size_t first = 0;  // the run's first element in the state
-    for (const auto& r : runs) {
-      if (r.group == optim::segment::frozen) continue;
+    optim::for_each_trained_run(runs, [&](const optim::segment& r, std::size_t first) {
       auto part = [&](auto b) { return b.empty() ? b : b.subspan(r.begin, r.size); };
       auto state_part = [&](std::span<float> b) { return b.empty() ? b : b.subspan(first, r.size); };
       ops::cuda::adam_update(host,
                              {state_part(moments.exp_avg), state_part(moments.exp_avg_sq),
                               state_part(moments.max_exp_avg_sq)},
                              part(params), part(grads), part(compute_copy), k, stream, gated);
-      first += r.size;
-    }
+    });
   }
 };
 
