@@ -49,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -105,6 +106,12 @@ Tensor<std::int64_t, cuda_space> device_ids(Shape s, std::int64_t value) {
   sl::cuda::copy_async(t.span(), std::span<const std::int64_t>(v), sl::cuda::current_stream());
   return t;
 }
+// The same ids in device memory.
+Tensor<std::int64_t, cuda_space> device_ids(const Tensor<std::int64_t>& ids) {
+  Tensor<std::int64_t, cuda_space> t(ids.shape());
+  sl::cuda::copy_async(t.span(), std::span<const std::int64_t>(ids.span()), sl::cuda::current_stream());
+  return t;
+}
 template <class T>
 std::vector<T> raw_values(const Tensor<T, cuda_space>& t) {
   std::vector<T> v(std::size_t(t.numel()));
@@ -157,7 +164,7 @@ void require_composite_near(const std::vector<float>& got, const std::vector<flo
 template <class T>
 struct bound_parameters {
   std::vector<std::string> names;
-  std::vector<std::vector<float>> host_values, host_grads;
+  std::vector<std::vector<float>> host_values, host_grads, start_grads;
   std::vector<Tensor<T, cuda_space>> device_values, device_grads;
 
   using choice = std::function<void(const std::string& name, std::vector<float>& values)>;
@@ -183,6 +190,7 @@ struct bound_parameters {
       host_values.push_back(rounded<T>(rnd.normal(n, 0.2f)));
       if (chosen) chosen(names[i], host_values.back());
       host_grads.push_back(rounded<T>(rnd.normal(n)));
+      start_grads.push_back(host_grads.back());
       device_values.push_back(device_tensor<T>(hp[i]->shape, host_values.back()));
       device_grads.push_back(device_tensor<T>(hp[i]->shape, host_grads.back()));
     }
@@ -191,6 +199,16 @@ struct bound_parameters {
       hp[i]->grad = host_grads[i].data();
       dp[i]->value = device_values[i].data();
       dp[i]->grad = device_grads[i].data();
+    }
+  }
+
+  // The gradients of the frozen parameters (by name) are the starting ones, on both sides.
+  void require_untouched(const std::set<std::string>& frozen) const {
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      if (!frozen.contains(names[i])) continue;
+      INFO("frozen " << names[i]);
+      REQUIRE(host_grads[i] == start_grads[i]);  // == fails on NaN
+      REQUIRE(values(device_grads[i]) == start_grads[i]);
     }
   }
 
@@ -211,10 +229,14 @@ struct on_stream {
 
 // Forward and backward of a host layer and its device twin on the same input
 // x (shape in_shape) and output gradient; outputs, dx and parameter gradients compared.
+// The parameters named in `frozen` are frozen on both sides: their gradients stay as they were.
 template <class T, auto Compare = require_near<T>, class HostLayer, class DeviceLayer>
 void compare_layers(HostLayer& host, DeviceLayer& dev, Shape in_shape, random_inputs& rnd, nn::context host_ctx,
                     nn::context dev_ctx, float x_scale = 1.0f,
-                    const typename bound_parameters<T>::choice& chosen = {}) {
+                    const typename bound_parameters<T>::choice& chosen = {}, const std::set<std::string>& frozen = {}) {
+  const auto set_flags = [&](std::string_view name, auto& p) { p.requires_grad = !frozen.contains(std::string(name)); };
+  host.parameters(set_flags);
+  dev.parameters(set_flags);
   bound_parameters<T> params(host, dev, rnd, chosen);
   const auto x = rounded<T>(rnd.normal(std::size_t(in_shape.numel()), x_scale));
   const Tensor<float> y_host = host.forward(host_ctx, host_tensor(in_shape, x));
@@ -238,6 +260,7 @@ void compare_layers(HostLayer& host, DeviceLayer& dev, Shape in_shape, random_in
     Compare(values(dx_dev), values(dx_host));
   }
   params.template compare_grads<Compare>();
+  params.require_untouched(frozen);
 }
 
 // The encoder's ReLU kept off its step (see the top of the file): every linear1.bias
@@ -608,8 +631,7 @@ TEMPLATE_TEST_CASE("device Embedding equals the host layer: repeated ids, accumu
   bound_parameters<T> params(host, dev, rnd);
   Tensor<std::int64_t> ids(Shape{4, 33});
   for (std::int64_t i = 0; i < ids.numel(); ++i) ids[i] = rnd.integer(0, 19);  // most rows used several times
-  Tensor<std::int64_t, cuda_space> ids_dev(ids.shape());
-  sl::cuda::copy_async(ids_dev.span(), std::span<const std::int64_t>(ids.span()), sl::cuda::current_stream());
+  auto ids_dev = device_ids(ids);
 
   nn::context hctx, dctx;
   const Tensor<float> y_host = host.forward(hctx, ids);
@@ -642,6 +664,67 @@ TEMPLATE_TEST_CASE("device Embedding equals the host layer: repeated ids, accumu
   CHECK_THROWS_WITH(float(loss), host_message);
   CHECK_THROWS_AS(float(loss), sl::shape_error);  // kept: every read raises it
   CHECK_THROWS_AS(dev.forward(dctx, Tensor<std::int64_t, cuda_space>{}), sl::shape_error);
+}
+
+// requires_grad = false: the layer's product, column sums or reduction for that
+// parameter is skipped (fp32 Linear with both trained takes cuBLASLt's bias-gradient
+// epilogue, so each case of it runs another path), the rest as the host's.
+TEMPLATE_TEST_CASE("device layers leave a frozen parameter's gradient as it was, as the host layers do",
+                   "[cuda][layers][frozen]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  using names = std::set<std::string>;
+  for (const names& frozen : {names{"weight"}, names{"bias"}, names{"weight", "bias"}}) {
+    INFO("Linear and LayerNorm, " << frozen.size() << " frozen, the first " << *frozen.begin());
+    nn::Linear<float> host(24, 40);
+    nn::Linear<T, cuda_space> dev(24, 40);
+    compare_layers<T>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1), 1.0f, {}, frozen);
+    nn::LayerNorm<float> host_norm(96);
+    nn::LayerNorm<T, cuda_space> dev_norm(96);
+    compare_layers<T>(host_norm, dev_norm, Shape{70, 96}, rnd, training(1), training(1), 2.0f, {}, frozen);
+  }
+  {
+    nn::RMSNorm<float> host(96, 1e-5);
+    nn::RMSNorm<T, cuda_space> dev(96, 1e-5);
+    compare_layers<T>(host, dev, Shape{70, 96}, rnd, training(1), training(1), 2.0f, {}, {"weight"});
+  }
+  {
+    nn::PositionEmbedding<float> host(16, 24);
+    nn::PositionEmbedding<T, cuda_space> dev(16, 24);
+    compare_layers<T>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1), 1.0f, {}, {"weight"});
+  }
+  {  // n_inner 48: in bf16 c_fc's GELU is its product's epilogue
+    const nn::gpt2_mlp_options o{.n_embd = 24, .n_inner = 48, .resid_pdrop = 0};
+    nn::GPT2MLP<float> host(o);
+    nn::GPT2MLP<T, cuda_space> dev(o);
+    compare_layers<T, require_composite_near<T>>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1), 1.0f, {},
+                                                 {"c_fc.weight", "c_proj.bias"});
+  }
+  {
+    const nn::attention_options o{.embed_dim = 32, .num_heads = 4, .batch_first = true};
+    nn::MultiheadAttention<float> host(o);
+    nn::MultiheadAttention<T, cuda_space> dev(o);
+    compare_layers<T, require_composite_near<T>>(host, dev, Shape{2, 5, 32}, rnd, training(1), training(1), 1.0f, {},
+                                                 {"in_proj_weight", "in_proj_bias"});
+  }
+  // Embedding: a frozen table gets no scatter of dy.
+  nn::Embedding<float> host(50, 37);
+  nn::Embedding<T, cuda_space> dev(50, 37);
+  host.weight.requires_grad = dev.weight.requires_grad = false;
+  bound_parameters<T> params(host, dev, rnd);
+  Tensor<std::int64_t> ids(Shape{4, 33});
+  for (std::int64_t i = 0; i < ids.numel(); ++i) ids[i] = rnd.integer(0, 49);
+  const auto ids_dev = device_ids(ids);
+  nn::context hctx, dctx;
+  const Tensor<float> y_host = host.forward(hctx, ids);
+  const auto dy = rounded<T>(rnd.normal(std::size_t(y_host.numel())));
+  (void)host.backward(hctx, host_tensor(y_host.shape(), dy));
+  (void)dev.forward(dctx, ids_dev);
+  (void)dev.backward(dctx, device_tensor<T>(y_host.shape(), dy));
+  params.require_untouched({"weight"});
 }
 
 // The Embedding's bad-id check is read with the next loss, in that loss's one wait;
@@ -796,8 +879,7 @@ TEST_CASE("device layers keep nothing with gradients disabled and refuse a backw
   check_refuses(nn::MeanPool<float, cuda_space>(1), x, "MeanPool(1)");
   Tensor<std::int64_t> ids(Shape{2, 3});
   for (std::int64_t i = 0; i < ids.numel(); ++i) ids[i] = i % 5;
-  Tensor<std::int64_t, cuda_space> ids_dev(ids.shape());
-  sl::cuda::copy_async(ids_dev.span(), std::span<const std::int64_t>(ids.span()), sl::cuda::current_stream());
+  const auto ids_dev = device_ids(ids);
   check_refuses(emb, ids_dev, "Embedding(5, 4)");
 }
 

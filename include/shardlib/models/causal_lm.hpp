@@ -251,7 +251,8 @@ Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int
   return detail::generate(model, forward, prompt, o, [](auto&& pick, std::span<std::int64_t>, std::int64_t) { pick(); });
 }
 
-// generate() on an unsharded model: forwards in a plain context, not training. A
+// generate() on an unsharded model: forwards in a plain context, not training and
+// without gradients (layers keep no activations, as under torch.no_grad()). A
 // device model (include shardlib/models/cuda.cuh) takes the ids in device memory,
 // and each step copies the last position's logits back, on the current stream,
 // raising the Embedding's error for a bad id there.
@@ -261,7 +262,8 @@ Tensor<std::int64_t> generate(M& model, const Tensor<std::int64_t>& prompt, cons
   return generate(
       model,
       [&](const Tensor<std::int64_t>& ids) {
-        return ctx.forward(model, detail::generate_io<typename M::output::space>::ids(ids));
+        const auto in = detail::generate_io<typename M::output::space>::ids(ids);
+        return ctx.no_grad([&] { return ctx.forward(model, in); });
       },
       prompt, o);
 }

@@ -10,12 +10,14 @@
 #include "shardlib/nn/dropout.hpp"
 #include "shardlib/nn/embedding.hpp"
 #include "shardlib/nn/feed_forward.hpp"
+#include "shardlib/nn/frozen_prefix.hpp"
 #include "shardlib/nn/gpt2_attention.hpp"
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/nn/layer_norm.hpp"
 #include "shardlib/nn/transformer.hpp"  // nn::detail::residual
 
 #include <cmath>    // std::sqrt
+#include <cstddef>  // std::size_t
 #include <cstdint>  // std::int64_t
 #include <string>   // std::to_string
 #include <vector>   // std::vector
@@ -157,15 +159,25 @@ class GPT2Model {
   output forward(Ctx& ctx, const input& ids) {
     require<shape_error>(ids.rank() == 2, "GPT2Model: input_ids must be [batch, seq], got ", ids.shape());
     wpe.set_offset(h.front().attn.kv_cache_length());
-    output x = ctx.forward(drop, ctx.forward(wpe, ctx.forward(wte, ids)));
-    for (auto& block : h) x = ctx.forward(block, x);
-    return ctx.forward(ln_f, x);
+    // children in order: wte 0, wpe 1, drop 2, h.i 3 + i, ln_f
+    prefix_.begin();
+    output x = prefix_.forward(ctx, drop, prefix_.forward(ctx, wpe, prefix_.forward(ctx, wte, ids)));
+    for (auto& block : h) x = prefix_.forward(ctx, block, x);
+    return prefix_.forward(ctx, ln_f, x);
   }
+  // Stops below the lowest trained parameter (nn::frozen_prefix).
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
+    if (!prefix_.runs_backward(3 + h.size())) return {};
     output g = ctx.backward(ln_f, dy);
-    for (auto it = h.rbegin(); it != h.rend(); ++it) g = ctx.backward(*it, g);
-    return ctx.backward(wte, ctx.backward(wpe, ctx.backward(drop, g)));
+    for (std::size_t i = h.size(); i-- > 0;) {
+      if (!prefix_.runs_backward(3 + i)) return {};
+      g = ctx.backward(h[i], g);
+    }
+    if (prefix_.runs_backward(2)) g = ctx.backward(drop, g);
+    if (prefix_.runs_backward(1)) g = ctx.backward(wpe, g);
+    if (prefix_.runs_backward(0)) ctx.backward(wte, g);
+    return {};
   }
 
   void enable_kv_cache(std::int64_t max_seq) {
@@ -174,6 +186,9 @@ class GPT2Model {
   void disable_kv_cache() {
     for (auto& block : h) block.disable_kv_cache();
   }
+
+ private:
+  nn::frozen_prefix prefix_;
 };
 
 // Hugging Face's GPT2LMHeadModel: ids [batch, seq] -> logits [batch, seq,

@@ -8,11 +8,13 @@
 #include "shardlib/models/causal_lm.hpp"
 #include "shardlib/nn/embedding.hpp"
 #include "shardlib/nn/feed_forward.hpp"
+#include "shardlib/nn/frozen_prefix.hpp"
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/nn/llama_attention.hpp"
 #include "shardlib/nn/rms_norm.hpp"
 #include "shardlib/nn/transformer.hpp"  // nn::detail::residual
 
+#include <cstddef>  // std::size_t
 #include <cstdint>  // std::int64_t
 #include <string>   // std::to_string
 #include <vector>   // std::vector
@@ -157,15 +159,23 @@ class LlamaModel {
                            cached + ids.shape()[1] - 1, " (", cached, " cached, sequence ", ids.shape()[1],
                            ") exceed max_position_embeddings ", max_position_embeddings_);
     }
-    output x = ctx.forward(embed_tokens, ids);
-    for (auto& layer : layers) x = ctx.forward(layer, x);
-    return ctx.forward(norm, x);
+    // children in order: embed_tokens 0, layers.i 1 + i, norm
+    prefix_.begin();
+    output x = prefix_.forward(ctx, embed_tokens, ids);
+    for (auto& layer : layers) x = prefix_.forward(ctx, layer, x);
+    return prefix_.forward(ctx, norm, x);
   }
+  // Stops below the lowest trained parameter (nn::frozen_prefix).
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
+    if (!prefix_.runs_backward(1 + layers.size())) return {};
     output g = ctx.backward(norm, dy);
-    for (auto it = layers.rbegin(); it != layers.rend(); ++it) g = ctx.backward(*it, g);
-    return ctx.backward(embed_tokens, g);
+    for (std::size_t i = layers.size(); i-- > 0;) {
+      if (!prefix_.runs_backward(1 + i)) return {};
+      g = ctx.backward(layers[i], g);
+    }
+    if (prefix_.runs_backward(0)) ctx.backward(embed_tokens, g);
+    return {};
   }
 
   // RoPE's positions continue after the cached ones inside each attention layer.
@@ -178,6 +188,7 @@ class LlamaModel {
 
  private:
   std::int64_t max_position_embeddings_;
+  nn::frozen_prefix prefix_;
 };
 
 // Hugging Face's LlamaForCausalLM: ids [batch, seq] -> logits [batch, seq,

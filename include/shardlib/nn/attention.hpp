@@ -203,9 +203,10 @@ class MultiheadAttention : public detail::attention_base<T, Space> {
                   heads(dqkv, 1), heads(dqkv, 2), sdpa({}, {}));
 
     // The three projections read the same x, so dx = dqkv W_in sums their contributions.
-    ops::gemm(ops::trans::yes, ops::trans::no, 3 * E, E, R, T(1), dqkv.data(), 3 * E, x_.data(), E, T(1),
-              in_proj_weight.grad, E);  // dW_in += dqkv^T x
-    if (o_.bias) detail::add_column_sums(dqkv.data(), R, 3 * E, in_proj_bias.grad);
+    if (in_proj_weight.requires_grad)  // frozen: no gradient (nn::Linear's rule)
+      ops::gemm(ops::trans::yes, ops::trans::no, 3 * E, E, R, T(1), dqkv.data(), 3 * E, x_.data(), E, T(1),
+                in_proj_weight.grad, E);  // dW_in += dqkv^T x
+    if (o_.bias && in_proj_bias.requires_grad) detail::add_column_sums(dqkv.data(), R, 3 * E, in_proj_bias.grad);
     input dx(x_.shape());
     ops::gemm(ops::trans::no, ops::trans::no, R, E, 3 * E, T(1), dqkv.data(), 3 * E, in_proj_weight.value, E, T(0),
               dx.data(), E);

@@ -10,6 +10,17 @@
 
 namespace shardlib::nn {
 
+namespace detail {
+// Adds one to a counter for a scope's lifetime (nested scopes of one kind).
+struct scoped_depth {
+  int& n;
+  explicit scoped_depth(int& d) : n(d) { ++n; }
+  ~scoped_depth() { --n; }
+  scoped_depth(const scoped_depth&) = delete;
+  scoped_depth& operator=(const scoped_depth&) = delete;
+};
+}  // namespace detail
+
 // The batch's attention mask, with the meaning of torch's
 // scaled_dot_product_attention(attn_mask=...): a shape that broadcasts to
 // [batch, heads, queries, keys] (rank 2 to 4, aligned on the right, each
@@ -57,6 +68,16 @@ class context {
 
   bool training() const { return o_.training; }
   void set_training(bool on) { o_.training = on; }
+  // Runs f(): forwards no backward follows (torch.no_grad()), in which layers keep no
+  // activations (grad_enabled() false; nn::grad_enabled). nn::without_grad calls it.
+  template <class F>
+  decltype(auto) no_grad(F&& f) {
+    detail::scoped_depth off(no_grad_);
+    return f();
+  }
+  bool grad_enabled() const { return no_grad_ == 0; }
+  // Inside no_grad(f): a sharding engine frees a unit gathered there after its forward.
+  bool in_no_grad() const { return no_grad_ > 0; }
   const Tensor<std::uint8_t>& key_padding_mask() const { return mask_; }
   void set_key_padding_mask(Tensor<std::uint8_t> mask) { mask_ = std::move(mask); }
   const attn_mask& attention_mask() const { return attn_; }
@@ -83,6 +104,7 @@ class context {
  private:
   options o_{};
   std::uint64_t draws_ = 0;
+  int no_grad_ = 0;
   Tensor<std::uint8_t> mask_;
   attn_mask attn_;
 };

@@ -119,7 +119,7 @@ class Embedding : public detail::embedding_base<T> {
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
     this->check_grad(ids_, dy);
-    for (std::int64_t i = 0; i < ids_.numel(); ++i) {
+    for (std::int64_t i = 0; weight.requires_grad && i < ids_.numel(); ++i) {  // frozen: no gradient
       T* g = weight.grad + ids_[i] * dim_;
       const T* d = dy.data() + i * dim_;
       for (std::int64_t j = 0; j < dim_; ++j) g[j] += d[j];
@@ -238,7 +238,7 @@ class PositionEmbedding : public detail::position_embedding_base<T> {
     this->check_grad(dy.shape());
     const std::int64_t block = shape_[shape_.rank() - 2] * dim_, rows = dy.numel() / block;
     T* g = weight.grad + used_offset_ * dim_;
-    for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t r = 0; weight.requires_grad && r < rows; ++r) {  // frozen: no gradient
       const T* d = dy.data() + r * block;
       for (std::int64_t i = 0; i < block; ++i) g[i] += d[i];
     }

@@ -36,4 +36,12 @@ std::size_t freeze(L& layer, const std::vector<std::string>& patterns) {
   return frozen.size();
 }
 
+// Whether any parameter of `layer` has requires_grad (a layer without parameters trains nothing).
+template <Layer L>
+bool trains(L& layer) {
+  bool any = false;
+  layer.parameters([&](std::string_view, auto& p) { any = any || p.requires_grad; });
+  return any;
+}
+
 }  // namespace shardlib::nn

@@ -19,6 +19,15 @@ bool grad_enabled(const Ctx& ctx) {
   else return true;
 }
 
+// Runs f() as forwards that no backward follows, where the context can say so (its
+// no_grad(f): the plain and the sharded context); with any other context f just runs,
+// and its layers keep activations that nothing reads.
+template <class Ctx, class F>
+decltype(auto) without_grad(Ctx& ctx, F&& f) {
+  if constexpr (requires { ctx.no_grad(f); }) return ctx.no_grad(f);
+  else return f();
+}
+
 // What a layer's backward raises when no forward left it activations; `layer`
 // names the layer as its other errors do ("Linear(4 -> 8)"). A shape_error, as a
 // backward whose gradient does not match the forward's output.

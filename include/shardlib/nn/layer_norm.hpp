@@ -141,10 +141,8 @@ class LayerNorm : public detail::layer_norm_base<T> {
         const T xhat = (xr[i] - mean) * rstd;
         const T g = affine_ ? dyr[i] * weight.value[i] : dyr[i];
         dxr[i] = rstd * (g - g_mean - xhat * gx_mean);
-        if (affine_) {
-          weight.grad[i] += dyr[i] * xhat;
-          bias.grad[i] += dyr[i];
-        }
+        if (affine_ && weight.requires_grad) weight.grad[i] += dyr[i] * xhat;  // frozen: no gradient
+        if (affine_ && bias.requires_grad) bias.grad[i] += dyr[i];
       }
     }
     x_ = mean_ = rstd_ = {};

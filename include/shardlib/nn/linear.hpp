@@ -5,6 +5,7 @@
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/param.hpp"
+#include "shardlib/nn/saved_input.hpp"
 #include "shardlib/ops/gemm.hpp"
 
 #include <algorithm>    // std::copy_n
@@ -67,10 +68,11 @@ class linear_base {
     ys[ys.rank() - 1] = out_;
     return ys;
   }
-  // backward's check of dy against the input x cached by forward.
+  // backward's check of dy against the input forward saved.
   template <class X, class Y>
-  void check_grad(const X& x, const Y& dy) const {
-    require<shape_error>(!x.empty() && dy.numel() == x.numel() / in_ * out_, "Linear(", in_, " -> ", out_,
+  void check_grad(const saved_input<X>& x, const Y& dy) const {
+    x.require(weight.requires_grad, "Linear(", in_, " -> ", out_, ")");
+    require<shape_error>(dy.numel() == x.numel() / in_ * out_, "Linear(", in_, " -> ", out_,
                          "): backward needs the gradient of the last forward's output, got shape ", dy.shape());
     check_bound(true);
   }
@@ -97,11 +99,10 @@ class Linear : public detail::linear_base<T> {
 
   using base::base;  // Linear(in_features, out_features, bias = true)
 
-  // Caches x for backward unless the context says none follows (nn::grad_enabled).
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
     this->check_input(x.shape());
-    x_ = grad_enabled(ctx) ? x : input{};
+    x_.save(ctx, x, weight.requires_grad);
     const std::int64_t rows = x.numel() / in_;
     output y(this->output_shape(x.shape()));
     if (has_bias_)  // y starts as the bias, which the product adds to (beta 1)
@@ -111,23 +112,25 @@ class Linear : public detail::linear_base<T> {
     return y;
   }
 
+  // A frozen weight or bias (requires_grad = false) gets no gradient: its product or
+  // column sums are skipped, and its gradient buffer is left as it was.
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
-    require_activations(!x_.empty(), "Linear(", in_, " -> ", out_, ")");
     this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / in_;
-    ops::gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, T(1), dy.data(), out_, x_.data(), in_, T(1),
-              weight.grad, in_);  // dW += dy^T x
-    if (has_bias_) detail::add_column_sums(dy.data(), rows, out_, bias.grad);
+    if (weight.requires_grad)
+      ops::gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, T(1), dy.data(), out_, x_.values().data(), in_,
+                T(1), weight.grad, in_);  // dW += dy^T x
+    if (has_bias_ && bias.requires_grad) detail::add_column_sums(dy.data(), rows, out_, bias.grad);
     input dx(x_.shape());
     ops::gemm(ops::trans::no, ops::trans::no, rows, in_, out_, T(1), dy.data(), out_, weight.value, in_, T(0),
               dx.data(), in_);  // dx = dy W
-    x_ = {};
+    x_.clear();
     return dx;
   }
 
  private:
-  input x_;  // cached for backward
+  saved_input<input> x_;
 };
 
 namespace detail {

@@ -60,7 +60,9 @@ struct Param {
   std::string_view owner_name{};  // its dotted name, set by a sharded owner (for errors)
   // PyTorch's requires_grad: false freezes the parameter for a sharding engine, which
   // then keeps its gradient at zero and never steps it (docs/design.md, "Frozen
-  // parameters"). Layers still write a gradient for it: they need not know.
+  // parameters"). The library's layers skip its gradient (a frozen weight's product
+  // keeps no input for it, nn::saved_input); a user layer may still write one, which
+  // the engine zeroes.
   bool requires_grad = true;
 
   std::size_t numel() const { return std::size_t(shape.numel()); }

@@ -117,7 +117,7 @@ class RMSNorm : public detail::rms_norm_base<T> {
       for (std::int64_t i = 0; i < d_; ++i) {
         const T xhat = xr[i] * rstd;
         dxr[i] = rstd * (dyr[i] * weight.value[i] - xhat * gx_mean);
-        weight.grad[i] += dyr[i] * xhat;
+        if (weight.requires_grad) weight.grad[i] += dyr[i] * xhat;  // frozen: no gradient
       }
     }
     x_ = rstd_ = {};

@@ -1,6 +1,7 @@
 // shardlib/nn/sequential.hpp — Sequential<Ls...>: layers applied in order (torch.nn.Sequential).
 #pragma once
 #include "shardlib/config.hpp"
+#include "shardlib/nn/frozen_prefix.hpp"
 #include "shardlib/nn/layer.hpp"
 
 #include <concepts>  // std::same_as
@@ -12,7 +13,9 @@ namespace shardlib::nn {
 
 // Children are named "0", "1", ... as in PyTorch, so Sequential<Stack<E>, MeanPool,
 // Linear<float>> names its head's weight "2.weight". Each child's output type must
-// be the next child's input type (checked at compile time).
+// be the next child's input type (checked at compile time). Taking token ids (an
+// integer input), its backward stops below the first child with a trained parameter
+// (nn::frozen_prefix).
 template <Layer... Ls>
   requires(sizeof...(Ls) > 0)
 class Sequential {
@@ -60,20 +63,27 @@ class Sequential {
       (f(child, i++), ...);
     }, layers_);
   }
+  static constexpr bool skips_frozen = carries_no_gradient<input>;
   template <std::size_t I, class Ctx, class X>
   output forward_from(Ctx& ctx, const X& x) {
-    auto y = ctx.forward(std::get<I>(layers_), x);
+    if constexpr (I == 0 && skips_frozen) prefix_.begin();
+    auto y = [&] {
+      if constexpr (skips_frozen) return prefix_.forward(ctx, std::get<I>(layers_), x);
+      else return ctx.forward(std::get<I>(layers_), x);
+    }();
     if constexpr (I + 1 == sizeof...(Ls)) return y;
     else return forward_from<I + 1>(ctx, y);
   }
   template <std::size_t I, class Ctx, class DY>
   input backward_from(Ctx& ctx, const DY& dy) {
+    if (!prefix_.runs_backward(I)) return input{};
     auto dx = ctx.backward(std::get<I>(layers_), dy);
     if constexpr (I == 0) return dx;
     else return backward_from<I - 1>(ctx, dx);
   }
 
   types layers_;
+  frozen_prefix prefix_;  // begun only by a chain of token ids; else every child runs backward
 };
 
 }  // namespace shardlib::nn

@@ -6,6 +6,7 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/grad_mode.hpp"
+#include "shardlib/nn/saved_input.hpp"
 #include "shardlib/nn/param.hpp"
 #include "shardlib/ops/gemm.hpp"
 
@@ -74,10 +75,11 @@ class tied_linear_base {
     ys[ys.rank() - 1] = out_;
     return ys;
   }
-  // backward's check of dy against the input x cached by forward.
+  // backward's check of dy against the input forward saved.
   template <class X, class Y>
-  void check_grad(const X& x, const Y& dy) const {
-    require<shape_error>(!x.empty() && dy.numel() == x.numel() / in_ * out_, "TiedLinear(", in_, " -> ", out_,
+  void check_grad(const saved_input<X>& x, const Y& dy) const {
+    x.require(weight_ && weight_->requires_grad, "TiedLinear(", in_, " -> ", out_, ")");
+    require<shape_error>(dy.numel() == x.numel() / in_ * out_, "TiedLinear(", in_, " -> ", out_,
                          "): backward needs the gradient of the last forward's output, got shape ", dy.shape());
     check_tied(true);
   }
@@ -117,15 +119,15 @@ class TiedLinear : public detail::tied_linear_base<T> {
   TiedLinear(const TiedLinear& o) : base(o) {}
   TiedLinear& operator=(const TiedLinear& o) {
     base::operator=(o);
-    x_ = {};
+    x_.clear();
     return *this;
   }
 
-  // Caches x for backward unless the context says none follows (nn::grad_enabled).
+  // Keeps x for backward (saved_input: its shape alone if the weight is frozen).
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
     output y(this->check_input(x.shape()));
-    x_ = grad_enabled(ctx) ? x : input{};
+    x_.save(ctx, x, weight_->requires_grad);
     const std::int64_t rows = x.numel() / in_;
     ops::gemm(ops::trans::no, ops::trans::yes, rows, out_, in_, T(1), x.data(), in_, weight_->value, in_, T(0),
               y.data(), out_);
@@ -136,17 +138,18 @@ class TiedLinear : public detail::tied_linear_base<T> {
   input backward(Ctx&, const output& dy) {
     this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / in_;
-    ops::gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, T(1), dy.data(), out_, x_.data(), in_, T(1),
-              weight_->grad, in_);  // dW += dy^T x
+    if (weight_->requires_grad)  // frozen: no gradient, as Linear
+      ops::gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, T(1), dy.data(), out_, x_.values().data(), in_, T(1),
+                weight_->grad, in_);  // dW += dy^T x
     input dx(x_.shape());
     ops::gemm(ops::trans::no, ops::trans::no, rows, in_, out_, T(1), dy.data(), out_, weight_->value, in_, T(0),
               dx.data(), in_);  // dx = dy W
-    x_ = {};
+    x_.clear();
     return dx;
   }
 
  private:
-  input x_;  // cached for backward
+  saved_input<input> x_;
 };
 
 }  // namespace shardlib::nn

@@ -122,9 +122,9 @@ class sharded_context : public nn::context {
     return dx;
   }
 
-  // False in eval mode (no backward follows) and inside a checkpointed layer's first
-  // forward: layers then keep no activations (nn::grad_enabled).
-  bool grad_enabled() const { return grad_ && no_grad_ == 0; }
+  // False in eval mode (no backward follows), inside a checkpointed layer's first
+  // forward and inside no_grad(f): layers then keep no activations (nn::grad_enabled).
+  bool grad_enabled() const { return grad_ && checkpointing_ == 0 && nn::context::grad_enabled(); }
   void set_grad_enabled(bool on) {
     grad_ = on;
     if (!on) ckpt_.clear();  // eval(): a forward without its backward keeps nothing
@@ -134,17 +134,10 @@ class sharded_context : public nn::context {
   bool recomputing() const { return recomputing_ > 0; }
 
  private:
-  struct depth {
-    int& n;
-    explicit depth(int& d) : n(d) { ++n; }
-    ~depth() { --n; }
-    depth(const depth&) = delete;
-    depth& operator=(const depth&) = delete;
-  };
   template <class L>
   typename L::output forward_keeping_input(L& layer, const typename L::input& x) {
     ckpt_.keep(layer, x, draws());
-    depth off(no_grad_);
+    nn::detail::scoped_depth off(checkpointing_);
     return layer.forward(*this, x);
   }
   template <class L>
@@ -153,7 +146,7 @@ class sharded_context : public nn::context {
     const std::uint64_t now = draws();
     rewind_draws(at);
     try {
-      depth on(recomputing_);
+      nn::detail::scoped_depth on(recomputing_);
       layer.forward(*this, x);  // caches what backward needs; the output goes
     } catch (...) {
       rewind_draws(now);
@@ -165,7 +158,7 @@ class sharded_context : public nn::context {
   Engine* e_;
   checkpoints ckpt_;
   bool grad_ = true;
-  int no_grad_ = 0, recomputing_ = 0;
+  int checkpointing_ = 0, recomputing_ = 0;
 };
 
 // The plain context with the same activation checkpointing, for unsharded training

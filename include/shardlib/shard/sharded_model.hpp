@@ -575,6 +575,12 @@ class ShardedModel {
 
   void pre_forward(unit_type& u) {
     const int i = index_of(u);
+    if (const int k = u.changed_flag(); k >= 0)
+      throw error(cat("rank ", comm_->rank(), ": parameter '", u.layout.entries[std::size_t(k)].name,
+                      "' has requires_grad ", u.params[std::size_t(k)]->requires_grad ? "true" : "false",
+                      " but was wrapped with ", u.layout.entries[std::size_t(k)].requires_grad ? "true" : "false",
+                      ": set requires_grad (nn::freeze) before fully_shard"));
+    u.no_backward = ctx_.in_no_grad();
     gathers_.record(i);
     if (policy_.shard_parameters) {
       gather(u, true);
@@ -587,14 +593,18 @@ class ShardedModel {
   void post_forward(unit_type& u) {
     const bool root = &u == &units_[0];
     if (root) gathers_.stop_recording();  // the root finishes last: the order is complete
-    if (policy_.shard_parameters && (ctx_.evaluating() || (!root && policy_.free == free_point::after_forward)))
+    // a unit run inside no_grad(f) gets no backward (nn::frozen_prefix): free it now
+    if (policy_.shard_parameters &&
+        (ctx_.evaluating() || u.no_backward || (!root && policy_.free == free_point::after_forward)))
       gathers_.free(u);
     if (root && ctx_.evaluating()) release_full_params();  // a prefetched unit that did not run
   }
   void pre_backward(unit_type& u) {
     if (policy_.shard_parameters) {
       gather(u, true);
-      gathers_.for_each_ahead(index_of(u), -1, [&](int k) { gather(units_[std::size_t(k)], false); });
+      gathers_.for_each_ahead(index_of(u), -1, [&](int k) {
+        if (!units_[std::size_t(k)].no_backward) gather(units_[std::size_t(k)], false);
+      });
     }
     if (policy_.shard_optimizer && u.full_grad.empty()) {  // or kept from earlier micro-batches under sync(false)
       u.full_grad = Buffer<C, space>(partition(std::size_t(index_of(u))).padded_size(), category::gradients);

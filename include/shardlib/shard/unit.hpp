@@ -64,6 +64,7 @@ struct unit {
   Work gather_work, reduce_work;
   bool reducing = false;   // reduce_work is in flight
   bool grad_clean = true;  // `grad` is all zero (a reduction may write straight into it)
+  bool no_backward = false;  // its last forward ran inside the context's no_grad(f) (nn::frozen_prefix)
 
   // Communication scratch, alive only while a collective needs it.
   struct scratch_buffers {
@@ -79,6 +80,14 @@ struct unit {
     for (const auto& e : layout.entries)
       if (e.requires_grad) return false;
     return !layout.entries.empty();
+  }
+
+  // The first parameter whose requires_grad differs from the layout's (set after the
+  // engine read it), or -1.
+  int changed_flag() const {
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (params[i]->requires_grad != layout.entries[i].requires_grad) return int(i);
+    return -1;
   }
 
   // Points every Param at values (and grads, or null) laid out as `layout`.

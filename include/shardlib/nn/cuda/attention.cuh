@@ -95,9 +95,11 @@ class MultiheadAttention<T, cuda_space> : public detail::attention_base<T, cuda_
                                            heads(dqkv, 2), fused(), cuda::current_stream());
 
     // The three projections read the same x, so dx = dqkv W_in sums their contributions.
-    detail::device_gemm(ops::trans::yes, ops::trans::no, 3 * E, E, R, 1.0f, dqkv.data(), 3 * E, x_.data(), E, 1.0f,
-                        in_proj_weight.grad, E);  // dW_in += dqkv^T x
-    if (o_.bias) detail::add_column_sums_device(dqkv.data(), R, 3 * E, in_proj_bias.grad);
+    if (in_proj_weight.requires_grad)  // frozen: no gradient (nn::Linear's rule)
+      detail::device_gemm(ops::trans::yes, ops::trans::no, 3 * E, E, R, 1.0f, dqkv.data(), 3 * E, x_.data(), E, 1.0f,
+                          in_proj_weight.grad, E);  // dW_in += dqkv^T x
+    if (o_.bias && in_proj_bias.requires_grad)
+      detail::add_column_sums_device(dqkv.data(), R, 3 * E, in_proj_bias.grad);
     input dx(x_.shape());
     detail::device_gemm(ops::trans::no, ops::trans::no, R, E, 3 * E, 1.0f, dqkv.data(), 3 * E, in_proj_weight.value, E,
                         0.0f, dx.data(), E);

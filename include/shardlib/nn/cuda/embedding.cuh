@@ -71,8 +71,9 @@ class Embedding<T, cuda_space> : public detail::embedding_base<T> {
   template <class Ctx>
   input backward(Ctx&, const output& dy) {
     this->check_grad(ids_, dy);
-    ops::cuda::embedding_backward(ids_.data(), ids_.numel(), dy.data(), weight.grad, num_, int(dim_),
-                                  cuda::current_stream(), cuda::device_allocator(cuda::current_device()));
+    if (weight.requires_grad)  // frozen: no gradient, as on the host
+      ops::cuda::embedding_backward(ids_.data(), ids_.numel(), dy.data(), weight.grad, num_, int(dim_),
+                                    cuda::current_stream(), cuda::device_allocator(cuda::current_device()));
     ids_ = {};
     return {};
   }
@@ -109,8 +110,9 @@ class PositionEmbedding<T, cuda_space> : public detail::position_embedding_base<
   input backward(Ctx&, const output& dy) {
     this->check_grad(dy.shape());
     const std::int64_t block = shape_[shape_.rank() - 2] * dim_;
-    ops::cuda::add_positions_backward(dy.data(), weight.grad + used_offset_ * dim_, dy.numel() / block, block,
-                                      cuda::current_stream());
+    if (weight.requires_grad)
+      ops::cuda::add_positions_backward(dy.data(), weight.grad + used_offset_ * dim_, dy.numel() / block, block,
+                                        cuda::current_stream());
     pending_ = false;
     return dy;
   }

@@ -53,7 +53,8 @@ class LayerNorm<T, cuda_space> : public detail::layer_norm_base<T> {
     const std::int64_t rows = x_.numel() / d_;
     input dx(x_.shape());
     ops::cuda::layer_norm_backward(x_.data(), dy.data(), affine_ ? weight.value : nullptr, stats_.data(), dx.data(),
-                                   affine_ ? weight.grad : nullptr, affine_ ? bias.grad : nullptr, rows, int(d_),
+                                   affine_ && weight.requires_grad ? weight.grad : nullptr,  // frozen: none
+                                   affine_ && bias.requires_grad ? bias.grad : nullptr, rows, int(d_),
                                    cuda::current_stream(), cuda::device_allocator(cuda::current_device()));
     x_ = {};
     stats_ = {};

@@ -25,7 +25,7 @@ enum class fused_activation { none, relu, gelu_tanh };
 // The host layer's parameters, shapes, init rules and checks (detail::linear_base
 // in nn/linear.hpp); parameters and tensors in device memory, products on the
 // current stream (16-bit T accumulates in fp32). Parameter gradients accumulate
-// (+=) as on the host.
+// (+=) as on the host, and a frozen weight or bias gets none, as there.
 //
 // The bias is cuBLASLt's epilogue: added to the product in fp32 before the one
 // rounding to T, as cuBLAS's beta 1 over a bias-filled output did. In fp32
@@ -65,13 +65,14 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
   void fuse_activation(fused_activation a) { act_ = a; }
   fused_activation activation() const { return act_; }
 
-  // Keeps what backward needs (x, and the fused activation's output or input) only when
-  // a backward follows (nn::grad_enabled), as the host layers do.
+  // Keeps what backward needs (x, or only its shape for a frozen weight, and the fused
+  // activation's output or input) only when a backward follows (nn::grad_enabled), as
+  // the host layer does.
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
     this->check_input(x.shape());
     const bool keep = grad_enabled(ctx);
-    x_ = keep ? x : input{};
+    x_.save(ctx, x, weight.requires_grad);
     const std::int64_t rows = x.numel() / in_;
     output y(this->output_shape(x.shape()));
     switch (act_) {
@@ -103,15 +104,17 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
     const std::int64_t rows = x_.numel() / in_;
     const output dy = activation_backward(dy_out);
     const auto d = detail::gradient_operand(dy.data(), rows, out_, in_);  // dy, its rows 16 bytes apart
-    if (!(has_bias_ && weight_and_bias_grad(d, rows))) {
-      detail::device_gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, 1.0f, d.data, d.ld, x_.data(), in_, 1.0f,
-                          weight.grad, in_);  // dW += dy^T x
-      if (has_bias_) detail::add_column_sums_device(dy.data(), rows, out_, bias.grad);
+    const bool dw = weight.requires_grad, db = has_bias_ && bias.requires_grad;  // frozen: no gradient (host's)
+    if (!(dw && db && weight_and_bias_grad(d, rows))) {
+      if (dw)
+        detail::device_gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, 1.0f, d.data, d.ld, x_.values().data(),
+                            in_, 1.0f, weight.grad, in_);  // dW += dy^T x
+      if (db) detail::add_column_sums_device(dy.data(), rows, out_, bias.grad);
     }
     input dx(x_.shape());
     detail::device_gemm(ops::trans::no, ops::trans::no, rows, in_, out_, 1.0f, d.data, d.ld, weight.value, in_, 0.0f,
                         dx.data(), in_);  // dx = dy W
-    x_ = {};
+    x_.clear();
     return dx;
   }
 
@@ -154,11 +157,12 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
     if constexpr (!std::is_same_v<T, float>) {
       return false;
     } else {
-      if (ops::cuda::staged_for<T>(out_, in_, rows, dy.data, dy.ld, x_.data(), in_, weight.grad, in_).any())
+      const T* x = x_.values().data();
+      if (ops::cuda::staged_for<T>(out_, in_, rows, dy.data, dy.ld, x, in_, weight.grad, in_).any())
         return false;  // as fused_product
       Tensor<T, cuda_space> db(Shape{out_});
       if (!ops::cuda::gemm_lt(cuda::current_blas_lt(), cuda::current_stream(), ops::trans::yes, ops::trans::no, out_,
-                              in_, rows, 1.0f, dy.data, dy.ld, x_.data(), in_, 1.0f, weight.grad, in_,
+                              in_, rows, 1.0f, dy.data, dy.ld, x, in_, 1.0f, weight.grad, in_,
                               {.kind = ops::cuda::epilogue::bgrad_a, .bias_grad = db.data()}))
         return false;
       const std::span<T> g(bias.grad, std::size_t(out_));
@@ -167,8 +171,8 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
     }
   }
 
-  input x_;        // cached for backward
-  output y_, pre_;  // ... with relu, the output; with gelu_tanh, the pre-activation
+  saved_input<input> x_;
+  output y_, pre_;  // kept for backward: with relu, the output; with gelu_tanh, the pre-activation
   fused_activation act_ = fused_activation::none;
 };
 

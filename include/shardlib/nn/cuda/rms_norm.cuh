@@ -50,7 +50,8 @@ class RMSNorm<T, cuda_space> : public detail::rms_norm_base<T> {
     this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / d_;
     input dx(x_.shape());
-    ops::cuda::rms_norm_backward(x_.data(), dy.data(), weight.value, rstd_.data(), dx.data(), weight.grad, rows,
+    ops::cuda::rms_norm_backward(x_.data(), dy.data(), weight.value, rstd_.data(), dx.data(),
+                                 weight.requires_grad ? weight.grad : nullptr, rows,  // frozen: no gradient
                                  int(d_), cuda::current_stream(), cuda::device_allocator(cuda::current_device()));
     x_ = {};
     rstd_ = {};

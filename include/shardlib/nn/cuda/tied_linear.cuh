@@ -5,7 +5,6 @@
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/cuda/memory_space.hpp"  // cuda_space
 #include "shardlib/nn/cuda/device.cuh"     // device_gemm
-#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/tied_linear.hpp"     // the host layer, detail::tied_linear_base
 
 #include <cstdint>  // std::int64_t
@@ -31,15 +30,15 @@ class TiedLinear<T, cuda_space> : public detail::tied_linear_base<T> {
   TiedLinear(const TiedLinear& o) : base(o) {}
   TiedLinear& operator=(const TiedLinear& o) {
     base::operator=(o);
-    x_ = {};
+    x_.clear();
     return *this;
   }
 
-  // Caches x for backward unless the context says none follows (nn::grad_enabled).
+  // Keeps x for backward (saved_input: its shape alone if the weight is frozen).
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
     output y(this->check_input(x.shape()));
-    x_ = grad_enabled(ctx) ? x : input{};
+    x_.save(ctx, x, weight_->requires_grad);
     const std::int64_t rows = x.numel() / in_;
     detail::device_gemm(ops::trans::no, ops::trans::yes, rows, out_, in_, 1.0f, x.data(), in_, weight_->value, in_,
                         0.0f, y.data(), out_);
@@ -51,17 +50,18 @@ class TiedLinear<T, cuda_space> : public detail::tied_linear_base<T> {
     this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / in_;
     const auto d = detail::gradient_operand(dy.data(), rows, out_, in_);  // dy, its rows 16 bytes apart
-    detail::device_gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, 1.0f, d.data, d.ld, x_.data(), in_, 1.0f,
-                        weight_->grad, in_);  // dW += dy^T x
+    if (weight_->requires_grad)  // frozen: no gradient, as on the host
+      detail::device_gemm(ops::trans::yes, ops::trans::no, out_, in_, rows, 1.0f, d.data, d.ld, x_.values().data(),
+                          in_, 1.0f, weight_->grad, in_);  // dW += dy^T x
     input dx(x_.shape());
     detail::device_gemm(ops::trans::no, ops::trans::no, rows, in_, out_, 1.0f, d.data, d.ld, weight_->value, in_, 0.0f,
                         dx.data(), in_);  // dx = dy W
-    x_ = {};
+    x_.clear();
     return dx;
   }
 
  private:
-  input x_;  // cached for backward
+  saved_input<input> x_;
 };
 
 }  // namespace shardlib::nn

@@ -48,13 +48,13 @@ __global__ void layer_norm_param_grads_finish_kernel(const param_grads* partial,
                                                      P* dbias) {
   const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
   if (i >= d) return;
-  param_grads acc{float(dweight[i]), float(dbias[i])};
+  param_grads acc{dweight ? float(dweight[i]) : 0.0f, dbias ? float(dbias[i]) : 0.0f};
   for (int c = 0; c < chunks; ++c) {
     acc.weight += partial[c * d + i].weight;
     acc.bias += partial[c * d + i].bias;
   }
-  dweight[i] = P(acc.weight);
-  dbias[i] = P(acc.bias);
+  if (dweight) dweight[i] = P(acc.weight);
+  if (dbias) dbias[i] = P(acc.bias);
 }
 }  // namespace detail
 
@@ -68,7 +68,7 @@ void layer_norm_forward(const T* x, const P* weight, const P* bias, T* y, row_st
                 stream, x, weight, bias, y, stats, d, eps);
 }
 
-// dx[rows, d] from dy and forward's stats; with affine, dweight and dbias
+// dx[rows, d] from dy and forward's stats; dweight and dbias, where not null,
 // accumulate (+=) like the host layer's gradients. Scratch for the column sums
 // comes from `alloc` on `stream`.
 template <class T, class P>
@@ -78,7 +78,7 @@ void layer_norm_backward(const T* x, const T* dy, const P* weight, const row_sta
   if (rows == 0 || d == 0) return;
   launch_kernel("layer_norm_backward", detail::layer_norm_backward_kernel<T, P>, unsigned(rows), row_threads(d), 0,
                 stream, x, dy, weight, stats, dx, d);
-  if (!dweight) return;
+  if (!dweight && !dbias) return;
   // 64 rows per chunk keeps enough blocks in flight for a few hundred rows
   // and the partials small (8 bytes per column and chunk); more on inputs
   // whose chunks would exceed the grid's 65535 in y.

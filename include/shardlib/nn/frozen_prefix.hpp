@@ -1,0 +1,46 @@
+// shardlib/nn/frozen_prefix.hpp — frozen_prefix: the children at the start of a chain
+// whose input has no gradient (token ids) that need no backward.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/nn/freeze.hpp"     // trains
+#include "shardlib/nn/grad_mode.hpp"  // without_grad
+
+#include <cstddef>      // std::size_t
+#include <type_traits>  // std::is_integral_v
+
+namespace shardlib::nn {
+
+// A chain of children (an embedding, then blocks, ...) whose input carries no gradient:
+// the children before the first one with a trained parameter have no gradient to make,
+// so backward stops there, as PyTorch's autograd never reaches layers whose parameters
+// and inputs all have requires_grad false (frozen embeddings and lower layers: partial
+// fine-tuning). Their forwards run without gradients (nn::without_grad): they keep no
+// activations, and a sharding engine frees their units at once.
+//
+// The chain calls forward(ctx, child, x) for each child in order after begin(), and in
+// backward runs child i (its forward order) only while runs_backward(i).
+class frozen_prefix {
+ public:
+  void begin() {
+    frozen_ = 0;
+    open_ = true;
+  }
+  template <class Ctx, class L, class X>
+  auto forward(Ctx& ctx, L& child, const X& x) {
+    if (open_ && trains(child)) open_ = false;
+    if (!open_) return ctx.forward(child, x);
+    ++frozen_;
+    return without_grad(ctx, [&] { return ctx.forward(child, x); });
+  }
+  bool runs_backward(std::size_t i) const { return i >= frozen_; }
+
+ private:
+  std::size_t frozen_ = 0;
+  bool open_ = true;
+};
+
+// Whether a chain taking X starts without gradients: integer tensors (token ids).
+template <class X>
+concept carries_no_gradient = std::is_integral_v<typename X::value_type>;
+
+}  // namespace shardlib::nn

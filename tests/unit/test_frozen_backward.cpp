@@ -1,0 +1,333 @@
+// What a backward skips for frozen parameters (requires_grad = false), as PyTorch's
+// autograd does: every library layer leaves a frozen parameter's gradient as it was
+// (a sentinel written there survives) while dx and the other gradients keep their
+// bits; a Linear whose weight is frozen keeps no input for backward; and a chain whose
+// input is token ids (Sequential, GPT-2, LLaMA) runs its frozen prefix without
+// gradients and stops its backward there: nothing is left cached, the sharded engine
+// neither gathers nor prefetches those units in backward (counted bytes) and frees
+// them after forward under ShardGradOp; a flag changed after wrapping is refused.
+#include "../../benchmarks/counting_comm.hpp"  // bytes sent per rank, ring model
+#include "shardlib/comm/launch.hpp"
+#include "shardlib/core/ledger.hpp"
+#include "shardlib/models/gpt2.hpp"
+#include "shardlib/models/llama.hpp"
+#include "shardlib/nn/attention.hpp"
+#include "shardlib/nn/context.hpp"
+#include "shardlib/nn/embedding.hpp"
+#include "shardlib/nn/feed_forward.hpp"
+#include "shardlib/nn/freeze.hpp"
+#include "shardlib/nn/gpt2_attention.hpp"
+#include "shardlib/nn/layer_norm.hpp"
+#include "shardlib/nn/linear.hpp"
+#include "shardlib/nn/llama_attention.hpp"
+#include "shardlib/nn/loss.hpp"
+#include "shardlib/nn/replicated.hpp"
+#include "shardlib/nn/rms_norm.hpp"
+#include "shardlib/nn/sequential.hpp"
+#include "shardlib/optim/sgd.hpp"
+#include "shardlib/shard/sharded_model.hpp"
+#include "support/compare.hpp"
+#include "support/raised.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+using namespace shardlib;
+using Catch::Matchers::Contains;
+
+namespace {
+
+// A NaN no layer computes: what a skipped gradient still holds after backward.
+constexpr std::uint32_t sentinel = 0x7fc0beefu;
+
+template <class T>
+std::vector<std::uint32_t> bits(std::span<const T> v) {
+  std::vector<std::uint32_t> out;
+  for (T x : v) out.push_back(std::bit_cast<std::uint32_t>(x));
+  return out;
+}
+
+Tensor<float> filled(Shape s, std::uint64_t stream) {
+  Tensor<float> t(s);
+  const counter_rng rng(7, stream);
+  for (std::int64_t i = 0; i < t.numel(); ++i) t[i] = 2 * rng.uniform_float(std::uint64_t(i)) - 1;
+  return t;
+}
+Tensor<std::int64_t> token_ids(Shape s, std::int64_t vocab) {
+  Tensor<std::int64_t> t(s);
+  for (std::int64_t i = 0; i < t.numel(); ++i) t[i] = (i * 5 + 3) % vocab;
+  return t;
+}
+
+template <class L>
+std::vector<std::string> parameter_names(L& layer) {
+  std::vector<std::string> names;
+  layer.parameters([&](std::string_view name, auto&) { names.emplace_back(name); });
+  return names;
+}
+
+// One forward and backward of a copy of `layer` on x with the named parameters frozen,
+// their gradients starting as the sentinel (the others at zero); the parameters'
+// gradients and dx (float inputs) as bits, and what stays cached after backward.
+struct backward_run {
+  std::vector<std::vector<std::uint32_t>> grads;  // in parameters() order
+  std::vector<bool> frozen;                       // each one's flag (a tied one's is both names')
+  std::vector<std::uint32_t> dx;
+  std::size_t cached_after = 0;  // activation bytes still allocated once y, dy and dx are gone
+};
+
+template <class L, class X>
+backward_run run_backward(const L& prototype, const X& x, const std::set<std::string>& frozen) {
+  ledger l;
+  backward_run out;
+  {
+    ledger_scope scope(l);
+    L layer = prototype;
+    if constexpr (requires { layer.tie(); }) layer.tie();
+    layer.parameters([&](std::string_view, auto& p) { p.requires_grad = true; });
+    layer.parameters([&](std::string_view name, auto& p) {
+      if (frozen.contains(std::string(name))) p.requires_grad = false;
+    });
+    nn::Replicated<float, L> owner(layer, 11);
+    layer.parameters([&](std::string_view, auto& p) {
+      if (!p.requires_grad) std::ranges::fill(p.grads(), std::bit_cast<float>(sentinel));
+    });
+    nn::context ctx;
+    {
+      const auto y = layer.forward(ctx, x);
+      const auto dy = filled(y.shape(), 2);
+      const auto dx = layer.backward(ctx, dy);
+      if constexpr (std::is_same_v<std::remove_cvref_t<decltype(dx)>, Tensor<float>>)
+        out.dx = bits(std::span<const float>(dx.span()));
+    }
+    layer.parameters([&](std::string_view, auto& p) {
+      out.grads.push_back(bits(std::span<const float>(p.grads())));
+      out.frozen.push_back(!p.requires_grad);
+    });
+    out.cached_after = l.current(category::activations);
+  }
+  return out;
+}
+
+// Every parameter frozen alone, then all of them: the frozen gradients hold the
+// sentinel, the others and dx the bits of the run that freezes nothing.
+template <class L, class X>
+void check_skips(const std::string& what, const L& prototype, const X& x) {
+  L probe = prototype;
+  const auto names = parameter_names(probe);
+  const auto want = run_backward(prototype, x, {});
+  REQUIRE(want.grads.size() == names.size());
+  for (const auto& g : want.grads) {  // a gradient to compare: finite, and not all zero
+    bool any = false;
+    for (std::uint32_t b : g) {
+      REQUIRE(std::isfinite(std::bit_cast<float>(b)));
+      any = any || std::bit_cast<float>(b) != 0.0f;
+    }
+    REQUIRE(any);
+  }
+  std::vector<std::set<std::string>> cases;
+  for (const auto& n : names) cases.push_back({n});
+  cases.emplace_back(names.begin(), names.end());
+  for (const auto& frozen : cases) {
+    INFO(what << " with " << frozen.size() << " frozen, the first '" << *frozen.begin() << "'");
+    const auto got = run_backward(prototype, x, frozen);
+    CHECK(got.dx == want.dx);
+    CHECK(got.cached_after == want.cached_after);
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      INFO("gradient of " << names[i]);
+      if (got.frozen[i]) CHECK(got.grads[i] == std::vector<std::uint32_t>(got.grads[i].size(), sentinel));
+      else CHECK(got.grads[i] == want.grads[i]);
+    }
+  }
+}
+
+const models::gpt2_config tiny_gpt2{.vocab_size = 23, .n_positions = 8, .n_embd = 8, .n_layer = 3, .n_head = 2,
+                                    .resid_pdrop = 0, .embd_pdrop = 0, .attn_pdrop = 0};
+const models::llama_config tiny_llama{.vocab_size = 19, .hidden_size = 8, .intermediate_size = 12,
+                                      .num_hidden_layers = 3, .num_attention_heads = 2, .num_key_value_heads = 1,
+                                      .max_position_embeddings = 8};
+
+// A layer without parameters that records whether its forward kept activations and
+// how often its backward ran.
+struct spy {
+  using input = Tensor<float>;
+  using output = Tensor<float>;
+  std::shared_ptr<std::vector<bool>> grad_at_forward = std::make_shared<std::vector<bool>>();
+  std::shared_ptr<int> backwards = std::make_shared<int>(0);
+  template <class V>
+  void parameters(V&&) {}
+  template <class Ctx>
+  output forward(Ctx& ctx, const input& x) {
+    grad_at_forward->push_back(nn::grad_enabled(ctx));
+    return x;
+  }
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    ++*backwards;
+    return dy;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("every library layer leaves a frozen parameter's gradient as it was, dx and the rest unchanged",
+          "[frozen][backward]") {
+  const auto x = filled({2, 3, 8}, 1);
+  check_skips("Linear", nn::Linear<float>(8, 5), x);
+  check_skips("LayerNorm", nn::LayerNorm<float>(8), x);
+  check_skips("RMSNorm", nn::RMSNorm<float>(8), x);
+  check_skips("MultiheadAttention", nn::MultiheadAttention<float>({.embed_dim = 8, .num_heads = 2, .batch_first = true}),
+              x);
+  check_skips("GPT2Attention", nn::GPT2Attention<float>({.n_embd = 8, .n_head = 2}), x);
+  check_skips("LlamaAttention",
+              nn::LlamaAttention<float>({.hidden_size = 8, .num_attention_heads = 2, .num_key_value_heads = 1}), x);
+  check_skips("LlamaMLP", nn::LlamaMLP<float>({.hidden_size = 8, .intermediate_size = 12}), x);
+  check_skips("PositionEmbedding", nn::PositionEmbedding<float>(5, 8), x);
+  check_skips("Embedding", nn::Embedding<float>(7, 8), token_ids({2, 3}, 7));
+  // the tied head (TiedLinear) with its embedding, and the decoders' frozen prefixes
+  check_skips("GPT-2", models::GPT2LMHeadModel<float>(tiny_gpt2), token_ids({2, 5}, tiny_gpt2.vocab_size));
+  check_skips("LLaMA", models::LlamaForCausalLM<float>(tiny_llama), token_ids({2, 5}, tiny_llama.vocab_size));
+}
+
+TEST_CASE("a Linear whose weight is frozen keeps x's shape and not x for backward", "[frozen][backward][memory]") {
+  for (bool frozen : {false, true}) {
+    INFO("weight frozen " << frozen);
+    ledger l;
+    ledger_scope scope(l);
+    nn::Linear<float> lin(64, 8);
+    nn::Replicated<float, nn::Linear<float>> owner(lin, 1);
+    lin.weight.requires_grad = !frozen;
+    nn::context ctx;
+    Tensor<float> y;
+    {
+      const Tensor<float> x = filled({4, 64}, 1);
+      y = lin.forward(ctx, x);
+    }
+    const std::size_t x_bytes = 4 * 64 * sizeof(float), y_bytes = 4 * 8 * sizeof(float);
+    CHECK(l.current(category::activations) == y_bytes + (frozen ? 0 : x_bytes));
+    const auto dx = lin.backward(ctx, filled(y.shape(), 2));
+    CHECK(dx.shape() == Shape{4, 64});
+    // a weight unfrozen between forward and backward has no x to make dW from
+    (void)lin.forward(ctx, filled({4, 64}, 1));
+    lin.weight.requires_grad = true;
+    if (frozen)
+      CHECK_THROWS_WITH(lin.backward(ctx, filled(y.shape(), 2)),
+                        Contains("Linear(64 -> 8): backward needs a forward that kept activations"));
+  }
+}
+
+TEST_CASE("a chain of token ids runs its frozen prefix without gradients and stops its backward there",
+          "[frozen][backward]") {
+  using Chain = nn::Sequential<nn::Embedding<float>, spy, nn::Linear<float>>;
+  const auto ids = token_ids({2, 3}, 7);
+  for (int frozen_children : {0, 1, 2}) {  // none; the embedding; the embedding and the head
+    INFO(frozen_children << " frozen children");
+    Chain chain(nn::Embedding<float>(7, 4), spy{}, nn::Linear<float>(4, 3));
+    nn::Replicated<float, Chain> owner(chain, 5);
+    chain.get<0>().weight.requires_grad = frozen_children < 1;
+    chain.get<2>().weight.requires_grad = chain.get<2>().bias.requires_grad = frozen_children < 2;
+    nn::context ctx;
+    for (int step = 0; step < 2; ++step) {
+      const auto y = chain.forward(ctx, ids);
+      (void)chain.backward(ctx, filled(y.shape(), 2));
+    }
+    const auto& seen = *chain.get<1>().grad_at_forward;
+    // the spy has no parameters: it needs a backward only for a trained embedding below it
+    CHECK(seen == std::vector<bool>(2, frozen_children == 0));
+    CHECK(*chain.get<1>().backwards == (frozen_children == 0 ? 2 : 0));
+  }
+  // A float chain may owe its caller dx: it runs every backward.
+  using FloatChain = nn::Sequential<spy, nn::Linear<float>>;
+  FloatChain chain(spy{}, nn::Linear<float>(4, 3));
+  nn::Replicated<float, FloatChain> owner(chain, 5);
+  nn::freeze(chain, {"*"});
+  nn::context ctx;
+  const auto y = chain.forward(ctx, filled({2, 4}, 1));
+  CHECK(chain.backward(ctx, filled(y.shape(), 2)).shape() == Shape{2, 4});
+  CHECK(*chain.get<0>().backwards == 1);
+}
+
+namespace {
+struct engine_run {
+  double gathered = 0;  // all-gather bytes rank 0 sent per step (ring model)
+  std::size_t block_numel = 0;  // h.0's unit, alignment gaps included
+  std::vector<float> params;
+  bool prefix_gathered_after_forward = true;  // ShardGradOp: h.0's unit still gathered after forward
+};
+
+engine_run train_gpt2(shard::AnyStrategy strategy, const std::vector<std::string>& frozen) {
+  const int world = 2, steps = 2;
+  std::vector<engine_run> runs(world);
+  comm::launch(world, [&](comm::ThreadComm& inner) {
+    auto tally = std::make_shared<bench::traffic>();
+    bench::counting_comm<comm::ThreadComm> c(inner, tally);
+    models::GPT2LMHeadModel<float> m(tiny_gpt2);
+    nn::freeze(m, frozen);
+    auto model = shard::fully_shard<optim::SGD>(m, c, strategy,
+                                                {.wrap = shard::wrap_types<models::GPT2Block<float>>{}, .seed = 3});
+    optim::SGD opt({.lr = 0.1, .momentum = 0.9});
+    auto& run = runs[std::size_t(c.rank())];
+    const auto ids = token_ids({2, 6}, tiny_gpt2.vocab_size);
+    Tensor<std::int64_t> targets(ids.shape());
+    for (std::int64_t i = 0; i < ids.numel(); ++i) targets[i] = (ids[i] + 1 + c.rank()) % tiny_gpt2.vocab_size;
+    tally->reset();
+    for (int s = 0; s < steps; ++s) {
+      model.zero_grad();
+      model.backward(nn::cross_entropy(model.forward(ids), targets).grad);
+      model.step(opt);
+    }
+    run.gathered = tally->all_gather / steps;
+    run.block_numel = model.units()[1].numel();  // units: the root, then h.0, h.1, h.2
+    (void)model.forward(ids);
+    run.prefix_gathered_after_forward = model.gather_finished(1);
+    model.zero_grad();
+    for (auto& [name, t] : model.full_state_dict(false)) run.params.insert(run.params.end(), t.span().begin(), t.span().end());
+  });
+  return runs[0];
+}
+}  // namespace
+
+// FullShard gathers every unit in forward and again in backward (prefetched one ahead):
+// frozen, h.0 is the prefix and is neither gathered nor prefetched in backward, where a
+// frozen h.1 (of the same size) is, since h.0 below it trains. Both train as NoShard does.
+TEST_CASE("the sharded engine skips a frozen prefix's backward: no gather, no prefetch, freed after forward",
+          "[frozen][backward][traffic]") {
+  const std::vector<std::string> prefix{"transformer.wte.*", "transformer.wpe.*", "transformer.h.0.*"},
+      middle{"transformer.wte.*", "transformer.wpe.*", "transformer.h.1.*"};
+  const auto full_prefix = train_gpt2(shard::FullShard{}, prefix), full_middle = train_gpt2(shard::FullShard{}, middle);
+  const double one_gather = double(shard::shard_layout{full_prefix.block_numel, 2}.padded_size()) * sizeof(float) / 2;
+  CHECK(full_middle.gathered - full_prefix.gathered == Approx(one_gather).epsilon(1e-12));
+  for (const auto& [frozen, run] : {std::pair{prefix, full_prefix}, std::pair{middle, full_middle}}) {
+    const auto want = train_gpt2(shard::NoShard{}, frozen);
+    test_support::max_error worst;
+    worst.relative(run.params, want.params, 0.1);
+    CHECK(worst <= 1e-5);  // float sums in another order
+  }
+  CHECK_FALSE(train_gpt2(shard::ShardGradOp{}, prefix).prefix_gathered_after_forward);
+  CHECK(train_gpt2(shard::ShardGradOp{}, middle).prefix_gathered_after_forward);  // h.0 trains: kept for backward
+}
+
+TEST_CASE("requires_grad changed after fully_shard is refused at the next forward, naming the parameter",
+          "[frozen][errors]") {
+  std::vector<std::string> errors(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    models::GPT2LMHeadModel<float> m(tiny_gpt2);
+    auto model = shard::fully_shard<optim::SGD>(m, c, shard::FullShard{},
+                                                {.wrap = shard::wrap_types<models::GPT2Block<float>>{}, .seed = 3});
+    m.transformer.h[1].mlp.c_fc.weight.requires_grad = false;
+    errors[std::size_t(c.rank())] = test_support::raised([&] { (void)model.forward(token_ids({1, 4}, 23)); });
+  });
+  for (int r = 0; r < 2; ++r)
+    CHECK(errors[std::size_t(r)] == cat("rank ", r, ": parameter 'transformer.h.1.mlp.c_fc.weight' has requires_grad ",
+                                        "false but was wrapped with true: set requires_grad (nn::freeze) before "
+                                        "fully_shard"));
+}
