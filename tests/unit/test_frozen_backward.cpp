@@ -25,6 +25,8 @@
 #include "shardlib/nn/rms_norm.hpp"
 #include "shardlib/nn/sequential.hpp"
 #include "shardlib/optim/sgd.hpp"
+#include "shardlib/plan/describe.hpp"
+#include "shardlib/plan/memory_plan.hpp"
 #include "shardlib/shard/sharded_model.hpp"
 #include "support/compare.hpp"
 #include "support/raised.hpp"
@@ -259,6 +261,8 @@ TEST_CASE("a chain of token ids runs its frozen prefix without gradients and sto
 namespace {
 struct engine_run {
   double gathered = 0;  // all-gather bytes rank 0 sent per step (ring model)
+  std::size_t gathered_peak = 0;  // rank 0's ledger: gathered parameters
+  plan::rank_plan plan;           // the planner's, which ignores the flags
   std::size_t block_numel = 0;  // h.0's unit, alignment gaps included
   std::vector<float> params;
   bool prefix_gathered_after_forward = true;  // ShardGradOp: h.0's unit still gathered after forward
@@ -267,7 +271,7 @@ struct engine_run {
 engine_run train_gpt2(shard::AnyStrategy strategy, const std::vector<std::string>& frozen) {
   const int world = 2, steps = 2;
   std::vector<engine_run> runs(world);
-  comm::launch(world, [&](comm::ThreadComm& inner) {
+  comm::launch(world, [&](comm::ThreadComm& inner, ledger& l) {
     auto tally = std::make_shared<bench::traffic>();
     bench::counting_comm<comm::ThreadComm> c(inner, tally);
     models::GPT2LMHeadModel<float> m(tiny_gpt2);
@@ -286,6 +290,9 @@ engine_run train_gpt2(shard::AnyStrategy strategy, const std::vector<std::string
       model.step(opt);
     }
     run.gathered = tally->all_gather / steps;
+    run.gathered_peak = l.peak(category::gathered_parameters);
+    run.plan = plan::make_plan(plan::describe(model),
+                               {.policy = strategy.policy(), .world = world, .optimizer_bytes = plan::sgd_momentum_state_bytes});
     run.block_numel = model.units()[1].numel();  // units: the root, then h.0, h.1, h.2
     (void)model.forward(ids);
     run.prefix_gathered_after_forward = model.gather_finished(1);
@@ -312,8 +319,15 @@ TEST_CASE("the sharded engine skips a frozen prefix's backward: no gather, no pr
     worst.relative(run.params, want.params, 0.1);
     CHECK(worst <= 1e-5);  // float sums in another order
   }
-  CHECK_FALSE(train_gpt2(shard::ShardGradOp{}, prefix).prefix_gathered_after_forward);
-  CHECK(train_gpt2(shard::ShardGradOp{}, middle).prefix_gathered_after_forward);  // h.0 trains: kept for backward
+  const auto zero2_prefix = train_gpt2(shard::ShardGradOp{}, prefix), zero2_middle = train_gpt2(shard::ShardGradOp{}, middle);
+  CHECK_FALSE(zero2_prefix.prefix_gathered_after_forward);
+  CHECK(zero2_middle.prefix_gathered_after_forward);  // h.0 trains: kept for backward
+  // The planner does not read the flags (docs/planner.md): what a frozen prefix saves is
+  // below its plan, the rest is the plan.
+  CHECK(full_prefix.gathered < full_prefix.plan.sent.all_gather);
+  CHECK(full_middle.gathered == Approx(full_middle.plan.sent.all_gather).epsilon(1e-12));
+  CHECK(zero2_prefix.gathered_peak < zero2_prefix.plan.memory.gathered_parameters);
+  CHECK(zero2_middle.gathered_peak == zero2_middle.plan.memory.gathered_parameters);
 }
 
 TEST_CASE("requires_grad changed after fully_shard is refused at the next forward, naming the parameter",
