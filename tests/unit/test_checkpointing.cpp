@@ -272,7 +272,8 @@ TEST_CASE("a backward after a forward with gradients disabled raises, naming the
     const auto y = linear.forward(ctx, x);
     CHECK_THROWS_WITH(linear.backward(ctx, y),
                       "Linear(4 -> 3): backward needs a forward that kept activations: the last forward ran with "
-                      "gradients disabled (eval mode, or a checkpointed layer's first pass) or its backward already ran");
+                      "gradients disabled (eval mode, no_grad, a frozen prefix or a checkpointed layer's first pass) or "
+                      "its backward already ran");
   }
   check_refuses(nn::Linear<float>(4, 3), x, "Linear(4 -> 3)");
   check_refuses(nn::LayerNorm<float>(4), x, "LayerNorm(4)");

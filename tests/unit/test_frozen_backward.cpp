@@ -3,9 +3,11 @@
 // (a sentinel written there survives) while dx and the other gradients keep their
 // bits; a Linear whose weight is frozen keeps no input for backward; and a chain whose
 // input is token ids (Sequential, GPT-2, LLaMA) runs its frozen prefix without
-// gradients and stops its backward there: nothing is left cached, the sharded engine
+// gradients and stops its backward there (a counting context says which children ran;
+// the trained gradients keep their bits): nothing is left cached, the sharded engine
 // neither gathers nor prefetches those units in backward (counted bytes) and frees
-// them after forward under ShardGradOp; a flag changed after wrapping is refused.
+// them after forward under ShardGradOp, below the plan; a flag changed after wrapping
+// is refused, on one rank alone too.
 #include "../../benchmarks/counting_comm.hpp"  // bytes sent per rank, ring model
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/core/ledger.hpp"
@@ -36,11 +38,13 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <typeindex>
 #include <vector>
 
 using namespace shardlib;
@@ -223,8 +227,101 @@ TEST_CASE("a Linear whose weight is frozen keeps x's shape and not x for backwar
     lin.weight.requires_grad = true;
     if (frozen)
       CHECK_THROWS_WITH(lin.backward(ctx, filled(y.shape(), 2)),
-                        Contains("Linear(64 -> 8): backward needs a forward that kept activations"));
+                        "Linear(64 -> 8): its weight was frozen at forward, which kept no input for a weight "
+                        "gradient; set requires_grad before the forward");
   }
+}
+
+namespace {
+// The plain context, counting each child's backward by address and type (a first member
+// shares its parent's address); it passes itself down, so nested calls come back here.
+struct counting_context : nn::context {
+  std::map<std::pair<const void*, std::type_index>, int> backwards;
+  template <class L, class X>
+  auto forward(L& layer, const X& x) {
+    return layer.forward(*this, x);
+  }
+  template <class L, class DY>
+  auto backward(L& layer, const DY& dy) {
+    ++backwards[{&layer, typeid(L)}];
+    return layer.backward(*this, dy);
+  }
+};
+
+// One step of a decoder with `frozen` (globs) frozen, their gradients starting as the
+// sentinel: every gradient's bits, and whether the embedding and each block ran backward.
+template <class M>
+std::pair<std::vector<std::vector<std::uint32_t>>, std::vector<int>> decoder_step(
+    const typename M::config_type& config, const std::vector<std::string>& frozen) {
+  M m(config);
+  if (!frozen.empty()) nn::freeze(m, frozen);
+  nn::Replicated<float, M> owner(m, 11);
+  m.parameters([&](std::string_view, auto& p) {
+    if (!p.requires_grad) std::ranges::fill(p.grads(), std::bit_cast<float>(sentinel));
+  });
+  counting_context ctx;
+  const auto y = ctx.forward(m, token_ids({2, 5}, config.vocab_size));
+  (void)ctx.backward(m, filled(y.shape(), 2));
+  std::vector<std::vector<std::uint32_t>> grads;
+  m.parameters([&](std::string_view, auto& p) { grads.push_back(bits(std::span<const float>(p.grads()))); });
+  std::vector<int> ran;
+  const auto count = [&](const auto& child) { ran.push_back(ctx.backwards[{&child, typeid(child)}]); };
+  if constexpr (requires { m.transformer; }) {
+    count(m.transformer.wte);
+    for (const auto& block : m.transformer.h) count(block);
+    count(m.transformer.ln_f);
+  } else {
+    count(m.model.embed_tokens);
+    for (const auto& layer : m.model.layers) count(layer);
+    count(m.model.norm);
+  }
+  return {grads, ran};
+}
+
+// Frozen sets and which children then run backward (embedding, blocks 0..2, final norm).
+template <class M>
+void check_prefixes(const typename M::config_type& config, const std::vector<std::string>& embedding,
+                    const std::string& blocks, const std::string& norm, const std::vector<std::string>& head) {
+  const auto [all_grads, all_ran] = decoder_step<M>(config, {});
+  CHECK(all_ran == std::vector<int>{1, 1, 1, 1, 1});
+  const auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const std::string b0 = blocks + ".0.*", b1 = blocks + ".1.*", b2 = blocks + ".2.*";
+  const auto everything_but_norm = with(with(embedding, {b0, b1, b2}), head);
+  const std::pair<std::vector<std::string>, std::vector<int>> cases[] = {
+      {embedding, {0, 1, 1, 1, 1}},  // the embedding: block 0 still runs (its parameters train)
+      {with(embedding, {b0, b1}), {0, 0, 0, 1, 1}},
+      {{b0, b1}, {1, 1, 1, 1, 1}},              // the embedding trains: everything runs
+      {with(embedding, {b1}), {0, 1, 1, 1, 1}},  // block 0 trains: block 1 passes dx down
+      {everything_but_norm, {0, 0, 0, 0, 1}},
+      {with(everything_but_norm, {norm + ".*"}), {0, 0, 0, 0, 0}},  // nothing trains: the head returns at once
+  };
+  for (const auto& [frozen, want_ran] : cases) {
+    INFO("frozen: " << frozen.front() << " and " << frozen.size() - 1 << " more");
+    const auto [grads, ran] = decoder_step<M>(config, frozen);
+    CHECK(ran == want_ran);
+    M probe(config);
+    nn::freeze(probe, frozen);
+    std::size_t i = 0;
+    probe.parameters([&](std::string_view name, auto& p) {
+      INFO("gradient of " << name);
+      if (!p.requires_grad) CHECK(grads[i] == std::vector<std::uint32_t>(grads[i].size(), sentinel));
+      else CHECK(grads[i] == all_grads[i]);
+      ++i;
+    });
+  }
+}
+}  // namespace
+
+TEST_CASE("GPT-2 and LLaMA run backward from the top down to their lowest trained parameter, no further",
+          "[frozen][backward]") {
+  // GPT-2's head is its embedding (tied); LLaMA's is a weight of its own
+  check_prefixes<models::GPT2LMHeadModel<float>>(tiny_gpt2, {"transformer.wte.*", "transformer.wpe.*"},
+                                                 "transformer.h", "transformer.ln_f", {});
+  check_prefixes<models::LlamaForCausalLM<float>>(tiny_llama, {"model.embed_tokens.*"}, "model.layers", "model.norm",
+                                                  {"lm_head.*"});
 }
 
 TEST_CASE("a chain of token ids runs its frozen prefix without gradients and stops its backward there",
@@ -344,4 +441,17 @@ TEST_CASE("requires_grad changed after fully_shard is refused at the next forwar
     CHECK(errors[std::size_t(r)] == cat("rank ", r, ": parameter 'transformer.h.1.mlp.c_fc.weight' has requires_grad ",
                                         "false but was wrapped with true: set requires_grad (nn::freeze) before "
                                         "fully_shard"));
+  // One rank alone, between forward and backward: it raises, and the other, waiting in a
+  // collective, is woken (comm_aborted) rather than left to hang.
+  CHECK_THROWS_WITH(comm::launch(2, [&](comm::ThreadComm& c) {
+                      models::GPT2LMHeadModel<float> m(tiny_gpt2);
+                      auto model = shard::fully_shard<optim::SGD>(
+                          m, c, shard::FullShard{}, {.wrap = shard::wrap_types<models::GPT2Block<float>>{}, .seed = 3});
+                      const auto ids = token_ids({1, 4}, 23);
+                      const auto logits = model.forward(ids);
+                      if (c.rank() == 1) m.transformer.h[2].attn.c_attn.bias.requires_grad = false;
+                      model.backward(nn::cross_entropy(logits, ids).grad);
+                    }),
+                    "rank 1 of 2 failed: rank 1: parameter 'transformer.h.2.attn.c_attn.bias' has requires_grad false "
+                    "but was wrapped with true: set requires_grad (nn::freeze) before fully_shard");
 }

@@ -17,7 +17,6 @@
 #include "shardlib/nn/transformer.hpp"  // nn::detail::residual
 
 #include <cmath>    // std::sqrt
-#include <cstddef>  // std::size_t
 #include <cstdint>  // std::int64_t
 #include <string>   // std::to_string
 #include <vector>   // std::vector
@@ -159,7 +158,6 @@ class GPT2Model {
   output forward(Ctx& ctx, const input& ids) {
     require<shape_error>(ids.rank() == 2, "GPT2Model: input_ids must be [batch, seq], got ", ids.shape());
     wpe.set_offset(h.front().attn.kv_cache_length());
-    // children in order: wte 0, wpe 1, drop 2, h.i 3 + i, ln_f
     prefix_.begin();
     output x = prefix_.forward(ctx, drop, prefix_.forward(ctx, wpe, prefix_.forward(ctx, wte, ids)));
     for (auto& block : h) x = prefix_.forward(ctx, block, x);
@@ -168,16 +166,18 @@ class GPT2Model {
   // Stops below the lowest trained parameter (nn::frozen_prefix).
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    if (!prefix_.runs_backward(3 + h.size())) return {};
+    if (!prefix_.runs_backward(ln_f)) return {};
     output g = ctx.backward(ln_f, dy);
-    for (std::size_t i = h.size(); i-- > 0;) {
-      if (!prefix_.runs_backward(3 + i)) return {};
-      g = ctx.backward(h[i], g);
+    for (auto it = h.rbegin(); it != h.rend(); ++it) {
+      if (!prefix_.runs_backward(*it)) return {};
+      g = ctx.backward(*it, g);
     }
-    if (prefix_.runs_backward(2)) g = ctx.backward(drop, g);
-    if (prefix_.runs_backward(1)) g = ctx.backward(wpe, g);
-    if (prefix_.runs_backward(0)) ctx.backward(wte, g);
-    return {};
+    if (!prefix_.runs_backward(drop)) return {};
+    g = ctx.backward(drop, g);
+    if (!prefix_.runs_backward(wpe)) return {};
+    g = ctx.backward(wpe, g);
+    if (!prefix_.runs_backward(wte)) return {};
+    return ctx.backward(wte, g);
   }
 
   void enable_kv_cache(std::int64_t max_seq) {

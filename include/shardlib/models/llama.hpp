@@ -14,7 +14,6 @@
 #include "shardlib/nn/rms_norm.hpp"
 #include "shardlib/nn/transformer.hpp"  // nn::detail::residual
 
-#include <cstddef>  // std::size_t
 #include <cstdint>  // std::int64_t
 #include <string>   // std::to_string
 #include <vector>   // std::vector
@@ -159,7 +158,6 @@ class LlamaModel {
                            cached + ids.shape()[1] - 1, " (", cached, " cached, sequence ", ids.shape()[1],
                            ") exceed max_position_embeddings ", max_position_embeddings_);
     }
-    // children in order: embed_tokens 0, layers.i 1 + i, norm
     prefix_.begin();
     output x = prefix_.forward(ctx, embed_tokens, ids);
     for (auto& layer : layers) x = prefix_.forward(ctx, layer, x);
@@ -168,14 +166,14 @@ class LlamaModel {
   // Stops below the lowest trained parameter (nn::frozen_prefix).
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
-    if (!prefix_.runs_backward(1 + layers.size())) return {};
+    if (!prefix_.runs_backward(norm)) return {};
     output g = ctx.backward(norm, dy);
-    for (std::size_t i = layers.size(); i-- > 0;) {
-      if (!prefix_.runs_backward(1 + i)) return {};
-      g = ctx.backward(layers[i], g);
+    for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+      if (!prefix_.runs_backward(*it)) return {};
+      g = ctx.backward(*it, g);
     }
-    if (prefix_.runs_backward(0)) ctx.backward(embed_tokens, g);
-    return {};
+    if (!prefix_.runs_backward(embed_tokens)) return {};
+    return ctx.backward(embed_tokens, g);
   }
 
   // RoPE's positions continue after the cached ones inside each attention layer.

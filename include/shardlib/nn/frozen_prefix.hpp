@@ -5,8 +5,9 @@
 #include "shardlib/nn/freeze.hpp"     // trains
 #include "shardlib/nn/grad_mode.hpp"  // without_grad
 
-#include <cstddef>      // std::size_t
+#include <algorithm>    // std::ranges::find
 #include <type_traits>  // std::is_integral_v
+#include <vector>       // std::vector
 
 namespace shardlib::nn {
 
@@ -18,24 +19,27 @@ namespace shardlib::nn {
 // activations, and a sharding engine frees their units at once.
 //
 // The chain calls forward(ctx, child, x) for each child in order after begin(), and in
-// backward runs child i (its forward order) only while runs_backward(i).
+// backward runs a child only while runs_backward(child).
 class frozen_prefix {
  public:
   void begin() {
-    frozen_ = 0;
+    frozen_.clear();
     open_ = true;
   }
   template <class Ctx, class L, class X>
   auto forward(Ctx& ctx, L& child, const X& x) {
     if (open_ && trains(child)) open_ = false;
     if (!open_) return ctx.forward(child, x);
-    ++frozen_;
+    frozen_.push_back(&child);
     return without_grad(ctx, [&] { return ctx.forward(child, x); });
   }
-  bool runs_backward(std::size_t i) const { return i >= frozen_; }
+  template <class L>
+  bool runs_backward(const L& child) const {
+    return std::ranges::find(frozen_, static_cast<const void*>(&child)) == frozen_.end();
+  }
 
  private:
-  std::size_t frozen_ = 0;
+  std::vector<const void*> frozen_;  // the children run without gradients, in order
   bool open_ = true;
 };
 

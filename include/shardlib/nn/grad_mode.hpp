@@ -8,11 +8,11 @@
 
 namespace shardlib::nn {
 
-// A context that knows answers grad_enabled() (the sharded context says false in
-// eval mode, where backward raises, and inside a checkpointed layer's first
-// forward); any other context may be followed by a backward. Layers call this
-// rather than ctx.grad_enabled(), so the Layer concept's context_archetype need
-// not offer it.
+// A context that knows answers grad_enabled(): the plain and the sharded context say
+// false inside their no_grad(f) (a frozen prefix, generate()), the sharded one also in
+// eval mode, where backward raises, and inside a checkpointed layer's first forward;
+// any other context may be followed by a backward. Layers call this rather than
+// ctx.grad_enabled(), so the Layer concept's context_archetype need not offer it.
 template <class Ctx>
 bool grad_enabled(const Ctx& ctx) {
   if constexpr (requires { { ctx.grad_enabled() } -> std::convertible_to<bool>; }) return ctx.grad_enabled();
@@ -34,8 +34,8 @@ decltype(auto) without_grad(Ctx& ctx, F&& f) {
 template <class... Parts>
 void require_activations(bool cached, const Parts&... layer) {
   require<shape_error>(cached, layer..., ": backward needs a forward that kept activations: the last forward ran ",
-                       "with gradients disabled (eval mode, or a checkpointed layer's first pass) or its backward ",
-                       "already ran");
+                       "with gradients disabled (eval mode, no_grad, a frozen prefix or a checkpointed layer's first ",
+                       "pass) or its backward already ran");
 }
 
 }  // namespace shardlib::nn

@@ -2,6 +2,7 @@
 // input x for backward.
 #pragma once
 #include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"
 #include "shardlib/core/shape.hpp"
 #include "shardlib/nn/grad_mode.hpp"
 
@@ -31,7 +32,9 @@ class saved_input {
   // weight unfrozen between forward and backward has nothing to make dW from).
   template <class... Layer>
   void require(bool values, const Layer&... layer) const {
-    require_activations(kept_ && (with_values_ || !values), layer...);
+    require_activations(kept_, layer...);
+    shardlib::require<shape_error>(with_values_ || !values, layer..., ": its weight was frozen at forward, which ",
+                                   "kept no input for a weight gradient; set requires_grad before the forward");
   }
 
   const Shape& shape() const { return shape_; }

@@ -76,7 +76,7 @@ class Sequential {
   }
   template <std::size_t I, class Ctx, class DY>
   input backward_from(Ctx& ctx, const DY& dy) {
-    if (!prefix_.runs_backward(I)) return input{};
+    if (!prefix_.runs_backward(std::get<I>(layers_))) return input{};
     auto dx = ctx.backward(std::get<I>(layers_), dy);
     if constexpr (I == 0) return dx;
     else return backward_from<I - 1>(ctx, dx);

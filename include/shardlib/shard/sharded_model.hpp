@@ -162,7 +162,7 @@ class ShardedModel {
     forward_draws_ = ctx_.draws();
     try {
       auto y = ctx_.forward(*model_, x);
-      forwarded_ = true;
+      forwarded_ = !ctx_.in_no_grad();  // a forward inside context().no_grad(f) has no backward
       return y;
     } catch (...) {
       drain();  // nothing left gathered or in flight: the next forward gathers afresh
@@ -575,11 +575,7 @@ class ShardedModel {
 
   void pre_forward(unit_type& u) {
     const int i = index_of(u);
-    if (const int k = u.changed_flag(); k >= 0)
-      throw error(cat("rank ", comm_->rank(), ": parameter '", u.layout.entries[std::size_t(k)].name,
-                      "' has requires_grad ", u.params[std::size_t(k)]->requires_grad ? "true" : "false",
-                      " but was wrapped with ", u.layout.entries[std::size_t(k)].requires_grad ? "true" : "false",
-                      ": set requires_grad (nn::freeze) before fully_shard"));
+    check_flags(u);
     u.no_backward = ctx_.in_no_grad();
     gathers_.record(i);
     if (policy_.shard_parameters) {
@@ -600,6 +596,7 @@ class ShardedModel {
     if (root && ctx_.evaluating()) release_full_params();  // a prefetched unit that did not run
   }
   void pre_backward(unit_type& u) {
+    check_flags(u);
     if (policy_.shard_parameters) {
       gather(u, true);
       gathers_.for_each_ahead(index_of(u), -1, [&](int k) {
@@ -840,6 +837,17 @@ class ShardedModel {
         if (u.where == state::gathering) gathers_.complete(u);
         if (u.where == state::gathered) gathers_.free(u);
       }
+  }
+
+  // Layers read requires_grad as they run, the engine the flags it was wrapped with
+  // (its layouts): a flag changed since would have them disagree on that parameter.
+  void check_flags(const unit_type& u) const {
+    const int k = u.changed_flag();
+    if (k < 0) return;
+    const auto& e = u.layout.entries[std::size_t(k)];
+    throw error(cat("rank ", comm_->rank(), ": parameter '", e.name, "' has requires_grad ",
+                    e.requires_grad ? "false" : "true", " but was wrapped with ", e.requires_grad ? "true" : "false",
+                    ": set requires_grad (nn::freeze) before fully_shard"));
   }
 
   // --- gradients -------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ struct unit {
   // in `offload` (16-bit compute with options.offload).
   std::optional<ShardedTensor<T, Space>> master;
   // Reduced gradients, the same partition as the master; none (numel 0) in a unit of
-  // frozen parameters, unless its layers write there (replicated fp32 layers).
+  // frozen parameters, unless its layers' gradients are bound there (replicated fp32 layers).
   std::optional<ShardedTensor<T, Space>> grad;
   Buffer<C, Space> compute_shard;               // 16-bit compute: the master rounded to C
   std::optional<State> optimizer_state;         // made on the first step (in `offload`'s space when offloaded)
