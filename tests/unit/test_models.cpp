@@ -3,6 +3,7 @@
 // transformers: same logits, same losses over 20 AdamW steps, unsharded and
 // sharded), save -> load round trips, generation with and without the KV cache.
 #include <shardlib/comm/launch.hpp>
+#include <shardlib/core/ledger.hpp>
 #include <shardlib/io/safetensors.hpp>
 #include <shardlib/models/gpt2.hpp>
 #include <shardlib/models/hf.hpp>
@@ -328,6 +329,15 @@ TEMPLATE_TEST_CASE("generation with the KV cache equals generation by full forwa
       INFO("row " << n << ", position " << t);
       CHECK(shorter[n * 11 + t] == a[n * 17 + t]);
     }
+
+  // Its forwards run without gradients: once it returns, the layers keep nothing (only
+  // the tokens it returned are left in the ledger), with the cache and without.
+  for (bool use_cache : {true, false}) {
+    ledger l;
+    ledger_scope scope(l);
+    const auto out = models::generate(model, prompt, {.max_new_tokens = 3, .use_cache = use_cache});
+    CHECK(l.current(category::activations) == std::size_t(out.numel()) * sizeof(std::int64_t));
+  }
 
   // Too long a request is refused; the cache is off again afterwards, so training forwards work.
   CHECK_THROWS_WITH(models::generate(model, prompt, {.max_new_tokens = 28}),
