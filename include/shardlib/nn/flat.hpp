@@ -46,6 +46,12 @@ struct flat_layout {
     numel += entries.back().numel();
     return entries.back();
   }
+  // Every parameter is frozen (requires_grad = false), and there are some.
+  bool all_frozen() const {
+    for (const auto& e : entries)
+      if (e.requires_grad) return false;
+    return !entries.empty();
+  }
 };
 
 // A Param the layer lists under several names (a tied weight, nn/tied_linear.hpp)

@@ -79,9 +79,7 @@ inline std::size_t trained_size(std::span<const segment> runs) {
 template <class Layout>
 std::vector<segment> cut_frozen(const std::vector<segment>& runs, const Layout& layout, std::size_t first,
                                 std::size_t n) {
-  bool all_frozen = !layout.entries.empty();
-  for (const auto& e : layout.entries) all_frozen = all_frozen && !e.requires_grad;
-  if (all_frozen) return {{0, n, segment::frozen}};
+  if (layout.all_frozen()) return {{0, n, segment::frozen}};
   std::vector<std::pair<std::size_t, std::size_t>> frozen;  // [lo, hi) from first, by offset
   for (const auto& e : layout.entries) {
     const std::size_t lo = std::max(first, std::size_t(e.offset));

@@ -76,11 +76,7 @@ struct unit {
 
   std::size_t numel() const { return layout.numel; }
   // Every parameter it owns is frozen (requires_grad = false), and it owns some.
-  bool frozen() const {
-    for (const auto& e : layout.entries)
-      if (e.requires_grad) return false;
-    return !layout.entries.empty();
-  }
+  bool frozen() const { return layout.all_frozen(); }
 
   // The first parameter whose requires_grad differs from the layout's (set after the
   // engine read it), or -1.
