@@ -16,6 +16,7 @@
 #include "shardlib/shard/checkpointing.hpp"
 #include "shardlib/shard/discover.hpp"
 #include "shardlib/shard/gather.hpp"
+#include "shardlib/shard/loss_scale_state.hpp"
 #include "shardlib/shard/options.hpp"
 #include "shardlib/shard/precision.hpp"
 #include "shardlib/shard/reduce.hpp"
@@ -49,6 +50,7 @@ namespace shardlib::shard {
 //   gather, free, prefetch          shard/gather.hpp (gather_schedule)
 //   gradient reduction              shard/reduce.hpp (gradient_reducer)
 //   a step's loss and outcome read  shard/step_readout.hpp
+//   fp16 loss scaling's state       shard/loss_scale_state.hpp
 //   optimizer state, groups, checks shard/unit_optimizer.hpp
 //   model agreement across ranks    shard/structure_check.hpp
 //   the step's order, offload, clipping, loss scaling, state access
@@ -114,7 +116,7 @@ class ShardedModel {
     check_options();
     if (opts_.precision.param == dtype::f16 || opts_.precision.reduce == dtype::f16) {
       with_rank([&] { check_scaler(opts_.scaler); });
-      scaler_ = opts_.scaler;
+      scaler_ = loss_scale_state<space>(opts_.scaler, comm.rank());
     }
     make_groups();
     if (opts_.offload) offload_.emplace();
@@ -354,11 +356,11 @@ class ShardedModel {
     require(sync_, "rank ", comm_->rank(), ": train_step under set_sync(false) (no_sync): its backward would not "
             "reduce the gradients across ranks, and it runs one whole step; call it with sync on");
     const bool on_space = (scaler_ || so.max_norm > 0) && decides_on_space<O>();
-    const double* loss_scale = on_space && scaler_ ? space_scaler().data() + scale_slot : nullptr;
+    const double* loss_scale = on_space && scaler_ ? scaler_.in_space().data() + scale_slot : nullptr;
     zero_grad();
     auto out = forward(x);
     auto l = loss_fn(out, y);
-    if (scaler_) scale_loss_gradient(l.grad.span(), loss_scale);
+    if (scaler_) scaler_.scale_loss_gradient(l.grad.span(), loss_scale);
     reducer_.set_op(so.reduction == grad_reduction::sum ? comm::reduce_op::sum : comm::reduce_op::avg);
     try {
       backward(l.grad);
@@ -375,7 +377,7 @@ class ShardedModel {
       for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad->local()), shared.data() + 1);
     if (global) ops::all_reduce_in_place(*comm_, std::span<float>(shared.data(), 2), comm::reduce_op::sum);
     if (scaler_)  // also after an overflow, so that the norm reported is the unscaled one (inf or NaN)
-      for (auto& u : units_) scale_by_loss_scale(u.grad->local(), loss_scale, true);
+      for (auto& u : units_) scaler_.scale(u.grad->local(), loss_scale, true);
     std::optional<typename ops::template scalars<double>> norm_squared;
     if (so.max_norm > 0) norm_squared.emplace(grad_norm_squared());
     if constexpr (!std::is_same_v<space, host_space>)
@@ -413,23 +415,13 @@ class ShardedModel {
     }
     if (r.skipped) ++step_;  // parameters and optimizer state stay as they were
     else apply_step(opt);
-    if (scaler_) with_rank([&] { scaler_->update(overflow); });  // raises on every rank alike: the flag is shared
+    if (scaler_) with_rank([&] { scaler_.host().update(overflow); });  // raises on every rank alike: the flag is shared
     return r;
   }
   // The fp16 loss scaler (empty without fp16), as of the steps issued so far: a copy, which
   // later steps do not change. When train_step decides on a device, its changing fields
   // live there and reading them waits for those steps (on their stream).
-  std::optional<loss_scaler> scaler() const {
-    if (scaler_ && scaler_slots_) {
-      double slots[scaler_slots];
-      scaler_issued_.run([&] {
-        ops::issue_to_host(std::span<const double>(scaler_slots_->data(), scaler_slots), std::span<double>(slots));
-        ops::wait_for_reads();
-      });
-      scaler_ = scaler_from_slots(*scaler_, slots);
-    }
-    return scaler_;
-  }
+  std::optional<loss_scaler> scaler() const { return scaler_.read(); }
 
   // The full parameters under their unsharded names, in the model's parameter
   // order — on rank 0 only (others return an empty list) or on every rank. A
@@ -542,16 +534,9 @@ class ShardedModel {
   // Resuming: the step counter (dropout streams depend on it) and the fp16 loss scaler.
   void set_steps(std::uint64_t steps) { step_ = steps; }
   void set_scaler(const loss_scaler& s) {
-    require(scaler_.has_value(), "rank ", comm_->rank(), ": set_scaler on a model without fp16 loss scaling");
+    require(bool(scaler_), "rank ", comm_->rank(), ": set_scaler on a model without fp16 loss scaling");
     with_rank([&] { check_scaler(s); });
-    *scaler_ = s;
-    if (scaler_slots_) {
-      double slots[scaler_slots];
-      scaler_to_slots(s, slots);
-      scaler_issued_.run([&] {
-        ops::from_host(std::span<const double>(slots), std::span<double>(scaler_slots_->data(), scaler_slots));
-      });
-    }
+    scaler_.set(s);
   }
 
   // --- introspection (tests and tracing); these poll and never block --------------------------
@@ -923,28 +908,6 @@ class ShardedModel {
     return sum;
   }
 
-  // The loss gradient times the fp16 loss scale (in fp32 when the layers compute in 16 bits).
-  void scale_loss_gradient(std::span<C> g, const double* scale_in_space) {
-    if constexpr (compute16) {
-      Buffer<float, space> wide(g.size(), category::activations);
-      ops::widen_add(std::span<const C>(g), wide.span(), true);
-      scale_by_loss_scale(wide.span(), scale_in_space, false);
-      ops::narrow(std::span<const float>(wide.span()), g);
-    } else {
-      scale_by_loss_scale(g, scale_in_space, false);
-    }
-  }
-  // x times the loss scale (or 1 / it): the host's, or the one in the model's space.
-  template <class E>
-  void scale_by_loss_scale(std::span<E> x, const double* scale_in_space, bool reciprocal) {
-    if constexpr (std::is_same_v<E, float>) {
-      if (scale_in_space) return ops::scale_by(x, scale_in_space, reciprocal);
-    } else {
-      require(!scale_in_space, "rank ", comm_->rank(), ": fp16 loss scaling in the model's space needs float values");
-    }
-    ops::scale(x, reciprocal ? 1.f / scaler_->scale : scaler_->scale);
-  }
-
   // Whether train_step's skip decision is made where the model's values are: a device
   // model, an optimizer whose step a flag there can cancel, and no offload (whose
   // optimizer steps on the host).
@@ -954,18 +917,6 @@ class ShardedModel {
       return false;
     else return !offload_;
   }
-  // The loss scaler's changing fields in the model's space (made from the host's at first use).
-  typename ops::template scalars<double>& space_scaler() {
-    scaler_issued_ = ops::issued_here();  // where train_step issues its work: scaler() reads there
-    if (!scaler_slots_) {
-      scaler_slots_.emplace(ops::template make_scalars<double>(scaler_slots));
-      double slots[scaler_slots];
-      scaler_to_slots(*scaler_, slots);
-      ops::from_host(std::span<const double>(slots), std::span<double>(scaler_slots_->data(), scaler_slots));
-    }
-    return *scaler_slots_;
-  }
-
   // What the rest of train_step does when the space decides (train_step's comment):
   // the decision, clipping by its coefficient, the optimizer's step cancelled by its
   // flag, and a result read when the caller reads it.
@@ -974,9 +925,9 @@ class ShardedModel {
                                             const step_options& so) {
     auto outcome = std::make_shared<typename ops::template scalars<double>>(
         ops::template make_scalars<double>(outcome_slots));
-    const step_rule rule{so.max_norm, scaler_.has_value(), scaler_ ? *scaler_ : loss_scaler{}};
+    const step_rule rule{so.max_norm, bool(scaler_), scaler_ ? scaler_.host() : loss_scaler{}};
     ops::decide_step(rule, shared.data(), norm_squared ? norm_squared->data() : nullptr,
-                     scaler_ ? space_scaler().data() : nullptr, outcome->data());
+                     scaler_ ? scaler_.in_space().data() : nullptr, outcome->data());
     if (so.max_norm > 0)
       for (auto& u : units_) ops::scale_by(u.grad->local(), outcome->data() + coefficient_slot, false);
     apply_step(opt, optim::skip_flag{outcome->data() + skip_slot});
@@ -1000,9 +951,7 @@ class ShardedModel {
   std::uint64_t forward_draws_ = 0;  // random streams drawn before the last forward: a pass that raises rewinds
   std::optional<std::uint64_t> stepped_;  // the step the context's random streams count from
   bool forwarded_ = false;  // a forward completed since the last backward
-  mutable std::optional<loss_scaler> scaler_;  // scaler() refreshes it from scaler_slots_
-  std::optional<typename ops::template scalars<double>> scaler_slots_;  // when the space decides (space_scaler())
-  typename ops::issue_point scaler_issued_{};  // where the steps that use scaler_slots_ are issued
+  loss_scale_state<space> scaler_{std::nullopt, 0};  // fp16 loss scaling (empty without)
   unit_optimizer<unit_type, Optimizer, T, C> steps_;
   std::optional<typename space_ops<space>::offload_channel> offload_;  // options.offload
   std::uint64_t step_ = 0;
