@@ -6,9 +6,11 @@
 //       and bf16 mixed precision, DDP / ZeRO-1 / ZeRO-2 / FSDP, with the arithmetic to check
 //   shardlib-plan --params 6e9 --layers 28 --hidden 4096 --heads 16 --seq 2048 --batch 1 [common flags]
 //       a coarse transformer: blocks of 12·hidden² parameters, the rest in the root
-//   shardlib-plan --model gpt2-124m|gpt2-350m|llama-7b|llama-70b [--seq 2048] [--batch 1] [common flags]
+//   shardlib-plan --model gpt2-124m|gpt2-350m|llama-7b|llama-70b [--seq 2048] [--batch 1]
+//                 [--frozen-layers 16] [common flags]
 //       a published decoder's architecture, its parameters counted tensor by tensor, each
-//       block a unit; --seq defaults to the context it was trained with
+//       block a unit; --seq defaults to the context it was trained with; --frozen-layers N
+//       plans a fine-tune with the embeddings and the lower N blocks frozen
 //   shardlib-plan --encoder --layers 4 --d-model 256 --heads 4 --ff 1024 --classes 10 --seq 16 --batch 8
 //                 [--dropout 0.1] [common flags]
 //       the model train_fsdp and bench_strategies train, walked exactly as fully_shard wraps
@@ -53,6 +55,7 @@ constexpr double max_params = 1e15;
 struct settings {
   bool article = false, encoder = false, fused_attention = false;
   std::string preset;  // --model
+  long frozen_layers = 0;  // --frozen-layers
   double params = 0;  // 0: the blocks alone
   long hidden = 0, batch = 8;
   // --encoder's model; --params reads its --layers, --heads and --seq.
@@ -72,7 +75,7 @@ settings parse(int argc, char** argv) {
                             "shardlib-plan");
   cli.footer(
       "Models: --article, the FSDP article's scenario; --model NAME, a published GPT-2 or LLaMA (--seq defaults to\n"
-      "its context, --batch to 1); --params N --layers L --hidden H --seq S [--heads A]\n"
+      "its context, --batch to 1; --frozen-layers N freezes its embeddings and lower N blocks); --params N --layers L --hidden H --seq S [--heads A]\n"
       "[--batch B], a coarse transformer of blocks of 12 hidden^2 parameters, the rest in the root (heads and batch\n"
       "default to 1); --encoder [--layers --d-model --heads --ff --classes --seq --batch --dropout], the model\n"
       "train_fsdp and bench_strategies train, walked exactly as fully_shard wraps it.");
@@ -84,6 +87,11 @@ settings parse(int argc, char** argv) {
                      ->check(CLI::IsMember(presets))
                      ->excludes(article)
                      ->excludes(encoder);
+  cli.add_option("--frozen-layers", s.frozen_layers,
+                 "a fine-tune with the token (and position) embeddings and the lower N blocks frozen: they run "
+                 "forward only and have no gradients or optimizer state (--model)")
+      ->check(whole(0, example::max_size))
+      ->needs(preset);
   cli.add_option("--params", s.params, "parameters of the coarse transformer (default: its blocks alone)")
       ->check(example::positive(max_params))
       ->default_str("")
@@ -132,6 +140,10 @@ settings parse(int argc, char** argv) {
         if (w % s.group != 0)
           throw CLI::ValidationError("--group", cat(s.group, " does not divide the world size ", w));
     if (!s.preset.empty()) {
+      const long layers = plan::decoder_preset(s.preset).layers;
+      if (s.frozen_layers > layers)
+        throw CLI::ValidationError("--frozen-layers", cat(s.frozen_layers, " is more than ", s.preset, "'s ", layers,
+                                                          " blocks"));
       if (cli.get_option("--seq")->count() == 0) s.model.seq = 0;  // the preset's
       if (batch->count() == 0) s.batch = 1;
       return;
@@ -246,6 +258,10 @@ void print_setup(const plan::setup& s) {
 // flight, scratch, and the engine's fp32 reduced-gradient piece and 16-bit copy of
 // the master piece.
 void print_model_states(const plan::model_desc& d, const std::vector<plan::setup>& setups, const unit& u) {
+  if (!d.frozen.empty()) {
+    std::printf("\n# model states as the ZeRO paper counts them: not compared, its arithmetic trains every parameter\n");
+    return;
+  }
   const double psi = double(d.parameters()), b = double(size_of(setups.front().precision.param));
   const double k = double(plan::master_bytes + setups.front().optimizer_bytes);
   std::printf("\n# model states as the ZeRO paper counts them: %g B/parameter 16-bit parameters, %g 16-bit gradients,\n"
@@ -362,11 +378,15 @@ int main(int argc, char** argv) {
     if (!s.preset.empty()) {
       const auto& m = plan::decoder_preset(s.preset);
       d = plan::decoder(m, s.batch, s.model.seq, p.compute, s.fused_attention);
+      if (s.frozen_layers > 0) d = plan::with_frozen_prefix(d, m, s.frozen_layers, s.batch, s.model.seq);
       std::printf("# %s: %s, %ld layers, hidden %ld, %ld heads (%ld kv), vocab %ld, intermediate %ld, seq %ld, %s: "
                   "%s parameters\n",
                   std::string(m.name).c_str(), m.family == plan::family::gpt2 ? "GPT-2" : "LLaMA", m.layers, m.hidden,
                   m.heads, m.kv_heads, m.vocab, m.intermediate, s.model.seq > 0 ? s.model.seq : m.seq,
                   m.tied ? "head tied to the embedding" : "untied head", grouped(plan::parameters(m)).c_str());
+      if (s.frozen_layers > 0)
+        std::printf("# frozen: the embeddings%s and blocks 0-%ld (forward only)\n", m.tied ? " (and the tied head)" : "",
+                    s.frozen_layers - 1);
     } else if (s.encoder) {
       d = encoder_model(s);
     } else {

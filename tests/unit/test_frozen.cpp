@@ -445,17 +445,16 @@ TEST_CASE("a unit whose parameters are all frozen reduces nothing", "[frozen][tr
   CHECK(params <= 5e-5);
 }
 
-// The planner does not read the flag: with frozen parameters its plan is an upper
-// bound (docs/planner.md). Measured against it: every category at most as planned, the
-// optimizer state exactly Adam's 8 bytes per element the state holds, below the plan,
-// and less sent (a whole frozen unit reduces nothing).
-TEST_CASE("with frozen parameters the plan bounds the ledger from above", "[frozen][plan]") {
+// The planner reads the flags (docs/planner.md): every category as planned for the
+// rank, the optimizer state Adam's 8 bytes per element the state holds, less than
+// without the flags, and the bytes sent (a whole frozen unit reduces nothing).
+TEST_CASE("with frozen parameters the plan equals the ledger and the bytes sent", "[frozen][plan]") {
   const int w = 3;
   struct measured {
     std::vector<std::size_t> peak = std::vector<std::size_t>(category_count);
     std::size_t state_elements = 0;
     double sent = 0;
-    plan::rank_plan plan;
+    plan::rank_plan plan, unfrozen;  // the second without the flags
   };
   std::vector<measured> out(w);
   comm::launch(w, [&](comm::ThreadComm& inner, ledger& l) {
@@ -476,17 +475,21 @@ TEST_CASE("with frozen parameters the plan bounds the ledger from above", "[froz
     for (std::size_t i = 0; i < model.unit_count(); ++i)
       o.state_elements += model.optimizer_state(opt, i).exp_avg.size();
     o.sent = tally->total() / 3;
-    o.plan = plan::make_plan(plan::describe(model), {.policy = shard::FullShard{}.policy(), .world = w});
+    auto desc = plan::describe(model);
+    o.plan = plan::make_plan(desc, {.policy = shard::FullShard{}.policy(), .world = w, .rank = c.rank()});
+    desc.frozen.clear();
+    o.unfrozen = plan::make_plan(desc, {.policy = shard::FullShard{}.policy(), .world = w, .rank = c.rank()});
   });
   for (const auto& o : out) {
     for (int k = 0; k < category_count; ++k) {
       if (category(k) == category::activations) continue;  // not measured for the plan here
       INFO(name(category(k)));
-      CHECK(o.peak[std::size_t(k)] <= o.plan.memory[category(k)]);
+      CHECK(o.peak[std::size_t(k)] == o.plan.memory[category(k)]);
     }
     CHECK(o.peak[std::size_t(category::optimizer_state)] == 8 * o.state_elements);
-    CHECK(o.peak[std::size_t(category::optimizer_state)] < o.plan.memory.optimizer_state);
-    CHECK(o.sent < o.plan.sent.total());
+    CHECK(o.plan.memory.optimizer_state < o.unfrozen.memory.optimizer_state);
+    CHECK(o.sent == Approx(o.plan.sent.total()).epsilon(1e-12));
+    CHECK(o.sent < o.unfrozen.sent.total());
   }
 }
 

@@ -6,8 +6,9 @@
 // gradients and stops its backward there (a counting context says which children ran;
 // the trained gradients keep their bits): nothing is left cached, the sharded engine
 // neither gathers nor prefetches those units in backward (counted bytes) and frees
-// them after forward under ShardGradOp, below the plan; a flag changed after wrapping
-// is refused, on one rank alone too.
+// them after forward under ShardGradOp, as the plan says; the planner's figures equal
+// the ledger and the bytes sent with frozen parameters, rank by rank; a flag changed
+// after wrapping is refused, on one rank alone too.
 #include "../../benchmarks/counting_comm.hpp"  // bytes sent per rank, ring model
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/core/ledger.hpp"
@@ -26,6 +27,7 @@
 #include "shardlib/nn/replicated.hpp"
 #include "shardlib/nn/rms_norm.hpp"
 #include "shardlib/nn/sequential.hpp"
+#include "shardlib/optim/adam.hpp"
 #include "shardlib/optim/sgd.hpp"
 #include "shardlib/plan/describe.hpp"
 #include "shardlib/plan/memory_plan.hpp"
@@ -44,6 +46,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <typeindex>
 #include <vector>
 
@@ -359,7 +362,7 @@ namespace {
 struct engine_run {
   double gathered = 0;  // all-gather bytes rank 0 sent per step (ring model)
   std::size_t gathered_peak = 0;  // rank 0's ledger: gathered parameters
-  plan::rank_plan plan;           // the planner's, which ignores the flags
+  plan::rank_plan plan;           // the planner's, from the wrapped model after its steps
   std::size_t block_numel = 0;  // h.0's unit, alignment gaps included
   std::vector<float> params;
   bool prefix_gathered_after_forward = true;  // ShardGradOp: h.0's unit still gathered after forward
@@ -419,12 +422,104 @@ TEST_CASE("the sharded engine skips a frozen prefix's backward: no gather, no pr
   const auto zero2_prefix = train_gpt2(shard::ShardGradOp{}, prefix), zero2_middle = train_gpt2(shard::ShardGradOp{}, middle);
   CHECK_FALSE(zero2_prefix.prefix_gathered_after_forward);
   CHECK(zero2_middle.prefix_gathered_after_forward);  // h.0 trains: kept for backward
-  // The planner does not read the flags (docs/planner.md): what a frozen prefix saves is
-  // below its plan, the rest is the plan.
-  CHECK(full_prefix.gathered < full_prefix.plan.sent.all_gather);
-  CHECK(full_middle.gathered == Approx(full_middle.plan.sent.all_gather).epsilon(1e-12));
-  CHECK(zero2_prefix.gathered_peak < zero2_prefix.plan.memory.gathered_parameters);
-  CHECK(zero2_middle.gathered_peak == zero2_middle.plan.memory.gathered_parameters);
+  // The planner reads the prefix off the wrapped model: what it saves is in the plan.
+  for (const auto* run : {&full_prefix, &full_middle, &zero2_prefix, &zero2_middle}) {
+    CHECK(run->gathered == Approx(run->plan.sent.all_gather).epsilon(1e-12));
+    CHECK(run->gathered_peak == run->plan.memory.gathered_parameters);
+  }
+}
+
+namespace {
+// Rank by rank, what three train_steps of tiny GPT-2 (every block a unit) held and
+// sent, and the plan of that rank from the wrapped model.
+struct planned_rank {
+  std::vector<std::size_t> peak = std::vector<std::size_t>(category_count);
+  double sent = 0;
+  plan::model_desc desc;
+  plan::setup setup;
+  plan::rank_plan plan;
+};
+
+std::vector<planned_rank> plan_gpt2(shard::AnyStrategy strategy, int world, int prefetch, shard::mixed_precision mp,
+                                    const std::vector<std::string>& frozen) {
+  std::vector<planned_rank> out(static_cast<std::size_t>(world));
+  comm::launch(world, [&](comm::ThreadComm& inner, ledger& l) {
+    auto tally = std::make_shared<bench::traffic>();
+    bench::counting_comm<comm::ThreadComm> c(inner, tally);
+    models::GPT2LMHeadModel<float> m(tiny_gpt2);
+    nn::freeze(m, frozen);
+    auto model = shard::fully_shard(m, c, strategy, {.wrap = shard::wrap_types<models::GPT2Block<float>>{}, .seed = 3,
+                                                     .prefetch = prefetch, .precision = mp});
+    optim::Adam adam{{.lr = 1e-3}};
+    const auto ids = token_ids({2, 6}, tiny_gpt2.vocab_size);
+    Tensor<std::int64_t> targets(ids.shape());
+    for (std::int64_t i = 0; i < ids.numel(); ++i) targets[i] = (ids[i] + 1 + c.rank()) % tiny_gpt2.vocab_size;
+    tally->reset();  // construction compares the ranks' models; only steps count
+    const int steps = 3;
+    for (int s = 0; s < steps; ++s) (void)model.train_step(adam, ids, targets, nn::cross_entropy);
+    auto& o = out[std::size_t(c.rank())];
+    for (int k = 0; k < category_count; ++k) o.peak[std::size_t(k)] = l.peak(category(k));
+    o.sent = tally->total() / steps;
+    o.desc = plan::describe(model);
+    o.setup = {.policy = strategy.policy(), .world = world, .prefetch = prefetch,
+               .precision = plan::precision::fp32_layers(mp), .rank = c.rank()};
+    o.plan = plan::make_plan(o.desc, o.setup);
+  });
+  return out;
+}
+}  // namespace
+
+// With frozen parameters the plan is the ledger's, rank by rank: optimizer state
+// without the frozen elements (which differ from rank to rank when a unit is part
+// frozen), no reduced gradients or reduction for a wholly frozen unit, no backward
+// gathers or full gradients for a frozen prefix's; unset, setup::rank gives each
+// category's largest over the ranks.
+TEST_CASE("with frozen parameters the plan equals the ledger on every rank, for every strategy and precision",
+          "[frozen][plan][ledger]") {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> freezings{
+      {"none", {}},
+      {"prefix", {"transformer.wte.*", "transformer.wpe.*", "transformer.h.0.*"}},
+      {"middle", {"transformer.h.1.*"}},
+      {"part of units", {"transformer.wpe.*", "transformer.h.0.ln_1.*", "transformer.h.2.attn.*"}}};
+  const shard::mixed_precision precisions[] = {{},
+                                               {.param = dtype::bf16},
+                                               {.param = dtype::bf16, .reduce = dtype::bf16},
+                                               {.param = dtype::f16, .reduce = dtype::f16}};
+  const std::pair<shard::AnyStrategy, int> strategies[] = {{shard::FullShard{}, 3},
+                                                           {shard::ShardGradOp{}, 3},
+                                                           {shard::ShardOptimizer{}, 3},
+                                                           {shard::NoShard{}, 3},
+                                                           {shard::HybridShard{.group_size = 2}, 4}};
+  bool saw_prefix = false, saw_uneven_state = false;
+  for (const auto& [what, frozen] : freezings)
+    for (const auto& [strategy, world] : strategies)
+      for (const auto& mp : precisions)
+        for (int prefetch : {0, 1, 2}) {
+          INFO(what << " frozen, " << strategy.name << ", W " << world << ", prefetch " << prefetch << ", param "
+                    << name(mp.param) << ", reduce " << name(mp.reduce));
+          const auto ranks = plan_gpt2(strategy, world, prefetch, mp, frozen);
+          std::vector<std::size_t> largest(category_count, 0);
+          for (const auto& o : ranks) {
+            CHECK(o.desc.frozen.empty() == frozen.empty());
+            for (int k = 0; k < category_count; ++k) {
+              if (category(k) == category::activations) continue;  // measured, not planned, here
+              INFO(name(category(k)));
+              CHECK(o.peak[std::size_t(k)] == o.plan.memory[category(k)]);
+              largest[std::size_t(k)] = std::max(largest[std::size_t(k)], o.peak[std::size_t(k)]);
+            }
+            CHECK(o.sent == Approx(o.plan.sent.total()).epsilon(1e-12));
+            saw_prefix = saw_prefix || (!o.desc.frozen.empty() && o.desc.frozen[1].no_backward);
+          }
+          plan::setup any = ranks[0].setup;
+          any.rank.reset();
+          const auto fullest = plan::make_plan(ranks[0].desc, any);
+          for (int k = 0; k < category_count; ++k)
+            if (category(k) != category::activations) CHECK(fullest.memory[category(k)] == largest[std::size_t(k)]);
+          const auto state = [&](const planned_rank& o) { return o.peak[std::size_t(category::optimizer_state)]; };
+          saw_uneven_state = saw_uneven_state || state(ranks[0]) != state(ranks[1]);
+        }
+  CHECK(saw_prefix);        // h.0 ran without backward
+  CHECK(saw_uneven_state);  // a part-frozen unit left ranks different optimizer state
 }
 
 TEST_CASE("requires_grad changed after fully_shard is refused at the next forward, naming the parameter",

@@ -21,8 +21,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -466,4 +468,49 @@ TEST_CASE("LLaMA-2-7B's model states follow the ZeRO paper's 2 + 2 + 12 bytes", 
   const auto fsdp = plan::make_plan(d, {.strategy = plan::strategy::full_shard, .world = 8, .precision = bf16});
   CHECK(fsdp.memory.parameters == 6 * plan::parameters(l7) / 8);
   CHECK(fsdp.memory.optimizer_state == 8 * plan::parameters(l7) / 8);
+}
+
+// A partial fine-tune of LLaMA-2-7B at W = 8 in bf16 (every unit divides by 8): the
+// embeddings and the lower 16 blocks frozen. The trained parameters' optimizer state
+// and reduction; the frozen prefix's blocks not gathered again in backward; the
+// activations of the 16 trained blocks; the FLOPs without the prefix's backward.
+TEST_CASE("a preset with a frozen prefix plans the trained parameters' state and traffic", "[plan][presets][frozen]") {
+  const auto& l7 = plan::decoder_preset("llama-7b");
+  const auto bf16 = plan::precision::param_layers({.param = dtype::bf16, .reduce = dtype::bf16});
+  const auto all = plan::decoder(l7, 1, 0, dtype::bf16, true);
+  const auto tuned = plan::with_frozen_prefix(all, l7, 16);
+  const std::size_t block = plan::block_parameters(l7), embed = 32000 * 4096, P = plan::parameters(l7);
+  const std::size_t trained = P - embed - 16 * block;  // the upper 16 blocks, the final norm, the head
+  REQUIRE(tuned.frozen.size() == 33);
+  CHECK_FALSE(tuned.frozen[0].all);
+  CHECK(tuned.frozen[1].no_backward);
+  CHECK(tuned.frozen[16].all);
+  CHECK_FALSE(tuned.frozen[17].all);
+  CHECK(tuned.activation_bytes == all.activation_bytes / 2);
+  CHECK(tuned.flops == Approx(all.flops - 4096.0 * (16 * (4.0 * double(block) + 8 * 4096.0 * 4096))).epsilon(1e-12));
+  for (auto strategy : {plan::strategy::full_shard, plan::strategy::shard_grad_op, plan::strategy::shard_optimizer}) {
+    INFO(plan::name(strategy));
+    const auto p = plan::make_plan(tuned, {.strategy = strategy, .world = 8, .precision = bf16});
+    const auto q = plan::make_plan(all, {.strategy = strategy, .world = 8, .precision = bf16});
+    CHECK(p.memory.parameters == q.memory.parameters);  // masters and their bf16 copies stay
+    CHECK(p.sent.reduce_scatter == Approx(7.0 / 8 * 2 * double(P - 16 * block)).epsilon(1e-12));  // the root reduces
+    // FullShard gathers every unit in forward and the trained blocks again in backward;
+    // ZeRO-2 once; ZeRO-1 refreshes the trained units after the step.
+    const double gathered = strategy == plan::strategy::full_shard      ? double(2 * P - all.units[0] - 16 * block)
+                            : strategy == plan::strategy::shard_grad_op ? double(P)
+                                                                        : double(P - 16 * block);
+    CHECK(p.sent.all_gather == Approx(7.0 / 8 * 2 * gathered).epsilon(1e-12));
+    // Adam's 8 bytes for each trained element, held once over the ranks; the frozen
+    // embedding fills the root's first pieces, so ranks 0-3 hold less, and unset the
+    // plan is the fullest rank's.
+    std::vector<std::size_t> state;
+    for (int r = 0; r < 8; ++r)
+      state.push_back(
+          plan::make_plan(tuned, {.strategy = strategy, .world = 8, .precision = bf16, .rank = r}).memory.optimizer_state);
+    CHECK(std::accumulate(state.begin(), state.end(), std::size_t(0)) == 8 * trained);
+    CHECK(p.memory.optimizer_state == *std::max_element(state.begin(), state.end()));
+    CHECK(state[0] < state[7]);
+    CHECK(state[7] == 8 * (16 * block / 8 + all.units[0] / 8));  // rank 7's piece of the root is the head's
+  }
+  CHECK_THROWS_WITH(plan::with_frozen_prefix(all, l7, 33), Catch::Contains("llama-7b: 33 frozen blocks of its 32"));
 }

@@ -5,6 +5,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/ledger.hpp"       // ledger, ledger_scope
 #include "shardlib/nn/context.hpp"        // nn::context
+#include "shardlib/nn/flat.hpp"           // nn::flat_layout
 #include "shardlib/nn/layer.hpp"          // nn::Layer, nn::Composite, nn::join_name
 #include "shardlib/nn/replicated.hpp"     // nn::Replicated
 #include "shardlib/plan/memory_plan.hpp"  // model_desc
@@ -15,15 +16,36 @@
 #include <cstddef>        // std::size_t
 #include <numeric>        // std::iota
 #include <string_view>    // std::string_view
+#include <utility>        // std::move
 #include <vector>         // std::vector
 
 namespace shardlib::plan {
 
+namespace detail {
+// A unit's frozen parameters as the planner reads them from its flat layout.
+inline unit_freezing freezing_of(const nn::flat_layout& l, bool no_backward = false) {
+  unit_freezing f{.all = l.all_frozen(), .no_backward = no_backward};
+  for (const auto& e : l.entries)
+    if (!e.requires_grad) f.ranges.emplace_back(e.offset, e.offset + e.numel());
+  return f;
+}
+// d.frozen filled only when some unit has a frozen parameter or skips its backward.
+inline void keep_if_frozen(model_desc& d, std::vector<unit_freezing> f) {
+  for (const auto& u : f)
+    if (!u.ranges.empty() || u.no_backward) {
+      d.frozen = std::move(f);
+      return;
+    }
+}
+}  // namespace detail
+
 // The units of a ShardedModel, in the forward order it recorded (in the order they
-// were found before its first forward).
+// were found before its first forward), with their frozen parameters and, after a
+// step, which of them a frozen prefix ran without backward.
 template <class Engine>
   requires requires(const Engine& e) {
     e.unit_layout(0);
+    e.unit_skips_backward(0);
     e.neighbor(0, 1);
   }
 model_desc describe(const Engine& e, std::size_t activation_bytes = 0) {
@@ -34,7 +56,12 @@ model_desc describe(const Engine& e, std::size_t activation_bytes = 0) {
     std::iota(order.begin(), order.end(), 0);
   }
   model_desc d;
-  for (int i : order) d.units.push_back(e.unit_layout(std::size_t(i)).numel);
+  std::vector<unit_freezing> frozen;
+  for (int i : order) {
+    d.units.push_back(e.unit_layout(std::size_t(i)).numel);
+    frozen.push_back(detail::freezing_of(e.unit_layout(std::size_t(i)), e.unit_skips_backward(std::size_t(i))));
+  }
+  detail::keep_if_frozen(d, std::move(frozen));
   d.activation_bytes = activation_bytes;
   return d;
 }
@@ -42,11 +69,18 @@ model_desc describe(const Engine& e, std::size_t activation_bytes = 0) {
 // The units fully_shard(model, comm, strategy, {.wrap = wrap}) makes (the same walk:
 // shard/discover.hpp), in the order it finds them, which is the forward order for
 // Sequential and Stack models. Layers hold no parameter storage, so a model built
-// only to be described costs nothing.
+// only to be described costs nothing. Frozen parameters are read from their flags;
+// which units a frozen prefix runs without backward shows only when the model runs,
+// so describe(the wrapped model) after a step for that.
 template <class T = float, nn::Layer Model>
 model_desc describe_model(Model& model, shard::wrap_policy wrap = shard::wrap_none{}, std::size_t activation_bytes = 0) {
   model_desc d;
-  for (const auto& u : shard::discover_units<T>(model, wrap)) d.units.push_back(u.layout.numel);
+  std::vector<unit_freezing> frozen;
+  for (const auto& u : shard::discover_units<T>(model, wrap)) {
+    d.units.push_back(u.layout.numel);
+    frozen.push_back(detail::freezing_of(u.layout));
+  }
+  detail::keep_if_frozen(d, std::move(frozen));
   d.activation_bytes = activation_bytes;
   return d;
 }

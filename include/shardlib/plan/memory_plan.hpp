@@ -15,6 +15,7 @@
 #include <string>       // std::string
 #include <string_view>  // std::string_view
 #include <optional>     // std::optional
+#include <utility>      // std::pair
 #include <vector>       // std::vector
 
 namespace shardlib::plan {
@@ -107,10 +108,24 @@ struct setup {
   std::size_t optimizer_bytes = adam_state_bytes;
   bool offload = false;  // shard::options::offload: see rank_plan::offloaded
   bool global_loss = true;  // shard::step_options::loss is loss_report::global_mean (train_step's default)
+  // The rank planned (its place in the shard group decides which elements its optimizer
+  // state holds, when some parameters are frozen); unset: for each category the
+  // largest over the ranks. Without frozen parameters every rank holds the same.
+  std::optional<int> rank{};
 
   shard::policy resolved() const { return policy ? *policy : policy_of(strategy, group); }
   // Ranks one shard is split over: the world, or the policy's group.
   int shard_group() const { return resolved().group(world); }
+};
+
+// A unit's frozen parameters (requires_grad = false), as the engine treats them: no
+// optimizer state for their elements; a unit whose parameters are all frozen reduces
+// nothing and keeps no reduced gradients; a unit run in a frozen prefix (nn::frozen_prefix:
+// a decoder's frozen embeddings and lower blocks) is freed after forward and runs no backward.
+struct unit_freezing {
+  std::vector<std::pair<std::size_t, std::size_t>> ranges{};  // [begin, end) of each frozen parameter in the flat unit
+  bool all = false;          // every parameter frozen, and it has some (nn::flat_layout::all_frozen)
+  bool no_backward = false;  // a frozen prefix's unit (never the root)
 };
 
 // A model as the planner sees it. Units are the root's descendants run one after
@@ -119,12 +134,26 @@ struct model_desc {
   // Flat elements of each unit (alignment gaps included, padding to the world not):
   // the root first, then the other units in forward order.
   std::vector<std::size_t> units;
+  // Empty when nothing is frozen, else one per unit, in the order of `units`.
+  std::vector<unit_freezing> frozen{};
   // Peak activations of one rank's local batch: no strategy changes them. With
   // activation checkpointing, the peak measure_activations(model, checkpoint, run) gives.
   std::size_t activation_bytes = 0;
   double flops = 0;  // forward + backward of one rank's local batch (the chooser's compute time)
 
   std::size_t parameters() const { return std::accumulate(units.begin(), units.end(), std::size_t(0)); }
+  bool all_frozen(std::size_t i) const { return !frozen.empty() && frozen.at(i).all; }
+  bool runs_backward(std::size_t i) const { return frozen.empty() || !frozen.at(i).no_backward; }
+  // Elements of [begin, begin + n) of unit i that the optimizer state holds: all but the
+  // frozen parameters' (alignment gaps and padding included), none of a wholly frozen unit.
+  std::size_t trained(std::size_t i, std::size_t begin, std::size_t n) const {
+    if (frozen.empty()) return n;
+    if (frozen.at(i).all) return 0;
+    std::size_t held = n;
+    for (const auto& [lo, hi] : frozen[i].ranges)
+      held -= std::min(hi, begin + n) - std::min(std::max(lo, begin), std::min(hi, begin + n));
+    return held;
+  }
 };
 
 // Per-rank peak bytes, category by category, as ledger::peak(category) reports them.
@@ -165,62 +194,95 @@ struct rank_plan {
 namespace detail {
 inline std::size_t round_up(std::size_t n, std::size_t k) { return (n + k - 1) / k * k; }
 
-// The largest sum of `width` consecutive non-root units (fewer if there are fewer).
-inline std::size_t widest(const std::vector<std::size_t>& padded, std::size_t width) {
-  const std::size_t n = padded.size() - 1;
-  width = std::min(width, n);
-  std::size_t best = 0;
-  for (std::size_t first = 1; first + width <= n + 1; ++first) {
-    std::size_t sum = 0;
-    for (std::size_t k = first; k < first + width; ++k) sum += padded[k];
-    best = std::max(best, sum);
-  }
-  return best;
-}
-
-// Peak comm_scratch of one step. Unit i's all-gather may send from a scratch copy
-// (send[i] bytes, 0 for none), held until the gather is waited for; its reduction
-// may need a scratch (reduce[i] bytes), held until the next unit's reduction is
-// issued. Both depend on how gathers and reductions interleave, so this replays
-// the engine's order (sharded_model.hpp: pre_forward/post_forward/pre_backward/post_backward).
-inline std::size_t scratch_peak(const std::vector<std::size_t>& send, const std::vector<std::size_t>& reduce_bytes,
-                                int prefetch, bool frees_after_forward) {
-  const int n = int(send.size());  // position 0 is the root
+// One step replayed in the engine's order (sharded_model.hpp: pre_forward,
+// post_forward, pre_backward, post_backward; gather.hpp; reduce.hpp), for what depends
+// on how gathers, reductions and frees interleave. Per unit i (0 is the root, the rest
+// in forward order):
+//   gathered[i]  elements of full values when sharded (0: replicated)
+//   send[i]      bytes of scratch its all-gather sends from, held until waited for
+//   full[i]      elements of full local gradients (sharded optimizer state only), made
+//                at its backward and dropped once reduced; under ZeRO-1 (keeps_full)
+//                made with the unit and kept, but a wholly frozen unit's
+//   reduce[i]    bytes of scratch its reduction needs, held until the next is issued
+//   reduces[i]   it reduces (not wholly frozen); backward[i]: it runs one (not a frozen prefix's)
+struct step_units {
+  std::vector<std::size_t> gathered, send, full, reduce;
+  std::vector<bool> reduces, backward;
+};
+struct step_replay {
+  std::size_t gathered_peak = 0, scratch_peak = 0, full_grad_peak = 0;  // elements, bytes, elements
+  double gathered_sent = 0;  // elements: gathered[i] summed over the gathers issued
+};
+inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_after_forward, bool widened,
+                          bool keeps_full) {
+  const std::size_t n = u.gathered.size();
   enum class state { sharded, gathering, gathered };
   std::vector<state> st(n, state::sharded);
-  std::size_t now = 0, peak = 0, reducing = 0;
-  auto add = [&](std::size_t b) { peak = std::max(peak, now += b); };
-  auto issue = [&](int i) {
+  std::vector<bool> has_full(n, false);
+  step_replay r;
+  std::size_t gathered = 0, scratch = 0, full = 0;
+  std::optional<std::size_t> reducing;  // the unit whose reduction is in flight
+  auto add = [](std::size_t& now, std::size_t& peak, std::size_t b) { peak = std::max(peak, now += b); };
+  auto issue = [&](std::size_t i) {
     if (st[i] != state::sharded) return;
-    add(send[i]);
+    add(gathered, r.gathered_peak, u.gathered[i]);
+    add(scratch, r.scratch_peak, u.send[i]);
+    r.gathered_sent += double(u.gathered[i]);
     st[i] = state::gathering;
   };
-  auto ensure = [&](int i) {
+  auto ensure = [&](std::size_t i) {
     issue(i);
-    if (st[i] == state::gathering) now -= send[i];
+    if (st[i] == state::gathering) scratch -= u.send[i];
     st[i] = state::gathered;
   };
-  auto prefetch_from = [&](int i, int dir) {
-    for (int k = 1; k <= prefetch && i + dir * k >= 0 && i + dir * k < n; ++k) issue(i + dir * k);
-  };
-  auto reduce = [&](int i) {  // the previous reduction is finished first
-    now -= reducing;
-    reducing = reduce_bytes[i];
-    add(reducing);
-  };
-  for (int i = 0; i < n; ++i) {
-    ensure(i);
-    prefetch_from(i, +1);
-    if (frees_after_forward && i > 0) st[i] = state::sharded;
-  }
-  for (int i = n - 1; i >= 1; --i) {  // the root's backward hook ran first: it stays gathered
-    ensure(i);
-    prefetch_from(i, -1);
+  auto free = [&](std::size_t i) {
+    if (st[i] != state::sharded) gathered -= u.gathered[i];
     st[i] = state::sharded;
-    reduce(i);
+  };
+  auto make_full = [&](std::size_t i) {
+    if (!has_full[i]) add(full, r.full_grad_peak, u.full[i]);
+    has_full[i] = true;
+  };
+  auto drop_full = [&](std::size_t i) {
+    if (has_full[i]) full -= u.full[i];
+    has_full[i] = false;
+  };
+  auto finish = [&] {  // the reduction in flight completes: its scratch and full gradients go
+    if (!reducing) return;
+    scratch -= u.reduce[*reducing];
+    if (!keeps_full) drop_full(*reducing);
+    reducing.reset();
+  };
+  auto post_backward = [&](std::size_t i) {
+    if (!u.reduces[i]) return drop_full(i);  // nothing to send, nothing to keep
+    finish();
+    add(scratch, r.scratch_peak, u.reduce[i]);
+    if (widened && !keeps_full) drop_full(i);  // widened into the scratch at once
+    reducing = i;
+  };
+  if (keeps_full)
+    for (std::size_t i = 0; i < n; ++i)
+      if (u.reduces[i]) make_full(i);
+  for (std::size_t i = 0; i < n; ++i) {
+    ensure(i);
+    for (std::size_t k = i + 1; k <= i + prefetch && k < n; ++k) issue(k);
+    if (i > 0 && (!u.backward[i] || frees_after_forward)) free(i);
   }
-  reduce(0);
-  return peak;
+  make_full(0);  // the root's backward hook runs first; it stays gathered
+  for (std::size_t i = n - 1; i >= 1; --i) {
+    if (!u.backward[i]) continue;
+    ensure(i);
+    for (std::size_t k = i - 1; k + prefetch >= i; --k) {  // down to i - prefetch, the root at most
+      if (u.backward[k]) issue(k);
+      if (k == 0) break;
+    }
+    make_full(i);
+    free(i);
+    post_backward(i);
+  }
+  post_backward(0);
+  finish();
+  return r;
 }
 }  // namespace detail
 
@@ -251,6 +313,11 @@ inline std::string engine_refusal(const setup& s) {
 // master and gathers it directly (no send scratch); in fp32 reductions a unit's full
 // gradients are widened into an fp32 scratch (4·P_i), in 16-bit reductions they land
 // in a 16-bit piece. Replicated fp32 values with fp32 gathers hold the master itself.
+//
+// Frozen parameters (model_desc::frozen) take out what the engine leaves out: their
+// elements' optimizer state, a wholly frozen unit's reduced gradients and reduction,
+// a frozen prefix's backward (its gathers, its full gradients). With them the optimizer
+// state differs from rank to rank: setup::rank picks one.
 inline rank_plan make_plan(const model_desc& d, const setup& s) {
   require(!d.units.empty(), "plan: the model has no units (the root is always one)");
   require(s.world >= 1 && s.prefetch >= 0, "plan: world ", s.world, " and prefetch ", s.prefetch,
@@ -273,6 +340,22 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
           name(s.precision.compute), " gather in that dtype, not ", name(s.precision.param));
   const bool master_in_values = !sharded && !compute16 && !narrow_param;
 
+  // Frozen parameters: the elements whose optimizer state this rank holds (its piece of
+  // each unit), and the units that keep reduced gradients and reduce.
+  const int ranks = int(N);
+  std::vector<std::size_t> trained(std::size_t(ranks), 0);
+  for (int q = 0; q < ranks; ++q)
+    for (std::size_t i = 0; i < padded.size(); ++i)
+      trained[std::size_t(q)] += d.trained(i, std::size_t(q) * padded[i] / N, padded[i] / N);
+  const std::size_t state = s.rank ? trained[std::size_t(N > 1 ? *s.rank % int(G) : 0)]
+                                   : *std::max_element(trained.begin(), trained.end());
+  std::size_t reduced = 0, kept = 0;  // elements of the units that reduce, and that keep reduced gradients
+  auto reduces = [&](std::size_t i) { return !d.all_frozen(i) && (i == 0 || d.runs_backward(i)); };
+  for (std::size_t i = 0; i < padded.size(); ++i) {
+    if (reduces(i)) reduced += padded[i];
+    if (!d.all_frozen(i) || !(compute16 || pol.shard_optimizer)) kept += padded[i];
+  }
+
   rank_plan p;
   rank_memory& mem = p.memory;
   mem.activations = d.activation_bytes;
@@ -282,51 +365,51 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   // the parameters layers need: the fp32 piece (fp32 layers) or its 16-bit copy.
   const std::size_t copy16 = compute16 && pol.shard_optimizer ? c * all / N : 0;
   mem.parameters = (master_in_values ? c * all : s.offload && compute16 ? 0 : m * all / N) + copy16;
-  mem.optimizer_state = s.offload ? 0 : o * all / N;
-  if (s.offload) p.offloaded = {.parameters = m * all / N + copy16, .gradients = m * all / N, .optimizer_state = o * all / N};
-  if (sharded) {
-    // Gathered: the root all step, plus the unit running and the `prefetch` after
-    // it — or every unit, none freed between forward and backward.
-    const std::size_t held = pol.free == shard::free_point::after_backward
-                                 ? all
-                                 : padded[0] + detail::widest(padded, 1 + std::size_t(s.prefetch));
-    mem.gathered_parameters = c * held;
-  } else {
-    mem.gathered_parameters = master_in_values ? 0 : c * all;  // replicated values beside the master
-  }
-  if (!pol.shard_optimizer) {
-    mem.gradients = c * all;  // full gradients, reduced in place
-  } else if (!pol.shard_gradients) {
-    mem.gradients = c * all + m * all / N;  // full local gradients kept, and the reduced piece
-  } else {
-    // The root's full gradient lives through the whole backward, and two adjacent
-    // units' coexist (one reducing while the next computes) — one when widened.
-    const bool widened = compute16 && !narrow_reduce;
-    mem.gradients = m * all / N + c * (padded[0] + detail::widest(padded, widened ? 1 : 2));
-  }
-  std::vector<std::size_t> send(padded.size()), reduce_bytes(padded.size());
+  mem.optimizer_state = s.offload ? 0 : o * state;
+  if (s.offload) p.offloaded = {.parameters = m * all / N + copy16, .gradients = m * kept / N, .optimizer_state = o * state};
+
+  // Gathers, full gradients and scratch as the step interleaves them (detail::replay).
+  detail::step_units units;
   for (std::size_t i = 0; i < padded.size(); ++i) {
     const std::size_t piece = m * padded[i] / N;  // fp32 bytes of this rank's piece
-    send[i] = sharded && narrow_param && !compute16 ? piece : 0;
-    if (!pol.shard_optimizer) continue;  // all-reduce in place
-    if (compute16) reduce_bytes[i] = narrow_reduce ? c * padded[i] / N : m * padded[i];
-    else if (narrow_reduce) reduce_bytes[i] = piece;
+    units.gathered.push_back(sharded ? padded[i] : 0);
+    units.send.push_back(sharded && narrow_param && !compute16 ? piece : 0);
+    units.full.push_back(pol.shard_optimizer ? padded[i] : 0);
+    units.reduce.push_back(!pol.shard_optimizer ? 0
+                           : compute16          ? (narrow_reduce ? c * padded[i] / N : m * padded[i])
+                           : narrow_reduce      ? piece
+                                                : 0);
+    units.reduces.push_back(reduces(i));
+    units.backward.push_back(i == 0 || d.runs_backward(i));
   }
-  mem.comm_scratch = detail::scratch_peak(send, reduce_bytes, s.prefetch, pol.free == shard::free_point::after_forward);
-  if (!sharded && N > 1 && narrow_param && !compute16)  // the step's gathers of every piece, narrowed, at once
+  const bool widened = compute16 && !narrow_reduce;  // full gradients widened into scratch as they are sent
+  const detail::step_replay step = detail::replay(units, std::size_t(s.prefetch),
+                                                  pol.free == shard::free_point::after_forward, widened,
+                                                  !pol.shard_gradients);
+  // Sharded: the root all step, the unit running and those prefetched, and under
+  // after_backward every unit that runs a backward, from its forward to its backward.
+  // Replicated: the values beside the master, unless they are the master.
+  mem.gathered_parameters = sharded ? c * step.gathered_peak : master_in_values ? 0 : c * all;
+  // Replicated optimizer state: full gradients reduced in place. Else the reduced
+  // pieces, and the full local gradients: kept (ZeRO-1: every unit's that reduces, and one
+  // frozen unit's during its backward), or the root's through the whole backward and two
+  // adjacent units' (one reducing while the next computes; one when widened).
+  mem.gradients = !pol.shard_optimizer ? c * all : m * kept / N + c * step.full_grad_peak;
+  mem.comm_scratch = step.scratch_peak;
+  if (!sharded && N > 1 && narrow_param && !compute16)  // construction's gathers of every piece, narrowed, at once
     mem.comm_scratch = std::max(mem.comm_scratch, m * all / N);
 
   traffic& t = p.sent;
-  const double fG = double(G - 1) / double(G), fW = double(W - 1) / double(W), P = double(all);
-  if (sharded)  // every unit gathered in forward and, when freed after it, but the root again in backward
-    t.all_gather = fG * g * (pol.free == shard::free_point::after_forward ? 2 * P - double(padded[0]) : P);
+  const double fG = double(G - 1) / double(G), fW = double(W - 1) / double(W), R = double(reduced);
+  if (sharded)  // every unit gathered in forward and, when freed after it, but the root and a frozen prefix again in backward
+    t.all_gather = fG * g * step.gathered_sent;
   else if (N > 1)  // after the step, every updated piece to every rank
-    t.all_gather = t.exposed = fG * (master_in_values ? double(m) : g) * P;
-  if (pol.shard_optimizer) t.reduce_scatter = fG * r * P;
-  else t.all_reduce = 2 * fW * r * P;
+    t.all_gather = t.exposed = fG * (master_in_values ? double(m) : g) * R;
+  if (pol.shard_optimizer) t.reduce_scatter = fG * r * R;
+  else t.all_reduce = 2 * fW * r * R;
   if (pol.reduce == shard::reduction::hierarchical) {  // the reduced piece averaged across the W/G replicas, in fp32
     const double replicas = double(W / G);
-    t.all_reduce = 2 * (replicas - 1) / replicas * double(m) * P / double(G);
+    t.all_reduce = 2 * (replicas - 1) / replicas * double(m) * R / double(G);
     t.exposed += t.all_reduce;
   }
   // train_step's one scalar all-reduce: the global mean loss and fp16 loss scaling's

@@ -100,4 +100,27 @@ inline model_desc decoder(const decoder_shape& m, long batch = 1, long seq = 0, 
   return d;
 }
 
+// The same model fine-tuned with its token (and position) embeddings and its lower
+// `layers` blocks frozen: a frozen prefix (docs/design.md, "Frozen parameters"), whose
+// blocks run forward only, keep no activations and no gradients, and are neither
+// gathered in backward nor reduced (model_desc::frozen). The embeddings lead the root's
+// count, so they are its first elements; a tied head is the embedding, frozen with it.
+// Activations drop by the prefix's share of the blocks; FLOPs by the prefix's backward
+// (4 per parameter and token, and two thirds of its attention) and a frozen head's dW.
+inline model_desc with_frozen_prefix(model_desc d, const decoder_shape& m, long layers, long batch = 1, long seq = 0) {
+  require(layers >= 0 && layers <= m.layers, "plan::with_frozen_prefix ", m.name, ": ", layers,
+          " frozen blocks of its ", m.layers);
+  require(d.units.size() == std::size_t(m.layers) + 1, "plan::with_frozen_prefix ", m.name,
+          ": the model is not plan::decoder's (the root and one unit per block)");
+  const std::size_t h = std::size_t(m.hidden), embeddings = std::size_t(m.vocab + m.positions) * h;
+  d.frozen.assign(d.units.size(), unit_freezing{});
+  d.frozen[0].ranges = {{0, embeddings}};
+  for (std::size_t i = 1; i <= std::size_t(layers); ++i) d.frozen[i] = {.ranges = {{0, d.units[i]}}, .all = true, .no_backward = true};
+  const double s = double(seq > 0 ? seq : m.seq), tokens = s * double(batch);
+  d.activation_bytes = std::size_t(double(d.activation_bytes) * double(m.layers - layers) / double(m.layers));
+  d.flops -= tokens * (double(layers) * (4 * double(block_parameters(m)) + 8 * double(h) * s) +
+                       (m.tied ? 2 * double(m.vocab) * double(h) : 0));
+  return d;
+}
+
 }  // namespace shardlib::plan

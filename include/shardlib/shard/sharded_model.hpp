@@ -485,6 +485,8 @@ class ShardedModel {
   std::size_t unit_count() const { return units_.size(); }
   const std::string& unit_name(std::size_t i) const { return units_.at(i).name; }
   const nn::flat_layout& unit_layout(std::size_t i) const { return units_.at(i).layout; }
+  // Unit i's last forward ran inside the context's no_grad (a frozen prefix's unit): it runs no backward.
+  bool unit_skips_backward(std::size_t i) const { return units_.at(i).no_backward; }
   int partitions() const { return policy_.shard_optimizer ? policy_.group(comm_->size()) : 1; }
   int partition_rank() const { return policy_.shard_optimizer ? shard_rank() : 0; }
   int written_partition() const {
@@ -598,7 +600,7 @@ class ShardedModel {
     zero_frozen_grads(u);
     if (policy_.shard_parameters) gathers_.free(u);
     if (u.frozen()) {  // every gradient is zero: nothing to send (FSDP2 reduces only what has gradients)
-      if (policy_.shard_gradients) u.full_grad.reset();
+      if (policy_.shard_optimizer) u.full_grad.reset();
     } else if (sync_) {
       reducer_.issue(u, shard_comm(), *comm_);
     }
@@ -627,7 +629,7 @@ class ShardedModel {
                                   u.compute_shard.span(), flag);
       }
     }
-    if (!policy_.shard_parameters) refresh_values();
+    if (!policy_.shard_parameters) refresh_values(false);  // a wholly frozen unit's values did not change
     ++step_;
   }
 
@@ -731,7 +733,8 @@ class ShardedModel {
                                 master_in_values() ? category::parameters : category::gathered_parameters);
     if (master_in_values()) ops::initialize(u.layout, opts_.seed, 0, u.values.span());
     u.where = state::gathered;
-    if (policy_.shard_optimizer && !policy_.shard_gradients) {  // ZeRO-1: full local gradients always kept
+    // ZeRO-1: full local gradients always kept, but a wholly frozen unit's (made for its backward only)
+    if (policy_.shard_optimizer && !policy_.shard_gradients && !u.frozen()) {
       u.full_grad = Buffer<C, space>(part.padded_size(), category::gradients);
       ops::fill(u.full_grad.span(), C(0));
     }
@@ -781,13 +784,18 @@ class ShardedModel {
       }
     }
   }
-  void refresh_values() {
+  // Every unit's, or (after a step) those that own a trained parameter.
+  void refresh_values(bool frozen_too = true) {
+    auto changed = [&](const unit_type& u) { return frozen_too || !u.frozen(); };
     if (partitions() == 1) {
-      for (auto& u : units_) refresh_values(u);
+      for (auto& u : units_)
+        if (changed(u)) refresh_values(u);
       return;
     }
-    for (auto& u : units_) gathers_.issue(u, shard_comm(), u.values.span(), master_local(u));
-    for (auto& u : units_) gathers_.complete(u);
+    for (auto& u : units_)
+      if (changed(u)) gathers_.issue(u, shard_comm(), u.values.span(), master_local(u));
+    for (auto& u : units_)
+      if (changed(u)) gathers_.complete(u);
   }
 
   // summon_full_params' writeback: this rank's piece of unit u's full values into
