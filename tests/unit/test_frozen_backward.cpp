@@ -438,6 +438,7 @@ struct planned_rank {
   plan::model_desc desc;
   plan::setup setup;
   plan::rank_plan plan;
+  bool prefix_after_eval = false;  // describe() names a frozen prefix after a forward under no_grad
 };
 
 std::vector<planned_rank> plan_gpt2(shard::AnyStrategy strategy, int world, int prefetch, shard::mixed_precision mp,
@@ -464,6 +465,9 @@ std::vector<planned_rank> plan_gpt2(shard::AnyStrategy strategy, int world, int 
     o.setup = {.policy = strategy.policy(), .world = world, .prefetch = prefetch,
                .precision = plan::precision::fp32_layers(mp), .rank = c.rank()};
     o.plan = plan::make_plan(o.desc, o.setup);
+    // A last forward wholly without grad (an evaluation) says nothing of a frozen prefix.
+    model.context().no_grad([&] { (void)model.forward(ids); });
+    for (const auto& f : plan::describe(model).frozen) o.prefix_after_eval = o.prefix_after_eval || f.no_backward;
   });
   return out;
 }
@@ -508,6 +512,7 @@ TEST_CASE("with frozen parameters the plan equals the ledger on every rank, for 
               largest[std::size_t(k)] = std::max(largest[std::size_t(k)], o.peak[std::size_t(k)]);
             }
             CHECK(o.sent == Approx(o.plan.sent.total()).epsilon(1e-12));
+            CHECK_FALSE(o.prefix_after_eval);
             saw_prefix = saw_prefix || (!o.desc.frozen.empty() && o.desc.frozen[1].no_backward);
           }
           plan::setup any = ranks[0].setup;

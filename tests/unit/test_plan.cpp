@@ -513,4 +513,36 @@ TEST_CASE("a preset with a frozen prefix plans the trained parameters' state and
     CHECK(state[7] == 8 * (16 * block / 8 + all.units[0] / 8));  // rank 7's piece of the root is the head's
   }
   CHECK_THROWS_WITH(plan::with_frozen_prefix(all, l7, 33), Catch::Contains("llama-7b: 33 frozen blocks of its 32"));
+  // What make_plan refuses, naming it: a rank outside the world, freezing that does not
+  // describe the units, a range past its unit, a root without backward.
+  const plan::setup at8{.world = 8};
+  auto refused = [](const plan::model_desc& d, plan::setup s) {
+    try {
+      (void)plan::make_plan(d, s);
+    } catch (const error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  auto with_rank = at8;
+  with_rank.rank = 8;
+  CHECK_THAT(refused(tuned, with_rank), Catch::Contains("rank 8 is not one of the 8 ranks"));
+  with_rank.rank = -1;
+  CHECK_THAT(refused(tuned, with_rank), Catch::Contains("rank -1 is not one of the 8 ranks"));
+  auto short_desc = tuned;
+  short_desc.frozen.pop_back();
+  CHECK_THAT(refused(short_desc, at8), Catch::Contains("describes 32 units of the model's 33"));
+  auto past = tuned;
+  past.frozen[2].ranges = {{0, block + 1}};
+  CHECK_THAT(refused(past, at8), Catch::Contains("unit 2's frozen range [0, " + std::to_string(block + 1) +
+                                                 ") is not within its " + std::to_string(block) + " elements"));
+  auto overlapping = tuned;
+  overlapping.frozen[0].ranges.emplace_back(10, 20);  // inside the embedding's [0, 32000 x 4096)
+  CHECK_THAT(refused(overlapping, at8), Catch::Contains("unit 0's frozen range [10, 20) is not within its " +
+                                                        std::to_string(all.units[0]) +
+                                                        " elements after the range before it (ending at " +
+                                                        std::to_string(embed) + ")"));
+  auto root = tuned;
+  root.frozen[0].no_backward = true;
+  CHECK_THAT(refused(root, at8), Catch::Contains("the root (unit 0) always runs backward"));
 }

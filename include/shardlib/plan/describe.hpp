@@ -41,7 +41,8 @@ inline void keep_if_frozen(model_desc& d, std::vector<unit_freezing> f) {
 
 // The units of a ShardedModel, in the forward order it recorded (in the order they
 // were found before its first forward), with their frozen parameters and, after a
-// step, which of them a frozen prefix ran without backward.
+// training step, which of them a frozen prefix ran without backward (a last forward
+// run wholly without grad, as generate's, says nothing of it).
 template <class Engine>
   requires requires(const Engine& e) {
     e.unit_layout(0);
@@ -57,9 +58,11 @@ model_desc describe(const Engine& e, std::size_t activation_bytes = 0) {
   }
   model_desc d;
   std::vector<unit_freezing> frozen;
+  const bool trained = !e.unit_skips_backward(0);  // else the last forward ran wholly without grad (an eval)
   for (int i : order) {
-    d.units.push_back(e.unit_layout(std::size_t(i)).numel);
-    frozen.push_back(detail::freezing_of(e.unit_layout(std::size_t(i)), e.unit_skips_backward(std::size_t(i))));
+    const auto k = std::size_t(i);
+    d.units.push_back(e.unit_layout(k).numel);
+    frozen.push_back(detail::freezing_of(e.unit_layout(k), trained && e.unit_skips_backward(k)));
   }
   detail::keep_if_frozen(d, std::move(frozen));
   d.activation_bytes = activation_bytes;

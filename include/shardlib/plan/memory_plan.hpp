@@ -123,7 +123,8 @@ struct setup {
 // nothing and keeps no reduced gradients; a unit run in a frozen prefix (nn::frozen_prefix:
 // a decoder's frozen embeddings and lower blocks) is freed after forward and runs no backward.
 struct unit_freezing {
-  std::vector<std::pair<std::size_t, std::size_t>> ranges{};  // [begin, end) of each frozen parameter in the flat unit
+  // [begin, end) of each frozen parameter in the flat unit, in order and apart
+  std::vector<std::pair<std::size_t, std::size_t>> ranges{};
   bool all = false;          // every parameter frozen, and it has some (nn::flat_layout::all_frozen)
   bool no_backward = false;  // a frozen prefix's unit (never the root)
 };
@@ -204,10 +205,10 @@ inline std::size_t round_up(std::size_t n, std::size_t k) { return (n + k - 1) /
 //                at its backward and dropped once reduced; under ZeRO-1 (keeps_full)
 //                made with the unit and kept, but a wholly frozen unit's
 //   reduce[i]    bytes of scratch its reduction needs, held until the next is issued
-//   reduces[i]   it reduces (not wholly frozen); backward[i]: it runs one (not a frozen prefix's)
+//   frozen[i]    every parameter frozen: it reduces nothing; backward[i]: it runs one (not a frozen prefix's)
 struct step_units {
   std::vector<std::size_t> gathered, send, full, reduce;
-  std::vector<bool> reduces, backward;
+  std::vector<bool> frozen, backward;
 };
 struct step_replay {
   std::size_t gathered_peak = 0, scratch_peak = 0, full_grad_peak = 0;  // elements, bytes, elements
@@ -254,7 +255,7 @@ inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_
     reducing.reset();
   };
   auto post_backward = [&](std::size_t i) {
-    if (!u.reduces[i]) return drop_full(i);  // nothing to send, nothing to keep
+    if (u.frozen[i]) return drop_full(i);  // nothing to send, nothing to keep
     finish();
     add(scratch, r.scratch_peak, u.reduce[i]);
     if (widened && !keeps_full) drop_full(i);  // widened into the scratch at once
@@ -262,7 +263,7 @@ inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_
   };
   if (keeps_full)
     for (std::size_t i = 0; i < n; ++i)
-      if (u.reduces[i]) make_full(i);
+      if (!u.frozen[i]) make_full(i);
   for (std::size_t i = 0; i < n; ++i) {
     ensure(i);
     for (std::size_t k = i + 1; k <= i + prefetch && k < n; ++k) issue(k);
@@ -326,6 +327,19 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   require(pol.valid(), "plan: the strategy's policy: ", pol.problem() ? pol.problem() : "");
   require(pol.group_size == 0 || s.world % pol.group_size == 0, "plan: HybridShard group size ", pol.group_size,
           " must divide the world size ", s.world);
+  require(!s.rank || (*s.rank >= 0 && *s.rank < s.world), "plan: rank ", s.rank.value_or(0), " is not one of the ",
+          s.world, " ranks");
+  require(d.frozen.empty() || d.frozen.size() == d.units.size(), "plan: model_desc::frozen describes ",
+          d.frozen.size(), " units of the model's ", d.units.size(), " (one per unit, or none)");
+  for (std::size_t i = 0; i < d.frozen.size(); ++i) {
+    require(i > 0 || !d.frozen[i].no_backward, "plan: the root (unit 0) always runs backward");
+    std::size_t end = 0;  // of the range before: ranges come in order, apart (a flat layout's entries)
+    for (const auto& [lo, hi] : d.frozen[i].ranges) {
+      require(end <= lo && lo <= hi && hi <= d.units[i], "plan: unit ", i, "'s frozen range [", lo, ", ", hi,
+              ") is not within its ", d.units[i], " elements after the range before it (ending at ", end, ")");
+      end = hi;
+    }
+  }
   const bool sharded = pol.shard_parameters;
   const std::size_t W = std::size_t(s.world), G = std::size_t(pol.group(s.world)),
                     N = pol.shard_optimizer ? G : 1;
@@ -350,9 +364,13 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   const std::size_t state = s.rank ? trained[std::size_t(N > 1 ? *s.rank % int(G) : 0)]
                                    : *std::max_element(trained.begin(), trained.end());
   std::size_t reduced = 0, kept = 0;  // elements of the units that reduce, and that keep reduced gradients
-  auto reduces = [&](std::size_t i) { return !d.all_frozen(i) && (i == 0 || d.runs_backward(i)); };
+  // Elements reduced (units that run a backward and are not wholly frozen) and, with
+  // replicated values and sharded optimizer state, refreshed after the step (not wholly frozen).
+  std::size_t refreshed = 0;
+  auto reduces = [&](std::size_t i) { return !d.all_frozen(i) && d.runs_backward(i); };
   for (std::size_t i = 0; i < padded.size(); ++i) {
     if (reduces(i)) reduced += padded[i];
+    if (!d.all_frozen(i)) refreshed += padded[i];
     if (!d.all_frozen(i) || !(compute16 || pol.shard_optimizer)) kept += padded[i];
   }
 
@@ -379,8 +397,8 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
                            : compute16          ? (narrow_reduce ? c * padded[i] / N : m * padded[i])
                            : narrow_reduce      ? piece
                                                 : 0);
-    units.reduces.push_back(reduces(i));
-    units.backward.push_back(i == 0 || d.runs_backward(i));
+    units.frozen.push_back(d.all_frozen(i));
+    units.backward.push_back(d.runs_backward(i));
   }
   const bool widened = compute16 && !narrow_reduce;  // full gradients widened into scratch as they are sent
   const detail::step_replay step = detail::replay(units, std::size_t(s.prefetch),
@@ -391,9 +409,9 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   // Replicated: the values beside the master, unless they are the master.
   mem.gathered_parameters = sharded ? c * step.gathered_peak : master_in_values ? 0 : c * all;
   // Replicated optimizer state: full gradients reduced in place. Else the reduced
-  // pieces, and the full local gradients: kept (ZeRO-1: every unit's that reduces, and one
-  // frozen unit's during its backward), or the root's through the whole backward and two
-  // adjacent units' (one reducing while the next computes; one when widened).
+  // pieces, and the full local gradients: kept (ZeRO-1: every unit's but the wholly frozen,
+  // and one of those during its backward), or the root's through the whole backward and
+  // two units' (the one computing and the last one reducing; one when widened).
   mem.gradients = !pol.shard_optimizer ? c * all : m * kept / N + c * step.full_grad_peak;
   mem.comm_scratch = step.scratch_peak;
   if (!sharded && N > 1 && narrow_param && !compute16)  // construction's gathers of every piece, narrowed, at once
@@ -404,7 +422,7 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   if (sharded)  // every unit gathered in forward and, when freed after it, but the root and a frozen prefix again in backward
     t.all_gather = fG * g * step.gathered_sent;
   else if (N > 1)  // after the step, every updated piece to every rank
-    t.all_gather = t.exposed = fG * (master_in_values ? double(m) : g) * R;
+    t.all_gather = t.exposed = fG * (master_in_values ? double(m) : g) * double(refreshed);
   if (pol.shard_optimizer) t.reduce_scatter = fG * r * R;
   else t.all_reduce = 2 * fW * r * R;
   if (pol.reduce == shard::reduction::hierarchical) {  // the reduced piece averaged across the W/G replicas, in fp32
