@@ -12,7 +12,7 @@
 //       block a unit; --seq defaults to the context it was trained with; --frozen-layers N
 //       plans a fine-tune with the embeddings and the lower N blocks frozen
 //   shardlib-plan --encoder --layers 4 --d-model 256 --heads 4 --ff 1024 --classes 10 --seq 16 --batch 8
-//                 [--dropout 0.1] [common flags]
+//                 [--dropout 0.1] [--frozen-layers 2] [common flags]
 //       the model train_fsdp and bench_strategies train, walked exactly as fully_shard wraps
 //       it, its activations measured by one unsharded step on this machine
 //   common flags: --world 4 | --worlds 1,2,4,8   --strategy all|full|grad-op|optimizer|none|hybrid
@@ -23,6 +23,7 @@
 //                 --json FILE (one JSON line per strategy and world)
 // --compute defaults to the param dtype for --params (an engine computing in it, as on
 // GPUs) and to f32 for --encoder (the host engine computes in fp32).
+#include <shardlib/nn/freeze.hpp>
 #include <shardlib/nn/linear.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/pooling.hpp>
@@ -87,11 +88,12 @@ settings parse(int argc, char** argv) {
                      ->check(CLI::IsMember(presets))
                      ->excludes(article)
                      ->excludes(encoder);
-  cli.add_option("--frozen-layers", s.frozen_layers,
-                 "a fine-tune with the token (and position) embeddings and the lower N blocks frozen: they run "
-                 "forward only and have no gradients or optimizer state (--model)")
-      ->check(whole(0, example::max_size))
-      ->needs(preset);
+  auto* frozen_layers =
+      cli.add_option("--frozen-layers", s.frozen_layers,
+                     "a fine-tune with the lower N blocks frozen: no gradients reduced or kept, no optimizer state "
+                     "(--model: the embeddings too, and those blocks run forward only; --encoder: its lower N layers)")
+          ->check(whole(0, example::max_size))
+          ->excludes(article);
   cli.add_option("--params", s.params, "parameters of the coarse transformer (default: its blocks alone)")
       ->check(example::positive(max_params))
       ->default_str("")
@@ -150,8 +152,13 @@ settings parse(int argc, char** argv) {
     }
     if (s.encoder) {
       example::check_model_flags(s.model);
+      if (s.frozen_layers > s.model.layers)
+        throw CLI::ValidationError("--frozen-layers", cat(s.frozen_layers, " is more than the encoder's ",
+                                                          s.model.layers, " layers"));
       return;
     }
+    if (frozen_layers->count() > 0)
+      throw CLI::ValidationError("--frozen-layers", "a coarse transformer has no layers to freeze (--model or --encoder)");
     for (auto* o : {cli.get_option("--layers"), hidden, cli.get_option("--seq")})
       if (o->count() == 0) throw CLI::ValidationError(o->get_name(), "a coarse transformer needs it (or --encoder)");
     if (cli.get_option("--heads")->count() == 0) s.model.heads = 1;
@@ -192,6 +199,9 @@ std::vector<plan::strategy> strategies(const std::string& s) {
 plan::model_desc encoder_model(const settings& s) {
   const long layers = s.model.layers, d = s.model.d_model, seq = s.model.seq, batch = s.batch;
   example::Model shape = example::reference_model(s.model);
+  std::vector<std::string> frozen;  // the lower layers of the encoder stack (the model's child 0)
+  for (long k = 0; k < s.frozen_layers; ++k) frozen.push_back(cat("0.layers.", k, ".*"));
+  nn::freeze(shape, frozen);
   auto desc = plan::describe_model(shape, shard::wrap_types<example::Encoder>{});
   example::Model probe = example::reference_model(s.model);
   desc.activation_bytes = plan::measure_activations(probe, [&](nn::context& ctx) {
@@ -242,6 +252,15 @@ void print_model(const plan::model_desc& d, const char* activations_note) {
     }
   std::printf("); activations %s (%s); %.3g FLOP per rank per step\n",
               plan::detail::human(double(d.activation_bytes)).c_str(), activations_note, d.flops);
+  if (d.frozen.empty()) return;
+  std::size_t elements = 0, wholly = 0, forward_only = 0;
+  for (const auto& f : d.frozen) {
+    for (const auto& [lo, hi] : f.ranges) elements += hi - lo;
+    wholly += f.all;
+    forward_only += f.no_backward;
+  }
+  std::printf("# frozen: %s parameters; %zu units wholly, %zu of them forward only\n", grouped(elements).c_str(), wholly,
+              forward_only);
 }
 
 void print_setup(const plan::setup& s) {
@@ -384,9 +403,6 @@ int main(int argc, char** argv) {
                   std::string(m.name).c_str(), m.family == plan::family::gpt2 ? "GPT-2" : "LLaMA", m.layers, m.hidden,
                   m.heads, m.kv_heads, m.vocab, m.intermediate, s.model.seq > 0 ? s.model.seq : m.seq,
                   m.tied ? "head tied to the embedding" : "untied head", grouped(plan::parameters(m)).c_str());
-      if (s.frozen_layers > 0)
-        std::printf("# frozen: the embeddings%s and blocks 0-%ld (forward only)\n", m.tied ? " (and the tied head)" : "",
-                    s.frozen_layers - 1);
     } else if (s.encoder) {
       d = encoder_model(s);
     } else {
