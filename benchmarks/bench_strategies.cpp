@@ -8,14 +8,16 @@
 //                    [--article] [--layers 4] [--d-model 256] [--heads 4] [--ff 1024] [--seq 16]
 //                    [--batch 8] [--classes 10] [--dropout 0.1] [--prefetch 1] [--group 2]
 //                    [--warmup 2] [--steps 8] [--rounds 3] [--json FILE]
-//                    [--model encoder|gpt2] [--vocab 8192]
+//                    [--model encoder|gpt2] [--vocab 8192] [--frozen-layers N]
 //
 // The default model is reduced so that the whole run takes a few minutes on 2 cores;
 // --article selects the FSDP article's sizes (6 layers, d_model 512, 8 heads, ff 2048,
 // seq 10), and size flags override single values whatever their position. --model gpt2
 // trains models::GPT2LMHeadModel (tied head, each GPT2Block a unit, n_inner = --ff,
 // --dropout for all three dropouts) with AdamW on next-token cross-entropy over random
-// token ids, the sizes above and --vocab; --classes does not apply to it.
+// token ids, the sizes above and --vocab; --classes does not apply to it. --frozen-layers N
+// trains a fine-tune: the encoder's lower N layers frozen, or GPT-2's embeddings (the
+// tied head with them) and lower N blocks, a frozen prefix that runs forward only.
 //
 // Strategies run in turns, `rounds` times each, each run in a fresh child process, and
 // step times are pooled over the rounds: other work on a shared machine then slows all
@@ -24,6 +26,7 @@
 // communication workers) show where time goes even when the machine is shared.
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/models/gpt2.hpp>
+#include <shardlib/nn/freeze.hpp>
 #include <shardlib/nn/linear.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/pooling.hpp>
@@ -69,6 +72,7 @@ namespace {
 struct config {
   std::string model_name = "encoder";  // or "gpt2"
   long vocab = 8192;              // gpt2 only
+  long frozen_layers = 0;         // --frozen-layers
   example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .seq = 16};
   long batch = 8;
   int prefetch = 1, group = 2, warmup = 2, steps = 8, rounds = 3;
@@ -86,7 +90,11 @@ struct encoder_workload {
   const config& cfg;
   example::synthetic_task task = example::task_for(cfg.model);
 
-  model_type make() const { return example::reference_model(cfg.model); }
+  model_type make() const {
+    auto m = example::reference_model(cfg.model);
+    for (long k = 0; k < cfg.frozen_layers; ++k) nn::freeze(m, {cat("0.layers.", k, ".*")});
+    return m;
+  }
   auto inputs(long first) const { return task.inputs(first, cfg.batch); }
   auto targets(long first) const { return task.labels(first, cfg.batch); }
 };
@@ -101,9 +109,12 @@ struct gpt2_workload {
 
   model_type make() const {
     const auto& m = cfg.model;
-    return model_type({.vocab_size = cfg.vocab, .n_positions = m.seq, .n_embd = m.d_model, .n_layer = m.layers,
-                       .n_head = m.heads, .n_inner = m.ff, .resid_pdrop = m.dropout, .embd_pdrop = m.dropout,
-                       .attn_pdrop = m.dropout});
+    model_type model({.vocab_size = cfg.vocab, .n_positions = m.seq, .n_embd = m.d_model, .n_layer = m.layers,
+                      .n_head = m.heads, .n_inner = m.ff, .resid_pdrop = m.dropout, .embd_pdrop = m.dropout,
+                      .attn_pdrop = m.dropout});
+    if (cfg.frozen_layers > 0) nn::freeze(model, {"transformer.wte.*", "transformer.wpe.*"});
+    for (long k = 0; k < cfg.frozen_layers; ++k) nn::freeze(model, {cat("transformer.h.", k, ".*")});
+    return model;
   }
   Tensor<std::int64_t> inputs(long first) const {
     Tensor<std::int64_t> t({cfg.batch, cfg.model.seq});
@@ -369,14 +380,15 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
   std::fprintf(f,
                "{\"bench\":\"strategies\",\"model\":\"%s\",\"vocab\":%ld,\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"cores\":%u,"
                "\"oversubscribed\":%s,\"layers\":%ld,\"d_model\":%ld,\"heads\":%ld,\"ff\":%ld,\"seq\":%ld,"
-               "\"batch\":%ld,\"classes\":%ld,\"dropout\":%g,\"prefetch\":%d,\"steps\":%zu,\"units\":%zu,"
+               "\"batch\":%ld,\"classes\":%ld,\"dropout\":%g,\"frozen_layers\":%ld,\"prefetch\":%d,\"steps\":%zu,"
+               "\"units\":%zu,"
                "\"padded_params\":%zu,\"step_s\":%.9g,\"cpu_s\":%.9g,\"sys_s\":%.9g,\"minor_faults\":%.9g,"
                "\"step_times_s\":%s],\"peak_bytes\":%s,\"formula_bytes\":%s,\"sent_bytes\":%.9g,"
                "\"sent_formula_bytes\":%.9g,\"sent_by\":{\"all_gather\":%.9g,\"reduce_scatter\":%.9g,"
                "\"all_reduce\":%.9g,\"broadcast\":%.9g}}\n",
                cfg.model_name.c_str(), cfg.model_name == "gpt2" ? cfg.vocab : 0L, m.strategy.c_str(), m.world, m.group, cores, unsigned(m.world) > cores ? "true" : "false",
                cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.model.seq, cfg.batch,
-               cfg.model.classes, cfg.model.dropout, cfg.prefetch,
+               cfg.model.classes, cfg.model.dropout, cfg.frozen_layers, cfg.prefetch,
                m.steps.size(), m.units, m.psi, m.median(&step_sample::wall_s), m.median(&step_sample::cpu_s),
                m.median(&step_sample::sys_s), m.median(&step_sample::faults), steps.c_str(), object(m.peak).c_str(),
                object(m.formula).c_str(), m.sent, m.sent_formula,
@@ -417,8 +429,16 @@ config parse(int argc, char** argv) {
   cli.add_option("--warmup", c.warmup, "warm-up steps")->check(example::whole(1, example::max_size));
   cli.add_option("--steps", c.steps, "measured steps")->check(example::whole(1, example::max_size));
   cli.add_option("--rounds", c.rounds, "runs of each strategy")->check(example::whole(1, example::max_size));
+  cli.add_option("--frozen-layers", c.frozen_layers,
+                 "a fine-tune: the lower N layers frozen (gpt2: the embeddings too, a frozen prefix)")
+      ->check(example::whole(0, example::max_size));
   cli.add_option("--json", json, "appends one JSON line per strategy and world size");
-  cli.callback([&] { example::check_model_flags(c.model); });
+  cli.callback([&] {
+    example::check_model_flags(c.model);
+    if (c.frozen_layers > c.model.layers)
+      throw CLI::ValidationError("--frozen-layers",
+                                 cat(c.frozen_layers, " is more than the model's ", c.model.layers, " layers"));
+  });
   cli.parse_or_exit(argc, argv);
   if (!json.empty()) c.json = std::fopen(json.c_str(), "a");
   return c;
@@ -433,6 +453,7 @@ void print_model(const encoder_workload& work) {
               "# per-rank batch %ld x seq %ld, %ld classes, dropout %g; Adam; fp32; each encoder layer a unit, ",
               cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, nn::parameter_count(probe),
               cfg.batch, cfg.model.seq, cfg.model.classes, cfg.model.dropout);
+  if (cfg.frozen_layers > 0) std::printf("the lower %ld layers frozen, ", cfg.frozen_layers);
 }
 void print_model(const gpt2_workload& work) {
   const config& cfg = work.cfg;
@@ -442,6 +463,7 @@ void print_model(const gpt2_workload& work) {
               "# per-rank batch %ld x seq %ld, next-token cross-entropy on random ids, dropout %g; AdamW; fp32; "
               "each GPT2Block a unit, ",
               cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.vocab, nn::parameter_count(probe), cfg.batch, cfg.model.seq, cfg.model.dropout);
+  if (cfg.frozen_layers > 0) std::printf("the embeddings and the lower %ld blocks frozen (forward only), ", cfg.frozen_layers);
 }
 
 template <class Workload>
