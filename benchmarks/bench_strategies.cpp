@@ -92,7 +92,7 @@ struct encoder_workload {
 
   model_type make() const {
     auto m = example::reference_model(cfg.model);
-    for (long k = 0; k < cfg.frozen_layers; ++k) nn::freeze(m, {cat("0.layers.", k, ".*")});
+    example::freeze_lower_layers(m, cfg.frozen_layers);
     return m;
   }
   auto inputs(long first) const { return task.inputs(first, cfg.batch); }
@@ -112,8 +112,10 @@ struct gpt2_workload {
     model_type model({.vocab_size = cfg.vocab, .n_positions = m.seq, .n_embd = m.d_model, .n_layer = m.layers,
                       .n_head = m.heads, .n_inner = m.ff, .resid_pdrop = m.dropout, .embd_pdrop = m.dropout,
                       .attn_pdrop = m.dropout});
-    if (cfg.frozen_layers > 0) nn::freeze(model, {"transformer.wte.*", "transformer.wpe.*"});
-    for (long k = 0; k < cfg.frozen_layers; ++k) nn::freeze(model, {cat("transformer.h.", k, ".*")});
+    std::vector<std::string> frozen;  // the embeddings (and so the tied head) and the lower blocks
+    if (cfg.frozen_layers > 0) frozen = {"transformer.wte.*", "transformer.wpe.*"};
+    for (long k = 0; k < cfg.frozen_layers; ++k) frozen.push_back(cat("transformer.h.", k, ".*"));
+    nn::freeze(model, frozen);
     return model;
   }
   Tensor<std::int64_t> inputs(long first) const {

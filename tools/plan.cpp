@@ -23,7 +23,6 @@
 //                 --json FILE (one JSON line per strategy and world)
 // --compute defaults to the param dtype for --params (an engine computing in it, as on
 // GPUs) and to f32 for --encoder (the host engine computes in fp32).
-#include <shardlib/nn/freeze.hpp>
 #include <shardlib/nn/linear.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/pooling.hpp>
@@ -76,10 +75,11 @@ settings parse(int argc, char** argv) {
                             "shardlib-plan");
   cli.footer(
       "Models: --article, the FSDP article's scenario; --model NAME, a published GPT-2 or LLaMA (--seq defaults to\n"
-      "its context, --batch to 1; --frozen-layers N freezes its embeddings and lower N blocks); --params N --layers L --hidden H --seq S [--heads A]\n"
-      "[--batch B], a coarse transformer of blocks of 12 hidden^2 parameters, the rest in the root (heads and batch\n"
-      "default to 1); --encoder [--layers --d-model --heads --ff --classes --seq --batch --dropout], the model\n"
-      "train_fsdp and bench_strategies train, walked exactly as fully_shard wraps it.");
+      "its context, --batch to 1; --frozen-layers N freezes its embeddings and lower N blocks);\n"
+      "--params N --layers L --hidden H --seq S [--heads A] [--batch B], a coarse transformer of blocks of\n"
+      "12 hidden^2 parameters, the rest in the root (heads and batch default to 1); --encoder [--layers --d-model\n"
+      "--heads --ff --classes --seq --batch --dropout --frozen-layers], the model train_fsdp and bench_strategies\n"
+      "train, walked exactly as fully_shard wraps it.");
   auto* article = cli.add_flag("--article", s.article, "the FSDP article's scenario, with the arithmetic to check");
   auto* encoder = cli.add_flag("--encoder", s.encoder, "train_fsdp's model")->excludes(article);
   std::vector<std::string> presets;
@@ -199,9 +199,7 @@ std::vector<plan::strategy> strategies(const std::string& s) {
 plan::model_desc encoder_model(const settings& s) {
   const long layers = s.model.layers, d = s.model.d_model, seq = s.model.seq, batch = s.batch;
   example::Model shape = example::reference_model(s.model);
-  std::vector<std::string> frozen;  // the lower layers of the encoder stack (the model's child 0)
-  for (long k = 0; k < s.frozen_layers; ++k) frozen.push_back(cat("0.layers.", k, ".*"));
-  nn::freeze(shape, frozen);
+  example::freeze_lower_layers(shape, s.frozen_layers);
   auto desc = plan::describe_model(shape, shard::wrap_types<example::Encoder>{});
   example::Model probe = example::reference_model(s.model);
   desc.activation_bytes = plan::measure_activations(probe, [&](nn::context& ctx) {

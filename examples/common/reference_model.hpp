@@ -1,12 +1,17 @@
 // examples/common/reference_model.hpp — the FSDP article's classifier, sized by flags,
 // in any element type and memory space (float on the host; bfloat16 on a GPU).
 #pragma once
+#include <shardlib/core/error.hpp>
 #include <shardlib/core/memory_space.hpp>
+#include <shardlib/nn/freeze.hpp>
 #include <shardlib/nn/linear.hpp>
 #include <shardlib/nn/pooling.hpp>
 #include <shardlib/nn/sequential.hpp>
 #include <shardlib/nn/stack.hpp>
 #include <shardlib/nn/transformer.hpp>
+
+#include <string>
+#include <vector>
 
 #include "flags.hpp"
 #include "synthetic.hpp"
@@ -32,6 +37,14 @@ ModelOf<T, Space> reference_model(const model_flags& m) {
                                                                                  .dropout = m.dropout,
                                                                                  .batch_first = true}),
                            nn::MeanPool<T, Space>(1), nn::Linear<T, Space>(m.d_model, m.classes)};
+}
+
+// A fine-tune of it: the lower n encoder layers frozen (the stack is the model's child 0).
+template <class T, class Space>
+void freeze_lower_layers(ModelOf<T, Space>& model, long n) {
+  std::vector<std::string> globs;
+  for (long k = 0; k < n; ++k) globs.push_back(shardlib::cat("0.layers.", k, ".*"));
+  shardlib::nn::freeze(model, globs);
 }
 
 // The synthetic task the model learns: m.seq tokens of width m.d_model, m.classes classes.

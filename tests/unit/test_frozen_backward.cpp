@@ -33,6 +33,7 @@
 #include "shardlib/plan/memory_plan.hpp"
 #include "shardlib/shard/sharded_model.hpp"
 #include "support/compare.hpp"
+#include "support/parameter_names.hpp"
 #include "support/raised.hpp"
 
 #include <catch2/catch.hpp>
@@ -77,12 +78,7 @@ Tensor<std::int64_t> token_ids(Shape s, std::int64_t vocab) {
   return t;
 }
 
-template <class L>
-std::vector<std::string> parameter_names(L& layer) {
-  std::vector<std::string> names;
-  layer.parameters([&](std::string_view name, auto&) { names.emplace_back(name); });
-  return names;
-}
+using test_support::parameter_names;
 
 // One forward and backward of a copy of `layer` on x with the named parameters frozen,
 // their gradients starting as the sentinel (the others at zero); the parameters'

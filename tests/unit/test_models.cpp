@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "support/compare.hpp"
+#include "support/parameter_names.hpp"
 #include "support/golden.hpp"
 #include "support/shard_fixture.hpp"
 
@@ -112,12 +113,7 @@ test_support::max_error logits_error(const Tensor<T>& ours, const Tensor<double>
   return e;
 }
 
-template <class M>
-std::vector<std::string> parameter_names(M& m) {
-  std::vector<std::string> names;
-  m.parameters([&](std::string_view name, auto&) { names.emplace_back(name); });
-  return names;
-}
+using test_support::parameter_names;
 
 // The tensor names of every safetensors file in a directory.
 std::set<std::string> file_names(const fs::path& dir) {
