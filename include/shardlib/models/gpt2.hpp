@@ -168,15 +168,9 @@ class GPT2Model {
   input backward(Ctx& ctx, const output& dy) {
     if (!prefix_.runs_backward(ln_f)) return {};
     output g = ctx.backward(ln_f, dy);
-    for (auto it = h.rbegin(); it != h.rend(); ++it) {
-      if (!prefix_.runs_backward(*it)) return {};
-      g = ctx.backward(*it, g);
-    }
-    if (!prefix_.runs_backward(drop)) return {};
-    g = ctx.backward(drop, g);
-    if (!prefix_.runs_backward(wpe)) return {};
-    g = ctx.backward(wpe, g);
-    if (!prefix_.runs_backward(wte)) return {};
+    for (auto it = h.rbegin(); it != h.rend(); ++it)
+      if (!prefix_.backward(ctx, *it, g)) return {};
+    if (!prefix_.backward(ctx, drop, g) || !prefix_.backward(ctx, wpe, g) || !prefix_.runs_backward(wte)) return {};
     return ctx.backward(wte, g);
   }
 

@@ -168,10 +168,8 @@ class LlamaModel {
   input backward(Ctx& ctx, const output& dy) {
     if (!prefix_.runs_backward(norm)) return {};
     output g = ctx.backward(norm, dy);
-    for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
-      if (!prefix_.runs_backward(*it)) return {};
-      g = ctx.backward(*it, g);
-    }
+    for (auto it = layers.rbegin(); it != layers.rend(); ++it)
+      if (!prefix_.backward(ctx, *it, g)) return {};
     if (!prefix_.runs_backward(embed_tokens)) return {};
     return ctx.backward(embed_tokens, g);
   }

@@ -19,7 +19,8 @@ namespace shardlib::nn {
 // activations, and a sharding engine frees their units at once.
 //
 // The chain calls forward(ctx, child, x) for each child in order after begin(), and in
-// backward runs a child only while runs_backward(child).
+// backward runs a child only while runs_backward(child) (backward(ctx, child, g) for
+// children whose gradient has the type of their output).
 class frozen_prefix {
  public:
   void begin() {
@@ -36,6 +37,14 @@ class frozen_prefix {
   template <class L>
   bool runs_backward(const L& child) const {
     return std::ranges::find(frozen_, static_cast<const void*>(&child)) == frozen_.end();
+  }
+  // g = the child's backward of g, unless it is in the prefix: then false, where the
+  // chain's backward stops.
+  template <class Ctx, class L, class G>
+  bool backward(Ctx& ctx, L& child, G& g) const {
+    if (!runs_backward(child)) return false;
+    g = ctx.backward(child, g);
+    return true;
   }
 
  private:
