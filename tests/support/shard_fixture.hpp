@@ -176,6 +176,30 @@ struct Linear16 {
     return dx;
   }
 };
+// The model of bf16 Linear16 layers, shaped as make_model()'s.
+using Linear16b = Linear16<bfloat16>;
+using Model16 = nn::Sequential<Linear16b, nn::Stack<Linear16b>, Linear16b>;
+inline Model16 make_model16() {
+  return Model16{Linear16b(5, 8), nn::Stack<Linear16b>(3, Linear16b(8, 8)), Linear16b(8, 3)};
+}
+
+// x rounded to H (float: a copy), and mse on H outputs: computed in float, its gradient rounded.
+template <class H, class X>
+Tensor<H> as(const Tensor<X>& x) {
+  Tensor<H> t(x.shape());
+  for (std::int64_t i = 0; i < x.numel(); ++i) t[i] = H(x[i]);
+  return t;
+}
+template <class H>
+struct mse_h_result {
+  float loss;
+  Tensor<H> grad;
+};
+template <class H>
+mse_h_result<H> mse_h(const Tensor<H>& y, const Tensor<H>& target) {
+  auto r = mse(as<float>(y), as<float>(target));
+  return {r.loss, as<H>(r.grad)};
+}
 
 }  // namespace fixture
 

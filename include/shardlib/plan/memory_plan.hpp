@@ -205,17 +205,18 @@ inline std::size_t round_up(std::size_t n, std::size_t k) { return (n + k - 1) /
 //                at its backward and dropped once reduced; under ZeRO-1 (keeps_full)
 //                made with the unit and kept, but a wholly frozen unit's
 //   reduce[i]    bytes of scratch its reduction needs, held until the next is issued
+//   released[i]  its full gradients are dropped as its reduction is issued (widened or
+//                packed into the scratch), not once it is done
 //   frozen[i]    every parameter frozen: it reduces nothing; backward[i]: it runs one (not a frozen prefix's)
 struct step_units {
   std::vector<std::size_t> gathered, send, full, reduce;
-  std::vector<bool> frozen, backward;
+  std::vector<bool> released, frozen, backward;
 };
 struct step_replay {
   std::size_t gathered_peak = 0, scratch_peak = 0, full_grad_peak = 0;  // elements, bytes, elements
   double gathered_sent = 0;  // elements: gathered[i] summed over the gathers issued
 };
-inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_after_forward, bool widened,
-                          bool keeps_full) {
+inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_after_forward, bool keeps_full) {
   const std::size_t n = u.gathered.size();
   enum class state { sharded, gathering, gathered };
   std::vector<state> st(n, state::sharded);
@@ -258,7 +259,7 @@ inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_
     if (u.frozen[i]) return drop_full(i);  // nothing to send, nothing to keep
     finish();
     add(scratch, r.scratch_peak, u.reduce[i]);
-    if (widened && !keeps_full) drop_full(i);  // widened into the scratch at once
+    if (u.released[i] && !keeps_full) drop_full(i);
     reducing = i;
   };
   if (keeps_full)
@@ -361,15 +362,32 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   for (int q = 0; q < ranks; ++q)
     for (std::size_t i = 0; i < padded.size(); ++i)
       trained[std::size_t(q)] += d.trained(i, std::size_t(q) * padded[i] / N, padded[i] / N);
-  const std::size_t state = s.rank ? trained[std::size_t(N > 1 ? *s.rank % int(G) : 0)]
-                                   : *std::max_element(trained.begin(), trained.end());
-  std::size_t reduced = 0, kept = 0;  // elements of the units that reduce, and that keep reduced gradients
-  // Elements reduced (units that run a backward and are not wholly frozen) and, with
-  // replicated values and sharded optimizer state, refreshed after the step (not wholly frozen).
-  std::size_t refreshed = 0;
-  auto reduces = [&](std::size_t i) { return !d.all_frozen(i) && d.runs_backward(i); };
+  const int my_piece = N > 1 ? s.rank.value_or(0) % int(G) : 0;
+  const std::size_t state = s.rank ? trained[std::size_t(my_piece)] : *std::max_element(trained.begin(), trained.end());
+  // A unit that has frozen and trained parameters reduces its trained elements alone when the
+  // largest piece's (its slot, width[i]) is fewer than a piece's (shard/packing.hpp).
+  std::vector<std::size_t> width(padded.size(), 0);
+  std::vector<std::vector<std::size_t>> piece_trained(padded.size());
   for (std::size_t i = 0; i < padded.size(); ++i) {
-    if (reduces(i)) reduced += padded[i];
+    const std::size_t n = padded[i] / N;
+    for (std::size_t q = 0; q < N && !d.all_frozen(i); ++q) {
+      piece_trained[i].push_back(d.trained(i, q * n, n));
+      width[i] = std::max(width[i], piece_trained[i].back());
+    }
+    if (width[i] >= n) piece_trained[i].clear();
+  }
+  auto packed = [&](std::size_t i) { return !piece_trained[i].empty(); };
+  // Elements each reduction sends (units that run a backward and are not wholly frozen), and
+  // each piece's averaged across HybridShard's replicas; with replicated values and sharded
+  // optimizer state, elements refreshed after the step (not wholly frozen).
+  double reduced = 0;
+  std::vector<double> across(N, 0);
+  std::size_t kept = 0, refreshed = 0;  // elements of the units that keep reduced gradients, and refreshed
+  for (std::size_t i = 0; i < padded.size(); ++i) {
+    if (!d.all_frozen(i) && d.runs_backward(i)) {
+      reduced += double(packed(i) ? N * width[i] : padded[i]);
+      for (std::size_t q = 0; q < N; ++q) across[q] += double(packed(i) ? piece_trained[i][q] : padded[i] / N);
+    }
     if (!d.all_frozen(i)) refreshed += padded[i];
     if (!d.all_frozen(i) || !(compute16 || pol.shard_optimizer)) kept += padded[i];
   }
@@ -393,17 +411,19 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
     units.gathered.push_back(sharded ? padded[i] : 0);
     units.send.push_back(sharded && narrow_param && !compute16 ? piece : 0);
     units.full.push_back(pol.shard_optimizer ? padded[i] : 0);
-    units.reduce.push_back(!pol.shard_optimizer ? 0
-                           : compute16          ? (narrow_reduce ? c * padded[i] / N : m * padded[i])
-                           : narrow_reduce      ? piece
-                                                : 0);
+    // packed: the slots sent and this rank's received, in the compute dtype when 16-bit both
+    const std::size_t slots = (N + (pol.shard_optimizer ? 1 : 0)) * width[i];
+    units.reduce.push_back(packed(i)             ? (compute16 && narrow_reduce ? c : m) * slots
+                           : !pol.shard_optimizer ? 0
+                           : compute16            ? (narrow_reduce ? c * padded[i] / N : m * padded[i])
+                           : narrow_reduce        ? piece
+                                                  : 0);
+    units.released.push_back(packed(i) || (compute16 && !narrow_reduce));
     units.frozen.push_back(d.all_frozen(i));
     units.backward.push_back(d.runs_backward(i));
   }
-  const bool widened = compute16 && !narrow_reduce;  // full gradients widened into scratch as they are sent
   const detail::step_replay step = detail::replay(units, std::size_t(s.prefetch),
-                                                  pol.free == shard::free_point::after_forward, widened,
-                                                  !pol.shard_gradients);
+                                                  pol.free == shard::free_point::after_forward, !pol.shard_gradients);
   // Sharded: the root all step, the unit running and those prefetched, and under
   // after_backward every unit that runs a backward, from its forward to its backward.
   // Replicated: the values beside the master, unless they are the master.
@@ -418,7 +438,7 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
     mem.comm_scratch = std::max(mem.comm_scratch, m * all / N);
 
   traffic& t = p.sent;
-  const double fG = double(G - 1) / double(G), fW = double(W - 1) / double(W), R = double(reduced);
+  const double fG = double(G - 1) / double(G), fW = double(W - 1) / double(W), R = reduced;
   if (sharded)  // every unit gathered in forward and, when freed after it, but the root and a frozen prefix again in backward
     t.all_gather = fG * g * step.gathered_sent;
   else if (N > 1)  // after the step, every updated piece to every rank
@@ -427,7 +447,8 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   else t.all_reduce = 2 * fW * r * R;
   if (pol.reduce == shard::reduction::hierarchical) {  // the reduced piece averaged across the W/G replicas, in fp32
     const double replicas = double(W / G);
-    t.all_reduce = 2 * (replicas - 1) / replicas * double(m) * R / double(G);
+    t.all_reduce = 2 * (replicas - 1) / replicas * double(m) *
+                   (s.rank ? across[std::size_t(my_piece)] : *std::max_element(across.begin(), across.end()));
     t.exposed += t.all_reduce;
   }
   // train_step's one scalar all-reduce: the global mean loss and fp16 loss scaling's

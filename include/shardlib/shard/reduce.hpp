@@ -3,6 +3,7 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/comm/communicator.hpp"
+#include "shardlib/shard/packing.hpp"
 #include "shardlib/shard/precision.hpp"
 #include "shardlib/shard/space_ops.hpp"
 #include "shardlib/shard/strategy.hpp"
@@ -25,6 +26,11 @@ namespace shardlib::shard {
 //                    widened into scratch.wide first
 //   fp32 layers, 16-bit reduction (host)
 //                    narrowed in place, received in the first half of scratch.reduce
+// A unit of frozen and trained parameters whose packing is narrower than its pieces
+// (u.packing, shard/packing.hpp) sends its trained elements alone: packed (and widened,
+// as above) into scratch.wide, or scratch.packed when 16-bit both; its full gradients
+// released at once; received in scratch.reduce (or scratch.narrow) and added into the
+// trained runs of u.grad, whose frozen runs stay zero (zero_grad).
 // At most one unit's reduction is in flight while the next unit computes.
 template <class Unit, class T, class C, class Space, class Comm>
 class gradient_reducer {
@@ -43,7 +49,10 @@ class gradient_reducer {
   void issue(unit_type& u, Comm& shard_group, Comm& world) {
     finish_all_except(&u);
     const dtype rd = precision_.reduce;
-    if (policy_.reduce == reduction::all_reduce) {
+    piece_ = policy_.reduce == reduction::all_reduce ? 0 : std::size_t(shard_group.rank());
+    if (u.packing.packed()) {
+      issue_packed(u, shard_group, world);
+    } else if (policy_.reduce == reduction::all_reduce) {
       auto full = u.grad->local();
       if (rd == dtype::f32) {
         u.reduce_work = world.all_reduce_async(std::span<const T>(full), full, op_);
@@ -93,7 +102,9 @@ class gradient_reducer {
     u.reduce_work.wait();
     u.reducing = false;
     const dtype rd = precision_.reduce;
-    if (policy_.reduce == reduction::all_reduce) {
+    if (u.packing.packed()) {
+      finish_packed(u);
+    } else if (policy_.reduce == reduction::all_reduce) {
       if constexpr (on_host && !compute16)
         if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(u.grad->local()); });
     } else {
@@ -136,11 +147,90 @@ class gradient_reducer {
         u->scratch.reduce.reset();
         u->scratch.wide.reset();
         u->scratch.narrow.reset();
+        u->scratch.packed.reset();
       }
     in_flight_.clear();
   }
 
  private:
+  void issue_packed(unit_type& u, Comm& shard_group, Comm& world) {
+    const reduce_packing& k = u.packing;
+    const dtype rd = precision_.reduce;
+    if (policy_.reduce == reduction::all_reduce) {  // one piece: the layers' gradients themselves
+      u.scratch.wide = Buffer<T, Space>(k.width, category::comm_scratch);
+      auto packed = u.scratch.wide.span();
+      pack<ops>(k, std::span<const T>(u.grad->local()), packed);
+      if (rd == dtype::f32) {
+        u.reduce_work = world.all_reduce_async(std::span<const T>(packed), packed, op_);
+      } else if constexpr (on_host && !compute16) {
+        with_16bit<T>(rd, [&](auto h) {
+          using H = decltype(h);
+          auto g = narrow_in_place<H>(packed);
+          u.reduce_work = world.all_reduce_async(std::span<const H>(g), g, op_);
+        });
+      }
+      return;
+    }
+    const std::size_t all = k.width * k.runs.size();
+    if (compute16 && rd != dtype::f32) {
+      u.scratch.packed = Buffer<C, Space>(all, category::comm_scratch);
+      pack<ops>(k, std::span<const C>(u.full_grad.span()), u.scratch.packed.span());
+      u.scratch.narrow = Buffer<C, Space>(k.width, category::comm_scratch);
+      u.reduce_work = shard_group.reduce_scatter_async(std::span<const C>(u.scratch.packed.span()),
+                                                       u.scratch.narrow.span(), op_);
+    } else {
+      u.scratch.wide = Buffer<T, Space>(all, category::comm_scratch);
+      pack<ops>(k, std::span<const C>(u.full_grad.span()), u.scratch.wide.span());
+      u.scratch.reduce = Buffer<T, Space>(k.width, category::comm_scratch);
+      if (rd == dtype::f32 || compute16) {
+        u.reduce_work = shard_group.reduce_scatter_async(std::span<const T>(u.scratch.wide.span()),
+                                                         u.scratch.reduce.span(), op_);
+      } else if constexpr (on_host && !compute16) {
+        with_16bit<T>(rd, [&](auto h) {
+          using H = decltype(h);
+          auto narrow = narrow_in_place<H>(u.scratch.wide.span());
+          std::span<H> recv(reinterpret_cast<H*>(u.scratch.reduce.data()), k.width);
+          u.reduce_work = shard_group.reduce_scatter_async(std::span<const H>(narrow), recv, op_);
+        });
+      }
+    }
+    release_full_grad(u);
+  }
+
+  void finish_packed(unit_type& u) {
+    const reduce_packing& k = u.packing;
+    const dtype rd = precision_.reduce;
+    if (policy_.reduce == reduction::all_reduce) {
+      auto packed = u.scratch.wide.span();
+      if constexpr (on_host && !compute16)
+        if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(packed); });
+      unpack<ops>(k, 0, std::span<const T>(packed), u.grad->local(), true);
+      u.scratch.wide.reset();
+      return;
+    }
+    u.scratch.wide.reset();  // what was sent
+    u.scratch.packed.reset();
+    const bool hierarchical = policy_.reduce == reduction::hierarchical;
+    if constexpr (compute16)
+      if (!u.scratch.narrow.empty()) {
+        const std::span<const C> got(u.scratch.narrow.span());
+        if (!hierarchical) {
+          unpack<ops>(k, piece_, got, u.grad->local(), u.grad_clean);
+          u.scratch.narrow.reset();
+          return;
+        }
+        u.scratch.reduce = Buffer<T, Space>(k.width, category::comm_scratch);  // averaged across replicas in fp32
+        ops::widen_add(got, u.scratch.reduce.span(), true);
+        u.scratch.narrow.reset();
+      }
+    auto got = u.scratch.reduce.span();
+    if constexpr (on_host && !compute16)
+      if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(got); });
+    if (hierarchical) replicas_->all_reduce(got.first(k.trained[piece_]), op_);
+    unpack<ops>(k, piece_, std::span<const T>(got), u.grad->local(), u.grad_clean);
+    u.scratch.reduce.reset();
+  }
+
   // Full gradients are dropped once reduced when gradients are sharded; kept,
   // zeroed, for the next backward when they are not (ZeRO-1).
   void release_full_grad(unit_type& u) {
@@ -152,6 +242,7 @@ class gradient_reducer {
   mixed_precision precision_;
   Comm* replicas_ = nullptr;
   comm::reduce_op op_ = comm::reduce_op::avg;
+  std::size_t piece_ = 0;  // this rank's piece of every unit: its rank in the shard group
   std::vector<unit_type*> in_flight_;
 };
 

@@ -727,6 +727,7 @@ class ShardedModel {
       narrow_master(u);
     }
     u.grad.emplace(no_grads ? 0 : part.numel, part.world, pr, category::gradients);
+    u.packing = trained_packing(u.layout, part);
     if (policy_.shard_parameters) return;
     // Replicated values, padded like the partition so that ZeRO-1 all-gathers in place.
     u.values = Buffer<C, space>(part.padded_size(),
@@ -845,7 +846,8 @@ class ShardedModel {
 
   // --- gradients -------------------------------------------------------------------------------
   // Frozen parameters (requires_grad = false): what layers wrote as their gradients is
-  // zeroed before anything reads it, so they reduce, count in the norm and step as zeros
+  // zeroed before anything reads it, so that a reduction that sends them (a unit not packed:
+  // shard/packing.hpp), the norm and the step see zeros
   // (and the optimizer leaves their elements out: unit_optimizer's runs).
   void zero_frozen_grads(unit_type& u) {
     for (const auto& e : u.layout.entries)

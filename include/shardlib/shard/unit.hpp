@@ -6,6 +6,7 @@
 #include "shardlib/nn/flat.hpp"
 #include "shardlib/nn/param.hpp"
 #include "shardlib/shard/discover.hpp"
+#include "shardlib/shard/packing.hpp"
 #include "shardlib/shard/sharded_tensor.hpp"
 
 #include <cstddef>   // std::size_t
@@ -65,13 +66,15 @@ struct unit {
   bool reducing = false;   // reduce_work is in flight
   bool grad_clean = true;  // `grad` is all zero (a reduction may write straight into it)
   bool no_backward = false;  // its last forward ran inside the context's no_grad(f) (nn::frozen_prefix)
+  reduce_packing packing;    // frozen and trained parameters: what its reduction sends (shard/packing.hpp)
 
   // Communication scratch, alive only while a collective needs it.
   struct scratch_buffers {
     Buffer<T, Space> send;    // the master narrowed for a 16-bit all-gather (host, fp32 layers)
     Buffer<T, Space> reduce;  // reduce-scatter target when `grad` already holds gradients, or 16-bit
-    Buffer<T, Space> wide;    // 16-bit compute, fp32 reduction: full gradients widened
+    Buffer<T, Space> wide;    // 16-bit compute, fp32 reduction: full gradients widened; packed: what is sent
     Buffer<C, Space> narrow;  // 16-bit compute and reduction: the reduce-scatter's target
+    Buffer<C, Space> packed;  // 16-bit compute and reduction, packed: what is sent
   } scratch;
 
   std::size_t numel() const { return layout.numel; }
