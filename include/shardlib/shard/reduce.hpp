@@ -53,45 +53,27 @@ class gradient_reducer {
     if (u.packing.packed()) {
       issue_packed(u, shard_group, world);
     } else if (policy_.reduce == reduction::all_reduce) {
-      auto full = u.grad->local();
-      if (rd == dtype::f32) {
-        u.reduce_work = world.all_reduce_async(std::span<const T>(full), full, op_);
-      } else if constexpr (on_host && !compute16) {
-        with_16bit<T>(rd, [&](auto h) {
-          using H = decltype(h);
-          auto g = narrow_in_place<H>(full);
-          u.reduce_work = world.all_reduce_async(std::span<const H>(g), g, op_);
-        });
-      }
+      all_reduce(u, world, u.grad->local());
     } else if (compute16 && rd != dtype::f32) {
       u.scratch.narrow = Buffer<C, Space>(u.grad->local().size(), category::comm_scratch);
       u.reduce_work =
           shard_group.reduce_scatter_async(std::span<const C>(u.full_grad.span()), u.scratch.narrow.span(), op_);
     } else {
-      std::span<const T> send;
+      std::span<T> send;
       if constexpr (compute16) {
         u.scratch.wide = Buffer<T, Space>(u.full_grad.size(), category::comm_scratch);
         ops::widen_add(std::span<const C>(u.full_grad.span()), u.scratch.wide.span(), true);
         release_full_grad(u);
         send = u.scratch.wide.span();
       } else {
-        send = std::span<const T>(u.full_grad.span());
+        send = u.full_grad.span();
       }
       auto into = u.grad->local();
       if (!u.grad_clean || (!compute16 && rd != dtype::f32)) {
         u.scratch.reduce = Buffer<T, Space>(into.size(), category::comm_scratch);
         into = u.scratch.reduce.span();
       }
-      if (rd == dtype::f32 || compute16) {
-        u.reduce_work = shard_group.reduce_scatter_async(send, into, op_);
-      } else if constexpr (on_host && !compute16) {
-        with_16bit<T>(rd, [&](auto h) {
-          using H = decltype(h);
-          auto narrow = narrow_in_place<H>(u.full_grad.span());
-          std::span<H> recv(reinterpret_cast<H*>(into.data()), into.size());
-          u.reduce_work = shard_group.reduce_scatter_async(std::span<const H>(narrow), recv, op_);
-        });
-      }
+      reduce_scatter(u, shard_group, send, into);
     }
     u.reducing = true;
     in_flight_.push_back(&u);
@@ -158,17 +140,8 @@ class gradient_reducer {
     const dtype rd = precision_.reduce;
     if (policy_.reduce == reduction::all_reduce) {  // one piece: the layers' gradients themselves
       u.scratch.wide = Buffer<T, Space>(k.width, category::comm_scratch);
-      auto packed = u.scratch.wide.span();
-      pack<ops>(k, std::span<const T>(u.grad->local()), packed);
-      if (rd == dtype::f32) {
-        u.reduce_work = world.all_reduce_async(std::span<const T>(packed), packed, op_);
-      } else if constexpr (on_host && !compute16) {
-        with_16bit<T>(rd, [&](auto h) {
-          using H = decltype(h);
-          auto g = narrow_in_place<H>(packed);
-          u.reduce_work = world.all_reduce_async(std::span<const H>(g), g, op_);
-        });
-      }
+      pack<ops>(k, std::span<const T>(u.grad->local()), u.scratch.wide.span());
+      all_reduce(u, world, u.scratch.wide.span());
       return;
     }
     const std::size_t all = k.width * k.runs.size();
@@ -182,19 +155,37 @@ class gradient_reducer {
       u.scratch.wide = Buffer<T, Space>(all, category::comm_scratch);
       pack<ops>(k, std::span<const C>(u.full_grad.span()), u.scratch.wide.span());
       u.scratch.reduce = Buffer<T, Space>(k.width, category::comm_scratch);
-      if (rd == dtype::f32 || compute16) {
-        u.reduce_work = shard_group.reduce_scatter_async(std::span<const T>(u.scratch.wide.span()),
-                                                         u.scratch.reduce.span(), op_);
-      } else if constexpr (on_host && !compute16) {
-        with_16bit<T>(rd, [&](auto h) {
-          using H = decltype(h);
-          auto narrow = narrow_in_place<H>(u.scratch.wide.span());
-          std::span<H> recv(reinterpret_cast<H*>(u.scratch.reduce.data()), k.width);
-          u.reduce_work = shard_group.reduce_scatter_async(std::span<const H>(narrow), recv, op_);
-        });
-      }
+      reduce_scatter(u, shard_group, u.scratch.wide.span(), u.scratch.reduce.span());
     }
     release_full_grad(u);
+  }
+
+  // x all-reduced in place; in the reduce dtype, narrowed in place first when that is 16-bit
+  // (fp32 layers on the host), widened back by finish().
+  void all_reduce(unit_type& u, Comm& world, std::span<T> x) {
+    if (precision_.reduce == dtype::f32) {
+      u.reduce_work = world.all_reduce_async(std::span<const T>(x), x, op_);
+    } else if constexpr (on_host && !compute16) {
+      with_16bit<T>(precision_.reduce, [&](auto h) {
+        using H = decltype(h);
+        auto g = narrow_in_place<H>(x);
+        u.reduce_work = world.all_reduce_async(std::span<const H>(g), g, op_);
+      });
+    }
+  }
+  // send reduce-scattered into `into` likewise: 16-bit ones narrowed in place, received in
+  // the first half of `into`.
+  void reduce_scatter(unit_type& u, Comm& group, std::span<T> send, std::span<T> into) {
+    if (precision_.reduce == dtype::f32 || compute16) {
+      u.reduce_work = group.reduce_scatter_async(std::span<const T>(send), into, op_);
+    } else if constexpr (on_host && !compute16) {
+      with_16bit<T>(precision_.reduce, [&](auto h) {
+        using H = decltype(h);
+        auto narrow = narrow_in_place<H>(send);
+        std::span<H> recv(reinterpret_cast<H*>(into.data()), into.size());
+        u.reduce_work = group.reduce_scatter_async(std::span<const H>(narrow), recv, op_);
+      });
+    }
   }
 
   void finish_packed(unit_type& u) {
