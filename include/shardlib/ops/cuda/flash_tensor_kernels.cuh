@@ -19,16 +19,19 @@
 // warp computes stays in its registers: the scores and their gradients are
 // accumulators the softmax reads and rewrites element by element (a lane knows each
 // element's row and column: flash_tensor_products.cuh), rows reduced across the 4 lanes
-// that share them, masks decided per tile (most tiles need no test per element); the output, dq, dk and dv accumulate in fragments, forward's
-// rescaled there by the online softmax. Only the weights pass through shared memory
-// (16 rows x 64 in T per warp), from the accumulators to the next product's operand;
-// the finished rows go out through the staged tiles' memory, 16 bytes per store.
+// that share them, masks decided per tile (most tiles need no test per element); the
+// output, dq, dk and dv accumulate in fragments, forward's rescaled there by the online
+// softmax. Forward's weights P and dq's score gradients dS become the next product's
+// operand in registers (row_operand); forward's with dropout, and dk/dv's P^T and dS^T,
+// pass through shared memory (16 rows x 64 in T per warp), where forward's dropout pass
+// zeroes weights and dk/dv's keep both until their products after the halves; the
+// finished rows go out through the staged tiles' memory, 16 bytes per store.
 //
 // Tiles come in by cp.async (16 bytes per copy), the next while the warps work on
 // the current one: forward and dq keep one K and one V tile and fetch K_{j+1}
 // (forward) or V_{j+1} (dq) as soon as every warp is done with this tile's; dk/dv
 // double-buffers Q (with lse and D) and fetches dO_{t+1} once every warp is done with
-// dO_t. Shared memory per block at head_dim 128: forward 61,440 bytes, dq 78,848,
+// dO_t. Shared memory per block at head_dim 128: forward 61,440 bytes, dq 69,632,
 // dk/dv 106,496 (each two blocks per SM on an H100 or H200).
 #pragma once
 #include "shardlib/config.hpp"
@@ -62,7 +65,12 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
   T* qs = c.take<T>(tile * rp);
   T* ks = c.take<T>(tile * rp);
   T* vs = c.take<T>(tile * rp);
-  T* pw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // the warp's weights
+  T* pw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // the warp's weights (not held)
+  // Without dropout the weights are the next product's operand in registers (row_operand) at
+  // head_dim 64. At 128 the 16 registers they hold through P V would take the kernel from 168
+  // to 180 (ptxas, sm_90), two blocks per SM where three fit (or spills, when held to 168):
+  // there they go through shared memory.
+  constexpr bool held_up_to = DM <= 64;
 
   // K and V go in separate groups, the next tile's as soon as this tile's is read:
   // V_j lands while the warps compute Q K_j^T and the softmax, K_{j+1} during P V_j.
@@ -85,6 +93,7 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
     const bool seen = warp_rows && j0 < flash::key_end(p, warp_last);  // a row of this warp sees a key of the tile
     landed<1>();  // Q and K_j (V_j may still be on its way)
     accumulator s[chunks];
+    row_operand<T> pr[chunks];  // the warp's weights when held in registers
     if (seen) products<DM>(s, qs + warp * edge * rp, ks);
     __syncthreads();  // every warp is done with K_j
     if (next) stage<DM>(ks, a.k, n, g, j0 + tile, p.keys, a.dim);
@@ -110,19 +119,24 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
         sum[r] = 0.0f;
         max2[r] = log2_scaled(row[r].max);
       }
+      const auto weights = [&](auto held) {
 #pragma unroll
-      for (int cc = 0; cc < chunks; ++cc)
+        for (int cc = 0; cc < chunks; ++cc)
 #pragma unroll
-        for (int e = 0; e < accumulator::num_elements; e += 2) {  // two neighbours in a row
-          const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
-          float w[2];
+          for (int e = 0; e < accumulator::num_elements; e += 2) {  // two neighbours in a row
+            const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
+            float w[2];
 #pragma unroll
-          for (int x = 0; x < 2; ++x) {  // flash::unnormalised_weight by exp_less, the scale folded in
-            w[x] = exp_less(s[cc].x[e + x], scale2, max2[r]);
-            sum[r] += w[x];
+            for (int x = 0; x < 2; ++x) {  // flash::unnormalised_weight by exp_less, the scale folded in
+              w[x] = exp_less(s[cc].x[e + x], scale2, max2[r]);
+              sum[r] += w[x];
+            }
+            if constexpr (held.value) set_pair<T>(pr[cc], e, w[0], w[1]);
+            else store_pair(pw + rr * weight_pitch + col, w[0], w[1]);
           }
-          store_pair(pw + rr * weight_pitch + col, w[0], w[1]);
-        }
+      };
+      if constexpr (held_up_to) with_flags(!p.dropout, weights);
+      else weights(std::false_type{});
       if (p.dropout) {  // dropped weights zeroed in a pass of their own: the generator stays out of the loop above
         __syncwarp();
         for (int r = 0; r < edge; ++r)
@@ -141,10 +155,13 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
         for (int dc = 0; dc < DM / edge; ++dc)
 #pragma unroll
           for (int e = 0; e < accumulator::num_elements; ++e) o[dc].x[e] *= alpha[slot_of(e)];
-      __syncwarp();  // the weights are in shared memory for the product
+      if (!held_up_to || p.dropout) __syncwarp();  // the weights are in shared memory for the product
     }
     landed<1>();  // V_j (K_{j+1} may still be on its way)
-    if (seen) accumulate<DM>(o, pw, vs);  // O = alpha O + P V
+    if (seen) {  // O = alpha O + P V
+      if (held_up_to && !p.dropout) accumulate<DM>(o, pr, vs);
+      else accumulate<DM>(o, pw, vs);
+    }
     __syncthreads();  // every warp is done with V_j
     if (next) stage<DM>(vs, a.v, n, g, j0 + tile, p.keys, a.dim);
     __pipeline_commit();
@@ -184,7 +201,6 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
   T* dos = c.take<T>(tile * rp);
   T* ks = c.take<T>(tile * rp);
   T* vs = c.take<T>(tile * rp);
-  T* dsw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // the warp's score gradients
 
   // V before K, in separate groups, the next tile's as soon as this tile's is read:
   // V_{j+1} lands while the warps compute Q K_j^T, dS and dS K_j, K_{j+1} during dO V_{j+1}^T.
@@ -214,6 +230,7 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
     const bool seen = warp_rows && j0 < flash::key_end(p, warp_last);
     landed<1>();  // Q, dO and V_j (K_j may still be on its way)
     accumulator dp[chunks], s[chunks];
+    row_operand<T> dsr[chunks];  // the warp's score gradients
     if (seen) products<DM>(dp, dos + warp * edge * rp, vs);  // dO V^T
     landed<0>();                                             // K_j; every warp is done with V_j
     if (next) stage<DM>(vs, a.v, n, g, j0 + tile, p.keys, a.dim);
@@ -236,11 +253,10 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
               // row this query does not see); a wholly visible tile has none to test
               ds[x] = all.value || w != 0.0f ? flash::score_grad(w, dp[cc].x[e + x], keep, row_d[r]) : 0.0f;
             }
-            store_pair(dsw + rr * weight_pitch + col, ds[0], ds[1]);
+            set_pair<T>(dsr[cc], e, ds[0], ds[1]);  // the next product's operand, in registers
           }
       });
-      __syncwarp();
-      accumulate<DM>(gq, dsw, ks);  // dQ += dS K
+      accumulate<DM>(gq, dsr, ks);  // dQ += dS K
     }
     __syncthreads();  // every warp is done with K_j
     if (next) stage<DM>(ks, a.k, n, g, j0 + tile, p.keys, a.dim);

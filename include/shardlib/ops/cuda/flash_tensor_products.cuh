@@ -142,8 +142,59 @@ __device__ void products(accumulator (&s)[N], const T* a, const T* b) {
   }
 }
 
+// Two neighbours of a row (an accumulator's elements e and e + 1: columns c and c + 1) rounded
+// to T, as one 4-byte word, the first in its low half.
+template <class T>
+__device__ std::uint32_t pack_pair(float a, float b) {
+  struct alignas(4) {
+    T v[2];
+  } pair{{T(a), T(b)}};
+  return __builtin_bit_cast(std::uint32_t, pair);
+}
+
+// A warp's 16 rows of weights (or score gradients) over 16 columns as the A operand of the
+// next product, made in registers from the accumulator that holds them, as FlashAttention-2
+// keeps P: on the GPU mma.sync's m16n8k16 A fragment a0..a7 holds the elements its
+// accumulator c0..c7 does (the PTX ISA's layouts: rows lane / 4 and 8 more, columns
+// 2 (lane % 4) + {0, 1} and 8 more), two per register, which layout_probe_kernel checks with
+// the products; in tests/emulated every lane holds the whole tile.
+#if defined(__CUDA_ARCH__)
+template <class T>
+using row_operand = operand;
+template <class T>
+__device__ void set_pair(operand& f, int e, float a, float b) {
+  f.r[e / 2] = pack_pair<T>(a, b);
+}
+#else
+template <class T>
+using row_operand = a_fragment<T>;
+template <class T>
+__device__ void set_pair(a_fragment<T>& f, int e, float a, float b) {
+  f.x[e] = float(T(a));
+  f.x[e + 1] = float(T(b));
+}
+#endif
+
+// acc[dc] += a . b[k rows] for a the operand of one 16-column chunk of 16 rows and b's
+// [tile][DM] (pitch row_pitch) from row k.
+template <int DM, class T, class A>
+__device__ void accumulate_chunk(accumulator (&acc)[DM / edge], const A& fa, const T* b) {
+#pragma unroll
+  for (int dc = 0; dc < DM / edge; ++dc) {
+#if defined(__CUDA_ARCH__)
+    operand fb;
+    load_b(fb, b + dc * edge, row_pitch<DM>);
+    mma<T>(acc[dc], fa, fb);
+#else
+    b_fragment<T, wmma::row_major> fb;
+    wmma::load_matrix_sync(fb, as_wmma(b + dc * edge), unsigned(row_pitch<DM>));
+    wmma::mma_sync(acc[dc], fa, fb, acc[dc]);
+#endif
+  }
+}
+
 // acc[dc] += w . b for w, a warp's [16][tile] weights (pitch weight_pitch), and b's
-// [tile][DM] (pitch row_pitch): P V, dS K, P^T dO, dS^T Q. Each of w's fragments is
+// [tile][DM] (pitch row_pitch): P V with dropout, P^T dO, dS^T Q. Each of w's fragments is
 // loaded once, for all DM / 16 products.
 template <int DM, class T>
 __device__ void accumulate(accumulator (&acc)[DM / edge], const T* w, const T* b) {
@@ -152,23 +203,18 @@ __device__ void accumulate(accumulator (&acc)[DM / edge], const T* w, const T* b
 #if defined(__CUDA_ARCH__)
     operand fa;
     load_a(fa, w + k, weight_pitch);
-#pragma unroll
-    for (int dc = 0; dc < DM / edge; ++dc) {
-      operand fb;
-      load_b(fb, b + k * row_pitch<DM> + dc * edge, row_pitch<DM>);
-      mma<T>(acc[dc], fa, fb);
-    }
 #else
     a_fragment<T> fa;
     wmma::load_matrix_sync(fa, as_wmma(w + k), unsigned(weight_pitch));
-#pragma unroll
-    for (int dc = 0; dc < DM / edge; ++dc) {
-      b_fragment<T, wmma::row_major> fb;
-      wmma::load_matrix_sync(fb, as_wmma(b + k * row_pitch<DM> + dc * edge), unsigned(row_pitch<DM>));
-      wmma::mma_sync(acc[dc], fa, fb, acc[dc]);
-    }
 #endif
+    accumulate_chunk<DM>(acc, fa, b + k * row_pitch<DM>);
   }
+}
+// The same with w in registers, chunk by chunk (row_operand): P V, dS K.
+template <int DM, class T>
+__device__ void accumulate(accumulator (&acc)[DM / edge], const row_operand<T> (&w)[chunks], const T* b) {
+#pragma unroll
+  for (int k = 0; k < chunks; ++k) accumulate_chunk<DM>(acc, w[k], b + k * edge * row_pitch<DM>);
 }
 
 // --- which elements of a 16x16 accumulator a lane holds -------------------------------------
@@ -216,8 +262,9 @@ __device__ inline float row_sum(float v) {
 
 // One warp: flags[lane] = 1 when every element the lane holds of a 16x16 accumulator
 // loaded from row-major values 16 row + column sits where row_of and column_of say, and
-// when the products of the kernels (products: a b^T, accumulate: w b) give the lane's
-// elements exactly, for small integers in T (sums of 64 products below 2^24: exact in fp32).
+// when the products of the kernels (products: a b^T, accumulate: w b, from shared memory
+// and from registers made of the elements the lane holds) give the lane's elements exactly,
+// for small integers in T (sums of 64 products below 2^24: exact in fp32).
 // (A template, as every kernel of these headers: defined in each program that uses it.)
 template <class T>
 __global__ void layout_probe_kernel(int* flags) {
@@ -233,12 +280,24 @@ __global__ void layout_probe_kernel(int* flags) {
   for (int e = lane; e < edge * tile; e += 32) w[e / tile * weight_pitch + e % tile] = T(a_at(e / tile, e % tile));
   for (int e = lane; e < tile * DM; e += 32) b[e / DM * row_pitch<DM> + e % DM] = T(b_at(e / DM, e % DM));
   __syncwarp();
-  accumulator f, s[1], acc[DM / edge];
+  accumulator f, s[1], acc[DM / edge], held[DM / edge];
   wmma::load_matrix_sync(f, m, unsigned(edge), wmma::mem_row_major);
   products<DM>(s, a, b);  // s = a b[0:16]^T
+  row_operand<T> wr[chunks];  // w again, each element set by a lane that holds it in an accumulator
 #pragma unroll
-  for (int dc = 0; dc < DM / edge; ++dc) wmma::fill_fragment(acc[dc], 0.0f);
+  for (int cc = 0; cc < chunks; ++cc)
+#pragma unroll
+    for (int e = 0; e < accumulator::num_elements; e += 2) {
+      const int r = row_of(slot_of(e), lane), c = cc * edge + column_of(e, lane);
+      set_pair<T>(wr[cc], e, a_at(r, c), a_at(r, c + 1));
+    }
+#pragma unroll
+  for (int dc = 0; dc < DM / edge; ++dc) {
+    wmma::fill_fragment(acc[dc], 0.0f);
+    wmma::fill_fragment(held[dc], 0.0f);
+  }
   accumulate<DM>(acc, w, b);  // acc = w b
+  accumulate<DM>(held, wr, b);
   int ok = 1;
   for (int e = 0; e < accumulator::num_elements; ++e) {
     const int r = row_of(slot_of(e), lane), c = column_of(e, lane);
@@ -248,7 +307,7 @@ __global__ void layout_probe_kernel(int* flags) {
     for (int k = 0; k < tile; ++k)
       for (int dc = 0; dc < DM / edge; ++dc) sum[dc] += a_at(r, k) * b_at(k, dc * edge + c);
     ok &= s[0].x[e] == dot;
-    for (int dc = 0; dc < DM / edge; ++dc) ok &= acc[dc].x[e] == sum[dc];
+    for (int dc = 0; dc < DM / edge; ++dc) ok &= acc[dc].x[e] == sum[dc] && held[dc].x[e] == sum[dc];
   }
   flags[lane] = ok;
 #else

@@ -127,10 +127,7 @@ __device__ inline float exp_less(float x, float k, float m2) {
 // 4-byte word (c even, the rows' pitch even).
 template <class T>
 __device__ void store_pair(T* at, float a, float b) {
-  struct alignas(4) {
-    T v[2];
-  } pair{{T(a), T(b)}};
-  *reinterpret_cast<std::uint32_t*>(at) = __builtin_bit_cast(std::uint32_t, pair);
+  *reinterpret_cast<std::uint32_t*>(at) = pack_pair<T>(a, b);
 }
 
 // 16 bytes from global memory into shared memory by cp.async, or 16 zeros where !whole (and
