@@ -257,6 +257,10 @@ TEST_CASE("frozen runs are left out of a shard's step, which steps the rest as b
 //   NoShard W = 3    one piece of 72 (all-reduce), trained 8: 2 (2/3) 64 x 4 = 341.33
 //   HybridShard G = 2, W = 4, rank 0: 112 as FullShard W = 2, and its piece averaged across the
 //                    2 replicas, 0 elements for 36: 2 (1/2) 36 x 4 = 144; 256 in all
+//   HybridShard G = 1, W = 2: one piece of 72, nothing reduce-scattered; averaged across the 2
+//                    replicas, 8 elements for 72: 2 (1/2) 64 x 4 = 256
+// Then one unit of everything (wrap_none), every weight frozen: at W = 3 pieces of 103 with
+// 16, 16 (two runs) and 45 trained elements (the last with the padding), slots of 45.
 TEST_CASE("a unit of frozen and trained parameters reduces its trained elements alone", "[frozen][traffic]") {
   const std::set<std::string> weight{"1.layers.1.weight"};
   auto held = adamw;
@@ -274,13 +278,13 @@ TEST_CASE("a unit of frozen and trained parameters reduces its trained elements 
                               {shard::FullShard{}, 3, 128},
                               {shard::ShardOptimizer{}, 3, 128},
                               {shard::NoShard{}, 3, 2 * (2. / 3) * 64 * 4},
-                              {shard::HybridShard{.group_size = 2}, 4, 256}};
+                              {shard::HybridShard{.group_size = 2}, 4, 256},
+                              {shard::HybridShard{.group_size = 1}, 2, 256}};
   const shard::mixed_precision precisions[] = {{},
                                                {.param = dtype::bf16, .reduce = dtype::bf16},
                                                {.param = dtype::f16, .reduce = dtype::f16}};
   for (const auto& [strategy, w, saved] : settings)
     for (const auto& mp : precisions) {
-      if (strategy.name == "NoShard" && mp.reduce != dtype::f32) continue;  // fp32 layers: 16-bit gathers need sharding
       INFO(strategy.name << " at W = " << w << ", reduce " << name(mp.reduce));
       const auto packed = train(w, strategy, optim::AdamW{adamw}, weight, 3, 0, false, shard::wrap_types<Block>{}, mp);
       const auto whole = train(w, strategy, lr0, {}, 3, 0, false, shard::wrap_types<Block>{}, mp);
@@ -290,6 +294,22 @@ TEST_CASE("a unit of frozen and trained parameters reduces its trained elements 
       if (mp.reduce == dtype::f32) CHECK(whole.reduced_bytes - packed.reduced_bytes == Approx(saved).epsilon(1e-12));
       if (strategy.name == "FullShard" && w == 3 && mp.reduce == dtype::bf16)
         CHECK(whole.reduced_bytes - packed.reduced_bytes == Approx(64).epsilon(1e-12));
+    }
+  const std::set<std::string> weights{"0.weight", "1.layers.0.weight", "1.layers.1.weight", "1.layers.2.weight"};
+  const Groups weights_lr0(
+      {{.name = "held", .rule = optim::match_names({weights.begin(), weights.end()}), .options = held},
+       {.name = "rest", .rule = [](std::string_view, const Shape&) { return true; }, .options = adamw}});
+  for (const auto& [strategy, w] : {std::pair<shard::AnyStrategy, int>{shard::FullShard{}, 3},
+                                    {shard::ShardOptimizer{}, 3},
+                                    {shard::FullShard{}, 2}})
+    for (const auto& mp : precisions) {
+      INFO("one unit, " << strategy.name << " at W = " << w << ", reduce " << name(mp.reduce));
+      const auto packed = train(w, strategy, optim::AdamW{adamw}, weights, 3, 0, false, shard::wrap_none{}, mp);
+      const auto whole = train(w, strategy, weights_lr0, {}, 3, 0, false, shard::wrap_none{}, mp);
+      CHECK(frozen_unchanged(packed, weights));
+      CHECK(packed.params != packed.initial);
+      CHECK(bits(packed.params) == bits(whole.params));
+      CHECK(whole.reduced_bytes > packed.reduced_bytes);
     }
   // bf16 layers: packed widened into fp32, or sent in bf16 and widened into the shard
   for (dtype reduce : {dtype::f32, dtype::bf16})
@@ -309,21 +329,24 @@ TEST_CASE("a unit of frozen and trained parameters reduces its trained elements 
   // HybridShard averages a packed piece across the replicas before adding it, where a whole
   // one is added first and the sum averaged: the same up to a rounding of each (2^-24).
   for (const auto& [strategy, w] : {std::pair<shard::AnyStrategy, int>{shard::FullShard{}, 3},
+                                    {shard::ShardOptimizer{}, 3},
                                     {shard::NoShard{}, 3},
-                                    {shard::HybridShard{.group_size = 2}, 4}}) {
-    INFO("two micro-batches, " << strategy.name << " at W = " << w);
-    const auto wrap = shard::wrap_types<Block>{};
-    const auto packed = train(w, strategy, optim::AdamW{adamw}, weight, 3, 0, false, wrap, {}, fixture::make_model, 2);
-    const auto whole = train(w, strategy, lr0, {}, 3, 0, false, wrap, {}, fixture::make_model, 2);
-    CHECK(packed.params != packed.initial);
-    if (strategy.name != "HybridShard") {
-      CHECK(bits(packed.params) == bits(whole.params));
-    } else {
-      test_support::max_error params;
-      params.relative(packed.params, whole.params, 0.1);
-      CHECK(params <= 1e-6);  // measured 3.7e-8: Adam steps from gradients a rounding apart
+                                    {shard::HybridShard{.group_size = 2}, 4}})
+    for (const shard::mixed_precision mp : {shard::mixed_precision{}, {.param = dtype::bf16, .reduce = dtype::bf16}}) {
+      INFO("two micro-batches, " << strategy.name << " at W = " << w << ", reduce " << name(mp.reduce));
+      const auto wrap = shard::wrap_types<Block>{};
+      const auto packed =
+          train(w, strategy, optim::AdamW{adamw}, weight, 3, 0, false, wrap, mp, fixture::make_model, 2);
+      const auto whole = train(w, strategy, lr0, {}, 3, 0, false, wrap, mp, fixture::make_model, 2);
+      CHECK(packed.params != packed.initial);
+      if (strategy.name != "HybridShard") {
+        CHECK(bits(packed.params) == bits(whole.params));
+      } else {
+        test_support::max_error params;
+        params.relative(packed.params, whole.params, 0.1);
+        CHECK(params <= 1e-6);  // measured 3.7e-8: Adam steps from gradients a rounding apart
+      }
     }
-  }
 }
 
 // A frozen element's gradient is zero and it has no optimizer state: each rank's state

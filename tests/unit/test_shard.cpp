@@ -818,12 +818,13 @@ TEST_CASE("16-bit compute refuses a param dtype other than the layers' own", "[s
   CHECK_THAT(noshard_error, Catch::Contains("NoShard does not shard"));
 }
 
-// Also with frozen weights (units of frozen and trained parameters reduce their trained
-// elements alone: shard/packing.hpp), through SGD, which leaves frozen runs out of a step.
+// Also with every weight frozen, so that every unit is one of frozen and trained parameters,
+// which reduces its trained elements alone (shard/packing.hpp) and sets the scratch's peak;
+// through SGD, which leaves frozen runs out of a step.
 TEMPLATE_TEST_CASE("16-bit compute: per-rank memory equals the planner's formula exactly", "[shard][memory][compute16]",
                    shard::FullShard, shard::ShardGradOp, shard::ShardOptimizer, example::HybridShardZeRO2) {
   const int w = 3, per_rank = 4;
-  const std::vector<std::string> weights{"0.weight", "1.layers.1.weight"};
+  const std::vector<std::string> weights{"0.weight", "1.layers.*.weight", "2.weight"};
   for (const auto& frozen : {std::vector<std::string>{}, weights})
     for (dtype reduce : {dtype::f32, dtype::bf16})
       for (int prefetch : {0, 1, 2}) {

@@ -374,7 +374,8 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
       piece_trained[i].push_back(d.trained(i, q * n, n));
       width[i] = std::max(width[i], piece_trained[i].back());
     }
-    if (width[i] >= n) piece_trained[i].clear();
+    // packed only if it sends less and its slots (sent, and received by a reduce-scatter) fit in P_i
+    if (width[i] >= n || (N + (pol.shard_optimizer ? 1 : 0)) * width[i] > padded[i]) piece_trained[i].clear();
   }
   auto packed = [&](std::size_t i) { return !piece_trained[i].empty(); };
   // Elements each reduction sends (units that run a backward and are not wholly frozen), and
@@ -411,9 +412,12 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
     units.gathered.push_back(sharded ? padded[i] : 0);
     units.send.push_back(sharded && narrow_param && !compute16 ? piece : 0);
     units.full.push_back(pol.shard_optimizer ? padded[i] : 0);
-    // packed: the slots sent and this rank's received, in the compute dtype when 16-bit both
+    // packed: the slots sent and this rank's received, in the compute dtype when 16-bit both,
+    // where HybridShard widens the received one to average it across the replicas in fp32
     const std::size_t slots = (N + (pol.shard_optimizer ? 1 : 0)) * width[i];
-    units.reduce.push_back(packed(i)             ? (compute16 && narrow_reduce ? c : m) * slots
+    const std::size_t packed16 =
+        pol.reduce == shard::reduction::hierarchical ? std::max(c * slots, (c + m) * width[i]) : c * slots;
+    units.reduce.push_back(packed(i)             ? (compute16 && narrow_reduce ? packed16 : m * slots)
                            : !pol.shard_optimizer ? 0
                            : compute16            ? (narrow_reduce ? c * padded[i] / N : m * padded[i])
                            : narrow_reduce        ? piece

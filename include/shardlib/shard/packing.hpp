@@ -15,10 +15,13 @@ namespace shardlib::shard {
 
 // A reduction over pieces of `width` elements, piece q's slot holding the trained elements of
 // the unit's piece q (every element outside a frozen parameter: alignment gaps and padding
-// too) in order; the rest of a slot is sent as it is and never read. Reduce-scattered (or
-// all-reduced: one piece, the whole unit), each rank receives its own piece's trained
-// elements. Empty (not packed) unless the unit has frozen and trained parameters and the
-// slot is narrower than a piece (else it would send as much).
+// too) in order, then zeros (sent, never read). Reduce-scattered (or all-reduced: one piece,
+// the whole unit), each rank receives its own piece's trained elements. Empty (not packed)
+// unless the unit has frozen and trained parameters, the slot is narrower than a piece (so
+// that less is sent) and the slots sent and the one received (`received`: a reduce-scatter's)
+// fit in the unit's padded size (so that their scratch is no more than the full gradients
+// they stand for, which go as they are made, or than the widened copy an unpacked reduction
+// of 16-bit layers sends).
 struct reduce_packing {
   std::vector<std::vector<optim::segment>> runs{};  // per piece: optim::cut_frozen's, from its first element
   std::vector<std::size_t> trained{};             // per piece: elements of its trained runs
@@ -27,7 +30,7 @@ struct reduce_packing {
 };
 
 template <class Layout>
-reduce_packing trained_packing(const Layout& layout, shard_layout part) {
+reduce_packing trained_packing(const Layout& layout, shard_layout part, bool received) {
   reduce_packing p{.piece = part.shard_size()};
   if (layout.all_frozen()) return {};
   for (int q = 0; q < part.world; ++q) {
@@ -35,7 +38,8 @@ reduce_packing trained_packing(const Layout& layout, shard_layout part) {
     p.trained.push_back(optim::trained_size(p.runs.back()));
     p.width = std::max(p.width, p.trained.back());
   }
-  return p.width < p.piece ? p : reduce_packing{};
+  const std::size_t slots = std::size_t(part.world) + (received ? 1 : 0);
+  return p.width < p.piece && slots * p.width <= part.padded_size() ? p : reduce_packing{};
 }
 
 // Ops is space_ops<Space>; From is the layers' dtype, To the reduction's (equal, or float from 16 bits).
@@ -48,6 +52,7 @@ void pack(const reduce_packing& p, std::span<const From> full, std::span<To> out
       if constexpr (std::is_same_v<From, To>) Ops::copy(from, slot.subspan(at, r.size));
       else Ops::widen_add(from, slot.subspan(at, r.size), true);
     });
+    if (p.trained[q] < p.width) Ops::fill(slot.subspan(p.trained[q]), To(0));
   }
 }
 

@@ -48,6 +48,7 @@ class gradient_reducer {
 
   void issue(unit_type& u, Comm& shard_group, Comm& world) {
     finish_all_except(&u);
+    in_flight_.push_back(&u);  // from here on: drain() drops its scratch, should the issue fail
     const dtype rd = precision_.reduce;
     piece_ = policy_.reduce == reduction::all_reduce ? 0 : std::size_t(shard_group.rank());
     if (u.packing.packed()) {
@@ -76,7 +77,6 @@ class gradient_reducer {
       reduce_scatter(u, shard_group, send, into);
     }
     u.reducing = true;
-    in_flight_.push_back(&u);
   }
 
   void finish(unit_type& u) {
@@ -115,22 +115,24 @@ class gradient_reducer {
       if (u != keep) finish(*u);
     std::erase_if(in_flight_, [](const unit_type* u) { return !u->reducing; });
   }
-  // Waits for every reduction in flight and drops its result: a rank that fails
-  // mid-step must not free buffers a collective still writes, and a later
-  // reduction must not add this one's scratch.
+  // Waits for every reduction in flight and drops its result and scratch: a rank that
+  // fails mid-step must not free buffers a collective still writes, and a later
+  // reduction must not add this one's scratch (a unit issued or finished only in part
+  // too: it is in flight from its issue until finish_all_except drops it).
   void drain() noexcept {
-    for (auto* u : in_flight_)
+    for (auto* u : in_flight_) {
       if (u->reducing) {
         try {
           u->reduce_work.wait();
         } catch (...) {
         }
         u->reducing = false;
-        u->scratch.reduce.reset();
-        u->scratch.wide.reset();
-        u->scratch.narrow.reset();
-        u->scratch.packed.reset();
       }
+      u->scratch.reduce.reset();
+      u->scratch.wide.reset();
+      u->scratch.narrow.reset();
+      u->scratch.packed.reset();
+    }
     in_flight_.clear();
   }
 

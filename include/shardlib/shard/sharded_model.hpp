@@ -727,7 +727,7 @@ class ShardedModel {
       narrow_master(u);
     }
     u.grad.emplace(no_grads ? 0 : part.numel, part.world, pr, category::gradients);
-    u.packing = trained_packing(u.layout, part);
+    u.packing = trained_packing(u.layout, part, policy_.reduce != reduction::all_reduce);
     if (policy_.shard_parameters) return;
     // Replicated values, padded like the partition so that ZeRO-1 all-gathers in place.
     u.values = Buffer<C, space>(part.padded_size(),
