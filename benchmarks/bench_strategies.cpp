@@ -8,7 +8,7 @@
 //                    [--article] [--layers 4] [--d-model 256] [--heads 4] [--ff 1024] [--seq 16]
 //                    [--batch 8] [--classes 10] [--dropout 0.1] [--prefetch 1] [--group 2]
 //                    [--warmup 2] [--steps 8] [--rounds 3] [--json FILE]
-//                    [--model encoder|gpt2] [--vocab 8192] [--frozen-layers N]
+//                    [--model encoder|gpt2] [--vocab 8192] [--frozen-layers N] [--freeze GLOB,...]
 //
 // The default model is reduced so that the whole run takes a few minutes on 2 cores;
 // --article selects the FSDP article's sizes (6 layers, d_model 512, 8 heads, ff 2048,
@@ -18,6 +18,9 @@
 // token ids, the sizes above and --vocab; --classes does not apply to it. --frozen-layers N
 // trains a fine-tune: the encoder's lower N layers frozen, or GPT-2's embeddings (the
 // tied head with them) and lower N blocks, a frozen prefix that runs forward only.
+// --freeze freezes the parameters its globs name (nn::freeze, e.g. 'transformer.h.*.attn.*':
+// every block then holds frozen and trained parameters, whose reduction sends the trained
+// elements alone); a glob that names none is an error.
 //
 // Strategies run in turns, `rounds` times each, each run in a fresh child process, and
 // step times are pooled over the rounds: other work on a shared machine then slows all
@@ -73,6 +76,7 @@ struct config {
   std::string model_name = "encoder";  // or "gpt2"
   long vocab = 8192;              // gpt2 only
   long frozen_layers = 0;         // --frozen-layers
+  std::vector<std::string> freeze;  // --freeze
   example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .seq = 16};
   long batch = 8;
   int prefetch = 1, group = 2, warmup = 2, steps = 8, rounds = 3;
@@ -80,6 +84,14 @@ struct config {
   std::vector<std::string> strategies{"full", "grad-op", "optimizer", "none", "hybrid"};
   std::FILE* json = nullptr;
 };
+
+// --freeze's globs, comma-separated as given (for the header and a JSON string: a glob
+// holds no quote or backslash, which parse() refuses).
+std::string freeze_list(const config& cfg) {
+  std::string s;
+  for (const auto& g : cfg.freeze) s += cat(s.empty() ? "" : ",", g);
+  return s;
+}
 
 // What a run trains: the model, the units to wrap, the optimizer and each rank's
 // batches. The encoder classifier on the synthetic task with Adam ...
@@ -93,6 +105,7 @@ struct encoder_workload {
   model_type make() const {
     auto m = example::reference_model(cfg.model);
     example::freeze_lower_layers(m, cfg.frozen_layers);
+    nn::freeze(m, cfg.freeze);
     return m;
   }
   auto inputs(long first) const { return task.inputs(first, cfg.batch); }
@@ -116,6 +129,7 @@ struct gpt2_workload {
     if (cfg.frozen_layers > 0) frozen = {"transformer.wte.*", "transformer.wpe.*"};
     for (long k = 0; k < cfg.frozen_layers; ++k) frozen.push_back(cat("transformer.h.", k, ".*"));
     nn::freeze(model, frozen);
+    nn::freeze(model, cfg.freeze);
     return model;
   }
   Tensor<std::int64_t> inputs(long first) const {
@@ -382,7 +396,8 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
   std::fprintf(f,
                "{\"bench\":\"strategies\",\"model\":\"%s\",\"vocab\":%ld,\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"cores\":%u,"
                "\"oversubscribed\":%s,\"layers\":%ld,\"d_model\":%ld,\"heads\":%ld,\"ff\":%ld,\"seq\":%ld,"
-               "\"batch\":%ld,\"classes\":%ld,\"dropout\":%g,\"frozen_layers\":%ld,\"prefetch\":%d,\"steps\":%zu,"
+               "\"batch\":%ld,\"classes\":%ld,\"dropout\":%g,\"frozen_layers\":%ld,\"freeze\":\"%s\",\"prefetch\":%d,"
+               "\"steps\":%zu,"
                "\"units\":%zu,"
                "\"padded_params\":%zu,\"step_s\":%.9g,\"cpu_s\":%.9g,\"sys_s\":%.9g,\"minor_faults\":%.9g,"
                "\"step_times_s\":%s],\"peak_bytes\":%s,\"formula_bytes\":%s,\"sent_bytes\":%.9g,"
@@ -390,7 +405,7 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
                "\"all_reduce\":%.9g,\"broadcast\":%.9g}}\n",
                cfg.model_name.c_str(), cfg.model_name == "gpt2" ? cfg.vocab : 0L, m.strategy.c_str(), m.world, m.group, cores, unsigned(m.world) > cores ? "true" : "false",
                cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.model.seq, cfg.batch,
-               cfg.model.classes, cfg.model.dropout, cfg.frozen_layers, cfg.prefetch,
+               cfg.model.classes, cfg.model.dropout, cfg.frozen_layers, freeze_list(cfg).c_str(), cfg.prefetch,
                m.steps.size(), m.units, m.psi, m.median(&step_sample::wall_s), m.median(&step_sample::cpu_s),
                m.median(&step_sample::sys_s), m.median(&step_sample::faults), steps.c_str(), object(m.peak).c_str(),
                object(m.formula).c_str(), m.sent, m.sent_formula,
@@ -434,12 +449,17 @@ config parse(int argc, char** argv) {
   cli.add_option("--frozen-layers", c.frozen_layers,
                  "a fine-tune: the lower N layers frozen (gpt2: the embeddings too, a frozen prefix)")
       ->check(example::whole(0, example::max_size));
+  cli.add_option("--freeze", c.freeze, "parameters frozen by name: nn::freeze's globs, e.g. 'transformer.h.*.attn.*'")
+      ->delimiter(',');
   cli.add_option("--json", json, "appends one JSON line per strategy and world size");
   cli.callback([&] {
     example::check_model_flags(c.model);
     if (c.frozen_layers > c.model.layers)
       throw CLI::ValidationError("--frozen-layers",
                                  cat(c.frozen_layers, " is more than the model's ", c.model.layers, " layers"));
+    for (const auto& g : c.freeze)
+      if (g.find_first_of("\"\\") != std::string::npos)
+        throw CLI::ValidationError("--freeze", cat("'", g, "' holds a quote or a backslash, which no name does"));
   });
   cli.parse_or_exit(argc, argv);
   if (!json.empty()) c.json = std::fopen(json.c_str(), "a");
@@ -456,6 +476,7 @@ void print_model(const encoder_workload& work) {
               cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, nn::parameter_count(probe),
               cfg.batch, cfg.model.seq, cfg.model.classes, cfg.model.dropout);
   if (cfg.frozen_layers > 0) std::printf("the lower %ld layers frozen, ", cfg.frozen_layers);
+  if (!cfg.freeze.empty()) std::printf("frozen: %s, ", freeze_list(cfg).c_str());
 }
 void print_model(const gpt2_workload& work) {
   const config& cfg = work.cfg;
@@ -466,6 +487,7 @@ void print_model(const gpt2_workload& work) {
               "each GPT2Block a unit, ",
               cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.vocab, nn::parameter_count(probe), cfg.batch, cfg.model.seq, cfg.model.dropout);
   if (cfg.frozen_layers > 0) std::printf("the embeddings and the lower %ld blocks frozen (forward only), ", cfg.frozen_layers);
+  if (!cfg.freeze.empty()) std::printf("frozen: %s, ", freeze_list(cfg).c_str());
 }
 
 template <class Workload>
