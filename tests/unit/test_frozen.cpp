@@ -31,6 +31,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 using namespace shardlib;
@@ -311,15 +312,19 @@ TEST_CASE("a unit of frozen and trained parameters reduces its trained elements 
       CHECK(bits(packed.params) == bits(whole.params));
       CHECK(whole.reduced_bytes > packed.reduced_bytes);
     }
-  // bf16 layers: packed widened into fp32, or sent in bf16 and widened into the shard
+  // bf16 layers: packed widened into fp32, or sent in bf16 and widened into the shard; and
+  // offloaded (the reduced shard copied to host memory for the step)
   for (dtype reduce : {dtype::f32, dtype::bf16})
-    for (const auto& [strategy, w] : {std::pair<shard::AnyStrategy, int>{shard::FullShard{}, 3},
-                                      {shard::HybridShard{.group_size = 2}, 4}}) {
-      INFO("bf16 layers, " << strategy.name << " at W = " << w << ", reduce " << name(reduce));
+    for (const auto& [strategy, w, offload] : {std::tuple<shard::AnyStrategy, int, bool>{shard::FullShard{}, 3, false},
+                                               {shard::HybridShard{.group_size = 2}, 4, false},
+                                               {shard::FullShard{}, 3, true}}) {
+      INFO("bf16 layers, " << strategy.name << " at W = " << w << ", reduce " << name(reduce)
+                           << (offload ? ", offloaded" : ""));
       const shard::mixed_precision mp{.param = dtype::bf16, .reduce = reduce};
       const shard::wrap_policy wrap = shard::wrap_types<fixture::Linear16b>{};
-      const auto packed = train(w, strategy, optim::AdamW{adamw}, weight, 3, 0, false, wrap, mp, fixture::make_model16);
-      const auto whole = train(w, strategy, lr0, {}, 3, 0, false, wrap, mp, fixture::make_model16);
+      const auto packed =
+          train(w, strategy, optim::AdamW{adamw}, weight, 3, 0, offload, wrap, mp, fixture::make_model16);
+      const auto whole = train(w, strategy, lr0, {}, 3, 0, offload, wrap, mp, fixture::make_model16);
       CHECK(frozen_unchanged(packed, weight));
       CHECK(packed.params != packed.initial);
       CHECK(bits(packed.params) == bits(whole.params));
