@@ -132,7 +132,8 @@ outputs<T> run_kernels(const attention_case& c, const attention_data& in, bool t
                ft::whole_vectors(fwd.out) && ft::whole_vectors(bwd.dout) && ft::whole_vectors(bwd.dq) &&
                ft::whole_vectors(bwd.dk) && ft::whole_vectors(bwd.dv)));
       ft::dispatch_dim(D, [&]<int DM>() {
-        run_set(ft::forward_kernel<DM, T>, ft::dq_kernel<DM, T>, ft::dkdv_kernel<DM, T>, ft::tile,
+        const auto forward = p.dropout ? ft::forward_kernel<DM, T, true> : ft::forward_kernel<DM, T, false>;
+        run_set(forward, ft::dq_kernel<DM, T>, ft::dkdv_kernel<DM, T>, ft::tile,
                 {ft::forward_bytes<DM>, ft::dq_bytes<DM>, ft::dkdv_bytes<DM>});
       });
       return r;

@@ -96,7 +96,7 @@ bool flash_uses_tensor_cores(std::int64_t head_dim, const flash_options& o) {
       return false;
     bool usable = false;
     ft::dispatch_dim(head_dim,
-                     [&]<int DM>() { usable = detail::tensor_kernel_usable(ft::forward_kernel<DM, T>, ft::largest_bytes<DM>); });
+                     [&]<int DM>() { usable = detail::tensor_kernel_usable(ft::forward_kernel<DM, T, false>, ft::largest_bytes<DM>); });
     return usable && detail::tensor_tiles_hold<T>();
   }
 }
@@ -120,8 +120,8 @@ void flash_attention_forward(nn::head_view<const T> q, nn::head_view<const T> k,
     if (flash_uses_tensor_cores<T>(q.dim, o) && ft::whole_vectors(args.q) && ft::whole_vectors(args.k) &&
         ft::whole_vectors(args.v) && ft::whole_vectors(args.out)) {
       ft::dispatch_dim(q.dim, [&]<int DM>() {
-        detail::launch_flash(ft::forward_kernel<DM, T>, fd::query_grid(p, ft::tile, o.longest_first),
-                             ft::forward_bytes<DM>, stream, who, args);
+        detail::launch_flash(p.dropout ? ft::forward_kernel<DM, T, true> : ft::forward_kernel<DM, T, false>,
+                             fd::query_grid(p, ft::tile, o.longest_first), ft::forward_bytes<DM>, stream, who, args);
       });
       return;
     }

@@ -48,7 +48,7 @@ struct wmma_type<shardlib::half> {
 
 // Shared memory per block (every region starts 32-byte aligned, as wmma's loads need):
 // staged tiles of rows, each warp's 16 rows of weights on their way from its accumulators
-// to the next product (forward's P at head_dim 128 or with dropout, dk/dv's P^T and dS^T;
+// to the next product (forward's P with dropout, dk/dv's P^T and dS^T;
 // dq's dS stays in registers), and dk/dv's two query buffers with their lse and D (and one
 // dO buffer). At the end the accumulators go out through the first two staged tiles.
 template <int DM>

@@ -22,7 +22,8 @@
 // that share them, masks decided per tile (most tiles need no test per element); the
 // output, dq, dk and dv accumulate in fragments, forward's rescaled there by the online
 // softmax. Forward's weights P and dq's score gradients dS become the next product's
-// operand in registers (row_operand); forward's with dropout, and dk/dv's P^T and dS^T,
+// operand in registers (row_operand; forward without dropout multiplies each 16-key chunk by
+// its rows of V as soon as it is made); forward's with dropout, and dk/dv's P^T and dS^T,
 // pass through shared memory (16 rows x 64 in T per warp), where forward's dropout pass
 // zeroes weights and dk/dv's keep both until their products after the halves; the
 // finished rows go out through the staged tiles' memory, 16 bytes per store.
@@ -50,8 +51,10 @@ using fused::backward_args;
 using fused::forward_args;
 using fused::last_row;
 
-// One block per (query tile, head, batch element), the longest first (block_place).
-template <int DM, class T>
+// One block per (query tile, head, batch element), the longest first (block_place); one
+// kernel with dropout and one without (p.dropout picks), so that the generator's registers
+// do not count against the kernel that runs without it.
+template <int DM, class T, bool Dropout>
 __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   constexpr int rp = row_pitch<DM>;
@@ -65,15 +68,11 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
   T* qs = c.take<T>(tile * rp);
   T* ks = c.take<T>(tile * rp);
   T* vs = c.take<T>(tile * rp);
-  T* pw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // the warp's weights (not held)
-  // Without dropout the weights are the next product's operand in registers (row_operand) at
-  // head_dim 64. At 128 the 16 registers they hold through P V would take the kernel from 168
-  // to 180 (ptxas, sm_90), two blocks per SM where three fit (or spills, when held to 168):
-  // there they go through shared memory.
-  constexpr bool held_up_to = DM <= 64;
+  T* pw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // the warp's weights, with dropout
 
   // K and V go in separate groups, the next tile's as soon as this tile's is read:
-  // V_j lands while the warps compute Q K_j^T and the softmax, K_{j+1} during P V_j.
+  // V_j lands while the warps compute Q K_j^T (and, with dropout, the softmax), K_{j+1}
+  // during the softmax and P V_j.
   const std::int64_t i_last = last_row(i0, tile, p.queries), end = flash::key_end(p, i_last);
   if (end > 0) {  // else nothing is read (and no copy is left in flight at the end)
     stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
@@ -93,11 +92,12 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
     const bool seen = warp_rows && j0 < flash::key_end(p, warp_last);  // a row of this warp sees a key of the tile
     landed<1>();  // Q and K_j (V_j may still be on its way)
     accumulator s[chunks];
-    row_operand<T> pr[chunks];  // the warp's weights when held in registers
     if (seen) products<DM>(s, qs + warp * edge * rp, ks);
     __syncthreads();  // every warp is done with K_j
     if (next) stage<DM>(ks, a.k, n, g, j0 + tile, p.keys, a.dim);
     __pipeline_commit();
+    // Without dropout P V runs chunk by chunk inside the softmax: V_j first (FlashAttention-2's order)
+    if constexpr (!Dropout) landed<1>();  // V_j (K_{j+1} may still be on its way)
     if (seen) {
       const tile_view v = query_rows(p, n, first, j0);
       float top[slots], alpha[slots], sum[slots], max2[slots];
@@ -113,54 +113,58 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
             top[slot_of(e)] = fmaxf(top[slot_of(e)], s[cc].x[e]);
           }
       });
+      bool raised = false;  // a row's max moved: alpha != 1 (or NaN)
 #pragma unroll
       for (int r = 0; r < slots; ++r) {
         alpha[r] = flash::raise_max(row[r], row_max(top[r]) * a.scale);  // max(scale x) = scale max(x): scale > 0
         sum[r] = 0.0f;
         max2[r] = log2_scaled(row[r].max);
+        raised = raised || !(alpha[r] == 1.0f);
       }
-      const auto weights = [&](auto held) {
+      const auto rescale = [&] {  // O = alpha O; else O = 1 O: skipped, exactly
+        if (__any_sync(0xffffffffu, raised))
 #pragma unroll
-        for (int cc = 0; cc < chunks; ++cc)
+          for (int dc = 0; dc < DM / edge; ++dc)
 #pragma unroll
-          for (int e = 0; e < accumulator::num_elements; e += 2) {  // two neighbours in a row
-            const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
-            float w[2];
-#pragma unroll
-            for (int x = 0; x < 2; ++x) {  // flash::unnormalised_weight by exp_less, the scale folded in
-              w[x] = exp_less(s[cc].x[e + x], scale2, max2[r]);
-              sum[r] += w[x];
-            }
-            if constexpr (held.value) set_pair<T>(pr[cc], e, w[0], w[1]);
-            else store_pair(pw + rr * weight_pitch + col, w[0], w[1]);
-          }
+            for (int e = 0; e < accumulator::num_elements; ++e) o[dc].x[e] *= alpha[slot_of(e)];
       };
-      if constexpr (held_up_to) with_flags(!p.dropout, weights);
-      else weights(std::false_type{});
-      if (p.dropout) {  // dropped weights zeroed in a pass of their own: the generator stays out of the loop above
+      if constexpr (!Dropout) rescale();
+      // Without dropout each 16-key chunk of weights becomes the operand of its part of P V in
+      // registers (row_operand) and is multiplied at once, as FlashAttention-2 does. With
+      // dropout they go to shared memory, where a pass of their own zeroes the dropped ones
+      // (the generator stays out of this loop), and P V follows.
+#pragma unroll
+      for (int cc = 0; cc < chunks; ++cc) {
+        row_operand<T> pc;
+#pragma unroll
+        for (int e = 0; e < accumulator::num_elements; e += 2) {  // two neighbours in a row
+          const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
+          float w[2];
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {  // flash::unnormalised_weight by exp_less, the scale folded in
+            w[x] = exp_less(s[cc].x[e + x], scale2, max2[r]);
+            sum[r] += w[x];
+          }
+          if constexpr (Dropout) store_pair(pw + rr * weight_pitch + col, w[0], w[1]);
+          else set_pair<T>(pc, e, w[0], w[1]);
+        }
+        if constexpr (!Dropout) accumulate_chunk<DM>(o, pc, vs + cc * edge * rp);  // O += P_cc V_cc
+      }
+#pragma unroll
+      for (int r = 0; r < slots; ++r) row[r].sum += row_sum(sum[r]);
+      if constexpr (Dropout) {
         __syncwarp();
         for (int r = 0; r < edge; ++r)
           for (int c = lane; c < tile; c += 32)
             if ((v.all || v.sees(r, c)) && flash::keep_scale(p, kept, n, h, first + r, j0 + c) == 0.0f)
               pw[r * weight_pitch + c] = T(0.0f);
+        rescale();
+        __syncwarp();  // the weights are in shared memory for the product
       }
-      bool raised = false;  // a row's max moved: alpha != 1 (or NaN)
-#pragma unroll
-      for (int r = 0; r < slots; ++r) {
-        row[r].sum += row_sum(sum[r]);
-        raised = raised || !(alpha[r] == 1.0f);
-      }
-      if (__any_sync(0xffffffffu, raised))  // else O = 1 O: skipped, exactly
-#pragma unroll
-        for (int dc = 0; dc < DM / edge; ++dc)
-#pragma unroll
-          for (int e = 0; e < accumulator::num_elements; ++e) o[dc].x[e] *= alpha[slot_of(e)];
-      if (!held_up_to || p.dropout) __syncwarp();  // the weights are in shared memory for the product
     }
-    landed<1>();  // V_j (K_{j+1} may still be on its way)
-    if (seen) {  // O = alpha O + P V
-      if (held_up_to && !p.dropout) accumulate<DM>(o, pr, vs);
-      else accumulate<DM>(o, pw, vs);
+    if constexpr (Dropout) {  // V_j landed during the softmax
+      landed<1>();
+      if (seen) accumulate<DM>(o, pw, vs);  // O = alpha O + P V
     }
     __syncthreads();  // every warp is done with V_j
     if (next) stage<DM>(vs, a.v, n, g, j0 + tile, p.keys, a.dim);
@@ -170,7 +174,7 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
 #pragma unroll
   for (int r = 0; r < slots; ++r) {  // unrolled, as every loop over row[]: the array stays in registers
     const std::int64_t i = first + row_of(r, lane);
-    f[r] = flash::output_scale(row[r]) * (p.dropout ? kept : 1.0f);  // dropout's 1 / (1 - p), in fp32
+    f[r] = flash::output_scale(row[r]) * (Dropout ? kept : 1.0f);  // dropout's 1 / (1 - p), in fp32
     if (writes_row(lane) && i < p.queries) a.lse[(n * p.heads + h) * p.queries + i] = flash::log_sum_exp(row[r]);
   }
 #pragma unroll
