@@ -54,7 +54,7 @@ using fused::last_row;
 // One block per (query tile, head, batch element), the longest first (block_place); one
 // kernel with dropout and one without (p.dropout picks), so that the generator's registers
 // do not count against the kernel that runs without it.
-template <int DM, class T, bool Dropout>
+template <int DM, class T, bool Dropout = false>
 __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   constexpr int rp = row_pitch<DM>;
