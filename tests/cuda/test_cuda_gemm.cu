@@ -64,6 +64,16 @@ namespace {
 constexpr double sum_rtol = 1e-5;
 template <class T>
 constexpr double out_rtol = std::is_same_v<T, float> ? 0.0 : std::is_same_v<T, sl::bfloat16> ? 0x1p-8 : 0x1p-11;
+// Below T's normal range a rounding is half its subnormal step, not relative: up to three
+// roundings (the result and its parts) of half a step each (half: 2^-25; values near 1e-5
+// are subnormal there and come out of small operands now and then).
+template <class T>
+constexpr double out_atol = std::is_same_v<T, float> ? 0.0 : 3 * (std::is_same_v<T, sl::bfloat16> ? 0x1p-134 : 0x1p-25);
+// The rounding to T of values whose magnitudes sum to m.
+template <class T>
+double out_round(double m) {
+  return out_rtol<T> * m + out_atol<T>;
+}
 constexpr double tanh_rtol = 7e-4;  // 2^-10.5, above tanh.approx.f32's 2^-10.99
 
 // cuBLASLt's GELU (tanh form) and its derivative with tanh scaled by (1 + e):
@@ -113,7 +123,8 @@ struct dims {
 // before it adds beta C0, the bias or applies the epilogue, and round again
 // after: seen on an H200 with CUDA 13.0, up to one unit in the last place
 // where one rounding gives half. So the 16-bit bounds allow T's rounding of
-// each part as well as of the result (out_rtol (|result| + r + |bias|)).
+// each part as well as of the result (out_round: out_rtol (|result| + r + |bias|),
+// and out_atol below T's normal range).
 template <class T>
 struct product {
   dims d;
@@ -241,7 +252,7 @@ TEMPLATE_TEST_CASE("gemm_lt without an epilogue and with a bias equals the float
         for (std::size_t i = 0; i < want.size(); ++i) {
           const double bj = kind == epilogue::bias ? bias.host[std::size_t(pr.col(i))] : 0.0;
           want[i] += bj;
-          bound[i] = sum_rtol * (pr.s[i] + std::abs(bj)) + out_rtol<T> * (std::abs(want[i]) + pr.r[i] + std::abs(bj));
+          bound[i] = sum_rtol * (pr.s[i] + std::abs(bj)) + out_round<T>(std::abs(want[i]) + pr.r[i] + std::abs(bj));
         }
         require_within(got, want, bound);
       }
@@ -265,7 +276,7 @@ TEMPLATE_TEST_CASE("gemm_lt's ReLU epilogues: relu_bias, its mask, and drelu/dre
     for (std::size_t i = 0; i < size; ++i) {
       const double bj = bias.host[std::size_t(fw.col(i))];
       z[i] = fw.p[i] + bj;
-      zb[i] = sum_rtol * (fw.s[i] + std::abs(bj)) + out_rtol<T> * (std::abs(z[i]) + fw.r[i] + std::abs(bj));
+      zb[i] = sum_rtol * (fw.s[i] + std::abs(bj)) + out_round<T>(std::abs(z[i]) + fw.r[i] + std::abs(bj));
       want[i] = nn::relu(z[i]);
       bound[i] = zb[i];
     }
@@ -307,9 +318,9 @@ TEMPLATE_TEST_CASE("gemm_lt's ReLU epilogues: relu_bias, its mask, and drelu/dre
       std::vector<double> certain_want, certain_bound;
       for (std::size_t i = 0; i < size; ++i) {
         dwant[i] = bit(i) ? bw.p[i] : 0.0;
-        dbound[i] = bit(i) ? sum_rtol * bw.s[i] + out_rtol<T> * (std::abs(bw.p[i]) + bw.r[i]) : 0.0;
+        dbound[i] = bit(i) ? sum_rtol * bw.s[i] + out_round<T>(std::abs(bw.p[i]) + bw.r[i]) : 0.0;
         g[std::size_t(bw.col(i))] += dwant[i];
-        gb[std::size_t(bw.col(i))] += dbound[i] + out_rtol<T> * std::abs(dwant[i]);
+        gb[std::size_t(bw.col(i))] += dbound[i] + out_round<T>(std::abs(dwant[i]));
         if (std::abs(z[i]) > zb[i]) {
           certain_got.push_back(got[i]);
           certain_want.push_back(nn::relu_backward(z[i], bw.p[i]));
@@ -341,10 +352,10 @@ TEMPLATE_TEST_CASE("gemm_lt's GELU epilogues are the tanh form: gelu_bias, gelu_
     for (std::size_t i = 0; i < size; ++i) {
       const double bj = bias.host[std::size_t(fw.col(i))];
       z[i] = fw.p[i] + bj;
-      zb[i] = sum_rtol * (fw.s[i] + std::abs(bj)) + out_rtol<T> * (std::abs(z[i]) + fw.r[i] + std::abs(bj));
+      zb[i] = sum_rtol * (fw.s[i] + std::abs(bj)) + out_round<T>(std::abs(z[i]) + fw.r[i] + std::abs(bj));
       want[i] = nn::gelu(z[i], nn::gelu_approx::tanh);
       // |gelu'| <= 1.13: the pre-activation's error (its sums and roundings) passes through at most that.
-      bound[i] = 1.13 * zb[i] + out_rtol<T> * std::abs(want[i]) + tanh_reach(gelu_t, z[i]);
+      bound[i] = 1.13 * zb[i] + out_round<T>(std::abs(want[i])) + tanh_reach(gelu_t, z[i]);
     }
     REQUIRE(fw.run(f.handle, f.stream, {.kind = epilogue::gelu_bias, .bias = bias.dev.data()}));
     require_within(download_float(fw.dc, f.stream), want, bound);
@@ -371,10 +382,10 @@ TEMPLATE_TEST_CASE("gemm_lt's GELU epilogues are the tanh form: gelu_bias, gelu_
       for (std::size_t i = 0; i < size; ++i) {
         const double x = z_got[i];
         dwant[i] = nn::gelu_backward(x, bw.p[i], nn::gelu_approx::tanh);
-        dbound[i] = std::abs(dgelu_t(x, 0)) * (sum_rtol * bw.s[i] + out_rtol<T> * (std::abs(bw.p[i]) + bw.r[i])) +
-                    out_rtol<T> * std::abs(dwant[i]) + std::abs(bw.p[i]) * tanh_reach(dgelu_t, x);
+        dbound[i] = std::abs(dgelu_t(x, 0)) * (sum_rtol * bw.s[i] + out_round<T>(std::abs(bw.p[i]) + bw.r[i])) +
+                    out_round<T>(std::abs(dwant[i])) + std::abs(bw.p[i]) * tanh_reach(dgelu_t, x);
         g[std::size_t(bw.col(i))] += dwant[i];
-        gb[std::size_t(bw.col(i))] += dbound[i] + out_rtol<T> * std::abs(dwant[i]);
+        gb[std::size_t(bw.col(i))] += dbound[i] + out_round<T>(std::abs(dwant[i]));
       }
       require_within(download_float(bw.dc, f.stream), dwant, dbound);
       if (kind == epilogue::dgelu_bgrad) require_within(download_float(db, f.stream), g, gb);
@@ -403,7 +414,7 @@ TEMPLATE_TEST_CASE("gemm_lt's bgrad_a and bgrad_b sum the operands over K beside
         REQUIRE(pr.run(f.handle, f.stream, {.kind = kind, .bias_grad = db.data()}));
         std::vector<double> bound(pr.p.size());
         for (std::size_t i = 0; i < bound.size(); ++i)
-          bound[i] = sum_rtol * pr.s[i] + out_rtol<T> * (std::abs(pr.p[i]) + pr.r[i]);
+          bound[i] = sum_rtol * pr.s[i] + out_round<T>(std::abs(pr.p[i]) + pr.r[i]);
         require_within(download_float(pr.dc, f.stream), pr.p, bound);
         // op(A)[i, q] is A[q, i] (ta yes); op(B)[q, j] is B[q, j] (tb no).
         std::vector<double> g(std::size_t(len), 0.0), gs(std::size_t(len), 0.0), gb(g.size());
@@ -413,7 +424,7 @@ TEMPLATE_TEST_CASE("gemm_lt's bgrad_a and bgrad_b sum the operands over K beside
             g[std::size_t(i)] += v;
             gs[std::size_t(i)] += std::abs(v);
           }
-        for (std::size_t i = 0; i < gb.size(); ++i) gb[i] = sum_rtol * gs[i] + out_rtol<T> * std::abs(g[i]);
+        for (std::size_t i = 0; i < gb.size(); ++i) gb[i] = sum_rtol * gs[i] + out_round<T>(std::abs(g[i]));
         require_within(download_float(db, f.stream), g, gb);
       }
 }
