@@ -6,6 +6,7 @@
 #include "shardlib/core/element.hpp"     // dtype, size_of
 #include "shardlib/core/error.hpp"       // require
 #include "shardlib/core/ledger.hpp"      // category
+#include "shardlib/plan/step_replay.hpp"  // detail::replay
 #include "shardlib/shard/precision.hpp"  // shard::mixed_precision
 #include "shardlib/shard/strategy.hpp"   // the strategy tags
 
@@ -194,98 +195,6 @@ struct rank_plan {
 
 namespace detail {
 inline std::size_t round_up(std::size_t n, std::size_t k) { return (n + k - 1) / k * k; }
-
-// One step replayed in the engine's order (sharded_model.hpp: pre_forward,
-// post_forward, pre_backward, post_backward; gather.hpp; reduce.hpp), for what depends
-// on how gathers, reductions and frees interleave. Per unit i (0 is the root, the rest
-// in forward order):
-//   gathered[i]  elements of full values when sharded (0: replicated)
-//   send[i]      bytes of scratch its all-gather sends from, held until waited for
-//   full[i]      elements of full local gradients (sharded optimizer state only), made
-//                at its backward and dropped once reduced; under ZeRO-1 (keeps_full)
-//                made with the unit and kept, but a wholly frozen unit's
-//   reduce[i]    bytes of scratch its reduction needs, held until the next is issued
-//   released[i]  its full gradients are dropped as its reduction is issued (widened or
-//                packed into the scratch), not once it is done
-//   frozen[i]    every parameter frozen: it reduces nothing; backward[i]: it runs one (not a frozen prefix's)
-struct step_units {
-  std::vector<std::size_t> gathered, send, full, reduce;
-  std::vector<bool> released, frozen, backward;
-};
-struct step_replay {
-  std::size_t gathered_peak = 0, scratch_peak = 0, full_grad_peak = 0;  // elements, bytes, elements
-  double gathered_sent = 0;  // elements: gathered[i] summed over the gathers issued
-};
-inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_after_forward, bool keeps_full) {
-  const std::size_t n = u.gathered.size();
-  enum class state { sharded, gathering, gathered };
-  std::vector<state> st(n, state::sharded);
-  std::vector<bool> has_full(n, false);
-  step_replay r;
-  std::size_t gathered = 0, scratch = 0, full = 0;
-  std::optional<std::size_t> reducing;  // the unit whose reduction is in flight
-  auto add = [](std::size_t& now, std::size_t& peak, std::size_t b) { peak = std::max(peak, now += b); };
-  auto issue = [&](std::size_t i) {
-    if (st[i] != state::sharded) return;
-    add(gathered, r.gathered_peak, u.gathered[i]);
-    add(scratch, r.scratch_peak, u.send[i]);
-    r.gathered_sent += double(u.gathered[i]);
-    st[i] = state::gathering;
-  };
-  auto ensure = [&](std::size_t i) {
-    issue(i);
-    if (st[i] == state::gathering) scratch -= u.send[i];
-    st[i] = state::gathered;
-  };
-  auto free = [&](std::size_t i) {
-    if (st[i] != state::sharded) gathered -= u.gathered[i];
-    st[i] = state::sharded;
-  };
-  auto make_full = [&](std::size_t i) {
-    if (!has_full[i]) add(full, r.full_grad_peak, u.full[i]);
-    has_full[i] = true;
-  };
-  auto drop_full = [&](std::size_t i) {
-    if (has_full[i]) full -= u.full[i];
-    has_full[i] = false;
-  };
-  auto finish = [&] {  // the reduction in flight completes: its scratch and full gradients go
-    if (!reducing) return;
-    scratch -= u.reduce[*reducing];
-    if (!keeps_full) drop_full(*reducing);
-    reducing.reset();
-  };
-  auto post_backward = [&](std::size_t i) {
-    if (u.frozen[i]) return drop_full(i);  // nothing to send, nothing to keep
-    finish();
-    add(scratch, r.scratch_peak, u.reduce[i]);
-    if (u.released[i] && !keeps_full) drop_full(i);
-    reducing = i;
-  };
-  if (keeps_full)
-    for (std::size_t i = 0; i < n; ++i)
-      if (!u.frozen[i]) make_full(i);
-  for (std::size_t i = 0; i < n; ++i) {
-    ensure(i);
-    for (std::size_t k = i + 1; k <= i + prefetch && k < n; ++k) issue(k);
-    if (i > 0 && (!u.backward[i] || frees_after_forward)) free(i);
-  }
-  make_full(0);  // the root's backward hook runs first; it stays gathered
-  for (std::size_t i = n - 1; i >= 1; --i) {
-    if (!u.backward[i]) continue;
-    ensure(i);
-    for (std::size_t k = i - 1; k + prefetch >= i; --k) {  // down to i - prefetch, the root at most
-      if (u.backward[k]) issue(k);
-      if (k == 0) break;
-    }
-    make_full(i);
-    free(i);
-    post_backward(i);
-  }
-  post_backward(0);
-  finish();
-  return r;
-}
 }  // namespace detail
 
 // Why the engine (ShardedModel's constructor) refuses the setup, or "" when it runs
