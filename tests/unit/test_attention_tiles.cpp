@@ -170,14 +170,15 @@ struct run_16bit {
 // Tolerances as the device test's for 16-bit inputs: outputs rounded to bf16 (2^-9
 // relative each) or half (2^-12), and each weight or score gradient rounded alike
 // before its product, which moves a sum of products by about as much again; backward
-// reads the rounded O. Worst observed over these cases: 4.7e-3 (bf16), 6.3e-4 (half);
-// 1e-2 and 2e-3 hold that with room, below a wrong mask element or a lost rescale (a
-// weight of order 1 / L > 2e-2 here).
+// reads the rounded O. Worst observed over these cases: 1.18e-2 for bf16 (dk of "causal,
+// offset -7", whose rows see few keys, so few roundings average out; seed 2700660237),
+// 6.3e-4 for half; 1.5e-2 and 2e-3 hold that, below a wrong mask element or a lost
+// rescale (a weight of order 1 / L > 2e-2 here).
 TEMPLATE_TEST_CASE("fused attention tiles with 16-bit operands (the tensor-core kernels) stay within rounding of "
                    "nn::sdpa",
                    "[ops][flash]", shardlib::bfloat16, shardlib::half) {
   test_support::random_inputs rng;
-  const double tol = std::is_same_v<TestType, shardlib::bfloat16> ? 1e-2 : 2e-3;
+  const double tol = std::is_same_v<TestType, shardlib::bfloat16> ? 1.5e-2 : 2e-3;
   bool rounding_seen = false;  // the Operand rounding changes a result somewhere
   for (const attention_case& c : cases()) {
     INFO(c.name << " (seed " << rng.seed << ")");
