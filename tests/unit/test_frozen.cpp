@@ -103,6 +103,7 @@ struct sharded_run {
   bool replicas_agree = true;
   double reduced_bytes = 0;  // what rank 0 sent reducing gradients, per step (ring model)
   std::size_t frozen_unit_grads = 0;  // reduced gradients rank 0 keeps for units of frozen parameters
+  std::size_t grads = 0;              // reduced gradients rank 0 keeps, every unit's
 };
 
 // The model make() returns: make_model()'s fp32 layers, or make_model16()'s bf16 ones
@@ -151,7 +152,10 @@ sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::s
       if (r.grad_norm) run.norms.push_back(*r.grad_norm);
     }
     run.reduced_bytes = (tally->reduce_scatter + tally->all_reduce) / steps;
-    for (const auto& u : model.units()) run.frozen_unit_grads += u.frozen() ? u.grad->local().size() : 0;
+    for (const auto& u : model.units()) {
+      run.frozen_unit_grads += u.frozen() ? u.grad.size() : 0;
+      run.grads += u.grad.size();
+    }
     flatten(run.params, false);
   });
   for (int r = 1; r < world; ++r)
@@ -260,8 +264,12 @@ TEST_CASE("frozen runs are left out of a shard's step, which steps the rest as b
 //                    2 replicas, 0 elements for 36: 2 (1/2) 36 x 4 = 144; 256 in all
 //   HybridShard G = 1, W = 2: one piece of 72, nothing reduce-scattered; averaged across the 2
 //                    replicas, 8 elements for 72: 2 (1/2) 64 x 4 = 256
-// Then one unit of everything (wrap_none), every weight frozen: at W = 3 pieces of 103 with
-// 16, 16 (two runs) and 45 trained elements (the last with the padding), slots of 45.
+// and rank 0 keeps the trained elements of its piece alone as reduced gradients: 0 for 36
+// (FullShard W = 2, HybridShard G = 2), 0 for 24 (W = 3), 8 for 72 (G = 1); NoShard keeps the
+// whole unit, where its layers write.
+// Then one unit of everything (wrap_none, 339 elements with the alignment gaps), every weight
+// but the last frozen: at W = 3 pieces of 113 with 24, 32 (two runs of 16) and 51 trained
+// elements, slots of 51; rank 0 keeps 24 reduced gradients for 113.
 TEST_CASE("a unit of frozen and trained parameters reduces its trained elements alone", "[frozen][traffic]") {
   const std::set<std::string> weight{"1.layers.1.weight"};
   auto held = adamw;
@@ -273,18 +281,19 @@ TEST_CASE("a unit of frozen and trained parameters reduces its trained elements 
   struct setting {
     shard::AnyStrategy strategy;
     int world;
-    double saved;  // bytes per step, fp32 reduction; -1: not counted here
+    double saved;       // bytes per step, fp32 reduction
+    std::size_t grads;  // fewer reduced gradients rank 0 keeps
   };
-  const setting settings[] = {{shard::FullShard{}, 2, 112},
-                              {shard::FullShard{}, 3, 128},
-                              {shard::ShardOptimizer{}, 3, 128},
-                              {shard::NoShard{}, 3, 2 * (2. / 3) * 64 * 4},
-                              {shard::HybridShard{.group_size = 2}, 4, 256},
-                              {shard::HybridShard{.group_size = 1}, 2, 256}};
+  const setting settings[] = {{shard::FullShard{}, 2, 112, 36},
+                              {shard::FullShard{}, 3, 128, 24},
+                              {shard::ShardOptimizer{}, 3, 128, 24},
+                              {shard::NoShard{}, 3, 2 * (2. / 3) * 64 * 4, 0},
+                              {shard::HybridShard{.group_size = 2}, 4, 256, 36},
+                              {shard::HybridShard{.group_size = 1}, 2, 256, 64}};
   const shard::mixed_precision precisions[] = {{},
                                                {.param = dtype::bf16, .reduce = dtype::bf16},
                                                {.param = dtype::f16, .reduce = dtype::f16}};
-  for (const auto& [strategy, w, saved] : settings)
+  for (const auto& [strategy, w, saved, fewer] : settings)
     for (const auto& mp : precisions) {
       INFO(strategy.name << " at W = " << w << ", reduce " << name(mp.reduce));
       const auto packed = train(w, strategy, optim::AdamW{adamw}, weight, 3, 0, false, shard::wrap_types<Block>{}, mp);
@@ -293,6 +302,7 @@ TEST_CASE("a unit of frozen and trained parameters reduces its trained elements 
       CHECK(packed.params != packed.initial);
       CHECK(bits(packed.params) == bits(whole.params));
       if (mp.reduce == dtype::f32) CHECK(whole.reduced_bytes - packed.reduced_bytes == Approx(saved).epsilon(1e-12));
+      CHECK(whole.grads - packed.grads == fewer);
       if (strategy.name == "FullShard" && w == 3 && mp.reduce == dtype::bf16)
         CHECK(whole.reduced_bytes - packed.reduced_bytes == Approx(64).epsilon(1e-12));
     }
@@ -311,6 +321,7 @@ TEST_CASE("a unit of frozen and trained parameters reduces its trained elements 
       CHECK(packed.params != packed.initial);
       CHECK(bits(packed.params) == bits(whole.params));
       CHECK(whole.reduced_bytes > packed.reduced_bytes);
+      if (w == 3) CHECK(whole.grads - packed.grads == 113 - 24);
     }
   // bf16 layers: packed widened into fp32, or sent in bf16 and widened into the shard; and
   // offloaded (the reduced shard copied to host memory for the step)
@@ -329,6 +340,7 @@ TEST_CASE("a unit of frozen and trained parameters reduces its trained elements 
       CHECK(packed.params != packed.initial);
       CHECK(bits(packed.params) == bits(whole.params));
       CHECK(whole.reduced_bytes > packed.reduced_bytes);
+      CHECK(whole.grads - packed.grads == (w == 3 ? 24u : 36u));  // unit 1.layers.1 as above
     }
   // Two micro-batches a step, each reduced: the second added into the shard's trained runs.
   // HybridShard averages a packed piece across the replicas before adding it, where a whole
@@ -373,24 +385,28 @@ TEST_CASE("a frozen parameter's gradient is zero and it has no optimizer state",
     auto& problem = problems[std::size_t(c.rank())];
     for (std::size_t i = 0; i < model.unit_count(); ++i) {
       const std::size_t begin = model.partition(i).begin(model.partition_rank());
-      const auto grads = model.units()[i].grad->local();
+      const auto grads = model.units()[i].grad.span();
+      const std::size_t piece = model.partition(i).shard_size();
+      const bool trained_only = grads.size() < piece;  // a packed reduction's: the trained elements alone
       auto& st = model.optimizer_state(opt, i);
       state_elements[std::size_t(c.rank())] += st.exp_avg.size();
       padded_total[std::size_t(c.rank())] += model.partition(i).padded_size();
       // Element k of the piece is frozen or is the next element of the state, which moved.
       std::size_t next = 0;
-      for (std::size_t k = 0; k < grads.size(); ++k) {
+      for (std::size_t k = 0; k < piece; ++k) {
         bool frozen = false;
         for (const auto& e : model.unit_layout(i).entries)
           frozen = frozen || (!e.requires_grad && begin + k >= e.offset && begin + k < e.offset + e.numel());
         if (frozen) {
-          if (grads[k] != 0) problem += cat("unit ", i, " element ", begin + k, ": a frozen gradient ", grads[k], "; ");
+          if (!trained_only && grads[k] != 0)
+            problem += cat("unit ", i, " element ", begin + k, ": a frozen gradient ", grads[k], "; ");
           continue;
         }
         if (next >= st.exp_avg.size()) problem += cat("unit ", i, ": the state ends before element ", begin + k, "; ");
         ++next;
       }
       if (next != st.exp_avg.size()) problem += cat("unit ", i, ": ", st.exp_avg.size(), " state elements for ", next);
+      if (trained_only && grads.size() != next) problem += cat("unit ", i, ": ", grads.size(), " gradients for ", next);
       for (const auto& e : model.unit_layout(i).entries)
         frozen_total[std::size_t(c.rank())] += e.requires_grad ? 0 : e.numel();
     }
@@ -532,9 +548,56 @@ TEST_CASE("cut_frozen cuts frozen entries out of a piece's runs", "[frozen][segm
   // Runs that do not tile a shard are refused before anything steps.
   optim::SGD::state st;
   const std::vector<segment> gap{{0, 4, 0}, {5, 5, 0}};
-  CHECK_THROWS_WITH(optim::step_runs("x", 10, st, gap, 1, [](auto&, std::size_t) {}),
+  const std::vector<float> g(10);
+  CHECK_THROWS_WITH(optim::step_runs("x", 10, std::span<const float>(g), st, gap, 1, [](auto&, std::size_t, auto) {}),
                     Contains("x::step: segment [5, 10) of group 0 does not continue the runs of a shard of 10 at 4"));
   CHECK(st.step == 0);
+}
+
+// A step over runs takes the shard's gradients or its trained runs' alone, end to end as
+// their state (what a sharded model keeps for a unit whose reduction packs them): the
+// same step, bit for bit, for Adam's host and group steps and SGD's; other sizes are
+// refused before anything moves.
+TEST_CASE("a step over runs takes the shard's gradients or its trained runs' alone", "[frozen][segments]") {
+  using optim::segment;
+  const std::vector<segment> runs{{0, 3, 0}, {3, 4, segment::frozen}, {7, 2, 0}, {9, 5, segment::frozen}, {14, 2, 0}};
+  const std::size_t n = 16, trained = optim::trained_size(runs);
+  REQUIRE(trained == 7);
+  std::vector<float> params(n), grads(n), compact;
+  for (std::size_t k = 0; k < n; ++k) {
+    params[k] = 0.25f * float(k) - 1.5f;
+    grads[k] = 0.125f * float(k % 5) - 0.3f;
+  }
+  optim::for_each_trained_run(runs, [&](const segment& r, std::size_t) {
+    compact.insert(compact.end(), grads.begin() + std::ptrdiff_t(r.begin), grads.begin() + std::ptrdiff_t(r.begin + r.size));
+  });
+  auto both = [&](auto opt, auto step) {
+    auto full_p = params, compact_p = params;
+    auto full_s = opt.make_state(trained), compact_s = opt.make_state(trained);
+    for (int s = 0; s < 3; ++s) {
+      step(opt, full_p, std::span<const float>(grads), full_s);
+      step(opt, compact_p, std::span<const float>(compact), compact_s);
+    }
+    CHECK(full_p != params);
+    CHECK(bits(full_p) == bits(compact_p));
+    // Neither the shard's size nor the trained elements': refused, nothing stepped.
+    const std::vector<float> odd(trained + 1, 1.0f);
+    auto before = compact_p;
+    CHECK_THROWS_WITH(step(opt, compact_p, std::span<const float>(odd), compact_s),
+                      Contains("a shard of 16 elements, 7 of them trained, but 8 gradients"));
+    CHECK(bits(compact_p) == bits(before));
+    CHECK(compact_s.step == 3);
+  };
+  auto unfrozen = [&](const auto& opt, std::vector<float>& p, std::span<const float> g, auto& st) {
+    optim::step_unfrozen(opt, std::span<float>(p), g, st, std::span<const segment>(runs));
+  };
+  both(optim::AdamW{adamw}, unfrozen);
+  both(optim::SGD{{.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01}}, unfrozen);
+  using Groups = optim::param_groups<optim::AdamW>;
+  const Groups groups({{.name = "all", .rule = [](std::string_view, const Shape&) { return true; }, .options = adamw}});
+  both(groups, [&](const Groups& opt, std::vector<float>& p, std::span<const float> g, auto& st) {
+    opt.step(std::span<float>(p), g, st, std::span<const segment>(runs));
+  });
 }
 
 // A unit whose parameters are all frozen sends nothing for its gradients (FSDP2 reduces
@@ -571,7 +634,8 @@ TEST_CASE("a unit whose parameters are all frozen reduces nothing", "[frozen][tr
 
 // The planner reads the flags (docs/planner.md): every category as planned for the
 // rank, the optimizer state Adam's 8 bytes per element the state holds, less than
-// without the flags, and the bytes sent (a whole frozen unit reduces nothing).
+// without the flags, and the bytes sent (a whole frozen unit reduces nothing); the
+// reduced gradients less too (a whole frozen unit keeps none, a packed one its trained elements').
 TEST_CASE("with frozen parameters the plan equals the ledger and the bytes sent", "[frozen][plan]") {
   const int w = 3;
   struct measured {
@@ -580,40 +644,48 @@ TEST_CASE("with frozen parameters the plan equals the ledger and the bytes sent"
     double sent = 0;
     plan::rank_plan plan, unfrozen;  // the second without the flags
   };
-  std::vector<measured> out(w);
-  comm::launch(w, [&](comm::ThreadComm& inner, ledger& l) {
-    auto tally = std::make_shared<bench::traffic>();
-    bench::counting_comm<comm::ThreadComm> c(inner, tally);
-    Model m = fixture::make_model();
-    freeze_only(m, {"0.weight", "1.layers.0.weight", "1.layers.0.bias"});
-    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{},
-                                                                             .seed = 42});
-    optim::AdamW opt{adamw};
-    tally->reset();
-    const int per_rank = rows / w, first = c.rank() * per_rank;
-    for (int s = 0; s < 3; ++s)
-      model.train_step(opt, fixture::batch(s, per_rank, 5, 1, first), fixture::batch(s, per_rank, 3, 2, first),
-                       fixture::mse);
-    auto& o = out[std::size_t(c.rank())];
-    for (int k = 0; k < category_count; ++k) o.peak[std::size_t(k)] = l.peak(category(k));
-    for (std::size_t i = 0; i < model.unit_count(); ++i)
-      o.state_elements += model.optimizer_state(opt, i).exp_avg.size();
-    o.sent = tally->total() / 3;
-    auto desc = plan::describe(model);
-    o.plan = plan::make_plan(desc, {.policy = shard::FullShard{}.policy(), .world = w, .rank = c.rank()});
-    desc.frozen.clear();
-    o.unfrozen = plan::make_plan(desc, {.policy = shard::FullShard{}.policy(), .world = w, .rank = c.rank()});
-  });
-  for (const auto& o : out) {
-    for (int k = 0; k < category_count; ++k) {
-      if (category(k) == category::activations) continue;  // not measured for the plan here
-      INFO(name(category(k)));
-      CHECK(o.peak[std::size_t(k)] == o.plan.memory[category(k)]);
+  // 1.layers.1.weight frozen too: that unit packs, and its reduced gradients are its trained elements'
+  const std::set<std::string> lower{"0.weight", "1.layers.0.weight", "1.layers.0.bias"};
+  auto packed = lower;
+  packed.insert("1.layers.1.weight");
+  for (const auto& frozen : {lower, packed}) {
+    INFO(frozen.size() << " frozen");
+    std::vector<measured> out(w);
+    comm::launch(w, [&](comm::ThreadComm& inner, ledger& l) {
+      auto tally = std::make_shared<bench::traffic>();
+      bench::counting_comm<comm::ThreadComm> c(inner, tally);
+      Model m = fixture::make_model();
+      freeze_only(m, frozen);
+      auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{},
+                                                                               .seed = 42});
+      optim::AdamW opt{adamw};
+      tally->reset();
+      const int per_rank = rows / w, first = c.rank() * per_rank;
+      for (int s = 0; s < 3; ++s)
+        model.train_step(opt, fixture::batch(s, per_rank, 5, 1, first), fixture::batch(s, per_rank, 3, 2, first),
+                         fixture::mse);
+      auto& o = out[std::size_t(c.rank())];
+      for (int k = 0; k < category_count; ++k) o.peak[std::size_t(k)] = l.peak(category(k));
+      for (std::size_t i = 0; i < model.unit_count(); ++i)
+        o.state_elements += model.optimizer_state(opt, i).exp_avg.size();
+      o.sent = tally->total() / 3;
+      auto desc = plan::describe(model);
+      o.plan = plan::make_plan(desc, {.policy = shard::FullShard{}.policy(), .world = w, .rank = c.rank()});
+      desc.frozen.clear();
+      o.unfrozen = plan::make_plan(desc, {.policy = shard::FullShard{}.policy(), .world = w, .rank = c.rank()});
+    });
+    for (const auto& o : out) {
+      for (int k = 0; k < category_count; ++k) {
+        if (category(k) == category::activations) continue;  // not measured for the plan here
+        INFO(name(category(k)));
+        CHECK(o.peak[std::size_t(k)] == o.plan.memory[category(k)]);
+      }
+      CHECK(o.peak[std::size_t(category::optimizer_state)] == 8 * o.state_elements);
+      CHECK(o.plan.memory.optimizer_state < o.unfrozen.memory.optimizer_state);
+      CHECK(o.plan.memory.gradients < o.unfrozen.memory.gradients);
+      CHECK(o.sent == Approx(o.plan.sent.total()).epsilon(1e-12));
+      CHECK(o.sent < o.unfrozen.sent.total());
     }
-    CHECK(o.peak[std::size_t(category::optimizer_state)] == 8 * o.state_elements);
-    CHECK(o.plan.memory.optimizer_state < o.unfrozen.memory.optimizer_state);
-    CHECK(o.sent == Approx(o.plan.sent.total()).epsilon(1e-12));
-    CHECK(o.sent < o.unfrozen.sent.total());
   }
 }
 

@@ -119,20 +119,39 @@ inline void check_runs(std::string_view who, std::size_t n, std::span<const segm
   require(covered == n, who, "::step: the segments cover ", covered, " of ", n, " elements");
 }
 
-// One step over a shard that `runs` tile: step_run(r, state_first) steps every run r
-// but the frozen ones, whose state starts at element state_first of the state; then
-// the step is counted once. Nothing is stepped unless all runs are valid.
-template <class State, class StepRun>
-void step_runs(std::string_view who, std::size_t n, State& s, std::span<const segment> runs, std::size_t groups,
-               StepRun&& step_run) {
+// The gradients of a step over runs cover the whole shard (n elements, where the runs
+// lie) or its trained runs alone, end to end as their state (a sharded model keeps the
+// reduced gradients of a unit whose reduction packs them so: shard/packing.hpp). Without
+// frozen runs both are the same. Throws shape_error when they are neither.
+inline void require_run_grads(std::string_view who, std::size_t grads, std::size_t n, std::span<const segment> runs) {
+  const std::size_t trained = trained_size(runs);
+  require<shape_error>(grads == n || grads == trained, who, "::step: a shard of ", n, " elements, ", trained,
+                       " of them trained, but ", grads, " gradients (one per element, or per trained element)");
+}
+// Run r's gradients, where r's state starts at state_first.
+template <class G>
+std::span<G> run_grads(std::span<G> grads, std::size_t n, const segment& r, std::size_t state_first) {
+  return grads.subspan(grads.size() == n ? r.begin : state_first, r.size);
+}
+
+// One step over a shard that `runs` tile: step_run(r, state_first, g) steps every run r
+// but the frozen ones, whose state starts at element state_first of the state and whose
+// gradients are g (require_run_grads); then the step is counted once. Nothing is
+// stepped unless all runs and the gradients are valid.
+template <class State, class G, class StepRun>
+void step_runs(std::string_view who, std::size_t n, std::span<const G> grads, State& s,
+               std::span<const segment> runs, std::size_t groups, StepRun&& step_run) {
   check_runs(who, n, runs, groups);
-  for_each_trained_run(runs, step_run);
+  require_run_grads(who, grads.size(), n, runs);
+  for_each_trained_run(runs, [&](const segment& r, std::size_t state_first) {
+    step_run(r, state_first, run_grads(grads, n, r, state_first));
+  });
   ++s.step;
 }
 
 // An optimizer's step over the runs of a shard that are not frozen (a shard holding
 // frozen parameters) with a state of their elements only, counted once: each run as
-// step_segment updates it.
+// step_segment updates it. The gradients cover the shard or its trained runs (require_run_grads).
 template <class O, FloatingElement G>
   requires requires(const O& o, std::span<float> p, std::span<const G> g, typename O::state& s) {
     o.step_segment(p, g, s, std::size_t{});
@@ -140,10 +159,9 @@ template <class O, FloatingElement G>
   }
 void step_unfrozen(const O& opt, std::span<float> params, std::span<const G> grads, typename O::state& s,
                    std::span<const segment> runs) {
-  detail::require_size(O::name, "gradients", grads.size(), params.size());
   opt.check(s, trained_size(runs));
-  step_runs(O::name, params.size(), s, runs, 1, [&](const segment& r, std::size_t state_first) {
-    opt.step_segment(params.subspan(r.begin, r.size), grads.subspan(r.begin, r.size), s, state_first);
+  step_runs(O::name, params.size(), grads, s, runs, 1, [&](const segment& r, std::size_t state_first, auto g) {
+    opt.step_segment(params.subspan(r.begin, r.size), g, s, state_first);
   });
 }
 
@@ -271,15 +289,15 @@ class param_groups {
   }
 
   // Steps a shard whose runs `segments` tile [0, params.size()), each with its group's
-  // options (frozen runs not at all), then counts one step.
+  // options (frozen runs not at all), then counts one step. The gradients cover the shard
+  // or its trained runs (require_run_grads).
   template <FloatingElement G>
   void step(std::span<float> params, std::span<const G> grads, state& s, std::span<const segment> segments) const {
-    detail::require_size(name, "gradients", grads.size(), params.size());
     check(s, trained_size(segments));
-    step_runs("param_groups", params.size(), s, segments, groups_.size(), [&](const segment& r, std::size_t first) {
-      of(groups_[std::size_t(r.group)]).step_segment(params.subspan(r.begin, r.size), grads.subspan(r.begin, r.size),
-                                                     s, first);
-    });
+    step_runs("param_groups", params.size(), grads, s, segments, groups_.size(),
+              [&](const segment& r, std::size_t first, auto g) {
+                of(groups_[std::size_t(r.group)]).step_segment(params.subspan(r.begin, r.size), g, s, first);
+              });
   }
 
   // Learning rates for the update at `step` (a state's step before it): each group's

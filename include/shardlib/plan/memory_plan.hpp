@@ -226,9 +226,11 @@ inline std::string engine_refusal(const setup& s) {
 // in a 16-bit piece. Replicated fp32 values with fp32 gathers hold the master itself.
 //
 // Frozen parameters (model_desc::frozen) take out what the engine leaves out: their
-// elements' optimizer state, a wholly frozen unit's reduced gradients and reduction,
-// a frozen prefix's backward (its gathers, its full gradients). With them the optimizer
-// state differs from rank to rank: setup::rank picks one.
+// elements' optimizer state, a wholly frozen unit's reduced gradients and reduction, a
+// packed unit's frozen elements from its reduction and its reduced gradients
+// (shard/packing.hpp), a frozen prefix's backward (its gathers, its full gradients).
+// With them the optimizer state and reduced gradients differ from rank to rank:
+// setup::rank picks one (without it, the largest).
 inline rank_plan make_plan(const model_desc& d, const setup& s) {
   require(!d.units.empty(), "plan: the model has no units (the root is always one)");
   require(s.world >= 1 && s.prefetch >= 0, "plan: world ", s.world, " and prefetch ", s.prefetch,
@@ -292,15 +294,21 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   // optimizer state, elements refreshed after the step (not wholly frozen).
   double reduced = 0;
   std::vector<double> across(N, 0);
-  std::size_t kept = 0, refreshed = 0;  // elements of the units that keep reduced gradients, and refreshed
+  // Each piece's reduced gradients kept: a reduce-scatter that packs keeps the piece's
+  // trained elements alone; a wholly frozen unit none, unless its layers write there.
+  std::vector<std::size_t> kept(N, 0);
+  std::size_t refreshed = 0;  // elements refreshed
   for (std::size_t i = 0; i < padded.size(); ++i) {
     if (!d.all_frozen(i) && d.runs_backward(i)) {
       reduced += double(packed(i) ? N * width[i] : padded[i]);
       for (std::size_t q = 0; q < N; ++q) across[q] += double(packed(i) ? piece_trained[i][q] : padded[i] / N);
     }
     if (!d.all_frozen(i)) refreshed += padded[i];
-    if (!d.all_frozen(i) || !(compute16 || pol.shard_optimizer)) kept += padded[i];
+    if (!d.all_frozen(i) || !(compute16 || pol.shard_optimizer))
+      for (std::size_t q = 0; q < N; ++q)
+        kept[q] += packed(i) && pol.shard_optimizer ? piece_trained[i][q] : padded[i] / N;
   }
+  const std::size_t grads = s.rank ? kept[std::size_t(my_piece)] : *std::max_element(kept.begin(), kept.end());
 
   rank_plan p;
   rank_memory& mem = p.memory;
@@ -312,7 +320,7 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   const std::size_t copy16 = compute16 && pol.shard_optimizer ? c * all / N : 0;
   mem.parameters = (master_in_values ? c * all : s.offload && compute16 ? 0 : m * all / N) + copy16;
   mem.optimizer_state = s.offload ? 0 : o * state;
-  if (s.offload) p.offloaded = {.parameters = m * all / N + copy16, .gradients = m * kept / N, .optimizer_state = o * state};
+  if (s.offload) p.offloaded = {.parameters = m * all / N + copy16, .gradients = m * grads, .optimizer_state = o * state};
 
   // Gathers, full gradients and scratch as the step interleaves them (detail::replay).
   detail::step_units units;
@@ -345,7 +353,7 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   // pieces, and the full local gradients: kept (ZeRO-1: every unit's but the wholly frozen,
   // and one of those during its backward), or the root's through the whole backward and
   // two units' (the one computing and the last one reducing; one when widened).
-  mem.gradients = !pol.shard_optimizer ? c * all : m * kept / N + c * step.full_grad_peak;
+  mem.gradients = !pol.shard_optimizer ? c * all : m * grads + c * step.full_grad_peak;
   mem.comm_scratch = step.scratch_peak;
   if (!sharded && N > 1 && narrow_param && !compute16)  // construction's gathers of every piece, narrowed, at once
     mem.comm_scratch = std::max(mem.comm_scratch, m * all / N);

@@ -56,15 +56,11 @@ void pack(const reduce_packing& p, std::span<const From> full, std::span<To> out
   }
 }
 
-// Piece q's slot added into (or, overwriting, written over) the trained runs of its shard.
-template <class Ops, class From, class To>
-void unpack(const reduce_packing& p, std::size_t q, std::span<const From> slot, std::span<To> shard, bool overwrite) {
-  optim::for_each_trained_run(p.runs.at(q), [&](const optim::segment& r, std::size_t at) {
-    const auto from = slot.subspan(at, r.size);
-    const auto to = shard.subspan(r.begin, r.size);
-    if constexpr (!std::is_same_v<From, To>) Ops::widen_add(from, to, overwrite);
-    else if (overwrite) Ops::copy(from, to);
-    else Ops::add(from, to, false);
+// An all-reduced slot (one piece: the whole unit) written over the trained runs of the full gradients.
+template <class Ops, class T>
+void unpack(const reduce_packing& p, std::span<const T> slot, std::span<T> full) {
+  optim::for_each_trained_run(p.runs.at(0), [&](const optim::segment& r, std::size_t at) {
+    Ops::copy(slot.subspan(at, r.size), full.subspan(r.begin, r.size));
   });
 }
 

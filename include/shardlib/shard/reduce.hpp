@@ -29,8 +29,9 @@ namespace shardlib::shard {
 // A unit of frozen and trained parameters whose packing is narrower than its pieces
 // (u.packing, shard/packing.hpp) sends its trained elements alone: packed (and widened,
 // as above) into scratch.wide, or scratch.packed when 16-bit both; its full gradients
-// released at once; received in scratch.reduce (or scratch.narrow) and added into the
-// trained runs of u.grad, whose frozen runs stay zero (zero_grad).
+// released at once; received in scratch.reduce (or scratch.narrow) and added into u.grad,
+// which holds the trained elements of this rank's piece alone. An all-reduce's (one piece,
+// u.grad the layers' own gradients) goes back into the trained runs of u.grad.
 // At most one unit's reduction is in flight while the next unit computes.
 template <class Unit, class T, class C, class Space, class Comm>
 class gradient_reducer {
@@ -50,13 +51,12 @@ class gradient_reducer {
     finish_all_except(&u);
     in_flight_.push_back(&u);  // from here on: drain() drops its scratch, should the issue fail
     const dtype rd = precision_.reduce;
-    piece_ = policy_.reduce == reduction::all_reduce ? 0 : std::size_t(shard_group.rank());
     if (u.packing.packed()) {
       issue_packed(u, shard_group, world);
     } else if (policy_.reduce == reduction::all_reduce) {
-      all_reduce(u, world, u.grad->local());
+      all_reduce(u, world, u.grad.span());
     } else if (compute16 && rd != dtype::f32) {
-      u.scratch.narrow = Buffer<C, Space>(u.grad->local().size(), category::comm_scratch);
+      u.scratch.narrow = Buffer<C, Space>(u.grad.span().size(), category::comm_scratch);
       u.reduce_work =
           shard_group.reduce_scatter_async(std::span<const C>(u.full_grad.span()), u.scratch.narrow.span(), op_);
     } else {
@@ -69,7 +69,7 @@ class gradient_reducer {
       } else {
         send = u.full_grad.span();
       }
-      auto into = u.grad->local();
+      auto into = u.grad.span();
       if (!u.grad_clean || (!compute16 && rd != dtype::f32)) {
         u.scratch.reduce = Buffer<T, Space>(into.size(), category::comm_scratch);
         into = u.scratch.reduce.span();
@@ -88,23 +88,23 @@ class gradient_reducer {
       finish_packed(u);
     } else if (policy_.reduce == reduction::all_reduce) {
       if constexpr (on_host && !compute16)
-        if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(u.grad->local()); });
+        if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(u.grad.span()); });
     } else {
       const bool widened = !u.scratch.wide.empty();  // full gradients released when widened
       u.scratch.wide.reset();
       if constexpr (compute16)  // the 16-bit reduction's target
         if (!u.scratch.narrow.empty()) {
-          ops::widen_add(std::span<const C>(u.scratch.narrow.span()), u.grad->local(), u.grad_clean);
+          ops::widen_add(std::span<const C>(u.scratch.narrow.span()), u.grad.span(), u.grad_clean);
           u.scratch.narrow.reset();
         }
       if (!u.scratch.reduce.empty()) {
         if constexpr (on_host && !compute16)
           if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(u.scratch.reduce.span()); });
-        ops::add(std::span<const T>(u.scratch.reduce.span()), u.grad->local(), u.grad_clean);
+        ops::add(std::span<const T>(u.scratch.reduce.span()), u.grad.span(), u.grad_clean);
         u.scratch.reduce.reset();
       }
       if (!widened) release_full_grad(u);
-      if (policy_.reduce == reduction::hierarchical) replicas_->all_reduce(u.grad->local(), op_);
+      if (policy_.reduce == reduction::hierarchical) replicas_->all_reduce(u.grad.span(), op_);
     }
     u.grad_clean = false;
   }
@@ -142,7 +142,7 @@ class gradient_reducer {
     const dtype rd = precision_.reduce;
     if (policy_.reduce == reduction::all_reduce) {  // one piece: the layers' gradients themselves
       u.scratch.wide = Buffer<T, Space>(k.width, category::comm_scratch);
-      pack<ops>(k, std::span<const T>(u.grad->local()), u.scratch.wide.span());
+      pack<ops>(k, std::span<const T>(u.grad.span()), u.scratch.wide.span());
       all_reduce(u, world, u.scratch.wide.span());
       return;
     }
@@ -197,7 +197,7 @@ class gradient_reducer {
       auto packed = u.scratch.wide.span();
       if constexpr (on_host && !compute16)
         if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(packed); });
-      unpack<ops>(k, 0, std::span<const T>(packed), u.grad->local(), true);
+      unpack<ops>(k, std::span<const T>(packed), u.grad.span());
       u.scratch.wide.reset();
       return;
     }
@@ -208,7 +208,7 @@ class gradient_reducer {
       if (!u.scratch.narrow.empty()) {
         const std::span<const C> got(u.scratch.narrow.span());
         if (!hierarchical) {
-          unpack<ops>(k, piece_, got, u.grad->local(), u.grad_clean);
+          take_received(u, got);
           u.scratch.narrow.reset();
           return;
         }
@@ -219,9 +219,18 @@ class gradient_reducer {
     auto got = u.scratch.reduce.span();
     if constexpr (on_host && !compute16)
       if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(got); });
-    if (hierarchical) replicas_->all_reduce(got.first(k.trained[piece_]), op_);
-    unpack<ops>(k, piece_, std::span<const T>(got), u.grad->local(), u.grad_clean);
+    if (hierarchical) replicas_->all_reduce(got.first(u.grad.size()), op_);
+    take_received(u, std::span<const T>(got));
     u.scratch.reduce.reset();
+  }
+  // A packed reduce-scatter's slot (this rank's piece's trained elements, then zeros) added
+  // into u.grad, which holds those elements alone, or, when it holds nothing yet, written over it.
+  template <class From>
+  void take_received(unit_type& u, std::span<const From> slot) {
+    const auto got = slot.first(u.grad.size());
+    if constexpr (!std::is_same_v<From, T>) ops::widen_add(got, u.grad.span(), u.grad_clean);
+    else if (u.grad_clean) ops::copy(got, u.grad.span());
+    else ops::add(got, u.grad.span(), false);
   }
 
   // Full gradients are dropped once reduced when gradients are sharded; kept,
@@ -235,7 +244,6 @@ class gradient_reducer {
   mixed_precision precision_;
   Comm* replicas_ = nullptr;
   comm::reduce_op op_ = comm::reduce_op::avg;
-  std::size_t piece_ = 0;  // this rank's piece of every unit: its rank in the shard group
   std::vector<unit_type*> in_flight_;
 };
 

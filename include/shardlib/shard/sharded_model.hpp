@@ -278,7 +278,7 @@ class ShardedModel {
     for (auto& u : units_) {
       require(!u.reducing, "rank ", comm_->rank(), ": zero_grad: a gradient reduction of unit '", u.name,
               "' is still pending");
-      ops::fill(u.grad->local(), T(0));
+      ops::fill(u.grad.span(), T(0));
       if (policy_.shard_gradients) u.full_grad.reset();  // drops gradients accumulated under sync(false)
       else if (policy_.shard_optimizer) ops::fill(u.full_grad.span(), C(0));
       u.grad_clean = true;
@@ -306,7 +306,7 @@ class ShardedModel {
     const double total = grad_norm();
     float coefficient = 1;
     with_rank([&] { coefficient = optim::clip_coefficient(total, max_norm); });
-    for (auto& u : units_) ops::scale(u.grad->local(), coefficient);
+    for (auto& u : units_) ops::scale(u.grad.span(), coefficient);
     return float(total);
   }
 
@@ -374,10 +374,10 @@ class ShardedModel {
     const bool global = scaler_ || so.loss == loss_report::global_mean;  // every rank decides alike
     if (global) put_loss<ops>(l.loss, std::span<float>(shared.data(), 1));
     if (scaler_)
-      for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad->local()), shared.data() + 1);
+      for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad.span()), shared.data() + 1);
     if (global) ops::all_reduce_in_place(*comm_, std::span<float>(shared.data(), 2), comm::reduce_op::sum);
     if (scaler_)  // also after an overflow, so that the norm reported is the unscaled one (inf or NaN)
-      for (auto& u : units_) scaler_.scale(u.grad->local(), loss_scale, true);
+      for (auto& u : units_) scaler_.scale(u.grad.span(), loss_scale, true);
     std::optional<typename ops::template scalars<double>> norm_squared;
     if (so.max_norm > 0) norm_squared.emplace(grad_norm_squared());
     if constexpr (!std::is_same_v<space, host_space>)
@@ -410,7 +410,7 @@ class ShardedModel {
       r.skipped = r.skipped || !std::isfinite(norm);
       if (!r.skipped) {
         const float coefficient = optim::clip_coefficient(norm, so.max_norm);
-        for (auto& u : units_) ops::scale(u.grad->local(), coefficient);
+        for (auto& u : units_) ops::scale(u.grad.span(), coefficient);
       }
     }
     if (r.skipped) ++step_;  // parameters and optimizer state stay as they were
@@ -625,7 +625,7 @@ class ShardedModel {
     } else {
       for (std::size_t i = 0; i < units_.size(); ++i) {
         auto& u = units_[i];
-        steps_.template step<ops>(opt, u, i, piece(i), master_local(u), std::span<const T>(u.grad->local()),
+        steps_.template step<ops>(opt, u, i, piece(i), master_local(u), std::span<const T>(u.grad.span()),
                                   u.compute_shard.span(), flag);
       }
     }
@@ -708,14 +708,18 @@ class ShardedModel {
     const shard_layout part = partition(i);
     const int pr = partition_rank();
     // A unit of frozen parameters keeps no reduced gradients (none are ever reduced), unless
-    // they are where its layers write (replicated fp32 layers, nothing sharded).
+    // they are where its layers write (replicated fp32 layers, nothing sharded); one whose
+    // reduce-scatter packs its trained elements keeps those alone.
+    u.packing = trained_packing(u.layout, part, policy_.reduce != reduction::all_reduce);
     const bool no_grads = u.frozen() && (compute16 || policy_.shard_optimizer);
+    const bool trained_only = u.packing.packed() && policy_.reduce != reduction::all_reduce;
+    const std::size_t reduced = no_grads ? 0 : trained_only ? u.packing.trained[std::size_t(pr)] : part.shard_size();
     if (offload_) {  // the optimizer's side, drawn in place as the model's space draws it
       ledger_scope in_offload(current_ledger().offload());
       auto& o = u.offload.emplace();
       o.master = Buffer<T, offload_space>(part.shard_size(), category::parameters);
       offload_ops::initialize(u.layout, opts_.seed, part.begin(pr), o.master.span());
-      o.grad = Buffer<T, offload_space>(no_grads ? 0 : part.shard_size(), category::gradients);
+      o.grad = Buffer<T, offload_space>(reduced, category::gradients);
       if constexpr (compute16) o.compute_copy = Buffer<C, offload_space>(part.shard_size(), category::parameters);
     }
     if (!master_in_values() && !(compute16 && offload_)) {
@@ -726,8 +730,8 @@ class ShardedModel {
       u.compute_shard = Buffer<C, space>(part.shard_size(), category::parameters);
       narrow_master(u);
     }
-    u.grad.emplace(no_grads ? 0 : part.numel, part.world, pr, category::gradients);
-    u.packing = trained_packing(u.layout, part, policy_.reduce != reduction::all_reduce);
+    u.grad = Buffer<T, space>(reduced, category::gradients);
+    ops::fill(u.grad.span(), T(0));
     if (policy_.shard_parameters) return;
     // Replicated values, padded like the partition so that ZeRO-1 all-gathers in place.
     u.values = Buffer<C, space>(part.padded_size(),
@@ -745,7 +749,7 @@ class ShardedModel {
   // sharded (fp32 layers only), the gradients the optimizer steps, reduced in place.
   C* full_grads(unit_type& u) {
     if constexpr (!compute16)
-      if (!policy_.shard_optimizer) return u.grad->local().data();
+      if (!policy_.shard_optimizer) return u.grad.span().data();
     return u.full_grad.data();
   }
 
@@ -892,7 +896,7 @@ class ShardedModel {
     auto& channel = *offload_;
     std::vector<typename space_ops<space>::offload_channel::ticket> sent(units_.size());
     auto send = [&](std::size_t i) {
-      sent[i] = channel.to_offload(std::span<const T>(units_[i].grad->local()), units_[i].offload->grad.span());
+      sent[i] = channel.to_offload(std::span<const T>(units_[i].grad.span()), units_[i].offload->grad.span());
     };
     if (!units_.empty()) send(0);
     for (std::size_t i = 0; i < units_.size(); ++i) {
@@ -912,7 +916,7 @@ class ShardedModel {
   // different shards (replicas hold the same values), left in the model's space.
   auto grad_norm_squared() {
     auto sum = ops::template make_scalars<double>(1);
-    for (auto& u : units_) ops::add_sum_squares(std::span<const T>(u.grad->local()), sum.data());
+    for (auto& u : units_) ops::add_sum_squares(std::span<const T>(u.grad.span()), sum.data());
     if (policy_.shard_optimizer)
       ops::all_reduce_in_place(shard_comm(), std::span<double>(sum.data(), 1), comm::reduce_op::sum);
     return sum;
@@ -939,7 +943,7 @@ class ShardedModel {
     ops::decide_step(rule, shared.data(), norm_squared ? norm_squared->data() : nullptr,
                      scaler_ ? scaler_.in_space().data() : nullptr, outcome->data());
     if (so.max_norm > 0)
-      for (auto& u : units_) ops::scale_by(u.grad->local(), outcome->data() + coefficient_slot, false);
+      for (auto& u : units_) ops::scale_by(u.grad.span(), outcome->data() + coefficient_slot, false);
     apply_step(opt, optim::skip_flag{outcome->data() + skip_slot});
     return read_step_result<ops>(loss, std::move(shared), std::move(outcome), so, float(comm_->size()), comm_->rank(),
                                  rule.scaler.min_scale);

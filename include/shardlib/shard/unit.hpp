@@ -39,9 +39,11 @@ struct unit {
   // (replicated parameters kept in the master dtype: NoShard, ZeRO-1 in fp32), or
   // in `offload` (16-bit compute with options.offload).
   std::optional<ShardedTensor<T, Space>> master;
-  // Reduced gradients, the same partition as the master; none (numel 0) in a unit of
-  // frozen parameters, unless its layers' gradients are bound there (replicated fp32 layers).
-  std::optional<ShardedTensor<T, Space>> grad;
+  // Reduced gradients this rank steps: its piece of the master's partition or, when a
+  // reduce-scatter packs them (`packing`), its piece's trained elements alone, end to end as
+  // the optimizer state (optim::require_run_grads); none in a unit of frozen parameters,
+  // unless its layers' gradients are bound there (replicated fp32 layers).
+  Buffer<T, Space> grad;
   Buffer<C, Space> compute_shard;               // 16-bit compute: the master rounded to C
   std::optional<State> optimizer_state;         // made on the first step (in `offload`'s space when offloaded)
 

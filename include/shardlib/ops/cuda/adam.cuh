@@ -172,7 +172,7 @@ void adam_update(const optim::BasicAdam<Style>& opt, adam_moments state, std::sp
 }
 
 // That the moments have `stepped` entries (the parameters' elements that are not
-// frozen), and the gradients and copy (when not empty) n, as the parameters.
+// frozen), the gradients n (as the parameters) or `stepped`, and the copy (when not empty) n.
 template <optim::decay_style Style, FloatingElement G, FloatingElement C>
 void require_adam_sizes(const optim::BasicAdam<Style>& opt, const adam_moments& state, std::size_t stepped,
                         std::size_t n, std::span<const G> grads, std::span<C> copy) {
@@ -180,7 +180,7 @@ void require_adam_sizes(const optim::BasicAdam<Style>& opt, const adam_moments& 
     require<shape_error>(got == want, optim::BasicAdam<Style>::name, " (CUDA): ", what, " has ", got, " entries, ",
                          of, " ", want);
   };
-  require_size("gradients", grads.size(), n, "the parameters");
+  if (grads.size() != stepped) require_size("gradients", grads.size(), n, "the parameters");
   require_size("exp_avg", state.exp_avg.size(), stepped, "the parameters stepped");
   require_size("exp_avg_sq", state.exp_avg_sq.size(), stepped, "the parameters stepped");
   if (opt.options.amsgrad)

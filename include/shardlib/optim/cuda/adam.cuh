@@ -128,7 +128,8 @@ struct BasicAdam {
 
   // The same over a shard that `runs` tile (optim::segment), one pass per run, leaving
   // the frozen runs' parameters and compute copy as they are; the state holds the
-  // other runs' moments end to end. The step is counted once, and with flag.skip one
+  // other runs' moments end to end, and the gradients are the shard's or the other runs'
+  // alone (optim::require_run_grads). The step is counted once, and with flag.skip one
   // gate decides it for every run.
   template <FloatingElement G, FloatingElement H>
   void step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy,
@@ -162,7 +163,8 @@ struct BasicAdam {
       ops::cuda::adam_update(host,
                              {state_part(moments.exp_avg), state_part(moments.exp_avg_sq),
                               state_part(moments.max_exp_avg_sq)},
-                             part(params), part(grads), part(compute_copy), k, stream, gated);
+                             part(params), optim::run_grads(grads, params.size(), r, first), part(compute_copy), k,
+                             stream, gated);
     });
   }
 };
