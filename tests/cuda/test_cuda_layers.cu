@@ -305,6 +305,23 @@ TEMPLATE_TEST_CASE("device Linear equals the host layer, gradients accumulating"
   CHECK_THROWS_AS(dev.forward(ctx, Tensor<T, cuda_space>(Shape{3, 23})), sl::shape_error);
 }
 
+// Its base frozen (the constructor's default) and trained: the frozen base gradients stay
+// as they were on both sides.
+TEMPLATE_TEST_CASE("device LoRALinear equals the host layer, its base frozen or trained", "[cuda][layers][lora]",
+                   float, sl::bfloat16) {
+  if (!have_device()) return;
+  using T = TestType;
+  on_stream s;
+  random_inputs rnd;
+  INFO("seed " << rnd.seed);
+  for (const auto& frozen : {std::set<std::string>{"base_layer.weight", "base_layer.bias"}, std::set<std::string>{}}) {
+    INFO(frozen.size() << " frozen");
+    nn::LoRALinear<float> host(24, 40, {.r = 8, .alpha = 16});
+    nn::LoRALinear<T, cuda_space> dev(24, 40, {.r = 8, .alpha = 16});
+    compare_layers<T>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1), 1.0f, {}, frozen);
+  }
+}
+
 TEMPLATE_TEST_CASE("device LayerNorm equals the host layer", "[cuda][layers]", float, sl::bfloat16) {
   if (!have_device()) return;
   using T = TestType;

@@ -1,0 +1,22 @@
+// shardlib/nn/cuda/lora.cuh — LoRALinear on the device: its products on the current
+// stream (nn/lora.hpp holds the layer; its base layer is the device Linear).
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/nn/cuda/device.cuh"  // device_gemm
+#include "shardlib/nn/cuda/linear.cuh"
+#include "shardlib/nn/lora.hpp"
+
+#include <cstdint>  // std::int64_t
+
+namespace shardlib::nn::detail {
+
+template <>
+struct lora_product<cuda_space> {
+  template <class T>
+  static void run(ops::trans ta, ops::trans tb, std::int64_t m, std::int64_t n, std::int64_t k, double alpha,
+                  const T* a, std::int64_t lda, const T* b, std::int64_t ldb, double beta, T* c, std::int64_t ldc) {
+    device_gemm(ta, tb, m, n, k, float(alpha), a, lda, b, ldb, float(beta), c, ldc);
+  }
+};
+
+}  // namespace shardlib::nn::detail

@@ -1,0 +1,230 @@
+// LoRALinear (nn/lora.hpp): its output is the formula's in float64, its gradients the
+// central differences of its output; a new adapter changes nothing; its base is frozen
+// and keeps no input, the adapter keeps x and x A^T only for a trained matrix; and a
+// model of adapters trains under every strategy as unsharded, its base weights
+// untouched, each rank keeping the adapters' reduced gradients alone.
+#include "shardlib/comm/launch.hpp"
+#include "shardlib/core/ledger.hpp"
+#include "shardlib/nn/activation.hpp"
+#include "shardlib/nn/context.hpp"
+#include "shardlib/nn/lora.hpp"
+#include "shardlib/nn/replicated.hpp"
+#include "shardlib/nn/sequential.hpp"
+#include "shardlib/optim/adam.hpp"
+#include "shardlib/plan/describe.hpp"
+#include "shardlib/plan/memory_plan.hpp"
+#include "shardlib/shard/sharded_model.hpp"
+#include "support/compare.hpp"
+#include "support/gradcheck.hpp"
+#include "support/shard_fixture.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+using namespace shardlib;
+using Catch::Matchers::Contains;
+
+// x [2, 3, 6] -> [2, 3, 5], r = 3, alpha 6 (scaling 2; rslora: 6 / sqrt(3)), lora_B drawn
+// as lora_A is (a trained adapter). The forward against the formula summed in another
+// order: 1e-12 relative to max(|want|, 1). The gradients against central differences
+// (support/gradcheck.hpp, 1e-6 norm-wise), with the base trained; frozen, its gradients
+// stay as they were and the rest keep their bits.
+TEST_CASE("LoRALinear's output is the formula's and its gradients the output's differences", "[lora]") {
+  for (bool rslora : {false, true}) {
+    INFO("rslora " << rslora);
+    nn::LoRALinear<double> l(6, 5, {.r = 3, .alpha = 6, .rslora = rslora});
+    CHECK(l.scaling() == (rslora ? 6 / std::sqrt(3.0) : 2.0));
+    CHECK(!l.base_layer.weight.requires_grad);  // frozen at construction, as PEFT freezes it
+    CHECK(!l.base_layer.bias.requires_grad);
+    l.lora_B.init = l.lora_A.init;
+    const Tensor<double> x = gradcheck::random_tensor({2, 3, 6}, 1);
+    std::vector<std::vector<double>> frozen_grads;
+    for (bool base_trained : {false, true}) {
+      INFO("base trained " << base_trained);
+      l.base_layer.weight.requires_grad = l.base_layer.bias.requires_grad = base_trained;
+      nn::Replicated<double, nn::LoRALinear<double>> owner(l, 5);
+      for (const char* name : {"base_layer.weight", "base_layer.bias"}) std::ranges::fill(owner.grad(name), 7.0);
+      nn::context ctx;
+      const Tensor<double> y = l.forward(ctx, x);
+      const Tensor<double> dx = l.backward(ctx, gradcheck::random_tensor(y.shape(), 2));
+      std::vector<std::vector<double>> grads{{dx.span().begin(), dx.span().end()}};
+      for (const char* name : {"lora_A.weight", "lora_B.weight"})
+        grads.emplace_back(owner.grad(name).begin(), owner.grad(name).end());
+      if (!base_trained) {
+        frozen_grads = grads;
+        for (const char* name : {"base_layer.weight", "base_layer.bias"})
+          for (double g : owner.grad(name)) REQUIRE(g == 7.0);
+        continue;
+      }
+      CHECK(grads == frozen_grads);  // == fails on NaN
+      const auto W = owner.value("base_layer.weight"), bias = owner.value("base_layer.bias");
+      const auto A = owner.value("lora_A.weight"), B = owner.value("lora_B.weight");
+      test_support::max_error forward;
+      for (std::int64_t row = 0; row < 6; ++row)
+        for (std::int64_t o = 0; o < 5; ++o) {
+          double want = bias[std::size_t(o)];
+          for (std::int64_t k = 0; k < 6; ++k) want += x[row * 6 + k] * W[std::size_t(o * 6 + k)];
+          for (std::int64_t j = 0; j < 3; ++j) {
+            double h = 0;
+            for (std::int64_t k = 0; k < 6; ++k) h += x[row * 6 + k] * A[std::size_t(j * 6 + k)];
+            want += l.scaling() * h * B[std::size_t(o * 3 + j)];
+          }
+          forward.relative(y[row * 5 + o], want, 1.0);
+        }
+      CHECK(forward <= 1e-12);
+    }
+    const auto r = gradcheck::check(l, x, 1000);  // every element
+    INFO("worst: " << r.worst);
+    CHECK(r.max_rel_error < 1e-6);
+    CHECK(r.compared == 30 + 5 + 18 + 15 + 36);
+  }
+}
+
+// lora_B starts at zero: a new adapter's output is its base layer's, bit for bit.
+TEST_CASE("a new LoRALinear is its base layer", "[lora]") {
+  nn::LoRALinear<float> l(16, 8, {.r = 4, .alpha = 16});
+  nn::Replicated<float, nn::LoRALinear<float>> owner(l, 3);
+  for (float b : owner.value("lora_B.weight")) REQUIRE(b == 0.0f);
+  bool moved = false;
+  for (float a : owner.value("lora_A.weight")) moved = moved || (a != 0.0f && std::abs(a) <= 0.25f);  // U(-1/4, 1/4)
+  CHECK(moved);
+  const Tensor<float> x = fixture::batch(0, 5, 16, 1);
+  nn::context ctx;
+  const auto y = l.forward(ctx, x), base = l.base_layer.forward(ctx, x);
+  REQUIRE(y.numel() == base.numel());
+  for (std::int64_t i = 0; i < y.numel(); ++i) REQUIRE(y[i] == base[i]);
+  CHECK_THROWS_WITH((nn::LoRALinear<float>(16, 8, {.r = 0})),
+                    Contains("LoRALinear(16 -> 8): rank r must be at least 1"));
+}
+
+// What forward keeps: x for lora_A's gradient, x A^T for lora_B's, nothing of the frozen
+// base's input but its shape; with gradients disabled, nothing; a matrix unfrozen between
+// forward and backward is refused, naming the layer.
+TEST_CASE("LoRALinear keeps x and x A^T only for a trained adapter matrix", "[lora][memory]") {
+  const std::size_t x_bytes = 4 * 64 * sizeof(float), h_bytes = 4 * 8 * sizeof(float), y_bytes = 4 * 32 * sizeof(float);
+  struct setting {
+    bool a, b;
+    std::size_t kept;
+  };
+  for (const auto [a, b, kept] : {setting{true, true, x_bytes + h_bytes}, setting{false, true, h_bytes},
+                                  setting{true, false, x_bytes}, setting{false, false, 0}}) {
+    INFO("lora_A trained " << a << ", lora_B trained " << b);
+    ledger l;
+    ledger_scope scope(l);
+    nn::LoRALinear<float> lora(64, 32, {.r = 8});
+    nn::Replicated<float, nn::LoRALinear<float>> owner(lora, 1);
+    lora.lora_A.requires_grad = a;
+    lora.lora_B.requires_grad = b;
+    nn::context ctx;
+    Tensor<float> y;
+    {
+      const Tensor<float> x = fixture::batch(0, 4, 64, 1);
+      y = lora.forward(ctx, x);
+    }
+    CHECK(l.current(category::activations) == y_bytes + kept);
+    const auto dx = lora.backward(ctx, fixture::batch(1, 4, 32, 1));
+    CHECK(dx.shape() == Shape{4, 64});
+    y = {};
+    ctx.no_grad([&] { y = lora.forward(ctx, fixture::batch(0, 4, 64, 1)); });
+    CHECK(l.current(category::activations) == y_bytes + dx.numel() * sizeof(float));
+    if (!a) {
+      (void)lora.forward(ctx, fixture::batch(0, 4, 64, 1));
+      lora.lora_A.requires_grad = true;
+      CHECK_THROWS_WITH(lora.backward(ctx, fixture::batch(1, 4, 32, 1)),
+                        Contains("LoRALinear lora_A: its weight was frozen at forward"));
+    }
+  }
+}
+
+namespace {
+
+using Adapters = nn::Sequential<nn::LoRALinear<float>, nn::ReLU<float>, nn::LoRALinear<float>>;
+constexpr std::int64_t in = 16, hidden = 64, out = 32, rows = 12;
+Adapters make_adapters() { return Adapters{nn::LoRALinear<float>(in, hidden, {.r = 4}), nn::ReLU<float>{},
+                                           nn::LoRALinear<float>(hidden, out, {.r = 4, .alpha = 16})}; }
+
+struct adapters_run {
+  std::map<std::string, std::vector<float>> initial, final;
+  std::vector<std::size_t> grads;  // rank 0's reduced gradients in each adapter unit
+  bool plan_equal = true;          // every rank's ledger equals its plan (activations aside)
+};
+
+// Three AdamW steps of the adapters model on `rows` rows split over the ranks, each
+// LoRALinear a unit.
+adapters_run train_adapters(int w, shard::AnyStrategy strategy) {
+  std::vector<adapters_run> runs(std::size_t(w), adapters_run{});
+  comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
+    Adapters m = make_adapters();
+    auto model = shard::fully_shard<optim::AdamW>(
+        m, c, strategy, {.wrap = shard::wrap_types<nn::LoRALinear<float>>{}, .seed = 42});
+    auto& run = runs[std::size_t(c.rank())];
+    auto state = [&](std::map<std::string, std::vector<float>>& to) {
+      for (auto& [name, t] : model.full_state_dict(false)) to[name].assign(t.span().begin(), t.span().end());
+    };
+    state(run.initial);
+    l.reset_peaks();  // the state dict's gathers and tensors are not the step's
+    optim::AdamW opt{{.lr = 1e-2, .weight_decay = 0.1}};
+    const std::int64_t per_rank = rows / w, first = c.rank() * per_rank;
+    for (int s = 0; s < 3; ++s)
+      model.train_step(opt, fixture::batch(s, per_rank, in, 1, first), fixture::batch(s, per_rank, out, 2, first),
+                       fixture::mse);
+    const auto plan = plan::make_plan(plan::describe(model),
+                                      {.policy = strategy.policy(), .world = w, .rank = c.rank()});
+    for (int k = 0; k < category_count; ++k)
+      if (category(k) != category::activations && l.peak(category(k)) != plan.memory[category(k)])
+        run.plan_equal = false;
+    state(run.final);
+    for (std::size_t i = 0; i < model.unit_count(); ++i) {
+      if (model.unit_name(i).empty()) continue;  // the root holds no parameter
+      run.grads.push_back(model.units()[i].grad.size());
+    }
+  });
+  for (int r = 1; r < w; ++r) runs[0].plan_equal = runs[0].plan_equal && runs[std::size_t(r)].plan_equal;
+  return runs[0];
+}
+
+}  // namespace
+
+// Against one rank: the same global batch, so the trained adapters end equal up to the
+// reductions' order (bound 1e-5 relative to max(|want|, 0.1); a wrong gradient moves an
+// element by about lr = 1e-2); the base weights keep their bits. The adapter units, flat:
+//   0: base weight [0, 1024), bias [1024, 1088), lora_A [1088, 1152), lora_B [1152, 1408)
+//   2: base weight [0, 2048), bias [2048, 2080), lora_A [2080, 2336), lora_B [2336, 2464)
+// At W = 2 rank 0's pieces (704 and 1232) are base weight alone and rank 1's hold the
+// adapters (320 and 384 elements), so the reductions pack and rank 0 keeps no reduced
+// gradients; HybridShard with groups of 1 keeps each unit's adapters (one piece each);
+// NoShard the whole units, where its layers write.
+TEST_CASE("a model of LoRA adapters trains under every strategy as on one rank", "[lora][shard]") {
+  const auto one = train_adapters(1, shard::NoShard{});
+  struct setting {
+    shard::AnyStrategy strategy;
+    std::vector<std::size_t> grads;  // rank 0's reduced gradients in units 0 and 2
+  };
+  for (const auto& [strategy, grads] : {setting{shard::FullShard{}, {0, 0}}, setting{shard::ShardGradOp{}, {0, 0}},
+                                        setting{shard::ShardOptimizer{}, {0, 0}},
+                                        setting{shard::HybridShard{.group_size = 1}, {320, 384}},
+                                        setting{shard::NoShard{}, {1408, 2464}}}) {
+    INFO(strategy.name);
+    const auto run = train_adapters(2, strategy);
+    REQUIRE(run.final.size() == one.final.size());
+    test_support::max_error adapters;
+    for (const auto& [name, values] : run.final) {
+      INFO(name);
+      if (name.find("base_layer") != std::string::npos) {
+        CHECK(values == run.initial.at(name));  // == fails on NaN
+        continue;
+      }
+      CHECK(values != run.initial.at(name));
+      adapters.relative(values, one.final.at(name), 0.1);
+    }
+    CHECK(adapters <= 1e-5);
+    CHECK(run.grads == grads);
+    CHECK(run.plan_equal);
+  }
+}
