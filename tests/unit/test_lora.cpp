@@ -2,9 +2,11 @@
 // central differences of its output; a new adapter changes nothing; its base is frozen
 // and keeps no input, the adapter keeps x and x A^T only for a trained matrix; and a
 // model of adapters trains under every strategy as unsharded, its base weights
-// untouched, each rank keeping the adapters' reduced gradients alone.
+// untouched, each rank keeping the adapters' reduced gradients alone; a base model's
+// checkpoint loads into it.
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/core/ledger.hpp"
+#include "shardlib/io/state_dict.hpp"
 #include "shardlib/nn/activation.hpp"
 #include "shardlib/nn/context.hpp"
 #include "shardlib/nn/lora.hpp"
@@ -20,9 +22,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <unistd.h>  // getpid
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -226,5 +231,58 @@ TEST_CASE("a model of LoRA adapters trains under every strategy as on one rank",
     CHECK(adapters <= 1e-5);
     CHECK(run.grads == grads);
     CHECK(run.plan_equal);
+  }
+}
+
+// PEFT's order: a base model's checkpoint loads into the adapted model under the base
+// names (nn::peft_base_names), the adapters reported missing and kept as drawn; with B at
+// zero the sharded adapted model then computes the base model's output, bit for bit. A
+// strict load names the four adapter matrices.
+TEST_CASE("a base model's checkpoint loads into its LoRA adapters, which start as the base", "[lora][checkpoint]") {
+  const auto dir = std::filesystem::temp_directory_path() / cat("shardlib-lora-", ::getpid());
+  std::filesystem::create_directories(dir);
+  const auto path = dir / "base.safetensors";
+  using Plain = nn::Sequential<nn::Linear<float>, nn::ReLU<float>, nn::Linear<float>>;
+  Plain plain{nn::Linear<float>(in, hidden), nn::ReLU<float>{}, nn::Linear<float>(hidden, out)};
+  nn::Replicated<float, Plain> owner(plain, 7);
+  io::save_state_dict(path, owner);
+  const Tensor<float> x = fixture::batch(0, rows, in, 1);
+  nn::context ctx;
+  const Tensor<float> want = plain.forward(ctx, x);
+
+  Adapters probe = make_adapters();
+  const auto pairs = nn::peft_base_names(probe);
+  CHECK(pairs == std::vector<std::pair<std::string, std::string>>{{"0.weight", "0.base_layer.weight"},
+                                                                   {"0.bias", "0.base_layer.bias"},
+                                                                   {"2.weight", "2.base_layer.weight"},
+                                                                   {"2.bias", "2.base_layer.bias"}});
+  std::vector<io::load_report> reports(2);
+  std::vector<std::vector<float>> outputs(2);
+  std::vector<std::string> strict_errors(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Adapters m = make_adapters();
+    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{},
+                                                  {.wrap = shard::wrap_types<nn::LoRALinear<float>>{}, .seed = 42});
+    const io::state_dict_options options{.names = io::name_map::table(pairs), .strict = false};
+    reports[std::size_t(c.rank())] = io::load_state_dict(path, model, options);
+    try {
+      io::load_state_dict(path, model, {.names = io::name_map::table(pairs)});
+    } catch (const io_error& e) {
+      strict_errors[std::size_t(c.rank())] = e.what();
+    }
+    model.eval();
+    const auto y = model.forward(x);
+    outputs[std::size_t(c.rank())].assign(y.span().begin(), y.span().end());
+  });
+  std::filesystem::remove_all(dir);
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    const auto& report = reports[std::size_t(r)];
+    CHECK(report.missing ==
+          std::vector<std::string>{"0.lora_A.weight", "0.lora_B.weight", "2.lora_A.weight", "2.lora_B.weight"});
+    CHECK(report.unexpected.empty());
+    CHECK(report.mismatched.empty());
+    CHECK_THAT(strict_errors[std::size_t(r)], Contains("missing (4): 0.lora_A.weight, 0.lora_B.weight"));
+    CHECK(outputs[std::size_t(r)] == std::vector<float>(want.span().begin(), want.span().end()));  // fails on NaN
   }
 }

@@ -11,8 +11,12 @@
 #include "shardlib/nn/saved_input.hpp"
 #include "shardlib/ops/gemm.hpp"
 
-#include <cmath>    // std::sqrt
-#include <cstdint>  // std::int64_t
+#include <cmath>        // std::sqrt
+#include <cstdint>      // std::int64_t
+#include <string>       // std::string
+#include <string_view>  // std::string_view
+#include <utility>      // std::pair
+#include <vector>       // std::vector
 
 namespace shardlib::nn {
 
@@ -135,5 +139,22 @@ class LoRALinear {
   lora_options o_;
   saved_input<input> x_, h_;
 };
+
+// {file name, model name} for every base-layer parameter of the LoRA adapters in
+// `model`: the names the base model's checkpoint holds them under ("attn.q.weight" for
+// the model's "attn.q.base_layer.weight"). With io::name_map::table and strict = false a
+// base checkpoint loads into the adapted model, the adapters reported missing (they keep
+// their initial values), as PEFT wraps a loaded base model.
+template <Layer L>
+std::vector<std::pair<std::string, std::string>> peft_base_names(L& model) {
+  constexpr std::string_view segment = "base_layer.";
+  std::vector<std::pair<std::string, std::string>> pairs;
+  model.parameters([&](std::string_view name, auto&) {
+    const std::size_t at = name.find(segment);
+    if (at != std::string_view::npos && (at == 0 || name[at - 1] == '.'))
+      pairs.emplace_back(cat(name.substr(0, at), name.substr(at + segment.size())), std::string(name));
+  });
+  return pairs;
+}
 
 }  // namespace shardlib::nn
