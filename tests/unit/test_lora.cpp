@@ -207,6 +207,29 @@ adapters_run train_adapters(int w, shard::AnyStrategy strategy) {
 // NoShard the whole units, where its layers write.
 TEST_CASE("a model of LoRA adapters trains under every strategy as on one rank", "[lora][shard]") {
   const auto one = train_adapters(1, shard::NoShard{});
+  {
+    // The same without sharding: a plain owner whose step leaves the frozen runs out
+    // (its layout records the flags), bit for bit.
+    INFO("nn::Replicated with step_unfrozen");
+    Adapters m = make_adapters();
+    nn::Replicated<float, Adapters> owner(m, 42);
+    const std::size_t n = owner.values().size();
+    const auto runs = optim::cut_frozen({{0, n, 0}}, owner.layout(), 0, n);
+    const optim::AdamW opt{{.lr = 1e-2, .weight_decay = 0.1}};
+    auto st = opt.make_state(optim::trained_size(runs));
+    nn::context ctx;
+    for (int s = 0; s < 3; ++s) {
+      owner.zero_grad();
+      const auto l = fixture::mse(ctx.forward(m, fixture::batch(s, rows, in, 1)), fixture::batch(s, rows, out, 2));
+      ctx.backward(m, l.grad);
+      optim::step_unfrozen(opt, owner.values(), std::span<const float>(owner.grads()), st, runs);
+    }
+    for (const auto& e : owner.layout().entries) {
+      INFO(e.name);
+      const auto v = owner.value(e.name);
+      CHECK(std::vector<float>(v.begin(), v.end()) == one.final.at(e.name));  // == fails on NaN
+    }
+  }
   struct setting {
     shard::AnyStrategy strategy;
     std::vector<std::size_t> grads;  // rank 0's reduced gradients in units 0 and 2

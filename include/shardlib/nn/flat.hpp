@@ -55,7 +55,8 @@ struct flat_layout {
 };
 
 // A Param the layer lists under several names (a tied weight, nn/tied_linear.hpp)
-// is laid out once, under its first name, as the sharding engine does.
+// is laid out once, under its first name, as the sharding engine does; each entry
+// records its Param's requires_grad as it is now.
 template <class T, Layer L>
 flat_layout flatten(L& layer) {
   flat_layout f;
@@ -63,7 +64,7 @@ flat_layout flatten(L& layer) {
   layer.parameters([&](std::string_view name, auto& p) {
     static_assert(std::is_same_v<typename std::remove_reference_t<decltype(p)>::value_type, T>,
                   "flatten<T>: the layer has a parameter of another element type");
-    if (seen.insert(&p).second) f.append(std::string(name), p.shape, p.init);
+    if (seen.insert(&p).second) f.append(std::string(name), p.shape, p.init, p.requires_grad);
   });
   return f;
 }

@@ -16,7 +16,9 @@ namespace shardlib::nn {
 // Allocates one flat value buffer and one flat gradient buffer for every Param
 // of the layer (recorded as parameters and gradients in the ledger), binds the
 // layer's views into them, and initialises the values from `seed`. The layer
-// must outlive this owner and must not move while bound.
+// must outlive this owner and must not move while bound. The layout records which
+// parameters were frozen when it was made: a step that leaves them out runs over
+// optim::cut_frozen({{0, n, 0}}, layout(), 0, n) through optim::step_unfrozen.
 template <class T, Layer L>
 class Replicated {
  public:
