@@ -320,6 +320,17 @@ TEMPLATE_TEST_CASE("device LoRALinear equals the host layer, its base frozen or 
     nn::LoRALinear<T, cuda_space> dev(24, 40, {.r = 8, .alpha = 16});
     compare_layers<T>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1), 1.0f, {}, frozen);
   }
+  // merge(): W += s B A and B = 0, as the host's
+  nn::LoRALinear<float> host(24, 40, {.r = 8, .alpha = 16});
+  nn::LoRALinear<T, cuda_space> dev(24, 40, {.r = 8, .alpha = 16});
+  bound_parameters<T> params(host, dev, rnd);
+  host.merge();
+  dev.merge();
+  for (std::size_t i = 0; i < params.names.size(); ++i) {
+    INFO("merged " << params.names[i]);
+    require_near<T>(values(params.device_values[i]), params.host_values[i]);
+  }
+  for (float b : values(params.device_values[3])) REQUIRE(b == 0.0f);  // lora_B
 }
 
 TEMPLATE_TEST_CASE("device LayerNorm equals the host layer", "[cuda][layers]", float, sl::bfloat16) {

@@ -309,3 +309,67 @@ TEST_CASE("a base model's checkpoint loads into its LoRA adapters, which start a
     CHECK(outputs[std::size_t(r)] == std::vector<float>(want.span().begin(), want.span().end()));  // fails on NaN
   }
 }
+
+// merge() folds the update into the base weight and zeroes lora_B: the output stays (1e-12
+// relative in float64: W's one rounding; 1e-5 in float, over a sharded model's
+// summon_full_params with writeback), and a base checkpoint saved then holds the fine-tune.
+TEST_CASE("merge folds a LoRA adapter into its base weight", "[lora]") {
+  {
+    nn::LoRALinear<double> l(6, 5, {.r = 3, .alpha = 6});
+    l.lora_B.init = l.lora_A.init;
+    nn::Replicated<double, nn::LoRALinear<double>> owner(l, 5);
+    const Tensor<double> x = gradcheck::random_tensor({4, 6}, 1);
+    nn::context ctx;
+    const Tensor<double> before = l.forward(ctx, x);
+    const auto w = owner.value("base_layer.weight");
+    const std::vector<double> w0(w.begin(), w.end());
+    const auto A = owner.value("lora_A.weight"), B = owner.value("lora_B.weight");
+    const double want01 = w0[1] + l.scaling() * (B[0] * A[1] + B[1] * A[7] + B[2] * A[13]);  // W[0, 1]
+    l.merge();
+    CHECK(std::abs(w[1] - want01) <= 1e-15);
+    for (double b : B) REQUIRE(b == 0.0);
+    const Tensor<double> after = l.forward(ctx, x);
+    test_support::max_error e;
+    e.relative(after.span(), before.span(), 1.0);
+    CHECK(e <= 1e-12);
+  }
+  std::vector<std::vector<float>> before(2), after(2);
+  std::vector<int> trained_b(2), zero_b(2);  // lora_B elements not zero before merging, zero after
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Adapters m = make_adapters();
+    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{},
+                                                  {.wrap = shard::wrap_types<nn::LoRALinear<float>>{}, .seed = 42});
+    optim::AdamW opt{{.lr = 1e-2}};
+    for (int s = 0; s < 2; ++s)
+      model.train_step(opt, fixture::batch(s, rows / 2, in, 1, c.rank() * rows / 2),
+                       fixture::batch(s, rows / 2, out, 2, c.rank() * rows / 2), fixture::mse);
+    const Tensor<float> x = fixture::batch(5, rows, in, 1);
+    model.eval();
+    auto& b = before[std::size_t(c.rank())];
+    auto& a = after[std::size_t(c.rank())];
+    const auto y0 = model.forward(x);
+    b.assign(y0.span().begin(), y0.span().end());
+    auto count_b = [&](auto keep) {
+      int n = 0;
+      for (const auto& [name, t] : model.full_state_dict(false))
+        if (name.find("lora_B") != std::string::npos)
+          for (float v : t.span()) n += keep(v) ? 1 : 0;
+      return n;
+    };
+    trained_b[std::size_t(c.rank())] = count_b([](float v) { return v != 0.0f; });
+    model.summon_full_params([&] {
+      m.get<0>().merge();
+      m.get<2>().merge();
+    });
+    zero_b[std::size_t(c.rank())] = count_b([](float v) { return v == 0.0f; });
+    const auto y1 = model.forward(x);
+    a.assign(y1.span().begin(), y1.span().end());
+  });
+  for (int r = 0; r < 2; ++r) {
+    test_support::max_error e;
+    e.relative(after[std::size_t(r)], before[std::size_t(r)], 0.1);
+    CHECK(e <= 1e-5);
+    CHECK(trained_b[std::size_t(r)] > 0);
+    CHECK(zero_b[std::size_t(r)] == hidden * 4 + out * 4);
+  }
+}

@@ -11,6 +11,7 @@
 #include "shardlib/nn/saved_input.hpp"
 #include "shardlib/ops/gemm.hpp"
 
+#include <algorithm>    // std::fill_n
 #include <cmath>        // std::sqrt
 #include <cstdint>      // std::int64_t
 #include <string>       // std::string
@@ -40,6 +41,10 @@ struct lora_product<host_space> {
   static void run(ops::trans ta, ops::trans tb, std::int64_t m, std::int64_t n, std::int64_t k, double alpha,
                   const T* a, std::int64_t lda, const T* b, std::int64_t ldb, double beta, T* c, std::int64_t ldc) {
     ops::gemm(ta, tb, m, n, k, T(alpha), a, lda, b, ldb, T(beta), c, ldc);
+  }
+  template <class T>
+  static void zero(T* x, std::int64_t n) {
+    std::fill_n(x, n, T(0));
   }
 };
 }  // namespace detail
@@ -88,6 +93,18 @@ class LoRALinear {
     visit_parameters("base_layer", base_layer, v);
     v("lora_A.weight", lora_A);
     v("lora_B.weight", lora_B);
+  }
+
+  // Folds the update into the base weight, W += s B A, and sets lora_B to zero: the
+  // layer computes what it did (up to W's rounding) from its base alone, PEFT's merge
+  // followed by a fresh adapter (a base checkpoint saved now holds the fine-tune). On
+  // bound values: a Replicated owner's, or inside a sharded model's summon_full_params
+  // (writeback), between steps.
+  void merge() {
+    for (const Param<T>* p : {&base_layer.weight, &lora_A, &lora_B}) p->require_bound("LoRALinear::merge");
+    product::run(ops::trans::no, ops::trans::no, out_features(), in_features(), o_.r, scaling(), lora_B.value, o_.r,
+                 lora_A.value, in_features(), 1.0, base_layer.weight.value, in_features());
+    product::zero(lora_B.value, out_features() * o_.r);
   }
 
   // Keeps x (for lora_A's gradient) and x A^T (for lora_B's) only when a backward

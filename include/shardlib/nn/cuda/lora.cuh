@@ -5,8 +5,10 @@
 #include "shardlib/nn/cuda/device.cuh"  // device_gemm
 #include "shardlib/nn/cuda/linear.cuh"
 #include "shardlib/nn/lora.hpp"
+#include "shardlib/ops/cuda/elementwise.cuh"  // fill
 
 #include <cstdint>  // std::int64_t
+#include <span>     // std::span
 
 namespace shardlib::nn::detail {
 
@@ -16,6 +18,10 @@ struct lora_product<cuda_space> {
   static void run(ops::trans ta, ops::trans tb, std::int64_t m, std::int64_t n, std::int64_t k, double alpha,
                   const T* a, std::int64_t lda, const T* b, std::int64_t ldb, double beta, T* c, std::int64_t ldc) {
     device_gemm(ta, tb, m, n, k, float(alpha), a, lda, b, ldb, float(beta), c, ldc);
+  }
+  template <class T>
+  static void zero(T* x, std::int64_t n) {
+    ops::cuda::fill<T>(std::span<T>(x, std::size_t(n)), T(0), cuda::current_stream());
   }
 };
 
