@@ -379,9 +379,10 @@ void print_tables(const std::vector<measurement>& all, unsigned cores) {
     for (int k = 0; k <= total_index; ++k) std::printf(" %12s", ratio(m.peak[k], m.formula[k]).c_str());
     std::printf("\n");
   }
-  std::printf("\n* W > %u hardware threads: ranks (each with a communication worker) share the cores, so the\n"
-              "  step time measures contention, not scaling.\n",
-              cores);
+  if (std::any_of(all.begin(), all.end(), [&](const measurement& m) { return oversubscribed(m.world); }))
+    std::printf("\n* W > %u hardware threads: ranks (each with a communication worker) share the cores, so the\n"
+                "  step time measures contention, not scaling.\n",
+                cores);
 }
 
 void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned cores) {
