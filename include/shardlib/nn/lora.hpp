@@ -99,7 +99,8 @@ class LoRALinear {
   // layer computes what it did (up to W's rounding) from its base alone, PEFT's merge
   // followed by a fresh adapter (a base checkpoint saved now holds the fine-tune). On
   // bound values: a Replicated owner's, or inside a sharded model's summon_full_params
-  // (writeback), between steps.
+  // (writeback), between steps. The optimizer's state for lora_A and lora_B stays: with
+  // it the next step moves lora_B off zero at once (a fresh adapter wants fresh state).
   void merge() {
     for (const Param<T>* p : {&base_layer.weight, &lora_A, &lora_B}) p->require_bound("LoRALinear::merge");
     product::run(ops::trans::no, ops::trans::no, out_features(), in_features(), o_.r, scaling(), lora_B.value, o_.r,
@@ -164,12 +165,14 @@ class LoRALinear {
 // their initial values), as PEFT wraps a loaded base model.
 template <Layer L>
 std::vector<std::pair<std::string, std::string>> peft_base_names(L& model) {
-  constexpr std::string_view segment = "base_layer.";
   std::vector<std::pair<std::string, std::string>> pairs;
   model.parameters([&](std::string_view name, auto&) {
-    const std::size_t at = name.find(segment);
-    if (at != std::string_view::npos && (at == 0 || name[at - 1] == '.'))
-      pairs.emplace_back(cat(name.substr(0, at), name.substr(at + segment.size())), std::string(name));
+    for (std::string_view leaf : {"base_layer.weight", "base_layer.bias"}) {  // a LoRALinear's own names
+      if (!name.ends_with(leaf)) continue;
+      const std::size_t at = name.size() - leaf.size();
+      if (at == 0 || name[at - 1] == '.')
+        pairs.emplace_back(cat(name.substr(0, at), leaf.substr(leaf.find('.') + 1)), std::string(name));
+    }
   });
   return pairs;
 }
