@@ -3,9 +3,11 @@
 // and keeps no input, the adapter keeps x and x A^T only for a trained matrix; and a
 // model of adapters trains under every strategy as unsharded, its base weights
 // untouched, each rank keeping the adapters' reduced gradients alone; a base model's
-// checkpoint loads into it.
+// checkpoint loads into it, merge() folds it into the base, and adapter files hold the
+// adapters alone (state_dict_options::only).
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/core/ledger.hpp"
+#include "shardlib/io/safetensors.hpp"
 #include "shardlib/io/state_dict.hpp"
 #include "shardlib/nn/activation.hpp"
 #include "shardlib/nn/context.hpp"
@@ -371,5 +373,74 @@ TEST_CASE("merge folds a LoRA adapter into its base weight", "[lora]") {
     CHECK(e <= 1e-5);
     CHECK(trained_b[std::size_t(r)] > 0);
     CHECK(zero_b[std::size_t(r)] == hidden * 4 + out * 4);
+  }
+}
+
+// PEFT's adapter files: options.only saves the adapters alone (4 tensors of the model's 8)
+// from a trained sharded model, and loads them alone into another, strictly: its adapters
+// become the saved ones and its base weights stay as they were, not reported missing; the
+// full file loaded with the same glob reads the adapters alone too. A glob that matches no
+// parameter is refused on save and on load, naming it.
+TEST_CASE("adapter files: state_dict_options::only saves and loads the adapters alone", "[lora][checkpoint]") {
+  const auto dir = std::filesystem::temp_directory_path() / cat("shardlib-adapters-", ::getpid());
+  std::filesystem::create_directories(dir);
+  const auto adapters = dir / "adapter_model.safetensors", whole = dir / "model.safetensors";
+  const std::vector<std::string> lora{"*lora_*"};
+  std::map<std::string, std::vector<float>> saved, fresh, loaded, from_whole;
+  std::vector<io::load_report> reports(2);
+  std::vector<std::string> errors(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    const auto options = shard::options{.wrap = shard::wrap_types<nn::LoRALinear<float>>{}, .seed = 42};
+    auto state = [&](auto& model, std::map<std::string, std::vector<float>>& to) {  // collective; rank 0 keeps it
+      for (auto& [name, t] : model.full_state_dict(false))
+        if (c.rank() == 0) to[name].assign(t.span().begin(), t.span().end());
+    };
+    {
+      Adapters m = make_adapters();
+      auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, options);
+      optim::AdamW opt{{.lr = 1e-2}};
+      for (int s = 0; s < 2; ++s)
+        model.train_step(opt, fixture::batch(s, rows / 2, in, 1, c.rank() * rows / 2),
+                         fixture::batch(s, rows / 2, out, 2, c.rank() * rows / 2), fixture::mse);
+      io::save_state_dict(adapters, model, {.only = lora});
+      io::save_state_dict(whole, model);
+      state(model, saved);
+      try {
+        io::save_state_dict(dir / "none.safetensors", model, {.only = {"*lora_C*"}});
+      } catch (const io_error& e) {
+        errors[std::size_t(c.rank())] = e.what();
+      }
+    }
+    Adapters m = make_adapters();
+    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, options);
+    state(model, fresh);
+    reports[std::size_t(c.rank())] = io::load_state_dict(adapters, model, {.only = lora});
+    state(model, loaded);
+    (void)io::load_state_dict(whole, model, {.only = {"0.lora_*"}});  // the full file, one layer's adapters
+    state(model, from_whole);
+    try {
+      (void)io::load_state_dict(adapters, model, {.only = {"*lora_C*"}});
+    } catch (const io_error& e) {
+      errors[std::size_t(c.rank())] += e.what();
+    }
+  });
+  std::vector<std::string> names;
+  const auto file = io::safetensors::load(adapters);
+  for (const auto& t : file.tensors()) names.push_back(t.name);
+  std::ranges::sort(names);
+  std::filesystem::remove_all(dir);
+  CHECK(names == std::vector<std::string>{"0.lora_A.weight", "0.lora_B.weight", "2.lora_A.weight", "2.lora_B.weight"});
+  for (const auto& r : reports) CHECK(r.ok());
+  REQUIRE(saved.size() == 8);
+  for (const auto& [name, values] : saved) {
+    INFO(name);
+    const bool adapter = name.find("lora_") != std::string::npos;
+    CHECK(loaded.at(name) == (adapter ? values : fresh.at(name)));  // == fails on NaN
+    CHECK(from_whole.at(name) == loaded.at(name));  // the same values again, or untouched
+    if (adapter && name.find("lora_B") != std::string::npos) CHECK(values != fresh.at(name));  // it trained
+  }
+  for (const auto& e : errors) {
+    CHECK_THAT(e, Contains("none.safetensors: state_dict_options::only: no parameter matches '*lora_C*'"));
+    CHECK_THAT(e, Contains("adapter_model.safetensors: state_dict_options::only: no parameter matches '*lora_C*'"));
   }
 }

@@ -76,6 +76,7 @@ inline load_plan plan_load(const std::vector<std::pair<std::string, Shape>>& par
   }
   std::set<std::string, std::less<>> ours;
   for (const auto& [n, s] : params) ours.insert(n);
+  require_only_matches(o, ours, files.origin());
   std::multimap<std::string, std::string, std::less<>> partners;  // both ways round
   for (const auto& [alias, target] : o.tied) {
     partners.emplace(alias, target);
@@ -99,6 +100,7 @@ inline load_plan plan_load(const std::vector<std::pair<std::string, Shape>>& par
     return false;
   };
   for (const auto& [n, shape] : params) {
+    if (!takes(o, n)) continue;  // options.only leaves it out: neither read nor missing
     auto it = by_model.find(n);
     if (it == by_model.end())
       if (const auto p = partner_where(n, [&](const std::string& q) { return by_model.contains(q); })) {

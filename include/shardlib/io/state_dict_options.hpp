@@ -6,9 +6,10 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/element.hpp"  // dtype
 #include "shardlib/core/error.hpp"    // io_error, cat, require
+#include "shardlib/core/glob.hpp"     // glob_match
 #include "shardlib/core/shape.hpp"    // Shape
 
-#include <algorithm>    // std::reverse
+#include <algorithm>    // std::reverse, std::any_of
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::uint64_t, std::int64_t
 #include <functional>   // std::function, std::less
@@ -109,6 +110,11 @@ struct state_dict_options {
   // gets Hugging Face's sharded layout, each file at most this many bytes of tensor data
   // (a larger tensor gets a file of its own).
   std::uint64_t max_shard_bytes = 0;
+  // Globs over the model's parameter names (core/glob.hpp): saving writes, and loading
+  // reads and reports, only the parameters one matches; a file's tensor of a parameter
+  // they leave out is not read and not reported. Empty: every parameter. PEFT's adapter
+  // files: {"*lora_*"}. A glob that matches no parameter is an error naming it.
+  std::vector<std::string> only{};
 };
 
 struct shape_mismatch {
@@ -152,6 +158,21 @@ inline bool ends_with_any(std::string_view name, const std::vector<std::string>&
   for (const auto& s : suffixes)
     if (name.ends_with(s)) return true;
   return false;
+}
+
+// Whether options.only takes the model's parameter `name`.
+inline bool takes(const state_dict_options& o, std::string_view name) {
+  return o.only.empty() || std::any_of(o.only.begin(), o.only.end(), [&](const std::string& g) {
+           return glob_match(g, name);
+         });
+}
+// That every glob of options.only matches one of `names`, else io_error naming it and `origin`.
+template <class Names>
+void require_only_matches(const state_dict_options& o, const Names& names, std::string_view origin) {
+  for (const auto& g : o.only)
+    require<io_error>(std::any_of(names.begin(), names.end(), [&](const auto& n) { return glob_match(g, n); }),
+                      origin, ": state_dict_options::only: no parameter matches '", g,
+                      "' (a glob over the model's dotted names)");
 }
 
 inline Shape reversed(const Shape& s) {

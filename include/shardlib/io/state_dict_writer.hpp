@@ -20,6 +20,7 @@
 #include <filesystem>   // std::filesystem
 #include <functional>   // std::less
 #include <map>          // std::map
+#include <ranges>       // std::views::keys
 #include <set>          // std::set
 #include <span>         // std::span
 #include <string>       // std::string
@@ -81,6 +82,7 @@ void write_state_dict(const std::filesystem::path& path, const std::vector<tenso
     fail(path.string(), "save_dtype ", shardlib::name(type), ": parameters are saved as F32, F64, F16 or BF16");
   std::map<std::string_view, const tensor_to_save<T>*, std::less<>> by_name;
   for (const auto& t : all) by_name.emplace(t.name, &t);
+  require_only_matches(o, std::views::keys(by_name), path.string());
   struct converted {
     std::string name;
     Shape shape;
@@ -88,7 +90,7 @@ void write_state_dict(const std::filesystem::path& path, const std::vector<tenso
   };
   std::vector<converted> out;
   for (const auto& t : all) {
-    bool skip = false;
+    bool skip = !takes(o, t.name);  // options.only leaves it out
     for (const auto& [alias, target] : o.tied) {
       if (t.name != alias || !by_name.contains(target)) continue;
       const auto& other = *by_name.at(target);
