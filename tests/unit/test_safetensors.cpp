@@ -1255,7 +1255,8 @@ TEST_CASE("save_state_dict writes the file's names, layouts and dtype, the tie o
   CHECK(!fs::exists(dir / "x.safetensors"));
 }
 
-TEST_CASE("a model whose engine ties parameters loads and saves them once, under either name", "[io][state_dict]") {
+TEST_CASE("a model whose engine ties parameters loads and saves them once, under either name, the alias alone too",
+          "[io][state_dict]") {
   temp_dir dir;
   auto hf = lm_file, both = lm_file;
   hf.pop_back();                                            // no lm_head at all, as Hugging Face writes it
@@ -1286,6 +1287,16 @@ TEST_CASE("a model whose engine ties parameters loads and saves them once, under
       if (out.tensors.size() != 5) why += cat(out.tensors.size(), " tensors saved, not 5; ");  // the tied weight once
       if (out.values.at("transformer.wte.weight") != want.at("0.weight")) why += "the tied weight's values differ; ";
       if (out.tensors.contains("lm_head.weight")) why += "lm_head.weight saved too; ";
+    }
+    // options.only taking the tie's alias and not its target: the alias is written
+    auto head = o;
+    head.only = {"2.*"};
+    save_state_dict(dir / "head.safetensors", model, head);
+    if (c.rank() == 0) {
+      const auto out = read_files({dir / "head.safetensors"});
+      if (out.tensors.size() != 1 || !out.tensors.contains("lm_head.weight"))
+        why += cat(out.tensors.size(), " tensors saved for the head, not lm_head.weight alone; ");
+      else if (out.values.at("lm_head.weight") != want.at("0.weight")) why += "the head's values differ; ";
     }
   });
   for (int r = 0; r < 2; ++r) {

@@ -92,7 +92,7 @@ void write_state_dict(const std::filesystem::path& path, const std::vector<tenso
   for (const auto& t : all) {
     bool skip = !takes(o, t.name);  // options.only leaves it out
     for (const auto& [alias, target] : o.tied) {
-      if (t.name != alias || !by_name.contains(target)) continue;
+      if (t.name != alias || !by_name.contains(target) || !takes(o, target)) continue;
       const auto& other = *by_name.at(target);
       if (other.shape != t.shape || !std::equal(t.values.begin(), t.values.end(), other.values.begin()))
         fail(path.string(), "tied parameters '", alias, "' and '", target,
