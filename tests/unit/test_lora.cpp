@@ -156,6 +156,25 @@ constexpr std::int64_t in = 16, hidden = 64, out = 32, rows = 12;
 Adapters make_adapters() { return Adapters{nn::LoRALinear<float>(in, hidden, {.r = 4}), nn::ReLU<float>{},
                                            nn::LoRALinear<float>(hidden, out, {.r = 4, .alpha = 16})}; }
 
+// Each LoRALinear a unit.
+shard::options adapter_units() { return {.wrap = shard::wrap_types<nn::LoRALinear<float>>{}, .seed = 42}; }
+
+// `steps` train_steps of the mse on the rows of rank `rank` of `world`.
+template <class Model>
+void train_steps(Model& model, optim::AdamW& opt, int steps, int world, int rank) {
+  const std::int64_t per_rank = rows / world, first = rank * per_rank;
+  for (int s = 0; s < steps; ++s)
+    model.train_step(opt, fixture::batch(s, per_rank, in, 1, first), fixture::batch(s, per_rank, out, 2, first),
+                     fixture::mse);
+}
+
+// The full parameters by name (collective): into `to` when `keep`.
+template <class Model>
+void full_state(Model& model, std::map<std::string, std::vector<float>>& to, bool keep = true) {
+  for (auto& [name, t] : model.full_state_dict(false))
+    if (keep) to[name].assign(t.span().begin(), t.span().end());
+}
+
 struct adapters_run {
   std::map<std::string, std::vector<float>> initial, final;
   std::vector<std::size_t> grads;  // rank 0's reduced gradients in each adapter unit
@@ -168,25 +187,18 @@ adapters_run train_adapters(int w, shard::AnyStrategy strategy) {
   std::vector<adapters_run> runs(std::size_t(w), adapters_run{});
   comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
     Adapters m = make_adapters();
-    auto model = shard::fully_shard<optim::AdamW>(
-        m, c, strategy, {.wrap = shard::wrap_types<nn::LoRALinear<float>>{}, .seed = 42});
+    auto model = shard::fully_shard<optim::AdamW>(m, c, strategy, adapter_units());
     auto& run = runs[std::size_t(c.rank())];
-    auto state = [&](std::map<std::string, std::vector<float>>& to) {
-      for (auto& [name, t] : model.full_state_dict(false)) to[name].assign(t.span().begin(), t.span().end());
-    };
-    state(run.initial);
+    full_state(model, run.initial);
     l.reset_peaks();  // the state dict's gathers and tensors are not the step's
     optim::AdamW opt{{.lr = 1e-2, .weight_decay = 0.1}};
-    const std::int64_t per_rank = rows / w, first = c.rank() * per_rank;
-    for (int s = 0; s < 3; ++s)
-      model.train_step(opt, fixture::batch(s, per_rank, in, 1, first), fixture::batch(s, per_rank, out, 2, first),
-                       fixture::mse);
+    train_steps(model, opt, 3, w, c.rank());
     const auto plan = plan::make_plan(plan::describe(model),
                                       {.policy = strategy.policy(), .world = w, .rank = c.rank()});
     for (int k = 0; k < category_count; ++k)
       if (category(k) != category::activations && l.peak(category(k)) != plan.memory[category(k)])
         run.plan_equal = false;
-    state(run.final);
+    full_state(model, run.final);
     for (std::size_t i = 0; i < model.unit_count(); ++i) {
       if (model.unit_name(i).empty()) continue;  // the root holds no parameter
       run.grads.push_back(model.units()[i].grad.size());
@@ -286,8 +298,7 @@ TEST_CASE("a base model's checkpoint loads into its LoRA adapters, which start a
   std::vector<std::string> strict_errors(2);
   comm::launch(2, [&](comm::ThreadComm& c) {
     Adapters m = make_adapters();
-    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{},
-                                                  {.wrap = shard::wrap_types<nn::LoRALinear<float>>{}, .seed = 42});
+    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, adapter_units());
     const io::state_dict_options options{.names = io::name_map::table(pairs), .strict = false};
     reports[std::size_t(c.rank())] = io::load_state_dict(path, model, options);
     try {
@@ -339,12 +350,9 @@ TEST_CASE("merge folds a LoRA adapter into its base weight", "[lora]") {
   std::vector<int> trained_b(2), zero_b(2);  // lora_B elements not zero before merging, zero after
   comm::launch(2, [&](comm::ThreadComm& c) {
     Adapters m = make_adapters();
-    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{},
-                                                  {.wrap = shard::wrap_types<nn::LoRALinear<float>>{}, .seed = 42});
+    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, adapter_units());
     optim::AdamW opt{{.lr = 1e-2}};
-    for (int s = 0; s < 2; ++s)
-      model.train_step(opt, fixture::batch(s, rows / 2, in, 1, c.rank() * rows / 2),
-                       fixture::batch(s, rows / 2, out, 2, c.rank() * rows / 2), fixture::mse);
+    train_steps(model, opt, 2, 2, c.rank());
     const Tensor<float> x = fixture::batch(5, rows, in, 1);
     model.eval();
     auto& b = before[std::size_t(c.rank())];
@@ -390,21 +398,15 @@ TEST_CASE("adapter files: state_dict_options::only saves and loads the adapters 
   std::vector<io::load_report> reports(2);
   std::vector<std::string> errors(2);
   comm::launch(2, [&](comm::ThreadComm& c) {
-    const auto options = shard::options{.wrap = shard::wrap_types<nn::LoRALinear<float>>{}, .seed = 42};
-    auto state = [&](auto& model, std::map<std::string, std::vector<float>>& to) {  // collective; rank 0 keeps it
-      for (auto& [name, t] : model.full_state_dict(false))
-        if (c.rank() == 0) to[name].assign(t.span().begin(), t.span().end());
-    };
+    const bool keep = c.rank() == 0;
     {
       Adapters m = make_adapters();
-      auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, options);
+      auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, adapter_units());
       optim::AdamW opt{{.lr = 1e-2}};
-      for (int s = 0; s < 2; ++s)
-        model.train_step(opt, fixture::batch(s, rows / 2, in, 1, c.rank() * rows / 2),
-                         fixture::batch(s, rows / 2, out, 2, c.rank() * rows / 2), fixture::mse);
+      train_steps(model, opt, 2, 2, c.rank());
       io::save_state_dict(adapters, model, {.only = lora});
       io::save_state_dict(whole, model);
-      state(model, saved);
+      full_state(model, saved, keep);
       try {
         io::save_state_dict(dir / "none.safetensors", model, {.only = {"*lora_C*"}});
       } catch (const io_error& e) {
@@ -412,12 +414,12 @@ TEST_CASE("adapter files: state_dict_options::only saves and loads the adapters 
       }
     }
     Adapters m = make_adapters();
-    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, options);
-    state(model, fresh);
+    auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, adapter_units());
+    full_state(model, fresh, keep);
     reports[std::size_t(c.rank())] = io::load_state_dict(adapters, model, {.only = lora});
-    state(model, loaded);
+    full_state(model, loaded, keep);
     (void)io::load_state_dict(whole, model, {.only = {"0.lora_*"}});  // the full file, one layer's adapters
-    state(model, from_whole);
+    full_state(model, from_whole, keep);
     try {
       (void)io::load_state_dict(adapters, model, {.only = {"*lora_C*"}});
     } catch (const io_error& e) {

@@ -94,13 +94,13 @@ class gradient_reducer {
       u.scratch.wide.reset();
       if constexpr (compute16)  // the 16-bit reduction's target
         if (!u.scratch.narrow.empty()) {
-          ops::widen_add(std::span<const C>(u.scratch.narrow.span()), u.grad.span(), u.grad_clean);
+          take_received(u, std::span<const C>(u.scratch.narrow.span()));
           u.scratch.narrow.reset();
         }
       if (!u.scratch.reduce.empty()) {
         if constexpr (on_host && !compute16)
           if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(u.scratch.reduce.span()); });
-        ops::add(std::span<const T>(u.scratch.reduce.span()), u.grad.span(), u.grad_clean);
+        take_received(u, std::span<const T>(u.scratch.reduce.span()));
         u.scratch.reduce.reset();
       }
       if (!widened) release_full_grad(u);
@@ -223,14 +223,14 @@ class gradient_reducer {
     take_received(u, std::span<const T>(got));
     u.scratch.reduce.reset();
   }
-  // A packed reduce-scatter's slot (this rank's piece's trained elements, then zeros) added
-  // into u.grad, which holds those elements alone, or, when it holds nothing yet, written over it.
+  // What a reduce-scatter received (this rank's shard, or a packed slot: its piece's trained
+  // elements, then zeros) added into u.grad (widened from 16 bits), or, when u.grad holds
+  // nothing yet, written over it; u.grad's size says how much of it counts.
   template <class From>
-  void take_received(unit_type& u, std::span<const From> slot) {
-    const auto got = slot.first(u.grad.size());
+  void take_received(unit_type& u, std::span<const From> received) {
+    const auto got = received.first(u.grad.size());
     if constexpr (!std::is_same_v<From, T>) ops::widen_add(got, u.grad.span(), u.grad_clean);
-    else if (u.grad_clean) ops::copy(got, u.grad.span());
-    else ops::add(got, u.grad.span(), false);
+    else ops::add(got, u.grad.span(), u.grad_clean);
   }
 
   // Full gradients are dropped once reduced when gradients are sharded; kept,

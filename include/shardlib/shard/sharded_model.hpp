@@ -710,9 +710,10 @@ class ShardedModel {
     // A unit of frozen parameters keeps no reduced gradients (none are ever reduced), unless
     // they are where its layers write (replicated fp32 layers, nothing sharded); one whose
     // reduce-scatter packs its trained elements keeps those alone.
-    u.packing = trained_packing(u.layout, part, policy_.reduce != reduction::all_reduce);
+    const bool scattered = policy_.reduce != reduction::all_reduce;  // each rank receives its piece
+    u.packing = trained_packing(u.layout, part, scattered);
     const bool no_grads = u.frozen() && (compute16 || policy_.shard_optimizer);
-    const bool trained_only = u.packing.packed() && policy_.reduce != reduction::all_reduce;
+    const bool trained_only = u.packing.packed() && scattered;
     const std::size_t reduced = no_grads ? 0 : trained_only ? u.packing.trained[std::size_t(pr)] : part.shard_size();
     if (offload_) {  // the optimizer's side, drawn in place as the model's space draws it
       ledger_scope in_offload(current_ledger().offload());
