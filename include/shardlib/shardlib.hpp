@@ -32,7 +32,7 @@
 #include "shardlib/nn/layer_norm.hpp"        // LayerNorm
 #include "shardlib/nn/linear.hpp"            // Linear
 #include "shardlib/nn/llama_attention.hpp"   // LlamaAttention (GQA, RoPE, KV cache)
-#include "shardlib/nn/lora.hpp"              // LoRALinear (a frozen Linear plus a low-rank update)
+#include "shardlib/nn/lora.hpp"              // add_lora, merge_lora: LoRA adapters across a model (PEFT)
 #include "shardlib/nn/loss.hpp"              // cross_entropy, mse
 #include "shardlib/nn/pooling.hpp"           // MeanPool
 #include "shardlib/nn/replicated.hpp"        // Replicated (unsharded owner)

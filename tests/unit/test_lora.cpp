@@ -1,9 +1,9 @@
-// LoRALinear (nn/lora.hpp): its output is the formula's in float64, its gradients the
+// A Linear's LoRA adapter (Linear::add_lora, nn/lora_adapter.hpp): its output is the formula's in float64, its gradients the
 // central differences of its output; a new adapter changes nothing; its base is frozen
 // and keeps no input, the adapter keeps x and x A^T only for a trained matrix; and a
 // model of adapters trains under every strategy as unsharded, its base weights
 // untouched, each rank keeping the adapters' reduced gradients alone; a base model's
-// checkpoint loads into it, merge() folds it into the base, and adapter files hold the
+// checkpoint loads into it, merge_lora folds it into the base, and adapter files hold the
 // adapters alone (state_dict_options::only).
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/core/ledger.hpp"
@@ -42,20 +42,22 @@ using Catch::Matchers::Contains;
 // order: 1e-12 relative to max(|want|, 1). The gradients against central differences
 // (support/gradcheck.hpp, 1e-6 norm-wise), with the base trained; frozen, its gradients
 // stay as they were and the rest keep their bits.
-TEST_CASE("LoRALinear's output is the formula's and its gradients the output's differences", "[lora]") {
+TEST_CASE("a LoRA Linear's output is the formula's and its gradients the output's differences", "[lora]") {
   for (bool rslora : {false, true}) {
     INFO("rslora " << rslora);
-    nn::LoRALinear<double> l(6, 5, {.r = 3, .alpha = 6, .rslora = rslora});
-    CHECK(l.scaling() == (rslora ? 6 / std::sqrt(3.0) : 2.0));
-    CHECK(!l.base_layer.weight.requires_grad);  // frozen at construction, as PEFT freezes it
-    CHECK(!l.base_layer.bias.requires_grad);
-    l.lora_B.init = l.lora_A.init;
+    nn::Linear<double> l(6, 5);
+    l.add_lora({.r = 3, .alpha = 6, .rslora = rslora});
+    auto& lora = *l.lora();
+    CHECK(lora.scaling() == (rslora ? 6 / std::sqrt(3.0) : 2.0));
+    CHECK(!l.weight.requires_grad);  // frozen by add_lora, as PEFT freezes it
+    CHECK(!l.bias.requires_grad);
+    lora.lora_B.init = lora.lora_A.init;
     const Tensor<double> x = gradcheck::random_tensor({2, 3, 6}, 1);
     std::vector<std::vector<double>> frozen_grads;
     for (bool base_trained : {false, true}) {
       INFO("base trained " << base_trained);
-      l.base_layer.weight.requires_grad = l.base_layer.bias.requires_grad = base_trained;
-      nn::Replicated<double, nn::LoRALinear<double>> owner(l, 5);
+      l.weight.requires_grad = l.bias.requires_grad = base_trained;
+      nn::Replicated<double, nn::Linear<double>> owner(l, 5);
       for (const char* name : {"base_layer.weight", "base_layer.bias"}) std::ranges::fill(owner.grad(name), 7.0);
       nn::context ctx;
       const Tensor<double> y = l.forward(ctx, x);
@@ -80,7 +82,7 @@ TEST_CASE("LoRALinear's output is the formula's and its gradients the output's d
           for (std::int64_t j = 0; j < 3; ++j) {
             double h = 0;
             for (std::int64_t k = 0; k < 6; ++k) h += x[row * 6 + k] * A[std::size_t(j * 6 + k)];
-            want += l.scaling() * h * B[std::size_t(o * 3 + j)];
+            want += lora.scaling() * h * B[std::size_t(o * 3 + j)];
           }
           forward.relative(y[row * 5 + o], want, 1.0);
         }
@@ -93,27 +95,37 @@ TEST_CASE("LoRALinear's output is the formula's and its gradients the output's d
   }
 }
 
-// lora_B starts at zero: a new adapter's output is its base layer's, bit for bit.
-TEST_CASE("a new LoRALinear is its base layer", "[lora]") {
-  nn::LoRALinear<float> l(16, 8, {.r = 4, .alpha = 16});
-  nn::Replicated<float, nn::LoRALinear<float>> owner(l, 3);
+// lora_B starts at zero: a new adapter's output is its base layer's, bit for bit. The
+// adapter renames the base's parameters as PEFT does. A rank below 1 and a second
+// adapter are refused.
+TEST_CASE("a new LoRA adapter leaves its Linear's output as it was", "[lora]") {
+  nn::Linear<float> l(16, 8);
+  l.add_lora({.r = 4, .alpha = 16});
+  nn::Replicated<float, nn::Linear<float>> owner(l, 3);
+  std::vector<std::string> names;
+  l.parameters([&](std::string_view name, auto&) { names.emplace_back(name); });
+  CHECK(names == std::vector<std::string>{"base_layer.weight", "base_layer.bias", "lora_A.weight", "lora_B.weight"});
   for (float b : owner.value("lora_B.weight")) REQUIRE(b == 0.0f);
   bool moved = false;
   for (float a : owner.value("lora_A.weight")) moved = moved || (a != 0.0f && std::abs(a) <= 0.25f);  // U(-1/4, 1/4)
   CHECK(moved);
   const Tensor<float> x = fixture::batch(0, 5, 16, 1);
   nn::context ctx;
-  const auto y = l.forward(ctx, x), base = l.base_layer.forward(ctx, x);
+  nn::Linear<float> plain(16, 8);
+  plain.weight.value = l.weight.value;
+  plain.bias.value = l.bias.value;
+  const auto y = l.forward(ctx, x), base = plain.forward(ctx, x);
   REQUIRE(y.numel() == base.numel());
   for (std::int64_t i = 0; i < y.numel(); ++i) REQUIRE(y[i] == base[i]);
-  CHECK_THROWS_WITH((nn::LoRALinear<float>(16, 8, {.r = 0})),
-                    Contains("LoRALinear(16 -> 8): rank r must be at least 1"));
+  CHECK_THROWS_WITH(plain.add_lora({.r = 0}), Contains("Linear(16 -> 8) LoRA: rank r must be at least 1"));
+  CHECK_THROWS_WITH(l.add_lora(), Contains("Linear(16 -> 8): add_lora on a layer that has a LoRA adapter already"));
+  CHECK_THROWS_WITH(plain.merge_lora(), Contains("Linear(16 -> 8): merge_lora on a layer without a LoRA adapter"));
 }
 
 // What forward keeps: x for lora_A's gradient, x A^T for lora_B's, nothing of the frozen
 // base's input but its shape; with gradients disabled, nothing; a matrix unfrozen between
 // forward and backward is refused, naming the layer.
-TEST_CASE("LoRALinear keeps x and x A^T only for a trained adapter matrix", "[lora][memory]") {
+TEST_CASE("a LoRA adapter keeps x and x A^T only for a trained adapter matrix", "[lora][memory]") {
   const std::size_t x_bytes = 4 * 64 * sizeof(float), h_bytes = 4 * 8 * sizeof(float), y_bytes = 4 * 32 * sizeof(float);
   struct setting {
     bool a, b;
@@ -124,10 +136,11 @@ TEST_CASE("LoRALinear keeps x and x A^T only for a trained adapter matrix", "[lo
     INFO("lora_A trained " << a << ", lora_B trained " << b);
     ledger l;
     ledger_scope scope(l);
-    nn::LoRALinear<float> lora(64, 32, {.r = 8});
-    nn::Replicated<float, nn::LoRALinear<float>> owner(lora, 1);
-    lora.lora_A.requires_grad = a;
-    lora.lora_B.requires_grad = b;
+    nn::Linear<float> lora(64, 32);
+    lora.add_lora({.r = 8});
+    nn::Replicated<float, nn::Linear<float>> owner(lora, 1);
+    lora.lora()->lora_A.requires_grad = a;
+    lora.lora()->lora_B.requires_grad = b;
     nn::context ctx;
     Tensor<float> y;
     {
@@ -142,22 +155,26 @@ TEST_CASE("LoRALinear keeps x and x A^T only for a trained adapter matrix", "[lo
     CHECK(l.current(category::activations) == y_bytes + dx.numel() * sizeof(float));
     if (!a) {
       (void)lora.forward(ctx, fixture::batch(0, 4, 64, 1));
-      lora.lora_A.requires_grad = true;
+      lora.lora()->lora_A.requires_grad = true;
       CHECK_THROWS_WITH(lora.backward(ctx, fixture::batch(1, 4, 32, 1)),
-                        Contains("LoRALinear lora_A: its weight was frozen at forward"));
+                        Contains("Linear(64 -> 32) LoRA lora_A: its weight was frozen at forward"));
     }
   }
 }
 
 namespace {
 
-using Adapters = nn::Sequential<nn::LoRALinear<float>, nn::ReLU<float>, nn::LoRALinear<float>>;
+using Adapters = nn::Sequential<nn::Linear<float>, nn::ReLU<float>, nn::Linear<float>>;
 constexpr std::int64_t in = 16, hidden = 64, out = 32, rows = 12;
-Adapters make_adapters() { return Adapters{nn::LoRALinear<float>(in, hidden, {.r = 4}), nn::ReLU<float>{},
-                                           nn::LoRALinear<float>(hidden, out, {.r = 4, .alpha = 16})}; }
+Adapters make_adapters() {
+  Adapters m{nn::Linear<float>(in, hidden), nn::ReLU<float>{}, nn::Linear<float>(hidden, out)};
+  m.get<0>().add_lora({.r = 4});
+  m.get<2>().add_lora({.r = 4, .alpha = 16});
+  return m;
+}
 
-// Each LoRALinear a unit.
-shard::options adapter_units() { return {.wrap = shard::wrap_types<nn::LoRALinear<float>>{}, .seed = 42}; }
+// Each Linear a unit.
+shard::options adapter_units() { return {.wrap = shard::wrap_types<nn::Linear<float>>{}, .seed = 42}; }
 
 // `steps` train_steps of the mse on the rows of rank `rank` of `world`.
 template <class Model>
@@ -182,7 +199,7 @@ struct adapters_run {
 };
 
 // Three AdamW steps of the adapters model on `rows` rows split over the ranks, each
-// LoRALinear a unit.
+// Linear a unit.
 adapters_run train_adapters(int w, shard::AnyStrategy strategy) {
   std::vector<adapters_run> runs(std::size_t(w), adapters_run{});
   comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
@@ -279,9 +296,8 @@ TEST_CASE("a base model's checkpoint loads into its LoRA adapters, which start a
   const auto dir = std::filesystem::temp_directory_path() / cat("shardlib-lora-", ::getpid());
   std::filesystem::create_directories(dir);
   const auto path = dir / "base.safetensors";
-  using Plain = nn::Sequential<nn::Linear<float>, nn::ReLU<float>, nn::Linear<float>>;
-  Plain plain{nn::Linear<float>(in, hidden), nn::ReLU<float>{}, nn::Linear<float>(hidden, out)};
-  nn::Replicated<float, Plain> owner(plain, 7);
+  Adapters plain{nn::Linear<float>(in, hidden), nn::ReLU<float>{}, nn::Linear<float>(hidden, out)};
+  nn::Replicated<float, Adapters> owner(plain, 7);
   io::save_state_dict(path, owner);
   const Tensor<float> x = fixture::batch(0, rows, in, 1);
   nn::context ctx;
@@ -323,22 +339,23 @@ TEST_CASE("a base model's checkpoint loads into its LoRA adapters, which start a
   }
 }
 
-// merge() folds the update into the base weight and zeroes lora_B: the output stays (1e-12
+// merge_lora folds the update into the base weight and zeroes lora_B: the output stays (1e-12
 // relative in float64: W's one rounding; 1e-5 in float, over a sharded model's
 // summon_full_params with writeback), and a base checkpoint saved then holds the fine-tune.
 TEST_CASE("merge folds a LoRA adapter into its base weight", "[lora]") {
   {
-    nn::LoRALinear<double> l(6, 5, {.r = 3, .alpha = 6});
-    l.lora_B.init = l.lora_A.init;
-    nn::Replicated<double, nn::LoRALinear<double>> owner(l, 5);
+    nn::Linear<double> l(6, 5);
+    l.add_lora({.r = 3, .alpha = 6});
+    l.lora()->lora_B.init = l.lora()->lora_A.init;
+    nn::Replicated<double, nn::Linear<double>> owner(l, 5);
     const Tensor<double> x = gradcheck::random_tensor({4, 6}, 1);
     nn::context ctx;
     const Tensor<double> before = l.forward(ctx, x);
     const auto w = owner.value("base_layer.weight");
     const std::vector<double> w0(w.begin(), w.end());
     const auto A = owner.value("lora_A.weight"), B = owner.value("lora_B.weight");
-    const double want01 = w0[1] + l.scaling() * (B[0] * A[1] + B[1] * A[7] + B[2] * A[13]);  // W[0, 1]
-    l.merge();
+    const double want01 = w0[1] + l.lora()->scaling() * (B[0] * A[1] + B[1] * A[7] + B[2] * A[13]);  // W[0, 1]
+    l.merge_lora();
     CHECK(std::abs(w[1] - want01) <= 1e-15);
     for (double b : B) REQUIRE(b == 0.0);
     const Tensor<double> after = l.forward(ctx, x);
@@ -348,6 +365,7 @@ TEST_CASE("merge folds a LoRA adapter into its base weight", "[lora]") {
   }
   std::vector<std::vector<float>> before(2), after(2);
   std::vector<int> trained_b(2), zero_b(2);  // lora_B elements not zero before merging, zero after
+  std::vector<std::size_t> merged(2);
   comm::launch(2, [&](comm::ThreadComm& c) {
     Adapters m = make_adapters();
     auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, adapter_units());
@@ -367,10 +385,7 @@ TEST_CASE("merge folds a LoRA adapter into its base weight", "[lora]") {
       return n;
     };
     trained_b[std::size_t(c.rank())] = count_b([](float v) { return v != 0.0f; });
-    model.summon_full_params([&] {
-      m.get<0>().merge();
-      m.get<2>().merge();
-    });
+    model.summon_full_params([&] { merged[std::size_t(c.rank())] = nn::merge_lora(m); });
     zero_b[std::size_t(c.rank())] = count_b([](float v) { return v == 0.0f; });
     const auto y1 = model.forward(x);
     a.assign(y1.span().begin(), y1.span().end());
@@ -379,6 +394,7 @@ TEST_CASE("merge folds a LoRA adapter into its base weight", "[lora]") {
     test_support::max_error e;
     e.relative(after[std::size_t(r)], before[std::size_t(r)], 0.1);
     CHECK(e <= 1e-5);
+    CHECK(merged[std::size_t(r)] == 2);
     CHECK(trained_b[std::size_t(r)] > 0);
     CHECK(zero_b[std::size_t(r)] == hidden * 4 + out * 4);
   }

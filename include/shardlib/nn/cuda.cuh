@@ -11,7 +11,7 @@
 #include "shardlib/nn/cuda/feed_forward.cuh"       // LlamaMLP, GPT2MLP (fused SwiGLU)
 #include "shardlib/nn/cuda/layer_norm.cuh"         // LayerNorm
 #include "shardlib/nn/cuda/linear.cuh"             // Linear (cuBLASLt epilogues)
-#include "shardlib/nn/cuda/lora.cuh"               // LoRALinear's products
+#include "shardlib/nn/cuda/lora.cuh"               // a LoRA adapter's products
 #include "shardlib/nn/cuda/loss.cuh"               // cross_entropy_loss on device tensors
 #include "shardlib/nn/cuda/pooling.cuh"            // MeanPool
 #include "shardlib/nn/cuda/rms_norm.cuh"           // RMSNorm

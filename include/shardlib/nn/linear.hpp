@@ -4,12 +4,14 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/grad_mode.hpp"
+#include "shardlib/nn/lora_adapter.hpp"
 #include "shardlib/nn/param.hpp"
 #include "shardlib/nn/saved_input.hpp"
 #include "shardlib/ops/gemm.hpp"
 
 #include <algorithm>    // std::copy_n
 #include <cstdint>      // std::int64_t
+#include <optional>     // std::optional
 #include <type_traits>  // std::is_same_v
 
 namespace shardlib::nn {
@@ -27,8 +29,8 @@ void add_column_sums(const T* d, std::int64_t rows, std::int64_t cols, T* g) {
 
 // What Linear's two versions share (the host's below, the device's in
 // nn/cuda/linear.cuh): the parameters, their shapes and init rules, the
-// accessors, parameters() and the shape checks with their messages.
-template <class T>
+// accessors, parameters(), the LoRA adapter and the shape checks with their messages.
+template <class T, class Space>
 class linear_base {
  public:
   linear_base(std::int64_t in_features, std::int64_t out_features, bool bias = true)
@@ -46,10 +48,35 @@ class linear_base {
   std::int64_t in_features() const { return in_; }
   std::int64_t out_features() const { return out_; }
 
+  // LoRA (PEFT's lora.Linear): from now on the output is x W^T + b + s (x A^T) B^T,
+  // the adapter's lora_A and lora_B trained, weight and bias frozen (PEFT freezes
+  // them; set requires_grad back to train them too). The parameters take PEFT's
+  // names: base_layer.weight, base_layer.bias, lora_A.weight, lora_B.weight. Call it
+  // before the model is wrapped (fully_shard, nn::Replicated), which lists the
+  // parameters; nn::add_lora (nn/lora.hpp) adds adapters across a model by name.
+  void add_lora(const lora_options& o = {}) {
+    require(!lora_, "Linear(", in_, " -> ", out_, "): add_lora on a layer that has a LoRA adapter already");
+    lora_.emplace(in_, out_, o);
+    weight.requires_grad = bias.requires_grad = false;
+  }
+  // The adapter (lora_A, lora_B, options, scaling), or nullptr.
+  detail::lora_adapter<T, Space>* lora() { return lora_ ? &*lora_ : nullptr; }
+  const detail::lora_adapter<T, Space>* lora() const { return lora_ ? &*lora_ : nullptr; }
+  // weight += s B A and B = 0: the fine-tune folded into the weight (a base checkpoint
+  // saved now holds it), the output as before up to the weight's rounding. On bound
+  // values: an nn::Replicated owner's, or inside a sharded model's summon_full_params
+  // (writeback), between steps. The optimizer's state for A and B stays.
+  void merge_lora() {
+    require(lora_.has_value(), "Linear(", in_, " -> ", out_, "): merge_lora on a layer without a LoRA adapter");
+    lora_->merge(weight);
+  }
+
   template <class V>
   void parameters(V&& v) {
-    v("weight", weight);
-    if (has_bias_) v("bias", bias);
+    const bool a = lora_.has_value();
+    v(a ? "base_layer.weight" : "weight", weight);
+    if (has_bias_) v(a ? "base_layer.bias" : "bias", bias);
+    if (a) lora_->parameters(v);
   }
 
  protected:
@@ -79,18 +106,20 @@ class linear_base {
 
   std::int64_t in_, out_;
   bool has_bias_;
+  std::optional<detail::lora_adapter<T, Space>> lora_;
 };
 }  // namespace detail
 
-// weight [out, in], bias [out] (PyTorch's layout and names); x [..., in] -> y [..., out].
+// weight [out, in], bias [out] (PyTorch's layout and names); x [..., in] -> y [..., out];
+// with add_lora, plus its adapter's update (linear_base above).
 // Space is where the tensors and parameters live: this is the host's layer, the
 // device's (cuda_space) is in nn/cuda/linear.cuh, with the same parameters.
 template <class T, class Space = host_space>
-class Linear : public detail::linear_base<T> {
-  static_assert(std::is_same_v<Space, host_space>, 
+class Linear : public detail::linear_base<T, Space> {
+  static_assert(std::is_same_v<Space, host_space>,
                 "nn::Linear: the host layer; for cuda_space include shardlib/nn/cuda/linear.cuh");
-  using base = detail::linear_base<T>;
-  using base::in_, base::out_, base::has_bias_;
+  using base = detail::linear_base<T, Space>;
+  using base::in_, base::out_, base::has_bias_, base::lora_;
 
  public:
   using input = Tensor<T>;
@@ -109,6 +138,7 @@ class Linear : public detail::linear_base<T> {
       for (std::int64_t r = 0; r < rows; ++r) std::copy_n(bias.value, out_, y.data() + r * out_);
     ops::gemm(ops::trans::no, ops::trans::yes, rows, out_, in_, T(1), x.data(), in_, weight.value, in_,
               T(has_bias_ ? 1 : 0), y.data(), out_);
+    if (lora_) lora_->forward(ctx, x, y);
     return y;
   }
 
@@ -125,6 +155,7 @@ class Linear : public detail::linear_base<T> {
     input dx(x_.shape());
     ops::gemm(ops::trans::no, ops::trans::no, rows, in_, out_, T(1), dy.data(), out_, weight.value, in_, T(0),
               dx.data(), in_);  // dx = dy W
+    if (lora_) lora_->backward(dy, dx);
     x_.clear();
     return dx;
   }

@@ -8,6 +8,7 @@
 #include "shardlib/cuda/memory_space.hpp"     // cuda_space
 #include "shardlib/nn/activation.hpp"         // ReLU, GELU, gelu_approx
 #include "shardlib/nn/cuda/device.cuh"        // device_gemm, add_column_sums_device
+#include "shardlib/nn/cuda/lora.cuh"          // lora_product<cuda_space>
 #include "shardlib/nn/linear.hpp"             // the host layer, detail::linear_activation
 #include "shardlib/nn/param.hpp"
 #include "shardlib/ops/cuda/elementwise.cuh"  // repeat_rows, add
@@ -49,10 +50,12 @@ enum class fused_activation { none, relu, gelu_tanh };
 //   it writes for backward then has no padding); otherwise the product and
 //   the GELU kernel run one after the other, keeping the same pre-activation.
 // The erf GELU (torch's "gelu") has no epilogue: a GELU layer after a plain Linear.
+// Nor does a LoRA adapter's update, which the activation must follow: with one,
+// activation() is none and the activation layer runs after the Linear.
 template <class T>
-class Linear<T, cuda_space> : public detail::linear_base<T> {
-  using base = detail::linear_base<T>;
-  using base::in_, base::out_, base::has_bias_;
+class Linear<T, cuda_space> : public detail::linear_base<T, cuda_space> {
+  using base = detail::linear_base<T, cuda_space>;
+  using base::in_, base::out_, base::has_bias_, base::lora_;
 
  public:
   using input = Tensor<T, cuda_space>;
@@ -63,7 +66,7 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
 
   // From the next forward on, the layer is Linear then `a` (see above).
   void fuse_activation(fused_activation a) { act_ = a; }
-  fused_activation activation() const { return act_; }
+  fused_activation activation() const { return lora_ ? fused_activation::none : act_; }
 
   // Keeps what backward needs (x, or only its shape for a frozen weight, and the fused
   // activation's output or input) only when a backward follows (nn::grad_enabled), as
@@ -75,7 +78,7 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
     x_.save(ctx, x, weight.requires_grad);
     const std::int64_t rows = x.numel() / in_;
     output y(this->output_shape(x.shape()));
-    switch (act_) {
+    switch (activation()) {
       case fused_activation::none:
         if (!fused_product(x, rows, ops::cuda::epilogue::bias, y)) plain_product(x, rows, y);
         break;
@@ -95,6 +98,7 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
         if (!keep) pre_ = {};  // the product's aux output, needed by backward only
         break;
     }
+    if (lora_) lora_->forward(ctx, x, y);
     return y;
   }
 
@@ -114,6 +118,7 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
     input dx(x_.shape());
     detail::device_gemm(ops::trans::no, ops::trans::no, rows, in_, out_, 1.0f, d.data, d.ld, weight.value, in_, 0.0f,
                         dx.data(), in_);  // dx = dy W
+    if (lora_) lora_->backward(dy, dx);
     x_.clear();
     return dx;
   }
@@ -141,10 +146,10 @@ class Linear<T, cuda_space> : public detail::linear_base<T> {
 
   // The gradient of x W^T + b from the gradient of the layer's output.
   output activation_backward(const output& dy) {
-    if (act_ == fused_activation::none) return dy;
+    if (activation() == fused_activation::none) return dy;
     output d(dy.shape());
     const cudaStream_t s = cuda::current_stream();
-    if (act_ == fused_activation::relu) ops::cuda::relu_backward<T>(y_.span(), dy.span(), d.span(), s);
+    if (activation() == fused_activation::relu) ops::cuda::relu_backward<T>(y_.span(), dy.span(), d.span(), s);
     else ops::cuda::gelu_backward<T>(pre_.span(), dy.span(), d.span(), gelu_approx::tanh, s);
     y_ = {};
     pre_ = {};

@@ -1,10 +1,11 @@
-// shardlib/nn/cuda/lora.cuh — LoRALinear on the device: its products on the current
-// stream (nn/lora.hpp holds the layer; its base layer is the device Linear).
+// shardlib/nn/cuda/lora.cuh — a device Linear's LoRA adapter: its products on the
+// current stream (nn/lora_adapter.hpp holds the adapter, nn/cuda/linear.cuh includes this).
 #pragma once
 #include "shardlib/config.hpp"
-#include "shardlib/nn/cuda/device.cuh"  // device_gemm
-#include "shardlib/nn/cuda/linear.cuh"
-#include "shardlib/nn/lora.hpp"
+#include "shardlib/cuda/current.hpp"          // current_stream
+#include "shardlib/cuda/memory_space.hpp"     // cuda_space
+#include "shardlib/nn/cuda/device.cuh"        // device_gemm
+#include "shardlib/nn/lora_adapter.hpp"
 #include "shardlib/ops/cuda/elementwise.cuh"  // fill
 
 #include <cstdint>  // std::int64_t
