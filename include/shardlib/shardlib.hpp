@@ -61,6 +61,7 @@
 #include "shardlib/models/gpt2.hpp"          // GPT2LMHeadModel, GPT2Block, gpt2_config
 #include "shardlib/models/hf.hpp"            // load_hf, save_hf, read_hf_config
 #include "shardlib/models/llama.hpp"         // LlamaForCausalLM, LlamaDecoderLayer, llama_config
+#include "shardlib/models/peft.hpp"          // load_peft, save_peft, read_peft_config: PEFT's LoRA adapter files
 #include "shardlib/models/causal_lm.hpp"     // generate (greedy, top-k, KV cache), causal_lm_targets
 #include "shardlib/models/sharded_generate.hpp"  // generate on a sharded model (ranks checked to agree)
 #include "shardlib/plan/chooser.hpp"         // choose

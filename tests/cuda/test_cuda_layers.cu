@@ -37,6 +37,7 @@
 #include <shardlib/nn/cuda/feed_forward.cuh>  // LlamaMLP, GPT2MLP
 #include <shardlib/nn/cuda/rms_norm.cuh>      // RMSNorm
 #include <shardlib/nn/layer.hpp>
+#include <shardlib/nn/lora.hpp>  // add_lora
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/sequential.hpp>
 #include <shardlib/nn/stack.hpp>
@@ -305,27 +306,45 @@ TEMPLATE_TEST_CASE("device Linear equals the host layer, gradients accumulating"
   CHECK_THROWS_AS(dev.forward(ctx, Tensor<T, cuda_space>(Shape{3, 23})), sl::shape_error);
 }
 
-// Its base frozen (the constructor's default) and trained: the frozen base gradients stay
-// as they were on both sides.
-TEMPLATE_TEST_CASE("device LoRALinear equals the host layer, its base frozen or trained", "[cuda][layers][lora]",
+// A LoRA Linear, its base frozen (add_lora's default) and trained: the frozen base
+// gradients stay as they were on both sides. In GPT2MLP an adapted c_fc gives up the
+// fused GELU epilogue (the update comes before the activation), and still equals the host.
+TEMPLATE_TEST_CASE("device LoRA Linear equals the host layer, its base frozen or trained", "[cuda][layers][lora]",
                    float, sl::bfloat16) {
   if (!have_device()) return;
   using T = TestType;
   on_stream s;
   random_inputs rnd;
   INFO("seed " << rnd.seed);
+  const nn::lora_options lora{.r = 8, .alpha = 16};
   for (const auto& frozen : {std::set<std::string>{"base_layer.weight", "base_layer.bias"}, std::set<std::string>{}}) {
     INFO(frozen.size() << " frozen");
-    nn::LoRALinear<float> host(24, 40, {.r = 8, .alpha = 16});
-    nn::LoRALinear<T, cuda_space> dev(24, 40, {.r = 8, .alpha = 16});
+    nn::Linear<float> host(24, 40);
+    nn::Linear<T, cuda_space> dev(24, 40);
+    host.add_lora(lora);
+    dev.add_lora(lora);
     compare_layers<T>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1), 1.0f, {}, frozen);
   }
-  // merge(): W += s B A and B = 0, as the host's
-  nn::LoRALinear<float> host(24, 40, {.r = 8, .alpha = 16});
-  nn::LoRALinear<T, cuda_space> dev(24, 40, {.r = 8, .alpha = 16});
+  {
+    INFO("GPT2MLP, c_fc adapted, n_inner 48, tanh GELU");
+    const nn::gpt2_mlp_options o{.n_embd = 24, .n_inner = 48, .activation = nn::gelu_approx::tanh};
+    nn::GPT2MLP<float> host(o);
+    nn::GPT2MLP<T, cuda_space> dev(o);
+    CHECK(nn::add_lora(host, {"c_fc"}, lora) == std::vector<std::string>{"c_fc"});
+    CHECK(nn::add_lora(dev, {"c_fc"}, lora) == std::vector<std::string>{"c_fc"});
+    compare_layers<T, require_composite_near<T>>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1), 1.0f,
+                                                 {}, {"c_fc.base_layer.weight", "c_fc.base_layer.bias",
+                                                      "c_proj.weight", "c_proj.bias"});
+    CHECK(dev.c_fc.activation() == nn::fused_activation::none);
+  }
+  // merge_lora: W += s B A and B = 0, as the host's
+  nn::Linear<float> host(24, 40);
+  nn::Linear<T, cuda_space> dev(24, 40);
+  host.add_lora(lora);
+  dev.add_lora(lora);
   bound_parameters<T> params(host, dev, rnd);
-  host.merge();
-  dev.merge();
+  host.merge_lora();
+  dev.merge_lora();
   for (std::size_t i = 0; i < params.names.size(); ++i) {
     INFO("merged " << params.names[i]);
     require_near<T>(values(params.device_values[i]), params.host_values[i]);

@@ -8,9 +8,12 @@
 #include <shardlib/models/gpt2.hpp>
 #include <shardlib/models/hf.hpp>
 #include <shardlib/models/llama.hpp>
+#include <shardlib/models/peft.hpp>
 #include <shardlib/models/sharded_generate.hpp>
+#include <shardlib/nn/lora.hpp>
 #include <shardlib/nn/replicated.hpp>
 #include <shardlib/optim/adam.hpp>
+#include <shardlib/optim/param_groups.hpp>
 #include <shardlib/plan/describe.hpp>
 #include <shardlib/plan/memory_plan.hpp>
 #include <shardlib/shard/sharded_model.hpp>
@@ -58,21 +61,21 @@ struct hf_expected {
   std::vector<double> losses;         // losses[k] after k AdamW steps on this batch
   double precision = 0;               // the relative rounding of logits and losses in the file
 };
+// The file's logits, float32 or float64, as float64.
+Tensor<double> logits_of(const io::safetensors& f) {
+  Tensor<double> t(f.info("logits").shape);
+  const auto copy = [&](const auto& v) { std::copy(v.begin(), v.end(), t.data()); };
+  if (f.info("logits").type == dtype::f32) copy(f.template get<float>("logits"));
+  else copy(f.template get<double>("logits"));
+  return t;
+}
 template <class M>
 hf_expected expected() {
   const auto f = io::safetensors::load(hf_dir / golden_name<M> / "expected.safetensors");
   hf_expected e{golden::read<std::int64_t>(f, "input_ids"),
                 models::causal_lm_targets(golden::read<std::int64_t>(f, "labels")), {}, {}, 0};
-  e.logits = Tensor<double>(f.info("logits").shape);
-  if (f.info("logits").type == dtype::f32) {
-    const auto v = f.template get<float>("logits");
-    std::copy(v.begin(), v.end(), e.logits.data());
-    e.precision = 0x1p-24;
-  } else {
-    const auto v = f.template get<double>("logits");
-    std::copy(v.begin(), v.end(), e.logits.data());
-    e.precision = 0x1p-53;
-  }
+  e.logits = logits_of(f);
+  e.precision = f.info("logits").type == dtype::f32 ? 0x1p-24 : 0x1p-53;
   e.losses = f.template get<double>("losses");
   return e;
 }
@@ -903,4 +906,189 @@ TEST_CASE("generate on a sharded model raises on every rank when the ranks disag
       CHECK(what[0].find("stopped because rank 1 failed: generate: the logit of token") != std::string::npos);
     }
   }
+}
+
+// ---- LoRA on the decoders, against Hugging Face PEFT (tests/golden/peft, written by
+// make_peft_goldens.py: PEFT's adapters on the models above, trained 20 AdamW steps) ----
+
+namespace {
+
+const fs::path peft_dir = fs::path(SHARDLIB_GOLDEN_DIR) / "peft";
+
+// What make_peft_goldens.py computed with PEFT in float64.
+struct peft_expected {
+  Tensor<std::int64_t> ids, targets;
+  std::vector<double> losses;  // losses[k] after k AdamW steps of the adapters
+  Tensor<double> logits;       // the trained adapted model's
+};
+template <class M>
+peft_expected expected_peft() {
+  const auto f = io::safetensors::load(peft_dir / golden_name<M> / "expected.safetensors");
+  return {golden::read<std::int64_t>(f, "input_ids"), models::causal_lm_targets(golden::read<std::int64_t>(f, "labels")),
+          f.template get<double>("losses"), logits_of(f)};
+}
+// PEFT's step: torch.optim.AdamW(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+// over the adapters (the frozen base has no gradient and is not stepped).
+optim::AdamW peft_adamw() { return {{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01}}; }
+
+// The golden model with the adapters PEFT's initial adapter_config.json describes.
+template <class M>
+M adapted_golden_model() {
+  M model = golden_model<M>();
+  const auto peft = models::read_peft_config(peft_dir / golden_name<M> / "initial");
+  nn::add_lora(model, peft.target_modules, peft.lora);
+  return model;
+}
+
+// The file's tensors by name, as float.
+std::map<std::string, std::vector<float>> tensors_of(const fs::path& file) {
+  std::map<std::string, std::vector<float>> out;
+  const auto f = io::safetensors::load(file);
+  for (const auto& t : f.tensors()) out[t.name] = f.get<float>(t.name);
+  return out;
+}
+
+// The largest difference of `ours` (the model's adapters, by PEFT's file names) from the
+// file's, relative to max(|w|, lr): 1e-4 is the base goldens' bound for trained weights.
+test_support::max_error adapters_error(const std::map<std::string, std::vector<float>>& ours, const fs::path& file) {
+  test_support::max_error e;
+  const auto want = tensors_of(file);
+  REQUIRE(ours.size() == want.size());
+  for (const auto& [name, w] : want) {
+    INFO(name);
+    REQUIRE(ours.contains(name));
+    e.relative(ours.at(name), w, 1e-2);
+  }
+  return e;
+}
+
+}  // namespace
+
+// PEFT's adapter_config.json read as add_lora takes it; add_lora adapts the Linears those
+// targets name ("mlp.c_proj" the MLP's alone) and freezes everything else; the base model's
+// checkpoint loads into the base layers (GPT-2's transposed under their base_layer names),
+// not reporting the adapters, and PEFT's initial adapter (lora_B zero) leaves transformers'
+// logits as they were (1e-5 of the largest, as the base test).
+TEMPLATE_TEST_CASE("PEFT's LoRA adapters on GPT-2 and LLaMA: the config, the targets, the base checkpoint",
+                   "[models][hf][lora]", models::GPT2LMHeadModel<float>, models::LlamaForCausalLM<float>) {
+  using Model = TestType;
+  constexpr bool gpt2 = std::is_same_v<typename Model::config_type, models::gpt2_config>;
+  const auto peft = models::read_peft_config(peft_dir / golden_name<Model> / "initial");
+  CHECK(peft.lora == nn::lora_options{.r = 4, .alpha = 8, .rslora = !gpt2});
+  Model model = golden_model<Model>();
+  const auto adapted = nn::add_lora(model, peft.target_modules, peft.lora);
+  const std::vector<std::string> want =
+      gpt2 ? std::vector<std::string>{"transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_proj",
+                                      "transformer.h.1.attn.c_attn", "transformer.h.1.mlp.c_proj"}
+           : std::vector<std::string>{"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj",
+                                      "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
+                                      "model.layers.1.self_attn.v_proj", "model.layers.1.mlp.down_proj"};
+  CHECK(adapted == want);
+  std::size_t trained = 0;
+  model.parameters([&](std::string_view name, auto& p) {
+    const bool adapter = name.ends_with("lora_A.weight") || name.ends_with("lora_B.weight");
+    CHECK(p.requires_grad == adapter);
+    trained += p.requires_grad ? p.numel() : 0;
+  });
+  CHECK(trained == (gpt2 ? 2304u : 1856u));  // PEFT's count of trainable parameters
+
+  nn::Replicated<float, Model> owner(model, 0);
+  CHECK(models::load_hf(owner, hf_dir / golden_name<Model> / "initial").ok());
+  CHECK(models::load_peft(owner, peft_dir / golden_name<Model> / "initial").ok());
+  nn::context ctx({.training = false});
+  CHECK(logits_error(ctx.forward(model, expected<Model>().ids), expected<Model>().logits) <= 1e-5);
+
+  Model plain = golden_model<Model>();
+  CHECK_THROWS_WITH(nn::add_lora(plain, {"q_proj", "c_attm"}),
+                    Catch::Matchers::Contains("add_lora: target '") &&
+                        Catch::Matchers::Contains("' names no Linear of the model (a module's dotted name"));
+}
+
+// 20 AdamW steps of the adapters as PEFT took them, unsharded and FullShard over 2 ranks
+// (each rank one sample of the two; both count 6 tokens): the losses within 1e-4
+// relative, the trained adapters within 1e-4 of max(|w|, lr) of PEFT's (float32 here,
+// float64 there), and the trained logits within 1e-4 of the largest. save_peft writes
+// PEFT's file names, and its files load back into another model bit for bit.
+TEMPLATE_TEST_CASE("GPT-2 and LLaMA with LoRA train as PEFT trains them, unsharded and sharded",
+                   "[models][hf][lora][shard]", models::GPT2LMHeadModel<float>, models::LlamaForCausalLM<float>) {
+  using Model = TestType;
+  const peft_expected e = expected_peft<Model>();
+  const fs::path trained_file = peft_dir / golden_name<Model> / "trained" / "adapter_model.safetensors";
+  const auto by_file_name = [](auto& sharded) {  // the adapters under PEFT's names (collective)
+    std::map<std::string, std::vector<float>> out;
+    for (auto& [name, t] : sharded.full_state_dict(false))
+      if (name.find(".lora_") != std::string::npos) out["base_model.model." + name].assign(t.span().begin(), t.span().end());
+    return out;
+  };
+  {
+    INFO("unsharded");
+    Model model = adapted_golden_model<Model>();
+    nn::Replicated<float, Model> owner(model, 0);
+    models::load_hf(owner, hf_dir / golden_name<Model> / "initial");
+    models::load_peft(owner, peft_dir / golden_name<Model> / "initial");
+    const std::size_t n = owner.values().size();
+    const auto runs = optim::cut_frozen({{0, n, 0}}, owner.layout(), 0, n);
+    const optim::AdamW adamw = peft_adamw();
+    auto state = adamw.make_state(optim::trained_size(runs));
+    nn::context ctx;
+    test_support::max_error err;
+    for (std::size_t k = 0; k < e.losses.size(); ++k) {
+      owner.zero_grad();
+      auto l = nn::cross_entropy(ctx.forward(model, e.ids), e.targets);
+      err.relative(double(l.loss), e.losses[k], 0);
+      if (k + 1 == e.losses.size()) break;
+      ctx.backward(model, l.grad);
+      optim::step_unfrozen(adamw, owner.values(), std::span<const float>(owner.grads()), state, runs);
+    }
+    std::printf("peft %-5s unsharded: 20 AdamW steps of the adapters, loss %.6f -> %.6f, largest relative "
+                "difference %.2e\n", golden_name<Model>, e.losses.front(), e.losses.back(), err.value());
+    CHECK(err.count() == 21);
+    CHECK(err <= 1e-4);
+    nn::context eval({.training = false});
+    CHECK(logits_error(eval.forward(model, e.ids), e.logits) <= 1e-4);
+    std::map<std::string, std::vector<float>> ours;
+    model.parameters([&](std::string_view name, nn::Param<float>& p) {
+      if (name.find(".lora_") != std::string_view::npos)
+        ours[cat("base_model.model.", name)].assign(p.values().begin(), p.values().end());
+    });
+    CHECK(adapters_error(ours, trained_file) <= 1e-4);
+  }
+  const fs::path out = fs::temp_directory_path() / cat("shardlib_test_peft_", golden_name<Model>, "_", ::getpid());
+  fs::remove_all(out);
+  std::vector<std::vector<double>> losses(2);
+  std::vector<std::map<std::string, std::vector<float>>> trained(2), reloaded(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model model = adapted_golden_model<Model>();
+    auto sharded = shard::fully_shard<optim::AdamW>(model, c, shard::FullShard{},
+                                                    {.wrap = shard::wrap_types<typename Model::block_type>{}});
+    models::load_hf(sharded, hf_dir / golden_name<Model> / "initial");
+    models::load_peft(sharded, peft_dir / golden_name<Model> / "initial");
+    const int r = c.rank();
+    const auto x = rows(e.ids, r, 1), y = rows(e.targets, r, 1);
+    optim::AdamW adamw = peft_adamw();
+    for (std::size_t k = 0; k + 1 < e.losses.size(); ++k) losses[std::size_t(r)].push_back(train_step(sharded, adamw, x, y));
+    losses[std::size_t(r)].push_back(nn::cross_entropy(sharded.forward(x), y).loss);
+    trained[std::size_t(r)] = by_file_name(sharded);
+    models::save_peft(sharded, out);
+
+    Model other = adapted_golden_model<Model>();
+    auto again = shard::fully_shard<optim::AdamW>(other, c, shard::FullShard{}, {.seed = 5});
+    const auto report = models::load_peft(again, out);
+    const auto adapters = by_file_name(again);
+    if (report.ok()) reloaded[std::size_t(r)] = adapters;
+  });
+  test_support::max_error err;
+  for (std::size_t k = 0; k < e.losses.size(); ++k) err.relative((losses[0][k] + losses[1][k]) / 2, e.losses[k], 0);
+  std::printf("peft %-5s FullShard W=2: 20 AdamW steps of the adapters, largest relative difference of the loss "
+              "%.2e\n", golden_name<Model>, err.value());
+  CHECK(err.count() == 21);
+  CHECK(err <= 1e-4);
+  CHECK(adapters_error(trained[0], trained_file) <= 1e-4);
+  CHECK(trained[1] == trained[0]);  // == fails on NaN
+  CHECK(tensors_of(out / "adapter_model.safetensors") == trained[0]);
+  CHECK(reloaded[0] == trained[0]);
+  CHECK(reloaded[1] == trained[0]);
+  const auto written = models::read_peft_config(out), peft = models::read_peft_config(peft_dir / golden_name<Model> / "initial");
+  CHECK(written.lora == peft.lora);
+  fs::remove_all(out);
 }

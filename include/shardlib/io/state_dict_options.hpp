@@ -71,6 +71,17 @@ class name_map {
             }};
   }
 
+  // `file_side`, then `model_side`: a file name becomes file_side's model name, which
+  // model_side maps on (saving, the other way round). E.g. Hugging Face's GPT-2 names,
+  // then an adapted model's base_layer names (models::load_hf).
+  static name_map chain(name_map file_side, name_map model_side) {
+    return {[f = file_side, m = model_side](std::string_view n) -> std::optional<std::string> {
+              const auto middle = f.to_model(n);
+              return middle ? m.to_model(*middle) : std::nullopt;
+            },
+            [f = file_side, m = model_side](std::string_view n) { return f.to_file(m.to_file(n)); }};
+  }
+
   std::optional<std::string> to_model(std::string_view file_name) const {
     return to_model_ ? to_model_(file_name) : std::optional<std::string>(std::string(file_name));
   }

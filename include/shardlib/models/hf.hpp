@@ -17,6 +17,7 @@
 #include "shardlib/io/state_dict.hpp"
 #include "shardlib/models/gpt2.hpp"
 #include "shardlib/models/llama.hpp"
+#include "shardlib/nn/lora.hpp"  // peft_base_names, lora_modules
 
 #include <nlohmann/json.hpp>  // nlohmann::json, nlohmann::ordered_json
 
@@ -24,9 +25,12 @@
 #include <cstdint>      // std::int64_t, std::uint64_t
 #include <filesystem>   // std::filesystem::path
 #include <fstream>      // std::ifstream
+#include <functional>   // std::less
+#include <set>          // std::set
 #include <string>       // std::string
 #include <string_view>  // std::string_view
 #include <type_traits>  // std::is_same_v
+#include <utility>      // std::move
 
 namespace shardlib::models {
 
@@ -200,6 +204,29 @@ io::state_dict_options hf_options(const LlamaForCausalLM<T, Space>& m, bool stri
 }
 
 namespace detail {
+// Options `o` for a model with LoRA adapters (nn::add_lora): its base layers read and
+// written under the base model's names ("...c_attn.weight" for "...c_attn.base_layer.weight",
+// transposed where those are), its adapters left out (they are not missing: PEFT's
+// adapter files hold them, models/peft.hpp). A model without adapters keeps `o`.
+template <class M>
+io::state_dict_options without_lora(io::state_dict_options o, M& model) {
+  const auto pairs = nn::peft_base_names(model);
+  if (pairs.empty()) return o;
+  o.names = io::name_map::chain(std::move(o.names), io::name_map::table(pairs));
+  const std::size_t n = o.transposed.size();
+  for (std::size_t i = 0; i < n; ++i)
+    if (std::string s = o.transposed[i]; s.ends_with(".weight"))
+      o.transposed.push_back(s.insert(s.size() - std::string_view(".weight").size(), ".base_layer"));
+  std::set<std::string, std::less<>> adapters;
+  for (const auto& [name, options] : nn::lora_modules(model))
+    for (const char* leaf : {"lora_A.weight", "lora_B.weight"}) adapters.insert(nn::join_name(name, leaf));
+  std::set<const void*> seen;  // a tied parameter once, under its first name (the holder's)
+  model.parameters([&](std::string_view name, auto& p) {
+    if (seen.insert(&p).second && !adapters.contains(name)) o.only.emplace_back(name);
+  });
+  return o;
+}
+
 // The model a parameter holder holds: a ShardedModel's model(), an nn::Replicated's layer().
 template <class Holder>
 auto& held_model(Holder& h) {
@@ -207,16 +234,14 @@ auto& held_model(Holder& h) {
   else return h.layer();
 }
 
-// Runs f as the rank that writes: rank 0 of a ShardedModel, all ranks agreeing on
-// whether it failed (io_error on every rank, none left waiting in a collective),
-// or the one caller of an nn::Replicated.
+// Runs f on every rank of a ShardedModel, all agreeing on whether it failed (io_error
+// on every rank, none left waiting in a collective), or on the one caller of an
+// nn::Replicated (its failure an io_error too).
 template <class Holder, class F>
-void as_writer(Holder& h, std::string_view what, F&& f) {
+void on_every_rank(Holder& h, std::string_view what, F&& f) {
   if constexpr (requires { h.comm(); }) {
     auto comm = io::detail::host_collectives_of(h);
-    io::detail::on_all_ranks(comm, what, [&] {
-      if (h.comm().rank() == 0) f();
-    });
+    io::detail::on_all_ranks(comm, what, f);
   } else {
     try {
       f();
@@ -227,26 +252,44 @@ void as_writer(Holder& h, std::string_view what, F&& f) {
     }
   }
 }
+
+// Runs f as the rank that writes: rank 0 of a ShardedModel, or the one caller of an
+// nn::Replicated, failing on every rank as on_every_rank.
+template <class Holder, class F>
+void as_writer(Holder& h, std::string_view what, F&& f) {
+  on_every_rank(h, what, [&] {
+    if constexpr (requires { h.comm(); })
+      if (h.comm().rank() != 0) return;
+    f();
+  });
+}
 }  // namespace detail
 
 // Loads a checkpoint transformers wrote (a directory with model.safetensors or the
 // sharded index, or one file) into the GPT-2 or LLaMA parameters `holder` keeps: a
 // shard::ShardedModel (collective: every rank reads its own piece) or an
 // nn::Replicated. Strict by default: every missing, unexpected or misshapen tensor
-// raises io_error naming it; otherwise the report lists them.
+// raises io_error naming it; otherwise the report lists them. A model with LoRA
+// adapters (nn::add_lora) loads the checkpoint into its base layers, as PEFT wraps a
+// loaded model; its adapters keep their values and are not reported (models::load_peft
+// reads them).
 template <class Holder>
 io::load_report load_hf(Holder& holder, const std::filesystem::path& dir_or_file, bool strict = true) {
-  return io::load_state_dict(dir_or_file, holder, hf_options(detail::held_model(holder), strict));
+  auto& model = detail::held_model(holder);
+  return io::load_state_dict(dir_or_file, holder, detail::without_lora(hf_options(model, strict), model));
 }
 
 // Writes what save_pretrained writes into `dir`: config.json and model.safetensors
 // (F32, metadata {"format": "pt"}, a tied lm_head.weight left out), or with
 // max_shard_bytes > 0 the sharded layout with model.safetensors.index.json.
-// Collective for a ShardedModel (rank 0 writes).
+// Collective for a ShardedModel (rank 0 writes). A model with LoRA adapters writes its
+// base layers under the base model's names (what from_pretrained reads), and not its
+// adapters: nn::merge_lora first puts the fine-tune into them; models::save_peft writes
+// the adapters as PEFT does.
 template <class Holder>
 void save_hf(Holder& holder, const std::filesystem::path& dir, std::uint64_t max_shard_bytes = 0) {
   auto& model = detail::held_model(holder);
-  io::state_dict_options o = hf_options(model);
+  io::state_dict_options o = detail::without_lora(hf_options(model), model);
   o.max_shard_bytes = max_shard_bytes;
   detail::as_writer(holder, cat("creating ", dir.string()), [&] { std::filesystem::create_directories(dir); });
   io::save_state_dict(max_shard_bytes > 0 ? dir : dir / "model.safetensors", holder, o);
