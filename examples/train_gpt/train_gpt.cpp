@@ -10,7 +10,13 @@
 // Face's GPT2LMHeadModel or LlamaForCausalLM would (config.json + model.safetensors, --save
 // DIR), which transformers loads with from_pretrained(DIR). With --checkpoint-dir and
 // --checkpoint-every it saves sharded checkpoints while it trains; --resume goes on from one.
-// --freeze PATTERN... keeps the parameters it names as they are (nn::freeze).
+// Fine-tuning: --init DIR starts from a Hugging Face checkpoint (an earlier --save),
+// --freeze PATTERN... keeps the parameters it names as they are (nn::freeze), and --lora
+// TARGET... trains LoRA adapters on the Linears it names, everything else frozen
+// (nn::add_lora; --save then writes PEFT's adapter files, which PeftModel.from_pretrained
+// puts on the --init model):
+//
+//   train_gpt --save base && train_gpt --init base --lora c_attn --lr 1e-3 --save adapter
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/models/hf.hpp>
 #include <shardlib/models/sharded_generate.hpp>
@@ -33,7 +39,7 @@
 #include "common/byte_models.hpp"
 #include "common/checkpointing.hpp"
 #include "common/flags.hpp"
-#include "common/freezing.hpp"
+#include "common/fine_tuning.hpp"
 #include "common/text_corpus.hpp"
 #include "common/text_sample.hpp"
 
@@ -42,7 +48,7 @@ using namespace shardlib;
 namespace {
 
 struct settings : example::byte_model_shape, example::sample_settings, example::checkpoint_settings,
-                  example::freeze_settings {
+                  example::fine_tune_settings {
   std::string data = "/usr/share/common-licenses/GPL-3", save = "train_gpt_model";
   long world = 4, batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30;
   double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1;
@@ -71,7 +77,7 @@ double validation_loss(Sharded& sharded, comm::ThreadComm& c, const corpus& data
 template <class Config>
 void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   auto model = example::make_byte_model<float, host_space>(s, std::type_identity<Config>{});
-  example::freeze(model, s, c.rank(), "train_gpt");
+  example::prepare(model, s, c.rank(), "train_gpt");
   using model_t = decltype(model);
   auto sharded = shard::fully_shard<optim::AdamW>(
       model, c, shard::FullShard{}, {.wrap = shard::wrap_types<typename model_t::block_type>{}, .seed = s.seed});
@@ -88,6 +94,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
                 entropy / std::log(2.0), s.model.c_str(), parameters,
                 s.layers, s.d_model, s.heads, s.seq, sharded.unit_count(), c.size(), s.batch);
 
+  example::load_init(sharded, s);
   const long first = example::resume(sharded, adamw, s, "train_gpt");  // batches and schedule go on from its step
   example::periodic_checkpoints checkpoints(sharded, adamw, s, "train_gpt");
   const auto t0 = std::chrono::steady_clock::now();
@@ -134,7 +141,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   const long prompt_len = long(prompt.dim(1));
   const auto out = models::generate(sharded, prompt,  // in eval, the ranks checked to agree
                                     example::sample_options(s, prompt_len, s.seq, s.seed));
-  if (!s.save.empty()) models::save_hf(sharded, s.save);
+  const char* saved = s.save.empty() ? nullptr : example::save(sharded, s, s.save);
   if (c.rank() != 0) return;
   std::printf("train_gpt: %ld steps in %.1f s of training (%.3f s/step; validation excluded); final training "
               "loss %.4f (rank 0's batch), validation %.4f nats per byte = %.2f bits, unigram entropy %.4f nats = "
@@ -142,7 +149,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
               s.steps - first, trained_s, trained_s / double(std::max(s.steps - first, 1L)), double(loss), val, val / std::log(2.0), entropy,
               entropy / std::log(2.0));
   example::print_sample("train_gpt", s, out, prompt_len);
-  if (!s.save.empty()) std::printf("train_gpt: Hugging Face checkpoint written to %s\n", s.save.c_str());
+  if (saved) std::printf("train_gpt: %s written to %s\n", saved, s.save.c_str());
 }
 
 }  // namespace
@@ -179,7 +186,7 @@ int main(int argc, char** argv) {
   cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
       ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for the Hugging Face checkpoint (empty: none)");
-  example::add_freeze_flag(cli, s);
+  example::add_fine_tune_flags(cli, s);
   example::add_checkpoint_flags(cli, s);
   cli.callback([&] {
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
@@ -188,7 +195,7 @@ int main(int argc, char** argv) {
                                                  " (the cosine decay would climb)");
     example::check_byte_model(s);
     example::check_checkpoint_settings(s);
-    example::check_freeze(s);
+    example::check_fine_tune(s);
   });
   cli.parse_or_exit(argc, argv);
   try {

@@ -8,8 +8,8 @@
 // continuation of a held-out prompt sampled on the GPUs with the KV cache. With
 // --checkpoint-dir and --checkpoint-every it saves sharded checkpoints while it trains
 // (the shards copied to the host, the files written in the background); --resume goes on
-// from one, saved at any world size (train_gpt's too: the files are the same). --freeze
-// PATTERN... keeps the parameters it names as they are.
+// from one, saved at any world size (train_gpt's too: the files are the same). --init,
+// --freeze and --lora fine-tune as train_gpt's do (LoRA's products in bfloat16 too).
 //
 //   train_gpt_cuda                                  one GPU (world size 1)
 //   mpirun -np 8 train_gpt_cuda                     one process per GPU (device = local rank)
@@ -46,7 +46,7 @@
 #include "common/byte_models.hpp"
 #include "common/checkpointing.hpp"
 #include "common/flags.hpp"
-#include "common/freezing.hpp"
+#include "common/fine_tuning.hpp"
 #include "common/device_world.cuh"
 #include "common/text_corpus.hpp"
 #include "common/text_sample.hpp"
@@ -56,7 +56,7 @@ namespace sl = shardlib;  // not `using namespace`: CUDA declares a global `half
 namespace {
 
 struct settings : example::byte_model_shape, example::sample_settings, example::checkpoint_settings,
-                  example::freeze_settings {
+                  example::fine_tune_settings {
   settings() {
     d_model = 256;
     heads = 8;
@@ -90,7 +90,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   sl::cuda::stream_scope on_compute(compute.get());  // where tensors are allocated and layers run
   auto c = nccl.on(compute.get());                   // collectives ordered after that stream's work
   auto model = example::make_byte_model<T, sl::cuda_space>(s, std::type_identity<Config>{});
-  example::freeze(model, s, c.rank(), "train_gpt_cuda");
+  example::prepare(model, s, c.rank(), "train_gpt_cuda");
   using model_t = decltype(model);
   auto sharded = sl::shard::fully_shard<sl::optim::cuda::AdamW>(
       model, c, sl::shard::FullShard{},
@@ -132,6 +132,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
 
   const sl::counter_rng draws(s.seed, sl::fnv1a("train_gpt batches"));
   const std::size_t positions = data.train.size() - std::size_t(s.seq) - 1;
+  example::load_init(sharded, s);
   const long first = example::resume(sharded, adamw, s, "train_gpt_cuda");  // batches and schedule go on from its step
   example::periodic_checkpoints checkpoints(sharded, adamw, s, "train_gpt_cuda");
   const auto t0 = std::chrono::steady_clock::now();
@@ -177,7 +178,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   const double before_sample = seconds();
   const auto out = sl::models::generate(sharded, prompt, example::sample_options(s, prompt_len, s.seq, s.seed));
   const double sample_s = seconds() - before_sample;
-  if (!s.save.empty()) sl::models::save_hf(sharded, s.save);
+  const char* saved = s.save.empty() ? nullptr : example::save(sharded, s, s.save);
   if (c.rank() != 0) return;
   const long trained = std::max(s.steps - first, 1L);
   const double tokens = double(trained) * double(s.batch) * double(s.seq) * double(c.size());
@@ -190,7 +191,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   std::printf("train_gpt_cuda: sampled %lld bytes in %.3f s (%.1f ms per byte, the KV cache on the GPU)\n",
               static_cast<long long>(out.dim(1) - prompt_len), sample_s,
               1e3 * sample_s / double(std::max<std::int64_t>(out.dim(1) - prompt_len, 1)));
-  if (!s.save.empty()) std::printf("train_gpt_cuda: Hugging Face checkpoint written to %s\n", s.save.c_str());
+  if (saved) std::printf("train_gpt_cuda: %s written to %s\n", saved, s.save.c_str());
 }
 
 void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data) {
@@ -239,7 +240,7 @@ int main(int argc, char** argv) {
       ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for a Hugging Face checkpoint (empty: none)");
   example::add_checkpoint_flags(cli, s);
-  example::add_freeze_flag(cli, s);
+  example::add_fine_tune_flags(cli, s);
   cli.callback([&] {
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
     if (s.min_lr > s.lr)
@@ -247,7 +248,7 @@ int main(int argc, char** argv) {
                                                  " (the cosine decay would climb)");
     example::check_byte_model(s);
     example::check_checkpoint_settings(s);
-    example::check_freeze(s);
+    example::check_fine_tune(s);
   });
   cli.parse_or_exit(argc, argv);
   try {

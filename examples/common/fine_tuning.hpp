@@ -1,0 +1,113 @@
+// examples/common/fine_tuning.hpp — the language-model examples' fine-tuning flags
+// (train_gpt, train_gpt_cuda): --init starts from a Hugging Face checkpoint (an earlier
+// --save), --freeze keeps the parameters a list of globs names as they are (nn::freeze),
+// and --lora trains LoRA adapters on the Linears it names with the rest frozen
+// (nn::add_lora, PEFT's target_modules), --save then writing PEFT's adapter files.
+#pragma once
+#include <shardlib/core/error.hpp>
+#include <shardlib/models/hf.hpp>
+#include <shardlib/models/peft.hpp>
+#include <shardlib/nn/freeze.hpp>
+#include <shardlib/nn/lora.hpp>
+
+#include <cstddef>
+#include <cstdio>
+#include <set>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common/byte_models.hpp"
+#include "common/flags.hpp"
+
+namespace example {
+
+struct fine_tune_settings {
+  std::string init;                 // a Hugging Face checkpoint to start from
+  std::vector<std::string> freeze;  // globs over the parameters' dotted names
+  std::vector<std::string> lora;    // PEFT's target_modules
+  long lora_r = 8;
+  double lora_alpha = 16;
+};
+
+inline void add_fine_tune_flags(command_line& cli, fine_tune_settings& s) {
+  cli.add_option("--init", s.init, "a Hugging Face checkpoint to start from (an earlier --save: config.json and "
+                 "model.safetensors; its shape must be the flags')")->check(CLI::ExistingDirectory);
+  cli.add_option("--freeze", s.freeze, "parameters kept as they are: globs over dotted names ('*' any run of "
+                 "characters), e.g. 'transformer.wte.*' 'transformer.h.0.*'");
+  cli.add_option("--lora", s.lora, "train LoRA adapters on the Linears these name (PEFT's target_modules: a "
+                 "module's last names or a glob, e.g. c_attn, or q_proj v_proj), everything else frozen; --save then "
+                 "writes PEFT's adapter files");
+  cli.add_option("--lora-r", s.lora_r, "--lora: the adapters' rank")->check(whole(1, 4096));
+  cli.add_option("--lora-alpha", s.lora_alpha, "--lora: lora_alpha (the update is scaled by alpha / r)")
+      ->check(positive());
+}
+
+// Freezes what --freeze names and adds what --lora asks for; rank 0 (or `rank` < 0:
+// nobody) says how much (GPT-2's tied head lists the embedding twice: each parameter
+// counts once).
+template <class Model>
+void prepare(Model& model, const fine_tune_settings& s, int rank, const char* program) {
+  const std::size_t frozen = s.freeze.empty() ? 0 : shardlib::nn::freeze(model, s.freeze);
+  std::vector<std::string> adapted;
+  if (!s.lora.empty()) adapted = shardlib::nn::add_lora(model, s.lora, {.r = s.lora_r, .alpha = s.lora_alpha});
+  if (rank != 0) return;
+  std::size_t still = 0, all = 0;
+  std::set<const void*> seen;
+  model.parameters([&](std::string_view, auto& p) {
+    if (!seen.insert(&p).second) return;
+    all += p.numel();
+    still += p.requires_grad ? p.numel() : 0;
+  });
+  if (frozen > 0) std::printf("%s: frozen (--freeze): %zu parameters, %zu elements\n", program, frozen, all - still);
+  if (!adapted.empty())
+    std::printf("%s: LoRA (--lora, r %ld, alpha %g): %zu Linears adapted, %zu of %zu elements trained (%.2f%%)\n",
+                program, s.lora_r, s.lora_alpha, adapted.size(), still, all, 100.0 * double(still) / double(all));
+}
+
+// For the program's callback: a --freeze glob or --lora target that names nothing is a
+// flag error, found before any rank or GPU starts (on a host model of the same shape:
+// layers hold no storage).
+template <class Settings>
+void check_fine_tune(const Settings& s) {
+  const auto check = [&](auto config) {
+    if (!s.freeze.empty()) {
+      auto m = make_byte_model<float, shardlib::host_space>(s, config);
+      try {
+        shardlib::nn::freeze(m, s.freeze);
+      } catch (const shardlib::error& e) {
+        throw CLI::ValidationError("--freeze", e.what());
+      }
+    }
+    if (!s.lora.empty()) {
+      auto m = make_byte_model<float, shardlib::host_space>(s, config);
+      try {
+        shardlib::nn::add_lora(m, s.lora, {.r = s.lora_r, .alpha = s.lora_alpha});
+      } catch (const shardlib::error& e) {
+        throw CLI::ValidationError("--lora", e.what());
+      }
+    }
+  };
+  if (s.model == "llama") check(std::type_identity<shardlib::models::llama_config>{});
+  else check(std::type_identity<shardlib::models::gpt2_config>{});
+}
+
+// --init: the checkpoint into the sharded model (its base layers, with --lora).
+template <class Sharded>
+void load_init(Sharded& sharded, const fine_tune_settings& s) {
+  if (!s.init.empty()) shardlib::models::load_hf(sharded, s.init);
+}
+
+// --save: the model as Hugging Face's from_pretrained reads it, or with --lora the
+// adapters as PEFT's save_pretrained writes them (the base is --init's). What it wrote.
+template <class Sharded>
+const char* save(Sharded& sharded, const fine_tune_settings& s, const std::string& dir) {
+  if (s.lora.empty()) {
+    shardlib::models::save_hf(sharded, dir);
+    return "Hugging Face checkpoint";
+  }
+  shardlib::models::save_peft(sharded, dir);
+  return "PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors)";
+}
+
+}  // namespace example
