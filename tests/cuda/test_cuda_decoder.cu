@@ -11,6 +11,7 @@
 #include <shardlib/models/sharded_generate.hpp>
 #include <shardlib/nn/flat.hpp>
 #include <shardlib/nn/loss.hpp>
+#include <shardlib/nn/lora.hpp>
 #include <shardlib/nn/replicated.hpp>
 #include <shardlib/optim/adam.hpp>
 #include <shardlib/optim/cuda/adam.cuh>
@@ -228,6 +229,7 @@ void check_tokens_are_hosts_choice(HostModel& hm, const sl::Tensor<std::int64_t>
 struct run_record {
   std::vector<float> losses;  // the mean over ranks, per step
   std::vector<float> params;  // after the last step, in the model's order
+  std::size_t trained = 0, moved = 0;  // host_run: elements with requires_grad, and those the steps changed
 };
 
 constexpr int steps = 4;
@@ -258,19 +260,24 @@ sl::optim::AdamW::options_type adamw_options() { return {.lr = lr, .beta1 = 0.9,
 // The whole global batch on one host rank, unsharded: what W ranks of per_rank
 // rows each step together (every row has the same number of counted targets,
 // so the mean of the ranks' means is the global mean).
+// `lora`: adapters (r 4, alpha 8) on the Linears it names, the rest frozen (nn::add_lora).
 template <class Config>
-run_record host_run(const Config& config, int world) {
+run_record host_run(const Config& config, int world, const std::vector<std::string>& lora = {}) {
   using model_t = typename family<Config>::template model<float, sl::host_space>;
   run_record t;
   sl::comm::launch(1, [&](sl::comm::ThreadComm& c) {
     model_t model(config);
+    if (!lora.empty()) sl::nn::add_lora(model, lora, {.r = 4, .alpha = 8});
+    model.parameters([&](std::string_view, auto& p) { t.trained += p.requires_grad ? p.numel() : 0; });
     auto sharded = shard::fully_shard<sl::optim::AdamW>(model, c, shard::NoShard{}, {.seed = seed});
+    const std::vector<float> initial = compared_parameters(sharded);
     sl::optim::AdamW adamw{adamw_options()};
     for (int s = 0; s < steps; ++s) {
       const auto ids = tokens(std::int64_t(s) * world * per_rank, world * per_rank, config.vocab_size);
       t.losses.push_back(sharded.train_step(adamw, ids, models::causal_lm_targets(ids), sl::nn::cross_entropy));
     }
     t.params = compared_parameters(sharded);
+    for (std::size_t i = 0; i < initial.size(); ++i) t.moved += t.params[i] != initial[i];
   });
   return t;
 }
@@ -286,7 +293,8 @@ shard::mixed_precision compute_precision() {
 // device_thread_comm (rank-ordered reductions, as ThreadComm's), the device AdamW;
 // `checkpointed`: each block's activations recomputed in its backward.
 template <class T, class Config>
-run_record device_run(const Config& config, int world, bool checkpointed = false) {
+run_record device_run(const Config& config, int world, bool checkpointed = false,
+                      const std::vector<std::string>& lora = {}) {
   using model_t = typename family<Config>::template model<T, sl::cuda_space>;
   std::vector<run_record> out(static_cast<std::size_t>(world));
   sl::comm::launch(world, [&](sl::comm::ThreadComm& host) {
@@ -295,6 +303,7 @@ run_record device_run(const Config& config, int world, bool checkpointed = false
     sl::cuda::stream_scope scope(stream.get());
     auto c = device_thread_comm(host);
     model_t model(config);
+    if (!lora.empty()) sl::nn::add_lora(model, lora, {.r = 4, .alpha = 8});
     shard::options o{.wrap = shard::wrap_types<typename model_t::block_type>{},
                      .seed = seed,
                      .precision = compute_precision<T>()};
@@ -371,6 +380,25 @@ TEST_CASE("GPT-2 and LLaMA train under FullShard on two device ranks as unsharde
     CHECK(worst_parameter(got, want) <= 1e-2);
     CHECK(test_support::relative_norm_error(got.params, want.params) <= 1e-5);
   }
+}
+
+// LoRA (nn::add_lora) on the device as on the host, within the bounds above: on the host
+// every adapter element moves and nothing else (GPT-2's c_fc on the device without its
+// fused GELU).
+TEST_CASE("GPT-2 and LLaMA with LoRA adapters train under FullShard on two device ranks as on the host (fp32)",
+          "[cuda][decoder][training][lora]") {
+  if (!have_device()) return;
+  const auto check = [](const auto& config, const std::vector<std::string>& targets) {
+    const run_record want = host_run(config, 2, targets), got = device_run<float>(config, 2, false, targets);
+    INFO(targets.front() << ": losses " << worst_loss(got, want) << ", parameters " << worst_parameter(got, want));
+    CHECK(worst_loss(got, want) <= 1e-4);
+    CHECK(worst_parameter(got, want) <= 1e-2);
+    CHECK(test_support::relative_norm_error(got.params, want.params) <= 1e-5);
+    CHECK(want.moved == want.trained);  // every adapter element stepped, nothing else
+    CHECK(want.trained < want.params.size() / 5);
+  };
+  check(gpt2_tiny, {"c_attn", "c_fc"});
+  check(llama_tiny, {"q_proj", "v_proj", "down_proj"});
 }
 
 // Activation checkpointing: each block's first forward keeps nothing (gradients disabled,
