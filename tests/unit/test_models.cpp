@@ -19,6 +19,7 @@
 #include <shardlib/shard/sharded_model.hpp>
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -1091,4 +1092,78 @@ TEMPLATE_TEST_CASE("GPT-2 and LLaMA with LoRA train as PEFT trains them, unshard
   const auto written = models::read_peft_config(out), peft = models::read_peft_config(peft_dir / golden_name<Model> / "initial");
   CHECK(written.lora == peft.lora);
   fs::remove_all(out);
+}
+
+// What the adapter cannot be is refused, naming the file and the field; a model adapted
+// elsewhere or otherwise than the config says is refused naming the module (sharded: on
+// every rank); save_peft needs adapters sharing one r and alpha.
+TEST_CASE("PEFT adapter files shardlib cannot take, and models adapted otherwise, are refused", "[models][hf][lora]") {
+  using Model = models::GPT2LMHeadModel<float>;
+  using Catch::Matchers::Contains;
+  const fs::path dir = fs::temp_directory_path() / cat("shardlib_test_peft_refused_", ::getpid());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::ifstream in(peft_dir / "gpt2" / "initial" / "adapter_config.json");
+  const auto original = nlohmann::json::parse(in);
+  struct refusal {
+    const char* key;
+    nlohmann::json value;
+    const char* message;
+  };
+  for (const auto& [key, value, message] :
+       {refusal{"peft_type", "IA3", "peft_type must be \"LORA\", got \"IA3\""},
+        refusal{"r", 0, "r must be a positive integer"},
+        refusal{"target_modules", ".*attn.*", "target_modules must be a list of module names"},
+        refusal{"bias", "all", "bias \"all\" trains the base layers' biases too"},
+        refusal{"use_dora", true, "use_dora: DoRA is not supported"},
+        refusal{"rank_pattern", {{"c_attn", 8}}, "rank_pattern: per-module ranks and alphas are not supported"},
+        refusal{"modules_to_save", {"lm_head"}, "modules_to_save is not supported (it must be null)"}}) {
+    INFO(key);
+    auto j = original;
+    j[key] = value;
+    std::ofstream(dir / "adapter_config.json") << j.dump();
+    CHECK_THROWS_WITH(models::read_peft_config(dir), Contains(cat((dir / "adapter_config.json").string(), ": ", message)));
+  }
+  CHECK_THROWS_WITH(models::read_peft_config(dir / "none"), Contains("cannot open the adapter's adapter_config.json"));
+
+  const fs::path golden = peft_dir / "gpt2" / "initial";
+  const auto load_into = [&](const std::vector<std::string>& targets, nn::lora_options o) {
+    Model model = golden_model<Model>();
+    nn::add_lora(model, targets, o);
+    nn::Replicated<float, Model> owner(model, 0);
+    models::load_peft(owner, golden);
+  };
+  CHECK_THROWS_WITH(load_into({"c_attn"}, {.r = 4, .alpha = 8}),
+                    Contains("transformer.h.0.mlp.c_proj is a target of the adapter but has no LoRA adapter in the model"));
+  CHECK_THROWS_WITH(load_into({"c_attn", "c_proj"}, {.r = 4, .alpha = 8}),
+                    Contains("transformer.h.0.attn.c_proj has a LoRA adapter in the model but is not among the "
+                             "adapter's target_modules"));
+  CHECK_THROWS_WITH(load_into({"c_attn", "mlp.c_proj"}, {.r = 8, .alpha = 8}),
+                    Contains("transformer.h.0.attn.c_attn's adapter has r 8, alpha 8, rslora 0; the file's r 4, "
+                             "lora_alpha 8, use_rslora 0"));
+  std::vector<std::string> errors(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model model = golden_model<Model>();
+    nn::add_lora(model, {"c_attn"}, {.r = 4, .alpha = 8});
+    auto sharded = shard::fully_shard<optim::AdamW>(model, c, shard::FullShard{}, {});
+    try {
+      models::load_peft(sharded, golden);
+    } catch (const io_error& e) {
+      errors[std::size_t(c.rank())] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) CHECK_THAT(errors[std::size_t(r)], Contains(cat("rank ", r, ": loading the adapter")));
+
+  Model plain = golden_model<Model>();
+  nn::Replicated<float, Model> plain_owner(plain, 0);
+  CHECK_THROWS_WITH(models::save_peft(plain_owner, dir / "out"), Contains("the model has no LoRA adapters"));
+  Model mixed = golden_model<Model>();
+  mixed.transformer.h[0].attn.c_attn.add_lora({.r = 4});
+  mixed.transformer.h[1].attn.c_attn.add_lora({.r = 8});
+  nn::Replicated<float, Model> mixed_owner(mixed, 0);
+  CHECK_THROWS_WITH(models::save_peft(mixed_owner, dir / "out"),
+                    Contains("the adapters differ (transformer.h.0.attn.c_attn has r 4, alpha 8; "
+                             "transformer.h.1.attn.c_attn has r 8, alpha 8)"));
+  CHECK(!fs::exists(dir / "out" / "adapter_model.safetensors"));
+  fs::remove_all(dir);
 }
