@@ -96,6 +96,22 @@ def batch(seed):
     return ids, labels
 
 
+def train(model, ids, labels, lr):
+    """STEPS steps of torch.optim.AdamW(lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01) on one
+    batch; the loss before each step and after the last."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        step_loss = model(input_ids=ids, labels=labels).loss
+        losses.append(step_loss.item())
+        step_loss.backward()
+        opt.step()
+    with torch.no_grad():
+        losses.append(model(input_ids=ids, labels=labels).loss.item())
+    return losses
+
+
 def emit(name, model, seed):
     out = os.path.join(OUT_DIR, name)
     shard = "40kB" if name == "llama" else "10GB"
@@ -106,16 +122,7 @@ def emit(name, model, seed):
     result = model(input_ids=ids, labels=labels)
     logits, loss = result.logits.detach(), result.loss.detach()
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        step_loss = model(input_ids=ids, labels=labels).loss
-        losses.append(step_loss.item())
-        step_loss.backward()
-        opt.step()
-    with torch.no_grad():
-        losses.append(model(input_ids=ids, labels=labels).loss.item())
+    losses = train(model, ids, labels, lr=1e-3)
     assert losses[0] == loss.item()
     model.float().save_pretrained(os.path.join(out, "trained"), safe_serialization=True, max_shard_size=shard)
 

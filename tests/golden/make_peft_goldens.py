@@ -31,6 +31,9 @@ What each directory holds:
                                not stepped), each step on the same batch
         logits     F64 [2, 8, 96]  the trained adapted model's output for input_ids
 
+Rerunning rewrites the same tensors; adapter_config.json's target_modules come from a
+Python set, so their order may change between runs (PEFT matches them as a set).
+
 The model runs in float64 after the F32 initial adapter is saved, LLaMA with
 make_hf_goldens.py's float64 RMSNorm and RoPE. lr is 1e-2 rather than the base goldens'
 1e-3: lora_B starts at zero, and the adapters should move the loss visibly in 20 steps.
@@ -46,11 +49,11 @@ from transformers import GPT2LMHeadModel, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_hf_goldens import batch, rms_norm_in_input_dtype, rope_in_input_dtype  # noqa: E402
+from make_hf_goldens import STEPS, batch, rms_norm_in_input_dtype, rope_in_input_dtype, train  # noqa: E402
 from make_layer_goldens import write_safetensors  # noqa: E402
 
 GOLDEN = os.path.dirname(os.path.abspath(__file__))
-STEPS, LR = 20, 1e-2
+LR = 1e-2
 
 
 def emit(name, model_type, config, seed, batch_seed):
@@ -62,17 +65,9 @@ def emit(name, model_type, config, seed, batch_seed):
     model = model.double()
     model.train()  # dropout is 0: train and eval compute the same
     ids, labels = batch(batch_seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = model(input_ids=ids, labels=labels).loss
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
+    losses = train(model, ids, labels, lr=LR)
     with torch.no_grad():
         result = model(input_ids=ids, labels=labels)
-    losses.append(result.loss.item())
     model.float().save_pretrained(os.path.join(out, "trained"), safe_serialization=True)
     write_safetensors(os.path.join(out, "expected.safetensors"), {
         "input_ids": ids, "labels": labels, "losses": torch.tensor(losses, dtype=torch.float64),

@@ -94,6 +94,29 @@ Tensor<E> rows(const Tensor<E>& t, std::int64_t first, std::int64_t count) {
   return r;
 }
 
+// want.size() - 1 AdamW steps of an nn::Replicated owner's model on one batch (frozen parameters
+// not stepped: optim::step_unfrozen), the loss before each step and after the last
+// compared with want[k], relative.
+template <class Model>
+test_support::max_error train_unsharded(Model& model, nn::Replicated<float, Model>& owner,
+                                        const Tensor<std::int64_t>& ids, const Tensor<std::int64_t>& targets,
+                                        const std::vector<double>& want, const optim::AdamW& adamw) {
+  const std::size_t n = owner.values().size();
+  const auto runs = optim::cut_frozen({{0, n, 0}}, owner.layout(), 0, n);
+  auto state = adamw.make_state(optim::trained_size(runs));
+  nn::context ctx;
+  test_support::max_error err;
+  for (std::size_t k = 0; k < want.size(); ++k) {
+    owner.zero_grad();
+    auto l = nn::cross_entropy(ctx.forward(model, ids), targets);
+    err.relative(double(l.loss), want[k], 0);
+    if (k + 1 == want.size()) break;
+    ctx.backward(model, l.grad);
+    optim::step_unfrozen(adamw, owner.values(), std::span<const float>(owner.grads()), state, runs);
+  }
+  return err;
+}
+
 // One training step of a sharded model on this rank's batch; its loss (this rank's mean).
 template <class Sharded, class Opt>
 double train_step(Sharded& sharded, Opt& opt, const Tensor<std::int64_t>& x, const Tensor<std::int64_t>& y) {
@@ -476,18 +499,7 @@ TEMPLATE_TEST_CASE("GPT-2 and LLaMA train as transformers trains them: 20 AdamW 
   Model model = golden_model<Model>();
   nn::Replicated<float, Model> owner(model, 0);
   models::load_hf(owner, hf_dir / golden_name<Model> / "initial");
-  nn::context ctx;
-  const optim::AdamW adamw = golden_adamw();
-  auto state = adamw.make_state(owner.values().size());
-  test_support::max_error err;
-  for (std::size_t k = 0; k < e.losses.size(); ++k) {
-    owner.zero_grad();
-    auto l = nn::cross_entropy(ctx.forward(model, e.ids), e.targets);
-    err.relative(double(l.loss), e.losses[k], 0);
-    if (k + 1 == e.losses.size()) break;
-    ctx.backward(model, l.grad);
-    adamw.step(owner.values(), std::span<const float>(owner.grads()), state);
-  }
+  const auto err = train_unsharded(model, owner, e.ids, e.targets, e.losses, golden_adamw());
   std::printf("hf %-5s unsharded: 20 AdamW steps, loss %.6f -> %.6f, largest relative difference %.2e\n",
               golden_name<Model>, e.losses.front(), e.losses.back(), err.value());
   CHECK(err.count() == 21);
@@ -1027,20 +1039,7 @@ TEMPLATE_TEST_CASE("GPT-2 and LLaMA with LoRA train as PEFT trains them, unshard
     nn::Replicated<float, Model> owner(model, 0);
     models::load_hf(owner, hf_dir / golden_name<Model> / "initial");
     models::load_peft(owner, peft_dir / golden_name<Model> / "initial");
-    const std::size_t n = owner.values().size();
-    const auto runs = optim::cut_frozen({{0, n, 0}}, owner.layout(), 0, n);
-    const optim::AdamW adamw = peft_adamw();
-    auto state = adamw.make_state(optim::trained_size(runs));
-    nn::context ctx;
-    test_support::max_error err;
-    for (std::size_t k = 0; k < e.losses.size(); ++k) {
-      owner.zero_grad();
-      auto l = nn::cross_entropy(ctx.forward(model, e.ids), e.targets);
-      err.relative(double(l.loss), e.losses[k], 0);
-      if (k + 1 == e.losses.size()) break;
-      ctx.backward(model, l.grad);
-      optim::step_unfrozen(adamw, owner.values(), std::span<const float>(owner.grads()), state, runs);
-    }
+    const auto err = train_unsharded(model, owner, e.ids, e.targets, e.losses, peft_adamw());
     std::printf("peft %-5s unsharded: 20 AdamW steps of the adapters, loss %.6f -> %.6f, largest relative "
                 "difference %.2e\n", golden_name<Model>, e.losses.front(), e.losses.back(), err.value());
     CHECK(err.count() == 21);
