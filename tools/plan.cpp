@@ -7,10 +7,11 @@
 //   shardlib-plan --params 6e9 --layers 28 --hidden 4096 --heads 16 --seq 2048 --batch 1 [common flags]
 //       a coarse transformer: blocks of 12·hidden² parameters, the rest in the root
 //   shardlib-plan --model gpt2-124m|gpt2-350m|llama-7b|llama-70b [--seq 2048] [--batch 1]
-//                 [--frozen-layers 16] [common flags]
+//                 [--frozen-layers 16 | --lora q_proj v_proj [--lora-r 8]] [common flags]
 //       a published decoder's architecture, its parameters counted tensor by tensor, each
 //       block a unit; --seq defaults to the context it was trained with; --frozen-layers N
-//       plans a fine-tune with the embeddings and the lower N blocks frozen
+//       plans a fine-tune with the embeddings and the lower N blocks frozen, --lora one of
+//       LoRA adapters on the projections it names (nn::add_lora), everything else frozen
 //   shardlib-plan --encoder --layers 4 --d-model 256 --heads 4 --ff 1024 --classes 10 --seq 16 --batch 8
 //                 [--dropout 0.1] [--frozen-layers 2] [common flags]
 //       the model train_fsdp and bench_strategies train, walked exactly as fully_shard wraps
@@ -31,6 +32,7 @@
 #include <shardlib/nn/transformer.hpp>
 #include <shardlib/plan/chooser.hpp>
 #include <shardlib/plan/describe.hpp>
+#include <shardlib/plan/lora.hpp>
 #include <shardlib/plan/memory_plan.hpp>
 #include <shardlib/plan/presets.hpp>
 
@@ -56,6 +58,8 @@ struct settings {
   bool article = false, encoder = false, fused_attention = false;
   std::string preset;  // --model
   long frozen_layers = 0;  // --frozen-layers
+  std::vector<std::string> lora;  // --lora: target modules
+  long lora_r = 8;
   double params = 0;  // 0: the blocks alone
   long hidden = 0, batch = 8;
   // --encoder's model; --params reads its --layers, --heads and --seq.
@@ -75,7 +79,8 @@ settings parse(int argc, char** argv) {
                             "shardlib-plan");
   cli.footer(
       "Models: --article, the FSDP article's scenario; --model NAME, a published GPT-2 or LLaMA (--seq defaults to\n"
-      "its context, --batch to 1; --frozen-layers N freezes its embeddings and lower N blocks);\n"
+      "its context, --batch to 1; --frozen-layers N freezes its embeddings and lower N blocks, --lora TARGET...\n"
+      "plans LoRA adapters on the projections it names, the rest frozen);\n"
       "--params N --layers L --hidden H --seq S [--heads A] [--batch B], a coarse transformer of blocks of\n"
       "12 hidden^2 parameters, the rest in the root (heads and batch default to 1); --encoder [--layers --d-model\n"
       "--heads --ff --classes --seq --batch --dropout --frozen-layers], the model train_fsdp and bench_strategies\n"
@@ -94,6 +99,11 @@ settings parse(int argc, char** argv) {
                      "(--model: the embeddings too, and those blocks run forward only; --encoder: its lower N layers)")
           ->check(whole(0, example::max_size))
           ->excludes(article);
+  auto* lora = cli.add_option("--lora", s.lora,
+                              "--model: a LoRA fine-tune, adapters on the projections these name (PEFT's "
+                              "target_modules, e.g. q_proj v_proj, or c_attn), everything else frozen")
+                   ->excludes(frozen_layers);
+  cli.add_option("--lora-r", s.lora_r, "--lora: the adapters' rank")->check(whole(1, 1 << 16));
   cli.add_option("--params", s.params, "parameters of the coarse transformer (default: its blocks alone)")
       ->check(example::positive(max_params))
       ->default_str("")
@@ -148,8 +158,16 @@ settings parse(int argc, char** argv) {
                                                           " blocks"));
       if (cli.get_option("--seq")->count() == 0) s.model.seq = 0;  // the preset's
       if (batch->count() == 0) s.batch = 1;
+      if (s.lora.empty()) return;
+      try {
+        const auto& m = plan::decoder_preset(s.preset);
+        (void)plan::with_lora(plan::decoder(m), m, s.lora, s.lora_r);
+      } catch (const error& e) {
+        throw CLI::ValidationError("--lora", e.what());
+      }
       return;
     }
+    if (lora->count() > 0) throw CLI::ValidationError("--lora", "plans a published decoder's fine-tune (--model)");
     if (s.encoder) {
       example::check_model_flags(s.model);
       if (s.frozen_layers > s.model.layers)
@@ -396,6 +414,7 @@ int main(int argc, char** argv) {
       const auto& m = plan::decoder_preset(s.preset);
       d = plan::decoder(m, s.batch, s.model.seq, p.compute, s.fused_attention);
       if (s.frozen_layers > 0) d = plan::with_frozen_prefix(d, m, s.frozen_layers, s.batch, s.model.seq);
+      if (!s.lora.empty()) d = plan::with_lora(d, m, s.lora, s.lora_r, s.batch, s.model.seq, p.compute);
       std::printf("# %s: %s, %ld layers, hidden %ld, %ld heads (%ld kv), vocab %ld, intermediate %ld, seq %ld, %s: "
                   "%s parameters\n",
                   std::string(m.name).c_str(), m.family == plan::family::gpt2 ? "GPT-2" : "LLaMA", m.layers, m.hidden,

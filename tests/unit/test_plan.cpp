@@ -4,7 +4,10 @@
 // article's scenario by hand arithmetic; the chooser's ranking; the GPT-2 and LLaMA
 // presets' parameter counts and LLaMA-2-7B's model states.
 #include "shardlib/comm/launch.hpp"
+#include "shardlib/models/gpt2.hpp"
+#include "shardlib/models/llama.hpp"
 #include "shardlib/nn/linear.hpp"
+#include "shardlib/nn/lora.hpp"
 #include "shardlib/nn/loss.hpp"
 #include "shardlib/nn/pooling.hpp"
 #include "shardlib/nn/sequential.hpp"
@@ -14,6 +17,7 @@
 #include "shardlib/plan/chooser.hpp"
 #include "shardlib/plan/describe.hpp"
 #include "shardlib/plan/memory_plan.hpp"
+#include "shardlib/plan/lora.hpp"
 #include "shardlib/plan/presets.hpp"
 #include "shardlib/shard/sharded_model.hpp"
 
@@ -545,4 +549,52 @@ TEST_CASE("a preset with a frozen prefix plans the trained parameters' state and
   auto root = tuned;
   root.frozen[0].no_backward = true;
   CHECK_THAT(refused(root, at8), Catch::Contains("the root (unit 0) always runs backward"));
+}
+
+// plan::with_lora lays a preset's blocks out as fully_shard lays out the library's GPT-2
+// and LLaMA after nn::add_lora: the same flat sizes (width 40: the norms leave alignment
+// gaps) and frozen ranges, unit by unit, rank 3 adapters on the projections the targets
+// name; the root wholly frozen. FLOPs: the frozen weights' gradient products (2 per
+// multiplied parameter and token) out, the adapters' 6 in; activations gain r values a token
+// per adapted projection.
+TEST_CASE("a preset with LoRA adapters is laid out and frozen as add_lora leaves the models", "[plan][presets][lora]") {
+  const auto compare = [](const plan::model_desc& got, const plan::model_desc& want) {
+    REQUIRE(got.units.size() == want.units.size());
+    REQUIRE(got.frozen.size() == want.frozen.size());
+    CHECK(got.frozen[0].all);
+    CHECK(want.frozen[0].all);
+    for (std::size_t i = 1; i < got.units.size(); ++i) {
+      INFO("unit " << i);
+      CHECK(got.units[i] == want.units[i]);
+      CHECK(got.frozen[i].ranges == want.frozen[i].ranges);
+      CHECK(got.frozen[i].all == want.frozen[i].all);
+      CHECK(got.frozen[i].no_backward == want.frozen[i].no_backward);
+    }
+  };
+  const std::vector<std::string> gpt2_targets{"c_attn", "mlp.c_proj"}, llama_targets{"q_proj", "v_proj", "down_proj"};
+  {
+    const plan::decoder_shape m{.name = "gpt2-40", .family = plan::family::gpt2, .layers = 2, .hidden = 40,
+                                .heads = 4, .kv_heads = 4, .vocab = 96, .intermediate = 160, .positions = 32,
+                                .seq = 32, .tied = true};
+    models::GPT2LMHeadModel<float> model({.vocab_size = 96, .n_positions = 32, .n_embd = 40, .n_layer = 2, .n_head = 4});
+    nn::add_lora(model, gpt2_targets, {.r = 3});
+    const auto all = plan::decoder(m, 2, 32);
+    const auto got = plan::with_lora(all, m, gpt2_targets, 3, 2, 32);
+    compare(got, plan::describe_model(model, shard::wrap_types<models::GPT2Block<float>>{}));
+    const double adapters = 2 * 3 * (40 + 120 + 160 + 40), tokens = 64;
+    CHECK(got.flops == Approx(all.flops + tokens * (6 * adapters - 2 * double(plan::multiplied_parameters(m)))));
+    CHECK(got.activation_bytes == all.activation_bytes + 64 * 2 * 2 * 3 * 2);  // 2 adapted a block, bf16
+  }
+  {
+    const plan::decoder_shape m{.name = "llama-40", .family = plan::family::llama, .layers = 2, .hidden = 40,
+                                .heads = 4, .kv_heads = 2, .vocab = 96, .intermediate = 112, .seq = 32};
+    models::LlamaForCausalLM<float> model({.vocab_size = 96, .hidden_size = 40, .intermediate_size = 112,
+                                           .num_hidden_layers = 2, .num_attention_heads = 4,
+                                           .num_key_value_heads = 2, .max_position_embeddings = 32});
+    nn::add_lora(model, llama_targets, {.r = 3});
+    compare(plan::with_lora(plan::decoder(m), m, llama_targets, 3),
+            plan::describe_model(model, shard::wrap_types<models::LlamaDecoderLayer<float>>{}));
+    CHECK_THROWS_WITH(plan::with_lora(plan::decoder(m), m, {"q_proj", "c_attn"}, 3),
+                      Catch::Contains("plan::with_lora llama-40: target 'c_attn' names no projection"));
+  }
 }

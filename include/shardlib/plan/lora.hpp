@@ -1,0 +1,104 @@
+// shardlib/plan/lora.hpp — a preset decoder (plan/presets.hpp) fine-tuned with LoRA
+// adapters as nn::add_lora puts them on the library's GPT-2 and LLaMA: each block's
+// flat layout with the adapters where the targets name a projection, everything else
+// frozen.
+#pragma once
+#include "shardlib/config.hpp"
+#include "shardlib/core/element.hpp"  // dtype, size_of
+#include "shardlib/core/error.hpp"    // require, cat
+#include "shardlib/nn/flat.hpp"       // flat_layout::alignment
+#include "shardlib/nn/lora.hpp"       // lora_target_matches
+#include "shardlib/plan/presets.hpp"  // decoder_shape, decoder, multiplied_parameters
+
+#include <cstddef>      // std::size_t
+#include <string>       // std::string
+#include <string_view>  // std::string_view
+#include <vector>       // std::vector
+
+namespace shardlib::plan {
+
+namespace detail {
+// One parameter-holding module of a block, in the order the block lists its parameters:
+// a projection (weight [out, in], a bias when `bias`) or a norm of `norm` elements a tensor
+// (`tensors` of them: weight, and bias for LayerNorm).
+struct block_module {
+  std::string_view name;  // within the block: "attn.c_attn", "self_attn.q_proj", "ln_1"
+  std::size_t in = 0, out = 0;
+  bool bias = false;
+  std::size_t norm = 0, tensors = 0;
+};
+inline std::vector<block_module> block_modules(const decoder_shape& m) {
+  const std::size_t h = std::size_t(m.hidden), i = std::size_t(m.intermediate);
+  const std::size_t kv = std::size_t(m.hidden / m.heads * m.kv_heads);
+  if (m.family == family::gpt2)
+    return {{.name = "ln_1", .norm = h, .tensors = 2},          {.name = "attn.c_attn", .in = h, .out = 3 * h, .bias = true},
+            {.name = "attn.c_proj", .in = h, .out = h, .bias = true}, {.name = "ln_2", .norm = h, .tensors = 2},
+            {.name = "mlp.c_fc", .in = h, .out = i, .bias = true},    {.name = "mlp.c_proj", .in = i, .out = h, .bias = true}};
+  return {{.name = "self_attn.q_proj", .in = h, .out = h},       {.name = "self_attn.k_proj", .in = h, .out = kv},
+          {.name = "self_attn.v_proj", .in = h, .out = kv},      {.name = "self_attn.o_proj", .in = h, .out = h},
+          {.name = "mlp.gate_proj", .in = h, .out = i},          {.name = "mlp.up_proj", .in = h, .out = i},
+          {.name = "mlp.down_proj", .in = i, .out = h},          {.name = "input_layernorm", .norm = h, .tensors = 1},
+          {.name = "post_attention_layernorm", .norm = h, .tensors = 1}};
+}
+}  // namespace detail
+
+// `d` (plan::decoder(m, ...)) with LoRA adapters of rank r on every projection of every
+// block that one of `targets` names (nn::lora_target_matches over the library's dotted
+// names: "transformer.h.3.attn.c_attn", "model.layers.3.self_attn.q_proj"), as
+// nn::add_lora puts them: each block unit laid out as the engine lays it out (each
+// parameter at a multiple of nn::flat_layout::alignment; an adapted projection lists its
+// base weight and bias, then lora_A [r, in] and lora_B [out, r]), every parameter but the
+// adapters frozen, the root wholly. Activations stay d's estimate plus the adapters' r
+// values a token for each adapted projection (x A^T, in `activations`, plan::decoder's
+// dtype); FLOPs lose the frozen weights'
+// gradient products (2 a multiplied parameter and token) and gain the adapters' 6.
+// A target that names no projection raises, naming it.
+inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vector<std::string>& targets, long r,
+                            long batch = 1, long seq = 0, dtype activations = dtype::bf16) {
+  require(r >= 1, "plan::with_lora ", m.name, ": the adapters' rank must be at least 1, got ", r);
+  require(d.units.size() == std::size_t(m.layers) + 1, "plan::with_lora ", m.name,
+          ": the model is not plan::decoder's (the root and one unit per block)");
+  const auto modules = detail::block_modules(m);
+  const std::string prefix = m.family == family::gpt2 ? "transformer.h." : "model.layers.";
+  const std::size_t align = nn::flat_layout::alignment, rank = std::size_t(r);
+  std::vector<bool> used(targets.size(), false);
+  std::size_t adapter_elements = 0, adapted_outputs = 0;  // over all blocks
+  d.frozen.assign(d.units.size(), unit_freezing{});
+  d.frozen[0] = {.ranges = {{0, d.units[0]}}, .all = true};
+  for (long b = 0; b < m.layers; ++b) {
+    unit_freezing& f = d.frozen[std::size_t(b) + 1];
+    std::size_t at = 0;
+    const auto place = [&](std::size_t n, bool frozen) {
+      at = (at + align - 1) / align * align;
+      if (frozen) f.ranges.emplace_back(at, at + n);
+      at += n;
+    };
+    for (const auto& mod : modules) {
+      if (mod.norm > 0) {
+        for (std::size_t t = 0; t < mod.tensors; ++t) place(mod.norm, true);
+        continue;
+      }
+      place(mod.out * mod.in, true);
+      if (mod.bias) place(mod.out, true);
+      const std::string name = cat(prefix, b, ".", mod.name);
+      bool named = false;
+      for (std::size_t k = 0; k < targets.size(); ++k)
+        if (nn::lora_target_matches(targets[k], name)) named = used[k] = true;
+      if (!named) continue;
+      place(rank * mod.in, false);
+      place(mod.out * rank, false);
+      adapter_elements += rank * (mod.in + mod.out);
+      adapted_outputs += rank;
+    }
+    d.units[std::size_t(b) + 1] = at;
+  }
+  for (std::size_t k = 0; k < targets.size(); ++k)
+    require(used[k], "plan::with_lora ", m.name, ": target '", targets[k], "' names no projection (e.g. ",
+            m.family == family::gpt2 ? "c_attn, attn.c_proj, c_fc" : "q_proj, v_proj, down_proj", ")");
+  const double tokens = double(seq > 0 ? seq : m.seq) * double(batch);
+  d.activation_bytes += std::size_t(tokens) * adapted_outputs * size_of(activations);
+  d.flops += tokens * (6 * double(adapter_elements) - 2 * double(multiplied_parameters(m)));
+  return d;
+}
+
+}  // namespace shardlib::plan
