@@ -13,13 +13,18 @@
 //
 //   taskset -c 0 bench_model [--model encoder] [--batch 32] [--seq 10] [--d-model 512] [--heads 8]
 //                            [--ff 2048] [--layers 6] [--classes 10] [--vocab 8192] [--kv-heads 0]
-//                            [--dropout 0.1] [--steps 10] [--json FILE]
+//                            [--dropout 0.1] [--lora q_proj v_proj] [--lora-r 8] [--steps 10] [--json FILE]
+//
+// --lora (gpt2, llama) times a LoRA fine-tune's step: adapters on the projections it
+// names (nn::add_lora), every base weight frozen (no weight-gradient products), AdamW over
+// the adapters alone.
 //
 // PyTorch's figure for the same step: benchmarks/torch_reference_step.py (encoder) and
 // benchmarks/compare_pytorch.py --model gpt2.
 #include <shardlib/models/gpt2.hpp>
 #include <shardlib/models/llama.hpp>
 #include <shardlib/nn/linear.hpp>
+#include <shardlib/nn/lora.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/pooling.hpp>
 #include <shardlib/nn/replicated.hpp>
@@ -28,11 +33,15 @@
 #include <shardlib/nn/transformer.hpp>
 #include <shardlib/ops/gemm.hpp>
 #include <shardlib/optim/adam.hpp>
+#include <shardlib/optim/param_groups.hpp>
 
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <functional>
+#include <map>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -157,28 +166,77 @@ std::vector<product> encoder_products(const sizes& s) {
   return p;
 }
 
+// A LoRA fine-tune (--lora): the adapters' rank, and how many blocks adapt each
+// projection (by its name in the block: "attn.c_attn", "self_attn.q_proj").
+struct lora_counts {
+  long r = 0;  // 0: every parameter trains, no adapters
+  std::map<std::string, long, std::less<>> adapted;
+  long of(std::string_view projection) const {
+    const auto it = adapted.find(projection);
+    return it == adapted.end() ? 0 : it->second;
+  }
+};
+
+// Linear(in -> out) in `count` blocks, `adapted` of them with a LoRA adapter of rank r
+// (nn/lora_adapter.hpp): forward h = x A^T [R x r x in], y += s h B^T [R x out x r];
+// backward dh = s dy B [R x r x out], dB += s dy^T h [out x r x R], dA += dh^T x
+// [r x in x R], dx += dh A [R x in x r]. Under LoRA the base weight is frozen: no dW.
+void projection_products(std::vector<product>& p, long rows, long in, long out, long count, const lora_counts& lora,
+                         std::string_view name) {
+  using ops::trans;
+  if (lora.r == 0) return linear_products(p, linear, rows, in, out, count);
+  p.push_back({linear, trans::no, trans::yes, rows, out, in, in, in, out, 1, count});
+  p.push_back({linear, trans::no, trans::no, rows, in, out, out, in, in, 0, count});
+  const long a = lora.of(name), r = lora.r;
+  if (a == 0) return;
+  p.push_back({linear, trans::no, trans::yes, rows, r, in, in, in, r, 0, a});
+  p.push_back({linear, trans::no, trans::yes, rows, out, r, r, r, out, 1, a});
+  p.push_back({linear, trans::no, trans::no, rows, r, out, out, r, r, 0, a});
+  p.push_back({linear, trans::yes, trans::no, out, r, rows, out, r, r, 1, a});
+  p.push_back({linear, trans::yes, trans::no, r, in, rows, r, in, in, 1, a});
+  p.push_back({linear, trans::no, trans::no, rows, in, r, r, in, in, 1, a});
+}
+
 // GPT-2: c_attn (E -> 3E, q k v side by side), c_proj, c_fc (E -> F), c_proj (F -> E) per
 // block, the tied head (E -> vocab). LLaMA: q_proj, k_proj, v_proj (E -> kv heads x D),
-// o_proj, gate_proj and up_proj (E -> F), down_proj per layer, the head.
-std::vector<product> decoder_products(const sizes& s, bool llama) {
+// o_proj, gate_proj and up_proj (E -> F), down_proj per layer, the head (frozen under LoRA).
+std::vector<product> decoder_products(const sizes& s, bool llama, const lora_counts& lora) {
   const long R = s.batch * s.seq, E = s.d, F = s.ff, D = s.d / s.heads, NH = s.layers * s.batch * s.heads;
-  const long KV = (s.kv_heads > 0 ? s.kv_heads : s.heads) * D;
+  const long KV = (s.kv_heads > 0 ? s.kv_heads : s.heads) * D, L = s.layers;
   std::vector<product> p;
   if (llama) {
-    linear_products(p, linear, R, E, E, s.layers);
-    linear_products(p, linear, R, E, KV, 2 * s.layers);
+    projection_products(p, R, E, E, L, lora, "self_attn.q_proj");
+    projection_products(p, R, E, KV, L, lora, "self_attn.k_proj");
+    projection_products(p, R, E, KV, L, lora, "self_attn.v_proj");
     attention_products(p, s.seq, D, NH, E, KV, E);
-    linear_products(p, linear, R, E, E, s.layers);
-    linear_products(p, linear, R, E, F, 2 * s.layers);
+    projection_products(p, R, E, E, L, lora, "self_attn.o_proj");
+    projection_products(p, R, E, F, L, lora, "mlp.gate_proj");
+    projection_products(p, R, E, F, L, lora, "mlp.up_proj");
+    projection_products(p, R, F, E, L, lora, "mlp.down_proj");
   } else {
-    linear_products(p, linear, R, E, 3 * E, s.layers);
+    projection_products(p, R, E, 3 * E, L, lora, "attn.c_attn");
     attention_products(p, s.seq, D, NH, 3 * E, 3 * E, E);
-    linear_products(p, linear, R, E, E, s.layers);
-    linear_products(p, linear, R, E, F, s.layers);
+    projection_products(p, R, E, E, L, lora, "attn.c_proj");
+    projection_products(p, R, E, F, L, lora, "mlp.c_fc");
+    projection_products(p, R, F, E, L, lora, "mlp.c_proj");
   }
-  linear_products(p, linear, R, F, E, s.layers);
-  linear_products(p, linear, R, E, s.vocab, 1);
+  projection_products(p, R, E, s.vocab, 1, lora, "lm_head");
   return p;
+}
+
+// nn::add_lora's adapters on `model` as lora_counts: each adapted Linear's name past its
+// block's prefix ("transformer.h.3.", "model.layers.3.").
+template <class M>
+lora_counts adapt(M& model, const std::vector<std::string>& targets, long r) {
+  lora_counts c;
+  if (targets.empty()) return c;
+  c.r = r;
+  for (const auto& name : nn::add_lora(model, targets, {.r = r, .alpha = 2.0 * double(r)})) {
+    std::size_t at = name.find('.', name.find('.') + 1);  // past "transformer.h" or "model.layers"
+    at = name.find('.', at + 1);                            // past the block's index
+    ++c.adapted[name.substr(at + 1)];
+  }
+  return c;
 }
 
 // Operands for replaying any of the products, with small values (no overflow, no subnormals).
@@ -213,7 +271,9 @@ void measure(const std::string& model_name, const std::string& description, M& m
              Opt opt, const std::vector<product>& products, const sizes& s, double dropout, long steps,
              std::FILE* json) {
   nn::Replicated<float, M> params(model, 0);
-  auto state = opt.make_state(params.values().size());
+  const std::size_t n = params.values().size();
+  const auto runs = optim::cut_frozen({{0, n, 0}}, params.layout(), 0, n);  // all of it, or LoRA's adapters
+  auto state = opt.make_state(optim::trained_size(runs));
 
   // Matrix products: counted from the sizes, and the peak on the largest one.
   double gflop = 0;
@@ -237,8 +297,9 @@ void measure(const std::string& model_name, const std::string& description, M& m
   }
   const double peak = 2 * double(big.m * big.n * big.k) / peak_s / 1e9;
 
-  std::printf("bench_model: %s; %zu parameters; %s; one thread; float GEMM backend: %s\n", description.c_str(),
-              nn::parameter_count(model), std::string(Opt::name).c_str(), std::string(ops::gemm_backend).c_str());
+  std::printf("bench_model: %s; %zu parameters, %zu trained; %s; one thread; float GEMM backend: %s\n",
+              description.c_str(), nn::parameter_count(model), optim::trained_size(runs),
+              std::string(Opt::name).c_str(), std::string(ops::gemm_backend).c_str());
   std::printf(
       "matrix products of one forward+backward: %ld ops::gemm calls, %.2f GFLOP (2 M N K summed over the "
       "shapes the sizes give)\n",
@@ -256,7 +317,7 @@ void measure(const std::string& model_name, const std::string& description, M& m
     const auto l = nn::cross_entropy(logits, y);
     ctx.backward(model, l.grad);
     const double t1 = bench::now_s();
-    opt.step(params.values(), std::span<const float>(params.grads()), state);
+    optim::step_unfrozen(opt, params.values(), std::span<const float>(params.grads()), state, runs);
     params.zero_grad();
     fwd_bwd_s = t1 - t0;
     optimizer_s = bench::now_s() - t1;
@@ -346,8 +407,9 @@ Tensor<std::int64_t> token_ids(long batch, long seq, long vocab, std::uint64_t s
 
 int main(int argc, char** argv) {
   example::model_flags m;
-  long batch = 32, steps = 10, vocab = 8192, kv_heads = 0;
+  long batch = 32, steps = 10, vocab = 8192, kv_heads = 0, lora_r = 8;
   std::string model_name = "encoder", json_path;
+  std::vector<std::string> lora;
   example::command_line cli("One training step of a model (the reference encoder, GPT-2 or LLaMA) on one rank, "
                             "unsharded, one thread, against the GEMM peak measured in the same run.",
                             "bench_model");
@@ -357,10 +419,15 @@ int main(int argc, char** argv) {
   cli.add_option("--vocab", vocab, "gpt2, llama: vocabulary size")->check(example::whole(1, example::max_size));
   cli.add_option("--kv-heads", kv_heads, "llama: key/value heads (divides --heads; 0 = --heads)")
       ->check(example::whole(0, example::max_size));
+  cli.add_option("--lora", lora, "gpt2, llama: a LoRA fine-tune, adapters on the projections these name "
+                 "(nn::add_lora), everything else frozen");
+  cli.add_option("--lora-r", lora_r, "--lora: the adapters' rank")->check(example::whole(1, 4096));
   cli.add_option("--steps", steps, "measured steps")->check(example::whole(1, example::max_size));
   cli.add_option("--json", json_path, "appends the results as JSON lines");
   cli.callback([&] {
     example::check_model_flags(m);
+    if (!lora.empty() && model_name == "encoder")
+      throw CLI::ValidationError("--lora", "adapts the decoders' projections (--model gpt2 or llama)");
     if (kv_heads > 0 && m.heads % kv_heads != 0)
       throw CLI::ValidationError("--kv-heads", std::to_string(kv_heads) + " does not divide --heads " +
                                                    std::to_string(m.heads));
@@ -379,21 +446,28 @@ int main(int argc, char** argv) {
             m.dropout, steps, json);
   } else {
     const auto x = token_ids(s.batch, s.seq, s.vocab, 1), y = token_ids(s.batch, s.seq, s.vocab, 2);
-    const std::string shape = cat(", batch ", s.batch, " x seq ", s.seq, ", vocabulary ", s.vocab);
+    std::string shape = cat(", batch ", s.batch, " x seq ", s.seq, ", vocabulary ", s.vocab);
+    if (!lora.empty()) {
+      shape += cat("; LoRA r ", lora_r, " on");
+      for (const auto& t : lora) shape += cat(" ", t);
+    }
     if (model_name == "gpt2") {
       GPT2 model({.vocab_size = s.vocab, .n_positions = s.seq, .n_embd = s.d, .n_layer = s.layers, .n_head = s.heads,
                   .n_inner = s.ff, .resid_pdrop = m.dropout, .embd_pdrop = m.dropout, .attn_pdrop = m.dropout});
+      const lora_counts adapters = adapt(model, lora, lora_r);
       measure(model_name,
               cat("GPT2LMHeadModel(", s.layers, " blocks, n_embd ", s.d, ", ", s.heads, " heads, n_inner ", s.ff,
                   ", dropout ", m.dropout, ", tied head)", shape),
-              model, x, y, optim::AdamW{{.lr = 1e-3}}, decoder_products(s, false), s, m.dropout, steps, json);
+              model, x, y, optim::AdamW{{.lr = 1e-3}}, decoder_products(s, false, adapters), s, m.dropout, steps,
+              json);
     } else {
       Llama model({.vocab_size = s.vocab, .hidden_size = s.d, .intermediate_size = s.ff, .num_hidden_layers = s.layers,
                    .num_attention_heads = s.heads, .num_key_value_heads = s.kv_heads, .max_position_embeddings = s.seq});
+      const lora_counts adapters = adapt(model, lora, lora_r);
       measure(model_name,
               cat("LlamaForCausalLM(", s.layers, " layers, hidden ", s.d, ", ", s.heads, " heads, ",
                   s.kv_heads > 0 ? s.kv_heads : s.heads, " kv heads, intermediate ", s.ff, ")", shape),
-              model, x, y, optim::AdamW{{.lr = 1e-3}}, decoder_products(s, true), s, 0.0, steps, json);
+              model, x, y, optim::AdamW{{.lr = 1e-3}}, decoder_products(s, true, adapters), s, 0.0, steps, json);
     }
   }
   if (json) std::fclose(json);
