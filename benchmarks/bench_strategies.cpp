@@ -9,6 +9,7 @@
 //                    [--batch 8] [--classes 10] [--dropout 0.1] [--prefetch 1] [--group 2]
 //                    [--warmup 2] [--steps 8] [--rounds 3] [--json FILE]
 //                    [--model encoder|gpt2] [--vocab 8192] [--frozen-layers N] [--freeze GLOB,...]
+//                    [--lora TARGET,... [--lora-r 8]]
 //
 // The default model is reduced so that the whole run takes a few minutes on 2 cores;
 // --article selects the FSDP article's sizes (6 layers, d_model 512, 8 heads, ff 2048,
@@ -20,7 +21,8 @@
 // tied head with them) and lower N blocks, a frozen prefix that runs forward only.
 // --freeze freezes the parameters its globs name (nn::freeze, e.g. 'transformer.h.*.attn.*':
 // every block then holds frozen and trained parameters, whose reduction sends the trained
-// elements alone); a glob that names none is an error.
+// elements alone); a glob that names none is an error. --lora TARGET,... (gpt2) trains a
+// LoRA fine-tune: adapters of rank --lora-r on the projections it names, the rest frozen.
 //
 // Strategies run in turns, `rounds` times each, each run in a fresh child process, and
 // step times are pooled over the rounds: other work on a shared machine then slows all
@@ -30,6 +32,7 @@
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/models/gpt2.hpp>
 #include <shardlib/nn/freeze.hpp>
+#include <shardlib/nn/lora.hpp>
 #include <shardlib/nn/linear.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/pooling.hpp>
@@ -77,6 +80,8 @@ struct config {
   long vocab = 8192;              // gpt2 only
   long frozen_layers = 0;         // --frozen-layers
   std::vector<std::string> freeze;  // --freeze
+  std::vector<std::string> lora;    // --lora: target modules (gpt2)
+  long lora_r = 8;
   example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .seq = 16};
   long batch = 8;
   int prefetch = 1, group = 2, warmup = 2, steps = 8, rounds = 3;
@@ -85,11 +90,11 @@ struct config {
   std::FILE* json = nullptr;
 };
 
-// --freeze's globs, comma-separated as given (for the header and a JSON string: a glob
-// holds no quote or backslash, which parse() refuses).
-std::string freeze_list(const config& cfg) {
+// --freeze's globs or --lora's targets, comma-separated as given (for the header and a
+// JSON string: they hold no quote or backslash, which parse() refuses).
+std::string joined(const std::vector<std::string>& names) {
   std::string s;
-  for (const auto& g : cfg.freeze) s += cat(s.empty() ? "" : ",", g);
+  for (const auto& g : names) s += cat(s.empty() ? "" : ",", g);
   return s;
 }
 
@@ -130,6 +135,7 @@ struct gpt2_workload {
     for (long k = 0; k < cfg.frozen_layers; ++k) frozen.push_back(cat("transformer.h.", k, ".*"));
     nn::freeze(model, frozen);
     nn::freeze(model, cfg.freeze);
+    if (!cfg.lora.empty()) nn::add_lora(model, cfg.lora, {.r = cfg.lora_r, .alpha = 2.0 * double(cfg.lora_r)});
     return model;
   }
   Tensor<std::int64_t> inputs(long first) const {
@@ -397,7 +403,8 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
   std::fprintf(f,
                "{\"bench\":\"strategies\",\"model\":\"%s\",\"vocab\":%ld,\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"cores\":%u,"
                "\"oversubscribed\":%s,\"layers\":%ld,\"d_model\":%ld,\"heads\":%ld,\"ff\":%ld,\"seq\":%ld,"
-               "\"batch\":%ld,\"classes\":%ld,\"dropout\":%g,\"frozen_layers\":%ld,\"freeze\":\"%s\",\"prefetch\":%d,"
+               "\"batch\":%ld,\"classes\":%ld,\"dropout\":%g,\"frozen_layers\":%ld,\"freeze\":\"%s\",\"lora\":\"%s\","
+               "\"lora_r\":%ld,\"prefetch\":%d,"
                "\"steps\":%zu,"
                "\"units\":%zu,"
                "\"padded_params\":%zu,\"step_s\":%.9g,\"cpu_s\":%.9g,\"sys_s\":%.9g,\"minor_faults\":%.9g,"
@@ -406,7 +413,8 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
                "\"all_reduce\":%.9g,\"broadcast\":%.9g}}\n",
                cfg.model_name.c_str(), cfg.model_name == "gpt2" ? cfg.vocab : 0L, m.strategy.c_str(), m.world, m.group, cores, unsigned(m.world) > cores ? "true" : "false",
                cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.model.seq, cfg.batch,
-               cfg.model.classes, cfg.model.dropout, cfg.frozen_layers, freeze_list(cfg).c_str(), cfg.prefetch,
+               cfg.model.classes, cfg.model.dropout, cfg.frozen_layers, joined(cfg.freeze).c_str(), joined(cfg.lora).c_str(),
+               cfg.lora.empty() ? 0L : cfg.lora_r, cfg.prefetch,
                m.steps.size(), m.units, m.psi, m.median(&step_sample::wall_s), m.median(&step_sample::cpu_s),
                m.median(&step_sample::sys_s), m.median(&step_sample::faults), steps.c_str(), object(m.peak).c_str(),
                object(m.formula).c_str(), m.sent, m.sent_formula,
@@ -452,15 +460,27 @@ config parse(int argc, char** argv) {
       ->check(example::whole(0, example::max_size));
   cli.add_option("--freeze", c.freeze, "parameters frozen by name: nn::freeze's globs, e.g. 'transformer.h.*.attn.*'")
       ->delimiter(',');
+  cli.add_option("--lora", c.lora, "gpt2: a LoRA fine-tune, adapters on the projections these name "
+                 "(nn::add_lora, e.g. c_attn,c_fc), everything else frozen")
+      ->delimiter(',');
+  cli.add_option("--lora-r", c.lora_r, "--lora: the adapters' rank")->check(example::whole(1, 4096));
   cli.add_option("--json", json, "appends one JSON line per strategy and world size");
   cli.callback([&] {
     example::check_model_flags(c.model);
     if (c.frozen_layers > c.model.layers)
       throw CLI::ValidationError("--frozen-layers",
                                  cat(c.frozen_layers, " is more than the model's ", c.model.layers, " layers"));
-    for (const auto& g : c.freeze)
-      if (g.find_first_of("\"\\") != std::string::npos)
-        throw CLI::ValidationError("--freeze", cat("'", g, "' holds a quote or a backslash, which no name does"));
+    for (const auto& [flag, names] : {std::pair{"--freeze", &c.freeze}, std::pair{"--lora", &c.lora}})
+      for (const auto& g : *names)
+        if (g.find_first_of("\"\\") != std::string::npos)
+          throw CLI::ValidationError(flag, cat("'", g, "' holds a quote or a backslash, which no name does"));
+    if (c.lora.empty()) return;
+    if (c.model_name != "gpt2") throw CLI::ValidationError("--lora", "adapts GPT-2's projections (--model gpt2)");
+    try {
+      (void)gpt2_workload{c}.make();
+    } catch (const error& e) {
+      throw CLI::ValidationError("--lora", e.what());
+    }
   });
   cli.parse_or_exit(argc, argv);
   if (!json.empty()) c.json = std::fopen(json.c_str(), "a");
@@ -477,7 +497,7 @@ void print_model(const encoder_workload& work) {
               cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, nn::parameter_count(probe),
               cfg.batch, cfg.model.seq, cfg.model.classes, cfg.model.dropout);
   if (cfg.frozen_layers > 0) std::printf("the lower %ld layers frozen, ", cfg.frozen_layers);
-  if (!cfg.freeze.empty()) std::printf("frozen: %s, ", freeze_list(cfg).c_str());
+  if (!cfg.freeze.empty()) std::printf("frozen: %s, ", joined(cfg.freeze).c_str());
 }
 void print_model(const gpt2_workload& work) {
   const config& cfg = work.cfg;
@@ -488,7 +508,8 @@ void print_model(const gpt2_workload& work) {
               "each GPT2Block a unit, ",
               cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.vocab, nn::parameter_count(probe), cfg.batch, cfg.model.seq, cfg.model.dropout);
   if (cfg.frozen_layers > 0) std::printf("the embeddings and the lower %ld blocks frozen (forward only), ", cfg.frozen_layers);
-  if (!cfg.freeze.empty()) std::printf("frozen: %s, ", freeze_list(cfg).c_str());
+  if (!cfg.freeze.empty()) std::printf("frozen: %s, ", joined(cfg.freeze).c_str());
+  if (!cfg.lora.empty()) std::printf("LoRA r %ld on %s (the rest frozen), ", cfg.lora_r, joined(cfg.lora).c_str());
 }
 
 template <class Workload>
