@@ -27,7 +27,8 @@ struct fine_tune_settings {
   std::vector<std::string> freeze;  // globs over the parameters' dotted names
   std::vector<std::string> lora;    // PEFT's target_modules
   long lora_r = 8;
-  double lora_alpha = 16;
+  double lora_alpha = 16, lora_dropout = 0;
+  shardlib::nn::lora_options lora_options() const { return {.r = lora_r, .alpha = lora_alpha, .dropout = lora_dropout}; }
 };
 
 inline void add_fine_tune_flags(command_line& cli, fine_tune_settings& s) {
@@ -41,6 +42,8 @@ inline void add_fine_tune_flags(command_line& cli, fine_tune_settings& s) {
   cli.add_option("--lora-r", s.lora_r, "--lora: the adapters' rank")->check(whole(1, 4096));
   cli.add_option("--lora-alpha", s.lora_alpha, "--lora: lora_alpha (the update is scaled by alpha / r)")
       ->check(positive());
+  cli.add_option("--lora-dropout", s.lora_dropout, "--lora: dropout on the adapters' input, in training")
+      ->check(real(0, 0.99));
 }
 
 // Freezes what --freeze names and adds what --lora asks for; rank 0 (or `rank` < 0:
@@ -50,7 +53,7 @@ template <class Model>
 void prepare(Model& model, const fine_tune_settings& s, int rank, const char* program) {
   const std::size_t frozen = s.freeze.empty() ? 0 : shardlib::nn::freeze(model, s.freeze);
   std::vector<std::string> adapted;
-  if (!s.lora.empty()) adapted = shardlib::nn::add_lora(model, s.lora, {.r = s.lora_r, .alpha = s.lora_alpha});
+  if (!s.lora.empty()) adapted = shardlib::nn::add_lora(model, s.lora, s.lora_options());
   if (rank != 0) return;
   std::size_t still = 0, all = 0;
   std::set<const void*> seen;
@@ -61,8 +64,9 @@ void prepare(Model& model, const fine_tune_settings& s, int rank, const char* pr
   });
   if (frozen > 0) std::printf("%s: frozen (--freeze): %zu parameters, %zu elements\n", program, frozen, all - still);
   if (!adapted.empty())
-    std::printf("%s: LoRA (--lora, r %ld, alpha %g): %zu Linears adapted, %zu of %zu elements trained (%.2f%%)\n",
-                program, s.lora_r, s.lora_alpha, adapted.size(), still, all, 100.0 * double(still) / double(all));
+    std::printf("%s: LoRA (--lora, r %ld, alpha %g, dropout %g): %zu Linears adapted, %zu of %zu elements trained "
+                "(%.2f%%)\n", program, s.lora_r, s.lora_alpha, s.lora_dropout, adapted.size(), still, all,
+                100.0 * double(still) / double(all));
 }
 
 // For the program's callback: a --freeze glob or --lora target that names nothing is a
@@ -82,7 +86,7 @@ void check_fine_tune(const Settings& s) {
     if (!s.lora.empty()) {
       auto m = make_byte_model<float, shardlib::host_space>(s, config);
       try {
-        shardlib::nn::add_lora(m, s.lora, {.r = s.lora_r, .alpha = s.lora_alpha});
+        shardlib::nn::add_lora(m, s.lora, s.lora_options());
       } catch (const shardlib::error& e) {
         throw CLI::ValidationError("--lora", e.what());
       }

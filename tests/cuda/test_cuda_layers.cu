@@ -306,8 +306,8 @@ TEMPLATE_TEST_CASE("device Linear equals the host layer, gradients accumulating"
   CHECK_THROWS_AS(dev.forward(ctx, Tensor<T, cuda_space>(Shape{3, 23})), sl::shape_error);
 }
 
-// A LoRA Linear, its base frozen (add_lora's default) and trained: the frozen base
-// gradients stay as they were on both sides. In GPT2MLP an adapted c_fc gives up the
+// A LoRA Linear, its base frozen (add_lora's default) and trained, with and without the
+// adapter's dropout: the frozen base gradients stay as they were on both sides. In GPT2MLP an adapted c_fc gives up the
 // fused GELU epilogue (the update comes before the activation), and still equals the host.
 TEMPLATE_TEST_CASE("device LoRA Linear equals the host layer, its base frozen or trained", "[cuda][layers][lora]",
                    float, sl::bfloat16) {
@@ -317,14 +317,15 @@ TEMPLATE_TEST_CASE("device LoRA Linear equals the host layer, its base frozen or
   random_inputs rnd;
   INFO("seed " << rnd.seed);
   const nn::lora_options lora{.r = 8, .alpha = 16};
-  for (const auto& frozen : {std::set<std::string>{"base_layer.weight", "base_layer.bias"}, std::set<std::string>{}}) {
-    INFO(frozen.size() << " frozen");
-    nn::Linear<float> host(24, 40);
-    nn::Linear<T, cuda_space> dev(24, 40);
-    host.add_lora(lora);
-    dev.add_lora(lora);
-    compare_layers<T>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1), 1.0f, {}, frozen);
-  }
+  for (const auto& frozen : {std::set<std::string>{"base_layer.weight", "base_layer.bias"}, std::set<std::string>{}})
+    for (double dropout : {0.0, 0.3}) {  // the same counter-based masks on both sides
+      INFO(frozen.size() << " frozen, dropout " << dropout);
+      nn::Linear<float> host(24, 40);
+      nn::Linear<T, cuda_space> dev(24, 40);
+      host.add_lora({.r = lora.r, .alpha = lora.alpha, .dropout = dropout});
+      dev.add_lora({.r = lora.r, .alpha = lora.alpha, .dropout = dropout});
+      compare_layers<T>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1), 1.0f, {}, frozen);
+    }
   {
     INFO("GPT2MLP, c_fc adapted, n_inner 48, tanh GELU");
     const nn::gpt2_mlp_options o{.n_embd = 24, .n_inner = 48, .activation = nn::gelu_approx::tanh};

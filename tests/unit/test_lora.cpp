@@ -95,6 +95,82 @@ TEST_CASE("a LoRA Linear's output is the formula's and its gradients the output'
   }
 }
 
+// PEFT's lora_dropout: in training the update reads x through a Dropout mask, which is
+// nn::Dropout's for the context's first draw (the base product reads x whole), and
+// backward applies the same mask to the update's dx; in evaluation the update reads x.
+// Against the formulas in float64 with that mask: 1e-12 relative to max(|want|, 1).
+TEST_CASE("a LoRA adapter's dropout masks the update's input in training and nothing in evaluation", "[lora]") {
+  nn::Linear<double> l(6, 5);
+  l.add_lora({.r = 3, .alpha = 6, .dropout = 0.5});
+  auto& lora = *l.lora();
+  lora.lora_B.init = lora.lora_A.init;
+  nn::Replicated<double, nn::Linear<double>> owner(l, 5);
+  const Tensor<double> x = gradcheck::random_tensor({4, 6}, 1), dy = gradcheck::random_tensor({4, 5}, 2);
+  const auto W = owner.value("base_layer.weight"), bias = owner.value("base_layer.bias");
+  const auto A = owner.value("lora_A.weight"), B = owner.value("lora_B.weight");
+  const double s = lora.scaling();
+  for (bool training : {true, false}) {
+    INFO("training " << training);
+    owner.zero_grad();
+    const nn::context::options o{.training = training, .seed = 9, .step = 2};
+    nn::context probe(o), ctx(o);
+    const Tensor<double> xd = training ? nn::detail::dropout_mask<host_space>::apply(x, probe.random_stream(), 0.5) : x;
+    std::int64_t dropped = 0;
+    for (std::int64_t i = 0; i < x.numel(); ++i) dropped += xd[i] == 0;
+    CHECK((dropped > 0) == training);
+    const Tensor<double> y = l.forward(ctx, x);
+    const Tensor<double> dx = l.backward(ctx, dy);
+    // h = xd A^T, g = s dy B (dh), then y, dx = dy W + mask(g A), dA = g^T xd, dB = s dy^T h.
+    Tensor<double> h({4, 3}), g({4, 3}), gA({4, 6});
+    for (auto* t : {&h, &g, &gA}) std::ranges::fill(t->span(), 0.0);
+    for (std::int64_t row = 0; row < 4; ++row)
+      for (std::int64_t j = 0; j < 3; ++j)
+        for (std::int64_t k = 0; k < 6; ++k) h[row * 3 + j] += xd[row * 6 + k] * A[std::size_t(j * 6 + k)];
+    for (std::int64_t row = 0; row < 4; ++row)
+      for (std::int64_t j = 0; j < 3; ++j)
+        for (std::int64_t o2 = 0; o2 < 5; ++o2) g[row * 3 + j] += s * dy[row * 5 + o2] * B[std::size_t(o2 * 3 + j)];
+    for (std::int64_t row = 0; row < 4; ++row)
+      for (std::int64_t k = 0; k < 6; ++k)
+        for (std::int64_t j = 0; j < 3; ++j) gA[row * 6 + k] += g[row * 3 + j] * A[std::size_t(j * 6 + k)];
+    test_support::max_error ey, edx, eA, eB;
+    nn::context again(o);
+    const auto stream = again.random_stream();  // the forward's draw: backward masks with it again
+    for (std::int64_t row = 0; row < 4; ++row) {
+      for (std::int64_t o2 = 0; o2 < 5; ++o2) {
+        double want = bias[std::size_t(o2)];
+        for (std::int64_t k = 0; k < 6; ++k) want += x[row * 6 + k] * W[std::size_t(o2 * 6 + k)];
+        for (std::int64_t j = 0; j < 3; ++j) want += s * h[row * 3 + j] * B[std::size_t(o2 * 3 + j)];
+        ey.relative(y[row * 5 + o2], want, 1.0);
+      }
+      for (std::int64_t k = 0; k < 6; ++k) {
+        const std::int64_t i = row * 6 + k;
+        double want = training ? (nn::dropout_keep(stream, std::uint64_t(i), 0.5f) ? 2 * gA[i] : 0.0) : gA[i];
+        for (std::int64_t o2 = 0; o2 < 5; ++o2) want += dy[row * 5 + o2] * W[std::size_t(o2 * 6 + k)];
+        edx.relative(dx[i], want, 1.0);
+      }
+    }
+    const auto dA = owner.grad("lora_A.weight"), dB = owner.grad("lora_B.weight");
+    for (std::int64_t j = 0; j < 3; ++j) {
+      for (std::int64_t k = 0; k < 6; ++k) {
+        double want = 0;
+        for (std::int64_t row = 0; row < 4; ++row) want += g[row * 3 + j] * xd[row * 6 + k];
+        eA.relative(dA[std::size_t(j * 6 + k)], want, 1.0);
+      }
+      for (std::int64_t o2 = 0; o2 < 5; ++o2) {
+        double want = 0;
+        for (std::int64_t row = 0; row < 4; ++row) want += s * dy[row * 5 + o2] * h[row * 3 + j];
+        eB.relative(dB[std::size_t(o2 * 3 + j)], want, 1.0);
+      }
+    }
+    CHECK(ey <= 1e-12);
+    CHECK(edx <= 1e-12);
+    CHECK(eA <= 1e-12);
+    CHECK(eB <= 1e-12);
+  }
+  nn::Linear<double> bad(6, 5);
+  CHECK_THROWS_WITH(bad.add_lora({.dropout = 1}), Contains("Linear(6 -> 5) LoRA: dropout must be in [0, 1), got 1"));
+}
+
 // lora_B starts at zero: a new adapter's output is its base layer's, bit for bit. The
 // adapter renames the base's parameters as PEFT does. A rank below 1 and a second
 // adapter are refused.

@@ -1112,6 +1112,7 @@ TEST_CASE("PEFT adapter files shardlib cannot take, and models adapted otherwise
   for (const auto& [key, value, message] :
        {refusal{"peft_type", "IA3", "peft_type must be \"LORA\", got \"IA3\""},
         refusal{"r", 0, "r must be a positive integer"},
+        refusal{"lora_dropout", 1.5, "lora_dropout must be in [0, 1), got 1.5"},
         refusal{"target_modules", ".*attn.*", "target_modules must be a list of module names"},
         refusal{"bias", "all", "bias \"all\" trains the base layers' biases too"},
         refusal{"use_dora", true, "use_dora: DoRA is not supported"},
@@ -1138,8 +1139,8 @@ TEST_CASE("PEFT adapter files shardlib cannot take, and models adapted otherwise
                     Contains("transformer.h.0.attn.c_proj has a LoRA adapter in the model but is not among the "
                              "adapter's target_modules"));
   CHECK_THROWS_WITH(load_into({"c_attn", "mlp.c_proj"}, {.r = 8, .alpha = 8}),
-                    Contains("transformer.h.0.attn.c_attn's adapter has r 8, alpha 8, rslora 0; the file's r 4, "
-                             "lora_alpha 8, use_rslora 0"));
+                    Contains("transformer.h.0.attn.c_attn's adapter has r 8, alpha 8, rslora 0, dropout 0; the file's "
+                             "r 4, lora_alpha 8, use_rslora 0, lora_dropout 0"));
   std::vector<std::string> errors(2);
   comm::launch(2, [&](comm::ThreadComm& c) {
     Model model = golden_model<Model>();
@@ -1161,8 +1162,8 @@ TEST_CASE("PEFT adapter files shardlib cannot take, and models adapted otherwise
   mixed.transformer.h[1].attn.c_attn.add_lora({.r = 8});
   nn::Replicated<float, Model> mixed_owner(mixed, 0);
   CHECK_THROWS_WITH(models::save_peft(mixed_owner, dir / "out"),
-                    Contains("the adapters differ (transformer.h.0.attn.c_attn has r 4, alpha 8; "
-                             "transformer.h.1.attn.c_attn has r 8, alpha 8)"));
+                    Contains("the adapters differ (transformer.h.0.attn.c_attn has r 4, alpha 8, dropout 0; "
+                             "transformer.h.1.attn.c_attn has r 8, alpha 8, dropout 0)"));
   CHECK(!fs::exists(dir / "out" / "adapter_model.safetensors"));
   fs::remove_all(dir);
 }

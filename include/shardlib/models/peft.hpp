@@ -35,11 +35,8 @@ namespace shardlib::models {
 
 // What adapter_config.json says of a LoRA adapter that shardlib can take (LoraConfig's names).
 struct peft_lora_config {
-  nn::lora_options lora;                    // r, lora_alpha, use_rslora
+  nn::lora_options lora;                    // r, lora_alpha, use_rslora, lora_dropout
   std::vector<std::string> target_modules;  // as nn::add_lora takes them
-  // Read and written, not applied: shardlib's adapters have no dropout, so an adapter
-  // trained here with a nonzero value trains as PEFT would with 0 (inference is the same).
-  double lora_dropout = 0;
 };
 
 namespace detail {
@@ -90,8 +87,8 @@ nn::lora_options shared_lora_options(M& model, std::string_view what) {
   const auto& [first, o] = *modules.begin();
   for (const auto& [name, other] : modules)
     require<io_error>(other == o, what, ": the adapters differ (", first, " has r ", o.r, ", alpha ", o.alpha,
-                      "; ", name, " has r ", other.r, ", alpha ", other.alpha,
-                      "): one adapter_config.json describes one rank and alpha for all");
+                      ", dropout ", o.dropout, "; ", name, " has r ", other.r, ", alpha ", other.alpha, ", dropout ",
+                      other.dropout, "): one adapter_config.json describes one rank, alpha and dropout for all");
   return o;
 }
 
@@ -110,8 +107,9 @@ void check_adapters(M& model, const peft_lora_config& c, std::string_view what) 
                       " (nn::add_lora with the config's target_modules builds the model it was saved from)");
     if (named)
       require<io_error>(it->second == c.lora, what, ": ", name, "'s adapter has r ", it->second.r, ", alpha ",
-                        it->second.alpha, ", rslora ", it->second.rslora, "; the file's r ", c.lora.r,
-                        ", lora_alpha ", c.lora.alpha, ", use_rslora ", c.lora.rslora);
+                        it->second.alpha, ", rslora ", it->second.rslora, ", dropout ", it->second.dropout,
+                        "; the file's r ", c.lora.r, ", lora_alpha ", c.lora.alpha, ", use_rslora ", c.lora.rslora,
+                        ", lora_dropout ", c.lora.dropout);
   };
   nn::detail::each_linear(model, "", check);
 }
@@ -138,7 +136,9 @@ inline peft_lora_config read_peft_config(const std::filesystem::path& dir_or_fil
     c.lora.r = j["r"].get<std::int64_t>();
     c.lora.alpha = given("lora_alpha") ? j["lora_alpha"].get<double>() : 8.0;  // LoraConfig's default
     c.lora.rslora = given("use_rslora") && j["use_rslora"].get<bool>();
-    c.lora_dropout = given("lora_dropout") ? j["lora_dropout"].get<double>() : 0.0;
+    c.lora.dropout = given("lora_dropout") ? j["lora_dropout"].get<double>() : 0.0;
+    require<io_error>(c.lora.dropout >= 0 && c.lora.dropout < 1, where("lora_dropout"), " must be in [0, 1), got ",
+                      c.lora.dropout);
     require<io_error>(given("target_modules") && j["target_modules"].is_array(), where("target_modules"),
                       " must be a list of module names (a string is PEFT's regex over the names, which ",
                       "shardlib does not take: list the modules)");
@@ -173,10 +173,10 @@ io::load_report load_peft(Holder& holder, const std::filesystem::path& dir, bool
 }
 
 // Writes what PeftModel.save_pretrained writes into `dir`: adapter_config.json (LoRA,
-// task CAUSAL_LM, the adapters' r, lora_alpha and use_rslora, target_modules as
+// task CAUSAL_LM, the adapters' r, lora_alpha, use_rslora and lora_dropout, target_modules as
 // detail::peft_targets names them, fan_in_fan_out for GPT-2's Conv1D layout) and
 // adapter_model.safetensors (F32, the adapters alone). Every adapter must share one r,
-// alpha and rslora. Collective for a ShardedModel (rank 0 writes).
+// alpha, rslora and dropout. Collective for a ShardedModel (rank 0 writes).
 template <class Holder>
 void save_peft(Holder& holder, const std::filesystem::path& dir) {
   auto& model = detail::held_model(holder);
@@ -197,7 +197,7 @@ void save_peft(Holder& holder, const std::filesystem::path& dir) {
                                       {"lora_alpha", o.alpha},
                                       {"use_rslora", o.rslora},
                                       {"target_modules", targets},
-                                      {"lora_dropout", 0.0},
+                                      {"lora_dropout", o.dropout},
                                       {"bias", "none"},
                                       {"fan_in_fan_out", conv1d},
                                       {"init_lora_weights", true},

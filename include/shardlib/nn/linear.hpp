@@ -145,7 +145,7 @@ class Linear : public detail::linear_base<T, Space> {
   // A frozen weight or bias (requires_grad = false) gets no gradient: its product or
   // column sums are skipped, and its gradient buffer is left as it was.
   template <class Ctx>
-  input backward(Ctx&, const output& dy) {
+  input backward(Ctx& ctx, const output& dy) {
     this->check_grad(x_, dy);
     const std::int64_t rows = x_.numel() / in_;
     if (weight.requires_grad)
@@ -155,7 +155,7 @@ class Linear : public detail::linear_base<T, Space> {
     input dx(x_.shape());
     ops::gemm(ops::trans::no, ops::trans::no, rows, in_, out_, T(1), dy.data(), out_, weight.value, in_, T(0),
               dx.data(), in_);  // dx = dy W
-    if (lora_) lora_->backward(dy, dx);
+    if (lora_) lora_->backward(ctx, dy, dx);
     x_.clear();
     return dx;
   }

@@ -5,6 +5,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
+#include "shardlib/nn/dropout.hpp"
 #include "shardlib/nn/param.hpp"
 #include "shardlib/nn/saved_input.hpp"
 #include "shardlib/ops/gemm.hpp"
@@ -16,17 +17,19 @@
 
 namespace shardlib::nn {
 
-// PEFT's LoraConfig fields that shape one adapter (its defaults; lora_dropout 0).
+// PEFT's LoraConfig fields that shape one adapter (its defaults).
 struct lora_options {
   std::int64_t r = 8;     // the update's rank
   double alpha = 8;       // lora_alpha: the update is scaled by alpha / r
   bool rslora = false;    // use_rslora: scaled by alpha / sqrt(r) instead
+  double dropout = 0;     // lora_dropout: on the adapter's input, in training (nn::Dropout's masks)
   friend bool operator==(const lora_options&, const lora_options&) = default;
 };
 
 namespace detail {
 // C = alpha op(A) op(B) + beta C, row-major, in Space: the host's here (alpha and beta
-// rounded to T, as ops::gemm takes them), the device's (to float) in nn/cuda/lora.cuh.
+// rounded to T, as ops::gemm takes them), the device's (to float) in nn/cuda/lora.cuh;
+// and y += x, y = 0 over n elements.
 template <class Space>
 struct lora_product;
 
@@ -41,13 +44,19 @@ struct lora_product<host_space> {
   static void zero(T* x, std::int64_t n) {
     std::fill_n(x, n, T(0));
   }
+  template <class T>
+  static void add(T* y, const T* x, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i) y[i] += x[i];
+  }
 };
 
 // lora_A [r, in] starts as a Linear's weight does (kaiming_uniform, a = sqrt(5)),
 // lora_B [out, r] at zero, so a new adapter changes nothing. Its Linear calls
 // forward after its own product and backward after its own gradients; what the
 // products need of x and x A^T is kept only when a backward follows and that
-// matrix trains (a frozen one gets no gradient, as a frozen weight).
+// matrix trains (a frozen one gets no gradient, as a frozen weight). With dropout,
+// in training the update reads x through an nn::Dropout (PEFT's lora_dropout: the
+// base product sees x whole), whose mask backward applies to the update's dx.
 template <class T, class Space>
 class lora_adapter {
  public:
@@ -56,6 +65,8 @@ class lora_adapter {
   lora_adapter(std::int64_t in, std::int64_t out, const lora_options& o)
       : o_(o), in_(in), out_(out), what_(cat("Linear(", in, " -> ", out, ") LoRA")) {
     require<shape_error>(o.r >= 1, what_, ": rank r must be at least 1, got ", o.r);
+    require(o.dropout >= 0 && o.dropout < 1, what_, ": dropout must be in [0, 1), got ", o.dropout);
+    dropout_ = Dropout<T, Space>(o.dropout);
     lora_A.shape = Shape{o.r, in};
     lora_A.init = init_rule::linear_default(in);
     lora_B.shape = Shape{out, o.r};
@@ -74,11 +85,12 @@ class lora_adapter {
     v("lora_B.weight", lora_B);
   }
 
-  // y += s (x A^T) B^T.
+  // y += s (d(x) A^T) B^T, d the dropout (the identity unless training with dropout > 0).
   template <class Ctx>
-  void forward(Ctx& ctx, const tensor& x, tensor& y) {
+  void forward(Ctx& ctx, const tensor& x_in, tensor& y) {
     lora_A.require_bound(what_);
     lora_B.require_bound(what_);
+    const tensor x = dropout_.forward(ctx, x_in);
     const std::int64_t rows = x.numel() / in_, r = o_.r;
     tensor h(Shape{rows, r});
     product::run(ops::trans::no, ops::trans::yes, rows, r, in_, 1.0, x.data(), in_, lora_A.value, in_, 0.0, h.data(),
@@ -89,8 +101,9 @@ class lora_adapter {
     h_.save(ctx, h, lora_B.requires_grad);
   }
 
-  // dA += (s dy B)^T x, dB += s dy^T (x A^T), dx += s dy B A.
-  void backward(const tensor& dy, tensor& dx) {
+  // dA += (s dy B)^T d(x), dB += s dy^T (d(x) A^T), dx += d'(s dy B A).
+  template <class Ctx>
+  void backward(Ctx& ctx, const tensor& dy, tensor& dx) {
     x_.require(lora_A.requires_grad, what_, " lora_A");
     h_.require(lora_B.requires_grad, what_, " lora_B");
     lora_A.require_bound(what_, lora_A.requires_grad);
@@ -106,8 +119,16 @@ class lora_adapter {
     if (lora_A.requires_grad)
       product::run(ops::trans::yes, ops::trans::no, r, in_, rows, 1.0, dh.data(), r, x_.values().data(), in_, 1.0,
                    lora_A.grad, in_);  // dA += dh^T x
-    product::run(ops::trans::no, ops::trans::no, rows, in_, r, 1.0, dh.data(), r, lora_A.value, in_, 1.0, dx.data(),
-                 in_);  // dx += dh A
+    if (o_.dropout == 0) {
+      product::run(ops::trans::no, ops::trans::no, rows, in_, r, 1.0, dh.data(), r, lora_A.value, in_, 1.0, dx.data(),
+                   in_);  // dx += dh A
+    } else {
+      tensor dxd(dx.shape());
+      product::run(ops::trans::no, ops::trans::no, rows, in_, r, 1.0, dh.data(), r, lora_A.value, in_, 0.0,
+                   dxd.data(), in_);  // dh A, then through the dropout's mask
+      const tensor d = dropout_.backward(ctx, dxd);
+      product::add(dx.data(), d.data(), dx.numel());
+    }
     x_.clear();
     h_.clear();
   }
@@ -126,7 +147,8 @@ class lora_adapter {
   lora_options o_;
   std::int64_t in_, out_;
   std::string what_;  // "Linear(6 -> 5) LoRA", for errors
-  saved_input<tensor> x_, h_;
+  Dropout<T, Space> dropout_{0.0};
+  saved_input<tensor> x_, h_;  // x_: x after the dropout
 };
 }  // namespace detail
 

@@ -103,7 +103,7 @@ class Linear<T, cuda_space> : public detail::linear_base<T, cuda_space> {
   }
 
   template <class Ctx>
-  input backward(Ctx&, const output& dy_out) {
+  input backward(Ctx& ctx, const output& dy_out) {
     this->check_grad(x_, dy_out);
     const std::int64_t rows = x_.numel() / in_;
     const output dy = activation_backward(dy_out);
@@ -118,7 +118,7 @@ class Linear<T, cuda_space> : public detail::linear_base<T, cuda_space> {
     input dx(x_.shape());
     detail::device_gemm(ops::trans::no, ops::trans::no, rows, in_, out_, 1.0f, d.data, d.ld, weight.value, in_, 0.0f,
                         dx.data(), in_);  // dx = dy W
-    if (lora_) lora_->backward(dy, dx);
+    if (lora_) lora_->backward(ctx, dy, dx);
     x_.clear();
     return dx;
   }

@@ -5,8 +5,9 @@
 #include "shardlib/cuda/current.hpp"          // current_stream
 #include "shardlib/cuda/memory_space.hpp"     // cuda_space
 #include "shardlib/nn/cuda/device.cuh"        // device_gemm
+#include "shardlib/nn/cuda/dropout.cuh"       // the adapter's Dropout<T, cuda_space>
 #include "shardlib/nn/lora_adapter.hpp"
-#include "shardlib/ops/cuda/elementwise.cuh"  // fill
+#include "shardlib/ops/cuda/elementwise.cuh"  // fill, add
 
 #include <cstdint>  // std::int64_t
 #include <span>     // std::span
@@ -23,6 +24,11 @@ struct lora_product<cuda_space> {
   template <class T>
   static void zero(T* x, std::int64_t n) {
     ops::cuda::fill<T>(std::span<T>(x, std::size_t(n)), T(0), cuda::current_stream());
+  }
+  template <class T>
+  static void add(T* y, const T* x, std::int64_t n) {
+    const std::span<T> out(y, std::size_t(n));
+    ops::cuda::add<T>(out, std::span<const T>(x, std::size_t(n)), out, cuda::current_stream());
   }
 };
 
