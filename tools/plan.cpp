@@ -102,7 +102,8 @@ settings parse(int argc, char** argv) {
   auto* lora = cli.add_option("--lora", s.lora,
                               "--model: a LoRA fine-tune, adapters on the projections these name (PEFT's "
                               "target_modules, e.g. q_proj v_proj, or c_attn), everything else frozen")
-                   ->excludes(frozen_layers);
+                   ->excludes(frozen_layers)
+                   ->excludes(article);
   cli.add_option("--lora-r", s.lora_r, "--lora: the adapters' rank")->check(whole(1, 1 << 16));
   cli.add_option("--params", s.params, "parameters of the coarse transformer (default: its blocks alone)")
       ->check(example::positive(max_params))

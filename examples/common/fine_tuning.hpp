@@ -14,7 +14,9 @@
 #include <cstdio>
 #include <set>
 #include <string>
+#include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/byte_models.hpp"
@@ -46,23 +48,28 @@ inline void add_fine_tune_flags(command_line& cli, fine_tune_settings& s) {
       ->check(real(0, 0.99));
 }
 
-// Freezes what --freeze names and adds what --lora asks for; rank 0 (or `rank` < 0:
-// nobody) says how much (GPT-2's tied head lists the embedding twice: each parameter
-// counts once).
+// Freezes what --freeze names and adds what --lora asks for; rank 0 says how much.
 template <class Model>
 void prepare(Model& model, const fine_tune_settings& s, int rank, const char* program) {
+  // Elements in all and those that train (GPT-2's tied head lists the embedding twice).
+  const auto count = [&] {
+    std::size_t all = 0, trained = 0;
+    std::set<const void*> seen;
+    model.parameters([&](std::string_view, auto& p) {
+      if (!seen.insert(&p).second) return;
+      all += p.numel();
+      trained += p.requires_grad ? p.numel() : 0;
+    });
+    return std::pair{all, trained};
+  };
   const std::size_t frozen = s.freeze.empty() ? 0 : shardlib::nn::freeze(model, s.freeze);
+  const auto [before_all, before_trained] = count();
   std::vector<std::string> adapted;
   if (!s.lora.empty()) adapted = shardlib::nn::add_lora(model, s.lora, s.lora_options());
   if (rank != 0) return;
-  std::size_t still = 0, all = 0;
-  std::set<const void*> seen;
-  model.parameters([&](std::string_view, auto& p) {
-    if (!seen.insert(&p).second) return;
-    all += p.numel();
-    still += p.requires_grad ? p.numel() : 0;
-  });
-  if (frozen > 0) std::printf("%s: frozen (--freeze): %zu parameters, %zu elements\n", program, frozen, all - still);
+  const auto [all, still] = count();
+  if (frozen > 0)
+    std::printf("%s: frozen (--freeze): %zu parameters, %zu elements\n", program, frozen, before_all - before_trained);
   if (!adapted.empty())
     std::printf("%s: LoRA (--lora, r %ld, alpha %g, dropout %g): %zu Linears adapted, %zu of %zu elements trained "
                 "(%.2f%%)\n", program, s.lora_r, s.lora_alpha, s.lora_dropout, adapted.size(), still, all,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes tests/golden/peft/: LoRA adapters that Hugging Face PEFT made and trained on the
 two decoders of tests/golden/hf (make_hf_goldens.py), for shardlib's add_lora and its
-PEFT adapter files (models/peft.hpp) to be checked against (tests/unit/test_lora.cpp).
+PEFT adapter files (models/peft.hpp) to be checked against (tests/unit/test_models.cpp).
 Run by hand (CI never installs torch, transformers or peft), with Debian's CPU torch 1.13,
 transformers 4.40.2 and peft 0.10.0 in a virtual environment that sees the system's torch:
 

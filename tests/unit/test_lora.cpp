@@ -198,6 +198,34 @@ TEST_CASE("a new LoRA adapter leaves its Linear's output as it was", "[lora]") {
   CHECK_THROWS_WITH(plain.merge_lora(), Contains("Linear(16 -> 8): merge_lora on a layer without a LoRA adapter"));
 }
 
+// nn::add_lora checks before it changes anything: a target naming no Linear, or naming one
+// with an adapter, leaves the model as it was (its names and flags); a second call adapts
+// more Linears and keeps the first call's adapters trained.
+TEST_CASE("add_lora refuses before it changes the model, and a second call keeps the first's adapters", "[lora]") {
+  using Model = nn::Sequential<nn::Linear<float>, nn::ReLU<float>, nn::Linear<float>>;
+  Model m{nn::Linear<float>(4, 8), nn::ReLU<float>{}, nn::Linear<float>(8, 2)};
+  const auto flags = [&] {
+    std::vector<std::pair<std::string, bool>> v;
+    m.parameters([&](std::string_view name, auto& p) { v.emplace_back(name, p.requires_grad); });
+    return v;
+  };
+  const auto before = flags();
+  CHECK_THROWS_WITH(nn::add_lora(m, {"0", "5"}),
+                    Contains("add_lora: target '5' names no Linear of the model (a module's dotted name, its last "
+                             "components, or a glob); its Linears: 0, 2"));
+  CHECK(flags() == before);
+  CHECK(nn::add_lora(m, {"0"}, {.r = 2}) == std::vector<std::string>{"0"});
+  const auto once = flags();
+  CHECK_THROWS_WITH(nn::add_lora(m, {"*"}), Contains("add_lora: 0 has a LoRA adapter already"));
+  CHECK(flags() == once);
+  CHECK(nn::add_lora(m, {"2"}, {.r = 2}) == std::vector<std::string>{"2"});
+  using flag = std::pair<std::string, bool>;
+  CHECK(flags() == std::vector<flag>{{"0.base_layer.weight", false}, {"0.base_layer.bias", false},
+                                     {"0.lora_A.weight", true},      {"0.lora_B.weight", true},
+                                     {"2.base_layer.weight", false}, {"2.base_layer.bias", false},
+                                     {"2.lora_A.weight", true},      {"2.lora_B.weight", true}});
+}
+
 // What forward keeps: x for lora_A's gradient, x A^T for lora_B's, nothing of the frozen
 // base's input but its shape; with gradients disabled, nothing; a matrix unfrozen between
 // forward and backward is refused, naming the layer.

@@ -1125,6 +1125,15 @@ TEST_CASE("PEFT adapter files shardlib cannot take, and models adapted otherwise
     CHECK_THROWS_WITH(models::read_peft_config(dir), Contains(cat((dir / "adapter_config.json").string(), ": ", message)));
   }
   CHECK_THROWS_WITH(models::read_peft_config(dir / "none"), Contains("cannot open the adapter's adapter_config.json"));
+  {
+    auto j = original;  // a target the model has no Linear for: refused, as PEFT refuses it
+    j["target_modules"].push_back("q_proj");
+    std::ofstream(dir / "adapter_config.json") << j.dump();
+    Model model = golden_model<Model>();
+    nn::add_lora(model, {"c_attn", "mlp.c_proj"}, {.r = 4, .alpha = 8});
+    nn::Replicated<float, Model> owner(model, 0);
+    CHECK_THROWS_WITH(models::load_peft(owner, dir), Contains("target_modules' 'q_proj' names no Linear of the model"));
+  }
 
   const fs::path golden = peft_dir / "gpt2" / "initial";
   const auto load_into = [&](const std::vector<std::string>& targets, nn::lora_options o) {
@@ -1162,8 +1171,8 @@ TEST_CASE("PEFT adapter files shardlib cannot take, and models adapted otherwise
   mixed.transformer.h[1].attn.c_attn.add_lora({.r = 8});
   nn::Replicated<float, Model> mixed_owner(mixed, 0);
   CHECK_THROWS_WITH(models::save_peft(mixed_owner, dir / "out"),
-                    Contains("the adapters differ (transformer.h.0.attn.c_attn has r 4, alpha 8, dropout 0; "
-                             "transformer.h.1.attn.c_attn has r 8, alpha 8, dropout 0)"));
+                    Contains("the adapters differ (transformer.h.0.attn.c_attn has r 4, alpha 8, rslora 0, dropout 0; "
+                             "transformer.h.1.attn.c_attn has r 8, alpha 8, rslora 0, dropout 0)"));
   CHECK(!fs::exists(dir / "out" / "adapter_model.safetensors"));
   fs::remove_all(dir);
 }

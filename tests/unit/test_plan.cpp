@@ -4,6 +4,7 @@
 // article's scenario by hand arithmetic; the chooser's ranking; the GPT-2 and LLaMA
 // presets' parameter counts and LLaMA-2-7B's model states.
 #include "shardlib/comm/launch.hpp"
+#include "shardlib/models/causal_lm.hpp"
 #include "shardlib/models/gpt2.hpp"
 #include "shardlib/models/llama.hpp"
 #include "shardlib/nn/linear.hpp"
@@ -558,6 +559,8 @@ TEST_CASE("a preset with a frozen prefix plans the trained parameters' state and
 // multiplied parameter and token) out, the adapters' 6 in; activations gain r values a token
 // per adapted projection.
 TEST_CASE("a preset with LoRA adapters is laid out and frozen as add_lora leaves the models", "[plan][presets][lora]") {
+  // Layouts and frozen ranges against describe_model's; which units run no backward
+  // against the engine's own account after a step (plan::describe of the sharded model).
   const auto compare = [](const plan::model_desc& got, const plan::model_desc& want) {
     REQUIRE(got.units.size() == want.units.size());
     REQUIRE(got.frozen.size() == want.frozen.size());
@@ -568,8 +571,25 @@ TEST_CASE("a preset with LoRA adapters is laid out and frozen as add_lora leaves
       CHECK(got.units[i] == want.units[i]);
       CHECK(got.frozen[i].ranges == want.frozen[i].ranges);
       CHECK(got.frozen[i].all == want.frozen[i].all);
-      CHECK(got.frozen[i].no_backward == want.frozen[i].no_backward);
     }
+  };
+  const auto skips_backward = [](auto& model, std::int64_t vocab) {
+    std::vector<bool> skips;
+    comm::launch(1, [&](comm::ThreadComm& c) {
+      using block = typename std::remove_cvref_t<decltype(model)>::block_type;
+      auto sharded = shard::fully_shard<optim::AdamW>(model, c, shard::FullShard{}, {.wrap = shard::wrap_types<block>{}});
+      Tensor<std::int64_t> ids({2, 8});
+      for (std::int64_t i = 0; i < ids.numel(); ++i) ids[i] = (i * 7) % vocab;
+      optim::AdamW adamw{{.lr = 1e-3}};
+      sharded.train_step(adamw, ids, models::causal_lm_targets(ids), nn::cross_entropy);
+      for (const auto& f : plan::describe(sharded).frozen) skips.push_back(f.no_backward);
+    });
+    return skips;
+  };
+  const auto no_backward = [](const plan::model_desc& d) {
+    std::vector<bool> v;
+    for (const auto& f : d.frozen) v.push_back(f.no_backward);
+    return v;
   };
   const std::vector<std::string> gpt2_targets{"c_attn", "mlp.c_proj"}, llama_targets{"q_proj", "v_proj", "down_proj"};
   {
@@ -584,6 +604,22 @@ TEST_CASE("a preset with LoRA adapters is laid out and frozen as add_lora leaves
     const double adapters = 2 * 3 * (40 + 120 + 160 + 40), tokens = 64;
     CHECK(got.flops == Approx(all.flops + tokens * (6 * adapters - 2 * double(plan::multiplied_parameters(m)))));
     CHECK(got.activation_bytes == all.activation_bytes + 64 * 2 * 2 * 3 * 2);  // 2 adapted a block, bf16
+    CHECK(no_backward(got) == skips_backward(model, 96));  // none: block 0 trains
+
+    // The last block's c_attn alone: block 0 is wholly frozen and, before the first
+    // adapter, a frozen prefix that runs forward only (half the activations, no backward).
+    models::GPT2LMHeadModel<float> last({.vocab_size = 96, .n_positions = 32, .n_embd = 40, .n_layer = 2, .n_head = 4});
+    const std::vector<std::string> one{"transformer.h.1.attn.c_attn"};
+    nn::add_lora(last, one, {.r = 3});
+    const auto tail = plan::with_lora(all, m, one, 3, 2, 32);
+    compare(tail, plan::describe_model(last, shard::wrap_types<models::GPT2Block<float>>{}));
+    CHECK(tail.frozen[1].all);
+    CHECK(no_backward(tail) == std::vector<bool>{false, true, false});
+    CHECK(no_backward(tail) == skips_backward(last, 96));
+    CHECK(tail.activation_bytes == all.activation_bytes / 2 + 64 * 3 * 2);
+    const double block = double(plan::block_parameters(m));
+    CHECK(tail.flops == Approx(all.flops + tokens * (6 * 3.0 * (40 + 120) - 2 * double(plan::multiplied_parameters(m)) -
+                                                      (2 * block + 8 * 40.0 * 32))));
   }
   {
     const plan::decoder_shape m{.name = "llama-40", .family = plan::family::llama, .layers = 2, .hidden = 40,
@@ -592,8 +628,9 @@ TEST_CASE("a preset with LoRA adapters is laid out and frozen as add_lora leaves
                                            .num_hidden_layers = 2, .num_attention_heads = 4,
                                            .num_key_value_heads = 2, .max_position_embeddings = 32});
     nn::add_lora(model, llama_targets, {.r = 3});
-    compare(plan::with_lora(plan::decoder(m), m, llama_targets, 3),
-            plan::describe_model(model, shard::wrap_types<models::LlamaDecoderLayer<float>>{}));
+    const auto got = plan::with_lora(plan::decoder(m), m, llama_targets, 3);
+    compare(got, plan::describe_model(model, shard::wrap_types<models::LlamaDecoderLayer<float>>{}));
+    CHECK(no_backward(got) == skips_backward(model, 96));
     CHECK_THROWS_WITH(plan::with_lora(plan::decoder(m), m, {"q_proj", "c_attn"}, 3),
                       Catch::Contains("plan::with_lora llama-40: target 'c_attn' names no projection"));
   }

@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>  // nlohmann::json, nlohmann::ordered_json
 
 #include <algorithm>    // std::ranges::sort, std::ranges::unique
+#include <cstddef>      // std::size_t
 #include <cstdint>      // std::int64_t
 #include <filesystem>   // std::filesystem::path
 #include <fstream>      // std::ifstream
@@ -87,19 +88,21 @@ nn::lora_options shared_lora_options(M& model, std::string_view what) {
   const auto& [first, o] = *modules.begin();
   for (const auto& [name, other] : modules)
     require<io_error>(other == o, what, ": the adapters differ (", first, " has r ", o.r, ", alpha ", o.alpha,
-                      ", dropout ", o.dropout, "; ", name, " has r ", other.r, ", alpha ", other.alpha, ", dropout ",
-                      other.dropout, "): one adapter_config.json describes one rank, alpha and dropout for all");
+                      ", rslora ", o.rslora, ", dropout ", o.dropout, "; ", name, " has r ", other.r, ", alpha ",
+                      other.alpha, ", rslora ", other.rslora, ", dropout ", other.dropout,
+                      "): one adapter_config.json describes one rank, alpha, rslora and dropout for all");
   return o;
 }
 
 // That `model`'s adapters are the ones `c` describes: each Linear adapted exactly where
-// c.target_modules names it, with c's options; io_error naming the first difference.
+// c.target_modules names it, with c's options, and each target naming one; io_error
+// naming the first difference.
 template <class M>
 void check_adapters(M& model, const peft_lora_config& c, std::string_view what) {
   const auto modules = nn::lora_modules(model);
+  std::vector<bool> used(c.target_modules.size(), false);
   auto check = [&](std::string_view name, auto&) {
-    bool named = false;
-    for (const auto& t : c.target_modules) named = named || nn::lora_target_matches(t, name);
+    const bool named = nn::lora_targets_name(c.target_modules, name, used);
     const auto it = modules.find(std::string(name));
     require<io_error>(named == (it != modules.end()), what, ": ", name,
                       named ? " is a target of the adapter but has no LoRA adapter in the model"
@@ -112,6 +115,8 @@ void check_adapters(M& model, const peft_lora_config& c, std::string_view what) 
                         ", lora_dropout ", c.lora.dropout);
   };
   nn::detail::each_linear(model, "", check);
+  for (std::size_t k = 0; k < used.size(); ++k)
+    require<io_error>(used[k], what, ": target_modules' '", c.target_modules[k], "' names no Linear of the model");
 }
 }  // namespace detail
 
@@ -129,7 +134,7 @@ inline peft_lora_config read_peft_config(const std::filesystem::path& dir_or_fil
     const auto j = nlohmann::json::parse(in);
     const auto where = [&](std::string_view key) { return cat(path.string(), ": ", key); };
     const auto given = [&](const char* key) { return j.contains(key) && !j[key].is_null(); };
-    require<io_error>(j.value("peft_type", "") == "LORA", where("peft_type"), " must be \"LORA\", got ",
+    require<io_error>(given("peft_type") && j["peft_type"] == "LORA", where("peft_type"), " must be \"LORA\", got ",
                       given("peft_type") ? j["peft_type"].dump() : "nothing");
     require<io_error>(given("r") && j["r"].is_number_integer() && j["r"].get<std::int64_t>() >= 1, where("r"),
                       " must be a positive integer");
@@ -143,9 +148,10 @@ inline peft_lora_config read_peft_config(const std::filesystem::path& dir_or_fil
                       " must be a list of module names (a string is PEFT's regex over the names, which ",
                       "shardlib does not take: list the modules)");
     c.target_modules = j["target_modules"].get<std::vector<std::string>>();
-    require<io_error>(j.value("bias", "none") == "none", where("bias"), " \"", j.value("bias", ""),
+    const std::string bias = given("bias") ? j["bias"].get<std::string>() : "none";
+    require<io_error>(bias == "none", where("bias"), " \"", bias,
                       "\" trains the base layers' biases too; only \"none\" is supported");
-    require<io_error>(!j.value("use_dora", false), where("use_dora"), ": DoRA is not supported");
+    require<io_error>(!given("use_dora") || !j["use_dora"].get<bool>(), where("use_dora"), ": DoRA is not supported");
     for (const char* key : {"rank_pattern", "alpha_pattern"})
       require<io_error>(!given(key) || j[key].empty(), where(key), ": per-module ranks and alphas are not supported");
     for (const char* key : {"layers_to_transform", "modules_to_save"})

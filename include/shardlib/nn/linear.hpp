@@ -65,7 +65,8 @@ class linear_base {
   // weight += s B A and B = 0: the fine-tune folded into the weight (a base checkpoint
   // saved now holds it), the output as before up to the weight's rounding. On bound
   // values: an nn::Replicated owner's, or inside a sharded model's summon_full_params
-  // (writeback), between steps. The optimizer's state for A and B stays.
+  // with writeback (refused for 16-bit layers), between steps. The optimizer's state for
+  // A and B stays.
   void merge_lora() {
     require(lora_.has_value(), "Linear(", in_, " -> ", out_, "): merge_lora on a layer without a LoRA adapter");
     lora_->merge(weight);

@@ -10,6 +10,7 @@
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/lora_adapter.hpp"
 
+#include <algorithm>    // std::find
 #include <cstddef>      // std::size_t
 #include <map>          // std::map
 #include <string>       // std::string
@@ -43,33 +44,35 @@ void each_linear(L& layer, const std::string& name, F& f) {
 inline bool lora_target_matches(std::string_view target, std::string_view name) {
   return glob_match(target, name) || glob_match(cat("*.", target), name);
 }
+// Whether any of `targets` names `name`, marking in `used` each that does.
+inline bool lora_targets_name(const std::vector<std::string>& targets, std::string_view name, std::vector<bool>& used) {
+  bool named = false;
+  for (std::size_t k = 0; k < targets.size(); ++k)
+    if (lora_target_matches(targets[k], name)) named = used[k] = true;
+  return named;
+}
 
 // Adds a LoRA adapter with options `o` to every Linear of `model` (reached through
 // children()) that one of `targets` names (lora_target_matches), then freezes every
-// other parameter, as PEFT's get_peft_model(model, LoraConfig(target_modules =
-// targets, r, lora_alpha, use_rslora)) does with bias = "none": only the adapters
-// train. Returns the adapted Linears' dotted names. A target that names no Linear
-// raises, naming it (a typo would otherwise train nothing there). Call it before the
-// model is wrapped, as nn::freeze.
+// parameter but the adapters', as PEFT's get_peft_model(model, LoraConfig(target_modules
+// = targets, r, lora_alpha, use_rslora, lora_dropout)) does with bias = "none": only the
+// adapters train (those of an earlier call too). Returns the adapted Linears' dotted
+// names. A target that names no Linear, or a named Linear that has an adapter already,
+// raises before the model is changed, naming it. Call it before the model is wrapped,
+// as nn::freeze.
 template <Layer L>
 std::vector<std::string> add_lora(L& model, const std::vector<std::string>& targets, const lora_options& o = {}) {
   require(!targets.empty(), "add_lora: no target modules (PEFT's target_modules: e.g. {\"c_attn\"} for GPT-2, ",
           "{\"q_proj\", \"v_proj\"} for LLaMA)");
   std::vector<bool> used(targets.size(), false);
-  std::vector<std::string> adapted, linears;
-  std::unordered_set<const void*> adapters;
-  auto add = [&](std::string_view name, auto& linear) {
+  std::vector<std::string> named, linears;
+  auto find = [&](std::string_view name, auto& linear) {
     linears.emplace_back(name);
-    bool named = false;
-    for (std::size_t k = 0; k < targets.size(); ++k)
-      if (lora_target_matches(targets[k], name)) named = used[k] = true;
-    if (!named) return;
-    linear.add_lora(o);
-    adapters.insert(&linear.lora()->lora_A);
-    adapters.insert(&linear.lora()->lora_B);
-    adapted.emplace_back(name);
+    if (!lora_targets_name(targets, name, used)) return;
+    require(!linear.lora(), "add_lora: ", name, " has a LoRA adapter already (one adapter a Linear)");
+    named.emplace_back(name);
   };
-  detail::each_linear(model, "", add);
+  detail::each_linear(model, "", find);
   for (std::size_t k = 0; k < targets.size(); ++k) {
     if (used[k]) continue;
     std::string some;
@@ -78,10 +81,18 @@ std::vector<std::string> add_lora(L& model, const std::vector<std::string>& targ
                     "last components, or a glob); its Linears: ", linears.empty() ? "none" : some,
                     linears.size() > 8 ? ", ..." : ""));
   }
+  std::unordered_set<const void*> adapters;
+  auto add = [&](std::string_view name, auto& linear) {
+    if (std::find(named.begin(), named.end(), name) != named.end()) linear.add_lora(o);
+    if (!linear.lora()) return;
+    adapters.insert(&linear.lora()->lora_A);
+    adapters.insert(&linear.lora()->lora_B);
+  };
+  detail::each_linear(model, "", add);
   model.parameters([&](std::string_view, auto& p) {
     if (!adapters.contains(&p)) p.requires_grad = false;
   });
-  return adapted;
+  return named;
 }
 
 // The adapted Linears of `model` by dotted name, with their adapters' options.
@@ -95,10 +106,11 @@ std::map<std::string, lora_options> lora_modules(L& model) {
   return found;
 }
 
-// Linear::merge_lora on every adapted Linear of `model` (PEFT's merge_adapter): the
-// fine-tune folded into the base weights, the adapters reset to B = 0. On bound values:
-// an nn::Replicated owner's, or inside a sharded model's summon_full_params. Returns
-// how many it merged.
+// Linear::merge_lora on every adapted Linear of `model` (PEFT's merge, then a fresh
+// adapter): the fine-tune folded into the base weights, the adapters reset to B = 0. On
+// bound values: an nn::Replicated owner's, or inside a sharded model's
+// summon_full_params with writeback (which the engine refuses for 16-bit layers).
+// Returns how many it merged.
 template <Layer L>
 std::size_t merge_lora(L& model) {
   std::size_t n = 0;
@@ -113,9 +125,9 @@ std::size_t merge_lora(L& model) {
 
 // {file name, model name} for every base-layer parameter of the LoRA adapters in
 // `model`: the names the base model's checkpoint holds them under ("attn.q.weight" for
-// the model's "attn.q.base_layer.weight"). With io::name_map::table and strict = false a
-// base checkpoint loads into the adapted model, the adapters reported missing (they keep
-// their initial values), as PEFT wraps a loaded base model (models::load_hf does this).
+// the model's "attn.q.base_layer.weight"). With io::name_map::table a base checkpoint loads
+// into the adapted model, the adapters keeping their values (strict = false reports them
+// missing; models::load_hf leaves them out with state_dict_options::only instead).
 template <Layer L>
 std::vector<std::pair<std::string, std::string>> peft_base_names(L& model) {
   std::vector<std::pair<std::string, std::string>> pairs;

@@ -48,11 +48,14 @@ inline std::vector<block_module> block_modules(const decoder_shape& m) {
 // nn::add_lora puts them: each block unit laid out as the engine lays it out (each
 // parameter at a multiple of nn::flat_layout::alignment; an adapted projection lists its
 // base weight and bias, then lora_A [r, in] and lora_B [out, r]), every parameter but the
-// adapters frozen, the root wholly. Activations stay d's estimate plus the adapters' r
-// values a token for each adapted projection (x A^T, in `activations`, plan::decoder's
-// dtype); FLOPs lose the frozen weights'
-// gradient products (2 a multiplied parameter and token) and gain the adapters' 6.
-// A target that names no projection raises, naming it.
+// adapters frozen, the root wholly, a block without adapters wholly. The blocks before
+// the first adapter are a frozen prefix (forward only, no activations kept), as
+// with_frozen_prefix plans one. Activations: d's estimate for the other blocks (it counts
+// every Linear's input, so it overstates a LoRA run, whose frozen Linears without an
+// adapter keep none) plus the adapters' r values a token for each adapted projection (x
+// A^T, in `activations`, plan::decoder's dtype; no adapter dropout). FLOPs lose the frozen
+// weights' gradient products (2 a multiplied parameter and token) and the prefix's
+// backward, and gain the adapters' 6. A target that names no projection raises, naming it.
 inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vector<std::string>& targets, long r,
                             long batch = 1, long seq = 0, dtype activations = dtype::bf16) {
   require(r >= 1, "plan::with_lora ", m.name, ": the adapters' rank must be at least 1, got ", r);
@@ -68,9 +71,11 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
   for (long b = 0; b < m.layers; ++b) {
     unit_freezing& f = d.frozen[std::size_t(b) + 1];
     std::size_t at = 0;
+    f.all = true;
     const auto place = [&](std::size_t n, bool frozen) {
       at = (at + align - 1) / align * align;
       if (frozen) f.ranges.emplace_back(at, at + n);
+      f.all = f.all && frozen;
       at += n;
     };
     for (const auto& mod : modules) {
@@ -80,11 +85,7 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
       }
       place(mod.out * mod.in, true);
       if (mod.bias) place(mod.out, true);
-      const std::string name = cat(prefix, b, ".", mod.name);
-      bool named = false;
-      for (std::size_t k = 0; k < targets.size(); ++k)
-        if (nn::lora_target_matches(targets[k], name)) named = used[k] = true;
-      if (!named) continue;
+      if (!nn::lora_targets_name(targets, cat(prefix, b, ".", mod.name), used)) continue;
       place(rank * mod.in, false);
       place(mod.out * rank, false);
       adapter_elements += rank * (mod.in + mod.out);
@@ -95,9 +96,13 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
   for (std::size_t k = 0; k < targets.size(); ++k)
     require(used[k], "plan::with_lora ", m.name, ": target '", targets[k], "' names no projection (e.g. ",
             m.family == family::gpt2 ? "c_attn, attn.c_proj, c_fc" : "q_proj, v_proj, down_proj", ")");
-  const double tokens = double(seq > 0 ? seq : m.seq) * double(batch);
+  long lead = 0;  // the frozen prefix: blocks before the first adapter
+  while (lead < m.layers && d.frozen[std::size_t(lead) + 1].all) d.frozen[std::size_t(++lead)].no_backward = true;
+  const double s = double(seq > 0 ? seq : m.seq), tokens = s * double(batch), h = double(m.hidden);
+  d.activation_bytes = std::size_t(double(d.activation_bytes) * double(m.layers - lead) / double(m.layers));
   d.activation_bytes += std::size_t(tokens) * adapted_outputs * size_of(activations);
-  d.flops += tokens * (6 * double(adapter_elements) - 2 * double(multiplied_parameters(m)));
+  d.flops += tokens * (6 * double(adapter_elements) - 2 * double(multiplied_parameters(m)) -
+                       double(lead) * (2 * double(block_parameters(m)) + 8 * h * s));
   return d;
 }
 
