@@ -5,11 +5,14 @@
 //   shardlib-ckpt to-safetensors PATH FILE [--optimizer]
 //   shardlib-ckpt from-safetensors FILE ROOT --world W --strategy S [--group-size G] [--tag T]
 //                                  [--chunk-bytes B]
+//   shardlib-ckpt merge-peft BASE ADAPTER OUT   a Hugging Face GPT-2 or LLaMA with a PEFT LoRA
+//                                  adapter merged into it (models::merge_peft)
 //
 // PATH is a checkpoint directory or a root of them (then its latest). from-safetensors
 // needs no model: every tensor becomes a parameter of one unit, and a load maps
 // parameters by name, so any model with those names and shapes loads the result.
 #include <shardlib/io/checkpoint.hpp>
+#include <shardlib/models/peft.hpp>
 
 #include <cstdio>
 #include <filesystem>
@@ -86,7 +89,7 @@ void list_checkpoint(const fs::path& dir) {
 
 // A command's operands and options, as parsed.
 struct operands {
-  std::string path, file;
+  std::string path, file, out;  // merge-peft: BASE, ADAPTER, OUT
   bool with_optimizer = false;
   io::convert_options convert{.strategy = ""};
 };
@@ -113,6 +116,11 @@ int run(const std::string& command, const operands& a) {
                 m.files.size(), static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(chunks));
     return 0;
   }
+  if (command == "merge-peft") {
+    models::merge_peft(fs::path(a.path), fs::path(a.file), fs::path(a.out));
+    std::printf("wrote %s: %s with the adapter %s merged into it\n", a.out.c_str(), a.path.c_str(), a.file.c_str());
+    return 0;
+  }
   if (command == "to-safetensors") {
     const auto used = io::checkpoint_to_safetensors(fs::path(a.path), fs::path(a.file), a.with_optimizer);
     std::printf("wrote %s from %s (%s)\n", a.file.c_str(), used.c_str(),
@@ -136,14 +144,15 @@ int run(const std::string& command, const operands& a) {
 int main(int argc, char** argv) {
   operands a;
   io::convert_options& o = a.convert;
-  example::command_line cli("Lists, verifies and converts sharded checkpoints, without the model's code.",
+  example::command_line cli("Lists, verifies and converts sharded checkpoints, without the model's code; merges a "
+                            "PEFT LoRA adapter into a Hugging Face GPT-2 or LLaMA.",
                             "shardlib-ckpt");
   cli.footer("PATH: a checkpoint directory, or a root holding several (its latest is used).");
   // At most one command: an unknown word is then named as not expected before the callback asks for one.
   cli.require_subcommand(0, 1);
   cli.callback([&] {
     if (cli.get_subcommands().empty())
-      throw CLI::RequiredError("a command (list, verify, to-safetensors, from-safetensors)");
+      throw CLI::RequiredError("a command (list, verify, to-safetensors, from-safetensors, merge-peft)");
   });
   auto* list = cli.add_subcommand("list", "a root: its checkpoints; a checkpoint: what it holds");
   list->add_option("PATH", a.path)->required();
@@ -153,6 +162,11 @@ int main(int argc, char** argv) {
   to->add_option("PATH", a.path)->required();
   to->add_option("FILE", a.file)->required();
   to->add_flag("--optimizer", a.with_optimizer, "the optimizer state too");
+  auto* merge = cli.add_subcommand("merge-peft", "a Hugging Face GPT-2 or LLaMA (BASE) with a PEFT LoRA ADAPTER "
+                                   "merged into it, saved to OUT as save_pretrained saves one");
+  merge->add_option("BASE", a.path)->required()->check(CLI::ExistingDirectory);
+  merge->add_option("ADAPTER", a.file)->required()->check(CLI::ExistingDirectory);
+  merge->add_option("OUT", a.out)->required();
   auto* from = cli.add_subcommand("from-safetensors", "a checkpoint under ROOT from a safetensors FILE");
   from->add_option("FILE", a.file)->required();
   from->add_option("ROOT", a.path)->required();

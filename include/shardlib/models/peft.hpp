@@ -10,6 +10,7 @@
 //   models::load_peft(sharded, "adapter-dir"); // the adapters
 //   ...train...
 //   models::save_peft(sharded, "out-dir");     // adapter_config.json + adapter_model.safetensors
+//   models::merge_peft("base-dir", "out-dir", "merged-dir");  // the fine-tuned model, merged
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/element.hpp"  // dtype
@@ -17,6 +18,7 @@
 #include "shardlib/io/state_dict.hpp"
 #include "shardlib/models/hf.hpp"  // detail::held_model, detail::as_writer
 #include "shardlib/nn/lora.hpp"    // add_lora, lora_modules, lora_target_matches, lora_options
+#include "shardlib/nn/replicated.hpp"  // merge_peft's host model
 
 #include <nlohmann/json.hpp>  // nlohmann::json, nlohmann::ordered_json
 
@@ -221,6 +223,42 @@ void save_peft(Holder& holder, const std::filesystem::path& dir) {
     f.write(io::detail::as_bytes(config.dump(2) + "\n"));
     f.commit();
   });
+}
+
+namespace detail {
+template <class M>
+void merge_into(const std::filesystem::path& base, const std::filesystem::path& adapter,
+                const std::filesystem::path& out) {
+  M model(read_hf_config<typename M::config_type>(base));
+  const peft_lora_config peft = read_peft_config(adapter);
+  nn::add_lora(model, peft.target_modules, peft.lora);
+  nn::Replicated<float, M> owner(model, 0);
+  load_hf(owner, base);
+  load_peft(owner, adapter);
+  nn::merge_lora(model);
+  save_hf(owner, out);  // the base layers under the base names: now the fine-tuned model
+}
+}  // namespace detail
+
+// PEFT's PeftModel.from_pretrained(base, adapter).merge_and_unload().save_pretrained(out):
+// the GPT-2 or LLaMA checkpoint in `base` (config.json's model_type says which) with the
+// LoRA adapter in `adapter` folded into its weights (W += s B A, in float32 on the host),
+// written to `out` as save_hf writes a model (config.json and model.safetensors) for
+// from_pretrained or load_hf. What the loads refuse, this refuses (io_error naming it).
+inline void merge_peft(const std::filesystem::path& base, const std::filesystem::path& adapter,
+                       const std::filesystem::path& out) {
+  const auto config = std::filesystem::is_directory(base) ? base / "config.json" : base;
+  std::ifstream in(config);
+  if (!in) throw io_error(cat(config.string(), ": cannot open the base model's config.json"));
+  std::string type;
+  try {
+    type = nlohmann::json::parse(in).value("model_type", "");
+  } catch (const nlohmann::json::exception& e) {
+    throw io_error(cat(config.string(), ": ", e.what()));
+  }
+  if (type == "gpt2") return detail::merge_into<GPT2LMHeadModel<float>>(base, adapter, out);
+  if (type == "llama") return detail::merge_into<LlamaForCausalLM<float>>(base, adapter, out);
+  throw io_error(cat(config.string(), ": model_type '", type, "' is neither gpt2 nor llama"));
 }
 
 }  // namespace shardlib::models
