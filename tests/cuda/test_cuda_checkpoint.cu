@@ -12,7 +12,9 @@
 #include <shardlib/cuda/current.hpp>
 #include <shardlib/io/checkpoint.hpp>
 #include <shardlib/nn/cuda.cuh>
+#include <shardlib/nn/freeze.hpp>
 #include <shardlib/nn/linear.hpp>
+#include <shardlib/nn/lora.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/nn/sequential.hpp>
 #include <shardlib/nn/stack.hpp>
@@ -30,7 +32,6 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
-#include <set>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -163,17 +164,11 @@ void require_same_files(const fs::path& got_dir, const fs::path& want_dir, std::
 }
 
 
-// The parameters named are frozen (requires_grad = false) in model m.
-template <class M>
-void freeze(M& m, const std::set<std::string>& names) {
-  m.parameters([&](std::string_view name, auto& p) { p.requires_grad = !names.contains(std::string(name)); });
-}
-
 // fp32: a device step and a host step differ by rounding, so the host model does not
-// train: it takes the device's values, and then both must write the same bytes.
-template <class T>
-void device_files_match_host(const std::set<std::string>& frozen) {
-  const std::string tag = frozen.empty() ? "" : "_frozen";
+// train: it takes the device's values, and then both must write the same bytes. Every
+// model, device and host, is made by make_model and then `prepare` (freezing, adapters).
+template <class T, class Prepare>
+void device_files_match_host(const std::string& tag, Prepare prepare) {
   const test_support::temp_dir dev_dir("cuda_checkpoint_device" + tag), host_dir("cuda_checkpoint_host" + tag);
   const fs::path dev = dev_dir.path, hst = host_dir.path;
   std::vector<std::string> problems(4);
@@ -181,7 +176,7 @@ void device_files_match_host(const std::set<std::string>& frozen) {
   // W = 2, FullShard: train 3 steps on the device, save and export; the host twin takes the values and does the same.
   on_ranks(2, [&](device_thread_comm& dc, sl::comm::ThreadComm& host, cudaStream_t) {
     auto model = make_model<T, sl::cuda_space>();
-    freeze(model, frozen);
+    prepare(model);
     auto sharded = shard::fully_shard<sl::optim::cuda::AdamW>(model, dc, shard::FullShard{}, options_for<T>(7));
     sl::optim::cuda::AdamW opt{adamw};
     for (int s = 0; s < 3; ++s) {
@@ -193,7 +188,7 @@ void device_files_match_host(const std::set<std::string>& frozen) {
     const held values = hold(sharded, opt);
 
     auto host_model = make_model<float, sl::host_space>();
-    freeze(host_model, frozen);
+    prepare(host_model);
     auto twin = shard::fully_shard<sl::optim::AdamW>(host_model, host, shard::FullShard{}, host_options<T>());
     sl::optim::AdamW host_opt{adamw};
     put(twin, host_opt, values);
@@ -205,13 +200,13 @@ void device_files_match_host(const std::set<std::string>& frozen) {
   // must then hold the host's values exactly, and save the same files again.
   on_ranks(3, [&](device_thread_comm& dc, sl::comm::ThreadComm& host, cudaStream_t) {
     auto model = make_model<T, sl::cuda_space>();
-    freeze(model, frozen);
+    prepare(model);
     auto sharded = shard::fully_shard<sl::optim::cuda::AdamW>(model, dc, shard::ShardGradOp{}, options_for<T>(99));
     sl::optim::cuda::AdamW opt{{.lr = 0.5}};  // the checkpoint's hyperparameters replace these
     io::load_checkpoint(dev / "ckpt" / "trained", sharded, opt);
 
     auto host_model = make_model<float, sl::host_space>();
-    freeze(host_model, frozen);
+    prepare(host_model);
     auto twin = shard::fully_shard<sl::optim::AdamW>(host_model, host, shard::ShardGradOp{}, host_options<T>());
     sl::optim::AdamW host_opt{{.lr = 0.5}};
     io::load_checkpoint(hst / "ckpt" / "trained", twin, host_opt);
@@ -233,7 +228,7 @@ void device_files_match_host(const std::set<std::string>& frozen) {
   on_ranks(1, [&](device_thread_comm& dc, sl::comm::ThreadComm& host, cudaStream_t s) {
     auto nccl = sl::comm::NcclComm::bootstrap(host, 0).on(s);
     auto model = make_model<T, sl::cuda_space>();
-    freeze(model, frozen);
+    prepare(model);
     auto sharded = shard::fully_shard<sl::optim::cuda::AdamW>(model, nccl, shard::ShardOptimizer{}, options_for<T>(5));
     sl::optim::cuda::AdamW opt{adamw};
     io::load_safetensors(dev / "model.safetensors", sharded, opt);
@@ -242,7 +237,7 @@ void device_files_match_host(const std::set<std::string>& frozen) {
     io::save_checkpoint(dev / "ckpt", sharded, opt, {.tag = "one-rank"});
 
     auto host_model = make_model<float, sl::host_space>();
-    freeze(host_model, frozen);
+    prepare(host_model);
     auto twin = shard::fully_shard<sl::optim::AdamW>(host_model, host, shard::ShardOptimizer{}, host_options<T>());
     sl::optim::AdamW host_opt{adamw};
     io::load_safetensors(hst / "model.safetensors", twin, host_opt);
@@ -263,7 +258,7 @@ void device_files_match_host(const std::set<std::string>& frozen) {
 TEMPLATE_TEST_CASE("a device model's checkpoints and exports are the host's files byte for byte",
                    "[cuda][checkpoint]", float, sl::bfloat16) {
   if (!have_device()) return;
-  device_files_match_host<TestType>({});
+  device_files_match_host<TestType>("", [](auto&) {});
 }
 
 // Frozen elements have no optimizer state; the files spread it over whole pieces, zeros
@@ -272,5 +267,14 @@ TEMPLATE_TEST_CASE("a device model's checkpoints and exports are the host's file
 TEMPLATE_TEST_CASE("a device model with frozen parameters writes and loads the host's files",
                    "[cuda][checkpoint][frozen]", float, sl::bfloat16) {
   if (!have_device()) return;
-  device_files_match_host<TestType>({"0.weight", "1.layers.1.bias"});
+  device_files_match_host<TestType>("_frozen", [](auto& m) { sl::nn::freeze(m, {"0.weight", "1.layers.1.bias"}); });
+}
+
+// LoRA adapters on three of the five Linears (nn::add_lora: everything else frozen): each
+// of those units holds its frozen base beside the adapters, whose state alone the files
+// keep, from device memory as from host memory.
+TEMPLATE_TEST_CASE("a device model with LoRA adapters writes and loads the host's files",
+                   "[cuda][checkpoint][lora]", float, sl::bfloat16) {
+  if (!have_device()) return;
+  device_files_match_host<TestType>("_lora", [](auto& m) { sl::nn::add_lora(m, {"0", "1.layers.1", "2"}, {.r = 2}); });
 }
