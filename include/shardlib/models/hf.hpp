@@ -176,19 +176,34 @@ inline nlohmann::ordered_json hf_config_json(const llama_config& c) {
           {"torch_dtype", "float32"}};
 }
 
-// The config in `dir`/config.json (or the file itself).
-template <class Config>
-Config read_hf_config(const std::filesystem::path& dir_or_file) {
-  const auto path = std::filesystem::is_directory(dir_or_file) ? dir_or_file / "config.json" : dir_or_file;
+namespace detail {
+// `dir_or_file`/`name` when it is a directory, else the file itself.
+inline std::filesystem::path json_file(const std::filesystem::path& dir_or_file, std::string_view name) {
+  return std::filesystem::is_directory(dir_or_file) ? dir_or_file / name : dir_or_file;
+}
+// f(the JSON in `path`); a file that cannot be opened ("cannot open " + `what`) or parsed,
+// or a field of the wrong type, an io_error naming the file.
+template <class F>
+auto with_json(const std::filesystem::path& path, std::string_view what, F&& f) {
   std::ifstream in(path);
-  if (!in) throw io_error(cat(path.string(), ": cannot open the model's config.json"));
-  Config c;
+  if (!in) throw io_error(cat(path.string(), ": cannot open ", what));
   try {
-    from_json(nlohmann::json::parse(in), c);
+    return f(nlohmann::json::parse(in));
   } catch (const nlohmann::json::exception& e) {
     throw io_error(cat(path.string(), ": ", e.what()));
   }
-  return c;
+}
+}  // namespace detail
+
+// The config in `dir`/config.json (or the file itself).
+template <class Config>
+Config read_hf_config(const std::filesystem::path& dir_or_file) {
+  return detail::with_json(detail::json_file(dir_or_file, "config.json"), "the model's config.json",
+                           [](const nlohmann::json& j) {
+                             Config c;
+                             from_json(j, c);
+                             return c;
+                           });
 }
 
 // Hugging Face's load/save conventions for each model, from its config.

@@ -26,7 +26,6 @@
 #include <cstddef>      // std::size_t
 #include <cstdint>      // std::int64_t
 #include <filesystem>   // std::filesystem::path
-#include <fstream>      // std::ifstream
 #include <map>          // std::map
 #include <string>       // std::string
 #include <string_view>  // std::string_view
@@ -43,21 +42,13 @@ struct peft_lora_config {
 };
 
 namespace detail {
-inline const std::vector<std::string>& lora_tensor_globs() {
-  static const std::vector<std::string> globs{"*.lora_A.weight", "*.lora_B.weight"};
-  return globs;
-}
-// PEFT's tensor names: the causal-LM wrapper's "base_model.model." before the model's own.
+// The adapters alone, under PEFT's tensor names: the causal-LM wrapper's "base_model.model."
+// before the model's own.
 inline io::state_dict_options peft_options(bool strict) {
   return {.names = io::name_map::prefixes({{"base_model.model.", ""}}),
           .strict = strict,
           .save_dtype = dtype::f32,
-          .only = lora_tensor_globs()};
-}
-
-// `path`: the directory's adapter_config.json, or the file itself.
-inline std::filesystem::path peft_config_path(const std::filesystem::path& dir_or_file) {
-  return std::filesystem::is_directory(dir_or_file) ? dir_or_file / "adapter_config.json" : dir_or_file;
+          .only = {"*.lora_A.weight", "*.lora_B.weight"}};
 }
 
 // The adapter's target_modules as PEFT would write them: a module's last name where
@@ -128,12 +119,9 @@ void check_adapters(M& model, const peft_lora_config& c, std::string_view what) 
 // bias other than "none", use_dora, rank_pattern / alpha_pattern, layers_to_transform,
 // modules_to_save.
 inline peft_lora_config read_peft_config(const std::filesystem::path& dir_or_file) {
-  const auto path = detail::peft_config_path(dir_or_file);
-  std::ifstream in(path);
-  if (!in) throw io_error(cat(path.string(), ": cannot open the adapter's adapter_config.json"));
-  peft_lora_config c;
-  try {
-    const auto j = nlohmann::json::parse(in);
+  const auto path = detail::json_file(dir_or_file, "adapter_config.json");
+  return detail::with_json(path, "the adapter's adapter_config.json", [&](const nlohmann::json& j) {
+    peft_lora_config c;
     const auto where = [&](std::string_view key) { return cat(path.string(), ": ", key); };
     const auto given = [&](const char* key) { return j.contains(key) && !j[key].is_null(); };
     require<io_error>(given("peft_type") && j["peft_type"] == "LORA", where("peft_type"), " must be \"LORA\", got ",
@@ -158,10 +146,8 @@ inline peft_lora_config read_peft_config(const std::filesystem::path& dir_or_fil
       require<io_error>(!given(key) || j[key].empty(), where(key), ": per-module ranks and alphas are not supported");
     for (const char* key : {"layers_to_transform", "modules_to_save"})
       require<io_error>(!given(key), where(key), " is not supported (it must be null)");
-  } catch (const nlohmann::json::exception& e) {
-    throw io_error(cat(path.string(), ": ", e.what()));
-  }
-  return c;
+    return c;
+  });
 }
 
 // Reads the adapter PEFT's save_pretrained wrote into `dir` (adapter_config.json and
@@ -175,7 +161,7 @@ template <class Holder>
 io::load_report load_peft(Holder& holder, const std::filesystem::path& dir, bool strict = true) {
   auto& model = detail::held_model(holder);
   detail::on_every_rank(holder, cat("loading the adapter ", dir.string()), [&] {
-    detail::check_adapters(model, read_peft_config(dir), detail::peft_config_path(dir).string());
+    detail::check_adapters(model, read_peft_config(dir), detail::json_file(dir, "adapter_config.json").string());
   });
   return io::load_state_dict(dir / "adapter_model.safetensors", holder, detail::peft_options(strict));
 }
@@ -247,15 +233,10 @@ void merge_into(const std::filesystem::path& base, const std::filesystem::path& 
 // from_pretrained or load_hf. What the loads refuse, this refuses (io_error naming it).
 inline void merge_peft(const std::filesystem::path& base, const std::filesystem::path& adapter,
                        const std::filesystem::path& out) {
-  const auto config = std::filesystem::is_directory(base) ? base / "config.json" : base;
-  std::ifstream in(config);
-  if (!in) throw io_error(cat(config.string(), ": cannot open the base model's config.json"));
-  std::string type;
-  try {
-    type = nlohmann::json::parse(in).value("model_type", "");
-  } catch (const nlohmann::json::exception& e) {
-    throw io_error(cat(config.string(), ": ", e.what()));
-  }
+  const auto config = detail::json_file(base, "config.json");
+  const std::string type = detail::with_json(config, "the base model's config.json", [](const nlohmann::json& j) {
+    return j.value("model_type", std::string());
+  });
   if (type == "gpt2") return detail::merge_into<GPT2LMHeadModel<float>>(base, adapter, out);
   if (type == "llama") return detail::merge_into<LlamaForCausalLM<float>>(base, adapter, out);
   throw io_error(cat(config.string(), ": model_type '", type, "' is neither gpt2 nor llama"));

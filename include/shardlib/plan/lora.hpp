@@ -8,39 +8,13 @@
 #include "shardlib/core/error.hpp"    // require, cat
 #include "shardlib/nn/flat.hpp"       // flat_layout::alignment
 #include "shardlib/nn/lora.hpp"       // lora_target_matches
-#include "shardlib/plan/presets.hpp"  // decoder_shape, decoder, multiplied_parameters
+#include "shardlib/plan/presets.hpp"  // decoder_shape, block_modules, decoder, multiplied_parameters
 
 #include <cstddef>      // std::size_t
 #include <string>       // std::string
-#include <string_view>  // std::string_view
 #include <vector>       // std::vector
 
 namespace shardlib::plan {
-
-namespace detail {
-// One parameter-holding module of a block, in the order the block lists its parameters:
-// a projection (weight [out, in], a bias when `bias`) or a norm of `norm` elements a tensor
-// (`tensors` of them: weight, and bias for LayerNorm).
-struct block_module {
-  std::string_view name;  // within the block: "attn.c_attn", "self_attn.q_proj", "ln_1"
-  std::size_t in = 0, out = 0;
-  bool bias = false;
-  std::size_t norm = 0, tensors = 0;
-};
-inline std::vector<block_module> block_modules(const decoder_shape& m) {
-  const std::size_t h = std::size_t(m.hidden), i = std::size_t(m.intermediate);
-  const std::size_t kv = std::size_t(m.hidden / m.heads * m.kv_heads);
-  if (m.family == family::gpt2)
-    return {{.name = "ln_1", .norm = h, .tensors = 2},          {.name = "attn.c_attn", .in = h, .out = 3 * h, .bias = true},
-            {.name = "attn.c_proj", .in = h, .out = h, .bias = true}, {.name = "ln_2", .norm = h, .tensors = 2},
-            {.name = "mlp.c_fc", .in = h, .out = i, .bias = true},    {.name = "mlp.c_proj", .in = i, .out = h, .bias = true}};
-  return {{.name = "self_attn.q_proj", .in = h, .out = h},       {.name = "self_attn.k_proj", .in = h, .out = kv},
-          {.name = "self_attn.v_proj", .in = h, .out = kv},      {.name = "self_attn.o_proj", .in = h, .out = h},
-          {.name = "mlp.gate_proj", .in = h, .out = i},          {.name = "mlp.up_proj", .in = h, .out = i},
-          {.name = "mlp.down_proj", .in = i, .out = h},          {.name = "input_layernorm", .norm = h, .tensors = 1},
-          {.name = "post_attention_layernorm", .norm = h, .tensors = 1}};
-}
-}  // namespace detail
 
 // `d` (plan::decoder(m, ...)) with LoRA adapters of rank r on every projection of every
 // block that one of `targets` names (nn::lora_target_matches over the library's dotted
@@ -61,7 +35,7 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
   require(r >= 1, "plan::with_lora ", m.name, ": the adapters' rank must be at least 1, got ", r);
   require(d.units.size() == std::size_t(m.layers) + 1, "plan::with_lora ", m.name,
           ": the model is not plan::decoder's (the root and one unit per block)");
-  const auto modules = detail::block_modules(m);
+  const auto modules = block_modules(m);
   const std::string prefix = m.family == family::gpt2 ? "transformer.h." : "model.layers.";
   const std::size_t align = nn::flat_layout::alignment, rank = std::size_t(r);
   std::vector<bool> used(targets.size(), false);

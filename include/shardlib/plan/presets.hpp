@@ -10,6 +10,7 @@
 #include <cstddef>      // std::size_t
 #include <string>       // std::string
 #include <string_view>  // std::string_view
+#include <vector>       // std::vector
 
 namespace shardlib::plan {
 
@@ -27,17 +28,37 @@ struct decoder_shape {
   bool tied = false;   // the LM head shares the token embedding (counted once)
 };
 
-// One block's parameters: attention, MLP and its two norms.
-constexpr std::size_t block_parameters(const decoder_shape& m) {
+// One parameter-holding module of a block, in the order the library's block lists its
+// parameters: a projection (weight [out, in], a bias when `bias`) or a norm of `norm`
+// elements a tensor (`tensors` of them: weight, and bias for LayerNorm).
+struct block_module {
+  std::string_view name;  // within the block: "attn.c_attn", "self_attn.q_proj", "ln_1"
+  std::size_t in = 0, out = 0;
+  bool bias = false;
+  std::size_t norm = 0, tensors = 0;
+  std::size_t parameters() const { return in * out + (bias ? out : 0) + norm * tensors; }
+};
+// GPT-2: ln_1, attn (c_attn: q, k, v fused; c_proj), ln_2, mlp (c_fc, c_proj). LLaMA:
+// self_attn (q, k, v: kv heads × head size wide, o), mlp (gate, up, down), the two RMSNorms.
+inline std::vector<block_module> block_modules(const decoder_shape& m) {
   const std::size_t h = std::size_t(m.hidden), i = std::size_t(m.intermediate);
-  const std::size_t kv = std::size_t(m.hidden / m.heads * m.kv_heads);  // K and V widths: kv heads × head size
+  const std::size_t kv = std::size_t(m.hidden / m.heads * m.kv_heads);
   if (m.family == family::gpt2)
-    return (h * 3 * h + 3 * h) + (h * h + h)  // c_attn (q, k, v fused), c_proj
-           + (h * i + i) + (i * h + h)        // c_fc, c_proj
-           + 2 * (2 * h);                     // ln_1, ln_2: weight and bias
-  return h * h + 2 * h * kv + h * h  // q_proj, k_proj, v_proj, o_proj
-         + 3 * h * i                 // gate_proj, up_proj, down_proj
-         + 2 * h;                    // input_layernorm, post_attention_layernorm
+    return {{.name = "ln_1", .norm = h, .tensors = 2},          {.name = "attn.c_attn", .in = h, .out = 3 * h, .bias = true},
+            {.name = "attn.c_proj", .in = h, .out = h, .bias = true}, {.name = "ln_2", .norm = h, .tensors = 2},
+            {.name = "mlp.c_fc", .in = h, .out = i, .bias = true},    {.name = "mlp.c_proj", .in = i, .out = h, .bias = true}};
+  return {{.name = "self_attn.q_proj", .in = h, .out = h},       {.name = "self_attn.k_proj", .in = h, .out = kv},
+          {.name = "self_attn.v_proj", .in = h, .out = kv},      {.name = "self_attn.o_proj", .in = h, .out = h},
+          {.name = "mlp.gate_proj", .in = h, .out = i},          {.name = "mlp.up_proj", .in = h, .out = i},
+          {.name = "mlp.down_proj", .in = i, .out = h},          {.name = "input_layernorm", .norm = h, .tensors = 1},
+          {.name = "post_attention_layernorm", .norm = h, .tensors = 1}};
+}
+
+// One block's parameters: attention, MLP and its two norms.
+inline std::size_t block_parameters(const decoder_shape& m) {
+  std::size_t n = 0;
+  for (const auto& mod : block_modules(m)) n += mod.parameters();
+  return n;
 }
 
 // Everything outside the blocks: token (and position) embeddings, the final norm, the
@@ -48,14 +69,14 @@ constexpr std::size_t root_parameters(const decoder_shape& m) {
   return v * h + std::size_t(m.positions) * h + norm + (m.tied ? 0 : v * h);
 }
 
-constexpr std::size_t parameters(const decoder_shape& m) {
+inline std::size_t parameters(const decoder_shape& m) {
   return root_parameters(m) + std::size_t(m.layers) * block_parameters(m);
 }
 
 // The parameters a token multiplies (6 FLOPs each in forward and backward, PaLM's N):
 // all but the embedding lookups, GPT-2's positions and an untied token embedding (a
 // tied one is the head's weight). Biases and norms stay in: 0.05% of GPT-2 124M.
-constexpr std::size_t multiplied_parameters(const decoder_shape& m) {
+inline std::size_t multiplied_parameters(const decoder_shape& m) {
   const std::size_t h = std::size_t(m.hidden);
   return parameters(m) - std::size_t(m.positions) * h - (m.tied ? 0 : std::size_t(m.vocab) * h);
 }
