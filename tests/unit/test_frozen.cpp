@@ -104,6 +104,7 @@ struct sharded_run {
   double reduced_bytes = 0;  // what rank 0 sent reducing gradients, per step (ring model)
   std::size_t frozen_unit_grads = 0;  // reduced gradients rank 0 keeps for units of frozen parameters
   std::size_t grads = 0;              // reduced gradients rank 0 keeps, every unit's
+  std::size_t masters = 0;            // fp32 master elements rank 0 keeps, every unit's
 };
 
 // The model make() returns: make_model()'s fp32 layers, or make_model16()'s bf16 ones
@@ -112,7 +113,8 @@ struct sharded_run {
 template <class Opt, class Make = Model (*)()>
 sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::set<std::string>& frozen, int steps,
                   float max_norm, bool offload = false, shard::wrap_policy wrap = shard::wrap_types<Block>{},
-                  shard::mixed_precision mp = {}, Make make = fixture::make_model, int micro = 1) {
+                  shard::mixed_precision mp = {}, Make make = fixture::make_model, int micro = 1,
+                  bool frozen_masters = true) {
   std::vector<sharded_run> runs(static_cast<std::size_t>(world));
   comm::launch(world, [&](comm::ThreadComm& inner) {
     auto tally = std::make_shared<bench::traffic>();
@@ -120,8 +122,9 @@ sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::s
     auto m = make();
     using H = typename decltype(m)::output::value_type;
     freeze_only(m, frozen);
-    auto model = shard::fully_shard<Opt>(m, c, strategy,
-                                         {.wrap = wrap, .seed = 42, .precision = mp, .offload = offload});
+    auto model = shard::fully_shard<Opt>(
+        m, c, strategy,
+        {.wrap = wrap, .seed = 42, .precision = mp, .offload = offload, .frozen_masters = frozen_masters});
     Opt opt = opt0;
     auto& run = runs[std::size_t(c.rank())];
     auto flatten = [&](std::vector<float>& out, bool names) {
@@ -155,6 +158,7 @@ sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::s
     for (const auto& u : model.units()) {
       run.frozen_unit_grads += u.frozen() ? u.grad.size() : 0;
       run.grads += u.grad.size();
+      run.masters += u.master ? u.master->local().size() : u.offload ? u.offload->master.size() : u.trained_master.size();
     }
     flatten(run.params, false);
   });
@@ -363,6 +367,55 @@ TEST_CASE("a unit of frozen and trained parameters reduces its trained elements 
         params.relative(packed.params, whole.params, 0.1);
         CHECK(params <= 1e-6);  // measured 3.7e-8: Adam steps from gradients a rounding apart
       }
+    }
+}
+
+// options.frozen_masters = false: 16-bit layers keep no fp32 master for the frozen elements
+// their reductions leave out (a wholly frozen unit's, a packed unit's). Layers read the
+// rounded values either way, so training is the same bit for bit; what reads the masters
+// back (state dicts, checkpoints) reads the frozen values as layers hold them, in bf16.
+TEST_CASE("without frozen masters 16-bit layers train the same and keep no fp32 copy of frozen elements",
+          "[frozen][memory]") {
+  // Units of 56, 72, 72, 72 and 35 elements (a bias starts 16-aligned). Unit 0 is wholly
+  // frozen; 1.layers.1 packs (its weight frozen); 1.layers.2 (its bias frozen) does not pack:
+  // a piece of it is all trained (W = 2: [0, 36); W = 3: [24, 48)), so its ranks keep its
+  // whole master and its bias in fp32.
+  const std::set<std::string> frozen{"0.weight", "0.bias", "1.layers.1.weight", "1.layers.2.bias"};
+  const std::set<std::string> without_master{"0.weight", "0.bias", "1.layers.1.weight"};
+  struct setting {
+    shard::AnyStrategy strategy;
+    int world;
+    bool offload;
+    std::size_t saved;  // master elements rank 0 does not keep: its pieces of units 0 and 1.layers.1
+  };
+  const setting settings[] = {{shard::FullShard{}, 3, false, 19 + 24},
+                              {shard::ShardOptimizer{}, 3, false, 19 + 24},
+                              {shard::FullShard{}, 2, false, 28 + 36},
+                              {shard::HybridShard{.group_size = 2}, 4, false, 28 + 36},
+                              {shard::FullShard{}, 3, true, 19 + 24}};
+  const shard::wrap_policy wrap = shard::wrap_types<fixture::Linear16b>{};
+  for (dtype reduce : {dtype::f32, dtype::bf16})
+    for (const auto& [strategy, w, offload, saved] : settings) {
+      INFO(strategy.name << " at W = " << w << ", reduce " << name(reduce) << (offload ? ", offloaded" : ""));
+      const shard::mixed_precision mp{.param = dtype::bf16, .reduce = reduce};
+      const auto whole = train(w, strategy, optim::AdamW{adamw}, frozen, 3, clip_at, offload, wrap, mp,
+                               fixture::make_model16, 1, true);
+      const auto compact = train(w, strategy, optim::AdamW{adamw}, frozen, 3, clip_at, offload, wrap, mp,
+                                 fixture::make_model16, 1, false);
+      CHECK(compact.replicas_agree);
+      CHECK(compact.params != compact.initial);
+      CHECK(whole.masters - compact.masters == saved);
+      CHECK(compact.norms == whole.norms);
+      REQUIRE(compact.params.size() == whole.params.size());
+      std::size_t rounded = 0, mismatched = 0;
+      for (std::size_t k = 0; k < whole.params.size(); ++k) {
+        const bool in_bf16 = without_master.contains(whole.names[k]);
+        const float want = in_bf16 ? float(bfloat16(whole.params[k])) : whole.params[k];
+        mismatched += std::bit_cast<std::uint32_t>(compact.params[k]) != std::bit_cast<std::uint32_t>(want);
+        rounded += in_bf16 && want != whole.params[k];
+      }
+      CHECK(mismatched == 0);
+      CHECK(rounded > 0);  // the fp32 masters of frozen elements were not already bf16 values
     }
 }
 

@@ -165,16 +165,13 @@ class host_collectives {
   Comm* comm_;
 };
 
-// Calls f(model.master_piece(i), std::type_identity<S>{}) with the memory space S the
-// piece lives in: the model's space, or its offload space (host memory) when the engine
-// says the piece is offloaded (16-bit layers with options.offload keep their master
-// only there).
+// Calls f(piece, std::type_identity<S>{}) with this rank's master piece of unit i and the
+// memory space S it lives in: the model's space, or its offload space (host memory) where
+// the engine keeps it there (shard::ShardedModel::with_master_piece).
 template <class Engine, class F>
 decltype(auto) with_master(Engine& model, std::size_t i, F&& f) {
-  using Space = typename Engine::space;
-  if constexpr (requires { model.master_piece_offloaded(i); })
-    if (model.master_piece_offloaded(i)) return f(model.master_piece(i), std::type_identity<offload_space_t<Space>>{});
-  return f(model.master_piece(i), std::type_identity<Space>{});
+  if constexpr (requires { model.with_master_piece(i, f); }) return model.with_master_piece(i, f);
+  else return f(model.master_piece(i), std::type_identity<typename Engine::space>{});
 }
 
 // io's collectives over a sharded model's communicator.

@@ -106,6 +106,18 @@ std::vector<segment> cut_frozen(const std::vector<segment>& runs, const Layout& 
   return out;
 }
 
+// The runs over their trained elements alone, end to end (where a state over `runs` holds
+// them), neighbours of one group joined: the runs of a shard that keeps nothing of its
+// frozen elements (shard::options::frozen_masters = false).
+inline std::vector<segment> trained_runs(std::span<const segment> runs) {
+  std::vector<segment> out;
+  for_each_trained_run(runs, [&](const segment& r, std::size_t at) {
+    if (!out.empty() && out.back().group == r.group) out.back().size += r.size;
+    else out.push_back({at, r.size, r.group});
+  });
+  return out;
+}
+
 // That `runs` tile a shard of n elements, each of one of `groups` groups or frozen.
 inline void check_runs(std::string_view who, std::size_t n, std::span<const segment> runs, std::size_t groups) {
   std::size_t covered = 0;

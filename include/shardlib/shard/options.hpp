@@ -32,6 +32,14 @@ struct options {
   // updated piece (rounded to the layers' dtype when they compute in 16 bits) is copied back
   // to the model's space. Bit for bit the same training as without it.
   bool offload = false;
+  // 16-bit layers: whether frozen parameters (requires_grad = false) keep an fp32 master.
+  // false: this rank keeps their piece in the compute dtype alone, as DeepSpeed keeps the
+  // parameters outside its optimizer, and saves 4 bytes per frozen element of its piece
+  // (a LoRA run's base model). Training is the same bit for bit (layers read the rounded
+  // values either way); checkpoints and state dicts then hold the frozen values rounded.
+  // A unit whose reduction does not pack its trained elements (shard/packing.hpp) keeps
+  // its whole master. No effect with fp32 layers, whose values are the master.
+  bool frozen_masters = true;
 };
 
 // train_step's options and what it returns.

@@ -439,16 +439,10 @@ class ShardedModel {
     model_->parameters([&](std::string_view name, auto&) { position.emplace(std::string(name), position.size()); });
     std::vector<named_tensor> out(keep ? position.size() : 0);
     for (std::size_t i = 0; i < units_.size(); ++i) {
-      Buffer<T, space> full, uploaded;
-      std::span<const T> values = master_local(units_[i]);
       // An offloaded master is host memory: gathered, it goes to the model's space first
       // (the communicator's memory); alone, the host reads it in place.
-      bool on_host = master_offloaded(units_[i]), whole = false;
-      if constexpr (!compute16)
-        if (master_in_values()) {
-          values = units_[i].values.span();  // replicated: everything is here
-          whole = true;
-        }
+      auto collect = [&](std::span<const T> values, bool on_host, bool whole) {
+      Buffer<T, space> full, uploaded;
       if (!whole && partitions() > 1) {
         if (on_host) {
           uploaded = Buffer<T, space>(values.size(), category::comm_scratch);
@@ -460,13 +454,25 @@ class ShardedModel {
         values = full.span();
         on_host = false;
       }
-      if (!keep) continue;
+      if (!keep) return;
       for (const auto& e : units_[i].layout.entries) {
         Tensor<T> t(e.shape, category::parameters);
         if (on_host) offload_ops::copy(values.subspan(e.offset, e.numel()), t.span());
         else ops::to_host(values.subspan(e.offset, e.numel()), t.span());
         out[position.at(e.name)] = {e.name, std::move(t)};
       }
+      };
+      bool whole = false;  // replicated values that hold the master: everything is here
+      if constexpr (!compute16)
+        if (master_in_values()) {
+          collect(std::span<const T>(units_[i].values.span()), false, true);
+          whole = true;
+        }
+      if (!whole)
+        with_master_piece(i, [&](std::span<const T> values, auto where) {
+          collect(values, !std::is_same_v<typename decltype(where)::type, space>, false);
+        });
+      if (!keep) continue;
       for (const auto& a : units_[i].aliases)
         out[position.at(a.name)] = {a.name, out[position.at(units_[i].layout.entries[a.entry].name)].value};
     }
@@ -499,11 +505,34 @@ class ShardedModel {
     if (partitions() > 1) return {n, partitions()};
     return {shard_layout{n, policy_.group(comm_->size())}.padded_size(), 1};
   }
-  // This rank's piece of unit i's master values: memory of the model's space, or of its
-  // offload space (host memory) when master_piece_offloaded(i).
-  std::span<const T> master_piece(std::size_t i) { return master_local(units_.at(i)); }
-  // With 16-bit layers and options.offload the master lives only in the offload space.
-  bool master_piece_offloaded(std::size_t i) const { return master_offloaded(units_.at(i)); }
+  // f(values, std::type_identity<S>{}): this rank's piece of unit i's master values in
+  // memory of space S, the model's or (16-bit layers with options.offload keep their master
+  // only there) its offload space. A unit without frozen masters (options.frozen_masters)
+  // lends a copy: its compute copy widened, its trained masters over it.
+  template <class F>
+  decltype(auto) with_master_piece(std::size_t i, F&& f) {
+    auto& u = units_.at(i);
+    if (!u.compact()) {
+      if (master_offloaded(u)) return f(std::span<const T>(master_local(u)), std::type_identity<offload_space>{});
+      return f(std::span<const T>(master_local(u)), std::type_identity<space>{});
+    }
+    if (u.offload) {
+      std::optional<ledger_scope> in_offload(std::in_place, current_ledger().offload());
+      auto whole = compact_piece<offload_ops>(u, u.offload->compute_copy);
+      in_offload.reset();
+      return f(std::span<const T>(whole.span()), std::type_identity<offload_space>{});
+    }
+    return f(std::span<const T>(compact_piece<ops>(u, u.compute_shard).span()), std::type_identity<space>{});
+  }
+  // This rank's piece of unit i's master values, in the model's space; with_master_piece
+  // reads every unit's.
+  std::span<const T> master_piece(std::size_t i) {
+    auto& u = units_.at(i);
+    require(!u.compact() && !master_offloaded(u), "rank ", comm_->rank(), ": unit '", u.name,
+            "' keeps its master piece ", u.compact() ? "in part (frozen_masters = false)" : "offloaded",
+            ": read it with with_master_piece");
+    return master_local(u);
+  }
   // This rank's piece of unit i as runs (shard/unit_optimizer.hpp): the frozen ones
   // (optim::segment::frozen) have no optimizer state, the others' lies end to end in
   // each buffer of optimizer_state(opt, i). Without frozen parameters: one run.
@@ -522,14 +551,18 @@ class ShardedModel {
   void load_master(std::size_t i, std::span<const T> values) {
     auto& u = units_.at(i);
     auto local = master_local(u);
-    require<shape_error>(values.size() == local.size(), "rank ", comm_->rank(), ": load_master of unit '", u.name,
-                         "' needs ", local.size(), " values, got ", values.size());
+    require<shape_error>(values.size() == piece(i).size, "rank ", comm_->rank(), ": load_master of unit '", u.name,
+                         "' needs ", piece(i).size, " values, got ", values.size());
     require(!policy_.shard_parameters || u.where == state::sharded, "rank ", comm_->rank(), ": load_master of unit '",
             u.name, "' while it is gathered (load between steps)");
-    if (master_offloaded(u)) offload_ops::copy(values, local);
+    if (u.compact()) load_compact(u, values);
+    else if (master_offloaded(u)) offload_ops::copy(values, local);
     else ops::from_host(values, local);
-    if constexpr (compute16) narrow_master(u);
-    else if (u.offload) offload_ops::copy(values, u.offload->master.span());
+    if constexpr (compute16) {
+      if (!u.compact()) narrow_master(u);
+    } else if (u.offload) {
+      offload_ops::copy(values, u.offload->master.span());
+    }
     if (!policy_.shard_parameters) refresh_values(u);
   }
   bool offloaded() const { return offload_.has_value(); }
@@ -625,8 +658,10 @@ class ShardedModel {
     } else {
       for (std::size_t i = 0; i < units_.size(); ++i) {
         auto& u = units_[i];
+        // a compact unit's optimizer steps its trained runs end to end, rounded into place after
         steps_.template step<ops>(opt, u, i, piece(i), master_local(u), std::span<const T>(u.grad.span()),
-                                  u.compute_shard.span(), flag);
+                                  u.compact() ? std::span<C>{} : u.compute_shard.span(), flag);
+        if (u.compact()) narrow_trained<ops>(u, master_local(u), u.compute_shard.span());
       }
     }
     if (!policy_.shard_parameters) refresh_values(false);  // a wholly frozen unit's values did not change
@@ -681,17 +716,63 @@ class ShardedModel {
   void narrow_master(unit_type& u) {
     if constexpr (compute16) {
       if (u.offload) {
-        offload_ops::narrow(std::span<const T>(u.offload->master.span()), u.offload->compute_copy.span());
+        if (u.compact()) narrow_trained<offload_ops>(u, u.offload->master.span(), u.offload->compute_copy.span());
+        else offload_ops::narrow(std::span<const T>(u.offload->master.span()), u.offload->compute_copy.span());
         offload_->from_offload(std::span<const C>(u.offload->compute_copy.span()), u.compute_shard.span());
         offload_->fence();
+      } else if (u.compact()) {
+        narrow_trained<ops>(u, master_local(u), u.compute_shard.span());
       } else {
         ops::narrow(std::span<const T>(master_local(u)), u.compute_shard.span());
       }
     }
   }
+  // A compact unit's trained masters rounded into their places in its compute copy (`copy`:
+  // the piece in C, in the memory Ops works on); its frozen elements are left as they are.
+  template <class Ops>
+  void narrow_trained(const unit_type& u, std::span<const T> master, std::span<C> copy) {
+    if constexpr (compute16)
+      optim::for_each_trained_run(u.compact_runs, [&](const optim::segment& r, std::size_t at) {
+        Ops::narrow(master.subspan(at, r.size), copy.subspan(r.begin, r.size));
+      });
+  }
+  // A compact unit's whole piece in T, in the memory Ops works on: `copy` (its compute copy
+  // there) widened, its trained masters over it.
+  template <class Ops, class S>
+  Buffer<T, S> compact_piece(unit_type& u, const Buffer<C, S>& copy) {
+    Buffer<T, S> whole(copy.size(), category::comm_scratch);
+    Ops::widen_add(std::span<const C>(copy.span()), whole.span(), true);
+    const std::span<const T> master = master_local(u);
+    optim::for_each_trained_run(u.compact_runs, [&](const optim::segment& r, std::size_t at) {
+      Ops::copy(master.subspan(at, r.size), whole.span().subspan(r.begin, r.size));
+    });
+    return whole;
+  }
+  // A compact unit's piece from host values (the piece's fp32 values): its trained runs into
+  // the master, every element rounded into the compute copy (and its offloaded mirror).
+  void load_compact(unit_type& u, std::span<const T> values) {
+    if constexpr (compute16) {
+      std::vector<C> rounded(values.size());
+      space_ops<host_space>::narrow(values, std::span<C>(rounded));
+      const auto master = master_local(u);
+      optim::for_each_trained_run(u.compact_runs, [&](const optim::segment& r, std::size_t at) {
+        if (u.offload) offload_ops::copy(values.subspan(r.begin, r.size), master.subspan(at, r.size));
+        else ops::from_host(values.subspan(r.begin, r.size), master.subspan(at, r.size));
+      });
+      if (u.offload) {
+        offload_ops::copy(std::span<const C>(rounded), u.offload->compute_copy.span());
+        offload_->from_offload(std::span<const C>(u.offload->compute_copy.span()), u.compute_shard.span());
+        offload_->fence();
+      } else {
+        ops::from_host(std::span<const C>(rounded), u.compute_shard.span());
+      }
+    }
+  }
+  // The master this rank steps: its piece, or a compact unit's trained runs alone.
   std::span<T> master_local(unit_type& u) {
     if constexpr (compute16) {
       if (u.offload) return u.offload->master.span();
+      if (u.compact()) return u.trained_master.span();
     } else {
       if (master_in_values()) {
         const auto l = partition(std::size_t(index_of(u)));
@@ -715,21 +796,35 @@ class ShardedModel {
     const bool no_grads = u.frozen() && (compute16 || policy_.shard_optimizer);
     const bool trained_only = u.packing.packed() && scattered;
     const std::size_t reduced = no_grads ? 0 : trained_only ? u.packing.trained[std::size_t(pr)] : part.shard_size();
+    // Frozen elements without masters: only where the step's gradients leave them out too.
+    if (compute16 && !opts_.frozen_masters && (no_grads || trained_only)) {
+      auto runs = shard::piece_runs(u, piece(i));
+      if (optim::trained_size(runs) < part.shard_size()) u.compact_runs = std::move(runs);
+    }
+    const std::size_t mastered = u.compact() ? optim::trained_size(u.compact_runs) : part.shard_size();
     if (offload_) {  // the optimizer's side, drawn in place as the model's space draws it
       ledger_scope in_offload(current_ledger().offload());
       auto& o = u.offload.emplace();
-      o.master = Buffer<T, offload_space>(part.shard_size(), category::parameters);
-      offload_ops::initialize(u.layout, opts_.seed, part.begin(pr), o.master.span());
+      o.master = Buffer<T, offload_space>(mastered, category::parameters);
+      if (!u.compact()) offload_ops::initialize(u.layout, opts_.seed, part.begin(pr), o.master.span());
       o.grad = Buffer<T, offload_space>(reduced, category::gradients);
       if constexpr (compute16) o.compute_copy = Buffer<C, offload_space>(part.shard_size(), category::parameters);
     }
-    if (!master_in_values() && !(compute16 && offload_)) {
+    if (u.compact()) {
+      if (!offload_) u.trained_master = Buffer<T, space>(mastered, category::parameters);
+    } else if (!master_in_values() && !(compute16 && offload_)) {
       u.master.emplace(part.numel, part.world, pr, category::parameters);
       ops::initialize(u.layout, opts_.seed, part.begin(pr), u.master->local());
     }
     if constexpr (compute16) {
       u.compute_shard = Buffer<C, space>(part.shard_size(), category::parameters);
-      narrow_master(u);
+      if (u.compact()) {  // drawn on the host, as a checkpoint loads it
+        std::vector<T> drawn(part.shard_size());
+        nn::initialize_range<T>(u.layout, opts_.seed, part.begin(pr), std::span<T>(drawn));
+        load_compact(u, drawn);
+      } else {
+        narrow_master(u);
+      }
     }
     u.grad = Buffer<T, space>(reduced, category::gradients);
     ops::fill(u.grad.span(), T(0));
@@ -810,12 +905,28 @@ class ShardedModel {
   void write_back(unit_type& u) {
     const auto part = partition(std::size_t(index_of(u)));
     auto master = master_local(u);
-    const auto full = std::span<const C>(u.values.span()).subspan(part.begin(partition_rank()), master.size());
+    const auto full = std::span<const C>(u.values.span()).subspan(part.begin(partition_rank()), part.shard_size());
     if constexpr (compute16) {
       if constexpr (std::is_same_v<space, host_space>) {
-        for (std::size_t k = 0; k < master.size(); ++k)
-          if (float(full[k]) != float(C(master[k]))) master[k] = T(float(full[k]));
-        ops::narrow(std::span<const T>(master), u.compute_shard.span());
+        // a master changes where its rounding does not read as the value written
+        auto take = [&](T& m, C v) {
+          if (float(v) != float(C(m))) m = T(float(v));
+        };
+        if (!u.compact()) {
+          for (std::size_t k = 0; k < master.size(); ++k) take(master[k], full[k]);
+          ops::narrow(std::span<const T>(master), u.compute_shard.span());
+        } else {  // frozen elements: the compute copy is all there is
+          std::size_t at = 0;
+          for (const auto& r : u.compact_runs) {
+            const bool frozen = r.group == optim::segment::frozen;
+            for (std::size_t k = 0; k < r.size; ++k)
+              if (frozen) u.compute_shard.span()[r.begin + k] = full[r.begin + k];
+              else take(master[at + k], full[r.begin + k]);
+            if (!frozen) at += r.size;
+          }
+          narrow_trained<ops>(u, master, u.compute_shard.span());
+          if (u.offload) ops::copy(std::span<const C>(u.compute_shard.span()), u.offload->compute_copy.span());
+        }
       }
     } else if (opts_.precision.param == dtype::f32) {
       if (!master_in_values()) ops::copy(full, master);
@@ -906,7 +1017,8 @@ class ShardedModel {
       auto& u = units_[i];
       auto& o = *u.offload;
       steps_.template step<offload_ops>(opt, u, i, piece(i), o.master.span(), std::span<const T>(o.grad.span()),
-                                        o.compute_copy.span());
+                                        u.compact() ? std::span<C>{} : o.compute_copy.span());
+      if (u.compact()) narrow_trained<offload_ops>(u, o.master.span(), o.compute_copy.span());
       if constexpr (compute16) channel.from_offload(std::span<const C>(o.compute_copy.span()), u.compute_shard.span());
       else channel.from_offload(std::span<const T>(o.master.span()), master_local(u));
     }

@@ -39,6 +39,13 @@ struct unit {
   // (replicated parameters kept in the master dtype: NoShard, ZeRO-1 in fp32), or
   // in `offload` (16-bit compute with options.offload).
   std::optional<ShardedTensor<T, Space>> master;
+  // options.frozen_masters = false, 16-bit compute, and this rank's piece has frozen elements
+  // whose reduction leaves them out (`grad` holds its trained elements alone, or none): this
+  // piece's runs (optim::cut_frozen's). `master` is then absent: trained_master (or the
+  // offloaded master) holds the trained runs alone, end to end as the optimizer state, and
+  // the frozen elements live only in compute_shard, in the compute dtype.
+  std::vector<optim::segment> compact_runs;
+  Buffer<T, Space> trained_master;
   // Reduced gradients this rank steps: its piece of the master's partition or, when a
   // reduce-scatter packs them (`packing`), its piece's trained elements alone, end to end as
   // the optimizer state (optim::require_run_grads); none in a unit of frozen parameters,
@@ -80,6 +87,7 @@ struct unit {
   } scratch;
 
   std::size_t numel() const { return layout.numel; }
+  bool compact() const { return !compact_runs.empty(); }
   // Every parameter it owns is frozen (requires_grad = false), and it owns some.
   bool frozen() const { return layout.all_frozen(); }
 

@@ -80,7 +80,8 @@ class unit_optimizer {
   }
 
   // Unit i's step over values and grads in the memory Ops works on, and the 16-bit
-  // compute copy for the next gather (in the same pass where the optimizer can).
+  // compute copy for the next gather (in the same pass where the optimizer can; none
+  // when copy16 is empty). A compact unit's values are its piece's trained runs alone.
   // After check() for the same optimizer. A unit of frozen parameters that keeps no
   // gradients (empty grads) only counts the step: a step over nothing.
   template <class Ops, class O>
@@ -118,7 +119,8 @@ class unit_optimizer {
         else if constexpr (steps_runs_on_space<O>)
           opt.step(values, grads, st, std::span<C>{}, runs, optim::skip_flag{});
         else cannot_leave_runs_out();
-        if constexpr (compute16) Ops::narrow(std::span<const T>(values), copy16);
+        if constexpr (compute16)
+          if (!copy16.empty()) Ops::narrow(std::span<const T>(values), copy16);  // empty: the caller rounds
       }
     });
   }
@@ -182,9 +184,12 @@ class unit_optimizer {
           }
         }
         const unit_piece p = piece(i);
+        std::vector<optim::segment> runs;
         if constexpr (optim::is_param_groups<Optimizer>)
-          made.push_back(piece_runs(units[i], p, opt.segments(units[i].layout, p.begin, p.size)));
-        else made.push_back(piece_runs(units[i], p));
+          runs = piece_runs(units[i], p, opt.segments(units[i].layout, p.begin, p.size));
+        else runs = piece_runs(units[i], p);
+        // a compact unit's values are its trained runs alone (shard/unit.hpp)
+        made.push_back(units[i].compact() ? optim::trained_runs(runs) : std::move(runs));
       }
     } catch (const error& e) {
       throw error(cat("rank ", rank_, ": ", e.what()));
