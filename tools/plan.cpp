@@ -7,7 +7,7 @@
 //   shardlib-plan --params 6e9 --layers 28 --hidden 4096 --heads 16 --seq 2048 --batch 1 [common flags]
 //       a coarse transformer: blocks of 12·hidden² parameters, the rest in the root
 //   shardlib-plan --model gpt2-124m|gpt2-350m|llama-7b|llama-70b [--seq 2048] [--batch 1]
-//                 [--frozen-layers 16 | --lora q_proj v_proj [--lora-r 8]] [common flags]
+//                 [--frozen-layers 16 | --lora q_proj v_proj [--lora-r 8]] [--no-frozen-masters] [common flags]
 //       a published decoder's architecture, its parameters counted tensor by tensor, each
 //       block a unit; --seq defaults to the context it was trained with; --frozen-layers N
 //       plans a fine-tune with the embeddings and the lower N blocks frozen, --lora one of
@@ -56,6 +56,7 @@ constexpr double max_params = 1e15;
 
 struct settings {
   bool article = false, encoder = false, fused_attention = false;
+  bool no_frozen_masters = false;  // shard::options::frozen_masters = false
   std::string preset;  // --model
   long frozen_layers = 0;  // --frozen-layers
   std::vector<std::string> lora;  // --lora: target modules
@@ -105,6 +106,10 @@ settings parse(int argc, char** argv) {
                    ->excludes(frozen_layers)
                    ->excludes(article);
   cli.add_option("--lora-r", s.lora_r, "--lora: the adapters' rank")->check(whole(1, 1 << 16));
+  cli.add_flag("--no-frozen-masters", s.no_frozen_masters,
+               "16-bit layers with --frozen-layers or --lora: frozen parameters keep no fp32 master "
+               "(shard::options::frozen_masters = false)")
+      ->excludes(article);
   cli.add_option("--params", s.params, "parameters of the coarse transformer (default: its blocks alone)")
       ->check(example::positive(max_params))
       ->default_str("")
@@ -147,6 +152,8 @@ settings parse(int argc, char** argv) {
   cli.add_option("--json", s.json, "writes one JSON line per strategy and world size");
   cli.callback([&] {
     if (s.article) return;
+    if (s.no_frozen_masters && s.frozen_layers == 0 && s.lora.empty())
+      throw CLI::ValidationError("--no-frozen-masters", "nothing is frozen (--frozen-layers, --lora)");
     s.group_given = cli.get_option("--group")->count() > 0;
     if (s.group_given)
       for (int w : s.worlds.empty() ? std::vector<int>{s.world} : s.worlds)
@@ -282,9 +289,10 @@ void print_model(const plan::model_desc& d, const char* activations_note) {
 
 void print_setup(const plan::setup& s) {
   std::printf(
-      "# W = %d ranks, optimizer state %zu B/parameter, fp32 master; gather %s, reduce %s, compute %s; "
+      "# W = %d ranks, optimizer state %zu B/parameter, fp32 master%s; gather %s, reduce %s, compute %s; "
       "prefetch %d\n",
-      s.world, s.optimizer_bytes, std::string(name(s.precision.param)).c_str(),
+      s.world, s.optimizer_bytes, s.frozen_masters ? "" : " (trained parameters only)",
+      std::string(name(s.precision.param)).c_str(),
       std::string(name(s.precision.reduce)).c_str(), std::string(name(s.precision.compute)).c_str(), s.prefetch);
 }
 
@@ -410,6 +418,8 @@ int main(int argc, char** argv) {
     }
     plan::precision p{.param = parse_type(s.param), .reduce = parse_type(s.reduce)};
     p.compute = !s.compute.empty() ? parse_type(s.compute) : s.encoder ? dtype::f32 : p.param;
+    require(!s.no_frozen_masters || p.compute != dtype::f32,
+            "--no-frozen-masters: fp32 layers' values are their masters (16-bit compute: --compute bf16)");
     plan::model_desc d;
     if (!s.preset.empty()) {
       const auto& m = plan::decoder_preset(s.preset);
@@ -445,7 +455,8 @@ int main(int argc, char** argv) {
                              .group = s.group,
                              .prefetch = s.prefetch,
                              .precision = p,
-                             .optimizer_bytes = optimizer_bytes(s.optimizer)};
+                             .optimizer_bytes = optimizer_bytes(s.optimizer),
+                             .frozen_masters = !s.no_frozen_masters};
       std::printf("\n");
       print_setup(base);
       print_table(d, base, strategies(s.strategy), json);

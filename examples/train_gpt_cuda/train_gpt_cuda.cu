@@ -67,6 +67,7 @@ struct settings : example::byte_model_shape, example::sample_settings, example::
   double lr = 2e-3, weight_decay = 0.1, val_fraction = 0.1;
   double min_lr = 0;  // --min-lr; unset: a tenth of lr
   std::uint64_t seed = 0;
+  bool no_frozen_masters = false;  // shard::options::frozen_masters = false
 };
 
 using example::corpus;
@@ -96,7 +97,8 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
       model, c, sl::shard::FullShard{},
       {.wrap = sl::shard::wrap_types<typename model_t::block_type>{},
        .seed = s.seed,
-       .precision = compute_precision<T>()});
+       .precision = compute_precision<T>(),
+       .frozen_masters = !s.no_frozen_masters});
   sl::optim::cuda::AdamW adamw{{.lr = s.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = s.weight_decay}};
   const sl::optim::warmup_cosine schedule{
       .peak_lr = s.lr, .min_lr = s.min_lr, .warmup_steps = std::min(s.warmup, s.steps), .total_steps = s.steps};
@@ -241,6 +243,8 @@ int main(int argc, char** argv) {
   cli.add_option("--save", s.save, "directory for a Hugging Face checkpoint (empty: none)");
   example::add_checkpoint_flags(cli, s);
   example::add_fine_tune_flags(cli, s);
+  cli.add_flag("--no-frozen-masters", s.no_frozen_masters, "--dtype bf16 with --freeze or --lora: keep the frozen "
+               "parameters in bf16 alone, without fp32 masters (4 bytes per frozen element less)");
   cli.callback([&] {
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
     if (s.min_lr > s.lr)
@@ -249,6 +253,9 @@ int main(int argc, char** argv) {
     example::check_byte_model(s);
     example::check_checkpoint_settings(s);
     example::check_fine_tune(s);
+    if (s.no_frozen_masters && (s.dtype == "fp32" || (s.freeze.empty() && s.lora.empty())))
+      throw CLI::ValidationError("--no-frozen-masters", s.dtype == "fp32" ? "fp32 layers' values are their masters"
+                                                                          : "nothing is frozen (--freeze, --lora)");
   });
   cli.parse_or_exit(argc, argv);
   try {

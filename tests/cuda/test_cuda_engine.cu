@@ -562,8 +562,9 @@ struct mlp_run {
   std::optional<sharded_type> sharded;
 
   // fp16's scale starts low enough that this model's gradients never overflow, unless
-  // given; the parameters named in `frozen` are frozen (requires_grad = false).
-  explicit mlp_run(float scale = 256.f, const std::vector<std::string>& frozen = {}) {
+  // given; the parameters named in `frozen` are frozen (requires_grad = false), with or
+  // without fp32 masters (options.frozen_masters).
+  explicit mlp_run(float scale = 256.f, const std::vector<std::string>& frozen = {}, bool frozen_masters = true) {
     sl::cuda::stream_scope scope(stream.get());
     model.parameters([&](std::string_view name, auto& p) {
       p.requires_grad = std::find(frozen.begin(), frozen.end(), name) == frozen.end();
@@ -574,7 +575,8 @@ struct mlp_run {
                     sl::shard::options{.wrap = sl::shard::wrap_types<layer>{},
                                        .seed = 3,
                                        .precision = precision,
-                                       .scaler = {.scale = scale}});
+                                       .scaler = {.scale = scale},
+                                       .frozen_masters = frozen_masters});
   }
 
   // Step s's batch, drawn from s alone, so that two runs see the same data; the
@@ -787,6 +789,48 @@ TEMPLATE_TEST_CASE("a device unit of frozen and trained parameters keeps its tra
       CHECK(far == 0);
     } else {
       CHECK(std::memcmp(a.data(), b.data(), a.size_bytes()) == 0);
+    }
+  }
+}
+
+// options.frozen_masters = false on the device: the frozen elements of unit 0 (a wholly
+// frozen unit, or a packed one: its bias trained) keep no fp32 master; the device Adam steps
+// the trained runs end to end and they are rounded into the compute copy after, gated by
+// fp16's vote with half. Training is the same bit for bit; frozen values read back are the
+// compute dtype's.
+TEMPLATE_TEST_CASE("without frozen masters a device model trains the same bit for bit", "[cuda][engine][frozen]",
+                   sl::bfloat16, sl::half) {
+  if (!have_device()) return;
+  for (const std::vector<std::string>& frozen : {std::vector<std::string>{"0.weight"}, {"0.weight", "0.bias"}}) {
+    INFO(frozen.size() << " frozen");
+    mlp_run<TestType> with(256.f, frozen, true), without(256.f, frozen, false);
+    std::size_t masters = 0;  // fp32 elements unit 0 keeps without frozen masters
+    for (const auto& u : without.sharded->units())
+      if (u.name == "0") masters = u.trained_master.size() + (u.master ? u.master->local().size() : 0);
+    CHECK(masters == (frozen.size() == 2 ? 0 : std::size_t(mlp_hidden)));
+    for (int s = 0; s < 3; ++s) {
+      const sl::shard::step_options so{.max_norm = s == 1 ? 0.05f : 0.f};
+      (void)float(with.step(s, so));
+      (void)float(without.step(s, so));
+    }
+    const auto want = [&] {
+      sl::cuda::stream_scope scope(with.stream.get());
+      return with.sharded->full_state_dict(false);
+    }();
+    sl::cuda::stream_scope scope(without.stream.get());
+    const auto got = without.sharded->full_state_dict(false);
+    REQUIRE(got.size() == want.size());
+    for (std::size_t k = 0; k < got.size(); ++k) {
+      INFO(got[k].name);
+      const bool is_frozen = std::find(frozen.begin(), frozen.end(), got[k].name) != frozen.end();
+      const auto a = got[k].value.span(), b = want[k].value.span();
+      REQUIRE(a.size() == b.size());
+      std::size_t differ = 0;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        const float expected = is_frozen ? float(TestType(b[i])) : b[i];
+        differ += std::memcmp(&a[i], &expected, sizeof(float)) != 0;
+      }
+      CHECK(differ == 0);
     }
   }
 }

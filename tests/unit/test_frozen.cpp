@@ -530,6 +530,69 @@ TEST_CASE("checkpoints of a model with frozen parameters reshard and resume", "[
   std::filesystem::remove_all(root);
 }
 
+// Without frozen masters a checkpoint holds the frozen values as bf16 holds them; it loads
+// into any world size, with frozen masters or without, and a run resumed from it is the
+// same bits as one that did not stop. summon_full_params' writeback reaches the frozen
+// values too (nn::merge_lora writes the frozen base so): halving every parameter between
+// two steps ends the same with masters or without.
+TEST_CASE("without frozen masters checkpoints reshard and resume, and writeback reaches frozen values",
+          "[frozen][checkpoint]") {
+  const auto root = std::filesystem::temp_directory_path() / cat("shardlib-frozen16-", ::getpid());
+  std::filesystem::remove_all(root);
+  const std::set<std::string> frozen{"0.weight", "0.bias", "1.layers.1.weight", "1.layers.2.bias"};
+  const shard::mixed_precision mp{.param = dtype::bf16, .reduce = dtype::f32};
+  struct what {
+    int world = 3, steps = 0;
+    bool masters = false, save = false, load = false, halve = false;
+  };
+  auto run = [&](what r) {
+    std::vector<float> params;
+    comm::launch(r.world, [&](comm::ThreadComm& c) {
+      auto m = fixture::make_model16();
+      freeze_only(m, frozen);
+      auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{},
+                                                    {.wrap = shard::wrap_types<fixture::Linear16b>{},
+                                                     .seed = 42,
+                                                     .precision = mp,
+                                                     .frozen_masters = r.masters});
+      optim::AdamW opt{adamw};
+      if (r.load) io::load_checkpoint(root, model, opt);
+      const int per_rank = rows / r.world, first = c.rank() * per_rank;
+      const int start = int(model.steps());
+      for (int s = start; s < start + r.steps; ++s) {
+        if (r.halve && s == start + 1)
+          model.summon_full_params([&] {
+            m.parameters([](std::string_view, nn::Param<bfloat16>& p) {
+              for (std::int64_t k = 0; k < p.shape.numel(); ++k) p.value[k] = bfloat16(0.5f * float(p.value[k]));
+            });
+          });
+        model.train_step(opt, fixture::as<bfloat16>(fixture::batch(s, per_rank, 5, 1, first)),
+                         fixture::as<bfloat16>(fixture::batch(s, per_rank, 3, 2, first)), fixture::mse_h<bfloat16>);
+      }
+      if (r.save) io::save_checkpoint(root, model, opt);
+      const auto values = model.full_state_dict();  // collective; rank 0 keeps the values
+      if (c.rank() == 0)
+        for (const auto& [name, t] : values) params.insert(params.end(), t.span().begin(), t.span().end());
+    });
+    return params;
+  };
+  const auto saved = run({.steps = 2, .save = true});
+  // The frozen values saved are bf16 values (the first step's masters of them are not).
+  CHECK(saved != run({.steps = 2, .masters = true}));
+  CHECK(bits(run({.world = 2, .masters = true, .load = true})) == bits(saved));
+  CHECK(bits(run({.world = 2, .load = true})) == bits(saved));
+  const auto resumed = run({.steps = 2, .load = true});
+  const auto straight = run({.steps = 4});
+  CHECK(resumed != saved);
+  CHECK(bits(resumed) == bits(straight));
+  std::filesystem::remove_all(root);
+  // Halved through summon_full_params: a frozen master takes the halved bf16 value as the
+  // compute copy does, so from there on both runs hold the same values.
+  const auto halved = run({.steps = 3, .halve = true});
+  CHECK(halved != run({.steps = 3}));
+  CHECK(bits(halved) == bits(run({.steps = 3, .masters = true, .halve = true})));
+}
+
 TEST_CASE("ranks that freeze different parameters all raise, naming the first that differs", "[frozen][errors]") {
   std::vector<std::string> errors(2);
   comm::launch(2, [&](comm::ThreadComm& c) {
@@ -739,6 +802,60 @@ TEST_CASE("with frozen parameters the plan equals the ledger and the bytes sent"
       CHECK(o.sent == Approx(o.plan.sent.total()).epsilon(1e-12));
       CHECK(o.sent < o.unfrozen.sent.total());
     }
+  }
+}
+
+// The same with 16-bit layers and no masters for frozen elements, offloaded or not: the
+// plan counts each rank's master as its trained elements in wholly frozen and packed units.
+TEST_CASE("without frozen masters the plan equals the ledger", "[frozen][plan]") {
+  const int w = 3;
+  const std::set<std::string> frozen{"0.weight", "0.bias", "1.layers.1.weight", "1.layers.2.bias"};
+  const shard::mixed_precision mp{.param = dtype::bf16, .reduce = dtype::bf16};
+  for (bool offload : {false, true}) {
+    INFO((offload ? "offloaded" : "in the model's space"));
+    struct measured {
+      std::size_t parameters = 0, offloaded = 0;
+      plan::rank_plan plan, with_masters;
+    };
+    std::vector<measured> out(w);
+    comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
+      auto m = fixture::make_model16();
+      freeze_only(m, frozen);
+      auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{},
+                                                    {.wrap = shard::wrap_types<fixture::Linear16b>{},
+                                                     .seed = 42,
+                                                     .precision = mp,
+                                                     .offload = offload,
+                                                     .frozen_masters = false});
+      auto& o = out[std::size_t(c.rank())];
+      o.parameters = l.peak(category::parameters);
+      o.offloaded = l.offload().peak(category::parameters);
+      const auto desc = plan::describe(model);
+      plan::setup s{.policy = shard::FullShard{}.policy(),
+                    .world = w,
+                    .precision = plan::precision::param_layers(mp),
+                    .offload = offload,
+                    .frozen_masters = false,
+                    .rank = c.rank()};
+      o.plan = plan::make_plan(desc, s);
+      s.frozen_masters = true;
+      o.with_masters = plan::make_plan(desc, s);
+    });
+    for (const auto& o : out) {
+      CHECK(o.parameters == o.plan.memory.parameters);
+      if (offload) CHECK(o.offloaded == o.plan.offloaded.parameters);
+      const auto fewer = [&](const plan::rank_plan& p) { return offload ? p.offloaded.parameters : p.memory.parameters; };
+      CHECK(fewer(o.plan) < fewer(o.with_masters));
+    }
+    // rank 0 keeps 19 + 24 master elements fewer (test above), rank 1 as many, rank 2 19 + 16
+    const auto saved = [&](int r) {
+      const auto& o = out[std::size_t(r)];
+      return offload ? o.with_masters.offloaded.parameters - o.plan.offloaded.parameters
+                     : o.with_masters.memory.parameters - o.plan.memory.parameters;
+    };
+    CHECK(saved(0) == 4 * (19 + 24));
+    CHECK(saved(1) == 4 * (19 + 24));
+    CHECK(saved(2) == 4 * (19 + 16));
   }
 }
 

@@ -108,6 +108,9 @@ struct setup {
   plan::precision precision{};
   std::size_t optimizer_bytes = adam_state_bytes;
   bool offload = false;  // shard::options::offload: see rank_plan::offloaded
+  // shard::options::frozen_masters: false, with 16-bit layers, keeps no fp32 master for the
+  // frozen elements of wholly frozen and packed units
+  bool frozen_masters = true;
   bool global_loss = true;  // shard::step_options::loss is loss_report::global_mean (train_step's default)
   // The rank planned (its place in the shard group decides which elements its optimizer
   // state holds, when some parameters are frozen); unset: for each category the
@@ -309,6 +312,16 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
         kept[q] += packed(i) && pol.shard_optimizer ? piece_trained[i][q] : padded[i] / N;
   }
   const std::size_t grads = s.rank ? kept[std::size_t(my_piece)] : *std::max_element(kept.begin(), kept.end());
+  // Each piece's fp32 master elements: its trained elements alone in a unit whose frozen
+  // elements keep none (options.frozen_masters = false: wholly frozen and packed units).
+  std::vector<std::size_t> mastered(N, 0);
+  for (std::size_t i = 0; i < padded.size(); ++i) {
+    const bool compact = compute16 && !s.frozen_masters && (d.all_frozen(i) || packed(i));
+    for (std::size_t q = 0; q < N; ++q)
+      mastered[q] += !compact ? padded[i] / N : d.all_frozen(i) ? 0 : piece_trained[i][q];
+  }
+  const std::size_t masters =
+      s.rank ? mastered[std::size_t(my_piece)] : *std::max_element(mastered.begin(), mastered.end());
 
   rank_plan p;
   rank_memory& mem = p.memory;
@@ -318,9 +331,9 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   // Offloaded, the optimizer's side moves to the offload space; the model's space keeps
   // the parameters layers need: the fp32 piece (fp32 layers) or its 16-bit copy.
   const std::size_t copy16 = compute16 && pol.shard_optimizer ? c * all / N : 0;
-  mem.parameters = (master_in_values ? c * all : s.offload && compute16 ? 0 : m * all / N) + copy16;
+  mem.parameters = (master_in_values ? c * all : s.offload && compute16 ? 0 : m * masters) + copy16;
   mem.optimizer_state = s.offload ? 0 : o * state;
-  if (s.offload) p.offloaded = {.parameters = m * all / N + copy16, .gradients = m * grads, .optimizer_state = o * state};
+  if (s.offload) p.offloaded = {.parameters = m * masters + copy16, .gradients = m * grads, .optimizer_state = o * state};
 
   // Gathers, full gradients and scratch as the step interleaves them (detail::replay).
   detail::step_units units;

@@ -512,27 +512,30 @@ class ShardedModel {
   template <class F>
   decltype(auto) with_master_piece(std::size_t i, F&& f) {
     auto& u = units_.at(i);
-    if (!u.compact()) {
-      if (master_offloaded(u)) return f(std::span<const T>(master_local(u)), std::type_identity<offload_space>{});
-      return f(std::span<const T>(master_local(u)), std::type_identity<space>{});
-    }
-    if (u.offload) {
-      std::optional<ledger_scope> in_offload(std::in_place, current_ledger().offload());
-      auto whole = compact_piece<offload_ops>(u, u.offload->compute_copy);
-      in_offload.reset();
-      return f(std::span<const T>(whole.span()), std::type_identity<offload_space>{});
-    }
-    return f(std::span<const T>(compact_piece<ops>(u, u.compute_shard).span()), std::type_identity<space>{});
+    if constexpr (compute16)
+      if (u.compact()) {
+        if (u.offload) {
+          std::optional<ledger_scope> in_offload(std::in_place, current_ledger().offload());
+          auto whole = compact_piece<offload_ops>(u, u.offload->compute_copy);
+          in_offload.reset();
+          return f(std::span<const T>(whole.span()), std::type_identity<offload_space>{});
+        }
+        return f(std::span<const T>(compact_piece<ops>(u, u.compute_shard).span()), std::type_identity<space>{});
+      }
+    if (master_offloaded(u)) return f(std::span<const T>(master_local(u)), std::type_identity<offload_space>{});
+    return f(std::span<const T>(master_local(u)), std::type_identity<space>{});
   }
-  // This rank's piece of unit i's master values, in the model's space; with_master_piece
-  // reads every unit's.
+  // This rank's piece of unit i's master values: memory of the model's space, or of its
+  // offload space (host memory) when master_piece_offloaded(i). Not for a unit without
+  // frozen masters, whose piece with_master_piece lends.
   std::span<const T> master_piece(std::size_t i) {
     auto& u = units_.at(i);
-    require(!u.compact() && !master_offloaded(u), "rank ", comm_->rank(), ": unit '", u.name,
-            "' keeps its master piece ", u.compact() ? "in part (frozen_masters = false)" : "offloaded",
-            ": read it with with_master_piece");
+    require(!u.compact(), "rank ", comm_->rank(), ": unit '", u.name, "' keeps no master for its frozen elements ",
+            "(options.frozen_masters = false): read its piece with with_master_piece");
     return master_local(u);
   }
+  // With 16-bit layers and options.offload the master lives only in the offload space.
+  bool master_piece_offloaded(std::size_t i) const { return master_offloaded(units_.at(i)); }
   // This rank's piece of unit i as runs (shard/unit_optimizer.hpp): the frozen ones
   // (optim::segment::frozen) have no optimizer state, the others' lies end to end in
   // each buffer of optimizer_state(opt, i). Without frozen parameters: one run.
