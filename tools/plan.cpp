@@ -72,6 +72,11 @@ struct settings {
   double memory = 80, bandwidth = 100, flops = 100;
 };
 
+dtype parse_type(std::string s) {
+  for (auto& ch : s) ch = char(std::toupper(static_cast<unsigned char>(ch)));
+  return parse_dtype(s);
+}
+
 settings parse(int argc, char** argv) {
   settings s;
   using example::whole;
@@ -154,6 +159,10 @@ settings parse(int argc, char** argv) {
     if (s.article) return;
     if (s.no_frozen_masters && s.frozen_layers == 0 && s.lora.empty())
       throw CLI::ValidationError("--no-frozen-masters", "nothing is frozen (--frozen-layers, --lora)");
+    if (s.no_frozen_masters &&
+        parse_type(!s.compute.empty() ? s.compute : s.encoder ? std::string("f32") : s.param) == dtype::f32)
+      throw CLI::ValidationError("--no-frozen-masters", "fp32 layers' values are their masters (16-bit compute: "
+                                                        "--param bf16 or --compute bf16)");
     s.group_given = cli.get_option("--group")->count() > 0;
     if (s.group_given)
       for (int w : s.worlds.empty() ? std::vector<int>{s.world} : s.worlds)
@@ -196,11 +205,6 @@ settings parse(int argc, char** argv) {
   });
   cli.parse_or_exit(argc, argv);
   return s;
-}
-
-dtype parse_type(std::string s) {
-  for (auto& ch : s) ch = char(std::toupper(static_cast<unsigned char>(ch)));
-  return parse_dtype(s);
 }
 
 std::size_t optimizer_bytes(const std::string& o) {
@@ -418,8 +422,6 @@ int main(int argc, char** argv) {
     }
     plan::precision p{.param = parse_type(s.param), .reduce = parse_type(s.reduce)};
     p.compute = !s.compute.empty() ? parse_type(s.compute) : s.encoder ? dtype::f32 : p.param;
-    require(!s.no_frozen_masters || p.compute != dtype::f32,
-            "--no-frozen-masters: fp32 layers' values are their masters (16-bit compute: --compute bf16)");
     plan::model_desc d;
     if (!s.preset.empty()) {
       const auto& m = plan::decoder_preset(s.preset);
