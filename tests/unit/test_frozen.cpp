@@ -180,6 +180,20 @@ bool frozen_unchanged(const sharded_run& run, const std::set<std::string>& froze
   return seen > 0;
 }
 
+// make_model16's units (56, 72, 72, 72 and 35 elements, a bias 16-aligned) with these frozen:
+// unit 0 wholly; 1.layers.1 packs (its weight frozen); 1.layers.2 (its bias frozen) does not
+// pack at W = 2 or 3, a piece of it being all trained ([0, 36), [24, 48)).
+const std::set<std::string> frozen16{"0.weight", "0.bias", "1.layers.1.weight", "1.layers.2.bias"};
+
+// FullShard's options for make_model16, each Linear a unit.
+shard::options options16(shard::mixed_precision mp, bool offload, bool frozen_masters) {
+  return {.wrap = shard::wrap_types<fixture::Linear16b>{},
+          .seed = 42,
+          .precision = mp,
+          .offload = offload,
+          .frozen_masters = frozen_masters};
+}
+
 std::vector<std::uint32_t> bits(const std::vector<float>& v) {
   std::vector<std::uint32_t> out;
   for (float x : v) out.push_back(std::bit_cast<std::uint32_t>(x));
@@ -376,11 +390,7 @@ TEST_CASE("a unit of frozen and trained parameters reduces its trained elements 
 // back (state dicts, checkpoints) reads the frozen values as layers hold them, in bf16.
 TEST_CASE("without frozen masters 16-bit layers train the same and keep no fp32 copy of frozen elements",
           "[frozen][memory]") {
-  // Units of 56, 72, 72, 72 and 35 elements (a bias starts 16-aligned). Unit 0 is wholly
-  // frozen; 1.layers.1 packs (its weight frozen); 1.layers.2 (its bias frozen) does not pack:
-  // a piece of it is all trained (W = 2: [0, 36); W = 3: [24, 48)), so its ranks keep its
-  // whole master and its bias in fp32.
-  const std::set<std::string> frozen{"0.weight", "0.bias", "1.layers.1.weight", "1.layers.2.bias"};
+  // frozen16: unpacked, 1.layers.2 keeps its whole master and its bias in fp32.
   const std::set<std::string> without_master{"0.weight", "0.bias", "1.layers.1.weight"};
   struct setting {
     shard::AnyStrategy strategy;
@@ -398,9 +408,9 @@ TEST_CASE("without frozen masters 16-bit layers train the same and keep no fp32 
     for (const auto& [strategy, w, offload, saved] : settings) {
       INFO(strategy.name << " at W = " << w << ", reduce " << name(reduce) << (offload ? ", offloaded" : ""));
       const shard::mixed_precision mp{.param = dtype::bf16, .reduce = reduce};
-      const auto whole = train(w, strategy, optim::AdamW{adamw}, frozen, 3, clip_at, offload, wrap, mp,
+      const auto whole = train(w, strategy, optim::AdamW{adamw}, frozen16, 3, clip_at, offload, wrap, mp,
                                fixture::make_model16, 1, true);
-      const auto compact = train(w, strategy, optim::AdamW{adamw}, frozen, 3, clip_at, offload, wrap, mp,
+      const auto compact = train(w, strategy, optim::AdamW{adamw}, frozen16, 3, clip_at, offload, wrap, mp,
                                  fixture::make_model16, 1, false);
       CHECK(compact.replicas_agree);
       CHECK(compact.params != compact.initial);
@@ -539,7 +549,6 @@ TEST_CASE("without frozen masters checkpoints reshard and resume, and writeback 
           "[frozen][checkpoint]") {
   const auto root = std::filesystem::temp_directory_path() / cat("shardlib-frozen16-", ::getpid());
   std::filesystem::remove_all(root);
-  const std::set<std::string> frozen{"0.weight", "0.bias", "1.layers.1.weight", "1.layers.2.bias"};
   const shard::mixed_precision mp{.param = dtype::bf16, .reduce = dtype::f32};
   struct what {
     int world = 3, steps = 0;
@@ -549,12 +558,8 @@ TEST_CASE("without frozen masters checkpoints reshard and resume, and writeback 
     std::vector<float> params;
     comm::launch(r.world, [&](comm::ThreadComm& c) {
       auto m = fixture::make_model16();
-      freeze_only(m, frozen);
-      auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{},
-                                                    {.wrap = shard::wrap_types<fixture::Linear16b>{},
-                                                     .seed = 42,
-                                                     .precision = mp,
-                                                     .frozen_masters = r.masters});
+      freeze_only(m, frozen16);
+      auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, options16(mp, false, r.masters));
       optim::AdamW opt{adamw};
       if (r.load) io::load_checkpoint(root, model, opt);
       const int per_rank = rows / r.world, first = c.rank() * per_rank;
@@ -809,7 +814,6 @@ TEST_CASE("with frozen parameters the plan equals the ledger and the bytes sent"
 // plan counts each rank's master as its trained elements in wholly frozen and packed units.
 TEST_CASE("without frozen masters the plan equals the ledger", "[frozen][plan]") {
   const int w = 3;
-  const std::set<std::string> frozen{"0.weight", "0.bias", "1.layers.1.weight", "1.layers.2.bias"};
   const shard::mixed_precision mp{.param = dtype::bf16, .reduce = dtype::bf16};
   for (bool offload : {false, true}) {
     INFO((offload ? "offloaded" : "in the model's space"));
@@ -820,13 +824,8 @@ TEST_CASE("without frozen masters the plan equals the ledger", "[frozen][plan]")
     std::vector<measured> out(w);
     comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
       auto m = fixture::make_model16();
-      freeze_only(m, frozen);
-      auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{},
-                                                    {.wrap = shard::wrap_types<fixture::Linear16b>{},
-                                                     .seed = 42,
-                                                     .precision = mp,
-                                                     .offload = offload,
-                                                     .frozen_masters = false});
+      freeze_only(m, frozen16);
+      auto model = shard::fully_shard<optim::AdamW>(m, c, shard::FullShard{}, options16(mp, offload, false));
       auto& o = out[std::size_t(c.rank())];
       o.parameters = l.peak(category::parameters);
       o.offloaded = l.offload().peak(category::parameters);
