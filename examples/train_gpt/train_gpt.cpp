@@ -40,6 +40,7 @@
 #include "common/checkpointing.hpp"
 #include "common/flags.hpp"
 #include "common/fine_tuning.hpp"
+#include "common/memory_report.hpp"
 #include "common/text_corpus.hpp"
 #include "common/text_sample.hpp"
 
@@ -134,6 +135,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
     eval_s += seconds() - before;
   }
   const double trained_s = seconds() - eval_s;
+  if (c.rank() == 0) example::print_peaks("train_gpt", 0, current_ledger());  // training and validation's
 
   // A continuation of the held-out tail's first paragraph (or its first bytes), every rank
   // alike (each forward is collective).

@@ -47,6 +47,7 @@
 #include "common/checkpointing.hpp"
 #include "common/flags.hpp"
 #include "common/fine_tuning.hpp"
+#include "common/memory_report.hpp"
 #include "common/device_world.cuh"
 #include "common/text_corpus.hpp"
 #include "common/text_sample.hpp"
@@ -174,6 +175,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   }
   sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (end of training)");
   const double trained_s = seconds() - eval_s;
+  if (c.rank() == 0) example::print_peaks("train_gpt_cuda", 0, sl::current_ledger());  // training and validation's
   // Every rank alike (each forward is collective); the cache and the logits on the device.
   const sl::Tensor<std::int64_t> prompt = example::sample_prompt(data, s.seq);
   const long prompt_len = long(prompt.dim(1));
