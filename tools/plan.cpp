@@ -7,7 +7,8 @@
 //   shardlib-plan --params 6e9 --layers 28 --hidden 4096 --heads 16 --seq 2048 --batch 1 [common flags]
 //       a coarse transformer: blocks of 12·hidden² parameters, the rest in the root
 //   shardlib-plan --model gpt2-124m|gpt2-350m|llama-7b|llama-70b [--seq 2048] [--batch 1]
-//                 [--frozen-layers 16 | --lora q_proj v_proj [--lora-r 8]] [--no-frozen-masters] [common flags]
+//                 [--frozen-layers 16 | --lora q_proj v_proj [--lora-r 8]] [--no-frozen-masters]
+//                 [--no-frozen-grads] [common flags]
 //       a published decoder's architecture, its parameters counted tensor by tensor, each
 //       block a unit; --seq defaults to the context it was trained with; --frozen-layers N
 //       plans a fine-tune with the embeddings and the lower N blocks frozen, --lora one of
@@ -57,6 +58,7 @@ constexpr double max_params = 1e15;
 struct settings {
   bool article = false, encoder = false, fused_attention = false;
   bool no_frozen_masters = false;  // shard::options::frozen_masters = false
+  bool no_frozen_grads = false;    // shard::options::frozen_grads = false
   std::string preset;  // --model
   long frozen_layers = 0;  // --frozen-layers
   std::vector<std::string> lora;  // --lora: target modules
@@ -115,6 +117,10 @@ settings parse(int argc, char** argv) {
                "16-bit layers with --frozen-layers or --lora: frozen parameters keep no fp32 master "
                "(shard::options::frozen_masters = false)")
       ->excludes(article);
+  cli.add_flag("--no-frozen-grads", s.no_frozen_grads,
+               "with --frozen-layers or --lora: backward keeps no gradients of frozen parameters "
+               "(shard::options::frozen_grads = false)")
+      ->excludes(article);
   cli.add_option("--params", s.params, "parameters of the coarse transformer (default: its blocks alone)")
       ->check(example::positive(max_params))
       ->default_str("")
@@ -157,8 +163,10 @@ settings parse(int argc, char** argv) {
   cli.add_option("--json", s.json, "writes one JSON line per strategy and world size");
   cli.callback([&] {
     if (s.article) return;
-    if (s.no_frozen_masters && s.frozen_layers == 0 && s.lora.empty())
-      throw CLI::ValidationError("--no-frozen-masters", "nothing is frozen (--frozen-layers, --lora)");
+    for (const auto& [flag, given] : {std::pair{"--no-frozen-masters", s.no_frozen_masters},
+                                      std::pair{"--no-frozen-grads", s.no_frozen_grads}})
+      if (given && s.frozen_layers == 0 && s.lora.empty())
+        throw CLI::ValidationError(flag, "nothing is frozen (--frozen-layers, --lora)");
     if (s.no_frozen_masters &&
         parse_type(!s.compute.empty() ? s.compute : s.encoder ? std::string("f32") : s.param) == dtype::f32)
       throw CLI::ValidationError("--no-frozen-masters", "fp32 layers' values are their masters (16-bit compute: "
@@ -293,9 +301,10 @@ void print_model(const plan::model_desc& d, const char* activations_note) {
 
 void print_setup(const plan::setup& s) {
   std::printf(
-      "# W = %d ranks, optimizer state %zu B/parameter, fp32 master%s; gather %s, reduce %s, compute %s; "
+      "# W = %d ranks, optimizer state %zu B/parameter, fp32 master%s%s; gather %s, reduce %s, compute %s; "
       "prefetch %d\n",
-      s.world, s.optimizer_bytes, s.frozen_masters ? "" : " (trained parameters only)",
+      s.world, s.optimizer_bytes, s.frozen_masters ? "" : " (none for frozen parameters of wholly frozen and packed units)",
+      s.frozen_grads ? "" : ", no gradients of frozen parameters",
       std::string(name(s.precision.param)).c_str(),
       std::string(name(s.precision.reduce)).c_str(), std::string(name(s.precision.compute)).c_str(), s.prefetch);
 }
@@ -458,7 +467,8 @@ int main(int argc, char** argv) {
                              .prefetch = s.prefetch,
                              .precision = p,
                              .optimizer_bytes = optimizer_bytes(s.optimizer),
-                             .frozen_masters = !s.no_frozen_masters};
+                             .frozen_masters = !s.no_frozen_masters,
+                             .frozen_grads = !s.no_frozen_grads};
       std::printf("\n");
       print_setup(base);
       print_table(d, base, strategies(s.strategy), json);

@@ -563,8 +563,9 @@ struct mlp_run {
 
   // fp16's scale starts low enough that this model's gradients never overflow, unless
   // given; the parameters named in `frozen` are frozen (requires_grad = false), with or
-  // without fp32 masters (options.frozen_masters).
-  explicit mlp_run(float scale = 256.f, const std::vector<std::string>& frozen = {}, bool frozen_masters = true) {
+  // without fp32 masters and gradient storage (options.frozen_masters, frozen_grads).
+  explicit mlp_run(float scale = 256.f, const std::vector<std::string>& frozen = {}, bool frozen_masters = true,
+                   bool frozen_grads = true) {
     sl::cuda::stream_scope scope(stream.get());
     model.parameters([&](std::string_view name, auto& p) {
       p.requires_grad = std::find(frozen.begin(), frozen.end(), name) == frozen.end();
@@ -576,7 +577,8 @@ struct mlp_run {
                                        .seed = 3,
                                        .precision = precision,
                                        .scaler = {.scale = scale},
-                                       .frozen_masters = frozen_masters});
+                                       .frozen_masters = frozen_masters,
+                                       .frozen_grads = frozen_grads});
   }
 
   // Step s's batch, drawn from s alone, so that two runs see the same data; the
@@ -796,17 +798,22 @@ TEMPLATE_TEST_CASE("a device unit of frozen and trained parameters keeps its tra
 // options.frozen_masters = false on the device: the frozen elements of unit 0 (a wholly
 // frozen unit, or a packed one: its bias trained) keep no fp32 master; the device Adam steps
 // the trained runs end to end and they are rounded into the compute copy after, gated by
-// fp16's vote with half. Training is the same bit for bit; frozen values read back are the
-// compute dtype's.
+// fp16's vote with half. With frozen_grads = false too, backward binds no gradient storage
+// for them (the device Linear skips the null grad). Training is the same bit for bit;
+// frozen values read back are the compute dtype's.
 TEMPLATE_TEST_CASE("without frozen masters a device model trains the same bit for bit", "[cuda][engine][frozen]",
                    sl::bfloat16, sl::half) {
   if (!have_device()) return;
   for (const std::vector<std::string>& frozen : {std::vector<std::string>{"0.weight"}, {"0.weight", "0.bias"}}) {
     INFO(frozen.size() << " frozen");
-    mlp_run<TestType> with(256.f, frozen, true), without(256.f, frozen, false);
+    mlp_run<TestType> with(256.f, frozen, true), without(256.f, frozen, false, false);
     std::size_t masters = 0;  // fp32 elements unit 0 keeps without frozen masters
     for (const auto& u : without.sharded->units())
-      if (u.name == "0") masters = u.trained_master.size() + (u.master ? u.master->local().size() : 0);
+      if (u.name == "0") {
+        masters = u.trained_master.size() + (u.master ? u.master->local().size() : 0);
+        CHECK(u.local_trained_only());
+        CHECK(u.local_size == masters);  // backward's gradients: the bias's alone, or none
+      }
     CHECK(masters == (frozen.size() == 2 ? 0 : std::size_t(mlp_hidden)));
     for (int s = 0; s < 3; ++s) {
       const sl::shard::step_options so{.max_norm = s == 1 ? 0.05f : 0.f};

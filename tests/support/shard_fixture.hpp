@@ -163,11 +163,13 @@ struct Linear16 {
         for (std::int64_t o = 0; o < out; ++o) acc += float(dy[r * out + o]) * float(weight.value[o * in + k]);
         dx[r * in + k] = H(acc);
       }
+    // A frozen parameter's gradient too, where it has storage (the engine zeroes it), as a
+    // user layer may; none where its grad is null (options.frozen_grads = false).
     for (std::int64_t o = 0; o < out; ++o) {
       float db = 0;
       for (std::int64_t r = 0; r < rows; ++r) db += float(dy[r * out + o]);
-      bias.grad[o] = H(float(bias.grad[o]) + db);
-      for (std::int64_t k = 0; k < in; ++k) {
+      if (bias.grad) bias.grad[o] = H(float(bias.grad[o]) + db);
+      for (std::int64_t k = 0; k < in && weight.grad; ++k) {
         float dw = 0;
         for (std::int64_t r = 0; r < rows; ++r) dw += float(dy[r * out + o]) * float(x_[r * in + k]);
         weight.grad[o * in + k] = H(float(weight.grad[o * in + k]) + dw);

@@ -105,18 +105,21 @@ struct sharded_run {
   std::size_t frozen_unit_grads = 0;  // reduced gradients rank 0 keeps for units of frozen parameters
   std::size_t grads = 0;              // reduced gradients rank 0 keeps, every unit's
   std::size_t masters = 0;            // fp32 master elements rank 0 keeps, every unit's
+  std::size_t gradient_peak = 0;      // rank 0's ledger, the steps' peak of category::gradients
+  bool plan_equal = true;             // each rank's gradients and parameters are its plan's (micro = 1)
 };
 
 // The model make() returns: make_model()'s fp32 layers, or make_model16()'s bf16 ones
 // (with wrap_types<fixture::Linear16b> and precision.param bf16). With micro > 1, each step
 // runs that many forwards and backwards (each reduced, and added to the last) and no clipping.
+// `extra` gives options.frozen_masters and frozen_grads.
 template <class Opt, class Make = Model (*)()>
 sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::set<std::string>& frozen, int steps,
                   float max_norm, bool offload = false, shard::wrap_policy wrap = shard::wrap_types<Block>{},
                   shard::mixed_precision mp = {}, Make make = fixture::make_model, int micro = 1,
-                  bool frozen_masters = true) {
+                  shard::options extra = {}) {
   std::vector<sharded_run> runs(static_cast<std::size_t>(world));
-  comm::launch(world, [&](comm::ThreadComm& inner) {
+  comm::launch(world, [&](comm::ThreadComm& inner, ledger& l) {
     auto tally = std::make_shared<bench::traffic>();
     bench::counting_comm<comm::ThreadComm> c(inner, tally);
     auto m = make();
@@ -124,7 +127,12 @@ sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::s
     freeze_only(m, frozen);
     auto model = shard::fully_shard<Opt>(
         m, c, strategy,
-        {.wrap = wrap, .seed = 42, .precision = mp, .offload = offload, .frozen_masters = frozen_masters});
+        {.wrap = wrap,
+         .seed = 42,
+         .precision = mp,
+         .offload = offload,
+         .frozen_masters = extra.frozen_masters,
+         .frozen_grads = extra.frozen_grads});
     Opt opt = opt0;
     auto& run = runs[std::size_t(c.rank())];
     auto flatten = [&](std::vector<float>& out, bool names) {
@@ -138,6 +146,7 @@ sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::s
     flatten(run.initial, true);
     const int per_rank = rows / world, first = c.rank() * per_rank;
     tally->reset();  // construction and the state dict: only steps count
+    l.reset_peaks();
     for (int s = 0; s < steps && micro > 1; ++s) {
       model.zero_grad();
       for (int k = 0; k < micro; ++k) {
@@ -155,6 +164,20 @@ sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::s
       if (r.grad_norm) run.norms.push_back(*r.grad_norm);
     }
     run.reduced_bytes = (tally->reduce_scatter + tally->all_reduce) / steps;
+    run.gradient_peak = l.peak(category::gradients);
+    if (micro == 1) {
+      const auto plan = plan::make_plan(
+          plan::describe(model), {.policy = strategy.policy(),
+                                  .world = world,
+                                  .precision = std::is_same_v<H, float> ? plan::precision::fp32_layers(mp)
+                                                                        : plan::precision::param_layers(mp),
+                                  .offload = offload,
+                                  .frozen_masters = extra.frozen_masters,
+                                  .frozen_grads = extra.frozen_grads,
+                                  .rank = c.rank()});
+      for (category k : {category::gradients, category::parameters})
+        if (l.peak(k) != plan.memory[k]) runs[std::size_t(c.rank())].plan_equal = false;
+    }
     for (const auto& u : model.units()) {
       run.frozen_unit_grads += u.frozen() ? u.grad.size() : 0;
       run.grads += u.grad.size();
@@ -162,8 +185,10 @@ sharded_run train(int world, shard::AnyStrategy strategy, Opt opt0, const std::s
     }
     flatten(run.params, false);
   });
-  for (int r = 1; r < world; ++r)
+  for (int r = 1; r < world; ++r) {
     runs[0].replicas_agree = runs[0].replicas_agree && runs[std::size_t(r)].params == runs[0].params;
+    runs[0].plan_equal = runs[0].plan_equal && runs[std::size_t(r)].plan_equal;
+  }
   return runs[0];
 }
 
@@ -409,9 +434,9 @@ TEST_CASE("without frozen masters 16-bit layers train the same and keep no fp32 
       INFO(strategy.name << " at W = " << w << ", reduce " << name(reduce) << (offload ? ", offloaded" : ""));
       const shard::mixed_precision mp{.param = dtype::bf16, .reduce = reduce};
       const auto whole = train(w, strategy, optim::AdamW{adamw}, frozen16, 3, clip_at, offload, wrap, mp,
-                               fixture::make_model16, 1, true);
+                               fixture::make_model16, 1, {});
       const auto compact = train(w, strategy, optim::AdamW{adamw}, frozen16, 3, clip_at, offload, wrap, mp,
-                                 fixture::make_model16, 1, false);
+                                 fixture::make_model16, 1, {.frozen_masters = false});
       CHECK(compact.replicas_agree);
       CHECK(compact.params != compact.initial);
       CHECK(whole.masters - compact.masters == saved);
@@ -427,6 +452,68 @@ TEST_CASE("without frozen masters 16-bit layers train the same and keep no fp32 
       CHECK(mismatched == 0);
       CHECK(rounded > 0);  // the fp32 masters of frozen elements were not already bf16 values
     }
+}
+
+// options.frozen_grads = false: backward binds no gradient storage for frozen parameters
+// (their Param::grad is null; every layer here skips them): a wholly frozen unit keeps no
+// full local gradients, a packed one its trained elements' alone, which it packs piece by
+// piece as they lie. Training is the same bit for bit, in fp32 and bf16, offloaded, with
+// two micro-batches a step (accumulated in the trained elements' buffer), and the plan
+// counts it.
+TEST_CASE("without frozen gradients backward keeps the trained elements' alone and trains the same",
+          "[frozen][memory]") {
+  // fp32: unit 1.layers.0 wholly frozen, 1.layers.1 packs (its weight frozen), unit 0 (its
+  // weight frozen) packs at W = 2 and 3
+  const std::set<std::string> frozen32{"0.weight", "1.layers.0.weight", "1.layers.0.bias", "1.layers.1.weight"};
+  struct setting {
+    shard::AnyStrategy strategy;
+    int world;
+    bool offload;
+    int micro;
+  };
+  const setting settings[] = {{shard::FullShard{}, 3, false, 1},      {shard::ShardGradOp{}, 2, false, 1},
+                              {shard::ShardOptimizer{}, 3, false, 1}, {shard::HybridShard{.group_size = 2}, 4, false, 1},
+                              {shard::FullShard{}, 3, true, 1},       {shard::FullShard{}, 3, false, 2},
+                              {shard::ShardOptimizer{}, 3, false, 2}};
+  for (const auto& [strategy, w, offload, micro] : settings) {
+    const float clip = micro == 1 ? clip_at : 0.f;
+    {
+      INFO("fp32, " << strategy.name << " at W = " << w << (offload ? ", offloaded" : "") << ", micro " << micro);
+      const auto with = train(w, strategy, optim::AdamW{adamw}, frozen32, 3, clip, offload, shard::wrap_types<Block>{},
+                              {}, fixture::make_model, micro);
+      const auto without = train(w, strategy, optim::AdamW{adamw}, frozen32, 3, clip, offload,
+                                 shard::wrap_types<Block>{}, {}, fixture::make_model, micro, {.frozen_grads = false});
+      CHECK(without.params != without.initial);
+      CHECK(bits(without.params) == bits(with.params));
+      CHECK(without.gradient_peak < with.gradient_peak);
+      CHECK(without.plan_equal);
+      CHECK(with.plan_equal);
+    }
+    for (dtype reduce : {dtype::f32, dtype::bf16}) {
+      INFO("bf16, reduce " << name(reduce) << ", " << strategy.name << " at W = " << w
+                           << (offload ? ", offloaded" : "") << ", micro " << micro);
+      const shard::mixed_precision mp{.param = dtype::bf16, .reduce = reduce};
+      const shard::wrap_policy wrap = shard::wrap_types<fixture::Linear16b>{};
+      const auto with = train(w, strategy, optim::AdamW{adamw}, frozen16, 3, clip, offload, wrap, mp,
+                              fixture::make_model16, micro);
+      const auto without = train(w, strategy, optim::AdamW{adamw}, frozen16, 3, clip, offload, wrap, mp,
+                                 fixture::make_model16, micro, {.frozen_masters = false, .frozen_grads = false});
+      CHECK(without.params != without.initial);
+      // widened into fp32 for an fp32 reduction, 16-bit full gradients go at once: the peak
+      // is then another unit's
+      if (reduce == dtype::bf16) CHECK(without.gradient_peak < with.gradient_peak);
+      else CHECK(without.gradient_peak <= with.gradient_peak);
+      CHECK(without.plan_equal);
+      std::size_t differ = 0;  // frozen values without masters are their bf16 roundings
+      for (std::size_t k = 0; k < with.params.size(); ++k) {
+        const float want = frozen16.contains(with.names[k]) && with.names[k] != "1.layers.2.bias"
+                               ? float(bfloat16(with.params[k]))
+                               : with.params[k];
+        differ += std::bit_cast<std::uint32_t>(without.params[k]) != std::bit_cast<std::uint32_t>(want);
+      }
+      CHECK(differ == 0);
+    }
+  }
 }
 
 // A frozen element's gradient is zero and it has no optimizer state: each rank's state

@@ -300,25 +300,30 @@ struct adapters_run {
   std::map<std::string, std::vector<float>> initial, final;
   std::vector<std::size_t> grads;  // rank 0's reduced gradients in each adapter unit
   bool plan_equal = true;          // every rank's ledger equals its plan (activations aside)
+  std::size_t gradient_peak = 0;   // rank 0's
 };
 
 // Three AdamW steps of the adapters model on `rows` rows split over the ranks, each
-// Linear a unit.
-adapters_run train_adapters(int w, shard::AnyStrategy strategy) {
+// Linear a unit; without gradient storage for the frozen base when frozen_grads is false.
+adapters_run train_adapters(int w, shard::AnyStrategy strategy, bool frozen_grads = true) {
   std::vector<adapters_run> runs(std::size_t(w), adapters_run{});
   comm::launch(w, [&](comm::ThreadComm& c, ledger& l) {
     Adapters m = make_adapters();
-    auto model = shard::fully_shard<optim::AdamW>(m, c, strategy, adapter_units());
+    auto options = adapter_units();
+    options.frozen_grads = frozen_grads;
+    auto model = shard::fully_shard<optim::AdamW>(m, c, strategy, options);
     auto& run = runs[std::size_t(c.rank())];
     full_state(model, run.initial);
     l.reset_peaks();  // the state dict's gathers and tensors are not the step's
     optim::AdamW opt{{.lr = 1e-2, .weight_decay = 0.1}};
     train_steps(model, opt, 3, w, c.rank());
-    const auto plan = plan::make_plan(plan::describe(model),
-                                      {.policy = strategy.policy(), .world = w, .rank = c.rank()});
+    const auto plan = plan::make_plan(
+        plan::describe(model),
+        {.policy = strategy.policy(), .world = w, .frozen_grads = frozen_grads, .rank = c.rank()});
     for (int k = 0; k < category_count; ++k)
       if (category(k) != category::activations && l.peak(category(k)) != plan.memory[category(k)])
         run.plan_equal = false;
+    run.gradient_peak = l.peak(category::gradients);
     full_state(model, run.final);
     for (std::size_t i = 0; i < model.unit_count(); ++i) {
       if (model.unit_name(i).empty()) continue;  // the root holds no parameter
@@ -389,6 +394,13 @@ TEST_CASE("a model of LoRA adapters trains under every strategy as on one rank",
     CHECK(adapters <= 1e-5);
     CHECK(run.grads == grads);
     CHECK(run.plan_equal);
+    if (strategy.name == "NoShard") continue;  // its layers write into the gradients it reduces
+    // The base's Params without gradient storage (options.frozen_grads = false): Linear and
+    // its adapter skip them, the same bits; the full local gradients the adapters' alone.
+    const auto adapters_only = train_adapters(2, strategy, false);
+    CHECK(adapters_only.final == run.final);  // == fails on NaN
+    CHECK(adapters_only.plan_equal);
+    CHECK(adapters_only.gradient_peak < run.gradient_peak);
   }
 }
 

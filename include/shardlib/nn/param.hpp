@@ -62,7 +62,8 @@ struct Param {
   // then keeps its gradient at zero and never steps it (docs/design.md, "Frozen
   // parameters"). The library's layers skip its gradient (a frozen weight's product
   // keeps no input for it, nn::saved_input); a user layer may still write one, which
-  // the engine zeroes.
+  // the engine zeroes, unless it was wrapped with options.frozen_grads = false: then
+  // a frozen parameter's grad is null in backward, as FSDP2 keeps no .grad for it.
   bool requires_grad = true;
 
   std::size_t numel() const { return std::size_t(shape.numel()); }
@@ -70,9 +71,9 @@ struct Param {
   // Layers call this before reading a parameter: an unbound one means the layer
   // ran outside the context that gathers it (a composite that called
   // child.forward(...) directly instead of ctx.forward(child, ...)).
-  // Backward (with_grad) needs the gradient bound too.
+  // Backward (with_grad) needs the gradient bound too, unless the parameter is frozen.
   void require_bound(std::string_view layer, bool with_grad = false) const {
-    if (bound() && (!with_grad || grad != nullptr || numel() == 0)) return;
+    if (bound() && (!with_grad || !requires_grad || grad != nullptr || numel() == 0)) return;
     throw error(cat(layer, ": parameter '", owner_name.empty() ? std::string_view("?") : owner_name, "' has no ",
                     bound() ? "gradient" : "values", " bound — its layer ran outside the context that owns it; a ",
                     "composite must run its children through ctx.forward(child, x) and ctx.backward(child, dy)"));

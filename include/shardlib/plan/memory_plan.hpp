@@ -111,6 +111,9 @@ struct setup {
   // shard::options::frozen_masters: false, with 16-bit layers, keeps no fp32 master for the
   // frozen elements of wholly frozen and packed units
   bool frozen_masters = true;
+  // shard::options::frozen_grads: false keeps no full local gradients for a wholly frozen
+  // unit's elements, nor for a packed unit's frozen ones
+  bool frozen_grads = true;
   bool global_loss = true;  // shard::step_options::loss is loss_report::global_mean (train_step's default)
   // The rank planned (its place in the shard group decides which elements its optimizer
   // state holds, when some parameters are frozen); unset: for each category the
@@ -341,7 +344,12 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
     const std::size_t piece = m * padded[i] / N;  // fp32 bytes of this rank's piece
     units.gathered.push_back(sharded ? padded[i] : 0);
     units.send.push_back(sharded && narrow_param && !compute16 ? piece : 0);
-    units.full.push_back(pol.shard_optimizer ? padded[i] : 0);
+    const std::size_t trained_i = std::accumulate(piece_trained[i].begin(), piece_trained[i].end(), std::size_t(0));
+    units.full.push_back(!pol.shard_optimizer                  ? 0
+                         : s.frozen_grads                       ? padded[i]
+                         : d.all_frozen(i)                      ? 0
+                         : packed(i)                            ? trained_i
+                                                                : padded[i]);
     // packed: the slots sent and this rank's received, in the compute dtype when 16-bit both,
     // where HybridShard widens the received one to average it across the replicas in fp32
     const std::size_t slots = (N + (pol.shard_optimizer ? 1 : 0)) * width[i];

@@ -40,6 +40,14 @@ struct options {
   // A unit whose reduction does not pack its trained elements (shard/packing.hpp) keeps
   // its whole master. No effect with fp32 layers, whose values are the master.
   bool frozen_masters = true;
+  // Whether backward binds gradient storage for frozen parameters. false: a wholly frozen
+  // unit gets none, and a unit whose reduction packs its trained elements (shard/packing.hpp)
+  // gets them alone, end to end, so that its full local gradients take 2 or 4 bytes per
+  // trained element, not per element (FSDP2 keeps no .grad for a frozen parameter); a
+  // frozen parameter's Param::grad is then null, so every layer must skip the gradient of
+  // a frozen parameter, as the library's do. Training is the same bit for bit. Sharded
+  // optimizer state only (NoShard's layers write into the gradients it reduces).
+  bool frozen_grads = true;
 };
 
 // train_step's options and what it returns.

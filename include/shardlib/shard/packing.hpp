@@ -56,6 +56,21 @@ void pack(const reduce_packing& p, std::span<const From> full, std::span<To> out
   }
 }
 
+// The same from full gradients that hold the unit's trained elements alone, end to end
+// (options.frozen_grads = false): piece q's are the next p.trained[q] of them.
+template <class Ops, class From, class To>
+void pack_trained(const reduce_packing& p, std::span<const From> trained, std::span<To> out) {
+  std::size_t at = 0;
+  for (std::size_t q = 0; q < p.runs.size(); ++q) {
+    const auto from = trained.subspan(at, p.trained[q]);
+    const auto slot = out.subspan(q * p.width, p.width);
+    if constexpr (std::is_same_v<From, To>) Ops::copy(from, slot.first(from.size()));
+    else Ops::widen_add(from, slot.first(from.size()), true);
+    if (p.trained[q] < p.width) Ops::fill(slot.subspan(p.trained[q]), To(0));
+    at += p.trained[q];
+  }
+}
+
 // An all-reduced slot (one piece: the whole unit) written over the trained runs of the full gradients.
 template <class Ops, class T>
 void unpack(const reduce_packing& p, std::span<const T> slot, std::span<T> full) {

@@ -31,7 +31,9 @@ namespace shardlib::shard {
 // as above) into scratch.wide, or scratch.packed when 16-bit both; its full gradients
 // released at once; received in scratch.reduce (or scratch.narrow) and added into u.grad,
 // which holds the trained elements of this rank's piece alone. An all-reduce's (one piece,
-// u.grad the layers' own gradients) goes back into the trained runs of u.grad.
+// u.grad the layers' own gradients) goes back into the trained runs of u.grad. Full local
+// gradients of the trained elements alone (options.frozen_grads = false) are packed
+// piece by piece as they lie.
 // At most one unit's reduction is in flight while the next unit computes.
 template <class Unit, class T, class C, class Space, class Comm>
 class gradient_reducer {
@@ -149,17 +151,25 @@ class gradient_reducer {
     const std::size_t all = k.width * k.runs.size();
     if (compute16 && rd != dtype::f32) {
       u.scratch.packed = Buffer<C, Space>(all, category::comm_scratch);
-      pack<ops>(k, std::span<const C>(u.full_grad.span()), u.scratch.packed.span());
+      pack_from(u, u.scratch.packed.span());
       u.scratch.narrow = Buffer<C, Space>(k.width, category::comm_scratch);
       u.reduce_work = shard_group.reduce_scatter_async(std::span<const C>(u.scratch.packed.span()),
                                                        u.scratch.narrow.span(), op_);
     } else {
       u.scratch.wide = Buffer<T, Space>(all, category::comm_scratch);
-      pack<ops>(k, std::span<const C>(u.full_grad.span()), u.scratch.wide.span());
+      pack_from(u, u.scratch.wide.span());
       u.scratch.reduce = Buffer<T, Space>(k.width, category::comm_scratch);
       reduce_scatter(u, shard_group, u.scratch.wide.span(), u.scratch.reduce.span());
     }
     release_full_grad(u);
+  }
+
+  // u's full local gradients packed into `out`: laid out as the unit, or as its trained elements alone.
+  template <class To>
+  void pack_from(unit_type& u, std::span<To> out) {
+    const std::span<const C> full(u.full_grad.span());
+    if (u.local_trained_only()) pack_trained<ops>(u.packing, full, out);
+    else pack<ops>(u.packing, full, out);
   }
 
   // x all-reduced in place; in the reduce dtype, narrowed in place first when that is 16-bit

@@ -548,9 +548,10 @@ class ShardedModel {
     if constexpr (requires { st.settle(); }) st.settle();
     return st;
   }
-  // Replaces this rank's piece of unit i's master values (host memory, the size of
-  // master_piece(i)). Between steps only. Collective when parameters are
-  // replicated from sharded masters (ZeRO-1 in 16 bits): every rank loads every unit.
+  // Replaces this rank's piece of unit i's master values (host memory, piece(i).size
+  // values; frozen elements without masters are rounded into the compute copy). Between
+  // steps only. Collective when parameters are replicated from sharded masters (ZeRO-1 in
+  // 16 bits): every rank loads every unit.
   void load_master(std::size_t i, std::span<const T> values) {
     auto& u = units_.at(i);
     auto local = master_local(u);
@@ -627,7 +628,7 @@ class ShardedModel {
       });
     }
     if (policy_.shard_optimizer && u.full_grad.empty()) {  // or kept from earlier micro-batches under sync(false)
-      u.full_grad = Buffer<C, space>(partition(std::size_t(index_of(u))).padded_size(), category::gradients);
+      u.full_grad = Buffer<C, space>(local_grad_size(u), category::gradients);
       ops::fill(u.full_grad.span(), C(0));
     }
     u.bind(u.values.data(), full_grads(u));
@@ -799,6 +800,15 @@ class ShardedModel {
     const bool no_grads = u.frozen() && (compute16 || policy_.shard_optimizer);
     const bool trained_only = u.packing.packed() && scattered;
     const std::size_t reduced = no_grads ? 0 : trained_only ? u.packing.trained[std::size_t(pr)] : part.shard_size();
+    // Full local gradients of the trained elements alone: where the reduction sends them alone.
+    if (!opts_.frozen_grads && policy_.shard_optimizer && (u.frozen() || trained_only)) {
+      std::size_t frozen_before = 0;
+      for (const auto& e : u.layout.entries) {
+        u.local_offsets.push_back(e.requires_grad ? e.offset - frozen_before : unit_type::npos);
+        if (!e.requires_grad) frozen_before += e.numel();
+      }
+      u.local_size = u.frozen() ? 0 : part.padded_size() - frozen_before;
+    }
     // Frozen elements without masters: only where the step's gradients leave them out too.
     if (compute16 && !opts_.frozen_masters && (no_grads || trained_only)) {
       auto runs = shard::piece_runs(u, piece(i));
@@ -839,10 +849,14 @@ class ShardedModel {
     u.where = state::gathered;
     // ZeRO-1: full local gradients always kept, but a wholly frozen unit's (made for its backward only)
     if (policy_.shard_optimizer && !policy_.shard_gradients && !u.frozen()) {
-      u.full_grad = Buffer<C, space>(part.padded_size(), category::gradients);
+      u.full_grad = Buffer<C, space>(local_grad_size(u), category::gradients);
       ops::fill(u.full_grad.span(), C(0));
     }
     u.bind(u.values.data(), full_grads(u));
+  }
+  // Elements of a unit's full local gradients: the unit's, or its trained ones alone.
+  std::size_t local_grad_size(const unit_type& u) const {
+    return u.local_trained_only() ? u.local_size : partition(std::size_t(index_of(u))).padded_size();
   }
   // Where layers write gradients: the full local gradients, or, when nothing is
   // sharded (fp32 layers only), the gradients the optimizer steps, reduced in place.
@@ -969,6 +983,7 @@ class ShardedModel {
   // shard/packing.hpp), the norm and the step see zeros
   // (and the optimizer leaves their elements out: unit_optimizer's runs).
   void zero_frozen_grads(unit_type& u) {
+    if (u.local_trained_only()) return;  // their grads were null
     for (const auto& e : u.layout.entries)
       if (!e.requires_grad) ops::fill(std::span<C>(full_grads(u) + e.offset, e.numel()), C(0));
   }

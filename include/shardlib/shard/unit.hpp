@@ -25,7 +25,7 @@ namespace shardlib::shard {
 //
 // T is the master dtype (fp32, or fp64 on the host); C the dtype layers compute
 // in: T, or a 16-bit type (then `compute_shard` holds the master rounded to C,
-// which is what the all-gather sends). Space is where every buffer lives, Work
+// which is what the all-gather sends; a frozen element without a master, its value). Space is where every buffer lives, Work
 // what the communicator's asynchronous collectives return, State the
 // optimizer's own per-shard state.
 template <class T, class C, class Space, class Work, class State>
@@ -86,6 +86,16 @@ struct unit {
     Buffer<C, Space> packed;  // 16-bit compute and reduction, packed: what is sent
   } scratch;
 
+  // options.frozen_grads = false, in a wholly frozen or packed unit: each parameter's place
+  // in the full local gradients, which hold the unit's trained elements alone, end to end
+  // (alignment gaps and padding among them, as optim::cut_frozen counts them); `npos` for a
+  // frozen one, whose grad is null in backward. Empty: the full local gradients are laid out
+  // as the unit.
+  static constexpr std::size_t npos = std::size_t(-1);
+  std::vector<std::size_t> local_offsets;
+  std::size_t local_size = 0;  // elements of the full local gradients with local_offsets
+  bool local_trained_only() const { return !local_offsets.empty(); }
+
   std::size_t numel() const { return layout.numel; }
   bool compact() const { return !compact_runs.empty(); }
   // Every parameter it owns is frozen (requires_grad = false), and it owns some.
@@ -99,11 +109,13 @@ struct unit {
     return -1;
   }
 
-  // Points every Param at values (and grads, or null) laid out as `layout`.
+  // Points every Param at values laid out as `layout`, and at grads (or null) laid out
+  // so too, or as local_offsets say.
   void bind(C* v, C* g) {
     for (std::size_t i = 0; i < params.size(); ++i) {
       params[i]->value = v ? v + layout.entries[i].offset : nullptr;
-      params[i]->grad = g ? g + layout.entries[i].offset : nullptr;
+      const std::size_t at = local_trained_only() ? local_offsets[i] : layout.entries[i].offset;
+      params[i]->grad = g && at != npos ? g + at : nullptr;
     }
   }
   void unbind() { bind(nullptr, nullptr); }
