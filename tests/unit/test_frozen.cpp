@@ -452,6 +452,25 @@ TEST_CASE("without frozen masters 16-bit layers train the same and keep no fp32 
       CHECK(mismatched == 0);
       CHECK(rounded > 0);  // the fp32 masters of frozen elements were not already bf16 values
     }
+  // Parameter groups: a compact unit's runs of one group joined (optim::trained_runs), the
+  // biases' group without weight decay; again the same bits but for the frozen values' rounding.
+  const auto groups = optim::param_groups<optim::AdamW>::no_decay_split(adamw);
+  const shard::mixed_precision mp{.param = dtype::bf16, .reduce = dtype::f32};
+  for (bool offload : {false, true}) {
+    INFO("param groups" << (offload ? ", offloaded" : ""));
+    const auto whole = train(3, shard::FullShard{}, groups, frozen16, 3, clip_at, offload, wrap, mp,
+                             fixture::make_model16, 1, {});
+    const auto compact = train(3, shard::FullShard{}, groups, frozen16, 3, clip_at, offload, wrap, mp,
+                               fixture::make_model16, 1, {.frozen_masters = false});
+    CHECK(whole.masters - compact.masters == 19 + 24);
+    std::size_t mismatched = 0;
+    for (std::size_t k = 0; k < whole.params.size(); ++k) {
+      const float want = without_master.contains(whole.names[k]) ? float(bfloat16(whole.params[k])) : whole.params[k];
+      mismatched += std::bit_cast<std::uint32_t>(compact.params[k]) != std::bit_cast<std::uint32_t>(want);
+    }
+    CHECK(mismatched == 0);
+    CHECK(compact.params != compact.initial);
+  }
 }
 
 // options.frozen_grads = false: backward binds no gradient storage for frozen parameters
@@ -654,8 +673,9 @@ TEST_CASE("without frozen masters checkpoints reshard and resume, and writeback 
       for (int s = start; s < start + r.steps; ++s) {
         if (r.halve && s == start + 1)
           model.summon_full_params([&] {
-            m.parameters([](std::string_view, nn::Param<bfloat16>& p) {
+            m.parameters([](std::string_view name, nn::Param<bfloat16>& p) {
               for (std::int64_t k = 0; k < p.shape.numel(); ++k) p.value[k] = bfloat16(0.5f * float(p.value[k]));
+              if (name == "0.weight") p.value[0] = bfloat16(-0.0f);  // a frozen zero's sign is kept too
             });
           });
         model.train_step(opt, fixture::as<bfloat16>(fixture::batch(s, per_rank, 5, 1, first)),
@@ -682,6 +702,7 @@ TEST_CASE("without frozen masters checkpoints reshard and resume, and writeback 
   // compute copy does, so from there on both runs hold the same values.
   const auto halved = run({.steps = 3, .halve = true});
   CHECK(halved != run({.steps = 3}));
+  CHECK((halved.at(0) == 0 && std::signbit(halved.at(0))));  // 0.weight's first element
   CHECK(bits(halved) == bits(run({.steps = 3, .masters = true, .halve = true})));
 }
 

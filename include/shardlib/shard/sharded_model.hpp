@@ -442,25 +442,25 @@ class ShardedModel {
       // An offloaded master is host memory: gathered, it goes to the model's space first
       // (the communicator's memory); alone, the host reads it in place.
       auto collect = [&](std::span<const T> values, bool on_host, bool whole) {
-      Buffer<T, space> full, uploaded;
-      if (!whole && partitions() > 1) {
-        if (on_host) {
-          uploaded = Buffer<T, space>(values.size(), category::comm_scratch);
-          ops::from_host(values, uploaded.span());
-          values = uploaded.span();
+        Buffer<T, space> full, uploaded;
+        if (!whole && partitions() > 1) {
+          if (on_host) {
+            uploaded = Buffer<T, space>(values.size(), category::comm_scratch);
+            ops::from_host(values, uploaded.span());
+            values = uploaded.span();
+          }
+          full = Buffer<T, space>(partition(i).padded_size(), category::gathered_parameters);
+          shard_comm().all_gather(values, full.span());
+          values = full.span();
+          on_host = false;
         }
-        full = Buffer<T, space>(partition(i).padded_size(), category::gathered_parameters);
-        shard_comm().all_gather(values, full.span());
-        values = full.span();
-        on_host = false;
-      }
-      if (!keep) return;
-      for (const auto& e : units_[i].layout.entries) {
-        Tensor<T> t(e.shape, category::parameters);
-        if (on_host) offload_ops::copy(values.subspan(e.offset, e.numel()), t.span());
-        else ops::to_host(values.subspan(e.offset, e.numel()), t.span());
-        out[position.at(e.name)] = {e.name, std::move(t)};
-      }
+        if (!keep) return;
+        for (const auto& e : units_[i].layout.entries) {
+          Tensor<T> t(e.shape, category::parameters);
+          if (on_host) offload_ops::copy(values.subspan(e.offset, e.numel()), t.span());
+          else ops::to_host(values.subspan(e.offset, e.numel()), t.span());
+          out[position.at(e.name)] = {e.name, std::move(t)};
+        }
       };
       bool whole = false;  // replicated values that hold the master: everything is here
       if constexpr (!compute16)
@@ -745,32 +745,51 @@ class ShardedModel {
   template <class Ops, class S>
   Buffer<T, S> compact_piece(unit_type& u, const Buffer<C, S>& copy) {
     Buffer<T, S> whole(copy.size(), category::comm_scratch);
-    Ops::widen_add(std::span<const C>(copy.span()), whole.span(), true);
+    if constexpr (compute16) Ops::widen(std::span<const C>(copy.span()), whole.span());
     const std::span<const T> master = master_local(u);
     optim::for_each_trained_run(u.compact_runs, [&](const optim::segment& r, std::size_t at) {
       Ops::copy(master.subspan(at, r.size), whole.span().subspan(r.begin, r.size));
     });
     return whole;
   }
-  // A compact unit's piece from host values (the piece's fp32 values): its trained runs into
-  // the master, every element rounded into the compute copy (and its offloaded mirror).
-  void load_compact(unit_type& u, std::span<const T> values) {
+  // A compact unit's piece from `whole` (its fp32 values, in the memory Ops works on: the
+  // offload space when offloaded, else the model's): its trained runs into the master, every
+  // element rounded into the compute copy (through its offloaded mirror).
+  template <class Ops>
+  void take_compact(unit_type& u, std::span<const T> whole) {
     if constexpr (compute16) {
-      std::vector<C> rounded(values.size());
-      space_ops<host_space>::narrow(values, std::span<C>(rounded));
       const auto master = master_local(u);
       optim::for_each_trained_run(u.compact_runs, [&](const optim::segment& r, std::size_t at) {
-        if (u.offload) offload_ops::copy(values.subspan(r.begin, r.size), master.subspan(at, r.size));
-        else ops::from_host(values.subspan(r.begin, r.size), master.subspan(at, r.size));
+        Ops::copy(whole.subspan(r.begin, r.size), master.subspan(at, r.size));
       });
       if (u.offload) {
-        offload_ops::copy(std::span<const C>(rounded), u.offload->compute_copy.span());
+        Ops::narrow(whole, u.offload->compute_copy.span());
         offload_->from_offload(std::span<const C>(u.offload->compute_copy.span()), u.compute_shard.span());
         offload_->fence();
       } else {
-        ops::from_host(std::span<const C>(rounded), u.compute_shard.span());
+        Ops::narrow(whole, u.compute_shard.span());
       }
     }
+  }
+  // The same from host values (a checkpoint's), or drawn as every unit is (first: the piece's first element).
+  void load_compact(unit_type& u, std::span<const T> values) {
+    if (u.offload) return take_compact<offload_ops>(u, values);  // host memory already
+    Buffer<T, space> whole(values.size(), category::comm_scratch);
+    ops::from_host(values, whole.span());
+    take_compact<ops>(u, whole.span());
+  }
+  void draw_compact(unit_type& u, std::size_t first) {
+    const std::size_t n = u.compute_shard.size();
+    if (u.offload) {
+      std::optional<ledger_scope> in_offload(std::in_place, current_ledger().offload());
+      Buffer<T, offload_space> whole(n, category::comm_scratch);
+      in_offload.reset();
+      offload_ops::initialize(u.layout, opts_.seed, first, whole.span());
+      return take_compact<offload_ops>(u, whole.span());
+    }
+    Buffer<T, space> whole(n, category::comm_scratch);
+    ops::initialize(u.layout, opts_.seed, first, whole.span());
+    take_compact<ops>(u, whole.span());
   }
   // The master this rank steps: its piece, or a compact unit's trained runs alone.
   std::span<T> master_local(unit_type& u) {
@@ -831,10 +850,8 @@ class ShardedModel {
     }
     if constexpr (compute16) {
       u.compute_shard = Buffer<C, space>(part.shard_size(), category::parameters);
-      if (u.compact()) {  // drawn on the host, as a checkpoint loads it
-        std::vector<T> drawn(part.shard_size());
-        nn::initialize_range<T>(u.layout, opts_.seed, part.begin(pr), std::span<T>(drawn));
-        load_compact(u, drawn);
+      if (u.compact()) {
+        draw_compact(u, part.begin(pr));
       } else {
         narrow_master(u);
       }

@@ -31,6 +31,7 @@ namespace shardlib::shard {
 //   from_host(span<const T> host, span<T>)     host memory -> space, complete on return
 //   initialize(layout, seed, first, span<T>)   nn::initialize_range's values into the space
 //   narrow(span<const float>, span<H>)         out = H(in), out of place
+//   widen(span<const H>, span<float>)          out = float(in), exactly (a zero keeps its sign)
 //   widen_add(span<const H>, span<float>, bool overwrite)
 //                                              out = (overwrite ? 0 : out) + float(in)
 //   round_to<H>(span<const float>, span<float>) out = float(H(in))
@@ -103,6 +104,10 @@ struct space_ops<host_space> {
   template <class H>
   static void narrow(std::span<const float> in, std::span<H> out) {
     for (std::size_t i = 0; i < in.size(); ++i) out[i] = H(in[i]);
+  }
+  template <class H>
+  static void widen(std::span<const H> in, std::span<float> out) {
+    for (std::size_t i = 0; i < in.size(); ++i) out[i] = float(in[i]);
   }
   template <class H>
   static void widen_add(std::span<const H> in, std::span<float> out, bool overwrite) {

@@ -178,6 +178,11 @@ struct space_ops<cuda_space> {
     ops::cuda::cast(in, out, cuda::current_stream());
   }
   template <class H>
+  static void widen(std::span<const H> in, std::span<float> out) {
+    detail::require_same_size("widen", in.size(), out.size());
+    ops::cuda::cast(in, out, cuda::current_stream());
+  }
+  template <class H>
   static void widen_add(std::span<const H> in, std::span<float> out, bool overwrite) {
     detail::require_same_size("widen_add", in.size(), out.size());
     detail::map_into(in, out, overwrite, detail::device_widen_add_of<H>{}, "space_ops widen_add");
