@@ -215,6 +215,10 @@ struct shardlib::shard::space_ops<negated::negated_space> {
     for (std::size_t i = 0; i < in.size(); ++i) out[i] = negated::flip(H(negated::flip(in[i])));
   }
   template <class H>
+  static void widen(std::span<const H> in, std::span<float> out) {
+    for (std::size_t i = 0; i < in.size(); ++i) out[i] = negated::flip(float(negated::flip(in[i])));
+  }
+  template <class H>
   static void widen_add(std::span<const H> in, std::span<float> out, bool overwrite) {
     for (std::size_t i = 0; i < in.size(); ++i)
       out[i] = negated::flip((overwrite ? 0.f : negated::flip(out[i])) + float(negated::flip(in[i])));

@@ -482,7 +482,7 @@ TEST_CASE("without frozen masters 16-bit layers train the same and keep no fp32 
 TEST_CASE("without frozen gradients backward keeps the trained elements' alone and trains the same",
           "[frozen][memory]") {
   // fp32: unit 1.layers.0 wholly frozen, 1.layers.1 packs (its weight frozen), unit 0 (its
-  // weight frozen) packs at W = 2 and 3
+  // weight frozen) packs at W = 2 (at W = 3 its slots would not fit: it keeps its frozen grads)
   const std::set<std::string> frozen32{"0.weight", "1.layers.0.weight", "1.layers.0.bias", "1.layers.1.weight"};
   struct setting {
     shard::AnyStrategy strategy;
@@ -533,6 +533,37 @@ TEST_CASE("without frozen gradients backward keeps the trained elements' alone a
       CHECK(differ == 0);
     }
   }
+}
+
+// The same where one unit's trained elements lie in every piece and a trained weight is cut
+// by a piece boundary (the whole model one unit: 1.layers.1.weight spans pieces 0 and 1 at
+// W = 2 and 4, 1.layers.0.weight at W = 3), so that the trained-elements buffer packs
+// slot after slot from where the last one ended.
+TEST_CASE("without frozen gradients a unit packs trained elements of every piece", "[frozen][memory]") {
+  struct setting {
+    int world;
+    std::set<std::string> frozen;
+  };
+  const setting settings[] = {{2, {"1.layers.0.weight", "1.layers.2.weight"}},
+                              {3, {"0.weight", "1.layers.1.weight", "1.layers.2.weight"}},
+                              {4, {"1.layers.0.weight", "1.layers.2.weight"}}};
+  for (const auto& [w, frozen] : settings)
+    for (bool bf16 : {false, true}) {
+      INFO("W = " << w << (bf16 ? ", bf16" : ", fp32"));
+      const auto run = [&](bool frozen_grads) {
+        if (!bf16)
+          return train(w, shard::FullShard{}, optim::AdamW{adamw}, frozen, 3, clip_at, false, shard::wrap_none{}, {},
+                       fixture::make_model, 1, {.frozen_grads = frozen_grads});
+        return train(w, shard::FullShard{}, optim::AdamW{adamw}, frozen, 3, clip_at, false, shard::wrap_none{},
+                     {.param = dtype::bf16, .reduce = dtype::bf16}, fixture::make_model16, 1,
+                     {.frozen_grads = frozen_grads});
+      };
+      const auto with = run(true), without = run(false);
+      CHECK(without.params != without.initial);
+      CHECK(bits(without.params) == bits(with.params));
+      CHECK(without.gradient_peak < with.gradient_peak);
+      CHECK(without.plan_equal);
+    }
 }
 
 // A frozen element's gradient is zero and it has no optimizer state: each rank's state

@@ -237,9 +237,9 @@ class PositionEmbedding : public detail::position_embedding_base<T> {
   input backward(Ctx&, const output& dy) {
     this->check_grad(dy.shape());
     const std::int64_t block = shape_[shape_.rank() - 2] * dim_, rows = dy.numel() / block;
-    T* g = weight.grad + used_offset_ * dim_;
-    for (std::int64_t r = 0; weight.requires_grad && r < rows; ++r) {  // frozen: no gradient
+    for (std::int64_t r = 0; weight.requires_grad && r < rows; ++r) {  // frozen: no gradient (grad may be null)
       const T* d = dy.data() + r * block;
+      T* g = weight.grad + used_offset_ * dim_;
       for (std::int64_t i = 0; i < block; ++i) g[i] += d[i];
     }
     pending_ = false;

@@ -62,8 +62,9 @@ struct Param {
   // then keeps its gradient at zero and never steps it (docs/design.md, "Frozen
   // parameters"). The library's layers skip its gradient (a frozen weight's product
   // keeps no input for it, nn::saved_input); a user layer may still write one, which
-  // the engine zeroes, unless it was wrapped with options.frozen_grads = false: then
-  // a frozen parameter's grad is null in backward, as FSDP2 keeps no .grad for it.
+  // the engine zeroes, unless it was wrapped with options.frozen_grads = false: then a
+  // frozen parameter's grad is null in backward (in a wholly frozen unit, or one whose
+  // reduction packs its trained elements), as FSDP2 keeps no .grad for it.
   bool requires_grad = true;
 
   std::size_t numel() const { return std::size_t(shape.numel()); }
