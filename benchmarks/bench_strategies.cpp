@@ -9,7 +9,7 @@
 //                    [--batch 8] [--classes 10] [--dropout 0.1] [--prefetch 1] [--group 2]
 //                    [--warmup 2] [--steps 8] [--rounds 3] [--json FILE]
 //                    [--model encoder|gpt2] [--vocab 8192] [--frozen-layers N] [--freeze GLOB,...]
-//                    [--lora TARGET,... [--lora-r 8]]
+//                    [--lora TARGET,... [--lora-r 8]] [--no-frozen-grads]
 //
 // The default model is reduced so that the whole run takes a few minutes on 2 cores;
 // --article selects the FSDP article's sizes (6 layers, d_model 512, 8 heads, ff 2048,
@@ -23,6 +23,8 @@
 // every block then holds frozen and trained parameters, whose reduction sends the trained
 // elements alone); a glob that names none is an error. --lora TARGET,... (gpt2) trains a
 // LoRA fine-tune: adapters of rank --lora-r on the projections it names, the rest frozen.
+// --no-frozen-grads wraps with shard::options::frozen_grads = false (backward keeps no
+// gradients of frozen parameters in wholly frozen and packed units).
 //
 // Strategies run in turns, `rounds` times each, each run in a fresh child process, and
 // step times are pooled over the rounds: other work on a shared machine then slows all
@@ -82,6 +84,7 @@ struct config {
   std::vector<std::string> freeze;  // --freeze
   std::vector<std::string> lora;    // --lora: target modules (gpt2)
   long lora_r = 8;
+  bool no_frozen_grads = false;   // --no-frozen-grads: shard::options::frozen_grads = false
   example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .seq = 16};
   long batch = 8;
   int prefetch = 1, group = 2, warmup = 2, steps = 8, rounds = 3;
@@ -215,8 +218,11 @@ double reference_activations(const Workload& work) {
 // from reference_activations, added by the caller; the total is the sum of the
 // category peaks, an upper bound since categories peak at different moments.
 template <class Strategy, class Engine>
-std::pair<per_category, double> formulas(Engine& e, const Strategy& strategy, int w, int prefetch) {
-  const auto p = plan::make_plan(plan::describe(e), {.policy = strategy.policy(), .world = w, .prefetch = prefetch});
+std::pair<per_category, double> formulas(Engine& e, const Strategy& strategy, int w, int prefetch, bool frozen_grads) {
+  const auto p = plan::make_plan(plan::describe(e), {.policy = strategy.policy(),
+                                                     .world = w,
+                                                     .prefetch = prefetch,
+                                                     .frozen_grads = frozen_grads});
   per_category f{};
   for (int k = 0; k < category_count; ++k) {
     if (category(k) == category::activations) continue;
@@ -241,7 +247,10 @@ measurement run(const Workload& work, int w, Strategy strategy) {
     typename Workload::optimizer opt{{.lr = 1e-3}};
     auto sharded = shard::fully_shard(
         model, counted, strategy, opt,
-        {.wrap = shard::wrap_types<typename Workload::unit>{}, .seed = 1, .prefetch = cfg.prefetch});
+        {.wrap = shard::wrap_types<typename Workload::unit>{},
+         .seed = 1,
+         .prefetch = cfg.prefetch,
+         .frozen_grads = !cfg.no_frozen_grads});
     for (int step = 0; step < cfg.warmup + cfg.steps; ++step) {
       if (step == cfg.warmup) {  // setup and warm-up (order recording, optimizer state) are not measured
         l.reset_peaks();
@@ -263,7 +272,7 @@ measurement run(const Workload& work, int w, Strategy strategy) {
     if (c.rank() != 0) return;
     m.units = sharded.unit_count();
     for (std::size_t i = 0; i < sharded.unit_count(); ++i) m.psi += sharded.partition(i).padded_size();
-    std::tie(m.formula, m.sent_formula) = formulas(sharded, strategy, w, cfg.prefetch);
+    std::tie(m.formula, m.sent_formula) = formulas(sharded, strategy, w, cfg.prefetch, !cfg.no_frozen_grads);
   });
   for (int r = 0; r < w; ++r) {
     for (int k = 0; k <= total_index; ++k) m.peak[k] = std::max(m.peak[k], peaks[r][k]);
@@ -404,7 +413,7 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
                "{\"bench\":\"strategies\",\"model\":\"%s\",\"vocab\":%ld,\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"cores\":%u,"
                "\"oversubscribed\":%s,\"layers\":%ld,\"d_model\":%ld,\"heads\":%ld,\"ff\":%ld,\"seq\":%ld,"
                "\"batch\":%ld,\"classes\":%ld,\"dropout\":%g,\"frozen_layers\":%ld,\"freeze\":\"%s\",\"lora\":\"%s\","
-               "\"lora_r\":%ld,\"prefetch\":%d,"
+               "\"lora_r\":%ld,\"frozen_grads\":%s,\"prefetch\":%d,"
                "\"steps\":%zu,"
                "\"units\":%zu,"
                "\"padded_params\":%zu,\"step_s\":%.9g,\"cpu_s\":%.9g,\"sys_s\":%.9g,\"minor_faults\":%.9g,"
@@ -414,7 +423,7 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
                cfg.model_name.c_str(), cfg.model_name == "gpt2" ? cfg.vocab : 0L, m.strategy.c_str(), m.world, m.group, cores, unsigned(m.world) > cores ? "true" : "false",
                cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.model.seq, cfg.batch,
                cfg.model.classes, cfg.model.dropout, cfg.frozen_layers, joined(cfg.freeze).c_str(), joined(cfg.lora).c_str(),
-               cfg.lora.empty() ? 0L : cfg.lora_r, cfg.prefetch,
+               cfg.lora.empty() ? 0L : cfg.lora_r, cfg.no_frozen_grads ? "false" : "true", cfg.prefetch,
                m.steps.size(), m.units, m.psi, m.median(&step_sample::wall_s), m.median(&step_sample::cpu_s),
                m.median(&step_sample::sys_s), m.median(&step_sample::faults), steps.c_str(), object(m.peak).c_str(),
                object(m.formula).c_str(), m.sent, m.sent_formula,
@@ -464,9 +473,13 @@ config parse(int argc, char** argv) {
                  "(nn::add_lora, e.g. c_attn,c_fc), everything else frozen")
       ->delimiter(',');
   cli.add_option("--lora-r", c.lora_r, "--lora: the adapters' rank")->check(example::whole(1, 4096));
+  cli.add_flag("--no-frozen-grads", c.no_frozen_grads, "with --frozen-layers, --freeze or --lora: backward keeps "
+               "no gradients of frozen parameters (shard::options::frozen_grads = false)");
   cli.add_option("--json", json, "appends one JSON line per strategy and world size");
   cli.callback([&] {
     example::check_model_flags(c.model);
+    if (c.no_frozen_grads && c.frozen_layers == 0 && c.freeze.empty() && c.lora.empty())
+      throw CLI::ValidationError("--no-frozen-grads", "nothing is frozen (--frozen-layers, --freeze, --lora)");
     if (c.frozen_layers > c.model.layers)
       throw CLI::ValidationError("--frozen-layers",
                                  cat(c.frozen_layers, " is more than the model's ", c.model.layers, " layers"));
@@ -510,6 +523,7 @@ void print_model(const gpt2_workload& work) {
   if (cfg.frozen_layers > 0) std::printf("the embeddings and the lower %ld blocks frozen (forward only), ", cfg.frozen_layers);
   if (!cfg.freeze.empty()) std::printf("frozen: %s, ", joined(cfg.freeze).c_str());
   if (!cfg.lora.empty()) std::printf("LoRA r %ld on %s (the rest frozen), ", cfg.lora_r, joined(cfg.lora).c_str());
+  if (cfg.no_frozen_grads) std::printf("no gradients of frozen parameters, ");
 }
 
 template <class Workload>
