@@ -2,7 +2,8 @@
 // (train_gpt, train_gpt_cuda): --init starts from a Hugging Face checkpoint (an earlier
 // --save), --freeze keeps the parameters a list of globs names as they are (nn::freeze),
 // and --lora trains LoRA adapters on the Linears it names with the rest frozen
-// (nn::add_lora, PEFT's target_modules), --save then writing PEFT's adapter files.
+// (nn::add_lora, PEFT's target_modules), --save then writing PEFT's adapter files;
+// --no-frozen-grads keeps no gradients of the frozen parameters (shard::options::frozen_grads).
 #pragma once
 #include <shardlib/core/error.hpp>
 #include <shardlib/models/hf.hpp>
@@ -30,6 +31,7 @@ struct fine_tune_settings {
   std::vector<std::string> lora;    // PEFT's target_modules
   long lora_r = 8;
   double lora_alpha = 16, lora_dropout = 0;
+  bool no_frozen_grads = false;  // shard::options::frozen_grads = false
   shardlib::nn::lora_options lora_options() const { return {.r = lora_r, .alpha = lora_alpha, .dropout = lora_dropout}; }
 };
 
@@ -46,6 +48,8 @@ inline void add_fine_tune_flags(command_line& cli, fine_tune_settings& s) {
       ->check(positive());
   cli.add_option("--lora-dropout", s.lora_dropout, "--lora: dropout on the adapters' input, in training")
       ->check(real(0, 0.99));
+  cli.add_flag("--no-frozen-grads", s.no_frozen_grads, "with --freeze or --lora: backward keeps no gradients of "
+               "frozen parameters (shard::options::frozen_grads = false)");
 }
 
 // Freezes what --freeze names and adds what --lora asks for; rank 0 says how much.
@@ -81,6 +85,8 @@ void prepare(Model& model, const fine_tune_settings& s, int rank, const char* pr
 // layers hold no storage).
 template <class Settings>
 void check_fine_tune(const Settings& s) {
+  if (s.no_frozen_grads && s.freeze.empty() && s.lora.empty())
+    throw CLI::ValidationError("--no-frozen-grads", "nothing is frozen (--freeze, --lora)");
   const auto check = [&](auto config) {
     if (!s.freeze.empty()) {
       auto m = make_byte_model<float, shardlib::host_space>(s, config);

@@ -81,7 +81,8 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   example::prepare(model, s, c.rank(), "train_gpt");
   using model_t = decltype(model);
   auto sharded = shard::fully_shard<optim::AdamW>(
-      model, c, shard::FullShard{}, {.wrap = shard::wrap_types<typename model_t::block_type>{}, .seed = s.seed});
+      model, c, shard::FullShard{},
+      {.wrap = shard::wrap_types<typename model_t::block_type>{}, .seed = s.seed, .frozen_grads = !s.no_frozen_grads});
   optim::AdamW adamw{{.lr = s.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = s.weight_decay}};
   const optim::warmup_cosine schedule{
       .peak_lr = s.lr, .min_lr = s.min_lr, .warmup_steps = std::min(s.warmup, s.steps), .total_steps = s.steps};

@@ -69,7 +69,6 @@ struct settings : example::byte_model_shape, example::sample_settings, example::
   double min_lr = 0;  // --min-lr; unset: a tenth of lr
   std::uint64_t seed = 0;
   bool no_frozen_masters = false;  // shard::options::frozen_masters = false
-  bool no_frozen_grads = false;    // shard::options::frozen_grads = false
 };
 
 using example::corpus;
@@ -249,8 +248,6 @@ int main(int argc, char** argv) {
   example::add_fine_tune_flags(cli, s);
   cli.add_flag("--no-frozen-masters", s.no_frozen_masters, "--dtype bf16 with --freeze or --lora: keep the frozen "
                "parameters in bf16 alone, without fp32 masters (4 bytes per frozen element less)");
-  cli.add_flag("--no-frozen-grads", s.no_frozen_grads, "with --freeze or --lora: backward keeps no gradients of "
-               "frozen parameters (shard::options::frozen_grads = false)");
   cli.callback([&] {
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
     if (s.min_lr > s.lr)
@@ -262,8 +259,6 @@ int main(int argc, char** argv) {
     if (s.no_frozen_masters && (s.dtype == "fp32" || (s.freeze.empty() && s.lora.empty())))
       throw CLI::ValidationError("--no-frozen-masters", s.dtype == "fp32" ? "fp32 layers' values are their masters"
                                                                           : "nothing is frozen (--freeze, --lora)");
-    if (s.no_frozen_grads && s.freeze.empty() && s.lora.empty())
-      throw CLI::ValidationError("--no-frozen-grads", "nothing is frozen (--freeze, --lora)");
   });
   cli.parse_or_exit(argc, argv);
   try {
