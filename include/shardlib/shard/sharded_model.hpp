@@ -515,12 +515,13 @@ class ShardedModel {
     if constexpr (compute16)
       if (u.compact()) {
         if (u.offload) {
-          std::optional<ledger_scope> in_offload(std::in_place, current_ledger().offload());
-          auto whole = compact_piece<offload_ops>(u, u.offload->compute_copy);
-          in_offload.reset();
+          auto whole = offload_scratch(u.compute_shard.size());
+          compact_piece<offload_ops>(u, u.offload->compute_copy.span(), whole.span());
           return f(std::span<const T>(whole.span()), std::type_identity<offload_space>{});
         }
-        return f(std::span<const T>(compact_piece<ops>(u, u.compute_shard).span()), std::type_identity<space>{});
+        Buffer<T, space> whole(u.compute_shard.size(), category::comm_scratch);
+        compact_piece<ops>(u, u.compute_shard.span(), whole.span());
+        return f(std::span<const T>(whole.span()), std::type_identity<space>{});
       }
     if (master_offloaded(u)) return f(std::span<const T>(master_local(u)), std::type_identity<offload_space>{});
     return f(std::span<const T>(master_local(u)), std::type_identity<space>{});
@@ -740,17 +741,20 @@ class ShardedModel {
         Ops::narrow(master.subspan(at, r.size), copy.subspan(r.begin, r.size));
       });
   }
-  // A compact unit's whole piece in T, in the memory Ops works on: `copy` (its compute copy
-  // there) widened, its trained masters over it.
-  template <class Ops, class S>
-  Buffer<T, S> compact_piece(unit_type& u, const Buffer<C, S>& copy) {
-    Buffer<T, S> whole(copy.size(), category::comm_scratch);
-    if constexpr (compute16) Ops::widen(std::span<const C>(copy.span()), whole.span());
+  // A compact unit's whole piece in T into `whole`, in the memory Ops works on: `copy` (its
+  // compute copy there) widened, its trained masters over it.
+  template <class Ops>
+  void compact_piece(unit_type& u, std::span<const C> copy, std::span<T> whole) {
+    if constexpr (compute16) Ops::widen(copy, whole);
     const std::span<const T> master = master_local(u);
     optim::for_each_trained_run(u.compact_runs, [&](const optim::segment& r, std::size_t at) {
-      Ops::copy(master.subspan(at, r.size), whole.span().subspan(r.begin, r.size));
+      Ops::copy(master.subspan(at, r.size), whole.subspan(r.begin, r.size));
     });
-    return whole;
+  }
+  // n elements of fp32 scratch in the offload space, booked in the offload ledger.
+  Buffer<T, offload_space> offload_scratch(std::size_t n) {
+    ledger_scope in_offload(current_ledger().offload());
+    return Buffer<T, offload_space>(n, category::comm_scratch);
   }
   // A compact unit's piece from `whole` (its fp32 values, in the memory Ops works on: the
   // offload space when offloaded, else the model's): its trained runs into the master, every
@@ -781,9 +785,7 @@ class ShardedModel {
   void draw_compact(unit_type& u, std::size_t first) {
     const std::size_t n = u.compute_shard.size();
     if (u.offload) {
-      std::optional<ledger_scope> in_offload(std::in_place, current_ledger().offload());
-      Buffer<T, offload_space> whole(n, category::comm_scratch);
-      in_offload.reset();
+      auto whole = offload_scratch(n);
       offload_ops::initialize(u.layout, opts_.seed, first, whole.span());
       return take_compact<offload_ops>(u, whole.span());
     }

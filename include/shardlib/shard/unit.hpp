@@ -25,9 +25,9 @@ namespace shardlib::shard {
 //
 // T is the master dtype (fp32, or fp64 on the host); C the dtype layers compute
 // in: T, or a 16-bit type (then `compute_shard` holds the master rounded to C,
-// which is what the all-gather sends; a frozen element without a master, its value). Space is where every buffer lives, Work
-// what the communicator's asynchronous collectives return, State the
-// optimizer's own per-shard state.
+// which is what the all-gather sends; a frozen element without a master, its value).
+// Space is where every buffer lives, Work what the communicator's asynchronous
+// collectives return, State the optimizer's own per-shard state.
 template <class T, class C, class Space, class Work, class State>
 struct unit {
   std::string name;                   // the layer's dotted name; "" for the root
