@@ -14,6 +14,7 @@
 #include "shardlib/optim/clip.hpp"
 #include "shardlib/optim/param_groups.hpp"
 #include "shardlib/shard/checkpointing.hpp"
+#include "shardlib/shard/compute_copy.hpp"
 #include "shardlib/shard/discover.hpp"
 #include "shardlib/shard/gather.hpp"
 #include "shardlib/shard/loss_scale_state.hpp"
@@ -52,6 +53,7 @@ namespace shardlib::shard {
 //   a step's loss and outcome read  shard/step_readout.hpp
 //   fp16 loss scaling's state       shard/loss_scale_state.hpp
 //   optimizer state, groups, checks shard/unit_optimizer.hpp
+//   16-bit compute copies, masters  shard/compute_copy.hpp (compute_copies)
 //   model agreement across ranks    shard/structure_check.hpp
 //   the step's order, offload, clipping, loss scaling, state access
 //                                   here
@@ -103,6 +105,7 @@ class ShardedModel {
         gathers_(opts_.precision, opts_.prefetch),
         reducer_(policy_, opts_.precision),
         steps_(comm.rank()),
+        copies_(opts_.seed),
         ctx_(this, opts_.context, checkpoints(model, opts_.checkpoint)) {
     check_precision(opts_.precision);
     if constexpr (!std::is_same_v<T, float>)
@@ -119,7 +122,7 @@ class ShardedModel {
       scaler_ = loss_scale_state<space>(opts_.scaler, comm.rank());
     }
     make_groups();
-    if (opts_.offload) offload_.emplace();
+    if (opts_.offload) copies_.set_offload(&offload_.emplace());
     for (auto& spec : discover_units<C>(model, opts_.wrap)) {
       index_[{spec.address, spec.type}] = int(units_.size());
       auto& u = units_.emplace_back();
@@ -511,20 +514,8 @@ class ShardedModel {
   // lends a copy: its compute copy widened, its trained masters over it.
   template <class F>
   decltype(auto) with_master_piece(std::size_t i, F&& f) {
-    auto& u = units_.at(i);
-    if constexpr (compute16)
-      if (u.compact()) {
-        if (u.offload) {
-          auto whole = offload_scratch(u.compute_shard.size());
-          compact_piece<offload_ops>(u, u.offload->compute_copy.span(), whole.span());
-          return f(std::span<const T>(whole.span()), std::type_identity<offload_space>{});
-        }
-        Buffer<T, space> whole(u.compute_shard.size(), category::comm_scratch);
-        compact_piece<ops>(u, u.compute_shard.span(), whole.span());
-        return f(std::span<const T>(whole.span()), std::type_identity<space>{});
-      }
-    if (master_offloaded(u)) return f(std::span<const T>(master_local(u)), std::type_identity<offload_space>{});
-    return f(std::span<const T>(master_local(u)), std::type_identity<space>{});
+    if constexpr (compute16) return copies_.with_piece(units_.at(i), f);
+    else return f(std::span<const T>(master_local(units_.at(i))), std::type_identity<space>{});
   }
   // This rank's piece of unit i's master values: memory of the model's space, or of its
   // offload space (host memory) when master_piece_offloaded(i). Not for a unit without
@@ -536,7 +527,7 @@ class ShardedModel {
     return master_local(u);
   }
   // With 16-bit layers and options.offload the master lives only in the offload space.
-  bool master_piece_offloaded(std::size_t i) const { return master_offloaded(units_.at(i)); }
+  bool master_piece_offloaded(std::size_t i) const { return compute16 && units_.at(i).offload.has_value(); }
   // This rank's piece of unit i as runs (shard/unit_optimizer.hpp): the frozen ones
   // (optim::segment::frozen) have no optimizer state, the others' lies end to end in
   // each buffer of optimizer_state(opt, i). Without frozen parameters: one run.
@@ -555,18 +546,15 @@ class ShardedModel {
   // 16 bits): every rank loads every unit.
   void load_master(std::size_t i, std::span<const T> values) {
     auto& u = units_.at(i);
-    auto local = master_local(u);
     require<shape_error>(values.size() == piece(i).size, "rank ", comm_->rank(), ": load_master of unit '", u.name,
                          "' needs ", piece(i).size, " values, got ", values.size());
     require(!policy_.shard_parameters || u.where == state::sharded, "rank ", comm_->rank(), ": load_master of unit '",
             u.name, "' while it is gathered (load between steps)");
-    if (u.compact()) load_compact(u, values);
-    else if (master_offloaded(u)) offload_ops::copy(values, local);
-    else ops::from_host(values, local);
     if constexpr (compute16) {
-      if (!u.compact()) narrow_master(u);
-    } else if (u.offload) {
-      offload_ops::copy(values, u.offload->master.span());
+      copies_.load(u, values);
+    } else {
+      ops::from_host(values, master_local(u));
+      if (u.offload) offload_ops::copy(values, u.offload->master.span());
     }
     if (!policy_.shard_parameters) refresh_values(u);
   }
@@ -666,7 +654,8 @@ class ShardedModel {
         // a compact unit's optimizer steps its trained runs end to end, rounded into place after
         steps_.template step<ops>(opt, u, i, piece(i), master_local(u), std::span<const T>(u.grad.span()),
                                   u.compact() ? std::span<C>{} : u.compute_shard.span(), flag);
-        if (u.compact()) narrow_trained<ops>(u, master_local(u), u.compute_shard.span());
+        if constexpr (compute16)
+          if (u.compact()) copies_.template round_runs<ops>(u, master_local(u), u.compute_shard.span());
       }
     }
     if (!policy_.shard_parameters) refresh_values(false);  // a wholly frozen unit's values did not change
@@ -714,97 +703,17 @@ class ShardedModel {
   bool master_in_values() const {
     return !policy_.shard_parameters && !compute16 && opts_.precision.param == dtype::f32;
   }
-  // 16-bit layers over an offloaded master keep no master in the model's space.
-  bool master_offloaded(const unit_type& u) const { return compute16 && u.offload.has_value(); }
-  // The compute shard = the master rounded to C, where the master lives: offloaded, it
-  // is rounded in host memory and copied over the offload channel, as a step does.
-  void narrow_master(unit_type& u) {
-    if constexpr (compute16) {
-      if (u.offload) {
-        if (u.compact()) narrow_trained<offload_ops>(u, u.offload->master.span(), u.offload->compute_copy.span());
-        else offload_ops::narrow(std::span<const T>(u.offload->master.span()), u.offload->compute_copy.span());
-        offload_->from_offload(std::span<const C>(u.offload->compute_copy.span()), u.compute_shard.span());
-        offload_->fence();
-      } else if (u.compact()) {
-        narrow_trained<ops>(u, master_local(u), u.compute_shard.span());
-      } else {
-        ops::narrow(std::span<const T>(master_local(u)), u.compute_shard.span());
-      }
-    }
-  }
-  // A compact unit's trained masters rounded into their places in its compute copy (`copy`:
-  // the piece in C, in the memory Ops works on); its frozen elements are left as they are.
-  template <class Ops>
-  void narrow_trained(const unit_type& u, std::span<const T> master, std::span<C> copy) {
-    if constexpr (compute16)
-      optim::for_each_trained_run(u.compact_runs, [&](const optim::segment& r, std::size_t at) {
-        Ops::narrow(master.subspan(at, r.size), copy.subspan(r.begin, r.size));
-      });
-  }
-  // A compact unit's whole piece in T into `whole`, in the memory Ops works on: `copy` (its
-  // compute copy there) widened, its trained masters over it.
-  template <class Ops>
-  void compact_piece(unit_type& u, std::span<const C> copy, std::span<T> whole) {
-    if constexpr (compute16) Ops::widen(copy, whole);
-    const std::span<const T> master = master_local(u);
-    optim::for_each_trained_run(u.compact_runs, [&](const optim::segment& r, std::size_t at) {
-      Ops::copy(master.subspan(at, r.size), whole.subspan(r.begin, r.size));
-    });
-  }
-  // n elements of fp32 scratch in the offload space, booked in the offload ledger.
-  Buffer<T, offload_space> offload_scratch(std::size_t n) {
-    ledger_scope in_offload(current_ledger().offload());
-    return Buffer<T, offload_space>(n, category::comm_scratch);
-  }
-  // A compact unit's piece from `whole` (its fp32 values, in the memory Ops works on: the
-  // offload space when offloaded, else the model's): its trained runs into the master, every
-  // element rounded into the compute copy (through its offloaded mirror).
-  template <class Ops>
-  void take_compact(unit_type& u, std::span<const T> whole) {
-    if constexpr (compute16) {
-      const auto master = master_local(u);
-      optim::for_each_trained_run(u.compact_runs, [&](const optim::segment& r, std::size_t at) {
-        Ops::copy(whole.subspan(r.begin, r.size), master.subspan(at, r.size));
-      });
-      if (u.offload) {
-        Ops::narrow(whole, u.offload->compute_copy.span());
-        offload_->from_offload(std::span<const C>(u.offload->compute_copy.span()), u.compute_shard.span());
-        offload_->fence();
-      } else {
-        Ops::narrow(whole, u.compute_shard.span());
-      }
-    }
-  }
-  // The same from host values (a checkpoint's), or drawn as every unit is (first: the piece's first element).
-  void load_compact(unit_type& u, std::span<const T> values) {
-    if (u.offload) return take_compact<offload_ops>(u, values);  // host memory already
-    Buffer<T, space> whole(values.size(), category::comm_scratch);
-    ops::from_host(values, whole.span());
-    take_compact<ops>(u, whole.span());
-  }
-  void draw_compact(unit_type& u, std::size_t first) {
-    const std::size_t n = u.compute_shard.size();
-    if (u.offload) {
-      auto whole = offload_scratch(n);
-      offload_ops::initialize(u.layout, opts_.seed, first, whole.span());
-      return take_compact<offload_ops>(u, whole.span());
-    }
-    Buffer<T, space> whole(n, category::comm_scratch);
-    ops::initialize(u.layout, opts_.seed, first, whole.span());
-    take_compact<ops>(u, whole.span());
-  }
-  // The master this rank steps: its piece, or a compact unit's trained runs alone.
+  // The master this rank steps: its piece (16-bit layers: compute_copies'), or the values' slice.
   std::span<T> master_local(unit_type& u) {
     if constexpr (compute16) {
-      if (u.offload) return u.offload->master.span();
-      if (u.compact()) return u.trained_master.span();
+      return copies_.master(u);
     } else {
       if (master_in_values()) {
         const auto l = partition(std::size_t(index_of(u)));
         return u.values.span().subspan(l.begin(partition_rank()), l.shard_size());
       }
+      return u.master->local();
     }
-    return u.master->local();
   }
 
   // A unit's storage, initialised in place: each rank draws only what it holds,
@@ -836,11 +745,12 @@ class ShardedModel {
       if (optim::trained_size(runs) < part.shard_size()) u.compact_runs = std::move(runs);
     }
     const std::size_t mastered = u.compact() ? optim::trained_size(u.compact_runs) : part.shard_size();
-    if (offload_) {  // the optimizer's side, drawn in place as the model's space draws it
+    // Masters are drawn in place as the model's space draws them (16-bit layers: by compute_copies::draw).
+    if (offload_) {  // the optimizer's side
       ledger_scope in_offload(current_ledger().offload());
       auto& o = u.offload.emplace();
       o.master = Buffer<T, offload_space>(mastered, category::parameters);
-      if (!u.compact()) offload_ops::initialize(u.layout, opts_.seed, part.begin(pr), o.master.span());
+      if constexpr (!compute16) offload_ops::initialize(u.layout, opts_.seed, part.begin(pr), o.master.span());
       o.grad = Buffer<T, offload_space>(reduced, category::gradients);
       if constexpr (compute16) o.compute_copy = Buffer<C, offload_space>(part.shard_size(), category::parameters);
     }
@@ -848,15 +758,11 @@ class ShardedModel {
       if (!offload_) u.trained_master = Buffer<T, space>(mastered, category::parameters);
     } else if (!master_in_values() && !(compute16 && offload_)) {
       u.master.emplace(part.numel, part.world, pr, category::parameters);
-      ops::initialize(u.layout, opts_.seed, part.begin(pr), u.master->local());
+      if constexpr (!compute16) ops::initialize(u.layout, opts_.seed, part.begin(pr), u.master->local());
     }
     if constexpr (compute16) {
       u.compute_shard = Buffer<C, space>(part.shard_size(), category::parameters);
-      if (u.compact()) {
-        draw_compact(u, part.begin(pr));
-      } else {
-        narrow_master(u);
-      }
+      copies_.draw(u, part.begin(pr));
     }
     u.grad = Buffer<T, space>(reduced, category::gradients);
     ops::fill(u.grad.span(), T(0));
@@ -943,27 +849,7 @@ class ShardedModel {
     auto master = master_local(u);
     const auto full = std::span<const C>(u.values.span()).subspan(part.begin(partition_rank()), part.shard_size());
     if constexpr (compute16) {
-      if constexpr (std::is_same_v<space, host_space>) {
-        // a master changes where its rounding does not read as the value written
-        auto take = [&](T& m, C v) {
-          if (float(v) != float(C(m))) m = T(float(v));
-        };
-        if (!u.compact()) {
-          for (std::size_t k = 0; k < master.size(); ++k) take(master[k], full[k]);
-          ops::narrow(std::span<const T>(master), u.compute_shard.span());
-        } else {  // frozen elements: the compute copy is all there is
-          std::size_t at = 0;
-          for (const auto& r : u.compact_runs) {
-            const bool frozen = r.group == optim::segment::frozen;
-            for (std::size_t k = 0; k < r.size; ++k)
-              if (frozen) u.compute_shard.span()[r.begin + k] = full[r.begin + k];
-              else take(master[at + k], full[r.begin + k]);
-            if (!frozen) at += r.size;
-          }
-          narrow_trained<ops>(u, master, u.compute_shard.span());
-          if (u.offload) ops::copy(std::span<const C>(u.compute_shard.span()), u.offload->compute_copy.span());
-        }
-      }
+      if constexpr (std::is_same_v<space, host_space>) copies_.write_back(u, full);
     } else if (opts_.precision.param == dtype::f32) {
       if (!master_in_values()) ops::copy(full, master);
     } else if constexpr (std::is_same_v<space, host_space>) {
@@ -1055,9 +941,12 @@ class ShardedModel {
       auto& o = *u.offload;
       steps_.template step<offload_ops>(opt, u, i, piece(i), o.master.span(), std::span<const T>(o.grad.span()),
                                         u.compact() ? std::span<C>{} : o.compute_copy.span());
-      if (u.compact()) narrow_trained<offload_ops>(u, o.master.span(), o.compute_copy.span());
-      if constexpr (compute16) channel.from_offload(std::span<const C>(o.compute_copy.span()), u.compute_shard.span());
-      else channel.from_offload(std::span<const T>(o.master.span()), master_local(u));
+      if constexpr (compute16) {
+        if (u.compact()) copies_.template round_runs<offload_ops>(u, o.master.span(), o.compute_copy.span());
+        channel.from_offload(std::span<const C>(o.compute_copy.span()), u.compute_shard.span());
+      } else {
+        channel.from_offload(std::span<const T>(o.master.span()), master_local(u));
+      }
     }
     channel.fence();
   }
@@ -1117,6 +1006,7 @@ class ShardedModel {
   bool forwarded_ = false;  // a forward completed since the last backward
   loss_scale_state<space> scaler_{std::nullopt, 0};  // fp16 loss scaling (empty without)
   unit_optimizer<unit_type, Optimizer, T, C> steps_;
+  compute_copies<unit_type, T, C, space> copies_;  // 16-bit layers only
   std::optional<typename space_ops<space>::offload_channel> offload_;  // options.offload
   std::uint64_t step_ = 0;
   sharded_context<ShardedModel> ctx_;
