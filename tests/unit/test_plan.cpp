@@ -27,6 +27,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -603,7 +604,8 @@ TEST_CASE("a preset with LoRA adapters is laid out and frozen as add_lora leaves
     compare(got, plan::describe_model(model, shard::wrap_types<models::GPT2Block<float>>{}));
     const double adapters = 2 * 3 * (40 + 120 + 160 + 40), tokens = 64;
     CHECK(got.flops == Approx(all.flops + tokens * (6 * adapters - 2 * double(plan::multiplied_parameters(m)))));
-    CHECK(got.activation_bytes == all.activation_bytes + 64 * 2 * 2 * 3 * 2);  // 2 adapted a block, bf16
+    // 2 adapted a block; c_fc frozen without one keeps no input (40 a token); bf16
+    CHECK(got.activation_bytes == all.activation_bytes + 64 * 2 * 2 * 3 * 2 - 64 * 2 * 40 * 2);
     CHECK(no_backward(got) == skips_backward(model, 96));  // none: block 0 trains
 
     // The last block's c_attn alone: block 0 is wholly frozen and, before the first
@@ -616,7 +618,7 @@ TEST_CASE("a preset with LoRA adapters is laid out and frozen as add_lora leaves
     CHECK(tail.frozen[1].all);
     CHECK(no_backward(tail) == std::vector<bool>{false, true, false});
     CHECK(no_backward(tail) == skips_backward(last, 96));
-    CHECK(tail.activation_bytes == all.activation_bytes / 2 + 64 * 3 * 2);
+    CHECK(tail.activation_bytes == all.activation_bytes / 2 + 64 * 3 * 2 - 64 * (40 + 160) * 2);  // c_fc, c_proj
     const double block = double(plan::block_parameters(m));
     CHECK(tail.flops == Approx(all.flops + tokens * (6 * 3.0 * (40 + 120) - 2 * double(plan::multiplied_parameters(m)) -
                                                       (2 * block + 8 * 40.0 * 32))));
@@ -634,4 +636,69 @@ TEST_CASE("a preset with LoRA adapters is laid out and frozen as add_lora leaves
     CHECK_THROWS_WITH(plan::with_lora(plan::decoder(m), m, {"q_proj", "c_attn"}, 3),
                       Catch::Contains("plan::with_lora llama-40: target 'c_attn' names no projection"));
   }
+}
+
+// What a LoRA run saves in activations, measured: each model trained whole and with
+// adapters (measure_activations, fp32), against what with_lora takes off the plan (in
+// f32). The estimate the two share (Korthikanti's) is not the layers' exact figure, but
+// the difference is: the inputs of frozen projections without an adapter that no other
+// layer keeps (the attention keeps its output, o_proj's input; LLaMA's q, k, v read one
+// input, gate and up another), less the adapters' r values a token. The plan counts
+// what forward keeps; where a block's last projection is frozen the measured peak moves
+// into the last block's backward, which holds that projection's input gradient
+// ([tokens, intermediate]) beside it; the adapters' backward adds at most one
+// adapter's output [tokens, r].
+TEST_CASE("a LoRA plan's activations drop by the inputs frozen projections no longer keep, as measured",
+          "[plan][presets][lora][activations]") {
+  const std::int64_t batch = 2, seq = 32, vocab = 96, tokens = batch * seq, r = 3, bytes = 4;
+  const auto measure = [&](auto& model) {
+    Tensor<std::int64_t> ids({batch, seq});
+    for (std::int64_t i = 0; i < ids.numel(); ++i) ids[i] = (i * 7) % vocab;
+    return std::int64_t(plan::measure_activations(model, [&](nn::context& ctx) {
+      auto out = ctx.forward(model, ids);
+      ctx.backward(model, nn::cross_entropy(out, models::causal_lm_targets(ids)).grad);
+    }));
+  };
+  // The targets, and whether the block's last projection (mlp.c_proj, down_proj) is frozen.
+  const auto compare = [&](const plan::decoder_shape& m, auto make, const std::vector<std::string>& targets,
+                           bool last_frozen) {
+    INFO(m.name << ", adapters on " << Catch::Detail::stringify(targets));
+    auto whole = make(), tuned = make();
+    nn::add_lora(tuned, targets, {.r = r});
+    const auto all = plan::decoder(m, batch, seq, dtype::f32);
+    const auto lora = plan::with_lora(all, m, targets, r, batch, seq, dtype::f32);
+    const std::int64_t planned = std::int64_t(all.activation_bytes) - std::int64_t(lora.activation_bytes);
+    const std::int64_t measured = measure(whole) - measure(tuned);
+    const std::int64_t adapter = tokens * r * bytes, inner = tokens * m.intermediate * bytes;
+    if (last_frozen) {
+      CHECK(planned - measured >= -adapter);
+      CHECK(planned - measured <= inner + adapter);
+    } else {
+      CHECK(std::abs(planned - measured) <= adapter);
+    }
+  };
+  const plan::decoder_shape gpt2{.name = "gpt2-64", .family = plan::family::gpt2, .layers = 4, .hidden = 64,
+                                 .heads = 4, .kv_heads = 4, .vocab = vocab, .intermediate = 256, .positions = seq,
+                                 .seq = seq, .tied = true};
+  const auto make_gpt2 = [&] {
+    return models::GPT2LMHeadModel<float>({.vocab_size = vocab, .n_positions = seq, .n_embd = 64, .n_layer = 4,
+                                           .n_head = 4});
+  };
+  compare(gpt2, make_gpt2, {"c_attn"}, true);
+  compare(gpt2, make_gpt2, {"attn.c_proj"}, true);
+  compare(gpt2, make_gpt2, {"mlp.c_proj"}, false);
+  compare(gpt2, make_gpt2, {"c_attn", "mlp.c_proj"}, false);
+  compare(gpt2, make_gpt2, {"c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"}, false);
+  const plan::decoder_shape llama{.name = "llama-64", .family = plan::family::llama, .layers = 4, .hidden = 64,
+                                  .heads = 4, .kv_heads = 2, .vocab = vocab, .intermediate = 176, .seq = seq};
+  const auto make_llama = [&] {
+    return models::LlamaForCausalLM<float>({.vocab_size = vocab, .hidden_size = 64, .intermediate_size = 176,
+                                            .num_hidden_layers = 4, .num_attention_heads = 4,
+                                            .num_key_value_heads = 2, .max_position_embeddings = seq});
+  };
+  compare(llama, make_llama, {"q_proj", "v_proj"}, true);
+  compare(llama, make_llama, {"o_proj"}, true);
+  compare(llama, make_llama, {"gate_proj"}, true);
+  compare(llama, make_llama, {"down_proj"}, false);
+  compare(llama, make_llama, {"q_proj", "v_proj", "down_proj"}, false);
 }

@@ -10,6 +10,7 @@
 #include "shardlib/nn/lora.hpp"       // lora_target_matches
 #include "shardlib/plan/presets.hpp"  // decoder_shape, block_modules, decoder, multiplied_parameters
 
+#include <algorithm>    // std::min
 #include <cstddef>      // std::size_t
 #include <string>       // std::string
 #include <vector>       // std::vector
@@ -24,10 +25,11 @@ namespace shardlib::plan {
 // base weight and bias, then lora_A [r, in] and lora_B [out, r]), every parameter but the
 // adapters frozen, the root wholly, a block without adapters wholly. The blocks before
 // the first adapter are a frozen prefix (forward only, no activations kept), as
-// with_frozen_prefix plans one. Activations: d's estimate for the other blocks (it counts
-// every Linear's input, so it overstates a LoRA run, whose frozen Linears without an
-// adapter keep none) plus the adapters' r values a token for each adapted projection (x
-// A^T, in `activations`, plan::decoder's dtype; no adapter dropout). FLOPs lose the frozen
+// with_frozen_prefix plans one. Activations: d's estimate for the other blocks, less the
+// inputs their frozen projections without an adapter no longer keep (a frozen weight
+// needs no input for its gradient; block_module says which inputs other layers keep
+// anyway), plus the adapters' r values a token for each adapted projection (x A^T, in
+// `activations`, plan::decoder's dtype; no adapter dropout). FLOPs lose the frozen
 // weights' gradient products (2 a multiplied parameter and token) and the prefix's
 // backward, and gain the adapters' 6. A target that names no projection raises, naming it.
 inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vector<std::string>& targets, long r,
@@ -40,6 +42,8 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
   const std::size_t align = nn::flat_layout::alignment, rank = std::size_t(r);
   std::vector<bool> used(targets.size(), false);
   std::size_t adapter_elements = 0, adapted_outputs = 0;  // over all blocks
+  // Per block and token: the inputs its frozen projections would have kept and nothing keeps now.
+  std::vector<std::size_t> unkept(std::size_t(m.layers), 0);
   d.frozen.assign(d.units.size(), unit_freezing{});
   d.frozen[0] = {.ranges = {{0, d.units[0]}}, .all = true};
   for (long b = 0; b < m.layers; ++b) {
@@ -52,10 +56,18 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
       f.all = f.all && frozen;
       at += n;
     };
+    std::size_t input = 0;  // the input the projections since the last that reads its own take
+    bool kept = true;       // and whether one of them, or another layer, keeps it
+    const auto close_input = [&] { unkept[std::size_t(b)] += kept ? 0 : input; };
     for (const auto& mod : modules) {
       if (mod.norm > 0) {
         for (std::size_t t = 0; t < mod.tensors; ++t) place(mod.norm, true);
         continue;
+      }
+      if (!mod.shares_input) {
+        close_input();
+        input = mod.in;
+        kept = mod.input_kept;
       }
       place(mod.out * mod.in, true);
       if (mod.bias) place(mod.out, true);
@@ -64,7 +76,9 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
       place(mod.out * rank, false);
       adapter_elements += rank * (mod.in + mod.out);
       adapted_outputs += rank;
+      kept = true;  // lora_A's gradient reads it
     }
+    close_input();
     d.units[std::size_t(b) + 1] = at;
   }
   for (std::size_t k = 0; k < targets.size(); ++k)
@@ -74,7 +88,10 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
   while (lead < m.layers && d.frozen[std::size_t(lead) + 1].all) d.frozen[std::size_t(++lead)].no_backward = true;
   const double s = double(seq > 0 ? seq : m.seq), tokens = s * double(batch), h = double(m.hidden);
   d.activation_bytes = std::size_t(double(d.activation_bytes) * double(m.layers - lead) / double(m.layers));
+  std::size_t dropped = 0;
+  for (long b = lead; b < m.layers; ++b) dropped += unkept[std::size_t(b)];
   d.activation_bytes += std::size_t(tokens) * adapted_outputs * size_of(activations);
+  d.activation_bytes -= std::min(d.activation_bytes, std::size_t(tokens) * dropped * size_of(activations));
   d.flops += tokens * (6 * double(adapter_elements) - 2 * double(multiplied_parameters(m)) -
                        double(lead) * (2 * double(block_parameters(m)) + 8 * h * s));
   return d;

@@ -30,12 +30,17 @@ struct decoder_shape {
 
 // One parameter-holding module of a block, in the order the library's block lists its
 // parameters: a projection (weight [out, in], a bias when `bias`) or a norm of `norm`
-// elements a tensor (`tensors` of them: weight, and bias for LayerNorm).
+// elements a tensor (`tensors` of them: weight, and bias for LayerNorm). A projection
+// keeps its input for its weight's gradient; what a frozen one saves (nn::saved_input):
+// `shares_input`, it reads the input of the projection before it (LLaMA's k and v after
+// q, up after gate), kept while any of them keeps it; `input_kept`, another layer keeps
+// that input anyway (the attention's output, which the attention keeps for backward).
 struct block_module {
   std::string_view name;  // within the block: "attn.c_attn", "self_attn.q_proj", "ln_1"
   std::size_t in = 0, out = 0;
   bool bias = false;
   std::size_t norm = 0, tensors = 0;
+  bool shares_input = false, input_kept = false;
   std::size_t parameters() const { return in * out + (bias ? out : 0) + norm * tensors; }
 };
 // GPT-2: ln_1, attn (c_attn: q, k, v fused; c_proj), ln_2, mlp (c_fc, c_proj). LLaMA:
@@ -44,13 +49,20 @@ inline std::vector<block_module> block_modules(const decoder_shape& m) {
   const std::size_t h = std::size_t(m.hidden), i = std::size_t(m.intermediate);
   const std::size_t kv = std::size_t(m.hidden / m.heads * m.kv_heads);
   if (m.family == family::gpt2)
-    return {{.name = "ln_1", .norm = h, .tensors = 2},          {.name = "attn.c_attn", .in = h, .out = 3 * h, .bias = true},
-            {.name = "attn.c_proj", .in = h, .out = h, .bias = true}, {.name = "ln_2", .norm = h, .tensors = 2},
-            {.name = "mlp.c_fc", .in = h, .out = i, .bias = true},    {.name = "mlp.c_proj", .in = i, .out = h, .bias = true}};
-  return {{.name = "self_attn.q_proj", .in = h, .out = h},       {.name = "self_attn.k_proj", .in = h, .out = kv},
-          {.name = "self_attn.v_proj", .in = h, .out = kv},      {.name = "self_attn.o_proj", .in = h, .out = h},
-          {.name = "mlp.gate_proj", .in = h, .out = i},          {.name = "mlp.up_proj", .in = h, .out = i},
-          {.name = "mlp.down_proj", .in = i, .out = h},          {.name = "input_layernorm", .norm = h, .tensors = 1},
+    return {{.name = "ln_1", .norm = h, .tensors = 2},
+            {.name = "attn.c_attn", .in = h, .out = 3 * h, .bias = true},
+            {.name = "attn.c_proj", .in = h, .out = h, .bias = true, .input_kept = true},
+            {.name = "ln_2", .norm = h, .tensors = 2},
+            {.name = "mlp.c_fc", .in = h, .out = i, .bias = true},
+            {.name = "mlp.c_proj", .in = i, .out = h, .bias = true}};
+  return {{.name = "self_attn.q_proj", .in = h, .out = h},
+          {.name = "self_attn.k_proj", .in = h, .out = kv, .shares_input = true},
+          {.name = "self_attn.v_proj", .in = h, .out = kv, .shares_input = true},
+          {.name = "self_attn.o_proj", .in = h, .out = h, .input_kept = true},
+          {.name = "mlp.gate_proj", .in = h, .out = i},
+          {.name = "mlp.up_proj", .in = h, .out = i, .shares_input = true},
+          {.name = "mlp.down_proj", .in = i, .out = h},
+          {.name = "input_layernorm", .norm = h, .tensors = 1},
           {.name = "post_attention_layernorm", .norm = h, .tensors = 1}};
 }
 
