@@ -34,6 +34,7 @@
 #include <shardlib/ops/gemm.hpp>
 #include <shardlib/optim/adam.hpp>
 #include <shardlib/optim/param_groups.hpp>
+#include <shardlib/plan/presets.hpp>
 
 #include <algorithm>
 #include <array>
@@ -197,28 +198,20 @@ void projection_products(std::vector<product>& p, long rows, long in, long out, 
   p.push_back({linear, trans::no, trans::no, rows, in, r, r, in, in, 1, a});
 }
 
-// GPT-2: c_attn (E -> 3E, q k v side by side), c_proj, c_fc (E -> F), c_proj (F -> E) per
-// block, the tied head (E -> vocab). LLaMA: q_proj, k_proj, v_proj (E -> kv heads x D),
-// o_proj, gate_proj and up_proj (E -> F), down_proj per layer, the head (frozen under LoRA).
+// Per block, each projection of plan::block_modules in its order (GPT-2's c_attn E -> 3E,
+// q k v side by side; LLaMA's k_proj and v_proj E -> kv heads x D), the attention before
+// the projection that reads its output; then the head (E -> vocab; frozen under LoRA).
 std::vector<product> decoder_products(const sizes& s, bool llama, const lora_counts& lora) {
-  const long R = s.batch * s.seq, E = s.d, F = s.ff, D = s.d / s.heads, NH = s.layers * s.batch * s.heads;
-  const long KV = (s.kv_heads > 0 ? s.kv_heads : s.heads) * D, L = s.layers;
+  const long R = s.batch * s.seq, E = s.d, D = s.d / s.heads, NH = s.layers * s.batch * s.heads;
+  const long KV = (s.kv_heads > 0 ? s.kv_heads : s.heads) * D;
+  const plan::decoder_shape shape{.family = llama ? plan::family::llama : plan::family::gpt2, .layers = s.layers,
+                                  .hidden = E, .heads = s.heads, .kv_heads = KV / D, .intermediate = s.ff};
   std::vector<product> p;
-  if (llama) {
-    projection_products(p, R, E, E, L, lora, "self_attn.q_proj");
-    projection_products(p, R, E, KV, L, lora, "self_attn.k_proj");
-    projection_products(p, R, E, KV, L, lora, "self_attn.v_proj");
-    attention_products(p, s.seq, D, NH, E, KV, E);
-    projection_products(p, R, E, E, L, lora, "self_attn.o_proj");
-    projection_products(p, R, E, F, L, lora, "mlp.gate_proj");
-    projection_products(p, R, E, F, L, lora, "mlp.up_proj");
-    projection_products(p, R, F, E, L, lora, "mlp.down_proj");
-  } else {
-    projection_products(p, R, E, 3 * E, L, lora, "attn.c_attn");
-    attention_products(p, s.seq, D, NH, 3 * E, 3 * E, E);
-    projection_products(p, R, E, E, L, lora, "attn.c_proj");
-    projection_products(p, R, E, F, L, lora, "mlp.c_fc");
-    projection_products(p, R, F, E, L, lora, "mlp.c_proj");
+  for (const auto& mod : plan::block_modules(shape)) {
+    if (mod.norm > 0) continue;
+    // the attention's output is the input of the projection after it, which it keeps
+    if (mod.input_kept) attention_products(p, s.seq, D, NH, llama ? E : 3 * E, llama ? KV : 3 * E, E);
+    projection_products(p, R, long(mod.in), long(mod.out), s.layers, lora, mod.name);
   }
   projection_products(p, R, E, s.vocab, 1, lora, "lm_head");
   return p;
