@@ -9,7 +9,7 @@
 //                    [--batch 8] [--classes 10] [--dropout 0.1] [--prefetch 1] [--group 2]
 //                    [--warmup 2] [--steps 8] [--rounds 3] [--json FILE]
 //                    [--model encoder|gpt2] [--vocab 8192] [--frozen-layers N] [--freeze GLOB,...]
-//                    [--lora TARGET,... [--lora-r 8]] [--no-frozen-grads]
+//                    [--lora TARGET,... [--lora-r 8]] [--no-frozen-grads] [--keep-gathered N]
 //
 // The default model is reduced so that the whole run takes a few minutes on 2 cores;
 // --article selects the FSDP article's sizes (6 layers, d_model 512, 8 heads, ff 2048,
@@ -24,7 +24,9 @@
 // elements alone); a glob that names none is an error. --lora TARGET,... (gpt2) trains a
 // LoRA fine-tune: adapters of rank --lora-r on the projections it names, the rest frozen.
 // --no-frozen-grads wraps with shard::options::frozen_grads = false (backward keeps no
-// gradients of frozen parameters in wholly frozen and packed units).
+// gradients of frozen parameters in wholly frozen and packed units). --keep-gathered N keeps
+// the last N layers' units gathered from their forward to their backward
+// (shard::options::keep_gathered, FSDP2's reshard_after_forward=False).
 //
 // Strategies run in turns, `rounds` times each, each run in a fresh child process, and
 // step times are pooled over the rounds: other work on a shared machine then slows all
@@ -85,6 +87,7 @@ struct config {
   std::vector<std::string> lora;    // --lora: target modules (gpt2)
   long lora_r = 8;
   bool no_frozen_grads = false;   // --no-frozen-grads: shard::options::frozen_grads = false
+  long keep_gathered = 0;         // --keep-gathered: the last N layers' units
   example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .seq = 16};
   long batch = 8;
   int prefetch = 1, group = 2, warmup = 2, steps = 8, rounds = 3;
@@ -118,6 +121,7 @@ struct encoder_workload {
   }
   auto inputs(long first) const { return task.inputs(first, cfg.batch); }
   auto targets(long first) const { return task.labels(first, cfg.batch); }
+  static std::string unit_name(long k) { return cat("0.layers.", k); }
 };
 
 // ... or GPT-2 with AdamW on uniform random token ids (seeded by the batch's first
@@ -150,7 +154,17 @@ struct gpt2_workload {
     return t;
   }
   Tensor<std::int64_t> targets(long first) const { return models::causal_lm_targets(inputs(first)); }
+  static std::string unit_name(long k) { return cat("transformer.h.", k); }
 };
+
+// --keep-gathered's units: the last N layers', by name.
+template <class Workload>
+shard::wrap_names kept_units(const config& cfg) {
+  shard::wrap_names kept;
+  for (long k = cfg.model.layers - cfg.keep_gathered; k < cfg.model.layers; ++k)
+    kept.names.push_back(Workload::unit_name(k));
+  return kept;
+}
 
 // Bytes by ledger category, then the total.
 constexpr int total_index = category_count;
@@ -248,6 +262,7 @@ measurement run(const Workload& work, int w, Strategy strategy) {
     auto sharded = shard::fully_shard(
         model, counted, strategy, opt,
         {.wrap = shard::wrap_types<typename Workload::unit>{},
+         .keep_gathered = kept_units<Workload>(cfg),
          .seed = 1,
          .prefetch = cfg.prefetch,
          .frozen_grads = !cfg.no_frozen_grads});
@@ -475,9 +490,15 @@ config parse(int argc, char** argv) {
   cli.add_option("--lora-r", c.lora_r, "--lora: the adapters' rank")->check(example::whole(1, 4096));
   cli.add_flag("--no-frozen-grads", c.no_frozen_grads, "with --frozen-layers, --freeze or --lora: backward keeps "
                "no gradients of frozen parameters (shard::options::frozen_grads = false)");
+  cli.add_option("--keep-gathered", c.keep_gathered, "the last N layers' units stay gathered from their forward to "
+                 "their backward (shard::options::keep_gathered)")
+      ->check(example::whole(0, example::max_size));
   cli.add_option("--json", json, "appends one JSON line per strategy and world size");
   cli.callback([&] {
     example::check_model_flags(c.model);
+    if (c.keep_gathered > c.model.layers)
+      throw CLI::ValidationError("--keep-gathered",
+                                 cat(c.keep_gathered, " is more than the model's ", c.model.layers, " layers"));
     if (c.no_frozen_grads && c.frozen_layers == 0 && c.freeze.empty() && c.lora.empty())
       throw CLI::ValidationError("--no-frozen-grads", "nothing is frozen (--frozen-layers, --freeze, --lora)");
     if (c.frozen_layers > c.model.layers)
@@ -530,6 +551,7 @@ template <class Workload>
 void measure_all(const Workload& work, unsigned cores) {
   const config& cfg = work.cfg;
   print_model(work);
+  if (cfg.keep_gathered > 0) std::printf("the last %ld units kept gathered after forward, ", cfg.keep_gathered);
   std::printf("prefetch %d; %d warm-up + %d measured steps, %d rounds\n"
               "# ranks are threads (ThreadComm) on %u hardware threads; step = median over steps of the slowest "
               "rank's train_step, pooled over rounds\n",

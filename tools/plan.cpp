@@ -18,7 +18,7 @@
 //       the model train_fsdp and bench_strategies train, walked exactly as fully_shard wraps
 //       it, its activations measured by one unsharded step on this machine
 //   common flags: --world 4 | --worlds 1,2,4,8   --strategy all|full|grad-op|optimizer|none|hybrid
-//                 --group 2 --prefetch 1 --param f32 --reduce f32 --compute f32|bf16|f16
+//                 --group 2 --prefetch 1 --keep-gathered 1 --param f32 --reduce f32 --compute f32|bf16|f16
 //                 --fused-attention (--model, --params: the device layers' attention)
 //                 --optimizer adam|amsgrad|momentum|sgd
 //                 --memory 80 (GB) --bandwidth 100 (GB/s per rank) --flops 100 (TFLOP/s per rank)
@@ -61,6 +61,7 @@ struct settings {
   bool no_frozen_grads = false;    // shard::options::frozen_grads = false
   std::string preset;  // --model
   long frozen_layers = 0;  // --frozen-layers
+  long keep_gathered = 0;  // --keep-gathered: the last N units
   std::vector<std::string> lora;  // --lora: target modules
   long lora_r = 8;
   double params = 0;  // 0: the blocks alone
@@ -146,6 +147,10 @@ settings parse(int argc, char** argv) {
   cli.add_option("--group", s.group, "HybridShard: ranks one replica is sharded over")
       ->check(whole(1, example::max_size));
   cli.add_option("--prefetch", s.prefetch, "units gathered ahead")->check(whole(0, example::max_size));
+  cli.add_option("--keep-gathered", s.keep_gathered,
+                 "the last N units stay gathered from their forward to their backward (shard::options::keep_gathered; "
+                 "FSDP2's reshard_after_forward=False)")
+      ->check(whole(0, example::max_size));
   const auto dtypes = CLI::IsMember({"f32", "bf16", "f16"}, CLI::ignore_case);
   cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes);
   cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes);
@@ -288,6 +293,8 @@ void print_model(const plan::model_desc& d, const char* activations_note) {
     }
   std::printf("); activations %s (%s); %.3g FLOP per rank per step\n",
               plan::detail::human(double(d.activation_bytes)).c_str(), activations_note, d.flops);
+  if (const auto kept = std::count(d.kept_gathered.begin(), d.kept_gathered.end(), true); kept > 0)
+    std::printf("# units kept gathered from forward to backward: the last %td\n", kept);
   if (d.frozen.empty()) return;
   std::size_t elements = 0, wholly = 0, forward_only = 0;
   for (const auto& f : d.frozen) {
@@ -453,6 +460,12 @@ int main(int argc, char** argv) {
                              .batch = s.batch,
                              .fused_attention = s.fused_attention},
                             p.compute);
+    }
+    require(std::size_t(s.keep_gathered) < d.units.size(), "--keep-gathered: ", s.keep_gathered, " is more than the ",
+            d.units.size() - 1, " units besides the root");
+    if (s.keep_gathered > 0) {
+      d.kept_gathered.assign(d.units.size(), false);
+      std::fill(d.kept_gathered.end() - s.keep_gathered, d.kept_gathered.end(), true);
     }
     std::FILE* json = s.json.empty() ? nullptr : std::fopen(s.json.c_str(), "w");
     require(s.json.empty() || json, "shardlib-plan: cannot write ", s.json);

@@ -79,29 +79,33 @@ struct outcome {
   double sent_per_step = 0;
   plan::rank_plan plan;
   std::vector<std::size_t> units;  // as describe(sharded) reports them
+  std::vector<bool> kept;          // the same
+  std::vector<float> losses;
 };
 
 template <class Strategy>
 std::vector<outcome> run(Strategy strategy, int world, int prefetch, shard::mixed_precision mp,
-                         std::size_t activations) {
+                         std::size_t activations, shard::wrap_policy keep = shard::wrap_none{}) {
   std::vector<outcome> out(world);
   const int steps = 3;
   comm::launch(world, [&](comm::ThreadComm& c, ledger& l) {
     auto tally = std::make_shared<bench::traffic>();
     Counted counted(c, tally);
     Model m = make_model();
-    auto sharded = shard::fully_shard(
-        m, counted, strategy, {.wrap = shard::wrap_types<Encoder>{}, .seed = 1, .prefetch = prefetch, .precision = mp});
+    auto sharded = shard::fully_shard(m, counted, strategy,
+                                      {.wrap = shard::wrap_types<Encoder>{}, .keep_gathered = keep, .seed = 1,
+                                       .prefetch = prefetch, .precision = mp});
     tally->reset();  // construction compares the ranks' models; only steps count
     optim::Adam adam{{.lr = 1e-3}};
-    for (int s = 0; s < steps; ++s)
-      sharded.train_step(adam, inputs(s, c.rank()), labels(s, c.rank()), nn::cross_entropy);
     auto& o = out[c.rank()];
+    for (int s = 0; s < steps; ++s)
+      o.losses.push_back(sharded.train_step(adam, inputs(s, c.rank()), labels(s, c.rank()), nn::cross_entropy));
     for (int k = 0; k < category_count; ++k) o.peak[k] = l.peak(category(k));
     o.peak_total = l.peak();
     o.sent_per_step = tally->total() / steps;
     const auto desc = plan::describe(sharded, activations);
     o.units = desc.units;
+    o.kept = desc.kept_gathered;
     const plan::setup s{.policy = strategy.policy(),
                         .world = world,
                         .prefetch = prefetch,
@@ -160,6 +164,48 @@ TEMPLATE_TEST_CASE("the plan equals the ledger's peaks and the bytes sent, for e
 
 TEST_CASE("the plan equals the ledger's peaks and the bytes sent under hybrid sharding", "[plan][ledger][hybrid]") {
   check_plan(shard::HybridShard{.group_size = 2}, 4);
+}
+
+// options.keep_gathered (FSDP2's reshard_after_forward=False on chosen modules): the last
+// encoder layer, or the first and the last, stay gathered from their forward to their
+// backward. The plan equals the ledger and the bytes sent, which are one all-gather of each
+// kept unit fewer per step than without; training is the same bit for bit.
+TEST_CASE("units kept gathered after forward: the plan equals the ledger and the bytes sent",
+          "[plan][ledger][keep_gathered]") {
+  const std::size_t activations = reference_activations();
+  const auto check = [&](auto strategy, int world) {
+    for (const auto& mp : {precisions[0], precisions[2]})
+      for (int prefetch : {0, 1, 2}) {
+        const auto plain = run(strategy, world, prefetch, mp, activations);
+        for (const std::vector<std::string>& names :
+             {std::vector<std::string>{"0.layers.2"}, std::vector<std::string>{"0.layers.0", "0.layers.2"}}) {
+          INFO(strategy.name << ", W " << world << ", prefetch " << prefetch << ", param " << name(mp.param)
+                             << ", kept " << Catch::Detail::stringify(names));
+          const auto kept = run(strategy, world, prefetch, mp, activations, shard::wrap_names{names});
+          const std::vector<bool> flags{false, names.size() == 2, false, true};  // the root, then layers 0-2
+          for (int r = 0; r < world; ++r) {
+            const auto& o = kept[std::size_t(r)];
+            CHECK(o.kept == flags);
+            for (int k = 0; k < category_count; ++k) {
+              INFO(name(category(k)));
+              CHECK(o.peak[k] == o.plan.memory[category(k)]);
+            }
+            CHECK(o.sent_per_step == Approx(o.plan.sent.total()).epsilon(1e-12));
+            // one all-gather of each kept unit fewer: (G - 1) / G of its padded values
+            const int g = strategy.policy().group(world);
+            double saved = 0;
+            for (std::size_t i = 1; i < flags.size(); ++i)
+              if (flags[i])
+                saved += double(g - 1) / g * double(shard::shard_layout{o.units[i], g}.padded_size()) *
+                         double(size_of(mp.param));
+            CHECK(plain[std::size_t(r)].sent_per_step - o.sent_per_step == Approx(saved).epsilon(1e-12));
+            CHECK(o.losses == plain[std::size_t(r)].losses);  // bit for bit
+          }
+        }
+      }
+  };
+  check(shard::FullShard{}, 3);
+  check(shard::HybridShard{.group_size = 2}, 4);
 }
 
 TEST_CASE("the planner's walk finds the units fully_shard makes", "[plan][describe]") {

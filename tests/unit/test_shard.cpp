@@ -379,6 +379,28 @@ TEST_CASE("ranks wrapping with different seeds raise on every rank, naming the s
   }
 }
 
+// A rank that freed a unit after forward gathers it again in backward, where one that
+// kept it gathered issues the next unit's gather: the collectives would pair wrongly.
+TEST_CASE("ranks keeping different units gathered raise on every rank, naming the unit's parameter",
+          "[shard][structure][keep_gathered]") {
+  std::vector<std::string> errors(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model m = make_model();
+    const shard::options o{.wrap = shard::wrap_types<Block>{},
+                           .keep_gathered = shard::wrap_names{{c.rank() == 0 ? "1.layers.2" : "1.layers.1"}}};
+    try {
+      auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{}, o);
+    } catch (const error& e) {
+      errors[c.rank()] = e.what();
+    }
+  });
+  CHECK_THAT(errors[0], Catch::Contains("rank 0: the model differs between ranks 0 and 1 at parameter") &&
+                            Catch::Contains("'1.layers.1.weight' [8, 8]") &&
+                            !Catch::Contains("'1.layers.1.weight' [8, 8], its unit kept gathered"));
+  CHECK_THAT(errors[1], Catch::Contains("rank 1: the model differs between ranks 0 and 1 at parameter") &&
+                            Catch::Contains("'1.layers.1.weight' [8, 8], its unit kept gathered (options.keep_gathered)"));
+}
+
 namespace {
 // Two micro-batches per step: the first without synchronising (only local
 // accumulation) unless `sync_each`, the second synchronising everything.
@@ -553,12 +575,14 @@ TEMPLATE_TEST_CASE("a unit its parent skips on some steps (LayerDrop) trains as 
 // from before the step. The root owns parameters here (its first and last Linear).
 TEMPLATE_TEST_CASE("a forward between backward and step changes nothing", "[shard][eval]", shard::FullShard,
                    shard::ShardGradOp, shard::ShardOptimizer, shard::NoShard) {
-  auto train = [](bool extra_forward) {
+  auto train = [](bool extra_forward, shard::wrap_policy keep = shard::wrap_none{}) {
     std::vector<float> losses, params;
     comm::launch(2, [&](comm::ThreadComm& c) {
       Model m = make_model();
-      auto model = shard::fully_shard<sgd>(
-          m, c, TestType{}, {.wrap = shard::wrap_names{{"1.layers.0", "1.layers.1", "1.layers.2"}}, .seed = 3});
+      auto model = shard::fully_shard<sgd>(m, c, TestType{},
+                                           {.wrap = shard::wrap_names{{"1.layers.0", "1.layers.1", "1.layers.2"}},
+                                            .keep_gathered = keep,
+                                            .seed = 3});
       sgd opt;
       for (int s = 0; s < 3; ++s) {
         const auto x = batch(s, 2, 5, 1, 2 * c.rank()), y = batch(s, 2, 3, 2, 2 * c.rank());
@@ -578,6 +602,11 @@ TEMPLATE_TEST_CASE("a forward between backward and step changes nothing", "[shar
   REQUIRE(plain.second.size() == 291);
   CHECK(extra.first == plain.first);  // bit for bit: the same arithmetic
   CHECK(extra.second == plain.second);
+  // A unit kept gathered after forward (options.keep_gathered) is left gathered by the
+  // extra forward too: the step frees it, and the next forward gathers the new values.
+  const auto kept = train(true, shard::wrap_names{{"1.layers.1"}});
+  CHECK(kept.first == plain.first);
+  CHECK(kept.second == plain.second);
 }
 
 // Each micro-batch of an accumulated step is another batch: its dropout masks are new

@@ -13,6 +13,7 @@
 #include "shardlib/shard/sharded_model.hpp"  // shard::checkpoint_context, shard::checkpoints
 #include "shardlib/shard/wrap.hpp"        // shard::wrap_none
 
+#include <algorithm>      // std::find
 #include <cstddef>        // std::size_t
 #include <numeric>        // std::iota
 #include <string_view>    // std::string_view
@@ -40,13 +41,15 @@ inline void keep_if_frozen(model_desc& d, std::vector<unit_freezing> f) {
 }  // namespace detail
 
 // The units of a ShardedModel, in the forward order it recorded (in the order they
-// were found before its first forward), with their frozen parameters and, after a
+// were found before its first forward), with their frozen parameters, those kept
+// gathered after forward (options.keep_gathered) and, after a
 // training step, which of them a frozen prefix ran without backward (a last forward
 // run wholly without grad, as generate's, says nothing of it).
 template <class Engine>
   requires requires(const Engine& e) {
     e.unit_layout(0);
     e.unit_skips_backward(0);
+    e.unit_keeps_gathered(0);
     e.neighbor(0, 1);
   }
 model_desc describe(const Engine& e, std::size_t activation_bytes = 0) {
@@ -58,13 +61,16 @@ model_desc describe(const Engine& e, std::size_t activation_bytes = 0) {
   }
   model_desc d;
   std::vector<unit_freezing> frozen;
+  std::vector<bool> kept;
   const bool trained = !e.unit_skips_backward(0);  // else the last forward ran wholly without grad (an eval)
   for (int i : order) {
     const auto k = std::size_t(i);
     d.units.push_back(e.unit_layout(k).numel);
     frozen.push_back(detail::freezing_of(e.unit_layout(k), trained && e.unit_skips_backward(k)));
+    kept.push_back(e.unit_keeps_gathered(k));
   }
   detail::keep_if_frozen(d, std::move(frozen));
+  if (std::find(kept.begin(), kept.end(), true) != kept.end()) d.kept_gathered = std::move(kept);
   d.activation_bytes = activation_bytes;
   return d;
 }

@@ -144,6 +144,9 @@ struct model_desc {
   std::vector<std::size_t> units;
   // Empty when nothing is frozen, else one per unit, in the order of `units`.
   std::vector<unit_freezing> frozen{};
+  // Empty when none, else one per unit: it stays gathered from its forward to its backward
+  // where the strategy frees after forward (shard::options::keep_gathered; never the root).
+  std::vector<bool> kept_gathered{};
   // Peak activations of one rank's local batch: no strategy changes them. With
   // activation checkpointing, the peak measure_activations(model, checkpoint, run) gives.
   std::size_t activation_bytes = 0;
@@ -152,6 +155,7 @@ struct model_desc {
   std::size_t parameters() const { return std::accumulate(units.begin(), units.end(), std::size_t(0)); }
   bool all_frozen(std::size_t i) const { return !frozen.empty() && frozen.at(i).all; }
   bool runs_backward(std::size_t i) const { return frozen.empty() || !frozen.at(i).no_backward; }
+  bool keeps_gathered(std::size_t i) const { return !kept_gathered.empty() && kept_gathered.at(i); }
   // Elements of [begin, begin + n) of unit i that the optimizer state holds: all but the
   // frozen parameters' (alignment gaps and padding included), none of a wholly frozen unit.
   std::size_t trained(std::size_t i, std::size_t begin, std::size_t n) const {
@@ -249,6 +253,8 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
           s.world, " ranks");
   require(d.frozen.empty() || d.frozen.size() == d.units.size(), "plan: model_desc::frozen describes ",
           d.frozen.size(), " units of the model's ", d.units.size(), " (one per unit, or none)");
+  require(d.kept_gathered.empty() || d.kept_gathered.size() == d.units.size(), "plan: model_desc::kept_gathered ",
+          "describes ", d.kept_gathered.size(), " units of the model's ", d.units.size(), " (one per unit, or none)");
   for (std::size_t i = 0; i < d.frozen.size(); ++i) {
     require(i > 0 || !d.frozen[i].no_backward, "plan: the root (unit 0) always runs backward");
     std::size_t end = 0;  // of the range before: ranges come in order, apart (a flat layout's entries)
@@ -363,11 +369,13 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
     units.released.push_back(packed(i) || (compute16 && !narrow_reduce));
     units.frozen.push_back(d.all_frozen(i));
     units.backward.push_back(d.runs_backward(i));
+    units.kept.push_back(d.keeps_gathered(i));
   }
   const detail::step_replay step = detail::replay(units, std::size_t(s.prefetch),
                                                   pol.free == shard::free_point::after_forward, !pol.shard_gradients);
   // Sharded: the root all step, the unit running and those prefetched, and under
-  // after_backward every unit that runs a backward, from its forward to its backward.
+  // after_backward every unit that runs a backward (after_forward: those kept gathered),
+  // from its forward to its backward.
   // Replicated: the values beside the master, unless they are the master.
   mem.gathered_parameters = sharded ? c * step.gathered_peak : master_in_values ? 0 : c * all;
   // Replicated optimizer state: full gradients reduced in place. Else the reduced

@@ -24,9 +24,10 @@ namespace detail {
 //   released[i]  its full gradients are dropped as its reduction is issued (widened or
 //                packed into the scratch), not once it is done
 //   frozen[i]    every parameter frozen: it reduces nothing; backward[i]: it runs one (not a frozen prefix's)
+//   kept[i]      not freed after its forward when the policy frees there (options.keep_gathered)
 struct step_units {
   std::vector<std::size_t> gathered, send, full, reduce;
-  std::vector<bool> released, frozen, backward;
+  std::vector<bool> released, frozen, backward, kept;
 };
 struct step_replay {
   std::size_t gathered_peak = 0, scratch_peak = 0, full_grad_peak = 0;  // elements, bytes, elements
@@ -84,7 +85,7 @@ inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_
   for (std::size_t i = 0; i < n; ++i) {
     ensure(i);
     for (std::size_t k = i + 1; k <= i + prefetch && k < n; ++k) issue(k);
-    if (i > 0 && (!u.backward[i] || frees_after_forward)) free(i);
+    if (i > 0 && (!u.backward[i] || (frees_after_forward && !u.kept[i]))) free(i);
   }
   make_full(0);  // the root's backward hook runs first; it stays gathered
   for (std::size_t i = n - 1; i >= 1; --i) {

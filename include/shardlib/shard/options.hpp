@@ -21,6 +21,13 @@ struct options {
   // count is then every element of the Params the layer lists): their forward keeps
   // only their input, and their backward runs the forward again first.
   wrap_policy checkpoint = wrap_none{};
+  // Which units keep their full parameters from their forward to their backward where the
+  // strategy frees them after forward (FullShard, HybridShard): FSDP2's
+  // reshard_after_forward=False on those modules, as torchtitan sets it on the last block,
+  // whose backward comes right after the head's. Asked of each unit but the root (which
+  // stays gathered anyway) with its dotted name, layer type and elements, as `wrap` is. Each
+  // saves its backward's all-gather and holds its full values meanwhile; the planner counts both.
+  wrap_policy keep_gathered = wrap_none{};
   std::uint64_t seed = 0;  // initial values: element i of parameter p is drawn from (seed, p, i) on every rank
   int prefetch = 1;        // units whose all-gather is issued ahead of the one running
   mixed_precision precision{};  // gather / reduce dtypes; F16 turns on dynamic loss scaling in train_step

@@ -130,6 +130,7 @@ class ShardedModel {
       u.params = std::move(spec.params);
       u.layout = std::move(spec.layout);
       u.aliases = std::move(spec.aliases);
+      u.keep_gathered = units_.size() > 1 && opts_.keep_gathered(u.name, spec.type, u.layout.numel);
     }
     for (auto& u : units_)  // names for errors: the layouts no longer move
       for (std::size_t k = 0; k < u.params.size(); ++k) u.params[k]->owner_name = u.layout.entries[k].name;
@@ -496,6 +497,8 @@ class ShardedModel {
   const nn::flat_layout& unit_layout(std::size_t i) const { return units_.at(i).layout; }
   // Unit i's last forward ran inside the context's no_grad (a frozen prefix's unit): it runs no backward.
   bool unit_skips_backward(std::size_t i) const { return units_.at(i).no_backward; }
+  // Unit i stays gathered from its forward to its backward (options.keep_gathered).
+  bool unit_keeps_gathered(std::size_t i) const { return units_.at(i).keep_gathered; }
   int partitions() const { return policy_.shard_optimizer ? policy_.group(comm_->size()) : 1; }
   int partition_rank() const { return policy_.shard_optimizer ? shard_rank() : 0; }
   int written_partition() const {
@@ -604,7 +607,8 @@ class ShardedModel {
     if (root) gathers_.stop_recording();  // the root finishes last: the order is complete
     // a unit run inside no_grad(f) gets no backward (nn::frozen_prefix): free it now
     if (policy_.shard_parameters &&
-        (ctx_.evaluating() || u.no_backward || (!root && policy_.free == free_point::after_forward)))
+        (ctx_.evaluating() || u.no_backward ||
+         (!root && !u.keep_gathered && policy_.free == free_point::after_forward)))
       gathers_.free(u);
     if (root && ctx_.evaluating()) release_full_params();  // a prefetched unit that did not run
   }
@@ -640,7 +644,7 @@ class ShardedModel {
     static_assert(std::is_same_v<std::remove_cvref_t<O>, Optimizer>,
                   "ShardedModel::step: the model keeps optimizer state of the type it was wrapped for; wrap it "
                   "with fully_shard<YourOptimizer>(...) or fully_shard(model, comm, strategy, optimizer, options)");
-    // A forward without its backward left units gathered (the root; ShardGradOp's units):
+    // A forward without its backward left units gathered (the root, kept units, ShardGradOp's):
     // their values would be the old ones at the next forward, which finds them gathered.
     release_full_params();
     forwarded_ = false;

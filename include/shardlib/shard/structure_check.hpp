@@ -23,7 +23,9 @@ template <class Unit>
 std::string describe_entry(const std::vector<Unit>& units, std::size_t k) {
   for (const auto& u : units)
     for (const auto& e : u.layout.entries)
-      if (k-- == 0) return cat("'", e.name, "' ", e.shape, e.requires_grad ? "" : ", frozen");
+      if (k-- == 0)
+        return cat("'", e.name, "' ", e.shape, e.requires_grad ? "" : ", frozen",
+                   u.keep_gathered ? ", its unit kept gathered (options.keep_gathered)" : "");
   for (const auto& u : units)
     for (const auto& a : u.aliases)
       if (k-- == 0) return cat("the tie of '", a.name, "' to '", u.layout.entries[a.entry].name, "'");
@@ -32,8 +34,9 @@ std::string describe_entry(const std::vector<Unit>& units, std::size_t k) {
 }  // namespace detail
 
 // Ranks compare a hash of the strategy's name and policy (group resolved for the
-// world), the seed, every parameter's unit, name, shape, element sizes and whether
-// it is frozen, and every tie; on a mismatch every rank raises, naming the first thing that differs.
+// world), the seed, every parameter's unit, name, shape, element sizes, whether it is
+// frozen and whether its unit stays gathered after forward (options.keep_gathered: a rank
+// that gathers again in backward would wait for the others), and every tie; on a mismatch every rank raises, naming the first thing that differs.
 // Ops is the model space's space_ops (host-memory collectives on any communicator).
 template <class Ops, class Comm, class Unit>
 void check_same_model(Comm& comm, const std::vector<Unit>& units, std::string_view strategy, const policy& p,
@@ -45,7 +48,8 @@ void check_same_model(Comm& comm, const std::vector<Unit>& units, std::string_vi
   for (const auto& u : units)
     for (const auto& e : u.layout.entries)
       mine.push_back(
-          std::int64_t(fnv1a(cat(u.name, "|", e.name, e.shape, "|", master_bytes, compute_bytes, e.requires_grad))));
+          std::int64_t(fnv1a(cat(u.name, "|", e.name, e.shape, "|", master_bytes, compute_bytes, e.requires_grad,
+                                 u.keep_gathered))));
   for (const auto& u : units)  // ties: ranks that tie differently would lay units out differently
     for (const auto& a : u.aliases) mine.push_back(std::int64_t(fnv1a(cat(u.name, "|", a.name, "=", a.entry))));
   std::vector<std::int64_t> most{std::int64_t(mine.size())};

@@ -75,6 +75,7 @@ struct unit {
   bool reducing = false;   // reduce_work is in flight
   bool grad_clean = true;  // `grad` is all zero (a reduction may write straight into it)
   bool no_backward = false;  // its last forward ran inside the context's no_grad(f) (nn::frozen_prefix)
+  bool keep_gathered = false;  // options.keep_gathered: not freed after its forward
   reduce_packing packing;    // frozen and trained parameters: what its reduction sends (shard/packing.hpp)
 
   // Communication scratch, alive only while a collective needs it.
