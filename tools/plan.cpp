@@ -150,7 +150,8 @@ settings parse(int argc, char** argv) {
   cli.add_option("--keep-gathered", s.keep_gathered,
                  "the last N units stay gathered from their forward to their backward (shard::options::keep_gathered; "
                  "FSDP2's reshard_after_forward=False)")
-      ->check(whole(0, example::max_size));
+      ->check(whole(0, example::max_size))
+      ->excludes(article);
   const auto dtypes = CLI::IsMember({"f32", "bf16", "f16"}, CLI::ignore_case);
   cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes);
   cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes);

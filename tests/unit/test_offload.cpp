@@ -5,6 +5,7 @@
 // same runs not offloaded, and both spaces' ledgers byte for byte with the planner.
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/io/checkpoint.hpp"
+#include "shardlib/nn/freeze.hpp"
 #include "shardlib/optim/adam.hpp"
 #include "shardlib/optim/param_groups.hpp"
 #include "shardlib/plan/describe.hpp"
@@ -264,6 +265,44 @@ TEMPLATE_TEST_CASE("offload: summon_full_params' writeback reaches the offloaded
             });
           });
         const auto r = model.train_step(adam, batch(s, 3, 5, 1, 3 * c.rank()), batch(s, 3, 3, 2, 3 * c.rank()), mse);
+        append(o.losses, std::span<const float>(&r.loss, 1));
+      }
+      o.offloaded = model.offloaded();
+      record_state(model, adam, o);
+    });
+    return out;
+  };
+  CHECK(same_and_finite(run(true), run(false)));
+}
+
+// 16-bit layers: a wholly frozen unit keeps its master and its offloaded compute copy, which
+// its step (nothing to update) sends back to the layers' copy as it is. summon_full_params'
+// writeback must refresh that offloaded copy too, or the next step would put the values
+// from before the writeback back (as it did until compute_copies::write_back).
+TEST_CASE("offload with bf16 layers: a writeback to a frozen unit survives the steps after it", "[offload][summon][compute16]") {
+  auto run = [](bool offload) {
+    std::vector<outcome> out(2);
+    comm::launch(2, [&](comm::ThreadComm& c) {
+      Model16 m = make_model16();
+      nn::freeze(m, {"1.layers.1.*"});
+      auto model = shard::fully_shard<optim::Adam>(
+          m, c, shard::AnyStrategy(shard::FullShard{}),
+          {.wrap = shard::wrap_names{{"1.layers.0", "1.layers.1", "1.layers.2"}},
+           .seed = 42,
+           .precision = {.param = dtype::bf16, .reduce = dtype::bf16},
+           .offload = offload});
+      optim::Adam adam;
+      auto& o = out[std::size_t(c.rank())];
+      for (int s = 0; s < 3; ++s) {
+        if (s == 1)
+          model.summon_full_params([&] {
+            m.parameters([](std::string_view, auto& p) {
+              for (std::int64_t k = 0; k < p.shape.numel(); ++k) p.value[k] = bfloat16(0.5f * float(p.value[k]));
+            });
+          });
+        const auto first = 3 * c.rank();
+        const auto r = model.train_step(adam, as<bfloat16>(batch(s, 3, 5, 1, first)),
+                                        as<bfloat16>(batch(s, 3, 3, 2, first)), mse_h<bfloat16>);
         append(o.losses, std::span<const float>(&r.loss, 1));
       }
       o.offloaded = model.offloaded();

@@ -25,7 +25,8 @@ struct options {
   // strategy frees them after forward (FullShard, HybridShard): FSDP2's
   // reshard_after_forward=False on those modules, as torchtitan sets it on the last block,
   // whose backward comes right after the head's. Asked of each unit but the root (which
-  // stays gathered anyway) with its dotted name, layer type and elements, as `wrap` is. Each
+  // stays gathered anyway) with its dotted name, layer type and elements (no alignment gaps),
+  // as `wrap` is; one that matches no unit keeps none (unit_keeps_gathered(i) says). Each
   // saves its backward's all-gather and holds its full values meanwhile; the planner counts both.
   wrap_policy keep_gathered = wrap_none{};
   std::uint64_t seed = 0;  // initial values: element i of parameter p is drawn from (seed, p, i) on every rank

@@ -130,7 +130,9 @@ class ShardedModel {
       u.params = std::move(spec.params);
       u.layout = std::move(spec.layout);
       u.aliases = std::move(spec.aliases);
-      u.keep_gathered = units_.size() > 1 && opts_.keep_gathered(u.name, spec.type, u.layout.numel);
+      std::size_t owned = 0;  // as wrap policies count: no alignment gaps
+      for (const auto* p : u.params) owned += p->numel();
+      u.keep_gathered = units_.size() > 1 && opts_.keep_gathered(u.name, spec.type, owned);
     }
     for (auto& u : units_)  // names for errors: the layouts no longer move
       for (std::size_t k = 0; k < u.params.size(); ++k) u.params[k]->owner_name = u.layout.entries[k].name;
@@ -203,7 +205,7 @@ class ShardedModel {
   // answers training() == false (dropout off) and grad_enabled() == false, which
   // layers read to keep no activations (nn::grad_enabled; the library's host layers do);
   // backward raises. eval() also frees what a forward without backward left gathered
-  // (ShardGradOp keeps units until their backward) and forgets that forward.
+  // (ShardGradOp and options.keep_gathered keep units until their backward) and forgets that forward.
   void eval() {
     release_full_params();
     forwarded_ = false;
