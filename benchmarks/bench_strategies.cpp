@@ -26,7 +26,9 @@
 // --no-frozen-grads wraps with shard::options::frozen_grads = false (backward keeps no
 // gradients of frozen parameters in wholly frozen and packed units). --keep-gathered N keeps
 // the last N layers' units gathered from their forward to their backward
-// (shard::options::keep_gathered, FSDP2's reshard_after_forward=False).
+// (shard::options::keep_gathered, FSDP2's reshard_after_forward=False). --reshard-to R runs
+// FullShard and HybridShard with shard::policy::reshard_to = R (FSDP2's reshard_after_forward=R),
+// at the world sizes (and groups) R divides.
 //
 // Strategies run in turns, `rounds` times each, each run in a fresh child process, and
 // step times are pooled over the rounds: other work on a shared machine then slows all
@@ -88,6 +90,7 @@ struct config {
   long lora_r = 8;
   bool no_frozen_grads = false;   // --no-frozen-grads: shard::options::frozen_grads = false
   long keep_gathered = 0;         // --keep-gathered: the last N layers' units
+  int reshard_to = 0;             // --reshard-to: FullShard's and HybridShard's policy::reshard_to
   example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .seq = 16};
   long batch = 8;
   int prefetch = 1, group = 2, warmup = 2, steps = 8, rounds = 3;
@@ -360,14 +363,17 @@ measurement in_fresh_process(Fn&& fn) {
 }
 
 // Runs fn with the strategy of a flag name (as shard::AnyStrategy: one engine type for
-// all); HybridShard only where its group divides W.
+// all); HybridShard only where its group divides W; with --reshard-to, FullShard and
+// HybridShard only where it divides their shard group.
 template <class Fn>
 void with_strategy(const std::string& s, const config& cfg, int w, Fn&& fn) {
-  if (s == "full") fn(shard::AnyStrategy(shard::FullShard{}));
+  const int R = cfg.reshard_to;
+  if (s == "full" && w % std::max(R, 1) == 0) fn(shard::AnyStrategy(shard::FullShard{.reshard_to = R}));
   else if (s == "grad-op") fn(shard::AnyStrategy(shard::ShardGradOp{}));
   else if (s == "optimizer") fn(shard::AnyStrategy(shard::ShardOptimizer{}));
   else if (s == "none") fn(shard::AnyStrategy(shard::NoShard{}));
-  else if (w % cfg.group == 0) fn(shard::AnyStrategy(shard::HybridShard{.group_size = cfg.group}));
+  else if (s == "hybrid" && w % cfg.group == 0 && cfg.group % std::max(R, 1) == 0)
+    fn(shard::AnyStrategy(shard::HybridShard{.group_size = cfg.group, .reshard_to = R}));
 }
 
 std::string ratio(double measured, double formula) {
@@ -493,6 +499,10 @@ config parse(int argc, char** argv) {
   cli.add_option("--keep-gathered", c.keep_gathered, "the last N layers' units stay gathered from their forward to "
                  "their backward (shard::options::keep_gathered)")
       ->check(example::whole(0, example::max_size));
+  cli.add_option("--reshard-to", c.reshard_to, "FullShard and HybridShard keep 1/R of each unit's full values from "
+                 "forward to backward, gathered again within groups of R ranks (shard::policy::reshard_to); run where "
+                 "R divides their shard group")
+      ->check(example::whole(1, 1 << 16));
   cli.add_option("--json", json, "appends one JSON line per strategy and world size");
   cli.callback([&] {
     example::check_model_flags(c.model);
@@ -552,6 +562,7 @@ void measure_all(const Workload& work, unsigned cores) {
   const config& cfg = work.cfg;
   print_model(work);
   if (cfg.keep_gathered > 0) std::printf("the last %ld units kept gathered after forward, ", cfg.keep_gathered);
+  if (cfg.reshard_to > 0) std::printf("FullShard and HybridShard resharded to %d ranks after forward, ", cfg.reshard_to);
   std::printf("prefetch %d; %d warm-up + %d measured steps, %d rounds\n"
               "# ranks are threads (ThreadComm) on %u hardware threads; step = median over steps of the slowest "
               "rank's train_step, pooled over rounds\n",

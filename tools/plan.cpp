@@ -62,6 +62,7 @@ struct settings {
   std::string preset;  // --model
   long frozen_layers = 0;  // --frozen-layers
   long keep_gathered = 0;  // --keep-gathered: the last N units
+  int reshard_to = 0;      // --reshard-to: shard::policy::reshard_to of FullShard and HybridShard
   std::vector<std::string> lora;  // --lora: target modules
   long lora_r = 8;
   double params = 0;  // 0: the blocks alone
@@ -152,6 +153,12 @@ settings parse(int argc, char** argv) {
                  "FSDP2's reshard_after_forward=False)")
       ->check(whole(0, example::max_size))
       ->excludes(article);
+  cli.add_option("--reshard-to", s.reshard_to,
+                 "FullShard and HybridShard: after forward each unit keeps 1/R of its full values, gathered again "
+                 "within groups of R ranks in backward (shard::policy::reshard_to; FSDP2's reshard_after_forward=R, "
+                 "ZeRO++'s hpZ); R divides the world and --group")
+      ->check(whole(1, example::max_size))
+      ->excludes(article);
   const auto dtypes = CLI::IsMember({"f32", "bf16", "f16"}, CLI::ignore_case);
   cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes);
   cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes);
@@ -178,12 +185,23 @@ settings parse(int argc, char** argv) {
       throw CLI::ValidationError("--no-frozen-masters", "fp32 layers' values are their masters (16-bit compute: "
                                                         "--param bf16 or --compute bf16)");
     s.group_given = cli.get_option("--group")->count() > 0;
-    if (s.group_given)
-      for (int w : s.worlds.empty() ? std::vector<int>{s.world} : s.worlds)
-        if (w % s.group != 0)
-          throw CLI::ValidationError("--group", cat(s.group, " does not divide the world size ", w));
+    for (int w : s.worlds.empty() ? std::vector<int>{s.world} : s.worlds) {
+      if (s.group_given && w % s.group != 0)
+        throw CLI::ValidationError("--group", cat(s.group, " does not divide the world size ", w));
+      if (s.reshard_to > 0 && w % s.reshard_to != 0)
+        throw CLI::ValidationError("--reshard-to", cat(s.reshard_to, " does not divide the world size ", w));
+    }
+    if (s.reshard_to > 0 && s.group_given && s.group % s.reshard_to != 0)
+      throw CLI::ValidationError("--reshard-to", cat(s.reshard_to, " does not divide the group size ", s.group));
+    // Every model here makes one unit per block (layer) beside the root.
+    const auto check_kept = [&](long layers) {
+      if (s.keep_gathered > layers)
+        throw CLI::ValidationError("--keep-gathered", cat(s.keep_gathered, " is more than the ", layers,
+                                                          " units besides the root"));
+    };
     if (!s.preset.empty()) {
       const long layers = plan::decoder_preset(s.preset).layers;
+      check_kept(layers);
       if (s.frozen_layers > layers)
         throw CLI::ValidationError("--frozen-layers", cat(s.frozen_layers, " is more than ", s.preset, "'s ", layers,
                                                           " blocks"));
@@ -201,6 +219,7 @@ settings parse(int argc, char** argv) {
     if (lora->count() > 0) throw CLI::ValidationError("--lora", "plans a published decoder's fine-tune (--model)");
     if (s.encoder) {
       example::check_model_flags(s.model);
+      check_kept(s.model.layers);
       if (s.frozen_layers > s.model.layers)
         throw CLI::ValidationError("--frozen-layers", cat(s.frozen_layers, " is more than the encoder's ",
                                                           s.model.layers, " layers"));
@@ -210,6 +229,7 @@ settings parse(int argc, char** argv) {
       throw CLI::ValidationError("--frozen-layers", "a coarse transformer has no layers to freeze (--model or --encoder)");
     for (auto* o : {cli.get_option("--layers"), hidden, cli.get_option("--seq")})
       if (o->count() == 0) throw CLI::ValidationError(o->get_name(), "a coarse transformer needs it (or --encoder)");
+    check_kept(s.model.layers);
     if (cli.get_option("--heads")->count() == 0) s.model.heads = 1;
     if (batch->count() == 0) s.batch = 1;
     const double blocks = 12 * double(s.hidden) * double(s.hidden) * double(s.model.layers);
@@ -317,6 +337,13 @@ void print_setup(const plan::setup& s) {
       std::string(name(s.precision.reduce)).c_str(), std::string(name(s.precision.compute)).c_str(), s.prefetch);
 }
 
+// The strategy column: wide enough for the longest label (groups, reshard_to).
+int label_width(const std::vector<plan::setup>& setups) {
+  std::size_t w = 34;
+  for (const auto& s : setups) w = std::max(w, plan::label(s).size());
+  return int(w);
+}
+
 // With 16-bit parameters: the model states as the ZeRO paper counts them, read off
 // each strategy's policy (plan::zero_model_states), beside the plan's total. The rest
 // is what the paper leaves out: activations, gathered copies, full gradients in
@@ -332,14 +359,15 @@ void print_model_states(const plan::model_desc& d, const std::vector<plan::setup
   std::printf("\n# model states as the ZeRO paper counts them: %g B/parameter 16-bit parameters, %g 16-bit gradients,\n"
               "# K = %g of optimizer state (fp32 master and moments), each / N_d where the policy shards it at the peak\n",
               b, b, k);
-  std::printf("%-34s %10s %10s %10s %12s %10s %10s\n", cat("strategy (", u.name, " per rank)").c_str(), "parameters",
+  const int w = label_width(setups);
+  std::printf("%-*s %10s %10s %10s %12s %10s %10s\n", w, cat("strategy (", u.name, " per rank)").c_str(), "parameters",
               "gradients", "optimizer", "model states", "the rest", "total");
   for (const plan::setup& s : setups) {
     auto m = plan::zero_model_states(s.resolved(), s.world, psi, k);
     m.parameters *= b / 2;
     m.gradients *= b / 2;
     const double total = double(plan::make_plan(d, s).memory.total());
-    std::printf("%-34s %10s %10s %10s %12s %10s %10s\n", plan::label(s).c_str(), in(u, m.parameters).c_str(),
+    std::printf("%-*s %10s %10s %10s %12s %10s %10s\n", w, plan::label(s).c_str(), in(u, m.parameters).c_str(),
                 in(u, m.gradients).c_str(), in(u, m.optimizer).c_str(), in(u, m.total()).c_str(),
                 in(u, total - m.total()).c_str(), in(u, total).c_str());
   }
@@ -354,16 +382,22 @@ void print_table(const plan::model_desc& d, const plan::setup& base, const std::
     plan::setup s = base;
     s.strategy = st;
     if (st == plan::strategy::hybrid_shard && (s.group < 1 || s.world % s.group != 0)) continue;
+    if (st == plan::strategy::hybrid_shard && s.reshard_to > 0 && s.group % s.reshard_to != 0) {
+      std::printf("# %s: not planned, --reshard-to %d does not divide its group\n", plan::label(s).c_str(),
+                  s.reshard_to);
+      continue;
+    }
     setups.push_back(s);
     largest = std::max(largest, double(plan::make_plan(d, s).memory.total()));
   }
   const unit u = unit_for(largest);
-  std::printf("%-34s %10s %10s %10s %10s %11s %8s %9s %10s\n", cat("strategy (", u.name, " per rank)").c_str(),
+  const int w = label_width(setups);
+  std::printf("%-*s %10s %10s %10s %10s %11s %8s %9s %10s\n", w, cat("strategy (", u.name, " per rank)").c_str(),
               "parameters", "gradients", "optimizer", "gathered", "activations", "scratch", "total", "sent/step");
   for (const plan::setup& s : setups) {
     const auto p = plan::make_plan(d, s);
     const auto& m = p.memory;
-    std::printf("%-34s %10s %10s %10s %10s %11s %8s %9s %10s\n", plan::label(s).c_str(),
+    std::printf("%-*s %10s %10s %10s %10s %11s %8s %9s %10s\n", w, plan::label(s).c_str(),
                 in(u, double(m.parameters)).c_str(), in(u, double(m.gradients)).c_str(),
                 in(u, double(m.optimizer_state)).c_str(), in(u, double(m.gathered_parameters)).c_str(),
                 in(u, double(m.activations)).c_str(), in(u, double(m.comm_scratch)).c_str(),
@@ -373,14 +407,21 @@ void print_table(const plan::model_desc& d, const plan::setup& base, const std::
     for (int k = 0; k < category_count; ++k) bytes += cat("\"", name(category(k)), "\":", m[category(k)], ",");
     bytes += cat("\"total\":", m.total(), "}");
     std::fprintf(json,
-                 "{\"bench\":\"plan\",\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"prefetch\":%d,\"param\":\"%s\","
+                 "{\"bench\":\"plan\",\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"reshard_to\":%d,\"prefetch\":%d,"
+                 "\"param\":\"%s\","
                  "\"reduce\":\"%s\",\"compute\":\"%s\",\"units\":%zu,\"parameters\":%zu,\"bytes\":%s,"
-                 "\"sent_bytes\":%.9g,\"sent_by\":{\"all_gather\":%.9g,\"reduce_scatter\":%.9g,\"all_reduce\":%.9g}}\n",
-                 std::string(name(s.strategy)).c_str(), s.world, s.shard_group(), s.prefetch,
+                 "\"sent_bytes\":%.9g,\"sent_by\":{\"all_gather\":%.9g,\"reduce_scatter\":%.9g,\"all_reduce\":%.9g},"
+                 "\"sent_within_reshard_groups\":%.9g}\n",
+                 std::string(name(s.strategy)).c_str(), s.world, s.shard_group(), s.resolved().reshard_to, s.prefetch,
                  std::string(name(s.precision.param)).c_str(), std::string(name(s.precision.reduce)).c_str(),
                  std::string(name(s.precision.compute)).c_str(), d.units.size(), d.parameters(), bytes.c_str(),
-                 p.sent.total(), p.sent.all_gather, p.sent.reduce_scatter, p.sent.all_reduce);
+                 p.sent.total(), p.sent.all_gather, p.sent.reduce_scatter, p.sent.all_reduce,
+                 p.sent.within_reshard_groups);
   }
+  for (const plan::setup& s : setups)
+    if (const double within = plan::make_plan(d, s).sent.within_reshard_groups; within > 0)
+      std::printf("# %s: %s of the bytes sent per step stay within groups of %d ranks (backward's all-gathers)\n",
+                  plan::label(s).c_str(), cat(in(u, within), " ", u.name).c_str(), s.resolved().reshard_to);
   for (const plan::setup& s : setups)
     if (const std::string why = plan::engine_refusal(s); !why.empty())
       std::printf("# %s: the formula only; the engine refuses it: %s\n", plan::label(s).c_str(), why.c_str());
@@ -462,8 +503,6 @@ int main(int argc, char** argv) {
                              .fused_attention = s.fused_attention},
                             p.compute);
     }
-    require(std::size_t(s.keep_gathered) < d.units.size(), "--keep-gathered: ", s.keep_gathered, " is more than the ",
-            d.units.size() - 1, " units besides the root");
     if (s.keep_gathered > 0) {
       d.kept_gathered.assign(d.units.size(), false);
       std::fill(d.kept_gathered.end() - s.keep_gathered, d.kept_gathered.end(), true);
@@ -479,6 +518,7 @@ int main(int argc, char** argv) {
       const plan::setup base{.world = w,
                              .group = s.group,
                              .prefetch = s.prefetch,
+                             .reshard_to = s.reshard_to,
                              .precision = p,
                              .optimizer_bytes = optimizer_bytes(s.optimizer),
                              .frozen_masters = !s.no_frozen_masters,

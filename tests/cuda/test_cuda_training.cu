@@ -193,6 +193,18 @@ TEST_CASE("hybrid sharding trains on the GPU as on the host (fp32, four ranks on
   require_trains_alike(got, want);
 }
 
+// policy::reshard_to on the device: each unit's bf16 part kept after forward in device memory,
+// backward's all-gather from it within pairs of ranks; the same values move, so the training
+// is FullShard's bit for bit.
+TEST_CASE("bf16 compute resharded to pairs after forward trains on the GPU as FullShard (four ranks on one GPU)",
+          "[cuda][training][reshard]") {
+  if (!have_device()) return;
+  const auto want = device_run<sl::bfloat16>(4, shard::FullShard{}, thread_comm);
+  const auto got = device_run<sl::bfloat16>(4, shard::FullShard{.reshard_to = 2}, thread_comm);
+  CHECK(got.losses == want.losses);
+  CHECK(got.params == want.params);
+}
+
 // bf16 compute rounds every activation, weight and gradient to 8 significant
 // bits (relative error up to 2^-8 per rounding); through 2 encoder layers the
 // logits carry a few such errors, so the loss agrees with fp32's to ~1e-2. The

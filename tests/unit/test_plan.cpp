@@ -208,6 +208,50 @@ TEST_CASE("units kept gathered after forward: the plan equals the ledger and the
   check(shard::HybridShard{.group_size = 2}, 4);
 }
 
+// policy::reshard_to = R (FSDP2's reshard_after_forward=R, ZeRO++'s hpZ): after forward each
+// unit but the root keeps 1/R of its full values, and its backward all-gathers them within
+// groups of R ranks. The plan equals the ledger and the bytes sent, which are each such
+// unit's backward all-gather at (R - 1) / R of its values where it was (G - 1) / G (R = 1
+// keeps it whole: no second all-gather; R = G is FullShard's); training is the same bit for bit.
+TEST_CASE("units resharded to smaller groups after forward: the plan equals the ledger and the bytes sent",
+          "[plan][ledger][reshard]") {
+  const std::size_t activations = reference_activations();
+  const auto check = [&](auto plain_strategy, auto strategy, int world, shard::wrap_policy keep) {
+    const int g = strategy.policy().group(world), R = strategy.policy().regather(world);
+    for (const auto& mp : {precisions[0], precisions[2]})
+      for (int prefetch : {0, 1, 2}) {
+        INFO(strategy.name << " reshard_to " << strategy.reshard_to << ", W " << world << ", prefetch " << prefetch
+                           << ", param " << name(mp.param));
+        const auto plain = run(plain_strategy, world, prefetch, mp, activations, keep);
+        const auto resharded = run(strategy, world, prefetch, mp, activations, keep);
+        for (int r = 0; r < world; ++r) {
+          const auto& o = resharded[std::size_t(r)];
+          for (int k = 0; k < category_count; ++k) {
+            INFO(name(category(k)));
+            CHECK(o.peak[k] == o.plan.memory[category(k)]);
+          }
+          CHECK(o.sent_per_step == Approx(o.plan.sent.total()).epsilon(1e-12));
+          double saved = 0;  // each unit freed after forward: its backward's all-gather over R ranks, not g
+          for (std::size_t i = 1; i < o.units.size(); ++i)
+            if (o.kept.empty() || !o.kept[i])
+              saved += (double(g - 1) / g - double(R - 1) / R) *
+                       double(shard::shard_layout{o.units[i], g}.padded_size()) * double(size_of(mp.param));
+          CHECK(plain[std::size_t(r)].sent_per_step - o.sent_per_step == Approx(saved).epsilon(1e-12));
+          if (R > 1 && R < g)  // the parts kept: more held than FullShard's gathers alone
+            CHECK(o.peak[int(category::gathered_parameters)] >
+                  plain[std::size_t(r)].peak[int(category::gathered_parameters)]);
+          CHECK(o.losses == plain[std::size_t(r)].losses);  // bit for bit
+        }
+      }
+  };
+  check(shard::FullShard{}, shard::FullShard{.reshard_to = 2}, 4, shard::wrap_none{});
+  check(shard::FullShard{}, shard::FullShard{.reshard_to = 2}, 4, shard::wrap_names{{"0.layers.2"}});
+  check(shard::FullShard{}, shard::FullShard{.reshard_to = 1}, 3, shard::wrap_none{});
+  check(shard::FullShard{}, shard::FullShard{.reshard_to = 3}, 3, shard::wrap_none{});
+  check(shard::HybridShard{.group_size = 4}, shard::HybridShard{.group_size = 4, .reshard_to = 2}, 8,
+        shard::wrap_none{});
+}
+
 TEST_CASE("the planner's walk finds the units fully_shard makes", "[plan][describe]") {
   using Block = nn::Linear<float>;
   using Mlp = nn::Sequential<nn::Linear<float>, nn::Stack<Block>, nn::Linear<float>>;
@@ -385,6 +429,41 @@ TEST_CASE("the chooser keeps what fits and ranks it by predicted step time", "[p
   auto no_flops = d;
   no_flops.flops = 0;
   CHECK_THROWS_WITH(plan::choose(no_flops, base, {}), Catch::Contains("plan::choose: model_desc.flops is 0"));
+}
+
+// reshard_to in the planner's outputs beside the replay (tested against the ledger above):
+// the chooser's candidates and labels, the ZeRO paper's model states, and a size that does
+// not divide the shard group.
+TEST_CASE("reshard_to: the chooser's candidates and labels, the model states, a size that does not divide",
+          "[plan][chooser][reshard]") {
+  const auto d = article_model(dtype::bf16);
+  const plan::setup base{.world = 16,
+                         .reshard_to = 4,
+                         .precision = plan::precision::param_layers({.param = dtype::bf16, .reduce = dtype::bf16})};
+  std::vector<std::string> labels;
+  for (const auto& c : plan::choose(d, base, {.memory_bytes = 1e15})) labels.push_back(plan::label(c.config));
+  std::sort(labels.begin(), labels.end());
+  // HybridShard's groups of 2 cannot reshard to 4; in groups of 4 it is their own size (FullShard's rule)
+  CHECK(labels == std::vector<std::string>{"FullShard (ZeRO-3/FSDP, reshard to 4)",
+                                           "HybridShard (HSDP, groups of 4)",
+                                           "HybridShard (HSDP, groups of 8, reshard to 4)",
+                                           "NoShard (DDP)",
+                                           "ShardGradOp (ZeRO-2)",
+                                           "ShardOptimizer (ZeRO-1)"});
+  // The backward's all-gathers of the 28 blocks go within groups of 4: 3/4 of their bf16 values.
+  const auto p = plan::make_plan(d, base);
+  const double blocks = 28.0 * 12 * 4096 * 4096;
+  CHECK(p.sent.within_reshard_groups == Approx(0.75 * 2 * blocks).epsilon(1e-12));
+  // The model states: the shard and, where units keep a part, 1/R of the parameters at the peak.
+  const double psi = 6e9;
+  CHECK(plan::zero_model_states(shard::FullShard{.reshard_to = 8}.policy(), 64, psi).parameters ==
+        Approx(2 * psi / 64 + 2 * psi / 8).epsilon(1e-12));
+  CHECK(plan::zero_model_states(shard::FullShard{.reshard_to = 1}.policy(), 64, psi).parameters == 2 * psi);
+  CHECK(plan::zero_model_states(shard::FullShard{.reshard_to = 64}.policy(), 64, psi).parameters == 2 * psi / 64);
+  plan::setup indivisible = base;
+  indivisible.reshard_to = 3;
+  CHECK_THROWS_WITH(plan::make_plan(d, indivisible), Catch::Contains("plan: reshard_to 3 must divide the shard "
+                                                                     "group's 16 ranks"));
 }
 
 // engine_refusal mirrors ShardedModel's constructor: what one refuses, the other does too.

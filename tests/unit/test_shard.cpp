@@ -401,6 +401,82 @@ TEST_CASE("ranks keeping different units gathered raise on every rank, naming th
                             Catch::Contains("'1.layers.1.weight' [8, 8], its unit kept gathered (options.keep_gathered)"));
 }
 
+// policy::reshard_to must divide the shard group, needs parameters freed after forward, and
+// ranks that disagree on it would all-gather over different groups in backward.
+TEST_CASE("reshard_to: a size that does not divide the group, a policy that keeps units gathered, and ranks that "
+          "disagree raise on every rank",
+          "[shard][structure][reshard]") {
+  struct KeepsThenReshards {  // a user's strategy: ShardGradOp's policy with a part kept
+    std::string_view name = "KeepsThenReshards";
+    shard::policy policy() const { return {.free = shard::free_point::after_backward, .reshard_to = 2}; }
+  };
+  std::vector<std::string> indivisible(4), hybrid(4), after_backward(4), negative(4), disagree(4);
+  comm::launch(4, [&](comm::ThreadComm& c) {
+    const shard::options o{.wrap = shard::wrap_types<Block>{}};
+    auto wrap = [&](auto strategy) {
+      return test_support::raised([&] {
+        Model m = make_model();
+        auto model = shard::fully_shard<sgd>(m, c, strategy, o);
+      });
+    };
+    indivisible[c.rank()] = wrap(shard::FullShard{.reshard_to = 3});
+    hybrid[c.rank()] = wrap(shard::HybridShard{.group_size = 2, .reshard_to = 4});
+    after_backward[c.rank()] = wrap(KeepsThenReshards{});
+    negative[c.rank()] = wrap(shard::FullShard{.reshard_to = -2});
+    disagree[c.rank()] = wrap(shard::FullShard{.reshard_to = c.rank() == 3 ? 0 : 2});
+  });
+  for (int r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    CHECK_THAT(indivisible[r], Catch::Contains(cat("rank ", r, ": FullShard reshard_to 3 must divide the shard "
+                                                   "group's 4 ranks")));
+    CHECK_THAT(hybrid[r], Catch::Contains(cat("rank ", r, ": HybridShard reshard_to 4 must divide the shard "
+                                              "group's 2 ranks")));
+    CHECK_THAT(after_backward[r], Catch::Contains("sharding strategy KeepsThenReshards: reshard_to (keeping part of "
+                                                  "the full values after forward) needs parameters freed after forward"));
+    CHECK_THAT(negative[r], Catch::Contains("reshard_to must be 0 (free after forward) or positive"));
+    CHECK_THAT(disagree[r], Catch::Contains(cat("rank ", r, ": the model differs between ranks 0 and 3 at the strategy "
+                                                "or its policy (here: FullShard", r == 3 ? ")" : " with reshard_to 2)")));
+  }
+}
+
+// The parts kept after a forward whose backward never comes (evaluation by hand, a forward
+// run twice) are dropped by eval() and by the step, and a second forward gathers from them
+// as backward would: training is FullShard's bit for bit, nothing stays held.
+TEST_CASE("resharded parts left by a forward without its backward", "[shard][eval][reshard]") {
+  auto train = [](auto strategy, bool extra_forwards) {
+    std::vector<float> losses, params;
+    std::vector<std::size_t> held(4, 1);  // gathered parameters held after eval(), per rank
+    comm::launch(4, [&](comm::ThreadComm& c, ledger& l) {
+      Model m = make_model();
+      auto model = shard::fully_shard<sgd>(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 3});
+      sgd opt;
+      for (int s = 0; s < 3; ++s) {
+        const auto x = batch(s, 2, 5, 1, 2 * c.rank()), y = batch(s, 2, 3, 2, 2 * c.rank());
+        model.zero_grad();
+        if (extra_forwards) (void)model.forward(x);  // leaves the parts: the next forward gathers from them
+        const auto l = mse(model.forward(x), y);
+        model.backward(l.grad);
+        if (extra_forwards) (void)model.forward(x);  // leaves them again: the step drops them
+        model.step(opt);
+        if (c.rank() == 0) losses.push_back(l.loss);
+      }
+      (void)model.forward(batch(0, 2, 5, 1));
+      model.eval();
+      held[std::size_t(c.rank())] = l.current(category::gathered_parameters);
+      model.train();
+      for (auto& [name, t] : model.full_state_dict())
+        if (c.rank() == 0) params.insert(params.end(), t.span().begin(), t.span().end());
+    });
+    return std::tuple{losses, params, held};
+  };
+  const auto [plain_losses, plain_params, plain_held] = train(shard::FullShard{}, false);
+  const auto [losses, params, held] = train(shard::FullShard{.reshard_to = 2}, true);
+  REQUIRE(plain_params.size() == 291);
+  CHECK(losses == plain_losses);  // bit for bit
+  CHECK(params == plain_params);
+  CHECK(held == std::vector<std::size_t>(4, 0));
+}
+
 namespace {
 // Two micro-batches per step: the first without synchronising (only local
 // accumulation) unless `sync_each`, the second synchronising everything.
@@ -847,12 +923,15 @@ TEST_CASE("16-bit compute refuses a param dtype other than the layers' own", "[s
   CHECK_THAT(noshard_error, Catch::Contains("NoShard does not shard"));
 }
 
+namespace {
+// Per-rank memory of a bf16-layer model under `strategy` over `w` ranks, three SGD steps,
+// against the planner's formula, category by category.
 // Also with every weight frozen, so that every unit is one of frozen and trained parameters,
 // which reduces its trained elements alone (shard/packing.hpp) and sets the scratch's peak;
 // through SGD, which leaves frozen runs out of a step.
-TEMPLATE_TEST_CASE("16-bit compute: per-rank memory equals the planner's formula exactly", "[shard][memory][compute16]",
-                   shard::FullShard, shard::ShardGradOp, shard::ShardOptimizer, example::HybridShardZeRO2) {
-  const int w = 3, per_rank = 4;
+template <class Strategy>
+void check_memory16(Strategy strategy, int w) {
+  const int per_rank = 4;
   const std::vector<std::string> weights{"0.weight", "1.layers.*.weight", "2.weight"};
   for (const auto& frozen : {std::vector<std::string>{}, weights})
     for (dtype reduce : {dtype::f32, dtype::bf16})
@@ -863,7 +942,7 @@ TEMPLATE_TEST_CASE("16-bit compute: per-rank memory equals the planner's formula
           Model16 m = make_model16();
           if (!frozen.empty()) nn::freeze(m, frozen);
           const shard::mixed_precision mp{.param = dtype::bf16, .reduce = reduce};
-          auto model = shard::fully_shard<optim::SGD>(m, c, TestType{},
+          auto model = shard::fully_shard<optim::SGD>(m, c, strategy,
                                                       {.wrap = shard::wrap_types<Block16>{}, .seed = 42,
                                                        .prefetch = prefetch, .precision = mp});
           optim::SGD opt({.lr = 0.05});
@@ -872,7 +951,7 @@ TEMPLATE_TEST_CASE("16-bit compute: per-rank memory equals the planner's formula
             model.train_step(opt, as<bfloat16>(batch(s, per_rank, 5, 1, first)),
                              as<bfloat16>(batch(s, per_rank, 3, 2, first)), mse16);
           }
-          const auto want = plan::make_plan(plan::describe(model), {.policy = TestType{}.policy(),
+          const auto want = plan::make_plan(plan::describe(model), {.policy = strategy.policy(),
                                                                     .world = w,
                                                                     .prefetch = prefetch,
                                                                     .precision = plan::precision::param_layers(mp),
@@ -894,4 +973,27 @@ TEMPLATE_TEST_CASE("16-bit compute: per-rank memory equals the planner's formula
           CHECK(ok[r] == 1);
         }
       }
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("16-bit compute: per-rank memory equals the planner's formula exactly", "[shard][memory][compute16]",
+                   shard::FullShard, shard::ShardGradOp, shard::ShardOptimizer, example::HybridShardZeRO2) {
+  check_memory16(TestType{}, 3);
+}
+
+// policy::reshard_to with 16-bit layers: backward all-gathers the bf16 part each unit kept
+// after forward within pairs of ranks; the memory is the planner's and training FullShard's,
+// bit for bit.
+TEST_CASE("16-bit compute resharded to pairs after forward: FullShard's training, the planner's memory",
+          "[shard][memory][compute16][reshard]") {
+  check_memory16(shard::FullShard{.reshard_to = 2}, 4);
+  for (dtype reduce : {dtype::f32, dtype::bf16}) {
+    const auto plain = sharded16(4, 3, 5, shard::FullShard{}, reduce);
+    const auto resharded = sharded16(4, 3, 5, shard::FullShard{.reshard_to = 2}, reduce);
+    for (int r = 0; r < 4; ++r) {
+      INFO("reduce " << name(reduce) << ", rank " << r);
+      CHECK(resharded[std::size_t(r)].losses == plain[std::size_t(r)].losses);
+      CHECK(resharded[std::size_t(r)].params == plain[std::size_t(r)].params);
+    }
+  }
 }

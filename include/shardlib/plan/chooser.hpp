@@ -28,11 +28,12 @@ struct choice {
   std::string why;  // one line
 };
 
-// "FullShard (ZeRO-3/FSDP)", "HybridShard (HSDP, groups of 2)".
+// "FullShard (ZeRO-3/FSDP)", "HybridShard (HSDP, groups of 2)", "FullShard (ZeRO-3/FSDP, reshard to 8)".
 inline std::string label(const setup& s) {
-  if (s.strategy == strategy::hybrid_shard)
-    return cat(name(s.strategy), " (", alias(s.strategy), ", groups of ", s.group, ")");
-  return cat(name(s.strategy), " (", alias(s.strategy), ")");
+  const int reshard = s.resolved().reshard_to < s.shard_group() ? s.resolved().reshard_to : 0;  // R = G: FullShard's
+  return cat(name(s.strategy), " (", alias(s.strategy),
+             s.strategy == strategy::hybrid_shard ? cat(", groups of ", s.group) : std::string(),
+             reshard > 0 ? cat(", reshard to ", reshard) : std::string(), ")");
 }
 
 namespace detail {
@@ -53,7 +54,7 @@ inline std::string seconds(double s) {
 
 // Every strategy for base's world, precision, prefetch and optimizer (HybridShard once
 // per group size in hybrid_groups; by default every divisor of the world between 1
-// and it): those that fit first, fastest first, then those that do not, smallest first,
+// and it; with base.reshard_to, those it divides): those that fit first, fastest first, then those that do not, smallest first,
 // then those the engine refuses (engine_refusal). d.flops must be set: the step time
 // weighs compute against communication; base.policy must not be (it would replace
 // every candidate's strategy).
@@ -84,7 +85,7 @@ inline std::vector<choice> choose(const model_desc& d, const setup& base, const 
     }
     for (int g : hybrid_groups) {
       c.group = g;
-      candidates.push_back(c);
+      if (base.reshard_to == 0 || g % base.reshard_to == 0) candidates.push_back(c);
     }
   }
   std::vector<choice> out;

@@ -105,6 +105,9 @@ struct setup {
   int world = 1;
   int group = 0;     // HybridShard: the ranks one replica is sharded over (divides world)
   int prefetch = 1;  // shard::options::prefetch
+  // shard::policy::reshard_to for `strategy` where it frees after forward (FullShard,
+  // HybridShard); not read with `policy`, which states its own
+  int reshard_to = 0;
   plan::precision precision{};
   std::size_t optimizer_bytes = adam_state_bytes;
   bool offload = false;  // shard::options::offload: see rank_plan::offloaded
@@ -120,7 +123,12 @@ struct setup {
   // largest over the ranks. Without frozen parameters every rank holds the same.
   std::optional<int> rank{};
 
-  shard::policy resolved() const { return policy ? *policy : policy_of(strategy, group); }
+  shard::policy resolved() const {
+    if (policy) return *policy;
+    shard::policy p = policy_of(strategy, group);
+    if (p.free == shard::free_point::after_forward) p.reshard_to = reshard_to;
+    return p;
+  }
   // Ranks one shard is split over: the world, or the policy's group.
   int shard_group() const { return resolved().group(world); }
 };
@@ -191,6 +199,9 @@ struct rank_memory {
 struct traffic {
   double all_gather = 0, reduce_scatter = 0, all_reduce = 0;
   double exposed = 0;  // the part no computation hides (already counted above)
+  // The part of all_gather sent within groups of policy::reshard_to ranks (already counted
+  // above): one node's links when the groups are its ranks.
+  double within_reshard_groups = 0;
   double total() const { return all_gather + reduce_scatter + all_reduce; }
 };
 
@@ -249,6 +260,8 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   require(pol.valid(), "plan: the strategy's policy: ", pol.problem() ? pol.problem() : "");
   require(pol.group_size == 0 || s.world % pol.group_size == 0, "plan: HybridShard group size ", pol.group_size,
           " must divide the world size ", s.world);
+  require(pol.reshard_to == 0 || pol.group(s.world) % pol.reshard_to == 0, "plan: reshard_to ", pol.reshard_to,
+          " must divide the shard group's ", pol.group(s.world), " ranks");
   require(!s.rank || (*s.rank >= 0 && *s.rank < s.world), "plan: rank ", s.rank.value_or(0), " is not one of the ",
           s.world, " ranks");
   require(d.frozen.empty() || d.frozen.size() == d.units.size(), "plan: model_desc::frozen describes ",
@@ -345,11 +358,15 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   if (s.offload) p.offloaded = {.parameters = m * masters + copy16, .gradients = m * grads, .optimizer_state = o * state};
 
   // Gathers, full gradients and scratch as the step interleaves them (detail::replay).
+  // reshard_to = R: a unit freed after forward keeps P_i / R (1 < R < G), or all of it (R = 1).
+  const std::size_t R = std::size_t(pol.regather(s.world));
   detail::step_units units;
   for (std::size_t i = 0; i < padded.size(); ++i) {
     const std::size_t piece = m * padded[i] / N;  // fp32 bytes of this rank's piece
     units.gathered.push_back(sharded ? padded[i] : 0);
     units.send.push_back(sharded && narrow_param && !compute16 ? piece : 0);
+    units.part.push_back(sharded && R > 1 && R < G ? padded[i] / R : 0);
+    units.part_send.push_back(narrow_param && !compute16 ? m * units.part.back() : 0);
     const std::size_t trained_i = std::accumulate(piece_trained[i].begin(), piece_trained[i].end(), std::size_t(0));
     units.full.push_back(!pol.shard_optimizer                  ? 0
                          : s.frozen_grads                       ? padded[i]
@@ -369,7 +386,7 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
     units.released.push_back(packed(i) || (compute16 && !narrow_reduce));
     units.frozen.push_back(d.all_frozen(i));
     units.backward.push_back(d.runs_backward(i));
-    units.kept.push_back(d.keeps_gathered(i));
+    units.kept.push_back(d.keeps_gathered(i) || pol.keeps_whole(s.world));
   }
   const detail::step_replay step = detail::replay(units, std::size_t(s.prefetch),
                                                   pol.free == shard::free_point::after_forward, !pol.shard_gradients);
@@ -388,13 +405,14 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
     mem.comm_scratch = std::max(mem.comm_scratch, m * all / N);
 
   traffic& t = p.sent;
-  const double fG = double(G - 1) / double(G), fW = double(W - 1) / double(W), R = reduced;
-  if (sharded)  // every unit gathered in forward and, when freed after it, but the root and a frozen prefix again in backward
-    t.all_gather = fG * g * step.gathered_sent;
+  const double fG = double(G - 1) / double(G), fW = double(W - 1) / double(W), fR = double(R - 1) / double(R);
+  if (sharded)  // every unit gathered in forward and, when freed after it, but the root and a frozen prefix again
+                // in backward: over the shard group, or from the part kept over groups of R
+    t.all_gather = fG * g * step.gathered_sent + (t.within_reshard_groups = fR * g * step.regathered_sent);
   else if (N > 1)  // after the step, every updated piece to every rank
     t.all_gather = t.exposed = fG * (master_in_values ? double(m) : g) * double(refreshed);
-  if (pol.shard_optimizer) t.reduce_scatter = fG * r * R;
-  else t.all_reduce = 2 * fW * r * R;
+  if (pol.shard_optimizer) t.reduce_scatter = fG * r * reduced;
+  else t.all_reduce = 2 * fW * r * reduced;
   if (pol.reduce == shard::reduction::hierarchical) {  // the reduced piece averaged across the W/G replicas, in fp32
     const double replicas = double(W / G);
     t.all_reduce = 2 * (replicas - 1) / replicas * double(m) *
@@ -420,10 +438,12 @@ struct model_states {
   double parameters = 0, gradients = 0, optimizer = 0;
   double total() const { return parameters + gradients + optimizer; }
 };
+// With policy::reshard_to = R (1 < R < G) the peak holds each unit's 1/R part beside the
+// shards, as ZeRO++'s hpZ counts its secondary partition; R = 1 keeps them whole (as ZeRO-2).
 inline model_states zero_model_states(const shard::policy& pol, int world, double psi, double k = 12) {
-  const double G = double(pol.group(world));
-  const bool params_sharded = pol.shard_parameters && pol.free == shard::free_point::after_forward;
-  return {2 * psi / (params_sharded ? G : 1), 2 * psi / (pol.shard_gradients ? G : 1),
+  const double G = double(pol.group(world)), R = double(pol.regather(world));
+  const bool params_sharded = pol.shard_parameters && pol.free == shard::free_point::after_forward && R > 1;
+  return {params_sharded ? 2 * psi / G + (R < G ? 2 * psi / R : 0) : 2 * psi, 2 * psi / (pol.shard_gradients ? G : 1),
           k * psi / (pol.shard_optimizer ? G : 1)};
 }
 

@@ -25,33 +25,42 @@ namespace detail {
 //                packed into the scratch), not once it is done
 //   frozen[i]    every parameter frozen: it reduces nothing; backward[i]: it runs one (not a frozen prefix's)
 //   kept[i]      not freed after its forward when the policy frees there (options.keep_gathered)
+//   part[i]      elements kept when freed after its forward (policy::reshard_to: 1/R of gathered[i],
+//                made before the full values go), its backward's all-gather sent from them
+//                within groups of R and holding part_send[i] bytes of scratch; 0: none
 struct step_units {
-  std::vector<std::size_t> gathered, send, full, reduce;
+  std::vector<std::size_t> gathered, send, full, reduce, part, part_send;
   std::vector<bool> released, frozen, backward, kept;
 };
 struct step_replay {
-  std::size_t gathered_peak = 0, scratch_peak = 0, full_grad_peak = 0;  // elements, bytes, elements
-  double gathered_sent = 0;  // elements: gathered[i] summed over the gathers issued
+  std::size_t gathered_peak = 0, scratch_peak = 0, full_grad_peak = 0;  // elements (parts among them), bytes, elements
+  double gathered_sent = 0;    // elements: gathered[i] summed over the gathers issued from the shards
+  double regathered_sent = 0;  // and over those issued from the parts kept after forward
 };
 inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_after_forward, bool keeps_full) {
   const std::size_t n = u.gathered.size();
   enum class state { sharded, gathering, gathered };
   std::vector<state> st(n, state::sharded);
-  std::vector<bool> has_full(n, false);
+  std::vector<bool> has_full(n, false), has_part(n, false);
   step_replay r;
   std::size_t gathered = 0, scratch = 0, full = 0;
   std::optional<std::size_t> reducing;  // the unit whose reduction is in flight
   auto add = [](std::size_t& now, std::size_t& peak, std::size_t b) { peak = std::max(peak, now += b); };
+  auto sending = [&](std::size_t i) { return has_part[i] ? u.part_send[i] : u.send[i]; };
   auto issue = [&](std::size_t i) {
     if (st[i] != state::sharded) return;
     add(gathered, r.gathered_peak, u.gathered[i]);
-    add(scratch, r.scratch_peak, u.send[i]);
-    r.gathered_sent += double(u.gathered[i]);
+    add(scratch, r.scratch_peak, sending(i));
+    (has_part[i] ? r.regathered_sent : r.gathered_sent) += double(u.gathered[i]);
     st[i] = state::gathering;
   };
   auto ensure = [&](std::size_t i) {
     issue(i);
-    if (st[i] == state::gathering) scratch -= u.send[i];
+    if (st[i] == state::gathering) {  // completed: its scratch and the part it was sent from go
+      scratch -= sending(i);
+      if (has_part[i]) gathered -= u.part[i];
+      has_part[i] = false;
+    }
     st[i] = state::gathered;
   };
   auto free = [&](std::size_t i) {
@@ -85,6 +94,10 @@ inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_
   for (std::size_t i = 0; i < n; ++i) {
     ensure(i);
     for (std::size_t k = i + 1; k <= i + prefetch && k < n; ++k) issue(k);
+    if (i > 0 && u.backward[i] && frees_after_forward && !u.kept[i] && u.part[i] > 0) {
+      add(gathered, r.gathered_peak, u.part[i]);
+      has_part[i] = true;
+    }
     if (i > 0 && (!u.backward[i] || (frees_after_forward && !u.kept[i]))) free(i);
   }
   make_full(0);  // the root's backward hook runs first; it stays gathered

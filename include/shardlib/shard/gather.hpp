@@ -22,6 +22,8 @@ namespace shardlib::shard {
 //                             the shard narrowed into scratch.send, gathered
 //                             into the first half of the full float buffer and
 //                             widened in place on arrival
+// A backward's all-gather of a unit that kept a part after forward (policy::reshard_to)
+// sends that part instead, over the reshard group, in the same dtype.
 template <class Unit, class T, class C, class Space, class Comm>
 class gather_schedule {
   using ops = space_ops<Space>;
@@ -33,15 +35,19 @@ class gather_schedule {
 
   // Issues the all-gather of u's shards (over `group`) into `full`.
   void issue(Unit& u, Comm& group, std::span<C> full, std::span<const T> shard) {
-    if constexpr (compute16) {
-      u.gather_work = group.all_gather_async(std::span<const C>(u.compute_shard.span()), full);
-    } else if (precision_.param == dtype::f32) {
-      u.gather_work = group.all_gather_async(shard, full);
-    } else if constexpr (std::is_same_v<Space, host_space>) {
+    if constexpr (compute16) issue_piece(u, group, full, std::span<const C>(u.compute_shard.span()));
+    else issue_piece(u, group, full, shard);
+  }
+  // Issues the all-gather of `piece`, this rank's part of the full values as layers read
+  // them (C), over `group` into `full`, in the gather dtype.
+  void issue_piece(Unit& u, Comm& group, std::span<C> full, std::span<const C> piece) {
+    if (compute16 || precision_.param == dtype::f32) {  // C is the gather dtype
+      u.gather_work = group.all_gather_async(piece, full);
+    } else if constexpr (!compute16 && std::is_same_v<Space, host_space>) {
       with_16bit<T>(precision_.param, [&](auto h) {
         using H = decltype(h);
-        u.scratch.send = Buffer<T, Space>(shard.size(), category::comm_scratch);
-        std::copy_n(shard.data(), shard.size(), u.scratch.send.data());
+        u.scratch.send = Buffer<T, Space>(piece.size(), category::comm_scratch);
+        std::copy_n(piece.data(), piece.size(), u.scratch.send.data());
         auto send = narrow_in_place<H>(u.scratch.send.span());
         std::span<H> recv(reinterpret_cast<H*>(full.data()), full.size());
         u.gather_work = group.all_gather_async(std::span<const H>(send), recv);
@@ -58,17 +64,20 @@ class gather_schedule {
         with_16bit<T>(precision_.param, [&](auto h) { widen_in_place<decltype(h)>(u.values.span()); });
         u.scratch.send.reset();
       }
+    u.resharded.reset();  // what a backward's all-gather sent from, if it had a part kept
     u.where = state::gathered;
   }
 
-  // Sharded parameters: the full values, gathered into a fresh buffer.
-  void gather(Unit& u, Comm& group, std::size_t padded, std::span<const T> shard) {
+  // Sharded parameters: the full values, gathered into a fresh buffer from the shards over
+  // `group`, or from the part kept after forward (policy::reshard_to) over `regroup`.
+  void gather(Unit& u, Comm& group, Comm* regroup, std::size_t padded, std::span<const T> shard) {
     if (u.where != state::sharded) return;
     u.values = Buffer<C, Space>(padded, category::gathered_parameters);
-    issue(u, group, u.values.span(), shard);
+    if (u.resharded.empty()) issue(u, group, u.values.span(), shard);
+    else issue_piece(u, *regroup, u.values.span(), std::span<const C>(u.resharded.span()));
   }
-  void ensure(Unit& u, Comm& group, std::size_t padded, std::span<const T> shard) {
-    gather(u, group, padded, shard);
+  void ensure(Unit& u, Comm& group, Comm* regroup, std::size_t padded, std::span<const T> shard) {
+    gather(u, group, regroup, padded, shard);
     if (u.where == state::gathering) complete(u);
   }
   void free(Unit& u) {
@@ -76,6 +85,13 @@ class gather_schedule {
     u.unbind();
     u.values.reset();
     u.where = state::sharded;
+  }
+  // Frees u's full values but for part `k` of `parts` equal ones, kept until its next gather.
+  void reshard(Unit& u, int k, int parts) {
+    const std::size_t n = u.values.size() / std::size_t(parts);
+    u.resharded = Buffer<C, Space>(n, category::gathered_parameters);
+    space_ops<Space>::copy(std::span<const C>(u.values.span()).subspan(std::size_t(k) * n, n), u.resharded.span());
+    free(u);
   }
 
   // --- order and prefetch ----------------------------------------------------------------------

@@ -137,6 +137,7 @@ class ShardedModel {
     for (auto& u : units_)  // names for errors: the layouts no longer move
       for (std::size_t k = 0; k < u.params.size(); ++k) u.params[k]->owner_name = u.layout.entries[k].name;
     check_same_model<ops>(comm, units_, strategy_.name, policy_, opts_.seed, sizeof(T), sizeof(C));
+    make_reshard_group();  // after the check: ranks that disagree on it would split differently
     for (auto& u : units_) materialize(u);
     if (!policy_.shard_parameters && !master_in_values()) {
       try {
@@ -205,7 +206,8 @@ class ShardedModel {
   // answers training() == false (dropout off) and grad_enabled() == false, which
   // layers read to keep no activations (nn::grad_enabled; the library's host layers do);
   // backward raises. eval() also frees what a forward without backward left gathered
-  // (ShardGradOp and options.keep_gathered keep units until their backward) and forgets that forward.
+  // (ShardGradOp and options.keep_gathered keep units until their backward, policy::reshard_to
+  // a part of them) and forgets that forward.
   void eval() {
     release_full_params();
     forwarded_ = false;
@@ -555,6 +557,7 @@ class ShardedModel {
                          "' needs ", piece(i).size, " values, got ", values.size());
     require(!policy_.shard_parameters || u.where == state::sharded, "rank ", comm_->rank(), ": load_master of unit '",
             u.name, "' while it is gathered (load between steps)");
+    u.resharded.reset();  // kept by a forward without its backward: those values are gone
     if constexpr (compute16) {
       copies_.load(u, values);
     } else {
@@ -608,10 +611,14 @@ class ShardedModel {
     const bool root = &u == &units_[0];
     if (root) gathers_.stop_recording();  // the root finishes last: the order is complete
     // a unit run inside no_grad(f) gets no backward (nn::frozen_prefix): free it now
-    if (policy_.shard_parameters &&
-        (ctx_.evaluating() || u.no_backward ||
-         (!root && !u.keep_gathered && policy_.free == free_point::after_forward)))
-      gathers_.free(u);
+    if (policy_.shard_parameters) {
+      if (ctx_.evaluating() || u.no_backward) {
+        gathers_.free(u);
+      } else if (!root && !u.keep_gathered && policy_.free == free_point::after_forward) {
+        if (reshard_comm_) gathers_.reshard(u, reshard_comm_->rank(), reshard_comm_->size());
+        else if (!policy_.keeps_whole(comm_->size())) gathers_.free(u);
+      }
+    }
     if (root && ctx_.evaluating()) release_full_params();  // a prefetched unit that did not run
   }
   void pre_backward(unit_type& u) {
@@ -695,6 +702,14 @@ class ShardedModel {
     shard_comm_.emplace(comm_->split(r / g, r));    // the ranks that shard one replica
     replica_comm_.emplace(comm_->split(r % g, r));  // the same shard in every replica
     reducer_.set_replicas(&*replica_comm_);
+  }
+  // policy::reshard_to = R, 1 < R < the shard group: groups of R consecutive ranks (nested
+  // in the shard groups, which are consecutive too), within which backward all-gathers.
+  void make_reshard_group() {
+    const int g = policy_.group(comm_->size()), r = comm_->rank();
+    require(policy_.reshard_to == 0 || g % policy_.reshard_to == 0, "rank ", r, ": ", strategy_.name, " reshard_to ",
+            policy_.reshard_to, " must divide the shard group's ", g, " ranks");
+    if (const int R = policy_.regather(comm_->size()); R > 1 && R < g) reshard_comm_.emplace(comm_->split(r / R, r));
   }
   Comm& shard_comm() { return shard_comm_ ? *shard_comm_ : *comm_; }
   int shard_rank() const { return shard_comm_ ? shard_comm_->rank() : comm_->rank(); }
@@ -812,8 +827,9 @@ class ShardedModel {
   // Sharded parameters: issue u's all-gather (and, when `wait`, complete it).
   void gather(unit_type& u, bool wait) {
     const std::size_t i = std::size_t(index_of(u));
-    if (wait) gathers_.ensure(u, shard_comm(), partition(i).padded_size(), master_local(u));
-    else gathers_.gather(u, shard_comm(), partition(i).padded_size(), master_local(u));
+    Comm* regroup = reshard_comm_ ? &*reshard_comm_ : nullptr;
+    if (wait) gathers_.ensure(u, shard_comm(), regroup, partition(i).padded_size(), master_local(u));
+    else gathers_.gather(u, shard_comm(), regroup, partition(i).padded_size(), master_local(u));
   }
   // Replicated parameters after their masters changed: every rank's piece to
   // every rank (ZeRO-1; all units' gathers in flight at once), or the values
@@ -868,12 +884,13 @@ class ShardedModel {
     if (u.offload && !compute16) offload_->wait(offload_->to_offload(std::span<const T>(master), u.offload->master.span()));
     if (!policy_.shard_parameters) refresh_values(u);
   }
-  // Frees every gathered unit (waiting for gathers in flight first).
+  // Frees every gathered unit (waiting for gathers in flight first) and the parts kept after forward.
   void release_full_params() {
     if (policy_.shard_parameters)
       for (auto& u : units_) {
         if (u.where == state::gathering) gathers_.complete(u);
         if (u.where == state::gathered) gathers_.free(u);
+        u.resharded.reset();
       }
   }
 
@@ -919,6 +936,7 @@ class ShardedModel {
         u.where = state::gathered;
       }
       if (policy_.shard_parameters && u.where == state::gathered) gathers_.free(u);
+      u.resharded.reset();
     }
     reducer_.drain();
   }
@@ -999,7 +1017,7 @@ class ShardedModel {
   Strategy strategy_;
   shard::policy policy_;
   options opts_;
-  std::optional<Comm> shard_comm_, replica_comm_;
+  std::optional<Comm> shard_comm_, replica_comm_, reshard_comm_;
   std::vector<unit_type> units_;  // units_[0] is the root
   std::map<std::pair<const void*, std::type_index>, int> index_;
   gather_schedule<unit_type, T, C, space, Comm> gathers_;

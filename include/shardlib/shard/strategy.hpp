@@ -29,6 +29,11 @@ struct policy {
   int group_size = 0;            // ranks one shard is split over: 0 = all; G = groups of G, replicated across groups
   free_point free = free_point::after_forward;
   reduction reduce = reduction::reduce_scatter;
+  // Freed after forward: 0 frees a unit's full values; R (dividing the shard group) keeps
+  // this rank's 1/R of them until its backward, which all-gathers them within groups of R
+  // consecutive ranks (one node's, say) instead of across the shard group: FSDP2's
+  // reshard_after_forward=R, ZeRO++'s hpZ. R = 1 keeps them whole, R = the group frees them.
+  int reshard_to = 0;
 
   // The ZeRO ladder: sharding parameters implies sharding gradients implies
   // sharding optimizer state (the engine implements no other combination).
@@ -40,6 +45,9 @@ struct policy {
       return "gathered parameters are freed (after forward or backward) exactly when parameters are sharded";
     if (group_size < 0) return "group_size must be 0 (all ranks) or positive";
     if (group_size > 0 && !shard_parameters) return "shard groups (group_size > 0) need sharded parameters";
+    if (reshard_to < 0) return "reshard_to must be 0 (free after forward) or positive";
+    if (reshard_to > 0 && free != free_point::after_forward)
+      return "reshard_to (keeping part of the full values after forward) needs parameters freed after forward";
     if ((reduce == reduction::all_reduce) == shard_optimizer)
       return "all-reduce is the reduction exactly when nothing is sharded";
     if ((reduce == reduction::hierarchical) != (group_size > 0))
@@ -48,6 +56,13 @@ struct policy {
   }
   // The shard group's size in a world of `world` ranks.
   constexpr int group(int world) const { return group_size > 0 ? group_size : world; }
+  // The ranks a unit's backward all-gathers over when freed after forward: reshard_to where
+  // fewer than the shard group (1: none, the unit is kept whole), else the shard group.
+  constexpr int regather(int world) const {
+    return reshard_to > 0 && reshard_to < group(world) ? reshard_to : group(world);
+  }
+  // reshard_to = 1 below the shard group: units are not freed after forward at all.
+  constexpr bool keeps_whole(int world) const { return regather(world) == 1 && group(world) > 1; }
 };
 
 // A strategy: a name and a policy, both read from the value (HybridShard's policy
@@ -69,7 +84,8 @@ concept ShardingStrategy = std::copyable<S> && requires(const S& s) {
 //  HybridShard (HSDP)      FullShard within groups of group_size ranks, replicated across groups
 struct FullShard {
   static constexpr std::string_view name = "FullShard";
-  constexpr shard::policy policy() const { return {}; }
+  int reshard_to = 0;  // policy::reshard_to: 0 frees the full values after forward
+  constexpr shard::policy policy() const { return {.reshard_to = reshard_to}; }
 };
 struct ShardGradOp {
   static constexpr std::string_view name = "ShardGradOp";
@@ -91,7 +107,10 @@ struct NoShard {
 struct HybridShard {
   static constexpr std::string_view name = "HybridShard";
   int group_size = 1;  // ranks that shard one replica; must divide the world size
-  constexpr shard::policy policy() const { return {.group_size = group_size, .reduce = reduction::hierarchical}; }
+  int reshard_to = 0;  // policy::reshard_to: must divide group_size
+  constexpr shard::policy policy() const {
+    return {.group_size = group_size, .reduce = reduction::hierarchical, .reshard_to = reshard_to};
+  }
 };
 
 // Any strategy chosen at run time, as FSDP's ShardingStrategy is an enum: the name

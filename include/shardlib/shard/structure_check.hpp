@@ -43,7 +43,7 @@ void check_same_model(Comm& comm, const std::vector<Unit>& units, std::string_vi
                       std::uint64_t seed, std::size_t master_bytes, std::size_t compute_bytes) {
   std::vector<std::int64_t> mine;  // hashes (int64: an element type every communicator carries)
   mine.push_back(std::int64_t(fnv1a(cat(strategy, p.shard_parameters, p.shard_gradients, p.shard_optimizer,
-                                        p.group(comm.size()), int(p.free), int(p.reduce)))));
+                                        p.group(comm.size()), int(p.free), int(p.reduce), p.reshard_to))));
   mine.push_back(std::int64_t(seed));
   for (const auto& u : units)
     for (const auto& e : u.layout.entries)
@@ -61,7 +61,8 @@ void check_same_model(Comm& comm, const std::vector<Unit>& units, std::string_vi
     for (int r = 0; r < comm.size(); ++r) {
       if (all[std::size_t(r) * mine.size() + i] == all[i]) continue;
       const std::string what =
-          i == 0   ? cat("the strategy or its policy (here: ", strategy, ")")
+          i == 0   ? cat("the strategy or its policy (here: ", strategy,
+                         p.reshard_to ? cat(" with reshard_to ", p.reshard_to) : std::string(), ")")
           : i == 1 ? cat("options.seed (here: ", seed, "): ranks would start from different parameters")
                    : cat("parameter #", i - 2, " (here: ", detail::describe_entry(units, i - 2), ")");
       throw error(cat("rank ", comm.rank(), ": the model differs between ranks 0 and ", r, " at ", what,

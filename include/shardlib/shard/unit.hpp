@@ -70,6 +70,9 @@ struct unit {
   // reduced, or always (replicated).
   Buffer<C, Space> values;
   Buffer<C, Space> full_grad;
+  // policy::reshard_to: this rank's 1/R of the full values, kept from its forward (which
+  // freed them) until its backward's all-gather within the reshard group completes.
+  Buffer<C, Space> resharded;
   enum class state { sharded, gathering, gathered } where = state::sharded;
   Work gather_work, reduce_work;
   bool reducing = false;   // reduce_work is in flight
