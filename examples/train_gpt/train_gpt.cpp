@@ -10,6 +10,8 @@
 // Face's GPT2LMHeadModel or LlamaForCausalLM would (config.json + model.safetensors, --save
 // DIR), which transformers loads with from_pretrained(DIR). With --checkpoint-dir and
 // --checkpoint-every it saves sharded checkpoints while it trains; --resume goes on from one.
+// --reshard-to R keeps 1/R of each block from its forward to its backward, which gathers it
+// within groups of R ranks (shard::policy::reshard_to); the losses are the same.
 // Fine-tuning: --init DIR starts from a Hugging Face checkpoint (an earlier --save),
 // --freeze PATTERN... keeps the parameters it names as they are (nn::freeze), and --lora
 // TARGET... trains LoRA adapters on the Linears it names, everything else frozen
@@ -41,6 +43,7 @@
 #include "common/flags.hpp"
 #include "common/fine_tuning.hpp"
 #include "common/memory_report.hpp"
+#include "common/sharding_flags.hpp"
 #include "common/text_corpus.hpp"
 #include "common/text_sample.hpp"
 
@@ -49,7 +52,7 @@ using namespace shardlib;
 namespace {
 
 struct settings : example::byte_model_shape, example::sample_settings, example::checkpoint_settings,
-                  example::fine_tune_settings {
+                  example::fine_tune_settings, example::sharding_settings {
   std::string data = "/usr/share/common-licenses/GPL-3", save = "train_gpt_model";
   long world = 4, batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30;
   double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1;
@@ -81,7 +84,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   example::prepare(model, s, c.rank(), "train_gpt");
   using model_t = decltype(model);
   auto sharded = shard::fully_shard<optim::AdamW>(
-      model, c, shard::FullShard{},
+      model, c, example::full_shard(s),
       {.wrap = shard::wrap_types<typename model_t::block_type>{}, .seed = s.seed, .frozen_grads = !s.no_frozen_grads});
   optim::AdamW adamw{{.lr = s.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = s.weight_decay}};
   const optim::warmup_cosine schedule{
@@ -91,10 +94,11 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   if (c.rank() == 0)
     std::printf("train_gpt: %s, %zu bytes (%zu training, %zu held out); unigram entropy %.4f nats = %.4f bits per "
                 "byte\ntrain_gpt: %s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld) in %zu units, "
-                "FullShard over %d ranks, %ld sequences per rank\n",
+                "FullShard over %d ranks%s, %ld sequences per rank\n",
                 s.data.c_str(), data.train.size() + data.val.size(), data.train.size(), data.val.size(), entropy,
                 entropy / std::log(2.0), s.model.c_str(), parameters,
-                s.layers, s.d_model, s.heads, s.seq, sharded.unit_count(), c.size(), s.batch);
+                s.layers, s.d_model, s.heads, s.seq, sharded.unit_count(), c.size(), example::sharding_note(s).c_str(),
+                s.batch);
 
   example::load_init(sharded, s);
   const long first = example::resume(sharded, adamw, s, "train_gpt");  // batches and schedule go on from its step
@@ -191,7 +195,10 @@ int main(int argc, char** argv) {
   cli.add_option("--save", s.save, "directory for the Hugging Face checkpoint (empty: none)");
   example::add_fine_tune_flags(cli, s);
   example::add_checkpoint_flags(cli, s);
+  example::add_sharding_flags(cli, s);
   cli.callback([&] {
+    if (s.reshard_to > 0 && s.world % s.reshard_to != 0)
+      throw CLI::ValidationError("--reshard-to", shardlib::cat(s.reshard_to, " does not divide --world ", s.world));
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
     if (s.min_lr > s.lr)
       throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +

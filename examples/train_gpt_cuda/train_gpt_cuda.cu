@@ -15,6 +15,8 @@
 //   mpirun -np 8 train_gpt_cuda                     one process per GPU (device = local rank)
 //   tools/launch -n 8 train_gpt_cuda                the same without MPI (torchrun-style
 //                                                   variables, NCCL's id through the TCP store)
+//   mpirun -np 16 train_gpt_cuda --reshard-to 8     two nodes of 8: backward gathers each block
+//                                                   within a node (shard::policy::reshard_to)
 //   --model llama --dtype fp32 --data FILE          ...
 //
 // Differences from train_gpt: the validation loss is the mean over the ranks'
@@ -48,6 +50,7 @@
 #include "common/flags.hpp"
 #include "common/fine_tuning.hpp"
 #include "common/memory_report.hpp"
+#include "common/sharding_flags.hpp"
 #include "common/device_world.cuh"
 #include "common/text_corpus.hpp"
 #include "common/text_sample.hpp"
@@ -57,7 +60,7 @@ namespace sl = shardlib;  // not `using namespace`: CUDA declares a global `half
 namespace {
 
 struct settings : example::byte_model_shape, example::sample_settings, example::checkpoint_settings,
-                  example::fine_tune_settings {
+                  example::fine_tune_settings, example::sharding_settings {
   settings() {
     d_model = 256;
     heads = 8;
@@ -95,7 +98,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   example::prepare(model, s, c.rank(), "train_gpt_cuda");
   using model_t = decltype(model);
   auto sharded = sl::shard::fully_shard<sl::optim::cuda::AdamW>(
-      model, c, sl::shard::FullShard{},
+      model, c, example::full_shard(s),
       {.wrap = sl::shard::wrap_types<typename model_t::block_type>{},
        .seed = s.seed,
        .precision = compute_precision<T>(),
@@ -108,10 +111,10 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   if (c.rank() == 0)
     std::printf("train_gpt_cuda: %s, %zu bytes (%zu training, %zu held out); unigram entropy %.4f nats per byte\n"
                 "train_gpt_cuda: %s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld), %s compute, "
-                "FullShard over %d GPU(s) (NCCL), %zu units, %ld sequences per rank\n",
+                "FullShard over %d GPU(s) (NCCL)%s, %zu units, %ld sequences per rank\n",
                 s.data.c_str(), data.train.size() + data.val.size(), data.train.size(), data.val.size(), entropy,
                 s.model.c_str(), sl::nn::parameter_count(model), s.layers, s.d_model, s.heads, s.seq, s.dtype.c_str(),
-                c.size(), sharded.unit_count(), s.batch);
+                c.size(), example::sharding_note(s).c_str(), sharded.unit_count(), s.batch);
 
   // The held-out windows, evenly spread over the tail and split between the
   // ranks; the mean of the ranks' mean losses.
@@ -245,6 +248,7 @@ int main(int argc, char** argv) {
       ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for a Hugging Face checkpoint (empty: none)");
   example::add_checkpoint_flags(cli, s);
+  example::add_sharding_flags(cli, s);
   example::add_fine_tune_flags(cli, s);
   cli.add_flag("--no-frozen-masters", s.no_frozen_masters, "--dtype bf16 with --freeze or --lora: keep the frozen "
                "parameters in bf16 alone, without fp32 masters (4 bytes per frozen element less)");

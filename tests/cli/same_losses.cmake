@@ -1,0 +1,33 @@
+# A program run twice, as given and with EXTRA arguments added (a list): both must succeed,
+# the second's output must match MUST, and every "Rank r, Step s, Loss: x" line the two print
+# must be the same, bit for bit (flags that change how training is distributed, not what it computes).
+#   cmake "-DEXTRA=--flag;value" "-DMUST=regex" -P same_losses.cmake -- program args...
+cmake_policy(VERSION 3.25)
+include(${CMAKE_CURRENT_LIST_DIR}/command_after_dashes.cmake)
+string(REPLACE ";" " " shown "${command}")
+
+function(run out_var)
+  execute_process(COMMAND ${command} ${ARGN} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err
+                  TIMEOUT 120)
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "$ ${shown} ${ARGN}\nexit status ${status}:\n${out}${err}")
+  endif()
+  message("$ ${shown} ${ARGN}\n${out}${err}")
+  string(REGEX MATCHALL "Rank [0-9]+, Step [0-9]+, Loss: [^\n]*" lines "${out}")
+  set(${out_var} "${lines}" PARENT_SCOPE)
+  set(${out_var}_text "${out}" PARENT_SCOPE)
+endfunction()
+
+run(plain)
+run(changed ${EXTRA})
+if(NOT changed_text MATCHES "${MUST}")
+  message(FATAL_ERROR "the run with ${EXTRA} does not print '${MUST}'")
+endif()
+if(plain STREQUAL "")
+  message(FATAL_ERROR "the runs print no loss lines")
+endif()
+list(SORT plain)  # ranks print in whatever order their threads reach the line
+list(SORT changed)
+if(NOT plain STREQUAL changed)
+  message(FATAL_ERROR "the losses differ with ${EXTRA}:\n${plain}\nagainst\n${changed}")
+endif()
