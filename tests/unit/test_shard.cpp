@@ -1,6 +1,7 @@
 // The sharding engine: equivalence with unsharded training for every strategy,
 // world sizes 1-4, and a parameter count that does not divide by W.
 #include "custom_strategy/hybrid_zero2.hpp"
+#include "../../benchmarks/counting_comm.hpp"  // bytes sent per rank, ring model
 #include "shardlib/comm/launch.hpp"
 #include "support/shard_fixture.hpp"
 #include "support/raised.hpp"
@@ -535,6 +536,89 @@ TEMPLATE_TEST_CASE("gradient accumulation, with and without no-sync, equals accu
     INFO("sync each micro-batch: " << sync_each << ", worst relative difference " << worst);
     CHECK(worst <= 1e-5);
   }
+}
+
+namespace {
+struct accumulated {
+  std::vector<float> params;
+  double gathered_bytes = 0;            // all-gathers per step, counted by the ring model
+  std::size_t held_before_last = 0;     // gathered parameters held before the last micro-batch (rank 0)
+  std::size_t held_after_step = 1;      // and after the step
+  std::size_t all_units = 0;            // bytes of every unit's padded values
+  std::vector<std::size_t> padded;      // each unit's, for the expected saving
+};
+// Three micro-batches per step, the first two under no_sync; with `keep`, units stay gathered
+// after those two backwards (set_reshard_after_backward(false)) and the last runs as usual.
+accumulated accumulate3(int world, shard::AnyStrategy strategy, bool keep) {
+  accumulated r;
+  comm::launch(world, [&](comm::ThreadComm& c, ledger& l) {
+    auto tally = std::make_shared<bench::traffic>();
+    bench::counting_comm<comm::ThreadComm> counted(c, tally);
+    Model m = make_model();
+    auto model = shard::fully_shard<sgd>(m, counted, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+    tally->reset();
+    sgd opt;
+    const int steps = 3;
+    for (int s = 0; s < steps; ++s) {
+      model.zero_grad();
+      for (int micro = 0; micro < 3; ++micro) {
+        const bool last = micro == 2;
+        if (keep) model.set_reshard_after_backward(last);
+        model.set_sync(last);
+        if (last && c.rank() == 0) r.held_before_last = l.current(category::gathered_parameters);
+        const auto x = batch(10 * s + micro, 2, 5, 1, 2 * c.rank()), y = batch(10 * s + micro, 2, 3, 2, 2 * c.rank());
+        model.backward(mse(model.forward(x), y).grad);
+      }
+      model.step(opt);
+    }
+    auto sd = model.full_state_dict();
+    if (c.rank() != 0) return;
+    r.held_after_step = l.current(category::gathered_parameters);
+    r.gathered_bytes = tally->all_gather / steps;
+    for (std::size_t i = 0; i < model.unit_count(); ++i) {
+      r.padded.push_back(model.partition(i).padded_size());
+      r.all_units += r.padded.back() * sizeof(float);
+    }
+    for (auto& [n, t] : sd) r.params.insert(r.params.end(), t.span().begin(), t.span().end());
+  });
+  return r;
+}
+}  // namespace
+
+// FSDP2's set_reshard_after_backward(false) for the micro-batches under no_sync: each unit
+// stays gathered after their backwards, so the next micro-batch's forward gathers none but
+// the ones it already has; training is the same bit for bit, with one all-gather of each unit
+// but the root fewer per kept micro-batch (ShardGradOp's only one), and the step frees them.
+TEST_CASE("units kept gathered after backward through accumulated micro-batches", "[shard][accumulation]") {
+  for (const auto& [strategy, world] : {std::pair{shard::AnyStrategy(shard::FullShard{}), 3},
+                                        std::pair{shard::AnyStrategy(shard::ShardGradOp{}), 3},
+                                        std::pair{shard::AnyStrategy(shard::HybridShard{.group_size = 2}), 4}}) {
+    INFO(strategy.name << ", W " << world);
+    const auto plain = accumulate3(world, strategy, false), kept = accumulate3(world, strategy, true);
+    REQUIRE(plain.params.size() == 291);
+    CHECK(kept.params == plain.params);  // bit for bit
+    const int g = strategy.policy().group(world);
+    double saved = 0;  // two kept micro-batches: their successors' forwards gather no unit but the root
+    for (std::size_t i = 1; i < kept.padded.size(); ++i) saved += 2 * double(g - 1) / g * double(kept.padded[i] * 4);
+    CHECK(plain.gathered_bytes - kept.gathered_bytes == Approx(saved).epsilon(1e-12));
+    CHECK(kept.held_before_last == kept.all_units);  // every unit gathered
+    CHECK(plain.held_before_last < kept.all_units);
+    CHECK(kept.held_after_step == 0);
+  }
+}
+
+// Ranks that keep units after backward where others free them would pair their next gathers
+// wrongly: the setter is collective and raises on every rank.
+TEST_CASE("set_reshard_after_backward: ranks that disagree raise on every rank", "[shard][accumulation]") {
+  std::vector<std::string> errors(2);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model m = make_model();
+    auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{}});
+    errors[std::size_t(c.rank())] = test_support::raised([&] { model.set_reshard_after_backward(c.rank() == 1); });
+  });
+  CHECK_THAT(errors[0], Catch::Contains("rank 0: set_reshard_after_backward(false): other ranks set true; every rank "
+                                        "must set the same"));
+  CHECK_THAT(errors[1], Catch::Contains("rank 1: set_reshard_after_backward(true): other ranks set false"));
 }
 
 // A no_sync left on must not reach the optimizer: the gradients would be one rank's

@@ -281,6 +281,21 @@ class ShardedModel {
     bool was_;
   };
   [[nodiscard]] sync_off no_sync() { return sync_off(*this); }
+  // FSDP2's set_reshard_after_backward. false: each unit stays gathered after its backward
+  // (also at the end of backward) until the step, eval() or a forward that frees it, so that
+  // the next micro-batch's forward finds it there: one all-gather fewer per unit and
+  // micro-batch under FullShard, none at all under ShardGradOp, for the full parameters held
+  // meanwhile. For gradient accumulation: off for the micro-batches under no_sync, on for the
+  // last. Collective (a rank that keeps units where another frees them would pair its next
+  // gathers with the other's wrongly): ranks that disagree raise, naming both values.
+  void set_reshard_after_backward(bool on) {
+    std::vector<std::int64_t> any{on, !on};  // over the ranks' maximum: some set true, some false
+    ops::all_reduce_values(*comm_, std::span<std::int64_t>(any), comm::reduce_op::max);
+    require(!(any[0] && any[1]), "rank ", comm_->rank(), ": set_reshard_after_backward(",
+            on ? "true" : "false", "): other ranks set ", on ? "false" : "true",
+            "; every rank must set the same (units kept gathered on some ranks only would pair gathers wrongly)");
+    reshard_after_backward_ = on;
+  }
 
   void zero_grad() {
     for (auto& u : units_) {
@@ -637,7 +652,7 @@ class ShardedModel {
   }
   void post_backward(unit_type& u) {
     zero_frozen_grads(u);
-    if (policy_.shard_parameters) gathers_.free(u);
+    if (policy_.shard_parameters && reshard_after_backward_) gathers_.free(u);
     if (u.frozen()) {  // every gradient is zero: nothing to send (FSDP2 reduces only what has gradients)
       if (policy_.shard_optimizer) u.full_grad.reset();
     } else if (sync_) {
@@ -920,7 +935,7 @@ class ShardedModel {
   // everything at the end of backward.
   void finish_backward() {
     reducer_.finish_all_except(nullptr);
-    release_full_params();
+    if (reshard_after_backward_) release_full_params();
   }
   // Waits for every collective this rank issued, frees what is gathered and drops
   // the reductions' results; errors are dropped (the rank is already failing, or the
@@ -1023,6 +1038,7 @@ class ShardedModel {
   gather_schedule<unit_type, T, C, space, Comm> gathers_;
   gradient_reducer<unit_type, T, C, space, Comm> reducer_;
   bool sync_ = true;
+  bool reshard_after_backward_ = true;  // set_reshard_after_backward
   bool unreduced_ = false;  // the last backward ran under sync(false)
   bool incomplete_ = false;  // a backward raised since the last zero_grad
   std::uint64_t forward_draws_ = 0;  // random streams drawn before the last forward: a pass that raises rewinds
