@@ -5,18 +5,7 @@
 cmake_policy(VERSION 3.25)
 include(${CMAKE_CURRENT_LIST_DIR}/command_after_dashes.cmake)
 string(REPLACE ";" " " shown "${command}")
-
-function(run out_var)
-  execute_process(COMMAND ${command} ${ARGN} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err
-                  TIMEOUT 120)
-  if(NOT status EQUAL 0)
-    message(FATAL_ERROR "$ ${shown} ${ARGN}\nexit status ${status}:\n${out}${err}")
-  endif()
-  message("$ ${shown} ${ARGN}\n${out}${err}")
-  string(REGEX MATCHALL "Rank [0-9]+, Step [0-9]+, Loss: [^\n]*" lines "${out}")
-  set(${out_var} "${lines}" PARENT_SCOPE)
-  set(${out_var}_text "${out}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/loss_lines.cmake)
 
 run(plain)
 run(changed ${EXTRA})
