@@ -1029,7 +1029,7 @@ void check_memory16(Strategy strategy, int w) {
           auto model = shard::fully_shard<optim::SGD>(m, c, strategy,
                                                       {.wrap = shard::wrap_types<Block16>{}, .seed = 42,
                                                        .prefetch = prefetch, .precision = mp});
-          optim::SGD opt({.lr = 0.05});
+          optim::SGD opt(optim::SGD::options_type{.lr = 0.05});  // `opt({.lr = ...})` here crashes Clang 16
           for (int s = 0; s < 3; ++s) {
             const auto first = c.rank() * per_rank;
             model.train_step(opt, as<bfloat16>(batch(s, per_rank, 5, 1, first)),
