@@ -18,10 +18,12 @@
 //       the model train_fsdp and bench_strategies train, walked exactly as fully_shard wraps
 //       it, its activations measured by one unsharded step on this machine
 //   common flags: --world 4 | --worlds 1,2,4,8   --strategy all|full|grad-op|optimizer|none|hybrid
-//                 --group 2 --prefetch 1 --keep-gathered 1 --param f32 --reduce f32 --compute f32|bf16|f16
+//                 --group 2 --prefetch 1 --keep-gathered 1 --reshard-to 8 --param f32 --reduce f32
+//                 --compute f32|bf16|f16
 //                 --fused-attention (--model, --params: the device layers' attention)
 //                 --optimizer adam|amsgrad|momentum|sgd
 //                 --memory 80 (GB) --bandwidth 100 (GB/s per rank) --flops 100 (TFLOP/s per rank)
+//                 --node-size 8 --node-bandwidth 450 (GB/s per rank within a node)
 //                 --json FILE (one JSON line per strategy and world)
 // --compute defaults to the param dtype for --params (an engine computing in it, as on
 // GPUs) and to f32 for --encoder (the host engine computes in fp32).
@@ -74,6 +76,8 @@ struct settings {
   std::vector<int> worlds;
   std::string strategy = "all", param = "f32", reduce = "f32", compute, optimizer = "adam", json;
   double memory = 80, bandwidth = 100, flops = 100;
+  int node_size = 0;          // --node-size: ranks per node
+  double node_bandwidth = 0;  // --node-bandwidth: GB/s within a node
 };
 
 dtype parse_type(std::string s) {
@@ -171,7 +175,18 @@ settings parse(int argc, char** argv) {
   cli.add_option("--optimizer", s.optimizer, "optimizer state to plan for")
       ->check(CLI::IsMember({"adam", "adamw", "amsgrad", "momentum", "sgd"}));
   cli.add_option("--memory", s.memory, "device memory per rank, GB")->check(example::positive());
-  cli.add_option("--bandwidth", s.bandwidth, "what one rank sends, GB/s")->check(example::positive());
+  cli.add_option("--bandwidth", s.bandwidth, "what one rank sends, GB/s (across nodes, with --node-size)")
+      ->check(example::positive());
+  auto* node_bandwidth = cli.add_option("--node-bandwidth", s.node_bandwidth,
+                                        "what one rank sends within a node, GB/s (NVLink's bus bandwidth, say)")
+                             ->check(example::positive());
+  cli.add_option("--node-size", s.node_size,
+                 "ranks per node: the chooser times collectives within a node at --node-bandwidth, the others at "
+                 "--bandwidth")
+      ->check(whole(1, example::max_size))
+      ->needs(node_bandwidth)
+      ->excludes(article);
+  node_bandwidth->needs(cli.get_option("--node-size"));
   cli.add_option("--flops", s.flops, "sustained compute per rank, TFLOP/s")->check(example::positive());
   cli.add_option("--json", s.json, "writes one JSON line per strategy and world size");
   cli.callback([&] {
@@ -190,6 +205,8 @@ settings parse(int argc, char** argv) {
         throw CLI::ValidationError("--group", cat(s.group, " does not divide the world size ", w));
       if (s.reshard_to > 0 && w % s.reshard_to != 0)
         throw CLI::ValidationError("--reshard-to", cat(s.reshard_to, " does not divide the world size ", w));
+      if (s.node_size > 0 && w > s.node_size && w % s.node_size != 0)
+        throw CLI::ValidationError("--node-size", cat(s.node_size, " does not divide the world size ", w));
     }
     if (s.reshard_to > 0 && s.group_given && s.group % s.reshard_to != 0)
       throw CLI::ValidationError("--reshard-to", cat(s.reshard_to, " does not divide the group size ", s.group));
@@ -429,8 +446,12 @@ void print_table(const plan::model_desc& d, const plan::setup& base, const std::
 }
 
 void print_choice(const plan::model_desc& d, const plan::setup& base, const plan::machine& mc, bool group_given) {
-  std::printf("\n# which fits %g GB per rank, sending %g GB/s and computing %g TFLOP/s per rank (fastest first)\n",
-              mc.memory_bytes / 1e9, mc.link_bytes_per_s / 1e9, mc.flops_per_s / 1e12);
+  std::printf("\n# which fits %g GB per rank, sending %g GB/s%s and computing %g TFLOP/s per rank (fastest first)\n",
+              mc.memory_bytes / 1e9, mc.link_bytes_per_s / 1e9,
+              mc.node_size > 0 ? cat(" across nodes and ", mc.node_link_bytes_per_s / 1e9, " GB/s within nodes of ",
+                                     mc.node_size, " ranks").c_str()
+                               : "",
+              mc.flops_per_s / 1e12);
   const std::vector<int> groups = group_given ? std::vector<int>{base.group} : std::vector<int>{};
   for (const auto& c : plan::choose(d, base, mc, groups)) std::printf("%s %s\n", c.fits ? "+" : "-", c.why.c_str());
 }
@@ -513,7 +534,8 @@ int main(int argc, char** argv) {
                    : s.fused_attention ? "estimate, fused attention: no seq x seq weights kept"
                                        : "estimate");
     const plan::machine mc{
-        .memory_bytes = s.memory * 1e9, .link_bytes_per_s = s.bandwidth * 1e9, .flops_per_s = s.flops * 1e12};
+        .memory_bytes = s.memory * 1e9, .link_bytes_per_s = s.bandwidth * 1e9, .flops_per_s = s.flops * 1e12,
+        .node_size = s.node_size, .node_link_bytes_per_s = s.node_bandwidth * 1e9};
     for (int w : s.worlds.empty() ? std::vector<int>{s.world} : s.worlds) {
       const plan::setup base{.world = w,
                              .group = s.group,

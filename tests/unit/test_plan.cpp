@@ -466,6 +466,52 @@ TEST_CASE("reshard_to: the chooser's candidates and labels, the model states, a 
                                                                      "group's 16 ranks"));
 }
 
+// Two levels of links: collectives whose groups lie within a node of 8 ranks (HybridShard's
+// shard groups of 8, reshard groups of 8) send over the node's links, the rest across nodes.
+TEST_CASE("nodes: what collectives within a node send, and the chooser timing it at the node's links",
+          "[plan][chooser][nodes]") {
+  const auto d = article_model(dtype::bf16);
+  const auto bf16 = plan::precision::param_layers({.param = dtype::bf16, .reduce = dtype::bf16});
+  const plan::setup two_nodes{.world = 16, .node_size = 8, .precision = bf16};
+  const auto plan_of = [&](plan::strategy st, int group, int reshard_to, int world) {
+    plan::setup s = two_nodes;
+    s.strategy = st;
+    s.group = group;
+    s.reshard_to = reshard_to;
+    s.world = world;
+    return plan::make_plan(d, s).sent;
+  };
+  const auto full = plan_of(plan::strategy::full_shard, 0, 0, 16);
+  CHECK(full.within_node == 0);  // every collective spans both nodes
+  const auto resharded = plan_of(plan::strategy::full_shard, 0, 8, 16);
+  CHECK(resharded.within_node == resharded.within_reshard_groups);
+  CHECK(resharded.within_node > 0);
+  const auto hybrid = plan_of(plan::strategy::hybrid_shard, 8, 0, 16);
+  CHECK(hybrid.within_node == hybrid.all_gather + hybrid.reduce_scatter);  // the shard group is a node
+  CHECK(hybrid.exposed_within_node == 0);  // the replica all-reduce and the loss's cross the nodes
+  CHECK(hybrid.exposed == hybrid.all_reduce);
+  const auto one_node = plan_of(plan::strategy::full_shard, 0, 0, 8);
+  CHECK(one_node.within_node == one_node.total());
+  CHECK(one_node.exposed_within_node == one_node.exposed);
+  // A slow network (1 GB/s), fast nodes (1 TB/s), no memory limit, instant compute: HybridShard
+  // in groups of a node sends least across nodes and comes first.
+  const plan::machine mc{.memory_bytes = 1e15, .link_bytes_per_s = 1e9, .flops_per_s = 1e30, .node_size = 8,
+                         .node_link_bytes_per_s = 1e12};
+  const auto ranked = plan::choose(d, {.world = 16, .precision = bf16}, mc);
+  REQUIRE(!ranked.empty());
+  CHECK(plan::label(ranked[0].config) == "HybridShard (HSDP, groups of 8)");
+  const auto& t = ranked[0].plan.sent;
+  CHECK(ranked[0].comm_s == Approx((t.total() - t.within_node) / 1e9 + t.within_node / 1e12).epsilon(1e-12));
+  CHECK_THAT(ranked[0].why, Catch::Contains("within nodes)"));
+  // A node size that neither divides the world nor holds it, and nodes without a bandwidth.
+  plan::setup ragged = two_nodes;
+  ragged.world = 12;
+  CHECK_THROWS_WITH(plan::make_plan(d, ragged), Catch::Contains("plan: node_size 8 must be 0 (not known), hold the 12 "
+                                                                "ranks or divide their number"));
+  CHECK_THROWS_WITH(plan::choose(d, {.world = 16, .precision = bf16}, {.node_size = 8}),
+                    Catch::Contains("plan::choose: nodes of 8 ranks need their link bandwidth"));
+}
+
 // engine_refusal mirrors ShardedModel's constructor: what one refuses, the other does too.
 TEST_CASE("the planner refuses the setups the engine refuses", "[plan][chooser]") {
   const auto bf16 = [](dtype reduce) { return plan::precision::param_layers({.param = dtype::bf16, .reduce = reduce}); };

@@ -17,6 +17,11 @@ struct machine {
   double memory_bytes = 80e9;       // per rank
   double link_bytes_per_s = 100e9;  // what one rank sends per second (nccl-tests' bus bandwidth)
   double flops_per_s = 100e12;      // sustained, per rank
+  // Nodes of node_size consecutive ranks (0: one link speed for everything): a collective
+  // whose groups lie within a node sends at node_link_bytes_per_s (NVLink's bus bandwidth,
+  // say), one that crosses nodes at link_bytes_per_s.
+  int node_size = 0;
+  double node_link_bytes_per_s = 0;
 };
 
 struct choice {
@@ -53,20 +58,23 @@ inline std::string seconds(double s) {
 }  // namespace detail
 
 // Every strategy for base's world, precision, prefetch and optimizer (HybridShard once
-// per group size in hybrid_groups; by default every divisor of the world between 1
-// and it; with base.reshard_to, those it divides): those that fit first, fastest first, then those that do not, smallest first,
-// then those the engine refuses (engine_refusal). d.flops must be set: the step time
-// weighs compute against communication; base.policy must not be (it would replace
-// every candidate's strategy).
+// per group size in hybrid_groups; by default every divisor of the world between 1 and
+// it; with base.reshard_to, those it divides): those that fit first, fastest first, then
+// those that do not, smallest first, then those the engine refuses (engine_refusal).
+// d.flops must be set: the step time weighs compute against communication; base.policy
+// must not be (it would replace every candidate's strategy).
 // A strategy fits when the sum of its category peaks fits (an upper bound on the
 // peak). Step time = max(compute, overlapped communication) + exposed communication:
 // prefetched gathers and reductions issued as each unit's backward ends run during
 // compute; ZeRO-1's parameter all-gather after the step and HybridShard's replica
-// all-reduce do not.
+// all-reduce do not. Communication takes the bytes over the link they use: with
+// mc.node_size, what collectives within a node send over the node's links.
 inline std::vector<choice> choose(const model_desc& d, const setup& base, const machine& mc,
                                   std::vector<int> hybrid_groups = {}) {
   require(mc.memory_bytes > 0 && mc.link_bytes_per_s > 0 && mc.flops_per_s > 0,
           "plan::choose: memory, link bandwidth and compute rate must be positive");
+  require(mc.node_size == 0 || mc.node_link_bytes_per_s > 0,
+          "plan::choose: nodes of ", mc.node_size, " ranks need their link bandwidth (node_link_bytes_per_s)");
   require(!base.policy, "plan::choose: base.policy is set, and a set policy overrides every candidate's strategy: "
           "leave it unset (choose compares the library's strategies; plan your own with make_plan)");
   require(d.flops > 0, "plan::choose: model_desc.flops is ", d.flops, "; set the forward + backward FLOPs of one "
@@ -79,6 +87,7 @@ inline std::vector<choice> choose(const model_desc& d, const setup& base, const 
   for (strategy s : all_strategies) {
     setup c = base;
     c.strategy = s;
+    c.node_size = mc.node_size;
     if (s != strategy::hybrid_shard) {
       candidates.push_back(c);
       continue;
@@ -100,10 +109,12 @@ inline std::vector<choice> choose(const model_desc& d, const setup& base, const 
       continue;
     }
     const double total = double(ch.plan.memory.total()), sent = ch.plan.sent.total();
+    const traffic& t = ch.plan.sent;
+    const double node_link = mc.node_size > 0 ? mc.node_link_bytes_per_s : mc.link_bytes_per_s;
     ch.fits = total <= mc.memory_bytes;
     ch.compute_s = d.flops / mc.flops_per_s;
-    ch.comm_s = sent / mc.link_bytes_per_s;
-    const double exposed_s = ch.plan.sent.exposed / mc.link_bytes_per_s;
+    ch.comm_s = (sent - t.within_node) / mc.link_bytes_per_s + t.within_node / node_link;
+    const double exposed_s = (t.exposed - t.exposed_within_node) / mc.link_bytes_per_s + t.exposed_within_node / node_link;
     ch.step_s = std::max(ch.compute_s, ch.comm_s - exposed_s) + exposed_s;
     if (!ch.fits) {
       category largest = category::parameters;
@@ -114,7 +125,9 @@ inline std::vector<choice> choose(const model_desc& d, const setup& base, const 
     } else {
       const bool bound = ch.comm_s - exposed_s > ch.compute_s;
       ch.why = cat(label(c), " fits in ", detail::human(total), " of ", detail::human(mc.memory_bytes), "; sends ",
-                   detail::human(sent), " per step, ", detail::seconds(ch.comm_s), " against ",
+                   detail::human(sent), " per step",
+                   mc.node_size > 0 ? cat(" (", detail::human(t.within_node), " within nodes)") : std::string(), ", ",
+                   detail::seconds(ch.comm_s), " against ",
                    detail::seconds(ch.compute_s), " of compute",
                    // under a thousandth of the step (the loss's all-reduce): not worth a clause
                    exposed_s > 1e-3 * ch.step_s ? cat(" (", detail::seconds(exposed_s), " of it not overlapped)")

@@ -108,6 +108,9 @@ struct setup {
   // shard::policy::reshard_to for `strategy` where it frees after forward (FullShard,
   // HybridShard); not read with `policy`, which states its own
   int reshard_to = 0;
+  // Ranks per node, consecutive (0: not known): traffic::within_node then counts what the
+  // collectives whose groups lie within one node send. Divides the world, or holds all of it.
+  int node_size = 0;
   plan::precision precision{};
   std::size_t optimizer_bytes = adam_state_bytes;
   bool offload = false;  // shard::options::offload: see rank_plan::offloaded
@@ -202,6 +205,9 @@ struct traffic {
   // The part of all_gather sent within groups of policy::reshard_to ranks (already counted
   // above): one node's links when the groups are its ranks.
   double within_reshard_groups = 0;
+  // With setup::node_size: the part of the total, and of `exposed`, that collectives whose
+  // groups lie within one node send (already counted above); the rest crosses nodes.
+  double within_node = 0, exposed_within_node = 0;
   double total() const { return all_gather + reduce_scatter + all_reduce; }
 };
 
@@ -262,6 +268,9 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
           " must divide the world size ", s.world);
   require(pol.reshard_to == 0 || pol.group(s.world) % pol.reshard_to == 0, "plan: reshard_to ", pol.reshard_to,
           " must divide the shard group's ", pol.group(s.world), " ranks");
+  require(s.node_size >= 0 && (s.node_size == 0 || s.world <= s.node_size || s.world % s.node_size == 0),
+          "plan: node_size ", s.node_size, " must be 0 (not known), hold the ", s.world,
+          " ranks or divide their number");
   require(!s.rank || (*s.rank >= 0 && *s.rank < s.world), "plan: rank ", s.rank.value_or(0), " is not one of the ",
           s.world, " ranks");
   require(d.frozen.empty() || d.frozen.size() == d.units.size(), "plan: model_desc::frozen describes ",
@@ -406,25 +415,38 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
 
   traffic& t = p.sent;
   const double fG = double(G - 1) / double(G), fW = double(W - 1) / double(W), fR = double(R - 1) / double(R);
-  if (sharded)  // every unit gathered in forward and, when freed after it, but the root and a frozen prefix again
-                // in backward: over the shard group, or from the part kept over groups of R
-    t.all_gather = fG * g * step.gathered_sent + (t.within_reshard_groups = fR * g * step.regathered_sent);
-  else if (N > 1)  // after the step, every updated piece to every rank
-    t.all_gather = t.exposed = fG * (master_in_values ? double(m) : g) * double(refreshed);
-  if (pol.shard_optimizer) t.reduce_scatter = fG * r * reduced;
-  else t.all_reduce = 2 * fW * r * reduced;
+  // A collective over groups of k consecutive ranks (the world's, the shard group's, the reshard
+  // group's; HybridShard's replicas, every G-th rank, span the world) runs within one node of
+  // setup::node_size ranks when each group lies in one.
+  const std::size_t node = std::size_t(s.node_size);
+  const auto in_node = [&](std::size_t k) { return node > 0 && k <= node && (node % k == 0 || k == W); };
+  const auto send = [&](double& by, double bytes, std::size_t k, bool exposed) {
+    by += bytes;
+    if (exposed) t.exposed += bytes;
+    if (in_node(k)) t.within_node += bytes;
+    if (in_node(k) && exposed) t.exposed_within_node += bytes;
+  };
+  if (sharded) {  // every unit gathered in forward and, when freed after it, but the root and a frozen prefix again
+                  // in backward: over the shard group, or from the part kept over groups of R
+    send(t.all_gather, fG * g * step.gathered_sent, G, false);
+    t.within_reshard_groups = fR * g * step.regathered_sent;
+    send(t.all_gather, t.within_reshard_groups, R, false);
+  } else if (N > 1) {  // after the step, every updated piece to every rank
+    send(t.all_gather, fG * (master_in_values ? double(m) : g) * double(refreshed), G, true);
+  }
+  if (pol.shard_optimizer) send(t.reduce_scatter, fG * r * reduced, G, false);
+  else send(t.all_reduce, 2 * fW * r * reduced, W, false);
   if (pol.reduce == shard::reduction::hierarchical) {  // the reduced piece averaged across the W/G replicas, in fp32
     const double replicas = double(W / G);
-    t.all_reduce = 2 * (replicas - 1) / replicas * double(m) *
-                   (s.rank ? across[std::size_t(my_piece)] : *std::max_element(across.begin(), across.end()));
-    t.exposed += t.all_reduce;
+    send(t.all_reduce,
+         2 * (replicas - 1) / replicas * double(m) *
+             (s.rank ? across[std::size_t(my_piece)] : *std::max_element(across.begin(), across.end())),
+         W, true);
   }
   // train_step's one scalar all-reduce: the global mean loss and fp16 loss scaling's
   // overflow vote, two floats, sent when either is on.
-  if (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16) {
-    t.all_reduce += 2 * fW * 8;
-    t.exposed += 2 * fW * 8;
-  }
+  if (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16)
+    send(t.all_reduce, 2 * fW * 8, W, true);
   return p;
 }
 
