@@ -168,6 +168,12 @@ TEST_CASE("checkpointing under HybridShard", "[checkpoint][hybrid]") {
   check_every_layout(make_classifier, classifier_batch, 4, shard::HybridShard{.group_size = 2});
 }
 
+// policy::reshard_to: a checkpointed unit's backward gathers from its part, and units inside
+// a checkpointed layer are gathered by the recompute from theirs and keep a new one.
+TEST_CASE("checkpointing with units resharded to pairs after forward", "[checkpoint][reshard]") {
+  check_every_layout(make_classifier, classifier_batch, 4, shard::FullShard{.reshard_to = 2});
+}
+
 TEST_CASE("a decoder of GPT-2 and LLaMA attention blocks checkpointed trains bit for bit the same",
           "[checkpoint][decoder]") {
   const shard::wrap_types<GPT2Block, LlamaBlock> blocks;
@@ -207,6 +213,10 @@ TEMPLATE_TEST_CASE("the ledger's activation peak with checkpointing is the plann
 }
 TEST_CASE("the activation peak with checkpointing under HybridShard", "[checkpoint][memory][hybrid]") {
   check_activation_peak(4, shard::HybridShard{.group_size = 2});
+}
+TEST_CASE("the ledger with checkpointing and units resharded to pairs is the planner's",
+          "[checkpoint][memory][reshard]") {
+  check_activation_peak(4, shard::FullShard{.reshard_to = 2});
 }
 
 TEST_CASE("eval() with checkpointing: the same outputs, nothing kept, training resumes", "[checkpoint][eval]") {

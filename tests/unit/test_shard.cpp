@@ -546,6 +546,7 @@ struct accumulated {
   std::size_t held_after_step = 1;      // and after the step
   std::size_t all_units = 0;            // bytes of every unit's padded values
   std::vector<std::size_t> padded;      // each unit's, for the expected saving
+  bool grads_unbound = true;            // a kept block's Param::grad null after each kept backward
 };
 // Three micro-batches per step, the first two under no_sync; with `keep`, units stay gathered
 // after those two backwards (set_reshard_after_backward(false)) and the last runs as usual.
@@ -568,6 +569,10 @@ accumulated accumulate3(int world, shard::AnyStrategy strategy, bool keep) {
         if (last && c.rank() == 0) r.held_before_last = l.current(category::gathered_parameters);
         const auto x = batch(10 * s + micro, 2, 5, 1, 2 * c.rank()), y = batch(10 * s + micro, 2, 3, 2, 2 * c.rank());
         model.backward(mse(model.forward(x), y).grad);
+        // kept gathered, its values stay readable; its gradients (which the reduction may
+        // free) are no longer bound
+        if (keep && !last && c.rank() == 0)
+          r.grads_unbound = r.grads_unbound && m.get<1>()[1].weight.value != nullptr && !m.get<1>()[1].weight.grad;
       }
       model.step(opt);
     }
@@ -604,6 +609,7 @@ TEST_CASE("units kept gathered after backward through accumulated micro-batches"
     CHECK(kept.held_before_last == kept.all_units);  // every unit gathered
     CHECK(plain.held_before_last < kept.all_units);
     CHECK(kept.held_after_step == 0);
+    CHECK(kept.grads_unbound);
   }
 }
 

@@ -287,7 +287,8 @@ class ShardedModel {
   // micro-batch under FullShard, none at all under ShardGradOp, for the full parameters held
   // meanwhile. For gradient accumulation: off for the micro-batches under no_sync, on for the
   // last. Collective (a rank that keeps units where another frees them would pair its next
-  // gathers with the other's wrongly): ranks that disagree raise, naming both values.
+  // gathers with the other's wrongly): one all-reduce of two integers (on a device, a host
+  // wait), and ranks that disagree raise, naming both values.
   void set_reshard_after_backward(bool on) {
     std::vector<std::int64_t> any{on, !on};  // over the ranks' maximum: some set true, some false
     ops::all_reduce_values(*comm_, std::span<std::int64_t>(any), comm::reduce_op::max);
@@ -652,7 +653,9 @@ class ShardedModel {
   }
   void post_backward(unit_type& u) {
     zero_frozen_grads(u);
-    if (policy_.shard_parameters && reshard_after_backward_) gathers_.free(u);
+    const bool kept = policy_.shard_parameters && !reshard_after_backward_;
+    if (policy_.shard_parameters && !kept) gathers_.free(u);
+    if (kept) u.bind(u.values.data(), nullptr);  // its full gradients may go with the reduction
     if (u.frozen()) {  // every gradient is zero: nothing to send (FSDP2 reduces only what has gradients)
       if (policy_.shard_optimizer) u.full_grad.reset();
     } else if (sync_) {
