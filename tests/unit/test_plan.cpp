@@ -77,15 +77,24 @@ struct outcome {
   std::vector<std::size_t> peak = std::vector<std::size_t>(category_count);
   std::size_t peak_total = 0;
   double sent_per_step = 0;
+  double reduced_per_step = 0;  // reduce-scatters and all-reduces
   plan::rank_plan plan;
   std::vector<std::size_t> units;  // as describe(sharded) reports them
   std::vector<bool> kept;          // the same
   std::vector<float> losses;
 };
 
+// Gradient accumulation: micro-batches per step, the first ones under no_sync and/or kept
+// gathered after backward (set_reshard_after_backward(false)); one micro-batch runs train_step.
+struct accumulation {
+  int micro_batches = 1;
+  bool no_sync = false, keep_after_backward = false;
+};
+
 template <class Strategy>
 std::vector<outcome> run(Strategy strategy, int world, int prefetch, shard::mixed_precision mp,
-                         std::size_t activations, shard::wrap_policy keep = shard::wrap_none{}) {
+                         std::size_t activations, shard::wrap_policy keep = shard::wrap_none{},
+                         accumulation acc = {}) {
   std::vector<outcome> out(world);
   const int steps = 3;
   comm::launch(world, [&](comm::ThreadComm& c, ledger& l) {
@@ -98,18 +107,40 @@ std::vector<outcome> run(Strategy strategy, int world, int prefetch, shard::mixe
     tally->reset();  // construction compares the ranks' models; only steps count
     optim::Adam adam{{.lr = 1e-3}};
     auto& o = out[c.rank()];
-    for (int s = 0; s < steps; ++s)
-      o.losses.push_back(sharded.train_step(adam, inputs(s, c.rank()), labels(s, c.rank()), nn::cross_entropy));
+    for (int s = 0; s < steps; ++s) {
+      if (acc.micro_batches == 1) {
+        o.losses.push_back(sharded.train_step(adam, inputs(s, c.rank()), labels(s, c.rank()), nn::cross_entropy));
+        continue;
+      }
+      sharded.zero_grad();
+      for (int micro = 0; micro < acc.micro_batches; ++micro) {
+        const bool last = micro + 1 == acc.micro_batches;
+        sharded.set_sync(last || !acc.no_sync);
+        if (acc.keep_after_backward && (micro == 0 || last)) sharded.set_reshard_after_backward(last);
+        const int batch_index = s * acc.micro_batches + micro;
+        // the labels, the output and the loss held through backward, as train_step holds them
+        const auto y = labels(batch_index, c.rank());
+        const auto out = sharded.forward(inputs(batch_index, c.rank()));
+        const auto l = nn::cross_entropy(out, y);
+        sharded.backward(l.grad);
+        o.losses.push_back(l.loss);
+      }
+      sharded.step(adam);
+    }
     for (int k = 0; k < category_count; ++k) o.peak[k] = l.peak(category(k));
     o.peak_total = l.peak();
     o.sent_per_step = tally->total() / steps;
+    o.reduced_per_step = (tally->reduce_scatter + tally->all_reduce) / steps;
     const auto desc = plan::describe(sharded, activations);
     o.units = desc.units;
     o.kept = desc.kept_gathered;
     const plan::setup s{.policy = strategy.policy(),
                         .world = world,
                         .prefetch = prefetch,
-                        .precision = plan::precision::fp32_layers(mp)};
+                        .precision = plan::precision::fp32_layers(mp),
+                        .micro_batches = acc.micro_batches,
+                        .no_sync = acc.no_sync,
+                        .keep_after_backward = acc.keep_after_backward};
     o.plan = plan::make_plan(desc, s);
   });
   return out;
@@ -250,6 +281,55 @@ TEST_CASE("units resharded to smaller groups after forward: the plan equals the 
   check(shard::FullShard{}, shard::FullShard{.reshard_to = 3}, 3, shard::wrap_none{});
   check(shard::HybridShard{.group_size = 4}, shard::HybridShard{.group_size = 4, .reshard_to = 2}, 8,
         shard::wrap_none{});
+}
+
+// Gradient accumulation: two or three micro-batches per step, each reduced (FSDP2's default)
+// or, under no_sync (set_requires_gradient_sync(False), DDP's no_sync), the last one reducing
+// all, with units kept gathered after the backwards before the last
+// (set_reshard_after_backward(false)) or freed. The plan equals the ledger and the bytes sent;
+// no_sync sends the reductions of one micro-batch per step where each sent its own; keeping
+// units gathered trains the same bit for bit.
+TEST_CASE("accumulated micro-batches: the plan equals the ledger and the bytes sent",
+          "[plan][ledger][accumulation]") {
+  const std::size_t activations = reference_activations();
+  const accumulation loops[] = {{.micro_batches = 3},
+                                {.micro_batches = 3, .no_sync = true},
+                                {.micro_batches = 3, .no_sync = true, .keep_after_backward = true},
+                                {.micro_batches = 2, .keep_after_backward = true}};
+  const auto check = [&](auto strategy, int world) {
+    for (const auto& mp : {precisions[0], precisions[1], precisions[2]})
+      for (int prefetch : {0, 1, 2}) {
+        std::vector<std::vector<outcome>> runs;
+        for (const accumulation& acc : loops) {
+          INFO(strategy.name << " W " << world << ", prefetch " << prefetch << ", param " << name(mp.param)
+                             << ", reduce " << name(mp.reduce) << ", " << acc.micro_batches << " micro-batches, no_sync "
+                             << acc.no_sync << ", kept after backward " << acc.keep_after_backward);
+          runs.push_back(run(strategy, world, prefetch, mp, activations, shard::wrap_none{}, acc));
+          for (const auto& o : runs.back()) {
+            for (int k = 0; k < category_count; ++k) {
+              INFO(name(category(k)));
+              CHECK(o.peak[k] == o.plan.memory[category(k)]);
+            }
+            CHECK(o.sent_per_step == Approx(o.plan.sent.total()).epsilon(1e-12));
+          }
+        }
+        INFO(strategy.name << " W " << world << ", prefetch " << prefetch << ", param " << name(mp.param));
+        for (int r = 0; r < world; ++r) {
+          const auto rank = std::size_t(r);
+          // three reductions per step, or one (the kept run adds its two flag all-reduces of 16 bytes)
+          CHECK(runs[0][rank].reduced_per_step == Approx(3 * runs[1][rank].reduced_per_step).epsilon(1e-12));
+          CHECK(runs[2][rank].reduced_per_step - runs[1][rank].reduced_per_step ==
+                Approx(2 * 2 * double(world - 1) / world * 16).epsilon(1e-12));
+          CHECK(runs[2][rank].losses == runs[1][rank].losses);  // bit for bit
+        }
+      }
+  };
+  check(shard::FullShard{}, 3);
+  check(shard::ShardGradOp{}, 3);
+  check(shard::ShardOptimizer{}, 3);
+  check(shard::NoShard{}, 3);
+  check(shard::HybridShard{.group_size = 2}, 4);
+  check(shard::FullShard{.reshard_to = 2}, 4);
 }
 
 TEST_CASE("the planner's walk finds the units fully_shard makes", "[plan][describe]") {
@@ -429,6 +509,43 @@ TEST_CASE("the chooser keeps what fits and ranks it by predicted step time", "[p
   auto no_flops = d;
   no_flops.flops = 0;
   CHECK_THROWS_WITH(plan::choose(no_flops, base, {}), Catch::Contains("plan::choose: model_desc.flops is 0"));
+}
+
+// Gradient accumulation in the chooser: a step is every micro-batch's compute, and what the
+// step sends depends on how often it gathers and reduces. ZeRO-2 (the article's model, four
+// ranks, bf16, a 1 GB/s link, instant compute) gathers 9 GB and reduce-scatters 9 GB per
+// micro-batch; no_sync reduces once per step; kept after backward, it gathers once.
+TEST_CASE("accumulation: the chooser weighs every micro-batch's compute against the step's traffic",
+          "[plan][chooser][accumulation]") {
+  const auto d = article_model(dtype::bf16);
+  plan::setup base{.world = 4, .precision = plan::precision::param_layers({.param = dtype::bf16, .reduce = dtype::bf16})};
+  const auto zero2 = [&](const plan::setup& s, const plan::machine& mc) {
+    for (const auto& c : plan::choose(d, s, mc))
+      if (c.config.strategy == plan::strategy::shard_grad_op) return c;
+    FAIL("no ShardGradOp candidate");
+    return plan::choice{};
+  };
+  const plan::machine slow{.memory_bytes = 1e15, .link_bytes_per_s = 1e9, .flops_per_s = 1e30};
+  const double one_micro_batch = zero2(base, {}).compute_s;
+  base.micro_batches = 4;
+  CHECK(zero2(base, {}).compute_s == Approx(4 * one_micro_batch).epsilon(1e-12));
+  const auto each = zero2(base, slow);
+  CHECK(each.step_s == Approx(4 * 18.0).epsilon(1e-12));
+  base.no_sync = true;
+  const auto once = zero2(base, slow);
+  CHECK(once.step_s == Approx(4 * 9.0 + 9.0).epsilon(1e-12));
+  // every unit's full bf16 gradients held from its first backward to the last: 2 x 6e9 bytes
+  // beside the fp32 quarter the optimizer steps
+  CHECK(once.plan.memory.gradients == 4 * std::size_t(1'500'000'000) + 2 * std::size_t(6'000'000'000));
+  CHECK(once.plan.memory.gradients > each.plan.memory.gradients);
+  base.keep_after_backward = true;  // and the two flag all-reduces of 16 bytes
+  CHECK(zero2(base, slow).step_s == Approx(9.0 + 9.0 + 2 * 2 * 0.75 * 16e-9).epsilon(1e-12));
+  CHECK(zero2(base, slow).plan.memory.gathered_parameters == 2 * std::size_t(6'000'000'000));
+  // fp16 loss scaling runs in train_step alone: accumulation, which ends in step(), cannot use it
+  base.precision = plan::precision::fp32_layers({.param = dtype::bf16, .reduce = dtype::f16});
+  CHECK_THAT(plan::engine_refusal(base), Catch::Contains("accumulated micro-batches end in step(), which refuses fp16"));
+  base.micro_batches = 1;
+  CHECK(plan::engine_refusal(base).empty());
 }
 
 // reshard_to in the planner's outputs beside the replay (tested against the ledger above):

@@ -121,6 +121,15 @@ struct setup {
   // unit's elements, nor for a packed unit's frozen ones
   bool frozen_grads = true;
   bool global_loss = true;  // shard::step_options::loss is loss_report::global_mean (train_step's default)
+  // Gradient accumulation: one optimizer step over this many micro-batches, each a forward
+  // and a backward (model_desc's activations and flops are one micro-batch's), run by hand
+  // as zero_grad, the micro-batches, step() (train_step runs one: with more, no loss
+  // all-reduce, and global_loss is not read). no_sync: set_sync(false) for all but the last,
+  // which reduces once what they accumulated; keep_after_backward:
+  // set_reshard_after_backward(false) before the first and (true) before the last, each call
+  // an all-reduce of two 8-byte integers (the ranks compare the flag).
+  int micro_batches = 1;
+  bool no_sync = false, keep_after_backward = false;
   // The rank planned (its place in the shard group decides which elements its optimizer
   // state holds, when some parameters are frozen); unset: for each category the
   // largest over the ranks. Without frozen parameters every rank holds the same.
@@ -230,6 +239,9 @@ inline std::size_t round_up(std::size_t n, std::size_t k) { return (n + k - 1) /
 // make_plan still gives such a setup's formula (the ZeRO paper's baseline is one).
 inline std::string engine_refusal(const setup& s) {
   const dtype c = s.precision.compute;
+  if (s.micro_batches > 1 && (s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16))
+    return "accumulated micro-batches end in step(), which refuses fp16: only train_step (one micro-batch) scales "
+           "the loss and votes on overflow (use bf16)";
   if (c == dtype::f32) return "";
   if (!s.resolved().shard_optimizer)
     return cat(name(c), " compute keeps fp32 masters beside the values, which a policy that does not shard "
@@ -239,9 +251,10 @@ inline std::string engine_refusal(const setup& s) {
   return "";
 }
 
-// The plan of one rank for one train_step (zero_grad, forward, backward, step; no
-// gradient accumulation) after the first, which records the order and runs no
-// prefetch (so it never holds more), read off the strategy's policy alone. P_i is
+// The plan of one rank for one train_step (zero_grad, forward, backward, step; or
+// setup::micro_batches of forward and backward before the step) after the first, which
+// records the order and runs no prefetch (so it never holds more), read off the
+// strategy's policy alone. P_i is
 // unit i padded to a multiple of the shard group G (the world W when the policy has
 // no groups); ΣP their sum; master and optimizer state are split into N pieces (N = G
 // when the policy shards optimizer state, else 1); sizes in bytes: master m = 4,
@@ -262,6 +275,7 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   require(!d.units.empty(), "plan: the model has no units (the root is always one)");
   require(s.world >= 1 && s.prefetch >= 0, "plan: world ", s.world, " and prefetch ", s.prefetch,
           " must be at least 1 and 0");
+  require(s.micro_batches >= 1, "plan: micro_batches ", s.micro_batches, " must be at least 1");
   const shard::policy pol = s.resolved();
   require(pol.valid(), "plan: the strategy's policy: ", pol.problem() ? pol.problem() : "");
   require(pol.group_size == 0 || s.world % pol.group_size == 0, "plan: HybridShard group size ", pol.group_size,
@@ -392,22 +406,29 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
                            : compute16            ? (narrow_reduce ? c * padded[i] / N : m * padded[i])
                            : narrow_reduce        ? piece
                                                   : 0);
+    // received apart from what a reduced piece holds already (a later micro-batch), where it was received in it
+    units.reduce_again.push_back(units.reduce.back() +
+                                 (!packed(i) && pol.shard_optimizer && !narrow_reduce ? m * padded[i] / N : 0));
     units.released.push_back(packed(i) || (compute16 && !narrow_reduce));
     units.frozen.push_back(d.all_frozen(i));
     units.backward.push_back(d.runs_backward(i));
     units.kept.push_back(d.keeps_gathered(i) || pol.keeps_whole(s.world));
   }
-  const detail::step_replay step = detail::replay(units, std::size_t(s.prefetch),
-                                                  pol.free == shard::free_point::after_forward, !pol.shard_gradients);
+  const detail::step_replay step =
+      detail::replay(units, std::size_t(s.prefetch), pol.free == shard::free_point::after_forward,
+                     !pol.shard_gradients, {std::size_t(s.micro_batches), s.no_sync, s.keep_after_backward});
+  const double reductions = s.no_sync ? 1 : s.micro_batches;  // per step
   // Sharded: the root all step, the unit running and those prefetched, and under
   // after_backward every unit that runs a backward (after_forward: those kept gathered),
-  // from its forward to its backward.
+  // from its forward to its backward; with keep_after_backward, every unit from its backward on
+  // (the next micro-batch's forward gathers none of them).
   // Replicated: the values beside the master, unless they are the master.
   mem.gathered_parameters = sharded ? c * step.gathered_peak : master_in_values ? 0 : c * all;
   // Replicated optimizer state: full gradients reduced in place. Else the reduced
   // pieces, and the full local gradients: kept (ZeRO-1: every unit's but the wholly frozen,
   // and one of those during its backward), or the root's through the whole backward and
-  // two units' (the one computing and the last one reducing; one when widened).
+  // two units' (the one computing and the last one reducing; one when widened); with no_sync,
+  // each unit's from its first backward until the last micro-batch reduces them.
   mem.gradients = !pol.shard_optimizer ? c * all : m * grads + c * step.full_grad_peak;
   mem.comm_scratch = step.scratch_peak;
   if (!sharded && N > 1 && narrow_param && !compute16)  // construction's gathers of every piece, narrowed, at once
@@ -434,18 +455,19 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   } else if (N > 1) {  // after the step, every updated piece to every rank
     send(t.all_gather, fG * (master_in_values ? double(m) : g) * double(refreshed), G, true);
   }
-  if (pol.shard_optimizer) send(t.reduce_scatter, fG * r * reduced, G, false);
-  else send(t.all_reduce, 2 * fW * r * reduced, W, false);
+  if (pol.shard_optimizer) send(t.reduce_scatter, reductions * fG * r * reduced, G, false);
+  else send(t.all_reduce, reductions * 2 * fW * r * reduced, W, false);
   if (pol.reduce == shard::reduction::hierarchical) {  // the reduced piece averaged across the W/G replicas, in fp32
     const double replicas = double(W / G);
     send(t.all_reduce,
-         2 * (replicas - 1) / replicas * double(m) *
+         reductions * 2 * (replicas - 1) / replicas * double(m) *
              (s.rank ? across[std::size_t(my_piece)] : *std::max_element(across.begin(), across.end())),
          W, true);
   }
+  if (s.keep_after_backward && s.micro_batches > 1) send(t.all_reduce, 2 * 2 * fW * 16, W, true);
   // train_step's one scalar all-reduce: the global mean loss and fp16 loss scaling's
-  // overflow vote, two floats, sent when either is on.
-  if (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16)
+  // overflow vote, two floats, sent when either is on (not by step(), which ends accumulation).
+  if (s.micro_batches == 1 && (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16))
     send(t.all_reduce, 2 * fW * 8, W, true);
   return p;
 }

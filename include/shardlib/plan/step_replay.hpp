@@ -12,15 +12,17 @@ namespace shardlib::plan {
 
 namespace detail {
 // One step replayed in the engine's order (sharded_model.hpp: pre_forward,
-// post_forward, pre_backward, post_backward; gather.hpp; reduce.hpp), for what depends
-// on how gathers, reductions and frees interleave. Per unit i (0 is the root, the rest
-// in forward order):
+// post_forward, pre_backward, post_backward, finish_backward; gather.hpp; reduce.hpp),
+// for what depends on how gathers, reductions and frees interleave. Per unit i (0 is the
+// root, the rest in forward order):
 //   gathered[i]  elements of full values when sharded (0: replicated)
 //   send[i]      bytes of scratch its all-gather sends from, held until waited for
 //   full[i]      elements of full local gradients (sharded optimizer state only), made
 //                at its backward and dropped once reduced; under ZeRO-1 (keeps_full)
 //                made with the unit and kept, but a wholly frozen unit's
-//   reduce[i]    bytes of scratch its reduction needs, held until the next is issued
+//   reduce[i]    bytes of scratch its reduction needs, held until the next is issued;
+//                reduce_again[i] when its reduced gradients already hold an earlier
+//                micro-batch's (received apart, then added)
 //   released[i]  its full gradients are dropped as its reduction is issued (widened or
 //                packed into the scratch), not once it is done
 //   frozen[i]    every parameter frozen: it reduces nothing; backward[i]: it runs one (not a frozen prefix's)
@@ -29,24 +31,33 @@ namespace detail {
 //                made before the full values go), its backward's all-gather sent from them
 //                within groups of R and holding part_send[i] bytes of scratch; 0: none
 struct step_units {
-  std::vector<std::size_t> gathered, send, full, reduce, part, part_send;
+  std::vector<std::size_t> gathered, send, full, reduce, reduce_again, part, part_send;
   std::vector<bool> released, frozen, backward, kept;
+};
+// Gradient accumulation: the step's micro-batches, each a forward and a backward; all but
+// the last may run without reducing (set_sync(false): full local gradients kept until the
+// last reduces them) and keep their units gathered after backward (set_reshard_after_backward(false)).
+struct step_loop {
+  std::size_t micro_batches = 1;
+  bool no_sync = false, keep_after_backward = false;
 };
 struct step_replay {
   std::size_t gathered_peak = 0, scratch_peak = 0, full_grad_peak = 0;  // elements (parts among them), bytes, elements
   double gathered_sent = 0;    // elements: gathered[i] summed over the gathers issued from the shards
   double regathered_sent = 0;  // and over those issued from the parts kept after forward
 };
-inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_after_forward, bool keeps_full) {
+inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_after_forward, bool keeps_full,
+                          step_loop loop = {}) {
   const std::size_t n = u.gathered.size();
   enum class state { sharded, gathering, gathered };
   std::vector<state> st(n, state::sharded);
-  std::vector<bool> has_full(n, false), has_part(n, false);
+  std::vector<bool> has_full(n, false), has_part(n, false), reduced(n, false);
   step_replay r;
   std::size_t gathered = 0, scratch = 0, full = 0;
   std::optional<std::size_t> reducing;  // the unit whose reduction is in flight
   auto add = [](std::size_t& now, std::size_t& peak, std::size_t b) { peak = std::max(peak, now += b); };
   auto sending = [&](std::size_t i) { return has_part[i] ? u.part_send[i] : u.send[i]; };
+  auto reducing_with = [&](std::size_t i) { return reduced[i] ? u.reduce_again[i] : u.reduce[i]; };
   auto issue = [&](std::size_t i) {
     if (st[i] != state::sharded) return;
     add(gathered, r.gathered_peak, u.gathered[i]);
@@ -77,43 +88,51 @@ inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_
   };
   auto finish = [&] {  // the reduction in flight completes: its scratch and full gradients go
     if (!reducing) return;
-    scratch -= u.reduce[*reducing];
+    scratch -= reducing_with(*reducing);
+    reduced[*reducing] = true;
     if (!keeps_full) drop_full(*reducing);
     reducing.reset();
   };
-  auto post_backward = [&](std::size_t i) {
+  auto post_backward = [&](std::size_t i, bool sync) {
     if (u.frozen[i]) return drop_full(i);  // nothing to send, nothing to keep
+    if (!sync) return;                     // its full gradients wait for a backward that reduces
     finish();
-    add(scratch, r.scratch_peak, u.reduce[i]);
+    add(scratch, r.scratch_peak, reducing_with(i));
     if (u.released[i] && !keeps_full) drop_full(i);
     reducing = i;
   };
   if (keeps_full)
     for (std::size_t i = 0; i < n; ++i)
       if (!u.frozen[i]) make_full(i);
-  for (std::size_t i = 0; i < n; ++i) {
-    ensure(i);
-    for (std::size_t k = i + 1; k <= i + prefetch && k < n; ++k) issue(k);
-    if (i > 0 && u.backward[i] && frees_after_forward && !u.kept[i] && u.part[i] > 0) {
-      add(gathered, r.gathered_peak, u.part[i]);
-      has_part[i] = true;
+  for (std::size_t micro = 0; micro < loop.micro_batches; ++micro) {
+    const bool last = micro + 1 == loop.micro_batches;
+    const bool sync = last || !loop.no_sync, reshard = last || !loop.keep_after_backward;
+    for (std::size_t i = 0; i < n; ++i) {
+      ensure(i);
+      for (std::size_t k = i + 1; k <= i + prefetch && k < n; ++k) issue(k);
+      if (i > 0 && u.backward[i] && frees_after_forward && !u.kept[i] && u.part[i] > 0) {
+        add(gathered, r.gathered_peak, u.part[i]);
+        has_part[i] = true;
+      }
+      if (i > 0 && (!u.backward[i] || (frees_after_forward && !u.kept[i]))) free(i);
     }
-    if (i > 0 && (!u.backward[i] || (frees_after_forward && !u.kept[i]))) free(i);
-  }
-  make_full(0);  // the root's backward hook runs first; it stays gathered
-  for (std::size_t i = n - 1; i >= 1; --i) {
-    if (!u.backward[i]) continue;
-    ensure(i);
-    for (std::size_t k = i - 1; k + prefetch >= i; --k) {  // down to i - prefetch, the root at most
-      if (u.backward[k]) issue(k);
-      if (k == 0) break;
+    make_full(0);  // the root's backward hook runs first; it stays gathered
+    for (std::size_t i = n - 1; i >= 1; --i) {
+      if (!u.backward[i]) continue;
+      ensure(i);
+      for (std::size_t k = i - 1; k + prefetch >= i; --k) {  // down to i - prefetch, the root at most
+        if (u.backward[k]) issue(k);
+        if (k == 0) break;
+      }
+      make_full(i);
+      if (reshard) free(i);
+      post_backward(i, sync);
     }
-    make_full(i);
-    free(i);
-    post_backward(i);
+    post_backward(0, sync);
+    finish();
+    if (reshard)  // the end of backward frees every unit, the root too
+      for (std::size_t i = 0; i < n; ++i) free(i);
   }
-  post_backward(0);
-  finish();
   return r;
 }
 }  // namespace detail
