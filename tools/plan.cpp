@@ -19,6 +19,7 @@
 //       it, its activations measured by one unsharded step on this machine
 //   common flags: --world 4 | --worlds 1,2,4,8   --strategy all|full|grad-op|optimizer|none|hybrid
 //                 --group 2 --prefetch 1 --keep-gathered 1 --reshard-to 8 --param f32 --reduce f32
+//                 --grad-accum 4 [--no-sync] [--no-reshard-after-backward] (micro-batches of --batch per step)
 //                 --compute f32|bf16|f16
 //                 --fused-attention (--model, --params: the device layers' attention)
 //                 --optimizer adam|amsgrad|momentum|sgd
@@ -65,6 +66,8 @@ struct settings {
   long frozen_layers = 0;  // --frozen-layers
   long keep_gathered = 0;  // --keep-gathered: the last N units
   int reshard_to = 0;      // --reshard-to: shard::policy::reshard_to of FullShard and HybridShard
+  int grad_accum = 1;      // --grad-accum: micro-batches per step
+  bool no_sync = false, no_reshard_after_backward = false;
   std::vector<std::string> lora;  // --lora: target modules
   long lora_r = 8;
   double params = 0;  // 0: the blocks alone
@@ -163,6 +166,18 @@ settings parse(int argc, char** argv) {
                  "ZeRO++'s hpZ); R divides the world and --group")
       ->check(whole(1, example::max_size))
       ->excludes(article);
+  auto* grad_accum = cli.add_option("--grad-accum", s.grad_accum,
+                                    "micro-batches of --batch sequences per rank, accumulated into one optimizer step")
+                          ->check(whole(1, example::max_size))
+                          ->excludes(article);
+  cli.add_flag("--no-sync", s.no_sync,
+               "--grad-accum: the micro-batches before the last keep their gradients unreduced, the last reduces "
+               "them all (ShardedModel::no_sync; FSDP2's set_requires_gradient_sync(False))")
+      ->needs(grad_accum);
+  cli.add_flag("--no-reshard-after-backward", s.no_reshard_after_backward,
+               "--grad-accum: the micro-batches before the last keep every unit gathered after its backward, so the "
+               "next forward gathers none (set_reshard_after_backward(false), FSDP2's name)")
+      ->needs(grad_accum);
   const auto dtypes = CLI::IsMember({"f32", "bf16", "f16"}, CLI::ignore_case);
   cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes);
   cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes);
@@ -208,6 +223,10 @@ settings parse(int argc, char** argv) {
       if (s.node_size > 0 && w > s.node_size && w % s.node_size != 0)
         throw CLI::ValidationError("--node-size", cat(s.node_size, " does not divide the world size ", w));
     }
+    if (s.grad_accum == 1)
+      for (const auto& [flag, given] : {std::pair{"--no-sync", s.no_sync},
+                                        std::pair{"--no-reshard-after-backward", s.no_reshard_after_backward}})
+        if (given) throw CLI::ValidationError(flag, "one micro-batch per step (--grad-accum 1) has none before the last");
     if (s.reshard_to > 0 && s.group_given && s.group % s.reshard_to != 0)
       throw CLI::ValidationError("--reshard-to", cat(s.reshard_to, " does not divide the group size ", s.group));
     // Every model here makes one unit per block (layer) beside the root.
@@ -329,7 +348,7 @@ void print_model(const plan::model_desc& d, const char* activations_note) {
       while (i + same < d.units.size() && d.units[i + same] == d.units[i]) ++same;
       std::printf("; %zu x %zu", same, d.units[i]);
     }
-  std::printf("); activations %s (%s); %.3g FLOP per rank per step\n",
+  std::printf("); activations %s (%s); %.3g FLOP per rank and batch\n",
               plan::detail::human(double(d.activation_bytes)).c_str(), activations_note, d.flops);
   if (const auto kept = std::count(d.kept_gathered.begin(), d.kept_gathered.end(), true); kept > 0)
     std::printf("# units kept gathered from forward to backward: the last %td\n", kept);
@@ -345,13 +364,20 @@ void print_model(const plan::model_desc& d, const char* activations_note) {
 }
 
 void print_setup(const plan::setup& s) {
+  const plan::accumulation& acc = s.accumulation;
+  const std::string accumulation =
+      acc.micro_batches == 1 ? std::string()
+                             : cat("; ", acc.micro_batches, " micro-batches per step",
+                                   acc.no_sync ? ", reduced once (no_sync)" : ", each reduced",
+                                   acc.keep_after_backward ? ", units kept gathered after backward" : "");
   std::printf(
       "# W = %d ranks, optimizer state %zu B/parameter, fp32 master%s%s; gather %s, reduce %s, compute %s; "
-      "prefetch %d\n",
+      "prefetch %d%s\n",
       s.world, s.optimizer_bytes, s.frozen_masters ? "" : " (none for frozen parameters of wholly frozen and packed units)",
       s.frozen_grads ? "" : ", no gradients of frozen parameters",
       std::string(name(s.precision.param)).c_str(),
-      std::string(name(s.precision.reduce)).c_str(), std::string(name(s.precision.compute)).c_str(), s.prefetch);
+      std::string(name(s.precision.reduce)).c_str(), std::string(name(s.precision.compute)).c_str(), s.prefetch,
+      accumulation.c_str());
 }
 
 // The strategy column: wide enough for the longest label (groups, reshard_to).
@@ -380,7 +406,7 @@ void print_model_states(const plan::model_desc& d, const std::vector<plan::setup
   std::printf("%-*s %10s %10s %10s %12s %10s %10s\n", w, cat("strategy (", u.name, " per rank)").c_str(), "parameters",
               "gradients", "optimizer", "model states", "the rest", "total");
   for (const plan::setup& s : setups) {
-    auto m = plan::zero_model_states(s.resolved(), s.world, psi, k);
+    auto m = plan::zero_model_states(s.resolved(), s.world, psi, k, s.accumulation);
     m.parameters *= b / 2;
     m.gradients *= b / 2;
     const double total = double(plan::make_plan(d, s).memory.total());
@@ -425,11 +451,14 @@ void print_table(const plan::model_desc& d, const plan::setup& base, const std::
     bytes += cat("\"total\":", m.total(), "}");
     std::fprintf(json,
                  "{\"bench\":\"plan\",\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"reshard_to\":%d,\"prefetch\":%d,"
+                 "\"micro_batches\":%d,\"no_sync\":%s,\"keep_after_backward\":%s,"
                  "\"param\":\"%s\","
                  "\"reduce\":\"%s\",\"compute\":\"%s\",\"units\":%zu,\"parameters\":%zu,\"bytes\":%s,"
                  "\"sent_bytes\":%.9g,\"sent_by\":{\"all_gather\":%.9g,\"reduce_scatter\":%.9g,\"all_reduce\":%.9g},"
                  "\"sent_within_reshard_groups\":%.9g}\n",
                  std::string(name(s.strategy)).c_str(), s.world, s.shard_group(), s.resolved().reshard_to, s.prefetch,
+                 s.accumulation.micro_batches, s.accumulation.no_sync ? "true" : "false",
+                 s.accumulation.keep_after_backward ? "true" : "false",
                  std::string(name(s.precision.param)).c_str(), std::string(name(s.precision.reduce)).c_str(),
                  std::string(name(s.precision.compute)).c_str(), d.units.size(), d.parameters(), bytes.c_str(),
                  p.sent.total(), p.sent.all_gather, p.sent.reduce_scatter, p.sent.all_reduce,
@@ -544,7 +573,10 @@ int main(int argc, char** argv) {
                              .precision = p,
                              .optimizer_bytes = optimizer_bytes(s.optimizer),
                              .frozen_masters = !s.no_frozen_masters,
-                             .frozen_grads = !s.no_frozen_grads};
+                             .frozen_grads = !s.no_frozen_grads,
+                             .accumulation = {.micro_batches = s.grad_accum,
+                                              .no_sync = s.no_sync,
+                                              .keep_after_backward = s.no_reshard_after_backward}};
       std::printf("\n");
       print_setup(base);
       print_table(d, base, strategies(s.strategy), json);

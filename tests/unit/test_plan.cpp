@@ -84,17 +84,10 @@ struct outcome {
   std::vector<float> losses;
 };
 
-// Gradient accumulation: micro-batches per step, the first ones under no_sync and/or kept
-// gathered after backward (set_reshard_after_backward(false)); one micro-batch runs train_step.
-struct accumulation {
-  int micro_batches = 1;
-  bool no_sync = false, keep_after_backward = false;
-};
-
 template <class Strategy>
 std::vector<outcome> run(Strategy strategy, int world, int prefetch, shard::mixed_precision mp,
                          std::size_t activations, shard::wrap_policy keep = shard::wrap_none{},
-                         accumulation acc = {}) {
+                         plan::accumulation acc = {}) {  // one micro-batch: train_step
   std::vector<outcome> out(world);
   const int steps = 3;
   comm::launch(world, [&](comm::ThreadComm& c, ledger& l) {
@@ -138,9 +131,7 @@ std::vector<outcome> run(Strategy strategy, int world, int prefetch, shard::mixe
                         .world = world,
                         .prefetch = prefetch,
                         .precision = plan::precision::fp32_layers(mp),
-                        .micro_batches = acc.micro_batches,
-                        .no_sync = acc.no_sync,
-                        .keep_after_backward = acc.keep_after_backward};
+                        .accumulation = acc};
     o.plan = plan::make_plan(desc, s);
   });
   return out;
@@ -292,15 +283,15 @@ TEST_CASE("units resharded to smaller groups after forward: the plan equals the 
 TEST_CASE("accumulated micro-batches: the plan equals the ledger and the bytes sent",
           "[plan][ledger][accumulation]") {
   const std::size_t activations = reference_activations();
-  const accumulation loops[] = {{.micro_batches = 3},
-                                {.micro_batches = 3, .no_sync = true},
-                                {.micro_batches = 3, .no_sync = true, .keep_after_backward = true},
-                                {.micro_batches = 2, .keep_after_backward = true}};
+  const plan::accumulation loops[] = {{.micro_batches = 3},
+                                      {.micro_batches = 3, .no_sync = true},
+                                      {.micro_batches = 3, .no_sync = true, .keep_after_backward = true},
+                                      {.micro_batches = 2, .keep_after_backward = true}};
   const auto check = [&](auto strategy, int world) {
     for (const auto& mp : {precisions[0], precisions[1], precisions[2]})
       for (int prefetch : {0, 1, 2}) {
         std::vector<std::vector<outcome>> runs;
-        for (const accumulation& acc : loops) {
+        for (const plan::accumulation& acc : loops) {
           INFO(strategy.name << " W " << world << ", prefetch " << prefetch << ", param " << name(mp.param)
                              << ", reduce " << name(mp.reduce) << ", " << acc.micro_batches << " micro-batches, no_sync "
                              << acc.no_sync << ", kept after backward " << acc.keep_after_backward);
@@ -527,25 +518,36 @@ TEST_CASE("accumulation: the chooser weighs every micro-batch's compute against 
   };
   const plan::machine slow{.memory_bytes = 1e15, .link_bytes_per_s = 1e9, .flops_per_s = 1e30};
   const double one_micro_batch = zero2(base, {}).compute_s;
-  base.micro_batches = 4;
+  base.accumulation.micro_batches = 4;
   CHECK(zero2(base, {}).compute_s == Approx(4 * one_micro_batch).epsilon(1e-12));
   const auto each = zero2(base, slow);
   CHECK(each.step_s == Approx(4 * 18.0).epsilon(1e-12));
-  base.no_sync = true;
+  base.accumulation.no_sync = true;
   const auto once = zero2(base, slow);
   CHECK(once.step_s == Approx(4 * 9.0 + 9.0).epsilon(1e-12));
   // every unit's full bf16 gradients held from its first backward to the last: 2 x 6e9 bytes
   // beside the fp32 quarter the optimizer steps
   CHECK(once.plan.memory.gradients == 4 * std::size_t(1'500'000'000) + 2 * std::size_t(6'000'000'000));
   CHECK(once.plan.memory.gradients > each.plan.memory.gradients);
-  base.keep_after_backward = true;  // and the two flag all-reduces of 16 bytes
+  base.accumulation.keep_after_backward = true;  // and the two flag all-reduces of 16 bytes
   CHECK(zero2(base, slow).step_s == Approx(9.0 + 9.0 + 2 * 2 * 0.75 * 16e-9).epsilon(1e-12));
   CHECK(zero2(base, slow).plan.memory.gathered_parameters == 2 * std::size_t(6'000'000'000));
   // fp16 loss scaling runs in train_step alone: accumulation, which ends in step(), cannot use it
   base.precision = plan::precision::fp32_layers({.param = dtype::bf16, .reduce = dtype::f16});
   CHECK_THAT(plan::engine_refusal(base), Catch::Contains("accumulated micro-batches end in step(), which refuses fp16"));
-  base.micro_batches = 1;
+  base.accumulation.micro_batches = 1;
   CHECK(plan::engine_refusal(base).empty());
+  // The ZeRO paper's count: no_sync holds every gradient unreduced, kept units every parameter
+  // (one micro-batch has no micro-batch before the last: the flags change nothing)
+  const auto states = [](shard::policy p, plan::accumulation acc) { return plan::zero_model_states(p, 4, 1e9, 12, acc); };
+  const auto zero3 = shard::FullShard{}.policy();
+  CHECK(states(zero3, {.micro_batches = 4}).total() == Approx(0.5e9 + 0.5e9 + 3e9).epsilon(1e-12));
+  CHECK(states(zero3, {.micro_batches = 4, .no_sync = true}).gradients == Approx(2e9).epsilon(1e-12));
+  CHECK(states(zero3, {.micro_batches = 4, .keep_after_backward = true}).parameters == Approx(2e9).epsilon(1e-12));
+  CHECK(states(zero3, {.micro_batches = 1, .no_sync = true, .keep_after_backward = true}).total() ==
+        Approx(4e9).epsilon(1e-12));
+  CHECK(states(shard::ShardGradOp{}.policy(), {.micro_batches = 2, .no_sync = true}).gradients ==
+        Approx(2e9).epsilon(1e-12));
 }
 
 // reshard_to in the planner's outputs beside the replay (tested against the ledger above):

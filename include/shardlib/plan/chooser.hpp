@@ -61,7 +61,7 @@ inline std::string seconds(double s) {
 // per group size in hybrid_groups; by default every divisor of the world between 1 and
 // it; with base.reshard_to, those it divides): those that fit first, fastest first, then
 // those that do not, smallest first, then those the engine refuses (engine_refusal).
-// d.flops must be set (one micro-batch's: base.micro_batches of them make a step): the step
+// d.flops must be set (one micro-batch's: base.accumulation.micro_batches of them make a step): the step
 // time weighs compute against communication; base.policy
 // must not be (it would replace every candidate's strategy).
 // A strategy fits when the sum of its category peaks fits (an upper bound on the
@@ -113,7 +113,7 @@ inline std::vector<choice> choose(const model_desc& d, const setup& base, const 
     const traffic& t = ch.plan.sent;
     const double node_link = mc.node_size > 0 ? mc.node_link_bytes_per_s : mc.link_bytes_per_s;
     ch.fits = total <= mc.memory_bytes;
-    ch.compute_s = double(c.micro_batches) * d.flops / mc.flops_per_s;
+    ch.compute_s = double(c.accumulation.micro_batches) * d.flops / mc.flops_per_s;
     ch.comm_s = (sent - t.within_node) / mc.link_bytes_per_s + t.within_node / node_link;
     const double exposed_s = (t.exposed - t.exposed_within_node) / mc.link_bytes_per_s + t.exposed_within_node / node_link;
     ch.step_s = std::max(ch.compute_s, ch.comm_s - exposed_s) + exposed_s;

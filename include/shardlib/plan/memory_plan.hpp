@@ -121,15 +121,10 @@ struct setup {
   // unit's elements, nor for a packed unit's frozen ones
   bool frozen_grads = true;
   bool global_loss = true;  // shard::step_options::loss is loss_report::global_mean (train_step's default)
-  // Gradient accumulation: one optimizer step over this many micro-batches, each a forward
-  // and a backward (model_desc's activations and flops are one micro-batch's), run by hand
-  // as zero_grad, the micro-batches, step() (train_step runs one: with more, no loss
-  // all-reduce, and global_loss is not read). no_sync: set_sync(false) for all but the last,
-  // which reduces once what they accumulated; keep_after_backward:
-  // set_reshard_after_backward(false) before the first and (true) before the last, each call
-  // an all-reduce of two 8-byte integers (the ranks compare the flag).
-  int micro_batches = 1;
-  bool no_sync = false, keep_after_backward = false;
+  // Gradient accumulation (plan/step_replay.hpp): model_desc's activations and flops are then
+  // one micro-batch's; with more than one, step() ends the step: no loss all-reduce, global_loss
+  // not read.
+  plan::accumulation accumulation{};
   // The rank planned (its place in the shard group decides which elements its optimizer
   // state holds, when some parameters are frozen); unset: for each category the
   // largest over the ranks. Without frozen parameters every rank holds the same.
@@ -239,7 +234,7 @@ inline std::size_t round_up(std::size_t n, std::size_t k) { return (n + k - 1) /
 // make_plan still gives such a setup's formula (the ZeRO paper's baseline is one).
 inline std::string engine_refusal(const setup& s) {
   const dtype c = s.precision.compute;
-  if (s.micro_batches > 1 && (s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16))
+  if (s.accumulation.micro_batches > 1 && (s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16))
     return "accumulated micro-batches end in step(), which refuses fp16: only train_step (one micro-batch) scales "
            "the loss and votes on overflow (use bf16)";
   if (c == dtype::f32) return "";
@@ -275,7 +270,8 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   require(!d.units.empty(), "plan: the model has no units (the root is always one)");
   require(s.world >= 1 && s.prefetch >= 0, "plan: world ", s.world, " and prefetch ", s.prefetch,
           " must be at least 1 and 0");
-  require(s.micro_batches >= 1, "plan: micro_batches ", s.micro_batches, " must be at least 1");
+  const accumulation& acc = s.accumulation;
+  require(acc.micro_batches >= 1, "plan: accumulation.micro_batches ", acc.micro_batches, " must be at least 1");
   const shard::policy pol = s.resolved();
   require(pol.valid(), "plan: the strategy's policy: ", pol.problem() ? pol.problem() : "");
   require(pol.group_size == 0 || s.world % pol.group_size == 0, "plan: HybridShard group size ", pol.group_size,
@@ -416,8 +412,8 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   }
   const detail::step_replay step =
       detail::replay(units, std::size_t(s.prefetch), pol.free == shard::free_point::after_forward,
-                     !pol.shard_gradients, {std::size_t(s.micro_batches), s.no_sync, s.keep_after_backward});
-  const double reductions = s.no_sync ? 1 : s.micro_batches;  // per step
+                     !pol.shard_gradients, s.accumulation);
+  const double reductions = acc.no_sync ? 1 : acc.micro_batches;  // per step
   // Sharded: the root all step, the unit running and those prefetched, and under
   // after_backward every unit that runs a backward (after_forward: those kept gathered),
   // from its forward to its backward; with keep_after_backward, every unit from its backward on
@@ -464,10 +460,11 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
              (s.rank ? across[std::size_t(my_piece)] : *std::max_element(across.begin(), across.end())),
          W, true);
   }
-  if (s.keep_after_backward && s.micro_batches > 1) send(t.all_reduce, 2 * 2 * fW * 16, W, true);
+  if (acc.keep_after_backward && acc.micro_batches > 1) send(t.all_reduce, 2 * 2 * fW * 16, W, true);
   // train_step's one scalar all-reduce: the global mean loss and fp16 loss scaling's
   // overflow vote, two floats, sent when either is on (not by step(), which ends accumulation).
-  if (s.micro_batches == 1 && (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16))
+  if (acc.micro_batches == 1 &&
+      (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16))
     send(t.all_reduce, 2 * fW * 8, W, true);
   return p;
 }
@@ -484,10 +481,16 @@ struct model_states {
 };
 // With policy::reshard_to = R (1 < R < G) the peak holds each unit's 1/R part beside the
 // shards, as ZeRO++'s hpZ counts its secondary partition; R = 1 keeps them whole (as ZeRO-2).
-inline model_states zero_model_states(const shard::policy& pol, int world, double psi, double k = 12) {
+// Accumulated micro-batches under no_sync hold every gradient unreduced (2Ψ), and units kept
+// gathered after backward every parameter (2Ψ), until the last micro-batch.
+inline model_states zero_model_states(const shard::policy& pol, int world, double psi, double k = 12,
+                                      const accumulation& acc = {}) {
   const double G = double(pol.group(world)), R = double(pol.regather(world));
-  const bool params_sharded = pol.shard_parameters && pol.free == shard::free_point::after_forward && R > 1;
-  return {params_sharded ? 2 * psi / G + (R < G ? 2 * psi / R : 0) : 2 * psi, 2 * psi / (pol.shard_gradients ? G : 1),
+  const bool accumulating = acc.micro_batches > 1;
+  const bool params_sharded = pol.shard_parameters && pol.free == shard::free_point::after_forward && R > 1 &&
+                              !(accumulating && acc.keep_after_backward);
+  const bool grads_sharded = pol.shard_gradients && !(accumulating && acc.no_sync);
+  return {params_sharded ? 2 * psi / G + (R < G ? 2 * psi / R : 0) : 2 * psi, 2 * psi / (grads_sharded ? G : 1),
           k * psi / (pol.shard_optimizer ? G : 1)};
 }
 

@@ -10,6 +10,18 @@
 
 namespace shardlib::plan {
 
+// Gradient accumulation: one optimizer step over `micro_batches` forwards and backwards, run
+// by hand as zero_grad, the micro-batches, step() (train_step runs one). no_sync:
+// set_sync(false) for all but the last, which reduces once what they accumulated (full local
+// gradients held until then); keep_after_backward: set_reshard_after_backward(false) before
+// the first and (true) before the last, so that each unit stays gathered from its backward to
+// the next micro-batch's forward (each call an all-reduce of two 8-byte integers: the ranks
+// compare the flag).
+struct accumulation {
+  int micro_batches = 1;
+  bool no_sync = false, keep_after_backward = false;
+};
+
 namespace detail {
 // One step replayed in the engine's order (sharded_model.hpp: pre_forward,
 // post_forward, pre_backward, post_backward, finish_backward; gather.hpp; reduce.hpp),
@@ -34,20 +46,13 @@ struct step_units {
   std::vector<std::size_t> gathered, send, full, reduce, reduce_again, part, part_send;
   std::vector<bool> released, frozen, backward, kept;
 };
-// Gradient accumulation: the step's micro-batches, each a forward and a backward; all but
-// the last may run without reducing (set_sync(false): full local gradients kept until the
-// last reduces them) and keep their units gathered after backward (set_reshard_after_backward(false)).
-struct step_loop {
-  std::size_t micro_batches = 1;
-  bool no_sync = false, keep_after_backward = false;
-};
 struct step_replay {
   std::size_t gathered_peak = 0, scratch_peak = 0, full_grad_peak = 0;  // elements (parts among them), bytes, elements
   double gathered_sent = 0;    // elements: gathered[i] summed over the gathers issued from the shards
   double regathered_sent = 0;  // and over those issued from the parts kept after forward
 };
 inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_after_forward, bool keeps_full,
-                          step_loop loop = {}) {
+                          accumulation loop = {}) {
   const std::size_t n = u.gathered.size();
   enum class state { sharded, gathering, gathered };
   std::vector<state> st(n, state::sharded);
@@ -104,7 +109,7 @@ inline step_replay replay(const step_units& u, std::size_t prefetch, bool frees_
   if (keeps_full)
     for (std::size_t i = 0; i < n; ++i)
       if (!u.frozen[i]) make_full(i);
-  for (std::size_t micro = 0; micro < loop.micro_batches; ++micro) {
+  for (int micro = 0; micro < loop.micro_batches; ++micro) {
     const bool last = micro + 1 == loop.micro_batches;
     const bool sync = last || !loop.no_sync, reshard = last || !loop.keep_after_backward;
     for (std::size_t i = 0; i < n; ++i) {
