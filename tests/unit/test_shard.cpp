@@ -613,6 +613,136 @@ TEST_CASE("units kept gathered after backward through accumulated micro-batches"
   }
 }
 
+namespace {
+struct micro_run {
+  std::vector<float> params, losses;
+  double all_gather = 0, reduce_scatter = 0, all_reduce = 0;  // bytes per step, rank 0
+};
+// Three steps of three micro-batches of two rows per rank: train_step over them, or by hand
+// as train_step says it runs them (zero_grad; each loss gradient times 1/3; the micro-batches
+// before the last under set_sync and set_reshard_after_backward as `so` says; step).
+micro_run micro_batched(int world, shard::AnyStrategy strategy, const shard::step_options& so, bool by_hand) {
+  micro_run r;
+  comm::launch(world, [&](comm::ThreadComm& c) {
+    auto tally = std::make_shared<bench::traffic>();
+    bench::counting_comm<comm::ThreadComm> counted(c, tally);
+    Model m = make_model();
+    auto model = shard::fully_shard<sgd>(m, counted, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+    tally->reset();
+    sgd opt;
+    const int steps = 3, micro = 3;
+    for (int s = 0; s < steps; ++s) {
+      std::vector<Tensor<float>> xs, ys;
+      for (int k = 0; k < micro; ++k) {
+        xs.push_back(batch(10 * s + k, 2, 5, 1, 2 * c.rank()));
+        ys.push_back(batch(10 * s + k, 2, 3, 2, 2 * c.rank()));
+      }
+      float loss = 0;
+      if (!by_hand) {
+        loss = model.train_step(opt, xs, ys, mse, so);
+      } else {
+        model.zero_grad();
+        for (int k = 0; k < micro; ++k) {
+          const bool last = k + 1 == micro;
+          model.set_sync(last || !so.no_sync);
+          if (!so.reshard_after_backward && (k == 0 || last)) model.set_reshard_after_backward(last);
+          auto l = mse(model.forward(xs[std::size_t(k)]), ys[std::size_t(k)]);
+          optim::scale_grads(l.grad.span(), 1.f / float(micro));
+          model.backward(l.grad);
+          loss += l.loss;
+        }
+        loss *= 1.f / float(micro);
+        model.step(opt);
+      }
+      if (c.rank() == 0) r.losses.push_back(loss);
+    }
+    auto sd = model.full_state_dict();
+    if (c.rank() != 0) return;
+    r.all_gather = tally->all_gather / steps;
+    r.reduce_scatter = tally->reduce_scatter / steps;
+    r.all_reduce = tally->all_reduce / steps;
+    for (auto& [n, t] : sd) r.params.insert(r.params.end(), t.span().begin(), t.span().end());
+  });
+  return r;
+}
+}  // namespace
+
+// train_step over micro-batches (gradient accumulation in one call): the same bits as the
+// loop by hand, each reduced, reduced once (no_sync) and kept gathered after backward or not,
+// with the same collectives: the hand loop's setter calls (two all-reduces of 16 bytes) where
+// kept, train_step's check of the ranks' counts and options (one of 64 bytes).
+TEST_CASE("train_step over micro-batches runs them as the loop by hand, bit for bit", "[shard][accumulation]") {
+  for (const auto& [strategy, world] : {std::pair{shard::AnyStrategy(shard::FullShard{}), 3},
+                                        std::pair{shard::AnyStrategy(shard::ShardGradOp{}), 3},
+                                        std::pair{shard::AnyStrategy(shard::ShardOptimizer{}), 3},
+                                        std::pair{shard::AnyStrategy(shard::NoShard{}), 3},
+                                        std::pair{shard::AnyStrategy(shard::HybridShard{.group_size = 2}), 4},
+                                        std::pair{shard::AnyStrategy(shard::FullShard{.reshard_to = 2}), 4}})
+    for (const shard::step_options so :
+         {shard::step_options{.loss = shard::loss_report::local},
+          shard::step_options{.loss = shard::loss_report::local, .no_sync = true},
+          shard::step_options{.loss = shard::loss_report::local, .no_sync = true, .reshard_after_backward = false},
+          shard::step_options{.loss = shard::loss_report::local, .reshard_after_backward = false}}) {
+      INFO(strategy.name << ", W " << world << ", no_sync " << so.no_sync << ", reshard_after_backward "
+                         << so.reshard_after_backward);
+      const auto want = micro_batched(world, strategy, so, true), got = micro_batched(world, strategy, so, false);
+      REQUIRE(want.params.size() == 291);
+      CHECK(got.params == want.params);
+      CHECK(got.losses == want.losses);
+      CHECK(got.all_gather == want.all_gather);
+      CHECK(got.reduce_scatter == want.reduce_scatter);
+      const double ring = 2 * double(world - 1) / world;
+      CHECK(got.all_reduce == Approx(want.all_reduce - (so.reshard_after_backward ? 0 : 2 * ring * 16) + ring * 64)
+                                  .epsilon(1e-12));
+    }
+}
+
+// Ranks that pass other micro-batches or options would pair their collectives wrongly, and a
+// rank whose inputs and targets do not pair up would leave the others waiting: every rank
+// raises, before anything runs, and the model trains on.
+TEST_CASE("train_step over micro-batches: ranks that pass other counts or options raise on every rank",
+          "[shard][accumulation]") {
+  std::vector<std::vector<std::string>> errors(2);
+  std::vector<float> losses(2, 0.f);
+  comm::launch(2, [&](comm::ThreadComm& c) {
+    Model m = make_model();
+    auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{}, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+    sgd opt;
+    const auto x = batch(0, 2, 5, 1, 2 * c.rank()), y = batch(0, 2, 3, 2, 2 * c.rank());
+    const bool one = c.rank() == 1;
+    auto& mine = errors[std::size_t(c.rank())];
+    mine.push_back(test_support::raised([&] {
+      model.train_step(opt, std::vector<Tensor<float>>(one ? 3 : 2, x), std::vector<Tensor<float>>(one ? 3 : 2, y),
+                       mse);
+    }));
+    mine.push_back(test_support::raised([&] {
+      model.train_step(opt, std::vector<Tensor<float>>(2, x), std::vector<Tensor<float>>(2, y), mse,
+                       {.no_sync = one});
+    }));
+    mine.push_back(test_support::raised([&] {
+      model.train_step(opt, std::vector<Tensor<float>>(2, x), std::vector<Tensor<float>>(one ? 2 : 1, y), mse);
+    }));
+    mine.push_back(test_support::raised([&] {
+      model.train_step(opt, std::vector<Tensor<float>>{}, std::vector<Tensor<float>>{}, mse);
+    }));
+    losses[std::size_t(c.rank())] =
+        model.train_step(opt, std::vector<Tensor<float>>(2, x), std::vector<Tensor<float>>(2, y), mse);
+  });
+  for (int r = 0; r < 2; ++r) {
+    const auto& e = errors[std::size_t(r)];
+    const std::string rank = cat("rank ", r, ": train_step over ");
+    CHECK_THAT(e[0], Catch::Contains(rank) && Catch::Contains("the ranks passed other micro-batch counts (from 2 to 3)"));
+    CHECK_THAT(e[1], Catch::Contains(rank) && Catch::Contains("the ranks passed other no_sync (from 0 to 1)"));
+    CHECK_THAT(e[3], Catch::Contains(cat(rank, "0 micro-batches of inputs and 0 of targets: it needs one or more")));
+  }
+  CHECK_THAT(errors[0][2], Catch::Contains("rank 0: train_step over 2 micro-batches of inputs and 1 of targets: it "
+                                           "needs one or more of each, as many"));
+  CHECK_THAT(errors[1][2], Catch::Contains("rank 1: train_step over micro-batches: another rank passed inputs and "
+                                           "targets that do not pair up"));
+  CHECK(std::isfinite(losses[0]));
+  CHECK(losses[0] == losses[1]);  // the global mean, after all that
+}
+
 // Ranks that keep units after backward where others free them would pair their next gathers
 // wrongly: the setter is collective and raises on every rank.
 TEST_CASE("set_reshard_after_backward: ranks that disagree raise on every rank", "[shard][accumulation]") {

@@ -18,6 +18,21 @@
 
 namespace shardlib::shard {
 
+// f(g) on a loss gradient: g itself when it is fp32 (or wider), else a widened copy, rounded
+// back once after f (16-bit layers' loss gradients are scaled in fp32).
+template <class Space, class C, class F>
+void in_fp32(std::span<C> g, F&& f) {
+  using ops = space_ops<Space>;
+  if constexpr (sizeof(C) >= 4) {
+    f(g);
+  } else {
+    Buffer<float, Space> wide(g.size(), category::activations);
+    ops::widen_add(std::span<const C>(g), wide.span(), true);
+    f(wide.span());
+    ops::narrow(std::span<const float>(wide.span()), g);
+  }
+}
+
 template <class Space>
 class loss_scale_state {
   using ops = space_ops<Space>;
@@ -77,19 +92,6 @@ class loss_scale_state {
     }
     ops::scale(x, reciprocal ? 1.f / host_->scale : host_->scale);
   }
-  // The loss gradient times the scale, in fp32 when the layers compute in 16 bits.
-  template <class C>
-  void scale_loss_gradient(std::span<C> g, const double* scale_in_space) const {
-    if constexpr (sizeof(C) >= 4) {
-      scale(g, scale_in_space, false);
-    } else {
-      Buffer<float, Space> wide(g.size(), category::activations);
-      ops::widen_add(std::span<const C>(g), wide.span(), true);
-      scale(wide.span(), scale_in_space, false);
-      ops::narrow(std::span<const float>(wide.span()), g);
-    }
-  }
-
  private:
   mutable std::optional<loss_scaler> host_;  // read() refreshes it from slots_
   std::optional<slots_type> slots_;          // when the space decides (in_space())

@@ -71,6 +71,15 @@ struct step_options {
   // average: each rank steps the mean of all ranks' gradients (DDP's and FSDP's rule);
   // sum: their sum, W times the mean (for losses summed, not averaged, over the global batch).
   grad_reduction reduction = grad_reduction::average;
+  // train_step over micro-batches (gradient accumulation): how those before the last run.
+  // no_sync: their gradients stay unreduced and the last micro-batch reduces them all (FSDP2's
+  // set_requires_gradient_sync(False), DDP's no_sync): one reduction a step, for every unit's
+  // full local gradients held meanwhile; else each reduces its own (FSDP2's and DeepSpeed's
+  // default). reshard_after_backward = false: each unit stays gathered from their backwards
+  // to the next forward (ShardedModel::set_reshard_after_backward): fewer all-gathers, every
+  // unit's full parameters held meanwhile.
+  bool no_sync = false;
+  bool reshard_after_backward = true;
 };
 struct step_result {
   float loss = 0;                  // as step_options::loss says

@@ -31,10 +31,12 @@
 #include "shardlib/shard/wrap.hpp"
 
 #include <cmath>        // std::sqrt, std::isfinite
-#include <cstdint>      // std::uint64_t
+#include <concepts>     // std::same_as
+#include <cstdint>      // std::uint64_t, std::int64_t
 #include <map>          // std::map
 #include <memory>       // std::make_shared
 #include <optional>     // std::optional
+#include <ranges>       // std::ranges::contiguous_range, data, size
 #include <span>         // std::span
 #include <string>       // std::string
 #include <string_view>  // std::string_view
@@ -375,28 +377,71 @@ class ShardedModel {
   template <class O, class Target, class LossFn>
   step_result_of<space> train_step(O& opt, const input& x, const Target& y, LossFn&& loss_fn,
                                    const step_options& so = {}) {
-    require(so.max_norm >= 0, "rank ", comm_->rank(), ": step_options.max_norm must be >= 0 (0: no clipping), got ",
+    return run_step(opt, std::span<const input>(&x, 1), std::span<const Target>(&y, 1), loss_fn, so, false);
+  }
+  // The same over micro-batches (gradient accumulation): xs[k] and ys[k] for k < xs.size(),
+  // each forward and backward in turn, one optimizer step after the last. Each loss gradient
+  // is divided by their number, so that with equal micro-batches the step follows the
+  // gradient of their mean loss, which it reports (fp16: the overflow vote covers them all).
+  // so.no_sync and so.reshard_after_backward say how the micro-batches before the last run.
+  // Ranks must pass the same number and options: they compare them (one all-reduce of eight
+  // integers; on a device a host wait) and raise if they differ.
+  //   std::vector<Tensor<float>> xs = ..., ys = ...;   // four micro-batches
+  //   model.train_step(adamw, xs, ys, nn::cross_entropy, {.max_norm = 1, .no_sync = true});
+  template <class O, std::ranges::contiguous_range Inputs, std::ranges::contiguous_range Targets, class LossFn>
+    requires std::same_as<std::ranges::range_value_t<Inputs>, input>
+  step_result_of<space> train_step(O& opt, const Inputs& xs, const Targets& ys, LossFn&& loss_fn,
+                                   const step_options& so = {}) {
+    using target = std::ranges::range_value_t<Targets>;
+    return run_step(opt, std::span<const input>(std::ranges::data(xs), std::ranges::size(xs)),
+                    std::span<const target>(std::ranges::data(ys), std::ranges::size(ys)), loss_fn, so, true);
+  }
+
+ private:
+  template <class O, class Target, class LossFn>
+  step_result_of<space> run_step(O& opt, std::span<const input> xs, std::span<const Target> ys, LossFn& loss_fn,
+                                 const step_options& so, bool micro_batches) {
+    const int rank = comm_->rank();
+    require(so.max_norm >= 0, "rank ", rank, ": step_options.max_norm must be >= 0 (0: no clipping), got ",
             so.max_norm);
-    require(sync_, "rank ", comm_->rank(), ": train_step under set_sync(false) (no_sync): its backward would not "
+    require(sync_, "rank ", rank, ": train_step under set_sync(false) (no_sync): its backward would not "
             "reduce the gradients across ranks, and it runs one whole step; call it with sync on");
+    if (micro_batches) check_micro_batches(xs.size(), ys.size(), so);
+    const std::size_t n = xs.size();
     const bool on_space = (scaler_ || so.max_norm > 0) && decides_on_space<O>();
     const double* loss_scale = on_space && scaler_ ? scaler_.in_space().data() + scale_slot : nullptr;
     zero_grad();
-    auto out = forward(x);
-    auto l = loss_fn(out, y);
-    if (scaler_) scaler_.scale_loss_gradient(l.grad.span(), loss_scale);
+    using loss_type = decltype(loss_fn(std::declval<const output&>(), ys[0]).loss);
+    std::vector<loss_type> losses;
+    const bool reshard_last = reshard_after_backward_;  // as the caller set it
     reducer_.set_op(so.reduction == grad_reduction::sum ? comm::reduce_op::sum : comm::reduce_op::avg);
     try {
-      backward(l.grad);
+      for (std::size_t k = 0; k < n; ++k) {
+        const bool last = k + 1 == n;
+        sync_ = last || !so.no_sync;
+        reshard_after_backward_ = last ? reshard_last : so.reshard_after_backward;
+        auto out = forward(xs[k]);
+        auto l = loss_fn(out, ys[k]);
+        if (n > 1 || scaler_)  // rounded once, in fp32, when the layers compute in 16 bits
+          in_fp32<space>(l.grad.span(), [&](auto g) {
+            if (n > 1) ops::scale(g, 1.f / float(n));
+            if (scaler_) scaler_.scale(g, loss_scale, false);
+          });
+        backward(l.grad);
+        losses.push_back(std::move(l.loss));
+      }
     } catch (...) {
+      sync_ = true;
+      reshard_after_backward_ = reshard_last;
       reducer_.set_op(comm::reduce_op::avg);  // a later backward of the caller's averages
       throw;
     }
     reducer_.set_op(comm::reduce_op::avg);
+    const auto loss = mean_loss<ops>(std::move(losses));
     // The loss and the units whose gradients overflowed, in the model's space.
     auto shared = ops::template make_scalars<float>(2);
     const bool global = scaler_ || so.loss == loss_report::global_mean;  // every rank decides alike
-    if (global) put_loss<ops>(l.loss, std::span<float>(shared.data(), 1));
+    if (global) put_loss<ops>(loss, std::span<float>(shared.data(), 1));
     if (scaler_)
       for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad.span()), shared.data() + 1);
     if (global) ops::all_reduce_in_place(*comm_, std::span<float>(shared.data(), 2), comm::reduce_op::sum);
@@ -405,7 +450,7 @@ class ShardedModel {
     std::optional<typename ops::template scalars<double>> norm_squared;
     if (so.max_norm > 0) norm_squared.emplace(grad_norm_squared());
     if constexpr (!std::is_same_v<space, host_space>)
-      if (on_space) return step_decided_on_space(opt, l.loss, std::move(shared), std::move(norm_squared), so);
+      if (on_space) return step_decided_on_space(opt, loss, std::move(shared), std::move(norm_squared), so);
 
     const float world = float(comm_->size());
     const bool mean = so.loss == loss_report::global_mean;
@@ -418,13 +463,13 @@ class ShardedModel {
         ops::issue_to_host(std::span<const double>(norm_squared->data(), 1), std::span<double>(&squared, 1));
     };
     if (scaler_ || so.max_norm > 0) {  // the host decides: one read of everything, the loss's own read with it
-      const float own = read_with<ops>(l.loss, issue_reads);
+      const float own = read_with<ops>(loss, issue_reads);
       r.loss = mean ? seen[0] / world : own;
     } else if constexpr (std::is_same_v<space, host_space>) {
       issue_reads();
-      r.loss = mean ? seen[0] / world : float(l.loss);
+      r.loss = mean ? seen[0] / world : float(loss);
     } else {
-      r.loss = mean ? deferred_mean<ops>(l.loss, std::move(shared), world) : pending<float>(l.loss);
+      r.loss = mean ? deferred_mean<ops>(loss, std::move(shared), world) : pending<float>(loss);
     }
     const bool overflow = seen[1] != 0.f;
     r.skipped = overflow;
@@ -442,6 +487,29 @@ class ShardedModel {
     if (scaler_) with_rank([&] { scaler_.host().update(overflow); });  // raises on every rank alike: the flag is shared
     return r;
   }
+  // Ranks that ran different micro-batches would pair their collectives wrongly (a kept unit's
+  // gather with another's of the same size), and a rank that raised alone would leave the
+  // others waiting: whether the inputs and targets pair up, their count and the options,
+  // compared as maxima of the values and of their negations, and raised on every rank.
+  void check_micro_batches(std::size_t inputs, std::size_t targets, const step_options& so) {
+    const int rank = comm_->rank();
+    const std::int64_t mine[4] = {inputs > 0 && inputs == targets, std::int64_t(inputs), so.no_sync,
+                                  so.reshard_after_backward};
+    std::vector<std::int64_t> both(8);
+    for (std::size_t i = 0; i < 4; ++i) both[i] = mine[i], both[i + 4] = -mine[i];
+    ops::all_reduce_values(*comm_, std::span<std::int64_t>(both), comm::reduce_op::max);
+    require(mine[0], "rank ", rank, ": train_step over ", inputs, " micro-batches of inputs and ", targets,
+            " of targets: it needs one or more of each, as many");
+    require(both[4] < 0, "rank ", rank, ": train_step over micro-batches: another rank passed inputs and targets "
+            "that do not pair up");
+    static constexpr const char* what[] = {"", "micro-batch counts", "no_sync", "reshard_after_backward"};
+    for (std::size_t i = 1; i < 4; ++i)
+      require(both[i] == -both[i + 4], "rank ", rank, ": train_step over ", inputs, " micro-batches (no_sync ",
+              so.no_sync, ", reshard_after_backward ", so.reshard_after_backward, "): the ranks passed other ",
+              what[i], " (from ", -both[i + 4], " to ", both[i], "); every rank must run the same micro-batches");
+  }
+
+ public:
   // The fp16 loss scaler (empty without fp16), as of the steps issued so far: a copy, which
   // later steps do not change. When train_step decides on a device, its changing fields
   // live there and reading them waits for those steps (on their stream).

@@ -13,6 +13,7 @@
 #include <memory>      // std::make_shared, std::shared_ptr
 #include <span>        // std::span
 #include <utility>     // std::move
+#include <vector>      // std::vector
 
 namespace shardlib::shard {
 
@@ -41,6 +42,42 @@ float read_with(const L& loss, Issue&& issue) {
     issue();
     Ops::wait_for_reads();
     return float(loss);
+  }
+}
+
+// The mean of equal micro-batches' losses (train_step's accumulation), in float: summed in
+// order, times 1 / their number. Host values at once; device ones (pending) averaged in the model's space, whose slot the
+// result's device() is, read when the caller reads it, each micro-batch's loss read with it
+// (raising its loss function's deferred errors: one wait each). One loss is itself.
+template <class Ops, class L>
+auto mean_loss(std::vector<L> losses) {
+  const std::size_t n = losses.size();
+  if constexpr (requires { losses[0].device(); }) {
+    if (n == 1) return losses[0];
+    auto slots = std::make_shared<typename Ops::template scalars<float>>(Ops::template make_scalars<float>(n + 1));
+    const std::span<float> mean(slots->data() + n, 1);
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::span<float> slot(slots->data() + i, 1);
+      put_loss<Ops>(losses[i], slot);
+      Ops::add(std::span<const float>(slot), mean, i == 0);
+    }
+    Ops::scale(mean, 1.f / float(n));
+    return L(
+        [losses = std::move(losses), slots, n, at = Ops::issued_here()](const std::function<void()>& before_wait) {
+          float value = 0;
+          std::function<void(std::size_t)> read_from = [&](std::size_t i) {
+            if (i < n) return void(read_with<Ops>(losses[i], [&] { read_from(i + 1); }));
+            Ops::issue_to_host(std::span<const float>(slots->data() + n, 1), std::span<float>(&value, 1));
+            before_wait();
+          };
+          at.run([&] { read_from(0); });
+          return value;
+        },
+        mean.data());
+  } else {
+    float sum = 0;  // as the device sums: in order, then times 1 / n
+    for (const auto& l : losses) sum += float(l);
+    return sum * (1.f / float(n));
   }
 }
 
