@@ -71,9 +71,13 @@ std::vector<float> compared_parameters(Sharded& sharded) {
 }
 
 // read_late: every step's loss is read after the last step (a device step's loss
-// stays pending on the device until then), instead of right after its step.
+// stays pending on the device until then), instead of right after its step. micro > 1:
+// each step is train_step over that many micro-batches of the rank's rows (gradient
+// accumulation; the micro-batches before the last under no_sync, kept gathered).
+// batch(first, rows) gives rows [first, first + rows) of the global batch.
 template <class Sharded, class Optimizer, class Batch>
-trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&& batch, bool read_late = false) {
+trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&& batch, bool read_late = false,
+            int micro = 1) {
   trace t;
   t.initial = compared_parameters(sharded);
   std::vector<sl::pending<float>> unread;
@@ -84,8 +88,21 @@ trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&
   };
   for (int s = 0; s < steps; ++s) {
     const long first = (long(s) * host.size() + host.rank()) * per_rank;
-    auto [x, y] = batch(first);
-    auto r = sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+    auto r = [&] {
+      if (micro == 1) {
+        auto [x, y] = batch(first, per_rank);
+        return sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+      }
+      using pair = decltype(batch(first, per_rank));
+      std::vector<typename pair::first_type> xs;
+      std::vector<typename pair::second_type> ys;
+      for (long k = 0; k < micro; ++k) {
+        auto [x, y] = batch(first + k * per_rank / micro, per_rank / micro);
+        xs.push_back(std::move(x));
+        ys.push_back(std::move(y));
+      }
+      return sharded.train_step(opt, xs, ys, sl::nn::cross_entropy, {.no_sync = true, .reshard_after_backward = false});
+    }();
     if (read_late) unread.push_back(r.loss);
     else record(r.loss);
   }
@@ -95,15 +112,15 @@ trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&
 }
 
 template <class Strategy>
-trace host_run(int world, Strategy strategy) {
+trace host_run(int world, Strategy strategy, int micro = 1) {
   std::vector<trace> out(world);
   sl::comm::launch(world, [&](sl::comm::ThreadComm& c) {
     auto model = example::reference_model<float>(sizes);
     auto sharded = shard::fully_shard(model, c, strategy, {.wrap = shard::wrap_types<example::Encoder>{}, .seed = 7});
     sl::optim::Adam adam{{.lr = lr}};
-    out[c.rank()] = train(c, sharded, adam, [&](long first) {
-      return std::pair(task.inputs(first, per_rank), task.labels(first, per_rank));
-    });
+    out[c.rank()] = train(
+        c, sharded, adam, [&](long first, long rows) { return std::pair(task.inputs(first, rows), task.labels(first, rows)); },
+        false, micro);
   });
   return out[0];
 }
@@ -119,7 +136,7 @@ shard::mixed_precision compute_precision() {
 // communicator.
 template <class T, class Strategy, class MakeComm>
 trace device_run(int world, Strategy strategy, MakeComm&& make_comm, bool read_late = false,
-                 bool gpu_per_rank = false) {
+                 bool gpu_per_rank = false, int micro = 1) {
   std::vector<trace> out(world);
   sl::comm::launch(world, [&](sl::comm::ThreadComm& host) {
     const int device = gpu_per_rank ? host.rank() : 0;
@@ -135,11 +152,10 @@ trace device_run(int world, Strategy strategy, MakeComm&& make_comm, bool read_l
     sl::optim::cuda::Adam adam{{.lr = lr}};
     out[host.rank()] = train(
         host, sharded, adam,
-        [&](long first) {
-          return std::pair(example::to_device<T>(task.inputs(first, per_rank)),
-                           sl::cuda::to_device(task.labels(first, per_rank)));
+        [&](long first, long rows) {
+          return std::pair(example::to_device<T>(task.inputs(first, rows)), sl::cuda::to_device(task.labels(first, rows)));
         },
-        read_late);
+        read_late, micro);
   });
   return out[0];
 }
@@ -276,4 +292,18 @@ TEST_CASE("losses read after the last step equal those read after each step (two
   CHECK(late.losses == prompt.losses);
   CHECK(late.params == prompt.params);
   for (float loss : late.losses) CHECK(std::isfinite(loss));
+}
+
+// Gradient accumulation on the device: train_step over two micro-batches of two rows, the
+// first unreduced and kept gathered, trains as the host's; each step's mean loss stays on
+// the device until read, and read after the last step it is the one read after its step.
+TEST_CASE("train_step over micro-batches trains on the GPU as on the host (two ranks)",
+          "[cuda][training][accumulation]") {
+  if (!have_device()) return;
+  const auto want = host_run(2, shard::FullShard{}, 2);
+  const auto got = device_run<float>(2, shard::FullShard{}, thread_comm, false, false, 2);
+  require_trains_alike(got, want);
+  const auto late = device_run<float>(2, shard::FullShard{}, thread_comm, true, false, 2);
+  CHECK(late.losses == got.losses);
+  CHECK(late.params == got.params);
 }

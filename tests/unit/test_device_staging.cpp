@@ -403,10 +403,11 @@ std::vector<std::uint32_t> bits(const std::vector<float>& v) {
 }
 
 // W = 2, FullShard, Adam; layers of V (half: fp16 with loss scaling by `rule`); step s
-// clips to max_norm(s) (0: not) and has NaN in its targets when poisoned(s).
+// clips to max_norm(s) (0: not) and has NaN in its (last micro-batch's) targets when
+// poisoned(s); with micro > 1, each step is train_step over that many micro-batches.
 template <class Space, class V>
 decided_run decided_steps(int steps, const shard::loss_scaler& rule, const std::function<float(int)>& max_norm,
-                          const std::function<bool(int)>& poisoned) {
+                          const std::function<bool(int)>& poisoned, int micro = 1) {
   using Opt = std::conditional_t<std::is_same_v<Space, host_space>, optim::Adam, negated::Adam<Space>>;
   constexpr bool fp16 = std::is_same_v<V, half>;
   decided_run out;
@@ -427,10 +428,21 @@ decided_run decided_steps(int steps, const shard::loss_scaler& rule, const std::
     std::vector<shard::step_result_of<Space>> results;
     try {
       for (int s = 0; s < steps; ++s) {
-        Tensor<float> target = batch(s, 3, 2, rank, 2);
-        if (poisoned(s)) target[0] = std::numeric_limits<float>::quiet_NaN();
-        results.push_back(sharded.train_step(opt, negated::to_space<Space, V>(batch(s, 5, 1, rank, 2)), target, loss,
-                                             {.max_norm = max_norm(s)}));
+        if (micro == 1) {
+          Tensor<float> target = batch(s, 3, 2, rank, 2);
+          if (poisoned(s)) target[0] = std::numeric_limits<float>::quiet_NaN();
+          results.push_back(sharded.train_step(opt, negated::to_space<Space, V>(batch(s, 5, 1, rank, 2)), target,
+                                               loss, {.max_norm = max_norm(s)}));
+          continue;
+        }
+        std::vector<Tensor<V, Space>> xs;
+        std::vector<Tensor<float>> targets;
+        for (int k = 0; k < micro; ++k) {
+          xs.push_back(negated::to_space<Space, V>(batch(100 * s + k, 5, 1, rank, 2)));
+          targets.push_back(batch(100 * s + k, 3, 2, rank, 2));
+        }
+        if (poisoned(s)) targets.back()[0] = std::numeric_limits<float>::quiet_NaN();
+        results.push_back(sharded.train_step(opt, xs, targets, loss, {.max_norm = max_norm(s), .no_sync = s % 2 == 1}));
       }
       c.barrier();
       if (rank == 0) out.reads_while_training = negated::counts().reads;
@@ -512,6 +524,32 @@ TEST_CASE("train_step with fp16 loss scaling and clipping decides in the model's
   CHECK(got.scaler_after_set.good_steps == 5);
   CHECK(got.scaler_after_set.skipped == 9);
   CHECK(got.scaler_after_set.skipped_in_row == 0);
+}
+
+// Gradient accumulation: train_step over three micro-batches (odd steps under no_sync) with
+// fp16 loss scaling and clipping decides in the space as the host does; the overflow vote
+// and the norm cover every micro-batch, so NaN targets in the last one alone cancel the step.
+TEST_CASE("train_step over micro-batches with fp16 loss scaling and clipping decides in the model's space as the host "
+          "does",
+          "[staging][train_step][compute16][accumulation]") {
+  const shard::loss_scaler rule{.scale = 1048576.f, .growth_interval = 3};
+  const auto clip = [](int) { return 0.05f; };
+  const auto clean = [](int) { return false; };
+  const auto want = decided_steps<host_space, half>(10, rule, clip, clean, 3);
+  const auto got = decided_steps<negated_space, half>(10, rule, clip, clean, 3);
+  require_same_run(got, want);
+  const auto taken = std::count(want.skipped.begin(), want.skipped.end(), 0);
+  CHECK(taken >= 3);
+  CHECK(taken <= 8);
+  CHECK(want.scaler.skipped >= 2);
+  // fp32, the last micro-batch's targets poisoned at step 2: that step alone is cancelled
+  const auto poisoned = [](int s) { return s == 2; };
+  const auto want32 = decided_steps<host_space, float>(5, {}, clip, poisoned, 3);
+  const auto got32 = decided_steps<negated_space, float>(5, {}, clip, poisoned, 3);
+  require_same_run(got32, want32);
+  CHECK(want32.skipped == std::vector<int>{0, 0, 1, 0, 0});
+  CHECK(std::isnan(want32.norms[2]));
+  CHECK(got32.optimizer_steps.front() == 4);
 }
 
 TEST_CASE("clipping alone: a non-finite norm cancels the step in the space, and later unclipped steps count only "
