@@ -223,10 +223,7 @@ settings parse(int argc, char** argv) {
       if (s.node_size > 0 && w > s.node_size && w % s.node_size != 0)
         throw CLI::ValidationError("--node-size", cat(s.node_size, " does not divide the world size ", w));
     }
-    if (s.grad_accum == 1)
-      for (const auto& [flag, given] : {std::pair{"--no-sync", s.no_sync},
-                                        std::pair{"--no-reshard-after-backward", s.no_reshard_after_backward}})
-        if (given) throw CLI::ValidationError(flag, "one micro-batch per step (--grad-accum 1) has none before the last");
+    example::check_accumulation_flags(s.grad_accum, s.no_sync, s.no_reshard_after_backward);
     if (s.reshard_to > 0 && s.group_given && s.group % s.reshard_to != 0)
       throw CLI::ValidationError("--reshard-to", cat(s.reshard_to, " does not divide the group size ", s.group));
     // Every model here makes one unit per block (layer) beside the root.

@@ -141,4 +141,13 @@ inline void add_train_flags(CLI::App& app, train_flags& t, bool outputs = true) 
   app.add_option("--metrics", t.metrics, "one JSON line per step and rank (loss, tokens/s, peak memory)");
 }
 
+// --no-sync and --no-reshard-after-backward say how the micro-batches before a step's last
+// run: one micro-batch per step has none.
+inline void check_accumulation_flags(long grad_accum, bool no_sync, bool no_reshard_after_backward) {
+  if (grad_accum > 1) return;
+  for (const auto& [flag, given] :
+       {std::pair{"--no-sync", no_sync}, std::pair{"--no-reshard-after-backward", no_reshard_after_backward}})
+    if (given) throw CLI::ValidationError(flag, "one micro-batch per step (--grad-accum 1) has none before the last");
+}
+
 }  // namespace example

@@ -1,8 +1,10 @@
 // examples/common/text_corpus.hpp — a text file as training bytes for the byte-level
 // language-model examples (train_gpt, train_gpt_cuda): the split into a training head and
-// a held-out tail, the unigram entropy to beat, and windows of ids and next-byte targets.
+// a held-out tail, the unigram entropy to beat, the training windows each step draws, and
+// windows of ids and next-byte targets.
 #pragma once
 #include <shardlib/core/error.hpp>
+#include <shardlib/core/random.hpp>
 #include <shardlib/core/tensor.hpp>
 
 #include <array>
@@ -44,6 +46,18 @@ struct corpus {
     return h;
   }
 };
+
+// Where the `batch` training windows of micro-batch `micro` (of `micro_batches`) of a step
+// start on a rank, drawn by their place in the step's windows: a step's micro-batches take
+// the windows one batch of batch x micro_batches sequences would.
+inline std::vector<std::size_t> step_starts(const shardlib::counter_rng& draws, long step, int world, int rank,
+                                            long batch, long micro_batches, long micro, std::size_t positions) {
+  std::vector<std::size_t> starts;
+  const long first = ((step * world + rank) * micro_batches + micro) * batch;
+  for (long i = 0; i < batch; ++i)
+    starts.push_back(std::size_t(draws.uniform_double(std::uint64_t(first + i)) * double(positions)));
+  return starts;
+}
 
 // ids = text[start, start + seq), targets = the bytes after them, for each start.
 inline std::pair<shardlib::Tensor<std::int64_t>, shardlib::Tensor<std::int64_t>> windows(

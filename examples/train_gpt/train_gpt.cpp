@@ -12,6 +12,9 @@
 // --checkpoint-every it saves sharded checkpoints while it trains; --resume goes on from one.
 // --reshard-to R keeps 1/R of each block from its forward to its backward, which gathers it
 // within groups of R ranks (shard::policy::reshard_to); the losses are the same.
+// --grad-accum K makes each step K micro-batches of --batch sequences per rank (train_step
+// over them: the windows of one batch K times as large), --no-sync reduces their gradients
+// once, --no-reshard-after-backward keeps the blocks gathered between them.
 // Fine-tuning: --init DIR starts from a Hugging Face checkpoint (an earlier --save),
 // --freeze PATTERN... keeps the parameters it names as they are (nn::freeze), and --lora
 // TARGET... trains LoRA adapters on the Linears it names, everything else frozen
@@ -110,18 +113,16 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   float loss = 0;
   double val = 0, eval_s = 0;  // eval_s: the validation passes' share of the time
   for (long step = first; step < s.steps; ++step) {
-    std::vector<std::size_t> starts;  // this rank's windows of the step
-    for (long i = 0; i < s.batch; ++i)
-      starts.push_back(std::size_t(draws.uniform_double(std::uint64_t((step * c.size() + c.rank()) * s.batch + i)) *
-                                   double(positions)));
-    const auto [x, y] = windows(data.train, starts, s.seq);
+    std::vector<Tensor<std::int64_t>> xs, ys;  // this rank's micro-batches of the step
+    for (long k = 0; k < s.grad_accum; ++k) {
+      auto [x, y] = windows(
+          data.train, example::step_starts(draws, step, c.size(), c.rank(), s.batch, s.grad_accum, k, positions), s.seq);
+      xs.push_back(std::move(x));
+      ys.push_back(std::move(y));
+    }
     adamw.options.lr = schedule(step);
-    sharded.zero_grad();
-    auto l = nn::cross_entropy(sharded.forward(x), y);
-    sharded.backward(l.grad);
-    sharded.clip_grad_norm(1.0f);
-    sharded.step(adamw);
-    loss = l.loss;
+    loss = example::train_step(sharded, adamw, xs, ys, nn::cross_entropy, s,
+                               {.max_norm = 1.0f, .loss = shard::loss_report::local});
     checkpoints.after_step(step);
     if (step % s.every == 0 || step + 1 == s.steps) std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));
     if ((step + 1) % s.eval_every == 0 || step + 1 == s.steps) {
@@ -177,7 +178,7 @@ int main(int argc, char** argv) {
   cli.add_option("--heads", s.heads, "attention heads (divides --d-model)")->check(size);
   cli.add_option("--kv-heads", s.kv_heads, "LLaMA: key/value heads (divides --heads)")->check(size);
   cli.add_option("--seq", s.seq, "context length in bytes (n_positions)")->check(example::whole(2, example::max_size));
-  cli.add_option("--batch", s.batch, "sequences per rank and step")->check(size);
+  cli.add_option("--batch", s.batch, "sequences per rank and step (and micro-batch, with --grad-accum)")->check(size);
   cli.add_option("--steps", s.steps, "training steps")->check(size);
   cli.add_option("--every", s.every, "print the loss every this many steps")->check(size);
   cli.add_option("--eval-every", s.eval_every, "validation loss every this many steps")->check(size);
@@ -197,6 +198,7 @@ int main(int argc, char** argv) {
   example::add_checkpoint_flags(cli, s);
   example::add_sharding_flags(cli, s);
   cli.callback([&] {
+    example::check_accumulation_flags(s.grad_accum, s.no_sync, s.no_reshard_after_backward);
     if (s.reshard_to > 0 && s.world % s.reshard_to != 0)
       throw CLI::ValidationError("--reshard-to", shardlib::cat(s.reshard_to, " does not divide --world ", s.world));
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;

@@ -17,6 +17,8 @@
 //                                                   variables, NCCL's id through the TCP store)
 //   mpirun -np 16 train_gpt_cuda --reshard-to 8     two nodes of 8: backward gathers each block
 //                                                   within a node (shard::policy::reshard_to)
+//   train_gpt_cuda --batch 4 --grad-accum 8         steps of 8 micro-batches of 4 sequences per GPU
+//                  [--no-sync] [--no-reshard-after-backward]     (train_step over them)
 //   --model llama --dtype fp32 --data FILE          ...
 //
 // Differences from train_gpt: the validation loss is the mean over the ranks'
@@ -147,14 +149,16 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   float loss = 0;
   double val = 0, eval_s = 0;  // eval_s: the validation passes' share of the time
   for (long step = first; step < s.steps; ++step) {
-    std::vector<std::size_t> starts;  // this rank's windows of the step
-    for (long i = 0; i < s.batch; ++i)
-      starts.push_back(std::size_t(draws.uniform_double(std::uint64_t((step * c.size() + c.rank()) * s.batch + i)) *
-                                   double(positions)));
-    const auto [x, y] = windows(data.train, starts, s.seq);
+    std::vector<sl::Tensor<std::int64_t, sl::cuda_space>> xs, ys;  // this rank's micro-batches of the step
+    for (long k = 0; k < s.grad_accum; ++k) {
+      auto [x, y] = windows(
+          data.train, example::step_starts(draws, step, c.size(), c.rank(), s.batch, s.grad_accum, k, positions), s.seq);
+      xs.push_back(std::move(x));
+      ys.push_back(std::move(y));
+    }
     adamw.options.lr = schedule(step);
-    const auto r = sharded.train_step(adamw, x, y, sl::nn::cross_entropy,
-                                      {.max_norm = 1.0f, .loss = sl::shard::loss_report::local});
+    const auto r = example::train_step(sharded, adamw, xs, ys, sl::nn::cross_entropy, s,
+                                       {.max_norm = 1.0f, .loss = sl::shard::loss_report::local});
     checkpoints.after_step(step);
     if (step % s.every == 0 || step + 1 == s.steps) {
       loss = r.loss;  // waits for this step's loss only when printed
@@ -189,7 +193,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   const char* saved = s.save.empty() ? nullptr : example::save(sharded, s, s.save);
   if (c.rank() != 0) return;
   const long trained = std::max(s.steps - first, 1L);
-  const double tokens = double(trained) * double(s.batch) * double(s.seq) * double(c.size());
+  const double tokens = double(trained) * double(s.grad_accum * s.batch) * double(s.seq) * double(c.size());
   std::printf("train_gpt_cuda: %ld steps in %.1f s of training (%.1f ms/step, %.0f tokens/s over %d GPU(s); "
               "validation excluded); final training loss "
               "%.4f (rank 0's batch), validation %.4f nats per byte, unigram entropy %.4f\n",
@@ -230,7 +234,7 @@ int main(int argc, char** argv) {
   cli.add_option("--heads", s.heads, "attention heads (divides --d-model)")->check(size);
   cli.add_option("--kv-heads", s.kv_heads, "LLaMA: key/value heads (divides --heads)")->check(size);
   cli.add_option("--seq", s.seq, "context length in bytes")->check(example::whole(2, example::max_size));
-  cli.add_option("--batch", s.batch, "sequences per rank and step")->check(size);
+  cli.add_option("--batch", s.batch, "sequences per rank and step (and micro-batch, with --grad-accum)")->check(size);
   cli.add_option("--steps", s.steps, "training steps")->check(size);
   cli.add_option("--every", s.every, "print the loss every this many steps")->check(size);
   cli.add_option("--eval-every", s.eval_every, "validation loss every this many steps")->check(size);
@@ -253,6 +257,7 @@ int main(int argc, char** argv) {
   cli.add_flag("--no-frozen-masters", s.no_frozen_masters, "--dtype bf16 with --freeze or --lora: keep the frozen "
                "parameters in bf16 alone, without fp32 masters (4 bytes per frozen element less)");
   cli.callback([&] {
+    example::check_accumulation_flags(s.grad_accum, s.no_sync, s.no_reshard_after_backward);
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
     if (s.min_lr > s.lr)
       throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +
