@@ -121,9 +121,8 @@ struct setup {
   // unit's elements, nor for a packed unit's frozen ones
   bool frozen_grads = true;
   bool global_loss = true;  // shard::step_options::loss is loss_report::global_mean (train_step's default)
-  // Gradient accumulation (plan/step_replay.hpp): model_desc's activations and flops are then
-  // one micro-batch's; with more than one, step() ends the step: no loss all-reduce, global_loss
-  // not read.
+  // Gradient accumulation (plan/step_replay.hpp): train_step over micro-batches;
+  // model_desc's activations and flops are then one micro-batch's.
   plan::accumulation accumulation{};
   // The rank planned (its place in the shard group decides which elements its optimizer
   // state holds, when some parameters are frozen); unset: for each category the
@@ -234,9 +233,6 @@ inline std::size_t round_up(std::size_t n, std::size_t k) { return (n + k - 1) /
 // make_plan still gives such a setup's formula (the ZeRO paper's baseline is one).
 inline std::string engine_refusal(const setup& s) {
   const dtype c = s.precision.compute;
-  if (s.accumulation.micro_batches > 1 && (s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16))
-    return "accumulated micro-batches end in step(), which refuses fp16: only train_step (one micro-batch) scales "
-           "the loss and votes on overflow (use bf16)";
   if (c == dtype::f32) return "";
   if (!s.resolved().shard_optimizer)
     return cat(name(c), " compute keeps fp32 masters beside the values, which a policy that does not shard "
@@ -247,7 +243,7 @@ inline std::string engine_refusal(const setup& s) {
 }
 
 // The plan of one rank for one train_step (zero_grad, forward, backward, step; or
-// setup::micro_batches of forward and backward before the step) after the first, which
+// train_step over setup::accumulation.micro_batches) after the first, which
 // records the order and runs no prefetch (so it never holds more), read off the
 // strategy's policy alone. P_i is
 // unit i padded to a multiple of the shard group G (the world W when the policy has
@@ -460,11 +456,11 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
              (s.rank ? across[std::size_t(my_piece)] : *std::max_element(across.begin(), across.end())),
          W, true);
   }
-  if (acc.keep_after_backward && acc.micro_batches > 1) send(t.all_reduce, 2 * 2 * fW * 16, W, true);
+  // train_step over micro-batches: the ranks compare their count and options (eight 8-byte integers)
+  if (acc.micro_batches > 1) send(t.all_reduce, 2 * fW * 64, W, true);
   // train_step's one scalar all-reduce: the global mean loss and fp16 loss scaling's
-  // overflow vote, two floats, sent when either is on (not by step(), which ends accumulation).
-  if (acc.micro_batches == 1 &&
-      (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16))
+  // overflow vote, two floats, sent when either is on.
+  if (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16)
     send(t.all_reduce, 2 * fW * 8, W, true);
   return p;
 }

@@ -10,13 +10,13 @@
 
 namespace shardlib::plan {
 
-// Gradient accumulation: one optimizer step over `micro_batches` forwards and backwards, run
-// by hand as zero_grad, the micro-batches, step() (train_step runs one). no_sync:
-// set_sync(false) for all but the last, which reduces once what they accumulated (full local
-// gradients held until then); keep_after_backward: set_reshard_after_backward(false) before
-// the first and (true) before the last, so that each unit stays gathered from its backward to
-// the next micro-batch's forward (each call an all-reduce of two 8-byte integers: the ranks
-// compare the flag).
+// Gradient accumulation: one optimizer step over `micro_batches` forwards and backwards, as
+// ShardedModel::train_step over micro-batches runs them. no_sync (step_options::no_sync):
+// those before the last keep their full local gradients unreduced, and the last reduces them
+// all; keep_after_backward (step_options::reshard_after_backward = false): each unit stays
+// gathered from their backward to the next forward. A loop by hand (set_sync,
+// set_reshard_after_backward, step()) holds and sends the same but for train_step's small
+// all-reduces (memory_plan.hpp).
 struct accumulation {
   int micro_batches = 1;
   bool no_sync = false, keep_after_backward = false;
