@@ -10,6 +10,7 @@
 //                    [--warmup 2] [--steps 8] [--rounds 3] [--json FILE]
 //                    [--model encoder|gpt2] [--vocab 8192] [--frozen-layers N] [--freeze GLOB,...]
 //                    [--lora TARGET,... [--lora-r 8]] [--no-frozen-grads] [--keep-gathered N]
+//                    [--reshard-to R] [--grad-accum K [--no-sync] [--no-reshard-after-backward]]
 //
 // The default model is reduced so that the whole run takes a few minutes on 2 cores;
 // --article selects the FSDP article's sizes (6 layers, d_model 512, 8 heads, ff 2048,
@@ -28,7 +29,10 @@
 // the last N layers' units gathered from their forward to their backward
 // (shard::options::keep_gathered, FSDP2's reshard_after_forward=False). --reshard-to R runs
 // FullShard and HybridShard with shard::policy::reshard_to = R (FSDP2's reshard_after_forward=R),
-// at the world sizes (and groups) R divides.
+// at the world sizes (and groups) R divides. --grad-accum K makes each step train_step over K
+// micro-batches of --batch sequences per rank, --no-sync and --no-reshard-after-backward
+// setting its step_options; the formula's activations then add the caller's other K - 1
+// micro-batches (their inputs and targets, held at once).
 //
 // Strategies run in turns, `rounds` times each, each run in a fresh child process, and
 // step times are pooled over the rounds: other work on a shared machine then slows all
@@ -91,6 +95,8 @@ struct config {
   bool no_frozen_grads = false;   // --no-frozen-grads: shard::options::frozen_grads = false
   long keep_gathered = 0;         // --keep-gathered: the last N layers' units
   int reshard_to = 0;             // --reshard-to: FullShard's and HybridShard's policy::reshard_to
+  long grad_accum = 1;            // --grad-accum: micro-batches per step
+  bool no_sync = false, no_reshard_after_backward = false;
   example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .seq = 16};
   long batch = 8;
   int prefetch = 1, group = 2, warmup = 2, steps = 8, rounds = 3;
@@ -226,7 +232,9 @@ double reference_activations(const Workload& work) {
   auto y = work.targets(0);
   auto out = ctx.forward(m, x);
   ctx.backward(m, nn::cross_entropy(out, y).grad);
-  return double(l.peak(category::activations));
+  // train_step over micro-batches holds the other ones' inputs and targets too
+  const auto bytes = [](const auto& t) { return double(t.numel()) * double(sizeof(*t.data())); };
+  return double(l.peak(category::activations)) + double(work.cfg.grad_accum - 1) * (bytes(x) + bytes(y));
 }
 
 // The planner's formulas (include/shardlib/plan/memory_plan.hpp, docs/planner.md) for
@@ -235,11 +243,14 @@ double reference_activations(const Workload& work) {
 // from reference_activations, added by the caller; the total is the sum of the
 // category peaks, an upper bound since categories peak at different moments.
 template <class Strategy, class Engine>
-std::pair<per_category, double> formulas(Engine& e, const Strategy& strategy, int w, int prefetch, bool frozen_grads) {
+std::pair<per_category, double> formulas(Engine& e, const Strategy& strategy, int w, const config& cfg) {
   const auto p = plan::make_plan(plan::describe(e), {.policy = strategy.policy(),
                                                      .world = w,
-                                                     .prefetch = prefetch,
-                                                     .frozen_grads = frozen_grads});
+                                                     .prefetch = cfg.prefetch,
+                                                     .frozen_grads = !cfg.no_frozen_grads,
+                                                     .accumulation = {.micro_batches = int(cfg.grad_accum),
+                                                                      .no_sync = cfg.no_sync,
+                                                                      .keep_after_backward = cfg.no_reshard_after_backward}});
   per_category f{};
   for (int k = 0; k < category_count; ++k) {
     if (category(k) == category::activations) continue;
@@ -274,12 +285,19 @@ measurement run(const Workload& work, int w, Strategy strategy) {
         l.reset_peaks();
         tally->reset();
       }
-      const long first = (long(step) * w + c.rank()) * cfg.batch;  // this rank's slice of the global batch
-      auto x = work.inputs(first);
-      auto y = work.targets(first);
+      // this rank's slices of the global batch, one per micro-batch
+      std::vector<decltype(work.inputs(0))> xs;
+      std::vector<decltype(work.targets(0))> ys;
+      for (long k = 0; k < cfg.grad_accum; ++k) {
+        const long first = ((long(step) * w + c.rank()) * cfg.grad_accum + k) * cfg.batch;
+        xs.push_back(work.inputs(first));
+        ys.push_back(work.targets(first));
+      }
       c.barrier();  // (not counted: raw communicator) ranks start together, not waiting for a straggler
       const auto before = step_sample::now();
-      sharded.train_step(opt, x, y, nn::cross_entropy);
+      if (cfg.grad_accum == 1) sharded.train_step(opt, xs[0], ys[0], nn::cross_entropy);
+      else sharded.train_step(opt, xs, ys, nn::cross_entropy,
+                              {.no_sync = cfg.no_sync, .reshard_after_backward = !cfg.no_reshard_after_backward});
       c.barrier();  // a step ends when its slowest rank does
       if (step >= cfg.warmup && c.rank() == 0) m.steps.push_back(step_sample::now() - before);
     }
@@ -290,7 +308,7 @@ measurement run(const Workload& work, int w, Strategy strategy) {
     if (c.rank() != 0) return;
     m.units = sharded.unit_count();
     for (std::size_t i = 0; i < sharded.unit_count(); ++i) m.psi += sharded.partition(i).padded_size();
-    std::tie(m.formula, m.sent_formula) = formulas(sharded, strategy, w, cfg.prefetch, !cfg.no_frozen_grads);
+    std::tie(m.formula, m.sent_formula) = formulas(sharded, strategy, w, cfg);
   });
   for (int r = 0; r < w; ++r) {
     for (int k = 0; k <= total_index; ++k) m.peak[k] = std::max(m.peak[k], peaks[r][k]);
@@ -434,7 +452,8 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
                "{\"bench\":\"strategies\",\"model\":\"%s\",\"vocab\":%ld,\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"cores\":%u,"
                "\"oversubscribed\":%s,\"layers\":%ld,\"d_model\":%ld,\"heads\":%ld,\"ff\":%ld,\"seq\":%ld,"
                "\"batch\":%ld,\"classes\":%ld,\"dropout\":%g,\"frozen_layers\":%ld,\"freeze\":\"%s\",\"lora\":\"%s\","
-               "\"lora_r\":%ld,\"frozen_grads\":%s,\"prefetch\":%d,"
+               "\"lora_r\":%ld,\"frozen_grads\":%s,\"prefetch\":%d,\"keep_gathered\":%ld,\"reshard_to\":%d,"
+               "\"grad_accum\":%ld,\"no_sync\":%s,\"reshard_after_backward\":%s,"
                "\"steps\":%zu,"
                "\"units\":%zu,"
                "\"padded_params\":%zu,\"step_s\":%.9g,\"cpu_s\":%.9g,\"sys_s\":%.9g,\"minor_faults\":%.9g,"
@@ -445,6 +464,8 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
                cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.ff, cfg.model.seq, cfg.batch,
                cfg.model.classes, cfg.model.dropout, cfg.frozen_layers, joined(cfg.freeze).c_str(), joined(cfg.lora).c_str(),
                cfg.lora.empty() ? 0L : cfg.lora_r, cfg.no_frozen_grads ? "false" : "true", cfg.prefetch,
+               cfg.keep_gathered, cfg.reshard_to, cfg.grad_accum, cfg.no_sync ? "true" : "false",
+               cfg.no_reshard_after_backward ? "false" : "true",
                m.steps.size(), m.units, m.psi, m.median(&step_sample::wall_s), m.median(&step_sample::cpu_s),
                m.median(&step_sample::sys_s), m.median(&step_sample::faults), steps.c_str(), object(m.peak).c_str(),
                object(m.formula).c_str(), m.sent, m.sent_formula,
@@ -503,9 +524,21 @@ config parse(int argc, char** argv) {
                  "forward to backward, gathered again within groups of R ranks (shard::policy::reshard_to); run where "
                  "R divides their shard group")
       ->check(example::whole(1, 1 << 16));
+  auto* accum = cli.add_option("--grad-accum", c.grad_accum,
+                               "micro-batches of --batch sequences per rank, accumulated into each step "
+                               "(train_step over them)")
+                    ->check(example::whole(1, example::max_size));
+  cli.add_flag("--no-sync", c.no_sync, "the micro-batches before the last keep their gradients unreduced "
+               "(step_options::no_sync)")
+      ->needs(accum);
+  cli.add_flag("--no-reshard-after-backward", c.no_reshard_after_backward,
+               "the micro-batches before the last keep every unit gathered after its backward "
+               "(step_options::reshard_after_backward = false)")
+      ->needs(accum);
   cli.add_option("--json", json, "appends one JSON line per strategy and world size");
   cli.callback([&] {
     example::check_model_flags(c.model);
+    example::check_accumulation_flags(c.grad_accum, c.no_sync, c.no_reshard_after_backward);
     if (c.keep_gathered > c.model.layers)
       throw CLI::ValidationError("--keep-gathered",
                                  cat(c.keep_gathered, " is more than the model's ", c.model.layers, " layers"));
@@ -563,6 +596,9 @@ void measure_all(const Workload& work, unsigned cores) {
   print_model(work);
   if (cfg.keep_gathered > 0) std::printf("the last %ld units kept gathered after forward, ", cfg.keep_gathered);
   if (cfg.reshard_to > 0) std::printf("FullShard and HybridShard resharded to %d ranks after forward, ", cfg.reshard_to);
+  if (cfg.grad_accum > 1)
+    std::printf("%ld micro-batches per step%s%s, ", cfg.grad_accum, cfg.no_sync ? " reduced once" : " each reduced",
+                cfg.no_reshard_after_backward ? ", kept gathered between them" : "");
   std::printf("prefetch %d; %d warm-up + %d measured steps, %d rounds\n"
               "# ranks are threads (ThreadComm) on %u hardware threads; step = median over steps of the slowest "
               "rank's train_step, pooled over rounds\n",
