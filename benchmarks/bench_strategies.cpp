@@ -85,7 +85,7 @@ static_assert(comm::check_communicator<Comm>());
 
 namespace {
 
-struct config {
+struct config : example::accumulation_flags {
   std::string model_name = "encoder";  // or "gpt2"
   long vocab = 8192;              // gpt2 only
   long frozen_layers = 0;         // --frozen-layers
@@ -95,8 +95,6 @@ struct config {
   bool no_frozen_grads = false;   // --no-frozen-grads: shard::options::frozen_grads = false
   long keep_gathered = 0;         // --keep-gathered: the last N layers' units
   int reshard_to = 0;             // --reshard-to: FullShard's and HybridShard's policy::reshard_to
-  long grad_accum = 1;            // --grad-accum: micro-batches per step
-  bool no_sync = false, no_reshard_after_backward = false;
   example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .seq = 16};
   long batch = 8;
   int prefetch = 1, group = 2, warmup = 2, steps = 8, rounds = 3;
@@ -524,21 +522,11 @@ config parse(int argc, char** argv) {
                  "forward to backward, gathered again within groups of R ranks (shard::policy::reshard_to); run where "
                  "R divides their shard group")
       ->check(example::whole(1, 1 << 16));
-  auto* accum = cli.add_option("--grad-accum", c.grad_accum,
-                               "micro-batches of --batch sequences per rank, accumulated into each step "
-                               "(train_step over them)")
-                    ->check(example::whole(1, example::max_size));
-  cli.add_flag("--no-sync", c.no_sync, "the micro-batches before the last keep their gradients unreduced "
-               "(step_options::no_sync)")
-      ->needs(accum);
-  cli.add_flag("--no-reshard-after-backward", c.no_reshard_after_backward,
-               "the micro-batches before the last keep every unit gathered after its backward "
-               "(step_options::reshard_after_backward = false)")
-      ->needs(accum);
+  example::add_accumulation_flags(cli, c);
   cli.add_option("--json", json, "appends one JSON line per strategy and world size");
   cli.callback([&] {
     example::check_model_flags(c.model);
-    example::check_accumulation_flags(c.grad_accum, c.no_sync, c.no_reshard_after_backward);
+    example::check_accumulation_flags(c);
     if (c.keep_gathered > c.model.layers)
       throw CLI::ValidationError("--keep-gathered",
                                  cat(c.keep_gathered, " is more than the model's ", c.model.layers, " layers"));

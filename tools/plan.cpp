@@ -58,7 +58,7 @@ namespace {
 // every byte count it computes (a few tens of bytes per parameter) stays far inside 64 bits.
 constexpr double max_params = 1e15;
 
-struct settings {
+struct settings : example::accumulation_flags {
   bool article = false, encoder = false, fused_attention = false;
   bool no_frozen_masters = false;  // shard::options::frozen_masters = false
   bool no_frozen_grads = false;    // shard::options::frozen_grads = false
@@ -66,8 +66,6 @@ struct settings {
   long frozen_layers = 0;  // --frozen-layers
   long keep_gathered = 0;  // --keep-gathered: the last N units
   int reshard_to = 0;      // --reshard-to: shard::policy::reshard_to of FullShard and HybridShard
-  int grad_accum = 1;      // --grad-accum: micro-batches per step
-  bool no_sync = false, no_reshard_after_backward = false;
   std::vector<std::string> lora;  // --lora: target modules
   long lora_r = 8;
   double params = 0;  // 0: the blocks alone
@@ -166,18 +164,7 @@ settings parse(int argc, char** argv) {
                  "ZeRO++'s hpZ); R divides the world and --group")
       ->check(whole(1, example::max_size))
       ->excludes(article);
-  auto* grad_accum = cli.add_option("--grad-accum", s.grad_accum,
-                                    "micro-batches of --batch sequences per rank, accumulated into one optimizer step")
-                          ->check(whole(1, example::max_size))
-                          ->excludes(article);
-  cli.add_flag("--no-sync", s.no_sync,
-               "--grad-accum: the micro-batches before the last keep their gradients unreduced, the last reduces "
-               "them all (ShardedModel::no_sync; FSDP2's set_requires_gradient_sync(False))")
-      ->needs(grad_accum);
-  cli.add_flag("--no-reshard-after-backward", s.no_reshard_after_backward,
-               "--grad-accum: the micro-batches before the last keep every unit gathered after its backward, so the "
-               "next forward gathers none (set_reshard_after_backward(false), FSDP2's name)")
-      ->needs(grad_accum);
+  example::add_accumulation_flags(cli, s)->excludes(article);
   const auto dtypes = CLI::IsMember({"f32", "bf16", "f16"}, CLI::ignore_case);
   cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes);
   cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes);
@@ -223,7 +210,7 @@ settings parse(int argc, char** argv) {
       if (s.node_size > 0 && w > s.node_size && w % s.node_size != 0)
         throw CLI::ValidationError("--node-size", cat(s.node_size, " does not divide the world size ", w));
     }
-    example::check_accumulation_flags(s.grad_accum, s.no_sync, s.no_reshard_after_backward);
+    example::check_accumulation_flags(s);
     if (s.reshard_to > 0 && s.group_given && s.group % s.reshard_to != 0)
       throw CLI::ValidationError("--reshard-to", cat(s.reshard_to, " does not divide the group size ", s.group));
     // Every model here makes one unit per block (layer) beside the root.
@@ -571,7 +558,7 @@ int main(int argc, char** argv) {
                              .optimizer_bytes = optimizer_bytes(s.optimizer),
                              .frozen_masters = !s.no_frozen_masters,
                              .frozen_grads = !s.no_frozen_grads,
-                             .accumulation = {.micro_batches = s.grad_accum,
+                             .accumulation = {.micro_batches = int(s.grad_accum),
                                               .no_sync = s.no_sync,
                                               .keep_after_backward = s.no_reshard_after_backward}};
       std::printf("\n");

@@ -141,12 +141,34 @@ inline void add_train_flags(CLI::App& app, train_flags& t, bool outputs = true) 
   app.add_option("--metrics", t.metrics, "one JSON line per step and rank (loss, tokens/s, peak memory)");
 }
 
-// --no-sync and --no-reshard-after-backward say how the micro-batches before a step's last
-// run: one micro-batch per step has none.
-inline void check_accumulation_flags(long grad_accum, bool no_sync, bool no_reshard_after_backward) {
-  if (grad_accum > 1) return;
+// Gradient accumulation: --grad-accum K makes a step train_step over K micro-batches of
+// --batch sequences per rank; --no-sync and --no-reshard-after-backward say how those before
+// the last run (shard::step_options::no_sync, reshard_after_backward = false).
+struct accumulation_flags {
+  long grad_accum = 1;
+  bool no_sync = false, no_reshard_after_backward = false;
+};
+// The three flags; returns --grad-accum's option (the others need it).
+inline CLI::Option* add_accumulation_flags(CLI::App& app, accumulation_flags& a) {
+  auto* accum = app.add_option("--grad-accum", a.grad_accum,
+                               "micro-batches of --batch sequences per rank, accumulated into each step")
+                    ->check(whole(1, max_size));
+  app.add_flag("--no-sync", a.no_sync,
+               "the micro-batches before the last keep their gradients unreduced; the last reduces them all "
+               "(step_options::no_sync; FSDP2's set_requires_gradient_sync(False))")
+      ->needs(accum);
+  app.add_flag("--no-reshard-after-backward", a.no_reshard_after_backward,
+               "the micro-batches before the last keep every unit gathered after its backward, so the next forward "
+               "gathers none (step_options::reshard_after_backward = false; FSDP2's set_reshard_after_backward)")
+      ->needs(accum);
+  return accum;
+}
+// --no-sync and --no-reshard-after-backward shape the micro-batches before the last: one
+// micro-batch per step has none.
+inline void check_accumulation_flags(const accumulation_flags& a) {
+  if (a.grad_accum > 1) return;
   for (const auto& [flag, given] :
-       {std::pair{"--no-sync", no_sync}, std::pair{"--no-reshard-after-backward", no_reshard_after_backward}})
+       {std::pair{"--no-sync", a.no_sync}, std::pair{"--no-reshard-after-backward", a.no_reshard_after_backward}})
     if (given) throw CLI::ValidationError(flag, "one micro-batch per step (--grad-accum 1) has none before the last");
 }
 

@@ -17,10 +17,8 @@
 
 namespace example {
 
-struct sharding_settings {
+struct sharding_settings : accumulation_flags {
   int reshard_to = 0;  // 0: blocks freed whole after forward
-  long grad_accum = 1;  // micro-batches per step
-  bool no_sync = false, no_reshard_after_backward = false;
 };
 
 inline void add_sharding_flags(command_line& cli, sharding_settings& s) {
@@ -28,17 +26,7 @@ inline void add_sharding_flags(command_line& cli, sharding_settings& s) {
                  "after forward each block keeps 1/R of its values, gathered again within groups of R ranks in "
                  "backward (one node's, say; shard::policy::reshard_to); R divides the ranks")
       ->check(whole(1, max_size));
-  auto* accum = cli.add_option("--grad-accum", s.grad_accum,
-                               "micro-batches of --batch sequences per rank, accumulated into each step")
-                    ->check(whole(1, max_size));
-  cli.add_flag("--no-sync", s.no_sync,
-               "the micro-batches before the last keep their gradients unreduced; the last reduces them all "
-               "(FSDP2's set_requires_gradient_sync(False))")
-      ->needs(accum);
-  cli.add_flag("--no-reshard-after-backward", s.no_reshard_after_backward,
-               "the micro-batches before the last keep every block gathered after its backward, so the next "
-               "forward gathers none (FSDP2's set_reshard_after_backward(False))")
-      ->needs(accum);
+  add_accumulation_flags(cli, s);
 }
 
 // The step over this rank's micro-batches with the flags' accumulation options (one

@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
   example::add_checkpoint_flags(cli, s);
   example::add_sharding_flags(cli, s);
   cli.callback([&] {
-    example::check_accumulation_flags(s.grad_accum, s.no_sync, s.no_reshard_after_backward);
+    example::check_accumulation_flags(s);
     if (s.reshard_to > 0 && s.world % s.reshard_to != 0)
       throw CLI::ValidationError("--reshard-to", shardlib::cat(s.reshard_to, " does not divide --world ", s.world));
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;

@@ -257,7 +257,7 @@ int main(int argc, char** argv) {
   cli.add_flag("--no-frozen-masters", s.no_frozen_masters, "--dtype bf16 with --freeze or --lora: keep the frozen "
                "parameters in bf16 alone, without fp32 masters (4 bytes per frozen element less)");
   cli.callback([&] {
-    example::check_accumulation_flags(s.grad_accum, s.no_sync, s.no_reshard_after_backward);
+    example::check_accumulation_flags(s);
     if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
     if (s.min_lr > s.lr)
       throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +

@@ -737,10 +737,47 @@ TEST_CASE("train_step over micro-batches: ranks that pass other counts or option
   }
   CHECK_THAT(errors[0][2], Catch::Contains("rank 0: train_step over 2 micro-batches of inputs and 1 of targets: it "
                                            "needs one or more of each, as many"));
-  CHECK_THAT(errors[1][2], Catch::Contains("rank 1: train_step over micro-batches: another rank passed inputs and "
-                                           "targets that do not pair up"));
+  CHECK_THAT(errors[1][2], Catch::Contains("rank 1: train_step over micro-batches: another rank cannot run it (its "
+                                           "error says why)"));
   CHECK(std::isfinite(losses[0]));
   CHECK(losses[0] == losses[1]);  // the global mean, after all that
+}
+
+// grad_reduction::sum over micro-batches: each rank's mean over its micro-batches, summed over
+// the ranks, whether each micro-batch reduces or the last reduces once (within float rounding:
+// the sums run in another order), and the same under NoShard's all-reduce with no_sync. NoShard
+// each reduced would sum again in place what the earlier micro-batches reduced: refused, on
+// every rank, before anything runs.
+TEST_CASE("train_step over micro-batches with summed gradients", "[shard][accumulation]") {
+  const shard::step_options sum{.loss = shard::loss_report::local, .reduction = shard::grad_reduction::sum};
+  shard::step_options sum_once = sum;
+  sum_once.no_sync = true;
+  const auto each = micro_batched(3, shard::FullShard{}, sum, false);
+  const auto once = micro_batched(3, shard::FullShard{}, sum_once, false);
+  const auto replicated = micro_batched(3, shard::NoShard{}, sum_once, false);
+  const auto averaged = micro_batched(3, shard::FullShard{}, {.loss = shard::loss_report::local}, false);
+  REQUIRE(each.params.size() == 291);
+  for (const auto* other : {&once, &replicated}) {
+    test_support::max_error worst;
+    worst.relative(other->params, each.params, 1e-3);
+    INFO("worst relative difference " << worst);
+    CHECK(worst <= 1e-5);
+  }
+  test_support::max_error apart;  // summed, not averaged: three times the step
+  apart.relative(averaged.params, each.params, 1e-3);
+  CHECK_FALSE(apart <= 1e-3);
+  std::vector<std::string> errors(3);
+  comm::launch(3, [&](comm::ThreadComm& c) {
+    Model m = make_model();
+    auto model = shard::fully_shard<sgd>(m, c, shard::NoShard{}, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+    sgd opt;
+    const auto x = batch(0, 2, 5, 1, 2 * c.rank()), y = batch(0, 2, 3, 2, 2 * c.rank());
+    errors[std::size_t(c.rank())] = test_support::raised(
+        [&] { model.train_step(opt, std::vector<Tensor<float>>(2, x), std::vector<Tensor<float>>(2, y), mse, sum); });
+  });
+  for (int r = 0; r < 3; ++r)
+    CHECK_THAT(errors[std::size_t(r)], Catch::Contains(cat("rank ", r, ": train_step over 2 micro-batches each reduced "
+                                                           "with grad_reduction::sum under NoShard")));
 }
 
 // Ranks that keep units after backward where others free them would pair their next gathers

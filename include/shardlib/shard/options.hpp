@@ -70,6 +70,10 @@ struct step_options {
   loss_report loss = loss_report::global_mean;
   // average: each rank steps the mean of all ranks' gradients (DDP's and FSDP's rule);
   // sum: their sum, W times the mean (for losses summed, not averaged, over the global batch).
+  // Over micro-batches each rank's gradient is the mean over its micro-batches either way;
+  // sum with each micro-batch reduced needs a policy that reduce-scatters into its pieces
+  // (NoShard's in-place all-reduce and HybridShard's replica all-reduce would sum again what
+  // the earlier micro-batches reduced): with those, use no_sync.
   grad_reduction reduction = grad_reduction::average;
   // train_step over micro-batches (gradient accumulation): how those before the last run.
   // no_sync: their gradients stay unreduced and the last micro-batch reduces them all (FSDP2's

@@ -384,8 +384,9 @@ class ShardedModel {
   // is divided by their number, so that with equal micro-batches the step follows the
   // gradient of their mean loss, which it reports (fp16: the overflow vote covers them all).
   // so.no_sync and so.reshard_after_backward say how the micro-batches before the last run.
-  // Ranks must pass the same number and options: they compare them (one all-reduce of eight
-  // integers; on a device a host wait) and raise if they differ.
+  // Ranks must pass as many micro-batches and the same two options: they compare them, and
+  // whether each rank can run the step at all, in one all-reduce of eight integers (on a
+  // device a host wait), and all raise if one differs or cannot.
   //   std::vector<Tensor<float>> xs = ..., ys = ...;   // four micro-batches
   //   model.train_step(adamw, xs, ys, nn::cross_entropy, {.max_norm = 1, .no_sync = true});
   template <class O, std::ranges::contiguous_range Inputs, std::ranges::contiguous_range Targets, class LossFn>
@@ -402,16 +403,27 @@ class ShardedModel {
   step_result_of<space> run_step(O& opt, std::span<const input> xs, std::span<const Target> ys, LossFn& loss_fn,
                                  const step_options& so, bool micro_batches) {
     const int rank = comm_->rank();
-    require(so.max_norm >= 0, "rank ", rank, ": step_options.max_norm must be >= 0 (0: no clipping), got ",
-            so.max_norm);
-    require(sync_, "rank ", rank, ": train_step under set_sync(false) (no_sync): its backward would not "
-            "reduce the gradients across ranks, and it runs one whole step; call it with sync on");
-    if (micro_batches) check_micro_batches(xs.size(), ys.size(), so);
+    std::string problem;  // why this rank cannot run the step ("": it can)
+    if (so.max_norm < 0)
+      problem = cat("rank ", rank, ": step_options.max_norm must be >= 0 (0: no clipping), got ", so.max_norm);
+    else if (!sync_)
+      problem = cat("rank ", rank, ": train_step under set_sync(false) (no_sync): its backward would not reduce the "
+                    "gradients across ranks, and it runs one whole step; call it with sync on");
+    else if (xs.empty() || xs.size() != ys.size())
+      problem = cat("rank ", rank, ": train_step over ", xs.size(), " micro-batches of inputs and ", ys.size(),
+                    " of targets: it needs one or more of each, as many");
+    else if (xs.size() > 1 && !so.no_sync && so.reduction == grad_reduction::sum &&
+             (policy_.reduce == reduction::all_reduce || policy_.reduce == reduction::hierarchical))
+      problem = cat("rank ", rank, ": train_step over ", xs.size(), " micro-batches each reduced with "
+                    "grad_reduction::sum under ", strategy_.name, ": its all-reduce would sum again what the earlier "
+                    "micro-batches reduced; use no_sync (one reduction a step) or average");
+    if (micro_batches) check_micro_batches(xs.size(), so, problem);
+    require(problem.empty(), problem);
     const std::size_t n = xs.size();
     const bool on_space = (scaler_ || so.max_norm > 0) && decides_on_space<O>();
     const double* loss_scale = on_space && scaler_ ? scaler_.in_space().data() + scale_slot : nullptr;
     zero_grad();
-    using loss_type = decltype(loss_fn(std::declval<const output&>(), ys[0]).loss);
+    using loss_type = std::remove_cvref_t<decltype(loss_fn(std::declval<output&>(), ys[0]).loss)>;
     std::vector<loss_type> losses;
     const bool reshard_last = reshard_after_backward_;  // as the caller set it
     reducer_.set_op(so.reduction == grad_reduction::sum ? comm::reduce_op::sum : comm::reduce_op::avg);
@@ -489,19 +501,17 @@ class ShardedModel {
   }
   // Ranks that ran different micro-batches would pair their collectives wrongly (a kept unit's
   // gather with another's of the same size), and a rank that raised alone would leave the
-  // others waiting: whether the inputs and targets pair up, their count and the options,
-  // compared as maxima of the values and of their negations, and raised on every rank.
-  void check_micro_batches(std::size_t inputs, std::size_t targets, const step_options& so) {
+  // others waiting: whether each can run the step (`problem` empty), the count and the two
+  // options, compared as maxima of the values and of their negations, and raised on every rank.
+  void check_micro_batches(std::size_t inputs, const step_options& so, const std::string& problem) {
     const int rank = comm_->rank();
-    const std::int64_t mine[4] = {inputs > 0 && inputs == targets, std::int64_t(inputs), so.no_sync,
-                                  so.reshard_after_backward};
+    const std::int64_t mine[4] = {problem.empty(), std::int64_t(inputs), so.no_sync, so.reshard_after_backward};
     std::vector<std::int64_t> both(8);
     for (std::size_t i = 0; i < 4; ++i) both[i] = mine[i], both[i + 4] = -mine[i];
     ops::all_reduce_values(*comm_, std::span<std::int64_t>(both), comm::reduce_op::max);
-    require(mine[0], "rank ", rank, ": train_step over ", inputs, " micro-batches of inputs and ", targets,
-            " of targets: it needs one or more of each, as many");
-    require(both[4] < 0, "rank ", rank, ": train_step over micro-batches: another rank passed inputs and targets "
-            "that do not pair up");
+    require(problem.empty(), problem);
+    require(both[4] < 0, "rank ", rank, ": train_step over micro-batches: another rank cannot run it (its error "
+            "says why)");
     static constexpr const char* what[] = {"", "micro-batch counts", "no_sync", "reshard_after_backward"};
     for (std::size_t i = 1; i < 4; ++i)
       require(both[i] == -both[i + 4], "rank ", rank, ": train_step over ", inputs, " micro-batches (no_sync ",
