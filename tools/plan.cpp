@@ -39,6 +39,8 @@
 #include <shardlib/plan/lora.hpp>
 #include <shardlib/plan/memory_plan.hpp>
 #include <shardlib/plan/presets.hpp>
+#include <shardlib/plan/transformer.hpp>
+#include <shardlib/plan/zero_states.hpp>
 
 #include <algorithm>
 #include <cctype>

@@ -66,5 +66,8 @@
 #include "shardlib/models/sharded_generate.hpp"  // generate on a sharded model (ranks checked to agree)
 #include "shardlib/plan/chooser.hpp"         // choose
 #include "shardlib/plan/describe.hpp"        // describe, describe_model, measure_activations
-#include "shardlib/plan/memory_plan.hpp"     // make_plan, zero_model_states
+#include "shardlib/plan/memory_plan.hpp"     // make_plan
+#include "shardlib/plan/strategies.hpp"      // the strategies as values
+#include "shardlib/plan/transformer.hpp"     // a coarse transformer
+#include "shardlib/plan/zero_states.hpp"     // zero_model_states
 #include "shardlib/plan/presets.hpp"         // decoder presets: gpt2-124m ... llama-70b

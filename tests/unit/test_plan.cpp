@@ -20,6 +20,8 @@
 #include "shardlib/plan/memory_plan.hpp"
 #include "shardlib/plan/lora.hpp"
 #include "shardlib/plan/presets.hpp"
+#include "shardlib/plan/transformer.hpp"
+#include "shardlib/plan/zero_states.hpp"
 #include "shardlib/shard/sharded_model.hpp"
 
 #include "../../benchmarks/counting_comm.hpp"  // bytes sent per rank, ring model

@@ -6,9 +6,10 @@
 #include "shardlib/core/element.hpp"     // dtype, size_of
 #include "shardlib/core/error.hpp"       // require
 #include "shardlib/core/ledger.hpp"      // category
-#include "shardlib/plan/step_replay.hpp"  // detail::replay
+#include "shardlib/plan/step_replay.hpp"  // detail::replay, accumulation
+#include "shardlib/plan/strategies.hpp"   // strategy, policy_of
 #include "shardlib/shard/precision.hpp"  // shard::mixed_precision
-#include "shardlib/shard/strategy.hpp"   // the strategy tags
+#include "shardlib/shard/strategy.hpp"   // shard::policy
 
 #include <algorithm>    // std::max, std::min
 #include <cstddef>      // std::size_t
@@ -20,61 +21,6 @@
 #include <vector>       // std::vector
 
 namespace shardlib::plan {
-
-// The strategies as values, so one program can plan them all.
-enum class strategy { no_shard, shard_optimizer, shard_grad_op, full_shard, hybrid_shard };
-inline constexpr strategy all_strategies[] = {strategy::no_shard, strategy::shard_optimizer, strategy::shard_grad_op,
-                                              strategy::full_shard, strategy::hybrid_shard};
-
-// The shard:: tag's name.
-constexpr std::string_view name(strategy s) {
-  switch (s) {
-    case strategy::no_shard:
-      return "NoShard";
-    case strategy::shard_optimizer:
-      return "ShardOptimizer";
-    case strategy::shard_grad_op:
-      return "ShardGradOp";
-    case strategy::full_shard:
-      return "FullShard";
-    case strategy::hybrid_shard:
-      return "HybridShard";
-  }
-  return "?";
-}
-// What DeepSpeed and PyTorch call it.
-constexpr std::string_view alias(strategy s) {
-  switch (s) {
-    case strategy::no_shard:
-      return "DDP";
-    case strategy::shard_optimizer:
-      return "ZeRO-1";
-    case strategy::shard_grad_op:
-      return "ZeRO-2";
-    case strategy::full_shard:
-      return "ZeRO-3/FSDP";
-    case strategy::hybrid_shard:
-      return "HSDP";
-  }
-  return "?";
-}
-
-// The policy of the library's strategy `s` (HybridShard with groups of `group`).
-constexpr shard::policy policy_of(strategy s, int group = 0) {
-  switch (s) {
-    case strategy::no_shard:
-      return shard::NoShard{}.policy();
-    case strategy::shard_optimizer:
-      return shard::ShardOptimizer{}.policy();
-    case strategy::shard_grad_op:
-      return shard::ShardGradOp{}.policy();
-    case strategy::full_shard:
-      return shard::FullShard{}.policy();
-    case strategy::hybrid_shard:
-      return shard::HybridShard{.group_size = group}.policy();
-  }
-  return {};
-}
 
 // Master parameters, gradient shards and the communication scratch copies are float
 // (ShardedModel<Model, Comm, Strategy, float>, the only type mixed precision allows).
@@ -463,71 +409,6 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   if (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16)
     send(t.all_reduce, 2 * fW * 8, W, true);
   return p;
-}
-
-// The model states as the ZeRO paper counts them (Rajbhandari et al. 2020, sec. 5):
-// 16-bit parameters 2Ψ, 16-bit gradients 2Ψ, and K·Ψ of optimizer state (fp32
-// master and moments: K = 12 for mixed-precision Adam), each divided by the shard
-// group where the policy keeps it sharded at the step's peak. Parameters count as
-// sharded only when freed after forward (FullShard); a strategy that holds them
-// gathered through backward (ShardGradOp) peaks with all of them, as ZeRO-2 does.
-struct model_states {
-  double parameters = 0, gradients = 0, optimizer = 0;
-  double total() const { return parameters + gradients + optimizer; }
-};
-// With policy::reshard_to = R (1 < R < G) the peak holds each unit's 1/R part beside the
-// shards, as ZeRO++'s hpZ counts its secondary partition; R = 1 keeps them whole (as ZeRO-2).
-// Accumulated micro-batches under no_sync hold every gradient unreduced (2Ψ), and units kept
-// gathered after backward every parameter (2Ψ), until the last micro-batch.
-inline model_states zero_model_states(const shard::policy& pol, int world, double psi, double k = 12,
-                                      const accumulation& acc = {}) {
-  const double G = double(pol.group(world)), R = double(pol.regather(world));
-  const bool accumulating = acc.micro_batches > 1;
-  const bool params_sharded = pol.shard_parameters && pol.free == shard::free_point::after_forward && R > 1 &&
-                              !(accumulating && acc.keep_after_backward);
-  const bool grads_sharded = pol.shard_gradients && !(accumulating && acc.no_sync);
-  return {params_sharded ? 2 * psi / G + (R < G ? 2 * psi / R : 0) : 2 * psi, 2 * psi / (grads_sharded ? G : 1),
-          k * psi / (pol.shard_optimizer ? G : 1)};
-}
-
-// A coarse transformer: `layers` blocks of 12·hidden² parameters each (attention
-// 4·hidden², a 4·hidden feed-forward 8·hidden²; biases and norms neglected), each
-// block a unit, and the rest of `parameters` (embeddings, head) in the root.
-struct transformer_shape {
-  double parameters = 0;  // all of them; 0 means the blocks alone
-  long layers = 0, hidden = 0, heads = 1, seq = 0;
-  long batch = 1;  // per rank
-  // The layers' attention is the device's fused one (nn/cuda/attention.cuh): it keeps
-  // no [batch, heads, seq, seq] weights for backward, only the output and a float
-  // log-sum-exp per (batch, head, query). The host layers keep the weights (false).
-  bool fused_attention = false;
-};
-
-// Activations are estimated as Korthikanti et al. 2022 ("Reducing Activation
-// Recomputation in Large Transformer Models", eq. 1, no parallelism, no recomputation):
-// seq·batch·hidden·(34 + 5·heads·seq/hidden) bytes per layer with 16-bit activations,
-// scaled by size_of(activations)/2; the 5·heads·seq² term is the stored attention
-// weights (softmax 2, dropout mask 1, dropout output 2 bytes each), which a fused
-// attention replaces by its 4·heads·seq bytes of log-sum-exp (floats, whatever the
-// activations' dtype; the output it keeps is among the 34). FLOPs: 6 per parameter per
-// token plus attention's 12·layers·hidden·seq per token (Narayanan et al. 2021, eq. 3
-// without recomputation).
-inline model_desc transformer(const transformer_shape& t, dtype activations = dtype::bf16) {
-  require(t.layers >= 1 && t.hidden >= 1 && t.heads >= 1 && t.seq >= 1 && t.batch >= 1,
-          "plan::transformer: layers, hidden, heads, seq and batch must be positive");
-  const std::size_t block = std::size_t(12) * std::size_t(t.hidden) * std::size_t(t.hidden);
-  const double blocks = double(block) * double(t.layers);
-  require(t.parameters == 0 || t.parameters >= blocks, "plan::transformer: ", t.layers, " blocks of hidden size ",
-          t.hidden, " alone have ", blocks, " parameters, more than the ", t.parameters, " given");
-  model_desc d;
-  d.units.push_back(t.parameters == 0 ? 0 : std::size_t(t.parameters - blocks));
-  d.units.insert(d.units.end(), std::size_t(t.layers), block);
-  const double s = double(t.seq), b = double(t.batch), h = double(t.hidden), a = double(t.heads);
-  const double weights = t.fused_attention ? 0 : 5 * a * s / h, lse = t.fused_attention ? 4 * a * s * b : 0;
-  d.activation_bytes =
-      std::size_t(double(t.layers) * (s * b * h * (34 + weights) * double(size_of(activations)) / 2 + lse));
-  d.flops = 6 * double(d.parameters()) * s * b + 12 * double(t.layers) * h * s * s * b;
-  return d;
 }
 
 }  // namespace shardlib::plan

@@ -5,7 +5,8 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/element.hpp"      // dtype
 #include "shardlib/core/error.hpp"        // require, cat
-#include "shardlib/plan/memory_plan.hpp"  // model_desc, transformer_shape, transformer
+#include "shardlib/plan/memory_plan.hpp"  // model_desc
+#include "shardlib/plan/transformer.hpp"  // transformer_shape, transformer
 
 #include <cstddef>      // std::size_t
 #include <string>       // std::string
