@@ -119,12 +119,20 @@ inline void check_model_flags(const model_flags& m) {
                                               std::to_string(m.d_model));
 }
 
+// Gradient accumulation: --grad-accum K makes a step train_step over K micro-batches of
+// --batch sequences per rank; --no-sync and --no-reshard-after-backward say how those before
+// the last run (shard::step_options::no_sync, reshard_after_backward = false).
+struct accumulation_flags {
+  long grad_accum = 1;
+  bool no_sync = false, no_reshard_after_backward = false;
+};
 // What train_loop (training.hpp) runs, and train_reference.
 struct train_flags {
   long steps = 100, batch = 8, every = 10;
   double lr = 1e-3;
   std::uint64_t seed = 0;
   std::string out = "model.safetensors", metrics;  // train_loop's outputs
+  accumulation_flags accumulation{};                // train_loop's micro-batches (add_accumulation_flags)
 };
 
 // --steps, --batch, --every, --lr, --seed, defaulting to t's values; with `outputs`, --out and
@@ -141,13 +149,6 @@ inline void add_train_flags(CLI::App& app, train_flags& t, bool outputs = true) 
   app.add_option("--metrics", t.metrics, "one JSON line per step and rank (loss, tokens/s, peak memory)");
 }
 
-// Gradient accumulation: --grad-accum K makes a step train_step over K micro-batches of
-// --batch sequences per rank; --no-sync and --no-reshard-after-backward say how those before
-// the last run (shard::step_options::no_sync, reshard_after_backward = false).
-struct accumulation_flags {
-  long grad_accum = 1;
-  bool no_sync = false, no_reshard_after_backward = false;
-};
 // The three flags; returns --grad-accum's option (the others need it).
 inline CLI::Option* add_accumulation_flags(CLI::App& app, accumulation_flags& a) {
   auto* accum = app.add_option("--grad-accum", a.grad_accum,

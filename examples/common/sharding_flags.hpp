@@ -33,7 +33,7 @@ inline void add_sharding_flags(command_line& cli, sharding_settings& s) {
 // micro-batch: the plain train_step, which compares nothing across ranks).
 template <class Sharded, class Optimizer, class X, class Y, class LossFn>
 auto train_step(Sharded& sharded, Optimizer& opt, const std::vector<X>& xs, const std::vector<Y>& ys, LossFn&& loss,
-                const sharding_settings& s, shardlib::shard::step_options so) {
+                const accumulation_flags& s, shardlib::shard::step_options so) {
   so.no_sync = s.no_sync;
   so.reshard_after_backward = !s.no_reshard_after_backward;
   if (xs.size() == 1) return sharded.train_step(opt, xs[0], ys[0], loss, so);

@@ -15,8 +15,10 @@
 #include <string>
 #include <string_view>
 #include <type_traits>  // std::remove_cvref_t
+#include <vector>
 
 #include "flags.hpp"
+#include "sharding_flags.hpp"  // train_step over micro-batches
 #include "synthetic.hpp"
 
 namespace example {
@@ -38,34 +40,46 @@ inline void log_metrics(std::FILE* out, std::string_view program, std::string_vi
 }
 
 // run.steps steps of `sharded` (a shard::ShardedModel) with `opt` on the synthetic
-// task; batch(first, count) gives the inputs and labels of rows [first, first +
-// count) of the global data set, in the model's memory space. finish(), when
-// given, waits for a step's asynchronous work (the GPU's), so that step times are
-// the steps' own.
+// task, each train_step over run.accumulation.grad_accum micro-batches of run.batch rows per
+// rank; batch(first, count) gives the inputs and labels of rows [first, first + count) of the
+// global data set, in the model's memory space. finish(), when given, waits for a step's
+// asynchronous work (the GPU's), so that step times are the steps' own.
 template <class Sharded, class Optimizer, class Batch>
 void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, const synthetic_task& task,
                 const train_flags& run, std::FILE* metrics, Batch&& batch, const std::function<void()>& finish = {}) {
   namespace sl = shardlib;
   auto& c = sharded.comm();
   const std::string_view strategy = sharded.strategy().name;
-  const long steps = run.steps, per_rank = run.batch, every = run.every;
+  const long steps = run.steps, per_rank = run.batch, every = run.every, micro = run.accumulation.grad_accum;
   if (c.rank() == 0)
-    std::printf("%s: %zu parameters in %zu units, %s over %d ranks, per-rank batch %ld\n", std::string(program).c_str(),
-                sl::nn::parameter_count(sharded.model()), sharded.unit_count(), std::string(strategy).c_str(),
-                c.size(), per_rank);
+    std::printf("%s: %zu parameters in %zu units, %s over %d ranks, per-rank batch %ld%s\n",
+                std::string(program).c_str(), sl::nn::parameter_count(sharded.model()), sharded.unit_count(),
+                std::string(strategy).c_str(), c.size(), per_rank,
+                micro > 1 ? sl::cat(" x ", micro, " micro-batches per step",
+                                    run.accumulation.no_sync ? " reduced once" : " each reduced",
+                                    run.accumulation.no_reshard_after_backward ? ", kept gathered between them" : "")
+                                .c_str()
+                          : "");
   auto since = [](auto t) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count(); };
   sl::ledger& l = sl::current_ledger();  // this rank's
-  const double tokens = double(per_rank * task.seq);  // per rank and step
+  const double tokens = double(per_rank * micro * task.seq);  // per rank and step
   auto t0 = std::chrono::steady_clock::now();
   long diverged = -1;  // the first step whose loss was inf or NaN on this rank
   for (long step = 0; step < steps; ++step) {
-    // Each rank takes its own slice of the global batch of step `step`.
-    const long first = (step * c.size() + c.rank()) * per_rank;
     l.reset_peaks();  // the peaks of this step alone
     const auto t_step = std::chrono::steady_clock::now();
-    auto [x, y] = batch(first, per_rank);
+    // Each rank takes its own slices of the global batch of step `step`, one per micro-batch.
+    using rows = decltype(batch(0L, per_rank));
+    std::vector<typename rows::first_type> xs;
+    std::vector<typename rows::second_type> ys;
+    for (long k = 0; k < micro; ++k) {
+      auto [x, y] = batch(((step * c.size() + c.rank()) * micro + k) * per_rank, per_rank);
+      xs.push_back(std::move(x));
+      ys.push_back(std::move(y));
+    }
     // Each rank prints its own loss, as the article's script does (train_step's default is the global mean).
-    const float loss = sharded.train_step(opt, x, y, sl::nn::cross_entropy, {.loss = sl::shard::loss_report::local});
+    const float loss = example::train_step(sharded, opt, xs, ys, sl::nn::cross_entropy, run.accumulation,
+                                           {.loss = sl::shard::loss_report::local});
     if (finish) finish();
     if (metrics) log_metrics(metrics, program, strategy, c.size(), c.rank(), step, loss, since(t_step), tokens, l);
     if (step % every == 0) std::printf("Rank %d, Step %ld, Loss: %f\n", c.rank(), step, double(loss));

@@ -4,7 +4,9 @@
 // "Rank r, Step s, Loss: x" every 10 steps, then the consolidated model written
 // to a safetensors file for inference. Rank 0 adds a progress line (throughput, ETA)
 // after each printout; --metrics FILE writes one JSON line per step and rank (loss,
-// tokens/s, and the step's ledger peaks by category) for tools/plot.py.
+// tokens/s, and the step's ledger peaks by category) for tools/plot.py. --grad-accum K makes
+// each step train_step over K micro-batches of --batch rows per rank (--no-sync,
+// --no-reshard-after-backward: how those before the last run).
 //
 // Ranks are threads of this process by default; started by tools/launch, torchrun
 // or Slurm (with MASTER_ADDR and MASTER_PORT), each process is one rank over
@@ -76,8 +78,10 @@ int main(int argc, char** argv) {
       ->check(example::whole(1, example::max_thread_ranks));
   example::add_model_flags(cli, s.model);
   example::add_train_flags(cli, s.run);
+  example::add_accumulation_flags(cli, s.run.accumulation);
   cli.callback([&] {
     example::check_model_flags(s.model);
+    example::check_accumulation_flags(s.run.accumulation);
     // Rank threads: --world is the world. Under a launcher the world is the launcher's, checked at run time
     // (as are malformed launcher variables).
     bool threads = false;

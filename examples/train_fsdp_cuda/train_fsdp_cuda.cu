@@ -76,7 +76,11 @@ int main(int argc, char** argv) {
   cli.add_option("--dtype", s.dtype, "compute dtype")->check(CLI::IsMember({"bf16", "fp32"}));
   example::add_model_flags(cli, s.model);
   example::add_train_flags(cli, s.run);
-  cli.callback([&] { example::check_model_flags(s.model); });
+  example::add_accumulation_flags(cli, s.run.accumulation);
+  cli.callback([&] {
+    example::check_model_flags(s.model);
+    example::check_accumulation_flags(s.run.accumulation);
+  });
   cli.parse_or_exit(argc, argv);
   const std::string& metrics_path = s.run.metrics;
   auto open_metrics = [&](const char* mode) {
