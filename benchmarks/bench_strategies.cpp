@@ -248,7 +248,8 @@ std::pair<per_category, double> formulas(Engine& e, const Strategy& strategy, in
                                                      .frozen_grads = !cfg.no_frozen_grads,
                                                      .accumulation = {.micro_batches = int(cfg.grad_accum),
                                                                       .no_sync = cfg.no_sync,
-                                                                      .keep_after_backward = cfg.no_reshard_after_backward}});
+                                                                      .keep_after_backward = cfg.no_reshard_after_backward,
+                                                                      .replica_all_reduce = !cfg.no_replica_all_reduce}});
   per_category f{};
   for (int k = 0; k < category_count; ++k) {
     if (category(k) == category::activations) continue;
@@ -295,7 +296,9 @@ measurement run(const Workload& work, int w, Strategy strategy) {
       const auto before = step_sample::now();
       if (cfg.grad_accum == 1) sharded.train_step(opt, xs[0], ys[0], nn::cross_entropy);
       else sharded.train_step(opt, xs, ys, nn::cross_entropy,
-                              {.no_sync = cfg.no_sync, .reshard_after_backward = !cfg.no_reshard_after_backward});
+                              {.no_sync = cfg.no_sync,
+                               .reshard_after_backward = !cfg.no_reshard_after_backward,
+                               .replica_all_reduce = !cfg.no_replica_all_reduce});
       c.barrier();  // a step ends when its slowest rank does
       if (step >= cfg.warmup && c.rank() == 0) m.steps.push_back(step_sample::now() - before);
     }
@@ -451,7 +454,7 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
                "\"oversubscribed\":%s,\"layers\":%ld,\"d_model\":%ld,\"heads\":%ld,\"ff\":%ld,\"seq\":%ld,"
                "\"batch\":%ld,\"classes\":%ld,\"dropout\":%g,\"frozen_layers\":%ld,\"freeze\":\"%s\",\"lora\":\"%s\","
                "\"lora_r\":%ld,\"frozen_grads\":%s,\"prefetch\":%d,\"keep_gathered\":%ld,\"reshard_to\":%d,"
-               "\"grad_accum\":%ld,\"no_sync\":%s,\"reshard_after_backward\":%s,"
+               "\"grad_accum\":%ld,\"no_sync\":%s,\"reshard_after_backward\":%s,\"replica_all_reduce\":%s,"
                "\"steps\":%zu,"
                "\"units\":%zu,"
                "\"padded_params\":%zu,\"step_s\":%.9g,\"cpu_s\":%.9g,\"sys_s\":%.9g,\"minor_faults\":%.9g,"
@@ -463,7 +466,7 @@ void json_row(std::FILE* f, const config& cfg, const measurement& m, unsigned co
                cfg.model.classes, cfg.model.dropout, cfg.frozen_layers, joined(cfg.freeze).c_str(), joined(cfg.lora).c_str(),
                cfg.lora.empty() ? 0L : cfg.lora_r, cfg.no_frozen_grads ? "false" : "true", cfg.prefetch,
                cfg.keep_gathered, cfg.reshard_to, cfg.grad_accum, cfg.no_sync ? "true" : "false",
-               cfg.no_reshard_after_backward ? "false" : "true",
+               cfg.no_reshard_after_backward ? "false" : "true", cfg.no_replica_all_reduce ? "false" : "true",
                m.steps.size(), m.units, m.psi, m.median(&step_sample::wall_s), m.median(&step_sample::cpu_s),
                m.median(&step_sample::sys_s), m.median(&step_sample::faults), steps.c_str(), object(m.peak).c_str(),
                object(m.formula).c_str(), m.sent, m.sent_formula,
@@ -522,7 +525,7 @@ config parse(int argc, char** argv) {
                  "forward to backward, gathered again within groups of R ranks (shard::policy::reshard_to); run where "
                  "R divides their shard group")
       ->check(example::whole(1, 1 << 16));
-  example::add_accumulation_flags(cli, c);
+  example::add_accumulation_flags(cli, c, true);
   cli.add_option("--json", json, "appends one JSON line per strategy and world size");
   cli.callback([&] {
     example::check_model_flags(c.model);
@@ -585,8 +588,9 @@ void measure_all(const Workload& work, unsigned cores) {
   if (cfg.keep_gathered > 0) std::printf("the last %ld units kept gathered after forward, ", cfg.keep_gathered);
   if (cfg.reshard_to > 0) std::printf("FullShard and HybridShard resharded to %d ranks after forward, ", cfg.reshard_to);
   if (cfg.grad_accum > 1)
-    std::printf("%ld micro-batches per step%s%s, ", cfg.grad_accum, cfg.no_sync ? " reduced once" : " each reduced",
-                cfg.no_reshard_after_backward ? ", kept gathered between them" : "");
+    std::printf("%ld micro-batches per step%s%s%s, ", cfg.grad_accum, cfg.no_sync ? " reduced once" : " each reduced",
+                cfg.no_reshard_after_backward ? ", kept gathered between them" : "",
+                cfg.no_replica_all_reduce ? ", replicas averaged once" : "");
   std::printf("prefetch %d; %d warm-up + %d measured steps, %d rounds\n"
               "# ranks are threads (ThreadComm) on %u hardware threads; step = median over steps of the slowest "
               "rank's train_step, pooled over rounds\n",

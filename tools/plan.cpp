@@ -19,7 +19,8 @@
 //       it, its activations measured by one unsharded step on this machine
 //   common flags: --world 4 | --worlds 1,2,4,8   --strategy all|full|grad-op|optimizer|none|hybrid
 //                 --group 2 --prefetch 1 --keep-gathered 1 --reshard-to 8 --param f32 --reduce f32
-//                 --grad-accum 4 [--no-sync] [--no-reshard-after-backward] (micro-batches of --batch per step)
+//                 --grad-accum 4 [--no-sync] [--no-reshard-after-backward] [--no-replica-all-reduce]
+//                 (micro-batches of --batch per step)
 //                 --compute f32|bf16|f16
 //                 --fused-attention (--model, --params: the device layers' attention)
 //                 --optimizer adam|amsgrad|momentum|sgd
@@ -166,7 +167,7 @@ settings parse(int argc, char** argv) {
                  "ZeRO++'s hpZ); R divides the world and --group")
       ->check(whole(1, example::max_size))
       ->excludes(article);
-  example::add_accumulation_flags(cli, s)->excludes(article);
+  example::add_accumulation_flags(cli, s, true)->excludes(article);
   const auto dtypes = CLI::IsMember({"f32", "bf16", "f16"}, CLI::ignore_case);
   cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes);
   cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes);
@@ -355,7 +356,8 @@ void print_setup(const plan::setup& s) {
       acc.micro_batches == 1 ? std::string()
                              : cat("; ", acc.micro_batches, " micro-batches per step",
                                    acc.no_sync ? ", reduced once (no_sync)" : ", each reduced",
-                                   acc.keep_after_backward ? ", units kept gathered after backward" : "");
+                                   acc.keep_after_backward ? ", units kept gathered after backward" : "",
+                                   acc.replica_all_reduce ? "" : ", HybridShard's replicas averaged once");
   std::printf(
       "# W = %d ranks, optimizer state %zu B/parameter, fp32 master%s%s; gather %s, reduce %s, compute %s; "
       "prefetch %d%s\n",
@@ -437,14 +439,14 @@ void print_table(const plan::model_desc& d, const plan::setup& base, const std::
     bytes += cat("\"total\":", m.total(), "}");
     std::fprintf(json,
                  "{\"bench\":\"plan\",\"strategy\":\"%s\",\"world\":%d,\"group\":%d,\"reshard_to\":%d,\"prefetch\":%d,"
-                 "\"micro_batches\":%d,\"no_sync\":%s,\"keep_after_backward\":%s,"
+                 "\"micro_batches\":%d,\"no_sync\":%s,\"keep_after_backward\":%s,\"replica_all_reduce\":%s,"
                  "\"param\":\"%s\","
                  "\"reduce\":\"%s\",\"compute\":\"%s\",\"units\":%zu,\"parameters\":%zu,\"bytes\":%s,"
                  "\"sent_bytes\":%.9g,\"sent_by\":{\"all_gather\":%.9g,\"reduce_scatter\":%.9g,\"all_reduce\":%.9g},"
                  "\"sent_within_reshard_groups\":%.9g}\n",
                  std::string(name(s.strategy)).c_str(), s.world, s.shard_group(), s.resolved().reshard_to, s.prefetch,
                  s.accumulation.micro_batches, s.accumulation.no_sync ? "true" : "false",
-                 s.accumulation.keep_after_backward ? "true" : "false",
+                 s.accumulation.keep_after_backward ? "true" : "false", s.accumulation.replica_all_reduce ? "true" : "false",
                  std::string(name(s.precision.param)).c_str(), std::string(name(s.precision.reduce)).c_str(),
                  std::string(name(s.precision.compute)).c_str(), d.units.size(), d.parameters(), bytes.c_str(),
                  p.sent.total(), p.sent.all_gather, p.sent.reduce_scatter, p.sent.all_reduce,
@@ -562,7 +564,8 @@ int main(int argc, char** argv) {
                              .frozen_grads = !s.no_frozen_grads,
                              .accumulation = {.micro_batches = int(s.grad_accum),
                                               .no_sync = s.no_sync,
-                                              .keep_after_backward = s.no_reshard_after_backward}};
+                                              .keep_after_backward = s.no_reshard_after_backward,
+                                              .replica_all_reduce = !s.no_replica_all_reduce}};
       std::printf("\n");
       print_setup(base);
       print_table(d, base, strategies(s.strategy), json);

@@ -125,6 +125,7 @@ inline void check_model_flags(const model_flags& m) {
 struct accumulation_flags {
   long grad_accum = 1;
   bool no_sync = false, no_reshard_after_backward = false;
+  bool no_replica_all_reduce = false;  // HybridShard (step_options::replica_all_reduce = false)
 };
 // What train_loop (training.hpp) runs, and train_reference.
 struct train_flags {
@@ -149,8 +150,9 @@ inline void add_train_flags(CLI::App& app, train_flags& t, bool outputs = true) 
   app.add_option("--metrics", t.metrics, "one JSON line per step and rank (loss, tokens/s, peak memory)");
 }
 
-// The three flags; returns --grad-accum's option (the others need it).
-inline CLI::Option* add_accumulation_flags(CLI::App& app, accumulation_flags& a) {
+// The flags (--no-replica-all-reduce only for a program that can run HybridShard); returns
+// --grad-accum's option (the others need it).
+inline CLI::Option* add_accumulation_flags(CLI::App& app, accumulation_flags& a, bool hybrid = false) {
   auto* accum = app.add_option("--grad-accum", a.grad_accum,
                                "micro-batches of --batch sequences per rank, accumulated into each step")
                     ->check(whole(1, max_size));
@@ -162,6 +164,12 @@ inline CLI::Option* add_accumulation_flags(CLI::App& app, accumulation_flags& a)
                "the micro-batches before the last keep every unit gathered after its backward, so the next forward "
                "gathers none (step_options::reshard_after_backward = false; FSDP2's set_reshard_after_backward)")
       ->needs(accum);
+  if (!hybrid) return accum;
+  app.add_flag("--no-replica-all-reduce", a.no_replica_all_reduce,
+               "HybridShard: the micro-batches before the last reduce within the shard group only; the last "
+               "averages across the replicas what they all reduced (step_options::replica_all_reduce = false; "
+               "FSDP2's set_requires_all_reduce(False))")
+      ->needs(accum);
   return accum;
 }
 // --no-sync and --no-reshard-after-backward shape the micro-batches before the last: one
@@ -169,7 +177,8 @@ inline CLI::Option* add_accumulation_flags(CLI::App& app, accumulation_flags& a)
 inline void check_accumulation_flags(const accumulation_flags& a) {
   if (a.grad_accum > 1) return;
   for (const auto& [flag, given] :
-       {std::pair{"--no-sync", a.no_sync}, std::pair{"--no-reshard-after-backward", a.no_reshard_after_backward}})
+       {std::pair{"--no-sync", a.no_sync}, std::pair{"--no-reshard-after-backward", a.no_reshard_after_backward},
+        std::pair{"--no-replica-all-reduce", a.no_replica_all_reduce}})
     if (given) throw CLI::ValidationError(flag, "one micro-batch per step (--grad-accum 1) has none before the last");
 }
 

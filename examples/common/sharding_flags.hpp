@@ -36,6 +36,7 @@ auto train_step(Sharded& sharded, Optimizer& opt, const std::vector<X>& xs, cons
                 const accumulation_flags& s, shardlib::shard::step_options so) {
   so.no_sync = s.no_sync;
   so.reshard_after_backward = !s.no_reshard_after_backward;
+  so.replica_all_reduce = !s.no_replica_all_reduce;
   if (xs.size() == 1) return sharded.train_step(opt, xs[0], ys[0], loss, so);
   return sharded.train_step(opt, xs, ys, loss, so);
 }

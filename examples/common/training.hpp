@@ -57,7 +57,8 @@ void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, cons
                 std::string(strategy).c_str(), c.size(), per_rank,
                 micro > 1 ? sl::cat(" x ", micro, " micro-batches per step",
                                     run.accumulation.no_sync ? " reduced once" : " each reduced",
-                                    run.accumulation.no_reshard_after_backward ? ", kept gathered between them" : "")
+                                    run.accumulation.no_reshard_after_backward ? ", kept gathered between them" : "",
+                                    run.accumulation.no_replica_all_reduce ? ", replicas averaged once" : "")
                                 .c_str()
                           : "");
   auto since = [](auto t) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count(); };

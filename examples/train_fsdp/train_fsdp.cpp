@@ -78,10 +78,12 @@ int main(int argc, char** argv) {
       ->check(example::whole(1, example::max_thread_ranks));
   example::add_model_flags(cli, s.model);
   example::add_train_flags(cli, s.run);
-  example::add_accumulation_flags(cli, s.run.accumulation);
+  example::add_accumulation_flags(cli, s.run.accumulation, true);
   cli.callback([&] {
     example::check_model_flags(s.model);
     example::check_accumulation_flags(s.run.accumulation);
+    if (s.run.accumulation.no_replica_all_reduce && s.strategy != "hybrid")
+      throw CLI::ValidationError("--no-replica-all-reduce", "only HybridShard has replicas (--strategy hybrid)");
     // Rank threads: --world is the world. Under a launcher the world is the launcher's, checked at run time
     // (as are malformed launcher variables).
     bool threads = false;

@@ -114,7 +114,9 @@ std::vector<outcome> run(Strategy strategy, int world, int prefetch, shard::mixe
         ys.push_back(labels(s * acc.micro_batches + micro, c.rank()));
       }
       o.losses.push_back(sharded.train_step(adam, xs, ys, nn::cross_entropy,
-                                            {.no_sync = acc.no_sync, .reshard_after_backward = !acc.keep_after_backward}));
+                                            {.no_sync = acc.no_sync,
+                                             .reshard_after_backward = !acc.keep_after_backward,
+                                             .replica_all_reduce = acc.replica_all_reduce}));
     }
     for (int k = 0; k < category_count; ++k) o.peak[k] = l.peak(category(k));
     o.peak_total = l.peak();
@@ -275,14 +277,16 @@ TEST_CASE("units resharded to smaller groups after forward: the plan equals the 
 // last one reducing all, with units kept gathered after the backwards before the last
 // (reshard_after_backward = false) or freed. The plan equals the ledger and the bytes sent;
 // no_sync sends the reductions of one micro-batch per step where each sent its own; keeping
-// units gathered trains the same bit for bit.
+// units gathered trains the same bit for bit. The last loop averages HybridShard's pieces across
+// its replicas once a step (replica_all_reduce = false; the other policies have no replicas).
 TEST_CASE("accumulated micro-batches: the plan equals the ledger and the bytes sent",
           "[plan][ledger][accumulation]") {
   const std::size_t activations = reference_activations();
   const plan::accumulation loops[] = {{.micro_batches = 3},
                                       {.micro_batches = 3, .no_sync = true},
                                       {.micro_batches = 3, .no_sync = true, .keep_after_backward = true},
-                                      {.micro_batches = 2, .keep_after_backward = true}};
+                                      {.micro_batches = 2, .keep_after_backward = true},
+                                      {.micro_batches = 3, .replica_all_reduce = false}};
   const auto check = [&](auto strategy, int world) {
     for (const auto& mp : precisions)
       for (int prefetch : {0, 1, 2}) {
@@ -290,7 +294,8 @@ TEST_CASE("accumulated micro-batches: the plan equals the ledger and the bytes s
         for (const plan::accumulation& acc : loops) {
           INFO(strategy.name << " W " << world << ", prefetch " << prefetch << ", param " << name(mp.param)
                              << ", reduce " << name(mp.reduce) << ", " << acc.micro_batches << " micro-batches, no_sync "
-                             << acc.no_sync << ", kept after backward " << acc.keep_after_backward);
+                             << acc.no_sync << ", kept after backward " << acc.keep_after_backward
+                             << ", replica all-reduce each " << acc.replica_all_reduce);
           runs.push_back(run(strategy, world, prefetch, mp, activations, shard::wrap_none{}, acc));
           // train_step takes every micro-batch at once: the caller's tensors of the others (the
           // ledger counts them among the activations) on top of one micro-batch's activations
@@ -308,8 +313,8 @@ TEST_CASE("accumulated micro-batches: the plan equals the ledger and the bytes s
         for (int r = 0; r < world; ++r) {
           const auto rank = std::size_t(r);
           // three reductions per step, or one, beside train_step's all-reduces of the loss (and the
-          // overflow vote, 8 bytes) and of the ranks' counts and options (64 bytes)
-          const double scalars = 2 * double(world - 1) / world * (8 + 64);
+          // overflow vote, 8 bytes) and of the ranks' counts and options (80 bytes)
+          const double scalars = 2 * double(world - 1) / world * (8 + 80);
           CHECK(runs[0][rank].reduced_per_step - scalars ==
                 Approx(3 * (runs[1][rank].reduced_per_step - scalars)).epsilon(1e-12));
           CHECK(runs[2][rank].reduced_per_step == runs[1][rank].reduced_per_step);
@@ -522,8 +527,8 @@ TEST_CASE("accumulation: the chooser weighs every micro-batch's compute against 
   const double one_micro_batch = zero2(base, {}).compute_s;
   base.accumulation.micro_batches = 4;
   CHECK(zero2(base, {}).compute_s == Approx(4 * one_micro_batch).epsilon(1e-12));
-  // and train_step's all-reduces of the loss (8 bytes) and of the ranks' counts and options (64)
-  const double scalars = 2 * 0.75 * (8 + 64) / 1e9;
+  // and train_step's all-reduces of the loss (8 bytes) and of the ranks' counts and options (80)
+  const double scalars = 2 * 0.75 * (8 + 80) / 1e9;
   const auto each = zero2(base, slow);
   CHECK(each.step_s == Approx(4 * 18.0 + scalars).epsilon(1e-12));
   base.accumulation.no_sync = true;

@@ -617,19 +617,24 @@ namespace {
 struct micro_run {
   std::vector<float> params, losses;
   double all_gather = 0, reduce_scatter = 0, all_reduce = 0;  // bytes per step, rank 0
+  std::vector<double> all_reduce_by_rank;                      // each rank's
 };
 // Three steps of three micro-batches of two rows per rank: train_step over them, or by hand
 // as train_step says it runs them (zero_grad; each loss gradient times 1/3; the micro-batches
 // before the last under set_sync and set_reshard_after_backward as `so` says; step).
-micro_run micro_batched(int world, shard::AnyStrategy strategy, const shard::step_options& so, bool by_hand) {
+micro_run micro_batched(int world, shard::AnyStrategy strategy, const shard::step_options& so, bool by_hand,
+                        const std::vector<std::string>& frozen = {}) {
   micro_run r;
+  r.all_reduce_by_rank.assign(std::size_t(world), 0);
   comm::launch(world, [&](comm::ThreadComm& c) {
     auto tally = std::make_shared<bench::traffic>();
     bench::counting_comm<comm::ThreadComm> counted(c, tally);
     Model m = make_model();
-    auto model = shard::fully_shard<sgd>(m, counted, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+    if (!frozen.empty()) nn::freeze(m, frozen);
+    // the library's SGD, which leaves frozen elements out of its step
+    auto model = shard::fully_shard<optim::SGD>(m, counted, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
     tally->reset();
-    sgd opt;
+    optim::SGD opt(optim::SGD::options_type{.lr = 0.05});
     const int steps = 3, micro = 3;
     for (int s = 0; s < steps; ++s) {
       std::vector<Tensor<float>> xs, ys;
@@ -657,6 +662,7 @@ micro_run micro_batched(int world, shard::AnyStrategy strategy, const shard::ste
       if (c.rank() == 0) r.losses.push_back(loss);
     }
     auto sd = model.full_state_dict();
+    r.all_reduce_by_rank[std::size_t(c.rank())] = tally->all_reduce / steps;
     if (c.rank() != 0) return;
     r.all_gather = tally->all_gather / steps;
     r.reduce_scatter = tally->reduce_scatter / steps;
@@ -670,7 +676,7 @@ micro_run micro_batched(int world, shard::AnyStrategy strategy, const shard::ste
 // train_step over micro-batches (gradient accumulation in one call): the same bits as the
 // loop by hand, each reduced, reduced once (no_sync) and kept gathered after backward or not,
 // with the same collectives: the hand loop's setter calls (two all-reduces of 16 bytes) where
-// kept, train_step's check of the ranks' counts and options (one of 64 bytes).
+// kept, train_step's check of the ranks' counts and options (one of 80 bytes).
 TEST_CASE("train_step over micro-batches runs them as the loop by hand, bit for bit", "[shard][accumulation]") {
   for (const auto& [strategy, world] : {std::pair{shard::AnyStrategy(shard::FullShard{}), 3},
                                         std::pair{shard::AnyStrategy(shard::ShardGradOp{}), 3},
@@ -692,7 +698,7 @@ TEST_CASE("train_step over micro-batches runs them as the loop by hand, bit for 
       CHECK(got.all_gather == want.all_gather);
       CHECK(got.reduce_scatter == want.reduce_scatter);
       const double ring = 2 * double(world - 1) / world;
-      CHECK(got.all_reduce == Approx(want.all_reduce - (so.reshard_after_backward ? 0 : 2 * ring * 16) + ring * 64)
+      CHECK(got.all_reduce == Approx(want.all_reduce - (so.reshard_after_backward ? 0 : 2 * ring * 16) + ring * 80)
                                   .epsilon(1e-12));
     }
 }
@@ -741,6 +747,37 @@ TEST_CASE("train_step over micro-batches: ranks that pass other counts or option
                                            "error says why)"));
   CHECK(std::isfinite(losses[0]));
   CHECK(losses[0] == losses[1]);  // the global mean, after all that
+}
+
+// HybridShard with replica_all_reduce = false (FSDP2's set_requires_all_reduce(False)): the
+// micro-batches before the last reduce-scatter within the shard group only, and the last
+// averages across the replicas what they all reduced; the same training within float rounding
+// (an average of sums where a sum of averages), two replica all-reduces of the same size fewer
+// a step. Also with every weight frozen, so that each unit reduces its trained elements alone
+// (packed: the last micro-batch averages the whole piece after adding its slot).
+TEST_CASE("train_step over micro-batches averages across HybridShard's replicas once when told",
+          "[shard][accumulation][hybrid]") {
+  const shard::step_options each{.loss = shard::loss_report::local};
+  shard::step_options once = each;
+  once.replica_all_reduce = false;
+  for (const auto& frozen : {std::vector<std::string>{}, {"0.weight", "1.layers.*.weight", "2.weight"}}) {
+    INFO(frozen.size() << " globs frozen");
+    const auto want = micro_batched(4, shard::HybridShard{.group_size = 2}, each, false, frozen);
+    const auto got = micro_batched(4, shard::HybridShard{.group_size = 2}, once, false, frozen);
+    REQUIRE(got.params.size() == 291);
+    test_support::max_error worst;
+    worst.relative(got.params, want.params, 1e-3);
+    INFO("worst relative difference " << worst);
+    CHECK(worst <= 1e-5);
+    CHECK(got.reduce_scatter == want.reduce_scatter);
+    const double check = 2 * 3.0 / 4 * 80;  // the ranks' comparison, in both
+    double replicas_sent = 0;  // frozen: the ranks whose pieces hold no trained element send none
+    for (std::size_t r = 0; r < 4; ++r) {
+      replicas_sent += want.all_reduce_by_rank[r] - check;
+      CHECK(got.all_reduce_by_rank[r] - check == Approx((want.all_reduce_by_rank[r] - check) / 3).epsilon(1e-12));
+    }
+    CHECK(replicas_sent > 0);
+  }
 }
 
 // grad_reduction::sum over micro-batches: each rank's mean over its micro-batches, summed over

@@ -398,12 +398,12 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
   if (pol.reduce == shard::reduction::hierarchical) {  // the reduced piece averaged across the W/G replicas, in fp32
     const double replicas = double(W / G);
     send(t.all_reduce,
-         reductions * 2 * (replicas - 1) / replicas * double(m) *
+         (acc.replica_all_reduce ? reductions : 1) * 2 * (replicas - 1) / replicas * double(m) *
              (s.rank ? across[std::size_t(my_piece)] : *std::max_element(across.begin(), across.end())),
          W, true);
   }
-  // train_step over micro-batches: the ranks compare their count and options (eight 8-byte integers)
-  if (acc.micro_batches > 1) send(t.all_reduce, 2 * fW * 64, W, true);
+  // train_step over micro-batches: the ranks compare their count and options (ten 8-byte integers)
+  if (acc.micro_batches > 1) send(t.all_reduce, 2 * fW * 80, W, true);
   // train_step's one scalar all-reduce: the global mean loss and fp16 loss scaling's
   // overflow vote, two floats, sent when either is on.
   if (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16)

@@ -14,12 +14,14 @@ namespace shardlib::plan {
 // ShardedModel::train_step over micro-batches runs them. no_sync (step_options::no_sync):
 // those before the last keep their full local gradients unreduced, and the last reduces them
 // all; keep_after_backward (step_options::reshard_after_backward = false): each unit stays
-// gathered from their backward to the next forward. A loop by hand (set_sync,
-// set_reshard_after_backward, step()) holds and sends the same but for train_step's small
-// all-reduces (memory_plan.hpp).
+// gathered from their backward to the next forward; replica_all_reduce = false
+// (step_options::replica_all_reduce): HybridShard averages across its replica groups once, at
+// the last micro-batch. A loop by hand (set_sync, set_reshard_after_backward, step()) holds and
+// sends the same but for train_step's small all-reduces (memory_plan.hpp).
 struct accumulation {
   int micro_batches = 1;
   bool no_sync = false, keep_after_backward = false;
+  bool replica_all_reduce = true;
 };
 
 namespace detail {

@@ -84,6 +84,11 @@ struct step_options {
   // unit's full parameters held meanwhile.
   bool no_sync = false;
   bool reshard_after_backward = true;
+  // HybridShard: false leaves the reduced pieces' average across the replica groups to the
+  // last micro-batch, which averages what they all reduced within the shard group (FSDP2's
+  // set_requires_all_reduce(False) before it): one replica all-reduce a step, the gradients
+  // still sharded in between (no_sync keeps them whole).
+  bool replica_all_reduce = true;
 };
 struct step_result {
   float loss = 0;                  // as step_options::loss says

@@ -48,6 +48,11 @@ class gradient_reducer {
   void set_replicas(Comm* replicas) { replicas_ = replicas; }
   // avg (the default) or sum over every rank; hierarchical reduction applies it in both stages.
   void set_op(comm::reduce_op op) { op_ = op; }
+  // Hierarchical reduction's second stage across the replicas: run by each reduction (each),
+  // left out (skip: micro-batches before the last, FSDP2's set_requires_all_reduce(False)), or
+  // run over the whole reduced piece, which then holds the skipped ones' too (after_skip).
+  enum class replicas { each, skip, after_skip };
+  void set_replicas_mode(replicas m) { replicas_mode_ = m; }
 
   void issue(unit_type& u, Comm& shard_group, Comm& world) {
     finish_all_except(&u);
@@ -106,7 +111,8 @@ class gradient_reducer {
         u.scratch.reduce.reset();
       }
       if (!widened) release_full_grad(u);
-      if (policy_.reduce == reduction::hierarchical) replicas_->all_reduce(u.grad.span(), op_);
+      if (policy_.reduce == reduction::hierarchical && replicas_mode_ != replicas::skip)
+        replicas_->all_reduce(u.grad.span(), op_);
     }
     u.grad_clean = false;
   }
@@ -229,8 +235,9 @@ class gradient_reducer {
     auto got = u.scratch.reduce.span();
     if constexpr (on_host && !compute16)
       if (rd != dtype::f32) with_16bit<T>(rd, [&](auto h) { widen_in_place<decltype(h)>(got); });
-    if (hierarchical) replicas_->all_reduce(got.first(u.grad.size()), op_);
+    if (hierarchical && replicas_mode_ == replicas::each) replicas_->all_reduce(got.first(u.grad.size()), op_);
     take_received(u, std::span<const T>(got));
+    if (hierarchical && replicas_mode_ == replicas::after_skip) replicas_->all_reduce(u.grad.span(), op_);
     u.scratch.reduce.reset();
   }
   // What a reduce-scatter received (this rank's shard, or a packed slot: its piece's trained
@@ -254,6 +261,7 @@ class gradient_reducer {
   mixed_precision precision_;
   Comm* replicas_ = nullptr;
   comm::reduce_op op_ = comm::reduce_op::avg;
+  replicas replicas_mode_ = replicas::each;
   std::vector<unit_type*> in_flight_;
 };
 

@@ -383,9 +383,9 @@ class ShardedModel {
   // each forward and backward in turn, one optimizer step after the last. Each loss gradient
   // is divided by their number, so that with equal micro-batches the step follows the
   // gradient of their mean loss, which it reports (fp16: the overflow vote covers them all).
-  // so.no_sync and so.reshard_after_backward say how the micro-batches before the last run.
-  // Ranks must pass as many micro-batches and the same two options: they compare them, and
-  // whether each rank can run the step at all, in one all-reduce of eight integers (on a
+  // so.no_sync, reshard_after_backward and replica_all_reduce say how the micro-batches before
+  // the last run. Ranks must pass as many micro-batches and the same options: they compare them, and
+  // whether each rank can run the step at all, in one all-reduce of ten integers (on a
   // device a host wait), and all raise if one differs or cannot.
   //   std::vector<Tensor<float>> xs = ..., ys = ...;   // four micro-batches
   //   model.train_step(adamw, xs, ys, nn::cross_entropy, {.max_norm = 1, .no_sync = true});
@@ -432,6 +432,11 @@ class ShardedModel {
         const bool last = k + 1 == n;
         sync_ = last || !so.no_sync;
         reshard_after_backward_ = last ? reshard_last : so.reshard_after_backward;
+        using replicas = typename decltype(reducer_)::replicas;
+        reducer_.set_replicas_mode(so.replica_all_reduce ? replicas::each
+                                   : !last                ? replicas::skip
+                                   : so.no_sync           ? replicas::each
+                                                          : replicas::after_skip);
         auto out = forward(xs[k]);
         auto l = loss_fn(out, ys[k]);
         if (n > 1 || scaler_)  // rounded once, in fp32, when the layers compute in 16 bits
@@ -446,9 +451,11 @@ class ShardedModel {
       sync_ = true;
       reshard_after_backward_ = reshard_last;
       reducer_.set_op(comm::reduce_op::avg);  // a later backward of the caller's averages
+      reducer_.set_replicas_mode(decltype(reducer_)::replicas::each);
       throw;
     }
     reducer_.set_op(comm::reduce_op::avg);
+    reducer_.set_replicas_mode(decltype(reducer_)::replicas::each);
     const auto loss = mean_loss<ops>(std::move(losses));
     // The loss and the units whose gradients overflowed, in the model's space.
     auto shared = ops::template make_scalars<float>(2);
@@ -501,22 +508,26 @@ class ShardedModel {
   }
   // Ranks that ran different micro-batches would pair their collectives wrongly (a kept unit's
   // gather with another's of the same size), and a rank that raised alone would leave the
-  // others waiting: whether each can run the step (`problem` empty), the count and the two
+  // others waiting: whether each can run the step (`problem` empty), the count and the three
   // options, compared as maxima of the values and of their negations, and raised on every rank.
   void check_micro_batches(std::size_t inputs, const step_options& so, const std::string& problem) {
     const int rank = comm_->rank();
-    const std::int64_t mine[4] = {problem.empty(), std::int64_t(inputs), so.no_sync, so.reshard_after_backward};
-    std::vector<std::int64_t> both(8);
-    for (std::size_t i = 0; i < 4; ++i) both[i] = mine[i], both[i + 4] = -mine[i];
+    constexpr std::size_t n = 5;
+    const std::int64_t mine[n] = {problem.empty(), std::int64_t(inputs), so.no_sync, so.reshard_after_backward,
+                                  so.replica_all_reduce};
+    std::vector<std::int64_t> both(2 * n);
+    for (std::size_t i = 0; i < n; ++i) both[i] = mine[i], both[i + n] = -mine[i];
     ops::all_reduce_values(*comm_, std::span<std::int64_t>(both), comm::reduce_op::max);
     require(problem.empty(), problem);
-    require(both[4] < 0, "rank ", rank, ": train_step over micro-batches: another rank cannot run it (its error "
+    require(both[n] < 0, "rank ", rank, ": train_step over micro-batches: another rank cannot run it (its error "
             "says why)");
-    static constexpr const char* what[] = {"", "micro-batch counts", "no_sync", "reshard_after_backward"};
-    for (std::size_t i = 1; i < 4; ++i)
-      require(both[i] == -both[i + 4], "rank ", rank, ": train_step over ", inputs, " micro-batches (no_sync ",
-              so.no_sync, ", reshard_after_backward ", so.reshard_after_backward, "): the ranks passed other ",
-              what[i], " (from ", -both[i + 4], " to ", both[i], "); every rank must run the same micro-batches");
+    static constexpr const char* what[n] = {"", "micro-batch counts", "no_sync", "reshard_after_backward",
+                                            "replica_all_reduce"};
+    for (std::size_t i = 1; i < n; ++i)
+      require(both[i] == -both[i + n], "rank ", rank, ": train_step over ", inputs, " micro-batches (no_sync ",
+              so.no_sync, ", reshard_after_backward ", so.reshard_after_backward, ", replica_all_reduce ",
+              so.replica_all_reduce, "): the ranks passed other ", what[i], " (from ", -both[i + n], " to ", both[i],
+              "); every rank must run the same micro-batches");
   }
 
  public:
