@@ -587,10 +587,7 @@ void measure_all(const Workload& work, unsigned cores) {
   print_model(work);
   if (cfg.keep_gathered > 0) std::printf("the last %ld units kept gathered after forward, ", cfg.keep_gathered);
   if (cfg.reshard_to > 0) std::printf("FullShard and HybridShard resharded to %d ranks after forward, ", cfg.reshard_to);
-  if (cfg.grad_accum > 1)
-    std::printf("%ld micro-batches per step%s%s%s, ", cfg.grad_accum, cfg.no_sync ? " reduced once" : " each reduced",
-                cfg.no_reshard_after_backward ? ", kept gathered between them" : "",
-                cfg.no_replica_all_reduce ? ", replicas averaged once" : "");
+  if (cfg.grad_accum > 1) std::printf("%s, ", example::accumulation_note(cfg).c_str());
   std::printf("prefetch %d; %d warm-up + %d measured steps, %d rounds\n"
               "# ranks are threads (ThreadComm) on %u hardware threads; step = median over steps of the slowest "
               "rank's train_step, pooled over rounds\n",

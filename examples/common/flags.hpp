@@ -172,6 +172,15 @@ inline CLI::Option* add_accumulation_flags(CLI::App& app, accumulation_flags& a,
       ->needs(accum);
   return accum;
 }
+// For the programs' first lines: "" (one micro-batch), or "K micro-batches per step each
+// reduced" and how those before the last run.
+inline std::string accumulation_note(const accumulation_flags& a) {
+  if (a.grad_accum == 1) return "";
+  return std::to_string(a.grad_accum) + " micro-batches per step" + (a.no_sync ? " reduced once" : " each reduced") +
+         (a.no_reshard_after_backward ? ", kept gathered between them" : "") +
+         (a.no_replica_all_reduce ? ", replicas averaged once" : "");
+}
+
 // --no-sync and --no-reshard-after-backward shape the micro-batches before the last: one
 // micro-batch per step has none.
 inline void check_accumulation_flags(const accumulation_flags& a) {

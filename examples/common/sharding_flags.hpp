@@ -47,10 +47,7 @@ inline shardlib::shard::FullShard full_shard(const sharding_settings& s) { retur
 inline std::string sharding_note(const sharding_settings& s) {
   using shardlib::cat;
   return cat(s.reshard_to > 0 ? cat(", resharded to ", s.reshard_to, " after forward") : std::string(),
-             s.grad_accum > 1 ? cat(", ", s.grad_accum, " micro-batches per step",
-                                    s.no_sync ? " reduced once" : " each reduced",
-                                    s.no_reshard_after_backward ? ", kept gathered between them" : "")
-                              : std::string());
+             s.grad_accum > 1 ? cat(", ", accumulation_note(s)) : std::string());
 }
 
 }  // namespace example

@@ -55,12 +55,7 @@ void train_loop(std::string_view program, Sharded& sharded, Optimizer& opt, cons
     std::printf("%s: %zu parameters in %zu units, %s over %d ranks, per-rank batch %ld%s\n",
                 std::string(program).c_str(), sl::nn::parameter_count(sharded.model()), sharded.unit_count(),
                 std::string(strategy).c_str(), c.size(), per_rank,
-                micro > 1 ? sl::cat(" x ", micro, " micro-batches per step",
-                                    run.accumulation.no_sync ? " reduced once" : " each reduced",
-                                    run.accumulation.no_reshard_after_backward ? ", kept gathered between them" : "",
-                                    run.accumulation.no_replica_all_reduce ? ", replicas averaged once" : "")
-                                .c_str()
-                          : "");
+                micro > 1 ? (" x " + accumulation_note(run.accumulation)).c_str() : "");
   auto since = [](auto t) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count(); };
   sl::ledger& l = sl::current_ledger();  // this rank's
   const double tokens = double(per_rank * micro * task.seq);  // per rank and step
