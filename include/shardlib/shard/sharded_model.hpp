@@ -30,11 +30,10 @@
 #include "shardlib/shard/unit_optimizer.hpp"
 #include "shardlib/shard/wrap.hpp"
 
-#include <cmath>        // std::sqrt, std::isfinite
+#include <cmath>        // std::sqrt
 #include <concepts>     // std::same_as
 #include <cstdint>      // std::uint64_t, std::int64_t
 #include <map>          // std::map
-#include <memory>       // std::make_shared
 #include <optional>     // std::optional
 #include <ranges>       // std::ranges::contiguous_range, data, size
 #include <span>         // std::span
@@ -57,7 +56,12 @@ namespace shardlib::shard {
 //   optimizer state, groups, checks shard/unit_optimizer.hpp
 //   16-bit compute copies, masters  shard/compute_copy.hpp (compute_copies)
 //   model agreement across ranks    shard/structure_check.hpp
-//   the step's order, offload, clipping, loss scaling, state access
+//   construction: groups, units, storage
+//                                   shard/sharded_model_construction.hpp
+//   train_step, the optimizer's step (in place or offloaded), clipping, loss scaling
+//                                   shard/sharded_model_step.hpp
+//   full parameters outside a step  shard/sharded_model_parameters.hpp
+//   the hooks around each unit, the engine interface io/ and plan/ use
 //                                   here
 //
 // T is the master dtype. The model's output tensor type says the rest: its
@@ -98,58 +102,7 @@ class ShardedModel {
   using offload_ops = space_ops<host_space>;  // the offload space is host memory: the optimizer's side runs there
 
  public:
-  ShardedModel(Model& model, Comm& comm, Strategy strategy, options o)
-      : model_(&model),
-        comm_(&comm),
-        strategy_(strategy),
-        policy_(checked_policy(strategy)),
-        opts_(std::move(o)),
-        gathers_(opts_.precision, opts_.prefetch),
-        reducer_(policy_, opts_.precision),
-        steps_(comm.rank()),
-        copies_(opts_.seed),
-        ctx_(this, opts_.context, checkpoints(model, opts_.checkpoint)) {
-    check_precision(opts_.precision);
-    if constexpr (!std::is_same_v<T, float>)
-      with_rank([&] {
-        require(opts_.precision.param == dtype::f32 && opts_.precision.reduce == dtype::f32,
-                "ShardedModel: float64 masters gather and reduce in float64; precision.param and precision.reduce "
-                "must stay F32 (no 16-bit rounding), got ", name(opts_.precision.param), " and ",
-                name(opts_.precision.reduce));
-      });
-    ops::check_stream(comm, comm.rank());
-    check_options();
-    if (opts_.precision.param == dtype::f16 || opts_.precision.reduce == dtype::f16) {
-      with_rank([&] { check_scaler(opts_.scaler); });
-      scaler_ = loss_scale_state<space>(opts_.scaler, comm.rank());
-    }
-    make_groups();
-    if (opts_.offload) copies_.set_offload(&offload_.emplace());
-    for (auto& spec : discover_units<C>(model, opts_.wrap)) {
-      index_[{spec.address, spec.type}] = int(units_.size());
-      auto& u = units_.emplace_back();
-      u.name = std::move(spec.name);
-      u.params = std::move(spec.params);
-      u.layout = std::move(spec.layout);
-      u.aliases = std::move(spec.aliases);
-      std::size_t owned = 0;  // as wrap policies count: no alignment gaps
-      for (const auto* p : u.params) owned += p->numel();
-      u.keep_gathered = units_.size() > 1 && opts_.keep_gathered(u.name, spec.type, owned);
-    }
-    for (auto& u : units_)  // names for errors: the layouts no longer move
-      for (std::size_t k = 0; k < u.params.size(); ++k) u.params[k]->owner_name = u.layout.entries[k].name;
-    check_same_model<ops>(comm, units_, strategy_.name, policy_, opts_.seed, sizeof(T), sizeof(C));
-    make_reshard_group();  // after the check: ranks that disagree on it would split differently
-    for (auto& u : units_) materialize(u);
-    if (!policy_.shard_parameters && !master_in_values()) {
-      try {
-        refresh_values();
-      } catch (...) {
-        drain();  // no destructor runs: the gathers still in flight write into units_
-        throw;
-      }
-    }
-  }
+  ShardedModel(Model& model, Comm& comm, Strategy strategy, options o);
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
   // No buffer goes while a collective may still read or write it: a rank that
@@ -237,32 +190,7 @@ class ShardedModel {
     bool rank0_only = false;  // refused with writeback, as FSDP: the other ranks would lose rank 0's writes
   };
   template <class F>
-  void summon_full_params(F&& f, summon_options o = {}) {
-    const int r = comm_->rank();
-    require(!(o.rank0_only && o.writeback), "rank ", r, ": summon_full_params: rank0_only needs writeback = false");
-    if constexpr (!std::is_same_v<space, host_space>)
-      require(!o.writeback || (!compute16 && opts_.precision.param == dtype::f32), "rank ", r,
-              ": summon_full_params: writing back 16-bit values is a host path; use writeback = false");
-    for (auto& u : units_)
-      require(!policy_.shard_parameters || u.where == state::sharded, "rank ", r, ": summon_full_params while unit '",
-              u.name, "' is gathered: call it between steps (eval() releases a forward without its backward)");
-    const bool keep = !o.rank0_only || r == 0;
-    if (policy_.shard_parameters)
-      for (auto& u : units_) {
-        gather(u, true);
-        if (keep) u.bind(u.values.data(), nullptr);
-        else gathers_.free(u);
-      }
-    try {
-      f();
-    } catch (...) {
-      release_full_params();
-      throw;
-    }
-    if (o.writeback)
-      for (auto& u : units_) write_back(u);
-    release_full_params();
-  }
+  void summon_full_params(F&& f, summon_options o = {});
 
   // Micro-batches run with sync(false) only accumulate gradients locally (in the
   // unsharded gradient buffers, as PyTorch's no_sync); the next backward with
@@ -401,134 +329,12 @@ class ShardedModel {
  private:
   template <class O, class Target, class LossFn>
   step_result_of<space> run_step(O& opt, std::span<const input> xs, std::span<const Target> ys, LossFn& loss_fn,
-                                 const step_options& so, bool micro_batches) {
-    const int rank = comm_->rank();
-    std::string problem;  // why this rank cannot run the step ("": it can)
-    if (so.max_norm < 0)
-      problem = cat("rank ", rank, ": step_options.max_norm must be >= 0 (0: no clipping), got ", so.max_norm);
-    else if (!sync_)
-      problem = cat("rank ", rank, ": train_step under set_sync(false) (no_sync): its backward would not reduce the "
-                    "gradients across ranks, and it runs one whole step; call it with sync on");
-    else if (xs.empty() || xs.size() != ys.size())
-      problem = cat("rank ", rank, ": train_step over ", xs.size(), " micro-batches of inputs and ", ys.size(),
-                    " of targets: it needs one or more of each, as many");
-    else if (xs.size() > 1 && !so.no_sync && so.reduction == grad_reduction::sum &&
-             (policy_.reduce == reduction::all_reduce || policy_.reduce == reduction::hierarchical))
-      problem = cat("rank ", rank, ": train_step over ", xs.size(), " micro-batches each reduced with "
-                    "grad_reduction::sum under ", strategy_.name, ": its all-reduce would sum again what the earlier "
-                    "micro-batches reduced; use no_sync (one reduction a step) or average");
-    if (micro_batches) check_micro_batches(xs.size(), so, problem);
-    require(problem.empty(), problem);
-    const std::size_t n = xs.size();
-    const bool on_space = (scaler_ || so.max_norm > 0) && decides_on_space<O>();
-    const double* loss_scale = on_space && scaler_ ? scaler_.in_space().data() + scale_slot : nullptr;
-    zero_grad();
-    using loss_type = std::remove_cvref_t<decltype(loss_fn(std::declval<output&>(), ys[0]).loss)>;
-    std::vector<loss_type> losses;
-    const bool reshard_last = reshard_after_backward_;  // as the caller set it
-    reducer_.set_op(so.reduction == grad_reduction::sum ? comm::reduce_op::sum : comm::reduce_op::avg);
-    try {
-      for (std::size_t k = 0; k < n; ++k) {
-        const bool last = k + 1 == n;
-        sync_ = last || !so.no_sync;
-        reshard_after_backward_ = last ? reshard_last : so.reshard_after_backward;
-        using replicas = typename decltype(reducer_)::replicas;
-        reducer_.set_replicas_mode(so.replica_all_reduce ? replicas::each
-                                   : !last                ? replicas::skip
-                                   : so.no_sync           ? replicas::each
-                                                          : replicas::after_skip);
-        auto out = forward(xs[k]);
-        auto l = loss_fn(out, ys[k]);
-        if (n > 1 || scaler_)  // rounded once, in fp32, when the layers compute in 16 bits
-          in_fp32<space>(l.grad.span(), [&](auto g) {
-            if (n > 1) ops::scale(g, 1.f / float(n));
-            if (scaler_) scaler_.scale(g, loss_scale, false);
-          });
-        backward(l.grad);
-        losses.push_back(std::move(l.loss));
-      }
-    } catch (...) {
-      sync_ = true;
-      reshard_after_backward_ = reshard_last;
-      reducer_.set_op(comm::reduce_op::avg);  // a later backward of the caller's averages
-      reducer_.set_replicas_mode(decltype(reducer_)::replicas::each);
-      throw;
-    }
-    reducer_.set_op(comm::reduce_op::avg);
-    reducer_.set_replicas_mode(decltype(reducer_)::replicas::each);
-    const auto loss = mean_loss<ops>(std::move(losses));
-    // The loss and the units whose gradients overflowed, in the model's space.
-    auto shared = ops::template make_scalars<float>(2);
-    const bool global = scaler_ || so.loss == loss_report::global_mean;  // every rank decides alike
-    if (global) put_loss<ops>(loss, std::span<float>(shared.data(), 1));
-    if (scaler_)
-      for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad.span()), shared.data() + 1);
-    if (global) ops::all_reduce_in_place(*comm_, std::span<float>(shared.data(), 2), comm::reduce_op::sum);
-    if (scaler_)  // also after an overflow, so that the norm reported is the unscaled one (inf or NaN)
-      for (auto& u : units_) scaler_.scale(u.grad.span(), loss_scale, true);
-    std::optional<typename ops::template scalars<double>> norm_squared;
-    if (so.max_norm > 0) norm_squared.emplace(grad_norm_squared());
-    if constexpr (!std::is_same_v<space, host_space>)
-      if (on_space) return step_decided_on_space(opt, loss, std::move(shared), std::move(norm_squared), so);
-
-    const float world = float(comm_->size());
-    const bool mean = so.loss == loss_report::global_mean;
-    step_result_of<space> r{};
-    float seen[2] = {0.f, 0.f};  // shared, on the host once read
-    double squared = 0;
-    auto issue_reads = [&] {
-      ops::issue_to_host(std::span<const float>(shared.data(), 2), std::span<float>(seen));
-      if (norm_squared)
-        ops::issue_to_host(std::span<const double>(norm_squared->data(), 1), std::span<double>(&squared, 1));
-    };
-    if (scaler_ || so.max_norm > 0) {  // the host decides: one read of everything, the loss's own read with it
-      const float own = read_with<ops>(loss, issue_reads);
-      r.loss = mean ? seen[0] / world : own;
-    } else if constexpr (std::is_same_v<space, host_space>) {
-      issue_reads();
-      r.loss = mean ? seen[0] / world : float(loss);
-    } else {
-      r.loss = mean ? deferred_mean<ops>(loss, std::move(shared), world) : pending<float>(loss);
-    }
-    const bool overflow = seen[1] != 0.f;
-    r.skipped = overflow;
-    if (so.max_norm > 0) {
-      const double norm = std::sqrt(squared);
-      r.grad_norm = float(norm);
-      r.skipped = r.skipped || !std::isfinite(norm);
-      if (!r.skipped) {
-        const float coefficient = optim::clip_coefficient(norm, so.max_norm);
-        for (auto& u : units_) ops::scale(u.grad.span(), coefficient);
-      }
-    }
-    if (r.skipped) ++step_;  // parameters and optimizer state stay as they were
-    else apply_step(opt);
-    if (scaler_) with_rank([&] { scaler_.host().update(overflow); });  // raises on every rank alike: the flag is shared
-    return r;
-  }
+                                 const step_options& so, bool micro_batches);
   // Ranks that ran different micro-batches would pair their collectives wrongly (a kept unit's
   // gather with another's of the same size), and a rank that raised alone would leave the
   // others waiting: whether each can run the step (`problem` empty), the count and the three
   // options, compared as maxima of the values and of their negations, and raised on every rank.
-  void check_micro_batches(std::size_t inputs, const step_options& so, const std::string& problem) {
-    const int rank = comm_->rank();
-    constexpr std::size_t n = 5;
-    const std::int64_t mine[n] = {problem.empty(), std::int64_t(inputs), so.no_sync, so.reshard_after_backward,
-                                  so.replica_all_reduce};
-    std::vector<std::int64_t> both(2 * n);
-    for (std::size_t i = 0; i < n; ++i) both[i] = mine[i], both[i + n] = -mine[i];
-    ops::all_reduce_values(*comm_, std::span<std::int64_t>(both), comm::reduce_op::max);
-    require(problem.empty(), problem);
-    require(both[n] < 0, "rank ", rank, ": train_step over micro-batches: another rank cannot run it (its error "
-            "says why)");
-    static constexpr const char* what[n] = {"", "micro-batch counts", "no_sync", "reshard_after_backward",
-                                            "replica_all_reduce"};
-    for (std::size_t i = 1; i < n; ++i)
-      require(both[i] == -both[i + n], "rank ", rank, ": train_step over ", inputs, " micro-batches (no_sync ",
-              so.no_sync, ", reshard_after_backward ", so.reshard_after_backward, ", replica_all_reduce ",
-              so.replica_all_reduce, "): the ranks passed other ", what[i], " (from ", -both[i + n], " to ", both[i],
-              "); every rank must run the same micro-batches");
-  }
+  void check_micro_batches(std::size_t inputs, const step_options& so, const std::string& problem);
 
  public:
   // The fp16 loss scaler (empty without fp16), as of the steps issued so far: a copy, which
@@ -546,51 +352,7 @@ class ShardedModel {
     std::string name;
     Tensor<T> value;
   };
-  std::vector<named_tensor> full_state_dict(bool rank0_only = true) {
-    const bool keep = !rank0_only || comm_->rank() == 0;
-    std::map<std::string, std::size_t> position;  // the model's own order
-    model_->parameters([&](std::string_view name, auto&) { position.emplace(std::string(name), position.size()); });
-    std::vector<named_tensor> out(keep ? position.size() : 0);
-    for (std::size_t i = 0; i < units_.size(); ++i) {
-      // An offloaded master is host memory: gathered, it goes to the model's space first
-      // (the communicator's memory); alone, the host reads it in place.
-      auto collect = [&](std::span<const T> values, bool on_host, bool whole) {
-        Buffer<T, space> full, uploaded;
-        if (!whole && partitions() > 1) {
-          if (on_host) {
-            uploaded = Buffer<T, space>(values.size(), category::comm_scratch);
-            ops::from_host(values, uploaded.span());
-            values = uploaded.span();
-          }
-          full = Buffer<T, space>(partition(i).padded_size(), category::gathered_parameters);
-          shard_comm().all_gather(values, full.span());
-          values = full.span();
-          on_host = false;
-        }
-        if (!keep) return;
-        for (const auto& e : units_[i].layout.entries) {
-          Tensor<T> t(e.shape, category::parameters);
-          if (on_host) offload_ops::copy(values.subspan(e.offset, e.numel()), t.span());
-          else ops::to_host(values.subspan(e.offset, e.numel()), t.span());
-          out[position.at(e.name)] = {e.name, std::move(t)};
-        }
-      };
-      bool whole = false;  // replicated values that hold the master: everything is here
-      if constexpr (!compute16)
-        if (master_in_values()) {
-          collect(std::span<const T>(units_[i].values.span()), false, true);
-          whole = true;
-        }
-      if (!whole)
-        with_master_piece(i, [&](std::span<const T> values, auto where) {
-          collect(values, !std::is_same_v<typename decltype(where)::type, space>, false);
-        });
-      if (!keep) continue;
-      for (const auto& a : units_[i].aliases)
-        out[position.at(a.name)] = {a.name, out[position.at(units_[i].layout.entries[a.entry].name)].value};
-    }
-    return out;
-  }
+  std::vector<named_tensor> full_state_dict(bool rank0_only = true);
 
   // --- the engine interface io/ and plan/ use --------------------------------------------------
   // A unit's fp32 master values and optimizer state are split into `partitions()`
@@ -756,68 +518,14 @@ class ShardedModel {
  private:
   // step() without its checks: train_step's own step, after it scaled, reduced and decided.
   template <class O>
-  void apply_step(O& opt, optim::skip_flag flag = {}) {
-    static_assert(std::is_same_v<std::remove_cvref_t<O>, Optimizer>,
-                  "ShardedModel::step: the model keeps optimizer state of the type it was wrapped for; wrap it "
-                  "with fully_shard<YourOptimizer>(...) or fully_shard(model, comm, strategy, optimizer, options)");
-    // A forward without its backward left units gathered (the root, kept units, ShardGradOp's):
-    // their values would be the old ones at the next forward, which finds them gathered.
-    release_full_params();
-    forwarded_ = false;
-    steps_.check(opt, units_, [&](std::size_t i) { return piece(i); });
-    if (offload_) {
-      require(!flag.skip, "rank ", comm_->rank(), ": a step cancelled on the device cannot be offloaded");
-      offloaded_step(opt);
-    } else {
-      for (std::size_t i = 0; i < units_.size(); ++i) {
-        auto& u = units_[i];
-        // a compact unit's optimizer steps its trained runs end to end, rounded into place after
-        steps_.template step<ops>(opt, u, i, piece(i), master_local(u), std::span<const T>(u.grad.span()),
-                                  u.compact() ? std::span<C>{} : u.compute_shard.span(), flag);
-        if constexpr (compute16)
-          if (u.compact()) copies_.template round_runs<ops>(u, master_local(u), u.compute_shard.span());
-      }
-    }
-    if (!policy_.shard_parameters) refresh_values(false);  // a wholly frozen unit's values did not change
-    ++step_;
-  }
+  void apply_step(O& opt, optim::skip_flag flag = {});
 
   // --- construction --------------------------------------------------------------------------
-  void check_options() {
-    const int r = comm_->rank();
-    require(opts_.prefetch >= 0, "rank ", r, ": options.prefetch must be at least 0, got ", opts_.prefetch);
-    require(std::is_same_v<T, float> || !mixed(), "rank ", r, ": mixed precision needs float parameters");
-    if constexpr (compute16) {
-      require(opts_.precision.param == dtype_of<C>, "rank ", r, ": the model computes in ", name(dtype_of<C>),
-              ", so mixed_precision.param must be ", name(dtype_of<C>), ", got ", name(opts_.precision.param));
-      require(opts_.precision.reduce == dtype::f32 || opts_.precision.reduce == dtype_of<C>, "rank ", r, ": with ",
-              name(dtype_of<C>), " compute, mixed_precision.reduce must be F32 or ", name(dtype_of<C>), ", got ",
-              name(opts_.precision.reduce));
-      require(policy_.shard_optimizer, "rank ", r, ": 16-bit compute (a model of ", name(dtype_of<C>),
-              " layers) keeps fp32 masters beside the values, which ", strategy_.name,
-              " does not shard: use a strategy that shards at least optimizer state (ShardOptimizer and up)");
-    } else if constexpr (!std::is_same_v<space, host_space>) {
-      // 16-bit gathers and reductions of fp32 layers change dtype in place, which is a host loop.
-      require(!mixed(), "rank ", r, ": on the device, 16-bit precision means 16-bit compute: build the "
-              "model's layers in bfloat16 or half");
-    }
-  }
-  void make_groups() {
-    if (policy_.group_size == 0) return;
-    const int g = policy_.group_size, w = comm_->size(), r = comm_->rank();
-    require(w % g == 0, "rank ", r, ": ", strategy_.name, " group_size ", g, " must divide the world size ", w);
-    shard_comm_.emplace(comm_->split(r / g, r));    // the ranks that shard one replica
-    replica_comm_.emplace(comm_->split(r % g, r));  // the same shard in every replica
-    reducer_.set_replicas(&*replica_comm_);
-  }
+  void check_options();
+  void make_groups();
   // policy::reshard_to = R, 1 < R < the shard group: groups of R consecutive ranks (nested
   // in the shard groups, which are consecutive too), within which backward all-gathers.
-  void make_reshard_group() {
-    const int g = policy_.group(comm_->size()), r = comm_->rank();
-    require(policy_.reshard_to == 0 || g % policy_.reshard_to == 0, "rank ", r, ": ", strategy_.name, " reshard_to ",
-            policy_.reshard_to, " must divide the shard group's ", g, " ranks");
-    if (const int R = policy_.regather(comm_->size()); R > 1 && R < g) reshard_comm_.emplace(comm_->split(r / R, r));
-  }
+  void make_reshard_group();
   Comm& shard_comm() { return shard_comm_ ? *shard_comm_ : *comm_; }
   int shard_rank() const { return shard_comm_ ? shard_comm_->rank() : comm_->rank(); }
   int index_of(const unit_type& u) const { return int(&u - units_.data()); }
@@ -846,67 +554,7 @@ class ShardedModel {
 
   // A unit's storage, initialised in place: each rank draws only what it holds,
   // which equals the unsharded initialisation there.
-  void materialize(unit_type& u) {
-    const std::size_t i = std::size_t(index_of(u));
-    const shard_layout part = partition(i);
-    const int pr = partition_rank();
-    // A unit of frozen parameters keeps no reduced gradients (none are ever reduced), unless
-    // they are where its layers write (replicated fp32 layers, nothing sharded); one whose
-    // reduce-scatter packs its trained elements keeps those alone.
-    const bool scattered = policy_.reduce != reduction::all_reduce;  // each rank receives its piece
-    u.packing = trained_packing(u.layout, part, scattered);
-    const bool no_grads = u.frozen() && (compute16 || policy_.shard_optimizer);
-    const bool trained_only = u.packing.packed() && scattered;
-    const std::size_t reduced = no_grads ? 0 : trained_only ? u.packing.trained[std::size_t(pr)] : part.shard_size();
-    // Full local gradients of the trained elements alone: where the reduction sends them alone.
-    if (!opts_.frozen_grads && policy_.shard_optimizer && (u.frozen() || trained_only)) {
-      std::size_t frozen_before = 0;
-      for (const auto& e : u.layout.entries) {
-        u.local_offsets.push_back(e.requires_grad ? e.offset - frozen_before : unit_type::npos);
-        if (!e.requires_grad) frozen_before += e.numel();
-      }
-      u.local_size = u.frozen() ? 0 : part.padded_size() - frozen_before;
-    }
-    // Frozen elements without masters: only where the step's gradients leave them out too.
-    if (compute16 && !opts_.frozen_masters && (no_grads || trained_only)) {
-      auto runs = shard::piece_runs(u, piece(i));
-      if (optim::trained_size(runs) < part.shard_size()) u.compact_runs = std::move(runs);
-    }
-    const std::size_t mastered = u.compact() ? optim::trained_size(u.compact_runs) : part.shard_size();
-    // Masters are drawn in place as the model's space draws them (16-bit layers: by compute_copies::draw).
-    if (offload_) {  // the optimizer's side
-      ledger_scope in_offload(current_ledger().offload());
-      auto& o = u.offload.emplace();
-      o.master = Buffer<T, offload_space>(mastered, category::parameters);
-      if constexpr (!compute16) offload_ops::initialize(u.layout, opts_.seed, part.begin(pr), o.master.span());
-      o.grad = Buffer<T, offload_space>(reduced, category::gradients);
-      if constexpr (compute16) o.compute_copy = Buffer<C, offload_space>(part.shard_size(), category::parameters);
-    }
-    if (u.compact()) {
-      if (!offload_) u.trained_master = Buffer<T, space>(mastered, category::parameters);
-    } else if (!master_in_values() && !(compute16 && offload_)) {
-      u.master.emplace(part.numel, part.world, pr, category::parameters);
-      if constexpr (!compute16) ops::initialize(u.layout, opts_.seed, part.begin(pr), u.master->local());
-    }
-    if constexpr (compute16) {
-      u.compute_shard = Buffer<C, space>(part.shard_size(), category::parameters);
-      copies_.draw(u, part.begin(pr));
-    }
-    u.grad = Buffer<T, space>(reduced, category::gradients);
-    ops::fill(u.grad.span(), T(0));
-    if (policy_.shard_parameters) return;
-    // Replicated values, padded like the partition so that ZeRO-1 all-gathers in place.
-    u.values = Buffer<C, space>(part.padded_size(),
-                                master_in_values() ? category::parameters : category::gathered_parameters);
-    if (master_in_values()) ops::initialize(u.layout, opts_.seed, 0, u.values.span());
-    u.where = state::gathered;
-    // ZeRO-1: full local gradients always kept, but a wholly frozen unit's (made for its backward only)
-    if (policy_.shard_optimizer && !policy_.shard_gradients && !u.frozen()) {
-      u.full_grad = Buffer<C, space>(local_grad_size(u), category::gradients);
-      ops::fill(u.full_grad.span(), C(0));
-    }
-    u.bind(u.values.data(), full_grads(u));
-  }
+  void materialize(unit_type& u);
   // Elements of a unit's full local gradients: the unit's, or its trained ones alone.
   std::size_t local_grad_size(const unit_type& u) const {
     return u.local_trained_only() ? u.local_size : partition(std::size_t(index_of(u))).padded_size();
@@ -942,55 +590,14 @@ class ShardedModel {
   // every rank (ZeRO-1; all units' gathers in flight at once), or the values
   // rounded to the param dtype (NoShard's copy layers read). Values that hold the
   // master themselves are current already, but for ZeRO-1's other slices.
-  void refresh_values(unit_type& u) {
-    if (partitions() > 1) {
-      gathers_.issue(u, shard_comm(), u.values.span(), master_local(u));
-      gathers_.complete(u);
-    } else if (!master_in_values()) {
-      if constexpr (compute16) {
-        ops::copy(std::span<const C>(u.compute_shard.span()), u.values.span());
-      } else {
-        with_16bit<T>(opts_.precision.param, [&](auto h) {
-          ops::template round_to<decltype(h)>(std::span<const T>(u.master->local()), u.values.span());
-        });
-      }
-    }
-  }
+  void refresh_values(unit_type& u);
   // Every unit's, or (after a step) those that own a trained parameter.
-  void refresh_values(bool frozen_too = true) {
-    auto changed = [&](const unit_type& u) { return frozen_too || !u.frozen(); };
-    if (partitions() == 1) {
-      for (auto& u : units_)
-        if (changed(u)) refresh_values(u);
-      return;
-    }
-    for (auto& u : units_)
-      if (changed(u)) gathers_.issue(u, shard_comm(), u.values.span(), master_local(u));
-    for (auto& u : units_)
-      if (changed(u)) gathers_.complete(u);
-  }
+  void refresh_values(bool frozen_too = true);
 
   // summon_full_params' writeback: this rank's piece of unit u's full values into
   // its master piece (nothing to do where the values are the master), then the
   // replicated values or the 16-bit compute copy refreshed from the master.
-  void write_back(unit_type& u) {
-    const auto part = partition(std::size_t(index_of(u)));
-    auto master = master_local(u);
-    const auto full = std::span<const C>(u.values.span()).subspan(part.begin(partition_rank()), part.shard_size());
-    if constexpr (compute16) {
-      if constexpr (std::is_same_v<space, host_space>) copies_.write_back(u, full);
-    } else if (opts_.precision.param == dtype::f32) {
-      if (!master_in_values()) ops::copy(full, master);
-    } else if constexpr (std::is_same_v<space, host_space>) {
-      with_16bit<T>(opts_.precision.param, [&](auto h) {
-        using H = decltype(h);
-        for (std::size_t k = 0; k < master.size(); ++k)
-          if (full[k] != T(H(master[k]))) master[k] = full[k];
-      });
-    }
-    if (u.offload && !compute16) offload_->wait(offload_->to_offload(std::span<const T>(master), u.offload->master.span()));
-    if (!policy_.shard_parameters) refresh_values(u);
-  }
+  void write_back(unit_type& u);
   // Frees every gathered unit (waiting for gathers in flight first) and the parts kept after forward.
   void release_full_params() {
     if (policy_.shard_parameters)
@@ -1058,29 +665,7 @@ class ShardedModel {
   // while unit i+1 steps (on the device, on the channel's side stream; the host copies
   // in the same order, one at a time). The next forward's gathers run after fence().
   template <class O>
-  void offloaded_step(O& opt) {
-    auto& channel = *offload_;
-    std::vector<typename space_ops<space>::offload_channel::ticket> sent(units_.size());
-    auto send = [&](std::size_t i) {
-      sent[i] = channel.to_offload(std::span<const T>(units_[i].grad.span()), units_[i].offload->grad.span());
-    };
-    if (!units_.empty()) send(0);
-    for (std::size_t i = 0; i < units_.size(); ++i) {
-      if (i + 1 < units_.size()) send(i + 1);
-      channel.wait(sent[i]);
-      auto& u = units_[i];
-      auto& o = *u.offload;
-      steps_.template step<offload_ops>(opt, u, i, piece(i), o.master.span(), std::span<const T>(o.grad.span()),
-                                        u.compact() ? std::span<C>{} : o.compute_copy.span());
-      if constexpr (compute16) {
-        if (u.compact()) copies_.template round_runs<offload_ops>(u, o.master.span(), o.compute_copy.span());
-        channel.from_offload(std::span<const C>(o.compute_copy.span()), u.compute_shard.span());
-      } else {
-        channel.from_offload(std::span<const T>(o.master.span()), master_local(u));
-      }
-    }
-    channel.fence();
-  }
+  void offloaded_step(O& opt);
 
   // The sum of squares of the gradients the optimizer steps, over the ranks that hold
   // different shards (replicas hold the same values), left in the model's space.
@@ -1106,18 +691,7 @@ class ShardedModel {
   // flag, and a result read when the caller reads it.
   template <class O, class L, class Scalars, class Norm>
   pending_step_result step_decided_on_space(O& opt, const L& loss, Scalars shared, Norm norm_squared,
-                                            const step_options& so) {
-    auto outcome = std::make_shared<typename ops::template scalars<double>>(
-        ops::template make_scalars<double>(outcome_slots));
-    const step_rule rule{so.max_norm, bool(scaler_), scaler_ ? scaler_.host() : loss_scaler{}};
-    ops::decide_step(rule, shared.data(), norm_squared ? norm_squared->data() : nullptr,
-                     scaler_ ? scaler_.in_space().data() : nullptr, outcome->data());
-    if (so.max_norm > 0)
-      for (auto& u : units_) ops::scale_by(u.grad.span(), outcome->data() + coefficient_slot, false);
-    apply_step(opt, optim::skip_flag{outcome->data() + skip_slot});
-    return read_step_result<ops>(loss, std::move(shared), std::move(outcome), so, float(comm_->size()), comm_->rank(),
-                                 rule.scaler.min_scale);
-  }
+                                            const step_options& so);
 
   Model* model_;
   Comm* comm_;
@@ -1164,3 +738,8 @@ ShardedModel<Model, Comm, Strategy, T, Optimizer> fully_shard(Model& model, Comm
 }
 
 }  // namespace shardlib::shard
+
+// The members defined outside the class, by concern.
+#include "shardlib/shard/sharded_model_construction.hpp"
+#include "shardlib/shard/sharded_model_parameters.hpp"
+#include "shardlib/shard/sharded_model_step.hpp"
