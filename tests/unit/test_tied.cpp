@@ -135,9 +135,10 @@ trace unsharded(int world, int per_rank, int steps, int edit_at = -1) {
   return t;
 }
 
+// micro > 1: each step is train_step over that many micro-batches of the rank's rows.
 template <class T = float>
 std::vector<trace> sharded(int world, int per_rank, int steps, shard::AnyStrategy strategy, shard::wrap_policy wrap,
-                           int edit_at = -1) {
+                           int edit_at = -1, int micro = 1) {
   std::vector<trace> out(static_cast<std::size_t>(world));
   comm::launch(world, [&](comm::ThreadComm& c) {
     auto m = make_model<T>();
@@ -149,6 +150,16 @@ std::vector<trace> sharded(int world, int per_rank, int steps, shard::AnyStrateg
       if (s == edit_at) {
         model.summon_full_params([&] { edit(m); });
         t.edit_seen = shows_edit(model.full_state_dict(false));
+      }
+      if (micro > 1) {
+        std::vector<Tensor<std::int64_t>> xs, ys;
+        const int rows = per_rank / micro;
+        for (int k = 0; k < micro; ++k) {
+          xs.push_back(tokens(s, rows, 1, c.rank() * per_rank + k * rows));
+          ys.push_back(tokens(s, rows, 2, c.rank() * per_rank + k * rows));
+        }
+        t.losses.push_back(model.train_step(opt, xs, ys, nn::cross_entropy).loss);  // the global mean, in float
+        continue;
       }
       model.zero_grad();
       const auto l = nn::cross_entropy(model.forward(tokens(s, per_rank, 1, c.rank() * per_rank)),
@@ -229,6 +240,18 @@ TEST_CASE("a tied model trains with float64 masters under every strategy", "[tie
   check(shard::ShardOptimizer{});
   check(shard::NoShard{});
   check(shard::HybridShard{.group_size = 1});
+  // train_step over three micro-batches of two rows: each loss gradient times 1/3 in float64
+  // (1/3 rounded to float would put ~1e-8 into every gradient); the loss it reports is a float.
+  const auto whole = unsharded(w, 6, steps);
+  for (const auto& strategy : {shard::AnyStrategy(shard::FullShard{}), shard::AnyStrategy(shard::NoShard{})}) {
+    const auto got = sharded<double>(w, 6, steps, strategy, each_layer_a_unit<double>().wrap, -1, 3);
+    test_support::max_error loss, param;
+    loss.relative(got[0].losses, whole.losses, 1e-6);
+    param.relative(got[0].params, whole.params, 1e-3);
+    INFO(strategy.name << " over micro-batches: loss " << loss << ", parameters " << param);
+    CHECK(loss <= 1e-6);
+    CHECK(param <= 1e-12);
+  }
   std::string bf16_error;
   comm::launch(1, [&](comm::ThreadComm& c) {
     auto m = make_model<double>();

@@ -85,8 +85,9 @@ auto ShardedModel<Model, Comm, Strategy, T, Optimizer>::run_step(O& opt, std::sp
   auto shared = ops::template make_scalars<float>(2);
   const bool global = scaler_ || so.loss == loss_report::global_mean;  // every rank decides alike
   if (global) put_loss<ops>(loss, std::span<float>(shared.data(), 1));
-  if (scaler_)
-    for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad.span()), shared.data() + 1);
+  if constexpr (std::is_same_v<T, float>)  // fp16 loss scaling has float masters (a float64 model has no scaler)
+    if (scaler_)
+      for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad.span()), shared.data() + 1);
   if (global) ops::all_reduce_in_place(*comm_, std::span<float>(shared.data(), 2), comm::reduce_op::sum);
   if (scaler_)  // also after an overflow, so that the norm reported is the unscaled one (inf or NaN)
     for (auto& u : units_) scaler_.scale(u.grad.span(), loss_scale, true);

@@ -16,7 +16,7 @@
 #include <cstddef>    // std::size_t
 #include <cstdint>    // std::uint64_t
 #include <span>       // std::span
-#include <type_traits>  // std::is_same_v
+#include <type_traits>  // std::is_same_v, std::type_identity_t
 #include <vector>       // std::vector
 
 namespace shardlib::shard {
@@ -122,7 +122,7 @@ struct space_ops<host_space> {
     for (std::size_t i = 0; i < in.size(); ++i) out[i] = (overwrite ? T(0) : out[i]) + in[i];
   }
   template <class T>
-  static void scale(std::span<T> x, float c) {
+  static void scale(std::span<T> x, std::type_identity_t<T> c) {  // c in T: a float64 model's 1/3 stays float64
     if constexpr (std::is_same_v<T, float>) optim::scale_grads(x, c);
     else for (auto& v : x) v *= c;
   }
