@@ -9,6 +9,8 @@
 #include <string>
 #include <type_traits>
 
+#include "common/flags.hpp"
+
 namespace example {
 
 // The flags both examples take for the model's shape.
@@ -17,6 +19,17 @@ struct byte_model_shape {
   long layers = 4, d_model = 128, heads = 4, kv_heads = 2, seq = 128;
   double dropout = 0;  // GPT-2: residual, embedding and attention
 };
+
+inline void add_byte_model_flags(CLI::App& cli, byte_model_shape& s) {
+  const CLI::Validator size = whole(1, max_size);
+  cli.add_option("--model", s.model, "architecture")->check(CLI::IsMember({"gpt2", "llama"}));
+  cli.add_option("--layers", s.layers, "transformer blocks")->check(size);
+  cli.add_option("--d-model", s.d_model, "model width (n_embd, hidden_size)")->check(size);
+  cli.add_option("--heads", s.heads, "attention heads (divides --d-model)")->check(size);
+  cli.add_option("--kv-heads", s.kv_heads, "LLaMA: key/value heads (divides --heads)")->check(size);
+  cli.add_option("--seq", s.seq, "context length in bytes (n_positions)")->check(whole(2, max_size));
+  cli.add_option("--dropout", s.dropout, "GPT-2: residual, embedding and attention dropout")->check(real(0, 0.99));
+}
 
 // --heads must divide --d-model; LLaMA's RoPE needs an even head dimension and its
 // --kv-heads must divide --heads. Raised as CLI11 validation errors, naming the flag.

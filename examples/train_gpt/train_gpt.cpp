@@ -45,6 +45,7 @@
 #include "common/checkpointing.hpp"
 #include "common/flags.hpp"
 #include "common/fine_tuning.hpp"
+#include "common/lm_run.hpp"
 #include "common/memory_report.hpp"
 #include "common/sharding_flags.hpp"
 #include "common/text_corpus.hpp"
@@ -54,13 +55,10 @@ using namespace shardlib;
 
 namespace {
 
-struct settings : example::byte_model_shape, example::sample_settings, example::checkpoint_settings,
-                  example::fine_tune_settings, example::sharding_settings {
-  std::string data = "/usr/share/common-licenses/GPL-3", save = "train_gpt_model";
-  long world = 4, batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30;
-  double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1;
-  double min_lr = 0;  // --min-lr; unset: a tenth of lr
-  std::uint64_t seed = 0;
+struct settings : example::byte_model_shape, example::lm_run_settings, example::sample_settings,
+                  example::checkpoint_settings, example::fine_tune_settings, example::sharding_settings {
+  std::string save = "train_gpt_model";
+  long world = 4;
 };
 
 using example::corpus;
@@ -90,8 +88,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
       model, c, example::full_shard(s),
       {.wrap = shard::wrap_types<typename model_t::block_type>{}, .seed = s.seed, .frozen_grads = !s.no_frozen_grads});
   optim::AdamW adamw{{.lr = s.lr, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = s.weight_decay}};
-  const optim::warmup_cosine schedule{
-      .peak_lr = s.lr, .min_lr = s.min_lr, .warmup_steps = std::min(s.warmup, s.steps), .total_steps = s.steps};
+  const optim::warmup_cosine schedule = example::lr_schedule(s);
   const double entropy = data.unigram_entropy();
   const std::size_t parameters = nn::parameter_count(model);  // GPT-2's tied head's weight once
   if (c.rank() == 0)
@@ -168,31 +165,11 @@ int main(int argc, char** argv) {
                             "threads, every block a unit; validation on the text's tail, a sample, a Hugging Face "
                             "checkpoint.",
                             "train_gpt");
-  const CLI::Validator size = example::whole(1, example::max_size);
-  cli.add_option("--data", s.data, "the text to train on")->check(CLI::ExistingFile);
   cli.add_option("--world", s.world, "ranks, as threads of this process")
       ->check(example::whole(1, example::max_thread_ranks));
-  cli.add_option("--model", s.model, "architecture")->check(CLI::IsMember({"gpt2", "llama"}));
-  cli.add_option("--layers", s.layers, "transformer blocks")->check(size);
-  cli.add_option("--d-model", s.d_model, "model width (n_embd)")->check(size);
-  cli.add_option("--heads", s.heads, "attention heads (divides --d-model)")->check(size);
-  cli.add_option("--kv-heads", s.kv_heads, "LLaMA: key/value heads (divides --heads)")->check(size);
-  cli.add_option("--seq", s.seq, "context length in bytes (n_positions)")->check(example::whole(2, example::max_size));
-  cli.add_option("--batch", s.batch, "sequences per rank and step (and micro-batch, with --grad-accum)")->check(size);
-  cli.add_option("--steps", s.steps, "training steps")->check(size);
-  cli.add_option("--every", s.every, "print the loss every this many steps")->check(size);
-  cli.add_option("--eval-every", s.eval_every, "validation loss every this many steps")->check(size);
-  cli.add_option("--warmup", s.warmup, "linear warmup steps")->check(example::whole(0, example::max_size));
-  cli.add_option("--lr", s.lr, "peak learning rate")->check(example::positive());
-  cli.add_option("--min-lr", s.min_lr, "learning rate at the end of the cosine decay (default: a tenth of --lr)")
-      ->check(example::real(0, 1));
-  cli.add_option("--weight-decay", s.weight_decay, "AdamW's decoupled weight decay")->check(example::real(0, 1));
-  cli.add_option("--dropout", s.dropout, "GPT-2: residual, embedding and attention dropout")
-      ->check(example::real(0, 0.99));
-  cli.add_option("--val-fraction", s.val_fraction, "the held-out tail's share of the text")->check(example::real(0.01, 0.5));
+  example::add_byte_model_flags(cli, s);
+  example::add_lm_run_flags(cli, s);
   example::add_sample_flags(cli, s);
-  cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
-      ->check(example::whole(0, std::numeric_limits<long long>::max()));
   cli.add_option("--save", s.save, "directory for the Hugging Face checkpoint (empty: none)");
   example::add_fine_tune_flags(cli, s);
   example::add_checkpoint_flags(cli, s);
@@ -201,10 +178,7 @@ int main(int argc, char** argv) {
     example::check_accumulation_flags(s);
     if (s.reshard_to > 0 && s.world % s.reshard_to != 0)
       throw CLI::ValidationError("--reshard-to", shardlib::cat(s.reshard_to, " does not divide --world ", s.world));
-    if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
-    if (s.min_lr > s.lr)
-      throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +
-                                                 " (the cosine decay would climb)");
+    example::check_lm_run(cli, s);
     example::check_byte_model(s);
     example::check_checkpoint_settings(s);
     example::check_fine_tune(s);

@@ -1,0 +1,54 @@
+// examples/common/lm_run.hpp — what train_gpt and train_gpt_cuda share beyond the model's
+// shape: the text, the batches, steps and reports, AdamW's learning-rate schedule and weight
+// decay, the seed; their flags, their checks and the schedule they make.
+#pragma once
+#include <shardlib/optim/schedule.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "common/flags.hpp"
+
+namespace example {
+
+struct lm_run_settings {
+  std::string data = "/usr/share/common-licenses/GPL-3";
+  long batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30;
+  double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1;
+  double min_lr = 0;  // --min-lr; unset: a tenth of lr
+  std::uint64_t seed = 0;
+};
+
+inline void add_lm_run_flags(command_line& cli, lm_run_settings& s) {
+  const CLI::Validator size = whole(1, max_size);
+  cli.add_option("--data", s.data, "the text to train on")->check(CLI::ExistingFile);
+  cli.add_option("--batch", s.batch, "sequences per rank and step (and micro-batch, with --grad-accum)")->check(size);
+  cli.add_option("--steps", s.steps, "training steps")->check(size);
+  cli.add_option("--every", s.every, "print the loss every this many steps")->check(size);
+  cli.add_option("--eval-every", s.eval_every, "validation loss every this many steps")->check(size);
+  cli.add_option("--warmup", s.warmup, "linear warmup steps")->check(whole(0, max_size));
+  cli.add_option("--lr", s.lr, "peak learning rate")->check(positive());
+  cli.add_option("--min-lr", s.min_lr, "learning rate at the end of the cosine decay (default: a tenth of --lr)")
+      ->check(real(0, 1));
+  cli.add_option("--weight-decay", s.weight_decay, "AdamW's decoupled weight decay")->check(real(0, 1));
+  cli.add_option("--val-fraction", s.val_fraction, "the held-out tail's share of the text")->check(real(0.01, 0.5));
+  cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
+      ->check(whole(0, std::numeric_limits<long long>::max()));
+}
+
+// In the parse's callback: --min-lr's default, and a decay that does not climb.
+inline void check_lm_run(const CLI::App& cli, lm_run_settings& s) {
+  if (cli.count("--min-lr") == 0) s.min_lr = s.lr / 10;
+  if (s.min_lr > s.lr)
+    throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +
+                                               " (the cosine decay would climb)");
+}
+
+// Linear warmup (at most the whole run), then cosine decay to --min-lr at the last step.
+inline shardlib::optim::warmup_cosine lr_schedule(const lm_run_settings& s) {
+  return {.peak_lr = s.lr, .min_lr = s.min_lr, .warmup_steps = std::min(s.warmup, s.steps), .total_steps = s.steps};
+}
+
+}  // namespace example
