@@ -21,6 +21,8 @@
 //                 --group 2 --prefetch 1 --keep-gathered 1 --reshard-to 8 --param f32 --reduce f32
 //                 --grad-accum 4 [--no-sync] [--no-reshard-after-backward] [--no-replica-all-reduce]
 //                 (micro-batches of --batch per step)
+//                 --step-batch 16 (sequences per rank and step: the chooser splits them into the
+//                 fewest micro-batches that fit, for each strategy)
 //                 --compute f32|bf16|f16
 //                 --fused-attention (--model, --params: the device layers' attention)
 //                 --optimizer adam|amsgrad|momentum|sgd
@@ -73,6 +75,7 @@ struct settings : example::accumulation_flags {
   long lora_r = 8;
   double params = 0;  // 0: the blocks alone
   long hidden = 0, batch = 8;
+  long step_batch = 0;  // --step-batch: the chooser splits it into the fewest micro-batches that fit
   // --encoder's model; --params reads its --layers, --heads and --seq.
   example::model_flags model{.layers = 4, .d_model = 256, .heads = 4, .ff = 1024, .classes = 10, .seq = 16};
   int world = 4, group = 2, prefetch = 1;
@@ -167,7 +170,14 @@ settings parse(int argc, char** argv) {
                  "ZeRO++'s hpZ); R divides the world and --group")
       ->check(whole(1, example::max_size))
       ->excludes(article);
-  example::add_accumulation_flags(cli, s, true)->excludes(article);
+  auto* accum = example::add_accumulation_flags(cli, s, true)->excludes(article);
+  cli.add_option("--step-batch", s.step_batch,
+                 "sequences per rank and step: the chooser splits them, for each strategy, into the fewest "
+                 "micro-batches (each reduced) that fit; the table plans them as one batch")
+      ->check(whole(1, example::max_size))
+      ->excludes(batch)
+      ->excludes(accum)
+      ->excludes(article);
   const auto dtypes = CLI::IsMember({"f32", "bf16", "f16"}, CLI::ignore_case);
   cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes);
   cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes);
@@ -196,6 +206,7 @@ settings parse(int argc, char** argv) {
   cli.add_option("--json", s.json, "writes one JSON line per strategy and world size");
   cli.callback([&] {
     if (s.article) return;
+    if (s.step_batch > 0) s.batch = s.step_batch;
     for (const auto& [flag, given] : {std::pair{"--no-frozen-masters", s.no_frozen_masters},
                                       std::pair{"--no-frozen-grads", s.no_frozen_grads}})
       if (given && s.frozen_layers == 0 && s.lora.empty())
@@ -229,7 +240,7 @@ settings parse(int argc, char** argv) {
         throw CLI::ValidationError("--frozen-layers", cat(s.frozen_layers, " is more than ", s.preset, "'s ", layers,
                                                           " blocks"));
       if (cli.get_option("--seq")->count() == 0) s.model.seq = 0;  // the preset's
-      if (batch->count() == 0) s.batch = 1;
+      if (batch->count() == 0 && s.step_batch == 0) s.batch = 1;
       if (s.lora.empty()) return;
       try {
         const auto& m = plan::decoder_preset(s.preset);
@@ -254,7 +265,7 @@ settings parse(int argc, char** argv) {
       if (o->count() == 0) throw CLI::ValidationError(o->get_name(), "a coarse transformer needs it (or --encoder)");
     check_kept(s.model.layers);
     if (cli.get_option("--heads")->count() == 0) s.model.heads = 1;
-    if (batch->count() == 0) s.batch = 1;
+    if (batch->count() == 0 && s.step_batch == 0) s.batch = 1;
     const double blocks = 12 * double(s.hidden) * double(s.hidden) * double(s.model.layers);
     if (blocks > max_params)
       throw CLI::ValidationError("--hidden", cat(s.model.layers, " blocks of hidden size ", s.hidden, " have ", blocks,
@@ -462,15 +473,44 @@ void print_table(const plan::model_desc& d, const plan::setup& base, const std::
   if (!setups.empty() && base.precision.param != dtype::f32) print_model_states(d, setups, u);
 }
 
-void print_choice(const plan::model_desc& d, const plan::setup& base, const plan::machine& mc, bool group_given) {
-  std::printf("\n# which fits %g GB per rank, sending %g GB/s%s and computing %g TFLOP/s per rank (fastest first)\n",
+// `how`: what the choice varies beyond the strategy, if anything.
+void print_choice(const std::vector<plan::choice>& choices, const plan::machine& mc, const std::string& how = "") {
+  std::printf("\n# which fits %g GB per rank, sending %g GB/s%s and computing %g TFLOP/s per rank%s (fastest first)\n",
               mc.memory_bytes / 1e9, mc.link_bytes_per_s / 1e9,
               mc.node_size > 0 ? cat(" across nodes and ", mc.node_link_bytes_per_s / 1e9, " GB/s within nodes of ",
                                      mc.node_size, " ranks").c_str()
                                : "",
-              mc.flops_per_s / 1e12);
-  const std::vector<int> groups = group_given ? std::vector<int>{base.group} : std::vector<int>{};
-  for (const auto& c : plan::choose(d, base, mc, groups)) std::printf("%s %s\n", c.fits ? "+" : "-", c.why.c_str());
+              mc.flops_per_s / 1e12, how.c_str());
+  for (const auto& c : choices) std::printf("%s %s\n", c.fits ? "+" : "-", c.why.c_str());
+}
+
+// The model at `batch` sequences per rank: its units, activations and FLOPs.
+plan::model_desc describe(const settings& s, const plan::precision& p, long batch) {
+  plan::model_desc d;
+  if (!s.preset.empty()) {
+    const auto& m = plan::decoder_preset(s.preset);
+    d = plan::decoder(m, batch, s.model.seq, p.compute, s.fused_attention);
+    if (s.frozen_layers > 0) d = plan::with_frozen_prefix(d, m, s.frozen_layers, batch, s.model.seq);
+    if (!s.lora.empty()) d = plan::with_lora(d, m, s.lora, s.lora_r, batch, s.model.seq, p.compute);
+  } else if (s.encoder) {
+    settings at = s;
+    at.batch = batch;
+    d = encoder_model(at);
+  } else {
+    d = plan::transformer({.parameters = s.params,
+                           .layers = s.model.layers,
+                           .hidden = s.hidden,
+                           .heads = s.model.heads,
+                           .seq = s.model.seq,
+                           .batch = batch,
+                           .fused_attention = s.fused_attention},
+                          p.compute);
+  }
+  if (s.keep_gathered > 0) {
+    d.kept_gathered.assign(d.units.size(), false);
+    std::fill(d.kept_gathered.end() - s.keep_gathered, d.kept_gathered.end(), true);
+  }
+  return d;
 }
 
 void article() {
@@ -503,8 +543,8 @@ void article() {
       "#   sent: all-reduce 2·(3/4)·24 GB = 36 GB; reduce-scatter + all-gather (3/4)·(24 + 24) = 36 GB; FullShard\n"
       "#   gathers the blocks again in backward: (3/4)·4 B·(2Ψ - root) + 18 = 52.9 GB.\n"
       "#   activations (Korthikanti et al. 2022): 28·2048·4096·(34 + 5·16·2048/4096) B = 17.381 GB in 16 bits.\n");
-  print_choice(plan::transformer(shape, dtype::bf16), {.world = 4, .precision = bf16},
-               {.memory_bytes = 80e9, .link_bytes_per_s = 200e9, .flops_per_s = 150e12}, false);
+  const plan::machine mc{.memory_bytes = 80e9, .link_bytes_per_s = 200e9, .flops_per_s = 150e12};
+  print_choice(plan::choose(plan::transformer(shape, dtype::bf16), {.world = 4, .precision = bf16}, mc), mc);
 }
 
 }  // namespace
@@ -518,33 +558,15 @@ int main(int argc, char** argv) {
     }
     plan::precision p{.param = parse_type(s.param), .reduce = parse_type(s.reduce)};
     p.compute = !s.compute.empty() ? parse_type(s.compute) : s.encoder ? dtype::f32 : p.param;
-    plan::model_desc d;
     if (!s.preset.empty()) {
       const auto& m = plan::decoder_preset(s.preset);
-      d = plan::decoder(m, s.batch, s.model.seq, p.compute, s.fused_attention);
-      if (s.frozen_layers > 0) d = plan::with_frozen_prefix(d, m, s.frozen_layers, s.batch, s.model.seq);
-      if (!s.lora.empty()) d = plan::with_lora(d, m, s.lora, s.lora_r, s.batch, s.model.seq, p.compute);
       std::printf("# %s: %s, %ld layers, hidden %ld, %ld heads (%ld kv), vocab %ld, intermediate %ld, seq %ld, %s: "
                   "%s parameters\n",
                   std::string(m.name).c_str(), m.family == plan::family::gpt2 ? "GPT-2" : "LLaMA", m.layers, m.hidden,
                   m.heads, m.kv_heads, m.vocab, m.intermediate, s.model.seq > 0 ? s.model.seq : m.seq,
                   m.tied ? "head tied to the embedding" : "untied head", grouped(plan::parameters(m)).c_str());
-    } else if (s.encoder) {
-      d = encoder_model(s);
-    } else {
-      d = plan::transformer({.parameters = s.params,
-                             .layers = s.model.layers,
-                             .hidden = s.hidden,
-                             .heads = s.model.heads,
-                             .seq = s.model.seq,
-                             .batch = s.batch,
-                             .fused_attention = s.fused_attention},
-                            p.compute);
     }
-    if (s.keep_gathered > 0) {
-      d.kept_gathered.assign(d.units.size(), false);
-      std::fill(d.kept_gathered.end() - s.keep_gathered, d.kept_gathered.end(), true);
-    }
+    const plan::model_desc d = describe(s, p, s.batch);
     std::FILE* json = s.json.empty() ? nullptr : std::fopen(s.json.c_str(), "w");
     require(s.json.empty() || json, "shardlib-plan: cannot write ", s.json);
     print_model(d, s.encoder           ? "measured, one unsharded step"
@@ -569,7 +591,14 @@ int main(int argc, char** argv) {
       std::printf("\n");
       print_setup(base);
       print_table(d, base, strategies(s.strategy), json);
-      print_choice(d, base, mc, s.group_given);
+      const std::vector<int> groups = s.group_given ? std::vector<int>{base.group} : std::vector<int>{};
+      if (s.step_batch == 0) {
+        print_choice(plan::choose(d, base, mc, groups), mc);
+        continue;
+      }
+      const auto at = [&](long micro) { return describe(s, p, micro); };
+      print_choice(plan::choose_micro_batches(at, s.step_batch, base, mc, groups), mc,
+                   cat(", ", s.step_batch, " sequences per rank and step in the fewest micro-batches that fit"));
     }
     if (json) std::fclose(json);
   } catch (const std::exception& e) {

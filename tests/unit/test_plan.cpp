@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -552,6 +553,72 @@ TEST_CASE("accumulation: the chooser weighs every micro-batch's compute against 
         Approx(4e9).epsilon(1e-12));
   CHECK(states(shard::ShardGradOp{}.policy(), {.micro_batches = 2, .no_sync = true}).gradients ==
         Approx(2e9).epsilon(1e-12));
+}
+
+// A step's batch split by the chooser: the article's model at 8 sequences per rank and step
+// (one sequence's activations are 17.4 GB in bf16), each strategy at the fewest micro-batches
+// that fit. Each choice is make_plan's at its micro-batch, its compute the whole step's, and
+// the next split down (fewer, larger micro-batches) does not fit.
+TEST_CASE("the chooser splits a step's batch into the fewest micro-batches that fit",
+          "[plan][chooser][accumulation]") {
+  const auto at = [](long batch) {
+    return plan::transformer({.parameters = 6e9, .layers = 28, .hidden = 4096, .heads = 16, .seq = 2048,
+                              .batch = batch},
+                             dtype::bf16);
+  };
+  const plan::setup base{.world = 4,
+                         .precision = plan::precision::param_layers({.param = dtype::bf16, .reduce = dtype::bf16})};
+  const auto splits_of = [&](long batch, const plan::machine& mc) {
+    const auto got = plan::choose_micro_batches(at, batch, base, mc);
+    std::map<plan::strategy, int> k;
+    for (const auto& c : got) {
+      const int K = c.config.accumulation.micro_batches;
+      INFO(c.why);
+      k[c.config.strategy] = K;
+      REQUIRE(batch % K == 0);
+      if (!c.runs) {
+        CHECK(K == 1);
+        continue;
+      }
+      const auto made = plan::make_plan(at(batch / K), c.config);
+      CHECK(c.plan.memory.total() == made.memory.total());
+      CHECK(c.plan.sent.total() == made.sent.total());
+      CHECK(c.compute_s == Approx(at(batch).flops / mc.flops_per_s).epsilon(1e-12));
+      CHECK(c.fits == (double(made.memory.total()) <= mc.memory_bytes));
+      int fewer = K - 1;  // the next divisor down
+      while (fewer > 0 && batch % fewer != 0) --fewer;
+      if (fewer > 0 && c.fits) {
+        plan::setup larger = c.config;
+        larger.accumulation.micro_batches = fewer;
+        CHECK(double(plan::make_plan(at(batch / fewer), larger).memory.total()) > mc.memory_bytes);
+      }
+      if (!c.fits) CHECK(K == batch);  // listed at its least memory
+    }
+    return std::pair{got, k};
+  };
+  using plan::strategy;
+  const auto [roomy, k80] = splits_of(8, {.memory_bytes = 80e9});
+  CHECK(k80 == std::map<strategy, int>{{strategy::full_shard, 4}, {strategy::shard_grad_op, 4},
+                                       {strategy::shard_optimizer, 8}, {strategy::hybrid_shard, 8},
+                                       {strategy::no_shard, 1}});
+  // Compute-bound alike (the whole step's FLOPs at 100 TFLOP/s): fewer bytes sent first.
+  CHECK_THAT(roomy[0].why, Catch::StartsWith("ShardGradOp (ZeRO-2), 4 micro-batches of 2 sequences fits in 75.5 GB of "
+                                             "80.0 GB"));
+  CHECK_THAT(roomy[1].why, Catch::StartsWith("FullShard (ZeRO-3/FSDP), 4 micro-batches of 2 sequences fits"));
+  CHECK_THAT(roomy[4].why, Catch::StartsWith("NoShard (DDP), 1 micro-batch of 8 sequences cannot run"));
+  // 50 GB: FullShard alone fits, at one sequence a micro-batch; the others at their least.
+  const auto [tight, k50] = splits_of(8, {.memory_bytes = 50e9});
+  CHECK(tight[0].fits);
+  CHECK(k50.at(strategy::full_shard) == 8);
+  CHECK(!tight[1].fits);
+  // Six sequences: splits of 1, 2, 3 and 6; at 80 GB FullShard takes three of two.
+  CHECK(splits_of(6, {.memory_bytes = 80e9}).second.at(strategy::full_shard) == 3);
+  // Memory enough for the whole step at once: one micro-batch each.
+  const auto [ample, k1] = splits_of(8, {.memory_bytes = 1e15});
+  for (const auto& [st, K] : k1) CHECK(K == 1);
+  CHECK_THAT(ample[0].why, Catch::Contains(", 1 micro-batch of 8 sequences fits"));
+  CHECK_THROWS_WITH(plan::choose_micro_batches(at, 0, base, {}),
+                    Catch::Contains("plan::choose_micro_batches: the step's batch is 0"));
 }
 
 // reshard_to in the planner's outputs beside the replay (tested against the ledger above):
