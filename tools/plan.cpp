@@ -173,11 +173,13 @@ settings parse(int argc, char** argv) {
   auto* accum = example::add_accumulation_flags(cli, s, true)->excludes(article);
   cli.add_option("--step-batch", s.step_batch,
                  "sequences per rank and step: the chooser splits them, for each strategy, into the fewest "
-                 "micro-batches (each reduced) that fit; the table plans them as one batch")
+                 "micro-batches that fit (run as --no-sync and the like say); the table plans them as one batch")
       ->check(whole(1, example::max_size))
       ->excludes(batch)
       ->excludes(accum)
       ->excludes(article);
+  for (const char* shaping : {"--no-sync", "--no-reshard-after-backward", "--no-replica-all-reduce"})
+    cli.get_option(shaping)->remove_needs(accum);  // they shape --step-batch's micro-batches too
   const auto dtypes = CLI::IsMember({"f32", "bf16", "f16"}, CLI::ignore_case);
   cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes);
   cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes);
@@ -224,7 +226,7 @@ settings parse(int argc, char** argv) {
       if (s.node_size > 0 && w > s.node_size && w % s.node_size != 0)
         throw CLI::ValidationError("--node-size", cat(s.node_size, " does not divide the world size ", w));
     }
-    example::check_accumulation_flags(s);
+    if (s.step_batch <= 1) example::check_accumulation_flags(s);  // --step-batch N > 1 may split
     if (s.reshard_to > 0 && s.group_given && s.group % s.reshard_to != 0)
       throw CLI::ValidationError("--reshard-to", cat(s.reshard_to, " does not divide the group size ", s.group));
     // Every model here makes one unit per block (layer) beside the root.
@@ -598,7 +600,10 @@ int main(int argc, char** argv) {
       }
       const auto at = [&](long micro) { return describe(s, p, micro); };
       print_choice(plan::choose_micro_batches(at, s.step_batch, base, mc, groups), mc,
-                   cat(", ", s.step_batch, " sequences per rank and step in the fewest micro-batches that fit"));
+                   cat(", ", s.step_batch, " sequences per rank and step in the fewest micro-batches that fit",
+                       s.no_sync ? " (reduced once" : " (each reduced",
+                       s.no_reshard_after_backward ? ", kept gathered between them" : "",
+                       s.no_replica_all_reduce ? ", replicas averaged once)" : ")"));
     }
     if (json) std::fclose(json);
   } catch (const std::exception& e) {

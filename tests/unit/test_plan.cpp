@@ -605,6 +605,7 @@ TEST_CASE("the chooser splits a step's batch into the fewest micro-batches that 
   CHECK_THAT(roomy[0].why, Catch::StartsWith("ShardGradOp (ZeRO-2), 4 micro-batches of 2 sequences fits in 75.5 GB of "
                                              "80.0 GB"));
   CHECK_THAT(roomy[1].why, Catch::StartsWith("FullShard (ZeRO-3/FSDP), 4 micro-batches of 2 sequences fits"));
+  for (std::size_t i = 0; i < 4; ++i) CHECK(roomy[i].fits);  // ZeRO-1 and HSDP too, at one sequence a micro-batch
   CHECK_THAT(roomy[4].why, Catch::StartsWith("NoShard (DDP), 1 micro-batch of 8 sequences cannot run"));
   // 50 GB: FullShard alone fits, at one sequence a micro-batch; the others at their least.
   const auto [tight, k50] = splits_of(8, {.memory_bytes = 50e9});

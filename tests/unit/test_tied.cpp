@@ -93,6 +93,7 @@ std::vector<T> listed(M& m) {
 struct trace {
   std::vector<double> losses, params;
   bool edit_seen = false;  // the state dict right after the edit showed it
+  bool clipped = false;    // train_step's norm was above step_options::max_norm at least once
 };
 
 // The edit summon_full_params tests make between steps: a row of the tied weight
@@ -114,8 +115,9 @@ bool shows_edit(const auto& state_dict) {
 }
 
 // Unsharded training in double on the global batch (world * per_rank tokens a
-// step), edited before step edit_at (if any).
-trace unsharded(int world, int per_rank, int steps, int edit_at = -1) {
+// step), edited before step edit_at (if any), the gradients clipped to max_norm as
+// PyTorch's clip_grad_norm_ clips them (max_norm / (norm + 1e-6)) when max_norm > 0.
+trace unsharded(int world, int per_rank, int steps, int edit_at = -1, double max_norm = 0) {
   auto m = make_model<double>();
   tie(m);
   nn::Replicated<double, Model<double>> owner(m, 42);
@@ -128,6 +130,10 @@ trace unsharded(int world, int per_rank, int steps, int edit_at = -1) {
     owner.zero_grad();
     const auto l = nn::cross_entropy(ctx.forward(m, tokens(s, world * per_rank, 1)), tokens(s, world * per_rank, 2));
     ctx.backward(m, l.grad);
+    double squared = 0;
+    for (double g : owner.grads()) squared += g * g;
+    if (const double norm = std::sqrt(squared); max_norm > 0 && norm + 1e-6 > max_norm)
+      for (double& g : owner.grads()) g *= max_norm / (norm + 1e-6);
     opt.step(owner.values(), owner.grads(), st);
     t.losses.push_back(l.loss);
   }
@@ -135,10 +141,11 @@ trace unsharded(int world, int per_rank, int steps, int edit_at = -1) {
   return t;
 }
 
-// micro > 1: each step is train_step over that many micro-batches of the rank's rows.
+// micro > 1: each step is train_step over that many micro-batches of the rank's rows, the
+// gradients clipped to so.max_norm.
 template <class T = float>
 std::vector<trace> sharded(int world, int per_rank, int steps, shard::AnyStrategy strategy, shard::wrap_policy wrap,
-                           int edit_at = -1, int micro = 1) {
+                           int edit_at = -1, int micro = 1, const shard::step_options& so = {}) {
   std::vector<trace> out(static_cast<std::size_t>(world));
   comm::launch(world, [&](comm::ThreadComm& c) {
     auto m = make_model<T>();
@@ -158,7 +165,9 @@ std::vector<trace> sharded(int world, int per_rank, int steps, shard::AnyStrateg
           xs.push_back(tokens(s, rows, 1, c.rank() * per_rank + k * rows));
           ys.push_back(tokens(s, rows, 2, c.rank() * per_rank + k * rows));
         }
-        t.losses.push_back(model.train_step(opt, xs, ys, nn::cross_entropy).loss);  // the global mean, in float
+        const auto r = model.train_step(opt, xs, ys, nn::cross_entropy, so);
+        t.losses.push_back(r.loss);  // the global mean, in float
+        t.clipped = t.clipped || r.grad_norm > so.max_norm;
         continue;
       }
       model.zero_grad();
@@ -241,17 +250,27 @@ TEST_CASE("a tied model trains with float64 masters under every strategy", "[tie
   check(shard::NoShard{});
   check(shard::HybridShard{.group_size = 1});
   // train_step over three micro-batches of two rows: each loss gradient times 1/3 in float64
-  // (1/3 rounded to float would put ~1e-8 into every gradient); the loss it reports is a float.
-  const auto whole = unsharded(w, 6, steps);
-  for (const auto& strategy : {shard::AnyStrategy(shard::FullShard{}), shard::AnyStrategy(shard::NoShard{})}) {
-    const auto got = sharded<double>(w, 6, steps, strategy, each_layer_a_unit<double>().wrap, -1, 3);
-    test_support::max_error loss, param;
-    loss.relative(got[0].losses, whole.losses, 1e-6);
-    param.relative(got[0].params, whole.params, 1e-3);
-    INFO(strategy.name << " over micro-batches: loss " << loss << ", parameters " << param);
-    CHECK(loss <= 1e-6);
-    CHECK(param <= 1e-12);
-  }
+  // (1/3 rounded to float would put ~3e-8 into every gradient: 2.9e-6 in the parameters after
+  // six steps), and clipped to norm 0.5 by a float64 coefficient (it was rounded to float too);
+  // the loss it reports is a float.
+  const double max_norm = 0.5;
+  const auto whole = unsharded(w, 6, steps), clipped = unsharded(w, 6, steps, -1, max_norm);
+  for (const auto& strategy : {shard::AnyStrategy(shard::FullShard{}), shard::AnyStrategy(shard::NoShard{})})
+    for (const bool clip : {false, true}) {
+      const auto got = sharded<double>(w, 6, steps, strategy, each_layer_a_unit<double>().wrap, -1, 3,
+                                       {.max_norm = clip ? float(max_norm) : 0.f});
+      const auto& want = clip ? clipped : whole;
+      for (int r = 0; r < w; ++r) {
+        test_support::max_error loss, param;
+        loss.relative(got[std::size_t(r)].losses, want.losses, 1e-6);
+        param.relative(got[std::size_t(r)].params, want.params, 1e-3);
+        INFO(strategy.name << " rank " << r << " over micro-batches, clipped " << clip << ": loss " << loss
+                           << ", parameters " << param);
+        CHECK(got[std::size_t(r)].clipped == clip);
+        CHECK(loss <= 1e-6);
+        CHECK(param <= 1e-12);
+      }
+    }
   std::string bf16_error;
   comm::launch(1, [&](comm::ThreadComm& c) {
     auto m = make_model<double>();

@@ -36,17 +36,20 @@ inline double grad_norm_squared(std::span<const double> g) { return detail::norm
 // torch.nn.utils.clip_grad_norm_'s factor: max_norm / (total_norm + 1e-6),
 // clamped to at most 1. A non-finite norm throws (PyTorch's
 // error_if_nonfinite=True): scaling by it would turn every gradient into NaN or 0.
-// The factor alone, for a finite norm and a positive max_norm (host and device code).
-SHARDLIB_HD inline float clip_factor(double total_norm, float max_norm) {
+// The factor alone, for a finite norm and a positive max_norm (host and device code), in
+// R: float, or double to scale float64 gradients without rounding it to float.
+template <class R = float>
+SHARDLIB_HD inline R clip_factor(double total_norm, float max_norm) {
   const double factor = max_norm / (total_norm + 1e-6);
-  return static_cast<float>(factor < 1.0 ? factor : 1.0);  // std::min(1.0, factor)
+  return static_cast<R>(factor < 1.0 ? factor : 1.0);  // std::min(1.0, factor)
 }
 
-inline float clip_coefficient(double total_norm, float max_norm) {
+template <class R = float>
+R clip_coefficient(double total_norm, float max_norm) {
   require(max_norm > 0, "clip_grad_norm: max_norm must be positive, got ", max_norm);
   require(std::isfinite(total_norm), "clip_grad_norm: the total gradient norm is ", total_norm,
           "; the gradients hold inf or NaN");
-  return clip_factor(total_norm, max_norm);
+  return clip_factor<R>(total_norm, max_norm);
 }
 
 // g *= coefficient.

@@ -173,9 +173,9 @@ inline std::vector<choice> choose(const model_desc& d, const setup& base, const 
 // of batch / k sequences, k a divisor of batch from 1 up, as base.accumulation says they run
 // (each reduced by default). describe(b) is the model at micro-batch b sequences (its
 // activations and one micro-batch's FLOPs). A strategy that fits at no k is listed at
-// k = batch, its smallest; one the engine refuses, at k = 1. Ranked as choose ranks them: the
-// whole step's compute is the same at every k, while each micro-batch reduces (and, under
-// FullShard, gathers) again, so fewer micro-batches are faster.
+// k = batch, one sequence a micro-batch; one the engine refuses, at k = 1. Ranked as choose
+// ranks them: the whole step's compute is the same at every k, while each micro-batch reduces
+// (and, where parameters are sharded, gathers) again, so fewer micro-batches are faster.
 template <class Describe>
   requires std::is_invocable_r_v<model_desc, Describe&, long>
 std::vector<choice> choose_micro_batches(Describe&& describe, long batch, const setup& base, const machine& mc,

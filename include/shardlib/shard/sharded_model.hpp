@@ -258,8 +258,8 @@ class ShardedModel {
   // clip_grad_norm_) and returns the norm before clipping.
   float clip_grad_norm(float max_norm) {
     const double total = grad_norm();
-    float coefficient = 1;
-    with_rank([&] { coefficient = optim::clip_coefficient(total, max_norm); });
+    T coefficient = 1;  // a float64 model's in float64
+    with_rank([&] { coefficient = optim::clip_coefficient<T>(total, max_norm); });
     for (auto& u : units_) ops::scale(u.grad.span(), coefficient);
     return float(total);
   }

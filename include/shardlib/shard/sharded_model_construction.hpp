@@ -5,8 +5,9 @@
 #pragma once
 #include "shardlib/shard/sharded_model.hpp"
 
-#include <cstddef>  // std::size_t
-#include <utility>  // std::move
+#include <cstddef>      // std::size_t
+#include <type_traits>  // std::is_same_v
+#include <utility>      // std::move
 
 namespace shardlib::shard {
 

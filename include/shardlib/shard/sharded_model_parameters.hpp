@@ -7,6 +7,7 @@
 
 #include <cstddef>      // std::size_t
 #include <map>          // std::map
+#include <span>         // std::span
 #include <string>       // std::string
 #include <string_view>  // std::string_view
 #include <type_traits>  // std::is_same_v

@@ -122,7 +122,7 @@ auto ShardedModel<Model, Comm, Strategy, T, Optimizer>::run_step(O& opt, std::sp
     r.grad_norm = float(norm);
     r.skipped = r.skipped || !std::isfinite(norm);
     if (!r.skipped) {
-      const float coefficient = optim::clip_coefficient(norm, so.max_norm);
+      const T coefficient = optim::clip_coefficient<T>(norm, so.max_norm);  // a float64 model's in float64
       for (auto& u : units_) ops::scale(u.grad.span(), coefficient);
     }
   }
