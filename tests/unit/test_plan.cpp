@@ -694,6 +694,32 @@ TEST_CASE("nodes: what collectives within a node send, and the chooser timing it
   const auto& t = ranked[0].plan.sent;
   CHECK(ranked[0].comm_s == Approx((t.total() - t.within_node) / 1e9 + t.within_node / 1e12).epsilon(1e-12));
   CHECK_THAT(ranked[0].why, Catch::Contains("within nodes)"));
+  // Told the nodes, the chooser also tries FullShard resharded to a node (HybridShard's groups
+  // of 2 and 4 lie within one, of 8 are one: none spans several): backward's gathers stay
+  // within the nodes, and it sends less across them than FullShard.
+  std::vector<std::string> labels;
+  for (const auto& c : ranked) labels.push_back(plan::label(c.config));
+  CHECK(std::count(labels.begin(), labels.end(), "FullShard (ZeRO-3/FSDP, reshard to 8)") == 1);
+  CHECK(std::count_if(labels.begin(), labels.end(),
+                      [](const std::string& l) { return l.find("reshard to") != std::string::npos; }) == 1);
+  const auto by_label = [&](std::string_view l) {
+    const auto is = [&](const plan::choice& c) { return plan::label(c.config) == l; };
+    return *std::find_if(ranked.begin(), ranked.end(), is);
+  };
+  const auto to_node = by_label("FullShard (ZeRO-3/FSDP, reshard to 8)"), whole = by_label("FullShard (ZeRO-3/FSDP)");
+  CHECK(to_node.plan.sent.within_reshard_groups == resharded.within_reshard_groups);
+  const auto across = [](const plan::choice& c) { return c.plan.sent.total() - c.plan.sent.within_node; };
+  CHECK(across(to_node) < across(whole));
+  CHECK(to_node.step_s < whole.step_s);
+  // At W = 32, HybridShard in groups of 16 (two nodes each) is resharded to a node too.
+  const auto wider = plan::choose(d, {.world = 32, .precision = bf16}, mc, {16});
+  labels.clear();
+  for (const auto& c : wider) labels.push_back(plan::label(c.config));
+  CHECK(std::count(labels.begin(), labels.end(), "HybridShard (HSDP, groups of 16, reshard to 8)") == 1);
+  CHECK(std::count(labels.begin(), labels.end(), "FullShard (ZeRO-3/FSDP, reshard to 8)") == 1);
+  // Given a reshard_to, or no nodes, nothing more.
+  for (const auto& c : plan::choose(d, {.world = 16, .reshard_to = 4, .precision = bf16}, mc))
+    CHECK(c.config.reshard_to == 4);
   // A node size that neither divides the world nor holds it, and nodes without a bandwidth.
   plan::setup ragged = two_nodes;
   ragged.world = 12;

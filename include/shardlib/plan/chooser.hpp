@@ -63,7 +63,10 @@ inline std::string seconds(double s) {
 namespace detail {
 // The setups choose compares: every strategy for base's world (HybridShard once per group size
 // in hybrid_groups, by default every divisor of the world between 1 and it; with
-// base.reshard_to, those it divides).
+// base.reshard_to, those it divides). Told the node size (mc.node_size) and no reshard_to,
+// FullShard and each HybridShard whose shard group spans several whole nodes come a second
+// time resharded to a node (FSDP2's reshard_after_forward = ranks per node, ZeRO++'s hpZ):
+// backward then gathers within nodes, for 1/node of every unit held from forward to backward.
 inline std::vector<setup> candidates(const model_desc& d, const setup& base, const machine& mc,
                                      std::vector<int> hybrid_groups) {
   require(mc.memory_bytes > 0 && mc.link_bytes_per_s > 0 && mc.flops_per_s > 0,
@@ -79,17 +82,26 @@ inline std::vector<setup> candidates(const model_desc& d, const setup& base, con
     for (int g = 2; g < base.world; ++g)
       if (base.world % g == 0) hybrid_groups.push_back(g);
   std::vector<setup> out;
+  const auto add = [&](setup c) {
+    out.push_back(c);
+    const int shard_group = c.shard_group(), node = mc.node_size;
+    const bool resharded = c.strategy == strategy::full_shard || c.strategy == strategy::hybrid_shard;
+    if (resharded && base.reshard_to == 0 && node > 1 && node < shard_group && shard_group % node == 0) {
+      c.reshard_to = node;
+      out.push_back(c);
+    }
+  };
   for (strategy s : all_strategies) {
     setup c = base;
     c.strategy = s;
     c.node_size = mc.node_size;
     if (s != strategy::hybrid_shard) {
-      out.push_back(c);
+      add(c);
       continue;
     }
     for (int g : hybrid_groups) {
       c.group = g;
-      if (base.reshard_to == 0 || g % base.reshard_to == 0) out.push_back(c);
+      if (base.reshard_to == 0 || g % base.reshard_to == 0) add(c);
     }
   }
   return out;
@@ -148,8 +160,9 @@ inline void order(std::vector<choice>& out) {
 
 // Every strategy for base's world, precision, prefetch and optimizer (HybridShard once
 // per group size in hybrid_groups; by default every divisor of the world between 1 and
-// it; with base.reshard_to, those it divides): those that fit first, fastest first, then
-// those that do not, smallest first, then those the engine refuses (engine_refusal).
+// it; with base.reshard_to, those it divides; with mc.node_size, FullShard and HybridShard
+// resharded to a node too): those that fit first, fastest first, then those that do not,
+// smallest first, then those the engine refuses (engine_refusal).
 // d.flops must be set (one micro-batch's: base.accumulation.micro_batches of them make a step): the step
 // time weighs compute against communication; base.policy
 // must not be (it would replace every candidate's strategy).
