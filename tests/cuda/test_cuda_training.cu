@@ -70,14 +70,25 @@ std::vector<float> compared_parameters(Sharded& sharded) {
   return v;
 }
 
+// Labels of rows [first, first + rows) of the global batch; padded: row g ignored (-100) when
+// g % 3 == 0, and every fourth pair of rows wholly (a micro-batch of two rows without any).
+sl::Tensor<std::int64_t> labels(long first, long rows, bool padded) {
+  auto y = task.labels(first, rows);
+  for (long i = 0; padded && i < rows; ++i)
+    if ((first + i) % 3 == 0 || (first + i) / 2 % 4 == 3) y[i] = -100;
+  return y;
+}
+
 // read_late: every step's loss is read after the last step (a device step's loss
 // stays pending on the device until then), instead of right after its step. micro > 1:
 // each step is train_step over that many micro-batches of the rank's rows (gradient
 // accumulation; the micro-batches before the last under no_sync, kept gathered).
-// batch(first, rows) gives rows [first, first + rows) of the global batch.
+// batch(first, rows) gives rows [first, first + rows) of the global batch. per_item: its
+// losses weighed by their items (shard::loss_mean::per_item; the batch's labels padded).
 template <class Sharded, class Optimizer, class Batch>
 trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&& batch, bool read_late = false,
-            int micro = 1) {
+            int micro = 1, bool per_item = false) {
+  const auto mean = per_item ? shard::loss_mean::per_item : shard::loss_mean::per_micro_batch;
   trace t;
   t.initial = compared_parameters(sharded);
   std::vector<sl::pending<float>> unread;
@@ -91,7 +102,7 @@ trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&
     auto r = [&] {
       if (micro == 1) {
         auto [x, y] = batch(first, per_rank);
-        return sharded.train_step(opt, x, y, sl::nn::cross_entropy);
+        return sharded.train_step(opt, x, y, sl::nn::cross_entropy, {.mean = mean});
       }
       using pair = decltype(batch(first, per_rank));
       std::vector<typename pair::first_type> xs;
@@ -101,7 +112,8 @@ trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&
         xs.push_back(std::move(x));
         ys.push_back(std::move(y));
       }
-      return sharded.train_step(opt, xs, ys, sl::nn::cross_entropy, {.no_sync = true, .reshard_after_backward = false});
+      return sharded.train_step(opt, xs, ys, sl::nn::cross_entropy,
+                                {.no_sync = true, .reshard_after_backward = false, .mean = mean});
     }();
     if (read_late) unread.push_back(r.loss);
     else record(r.loss);
@@ -112,15 +124,16 @@ trace train(sl::comm::ThreadComm& host, Sharded& sharded, Optimizer& opt, Batch&
 }
 
 template <class Strategy>
-trace host_run(int world, Strategy strategy, int micro = 1) {
+trace host_run(int world, Strategy strategy, int micro = 1, bool per_item = false) {
   std::vector<trace> out(world);
   sl::comm::launch(world, [&](sl::comm::ThreadComm& c) {
     auto model = example::reference_model<float>(sizes);
     auto sharded = shard::fully_shard(model, c, strategy, {.wrap = shard::wrap_types<example::Encoder>{}, .seed = 7});
     sl::optim::Adam adam{{.lr = lr}};
     out[c.rank()] = train(
-        c, sharded, adam, [&](long first, long rows) { return std::pair(task.inputs(first, rows), task.labels(first, rows)); },
-        false, micro);
+        c, sharded, adam,
+        [&](long first, long rows) { return std::pair(task.inputs(first, rows), labels(first, rows, per_item)); },
+        false, micro, per_item);
   });
   return out[0];
 }
@@ -136,7 +149,7 @@ shard::mixed_precision compute_precision() {
 // communicator.
 template <class T, class Strategy, class MakeComm>
 trace device_run(int world, Strategy strategy, MakeComm&& make_comm, bool read_late = false,
-                 bool gpu_per_rank = false, int micro = 1) {
+                 bool gpu_per_rank = false, int micro = 1, bool per_item = false) {
   std::vector<trace> out(world);
   sl::comm::launch(world, [&](sl::comm::ThreadComm& host) {
     const int device = gpu_per_rank ? host.rank() : 0;
@@ -153,9 +166,10 @@ trace device_run(int world, Strategy strategy, MakeComm&& make_comm, bool read_l
     out[host.rank()] = train(
         host, sharded, adam,
         [&](long first, long rows) {
-          return std::pair(example::to_device<T>(task.inputs(first, rows)), sl::cuda::to_device(task.labels(first, rows)));
+          return std::pair(example::to_device<T>(task.inputs(first, rows)),
+                           sl::cuda::to_device(labels(first, rows, per_item)));
         },
-        read_late, micro);
+        read_late, micro, per_item);
   });
   return out[0];
 }
@@ -306,4 +320,21 @@ TEST_CASE("train_step over micro-batches trains on the GPU as on the host (two r
   const auto late = device_run<float>(2, shard::FullShard{}, thread_comm, true, false, 2);
   CHECK(late.losses == got.losses);
   CHECK(late.params == got.params);
+}
+
+// Padded labels weighed per item (shard::loss_mean::per_item): each micro-batch's rows counted
+// on the device (one read each) and its loss gradient scaled by its share of the step's, a
+// micro-batch without items left out of the mean loss, which stays on the device until read.
+TEST_CASE("train_step weighing micro-batches by their items trains on the GPU as on the host (two ranks)",
+          "[cuda][training][accumulation][items]") {
+  if (!have_device()) return;
+  require_trains_alike(device_run<float>(2, shard::FullShard{}, thread_comm, false, false, 2, true),
+                       host_run(2, shard::FullShard{}, 2, true));
+  require_trains_alike(device_run<float>(2, shard::FullShard{}, thread_comm, false, false, 1, true),
+                       host_run(2, shard::FullShard{}, 1, true));
+  // The device count is the host's.
+  for (long first : {0L, 6L, 8L}) {
+    const auto y = labels(first, 4, true);
+    CHECK(sl::nn::cross_entropy.items(sl::cuda::to_device(y)) == sl::nn::cross_entropy.items(y));
+  }
 }

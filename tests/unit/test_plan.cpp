@@ -90,7 +90,8 @@ struct outcome {
 template <class Strategy>
 std::vector<outcome> run(Strategy strategy, int world, int prefetch, shard::mixed_precision mp,
                          std::size_t activations, shard::wrap_policy keep = shard::wrap_none{},
-                         plan::accumulation acc = {}) {
+                         plan::accumulation acc = {}, bool per_item = false) {
+  const auto mean = per_item ? shard::loss_mean::per_item : shard::loss_mean::per_micro_batch;
   std::vector<outcome> out(world);
   const int steps = 3;
   comm::launch(world, [&](comm::ThreadComm& c, ledger& l) {
@@ -105,7 +106,8 @@ std::vector<outcome> run(Strategy strategy, int world, int prefetch, shard::mixe
     auto& o = out[c.rank()];
     for (int s = 0; s < steps; ++s) {
       if (acc.micro_batches == 1) {
-        o.losses.push_back(sharded.train_step(adam, inputs(s, c.rank()), labels(s, c.rank()), nn::cross_entropy));
+        o.losses.push_back(
+            sharded.train_step(adam, inputs(s, c.rank()), labels(s, c.rank()), nn::cross_entropy, {.mean = mean}));
         continue;
       }
       std::vector<Tensor<float>> xs;
@@ -117,7 +119,8 @@ std::vector<outcome> run(Strategy strategy, int world, int prefetch, shard::mixe
       o.losses.push_back(sharded.train_step(adam, xs, ys, nn::cross_entropy,
                                             {.no_sync = acc.no_sync,
                                              .reshard_after_backward = !acc.keep_after_backward,
-                                             .replica_all_reduce = acc.replica_all_reduce}));
+                                             .replica_all_reduce = acc.replica_all_reduce,
+                                             .mean = mean}));
     }
     for (int k = 0; k < category_count; ++k) o.peak[k] = l.peak(category(k));
     o.peak_total = l.peak();
@@ -130,6 +133,7 @@ std::vector<outcome> run(Strategy strategy, int world, int prefetch, shard::mixe
                         .world = world,
                         .prefetch = prefetch,
                         .precision = plan::precision::fp32_layers(mp),
+                        .per_item_mean = per_item,
                         .accumulation = acc};
     o.plan = plan::make_plan(desc, s);
   });
@@ -314,8 +318,8 @@ TEST_CASE("accumulated micro-batches: the plan equals the ledger and the bytes s
         for (int r = 0; r < world; ++r) {
           const auto rank = std::size_t(r);
           // three reductions per step, or one, beside train_step's all-reduces of the loss (and the
-          // overflow vote, 8 bytes) and of the ranks' counts and options (80 bytes)
-          const double scalars = 2 * double(world - 1) / world * (8 + 80);
+          // overflow vote, 8 bytes) and of the ranks' counts and options (96 bytes)
+          const double scalars = 2 * double(world - 1) / world * (8 + 96);
           CHECK(runs[0][rank].reduced_per_step - scalars ==
                 Approx(3 * (runs[1][rank].reduced_per_step - scalars)).epsilon(1e-12));
           CHECK(runs[2][rank].reduced_per_step == runs[1][rank].reduced_per_step);
@@ -329,6 +333,23 @@ TEST_CASE("accumulated micro-batches: the plan equals the ledger and the bytes s
   check(shard::NoShard{}, 3);
   check(shard::HybridShard{.group_size = 2}, 4);
   check(shard::FullShard{.reshard_to = 2}, 4);
+}
+
+// loss_mean::per_item adds an all-reduce of the ranks' items (two 8-byte integers) a step,
+// on one batch or over micro-batches; the rest is as without it.
+TEST_CASE("the plan's traffic counts a per-item mean's all-reduce", "[plan][accumulation][items]") {
+  const std::size_t activations = reference_activations();
+  for (int micro : {1, 3}) {
+    const plan::accumulation acc{.micro_batches = micro};
+    const auto without = run(shard::FullShard{}, 3, 1, {}, activations, shard::wrap_none{}, acc);
+    const auto with = run(shard::FullShard{}, 3, 1, {}, activations, shard::wrap_none{}, acc, true);
+    for (int r = 0; r < 3; ++r) {
+      const auto& o = with[std::size_t(r)];
+      INFO(micro << " micro-batches, rank " << r);
+      CHECK(o.sent_per_step == Approx(o.plan.sent.total()).epsilon(1e-12));
+      CHECK(o.sent_per_step - without[std::size_t(r)].sent_per_step == Approx(2 * 2.0 / 3 * 16).epsilon(1e-9));
+    }
+  }
 }
 
 TEST_CASE("the planner's walk finds the units fully_shard makes", "[plan][describe]") {
@@ -528,8 +549,8 @@ TEST_CASE("accumulation: the chooser weighs every micro-batch's compute against 
   const double one_micro_batch = zero2(base, {}).compute_s;
   base.accumulation.micro_batches = 4;
   CHECK(zero2(base, {}).compute_s == Approx(4 * one_micro_batch).epsilon(1e-12));
-  // and train_step's all-reduces of the loss (8 bytes) and of the ranks' counts and options (80)
-  const double scalars = 2 * 0.75 * (8 + 80) / 1e9;
+  // and train_step's all-reduces of the loss (8 bytes) and of the ranks' counts and options (96)
+  const double scalars = 2 * 0.75 * (8 + 96) / 1e9;
   const auto each = zero2(base, slow);
   CHECK(each.step_s == Approx(4 * 18.0 + scalars).epsilon(1e-12));
   base.accumulation.no_sync = true;

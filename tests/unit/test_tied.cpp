@@ -3,7 +3,8 @@
 // users, every strategy trains a tied model as unsharded training does, the tied
 // gradient is the sum of both uses, state dicts list every name, checkpoints
 // round-trip, the planner counts the Param once, and ties that cannot hold raise.
-// Then the engine around them: size-based wrapping, eval mode, summon_full_params.
+// Then the engine around them: size-based wrapping, eval mode, summon_full_params, and
+// train_step's per-item mean over padded tokens.
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/io/checkpoint.hpp"
 #include "shardlib/nn/embedding.hpp"
@@ -69,6 +70,22 @@ Tensor<std::int64_t> tokens(int step, std::int64_t rows, std::uint64_t stream, s
   return t;
 }
 
+// Step s's targets for rows [first, first + rows) of a global batch of `total` rows, padded:
+// row g ignored (-100) with probability 0.8 g / total, so that later ranks hold fewer tokens,
+// at odd steps rows [total / 2, total / 2 + 3) all ignored and at step 4 the second half (at
+// W = 2 and 6 rows a rank, rank 1's micro-batches of 1 and 2 rows then hold none, and at step
+// 4 rank 1 none at all).
+Tensor<std::int64_t> padded_targets(int step, std::int64_t rows, std::int64_t first, std::int64_t total) {
+  auto t = tokens(step, rows, 2, first);
+  const counter_rng rng(700 + std::uint64_t(step), 3);
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const std::int64_t g = first + i, half = total / 2;
+    const bool hole = g >= half && ((step % 2 == 1 && g < half + 3) || step == 4);
+    if (hole || rng.uniform_double(std::uint64_t(g)) < 0.8 * double(g) / double(total)) t[i] = -100;
+  }
+  return t;
+}
+
 // Plain SGD.
 template <class T>
 struct sgd {
@@ -116,8 +133,9 @@ bool shows_edit(const auto& state_dict) {
 
 // Unsharded training in double on the global batch (world * per_rank tokens a
 // step), edited before step edit_at (if any), the gradients clipped to max_norm as
-// PyTorch's clip_grad_norm_ clips them (max_norm / (norm + 1e-6)) when max_norm > 0.
-trace unsharded(int world, int per_rank, int steps, int edit_at = -1, double max_norm = 0) {
+// PyTorch's clip_grad_norm_ clips them (max_norm / (norm + 1e-6)) when max_norm > 0;
+// padded: on padded_targets, the loss a mean over the tokens not ignored.
+trace unsharded(int world, int per_rank, int steps, int edit_at = -1, double max_norm = 0, bool padded = false) {
   auto m = make_model<double>();
   tie(m);
   nn::Replicated<double, Model<double>> owner(m, 42);
@@ -128,7 +146,9 @@ trace unsharded(int world, int per_rank, int steps, int edit_at = -1, double max
   for (int s = 0; s < steps; ++s) {
     if (s == edit_at) edit(m);
     owner.zero_grad();
-    const auto l = nn::cross_entropy(ctx.forward(m, tokens(s, world * per_rank, 1)), tokens(s, world * per_rank, 2));
+    const std::int64_t rows = world * per_rank;
+    const auto l = nn::cross_entropy(ctx.forward(m, tokens(s, rows, 1)),
+                                     padded ? padded_targets(s, rows, 0, rows) : tokens(s, rows, 2));
     ctx.backward(m, l.grad);
     double squared = 0;
     for (double g : owner.grads()) squared += g * g;
@@ -180,6 +200,37 @@ std::vector<trace> sharded(int world, int per_rank, int steps, shard::AnyStrateg
       double mean = 0;
       for (T v : all) mean += double(v) / double(c.size());
       t.losses.push_back(mean);
+    }
+    for (auto& [name, value] : model.full_state_dict(false))
+      t.params.insert(t.params.end(), value.span().begin(), value.span().end());
+  });
+  return out;
+}
+
+// train_step on each rank's rows of the padded batch (padded_targets), in micro-batches of
+// `sizes` rows (one: the single-batch train_step), each step's loss as reported.
+template <class T>
+std::vector<trace> padded_run(int world, int steps, shard::AnyStrategy strategy, const std::vector<int>& sizes,
+                              const shard::step_options& so) {
+  int per_rank = 0;
+  for (int n : sizes) per_rank += n;
+  std::vector<trace> out(static_cast<std::size_t>(world));
+  comm::launch(world, [&](comm::ThreadComm& c) {
+    auto m = make_model<T>();
+    tie(m);
+    auto model = shard::fully_shard<sgd<T>, T>(m, c, strategy, each_layer_a_unit<T>());
+    sgd<T> opt;
+    auto& t = out[std::size_t(c.rank())];
+    for (int s = 0; s < steps; ++s) {
+      std::vector<Tensor<std::int64_t>> xs, ys;
+      for (std::int64_t first = c.rank() * per_rank; int n : sizes) {
+        xs.push_back(tokens(s, n, 1, first));
+        ys.push_back(padded_targets(s, n, first, world * per_rank));
+        first += n;
+      }
+      const auto r = sizes.size() == 1 ? model.train_step(opt, xs[0], ys[0], nn::cross_entropy, so)
+                                       : model.train_step(opt, xs, ys, nn::cross_entropy, so);
+      t.losses.push_back(r.loss);
     }
     for (auto& [name, value] : model.full_state_dict(false))
       t.params.insert(t.params.end(), value.span().begin(), value.span().end());
@@ -280,6 +331,139 @@ TEST_CASE("a tied model trains with float64 masters under every strategy", "[tie
     });
   });
   CHECK_THAT(bf16_error, Contains("float64 masters gather and reduce in float64") && Contains("BF16"));
+}
+
+// Padding spreads a token loss's items unevenly over ranks and micro-batches (here also of 1,
+// 2 and 3 rows, some without a token at odd steps): averaging each micro-batch's mean and
+// each rank's weighs a token by where it sits. loss_mean::per_item weighs each loss by its
+// tokens' share of the step's, which is the unsharded mean over the global batch's tokens:
+// within 1e-12 in float64 (as above), whatever the strategy, split or reduction.
+TEST_CASE("per-item loss means train as the unsharded mean over the global batch's tokens",
+          "[tied][equivalence][f64][items]") {
+  const int w = 2, steps = 6;
+  const std::vector<int> sizes{1, 2, 3};
+  const auto want = unsharded(w, 6, steps, -1, 0, true);
+  auto error_of = [&](const std::vector<trace>& got, const char* what) {
+    test_support::max_error loss, param;
+    for (const auto& t : got) {
+      loss.relative(t.losses, want.losses, 1e-6);
+      param.relative(t.params, want.params, 1e-3);
+    }
+    INFO(what << ": loss " << loss << ", parameters " << param);
+    CHECK(loss <= 1e-6);  // reported in float
+    return param;
+  };
+  auto per_item = [](shard::step_options so) {
+    so.mean = shard::loss_mean::per_item;
+    return so;
+  };
+  for (const auto& strategy : {shard::AnyStrategy(shard::FullShard{}), shard::AnyStrategy(shard::ShardGradOp{}),
+                               shard::AnyStrategy(shard::ShardOptimizer{}), shard::AnyStrategy(shard::NoShard{}),
+                               shard::AnyStrategy(shard::HybridShard{.group_size = 1})})
+    CHECK(error_of(padded_run<double>(w, steps, strategy, sizes, per_item({})), strategy.name.c_str()) <= 1e-12);
+  CHECK(error_of(padded_run<double>(w, steps, shard::FullShard{}, sizes, per_item({.no_sync = true})), "no_sync") <=
+        1e-12);
+  CHECK(error_of(padded_run<double>(w, steps, shard::FullShard{}, sizes,
+                                    per_item({.reduction = shard::grad_reduction::sum})),
+                 "summed") <= 1e-12);
+  CHECK(error_of(padded_run<double>(w, steps, shard::NoShard{}, {6}, per_item({})), "one batch") <= 1e-12);
+
+  // The inputs hold the cases: a micro-batch without tokens, and a rank without any at a step.
+  bool empty_micro_batch = false, empty_rank = false;
+  for (int s = 0; s < steps; ++s)
+    for (std::int64_t first = 6; int n : sizes) {
+      const auto t = padded_targets(s, n, first, 12);
+      empty_micro_batch = empty_micro_batch || std::all_of(t.data(), t.data() + n, [](auto y) { return y < 0; });
+      first += n;
+    }
+  for (int s = 0; s < steps; ++s) {
+    const auto t = padded_targets(s, 6, 6, 12);
+    empty_rank = empty_rank || std::all_of(t.data(), t.data() + 6, [](auto y) { return y < 0; });
+  }
+  CHECK(empty_micro_batch);
+  CHECK(empty_rank);
+
+  // Each rank's own loss (loss_report::local) is its mean over its tokens (NaN without any):
+  // weighed by their counts they make the global one.
+  const auto local =
+      padded_run<double>(w, steps, shard::FullShard{}, sizes, per_item({.loss = shard::loss_report::local}));
+  test_support::max_error combined;
+  for (int s = 0; s < steps; ++s) {
+    double sum = 0, all = 0;
+    for (int r = 0; r < w; ++r) {
+      const auto t = padded_targets(s, 6, 6 * r, 12);
+      const double count = double(std::count_if(t.data(), t.data() + 6, [](auto y) { return y >= 0; }));
+      const double loss = local[std::size_t(r)].losses[std::size_t(s)];
+      if (count == 0) CHECK(std::isnan(loss));
+      else sum += loss * count;
+      all += count;
+    }
+    combined.relative(std::vector<double>{sum / all}, std::vector<double>{want.losses[std::size_t(s)]}, 1e-6);
+  }
+  INFO("the ranks' own losses, weighed: " << combined);
+  CHECK(combined <= 1e-6);
+
+  // Without it micro-batches and ranks weigh alike: not the global mean.
+  test_support::max_error alike;
+  for (const auto& t : padded_run<double>(w, steps, shard::FullShard{}, {2, 2, 2}, {}))
+    alike.relative(t.params, want.params, 1e-3);
+  INFO("per micro-batch: parameters " << alike);
+  CHECK(alike.value() > 1e-3);
+}
+
+TEST_CASE("per-item loss means: ranks that cannot count raise together", "[tied][items][errors]") {
+  std::vector<std::string> errors(2);
+  auto run = [&](auto&& step) {
+    errors.assign(2, "");
+    comm::launch(2, [&](comm::ThreadComm& c) {
+      auto m = make_model<float>();
+      tie(m);
+      auto model = shard::fully_shard<sgd<float>, float>(m, c, shard::FullShard{}, each_layer_a_unit<float>());
+      sgd<float> opt;
+      errors[std::size_t(c.rank())] = test_support::raised([&] { step(model, opt, c.rank()); });
+    });
+  };
+  const auto x = tokens(0, 4, 1), y = tokens(0, 4, 2);
+  const shard::step_options per_item{.mean = shard::loss_mean::per_item};
+  // A loss that sums on rank 1: no mean to weigh.
+  run([&](auto& model, auto& opt, int rank) {
+    const nn::cross_entropy_loss loss{{.reduction = rank == 1 ? nn::loss_reduction::sum : nn::loss_reduction::mean}};
+    model.train_step(opt, x, y, loss, per_item);
+  });
+  CHECK_THAT(errors[1], Contains("rank 1: train_step with loss_mean::per_item, counting micro-batch 0's items") &&
+                            Contains("needs reduction mean"));
+  CHECK_THAT(errors[0], Contains("rank 0: train_step: 1 other rank(s) cannot run it"));
+  // Every token ignored on every rank.
+  run([&](auto& model, auto& opt, int) {
+    Tensor<std::int64_t> none({4});
+    std::fill(none.data(), none.data() + 4, -100);
+    model.train_step(opt, x, none, nn::cross_entropy, per_item);
+  });
+  for (int r = 0; r < 2; ++r)
+    CHECK_THAT(errors[std::size_t(r)], Contains(cat("rank ", r, ": train_step with loss_mean::per_item: no rank's "
+                                                    "targets hold an item")));
+  // A loss that cannot count.
+  run([&](auto& model, auto& opt, int) {
+    model.train_step(opt, x, y, [](const auto& out, const auto& t) { return nn::cross_entropy(out, t); }, per_item);
+  });
+  for (int r = 0; r < 2; ++r)
+    CHECK_THAT(errors[std::size_t(r)], Contains(cat("rank ", r, ": train_step with loss_mean::per_item: the loss "
+                                                    "function does not count")));
+  // One batch, and rank 1 cannot run the step: its own error, and rank 0 is not left waiting.
+  run([&](auto& model, auto& opt, int rank) {
+    model.train_step(opt, x, y, nn::cross_entropy,
+                     {.max_norm = rank == 1 ? -1.f : 0.f, .mean = shard::loss_mean::per_item});
+  });
+  CHECK_THAT(errors[1], Contains("rank 1: step_options.max_norm must be >= 0"));
+  CHECK_THAT(errors[0], Contains("rank 0: train_step: 1 other rank(s) cannot run it"));
+  // Micro-batches, and the ranks weigh them differently.
+  run([&](auto& model, auto& opt, int rank) {
+    const std::vector<Tensor<std::int64_t>> xs{x, x}, ys{y, y};
+    model.train_step(opt, xs, ys, nn::cross_entropy,
+                     {.mean = rank == 1 ? shard::loss_mean::per_item : shard::loss_mean::per_micro_batch});
+  });
+  for (int r = 0; r < 2; ++r)
+    CHECK_THAT(errors[std::size_t(r)], Contains("the ranks passed other loss_mean (from 0 to 1)"));
 }
 
 TEST_CASE("the tied weight is owned once, by the lowest unit around both users", "[tied][discover]") {

@@ -6,8 +6,9 @@
 #include "shardlib/core/pending.hpp"
 #include "shardlib/core/tensor.hpp"
 
-#include <algorithm>    // std::fill, std::max
+#include <algorithm>    // std::count_if, std::fill, std::max
 #include <cmath>        // std::exp, std::log
+#include <concepts>     // std::convertible_to
 #include <cstdint>      // std::int64_t
 #include <limits>       // std::numeric_limits
 #include <type_traits>  // std::conditional_t, std::is_same_v
@@ -46,6 +47,14 @@ template <class Space>
 struct cross_entropy_rows;
 }  // namespace detail
 
+// A loss whose value is a mean over items it can count from the targets alone, before
+// any forward: what train_step's shard::loss_mean::per_item weighs micro-batches and
+// ranks by. items(target) must be the count the loss divides by.
+template <class L, class Target>
+concept counts_items = requires(const L& l, const Target& t) {
+  { l.items(t) } -> std::convertible_to<std::int64_t>;
+};
+
 // Classes are the last dimension: logits [..., C] are N = numel / C rows, and
 // targets (class indices) have the leading shape [...] or are flattened to [N].
 // (torch puts C second for rank > 2 inputs; shardlib models emit [..., C].)
@@ -78,6 +87,14 @@ struct cross_entropy_loss {
                          "cross_entropy: targets must have the logits' leading shape ", leading, " or be [", rows,
                          "] for logits ", logits.shape(), ", got shape ", targets.shape());
     return detail::cross_entropy_rows<Space>::compute(o, logits, targets, rows, classes);
+  }
+  // The rows its mean is over: targets not equal to ignore_index (on a device, counted
+  // there and read: one wait). A sum is a mean over no count: refused.
+  template <class Space>
+  std::int64_t items(const Tensor<std::int64_t, Space>& targets) const {
+    require(options.reduction == loss_reduction::mean, "cross_entropy: items() counts the rows a mean is over; with "
+            "reduction sum the loss is no mean (shard::loss_mean::per_item needs reduction mean)");
+    return detail::cross_entropy_rows<Space>::items(options, targets);
   }
 };
 inline constexpr cross_entropy_loss cross_entropy{};
@@ -124,6 +141,10 @@ struct cross_entropy_rows<host_space> {
     for (std::int64_t i = 0; i < grad.numel(); ++i) grad[i] *= scale;
     return {T(total / double(counted)), grad};
   }
+  static std::int64_t items(const cross_entropy_options& o, const Tensor<std::int64_t>& targets) {
+    return std::int64_t(std::count_if(targets.data(), targets.data() + targets.numel(),
+                                      [&](std::int64_t y) { return y != o.ignore_index; }));
+  }
 };
 }  // namespace detail
 
@@ -150,6 +171,13 @@ struct squared_error_loss {
       grad[i] = T(2) * d * scale;
     }
     return {T(options.reduction == loss_reduction::mean ? total / double(n) : total), grad};
+  }
+  // The elements its mean is over; a sum is refused, as cross_entropy_loss::items.
+  template <class T>
+  std::int64_t items(const Tensor<T>& target) const {
+    require(options.reduction == loss_reduction::mean, "mse_loss: items() counts the elements a mean is over; with "
+            "reduction sum the loss is no mean (shard::loss_mean::per_item needs reduction mean)");
+    return target.numel();
   }
 };
 inline constexpr squared_error_loss mse_loss{};

@@ -67,6 +67,7 @@ struct setup {
   // unit's elements, nor for a packed unit's frozen ones
   bool frozen_grads = true;
   bool global_loss = true;  // shard::step_options::loss is loss_report::global_mean (train_step's default)
+  bool per_item_mean = false;  // shard::step_options::mean is loss_mean::per_item
   // Gradient accumulation (plan/step_replay.hpp): train_step over micro-batches;
   // model_desc's activations and flops are then one micro-batch's.
   plan::accumulation accumulation{};
@@ -402,8 +403,10 @@ inline rank_plan make_plan(const model_desc& d, const setup& s) {
              (s.rank ? across[std::size_t(my_piece)] : *std::max_element(across.begin(), across.end())),
          W, true);
   }
-  // train_step over micro-batches: the ranks compare their count and options (ten 8-byte integers)
-  if (acc.micro_batches > 1) send(t.all_reduce, 2 * fW * 80, W, true);
+  // train_step over micro-batches: the ranks compare their count and options (twelve 8-byte integers)
+  if (acc.micro_batches > 1) send(t.all_reduce, 2 * fW * 96, W, true);
+  // loss_mean::per_item: the ranks sum their items and whether each can run the step (two integers)
+  if (s.per_item_mean) send(t.all_reduce, 2 * fW * 16, W, true);
   // train_step's one scalar all-reduce: the global mean loss and fp16 loss scaling's
   // overflow vote, two floats, sent when either is on.
   if (s.global_loss || s.precision.param == dtype::f16 || s.precision.reduce == dtype::f16)

@@ -61,6 +61,7 @@ struct options {
 // train_step's options and what it returns.
 enum class loss_report { global_mean, local };
 enum class grad_reduction { average, sum };
+enum class loss_mean { per_micro_batch, per_item };
 struct step_options {
   float max_norm = 0;  // > 0: clip the global gradient norm to it, after fp16 unscaling; 0: no clipping
   // global_mean: the mean of every rank's loss, by one all-reduce of a scalar (carried
@@ -89,6 +90,17 @@ struct step_options {
   // set_requires_all_reduce(False) before it): one replica all-reduce a step, the gradients
   // still sharded in between (no_sync keeps them whole).
   bool replica_all_reduce = true;
+  // What the step's gradient and loss are a mean over. per_micro_batch: each micro-batch's
+  // loss as its loss function averages it, the micro-batches weighed alike and the ranks too:
+  // the mean over the global batch's items only when every micro-batch of every rank holds as
+  // many. per_item: each loss weighed by the items its mean is over (a token loss's targets
+  // not ignored), as the loss function counts them (items(target)), out of their total over
+  // every rank and micro-batch, one all-reduce of two integers before the first forward
+  // (torchtitan's global valid tokens, Hugging Face's num_items_in_batch): the step follows
+  // the gradient of the mean over the global batch's items however padding spreads them, and
+  // reports that mean (local: this rank's mean over its items). The reduction then changes
+  // nothing. A step whose targets hold no item on any rank raises on every rank.
+  loss_mean mean = loss_mean::per_micro_batch;
 };
 struct step_result {
   float loss = 0;                  // as step_options::loss says

@@ -310,10 +310,11 @@ class ShardedModel {
   // The same over micro-batches (gradient accumulation): xs[k] and ys[k] for k < xs.size(),
   // each forward and backward in turn, one optimizer step after the last. Each loss gradient
   // is divided by their number, so that with equal micro-batches the step follows the
-  // gradient of their mean loss, which it reports (fp16: the overflow vote covers them all).
+  // gradient of their mean loss, which it reports (fp16: the overflow vote covers them all);
+  // so.mean = loss_mean::per_item weighs each by its items instead (padded or unequal ones).
   // so.no_sync, reshard_after_backward and replica_all_reduce say how the micro-batches before
   // the last run. Ranks must pass as many micro-batches and the same options: they compare them, and
-  // whether each rank can run the step at all, in one all-reduce of ten integers (on a
+  // whether each rank can run the step at all, in one all-reduce of twelve integers (on a
   // device a host wait), and all raise if one differs or cannot.
   //   std::vector<Tensor<float>> xs = ..., ys = ...;   // four micro-batches
   //   model.train_step(adamw, xs, ys, nn::cross_entropy, {.max_norm = 1, .no_sync = true});
@@ -332,7 +333,7 @@ class ShardedModel {
                                  const step_options& so, bool micro_batches);
   // Ranks that ran different micro-batches would pair their collectives wrongly (a kept unit's
   // gather with another's of the same size), and a rank that raised alone would leave the
-  // others waiting: whether each can run the step (`problem` empty), the count and the three
+  // others waiting: whether each can run the step (`problem` empty), the count and the four
   // options, compared as maxima of the values and of their negations, and raised on every rank.
   void check_micro_batches(std::size_t inputs, const step_options& so, const std::string& problem);
 

@@ -5,6 +5,7 @@
 // Member definitions: shard/sharded_model.hpp includes this at its end.
 #pragma once
 #include "shardlib/shard/sharded_model.hpp"
+#include "shardlib/shard/step_items.hpp"  // loss_mean::per_item
 
 #include <cmath>        // std::sqrt, std::isfinite
 #include <cstddef>      // std::size_t
@@ -41,8 +42,11 @@ auto ShardedModel<Model, Comm, Strategy, T, Optimizer>::run_step(O& opt, std::sp
                   "grad_reduction::sum under ", strategy_.name, ": its all-reduce would sum again what the earlier "
                   "micro-batches reduced; use no_sync (one reduction a step) or average");
   if (micro_batches) check_micro_batches(xs.size(), so, problem);
+  std::optional<step_items> items;  // loss_mean::per_item: its all-reduce also agrees on `problem`
+  if (so.mean == loss_mean::per_item) items.emplace(count_step_items<ops>(*comm_, loss_fn, ys, problem));
   require(problem.empty(), problem);
   const std::size_t n = xs.size();
+  const float world = float(comm_->size());  // the ranks an averaging reduction divides by
   const bool on_space = (scaler_ || so.max_norm > 0) && decides_on_space<O>();
   const double* loss_scale = on_space && scaler_ ? scaler_.in_space().data() + scale_slot : nullptr;
   zero_grad();
@@ -62,10 +66,13 @@ auto ShardedModel<Model, Comm, Strategy, T, Optimizer>::run_step(O& opt, std::sp
                                                         : replicas::after_skip);
       auto out = forward(xs[k]);
       auto l = loss_fn(out, ys[k]);
-      if (n > 1 || scaler_)  // rounded once, in fp32, when the layers compute in 16 bits
+      if (n > 1 || scaler_ || items)  // rounded once, in fp32, when the layers compute in 16 bits
         in_fp32<space>(l.grad.span(), [&](auto g) {
           using wide = typename decltype(g)::element_type;  // float, or a float64 model's double
-          if (n > 1) ops::scale(g, wide(1) / wide(n));
+          if (items)
+            ops::scale(g, wide(items->gradient_factor(k, so.reduction == grad_reduction::average ? world : 1)));
+          else if (n > 1)
+            ops::scale(g, wide(1) / wide(n));
           if (scaler_) scaler_.scale(g, loss_scale, false);
         });
       backward(l.grad);
@@ -80,11 +87,21 @@ auto ShardedModel<Model, Comm, Strategy, T, Optimizer>::run_step(O& opt, std::sp
   }
   reducer_.set_op(comm::reduce_op::avg);
   reducer_.set_replicas_mode(decltype(reducer_)::replicas::each);
-  const auto loss = mean_loss<ops>(std::move(losses));
+  const auto loss = mean_loss<ops>(std::move(losses), items ? items->loss_weights() : std::vector<float>{});
   // The loss and the units whose gradients overflowed, in the model's space.
   auto shared = ops::template make_scalars<float>(2);
   const bool global = scaler_ || so.loss == loss_report::global_mean;  // every rank decides alike
-  if (global) put_loss<ops>(loss, std::span<float>(shared.data(), 1));
+  if (global) {
+    // The sum over ranks, divided by their number when read: per item, each rank's mean over
+    // its items weighed by their share (none: nothing, where its mean is NaN).
+    const std::span<float> slot(shared.data(), 1);
+    if (items && items->mine == 0) {
+      ops::fill(slot, 0.f);
+    } else {
+      put_loss<ops>(loss, slot);
+      if (items) ops::scale(slot, float(double(items->mine) * world / double(items->all)));
+    }
+  }
   if constexpr (std::is_same_v<T, float>)  // fp16 loss scaling has float masters (a float64 model has no scaler)
     if (scaler_)
       for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad.span()), shared.data() + 1);
@@ -96,7 +113,6 @@ auto ShardedModel<Model, Comm, Strategy, T, Optimizer>::run_step(O& opt, std::sp
   if constexpr (!std::is_same_v<space, host_space>)
     if (on_space) return step_decided_on_space(opt, loss, std::move(shared), std::move(norm_squared), so);
 
-  const float world = float(comm_->size());
   const bool mean = so.loss == loss_report::global_mean;
   step_result_of<space> r{};
   float seen[2] = {0.f, 0.f};  // shared, on the host once read
@@ -136,9 +152,9 @@ template <nn::Layer Model, comm::Communicator Comm, ShardingStrategy Strategy, c
 void ShardedModel<Model, Comm, Strategy, T, Optimizer>::check_micro_batches(std::size_t inputs, const step_options& so,
                                                                             const std::string& problem) {
   const int rank = comm_->rank();
-  constexpr std::size_t n = 5;
-  const std::int64_t mine[n] = {problem.empty(), std::int64_t(inputs), so.no_sync, so.reshard_after_backward,
-                                so.replica_all_reduce};
+  constexpr std::size_t n = 6;
+  const std::int64_t mine[n] = {problem.empty(),           std::int64_t(inputs),   so.no_sync,
+                                so.reshard_after_backward, so.replica_all_reduce, std::int64_t(so.mean)};
   std::vector<std::int64_t> both(2 * n);
   for (std::size_t i = 0; i < n; ++i) both[i] = mine[i], both[i + n] = -mine[i];
   ops::all_reduce_values(*comm_, std::span<std::int64_t>(both), comm::reduce_op::max);
@@ -146,12 +162,12 @@ void ShardedModel<Model, Comm, Strategy, T, Optimizer>::check_micro_batches(std:
   require(both[n] < 0, "rank ", rank, ": train_step over micro-batches: another rank cannot run it (its error "
           "says why)");
   static constexpr const char* what[n] = {"", "micro-batch counts", "no_sync", "reshard_after_backward",
-                                          "replica_all_reduce"};
+                                          "replica_all_reduce", "loss_mean"};
   for (std::size_t i = 1; i < n; ++i)
     require(both[i] == -both[i + n], "rank ", rank, ": train_step over ", inputs, " micro-batches (no_sync ",
             so.no_sync, ", reshard_after_backward ", so.reshard_after_backward, ", replica_all_reduce ",
-            so.replica_all_reduce, "): the ranks passed other ", what[i], " (from ", -both[i + n], " to ", both[i],
-            "); every rank must run the same micro-batches");
+            so.replica_all_reduce, ", loss_mean ", int(so.mean), "): the ranks passed other ", what[i], " (from ",
+            -both[i + n], " to ", both[i], "); every rank must run the same micro-batches");
 }
 
 template <nn::Layer Model, comm::Communicator Comm, ShardingStrategy Strategy, class T, class Optimizer>

@@ -10,6 +10,7 @@
 #include "shardlib/shard/step_decision.hpp"  // outcome_slot
 
 #include <functional>  // std::function
+#include <limits>      // std::numeric_limits
 #include <memory>      // std::make_shared, std::shared_ptr
 #include <span>        // std::span
 #include <utility>     // std::move
@@ -45,23 +46,31 @@ float read_with(const L& loss, Issue&& issue) {
   }
 }
 
-// The mean of equal micro-batches' losses (train_step's accumulation), in float: summed in
-// order, times 1 / their number. Host values at once; device ones (pending) averaged in the model's space, whose slot the
-// result's device() is, read when the caller reads it, each micro-batch's loss read with it
-// (raising its loss function's deferred errors: one wait each). One loss is itself.
+// The micro-batches' mean loss (train_step's accumulation), in float: summed in order, each
+// times its weight, or with none given all times 1 / their number. A weight of 0 leaves its
+// loss out (a micro-batch without items: NaN); all 0 gives NaN. Host values at once; device
+// ones (pending) averaged in the model's space, whose slot the result's device() is, read when
+// the caller reads it, each micro-batch's loss read with it (raising its loss function's
+// deferred errors: one wait each). One loss of weight 1, or of none, is itself.
 template <class Ops, class L>
-auto mean_loss(std::vector<L> losses) {
+auto mean_loss(std::vector<L> losses, const std::vector<float>& weights = {}) {
   const std::size_t n = losses.size();
+  const bool equal = weights.empty();
   if constexpr (requires { losses[0].device(); }) {
-    if (n == 1) return losses[0];
+    if (n == 1 && (equal || weights[0] == 1.f)) return losses[0];
     auto slots = std::make_shared<typename Ops::template scalars<float>>(Ops::template make_scalars<float>(n + 1));
     const std::span<float> mean(slots->data() + n, 1);
+    bool any = false;
     for (std::size_t i = 0; i < n; ++i) {
+      if (!equal && weights[i] == 0.f) continue;
       const std::span<float> slot(slots->data() + i, 1);
       put_loss<Ops>(losses[i], slot);
-      Ops::add(std::span<const float>(slot), mean, i == 0);
+      if (!equal) Ops::scale(slot, weights[i]);
+      Ops::add(std::span<const float>(slot), mean, !any);
+      any = true;
     }
-    Ops::scale(mean, 1.f / float(n));
+    if (!any) Ops::fill(mean, std::numeric_limits<float>::quiet_NaN());
+    else if (equal) Ops::scale(mean, 1.f / float(n));
     return L(
         [losses = std::move(losses), slots, n, at = Ops::issued_here()](const std::function<void()>& before_wait) {
           float value = 0;
@@ -75,9 +84,16 @@ auto mean_loss(std::vector<L> losses) {
         },
         mean.data());
   } else {
-    float sum = 0;  // as the device sums: in order, then times 1 / n
-    for (const auto& l : losses) sum += float(l);
-    return sum * (1.f / float(n));
+    if (equal) {
+      float sum = 0;  // as the device sums: in order, then times 1 / n
+      for (const auto& l : losses) sum += float(l);
+      return sum * (1.f / float(n));
+    }
+    float sum = 0;  // as the device sums: each times its weight, in order
+    bool any = false;
+    for (std::size_t i = 0; i < n; ++i)
+      if (weights[i] != 0.f) sum += float(losses[i]) * weights[i], any = true;
+    return any ? sum : std::numeric_limits<float>::quiet_NaN();
   }
 }
 

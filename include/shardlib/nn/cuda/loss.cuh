@@ -3,15 +3,16 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
+#include "shardlib/core/ledger.hpp"             // category
 #include "shardlib/core/pending.hpp"            // pending, count_host_sync
 #include "shardlib/core/tensor.hpp"
-#include "shardlib/cuda/caching_allocator.hpp"  // device_allocator
+#include "shardlib/cuda/caching_allocator.hpp"  // device_allocator, device_buffer
 #include "shardlib/cuda/copy.hpp"               // copy_async
 #include "shardlib/cuda/current.hpp"            // current_stream
 #include "shardlib/cuda/error.hpp"              // current_device
 #include "shardlib/cuda/memory_space.hpp"       // cuda_space
 #include "shardlib/nn/loss.hpp"                 // cross_entropy_loss, loss_result
-#include "shardlib/ops/cuda/cross_entropy.cuh"  // cross_entropy
+#include "shardlib/ops/cuda/cross_entropy.cuh"  // cross_entropy, count_rows
 #include "shardlib/ops/cuda/index_report.hpp"   // index_report, deferred_index_reports
 
 #include <cstdint>     // std::int64_t
@@ -52,21 +53,30 @@ struct cross_entropy_rows<cuda_space> {
         for (auto& e : *earlier) e.copy_to_host(s);
         if (before_wait) before_wait();
       });
-      if (r) throw shape_error(cat("cross_entropy: target ", read_one(targets.data() + *r, s), " in row ", *r,
-                                   " is out of range for ", classes, " classes (ignore_index is ", o.ignore_index, ")"));
+      if (r)
+        throw shape_error(cat("cross_entropy: target ", read_one(targets.data() + *r, s, "its bad target"), " in row ",
+                              *r, " is out of range for ", classes, " classes (ignore_index is ", o.ignore_index, ")"));
       for (const auto& e : *earlier) e.raise_if_bad();
       return value;
     };
     return {pending<float>(read, loss.data()), grad};
   }
+  // The rows not ignored, counted on the current stream and read (one wait).
+  static std::int64_t items(const cross_entropy_options& o, const Tensor<std::int64_t, cuda_space>& targets) {
+    const cudaStream_t s = cuda::current_stream();
+    auto& alloc = cuda::device_allocator(cuda::current_device());
+    cuda::device_buffer<int> counted(1, category::activations, s, alloc);
+    ops::cuda::count_rows(targets.data(), targets.numel(), o.ignore_index, counted.data(), s, alloc);
+    return read_one(counted.data(), s, "cross_entropy's count of rows");
+  }
 
  private:
   template <class U>
-  static U read_one(const U* p, cudaStream_t s) {
+  static U read_one(const U* p, cudaStream_t s, const char* what) {
     U v{};
     cuda::copy_async(std::span<U>(&v, 1), std::span<const U>(p, 1), s);
     count_host_sync();
-    cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (reading cross_entropy's bad target)");
+    cuda::check(cudaStreamSynchronize(s), "cudaStreamSynchronize (reading ", what, ")");
     return v;
   }
 };

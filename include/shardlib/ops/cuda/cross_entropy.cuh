@@ -54,6 +54,17 @@ __global__ void cross_entropy_finish_kernel(const double* total, const int* coun
 }
 }  // namespace detail
 
+// The rows whose target is not ignore_index, into *counted on the stream.
+inline void count_rows(const std::int64_t* targets, std::int64_t rows, std::int64_t ignore_index, int* counted,
+                       cudaStream_t stream, shardlib::cuda::caching_allocator& alloc) {
+  detail::with_cub_scratch(
+      [&](void* scratch, std::size_t& bytes) {
+        return cub::DeviceReduce::TransformReduce(scratch, bytes, targets, counted, rows, ::cuda::std::plus<>{},
+                                                  detail::counts_row{ignore_index}, 0, stream);
+      },
+      stream, alloc, "cub::DeviceReduce::TransformReduce (counting cross_entropy rows)");
+}
+
 // Cross-entropy of logits [rows, classes] against targets [rows] (class
 // indices), as nn::cross_entropy_loss{options}: grad [rows, classes] gets
 // dloss/dlogits and *loss (device memory) the loss, both ordered on `stream`.
@@ -70,13 +81,7 @@ void cross_entropy(const T* logits, const std::int64_t* targets, std::int64_t ro
   shardlib::cuda::device_buffer<int> counted(1, category::activations, stream, alloc);
   shardlib::cuda::device_buffer<double> total(1, category::activations, stream, alloc);
   shardlib::cuda::device_buffer<float> row_loss(std::size_t(rows), category::activations, stream, alloc);
-  detail::with_cub_scratch(
-      [&](void* scratch, std::size_t& bytes) {
-        return cub::DeviceReduce::TransformReduce(scratch, bytes, targets, counted.data(), rows,
-                                                  ::cuda::std::plus<>{}, detail::counts_row{options.ignore_index}, 0,
-                                                  stream);
-      },
-      stream, alloc, "cub::DeviceReduce::TransformReduce (counting cross_entropy rows)");
+  count_rows(targets, rows, options.ignore_index, counted.data(), stream, alloc);
   if (rows > 0) {
     launch_kernel("cross_entropy", detail::cross_entropy_kernel<T>, unsigned(rows), row_threads(classes), 0, stream,
                   logits, targets, classes, options.ignore_index, float(options.label_smoothing), mean, counted.data(),
