@@ -1,6 +1,6 @@
 // bench_cuda — the GPU numbers, each against the limit it should approach,
 // measured in the same run:
-//   fused Adam bytes/s          vs device-to-device copy bandwidth (goal >= 0.9x)
+//   fused AdamW and SGD bytes/s vs device-to-device copy bandwidth (goal >= 0.9x)
 //   NCCL all_gather, reduce_scatter, all_reduce bus bandwidth (nccl-tests
 //                               definitions), world size 1 .. #GPUs, one thread per GPU
 //   cublasGemmEx bf16 TFLOP/s   at 8192^3 on random values: the compute peak reference (and fp32)
@@ -33,6 +33,7 @@
 #include <shardlib/models/cuda.cuh>
 #include <shardlib/nn/cuda.cuh>
 #include <shardlib/optim/cuda/adam.cuh>
+#include <shardlib/optim/cuda/sgd.cuh>
 #include <shardlib/shard/cuda/space_ops.cuh>
 #include <shardlib/shard/sharded_model.hpp>
 #include <shardlib/ops/cuda/flash_attention.cuh>
@@ -118,33 +119,51 @@ struct json_lines {
   }
 };
 
-// --- fused Adam against the copy bandwidth ---------------------------------------------------
-template <class G>
-double adam_gbps(std::size_t n, const run_sizes& z, sl::cuda::stream& s, const char* label, double copy_gbps,
-                 const json_lines& json, std::vector<summary_line>& summary) {
-  auto& alloc = sl::cuda::device_allocator(0);
-  sl::cuda::device_buffer<float> p(n, sl::category::parameters, s, alloc);
-  sl::cuda::device_buffer<G> g(n, sl::category::gradients, s, alloc);
-  sl::cuda::device_buffer<sl::bfloat16> copy(n, sl::category::gathered_parameters, s, alloc);
-  sl::cuda::fill_bytes_async(p.span(), 0, s);
-  sl::cuda::fill_bytes_async(g.span(), 0, s);
-  const sl::optim::AdamW opt{{.lr = 1e-3, .weight_decay = 0.01}};
-  auto state = oc::make_adam_state(opt, n, s, alloc);
-  const double ms = median_ms(s, z.warmup(3), z.iters(20), [&] {
-    oc::fused_adam_step(opt, state, p.span(), std::span<const G>(g.span()), copy.span(), s);
-  });
-  // Read p, g, m, v; write p, m, v and the bf16 copy.
-  const double bytes = double(n) * (4 * 3 + sizeof(G) + 4 * 3 + 2);
-  const double gbps = bytes / (ms * 1e-3) / 1e9;
-  std::printf("%-36s %10zu %10.3f %10.1f %9.2fx copy\n", label, n, ms, gbps, gbps / copy_gbps);
-  json(sl::cat("\"bench\":\"cuda_adam\",\"grads\":\"", label, "\",\"params\":", n, ",\"ms\":", ms,
-                   ",\"GBps\":", gbps, ",\"vs_copy\":", gbps / copy_gbps));
+// --- fused optimizer steps against the copy bandwidth ----------------------------------------
+// step() over n parameters, which reads and writes `bytes_per_param` bytes of each, against
+// the copy bandwidth measured in the same run.
+template <class Step>
+double fused_step_gbps(std::size_t n, double bytes_per_param, const char* kind, const run_sizes& z,
+                       sl::cuda::stream& s, const char* label, double copy_gbps, const json_lines& json,
+                       std::vector<summary_line>& summary, Step&& step) {
+  const double ms = median_ms(s, z.warmup(3), z.iters(20), step);
+  const double gbps = double(n) * bytes_per_param / (ms * 1e-3) / 1e9;
+  std::printf("%-44s %10zu %10.3f %10.1f %9.2fx copy\n", label, n, ms, gbps, gbps / copy_gbps);
+  json(sl::cat("\"bench\":\"", kind, "\",\"grads\":\"", label, "\",\"params\":", n, ",\"ms\":", ms,
+               ",\"GBps\":", gbps, ",\"vs_copy\":", gbps / copy_gbps));
   char v[64], vs[64];
   std::snprintf(v, sizeof v, "%.0f GB/s", gbps);
   std::snprintf(vs, sizeof vs, "%.2fx copy (goal >= 0.90x): %s", gbps / copy_gbps,
                 gbps >= 0.9 * copy_gbps ? "met" : "MISSED");
   summary.push_back({label, v, vs});
   return gbps;
+}
+
+// Fused AdamW and SGD with momentum (optim::cuda::AdamW, optim::cuda::SGD) over n parameters
+// with gradients in G, each writing the bf16 copy.
+template <class G>
+void optimizer_gbps(std::size_t n, const run_sizes& z, sl::cuda::stream& s, const char* grads, double copy_gbps,
+                    const json_lines& json, std::vector<summary_line>& summary) {
+  sl::cuda::stream_scope scope(s.get());
+  auto& alloc = sl::cuda::device_allocator(0);
+  sl::cuda::device_buffer<float> p(n, sl::category::parameters, s, alloc);
+  sl::cuda::device_buffer<G> g(n, sl::category::gradients, s, alloc);
+  sl::cuda::device_buffer<sl::bfloat16> copy(n, sl::category::gathered_parameters, s, alloc);
+  sl::cuda::fill_bytes_async(p.span(), 0, s);
+  sl::cuda::fill_bytes_async(g.span(), 0, s);
+  const std::span<const G> gs(g.span());
+  {
+    const sl::optim::cuda::AdamW adamw{{.lr = 1e-3, .weight_decay = 0.01}};
+    auto state = adamw.make_state(n);
+    // Read p, g, m, v; write p, m, v and the bf16 copy.
+    fused_step_gbps(n, 4 * 3 + sizeof(G) + 4 * 3 + 2, "cuda_adam", z, s, sl::cat("fused AdamW, ", grads).c_str(),
+                    copy_gbps, json, summary, [&] { adamw.step(p.span(), gs, state, copy.span()); });
+  }
+  const sl::optim::cuda::SGD sgd{{.lr = 1e-3, .momentum = 0.9, .weight_decay = 0.01}};
+  auto state = sgd.make_state(n);
+  // Read p, g, the momentum buffer; write p, the buffer and the bf16 copy.
+  fused_step_gbps(n, 4 * 2 + sizeof(G) + 4 * 2 + 2, "cuda_sgd", z, s, sl::cat("fused SGD (momentum), ", grads).c_str(),
+                  copy_gbps, json, summary, [&] { sgd.step(p.span(), gs, state, copy.span()); });
 }
 
 // --- NCCL bus bandwidth ------------------------------------------------------------------------
@@ -509,8 +528,8 @@ int main(int argc, char** argv) try {
                       "cudaMemcpyAsync");
     });
     copy_gbps = 2.0 * double(copy_bytes) / (ms * 1e-3) / 1e9;  // read + write
-    std::printf("%-36s %10s %10s %10s\n", "memory-bound kernels", "elements", "ms", "GB/s");
-    std::printf("%-36s %10zu %10.3f %10.1f   (bytes read + written)\n", "cudaMemcpy device-to-device", copy_bytes, ms,
+    std::printf("%-44s %10s %10s %10s\n", "memory-bound kernels", "elements", "ms", "GB/s");
+    std::printf("%-44s %10zu %10.3f %10.1f   (bytes read + written)\n", "cudaMemcpy device-to-device", copy_bytes, ms,
                 copy_gbps);
     json(sl::cat("\"bench\":\"cuda_copy\",\"bytes\":", copy_bytes, ",\"ms\":", ms, ",\"GBps\":", copy_gbps));
     char v[64];
@@ -518,9 +537,9 @@ int main(int argc, char** argv) try {
     summary.push_back({"device-to-device copy", v, "the reference"});
   }
 
-  // 2. Fused AdamW over 256 M parameters (4.5-5 GiB of state and gradients).
-  adam_gbps<sl::bfloat16>(z.adam_params, z, s, "fused AdamW, bf16 grads, bf16 copy", copy_gbps, json, summary);
-  adam_gbps<float>(z.adam_params, z, s, "fused AdamW, fp32 grads, bf16 copy", copy_gbps, json, summary);
+  // 2. Fused AdamW and SGD over 256 M parameters (up to 5 GiB of state and gradients).
+  optimizer_gbps<sl::bfloat16>(z.adam_params, z, s, "bf16 grads, bf16 copy", copy_gbps, json, summary);
+  optimizer_gbps<float>(z.adam_params, z, s, "fp32 grads, bf16 copy", copy_gbps, json, summary);
   sl::cuda::device_allocator(0).empty_cache();
 
   // 3. NCCL at every world size this machine has.
@@ -643,7 +662,7 @@ int main(int argc, char** argv) try {
   }
 
   std::printf("\n== summary ==\n");
-  for (const auto& l : summary) std::printf("%-38s %-18s %s\n", l.what.c_str(), l.value.c_str(), l.versus.c_str());
+  for (const auto& l : summary) std::printf("%-46s %-18s %s\n", l.what.c_str(), l.value.c_str(), l.versus.c_str());
   if (json.f) std::fclose(json.f);
   return 0;
 } catch (const std::exception& e) {

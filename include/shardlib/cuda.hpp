@@ -30,5 +30,7 @@
 #include "shardlib/ops/cuda/reduce.cuh"          // add_column_sums, sums of squares, non-finite counts
 #include "shardlib/ops/cuda/rms_norm.cuh"        // rms_norm_forward, rms_norm_backward
 #include "shardlib/ops/cuda/rotary.cuh"          // apply_rotary, rotary_device_table
+#include "shardlib/ops/cuda/sgd.cuh"             // sgd_update, begin_sgd_step
 #include "shardlib/ops/cuda/softmax.cuh"         // masked_softmax, softmax_backward
+#include "shardlib/ops/cuda/step_gate.cuh"       // step_gate, gate_state
 #include "shardlib/ops/cuda/swiglu.cuh"          // silu, swiglu and their backward

@@ -20,6 +20,8 @@
 #include <shardlib/nn/stack.hpp>
 #include <shardlib/optim/adam.hpp>
 #include <shardlib/optim/cuda/adam.cuh>
+#include <shardlib/optim/cuda/sgd.cuh>
+#include <shardlib/optim/sgd.hpp>
 #include <shardlib/shard/cuda/space_ops.cuh>
 #include <shardlib/shard/sharded_model.hpp>
 
@@ -122,8 +124,8 @@ held hold(Sharded& sharded, Opt& opt) {
   return h;
 }
 // The same values into a host model of the same world size, strategy and wrap.
-template <class Sharded>
-void put(Sharded& sharded, sl::optim::AdamW& opt, const held& h) {
+template <class Sharded, class Opt>
+void put(Sharded& sharded, Opt& opt, const held& h) {
   for (std::size_t i = 0; i < sharded.unit_count(); ++i) {
     sharded.load_master(i, std::span<const float>(h.masters.at(i)));
     auto& st = sharded.optimizer_state(opt, i);
@@ -277,4 +279,54 @@ TEMPLATE_TEST_CASE("a device model with LoRA adapters writes and loads the host'
                    "[cuda][checkpoint][lora]", float, sl::bfloat16) {
   if (!have_device()) return;
   device_files_match_host<TestType>("_lora", [](auto& m) { sl::nn::add_lora(m, {"0", "1.layers.1", "2"}, {.r = 2}); });
+}
+
+// The device SGD's momentum buffer is recorded as the host SGD's (torch.optim.SGD's
+// momentum_buffer): a device model trained by it writes the host's files for the same
+// values, and a device model at another world size loads them back with the checkpoint's
+// hyperparameters.
+TEST_CASE("a device model trained by SGD with momentum writes the host's files and loads them back",
+          "[cuda][checkpoint][sgd]") {
+  if (!have_device()) return;
+  const test_support::temp_dir dev_dir("cuda_checkpoint_sgd_device"), host_dir("cuda_checkpoint_sgd_host");
+  const fs::path dev = dev_dir.path, hst = host_dir.path;
+  const sl::optim::SGD::options_type sgd{.lr = 1e-2, .momentum = 0.9, .weight_decay = 1e-3};
+  std::vector<std::string> problems(3);
+  on_ranks(2, [&](device_thread_comm& dc, sl::comm::ThreadComm& host, cudaStream_t) {
+    auto model = make_model<float, sl::cuda_space>();
+    auto sharded = shard::fully_shard<sl::optim::cuda::SGD>(model, dc, shard::FullShard{}, options_for<float>(7));
+    sl::optim::cuda::SGD opt{sgd};
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = batch<float>(s, host.rank(), 2);
+      sharded.train_step(opt, x, y, sl::nn::cross_entropy, {.max_norm = 1});  // gated: decided on the device
+    }
+    io::save_checkpoint(dev / "ckpt", sharded, opt, {.tag = "trained"});
+    io::export_safetensors(dev / "model.safetensors", sharded, opt);
+    const held values = hold(sharded, opt);
+    auto& mine = problems[std::size_t(host.rank())];
+    if (values.buffers.at(1).count("momentum_buffer") == 0) mine += "no momentum buffer; ";
+    if (values.optimizer_steps.at(1) != 3) mine += "other than 3 steps counted; ";
+
+    auto host_model = make_model<float, sl::host_space>();
+    auto twin = shard::fully_shard<sl::optim::SGD>(host_model, host, shard::FullShard{}, host_options<float>());
+    sl::optim::SGD host_opt{sgd};
+    put(twin, host_opt, values);
+    io::save_checkpoint(hst / "ckpt", twin, host_opt, {.tag = "trained"});
+    io::export_safetensors(hst / "model.safetensors", twin, host_opt);
+  });
+  on_ranks(3, [&](device_thread_comm& dc, sl::comm::ThreadComm& host, cudaStream_t) {
+    auto model = make_model<float, sl::cuda_space>();
+    auto sharded = shard::fully_shard<sl::optim::cuda::SGD>(model, dc, shard::ShardGradOp{}, options_for<float>(99));
+    sl::optim::cuda::SGD opt{{.lr = 0.5, .momentum = 0.5}};  // the checkpoint's hyperparameters replace these
+    io::load_checkpoint(dev / "ckpt" / "trained", sharded, opt);
+    auto host_model = make_model<float, sl::host_space>();
+    auto twin = shard::fully_shard<sl::optim::SGD>(host_model, host, shard::ShardGradOp{}, host_options<float>());
+    sl::optim::SGD host_opt{{.lr = 0.5, .momentum = 0.5}};
+    io::load_checkpoint(hst / "ckpt" / "trained", twin, host_opt);
+    auto& mine = problems[std::size_t(host.rank())];
+    if (hold(sharded, opt) != hold(twin, host_opt)) mine += "the device holds other values than the host; ";
+    if (opt.options.lr != sgd.lr || opt.options.momentum != sgd.momentum) mine += "hyperparameters not loaded; ";
+  });
+  for (const auto& p : problems) CHECK(p.empty());
+  require_same_files(dev, hst, 3 + 1);
 }

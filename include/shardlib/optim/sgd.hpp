@@ -100,6 +100,20 @@ struct SGD {
             "options.momentum");
   }
 
+  // The scalars of step number t (1 for the first), for checked options: what step uses,
+  // and what the device's SGD (optim/cuda/sgd.cuh) passes to its kernel or, when the
+  // device may cancel a step, computes there (the first step taken starts the buffer).
+  SHARDLIB_HD static detail::sgd_scalars scalars_at(const options_type& o, std::int64_t t) {
+    const bool first_step = t == 1;
+    return {
+        static_cast<float>(-o.lr),
+        static_cast<float>(o.weight_decay),
+        first_step ? 0.0f : static_cast<float>(o.momentum),
+        first_step ? 1.0f : static_cast<float>(1 - o.dampening),
+        static_cast<float>(o.momentum),
+    };
+  }
+
   // 4 bytes per parameter with momentum, none without.
   state make_state(std::size_t n) const {
     return {options.momentum != 0 ? detail::zeroed_state(n) : Buffer<float>{}, 0};
@@ -134,14 +148,7 @@ struct SGD {
                            ") of ", s.momentum_buffer.size(), " momentum_buffer entries");
     }
 
-    const bool first_step = s.step == 0;
-    const detail::sgd_scalars k{
-        static_cast<float>(-o.lr),
-        static_cast<float>(o.weight_decay),
-        first_step ? 0.0f : static_cast<float>(o.momentum),
-        first_step ? 1.0f : static_cast<float>(1 - o.dampening),
-        static_cast<float>(o.momentum),
-    };
+    const detail::sgd_scalars k = scalars_at(o, s.step + 1);
     float* buf = momentum ? s.momentum_buffer.data() + first : nullptr;
     detail::with_flag(o.weight_decay != 0, [&](auto decay) {
       detail::with_flag(momentum, [&](auto with_momentum) {

@@ -12,69 +12,37 @@
 #include "shardlib/optim/adam.hpp"               // BasicAdam (step_scalars), detail::adam_scalars
 #include "shardlib/optim/optimizer.hpp"          // detail::with_flag
 #include "shardlib/ops/cuda/adam.hpp"            // fused_adam_element
-#include "shardlib/ops/cuda/launch.cuh"          // grid_blocks
+#include "shardlib/ops/cuda/launch.cuh"          // grid_blocks, load4, store4
+#include "shardlib/ops/cuda/step_gate.cuh"       // step_gate, take_gate, launch_step_gate
 
 #include <cuda_runtime.h>
 
 #include <cstddef>  // std::size_t
-#include <cstdint>  // std::int64_t, std::uintptr_t
+#include <cstdint>  // std::int64_t
 #include <span>     // std::span
 
 namespace shardlib::ops::cuda {
 
-// A step the device may cancel (optim::skip_flag): one thread reads the flag and
-// either counts the step cancelled or makes its scalars from the steps taken so far
-// (attempts minus those cancelled), which the update's threads then read.
-struct gated_adam_scalars {
-  optim::detail::adam_scalars k;
-  int active;
-};
-struct adam_gate {
-  const double* skip;              // nonzero: cancel
-  double* cancelled;               // steps cancelled (the state's count, on the device)
-  gated_adam_scalars* scalars;     // this step's, written by gate_adam_kernel
-};
+using adam_gate = step_gate<optim::detail::adam_scalars>;
 
 namespace detail {
+// Step number t's scalars on the device, for a gated step.
 template <optim::decay_style Style>
-__global__ void gate_adam_kernel(typename optim::BasicAdam<Style>::options_type o, std::int64_t attempt,
-                                 adam_gate gate) {
-  if (*gate.skip != 0) {
-    *gate.cancelled += 1;
-    gate.scalars->active = 0;
-    return;
+struct adam_scalars_at {
+  typename optim::BasicAdam<Style>::options_type options;
+  __device__ optim::detail::adam_scalars operator()(std::int64_t t) const {
+    return optim::BasicAdam<Style>::scalars_at(options, t);
   }
-  gate.scalars->k = optim::BasicAdam<Style>::scalars_at(o, attempt - std::int64_t(*gate.cancelled));
-  gate.scalars->active = 1;
-}
-
-template <class T>
-struct alignas(4 * sizeof(T)) four {
-  T x[4];
 };
-
-template <class T>
-__device__ void load4(const T* src, T* dst) {
-  const four<T> f = *reinterpret_cast<const four<T>*>(src);
-  for (int l = 0; l < 4; ++l) dst[l] = f.x[l];
-}
-template <class T>
-__device__ void store4(const T* src, T* dst) {
-  four<T> f;
-  for (int l = 0; l < 4; ++l) f.x[l] = src[l];
-  *reinterpret_cast<four<T>*>(dst) = f;
-}
 
 // Vec: elements [0, 4 * (n / 4)) in groups of four through registers (every
 // pointer aligned to its group), the rest one by one; otherwise all one by one.
 // With a gate, its scalars replace k, or nothing is written when it is inactive.
 template <bool Vec, bool Decoupled, bool Decay, bool Amsgrad, class G, class C>
 __global__ void fused_adam_kernel(std::int64_t n, float* p, const G* g, float* m, float* v, float* vmax, C* copy,
-                                  optim::detail::adam_scalars k, const gated_adam_scalars* gate) {
-  if (gate) {
-    if (!gate->active) return;
-    k = gate->k;
-  }
+                                  optim::detail::adam_scalars k,
+                                  const gated_scalars<optim::detail::adam_scalars>* gate) {
+  if (!take_gate(gate, k)) return;
   const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
   const std::int64_t first = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   std::int64_t done = 0;
@@ -102,7 +70,6 @@ __global__ void fused_adam_kernel(std::int64_t n, float* p, const G* g, float* m
     fused_adam_element<Decoupled, Decay, Amsgrad>(i, p, g, m, v, vmax, copy, k);
 }
 
-inline bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 }  // namespace detail
 
 // Adam's state for a shard on the device (optim::BasicAdam::state's buffers).
@@ -136,7 +103,7 @@ optim::detail::adam_scalars begin_adam_step(const optim::BasicAdam<Style>& opt, 
   optim::detail::adam_scalars k{};
   if (gate) {
     opt.check_options();
-    launch_kernel("fused_adam gate", detail::gate_adam_kernel<Style>, 1, 1, 0, stream, opt.options, step + 1, *gate);
+    launch_step_gate("fused_adam gate", detail::adam_scalars_at<Style>{opt.options}, step + 1, *gate, stream);
   } else {
     k = opt.step_scalars(step + 1);
   }

@@ -115,12 +115,41 @@ __device__ __forceinline__ vec<T, N> load_vector(const T* p) {
   return __builtin_bit_cast(vec<T, N>, *reinterpret_cast<const raw_vec<T, N>*>(p));
 }
 
+template <int N, class T>
+__device__ __forceinline__ void store_vector(const vec<T, N>& x, T* p) {
+  *reinterpret_cast<raw_vec<T, N>*>(p) = __builtin_bit_cast(raw_vec<T, N>, x);
+}
+
+// Four consecutive elements into registers and back, as one aligned access each (the
+// optimizers' fused kernels, whose arrays differ in element size; doubles as two).
+template <class T>
+__device__ __forceinline__ void load4(const T* src, T* dst) {
+  constexpr int N = sizeof(T) * 4 > 16 ? 2 : 4;
+#pragma unroll
+  for (int h = 0; h < 4; h += N) {
+    const vec<T, N> x = load_vector<N>(src + h);
+#pragma unroll
+    for (int l = 0; l < N; ++l) dst[h + l] = x.v[l];
+  }
+}
+template <class T>
+__device__ __forceinline__ void store4(const T* src, T* dst) {
+  constexpr int N = sizeof(T) * 4 > 16 ? 2 : 4;
+#pragma unroll
+  for (int h = 0; h < 4; h += N) {
+    vec<T, N> x;
+#pragma unroll
+    for (int l = 0; l < N; ++l) x.v[l] = src[h + l];
+    store_vector(x, dst + h);
+  }
+}
+
 template <int N, class Out, class Op, class... In>
 __device__ __forceinline__ void map_vector(std::int64_t i, const Op& op, Out* out, const vec<In, N>&... x) {
   vec<Out, N> y;
 #pragma unroll
   for (int j = 0; j < N; ++j) y.v[j] = op(i + j, x.v[j]...);
-  *reinterpret_cast<raw_vec<Out, N>*>(out + i) = __builtin_bit_cast(raw_vec<Out, N>, y);
+  store_vector(y, out + i);
 }
 
 // Elements [head, head + vectors * N) in vectors of N, the rest ("edges": the
@@ -141,6 +170,8 @@ __global__ void map_kernel(std::int64_t n, std::int64_t head, std::int64_t vecto
     out[i] = op(i, in[i]...);
   }
 }
+
+inline bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 
 // Whether p + i starts an aligned vector of N elements of T.
 template <class T>

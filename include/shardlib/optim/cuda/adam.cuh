@@ -7,13 +7,13 @@
 #include "shardlib/core/element.hpp"        // FloatingElement
 #include "shardlib/core/error.hpp"          // require
 #include "shardlib/core/ledger.hpp"         // category
-#include "shardlib/core/pending.hpp"        // count_host_sync
-#include "shardlib/cuda/copy.hpp"           // copy_async, fill_bytes_async
+#include "shardlib/cuda/copy.hpp"           // fill_bytes_async
 #include "shardlib/cuda/current.hpp"        // current_stream
-#include "shardlib/cuda/error.hpp"          // check
 #include "shardlib/cuda/memory_space.hpp"   // cuda_space
-#include "shardlib/ops/cuda/adam.cuh"       // fused_adam_step, adam_moments
+#include "shardlib/ops/cuda/adam.cuh"       // adam_update, adam_moments
+#include "shardlib/ops/cuda/step_gate.cuh"  // gate_state
 #include "shardlib/optim/adam.hpp"          // BasicAdam, decay_style
+#include "shardlib/optim/cuda/step_forms.hpp"  // step_forms
 #include "shardlib/optim/optimizer.hpp"     // skip_flag
 #include "shardlib/optim/param_groups.hpp"  // segment, check_runs
 
@@ -35,25 +35,19 @@ namespace shardlib::optim::cuda {
 // Not an optim::Optimizer: that concept's state buffers are host
 // Buffer<float>s, these are Buffer<float, cuda_space> (for_each_buffer passes them).
 template <decay_style Style>
-struct BasicAdam {
+struct BasicAdam : step_forms<BasicAdam<Style>> {
   using host_optimizer = optim::BasicAdam<Style>;
   using options_type = typename host_optimizer::options_type;
   static constexpr std::string_view name = host_optimizer::name;
+
+  BasicAdam(options_type o = {}) : options(o) {}  // not explicit: Adam{{.lr = 1e-3}}, as the host optimizers
 
   struct state {
     Buffer<float, cuda_space> exp_avg;         // m
     Buffer<float, cuda_space> exp_avg_sq;      // v
     Buffer<float, cuda_space> max_exp_avg_sq;  // vmax; empty unless made with amsgrad
     std::int64_t step = 0;
-    // Made at the first gated step (optim::skip_flag): [0] the steps the device has
-    // cancelled since settle(), [1] a flag that is always 0 (later ungated steps go
-    // through the gate with it, so that their t leaves the cancelled steps out too);
-    // the gated step's scalars; the stream the gated steps ran on; whether one has
-    // run since settle().
-    shardlib::cuda::device_buffer<double> cancelled;
-    shardlib::cuda::device_buffer<ops::cuda::gated_adam_scalars> gate_scalars;
-    cudaStream_t gated_on = nullptr;
-    bool unsettled = false;
+    ops::cuda::gate_state<optim::detail::adam_scalars> gate;  // steps the device may cancel
 
     template <class F>
     void for_each_buffer(F&& f) {
@@ -61,19 +55,8 @@ struct BasicAdam {
       f(std::string_view("exp_avg_sq"), exp_avg_sq);
       if (!max_exp_avg_sq.empty()) f(std::string_view("max_exp_avg_sq"), max_exp_avg_sq);
     }
-    // `step` becomes the count of steps taken: after gated steps, the cancelled ones
-    // are read on the gated steps' stream (one wait) and taken off.
-    void settle() {
-      if (!unsettled) return;
-      double n = 0;
-      shardlib::cuda::copy_async(std::span<double>(&n, 1), std::span<const double>(cancelled.span().first(1)), gated_on);
-      count_host_sync();
-      shardlib::cuda::check(cudaStreamSynchronize(gated_on), "optim::cuda::", name,
-                            "::state::settle: cudaStreamSynchronize");
-      step -= std::int64_t(n);
-      shardlib::cuda::fill_bytes_async(cancelled.span().first(1), 0, gated_on);
-      unsettled = false;
-    }
+    // `step` becomes the count of steps taken (after gated steps: one read).
+    void settle() { gate.settle(step, name); }
   };
 
   options_type options;
@@ -86,7 +69,7 @@ struct BasicAdam {
       shardlib::cuda::fill_bytes_async(b.span(), 0, shardlib::cuda::current_stream());
       return b;
     };
-    return {zeroed(n), zeroed(n), options.amsgrad ? zeroed(n) : Buffer<float, cuda_space>{}, 0, {}, {}, nullptr, false};
+    return {zeroed(n), zeroed(n), options.amsgrad ? zeroed(n) : Buffer<float, cuda_space>{}, 0, {}};
   }
 
   // The options, and that a state of n elements has what they need (the engine checks
@@ -98,33 +81,7 @@ struct BasicAdam {
             "setting options.amsgrad");
   }
 
-  void step(std::span<float> params, std::span<const float> grads, state& s) const {
-    step<float>(params, grads, s);
-  }
-
-  // Gradients in another dtype (the reduction dtype) are widened per element in the same pass.
-  template <FloatingElement G>
-  void step(std::span<float> params, std::span<const G> grads, state& s) const {
-    step(params, grads, s, std::span<bfloat16>{});
-  }
-
-  // The same, cancelled on the device when *flag.skip != 0 (optim::skip_flag);
-  // compute_copy may be empty.
-  template <FloatingElement G, FloatingElement H>
-  void step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy,
-            optim::skip_flag flag) const {
-    require(flag.skip != nullptr, name, " (CUDA): a gated step needs the flag's device address");
-    const optim::segment whole{0, params.size(), 0};
-    step(params, grads, s, compute_copy, std::span<const optim::segment>(&whole, 1), flag);
-  }
-
-  // The same, also writing the new parameters rounded to H into compute_copy
-  // (the 16-bit copy the next all-gather sends) in the same pass.
-  template <FloatingElement G, FloatingElement H>
-  void step(std::span<float> params, std::span<const G> grads, state& s, std::span<H> compute_copy) const {
-    const optim::segment whole{0, params.size(), 0};
-    step(params, grads, s, compute_copy, std::span<const optim::segment>(&whole, 1), optim::skip_flag{});
-  }
+  using step_forms<BasicAdam>::step;  // the whole shard, with or without a copy and a flag
 
   // The same over a shard that `runs` tile (optim::segment), one pass per run, leaving
   // the frozen runs' parameters and compute copy as they are; the state holds the
@@ -141,21 +98,8 @@ struct BasicAdam {
     check(s, trained);
     optim::check_runs(name, params.size(), runs, 1);
     ops::cuda::require_adam_sizes(host, moments, trained, params.size(), grads, compute_copy);
-    if (flag.skip) {
-      if (s.cancelled.empty()) {
-        // Persistent, but not optimizer state in the planner's sense: 56 bytes of scratch.
-        s.cancelled = shardlib::cuda::device_buffer<double>(2, category::comm_scratch, stream);
-        shardlib::cuda::fill_bytes_async(s.cancelled.span(), 0, stream);
-        s.gate_scalars =
-            shardlib::cuda::device_buffer<ops::cuda::gated_adam_scalars>(1, category::comm_scratch, stream);
-      }
-      if (flag.skip != s.cancelled.data() + 1) s.unsettled = true;
-      s.gated_on = stream;
-    } else if (!s.cancelled.empty()) {
-      flag.skip = s.cancelled.data() + 1;  // the always-0 flag: t leaves the cancelled steps out
-    }
-    const ops::cuda::adam_gate gate{flag.skip, s.cancelled.data(), s.gate_scalars.data()};
-    const ops::cuda::adam_gate* gated = flag.skip ? &gate : nullptr;
+    const auto gate = s.gate.open(flag.skip, stream);
+    const ops::cuda::adam_gate* gated = gate ? &*gate : nullptr;
     const auto k = ops::cuda::begin_adam_step(host, s.step, stream, gated);
     optim::for_each_trained_run(runs, [&](const optim::segment& r, std::size_t first) {
       auto part = [&](auto b) { return b.empty() ? b : b.subspan(r.begin, r.size); };
