@@ -28,6 +28,7 @@
 #include <cmath>
 #include <filesystem>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <unistd.h>  // getpid
@@ -186,7 +187,8 @@ std::vector<trace> sharded(int world, int per_rank, int steps, shard::AnyStrateg
           ys.push_back(tokens(s, rows, 2, c.rank() * per_rank + k * rows));
         }
         const auto r = model.train_step(opt, xs, ys, nn::cross_entropy, so);
-        t.losses.push_back(r.loss);  // the global mean, in float
+        static_assert(std::is_same_v<decltype(r.loss), T>);  // float64's loss in float64
+        t.losses.push_back(r.loss);                           // the global mean
         t.clipped = t.clipped || r.grad_norm > so.max_norm;
         continue;
       }
@@ -303,7 +305,7 @@ TEST_CASE("a tied model trains with float64 masters under every strategy", "[tie
   // train_step over three micro-batches of two rows: each loss gradient times 1/3 in float64
   // (1/3 rounded to float would put ~3e-8 into every gradient: 2.9e-6 in the parameters after
   // six steps), and clipped to norm 0.5 by a float64 coefficient (it was rounded to float too);
-  // the loss it reports is a float.
+  // the loss and norm it reports are float64's too.
   const double max_norm = 0.5;
   const auto whole = unsharded(w, 6, steps), clipped = unsharded(w, 6, steps, -1, max_norm);
   for (const auto& strategy : {shard::AnyStrategy(shard::FullShard{}), shard::AnyStrategy(shard::NoShard{})})
@@ -318,7 +320,7 @@ TEST_CASE("a tied model trains with float64 masters under every strategy", "[tie
         INFO(strategy.name << " rank " << r << " over micro-batches, clipped " << clip << ": loss " << loss
                            << ", parameters " << param);
         CHECK(got[std::size_t(r)].clipped == clip);
-        CHECK(loss <= 1e-6);
+        CHECK(loss <= 1e-12);
         CHECK(param <= 1e-12);
       }
     }
@@ -350,7 +352,7 @@ TEST_CASE("per-item loss means train as the unsharded mean over the global batch
       param.relative(t.params, want.params, 1e-3);
     }
     INFO(what << ": loss " << loss << ", parameters " << param);
-    CHECK(loss <= 1e-6);  // reported in float
+    CHECK(loss <= 1e-12);
     return param;
   };
   auto per_item = [](shard::step_options so) {
@@ -401,7 +403,7 @@ TEST_CASE("per-item loss means train as the unsharded mean over the global batch
     combined.relative(std::vector<double>{sum / all}, std::vector<double>{want.losses[std::size_t(s)]}, 1e-6);
   }
   INFO("the ranks' own losses, weighed: " << combined);
-  CHECK(combined <= 1e-6);
+  CHECK(combined <= 1e-12);
 
   // Without it micro-batches and ranks weigh alike: not the global mean.
   test_support::max_error alike;

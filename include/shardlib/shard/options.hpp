@@ -102,12 +102,15 @@ struct step_options {
   // nothing. A step whose targets hold no item on any rank raises on every rank.
   loss_mean mean = loss_mean::per_micro_batch;
 };
-struct step_result {
-  float loss = 0;                  // as step_options::loss says
-  std::optional<float> grad_norm;  // when clipping: the global gradient norm before clipping
-  bool skipped = false;            // fp16 overflow, or a non-finite norm when clipping: nothing was stepped
-  operator float() const { return loss; }  // `float loss = model.train_step(...)` as before the options
+// R: float, or double for a float64 model on the host (its loss and norm as computed).
+template <class R>
+struct basic_step_result {
+  R loss = 0;                  // as step_options::loss says
+  std::optional<R> grad_norm;  // when clipping: the global gradient norm before clipping
+  bool skipped = false;        // fp16 overflow, or a non-finite norm when clipping: nothing was stepped
+  operator R() const { return loss; }  // `float loss = model.train_step(...)` as before the options
 };
+using step_result = basic_step_result<float>;
 // What train_step returns on a device: the same, left on the device until one of
 // them is read (pending), so that a step whose results nobody reads never waits for
 // the device; reading one reads them all (one wait).
@@ -117,7 +120,8 @@ struct pending_step_result {
   pending<bool> skipped = false;
   operator float() const { return loss; }
 };
-template <class Space>
-using step_result_of = std::conditional_t<std::is_same_v<Space, host_space>, step_result, pending_step_result>;
+template <class Space, class R = float>
+using step_result_of =
+    std::conditional_t<std::is_same_v<Space, host_space>, basic_step_result<R>, pending_step_result>;
 
 }  // namespace shardlib::shard

@@ -303,7 +303,7 @@ class ShardedModel {
   // row. With an optimizer without a skip_flag step, or options.offload (the host
   // steps), the host reads the flags once, before the optimizer steps.
   template <class O, class Target, class LossFn>
-  step_result_of<space> train_step(O& opt, const input& x, const Target& y, LossFn&& loss_fn,
+  step_result_of<space, T> train_step(O& opt, const input& x, const Target& y, LossFn&& loss_fn,
                                    const step_options& so = {}) {
     return run_step(opt, std::span<const input>(&x, 1), std::span<const Target>(&y, 1), loss_fn, so, false);
   }
@@ -320,7 +320,7 @@ class ShardedModel {
   //   model.train_step(adamw, xs, ys, nn::cross_entropy, {.max_norm = 1, .no_sync = true});
   template <class O, std::ranges::contiguous_range Inputs, std::ranges::contiguous_range Targets, class LossFn>
     requires std::same_as<std::ranges::range_value_t<Inputs>, input>
-  step_result_of<space> train_step(O& opt, const Inputs& xs, const Targets& ys, LossFn&& loss_fn,
+  step_result_of<space, T> train_step(O& opt, const Inputs& xs, const Targets& ys, LossFn&& loss_fn,
                                    const step_options& so = {}) {
     using target = std::ranges::range_value_t<Targets>;
     return run_step(opt, std::span<const input>(std::ranges::data(xs), std::ranges::size(xs)),
@@ -329,7 +329,7 @@ class ShardedModel {
 
  private:
   template <class O, class Target, class LossFn>
-  step_result_of<space> run_step(O& opt, std::span<const input> xs, std::span<const Target> ys, LossFn& loss_fn,
+  step_result_of<space, T> run_step(O& opt, std::span<const input> xs, std::span<const Target> ys, LossFn& loss_fn,
                                  const step_options& so, bool micro_batches);
   // Ranks that ran different micro-batches would pair their collectives wrongly (a kept unit's
   // gather with another's of the same size), and a rank that raised alone would leave the

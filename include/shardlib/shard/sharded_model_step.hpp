@@ -14,7 +14,7 @@
 #include <optional>     // std::optional
 #include <span>         // std::span
 #include <string>       // std::string
-#include <type_traits>  // std::is_same_v, std::remove_cvref_t
+#include <type_traits>  // std::conditional_t, std::is_same_v, std::remove_cvref_t
 #include <utility>      // std::declval, std::move
 #include <vector>       // std::vector
 
@@ -25,7 +25,7 @@ template <class O, class Target, class LossFn>
 auto ShardedModel<Model, Comm, Strategy, T, Optimizer>::run_step(O& opt, std::span<const input> xs,
                                                                  std::span<const Target> ys, LossFn& loss_fn,
                                                                  const step_options& so, bool micro_batches)
-    -> step_result_of<space> {
+    -> step_result_of<space, T> {
   const int rank = comm_->rank();
   std::string problem;  // why this rank cannot run the step ("": it can)
   if (so.max_norm < 0)
@@ -87,25 +87,27 @@ auto ShardedModel<Model, Comm, Strategy, T, Optimizer>::run_step(O& opt, std::sp
   }
   reducer_.set_op(comm::reduce_op::avg);
   reducer_.set_replicas_mode(decltype(reducer_)::replicas::each);
-  const auto loss = mean_loss<ops>(std::move(losses), items ? items->loss_weights() : std::vector<float>{});
-  // The loss and the units whose gradients overflowed, in the model's space.
-  auto shared = ops::template make_scalars<float>(2);
+  const auto loss = mean_loss<ops>(std::move(losses), items ? items->loss_weights() : std::vector<double>{});
+  // The loss and the units whose gradients overflowed, in the model's space: in float, and a
+  // float64 model's on the host in double (R).
+  using R = std::conditional_t<std::is_same_v<space, host_space>, T, float>;
+  auto shared = ops::template make_scalars<R>(2);
   const bool global = scaler_ || so.loss == loss_report::global_mean;  // every rank decides alike
   if (global) {
     // The sum over ranks, divided by their number when read: per item, each rank's mean over
     // its items weighed by their share (none: nothing, where its mean is NaN).
-    const std::span<float> slot(shared.data(), 1);
+    const std::span<R> slot(shared.data(), 1);
     if (items && items->mine == 0) {
-      ops::fill(slot, 0.f);
+      ops::fill(slot, R(0));
     } else {
       put_loss<ops>(loss, slot);
-      if (items) ops::scale(slot, float(double(items->mine) * world / double(items->all)));
+      if (items) ops::scale(slot, R(double(items->mine) * world / double(items->all)));
     }
   }
   if constexpr (std::is_same_v<T, float>)  // fp16 loss scaling has float masters (a float64 model has no scaler)
     if (scaler_)
       for (auto& u : units_) ops::add_nonfinite(std::span<const float>(u.grad.span()), shared.data() + 1);
-  if (global) ops::all_reduce_in_place(*comm_, std::span<float>(shared.data(), 2), comm::reduce_op::sum);
+  if (global) ops::all_reduce_in_place(*comm_, std::span<R>(shared.data(), 2), comm::reduce_op::sum);
   if (scaler_)  // also after an overflow, so that the norm reported is the unscaled one (inf or NaN)
     for (auto& u : units_) scaler_.scale(u.grad.span(), loss_scale, true);
   std::optional<typename ops::template scalars<double>> norm_squared;
@@ -114,28 +116,28 @@ auto ShardedModel<Model, Comm, Strategy, T, Optimizer>::run_step(O& opt, std::sp
     if (on_space) return step_decided_on_space(opt, loss, std::move(shared), std::move(norm_squared), so);
 
   const bool mean = so.loss == loss_report::global_mean;
-  step_result_of<space> r{};
-  float seen[2] = {0.f, 0.f};  // shared, on the host once read
+  step_result_of<space, T> r{};
+  R seen[2] = {0, 0};  // shared, on the host once read
   double squared = 0;
   auto issue_reads = [&] {
-    ops::issue_to_host(std::span<const float>(shared.data(), 2), std::span<float>(seen));
+    ops::issue_to_host(std::span<const R>(shared.data(), 2), std::span<R>(seen));
     if (norm_squared)
       ops::issue_to_host(std::span<const double>(norm_squared->data(), 1), std::span<double>(&squared, 1));
   };
   if (scaler_ || so.max_norm > 0) {  // the host decides: one read of everything, the loss's own read with it
-    const float own = read_with<ops>(loss, issue_reads);
-    r.loss = mean ? seen[0] / world : own;
+    const R own = read_with<ops>(loss, issue_reads);
+    r.loss = mean ? seen[0] / R(world) : own;
   } else if constexpr (std::is_same_v<space, host_space>) {
     issue_reads();
-    r.loss = mean ? seen[0] / world : float(loss);
+    r.loss = mean ? seen[0] / R(world) : R(loss);
   } else {
     r.loss = mean ? deferred_mean<ops>(loss, std::move(shared), world) : pending<float>(loss);
   }
-  const bool overflow = seen[1] != 0.f;
+  const bool overflow = seen[1] != 0;
   r.skipped = overflow;
   if (so.max_norm > 0) {
     const double norm = std::sqrt(squared);
-    r.grad_norm = float(norm);
+    r.grad_norm = R(norm);
     r.skipped = r.skipped || !std::isfinite(norm);
     if (!r.skipped) {
       const T coefficient = optim::clip_coefficient<T>(norm, so.max_norm);  // a float64 model's in float64

@@ -28,9 +28,9 @@ struct step_items {
   }
   // Each loss's share of this rank's mean over its items: 0 for a micro-batch without any
   // (its loss, a mean over none, is NaN and left out), all 0 when the rank has none.
-  std::vector<float> loss_weights() const {
-    std::vector<float> w;
-    for (std::int64_t c : each) w.push_back(mine > 0 ? float(double(c) / double(mine)) : 0.f);
+  std::vector<double> loss_weights() const {
+    std::vector<double> w;
+    for (std::int64_t c : each) w.push_back(mine > 0 ? double(c) / double(mine) : 0.0);
     return w;
   }
 };

@@ -9,31 +9,37 @@
 #include "shardlib/shard/precision.hpp"      // loss_scaler
 #include "shardlib/shard/step_decision.hpp"  // outcome_slot
 
-#include <functional>  // std::function
-#include <limits>      // std::numeric_limits
-#include <memory>      // std::make_shared, std::shared_ptr
-#include <span>        // std::span
-#include <utility>     // std::move
-#include <vector>      // std::vector
+#include <functional>   // std::function
+#include <limits>       // std::numeric_limits
+#include <memory>       // std::make_shared, std::shared_ptr
+#include <span>         // std::span
+#include <type_traits>  // std::conditional_t, std::is_same_v
+#include <utility>      // std::move
+#include <vector>       // std::vector
 
 namespace shardlib::shard {
 
+// What a step reports a loss of type L in: a float64 model's in double, every other in float
+// (a device's pending loss, a 16-bit model's loss).
+template <class L>
+using reported_t = std::conditional_t<std::is_same_v<L, double>, double, float>;
+
 // A loss function's loss into slot[0] of the model's space: a host value as it is, a
 // device one (pending) copied there on the device while unread.
-template <class Ops, class L>
-void put_loss(const L& loss, std::span<float> slot) {
+template <class Ops, class L, class V>
+void put_loss(const L& loss, std::span<V> slot) {
   if constexpr (requires { loss.device(); }) {
     if (const float* d = loss.device()) Ops::copy(std::span<const float>(d, 1), slot);
     else Ops::fill(slot, loss.get());
   } else {
-    Ops::fill(slot, float(loss));  // slot is the model's memory: a device's on a device
+    Ops::fill(slot, V(loss));  // slot is the model's memory: a device's on a device
   }
 }
 
 // The loss, with the copies `issue` makes read in the same wait: a pending loss's
 // own read waits once for both (and raises the loss function's deferred errors).
 template <class Ops, class L, class Issue>
-float read_with(const L& loss, Issue&& issue) {
+reported_t<L> read_with(const L& loss, Issue&& issue) {
   if constexpr (requires { loss.get_with(issue); }) {
     if (!loss.ready()) return loss.get_with(issue);
     issue();
@@ -42,30 +48,31 @@ float read_with(const L& loss, Issue&& issue) {
   } else {
     issue();
     Ops::wait_for_reads();
-    return float(loss);
+    return reported_t<L>(loss);
   }
 }
 
-// The micro-batches' mean loss (train_step's accumulation), in float: summed in order, each
-// times its weight, or with none given all times 1 / their number. A weight of 0 leaves its
-// loss out (a micro-batch without items: NaN); all 0 gives NaN. Host values at once; device
-// ones (pending) averaged in the model's space, whose slot the result's device() is, read when
-// the caller reads it, each micro-batch's loss read with it (raising its loss function's
-// deferred errors: one wait each). One loss of weight 1, or of none, is itself.
+// The micro-batches' mean loss (train_step's accumulation), in float (a float64 model's in
+// double): summed in order, each times its weight, or with none given all times 1 / their
+// number. A weight of 0 leaves its loss out (a micro-batch without items: NaN); all 0 gives
+// NaN. Host values at once; device ones (pending) averaged in the model's space, whose slot
+// the result's device() is, read when the caller reads it, each micro-batch's loss read with
+// it (raising its loss function's deferred errors: one wait each). One loss of weight 1, or
+// of none, is itself.
 template <class Ops, class L>
-auto mean_loss(std::vector<L> losses, const std::vector<float>& weights = {}) {
+auto mean_loss(std::vector<L> losses, const std::vector<double>& weights = {}) {
   const std::size_t n = losses.size();
   const bool equal = weights.empty();
   if constexpr (requires { losses[0].device(); }) {
-    if (n == 1 && (equal || weights[0] == 1.f)) return losses[0];
+    if (n == 1 && (equal || weights[0] == 1)) return losses[0];
     auto slots = std::make_shared<typename Ops::template scalars<float>>(Ops::template make_scalars<float>(n + 1));
     const std::span<float> mean(slots->data() + n, 1);
     bool any = false;
     for (std::size_t i = 0; i < n; ++i) {
-      if (!equal && weights[i] == 0.f) continue;
+      if (!equal && weights[i] == 0) continue;
       const std::span<float> slot(slots->data() + i, 1);
       put_loss<Ops>(losses[i], slot);
-      if (!equal) Ops::scale(slot, weights[i]);
+      if (!equal) Ops::scale(slot, float(weights[i]));
       Ops::add(std::span<const float>(slot), mean, !any);
       any = true;
     }
@@ -84,16 +91,17 @@ auto mean_loss(std::vector<L> losses, const std::vector<float>& weights = {}) {
         },
         mean.data());
   } else {
+    using R = reported_t<L>;
     if (equal) {
-      float sum = 0;  // as the device sums: in order, then times 1 / n
-      for (const auto& l : losses) sum += float(l);
-      return sum * (1.f / float(n));
+      R sum = 0;  // as the device sums: in order, then times 1 / n
+      for (const auto& l : losses) sum += R(l);
+      return sum * (R(1) / R(n));
     }
-    float sum = 0;  // as the device sums: each times its weight, in order
+    R sum = 0;  // as the device sums: each times its weight, in order
     bool any = false;
     for (std::size_t i = 0; i < n; ++i)
-      if (weights[i] != 0.f) sum += float(losses[i]) * weights[i], any = true;
-    return any ? sum : std::numeric_limits<float>::quiet_NaN();
+      if (weights[i] != 0) sum += R(losses[i]) * R(weights[i]), any = true;
+    return any ? sum : std::numeric_limits<R>::quiet_NaN();
   }
 }
 
