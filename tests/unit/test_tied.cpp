@@ -458,6 +458,15 @@ TEST_CASE("per-item loss means: ranks that cannot count raise together", "[tied]
   });
   CHECK_THAT(errors[1], Contains("rank 1: step_options.max_norm must be >= 0"));
   CHECK_THAT(errors[0], Contains("rank 0: train_step: 1 other rank(s) cannot run it"));
+  // One batch, and the ranks weigh it differently: one counts while the other gathers, and
+  // the communicator's comparison of the ranks' calls raises on both.
+  run([&](auto& model, auto& opt, int rank) {
+    model.train_step(opt, x, y, nn::cross_entropy,
+                     {.mean = rank == 1 ? shard::loss_mean::per_item : shard::loss_mean::per_micro_batch});
+  });
+  for (int r = 0; r < 2; ++r)
+    CHECK_THAT(errors[std::size_t(r)],
+               Contains(cat("rank ", r, ": ranks disagree about a collective")) && Contains("all_reduce(2 x I64, sum)"));
   // Micro-batches, and the ranks weigh them differently.
   run([&](auto& model, auto& opt, int rank) {
     const std::vector<Tensor<std::int64_t>> xs{x, x}, ys{y, y};
