@@ -13,9 +13,10 @@
 
 #include <cuda_runtime.h>
 
-#include <cstddef>  // std::size_t
-#include <cstdint>  // std::int64_t
-#include <span>     // std::span
+#include <cstddef>      // std::size_t
+#include <cstdint>      // std::int64_t
+#include <span>         // std::span
+#include <type_traits>  // std::false_type, std::true_type
 
 namespace shardlib::ops::cuda {
 
@@ -100,15 +101,17 @@ void sgd_update(const optim::SGD& opt, std::span<float> momentum_buffer, std::sp
                    (!out || aligned(out, 4 * sizeof(C)));
   constexpr int threads = 256;
   const unsigned blocks = grid_blocks(std::int64_t(vec ? (n + 3) / 4 : n), threads);
-  optim::detail::with_flag(opt.options.weight_decay != 0, [&](auto decay) {
-    optim::detail::with_flag(momentum, [&](auto with_momentum) {
-      optim::detail::with_flag(momentum && opt.options.nesterov, [&](auto nesterov) {
-        optim::detail::with_flag(vec, [&](auto v) {
-          launch_kernel("fused_sgd", detail::fused_sgd_kernel<v(), decay(), with_momentum(), nesterov(), G, C>, blocks,
-                        threads, 0, stream, std::int64_t(n), params.data(), grads.data(), buf, out, k,
-                        gate ? gate->scalars : nullptr);
-        });
-      });
+  const auto launch = [&](auto v, auto decay, auto with_momentum, auto nesterov) {
+    launch_kernel("fused_sgd", detail::fused_sgd_kernel<v(), decay(), with_momentum(), nesterov(), G, C>, blocks,
+                  threads, 0, stream, std::int64_t(n), params.data(), grads.data(), buf, out, k,
+                  gate ? gate->scalars : nullptr);
+  };
+  // Nesterov only with momentum (check_options): 12 kernels per dtype pair, not 16.
+  optim::detail::with_flag(vec, [&](auto v) {
+    optim::detail::with_flag(opt.options.weight_decay != 0, [&](auto decay) {
+      if (!momentum) return launch(v, decay, std::false_type{}, std::false_type{});
+      optim::detail::with_flag(opt.options.nesterov,
+                               [&](auto nesterov) { launch(v, decay, std::true_type{}, nesterov); });
     });
   });
 }
