@@ -61,8 +61,11 @@ struct cross_entropy_rows<cuda_space> {
     };
     return {pending<float>(read, loss.data()), grad};
   }
-  // The rows not ignored, counted on the current stream and read (one wait).
-  static std::int64_t items(const cross_entropy_options& o, const Tensor<std::int64_t, cuda_space>& targets) {
+  // The rows not ignored, counted on the current stream and read (one wait). A template, as
+  // compute: a member of this full specialisation that were not would compile CUB's counting
+  // kernels into every translation unit including this header.
+  template <class Index>
+  static std::int64_t items(const cross_entropy_options& o, const Tensor<Index, cuda_space>& targets) {
     const cudaStream_t s = cuda::current_stream();
     auto& alloc = cuda::device_allocator(cuda::current_device());
     cuda::device_buffer<int> counted(1, category::activations, s, alloc);

@@ -24,9 +24,10 @@
 namespace shardlib::ops::cuda {
 
 namespace detail {
+template <class Index>
 struct counts_row {
-  std::int64_t ignore_index;
-  __host__ __device__ int operator()(std::int64_t y) const { return y != ignore_index ? 1 : 0; }
+  Index ignore_index;
+  __host__ __device__ int operator()(Index y) const { return y != ignore_index ? 1 : 0; }
 };
 struct as_double {
   __host__ __device__ double operator()(float x) const { return double(x); }
@@ -54,13 +55,16 @@ __global__ void cross_entropy_finish_kernel(const double* total, const int* coun
 }
 }  // namespace detail
 
-// The rows whose target is not ignore_index, into *counted on the stream.
-inline void count_rows(const std::int64_t* targets, std::int64_t rows, std::int64_t ignore_index, int* counted,
-                       cudaStream_t stream, shardlib::cuda::caching_allocator& alloc) {
+// The rows whose target is not ignore_index, into *counted on the stream. (A template, so
+// that CUB's reduction kernels are compiled only where it is called: nvcc compiles the kernels
+// an inline function launches into every translation unit including it, called or not.)
+template <class Index>
+void count_rows(const Index* targets, std::int64_t rows, Index ignore_index, int* counted, cudaStream_t stream,
+                shardlib::cuda::caching_allocator& alloc) {
   detail::with_cub_scratch(
       [&](void* scratch, std::size_t& bytes) {
         return cub::DeviceReduce::TransformReduce(scratch, bytes, targets, counted, rows, ::cuda::std::plus<>{},
-                                                  detail::counts_row{ignore_index}, 0, stream);
+                                                  detail::counts_row<Index>{ignore_index}, 0, stream);
       },
       stream, alloc, "cub::DeviceReduce::TransformReduce (counting cross_entropy rows)");
 }
