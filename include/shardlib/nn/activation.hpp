@@ -157,91 +157,79 @@ Tensor<T> elementwise_backward(const char* layer, const Tensor<T>& x, const Tens
   for (std::int64_t i = 0; i < n; ++i) dxp[i] = df(xp[i], dyp[i]);
   return dx;
 }
+
+// What the host activations share, as the device's do (device_activation in
+// nn/cuda/activation.cuh): y = Derived's values(x) and dx = its gradients(x, dy), the
+// input kept for backward (when one follows: nn::grad_enabled).
+template <class Derived, class T>
+class host_activation {
+ public:
+  using input = Tensor<T>;
+  using output = Tensor<T>;
+
+  template <class Ctx>
+  output forward(Ctx& ctx, const input& x) {
+    x_ = grad_enabled(ctx) ? x : input{};
+    return self().values(x);
+  }
+  template <class Ctx>
+  input backward(Ctx&, const output& dy) {
+    input dx = self().gradients(x_, dy);
+    x_ = {};
+    return dx;
+  }
+
+ private:
+  const Derived& self() const { return static_cast<const Derived&>(*this); }
+  input x_;  // cached for backward
+};
 }  // namespace detail
 
 template <class T, class Space = host_space>
-class ReLU : public detail::activation_base {
+class ReLU : public detail::activation_base, public detail::host_activation<ReLU<T, Space>, T> {
   static_assert(std::is_same_v<Space, host_space>,
                 "nn::ReLU: the host layer; for cuda_space include shardlib/nn/cuda/activation.cuh");
 
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
-
-  template <class Ctx>
-  output forward(Ctx& ctx, const input& x) {
-    x_ = grad_enabled(ctx) ? x : input{};
-    return detail::elementwise(x, [](T v) { return relu(v); });
+  static Tensor<T> values(const Tensor<T>& x) { return detail::elementwise(x, [](T v) { return relu(v); }); }
+  static Tensor<T> gradients(const Tensor<T>& x, const Tensor<T>& dy) {
+    return detail::elementwise_backward("ReLU", x, dy, [](T v, T g) { return relu_backward(v, g); });
   }
-  template <class Ctx>
-  input backward(Ctx&, const output& dy) {
-    input dx = detail::elementwise_backward("ReLU", x_, dy, [](T v, T g) { return relu_backward(v, g); });
-    x_ = {};
-    return dx;
-  }
-
- private:
-  input x_;  // cached for backward
 };
 
 template <class T, class Space = host_space>
-class GELU : public detail::gelu_base {
+class GELU : public detail::gelu_base, public detail::host_activation<GELU<T, Space>, T> {
   static_assert(std::is_same_v<Space, host_space>,
                 "nn::GELU: the host layer; for cuda_space include shardlib/nn/cuda/activation.cuh");
 
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
-
   using gelu_base::gelu_base;  // GELU(), GELU(approximate)
 
-  template <class Ctx>
-  output forward(Ctx& ctx, const input& x) {
-    x_ = grad_enabled(ctx) ? x : input{};
+  // float's tanh form by detail::gelu_tanh, whose loops vectorise.
+  Tensor<T> values(const Tensor<T>& x) const {
     if constexpr (std::is_same_v<T, float>)
       if (approx_ == gelu_approx::tanh) return detail::elementwise(x, [](T v) { return detail::gelu_tanh(v); });
     return detail::elementwise(x, [a = approx_](T v) { return gelu(v, a); });
   }
-  template <class Ctx>
-  input backward(Ctx&, const output& dy) {
-    input dx;
+  Tensor<T> gradients(const Tensor<T>& x, const Tensor<T>& dy) const {
     if constexpr (std::is_same_v<T, float>)
       if (approx_ == gelu_approx::tanh)
-        dx = detail::elementwise_backward("GELU", x_, dy, [](T v, T g) { return detail::gelu_tanh_backward(v, g); });
-    if (dx.empty())
-      dx = detail::elementwise_backward("GELU", x_, dy, [a = approx_](T v, T g) { return gelu_backward(v, g, a); });
-    x_ = {};
-    return dx;
+        return detail::elementwise_backward("GELU", x, dy, [](T v, T g) { return detail::gelu_tanh_backward(v, g); });
+    return detail::elementwise_backward("GELU", x, dy, [a = approx_](T v, T g) { return gelu_backward(v, g, a); });
   }
-
- private:
-  input x_;  // cached for backward
 };
 
 // torch.nn.SiLU: y = x sigmoid(x).
 template <class T, class Space = host_space>
-class SiLU : public detail::activation_base {
+class SiLU : public detail::activation_base, public detail::host_activation<SiLU<T, Space>, T> {
   static_assert(std::is_same_v<Space, host_space>,
                 "nn::SiLU: the host layer; for cuda_space include shardlib/nn/cuda/activation.cuh");
 
  public:
-  using input = Tensor<T>;
-  using output = Tensor<T>;
-
-  template <class Ctx>
-  output forward(Ctx& ctx, const input& x) {
-    x_ = grad_enabled(ctx) ? x : input{};
-    return detail::elementwise(x, [](T v) { return silu(v); });
+  static Tensor<T> values(const Tensor<T>& x) { return detail::elementwise(x, [](T v) { return silu(v); }); }
+  static Tensor<T> gradients(const Tensor<T>& x, const Tensor<T>& dy) {
+    return detail::elementwise_backward("SiLU", x, dy, [](T v, T g) { return silu_backward(v, g); });
   }
-  template <class Ctx>
-  input backward(Ctx&, const output& dy) {
-    input dx = detail::elementwise_backward("SiLU", x_, dy, [](T v, T g) { return silu_backward(v, g); });
-    x_ = {};
-    return dx;
-  }
-
- private:
-  input x_;  // cached for backward
 };
 
 }  // namespace shardlib::nn
