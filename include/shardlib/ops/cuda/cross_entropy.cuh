@@ -59,12 +59,12 @@ __global__ void cross_entropy_finish_kernel(const double* total, const int* coun
 // that CUB's reduction kernels are compiled only where it is called: nvcc compiles the kernels
 // an inline function launches into every translation unit including it, called or not.)
 template <class Index>
-void count_rows(const Index* targets, std::int64_t rows, Index ignore_index, int* counted, cudaStream_t stream,
+void count_rows(const Index* targets, std::int64_t rows, std::int64_t ignore_index, int* counted, cudaStream_t stream,
                 shardlib::cuda::caching_allocator& alloc) {
   detail::with_cub_scratch(
       [&](void* scratch, std::size_t& bytes) {
         return cub::DeviceReduce::TransformReduce(scratch, bytes, targets, counted, rows, ::cuda::std::plus<>{},
-                                                  detail::counts_row<Index>{ignore_index}, 0, stream);
+                                                  detail::counts_row<Index>{Index(ignore_index)}, 0, stream);
       },
       stream, alloc, "cub::DeviceReduce::TransformReduce (counting cross_entropy rows)");
 }
