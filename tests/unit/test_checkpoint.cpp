@@ -6,6 +6,7 @@
 #include "shardlib/comm/launch.hpp"
 #include "shardlib/io/checkpoint.hpp"
 #include "shardlib/io/safetensors.hpp"
+#include "shardlib/io/state_dict_files.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/loss.hpp"
 #include "shardlib/nn/sequential.hpp"
@@ -182,6 +183,17 @@ void flip_byte(const fs::path& p, std::size_t at) {
   write_bytes(p, b);
 }
 
+// Writes metadata.json around the body text given, with its checksum.
+void write_metadata_body(const fs::path& file, const std::string& dumped) {
+  std::array<char, 17> hash{};
+  std::snprintf(hash.data(), hash.size(), "%016llx",
+                static_cast<unsigned long long>(XXH3_64bits(dumped.data(), dumped.size())));
+  const std::string out = cat("{\"xxh3_64\":\"", hash.data(), "\",\"metadata\":", dumped, "}\n");
+  std::vector<std::byte> b(out.size());
+  std::memcpy(b.data(), out.data(), out.size());
+  write_bytes(file, b);
+}
+
 // Rewrites metadata.json after edit(body) with a correct checksum, as someone who
 // edits it by hand (or a buggy tool) would: the checksum cannot catch this.
 template <class Edit>
@@ -192,14 +204,7 @@ void edit_metadata(const fs::path& ckpt, Edit&& edit) {
   const std::string head = "{\"xxh3_64\":\"0000000000000000\",\"metadata\":";
   auto body = nlohmann::json::parse(text.substr(head.size(), text.size() - head.size() - 2));
   edit(body);
-  const std::string dumped = body.dump(1);
-  std::array<char, 17> hash{};
-  std::snprintf(hash.data(), hash.size(), "%016llx",
-                static_cast<unsigned long long>(XXH3_64bits(dumped.data(), dumped.size())));
-  const std::string out = cat("{\"xxh3_64\":\"", hash.data(), "\",\"metadata\":", dumped, "}\n");
-  std::vector<std::byte> b(out.size());
-  std::memcpy(b.data(), out.data(), out.size());
-  write_bytes(file, b);
+  write_metadata_body(file, body.dump(1));
 }
 
 std::vector<std::string> dir_names(const fs::path& dir) {
@@ -935,6 +940,79 @@ auto without_blocking(const fs::path& fifo, Read&& read) -> std::optional<declty
 }
 }  // namespace
 
+TEST_CASE("metadata nested deeper than the readers allow is refused as unreadable, never a crash",
+          "[checkpoint][bad]") {
+  // Copying a parsed JSON value recurses: a metadata.json of a few MB whose user field
+  // nests a million arrays deep (its checksum right: a checksum is no signature) crashed
+  // every reader of its root, and every save into it, which lists the root first.
+  temp_dir dir("deep");
+  const auto root = dir / "root";
+  make_checkpoint(root, dir / "model.safetensors");
+  const auto ckpt = root / "step-00000002";
+  std::string body;
+  edit_metadata(ckpt, [&](nlohmann::json& j) {
+    j["user"] = "@";
+    body = j.dump(1);
+  });
+  const auto at = body.find("\"@\"");
+  REQUIRE(at != std::string::npos);
+  const auto nest = [](int levels) { return std::string(std::size_t(levels), '[') + std::string(std::size_t(levels), ']'); };
+  write_metadata_body(ckpt / "metadata.json", body.substr(0, at) + nest(400) + body.substr(at + 3));
+  CHECK(io::read_checkpoint_metadata(ckpt).user.is_array());
+  write_metadata_body(ckpt / "metadata.json", body.substr(0, at) + nest(1'000'000) + body.substr(at + 3));
+  const std::string deep = "the metadata is not valid JSON here: it nests objects and arrays deeper than 512 levels";
+  CHECK_THROWS_WITH(io::read_checkpoint_metadata(ckpt),
+                    StartsWith((ckpt / "metadata.json").string()) && Contains(deep));
+  const auto listed = io::list_checkpoints(root);
+  REQUIRE(listed.size() == 1);
+  CHECK_THAT(listed[0].error, Contains(deep));
+  check_raised_everywhere(
+      try_load(dir.path, [&](auto& model, auto& adam) { io::load_checkpoint(ckpt, model, adam); }), deep);
+
+  // The library's entry in a consolidated safetensors file, likewise.
+  io::safetensors_writer w;
+  const float x[] = {1};
+  w.add<float>("x", Shape{1}, std::span(x));
+  w.set_metadata("shardlib", nest(1'000'000));
+  w.write(dir / "deep.safetensors");
+  CHECK_THROWS_WITH(io::safetensors_to_checkpoint(dir / "deep.safetensors", dir / "converted", {}),
+                    StartsWith((dir / "deep.safetensors").string()) &&
+                        Contains("\"shardlib\" metadata: the entry is not valid JSON here: it nests objects and "
+                                 "arrays deeper than 512 levels"));
+}
+
+TEST_CASE("a checkpoint is committed only with metadata its readers accept; equal sequences order by name",
+          "[checkpoint][convert][bad]") {
+  temp_dir dir("commit");
+  const auto root = dir / "root";
+  const float a[] = {1, 2};
+  io::safetensors_writer good;
+  good.add<float>("w", Shape{2}, std::span(a));
+  good.write(dir / "good.safetensors");
+  io::safetensors_to_checkpoint(dir / "good.safetensors", root, {.tag = "good"});
+  // safetensors allows a tensor named "", which no checkpoint may hold as a parameter: the
+  // conversion made the checkpoint anyway, and then no load could tell which of the root's
+  // checkpoints was the latest.
+  io::safetensors_writer odd = good;
+  odd.add<float>("", Shape{2}, std::span(a));
+  odd.write(dir / "odd.safetensors");
+  CHECK_THROWS_WITH(io::safetensors_to_checkpoint(dir / "odd.safetensors", root, {.tag = "odd"}),
+                    StartsWith((root / "odd" / "metadata.json").string()) &&
+                        Contains("parameter names must be non-empty and unique"));
+  CHECK(dir_names(root) == std::vector<std::string>{"good"});
+  CHECK(io::resolve_checkpoint(root) == root / "good");
+
+  // Copies of one checkpoint share its sequence number: the latest is the last by name,
+  // whatever order the directory lists them in.
+  for (const char* copy : {"a-copy", "z-copy", "m-copy"})
+    fs::copy(root / "good", root / copy, fs::copy_options::recursive);
+  CHECK(io::resolve_checkpoint(root) == root / "z-copy");
+  const auto listed = io::list_checkpoints(root);
+  std::vector<std::string> order;
+  for (const auto& e : listed) order.push_back(e.path.filename().string());
+  CHECK(order == std::vector<std::string>{"a-copy", "good", "m-copy", "z-copy"});
+}
+
 TEST_CASE("a FIFO where a file is expected is refused at once by every reader", "[checkpoint][bad][fifo]") {
   temp_dir dir("fifo");
   const auto root = dir / "root";
@@ -983,6 +1061,11 @@ TEST_CASE("a FIFO where a file is expected is refused at once by every reader", 
     });
     REQUIRE(r);
     check_raised_everywhere(*r, f.string() + refused);
+  }
+  SECTION("Hugging Face's index") {
+    fs::create_directory(dir / "hf");
+    const auto f = fifo_at(dir / "hf" / "model.safetensors.index.json");
+    CHECK_THAT(error_of(f, [&] { io::detail::state_dict_files files(dir / "hf"); }), StartsWith(f.string() + refused));
   }
   SECTION("a shard file") {
     const auto f = fifo_at(ckpt / "shard-00001-of-00003.safetensors");

@@ -69,6 +69,15 @@ std::vector<std::byte> read_all(const fs::path& p) {
   return to_bytes(std::string(std::istreambuf_iterator<char>(in), {}));
 }
 
+// The temporaries a writer of target has left beside it ("<target>.tmp.<pid>.<n>").
+std::vector<std::string> temporaries(const fs::path& target) {
+  std::vector<std::string> found;
+  const std::string prefix = target.filename().string() + ".tmp.";
+  for (const auto& e : fs::directory_iterator(target.parent_path()))
+    if (e.path().filename().string().starts_with(prefix)) found.push_back(e.path().filename().string());
+  return found;
+}
+
 void write_all(const fs::path& p, const std::vector<std::byte>& b) {
   std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
 }
@@ -288,8 +297,8 @@ TEST_CASE("the stream writer writes the same bytes as the collecting writer", "[
     s.finish();
   }
   CHECK(read_all(dir / "s.safetensors") == read_all(dir / "c.safetensors"));
-  CHECK_FALSE(fs::exists(dir / "s.safetensors.tmp"));
-  CHECK_FALSE(fs::exists(dir / "c.safetensors.tmp"));
+  CHECK(temporaries(dir / "s.safetensors").empty());
+  CHECK(temporaries(dir / "c.safetensors").empty());
 
   const auto f = safetensors::load(dir / "s.safetensors");
   const auto h = read_safetensors_header(dir / "s.safetensors");
@@ -324,11 +333,31 @@ TEST_CASE("an unfinished stream writer leaves neither the file nor its temporary
   {
     safetensors_stream_writer s(dir / "u.safetensors", {{"a", dtype::f32, Shape{2}, 0, 0}}, {});
     s.write("a", std::as_bytes(std::span(a)));
-    CHECK(fs::exists(dir / "u.safetensors.tmp"));
+    CHECK(temporaries(dir / "u.safetensors").size() == 1);
     CHECK_FALSE(fs::exists(dir / "u.safetensors"));
   }
-  CHECK_FALSE(fs::exists(dir / "u.safetensors.tmp"));
+  CHECK(temporaries(dir / "u.safetensors").empty());
   CHECK_FALSE(fs::exists(dir / "u.safetensors"));
+}
+
+TEST_CASE("two writers of one file each write their own temporary; the last to finish wins whole",
+          "[io][safetensors]") {
+  // Every rank saving the same path: with one shared temporary, a writer that started
+  // later truncated the bytes an earlier one had written, and the earlier one's rename
+  // then put a file of the right size with zeros in it in place.
+  temp_dir dir;
+  const auto path = dir / "shared.safetensors";
+  const std::vector<float> ones(1024, 1.0f), twos(1024, 2.0f);
+  const std::vector<tensor_info> declared{{"x", dtype::f32, Shape{1024}, 0, 0}};
+  safetensors_stream_writer a(path, declared, {}), b(path, declared, {});
+  CHECK(temporaries(path).size() == 2);
+  a.write("x", std::as_bytes(std::span(ones)));
+  b.write("x", std::as_bytes(std::span(twos)));
+  a.finish();
+  CHECK(safetensors::load(path).get<float>("x") == ones);
+  b.finish();
+  CHECK(safetensors::load(path).get<float>("x") == twos);
+  CHECK(temporaries(path).empty());
 }
 
 TEST_CASE("a moved stream writer keeps writing the same file", "[io][safetensors]") {
@@ -385,7 +414,7 @@ TEST_CASE("a failed write leaves an existing file untouched and no temporary", "
   bad.set_metadata("k", "\xff");
   CHECK_THROWS_WITH(bad.write(path), StartsWith(path.string()) && Contains("not valid UTF-8"));
   CHECK(read_all(path) == before);
-  CHECK_FALSE(fs::exists(dir / "keep.safetensors.tmp"));
+  CHECK(temporaries(dir / "keep.safetensors").empty());
 
   CHECK_THROWS_WITH(good.write(dir / "missing" / "x.safetensors"),
                     Contains((dir / "missing" / "x.safetensors").string()) && Contains("cannot create"));
@@ -430,6 +459,12 @@ TEST_CASE("rejects a header that is not valid JSON", "[io][safetensors]") {
   CHECK_REJECTS(make_file(R"({"a":1e400})"), "the header is not valid JSON");
   CHECK_REJECTS(make_file("{\"\xff\":1}"), "the header is not valid JSON");  // not UTF-8
   CHECK_REJECTS(make_file("{/* comment */}"), "the header is not valid JSON");
+  // Nesting is bounded while parsing (copying a value recurses): 511 levels under the
+  // header's object are read, and refused only for what they hold; 512 are not JSON here.
+  const auto nested = [](int levels) { return R"({"a":)" + std::string(levels, '[') + std::string(levels, ']') + "}"; };
+  CHECK_THAT(parse_error(make_file(nested(511))), !Contains("deeper than"));
+  CHECK_REJECTS(make_file(nested(512)), "the header is not valid JSON here: it nests objects and arrays deeper than 512");
+  CHECK_REJECTS(make_file(nested(1'000'000)), "deeper than 512 levels");
 }
 
 TEST_CASE("rejects a header that is not a JSON object", "[io][safetensors]") {
@@ -1431,6 +1466,11 @@ TEST_CASE("Hugging Face's sharded index: shards are found by name and a bad inde
   CHECK_THROWS_WITH(load_state_dict(dir / "bad.json", plain, lm_options()),
                     Contains("maps tensor \"lm_head.weight\" to a.safetensors, which does not hold it"));
   CHECK_THROWS_WITH(load_state_dict(dir / "a.safetensors.missing", plain, lm_options()), Contains("cannot open"));
+  write_all(dir / "bad.json", to_bytes(R"({"weight_map": {}, "metadata": )" + std::string(100'000, '[') +
+                                       std::string(100'000, ']') + "}"));
+  CHECK_THROWS_WITH(load_state_dict(dir / "bad.json", plain, lm_options()),
+                    StartsWith((dir / "bad.json").string()) &&
+                        Contains("the index is not valid JSON here: it nests objects and arrays deeper than 512"));
 }
 
 TEST_CASE("files transformers wrote load with the Hugging Face conventions, and save back the same",

@@ -79,22 +79,17 @@ namespace detail {
 // What every rank must pass alike to one save: rank 0 writes the metadata with its own
 // chunk size, user fields, tag and keep_last, so another rank's would leave files the
 // metadata does not describe (checksums per chunk), or be dropped unsaid.
-// Compared as the text the metadata would hold (infinities and NaN as null, bytes that
-// are not UTF-8 replaced), which no rank fails to make: a rank raising here alone would
-// leave the others in the broadcast.
+// Compared as compared_text.
 template <class Comm>
 void check_same_save_options(Comm& comm, const std::string& tag, std::uint64_t chunk_bytes, int keep_last,
                              const nlohmann::json& user, std::string_view what) {
-  const auto text = [](const nlohmann::json& j) {
-    return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-  };
   const nlohmann::json ours{{"tag", tag}, {"chunk_bytes", chunk_bytes}, {"keep_last", keep_last}, {"user", user}};
-  const nlohmann::json first = nlohmann::json::parse(broadcast_string(comm, text(ours), 0));
+  const nlohmann::json first = nlohmann::json::parse(broadcast_string(comm, compared_text(ours), 0));
   on_all_ranks(comm, what, [&] {
     for (const char* key : {"tag", "chunk_bytes", "keep_last", "user"})
-      if (text(ours[key]) != text(first[key]))
+      if (compared_text(ours[key]) != compared_text(first[key]))
         throw io_error(cat("ranks 0 and ", comm.rank(), " pass different save options, which one checkpoint cannot ",
-                           "follow: ", key, " ", text(first[key]), " on rank 0, ", text(ours[key]), " on rank ",
+                           "follow: ", key, " ", compared_text(first[key]), " on rank 0, ", compared_text(ours[key]), " on rank ",
                            comm.rank()));
   });
 }

@@ -5,13 +5,12 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"            // io_error, cat
 #include "shardlib/io/checkpoint_format.hpp"  // checkpoint_metadata, detail::metadata_name, parse_metadata_text
-#include "shardlib/io/safetensors.hpp"        // detail::input_file, fail
+#include "shardlib/io/safetensors.hpp"        // detail::read_text_file, fail
 
 #include <algorithm>     // std::sort
 #include <cstddef>       // std::size_t
 #include <filesystem>    // std::filesystem
 #include <optional>      // std::optional, std::nullopt
-#include <span>          // std::span, std::as_writable_bytes
 #include <string>        // std::string
 #include <system_error>  // std::error_code
 #include <utility>       // std::move
@@ -29,13 +28,7 @@ struct checkpoint_entry {
 // Reads and validates dir/metadata.json (checksum, version and every field).
 inline checkpoint_metadata read_checkpoint_metadata(const std::filesystem::path& dir) {
   const auto file = dir / detail::metadata_name;
-  const detail::input_file in(file);
-  if (in.size() > detail::max_metadata_bytes)
-    detail::fail(file.string(), "holds ", in.size(), " bytes, more than the ", detail::max_metadata_bytes,
-                 " a metadata file may have");
-  std::string text(std::size_t(in.size()), '\0');
-  in.read_at(0, std::as_writable_bytes(std::span(text)));
-  return detail::parse_metadata_text(text, file.string());
+  return detail::parse_metadata_text(detail::read_text_file(file, detail::max_metadata_bytes), file.string());
 }
 
 namespace detail {
@@ -65,7 +58,10 @@ inline std::vector<checkpoint_entry> scan_checkpoints(const std::filesystem::pat
   if (ec) fail(root.string(), "cannot list the directory: ", ec.message());
   std::sort(out.begin(), out.end(), [](const checkpoint_entry& a, const checkpoint_entry& b) {
     if (a.metadata.has_value() != b.metadata.has_value()) return a.metadata.has_value();
-    return a.metadata ? a.metadata->sequence < b.metadata->sequence : a.path < b.path;
+    // Equal sequences (a checkpoint copied under another name) order by name, so that
+    // "latest" and pruning do not depend on the order the directory lists them in.
+    if (a.metadata && a.metadata->sequence != b.metadata->sequence) return a.metadata->sequence < b.metadata->sequence;
+    return a.path < b.path;
   });
   return out;
 }

@@ -456,6 +456,13 @@ inline std::string metadata_text(const checkpoint_metadata& m) {
   return cat(metadata_head, hex(xxh3(body)), metadata_mid, body, metadata_tail);
 }
 
+// A value as ranks compare it before a collective save: as the metadata would hold it
+// (infinities and NaN as null, bytes that are not UTF-8 replaced), which no rank fails to
+// make, where a rank raising alone would leave the others waiting in the broadcast.
+inline std::string compared_text(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 inline checkpoint_metadata parse_metadata_text(std::string_view text, std::string_view origin) {
   const std::size_t body_at = metadata_head.size() + 16 + metadata_mid.size();
   if (text.size() < body_at + metadata_tail.size() || !text.starts_with(metadata_head) ||
@@ -467,12 +474,11 @@ inline checkpoint_metadata parse_metadata_text(std::string_view text, std::strin
   if (const std::uint64_t computed = xxh3(body); computed != *recorded)
     fail(origin, "the metadata does not match its checksum (xxh3_64 recorded ", hex(*recorded), ", computed ",
          hex(computed), "): the file is corrupt");
-  // nlohmann stops at a NUL byte, which would let trailing bytes pass unread.
-  if (body.find('\0') != std::string_view::npos) fail(origin, "the metadata holds a NUL byte");
+  const nlohmann::json j = parse_json(body, origin, "the metadata");
   try {
-    return metadata_from_json(nlohmann::json::parse(body.begin(), body.end()), origin);
-  } catch (const nlohmann::json::exception& e) {
-    fail(origin, "the metadata is not valid JSON: ", e.what());
+    return metadata_from_json(j, origin);
+  } catch (const nlohmann::json::exception& e) {  // a field of an unexpected type the checks missed
+    fail(origin, "the metadata: ", e.what());
   }
 }
 

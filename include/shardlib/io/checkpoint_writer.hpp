@@ -243,6 +243,10 @@ inline temp_claim prepare_save(const std::filesystem::path& final_dir, const std
 inline void commit_checkpoint(const std::filesystem::path& temp, const std::filesystem::path& final_dir,
                               const checkpoint_metadata& m, const write_callback& hook) {
   const std::string text = metadata_text(m);
+  // What readers would refuse (an empty parameter name a safetensors file may carry, say)
+  // is refused before anything is renamed into place: under its root, an unreadable
+  // checkpoint would also hide the older ones from resolve_checkpoint.
+  parse_metadata_text(text, (final_dir / metadata_name).string());
   chunked_writer out(temp / metadata_name, m.chunk_bytes, 0, hook);
   out.write(as_bytes(text));
   out.finish();

@@ -155,12 +155,7 @@ class safetensors_source {
   }
   consolidated_info parse_info(const std::string& text) const {
     const std::string origin = cat(origin_, ": \"shardlib\" metadata");
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::exception& e) {
-      detail::fail(origin, "not valid JSON: ", e.what());
-    }
+    const nlohmann::json j = detail::parse_json(text, origin, "the entry");
     const auto version = detail::count_field(j, "version", std::numeric_limits<std::uint64_t>::max(), origin, "");
     if (version != std::uint64_t(checkpoint_version))
       detail::fail(origin, "unknown format version ", version, " (this build reads version ", checkpoint_version, ")");

@@ -240,17 +240,18 @@ void check_buffers(O& opt, const checkpoint_optimizer& saved, std::string_view s
 // Every rank must save the optimizer rank 0 saves: one record (type, buffers, step,
 // hyperparameters) describes them all, and a rank with other buffers would write shard
 // files that record cannot load. Collective; raises io_error on every rank naming the
-// ranks and what differs.
+// ranks and what differs. Compared as compared_text: a buffer or group name that is not
+// UTF-8 fails no rank's dump here (the save refuses it later, on every rank alike).
 template <class Comm>
 void check_same_optimizer(Comm& comm, const checkpoint_optimizer& mine, std::string_view what) {
   const nlohmann::json ours = optimizer_to_json(mine);
-  const nlohmann::json first = nlohmann::json::parse(broadcast_string(comm, ours.dump(), 0));
+  const nlohmann::json first = nlohmann::json::parse(broadcast_string(comm, compared_text(ours), 0));
   on_all_ranks(comm, what, [&] {
     for (const char* key : {"type", "state", "step", "hyperparameters"})
-      if (ours[key] != first[key])
+      if (compared_text(ours[key]) != compared_text(first[key]))
         throw io_error(cat("ranks 0 and ", comm.rank(), " save different optimizers, which one checkpoint cannot ",
-                           "hold: optimizer ", key, " ", first[key].dump(), " on rank 0, ", ours[key].dump(),
-                           " on rank ", comm.rank()));
+                           "hold: optimizer ", key, " ", compared_text(first[key]), " on rank 0, ",
+                           compared_text(ours[key]), " on rank ", comm.rank()));
   });
 }
 

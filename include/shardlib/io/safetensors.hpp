@@ -16,8 +16,9 @@
 
 #include <algorithm>     // std::sort
 #include <array>         // std::array
+#include <atomic>        // std::atomic
 #include <bit>           // std::endian
-#include <cerrno>        // errno, EINTR, EINVAL
+#include <cerrno>        // errno, EINTR, EINVAL, EEXIST
 #include <cstddef>       // std::byte
 #include <cstdint>       // std::uint64_t
 #include <cstring>       // std::memcpy
@@ -41,7 +42,7 @@
 
 #include <fcntl.h>     // open, fcntl
 #include <sys/stat.h>  // stat, fstat
-#include <unistd.h>    // pread, write, fsync, close, unlink, sysconf
+#include <unistd.h>    // pread, write, fsync, close, unlink, sysconf, getpid
 
 namespace shardlib::io {
 namespace detail {
@@ -129,6 +130,17 @@ class input_file {
   std::uint64_t size_ = 0;
 };
 
+// The whole of a small text file (metadata, an index) through input_file, so that a FIFO
+// or device is refused rather than waited on; more than max_bytes is refused unread.
+inline std::string read_text_file(const std::filesystem::path& file, std::uint64_t max_bytes) {
+  const input_file in(file);
+  if (in.size() > max_bytes)
+    fail(in.origin(), "holds ", in.size(), " bytes, more than the ", max_bytes, " such a file may have");
+  std::string text(static_cast<std::size_t>(in.size()), '\0');
+  in.read_at(0, std::as_writable_bytes(std::span(text)));
+  return text;
+}
+
 // Reads and validates the header of an open file: its size field, then the JSON and
 // every tensor's byte range against the file's size. Returns N and the contents.
 inline std::pair<std::uint64_t, header_contents> read_file_header(const input_file& in) {
@@ -149,14 +161,23 @@ inline std::uint64_t physical_memory_bytes() {
   return static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page);
 }
 
-// A file written under "<target>.tmp" and renamed onto target by commit(), so the target
-// name never holds a half-written file. Until committed, an error or the destructor
-// removes the temporary file.
+// A file written under a temporary name beside target, "<target>.tmp.<pid>.<n>", and
+// renamed onto target by commit(), so the target name never holds a half-written file.
+// The temporary is created exclusively (O_EXCL): two writers of one target (every rank
+// saving the same path) each write their own file, and the last rename wins whole, where
+// a shared temporary let one writer truncate the other's half-written bytes. Until
+// committed, an error or the destructor removes the temporary; a process killed while
+// writing leaves it behind, under a name no reader takes for the target.
 class atomic_file {
  public:
-  explicit atomic_file(std::filesystem::path target) : target_(std::move(target)), temp_(target_.string() + ".tmp") {
-    fd_ = fd_handle(::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (!fd_) fail(target_.string(), "cannot create ", temp_.string(), ": ", os_error(errno));
+  explicit atomic_file(std::filesystem::path target) : target_(std::move(target)) {
+    static std::atomic<std::uint64_t> next{0};
+    for (int attempt = 0; !fd_; ++attempt) {  // EEXIST: another host's process of the same pid, on a shared file system
+      temp_ = cat(target_.string(), ".tmp.", ::getpid(), ".", next.fetch_add(1));
+      fd_ = fd_handle(::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+      if (!fd_ && (errno != EEXIST || attempt == 99))
+        fail(target_.string(), "cannot create ", temp_.string(), ": ", os_error(errno));
+    }
     owns_temp_ = true;
   }
   atomic_file(atomic_file&& o) noexcept
@@ -387,7 +408,7 @@ class safetensors_writer {
 
   void set_metadata(std::string key, std::string value) { metadata_[std::move(key)] = std::move(value); }
 
-  // Writes to "<file>.tmp", syncs it and renames it onto file.
+  // Writes to a temporary beside file (atomic_file), syncs it and renames it onto file.
   void write(const std::filesystem::path& file) const {
     const std::string header = detail::header_block(metadata_, tensors_, file.string());
     detail::atomic_file out(file);

@@ -127,6 +127,35 @@ inline void check_header_size(std::uint64_t n, std::uint64_t file_bytes, std::st
   }
 }
 
+// JSON read from a file nests at most this deep: nlohmann parses without recursion but
+// copies a value recursively, so a file of arrays nested a million deep (a few MB) would
+// overflow the stack wherever a subtree of it is copied, where it must raise.
+inline constexpr int max_json_depth = 512;
+
+inline void check_json_depth(int depth, nlohmann::json::parse_event_t event, std::string_view origin,
+                             std::string_view what) {
+  using event_t = nlohmann::json::parse_event_t;
+  if ((event == event_t::object_start || event == event_t::array_start) && depth >= max_json_depth)
+    fail(origin, what, " is not valid JSON here: it nests objects and arrays deeper than ", max_json_depth, " levels");
+}
+
+// Parses JSON text read from a file; `what` names it in errors ("the metadata"). A NUL
+// byte is refused: nlohmann ends its input there, which would let trailing bytes pass
+// unread, and JSON text has none (strings escape it).
+inline nlohmann::json parse_json(std::string_view text, std::string_view origin, std::string_view what) {
+  if (const auto nul = text.find('\0'); nul != std::string_view::npos)
+    fail(origin, what, " is not valid JSON: it holds a NUL byte at offset ", nul);
+  const auto bounded = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
+    check_json_depth(depth, event, origin, what);
+    return true;
+  };
+  try {
+    return nlohmann::json::parse(text.begin(), text.end(), bounded);
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for numbers like 1e400
+    fail(origin, what, " is not valid JSON: ", e.what());
+  }
+}
+
 // Parses the header text as JSON. nlohmann keeps the last of duplicate keys silently;
 // a duplicate can make two readers see different tensors, so any duplicate is an error.
 inline nlohmann::json parse_header_json(std::string_view text, std::string_view origin) {
@@ -144,8 +173,9 @@ inline nlohmann::json parse_header_json(std::string_view text, std::string_view 
     fail(origin, "the header is not valid JSON: it holds a NUL byte at offset ", nul);
   }
   std::vector<std::set<std::string, std::less<>>> open_objects;  // keys seen in each object being parsed
-  const auto reject_duplicates = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+  const auto reject_duplicates = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
     using event_t = nlohmann::json::parse_event_t;
+    check_json_depth(depth, event, origin, "the header");
     if (event == event_t::object_start) {
       open_objects.emplace_back();
     } else if (event == event_t::object_end) {

@@ -4,7 +4,7 @@
 // range and converted to the model's dtype. io/state_dict.hpp plans and performs the load.
 #pragma once
 #include "shardlib/core/element.hpp"  // dtype, element_cast, half, bfloat16, size_of, name, dtype_of
-#include "shardlib/io/safetensors.hpp"  // tensor_info, detail::input_file, read_file_header, fail
+#include "shardlib/io/safetensors.hpp"  // tensor_info, detail::input_file, read_file_header, read_text_file, fail
 
 #include <nlohmann/json.hpp>  // nlohmann::json
 
@@ -13,9 +13,7 @@
 #include <cstdint>      // std::uint64_t
 #include <cstring>      // std::memcpy
 #include <filesystem>   // std::filesystem
-#include <fstream>      // std::ifstream
 #include <functional>   // std::less
-#include <iterator>     // std::istreambuf_iterator
 #include <map>          // std::map
 #include <set>          // std::set
 #include <span>         // std::span
@@ -92,14 +90,7 @@ class state_dict_files {
   }
 
   void open_index(const std::filesystem::path& p) {
-    std::ifstream in(p, std::ios::binary);
-    if (!in) fail(origin_, "cannot open for reading");
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(std::string(std::istreambuf_iterator<char>(in), {}));
-    } catch (const nlohmann::json::exception& e) {
-      fail(origin_, "not valid JSON: ", e.what());
-    }
+    nlohmann::json j = parse_json(read_text_file(p, max_header_bytes), origin_, "the index");
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       fail(origin_, "a safetensors index needs an object \"weight_map\" {tensor name: file name}");
     std::map<std::string, std::set<std::string, std::less<>>> by_file;
