@@ -248,6 +248,31 @@ TEST_CASE("a store wait that outlasts its timeout names the key and the ranks th
   CHECK(std::chrono::steady_clock::now() - start < 5s);
 }
 
+// A get's reply had to be sent by the deadline for reading its request: a value set
+// later than that, too large for the socket's buffer, was dropped with the connection,
+// and the rank waiting for it was told the store did not answer.
+TEST_CASE("a get answered after a long wait still receives a large value", "[launch][store]") {
+  comm::store_server server(0, 2, 1s, "the store", 0.5s);  // 0.5 s to send a request or take a reply
+  std::string got;
+  std::thread waiter([&] {
+    try {
+      TcpStore s("127.0.0.1", server.port(), 0, 2, false, 20s);
+      got = s.get("big");
+    } catch (const std::exception& e) {
+      got = e.what();
+    }
+  });
+  TcpStore setter("127.0.0.1", server.port(), 1, 2, false, 20s);
+  std::this_thread::sleep_for(1500ms);
+  const std::string big(std::size_t(16) << 20, 'v');  // more than loopback's socket buffers hold
+  setter.set("big", big);
+  waiter.join();
+  INFO(got.substr(0, 300));  // the error, if it is one
+  CHECK(got.size() == big.size());
+  const bool same = got == big;
+  CHECK(same);
+}
+
 TEST_CASE("a store nobody serves is an error naming its address, not a hang", "[launch][store]") {
   std::uint16_t port = 0;
   {

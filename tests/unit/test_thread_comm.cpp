@@ -4,12 +4,14 @@
 
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <latch>
 #include <new>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -295,6 +297,107 @@ TEST_CASE("ranks that disagree about a collective raise on every rank", "[comm][
                                      c.all_gather(std::span<const float>(send), std::span<float>(recv));
                                    }),
                       Catch::Contains("needs a receive buffer of 8, got 7"));
+  }
+}
+
+// Two ranks that wait in collectives of two communicators, each for the other, wait
+// forever unless the launch sees the cycle: it raises on every rank in it, naming both
+// collectives. Waits that only look alike (a rank waits elsewhere for a rank that comes
+// later) are not cycles and must complete.
+TEST_CASE("ranks that call collectives on their communicators in different orders raise, not hang",
+          "[comm][thread][misuse][split]") {
+  SECTION("two ranks, two communicators of the same ranks") {
+    std::vector<std::string> errors(2);
+    comm::launch(2, [&](ThreadComm& c) {
+      ThreadComm sub = c.split(0, c.rank());
+      try {
+        if (c.rank() == 0) {
+          c.barrier();
+          sub.barrier();
+        } else {
+          std::vector<float> x(3, 1.f);
+          sub.all_reduce(std::span<float>(x), reduce_op::sum);
+          c.barrier();
+        }
+      } catch (const comm_error& e) {
+        errors[std::size_t(c.rank())] = e.what();
+      }
+      c.barrier();  // both raised on entering: the communicators go on in step
+      sub.barrier();
+    });
+    CHECK_THAT(errors[0], Catch::StartsWith("rank 0: barrier on the communicator of ranks [0, 1] can never complete: "
+                                            "rank 1 of the launch waits in all_reduce(3 x F32, sum)") &&
+                              Catch::Contains("different orders"));
+    CHECK_THAT(errors[1], Catch::StartsWith("rank 1: all_reduce(3 x F32, sum) on the communicator of ranks [0, 1] "
+                                            "can never complete: rank 0 of the launch waits in barrier"));
+  }
+  // Communicators A = {0, 1}, B = {1, 2}, C = {0, 2}, made by three splits.
+  const auto three = [](ThreadComm& c) {
+    const int r = c.rank();
+    ThreadComm a = c.split(r < 2 ? 0 : 1, r), b = c.split(r >= 1 ? 0 : 1, r), ac = c.split(r != 1 ? 0 : 1, r);
+    return std::array<ThreadComm, 3>{std::move(a), std::move(b), std::move(ac)};
+  };
+  SECTION("three ranks in a cycle through three communicators") {
+    std::vector<std::string> errors(3);
+    comm::launch(3, [&](ThreadComm& c) {
+      auto [a, b, ac] = three(c);
+      try {
+        if (c.rank() == 0) a.barrier();   // waits for 1
+        if (c.rank() == 1) b.barrier();   // waits for 2
+        if (c.rank() == 2) ac.barrier();  // waits for 0
+      } catch (const comm_error& e) {
+        errors[std::size_t(c.rank())] = e.what();
+      }
+    });
+    for (int r = 0; r < 3; ++r) {
+      INFO("rank " << r);
+      CHECK_THAT(errors[std::size_t(r)], Catch::Contains("can never complete") && Catch::Contains("different orders"));
+    }
+  }
+  SECTION("a rank that waits elsewhere for a rank still on its way is no cycle") {
+    std::vector<std::string> errors(3);
+    comm::launch(3, [&](ThreadComm& c) {
+      auto [a, b, ac] = three(c);
+      try {
+        if (c.rank() == 0) a.barrier();  // waits for 1, which waits in B for 2 first
+        if (c.rank() == 1) {
+          b.barrier();
+          a.barrier();
+        }
+        if (c.rank() == 2) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));  // 0 and 1 wait meanwhile
+          b.barrier();
+        }
+        c.barrier();
+      } catch (const comm_error& e) {
+        errors[std::size_t(c.rank())] = e.what();
+      }
+    });
+    CHECK(errors == std::vector<std::string>(3));
+  }
+  SECTION("a failed rank's queued collective abandons, and the launch names the failure") {
+    std::atomic<int> aborted{0};
+    try {
+      comm::launch(2, [&](ThreadComm& c) {
+        ThreadComm sub = c.split(0, c.rank());
+        std::vector<float> x(4, 1.f);
+        if (c.rank() == 0) {
+          const auto w = sub.all_reduce_async(std::span<const float>(x), std::span<float>(x), reduce_op::sum);
+          throw std::runtime_error("boom after queueing");  // the worker still holds the all_reduce
+        }
+        try {
+          c.barrier();
+        } catch (const comm_error&) {
+          ++aborted;
+          throw;
+        }
+      });
+      FAIL("launch returned normally");
+    } catch (const comm::rank_failure& e) {
+      CHECK(e.rank() == 0);
+      CHECK_THAT(e.what(), Catch::Contains("boom after queueing"));
+    }
+    CHECK(aborted == 1);
   }
 }
 

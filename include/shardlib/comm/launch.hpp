@@ -89,17 +89,7 @@ void launch(int world_size, Fn&& fn) {
   auto body = [&](int r) {
     ledger& own = *ledgers[std::size_t(r)];
     ledger_scope scope(own);
-    try {
-      {
-        ThreadComm comm(top, r, std::make_shared<executor>());
-        if constexpr (std::is_invocable_v<Fn&, ThreadComm&, ledger&>)
-          std::invoke(fn, comm, own);
-        else
-          std::invoke(fn, comm);
-      }  // the communicator (and its worker) ends before the rank counts as exited
-      world->exited[r].store(true);
-      world->wake_all();
-    } catch (...) {
+    const auto failed = [&] {
       auto e = std::current_exception();
       std::string what = "unknown exception";
       bool consequence = false;  // woken because another rank failed first
@@ -113,7 +103,26 @@ void launch(int world_size, Fn&& fn) {
       } catch (...) {
       }
       record(r, e, std::move(what), consequence);
+    };
+    try {
+      ThreadComm comm(top, r, std::make_shared<executor>());
+      try {
+        if constexpr (std::is_invocable_v<Fn&, ThreadComm&, ledger&>)
+          std::invoke(fn, comm, own);
+        else
+          std::invoke(fn, comm);
+      } catch (...) {
+        // Recorded before the communicator's worker ends: what this rank had queued
+        // then abandons at once, rather than wait for ranks that know nothing of it.
+        failed();
+        return;
+      }
+    } catch (...) {  // the communicator could not be made
+      failed();
+      return;
     }
+    world->exited[r].store(true);  // once the communicator (and its worker) has ended
+    world->wake_all();
   };
 
   // A rank whose thread cannot start (the process is out of threads or memory)

@@ -96,7 +96,7 @@ class SocketComm {
       std::vector<pollfd> ready{{listener.get(), POLLIN, 0}};
       for (const auto& c : pending) ready.push_back({c.get(), POLLIN, 0});
       const int n = ::poll(ready.data(), ready.size(), detail::ms_until(deadline));
-      if (n < 0 && errno == EINTR) continue;
+      if ((n < 0 && errno == EINTR) || (n == 0 && !detail::expired(deadline))) continue;
       if (n <= 0) break;
       for (std::size_t i = ready.size() - 1; i >= 1; --i) {  // from the back: erasing keeps earlier indices
         if (!ready[i].revents) continue;

@@ -83,7 +83,7 @@ struct socket_mesh {
       }
     const auto deadline = tcp_clock::now() + std::chrono::seconds(broken.empty() ? 0 : 1);
     char scratch[4096];
-    do {
+    for (int n = 1; n > 0 || (n < 0 && errno == EINTR);) {  // a signal does not end the drain early
       for (auto& p : open) {
         ssize_t k;
         while ((k = ::recv(p.fd, scratch, sizeof scratch, MSG_DONTWAIT)) > 0) {
@@ -91,7 +91,9 @@ struct socket_mesh {
         if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) p.fd = -1;  // hung up
       }
       std::erase_if(open, [](const pollfd& p) { return p.fd < 0; });
-    } while (!open.empty() && ::poll(open.data(), open.size(), ms_until(deadline)) > 0);
+      if (open.empty()) break;
+      n = ::poll(open.data(), open.size(), ms_until(deadline));
+    }
   }
 };
 
@@ -158,7 +160,7 @@ struct socket_group {
       if (n < 0 && errno == EINTR) continue;
       if (n < 0)  // ENOMEM: no pollfd was filled in, and a retry would spin
         fail(comm_error(cat(where(sig), ": poll failed: ", std::strerror(errno))));
-      if (n == 0 && tcp_clock::now() >= deadline) {
+      if (n == 0 && expired(deadline)) {
         std::string late;
         for (int p : polled) late += cat(late.empty() ? "" : ", ", p, " (", address(p), ")");
         fail(comm_error(cat(where(sig), ": nothing from or to rank ", late, " for ", mesh->timeout.count(),

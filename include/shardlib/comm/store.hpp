@@ -93,10 +93,15 @@ struct reader {
 class store_server {
  public:
   // Listens on all interfaces at `port` (0: a free port, see port()); `who` begins
-  // the errors of listening.
+  // the errors of listening. A client has `io_limit` to send a request whole, and to take
+  // in a reply (a get's own wait for its keys is not counted).
   explicit store_server(std::uint16_t port, int world_size, seconds linger = seconds(30),
-                        std::string_view who = "the store")
-      : listener_(detail::listen_on(port, who)), world_(world_size), linger_(linger), connected_(world_size) {
+                        std::string_view who = "the store", seconds io_limit = seconds(60))
+      : listener_(detail::listen_on(port, who)),
+        world_(world_size),
+        linger_(linger),
+        io_limit_(io_limit),
+        connected_(world_size) {
     port_ = detail::bound_port(listener_);
     acceptor_ = std::thread([this] { accept_loop(); });
   }
@@ -178,7 +183,7 @@ class store_server {
 
   // Reads one request and replies; false when the client has gone.
   bool answer(int fd, int& rank) {
-    const auto deadline = detail::tcp_clock::now() + std::chrono::seconds(60);
+    const auto deadline = detail::deadline_after(io_limit_);  // for reading the request
     std::uint8_t op = 0;
     if (detail::recv_all(fd, &op, 1, deadline) != detail::io_status::done) return false;
     detail::reader in{fd, deadline};
@@ -248,13 +253,15 @@ class store_server {
       }
       default: return false;
     }
-    return detail::send_all(fd, out.bytes.data(), out.bytes.size(), deadline) == detail::io_status::done;
+    // The reply gets a limit of its own: a get may have waited longer than io_limit for its keys.
+    return detail::send_all(fd, out.bytes.data(), out.bytes.size(), detail::deadline_after(io_limit_)) ==
+           detail::io_status::done;
   }
 
   detail::socket_fd listener_;
   std::uint16_t port_ = 0;
   int world_;
-  seconds linger_;
+  seconds linger_, io_limit_;
   std::mutex m_;
   std::condition_variable cv_;
   std::map<std::string, std::string> data_;
@@ -390,18 +397,25 @@ class TcpStore {
   }
 
   // Sends one request and parses the reply with parse(reader&); the server's own
-  // wait fits inside this deadline. A lost store is an error naming its address.
+  // wait fits inside this deadline. A lost store is an error naming its address, and
+  // the connection is closed: a reply arriving after the deadline would otherwise be
+  // read as the next call's.
   template <class Parse>
   std::invoke_result_t<Parse, detail::reader&> call(detail::store_op op, const detail::wire& body,
                                                     std::string_view doing, Parse parse) {
+    require<comm_error>(bool(conn_), "rank ", rank_, ": ", doing, ": the connection to the store at ", address(),
+                        " was lost in an earlier call");
     const auto limit = deadline() + std::chrono::seconds(10);
     std::string message(1, char(op));
     message += body.bytes;
     detail::reader in{conn_.get(), limit};
     in.ok = detail::send_all(conn_.get(), message.data(), message.size(), limit) == detail::io_status::done;
     auto result = parse(in);
-    require<comm_error>(in.ok, "rank ", rank_, ": ", doing, ": the store at ", address(),
-                        " does not answer (rank 0, which serves it, exited or failed)");
+    if (!in.ok) {
+      conn_.reset();
+      throw comm_error(cat("rank ", rank_, ": ", doing, ": the store at ", address(),
+                           " does not answer (rank 0, which serves it, exited or failed)"));
+    }
     return result;
   }
   std::int64_t call(detail::store_op op, const detail::wire& body, std::string_view doing) {

@@ -40,11 +40,13 @@ inline tcp_clock::time_point deadline_after(std::chrono::duration<double> limit)
   return tcp_clock::now() + wait_of(limit);
 }
 
-// Milliseconds left until `deadline`, for poll (never negative).
+// Milliseconds left until `deadline`, for poll (never negative; at most 1e9, about 11.6
+// days, so a poll that returns 0 has timed out only if `expired(deadline)` says so).
 inline int ms_until(tcp_clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - tcp_clock::now()).count();
   return left <= 0 ? 0 : left > 1'000'000'000 ? 1'000'000'000 : int(left);
 }
+inline bool expired(tcp_clock::time_point deadline) { return tcp_clock::now() >= deadline; }
 
 // An owned socket descriptor.
 class socket_fd {
@@ -126,8 +128,8 @@ inline bool wait_for(int fd, short events, tcp_clock::time_point deadline) {
     pollfd p{fd, events, 0};
     const int n = ::poll(&p, 1, ms_until(deadline));
     if (n > 0) return true;
-    if (n == 0) return false;
-    if (errno != EINTR) return false;
+    if (n == 0 && expired(deadline)) return false;
+    if (n < 0 && errno != EINTR) return false;
   }
 }
 
