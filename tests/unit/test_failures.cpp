@@ -354,7 +354,7 @@ TEST_CASE("a forward or backward that raises on every rank leaves a model that t
 TEST_CASE("backward twice without a forward raises on every rank and leaves the model usable", "[failures][misuse]") {
   for_each_strategy([](auto s) {
     INFO(decltype(s)::name);
-    std::vector<std::string> errors(world);
+    std::vector<std::string> errors(world), after_eval(world);
     auto run = [&] {
       comm::launch(world, [&](comm::ThreadComm& c) {
         fixture::Model m = fixture::make_model();  // every Linear a unit, the last one too
@@ -369,6 +369,15 @@ TEST_CASE("backward twice without a forward raises on every rank and leaves the 
         } catch (const error& e) {
           errors[std::size_t(c.rank())] = e.what();
         }
+        model.eval();  // an eval-mode forward keeps no activations: no backward may follow it
+        const auto evaluated = fixture::mse(model.forward(x), y);
+        model.train();
+        try {
+          model.backward(evaluated.grad);
+          after_eval[std::size_t(c.rank())] = "a backward after an eval-mode forward ran";
+        } catch (const error& e) {
+          after_eval[std::size_t(c.rank())] = e.what();
+        }
         model.step(opt);
         model.train_step(opt, x, y, fixture::mse);
         l = fixture::mse(model.forward(x), y);
@@ -377,8 +386,11 @@ TEST_CASE("backward twice without a forward raises on every rank and leaves the 
       });
     };
     CHECK_THROWS_WITH(run(), Catch::Contains("backward without a forward"));
-    for (int r = 0; r < world; ++r)
+    for (int r = 0; r < world; ++r) {
       CHECK_THAT(errors[std::size_t(r)], Catch::Contains(cat("rank ", r, ": backward without a forward")));
+      CHECK_THAT(after_eval[std::size_t(r)], Catch::StartsWith(cat("rank ", r, ": backward without a forward")) &&
+                                                 Catch::Contains("in train mode"));
+    }
   });
 }
 

@@ -619,6 +619,43 @@ TEST_CASE("a frozen parameter's gradient is zero and it has no optimizer state",
   CHECK(total == padded_total[0] - 48);
 }
 
+// Replicated parameters stay bound to their unit's buffers from one forward to the next.
+// A wholly frozen unit's full gradients were freed after backward (ZeRO-1), and ZeRO-2
+// style policies free them after each reduction, with the Params still pointing there.
+struct ReplicatedZeRO2 {  // parameters replicated, gradients and optimizer state sharded
+  static constexpr std::string_view name = "ReplicatedZeRO2";
+  constexpr shard::policy policy() const {
+    return {.shard_parameters = false, .free = shard::free_point::never};
+  }
+};
+
+TEST_CASE("after a step every Param's gradient is null or inside its unit's live gradients", "[frozen][memory]") {
+  for (const shard::AnyStrategy& strategy : {shard::AnyStrategy(shard::FullShard{}), shard::AnyStrategy(shard::ShardGradOp{}),
+                                             shard::AnyStrategy(shard::ShardOptimizer{}), shard::AnyStrategy(shard::NoShard{}),
+                                             shard::AnyStrategy(ReplicatedZeRO2{})}) {
+    std::vector<std::string> problems(2);
+    comm::launch(2, [&](comm::ThreadComm& c) {
+      Model m = fixture::make_model();
+      freeze_only(m, {"1.layers.0.weight", "1.layers.0.bias"});  // a whole unit
+      auto model = shard::fully_shard<optim::AdamW>(m, c, strategy, {.wrap = shard::wrap_types<Block>{}, .seed = 42});
+      optim::AdamW opt{adamw};
+      model.train_step(opt, fixture::batch(0, 4, 5, 1, 4 * c.rank()), fixture::batch(0, 4, 3, 2, 4 * c.rank()),
+                       fixture::mse);
+      const auto inside = [](const float* p, std::span<const float> live) {
+        const std::less<const float*> before;
+        return !before(p, live.data()) && before(p, live.data() + live.size());
+      };
+      for (const auto& u : model.units())  // full gradients, or NoShard's reduced ones in place
+        for (const auto* p : u.params)
+          if (p->grad && !inside(p->grad, u.full_grad.span()) && !inside(p->grad, u.grad.span()))
+            problems[std::size_t(c.rank())] += cat("unit '", u.name, "': a Param's gradient points outside its ",
+                                                   u.full_grad.size(), " live full gradients; ");
+    });
+    INFO(strategy.name);
+    for (const auto& p : problems) CHECK(p == "");
+  }
+}
+
 // Files and state dicts hold every element of each piece, zeros where frozen (the same
 // as before freezing was known to the state), so they load into any world size: the
 // whole optimizer state read back after a resharding load is the one saved.

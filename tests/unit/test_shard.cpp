@@ -360,6 +360,36 @@ TEST_CASE("ranks wrapping different models raise on every rank, naming the param
   CHECK_THAT(errors[1], Catch::Contains("differs between ranks 0 and 1") && Catch::Contains("'2.weight' [4, 8]"));
 }
 
+// Ranks that prefetch differently issue backward's all-gathers and reduce-scatters in
+// different orders: ThreadComm and SocketComm would raise at the first mismatched pair,
+// NCCL would pair them up wrongly. So would ranks of different precision or offloading.
+TEST_CASE("ranks wrapping with options that shape the collectives differently raise on every rank",
+          "[shard][structure]") {
+  const std::vector<std::pair<shard::options, std::string>> cases{
+      {{.prefetch = 2}, "prefetch 2, precision F32/F32, offload false"},
+      {{.precision = {.reduce = dtype::bf16}}, "prefetch 1, precision F32/BF16"},
+      {{.offload = true}, "offload true"},
+      {{.frozen_grads = false}, "frozen_grads false"}};
+  for (const auto& [second, shown] : cases) {
+    INFO(shown);
+    std::vector<std::string> errors(2);
+    comm::launch(2, [&](comm::ThreadComm& c) {
+      Model m = make_model();
+      shard::options o = c.rank() == 0 ? shard::options{} : second;
+      o.wrap = shard::wrap_types<Block>{};
+      try {
+        auto model = shard::fully_shard<sgd>(m, c, shard::FullShard{}, o);
+      } catch (const error& e) {
+        errors[c.rank()] = e.what();
+      }
+    });
+    CHECK_THAT(errors[1], Catch::StartsWith("rank 1: the model differs between ranks 0 and 1 at the options that "
+                                            "shape its collectives (here: ") &&
+                              Catch::Contains(shown));
+    CHECK_THAT(errors[0], Catch::Contains("rank 0: the model differs between ranks 0 and 1 at the options that shape"));
+  }
+}
+
 // Replicas start from their own draws of (seed, name, index): different seeds would
 // leave NoShard's replicas different for good (0.87 apart after 3 steps, before this check).
 TEST_CASE("ranks wrapping with different seeds raise on every rank, naming the seed", "[shard][structure]") {

@@ -253,7 +253,7 @@ class gradient_reducer {
   // Full gradients are dropped once reduced when gradients are sharded; kept,
   // zeroed, for the next backward when they are not (ZeRO-1).
   void release_full_grad(unit_type& u) {
-    if (policy_.shard_gradients) u.full_grad.reset();
+    if (policy_.shard_gradients) u.release_full_grad();
     else ops::fill(u.full_grad.span(), C(0));
   }
 

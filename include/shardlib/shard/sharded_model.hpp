@@ -126,7 +126,7 @@ class ShardedModel {
     forward_draws_ = ctx_.draws();
     try {
       auto y = ctx_.forward(*model_, x);
-      forwarded_ = !ctx_.in_no_grad();  // a forward inside context().no_grad(f) has no backward
+      forwarded_ = !ctx_.in_no_grad() && !ctx_.evaluating();  // no_grad(f) and eval(): no backward follows
       return y;
     } catch (...) {
       drain();  // nothing left gathered or in flight: the next forward gathers afresh
@@ -140,7 +140,7 @@ class ShardedModel {
     require(ctx_.grad_enabled(), "rank ", comm_->rank(), ": backward in eval mode: its forwards keep no "
             "activations and free every unit; call train() and run the forward again");
     require(forwarded_, "rank ", comm_->rank(), ": backward without a forward: each backward needs a forward "
-            "completed after the previous backward");
+            "completed after the previous backward, in train mode and outside no_grad");
     forwarded_ = false;
     try {
       auto dx = ctx_.backward(*model_, dy);
@@ -233,7 +233,7 @@ class ShardedModel {
       require(!u.reducing, "rank ", comm_->rank(), ": zero_grad: a gradient reduction of unit '", u.name,
               "' is still pending");
       ops::fill(u.grad.span(), T(0));
-      if (policy_.shard_gradients) u.full_grad.reset();  // drops gradients accumulated under sync(false)
+      if (policy_.shard_gradients) u.release_full_grad();  // drops gradients accumulated under sync(false)
       else if (policy_.shard_optimizer) ops::fill(u.full_grad.span(), C(0));
       u.grad_clean = true;
     }
@@ -509,7 +509,7 @@ class ShardedModel {
     if (policy_.shard_parameters && !kept) gathers_.free(u);
     if (kept) u.bind(u.values.data(), nullptr);  // its full gradients may go with the reduction
     if (u.frozen()) {  // every gradient is zero: nothing to send (FSDP2 reduces only what has gradients)
-      if (policy_.shard_optimizer) u.full_grad.reset();
+      if (policy_.shard_optimizer) u.release_full_grad();
     } else if (sync_) {
       reducer_.issue(u, shard_comm(), *comm_);
     }

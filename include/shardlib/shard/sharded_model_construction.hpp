@@ -52,7 +52,12 @@ ShardedModel<Model, Comm, Strategy, T, Optimizer>::ShardedModel(Model& model, Co
   }
   for (auto& u : units_)  // names for errors: the layouts no longer move
     for (std::size_t k = 0; k < u.params.size(); ++k) u.params[k]->owner_name = u.layout.entries[k].name;
-  check_same_model<ops>(comm, units_, strategy_.name, policy_, opts_.seed, sizeof(T), sizeof(C));
+  check_same_model<ops>(comm, units_, strategy_.name, policy_, opts_.seed,
+                        cat("prefetch ", opts_.prefetch, ", precision ", name(opts_.precision.param), "/",
+                            name(opts_.precision.reduce), ", offload ", opts_.offload ? "true" : "false",
+                            ", frozen_masters ", opts_.frozen_masters ? "true" : "false", ", frozen_grads ",
+                            opts_.frozen_grads ? "true" : "false"),
+                        sizeof(T), sizeof(C));
   make_reshard_group();  // after the check: ranks that disagree on it would split differently
   for (auto& u : units_) materialize(u);
   if (!policy_.shard_parameters && !master_in_values()) {

@@ -88,8 +88,8 @@ class ShardedTensor {
     require<shape_error>(full.size() == layout_.numel || full.size() == layout_.padded_size(), "rank ", rank_,
                          ": ShardedTensor::assign_local needs ", layout_.numel, " (or padded ", layout_.padded_size(),
                          ") elements, got ", full.size());
-    const std::size_t n = layout_.valid(rank_);
-    std::copy_n(full.data() + layout_.begin(rank_), n, local_.data());
+    const std::size_t n = layout_.valid(rank_);  // 0 where the shard is padding alone: begin may lie past the end
+    if (n) std::copy_n(full.data() + layout_.begin(rank_), n, local_.data());
     std::fill_n(local_.data() + n, local_.size() - n, T{});
   }
 
@@ -106,7 +106,7 @@ class ShardedTensor {
     Buffer<T, Space> piece(layout_.shard_size(), category::comm_scratch);
     for (int r = 0; r < layout_.world; ++r) {
       std::fill_n(piece.data(), piece.size(), T{});
-      if (comm.rank() == root) std::copy_n(full.data() + layout_.begin(r), layout_.valid(r), piece.data());
+      if (comm.rank() == root && layout_.valid(r)) std::copy_n(full.data() + layout_.begin(r), layout_.valid(r), piece.data());
       comm.broadcast(piece.span(), root);
       if (r == rank_) std::copy_n(piece.data(), piece.size(), local_.data());
     }

@@ -1,5 +1,5 @@
 // shardlib/shard/structure_check.hpp — the check that every rank wraps the same model
-// with the same strategy and seed, before anything is sharded.
+// with the same strategy, seed and collective-shaping options, before anything is sharded.
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/comm/communicator.hpp"  // comm::reduce_op
@@ -34,17 +34,24 @@ std::string describe_entry(const std::vector<Unit>& units, std::size_t k) {
 }  // namespace detail
 
 // Ranks compare a hash of the strategy's name and policy (group resolved for the
-// world), the seed, every parameter's unit, name, shape, element sizes, whether it is
-// frozen and whether its unit stays gathered after forward (options.keep_gathered: a rank
-// that gathers again in backward would wait for the others), and every tie; on a mismatch every rank raises, naming the first thing that differs.
-// Ops is the model space's space_ops (host-memory collectives on any communicator).
+// world), the seed, the options that shape the sequence of collectives (`collectives`:
+// prefetch depth, precision, offload, frozen masters and gradients; ranks that prefetch
+// differently would pair one's all-gather with another's reduce-scatter, which NCCL does
+// not notice), every parameter's unit, name, shape, element sizes, whether it is frozen
+// and whether its unit stays gathered after forward (options.keep_gathered: a rank that
+// gathers again in backward would wait for the others), and every tie; on a mismatch
+// every rank raises, naming the first thing that differs. Ops is the model space's
+// space_ops (host-memory collectives on any communicator).
 template <class Ops, class Comm, class Unit>
 void check_same_model(Comm& comm, const std::vector<Unit>& units, std::string_view strategy, const policy& p,
-                      std::uint64_t seed, std::size_t master_bytes, std::size_t compute_bytes) {
+                      std::uint64_t seed, std::string_view collectives, std::size_t master_bytes,
+                      std::size_t compute_bytes) {
   std::vector<std::int64_t> mine;  // hashes (int64: an element type every communicator carries)
   mine.push_back(std::int64_t(fnv1a(cat(strategy, p.shard_parameters, p.shard_gradients, p.shard_optimizer,
                                         p.group(comm.size()), int(p.free), int(p.reduce), p.reshard_to))));
   mine.push_back(std::int64_t(seed));
+  mine.push_back(std::int64_t(fnv1a(collectives)));
+  constexpr std::size_t first_parameter = 3;
   for (const auto& u : units)
     for (const auto& e : u.layout.entries)
       mine.push_back(
@@ -64,9 +71,11 @@ void check_same_model(Comm& comm, const std::vector<Unit>& units, std::string_vi
           i == 0   ? cat("the strategy or its policy (here: ", strategy,
                          p.reshard_to ? cat(" with reshard_to ", p.reshard_to) : std::string(), ")")
           : i == 1 ? cat("options.seed (here: ", seed, "): ranks would start from different parameters")
-                   : cat("parameter #", i - 2, " (here: ", detail::describe_entry(units, i - 2), ")");
+          : i == 2 ? cat("the options that shape its collectives (here: ", collectives, ")")
+                   : cat("parameter #", i - first_parameter, " (here: ",
+                         detail::describe_entry(units, i - first_parameter), ")");
       throw error(cat("rank ", comm.rank(), ": the model differs between ranks 0 and ", r, " at ", what,
-                      ": every rank must wrap the same model with the same strategy and seed"));
+                      ": every rank must wrap the same model with the same strategy, seed and options"));
     }
 }
 

@@ -9,11 +9,12 @@
 #include "shardlib/shard/packing.hpp"
 #include "shardlib/shard/sharded_tensor.hpp"
 
-#include <cstddef>   // std::size_t
-#include <optional>  // std::optional
-#include <span>      // std::span
-#include <string>    // std::string
-#include <vector>    // std::vector
+#include <cstddef>     // std::size_t
+#include <functional>  // std::less
+#include <optional>    // std::optional
+#include <span>        // std::span
+#include <string>      // std::string
+#include <vector>      // std::vector
 
 namespace shardlib::shard {
 
@@ -123,6 +124,16 @@ struct unit {
     }
   }
   void unbind() { bind(nullptr, nullptr); }
+  // Frees the full gradients. Params still bound to them (replicated parameters stay
+  // bound from one forward to the next) lose their gradient rather than keep pointing
+  // at freed memory.
+  void release_full_grad() {
+    const std::less<const C*> before;
+    const C* begin = full_grad.data();
+    for (auto* p : params)
+      if (p->grad && !before(p->grad, begin) && before(p->grad, begin + full_grad.size())) p->grad = nullptr;
+    full_grad.reset();
+  }
 };
 
 }  // namespace shardlib::shard
