@@ -1541,4 +1541,9 @@ TEST_CASE("files transformers wrote load with the Hugging Face conventions, and 
   }
   save_state_dict(dir / "llama", plain, {.save_dtype = dtype::f32, .max_shard_bytes = 40'000});
   CHECK(read_files(shard_files(dir / "llama")).values == llama.values);
+  // A directory that cannot be made is an io_error naming it, not std::filesystem's error.
+  write_all(dir / "a-file", to_bytes("x"));
+  CHECK_THROWS_MATCHES(save_state_dict(dir / "a-file" / "llama", plain, {.max_shard_bytes = 40'000}), io_error,
+                       Catch::Matchers::Message((dir / "a-file" / "llama").string() +
+                                                ": cannot create the directory: Not a directory"));
 }

@@ -21,16 +21,17 @@
 
 #include <nlohmann/json.hpp>  // nlohmann::json
 
-#include <cstddef>      // std::size_t
-#include <cstdint>      // std::uint64_t
-#include <filesystem>   // std::filesystem
-#include <optional>     // std::optional, std::nullopt
-#include <span>         // std::span
-#include <string>       // std::string
-#include <string_view>  // std::string_view
-#include <type_traits>  // std::is_same_v, std::type_identity
-#include <utility>      // std::move
-#include <vector>       // std::vector
+#include <cstddef>       // std::size_t
+#include <cstdint>       // std::uint64_t
+#include <filesystem>    // std::filesystem
+#include <optional>      // std::optional, std::nullopt
+#include <span>          // std::span
+#include <string>        // std::string
+#include <string_view>   // std::string_view
+#include <system_error>  // std::error_code
+#include <type_traits>   // std::is_same_v, std::type_identity
+#include <utility>       // std::move
+#include <vector>        // std::vector
 
 namespace shardlib::io {
 
@@ -166,7 +167,9 @@ inline std::filesystem::path checkpoint_to_safetensors(const std::filesystem::pa
   const auto& m = r.metadata();
   {  // writing into the checkpoint would replace a file of it (a shard, its metadata) with the export
     namespace fs = std::filesystem;
-    const fs::path dir = fs::weakly_canonical(r.path()), out = fs::weakly_canonical(file);
+    std::error_code ec;
+    const fs::path dir = fs::weakly_canonical(r.path(), ec), out = ec ? fs::path() : fs::weakly_canonical(file, ec);
+    if (ec) detail::fail(file.string(), "cannot resolve the path: ", ec.message());
     const auto [d, o] = std::mismatch(dir.begin(), dir.end(), out.begin(), out.end());
     if (d == dir.end())
       detail::fail(file.string(), "lies inside the checkpoint ", r.path().string(), " it is exported from");
@@ -248,7 +251,7 @@ inline std::filesystem::path safetensors_to_checkpoint(const std::filesystem::pa
   if (!detail::valid_tag(m.tag))
     throw io_error(cat("checkpoint tag \"", m.tag, "\" must be 1-200 letters, digits or -_.+= not starting with '.'"));
   const auto final_dir = root / m.tag, temp = root / cat(detail::temp_prefix, m.tag);
-  if (!o.replace && std::filesystem::exists(final_dir))
+  if (std::error_code ec; !o.replace && std::filesystem::exists(final_dir, ec))
     detail::fail(final_dir.string(), "exists; a conversion replaces a checkpoint only when asked to (replace, "
                  "shardlib-ckpt --force) or writes under another tag");
   const auto claim = detail::prepare_save(final_dir, temp);

@@ -8,19 +8,20 @@
 
 #include <nlohmann/json.hpp>  // nlohmann::json
 
-#include <cmath>        // std::isinf, std::isfinite
-#include <cstddef>      // std::byte, std::size_t
-#include <cstdint>      // std::uint64_t
-#include <cstring>      // std::memcpy
-#include <filesystem>   // std::filesystem
-#include <functional>   // std::less
-#include <map>          // std::map
-#include <set>          // std::set
-#include <span>         // std::span
-#include <string>       // std::string
-#include <string_view>  // std::string_view
-#include <utility>      // std::move
-#include <vector>       // std::vector
+#include <cmath>         // std::isinf, std::isfinite
+#include <cstddef>       // std::byte, std::size_t
+#include <cstdint>       // std::uint64_t
+#include <cstring>       // std::memcpy
+#include <filesystem>    // std::filesystem
+#include <functional>    // std::less
+#include <map>           // std::map
+#include <set>           // std::set
+#include <span>          // std::span
+#include <string>        // std::string
+#include <string_view>   // std::string_view
+#include <system_error>  // std::error_code
+#include <utility>       // std::move
+#include <vector>        // std::vector
 
 namespace shardlib::io::detail {
 
@@ -41,9 +42,10 @@ class state_dict_files {
   explicit state_dict_files(const std::filesystem::path& path) {
     namespace fs = std::filesystem;
     fs::path p = path;
-    if (fs::is_directory(p)) {
-      if (fs::exists(p / hf_single_name)) p /= hf_single_name;
-      else if (fs::exists(p / hf_index_name)) p /= hf_index_name;
+    std::error_code ec;  // an inaccessible path is for the reads below to name
+    if (fs::is_directory(p, ec)) {
+      if (fs::exists(p / hf_single_name, ec)) p /= hf_single_name;
+      else if (fs::exists(p / hf_index_name, ec)) p /= hf_index_name;
       else fail(path.string(), "the directory holds neither ", hf_single_name, " nor ", hf_index_name);
     }
     origin_ = p.string();

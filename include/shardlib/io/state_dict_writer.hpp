@@ -12,21 +12,22 @@
 
 #include <nlohmann/json.hpp>  // nlohmann::ordered_json
 
-#include <algorithm>    // std::equal
-#include <cmath>        // std::isinf, std::isfinite
-#include <cstddef>      // std::byte, std::size_t
-#include <cstdint>      // std::uint64_t
-#include <cstdio>       // std::snprintf, std::sscanf
-#include <filesystem>   // std::filesystem
-#include <functional>   // std::less
-#include <map>          // std::map
-#include <ranges>       // std::views::keys
-#include <set>          // std::set
-#include <span>         // std::span
-#include <string>       // std::string
-#include <string_view>  // std::string_view
-#include <utility>      // std::move
-#include <vector>       // std::vector
+#include <algorithm>     // std::equal
+#include <cmath>         // std::isinf, std::isfinite
+#include <cstddef>       // std::byte, std::size_t
+#include <cstdint>       // std::uint64_t
+#include <cstdio>        // std::snprintf, std::sscanf
+#include <filesystem>    // std::filesystem
+#include <functional>    // std::less
+#include <map>           // std::map
+#include <ranges>        // std::views::keys
+#include <set>           // std::set
+#include <span>          // std::span
+#include <string>        // std::string
+#include <string_view>   // std::string_view
+#include <system_error>  // std::error_code
+#include <utility>       // std::move
+#include <vector>        // std::vector
 
 namespace shardlib::io::detail {
 
@@ -65,12 +66,22 @@ inline bool is_shard_file_name(const std::string& name) {
   return std::sscanf(name.c_str(), "model-%zu-of-%zu.safetensors", &k, &n) == 2 && shard_file_name(k, n) == name;
 }
 
+// Removes a file if it exists; failing to is an io_error naming it.
+inline void remove_file(const std::filesystem::path& file) {
+  std::error_code ec;
+  std::filesystem::remove(file, ec);
+  if (ec) fail(file.string(), "cannot remove: ", ec.message());
+}
+
 // The files of an earlier sharded save into `dir` that a new save did not overwrite.
 inline void remove_shards_except(const std::filesystem::path& dir, const std::set<std::string>& keep) {
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    if (is_shard_file_name(name) && !keep.contains(name)) std::filesystem::remove(e.path());
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec);
+  for (const std::filesystem::directory_iterator end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (is_shard_file_name(name) && !keep.contains(name)) remove_file(it->path());
   }
+  if (ec) fail(dir.string(), "cannot list the directory: ", ec.message());
 }
 
 // Writes tensors under the file's names and layout (one file, or the sharded layout).
@@ -124,7 +135,7 @@ void write_state_dict(const std::filesystem::path& path, const std::vector<tenso
     // model.safetensors first anyway).
     if (path.filename() == hf_single_name) {
       const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
-      std::filesystem::remove(dir / hf_index_name);
+      remove_file(dir / hf_index_name);
       remove_shards_except(dir, {});
     }
     return;
@@ -144,12 +155,13 @@ void write_state_dict(const std::filesystem::path& path, const std::vector<tenso
     total += b;
   }
   starts.push_back(out.size());
-  std::filesystem::create_directories(path);
+  if (std::error_code ec; !std::filesystem::create_directories(path, ec) && ec)
+    fail(path.string(), "cannot create the directory: ", ec.message());
   // No moment at which a load could mix files of two saves: the old index and a
   // model.safetensors (read before any index) go first, the new index comes last,
   // and the files of the old save that the new one did not overwrite go then.
-  std::filesystem::remove(path / hf_index_name);
-  std::filesystem::remove(path / hf_single_name);
+  remove_file(path / hf_index_name);
+  remove_file(path / hf_single_name);
   const std::size_t n = starts.size() - 1;
   nlohmann::ordered_json index{{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::ordered_json::object()}};
   std::set<std::string> written;
