@@ -143,6 +143,18 @@ TEST_CASE("block_pool never gives a block of one stream to another", "[block_poo
   CHECK(pool.stream_of(s2) == 2);
 }
 
+// round_size and segment_size wrapped for requests near 2^64, which then got a block
+// of 512 bytes (a caller's negative count converted to size_t).
+TEST_CASE("block_pool refuses a request larger than any memory, obtaining nothing", "[block_pool]") {
+  source src;
+  pool_t pool;
+  for (const std::size_t bytes : {std::size_t(-1), std::size_t(-100), std::size_t(-1) - MiB, std::size_t(1) << 63})
+    CHECK_THROWS_WITH(pool.allocate(bytes, 0, src.obtainer()),
+                      Catch::Contains(sl::cat("a request of ", bytes, " bytes is more than any memory holds")));
+  CHECK(src.obtained == 0);
+  CHECK(pool.stats().allocated_blocks == 0);
+}
+
 TEST_CASE("block_pool returns null without changing anything when no memory is obtained", "[block_pool]") {
   source src;
   pool_t pool;

@@ -72,6 +72,13 @@ TEST_CASE("Buffer is 64-byte aligned, move-only, and recorded in the ledger", "[
   Buffer<float> empty(0, category::comm_scratch);
   CHECK(empty.data() == nullptr);
   CHECK(l.current() == 0);
+  // A negative count converted to size_t: n * sizeof(T), and the rounding to 64 bytes,
+  // wrapped to a few bytes, and the buffer claimed 2^64 - 1 elements over them.
+  CHECK_THROWS_WITH((Buffer<float>(std::size_t(-1), category::activations)),
+                    Catch::StartsWith("a host buffer of 18446744073709551615 elements of 4 bytes is more than any "
+                                      "memory holds"));
+  CHECK_THROWS_AS(host_space::allocate(std::size_t(-32)), std::bad_alloc);
+  CHECK(l.current() == 0);
 }
 
 TEST_CASE("ledger peaks per category and in total", "[core][ledger]") {

@@ -255,6 +255,38 @@ TEST_CASE("config.json fields that change the model are read or refused", "[mode
                     Catch::Contains("'type' and 'rope_type' differ"));
   CHECK_THROWS_WITH(read(R"({"rope_scaling": {"rope_type": null, "factor": 4}})", models::llama_config{}),
                     Catch::Contains("llama_config: rope_scaling {\"factor\":4,\"rope_type\":null}: 'rope_type' must be a string"));
+  // transformers 5.x: rope_theta and the scaling in rope_parameters (rope_type "default":
+  // none); where the older keys are there too they must agree.
+  const auto v5 = read(R"({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}})",
+                       models::llama_config{});
+  CHECK(v5.rope_theta == 500000);
+  CHECK(v5.rope_scaling.type == kind::llama3);
+  CHECK(v5.rope_scaling.factor == 8);
+  CHECK(v5.rope_scaling.original_max_position_embeddings == 8192);
+  const auto plain5 = read(R"({"rope_parameters": {"rope_type": "default", "rope_theta": 250000}})",
+                           models::llama_config{});
+  CHECK(plain5.rope_theta == 250000);
+  CHECK(plain5.rope_scaling.type == kind::none);
+  CHECK(read(R"({"rope_theta": 250000, "rope_parameters": {"rope_theta": 250000}})", models::llama_config{})
+            .rope_theta == 250000);
+  CHECK_THROWS_WITH(read(R"({"rope_theta": 10000, "rope_parameters": {"rope_theta": 500000}})", models::llama_config{}),
+                    Catch::Contains("rope_theta 10000 and rope_parameters' 500000 differ"));
+  CHECK_THROWS_WITH(read(R"({"rope_scaling": {"rope_type": "linear", "factor": 2},
+                             "rope_parameters": {"rope_type": "linear", "factor": 4}})",
+                         models::llama_config{}),
+                    Catch::Contains("rope_scaling and rope_parameters differ"));
+  CHECK_THROWS_WITH(read(R"({"rope_parameters": {"rope_type": "yarn", "factor": 4}})", models::llama_config{}),
+                    Catch::Contains("llama_config: rope_parameters") && Catch::Contains("'yarn' is not supported"));
+  // Fields of other architectures are refused rather than dropped.
+  CHECK_THROWS_WITH(read(R"({"model_type": "mistral", "sliding_window": 4096})", models::llama_config{}),
+                    Catch::Contains("model_type \"mistral\" is not LLaMA"));
+  CHECK_THROWS_WITH(read(R"({"sliding_window": 4096})", models::llama_config{}),
+                    Catch::Contains("sliding_window 4096 is not supported"));
+  CHECK_THROWS_WITH(read(R"({"model_type": "llama"})", models::gpt2_config{}),
+                    Catch::Contains("gpt2_config: model_type \"llama\" is not GPT-2"));
+  CHECK_NOTHROW(read(R"({"model_type": "gpt2", "activation_function": "gelu_pytorch_tanh"})", models::gpt2_config{}));
   for (const char* positions : {"8192.5", "0", "1e30", "18446744073709551615"})
     CHECK_THROWS_WITH(read(cat(R"({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1,
                                    "high_freq_factor": 4, "original_max_position_embeddings": )", positions, "}}"),

@@ -24,8 +24,9 @@ class Buffer {
   using space = Space;
 
   Buffer() = default;
-  Buffer(std::size_t n, category c) : size_(n), category_(c), ledger_(&current_ledger()) {
-    data_ = static_cast<T*>(Space::allocate(bytes()));
+  Buffer(std::size_t n, category c) : category_(c), ledger_(&current_ledger()) {
+    data_ = static_cast<T*>(Space::allocate(detail::bytes_of(n, sizeof(T), Space::name)));
+    size_ = n;
     ledger_->allocate(category_, bytes());
   }
   Buffer(Buffer&& o) noexcept

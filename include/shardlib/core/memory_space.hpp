@@ -4,8 +4,9 @@
 #include "shardlib/core/error.hpp"
 
 #include <concepts>     // std::same_as
-#include <cstddef>      // std::size_t
+#include <cstddef>      // std::size_t, std::ptrdiff_t
 #include <cstdlib>      // std::aligned_alloc, std::free
+#include <limits>       // std::numeric_limits
 #include <map>          // std::multimap
 #include <mutex>        // std::mutex
 #include <new>          // std::bad_alloc
@@ -25,6 +26,20 @@ concept MemorySpace = requires(std::size_t bytes, void* p) {
 };
 
 namespace detail {
+// No allocation is larger (std::allocator's max_size in bytes): rounding a larger request up
+// to an alignment or a segment would wrap and hand out a block smaller than asked for.
+inline constexpr std::size_t largest_allocation = std::size_t(std::numeric_limits<std::ptrdiff_t>::max());
+
+// The bytes of n elements of element_size bytes for a buffer in memory space `space`;
+// more than largest_allocation (a negative count converted to size_t, say) raises
+// rather than wraps.
+inline std::size_t bytes_of(std::size_t n, std::size_t element_size, std::string_view space) {
+  if (n > largest_allocation / element_size)
+    throw error(cat("a ", space, " buffer of ", n, " elements of ", element_size, " bytes is more than any memory ",
+                    "holds (", largest_allocation, " bytes at most; a negative count converted to an unsigned size?)"));
+  return n * element_size;
+}
+
 // Freed host blocks of at least `min_bytes`, kept for reuse by size. A sharded
 // step frees and reallocates the same unit-sized buffers (gathered parameters,
 // full gradients) every step; glibc hands such large blocks back to the kernel,
@@ -79,6 +94,7 @@ struct host_space {
 
   static void* allocate(std::size_t bytes) {
     if (bytes == 0) return nullptr;
+    if (bytes > detail::largest_allocation) throw std::bad_alloc();  // rounding up would wrap
     std::size_t rounded = (bytes + alignment - 1) / alignment * alignment;  // aligned_alloc needs a multiple
     if (rounded >= detail::host_block_cache::min_bytes)
       if (void* p = detail::host_block_cache::instance().take(rounded)) return p;

@@ -5,7 +5,8 @@
 // (tests/unit/test_block_pool.cpp).
 #pragma once
 #include "shardlib/config.hpp"
-#include "shardlib/core/error.hpp"  // require
+#include "shardlib/core/error.hpp"         // require
+#include "shardlib/core/memory_space.hpp"  // detail::largest_allocation
 
 #include <algorithm>      // std::max
 #include <cstddef>        // std::size_t
@@ -85,6 +86,9 @@ class block_pool {
   // memory. Returns nullptr then.
   template <class Obtain>
   void* allocate(std::size_t bytes, Stream stream, Obtain&& obtain) {
+    // Larger requests would wrap round_size or segment_size and get a 512-byte block.
+    require(bytes <= shardlib::detail::largest_allocation, "block_pool: a request of ", bytes,
+            " bytes is more than any memory holds");
     const std::size_t size = round_size(bytes);
     const bool small = is_small(size);
     auto& pool = free_of(small);

@@ -323,7 +323,9 @@ class device_buffer {
   device_buffer(std::size_t n, category kind, cudaStream_t stream)
       : device_buffer(n, kind, stream, device_allocator(current_device())) {}
   device_buffer(std::size_t n, category kind, cudaStream_t stream, caching_allocator& a)
-      : data_(static_cast<T*>(a.allocate(n * sizeof(T), stream, kind))), size_(n), alloc_(&a) {}
+      : data_(static_cast<T*>(a.allocate(shardlib::detail::bytes_of(n, sizeof(T), "cuda"), stream, kind))),
+        size_(n),
+        alloc_(&a) {}
   device_buffer(device_buffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)), alloc_(o.alloc_) {}
   device_buffer& operator=(device_buffer&& o) noexcept {

@@ -58,8 +58,12 @@ inline void from_json(const nlohmann::json& j, gpt2_config& c) {
           "gpt2_config: scale_attn_weights false (unscaled scores) is not supported");
   require(!j.contains("scale_attn_by_inverse_layer_idx") || j["scale_attn_by_inverse_layer_idx"] != true,
           "gpt2_config: scale_attn_by_inverse_layer_idx true (scores also divided by layer + 1) is not supported");
+  require(!j.contains("model_type") || j["model_type"] == "gpt2", "gpt2_config: model_type ",
+          j.value("model_type", nlohmann::json()).dump(), " is not GPT-2: its own fields would go unread");
+  // gelu_pytorch_tanh is the same tanh approximation, computed by PyTorch's kernel.
   if (j.contains("activation_function"))
-    require(j["activation_function"] == "gelu_new", "gpt2_config: activation_function ", j["activation_function"].dump(),
+    require(j["activation_function"] == "gelu_new" || j["activation_function"] == "gelu_pytorch_tanh",
+            "gpt2_config: activation_function ", j["activation_function"].dump(),
             " is not supported (GPT-2's MLP uses gelu_new, the tanh approximation)");
 }
 // LlamaConfig's rope_scaling: {"rope_type" (or the older "type"): "linear" or
@@ -68,8 +72,8 @@ inline void from_json(const nlohmann::json& j, gpt2_config& c) {
 // longrope) are refused, and so is a field missing that its kind needs. Both
 // "type" and "rope_type" with different values are refused: transformers 4.4x
 // reads the first, 5.x the second.
-inline nn::rope_scaling rope_scaling_from(const nlohmann::json& j) {
-  const auto where = [&] { return cat("llama_config: rope_scaling ", j.dump()); };
+inline nn::rope_scaling rope_scaling_from(const nlohmann::json& j, std::string_view key = "rope_scaling") {
+  const auto where = [&] { return cat("llama_config: ", key, " ", j.dump()); };
   require(j.is_object(), where(), " must be an object");
   for (const char* key : {"rope_type", "type"})
     require(!j.contains(key) || j[key].is_string(), where(), ": '", key, "' must be a string");
@@ -79,7 +83,7 @@ inline nn::rope_scaling rope_scaling_from(const nlohmann::json& j) {
                            : j.contains("type")    ? j["type"].get<std::string>()
                                                    : std::string();
   nn::rope_scaling r;
-  if (type == "default") return r;
+  if (type == "default" || (type.empty() && key == "rope_parameters")) return r;
   require(type == "linear" || type == "llama3", where(), ": rope_type '", type,
           "' is not supported (linear and llama3 are; dynamic, yarn and longrope are not)");
   const auto need = [&](const char* key) {
@@ -130,6 +134,31 @@ inline void from_json(const nlohmann::json& j, llama_config& c) {
   get("attention_dropout", c.attention_dropout);
   get("tie_word_embeddings", c.tie_word_embeddings);
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) c.rope_scaling = rope_scaling_from(j["rope_scaling"]);
+  // transformers 5.x keeps rope_theta and the scaling together in rope_parameters; where
+  // the older keys are there too they must say the same.
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+    const auto& p = j["rope_parameters"];
+    require(p.is_object(), "llama_config: rope_parameters ", p.dump(), " must be an object");
+    if (p.contains("rope_theta")) {
+      require(p["rope_theta"].is_number(), "llama_config: rope_parameters' rope_theta must be a number, got ",
+              p["rope_theta"].dump());
+      const double theta = p["rope_theta"].get<double>();
+      require(!j.contains("rope_theta") || j["rope_theta"].is_null() || j["rope_theta"] == theta,
+              "llama_config: rope_theta ", j.value("rope_theta", nlohmann::json()).dump(), " and rope_parameters' ",
+              theta, " differ");
+      c.rope_theta = theta;
+    }
+    const nn::rope_scaling r = rope_scaling_from(p, "rope_parameters");
+    require(!j.contains("rope_scaling") || j["rope_scaling"].is_null() ||
+                rope_scaling_json(c.rope_scaling) == rope_scaling_json(r),
+            "llama_config: rope_scaling and rope_parameters differ: ", j["rope_scaling"].dump(), " against ", p.dump());
+    c.rope_scaling = r;
+  }
+  require(!j.contains("model_type") || j["model_type"] == "llama", "llama_config: model_type ",
+          j.value("model_type", nlohmann::json()).dump(), " is not LLaMA: its own fields would go unread");
+  require(!j.contains("sliding_window") || j["sliding_window"].is_null(), "llama_config: sliding_window ",
+          j.value("sliding_window", nlohmann::json()).dump(),
+          " is not supported (LLaMA's attention sees every earlier position)");
   if (j.contains("hidden_act"))
     require(j["hidden_act"] == "silu", "llama_config: hidden_act ", j["hidden_act"].dump(), " is not supported (silu)");
 }
