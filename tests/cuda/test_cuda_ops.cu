@@ -53,6 +53,21 @@ struct device_fixture {
 
 }  // namespace
 
+// One block per row: 2^31 rows or more would launch rows mod 2^32 blocks, or fail at the
+// launch, where a shape_error naming the kernel is raised before anything runs.
+TEST_CASE("row kernels refuse more rows than a grid holds", "[cuda][rows]") {
+  if (!have_device()) return;
+  device_fixture f;
+  const std::int64_t rows = std::int64_t(1) << 31;
+  float* none = nullptr;
+  CHECK_THROWS_WITH(oc::layer_norm_forward(none, none, none, none, nullptr, rows, 8, 1e-5f, f.stream),
+                    Catch::Contains("layer_norm_forward: 2147483648 rows of one block each are more than a grid holds"));
+  CHECK_THROWS_WITH(oc::masked_softmax(none, nullptr, rows, 8, 1, f.stream),
+                    Catch::Contains("masked_softmax: 2147483648 rows"));
+  CHECK_THROWS_WITH(oc::softmax_backward(none, none, rows, 8, f.stream),
+                    Catch::Contains("softmax_backward: 2147483648 rows"));
+}
+
 TEMPLATE_TEST_CASE("layer_norm forward and backward match nn::LayerNorm", "[cuda][layer_norm]", float, sl::bfloat16) {
   if (!have_device()) return;
   using T = TestType;

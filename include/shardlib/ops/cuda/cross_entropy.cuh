@@ -87,9 +87,9 @@ void cross_entropy(const T* logits, const std::int64_t* targets, std::int64_t ro
   shardlib::cuda::device_buffer<float> row_loss(std::size_t(rows), category::activations, stream, alloc);
   count_rows(targets, rows, options.ignore_index, counted.data(), stream, alloc);
   if (rows > 0) {
-    launch_kernel("cross_entropy", detail::cross_entropy_kernel<T>, unsigned(rows), row_threads(classes), 0, stream,
-                  logits, targets, classes, options.ignore_index, float(options.label_smoothing), mean, counted.data(),
-                  grad, row_loss.data(), bad_target.slot());
+    launch_kernel("cross_entropy", detail::cross_entropy_kernel<T>, row_blocks(rows, "cross_entropy"),
+                  row_threads(classes), 0, stream, logits, targets, classes, options.ignore_index,
+                  float(options.label_smoothing), mean, counted.data(), grad, row_loss.data(), bad_target.slot());
   }
   // Row losses summed in double, as the host layer does: rows can be many.
   detail::with_cub_scratch(

@@ -57,8 +57,8 @@ template <class T>
 void embedding_forward(const T* weight, std::int64_t num, int dim, const std::int64_t* ids, std::int64_t n, T* out,
                        index_report& bad_id, cudaStream_t stream) {
   if (n == 0 || dim == 0) return;
-  launch_kernel("embedding_forward", detail::embedding_forward_kernel<T>, unsigned(n), row_threads(dim), 0, stream,
-                weight, num, dim, ids, out, bad_id.slot());
+  launch_kernel("embedding_forward", detail::embedding_forward_kernel<T>, row_blocks(n, "embedding_forward"),
+                row_threads(dim), 0, stream, weight, num, dim, ids, out, bad_id.slot());
 }
 
 // grad[num, dim] += the rows of dy[n, dim] at the ids they were looked up with
@@ -78,8 +78,8 @@ void embedding_backward(const std::int64_t* ids, std::int64_t n, const T* dy, T*
                                                sorted_positions.data(), n, 0, 64, stream);
       },
       stream, alloc, "cub::DeviceRadixSort::SortPairs (embedding ids)");
-  launch_kernel("embedding_backward", detail::embedding_backward_kernel<T>, unsigned(n), row_threads(dim), 0, stream,
-                sorted_ids.data(), sorted_positions.data(), n, num, dim, dy, grad);
+  launch_kernel("embedding_backward", detail::embedding_backward_kernel<T>, row_blocks(n, "embedding_backward"),
+                row_threads(dim), 0, stream, sorted_ids.data(), sorted_positions.data(), n, num, dim, dy, grad);
 }
 
 }  // namespace shardlib::ops::cuda

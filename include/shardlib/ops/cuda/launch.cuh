@@ -3,6 +3,7 @@
 // loops (map_elements with 16-byte vectors, for_each_index for the rest).
 #pragma once
 #include "shardlib/config.hpp"
+#include "shardlib/core/error.hpp"              // require, shape_error
 #include "shardlib/core/ledger.hpp"             // category
 #include "shardlib/cuda/caching_allocator.hpp"  // caching_allocator, device_buffer
 #include "shardlib/cuda/error.hpp"              // check
@@ -63,6 +64,14 @@ void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 
 // Threads for a block that handles one row of n elements: n rounded up to
 // whole warps, at most 512 (then each thread takes several elements).
 inline int row_threads(std::int64_t n) { return int(std::clamp<std::int64_t>((n + 31) / 32 * 32, 32, 512)); }
+
+// Blocks for a kernel of one block per row: a grid's x holds 2^31 - 1, and a row count
+// beyond it would launch rows mod 2^32 blocks (or fail) rather than raise.
+inline unsigned row_blocks(std::int64_t rows, const char* name) {
+  require<shape_error>(rows <= std::int64_t(0x7fffffff), name, ": ", rows,
+                       " rows of one block each are more than a grid holds (2^31 - 1)");
+  return unsigned(rows);
+}
 
 // Blocks for a grid-stride loop over n items: enough to fill the largest
 // current GPU several times over (an H200 keeps 132 x 8 blocks of 256 threads

@@ -64,8 +64,8 @@ template <class T, class P>
 void layer_norm_forward(const T* x, const P* weight, const P* bias, T* y, row_stats* stats, std::int64_t rows, int d,
                         float eps, cudaStream_t stream) {
   if (rows == 0 || d == 0) return;
-  launch_kernel("layer_norm_forward", detail::layer_norm_forward_kernel<T, P>, unsigned(rows), row_threads(d), 0,
-                stream, x, weight, bias, y, stats, d, eps);
+  launch_kernel("layer_norm_forward", detail::layer_norm_forward_kernel<T, P>, row_blocks(rows, "layer_norm_forward"),
+                row_threads(d), 0, stream, x, weight, bias, y, stats, d, eps);
 }
 
 // dx[rows, d] from dy and forward's stats; dweight and dbias, where not null,
@@ -76,8 +76,8 @@ void layer_norm_backward(const T* x, const T* dy, const P* weight, const row_sta
                          P* dbias, std::int64_t rows, int d, cudaStream_t stream,
                          shardlib::cuda::caching_allocator& alloc) {
   if (rows == 0 || d == 0) return;
-  launch_kernel("layer_norm_backward", detail::layer_norm_backward_kernel<T, P>, unsigned(rows), row_threads(d), 0,
-                stream, x, dy, weight, stats, dx, d);
+  launch_kernel("layer_norm_backward", detail::layer_norm_backward_kernel<T, P>,
+                row_blocks(rows, "layer_norm_backward"), row_threads(d), 0, stream, x, dy, weight, stats, dx, d);
   if (!dweight && !dbias) return;
   // 64 rows per chunk keeps enough blocks in flight for a few hundred rows
   // and the partials small (8 bytes per column and chunk); more on inputs

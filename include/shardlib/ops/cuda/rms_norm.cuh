@@ -58,8 +58,8 @@ template <class T, class P>
 void rms_norm_forward(const T* x, const P* weight, T* y, float* rstd, std::int64_t rows, int d, float eps,
                       cudaStream_t stream) {
   if (rows == 0 || d == 0) return;
-  launch_kernel("rms_norm_forward", detail::rms_norm_forward_kernel<T, P>, unsigned(rows), row_threads(d), 0, stream, x,
-                weight, y, rstd, d, eps);
+  launch_kernel("rms_norm_forward", detail::rms_norm_forward_kernel<T, P>, row_blocks(rows, "rms_norm_forward"),
+                row_threads(d), 0, stream, x, weight, y, rstd, d, eps);
 }
 
 // dx[rows, d] from dy and forward's rstd; dweight, unless null, accumulates (+=)
@@ -68,8 +68,8 @@ template <class T, class P>
 void rms_norm_backward(const T* x, const T* dy, const P* weight, const float* rstd, T* dx, P* dweight,
                        std::int64_t rows, int d, cudaStream_t stream, shardlib::cuda::caching_allocator& alloc) {
   if (rows == 0 || d == 0) return;
-  launch_kernel("rms_norm_backward", detail::rms_norm_backward_kernel<T, P>, unsigned(rows), row_threads(d), 0, stream,
-                x, dy, weight, rstd, dx, d);
+  launch_kernel("rms_norm_backward", detail::rms_norm_backward_kernel<T, P>, row_blocks(rows, "rms_norm_backward"),
+                row_threads(d), 0, stream, x, dy, weight, rstd, dx, d);
   if (!dweight) return;
   // Chunks of 64 rows, as LayerNorm's parameter gradients (ops/cuda/layer_norm.cuh).
   const std::int64_t chunk_rows = std::max<std::int64_t>(64, (rows + 65534) / 65535);

@@ -32,16 +32,16 @@ template <class T>
 void masked_softmax(T* scores, const std::uint8_t* mask, std::int64_t rows, int n, std::int64_t rows_per_mask,
                     cudaStream_t stream) {
   if (rows == 0 || n == 0) return;
-  launch_kernel("masked_softmax", detail::masked_softmax_kernel<T>, unsigned(rows), row_threads(n), 0, stream, scores,
-                mask, n, rows_per_mask > 0 ? rows_per_mask : 1);
+  launch_kernel("masked_softmax", detail::masked_softmax_kernel<T>, row_blocks(rows, "masked_softmax"), row_threads(n),
+                0, stream, scores, mask, n, rows_per_mask > 0 ? rows_per_mask : 1);
 }
 
 // In place over dp[rows, n]: the gradient of the scores from that of the weights p.
 template <class T>
 void softmax_backward(const T* p, T* dp, std::int64_t rows, int n, cudaStream_t stream) {
   if (rows == 0 || n == 0) return;
-  launch_kernel("softmax_backward", detail::softmax_backward_kernel<T>, unsigned(rows), row_threads(n), 0, stream, p,
-                dp, n);
+  launch_kernel("softmax_backward", detail::softmax_backward_kernel<T>, row_blocks(rows, "softmax_backward"),
+                row_threads(n), 0, stream, p, dp, n);
 }
 
 }  // namespace shardlib::ops::cuda
