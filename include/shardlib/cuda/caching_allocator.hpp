@@ -136,11 +136,13 @@ class caching_allocator {
     for (cudaStream_t s : b.users) {
       cudaEvent_t e = nullptr;
       if (g.error() != cudaSuccess || !pooled_event(e) || cudaEventRecord(e, s) != cudaSuccess) {
-        // Cannot order the reuse (the context is going away, or it failed):
-        // wait for the device instead, then the block is free.
+        // Cannot order the reuse (the context is going away, or it failed; or `s`
+        // belongs to another device, where no event of this one can be recorded):
+        // wait for every user stream and this device instead, then the block is free.
         (void)cudaGetLastError();
         if (e) event_pool_.push_back(e);
         event_pool_.insert(event_pool_.end(), pf.events.begin(), pf.events.end());
+        for (cudaStream_t user : b.users) (void)cudaStreamSynchronize(user);
         (void)cudaDeviceSynchronize();
         (void)cudaGetLastError();
         pool_.free(p);

@@ -208,20 +208,30 @@ void ShardedModel<Model, Comm, Strategy, T, Optimizer>::offloaded_step(O& opt) {
   auto send = [&](std::size_t i) {
     sent[i] = channel.to_offload(std::span<const T>(units_[i].grad.span()), units_[i].offload->grad.span());
   };
-  if (!units_.empty()) send(0);
-  for (std::size_t i = 0; i < units_.size(); ++i) {
-    if (i + 1 < units_.size()) send(i + 1);
-    channel.wait(sent[i]);
-    auto& u = units_[i];
-    auto& o = *u.offload;
-    steps_.template step<offload_ops>(opt, u, i, piece(i), o.master.span(), std::span<const T>(o.grad.span()),
-                                      u.compact() ? std::span<C>{} : o.compute_copy.span());
-    if constexpr (compute16) {
-      if (u.compact()) copies_.template round_runs<offload_ops>(u, o.master.span(), o.compute_copy.span());
-      channel.from_offload(std::span<const C>(o.compute_copy.span()), u.compute_shard.span());
-    } else {
-      channel.from_offload(std::span<const T>(o.master.span()), master_local(u));
+  try {
+    if (!units_.empty()) send(0);
+    for (std::size_t i = 0; i < units_.size(); ++i) {
+      if (i + 1 < units_.size()) send(i + 1);
+      channel.wait(sent[i]);
+      auto& u = units_[i];
+      auto& o = *u.offload;
+      steps_.template step<offload_ops>(opt, u, i, piece(i), o.master.span(), std::span<const T>(o.grad.span()),
+                                        u.compact() ? std::span<C>{} : o.compute_copy.span());
+      if constexpr (compute16) {
+        if (u.compact()) copies_.template round_runs<offload_ops>(u, o.master.span(), o.compute_copy.span());
+        channel.from_offload(std::span<const C>(o.compute_copy.span()), u.compute_shard.span());
+      } else {
+        channel.from_offload(std::span<const T>(o.master.span()), master_local(u));
+      }
     }
+  } catch (...) {
+    // Copies issued before a step raised are fenced too: the next forward's reads
+    // (and writes to the gradients sent ahead) must not race them.
+    try {
+      channel.fence();
+    } catch (...) {  // the step's own error is the one to report
+    }
+    throw;
   }
   channel.fence();
 }
