@@ -302,6 +302,7 @@ plan::model_desc encoder_model(const settings& s) {
   example::freeze_lower_layers(shape, s.frozen_layers);
   auto desc = plan::describe_model(shape, shard::wrap_types<example::Encoder>{});
   example::Model probe = example::reference_model(s.model);
+  example::freeze_lower_layers(probe, s.frozen_layers);  // frozen layers keep no inputs for their weights
   desc.activation_bytes = plan::measure_activations(probe, [&](nn::context& ctx) {
     Tensor<float> x({batch, seq, d});  // sizes, not values, decide what is allocated
     Tensor<std::int64_t> y({batch});

@@ -828,15 +828,15 @@ TEST_CASE("decoder presets count their parameters from the architecture", "[plan
   CHECK(d.units.size() == 81);
   CHECK(d.parameters() == 68'976'648'192);
   CHECK(d.units[1] == plan::block_parameters(l70));
-  CHECK(d.activation_bytes == std::size_t(80) * 4096 * 8192 * (34 + 5 * 64 * 4096 / 8192));  // seq 4096, 16 bits
+  CHECK(d.activation_bytes == std::size_t(80) * 4096 * 8192 * (34 + 2 * 64 * 4096 / 8192));  // seq 4096, 16 bits
   // The device's fused attention: no 64 x 4096 x 4096 weights, 64 x 4096 floats of log-sum-exp per layer.
   CHECK(plan::decoder(l70, 1, 0, dtype::bf16, true).activation_bytes ==
         std::size_t(80) * (4096 * 8192 * 34 + 4 * 64 * 4096));
   CHECK_THROWS_WITH(plan::decoder_preset("gpt3"), Catch::Contains("no model preset 'gpt3' (known: gpt2-124m, "));
 }
 
-// The stored attention weights (Korthikanti's 5·heads·seq² bytes per layer in 16 bits)
-// are the host layers'; the device's fused attention (nn/cuda/attention.cuh) keeps the
+// The stored attention weights (Korthikanti's 5·heads·seq² bytes per layer in 16 bits,
+// transformer()'s default) are the host layers'; the device's fused attention (nn/cuda/attention.cuh) keeps the
 // output (among the 34·seq·hidden) and one float log-sum-exp per (batch, head, query),
 // whatever the activations' dtype. The article's shape, 2 sequences per rank.
 TEST_CASE("activations: the host layers keep attention's seq x seq weights, the fused attention a log-sum-exp",
@@ -1057,6 +1057,51 @@ TEST_CASE("a preset with LoRA adapters is laid out and frozen as add_lora leaves
 // into the last block's backward, which holds that projection's input gradient
 // ([tokens, intermediate]) beside it; the adapters' backward adds at most one
 // adapter's output [tokens, r].
+// The planner's seq² term against the layers: what a step keeps, measured at three
+// sequence lengths s, s + d, s + 2d, has the second difference 2·c·d² for its
+// c·seq² part, which must be the plan's (one weight of 4 bytes per batch, head, query
+// and key and layer in fp32), with dropout on, GPT-2's and LLaMA's attention alike.
+// Korthikanti's 5 (a mask and dropout's output kept too) overstated it 2.5 times.
+TEST_CASE("the planned attention weights are what the host layers keep, as measured", "[plan][activations]") {
+  const std::int64_t batch = 2, vocab = 96, layers = 3, heads = 4;
+  const auto measure = [&](auto& model, std::int64_t seq) {
+    Tensor<std::int64_t> ids({batch, seq});
+    for (std::int64_t i = 0; i < ids.numel(); ++i) ids[i] = (i * 7) % vocab;
+    return double(plan::measure_activations(model, [&](nn::context& ctx) {
+      auto out = ctx.forward(model, ids);
+      ctx.backward(model, nn::cross_entropy(out, models::causal_lm_targets(ids)).grad);
+    }));
+  };
+  const auto second_difference = [&](auto make) {
+    auto m0 = make(32), m1 = make(64), m2 = make(96);
+    return measure(m2, 96) - 2 * measure(m1, 64) + measure(m0, 32);
+  };
+  const auto plan_second_difference = [&](plan::decoder_shape m) {
+    double out = 0;
+    for (const auto& [seq, weight] : {std::pair{32L, 1.0}, std::pair{64L, -2.0}, std::pair{96L, 1.0}}) {
+      m.seq = m.positions = seq;
+      out += weight * double(plan::decoder(m, batch, seq, dtype::f32).activation_bytes);
+    }
+    return out;
+  };
+  const double want = 2.0 * double(layers * heads * batch) * 4 * 32 * 32;  // 2·c·d², c = layers·heads·batch·4 bytes
+  const auto gpt2 = [&](std::int64_t seq) {
+    return models::GPT2LMHeadModel<float>(
+        {.vocab_size = vocab, .n_positions = seq, .n_embd = 64, .n_layer = layers, .n_head = heads, .attn_pdrop = 0.1});
+  };
+  const auto llama = [&](std::int64_t seq) {
+    return models::LlamaForCausalLM<float>({.vocab_size = vocab, .hidden_size = 64, .intermediate_size = 176,
+                                            .num_hidden_layers = layers, .num_attention_heads = heads,
+                                            .num_key_value_heads = 2, .max_position_embeddings = seq,
+                                            .attention_dropout = 0.1});
+  };
+  CHECK(second_difference(gpt2) == want);
+  CHECK(second_difference(llama) == want);
+  CHECK(plan_second_difference({.name = "gpt2-64", .family = plan::family::gpt2, .layers = layers, .hidden = 64,
+                                .heads = heads, .kv_heads = heads, .vocab = vocab, .intermediate = 256,
+                                .tied = true}) == want);
+}
+
 TEST_CASE("a LoRA plan's activations drop by the inputs frozen projections no longer keep, as measured",
           "[plan][presets][lora][activations]") {
   const std::int64_t batch = 2, seq = 32, vocab = 96, tokens = batch * seq, r = 3, bytes = 4;

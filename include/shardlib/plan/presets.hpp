@@ -117,7 +117,8 @@ inline const decoder_shape& decoder_preset(std::string_view name) {
 // The model as the planner sees it: the root, then each block a unit (an exact count,
 // where plan::transformer approximates a block as 12·hidden²). Activations and FLOPs
 // as plan::transformer estimates them, for `seq` tokens (the preset's when 0) per sequence
-// (fused_attention: the device's attention, transformer_shape::fused_attention).
+// (fused_attention: the device's attention, transformer_shape::fused_attention), with
+// the 2 bytes per attention weight (in 16 bits) the library's host attention keeps.
 inline model_desc decoder(const decoder_shape& m, long batch = 1, long seq = 0, dtype activations = dtype::bf16,
                           bool fused_attention = false) {
   require(m.layers >= 1 && m.hidden >= 1 && m.heads >= 1 && m.kv_heads >= 1 && m.hidden % m.heads == 0 &&
@@ -125,7 +126,8 @@ inline model_desc decoder(const decoder_shape& m, long batch = 1, long seq = 0, 
           "plan::decoder ", m.name, ": layers, hidden, heads and kv heads must be positive, heads must divide hidden ",
           "and kv heads must divide heads");
   model_desc d = transformer({.parameters = 0, .layers = m.layers, .hidden = m.hidden, .heads = m.heads,
-                              .seq = seq > 0 ? seq : m.seq, .batch = batch, .fused_attention = fused_attention},
+                              .seq = seq > 0 ? seq : m.seq, .batch = batch, .fused_attention = fused_attention,
+                              .kept_per_weight = 2},
                              activations);
   d.units.assign(std::size_t(m.layers) + 1, block_parameters(m));
   d.units[0] = root_parameters(m);

@@ -22,17 +22,21 @@ struct transformer_shape {
   // no [batch, heads, seq, seq] weights for backward, only the output and a float
   // log-sum-exp per (batch, head, query). The host layers keep the weights (false).
   bool fused_attention = false;
+  // Bytes per attention weight (in 16 bits) the layers keep for backward otherwise:
+  // Korthikanti's 5 (softmax 2, dropout mask 1, dropout output 2) for layers in general;
+  // the library's host attention keeps the softmax alone and draws its dropout mask
+  // again (nn/sdpa.hpp): 2, which plan::decoder sets for its GPT-2 and LLaMA.
+  double kept_per_weight = 5;
 };
 
 // Activations are estimated as Korthikanti et al. 2022 ("Reducing Activation
 // Recomputation in Large Transformer Models", eq. 1, no parallelism, no recomputation):
-// seq·batch·hidden·(34 + 5·heads·seq/hidden) bytes per layer with 16-bit activations,
-// scaled by size_of(activations)/2; the 5·heads·seq² term is the stored attention
-// weights (softmax 2, dropout mask 1, dropout output 2 bytes each), which a fused
-// attention replaces by its 4·heads·seq bytes of log-sum-exp (floats, whatever the
-// activations' dtype; the output it keeps is among the 34). FLOPs: 6 per parameter per
-// token plus attention's 12·layers·hidden·seq per token (Narayanan et al. 2021, eq. 3
-// without recomputation).
+// seq·batch·hidden·(34 + k·heads·seq/hidden) bytes per layer with 16-bit activations,
+// scaled by size_of(activations)/2, k = kept_per_weight (the paper's 5; the library's
+// host attention 2). A fused attention replaces the k term by its 4·heads·seq bytes of
+// log-sum-exp (floats, whatever the activations' dtype; the output it keeps is among the
+// 34). FLOPs: 6 per parameter per token plus attention's 12·layers·hidden·seq per token
+// (Narayanan et al. 2021, eq. 3 without recomputation).
 inline model_desc transformer(const transformer_shape& t, dtype activations = dtype::bf16) {
   require(t.layers >= 1 && t.hidden >= 1 && t.heads >= 1 && t.seq >= 1 && t.batch >= 1,
           "plan::transformer: layers, hidden, heads, seq and batch must be positive");
@@ -44,9 +48,10 @@ inline model_desc transformer(const transformer_shape& t, dtype activations = dt
   d.units.push_back(t.parameters == 0 ? 0 : std::size_t(t.parameters - blocks));
   d.units.insert(d.units.end(), std::size_t(t.layers), block);
   const double s = double(t.seq), b = double(t.batch), h = double(t.hidden), a = double(t.heads);
-  const double weights = t.fused_attention ? 0 : 5 * a * s / h, lse = t.fused_attention ? 4 * a * s * b : 0;
-  d.activation_bytes =
-      std::size_t(double(t.layers) * (s * b * h * (34 + weights) * double(size_of(activations)) / 2 + lse));
+  const double weights = t.fused_attention ? 0 : t.kept_per_weight * a * s / h, lse = t.fused_attention ? 4 * a * s * b : 0;
+  const double bytes = double(t.layers) * (s * b * h * (34 + weights) * double(size_of(activations)) / 2 + lse);
+  require(bytes < 0x1p64, "plan::transformer: ", bytes, " bytes of activations are more than a 64-bit count holds");
+  d.activation_bytes = std::size_t(bytes);
   d.flops = 6 * double(d.parameters()) * s * b + 12 * double(t.layers) * h * s * s * b;
   return d;
 }
