@@ -125,7 +125,7 @@ settings parse(int argc, char** argv) {
                               "target_modules, e.g. q_proj v_proj, or c_attn), everything else frozen")
                    ->excludes(frozen_layers)
                    ->excludes(article);
-  cli.add_option("--lora-r", s.lora_r, "--lora: the adapters' rank")->check(whole(1, 1 << 16));
+  cli.add_option("--lora-r", s.lora_r, "--lora: the adapters' rank")->check(whole(1, 1 << 16))->needs(lora);
   cli.add_flag("--no-frozen-masters", s.no_frozen_masters,
                "16-bit layers with --frozen-layers or --lora: frozen parameters keep no fp32 master "
                "(shard::options::frozen_masters = false)")
@@ -134,7 +134,7 @@ settings parse(int argc, char** argv) {
                "with --frozen-layers or --lora: backward keeps no gradients of frozen parameters "
                "(shard::options::frozen_grads = false)")
       ->excludes(article);
-  cli.add_option("--params", s.params, "parameters of the coarse transformer (default: its blocks alone)")
+  auto* params = cli.add_option("--params", s.params, "parameters of the coarse transformer (default: its blocks alone)")
       ->check(example::positive(max_params))
       ->default_str("")
       ->excludes(article)
@@ -148,17 +148,21 @@ settings parse(int argc, char** argv) {
   example::add_model_flags(cli, s.model);
   for (const char* shape_flag : {"--layers", "--d-model", "--heads", "--ff", "--classes", "--dropout"})
     preset->excludes(cli.get_option(shape_flag));  // the preset fixes the architecture; --seq may change
+  for (const char* encoder_flag : {"--d-model", "--ff", "--classes", "--dropout"})  // the coarse transformer's
+    params->excludes(cli.get_option(encoder_flag));                               // blocks are 12·hidden²
   auto* batch = cli.add_option("--batch", s.batch, "sequences per rank")->check(whole(1, example::max_size));
-  auto* world = cli.add_option("--world", s.world, "ranks")->check(whole(1, example::max_size));
+  auto* world = cli.add_option("--world", s.world, "ranks")->check(whole(1, example::max_size))->excludes(article);
   cli.add_option("--worlds", s.worlds, "world sizes, comma-separated")
       ->delimiter(',')
       ->check(whole(1, example::max_size))
-      ->excludes(world);
+      ->excludes(world)
+      ->excludes(article);
   cli.add_option("--strategy", s.strategy, "strategies to plan")
-      ->check(CLI::IsMember({"all", "full", "grad-op", "optimizer", "none", "hybrid"}));
+      ->check(CLI::IsMember({"all", "full", "grad-op", "optimizer", "none", "hybrid"}))
+      ->excludes(article);
   cli.add_option("--group", s.group, "HybridShard: ranks one replica is sharded over")
       ->check(whole(1, example::max_size));
-  cli.add_option("--prefetch", s.prefetch, "units gathered ahead")->check(whole(0, example::max_size));
+  cli.add_option("--prefetch", s.prefetch, "units gathered ahead")->check(whole(0, example::max_size))->excludes(article);
   cli.add_option("--keep-gathered", s.keep_gathered,
                  "the last N units stay gathered from their forward to their backward (shard::options::keep_gathered; "
                  "FSDP2's reshard_after_forward=False)")
@@ -181,8 +185,8 @@ settings parse(int argc, char** argv) {
   for (const char* shaping : {"--no-sync", "--no-reshard-after-backward", "--no-replica-all-reduce"})
     cli.get_option(shaping)->remove_needs(accum);  // they shape --step-batch's micro-batches too
   const auto dtypes = CLI::IsMember({"f32", "bf16", "f16"}, CLI::ignore_case);
-  cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes);
-  cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes);
+  cli.add_option("--param", s.param, "all-gather dtype")->check(dtypes)->excludes(article);
+  cli.add_option("--reduce", s.reduce, "gradient reduction dtype")->check(dtypes)->excludes(article);
   cli.add_option("--compute", s.compute, "compute dtype (default: --param's, f32 with --encoder)")->check(dtypes);
   cli.add_flag("--fused-attention", s.fused_attention,
                "the device layers' fused attention: no stored seq x seq weights, a float log-sum-exp per query "
@@ -190,10 +194,12 @@ settings parse(int argc, char** argv) {
       ->excludes(encoder)
       ->excludes(article);
   cli.add_option("--optimizer", s.optimizer, "optimizer state to plan for")
-      ->check(CLI::IsMember({"adam", "adamw", "amsgrad", "momentum", "sgd"}));
-  cli.add_option("--memory", s.memory, "device memory per rank, GB")->check(example::positive());
+      ->check(CLI::IsMember({"adam", "adamw", "amsgrad", "momentum", "sgd"}))
+      ->excludes(article);
+  cli.add_option("--memory", s.memory, "device memory per rank, GB")->check(example::positive())->excludes(article);
   cli.add_option("--bandwidth", s.bandwidth, "what one rank sends, GB/s (across nodes, with --node-size)")
-      ->check(example::positive());
+      ->check(example::positive())
+      ->excludes(article);
   auto* node_bandwidth = cli.add_option("--node-bandwidth", s.node_bandwidth,
                                         "what one rank sends within a node, GB/s (NVLink's bus bandwidth, say)")
                              ->check(example::positive());
@@ -204,8 +210,8 @@ settings parse(int argc, char** argv) {
       ->needs(node_bandwidth)
       ->excludes(article);
   node_bandwidth->needs(cli.get_option("--node-size"));
-  cli.add_option("--flops", s.flops, "sustained compute per rank, TFLOP/s")->check(example::positive());
-  cli.add_option("--json", s.json, "writes one JSON line per strategy and world size");
+  cli.add_option("--flops", s.flops, "sustained compute per rank, TFLOP/s")->check(example::positive())->excludes(article);
+  cli.add_option("--json", s.json, "writes one JSON line per strategy and world size")->excludes(article);
   cli.callback([&] {
     if (s.article) return;
     if (s.step_batch > 0) s.batch = s.step_batch;
