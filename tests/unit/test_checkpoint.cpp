@@ -981,7 +981,7 @@ TEST_CASE("metadata nested deeper than the readers allow is refused as unreadabl
                                  "arrays deeper than 512 levels"));
 }
 
-TEST_CASE("a checkpoint is committed only with metadata its readers accept; equal sequences order by name",
+TEST_CASE("a checkpoint is committed only with metadata its readers accept, and equal sequences order by name",
           "[checkpoint][convert][bad]") {
   temp_dir dir("commit");
   const auto root = dir / "root";

@@ -340,7 +340,7 @@ TEST_CASE("an unfinished stream writer leaves neither the file nor its temporary
   CHECK_FALSE(fs::exists(dir / "u.safetensors"));
 }
 
-TEST_CASE("two writers of one file each write their own temporary; the last to finish wins whole",
+TEST_CASE("two writers of one file each write their own temporary, and the last to finish wins whole",
           "[io][safetensors]") {
   // Every rank saving the same path: with one shared temporary, a writer that started
   // later truncated the bytes an earlier one had written, and the earlier one's rename
