@@ -940,7 +940,7 @@ auto without_blocking(const fs::path& fifo, Read&& read) -> std::optional<declty
 }
 }  // namespace
 
-TEST_CASE("metadata nested deeper than the readers allow is refused as unreadable, never a crash",
+TEST_CASE("metadata nested deeper than the readers allow, or with a duplicate key, is refused, never a crash",
           "[checkpoint][bad]") {
   // Copying a parsed JSON value recurses: a metadata.json of a few MB whose user field
   // nests a million arrays deep (its checksum right: a checksum is no signature) crashed
@@ -959,6 +959,11 @@ TEST_CASE("metadata nested deeper than the readers allow is refused as unreadabl
   const auto nest = [](int levels) { return std::string(std::size_t(levels), '[') + std::string(std::size_t(levels), ']'); };
   write_metadata_body(ckpt / "metadata.json", body.substr(0, at) + nest(400) + body.substr(at + 3));
   CHECK(io::read_checkpoint_metadata(ckpt).user.is_array());
+  // A duplicate key is refused too: a reader keeping the first would see another checkpoint.
+  write_metadata_body(ckpt / "metadata.json", body.substr(0, at) + R"({"k": 1, "k": 2})" + body.substr(at + 3));
+  CHECK_THROWS_WITH(io::read_checkpoint_metadata(ckpt),
+                    StartsWith((ckpt / "metadata.json").string()) &&
+                        Contains(R"(duplicate key "k" in the metadata)"));
   write_metadata_body(ckpt / "metadata.json", body.substr(0, at) + nest(1'000'000) + body.substr(at + 3));
   const std::string deep = "the metadata is not valid JSON here: it nests objects and arrays deeper than 512 levels";
   CHECK_THROWS_WITH(io::read_checkpoint_metadata(ckpt),

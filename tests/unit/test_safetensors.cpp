@@ -1466,6 +1466,10 @@ TEST_CASE("Hugging Face's sharded index: shards are found by name and a bad inde
   CHECK_THROWS_WITH(load_state_dict(dir / "bad.json", plain, lm_options()),
                     Contains("maps tensor \"lm_head.weight\" to a.safetensors, which does not hold it"));
   CHECK_THROWS_WITH(load_state_dict(dir / "a.safetensors.missing", plain, lm_options()), Contains("cannot open"));
+  write_all(dir / "bad.json",
+            to_bytes(R"({"weight_map": {"lm_head.bias": "a.safetensors", "lm_head.bias": "b.safetensors"}})"));
+  CHECK_THROWS_WITH(load_state_dict(dir / "bad.json", plain, lm_options()),
+                    Contains(R"(duplicate key "lm_head.bias" in the index)"));
   write_all(dir / "bad.json", to_bytes(R"({"weight_map": {}, "metadata": )" + std::string(100'000, '[') +
                                        std::string(100'000, ']') + "}"));
   CHECK_THROWS_WITH(load_state_dict(dir / "bad.json", plain, lm_options()),

@@ -132,32 +132,43 @@ inline void check_header_size(std::uint64_t n, std::uint64_t file_bytes, std::st
 // overflow the stack wherever a subtree of it is copied, where it must raise.
 inline constexpr int max_json_depth = 512;
 
-inline void check_json_depth(int depth, nlohmann::json::parse_event_t event, std::string_view origin,
-                             std::string_view what) {
-  using event_t = nlohmann::json::parse_event_t;
-  if ((event == event_t::object_start || event == event_t::array_start) && depth >= max_json_depth)
-    fail(origin, what, " is not valid JSON here: it nests objects and arrays deeper than ", max_json_depth, " levels");
-}
-
-// Parses JSON text read from a file; `what` names it in errors ("the metadata"). A NUL
-// byte is refused: nlohmann ends its input there, which would let trailing bytes pass
-// unread, and JSON text has none (strings escape it).
-inline nlohmann::json parse_json(std::string_view text, std::string_view origin, std::string_view what) {
+// Parses JSON text read from a file; `what` names it in errors ("the metadata"). Refused
+// besides what is not JSON:
+// - a NUL byte: nlohmann ends its input there, which would let trailing bytes pass unread,
+//   and JSON text has none (strings escape it);
+// - nesting deeper than max_json_depth;
+// - a duplicate key: nlohmann keeps the last silently, where another reader may keep the
+//   first, so two readers would see different files. `top_key` names what the keys of
+//   the outermost object are ("tensor name" in a safetensors header).
+inline nlohmann::json parse_json(std::string_view text, std::string_view origin, std::string_view what,
+                                 std::string_view top_key = "key") {
   if (const auto nul = text.find('\0'); nul != std::string_view::npos)
     fail(origin, what, " is not valid JSON: it holds a NUL byte at offset ", nul);
-  const auto bounded = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
-    check_json_depth(depth, event, origin, what);
+  std::vector<std::set<std::string, std::less<>>> open_objects;  // keys seen in each object being parsed
+  const auto checked = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using event_t = nlohmann::json::parse_event_t;
+    if ((event == event_t::object_start || event == event_t::array_start) && depth >= max_json_depth)
+      fail(origin, what, " is not valid JSON here: it nests objects and arrays deeper than ", max_json_depth,
+           " levels");
+    if (event == event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == event_t::object_end) {
+      open_objects.pop_back();
+    } else if (event == event_t::key) {
+      const auto& key = parsed.get_ref<const std::string&>();
+      if (!open_objects.back().insert(key).second)
+        fail(origin, "duplicate ", open_objects.size() == 1 ? top_key : "key", " \"", key, "\" in ", what);
+    }
     return true;
   };
   try {
-    return nlohmann::json::parse(text.begin(), text.end(), bounded);
+    return nlohmann::json::parse(text.begin(), text.end(), checked);
   } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for numbers like 1e400
     fail(origin, what, " is not valid JSON: ", e.what());
   }
 }
 
-// Parses the header text as JSON. nlohmann keeps the last of duplicate keys silently;
-// a duplicate can make two readers see different tensors, so any duplicate is an error.
+// Parses the header text: a JSON object, by the rules of parse_json.
 inline nlohmann::json parse_header_json(std::string_view text, std::string_view origin) {
   if (text.empty() || text.front() != '{') {
     std::ostringstream found;
@@ -167,33 +178,7 @@ inline nlohmann::json parse_header_json(std::string_view text, std::string_view 
       found << "byte 0x" << std::hex << std::to_integer<unsigned>(std::byte(text.front()));
     fail(origin, "the header must be a JSON object, starting with '{'; found ", found.str());
   }
-  // nlohmann ends its input at a NUL byte, which would let "{}\0<anything>" pass: JSON
-  // text has no raw NUL (strings escape it), so any NUL is an error.
-  if (const auto nul = text.find('\0'); nul != std::string_view::npos) {
-    fail(origin, "the header is not valid JSON: it holds a NUL byte at offset ", nul);
-  }
-  std::vector<std::set<std::string, std::less<>>> open_objects;  // keys seen in each object being parsed
-  const auto reject_duplicates = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    using event_t = nlohmann::json::parse_event_t;
-    check_json_depth(depth, event, origin, "the header");
-    if (event == event_t::object_start) {
-      open_objects.emplace_back();
-    } else if (event == event_t::object_end) {
-      open_objects.pop_back();
-    } else if (event == event_t::key) {
-      const auto& key = parsed.get_ref<const std::string&>();
-      if (!open_objects.back().insert(key).second) {
-        fail(origin, open_objects.size() == 1 ? "duplicate tensor name \"" : "duplicate key \"", key,
-             "\" in the header");
-      }
-    }
-    return true;
-  };
-  try {
-    return nlohmann::json::parse(text.begin(), text.end(), reject_duplicates);
-  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for numbers like 1e400
-    fail(origin, "the header is not valid JSON: ", e.what());
-  }
+  return parse_json(text, origin, "the header", "tensor name");
 }
 
 // A JSON number that must be an integer in [0, max].
