@@ -500,18 +500,47 @@ TEST_CASE("asynchronous collectives run in issue order on the rank's worker", "[
   CHECK(ok == std::vector<int>{1, 1, 1});
 }
 
+TEST_CASE("the launch forgets communicators that are gone", "[comm][thread][split]") {
+  // A launch that splits in every step (a fresh group per microbatch, say) must not
+  // grow: the launch keeps its groups to wake their waiters, and only those alive can
+  // have one. Fewer than two alive also turns the cycle detector's records off again.
+  auto world = std::make_shared<comm::detail::world_state>(2);
+  const auto top = std::make_shared<comm::detail::group>(world, std::vector<int>{0, 1});
+  world->groups.push_back(top);
+  auto kept = std::make_shared<comm::detail::group>(world, std::vector<int>{0});
+  world->add(kept);
+  for (int i = 0; i < 1000; ++i) world->add(std::make_shared<comm::detail::group>(world, std::vector<int>{1}));
+  CHECK(world->groups.size() == 3);  // top, kept and the last one made (gone since)
+  CHECK(world->communicators.load() == 3);
+  kept.reset();
+  const auto fresh = std::make_shared<comm::detail::group>(world, std::vector<int>{0, 1});
+  world->add(fresh);
+  CHECK(world->groups.size() == 2);  // top and fresh
+  CHECK(world->communicators.load() == 2);
+}
+
 TEST_CASE("an asynchronous collective's error surfaces on wait()", "[comm][thread][async]") {
-  std::vector<std::string> errors(2);
+  // Every look at the handle raises the error: a second wait (in a cleanup path,
+  // say) must not report a collective that failed as done.
+  std::vector<std::vector<std::string>> errors(2);
   comm::launch(2, [&](ThreadComm& c) {
     std::vector<float> send(c.rank() + 1), recv(2 * send.size());
     auto w = c.all_gather_async(std::span<const float>(send), std::span<float>(recv));
-    try {
-      w.wait();
-    } catch (const comm_error& e) {
-      errors[c.rank()] = e.what();
+    for (int look = 0; look < 3; ++look) {
+      try {
+        look < 2 ? w.wait() : void(w.test());
+        errors[c.rank()].push_back("none");
+      } catch (const comm_error& e) {
+        errors[c.rank()].push_back(e.what());
+      }
     }
   });
-  for (auto& e : errors) CHECK_THAT(e, Catch::Contains("ranks disagree"));
+  for (auto& e : errors) {
+    REQUIRE(e.size() == 3);
+    CHECK_THAT(e[0], Catch::Contains("ranks disagree"));
+    CHECK(e[1] == e[0]);
+    CHECK(e[2] == e[0]);
+  }
 }
 
 TEST_CASE("an invalid reduction names the rank and the collective", "[comm][thread][misuse]") {

@@ -49,9 +49,9 @@ struct world_state {
   std::atomic<int> failed{-1};            // the first rank whose function threw, once one has
   std::vector<std::atomic<bool>> exited;  // rank has returned from the launched function
   std::vector<std::atomic<bool>> stuck;   // rank's wait to enter can never end (why_stuck says why)
-  std::atomic<int> communicators{1};      // groups made so far: with one, no wait can be stuck
+  std::atomic<int> communicators{1};      // groups alive at the last split: with one, no wait can be stuck
   std::mutex m;
-  std::vector<std::weak_ptr<group>> groups;  // to wake their waiters
+  std::vector<std::weak_ptr<group>> groups;  // to wake their waiters; each split drops those gone
   // Under m, once the launch has several communicators: where each rank arrived to
   // enter a collective, at which generation of that group's barrier. Once the
   // generation has moved on the rank has passed (it departs soon after); a null group:
@@ -64,8 +64,11 @@ struct world_state {
   std::vector<wait_record> waits;
   std::vector<std::string> why_stuck;
 
+  // A rank waits in a group through a handle that keeps it alive, so a group gone
+  // has no waiter to wake, and a count of those alive bounds the groups waited in.
   void add(const std::shared_ptr<group>& g) {
     std::lock_guard lock(m);
+    std::erase_if(groups, [](const std::weak_ptr<group>& w) { return w.expired(); });
     groups.push_back(g);
     communicators.store(int(groups.size()));
   }

@@ -7,7 +7,7 @@
 #include <exception>           // std::exception_ptr
 #include <memory>              // std::shared_ptr
 #include <mutex>               // std::mutex
-#include <utility>             // std::exchange, std::move
+#include <utility>             // std::move
 
 namespace shardlib::comm {
 
@@ -19,9 +19,10 @@ struct work_state {
   std::mutex m;
   std::condition_variable cv;
 
-  // Takes the worker's only reference to the error: the thread that rethrows it
-  // then releases it last (ThreadSanitizer cannot see exception_ptr's reference
-  // count, so a release on the worker after the catch reads as a race).
+  // Takes the worker's only reference to the error, so that the state, released
+  // through shared_ptr's counted (and ThreadSanitizer-visible) references, releases
+  // it last: ThreadSanitizer cannot see exception_ptr's own reference count, so a
+  // release on the worker after a catch on the issuing rank would read as a race.
   void finish(std::exception_ptr e = nullptr) {
     {
       std::lock_guard lock(m);
@@ -32,8 +33,9 @@ struct work_state {
   }
 };
 
-// wait() blocks until the collective has finished and rethrows its error;
-// test() says whether it has finished without blocking (and rethrows too).
+// wait() blocks until the collective has finished and rethrows its error, each time
+// it is called, as NcclComm's handle does; test() says whether it has finished
+// without blocking (and rethrows too).
 // A default-constructed work is already complete. Destroying a work does not wait:
 // the collective still reads and writes its buffers, which must outlive it (wait()
 // first, also on the way out of an exception). The communicators' _async methods are
@@ -62,7 +64,7 @@ class work {
 
  private:
   void rethrow() {
-    if (s_->failure) std::rethrow_exception(std::exchange(s_->failure, nullptr));
+    if (s_->failure) std::rethrow_exception(s_->failure);
   }
   std::shared_ptr<work_state> s_;
 };
