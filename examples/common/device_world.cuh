@@ -1,13 +1,13 @@
 // examples/common/device_world.cuh — a GPU program's NCCL communicator, from how the
 // process was started: alone (a world of one), under mpirun (NCCL's id through MPI,
 // when built with it), or under torchrun-style variables (tools/launch, torchrun,
-// Slurm: through the TCP store rank 0 serves at MASTER_ADDR:MASTER_PORT). Each
+// Slurm: through the TCP store rank 0 serves, comm::store_from_environment). Each
 // process takes GPU local_rank % the GPUs it sees.
 #pragma once
 #include <shardlib/comm/environment.hpp>
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/comm/nccl_comm.hpp>
-#include <shardlib/comm/store.hpp>
+#include <shardlib/comm/rendezvous.hpp>
 #include <shardlib/cuda.hpp>
 #if SHARDLIB_EXAMPLE_WITH_MPI
 #include <shardlib/mpi.hpp>
@@ -44,12 +44,7 @@ void on_device_world(int& argc, char**& argv, Run&& run) {
 #else
   (void)argc, (void)argv;
 #endif
-  const bool alone = env.size == 1 && !(env.master_addr && env.master_port);
-  sl::require(alone || (env.master_addr && env.master_port), "started by ", sl::comm::name(env.kind), " as rank ",
-              env.rank, " of ", env.size, ", but MASTER_ADDR and MASTER_PORT are not both set",
-              env.is_mpi() ? " (and this build has no MPI)" : "");
-  sl::comm::TcpStore store(alone ? "127.0.0.1" : *env.master_addr, alone ? 0 : *env.master_port, env.rank, env.size,
-                           env.rank == 0, sl::comm::seconds{300});
+  sl::comm::TcpStore store = sl::comm::store_from_environment(env, sl::comm::seconds{300});
   run(sl::comm::NcclComm::from_store(store, select_device(env.local_rank)), [&] { store.barrier(); });
 }
 

@@ -16,10 +16,12 @@
 #include "shardlib/comm/communicator.hpp"    // Communicator, reduce_op
 #include "shardlib/comm/environment.hpp"     // discover_environment (torchrun, OpenMPI, MPICH/PMI, Slurm)
 #include "shardlib/comm/launch.hpp"          // launch, rank_failure
+#include "shardlib/comm/rendezvous.hpp"      // store_from_environment (also under torchrun's agent)
 #include "shardlib/comm/run.hpp"             // run_from_environment (threads, sockets or MPI)
 #include "shardlib/comm/socket_comm.hpp"     // SocketComm (processes over TCP)
 #include "shardlib/comm/store.hpp"           // TcpStore, store_server
 #include "shardlib/comm/thread_comm.hpp"     // ThreadComm
+#include "shardlib/comm/torch_store.hpp"     // torch_store (a client of PyTorch's TCPStore)
 #include "shardlib/nn/activation.hpp"        // ReLU, GELU (erf or tanh), SiLU
 #include "shardlib/nn/attention.hpp"         // MultiheadAttention
 #include "shardlib/nn/context.hpp"           // context

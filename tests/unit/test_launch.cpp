@@ -2,6 +2,7 @@
 // here with ranks as threads of one process on the loopback (tests/launch runs them
 // as processes through tools/launch).
 #include "shardlib/comm/environment.hpp"
+#include "shardlib/comm/rendezvous.hpp"
 #include "shardlib/comm/run.hpp"
 #include "shardlib/comm/socket_comm.hpp"
 #include "shardlib/comm/store.hpp"
@@ -10,16 +11,22 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstdint>
 #include <filesystem>
 #include <latch>
 #include <limits>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -79,6 +86,132 @@ std::vector<std::string> socket_ranks(int w, Fn fn, comm::socket_options options
   });
 }
 
+// run_from_environment on w rank threads, rank r in env_of(r); each SocketComm rank
+// all-reduces rank + 1. The sums, and what each rank threw ("" for none).
+template <class EnvOf>
+std::pair<std::vector<double>, std::vector<std::string>> sum_over_sockets(int w, EnvOf env_of) {
+  std::vector<double> sums(std::size_t(w), 0.0);
+  auto errors = on_threads(w, [&](int r) {
+    comm::run_from_environment(
+        [&](auto& c) {
+          if constexpr (std::is_same_v<std::decay_t<decltype(c)>, SocketComm>) {
+            double x = c.rank() + 1;
+            c.all_reduce(std::span<double>(&x, 1), reduce_op::sum);
+            sums[c.rank()] = x;
+          }
+        },
+        {.environment = env_of(r), .join_timeout = 20s});
+  });
+  return {sums, errors};
+}
+
+// PyTorch's TCPStore as torchrun's agent serves it, to c10d's wire format (see
+// comm/torch_store.hpp): a connection validates first, then sets, waits and gets.
+// Anything else is recorded as a protocol error and hung up on.
+class fake_torch_store {
+ public:
+  fake_torch_store() : listener_(comm::detail::listen_on(0, "fake torch store")) {
+    acceptor_ = std::thread([this] {
+      while (!stop_) {
+        auto c = comm::detail::accept_until(listener_, comm::detail::deadline_after(50ms));
+        if (!c) continue;
+        auto fd = std::make_shared<comm::detail::socket_fd>(std::move(c));
+        std::lock_guard lock(m_);
+        clients_.emplace_back([this, fd] { serve(fd->get()); });
+      }
+    });
+  }
+  fake_torch_store(const fake_torch_store&) = delete;
+  fake_torch_store& operator=(const fake_torch_store&) = delete;
+  ~fake_torch_store() {
+    {
+      std::lock_guard lock(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    acceptor_.join();
+    for (auto& t : clients_) t.join();
+  }
+
+  std::uint16_t port() const { return comm::detail::bound_port(listener_); }
+  void set(const std::string& key, const std::string& value) {
+    std::lock_guard lock(m_);
+    data_[key] = value;
+  }
+  std::map<std::string, std::string> data() {
+    std::lock_guard lock(m_);
+    return data_;
+  }
+  std::vector<std::string> errors() {
+    std::lock_guard lock(m_);
+    return errors_;
+  }
+
+ private:
+  void serve(int fd) {
+    const auto read = [&](void* p, std::size_t n) {
+      return comm::detail::recv_all(fd, p, n, comm::detail::deadline_after(5s)) == comm::detail::io_status::done;
+    };
+    const auto read_string = [&](std::string& out) {
+      std::uint64_t n = 0;
+      if (!read(&n, sizeof n) || n > 4096) return false;
+      out.resize(n);
+      return read(out.data(), n);
+    };
+    const auto fail = [&](std::string why) {
+      std::lock_guard lock(m_);
+      errors_.push_back(std::move(why));
+    };
+    for (bool validated = false;;) {
+      while (!stop_ && !comm::detail::wait_for(fd, POLLIN, comm::detail::deadline_after(50ms))) {
+      }
+      std::uint8_t query = 0;
+      if (stop_ || !read(&query, 1)) return;  // the client hung up
+      std::string key, value;
+      if (!validated) {
+        std::uint32_t magic = 0;
+        if (query != 0 || !read(&magic, sizeof magic) || magic != 0x3C85F7CE)
+          return fail(cat("query ", int(query), " before validating"));
+        validated = true;
+      } else if (query == 1) {  // set: key, value; no reply
+        if (!read_string(key) || !read_string(value)) return fail("a short set");
+        std::lock_guard lock(m_);
+        data_[key] = value;
+        cv_.notify_all();
+      } else if (query == 6) {  // wait: a count of keys, the keys; one byte once all exist
+        std::uint64_t count = 0;
+        if (!read(&count, sizeof count) || count != 1 || !read_string(key)) return fail("a wait for other than one key");
+        std::unique_lock lock(m_);
+        cv_.wait(lock, [&] { return stop_ || data_.count(key) > 0; });
+        if (stop_) return;
+        const std::uint8_t stop_waiting = 0;
+        comm::detail::send_all(fd, &stop_waiting, 1, comm::detail::deadline_after(5s));
+      } else if (query == 3) {  // get: key; its value as a byte vector
+        if (!read_string(key)) return fail("a short get");
+        std::string reply;
+        {
+          std::lock_guard lock(m_);
+          value = data_.count(key) ? data_[key] : "";
+        }
+        const std::uint64_t n = value.size();
+        reply.append(reinterpret_cast<const char*>(&n), sizeof n).append(value);
+        comm::detail::send_all(fd, reply.data(), reply.size(), comm::detail::deadline_after(5s));
+      } else {
+        return fail(cat("query ", int(query)));
+      }
+    }
+  }
+
+  comm::detail::socket_fd listener_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::map<std::string, std::string> data_;
+  std::vector<std::string> errors_;
+  std::vector<std::thread> clients_;
+  std::atomic<bool> stop_{false};
+  std::thread acceptor_;
+};
+
 void require_clean(const std::vector<conformance::report>& reports, const std::vector<std::string>& errors) {
   for (std::size_t r = 0; r < reports.size(); ++r) {
     INFO("rank " << r);
@@ -101,6 +234,14 @@ TEST_CASE("each launcher's variables give rank, size and local rank", "[launch][
   CHECK(torch.kind == comm::launcher::torchrun);
   CHECK((torch.rank == 5 && torch.size == 8 && torch.local_rank == 1 && torch.local_size == 4));
   CHECK((torch.master_addr == "node0" && torch.master_port == 29500));
+  CHECK((!torch.agent_store && torch.attempt == 0));
+  // What torchrun itself adds: its agent's store is at MASTER_ADDR:MASTER_PORT.
+  auto agent = comm::discover_environment(from({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "localhost"},
+                                                {"MASTER_PORT", "34039"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                                {"TORCHELASTIC_RESTART_COUNT", "3"}}));
+  CHECK((agent.agent_store && agent.attempt == 3));
+  CHECK(!comm::discover_environment(from({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"TORCHELASTIC_USE_AGENT_STORE", "False"}}))
+             .agent_store);
 
   auto ompi = comm::discover_environment(from({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
                                                {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
@@ -155,6 +296,13 @@ TEST_CASE("bad launcher variables raise naming the variable and its value", "[la
   CHECK_THAT(error_of({{"MASTER_PORT", "70000"}}), Catch::Contains("MASTER_PORT=70000 is outside [1, 65535]"));
   CHECK_THAT(error_of({{"MASTER_PORT", "29500 "}}), Catch::Contains("MASTER_PORT=\"29500 \" is not a whole number"));
   CHECK_THAT(error_of({{"MASTER_ADDR", ""}}), Catch::Contains("MASTER_ADDR is set but empty"));
+  CHECK_THAT(error_of({{"TORCHELASTIC_USE_AGENT_STORE", "1"}}),
+             Catch::Contains("TORCHELASTIC_USE_AGENT_STORE=\"1\" is neither True nor False"));
+  CHECK_THAT(error_of({{"MASTER_ADDR", "node0"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}}),
+             Catch::Contains("TORCHELASTIC_USE_AGENT_STORE=True, but MASTER_ADDR and MASTER_PORT, where torchrun's "
+                             "store is, are not both set"));
+  CHECK_THAT(error_of({{"TORCHELASTIC_RESTART_COUNT", "-1"}}),
+             Catch::Contains("TORCHELASTIC_RESTART_COUNT=-1 is outside [0, "));
 }
 
 TEST_CASE("the store sets, gets, adds, checks and holds a barrier", "[launch][store]") {
@@ -575,19 +723,9 @@ TEST_CASE("run_from_environment: threads without a launcher, SocketComm under to
     comm::store_server probe(0, 1);
     port = probe.port();
   }
-  std::vector<double> sums(4);
-  const auto errors = on_threads(4, [&](int r) {
-    comm::launch_environment env{.kind = comm::launcher::torchrun, .rank = r, .size = 4, .local_rank = r,
-                                 .local_size = 4, .master_addr = "127.0.0.1", .master_port = port};
-    comm::run_from_environment(
-        [&](auto& c) {
-          if constexpr (std::is_same_v<std::decay_t<decltype(c)>, SocketComm>) {
-            double x = c.rank() + 1;
-            c.all_reduce(std::span<double>(&x, 1), reduce_op::sum);
-            sums[c.rank()] = x;
-          }
-        },
-        {.environment = env, .join_timeout = 20s});
+  const auto [sums, errors] = sum_over_sockets(4, [&](int r) {
+    return comm::launch_environment{.kind = comm::launcher::torchrun, .rank = r, .size = 4, .local_rank = r,
+                                    .local_size = 4, .master_addr = "127.0.0.1", .master_port = port};
   });
   for (int r = 0; r < 4; ++r) {
     CHECK(errors[r].empty());
@@ -597,4 +735,39 @@ TEST_CASE("run_from_environment: threads without a launcher, SocketComm under to
   comm::launch_environment slurm{.kind = comm::launcher::slurm, .rank = 0, .size = 2};
   CHECK_THROWS_WITH(comm::run_from_environment([](auto&) {}, {.environment = slurm}),
                     Catch::Contains("started by Slurm as rank 0 of 2, but MASTER_ADDR is not set"));
+}
+
+TEST_CASE("under torchrun, rank 0 serves the store on a free port and announces it in the agent's store",
+          "[launch][run][torchrun]") {
+  // torchrun's agent serves PyTorch's TCPStore at MASTER_PORT, where the library's own
+  // store cannot listen (it did, and every torchrun launch failed: "Address already in use").
+  fake_torch_store agent;
+  const auto env_of = [&](int r, int size) {
+    return comm::launch_environment{.kind = comm::launcher::torchrun, .rank = r, .size = size, .local_rank = r,
+                                    .local_size = size, .master_addr = "127.0.0.1", .master_port = agent.port(),
+                                    .agent_store = true, .attempt = 2};
+  };
+  const auto [sums, errors] = sum_over_sockets(3, [&](int r) { return env_of(r, 3); });
+  for (int r = 0; r < 3; ++r) {
+    CHECK(errors[r].empty());
+    CHECK(sums[r] == 6.0);
+  }
+  CHECK(agent.errors().empty());
+  const auto data = agent.data();
+  REQUIRE(data.size() == 1);
+  CHECK(data.begin()->first == "shardlib/2/store");
+  CHECK_THAT(data.begin()->second, Catch::StartsWith("127.0.0.1:") && !Catch::EndsWith(cat(":", agent.port())));
+
+  // A rank 0 that never announces: the others' wait ends at the timeout, naming the key.
+  auto lone = env_of(1, 2);
+  lone.attempt = 5;
+  CHECK_THROWS_WITH(comm::store_from_environment(lone, 0.3s),
+                    cat("rank 1: torchrun's store at 127.0.0.1:", agent.port(), " has no 'shardlib/5/store' after 0.3 s"));
+  // An announcement that is no address.
+  agent.set("shardlib/6/store", "10.0.0.1");
+  lone.attempt = 6;
+  CHECK_THROWS_WITH(comm::store_from_environment(lone, 5s),
+                    Catch::Contains("holds '10.0.0.1' under shardlib/6/store, where rank 0 announces its store as "
+                                    "host:port"));
+  CHECK(agent.errors().empty());
 }

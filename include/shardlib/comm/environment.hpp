@@ -38,6 +38,12 @@ struct launch_environment {
   // under every launcher: Slurm and MPI jobs without MPI set them by hand.
   std::optional<std::string> master_addr = std::nullopt;
   std::optional<std::uint16_t> master_port = std::nullopt;
+  // torchrun's agent serves a PyTorch TCPStore at MASTER_ADDR:MASTER_PORT for its
+  // workers (TORCHELASTIC_USE_AGENT_STORE=True): the library's store listens elsewhere
+  // and is announced there (store_from_environment, comm/rendezvous.hpp). `attempt`
+  // (TORCHELASTIC_RESTART_COUNT) tells a restarted group's announcement from the last one's.
+  bool agent_store = false;
+  int attempt = 0;
   bool is_mpi() const { return kind == launcher::openmpi || kind == launcher::pmi; }
 };
 
@@ -126,6 +132,15 @@ inline launch_environment discover_environment(const env_lookup& get = process_v
     require<error>(!env.master_addr->empty(), "launch environment: MASTER_ADDR is set but empty");
   if (auto port = detail::env_number_if_set(get, "MASTER_PORT", 1, 65535, "the rendezvous"))
     env.master_port = std::uint16_t(*port);
+  if (const auto agent = get("TORCHELASTIC_USE_AGENT_STORE")) {  // torchrun writes Python's str(bool)
+    require<error>(*agent == "True" || *agent == "False", "launch environment: TORCHELASTIC_USE_AGENT_STORE=\"",
+                   *agent, "\" is neither True nor False");
+    env.agent_store = *agent == "True";
+    require<error>(!env.agent_store || (env.master_addr && env.master_port),
+                   "launch environment: TORCHELASTIC_USE_AGENT_STORE=True, but MASTER_ADDR and MASTER_PORT, where "
+                   "torchrun's store is, are not both set");
+  }
+  env.attempt = int(detail::env_number_if_set(get, "TORCHELASTIC_RESTART_COUNT", 0, most, "torchrun").value_or(0));
   return env;
 }
 

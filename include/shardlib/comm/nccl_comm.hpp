@@ -141,8 +141,8 @@ class NcclComm {
     return NcclComm(id, host.rank(), host.size(), device, options);
   }
 
-  // Every rank of the store's job calls it (processes started without MPI: see
-  // comm/run.hpp); rank 0 makes the NCCL id and sets it in the store, the others
+  // Every rank of the store's job calls it (processes started without MPI: the store
+  // from comm::store_from_environment, also under torchrun); rank 0 makes the NCCL id and sets it in the store, the others
   // wait for it there, within the store's timeout. Rank 0 publishes a failure too,
   // so that no rank waits for an id that never comes. Ranks keep their store rank;
   // one rank per device, device = the launcher's LOCAL_RANK.

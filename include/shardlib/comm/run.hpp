@@ -4,6 +4,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/comm/environment.hpp"
 #include "shardlib/comm/launch.hpp"
+#include "shardlib/comm/rendezvous.hpp"
 #include "shardlib/comm/socket_comm.hpp"
 #include "shardlib/comm/store.hpp"
 #include "shardlib/core/error.hpp"
@@ -38,8 +39,9 @@ concept LaunchBackend = requires(const launch_environment& env) {
 //   - the first of `backends` that claims the environment (MPI, when passed);
 //   - no launcher: `threads` ranks as threads of this process (ThreadComm, launch);
 //   - torchrun-style, Slurm, or MPI variables without an MPI backend: one rank per
-//     process over SocketComm, meeting at MASTER_ADDR:MASTER_PORT, where rank 0
-//     serves the TcpStore (a single process needs neither).
+//     process over SocketComm, meeting through the TcpStore rank 0 serves
+//     (store_from_environment: at MASTER_ADDR:MASTER_PORT, or announced there under
+//     torchrun).
 // fn must accept each communicator it may get: a generic lambda, [&](auto& c).
 // Errors: a rank's failure surfaces as launch's rank_failure with threads, and as
 // the rank's own exception (or a peer's comm_error naming it) with processes.
@@ -59,13 +61,7 @@ void run_from_environment(Fn&& fn, const run_options& options = {}, Backends... 
     launch(options.threads, std::forward<Fn>(fn));
     return;
   }
-  const bool alone = env.size == 1 && !(env.master_addr && env.master_port);
-  require(alone || (env.master_addr && env.master_port), "run_from_environment: started by ", name(env.kind),
-          " as rank ", env.rank, " of ", env.size, ", but ", env.master_addr ? "MASTER_PORT" : "MASTER_ADDR",
-          " is not set: the processes meet at MASTER_ADDR:MASTER_PORT (rank 0's host and a free port)",
-          env.is_mpi() ? "; or build with MPI and pass comm::mpi_backend{}" : "");
-  TcpStore store(alone ? "127.0.0.1" : *env.master_addr, alone ? 0 : *env.master_port, env.rank, env.size,
-                 env.rank == 0, options.join_timeout);
+  TcpStore store = store_from_environment(env, options.join_timeout);
   SocketComm comm(store, options.socket);
   fn(comm);
 }

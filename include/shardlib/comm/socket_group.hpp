@@ -97,16 +97,6 @@ struct socket_mesh {
   }
 };
 
-// Where this rank (published as `mine`) reaches a peer that published `theirs`,
-// both "ip:port" on the interface that leads to the store. A peer that reached the
-// store through a loopback address runs on the store's host (MASTER_ADDR a name
-// that the host's /etc/hosts maps to 127.0.1.1, as Debian's does, looks like
-// that); ranks on other hosts reach it at the store's address as they see it.
-inline std::string reachable(const std::string& theirs, const std::string& mine, const std::string& store_host) {
-  if (!is_loopback(theirs) || is_loopback(mine)) return theirs;
-  return store_host + theirs.substr(theirs.rfind(':'));
-}
-
 // A contiguous piece to send to, or receive from, one peer (a group rank).
 struct part {
   int peer;

@@ -122,6 +122,16 @@ inline std::string address_of(const socket_fd& s, int (*end)(int, sockaddr*, soc
 // Whether "a.b.c.d" or "a.b.c.d:port" lies in 127.0.0.0/8, the loopback block.
 inline bool is_loopback(std::string_view address) { return address.starts_with("127."); }
 
+// Where this rank (published as `mine`) reaches a peer that published `theirs`,
+// both "ip:port" on the interface that leads to the store. A peer that reached the
+// store through a loopback address runs on the store's host (MASTER_ADDR a name
+// that the host's /etc/hosts maps to 127.0.1.1, as Debian's does, looks like
+// that); ranks on other hosts reach it at the store's address as they see it.
+inline std::string reachable(const std::string& theirs, const std::string& mine, const std::string& store_host) {
+  if (!is_loopback(theirs) || is_loopback(mine)) return theirs;
+  return store_host + theirs.substr(theirs.rfind(':'));
+}
+
 // Waits for `events` on fd until the deadline; false on timeout.
 inline bool wait_for(int fd, short events, tcp_clock::time_point deadline) {
   for (;;) {

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# torchrun.sh PROGRAM: the conformance suite with one rank per process under PyTorch's
+# own torchrun, whose agent serves its TCPStore at MASTER_PORT (the library's store
+# then listens on a free port that rank 0 announces there):
+#   1. one node, 3 processes (--standalone: a free port);
+#   2. two nodes of 2 processes, static rendezvous: two network namespaces joined by a
+#      veth pair where root and `ip netns` allow (node 0's agent given 127.0.0.1, as a
+#      MASTER_ADDR that /etc/hosts maps to 127.0.1.1 looks, node 1's 10.200.0.1), else
+#      two agents on this host;
+#   3. a rank that dies, with one restart allowed: the second attempt must meet afresh.
+# torchrun is taken from SHARDLIB_TORCHRUN or PATH; where there is none (pip install
+# torch) this prints SKIPPED, which ctest reads.
+set -u
+program=$1
+torchrun=${SHARDLIB_TORCHRUN:-$(command -v torchrun)}
+[[ -n $torchrun && -x $torchrun ]] || { echo "SKIPPED: no torchrun (pip install torch, or set SHARDLIB_TORCHRUN)"; exit 0; }
+out=$(mktemp -d)
+cleanup=(rm -rf "$out")
+trap '"${cleanup[@]}"' EXIT
+fail=0
+expect_passed() {  # log ranks: every rank reported 0 failures
+  local r
+  for ((r = 0; r < $2; r++)); do
+    grep -q "^rank $r of $2: [1-9][0-9]* checks, 0 failures" "$1" || { echo "FAILED: rank $r of $2 in $1"; fail=1; }
+  done
+}
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
+
+timeout --kill-after=5 90 "$torchrun" --standalone --nproc-per-node 3 --no-python "$program" conformance \
+  >"$out/one_node" 2>&1
+echo "[one node] exit $?"; grep "checks" "$out/one_node"
+expect_passed "$out/one_node" 3
+
+port=$(free_port)
+node() {  # node node_rank master_addr [netns]
+  local run=()
+  [[ -n ${3:-} ]] && run=(ip netns exec "$3")
+  "${run[@]}" timeout --kill-after=5 90 "$torchrun" --nnodes 2 --node-rank "$1" --nproc-per-node 2 \
+    --master-addr "$2" --master-port "$port" --no-python "$program" conformance >"$out/node$1" 2>&1
+}
+a=shlt$$a b=shlt$$b
+if ((EUID == 0)) && command -v ip >/dev/null && ip netns add "$a" 2>/dev/null; then
+  cleanup=(sh -c "ip netns del $a 2>/dev/null; ip netns del $b 2>/dev/null; rm -rf $out")
+  ip netns add "$b" && ip link add "$a" netns "$a" type veth peer name "$b" netns "$b" &&
+    ip -n "$a" addr add 10.200.1.1/24 dev "$a" && ip -n "$b" addr add 10.200.1.2/24 dev "$b" &&
+    ip -n "$a" link set lo up && ip -n "$a" link set "$a" up &&
+    ip -n "$b" link set lo up && ip -n "$b" link set "$b" up || { echo "FAILED: cannot set up the two namespaces"; exit 1; }
+  echo "[two nodes] network namespaces $a (127.0.0.1 to its agent) and $b (10.200.1.1)"
+  node 0 127.0.0.1 "$a" & first=$!
+  node 1 10.200.1.1 "$b"
+else
+  echo "[two nodes] on this host (no network namespaces here)"
+  node 0 127.0.0.1 & first=$!
+  node 1 127.0.0.1
+fi
+wait $first
+cat "$out/node0" "$out/node1" | grep "checks"
+cat "$out/node0" "$out/node1" >"$out/two_nodes"
+expect_passed "$out/two_nodes" 4
+
+# Rank 1 exits (status 3) in a loop of collectives; torchrun restarts the group once.
+# Both attempts must reach the collectives (the second through a fresh announcement)
+# and their survivors name rank 1.
+timeout --kill-after=5 90 "$torchrun" --standalone --nproc-per-node 3 --max-restarts 1 --no-python "$program" dies \
+  >"$out/dies" 2>&1
+status=$?
+named=$(grep -c "^rank [02]: all_reduce(4096 x F32, avg), collective [0-9]* on a communicator of 3 ranks: the connection to rank 1 .* closed" "$out/dies")
+echo "[dies] exit $status, $named survivors named rank 1 over two attempts"
+((status != 0 && named >= 2)) || { echo "FAILED: a dying rank under torchrun"; sed 's/^/  /' "$out/dies"; fail=1; }
+((fail == 0)) && echo "every check under $torchrun passed"
+exit $fail
