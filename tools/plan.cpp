@@ -499,7 +499,7 @@ plan::model_desc describe(const settings& s, const plan::precision& p, long batc
   if (!s.preset.empty()) {
     const auto& m = plan::decoder_preset(s.preset);
     d = plan::decoder(m, batch, s.model.seq, p.compute, s.fused_attention);
-    if (s.frozen_layers > 0) d = plan::with_frozen_prefix(d, m, s.frozen_layers, batch, s.model.seq);
+    if (s.frozen_layers > 0) d = plan::with_frozen_prefix(d, m, s.frozen_layers, batch, s.model.seq, p.compute);
     if (!s.lora.empty()) d = plan::with_lora(d, m, s.lora, s.lora_r, batch, s.model.seq, p.compute);
   } else if (s.encoder) {
     settings at = s;
@@ -578,9 +578,12 @@ int main(int argc, char** argv) {
     const plan::model_desc d = describe(s, p, s.batch);
     std::FILE* json = s.json.empty() ? nullptr : std::fopen(s.json.c_str(), "w");
     require(s.json.empty() || json, "shardlib-plan: cannot write ", s.json);
-    print_model(d, s.encoder           ? "measured, one unsharded step"
-                   : s.fused_attention ? "estimate, fused attention: no seq x seq weights kept"
-                                       : "estimate");
+    const char* note = s.encoder ? "measured, one unsharded step"
+                       : s.preset.empty()
+                           ? (s.fused_attention ? "estimate, fused attention: no seq x seq weights kept" : "estimate")
+                           : (s.fused_attention ? "the library's layers, fused attention: no seq x seq weights kept"
+                                                : "the library's layers");
+    print_model(d, note);
     const plan::machine mc{
         .memory_bytes = s.memory * 1e9, .link_bytes_per_s = s.bandwidth * 1e9, .flops_per_s = s.flops * 1e12,
         .node_size = s.node_size, .node_link_bytes_per_s = s.node_bandwidth * 1e9};

@@ -87,7 +87,7 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
   long lead = 0;  // the frozen prefix: blocks before the first adapter
   while (lead < m.layers && d.frozen[std::size_t(lead) + 1].all) d.frozen[std::size_t(++lead)].no_backward = true;
   const double s = double(seq > 0 ? seq : m.seq), tokens = s * double(batch), h = double(m.hidden);
-  d.activation_bytes = std::size_t(double(d.activation_bytes) * double(m.layers - lead) / double(m.layers));
+  d.activation_bytes -= std::size_t(double(lead) * decoder_block_bytes(d, m, batch, seq, activations));
   std::size_t dropped = 0;
   for (long b = lead; b < m.layers; ++b) dropped += unkept[std::size_t(b)];
   d.activation_bytes += std::size_t(tokens) * adapted_outputs * size_of(activations);

@@ -6,7 +6,6 @@
 #include "shardlib/core/element.hpp"      // dtype
 #include "shardlib/core/error.hpp"        // require, cat
 #include "shardlib/plan/memory_plan.hpp"  // model_desc
-#include "shardlib/plan/transformer.hpp"  // transformer_shape, transformer
 
 #include <cstddef>      // std::size_t
 #include <string>       // std::string
@@ -114,26 +113,73 @@ inline const decoder_shape& decoder_preset(std::string_view name) {
   throw error(cat("plan: no model preset '", name, "' (known: ", known, ")"));
 }
 
+// What one step of a decoder keeps for backward, in bytes (plan::decoder's
+// activations): the library's layers, counted tensor by tensor and checked equal to
+// measure_activations on the host layers for both families, several widths, heads,
+// sequences and vocabularies (a test; the device models are the same templates over
+// device operations, so the same tensors, not yet measured on a GPU). Elements are in
+// the activation dtype, norm statistics floats, token ids int64.
+//   block, per token: GPT-2 8·hidden + 2·intermediate elements (ln_1's input, c_attn's
+//     input, q, k and v, c_proj's input, ln_2's input, c_fc's input; the GELU's input and
+//     output) and 4 floats (two LayerNorms' mean and rstd); LLaMA 6·hidden +
+//     2·kv_width + 3·intermediate (two RMSNorms' inputs and outputs, rotated q, the
+//     attention's output; k and v; gate, up and their SwiGLU) and 2 floats (rstd).
+//     Dropout keeps no masks (drawn again in backward).
+//   block, attention: heads·seq² weights a sequence (the softmax; transformer_shape's
+//     k = 2 bytes in 16 bits), or with fused_attention (the device's) one float of
+//     log-sum-exp per (head, query).
+//   outside the blocks, per token at the step's peak (the last block's backward, the
+//     loss's logits and their gradient alive beside it): 2·vocab (logits, gradient) +
+//     2·hidden (the final norm's input and output) + the last block's backward
+//     transients (GPT-2 intermediate, LLaMA 2·intermediate), GPT-2's embedding dropout
+//     output (hidden; transformers' embd_pdrop is 0.1), and the int64 ids.
+struct decoder_activations {
+  double block = 0;    // one block's, for the whole batch
+  double outside = 0;  // the rest at the peak
+};
+inline decoder_activations decoder_activation_bytes(const decoder_shape& m, long batch, long seq, dtype activations,
+                                                    bool fused_attention) {
+  const double h = double(m.hidden), i = double(m.intermediate), a = double(m.heads), v = double(m.vocab);
+  const double kv = h / a * double(m.kv_heads), s = double(seq), tokens = s * double(batch);
+  const double size = double(size_of(activations));
+  const bool gpt2 = m.family == family::gpt2;
+  const double elements = gpt2 ? 8 * h + 2 * i : 6 * h + 2 * kv + 3 * i, stats = gpt2 ? 4 : 2;
+  const double attention = fused_attention ? 4 * a : a * s * size;
+  const double outside = 2 * v + 2 * h + (gpt2 ? i + h : 2 * i);
+  return {.block = tokens * (elements * size + stats * 4 + attention), .outside = tokens * (outside * size + 8)};
+}
+
 // The model as the planner sees it: the root, then each block a unit (an exact count,
-// where plan::transformer approximates a block as 12·hidden²). Activations and FLOPs
-// as plan::transformer estimates them, for `seq` tokens (the preset's when 0) per sequence
-// (fused_attention: the device's attention, transformer_shape::fused_attention), with
-// the 2 bytes per attention weight (in 16 bits) the library's host attention keeps.
+// where plan::transformer approximates a block as 12·hidden²). Activations for `seq`
+// tokens (the preset's when 0) per sequence as decoder_activation_bytes counts them
+// (fused_attention: the device's attention). FLOPs: 6 per multiplied parameter and token
+// and attention's 12·layers·hidden·seq per token (Narayanan et al. 2021, eq. 3).
 inline model_desc decoder(const decoder_shape& m, long batch = 1, long seq = 0, dtype activations = dtype::bf16,
                           bool fused_attention = false) {
   require(m.layers >= 1 && m.hidden >= 1 && m.heads >= 1 && m.kv_heads >= 1 && m.hidden % m.heads == 0 &&
-              m.heads % m.kv_heads == 0,
-          "plan::decoder ", m.name, ": layers, hidden, heads and kv heads must be positive, heads must divide hidden ",
-          "and kv heads must divide heads");
-  model_desc d = transformer({.parameters = 0, .layers = m.layers, .hidden = m.hidden, .heads = m.heads,
-                              .seq = seq > 0 ? seq : m.seq, .batch = batch, .fused_attention = fused_attention,
-                              .kept_per_weight = 2},
-                             activations);
+              m.heads % m.kv_heads == 0 && m.intermediate >= 1 && m.vocab >= 1 && batch >= 1 &&
+              (seq > 0 || m.seq > 0),
+          "plan::decoder ", m.name, ": layers, hidden, heads, kv heads, intermediate, vocab, batch and seq must be "
+          "positive, heads must divide hidden and kv heads must divide heads");
+  const long s = seq > 0 ? seq : m.seq;
+  model_desc d;
   d.units.assign(std::size_t(m.layers) + 1, block_parameters(m));
   d.units[0] = root_parameters(m);
-  const double s = double(seq > 0 ? seq : m.seq), b = double(batch);
-  d.flops = 6 * double(multiplied_parameters(m)) * s * b + 12 * double(m.layers) * double(m.hidden) * s * s * b;
+  const auto act = decoder_activation_bytes(m, batch, s, activations, fused_attention);
+  const double bytes = double(m.layers) * act.block + act.outside;
+  require(bytes < 0x1p64, "plan::decoder ", m.name, ": ", bytes,
+          " bytes of activations are more than a 64-bit count holds");
+  d.activation_bytes = std::size_t(bytes);
+  const double tokens = double(s) * double(batch);
+  d.flops = 6 * double(multiplied_parameters(m)) * tokens + 12 * double(m.layers) * double(m.hidden) * double(s) * tokens;
   return d;
+}
+
+// What a plan::decoder(m, batch, seq, activations, fused) keeps per block, from its own
+// figure: the prefix and adapter variants below take blocks off it.
+inline double decoder_block_bytes(const model_desc& d, const decoder_shape& m, long batch, long seq, dtype activations) {
+  const double outside = decoder_activation_bytes(m, batch, seq > 0 ? seq : m.seq, activations, false).outside;
+  return (double(d.activation_bytes) - outside) / double(m.layers);
 }
 
 // The same model fine-tuned with its token (and position) embeddings and its lower
@@ -141,9 +187,10 @@ inline model_desc decoder(const decoder_shape& m, long batch = 1, long seq = 0, 
 // blocks run forward only, keep no activations and no gradients, and are neither
 // gathered in backward nor reduced (model_desc::frozen). The embeddings lead the root's
 // count, so they are its first elements; a tied head is the embedding, frozen with it.
-// Activations drop by the prefix's share of the blocks; FLOPs by the prefix's backward
+// Activations drop by the prefix's blocks (`activations` is d's dtype); FLOPs by the prefix's backward
 // (4 per parameter and token, and two thirds of its attention) and a frozen head's dW.
-inline model_desc with_frozen_prefix(model_desc d, const decoder_shape& m, long layers, long batch = 1, long seq = 0) {
+inline model_desc with_frozen_prefix(model_desc d, const decoder_shape& m, long layers, long batch = 1, long seq = 0,
+                                     dtype activations = dtype::bf16) {
   require(layers >= 0 && layers <= m.layers, "plan::with_frozen_prefix ", m.name, ": ", layers,
           " frozen blocks of its ", m.layers);
   require(d.units.size() == std::size_t(m.layers) + 1, "plan::with_frozen_prefix ", m.name,
@@ -153,7 +200,7 @@ inline model_desc with_frozen_prefix(model_desc d, const decoder_shape& m, long 
   d.frozen[0].ranges = {{0, embeddings}};
   for (std::size_t i = 1; i <= std::size_t(layers); ++i) d.frozen[i] = {.ranges = {{0, d.units[i]}}, .all = true, .no_backward = true};
   const double s = double(seq > 0 ? seq : m.seq), tokens = s * double(batch);
-  d.activation_bytes = std::size_t(double(d.activation_bytes) * double(m.layers - layers) / double(m.layers));
+  d.activation_bytes -= std::size_t(double(layers) * decoder_block_bytes(d, m, batch, seq, activations));
   d.flops -= tokens * (double(layers) * (4 * double(block_parameters(m)) + 8 * double(h) * s) +
                        (m.tied ? 2 * double(m.vocab) * double(h) : 0));
   return d;

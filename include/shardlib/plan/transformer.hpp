@@ -25,7 +25,7 @@ struct transformer_shape {
   // Bytes per attention weight (in 16 bits) the layers keep for backward otherwise:
   // Korthikanti's 5 (softmax 2, dropout mask 1, dropout output 2) for layers in general;
   // the library's host attention keeps the softmax alone and draws its dropout mask
-  // again (nn/sdpa.hpp): 2, which plan::decoder sets for its GPT-2 and LLaMA.
+  // again (nn/sdpa.hpp): 2, as plan::decoder counts it for GPT-2 and LLaMA.
   double kept_per_weight = 5;
 };
 
