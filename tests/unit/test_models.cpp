@@ -521,6 +521,27 @@ TEMPLATE_TEST_CASE("GPT-2 and LLaMA loaded from transformers' files give its log
   CHECK(test_support::relative_error(double(loss), e.losses[0], 0) <= 10 * tolerance);
 }
 
+// What transformers 5 writes (tests/golden/hf5, make_hf5_goldens.py: transformers 5.25,
+// torch 2.15): "dtype" for "torch_dtype", LLaMA's rope_theta only inside
+// "rope_parameters", its weights in one file. Its float32 logits, to 1e-5 of the largest
+// (two float32 implementations of two layers).
+TEMPLATE_TEST_CASE("GPT-2 and LLaMA as transformers 5 saves them load and give its logits", "[models][hf]",
+                   models::GPT2LMHeadModel<float>, models::LlamaForCausalLM<float>) {
+  using Model = TestType;
+  const fs::path dir = fs::path(SHARDLIB_GOLDEN_DIR) / "hf5" / golden_name<Model>;
+  Model model(models::read_hf_config<typename Model::config_type>(dir));
+  nn::Replicated<float, Model> owner(model, 0);
+  CHECK(models::load_hf(owner, dir).ok());
+  const auto f = io::safetensors::load(dir / "expected.safetensors");
+  nn::context ctx({.training = false});
+  const Tensor<float> logits = ctx.forward(model, golden::read<std::int64_t>(f, "input_ids"));
+  const Tensor<double> want = logits_of(f);
+  REQUIRE(logits.shape() == want.shape());
+  const auto err = logits_error(logits, want);
+  INFO(golden_name<Model> << ": logits differ by " << err << " of the largest");
+  CHECK(err <= 1e-5);
+}
+
 // Losses over 20 AdamW steps (float32 layers, shardlib's AdamW in float32; the
 // reference is float64): within 1e-4 relative, the brief's bound; the measured
 // difference is printed.

@@ -151,7 +151,8 @@ inline void from_json(const nlohmann::json& j, llama_config& c) {
     const nn::rope_scaling r = rope_scaling_from(p, "rope_parameters");
     require(!j.contains("rope_scaling") || j["rope_scaling"].is_null() ||
                 rope_scaling_json(c.rope_scaling) == rope_scaling_json(r),
-            "llama_config: rope_scaling and rope_parameters differ: ", j["rope_scaling"].dump(), " against ", p.dump());
+            "llama_config: rope_scaling and rope_parameters differ: ", j.value("rope_scaling", nlohmann::json()).dump(),
+            " against ", p.dump());
     c.rope_scaling = r;
   }
   require(!j.contains("model_type") || j["model_type"] == "llama", "llama_config: model_type ",
