@@ -4,9 +4,9 @@
 # then listens on a free port that rank 0 announces there):
 #   1. one node, 3 processes (--standalone: a free port);
 #   2. two nodes of 2 processes, static rendezvous: two network namespaces joined by a
-#      veth pair where root and `ip netns` allow (node 0's agent given 127.0.0.1, as a
-#      MASTER_ADDR that /etc/hosts maps to 127.0.1.1 looks, node 1's 10.200.0.1), else
-#      two agents on this host;
+#      veth pair where root and `ip netns` allow (both agents given node 0's 10.200.1.1:
+#      torch 2.3 hands node 0's --master-addr to every node's workers), else two agents
+#      on this host;
 #   3. a rank that dies, with one restart allowed: the second attempt must meet afresh.
 # torchrun is taken from SHARDLIB_TORCHRUN or PATH; where there is none (pip install
 # torch) this prints SKIPPED, which ctest reads.
@@ -45,8 +45,8 @@ if ((EUID == 0)) && command -v ip >/dev/null && ip netns add "$a" 2>/dev/null; t
     ip -n "$a" addr add 10.200.1.1/24 dev "$a" && ip -n "$b" addr add 10.200.1.2/24 dev "$b" &&
     ip -n "$a" link set lo up && ip -n "$a" link set "$a" up &&
     ip -n "$b" link set lo up && ip -n "$b" link set "$b" up || { echo "FAILED: cannot set up the two namespaces"; exit 1; }
-  echo "[two nodes] network namespaces $a (127.0.0.1 to its agent) and $b (10.200.1.1)"
-  node 0 127.0.0.1 "$a" & first=$!
+  echo "[two nodes] network namespaces $a (10.200.1.1) and $b (10.200.1.2)"
+  node 0 10.200.1.1 "$a" & first=$!
   node 1 10.200.1.1 "$b"
 else
   echo "[two nodes] on this host (no network namespaces here)"
