@@ -7,7 +7,9 @@
 #      veth pair where root and `ip netns` allow (both agents given node 0's 10.200.1.1:
 #      torch 2.3 hands node 0's --master_addr to every node's workers), else two agents
 #      on this host;
-#   3. a rank that dies, with one restart allowed: the second attempt must meet afresh.
+#   3. a rank that dies, with one restart allowed, on one agent (--standalone) and on two
+#      (c10d rendezvous, where only the failed rank's agent counts the restart): the
+#      second attempt must meet afresh, past the first one's announcement.
 # torchrun is taken from SHARDLIB_TORCHRUN or PATH; where there is none (pip install
 # torch) this prints SKIPPED, which ctest reads.
 set -u
@@ -73,5 +75,21 @@ status=$?
 named=$(grep -c "^rank [02]: all_reduce(4096 x F32, avg), collective [0-9]* on a communicator of 3 ranks: the connection to rank 1 .* closed" "$out/dies")
 echo "[dies] exit $status, $named survivors named rank 1 over two attempts"
 ((status != 0 && named >= 2)) || { echo "FAILED: a dying rank under torchrun"; sed 's/^/  /' "$out/dies"; fail=1; }
+
+port=$(free_port)
+agent() {  # agent log: one of two agents of a c10d rendezvous, one process each
+  timeout --kill-after=5 90 "$torchrun" --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d \
+    --rdzv_endpoint "127.0.0.1:$port" --rdzv_id "shardlib$$" --max_restarts 1 --no_python "$program" dies >"$1" 2>&1
+}
+agent "$out/dies_a" & first=$!
+agent "$out/dies_b"
+wait $first
+# (torch 2.3 closes the rendezvous after the first failure instead: one attempt.) A rank
+# that cannot find the store names it ("torchrun's store ...", "the store: cannot connect").
+named=$(cat "$out/dies_a" "$out/dies_b" |
+  grep -c "^rank 0: all_reduce(4096 x F32, avg), collective [0-9]* on a communicator of 2 ranks: the connection to rank 1 .* closed")
+lost=$(cat "$out/dies_a" "$out/dies_b" | grep -c "^rank [0-9]*: .*store")
+echo "[dies, two agents] rank 0 named rank 1 in $named attempts; $lost ranks did not find the store"
+((named >= 1 && lost == 0)) || { echo "FAILED: a dying rank under two agents"; cat "$out/dies_a" "$out/dies_b" | sed 's/^/  /'; fail=1; }
 ((fail == 0)) && echo "every check under $torchrun passed"
 exit $fail

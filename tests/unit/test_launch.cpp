@@ -234,12 +234,11 @@ TEST_CASE("each launcher's variables give rank, size and local rank", "[launch][
   CHECK(torch.kind == comm::launcher::torchrun);
   CHECK((torch.rank == 5 && torch.size == 8 && torch.local_rank == 1 && torch.local_size == 4));
   CHECK((torch.master_addr == "node0" && torch.master_port == 29500));
-  CHECK((!torch.agent_store && torch.attempt == 0));
+  CHECK(!torch.agent_store);
   // What torchrun itself adds: its agent's store is at MASTER_ADDR:MASTER_PORT.
   auto agent = comm::discover_environment(from({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "localhost"},
-                                                {"MASTER_PORT", "34039"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"},
-                                                {"TORCHELASTIC_RESTART_COUNT", "3"}}));
-  CHECK((agent.agent_store && agent.attempt == 3));
+                                                {"MASTER_PORT", "34039"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}}));
+  CHECK(agent.agent_store);
   CHECK(!comm::discover_environment(from({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"TORCHELASTIC_USE_AGENT_STORE", "False"}}))
              .agent_store);
 
@@ -301,8 +300,6 @@ TEST_CASE("bad launcher variables raise naming the variable and its value", "[la
   CHECK_THAT(error_of({{"MASTER_ADDR", "node0"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}}),
              Catch::Contains("TORCHELASTIC_USE_AGENT_STORE=True, but MASTER_ADDR and MASTER_PORT, where torchrun's "
                              "store is, are not both set"));
-  CHECK_THAT(error_of({{"TORCHELASTIC_RESTART_COUNT", "-1"}}),
-             Catch::Contains("TORCHELASTIC_RESTART_COUNT=-1 is outside [0, "));
 }
 
 TEST_CASE("the store sets, gets, adds, checks and holds a barrier", "[launch][store]") {
@@ -745,7 +742,7 @@ TEST_CASE("under torchrun, rank 0 serves the store on a free port and announces 
   const auto env_of = [&](int r, int size) {
     return comm::launch_environment{.kind = comm::launcher::torchrun, .rank = r, .size = size, .local_rank = r,
                                     .local_size = size, .master_addr = "127.0.0.1", .master_port = agent.port(),
-                                    .agent_store = true, .attempt = 2};
+                                    .agent_store = true};
   };
   const auto [sums, errors] = sum_over_sockets(3, [&](int r) { return env_of(r, 3); });
   for (int r = 0; r < 3; ++r) {
@@ -755,19 +752,37 @@ TEST_CASE("under torchrun, rank 0 serves the store on a free port and announces 
   CHECK(agent.errors().empty());
   const auto data = agent.data();
   REQUIRE(data.size() == 1);
-  CHECK(data.begin()->first == "shardlib/2/store");
-  CHECK_THAT(data.begin()->second, Catch::StartsWith("127.0.0.1:") && !Catch::EndsWith(cat(":", agent.port())));
+  CHECK(data.begin()->first == "/shardlib/store");
+  const std::string first = data.begin()->second;
+  CHECK_THAT(first, Catch::StartsWith("127.0.0.1:") && !Catch::EndsWith(cat(":", agent.port())));
 
-  // A rank 0 that never announces: the others' wait ends at the timeout, naming the key.
-  auto lone = env_of(1, 2);
-  lone.attempt = 5;
-  CHECK_THROWS_WITH(comm::store_from_environment(lone, 0.3s),
-                    cat("rank 1: torchrun's store at 127.0.0.1:", agent.port(), " has no 'shardlib/5/store' after 0.3 s"));
+  // A restarted group finds the last group's announcement, its store gone with it (each
+  // agent counts only its own restarts, so no count names the group): the others wait
+  // for rank 0's new one, whichever comes first.
+  for (const bool rank0_last : {false, true}) {
+    INFO("rank 0 " << (rank0_last ? "last" : "first"));
+    REQUIRE(agent.data().at("/shardlib/store") != "");
+    const auto again = sum_over_sockets(3, [&](int r) {
+      if (r == 0 && rank0_last) std::this_thread::sleep_for(300ms);
+      return env_of(r, 3);
+    });
+    for (int r = 0; r < 3; ++r) {
+      CHECK(again.second[r].empty());
+      CHECK(again.first[r] == 6.0);
+    }
+  }
+  CHECK(agent.data().at("/shardlib/store") != first);
+
+  // Only a stale announcement, and no rank 0: the wait ends at the timeout, naming it.
+  const std::string stale = agent.data().at("/shardlib/store");
+  CHECK_THROWS_WITH(comm::store_from_environment(env_of(1, 2), 0.5s),
+                    cat("rank 1: torchrun's store at 127.0.0.1:", agent.port(), " holds ", stale,
+                        " under /shardlib/store, where nothing accepts connections (an earlier group's rank 0?), "
+                        "and rank 0 announced no other within 0.5 s"));
   // An announcement that is no address.
-  agent.set("shardlib/6/store", "10.0.0.1");
-  lone.attempt = 6;
-  CHECK_THROWS_WITH(comm::store_from_environment(lone, 5s),
-                    Catch::Contains("holds '10.0.0.1' under shardlib/6/store, where rank 0 announces its store as "
+  agent.set("/shardlib/store", "10.0.0.1");
+  CHECK_THROWS_WITH(comm::store_from_environment(env_of(1, 2), 5s),
+                    Catch::Contains("holds '10.0.0.1' under /shardlib/store, where rank 0 announces its store as "
                                     "host:port"));
   CHECK(agent.errors().empty());
 }

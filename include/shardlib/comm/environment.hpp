@@ -40,10 +40,8 @@ struct launch_environment {
   std::optional<std::uint16_t> master_port = std::nullopt;
   // torchrun's agent serves a PyTorch TCPStore at MASTER_ADDR:MASTER_PORT for its
   // workers (TORCHELASTIC_USE_AGENT_STORE=True): the library's store listens elsewhere
-  // and is announced there (store_from_environment, comm/rendezvous.hpp). `attempt`
-  // (TORCHELASTIC_RESTART_COUNT) tells a restarted group's announcement from the last one's.
+  // and is announced there (store_from_environment, comm/rendezvous.hpp).
   bool agent_store = false;
-  int attempt = 0;
   bool is_mpi() const { return kind == launcher::openmpi || kind == launcher::pmi; }
 };
 
@@ -140,7 +138,6 @@ inline launch_environment discover_environment(const env_lookup& get = process_v
                    "launch environment: TORCHELASTIC_USE_AGENT_STORE=True, but MASTER_ADDR and MASTER_PORT, where "
                    "torchrun's store is, are not both set");
   }
-  env.attempt = int(detail::env_number_if_set(get, "TORCHELASTIC_RESTART_COUNT", 0, most, "torchrun").value_or(0));
   return env;
 }
 

@@ -20,7 +20,8 @@ namespace shardlib::comm {
 // byte vector a uint64 length and the bytes, numbers in the host's byte order (both
 // ends are one machine's kind). A new connection's first request must be a validation,
 // with a 32-bit magic number; it has no reply. set has no reply either; wait replies one
-// byte once every key exists; get replies a byte vector (empty for a missing key).
+// byte once every key exists; get replies a byte vector (empty for a missing key). Keys
+// go as given: PyTorch's Python client puts a '/' before each.
 class torch_store {
  public:
   // Connects (retrying until `timeout`, like the agent's own workers) and validates.
@@ -43,19 +44,13 @@ class torch_store {
   // Waits until the key exists, at most the timeout, then reads it. A wait that times
   // out leaves the server waiting for this connection: it is closed.
   std::string get(std::string_view key) {
-    std::string request(1, char(query::wait));
-    append(request, std::uint64_t(1));
-    append_string(request, key);
-    send(request, cat("waiting for '", key, "'"));
-    std::uint8_t stop = 0xff;
-    const auto waited = detail::recv_all(conn_.get(), &stop, 1, detail::deadline_after(timeout_));
-    if (waited == detail::io_status::timed_out) {
-      conn_.reset();
-      throw comm_error(cat(who_, ": torchrun's store at ", address(), " has no '", key, "' after ", timeout_.count(),
-                           " s"));
-    }
-    check_read(waited, stop == 0, cat("waiting for '", key, "'"));
-    request.assign(1, char(query::get));
+    wait(key);
+    return read(key);
+  }
+
+  // The key's value now (empty where it does not exist).
+  std::string read(std::string_view key) {
+    std::string request(1, char(query::get));
     append_string(request, key);
     send(request, cat("reading '", key, "'"));
     std::uint64_t size = 0;
@@ -73,6 +68,21 @@ class torch_store {
   std::string store_host_address() const { return detail::address_of(conn_, ::getpeername); }
 
  private:
+  void wait(std::string_view key) {
+    std::string request(1, char(query::wait));
+    append(request, std::uint64_t(1));
+    append_string(request, key);
+    send(request, cat("waiting for '", key, "'"));
+    std::uint8_t stop = 0xff;
+    const auto waited = detail::recv_all(conn_.get(), &stop, 1, detail::deadline_after(timeout_));
+    if (waited == detail::io_status::timed_out) {
+      conn_.reset();
+      throw comm_error(cat(who_, ": torchrun's store at ", address(), " has no '", key, "' after ", timeout_.count(),
+                           " s"));
+    }
+    check_read(waited, stop == 0, cat("waiting for '", key, "'"));
+  }
+
   enum class query : std::uint8_t { validate = 0, set = 1, get = 3, wait = 6 };
   static constexpr std::uint32_t validation_magic = 0x3C85F7CE;
   static constexpr std::uint64_t longest_value = std::uint64_t(1) << 26;  // the library's values are addresses
