@@ -57,7 +57,8 @@ shardlib::models::GPT2LMHeadModel<T, Space> make_byte_model(const byte_model_sha
                                                       .n_head = s.heads,
                                                       .resid_pdrop = s.dropout,
                                                       .embd_pdrop = s.dropout,
-                                                      .attn_pdrop = s.dropout});
+                                                      .attn_pdrop = s.dropout,
+                                                      .tokens = {}});  // bytes: no special tokens
 }
 // LLaMA's MLP width: 8/3 of d_model, rounded down to a multiple of 64, plus 64.
 template <class T, class Space>
@@ -69,7 +70,8 @@ shardlib::models::LlamaForCausalLM<T, Space> make_byte_model(const byte_model_sh
                                                        .num_hidden_layers = s.layers,
                                                        .num_attention_heads = s.heads,
                                                        .num_key_value_heads = s.kv_heads,
-                                                       .max_position_embeddings = s.seq});
+                                                       .max_position_embeddings = s.seq,
+                                                       .tokens = {}});  // bytes: no special tokens
 }
 
 }  // namespace example

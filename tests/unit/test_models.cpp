@@ -186,6 +186,41 @@ TEST_CASE("GPT-2 and LLaMA carry Hugging Face's parameter names", "[models]") {
 
 // config.json's fields that change the numbers are read (LLaMA's head_dim and
 // attention_dropout) or refused (GPT-2's other attention scalings), never dropped.
+// The special tokens config.json names for transformers' generate: kept, so that a model
+// saved again stops where it did (Llama 3.1's instruct models end at any of three ids).
+// Absent, the config class's default (GPT2Config 50256, LlamaConfig 1 and 2); null, none.
+TEST_CASE("config.json's token ids are read and written back", "[models][hf]") {
+  const fs::path file = fs::temp_directory_path() / cat("shardlib_test_tokens_", ::getpid(), ".json");
+  const auto read = [&]<class Config>(const std::string& json, Config) {
+    std::FILE* f = std::fopen(file.c_str(), "w");
+    REQUIRE(f);
+    std::fputs(json.c_str(), f);
+    std::fclose(f);
+    return models::read_hf_config<Config>(file);
+  };
+  const auto l3 = read(R"({"bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "pad_token_id": null})",
+                       models::llama_config{});
+  CHECK(l3.tokens.bos == 128000);
+  CHECK(l3.tokens.eos == std::vector<std::int64_t>{128001, 128008, 128009});
+  CHECK_FALSE(l3.tokens.pad);
+  const auto j = models::hf_config_json(l3);
+  CHECK(j["bos_token_id"] == 128000);
+  CHECK(j["eos_token_id"] == nlohmann::json::array({128001, 128008, 128009}));
+  CHECK(j["pad_token_id"].is_null());
+  const auto none = read(R"({"bos_token_id": null, "eos_token_id": null, "pad_token_id": 7})", models::gpt2_config{});
+  CHECK((!none.tokens.bos && none.tokens.eos.empty() && none.tokens.pad == 7));
+  CHECK(models::hf_config_json(none)["eos_token_id"].is_null());
+  const auto defaults = read("{}", models::gpt2_config{});
+  CHECK((defaults.tokens.bos == 50256 && defaults.tokens.eos == std::vector<std::int64_t>{50256}));
+  CHECK(models::hf_config_json(defaults)["eos_token_id"] == 50256);
+  CHECK((models::llama_config{}.tokens.bos == 1 && models::llama_config{}.tokens.eos == std::vector<std::int64_t>{2}));
+  CHECK_THROWS_WITH(read(R"({"eos_token_id": [2, "3"]})", models::llama_config{}),
+                    Catch::Contains("llama_config: eos_token_id must be a token id (an integer) or null, got \"3\""));
+  CHECK_THROWS_WITH(read(R"({"bos_token_id": 1.5})", models::gpt2_config{}),
+                    Catch::Contains("gpt2_config: bos_token_id must be a token id (an integer) or null, got 1.5"));
+  fs::remove(file);
+}
+
 TEST_CASE("config.json fields that change the model are read or refused", "[models][hf]") {
   const fs::path file = fs::temp_directory_path() / cat("shardlib_test_config_", ::getpid(), ".json");
   const auto read = [&]<class Config>(const std::string& json, Config) {

@@ -7,6 +7,7 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/models/causal_lm.hpp"
+#include "shardlib/models/token_ids.hpp"
 #include "shardlib/nn/dropout.hpp"
 #include "shardlib/nn/embedding.hpp"
 #include "shardlib/nn/feed_forward.hpp"
@@ -35,6 +36,7 @@ struct gpt2_config {
   double layer_norm_epsilon = 1e-5;
   double initializer_range = 0.02;
   bool tie_word_embeddings = true;  // lm_head.weight is transformer.wte.weight
+  token_ids tokens{.bos = 50256, .eos = {50256}};  // GPT2Config's: <|endoftext|>
 };
 
 // h.{i}: x + attn(ln_1(x)), then + mlp(ln_2(.)) (pre-norm; each branch's residual

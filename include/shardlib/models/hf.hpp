@@ -17,6 +17,7 @@
 #include "shardlib/io/state_dict.hpp"
 #include "shardlib/models/gpt2.hpp"
 #include "shardlib/models/llama.hpp"
+#include "shardlib/models/token_ids.hpp"
 #include "shardlib/nn/lora.hpp"  // peft_base_names, lora_modules
 
 #include <nlohmann/json.hpp>  // nlohmann::json, nlohmann::ordered_json
@@ -26,13 +27,45 @@
 #include <filesystem>   // std::filesystem::path
 #include <fstream>      // std::ifstream
 #include <functional>   // std::less
+#include <optional>     // std::optional
 #include <set>          // std::set
 #include <string>       // std::string
 #include <string_view>  // std::string_view
 #include <type_traits>  // std::is_same_v
-#include <utility>      // std::move
+#include <utility>      // std::move, std::pair
 
 namespace shardlib::models {
+
+namespace detail {
+// bos_token_id, eos_token_id (an id or a list of them) and pad_token_id: an id, or null
+// for none; absent, the struct's default (the config class's) stays.
+inline void read_token_ids(const nlohmann::json& j, token_ids& t, std::string_view who) {
+  const auto id = [&](const char* key, const nlohmann::json& v) {
+    require(v.is_number_integer(), who, ": ", key, " must be a token id (an integer) or null, got ", v.dump());
+    return v.get<std::int64_t>();
+  };
+  for (const auto& [key, field] : {std::pair{"bos_token_id", &t.bos}, std::pair{"pad_token_id", &t.pad}})
+    if (j.contains(key)) *field = j[key].is_null() ? std::nullopt : std::optional(id(key, j[key]));
+  if (!j.contains("eos_token_id")) return;
+  const auto& e = j["eos_token_id"];
+  t.eos.clear();
+  if (e.is_array()) {
+    for (const auto& v : e) t.eos.push_back(id("eos_token_id", v));
+  } else if (!e.is_null()) {
+    t.eos.push_back(id("eos_token_id", e));
+  }
+}
+inline void write_token_ids(nlohmann::ordered_json& j, const token_ids& t) {
+  const auto id = [](const std::optional<std::int64_t>& v) {
+    return v ? nlohmann::ordered_json(*v) : nlohmann::ordered_json();
+  };
+  j["bos_token_id"] = id(t.bos);
+  j["eos_token_id"] = t.eos.empty()      ? nlohmann::ordered_json()
+                      : t.eos.size() == 1 ? nlohmann::ordered_json(t.eos[0])
+                                          : nlohmann::ordered_json(t.eos);
+  j["pad_token_id"] = id(t.pad);
+}
+}  // namespace detail
 
 // config.json's fields for each model (transformers' names); absent fields keep
 // the struct's defaults, as PretrainedConfig does.
@@ -52,6 +85,7 @@ inline void from_json(const nlohmann::json& j, gpt2_config& c) {
   get("layer_norm_epsilon", c.layer_norm_epsilon);
   get("initializer_range", c.initializer_range);
   get("tie_word_embeddings", c.tie_word_embeddings);
+  detail::read_token_ids(j, c.tokens, "gpt2_config");
   // transformers' switches that change the attention's scores: only their defaults
   // (scores q.k / sqrt(head_dim)) are GPT-2's here.
   require(!j.contains("scale_attn_weights") || j["scale_attn_weights"] != false,
@@ -133,6 +167,7 @@ inline void from_json(const nlohmann::json& j, llama_config& c) {
   get("mlp_bias", c.mlp_bias);
   get("attention_dropout", c.attention_dropout);
   get("tie_word_embeddings", c.tie_word_embeddings);
+  detail::read_token_ids(j, c.tokens, "llama_config");
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) c.rope_scaling = rope_scaling_from(j["rope_scaling"]);
   // transformers 5.x keeps rope_theta and the scaling together in rope_parameters; where
   // the older keys are there too they must say the same.
@@ -166,7 +201,7 @@ inline void from_json(const nlohmann::json& j, llama_config& c) {
 
 // What transformers needs to rebuild the model with from_pretrained.
 inline nlohmann::ordered_json hf_config_json(const gpt2_config& c) {
-  return {{"architectures", {"GPT2LMHeadModel"}},
+  nlohmann::ordered_json j = {{"architectures", {"GPT2LMHeadModel"}},
           {"model_type", "gpt2"},
           {"activation_function", "gelu_new"},
           {"vocab_size", c.vocab_size},
@@ -182,9 +217,11 @@ inline nlohmann::ordered_json hf_config_json(const gpt2_config& c) {
           {"initializer_range", c.initializer_range},
           {"tie_word_embeddings", c.tie_word_embeddings},
           {"torch_dtype", "float32"}};
+  detail::write_token_ids(j, c.tokens);
+  return j;
 }
 inline nlohmann::ordered_json hf_config_json(const llama_config& c) {
-  return {{"architectures", {"LlamaForCausalLM"}},
+  nlohmann::ordered_json j = {{"architectures", {"LlamaForCausalLM"}},
           {"model_type", "llama"},
           {"hidden_act", "silu"},
           {"vocab_size", c.vocab_size},
@@ -204,6 +241,8 @@ inline nlohmann::ordered_json hf_config_json(const llama_config& c) {
           {"head_dim", c.head_dim > 0 ? c.head_dim : c.hidden_size / c.num_attention_heads},
           {"tie_word_embeddings", c.tie_word_embeddings},
           {"torch_dtype", "float32"}};
+  detail::write_token_ids(j, c.tokens);
+  return j;
 }
 
 namespace detail {

@@ -6,6 +6,7 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/models/causal_lm.hpp"
+#include "shardlib/models/token_ids.hpp"
 #include "shardlib/nn/embedding.hpp"
 #include "shardlib/nn/feed_forward.hpp"
 #include "shardlib/nn/frozen_prefix.hpp"
@@ -37,6 +38,7 @@ struct llama_config {
   bool attention_bias = false, mlp_bias = false;
   double attention_dropout = 0;  // on the attention weights, in training
   bool tie_word_embeddings = false;
+  token_ids tokens{.bos = 1, .eos = {2}};  // LlamaConfig's (Llama 2's tokenizer)
 };
 
 // layers.{i}: x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(.)).

@@ -1,0 +1,22 @@
+// shardlib/models/token_ids.hpp — token_ids: the special tokens a Hugging Face
+// config.json names for generation, kept with a model's config so that a checkpoint
+// saved again names the same ones.
+#pragma once
+#include "shardlib/config.hpp"
+
+#include <cstdint>   // std::int64_t
+#include <optional>  // std::optional
+#include <vector>    // std::vector
+
+namespace shardlib::models {
+
+// transformers' bos_token_id, eos_token_id (one id or several: Llama 3.1's instruct
+// models end at any of three) and pad_token_id. The models compute nothing with them;
+// models::generate takes its own eos_token_id.
+struct token_ids {
+  std::optional<std::int64_t> bos = std::nullopt;
+  std::vector<std::int64_t> eos{};  // empty: none
+  std::optional<std::int64_t> pad = std::nullopt;
+};
+
+}  // namespace shardlib::models
