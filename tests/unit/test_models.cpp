@@ -47,6 +47,16 @@ const fs::path hf_dir = fs::path(SHARDLIB_GOLDEN_DIR) / "hf";
 template <class M>
 constexpr const char* golden_name = std::is_same_v<typename M::config_type, models::gpt2_config> ? "gpt2" : "llama";
 
+// `json` written to `file`, then read by read_hf_config as a Config.
+template <class Config>
+Config config_from(const fs::path& file, const std::string& json) {
+  std::FILE* f = std::fopen(file.c_str(), "w");
+  REQUIRE(f);
+  std::fputs(json.c_str(), f);
+  std::fclose(f);
+  return models::read_hf_config<Config>(file);
+}
+
 // The model make_hf_goldens.py built, from the config.json transformers wrote.
 template <class M>
 M golden_model() {
@@ -184,20 +194,12 @@ TEST_CASE("GPT-2 and LLaMA carry Hugging Face's parameter names", "[models]") {
   CHECK(std::set<std::string>(l.begin(), l.end()).size() == l.size());
 }
 
-// config.json's fields that change the numbers are read (LLaMA's head_dim and
-// attention_dropout) or refused (GPT-2's other attention scalings), never dropped.
 // The special tokens config.json names for transformers' generate: kept, so that a model
 // saved again stops where it did (Llama 3.1's instruct models end at any of three ids).
 // Absent, the config class's default (GPT2Config 50256, LlamaConfig 1 and 2); null, none.
 TEST_CASE("config.json's token ids are read and written back", "[models][hf]") {
   const fs::path file = fs::temp_directory_path() / cat("shardlib_test_tokens_", ::getpid(), ".json");
-  const auto read = [&]<class Config>(const std::string& json, Config) {
-    std::FILE* f = std::fopen(file.c_str(), "w");
-    REQUIRE(f);
-    std::fputs(json.c_str(), f);
-    std::fclose(f);
-    return models::read_hf_config<Config>(file);
-  };
+  const auto read = [&]<class Config>(const std::string& json, Config) { return config_from<Config>(file, json); };
   const auto l3 = read(R"({"bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "pad_token_id": null})",
                        models::llama_config{});
   CHECK(l3.tokens.bos == 128000);
@@ -221,15 +223,11 @@ TEST_CASE("config.json's token ids are read and written back", "[models][hf]") {
   fs::remove(file);
 }
 
+// config.json's fields that change the numbers are read (LLaMA's head_dim and
+// attention_dropout) or refused (GPT-2's other attention scalings), never dropped.
 TEST_CASE("config.json fields that change the model are read or refused", "[models][hf]") {
   const fs::path file = fs::temp_directory_path() / cat("shardlib_test_config_", ::getpid(), ".json");
-  const auto read = [&]<class Config>(const std::string& json, Config) {
-    std::FILE* f = std::fopen(file.c_str(), "w");
-    REQUIRE(f);
-    std::fputs(json.c_str(), f);
-    std::fclose(f);
-    return models::read_hf_config<Config>(file);
-  };
+  const auto read = [&]<class Config>(const std::string& json, Config) { return config_from<Config>(file, json); };
   const auto llama = read(R"({"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
                               "head_dim": 16, "attention_dropout": 0.25, "vocab_size": 50,
                               "intermediate_size": 64, "num_hidden_layers": 1})",
