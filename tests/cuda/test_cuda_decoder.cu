@@ -100,7 +100,8 @@ double worst_relative(const std::vector<float>& got, const std::vector<float>& w
 // init) and on the device (the host's values uploaded into one flat device
 // buffer bound as the host's is), with the host loss's gradient as dy on both.
 // padded: the second sequence's first 3 positions are left padding (a key
-// padding mask on both contexts; their queries see no key and attend to nothing).
+// padding mask on both contexts; their queries see no key and attend to nothing),
+// and position ids on both (see below).
 template <class Config>
 void check_logits_and_gradients(const Config& config, bool padded = false) {
   using host_model = typename family<Config>::template model<float, sl::host_space>;
@@ -110,11 +111,23 @@ void check_logits_and_gradients(const Config& config, bool padded = false) {
   const auto targets = models::causal_lm_targets(ids);
   sl::Tensor<std::uint8_t> padding({3, seq});
   for (std::int64_t i = 0; i < padding.numel(); ++i) padding[i] = i >= seq && i < seq + 3 ? 1 : 0;
+  // Row 1 counts from its first token, as left padding does; row 2 starts again halfway
+  // (two sequences packed in one row: a position pattern RoPE cannot take for a shift).
+  sl::Tensor<std::int64_t> positions({3, seq});
+  for (std::int64_t i = 0; i < positions.numel(); ++i) {
+    const std::int64_t n = i / seq, j = i % seq;
+    positions[i] = n == 1 ? std::max<std::int64_t>(j - 3, 0) : n == 2 && j >= seq / 2 ? j - seq / 2 : j;
+  }
+  const auto pad = [&](sl::nn::context& c) {
+    if (!padded) return;
+    c.set_key_padding_mask(padding);
+    c.set_position_ids(positions);
+  };
 
   host_model hm(config);
   sl::nn::Replicated<float, host_model> host(hm, seed);
   sl::nn::context hctx;
-  if (padded) hctx.set_key_padding_mask(padding);
+  pad(hctx);
   const auto want_logits = hctx.forward(hm, ids);
   const auto loss = sl::nn::cross_entropy(want_logits, targets);
   hctx.backward(hm, loss.grad);
@@ -130,7 +143,7 @@ void check_logits_and_gradients(const Config& config, bool padded = false) {
   sl::cuda::fill_bytes_async(grads.span(), 0, stream.get());
   sl::nn::bind<float>(dm, layout, values.data(), grads.data());
   sl::nn::context dctx;
-  if (padded) dctx.set_key_padding_mask(padding);
+  pad(dctx);
   const auto logits = dctx.forward(dm, sl::cuda::to_device(ids));
   const float device_loss = sl::nn::cross_entropy(logits, sl::cuda::to_device(targets)).loss;
   dctx.backward(dm, sl::cuda::to_device(loss.grad));
@@ -138,7 +151,7 @@ void check_logits_and_gradients(const Config& config, bool padded = false) {
   // the same logits: the same kernels on the same values give the same bits (a NaN never
   // compares equal).
   device_test::no_grad_context eval({.training = false});
-  if (padded) eval.set_key_padding_mask(padding);
+  pad(eval);
   CHECK(host_copy(eval.forward(dm, sl::cuda::to_device(ids))) == host_copy(logits));
 
   // cuBLAS and the fused attention sum in other orders than oneDNN and nn::sdpa
@@ -434,8 +447,9 @@ TEST_CASE("GPT-2 and LLaMA in bf16 compute over fp32 masters train as in fp32 wi
 // The KV cache on the device: a prompt of 5, then one token at a time, against the
 // host model's cached forwards (every position's logits) and against the device's
 // own full forward over the sequence so far (the last position's), with and without
-// left padding (a key padding mask over every cached key). Then models::generate on
-// the device model, with and without the cache. fp32; the tolerance as above.
+// left padding (a key padding mask over every cached key, and position ids that
+// start each row at 0). Then models::generate on the device model, with and without
+// the cache, and with the padding as an attention mask. fp32; the tolerance as above.
 template <class Config>
 void check_cached_steps(const Config& config, bool padded) {
   using host_model = typename family<Config>::template model<float, sl::host_space>;
@@ -454,14 +468,23 @@ void check_cached_steps(const Config& config, bool padded) {
     for (std::int64_t j = 0; j < keys; ++j) m[j] = 0, m[keys + j] = j < 2 ? 1 : 0;
     return m;
   };
+  const auto positions = [&](std::int64_t first, std::int64_t len) {  // row 1's tokens count from its third
+    sl::Tensor<std::int64_t> p({2, len});
+    for (std::int64_t j = 0; j < len; ++j) p[j] = first + j, p[len + j] = std::max<std::int64_t>(first + j - 2, 0);
+    return p;
+  };
   hm.enable_kv_cache(seq);
   cached.model.enable_kv_cache(seq);
   sl::nn::context hctx({.training = false}), dctx({.training = false}), fctx({.training = false});
   for (std::int64_t done = 0; done < prompt_len + singles;) {
     const std::int64_t len = done == 0 ? prompt_len : 1;
     INFO("positions " << done << ".." << done + len - 1);
-    if (padded)
+    if (padded) {
       for (auto* c : {&hctx, &dctx, &fctx}) c->set_key_padding_mask(padding(done + len));
+      hctx.set_position_ids(positions(done, len));
+      dctx.set_position_ids(positions(done, len));
+      fctx.set_position_ids(positions(0, done + len));
+    }
     const auto want = hctx.forward(hm, columns(ids, done, len));
     const auto got = dctx.forward(cached.model, sl::cuda::to_device(columns(ids, done, len)));
     REQUIRE(got.shape() == want.shape());
@@ -472,13 +495,26 @@ void check_cached_steps(const Config& config, bool padded) {
   }
   hm.disable_kv_cache();
   cached.model.disable_kv_cache();
-  if (padded) return;
   const auto prompt = columns(ids, 0, prompt_len);
+  sl::Tensor<std::int64_t> mask({2, prompt_len});
+  for (std::int64_t i = 0; i < mask.numel(); ++i) mask[i] = padding(prompt_len)[i] ? 0 : 1;
   for (const bool use_cache : {true, false}) {
     INFO("generate, " << (use_cache ? "with" : "without") << " the cache");
-    const auto got = models::generate(cached.model, prompt, {.max_new_tokens = 7, .use_cache = use_cache});
+    const auto got = models::generate(cached.model, prompt,
+                                      {.max_new_tokens = 7, .use_cache = use_cache,
+                                       .attention_mask = padded ? mask : sl::Tensor<std::int64_t>{}});
     REQUIRE(got.shape() == sl::Shape{2, prompt_len + 7});
-    check_tokens_are_hosts_choice(hm, got, prompt_len, 1e-4);
+    if (!padded) {
+      check_tokens_are_hosts_choice(hm, got, prompt_len, 1e-4);
+      continue;
+    }
+    // Each row's tokens without its padding are those the host picks for the row alone.
+    for (std::int64_t n = 0; n < 2; ++n) {
+      const std::int64_t pad = n == 1 ? 2 : 0;
+      sl::Tensor<std::int64_t> row({1, prompt_len + 7 - pad});
+      for (std::int64_t t = pad; t < prompt_len + 7; ++t) row[t - pad] = got[n * (prompt_len + 7) + t];
+      check_tokens_are_hosts_choice(hm, row, prompt_len - pad, 1e-4);
+    }
   }
 }
 

@@ -846,7 +846,8 @@ TEST_CASE("a rank thread that ends with device Embedding checks unread releases 
   CHECK(unread == std::vector<std::size_t>{3, 3});
 }
 
-TEMPLATE_TEST_CASE("device PositionEmbedding equals the host layer at offsets 0 and 3", "[cuda][layers][decoder]",
+TEMPLATE_TEST_CASE("device PositionEmbedding equals the host layer at offsets 0 and 3 and at position ids",
+                   "[cuda][layers][decoder]",
                    float, sl::bfloat16) {
   if (!have_device()) return;
   using T = TestType;
@@ -860,6 +861,20 @@ TEMPLATE_TEST_CASE("device PositionEmbedding equals the host layer at offsets 0 
     host.set_offset(offset);
     dev.set_offset(offset);
     compare_layers<T>(host, dev, Shape{3, 7, 24}, rnd, training(1), training(1));
+  }
+  {  // Position ids, repeated and out of order: each token's own row, rows added up in backward.
+    nn::PositionEmbedding<float> host(16, 24);
+    nn::PositionEmbedding<T, cuda_space> dev(16, 24);
+    Tensor<std::int64_t> ids(Shape{3, 7});
+    for (std::int64_t i = 0; i < ids.numel(); ++i) ids[i] = rnd.integer(0, 15);
+    nn::context hctx = training(1), dctx = training(1);
+    hctx.set_position_ids(ids);
+    dctx.set_position_ids(ids);
+    compare_layers<T>(host, dev, Shape{3, 7, 24}, rnd, hctx, dctx);
+    ids[5] = 16;
+    dctx.set_position_ids(ids);
+    CHECK_THROWS_WITH(dev.forward(dctx, Tensor<T, cuda_space>(Shape{3, 7, 24})),
+                      "PositionEmbedding(16, 24): position id 16 (row 0, token 5) is outside [0, 16)");
   }
   nn::PositionEmbedding<T, cuda_space> dev(16, 24);
   dev.set_offset(3);

@@ -138,5 +138,17 @@ TEST_CASE("rotary_pair over every index equals nn::rotary_table::apply bit for b
                 want_out.data()[((n * H + h) * L + l) * D + j] = q.at(n, h)[l * q.row_stride + j];
         require_equal(out.span(), want_out.span());
         require_equal(wide_out.span(), want_out.span());
+
+        // Position ids [B, L]: each token at its own table row, as rotary_table::apply_at.
+        Tensor<std::int64_t> ids({B, L});
+        for (std::int64_t i = 0; i < B * L; ++i) ids[i] = (7 * i + offset) % (offset + L + 4);
+        Tensor<float> at_ids = host_tensor({B, H, L, D}, rnd.normal(std::size_t(B * H * L * D)));
+        Tensor<float> want_at = host_tensor(at_ids.shape(), test_support::values(at_ids));
+        from_zero.apply_at(sl::nn::head_view<float>::bhsd(want_at), ids, inverse);
+        const auto ids_view = sl::nn::head_view<float>::bhsd(at_ids);
+        const oc::rotary_pair<float> by_id(ids_view, ids_view, from_zero.cosines().data(), from_zero.sines().data(), 0,
+                                           inverse, ids.data());
+        for (std::int64_t i = 0; i < oc::rotary_pairs(ids_view); ++i) by_id(i);
+        require_equal(at_ids.span(), want_at.span());
       }
 }

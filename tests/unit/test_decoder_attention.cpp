@@ -370,6 +370,37 @@ TEST_CASE("rotary embeddings: Hugging Face's rotate_half layout, offsets, and th
       CHECK(back <= 1e-14);
     }
   CHECK_THROWS_WITH(rotary_table<float>({.head_dim = 7}, 0, 4), Catch::Contains("head_dim must be even and positive, got 7"));
+
+  // Position ids: token (n, l) turns by the angles of its own position (the reference
+  // rotates each token alone at it), and the inverse undoes it.
+  Tensor<std::int64_t> ids({B, L});
+  const std::int64_t positions[] = {0, 1, 2, 3, 4, 9, 0, 0, 5, 2};
+  std::copy(std::begin(positions), std::end(positions), ids.data());
+  const auto x = gradcheck::random_tensor({B, H, L, D}, 12);
+  Tensor<double> y({B, H, L, D});
+  std::copy(x.data(), x.data() + x.numel(), y.data());
+  const rotary_table<double> table({.head_dim = D}, 0, 10);
+  table.apply_at(head_view<double>::bhsd(y), ids);
+  vec want = values_of(x);
+  const vec freq = reference_frequencies(D, 10000);
+  for (std::int64_t n = 0; n < B; ++n)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t l = 0; l < L; ++l) {
+        vec token(want.begin() + ((n * H + h) * L + l) * D, want.begin() + ((n * H + h) * L + l + 1) * D);
+        reference_rope(token, 1, 1, D, ids[n * L + l], freq);
+        std::copy(token.begin(), token.end(), want.begin() + ((n * H + h) * L + l) * D);
+      }
+  test_support::max_error at;
+  at.absolute(y.span(), want);
+  CHECK(at <= 1e-14);
+  table.apply_at(head_view<double>::bhsd(y), ids, true);
+  test_support::max_error undone;
+  undone.absolute(y.span(), x.span());
+  CHECK(undone <= 1e-14);
+  CHECK_THROWS_WITH(rotary_table<double>({.head_dim = D}, 0, 9).apply_at(head_view<double>::bhsd(y), ids),
+                    Catch::Contains("position id 9 is outside the table's 9 positions"));
+  CHECK_THROWS_WITH(table.apply_at(head_view<double>::bhsd(y), Tensor<std::int64_t>::zeros({B, L - 1})),
+                    Catch::Contains("need position ids [2, 5]"));
 }
 
 TEST_CASE("rotary embeddings with rope_scaling: linear and llama3 as Hugging Face computes them", "[nn][decoder][rope]") {

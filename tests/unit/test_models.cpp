@@ -434,6 +434,176 @@ TEMPLATE_TEST_CASE("generation with the KV cache equals generation by full forwa
   CHECK(training.forward(model, prompt).shape() == Shape{2, 5, 96});
 }
 
+// A batch of prompts of lengths 3, 6 and 1, left-padded to 6 with pad_id, and its
+// attention mask (1 = token), from the rows of `ids` [3, 6].
+std::pair<Tensor<std::int64_t>, Tensor<std::int64_t>> left_padded(const Tensor<std::int64_t>& ids,
+                                                                   std::int64_t pad_id) {
+  const std::int64_t P = ids.dim(1), lengths[] = {3, 6, 1};
+  Tensor<std::int64_t> prompt(ids.shape()), mask(ids.shape());
+  for (std::int64_t n = 0; n < ids.dim(0); ++n)
+    for (std::int64_t j = 0; j < P; ++j) {
+      mask[n * P + j] = j >= P - lengths[n];
+      prompt[n * P + j] = mask[n * P + j] ? ids[n * P + j] : pad_id;
+    }
+  return {prompt, mask};
+}
+
+// Row n's tokens of a left-padded batch alone, [1, length].
+Tensor<std::int64_t> tokens_of_row(const Tensor<std::int64_t>& prompt, const Tensor<std::int64_t>& mask,
+                                   std::int64_t n) {
+  const std::int64_t P = prompt.dim(1);
+  std::vector<std::int64_t> row;
+  for (std::int64_t j = 0; j < P; ++j)
+    if (mask[n * P + j]) row.push_back(prompt[n * P + j]);
+  Tensor<std::int64_t> t({1, std::int64_t(row.size())});
+  std::copy(row.begin(), row.end(), t.data());
+  return t;
+}
+
+// With the context's position ids and key padding mask, each row of a left-padded batch
+// gets its own logits and gradients: those of the row alone (sums in another order: 1e-12
+// of the largest in float64). The padding's token does not matter.
+TEMPLATE_TEST_CASE("position ids and key padding make a left-padded row its own", "[models][generate]",
+                   models::GPT2LMHeadModel<double>, models::LlamaForCausalLM<double>) {
+  using Model = TestType;
+  Model model = golden_model<Model>();
+  nn::Replicated<double, Model> owner(model, 5);
+  const std::int64_t B = 3, P = 6, V = 96;
+  const auto [prompt, mask] = left_padded(tokens(B, P, V, 11), 7);
+  Tensor<std::int64_t> positions({B, P});
+  Tensor<std::uint8_t> padding({B, P});
+  for (std::int64_t n = 0; n < B; ++n) {
+    std::int64_t before = 0;
+    for (std::int64_t j = 0; j < P; ++j) {
+      positions[n * P + j] = mask[n * P + j] ? before : 0;
+      padding[n * P + j] = std::uint8_t(!mask[n * P + j]);
+      before += mask[n * P + j];
+    }
+  }
+  // A random gradient of the logits, zero at padding (the loss ignores it).
+  const auto dlogits = [&](std::int64_t rows, std::int64_t seq, std::uint64_t seed) {
+    Tensor<double> d({rows, seq, V});
+    const counter_rng rng(seed, 2);
+    for (std::int64_t i = 0; i < d.numel(); ++i) d[i] = rng.uniform_double(std::uint64_t(i)) - 0.5;
+    return d;
+  };
+  nn::context ctx;
+  ctx.set_position_ids(positions);
+  ctx.set_key_padding_mask(padding);
+  const Tensor<double> z = ctx.forward(model, prompt);
+  Tensor<double> dz = dlogits(B, P, 3);
+  for (std::int64_t i = 0; i < B * P; ++i)
+    if (!mask[i]) std::fill_n(dz.data() + i * V, V, 0.0);
+  ctx.backward(model, dz);
+  const std::vector<double> batch_grads(owner.grads().begin(), owner.grads().end());
+
+  owner.zero_grad();
+  std::vector<double> want_z, got_z;
+  for (std::int64_t n = 0; n < B; ++n) {
+    const auto row = tokens_of_row(prompt, mask, n);
+    const std::int64_t L = row.dim(1), pad = P - L;
+    nn::context alone;
+    const Tensor<double> zn = alone.forward(model, row);
+    Tensor<double> dzn({1, L, V});
+    std::copy_n(dz.data() + (n * P + pad) * V, L * V, dzn.data());
+    alone.backward(model, dzn);
+    want_z.insert(want_z.end(), zn.data(), zn.data() + L * V);
+    got_z.insert(got_z.end(), z.data() + (n * P + pad) * V, z.data() + (n * P + P) * V);
+  }
+  const auto logits = test_support::normwise_error(got_z, want_z);
+  const auto grads = test_support::normwise_error(batch_grads, owner.grads());
+  INFO("logits differ by " << logits << ", gradients by " << grads);
+  CHECK(logits.value() <= 1e-12);
+  CHECK(grads.value() <= 1e-12);
+
+  // Without the position ids GPT-2's padded rows' logits are not their own. (RoPE depends on
+  // positions only through their differences, so LLaMA's shifted rows differ by rounding.)
+  nn::context eval({.training = false});
+  if constexpr (std::is_same_v<Model, models::GPT2LMHeadModel<double>>) {
+    eval.set_key_padding_mask(padding);
+    const Tensor<double> shifted = eval.forward(model, prompt);
+    std::vector<double> shifted_z;
+    for (std::int64_t n = 0; n < B; ++n) {
+      const std::int64_t L = tokens_of_row(prompt, mask, n).dim(1);
+      shifted_z.insert(shifted_z.end(), shifted.data() + (n * P + P - L) * V, shifted.data() + (n * P + P) * V);
+    }
+    CHECK(test_support::normwise_error(shifted_z, want_z).value() > 1e-6);
+  }
+
+  // Position ids are checked against the batch and the table.
+  eval.set_key_padding_mask({});
+  eval.set_position_ids(Tensor<std::int64_t>::zeros({B, P - 1}));
+  CHECK_THROWS_WITH(eval.forward(model, prompt), Catch::Contains("position_ids must be [batch, sequence] = [3, 6]"));
+  Tensor<std::int64_t> far = Tensor<std::int64_t>::zeros({B, P});
+  far[4] = model.max_positions();
+  eval.set_position_ids(far);
+  CHECK_THROWS_WITH(eval.forward(model, prompt), Catch::Contains("position id 32 (row 0, token 4) is outside [0, 32)"));
+}
+
+// A left-padded batch (attention_mask) generates for each row the tokens it generates
+// alone, with the cache and without, whatever token pads it; top-k draws by the row's
+// position, so row 0 samples as it does alone. A mask of ones changes nothing.
+TEMPLATE_TEST_CASE("generation of a left-padded batch gives each row its own tokens", "[models][generate]",
+                   models::GPT2LMHeadModel<double>, models::LlamaForCausalLM<double>) {
+  using Model = TestType;
+  Model model = golden_model<Model>();
+  nn::Replicated<double, Model> owner(model, 5);
+  const std::int64_t B = 3, P = 6, N = 8, V = 96;
+  const auto ids = tokens(B, P, V, 12);
+  const auto [prompt, mask] = left_padded(ids, 0);
+  const auto all_ones = [](const Shape& shape) {
+    Tensor<std::int64_t> t(shape);
+    std::fill_n(t.data(), t.numel(), std::int64_t(1));
+    return t;
+  };
+  const auto continuation = [&](const Tensor<std::int64_t>& out, std::int64_t n) {
+    const std::int64_t total = out.dim(1);
+    return std::vector<std::int64_t>(out.data() + n * total + total - N, out.data() + n * total + total);
+  };
+  for (bool use_cache : {true, false}) {
+    INFO("use_cache " << use_cache);
+    const auto out = models::generate(model, prompt, {.max_new_tokens = N, .use_cache = use_cache, .attention_mask = mask});
+    REQUIRE(out.shape() == Shape{B, P + N});
+    const auto other_pad = models::generate(
+        model, left_padded(ids, 95).first, {.max_new_tokens = N, .use_cache = use_cache, .attention_mask = mask});
+    for (std::int64_t n = 0; n < B; ++n) {
+      INFO("row " << n);
+      const auto alone = models::generate(model, tokens_of_row(prompt, mask, n), {.max_new_tokens = N, .use_cache = use_cache});
+      CHECK(continuation(out, n) == continuation(alone, 0));
+      CHECK(continuation(other_pad, n) == continuation(out, n));
+    }
+    const auto sampled = models::generate(
+        model, prompt, {.max_new_tokens = N, .top_k = 8, .seed = 3, .use_cache = use_cache, .attention_mask = mask});
+    const auto sampled_alone =
+        models::generate(model, tokens_of_row(prompt, mask, 0), {.max_new_tokens = N, .top_k = 8, .seed = 3, .use_cache = use_cache});
+    CHECK(continuation(sampled, 0) == continuation(sampled_alone, 0));
+
+    const auto unmasked = models::generate(model, ids, {.max_new_tokens = N, .use_cache = use_cache});
+    const auto ones = models::generate(
+        model, ids, {.max_new_tokens = N, .use_cache = use_cache, .attention_mask = all_ones({B, P})});
+    CHECK(std::vector<std::int64_t>(ones.span().begin(), ones.span().end()) ==
+          std::vector<std::int64_t>(unmasked.span().begin(), unmasked.span().end()));
+  }
+
+  // A mask it cannot use is refused before the first forward.
+  Tensor<std::int64_t> right = all_ones({B, P});
+  right[P + P - 1] = 0;
+  CHECK_THROWS_WITH(models::generate(model, ids, {.max_new_tokens = N, .attention_mask = right}),
+                    Catch::Contains("row 1 of the prompt ends in padding") && Catch::Contains("pad on the left"));
+  CHECK_THROWS_WITH(models::generate(model, ids, {.max_new_tokens = N, .attention_mask = all_ones({B, P - 1})}),
+                    Catch::Contains("attention_mask must be shaped as the prompt, [3, 6], got [3, 5]"));
+  Tensor<std::int64_t> two = all_ones({B, P});
+  two[2] = 2;
+  CHECK_THROWS_WITH(models::generate(model, ids, {.max_new_tokens = N, .attention_mask = two}),
+                    Catch::Contains("attention_mask holds 2 at row 0, position 2"));
+  // A forward of the ids alone cannot set the padding.
+  nn::context ctx({.training = false});
+  const auto ids_only = [&](const Tensor<std::int64_t>& x) { return ctx.no_grad([&] { return ctx.forward(model, x); }); };
+  CHECK_THROWS_WITH(models::generate(model, ids_only, prompt, {.max_new_tokens = N, .attention_mask = mask}),
+                    Catch::Contains("needs a forward that takes (ids, const generate_inputs&)"));
+  CHECK(models::generate(model, ids_only, ids, {.max_new_tokens = 2}).shape() == Shape{B, P + 2});
+}
+
 // Top-k keeps every token tied with the k-th, as transformers' TopKLogitsWarper does:
 // here k = 2 keeps tokens 0, 1, 2 and 4 (logits 3, 2, 2, 2), drawn in that order.
 TEST_CASE("top-k keeps the tokens tied with the k-th", "[models][generate]") {
@@ -891,9 +1061,13 @@ TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates
   const models::generate_options until{
       .max_new_tokens = 16, .top_k = 4, .seed = 1, .eos_token_id = want[prompt.dim(1) + 3]};
   const auto want_until = models::generate(plain, prompt, until);
+  // A left-padded batch: the engine's context takes the padding for generate's forwards only.
+  const auto [padded, mask] = left_padded(tokens(3, 6, 96, 13), 0);
+  const models::generate_options masked{.max_new_tokens = 6, .top_k = 4, .seed = 1, .attention_mask = mask};
+  const auto want_padded = models::generate(plain, padded, masked);
 
   std::vector<test_support::max_error> logits(2);
-  std::vector<std::vector<std::int64_t>> got(2), got_until(2);
+  std::vector<std::vector<std::int64_t>> got(2), got_until(2), got_padded(2);
   std::vector<std::string> why(2);  // each rank's findings (Catch's assertions are not thread-safe)
   comm::launch(2, [&](comm::ThreadComm& c, ledger& l) {
     auto& w = why[std::size_t(c.rank())];
@@ -908,6 +1082,10 @@ TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates
     got[std::size_t(c.rank())].assign(out.span().begin(), out.span().end());
     const auto ended = models::generate(sharded, prompt, until);
     got_until[std::size_t(c.rank())].assign(ended.span().begin(), ended.span().end());
+    const auto left = models::generate(sharded, padded, masked);
+    got_padded[std::size_t(c.rank())].assign(left.span().begin(), left.span().end());
+    if (!sharded.context().position_ids().empty() || !sharded.context().key_padding_mask().empty())
+      w += "generate left its padding in the engine's context; ";
     if (l.current(category::gathered_parameters) != 0) w += "gathered bytes after generate; ";
     try {
       sharded.backward(Tensor<float>({2, 8, 96}));
@@ -921,6 +1099,8 @@ TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates
   for (const auto& g : got) CHECK(g == std::vector<std::int64_t>(want.span().begin(), want.span().end()));
   for (const auto& g : got_until)
     CHECK(g == std::vector<std::int64_t>(want_until.span().begin(), want_until.span().end()));
+  for (const auto& g : got_padded)
+    CHECK(g == std::vector<std::int64_t>(want_padded.span().begin(), want_padded.span().end()));
 }
 
 // A sharded model in training mode with dropout: generate() runs its forwards in eval
@@ -967,8 +1147,8 @@ TEST_CASE("generate on a sharded model raises on every rank when the ranks disag
   using Model = models::GPT2LMHeadModel<float>;
   const auto prompt = rows(expected<Model>().ids, 0, 2);
   const models::generate_options o{.max_new_tokens = 8, .top_k = 4, .seed = 1};
-  enum class fault { prompt, seed, parameters, nan };
-  for (const fault f : {fault::prompt, fault::seed, fault::parameters, fault::nan}) {
+  enum class fault { prompt, seed, parameters, nan, mask };
+  for (const fault f : {fault::prompt, fault::seed, fault::parameters, fault::nan, fault::mask}) {
     std::vector<std::string> what(2);
     std::vector<int> training(2, 0);
     comm::launch(2, [&](comm::ThreadComm& c) {
@@ -986,6 +1166,12 @@ TEST_CASE("generate on a sharded model raises on every rank when the ranks disag
           for (std::size_t i = 0; i < bias.size(); ++i) bias[i] = float(i % 7) - 3;
         if (f == fault::nan) bias[0] = NAN;
       }
+      if (f == fault::mask) {  // rank 1 pads row 0 by one token more
+        with.attention_mask = Tensor<std::int64_t>({prompt.dim(0), prompt.dim(1)});
+        std::fill_n(with.attention_mask.data(), with.attention_mask.numel(), std::int64_t(1));
+        with.attention_mask[0] = 0;
+        if (c.rank() == 1) with.attention_mask[1] = 0;
+      }
       try {
         models::generate(sharded, mine, with);
       } catch (const std::exception& e) {
@@ -995,7 +1181,8 @@ TEST_CASE("generate on a sharded model raises on every rank when the ranks disag
     });
     INFO("fault " << int(f) << ": rank 0: " << what[0] << "; rank 1: " << what[1]);
     CHECK(training == std::vector<int>{1, 1});
-    const char* differ[] = {"different prompts", "different options", "picked different tokens for row "};
+    const char* differ[] = {"different prompts", "different options", "picked different tokens for row ", "",
+                            "different prompts (or attention masks)"};
     for (int r = 0; r < 2; ++r) {
       CHECK(what[std::size_t(r)].starts_with(cat("rank ", r, ": ")));
       if (f != fault::nan) CHECK(what[std::size_t(r)].find(differ[int(f)]) != std::string::npos);

@@ -1,8 +1,9 @@
 // shardlib/models/causal_lm.hpp — what the decoder language models (models/gpt2.hpp,
 // models/llama.hpp) share: the LM head (owned or tied to the token embedding), the
 // shifted next-token targets Hugging Face's loss uses, and generation (greedy or
-// top-k) with the attention layers' KV cache, on the host or on a device (the ids
-// go to the model's memory space, the last position's logits come back).
+// top-k, of left-padded batches too) with the attention layers' KV cache, on the
+// host or on a device (the ids go to the model's memory space, the last position's
+// logits come back).
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
@@ -17,7 +18,7 @@
 #include <algorithm>    // std::copy_n, std::partial_sort
 #include <cmath>        // std::exp, std::isnan, INFINITY
 #include <concepts>     // std::convertible_to, std::invocable, std::same_as
-#include <cstdint>      // std::int64_t, std::uint64_t
+#include <cstdint>      // std::int64_t, std::uint64_t, std::uint8_t
 #include <numeric>      // std::iota
 #include <optional>     // std::optional
 #include <span>         // std::span
@@ -110,6 +111,21 @@ struct generate_options {
   // stops once every row has ended (the result then has fewer than max_new_tokens new tokens),
   // as transformers' eos_token_id with no pad_token_id.
   std::optional<std::int64_t> eos_token_id = std::nullopt;
+  // A padded prompt's mask, as transformers' attention_mask: [batch, prompt_len], 1 = a
+  // token, 0 = padding. Rows are padded on the left (each row's last position is a token:
+  // generation continues from it). Padding is masked as a key and counts for no position,
+  // so each row's tokens are those it would get alone (top-k draws by the row's position
+  // too). Empty: every prompt position is a token.
+  Tensor<std::int64_t> attention_mask{};
+};
+
+// What one forward of generate() takes besides the ids when the prompt has padding
+// (generate_options::attention_mask), for its context (nn::context's position_ids and
+// key_padding_mask): the ids' positions [batch, ids], and which keys, cached ones
+// first, are padding [batch, keys]. Both empty without padding.
+struct generate_inputs {
+  Tensor<std::int64_t> position_ids;
+  Tensor<std::uint8_t> key_padding_mask;
 };
 
 namespace detail {
@@ -161,6 +177,53 @@ std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& 
   return ids[std::size_t(kept - 1)];  // u * sum rounded up to the total
 }
 
+// The positions and padding of a prompt with generate_options::attention_mask, and of
+// the tokens generated after it, over all `total` positions of every row.
+class padded_positions {
+ public:
+  padded_positions(const Tensor<std::int64_t>& mask, std::int64_t batch, std::int64_t prompt, std::int64_t total)
+      : total_(total) {
+    if (mask.empty()) return;
+    require<shape_error>(mask.shape() == Shape{batch, prompt}, "generate: attention_mask must be shaped as the prompt, ",
+                         Shape{batch, prompt}, ", got ", mask.shape());
+    positions_ = Tensor<std::int64_t>({batch, total});
+    padding_ = Tensor<std::uint8_t>::zeros({batch, total});
+    for (std::int64_t n = 0; n < batch; ++n) {
+      std::int64_t tokens = 0;  // before position j
+      for (std::int64_t j = 0; j < total; ++j) {
+        const std::int64_t m = j < prompt ? mask[n * prompt + j] : 1;
+        require(m == 0 || m == 1, "generate: attention_mask holds ", m, " at row ", n, ", position ", j,
+                "; it must be 1 (a token) or 0 (padding)");
+        require(j + 1 != prompt || m == 1, "generate: row ", n, " of the prompt ends in padding (attention_mask 0 at ",
+                "its last position); generation continues from each row's last position, so pad on the left");
+        positions_[n * total + j] = m ? tokens : 0;  // padding's position is never used: 0 keeps it in range
+        padding_[n * total + j] = std::uint8_t(1 - m);
+        tokens += m;
+      }
+    }
+  }
+
+  // Row n's position of token t: t without a mask, else the tokens before it.
+  std::int64_t at(std::int64_t n, std::int64_t t) const { return positions_.empty() ? t : positions_[n * total_ + t]; }
+
+  // A forward's inputs for the ids at positions [first, first + len) with `keys` keys.
+  generate_inputs inputs(std::int64_t first, std::int64_t len, std::int64_t keys) const {
+    if (positions_.empty()) return {};
+    const std::int64_t B = positions_.dim(0);
+    generate_inputs in{Tensor<std::int64_t>({B, len}), Tensor<std::uint8_t>({B, keys})};
+    for (std::int64_t n = 0; n < B; ++n) {
+      std::copy_n(positions_.data() + n * total_ + first, len, in.position_ids.data() + n * len);
+      std::copy_n(padding_.data() + n * total_, keys, in.key_padding_mask.data() + n * keys);
+    }
+    return in;
+  }
+
+ private:
+  std::int64_t total_;
+  Tensor<std::int64_t> positions_;  // [batch, total], empty without a mask
+  Tensor<std::uint8_t> padding_;    // [batch, total]: 1 = padding
+};
+
 // generate()'s loop. `pick(pick_row, tokens, t)` runs pick_row(), which fills tokens
 // (one per row, position t); the sharded overload wraps it to check that the ranks agree.
 template <CausalLM M, class Forward, class Pick>
@@ -176,6 +239,7 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
                        o.max_new_tokens, ") = ", total, " positions exceed the model's ", model.max_positions());
   Tensor<std::int64_t> out({B, total});
   for (std::int64_t n = 0; n < B; ++n) std::copy_n(prompt.data() + n * P, P, out.data() + n * total);
+  const padded_positions padded(o.attention_mask, B, P, total);
   if (o.max_new_tokens == 0) return out;
 
   struct cache_scope {  // the cache is off again however this returns
@@ -196,7 +260,7 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
                          "generate: the model returned logits ", logits.shape(), " for ", B, " sequences");
     return generate_io<typename M::output::space>::logits(logits);
   };
-  auto logits = read(forward(prompt));
+  auto logits = read(forward(prompt, padded.inputs(0, P, P)));
   for (std::int64_t t = P;; ++t) {
     const std::int64_t seq = logits.dim(1), vocab = logits.dim(2);
     require(!o.eos_token_id || (*o.eos_token_id >= 0 && *o.eos_token_id < vocab), "generate: eos_token_id ",
@@ -208,7 +272,8 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
                 ended[std::size_t(n)]
                     ? *o.eos_token_id
                     : pick_token(logits.data() + (n * seq + seq - 1) * vocab, vocab, o,
-                                 draws.uniform_double(std::uint64_t(n * model.max_positions() + t)), n, t);
+                                 draws.uniform_double(std::uint64_t(n * model.max_positions() + padded.at(n, t))),
+                                 n, t);
         },
         std::span<std::int64_t>(next), t);
     bool all_ended = bool(o.eos_token_id);
@@ -227,7 +292,7 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
     const std::int64_t len = o.use_cache ? 1 : t + 1, first = o.use_cache ? t : 0;
     Tensor<std::int64_t> ids({B, len});
     for (std::int64_t n = 0; n < B; ++n) std::copy_n(out.data() + n * total + first, len, ids.data() + n * len);
-    logits = read(forward(ids));
+    logits = read(forward(ids, padded.inputs(first, len, t + 1)));
   }
 }
 }  // namespace detail
@@ -245,10 +310,19 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
 // sharded models (models/sharded_generate.hpp) checks that they do and that they pick
 // the same tokens, so that they stop together.
 template <CausalLM M, class Forward>
-  requires std::invocable<Forward&, const Tensor<std::int64_t>&>
+  requires std::invocable<Forward&, const Tensor<std::int64_t>&> ||
+           std::invocable<Forward&, const Tensor<std::int64_t>&, const generate_inputs&>
 Tensor<std::int64_t> generate(M& model, Forward&& forward, const Tensor<std::int64_t>& prompt,
                               const generate_options& o = {}) {
-  return detail::generate(model, forward, prompt, o, [](auto&& pick, std::span<std::int64_t>, std::int64_t) { pick(); });
+  const auto unchecked = [](auto&& pick, std::span<std::int64_t>, std::int64_t) { pick(); };
+  if constexpr (std::invocable<Forward&, const Tensor<std::int64_t>&, const generate_inputs&>) {
+    return detail::generate(model, forward, prompt, o, unchecked);
+  } else {
+    require(o.attention_mask.empty(), "generate: a prompt with an attention_mask needs a forward that takes ",
+            "(ids, const generate_inputs&) and sets its context's position ids and key padding mask from them");
+    auto ids_only = [&](const Tensor<std::int64_t>& ids, const generate_inputs&) { return forward(ids); };
+    return detail::generate(model, ids_only, prompt, o, unchecked);
+  }
 }
 
 // generate() on an unsharded model: forwards in a plain context, not training and
@@ -261,7 +335,9 @@ Tensor<std::int64_t> generate(M& model, const Tensor<std::int64_t>& prompt, cons
   nn::context ctx({.training = false});
   return generate(
       model,
-      [&](const Tensor<std::int64_t>& ids) {
+      [&](const Tensor<std::int64_t>& ids, const generate_inputs& padding) {
+        ctx.set_position_ids(padding.position_ids);
+        ctx.set_key_padding_mask(padding.key_padding_mask);
         const auto in = detail::generate_io<typename M::output::space>::ids(ids);
         return ctx.no_grad([&] { return ctx.forward(model, in); });
       },

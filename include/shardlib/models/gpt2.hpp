@@ -155,7 +155,8 @@ class GPT2Model {
     nn::visit_parameters("ln_f", ln_f, v);
   }
 
-  // With the KV cache on, positions continue after the cached ones.
+  // With the KV cache on, positions continue after the cached ones; the context's
+  // position ids, when set, give each token's position instead (wpe reads them).
   template <class Ctx>
   output forward(Ctx& ctx, const input& ids) {
     require<shape_error>(ids.rank() == 2, "GPT2Model: input_ids must be [batch, seq], got ", ids.shape());

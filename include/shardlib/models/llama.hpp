@@ -12,6 +12,7 @@
 #include "shardlib/nn/frozen_prefix.hpp"
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/nn/llama_attention.hpp"
+#include "shardlib/nn/position_ids.hpp"
 #include "shardlib/nn/rms_norm.hpp"
 #include "shardlib/nn/transformer.hpp"  // nn::detail::residual
 
@@ -154,7 +155,10 @@ class LlamaModel {
   template <class Ctx>
   output forward(Ctx& ctx, const input& ids) {
     require<shape_error>(ids.rank() == 2, "LlamaModel: input_ids must be [batch, seq], got ", ids.shape());
-    if constexpr (requires { layers[0].self_attn.kv_cache_length(); }) {
+    if (!ctx.position_ids().empty()) {
+      nn::detail::check_position_ids(ctx.position_ids(), ids.dim(0), ids.dim(1), max_position_embeddings_,
+                                     cat("LlamaModel (max_position_embeddings ", max_position_embeddings_, ")"));
+    } else if constexpr (requires { layers[0].self_attn.kv_cache_length(); }) {
       const std::int64_t cached = layers.empty() ? 0 : layers[0].self_attn.kv_cache_length();
       require<shape_error>(cached + ids.shape()[1] <= max_position_embeddings_, "LlamaModel: positions ", cached, "..",
                            cached + ids.shape()[1] - 1, " (", cached, " cached, sequence ", ids.shape()[1],

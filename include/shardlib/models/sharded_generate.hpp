@@ -2,7 +2,7 @@
 // calls it alike, its forwards run in eval (whatever mode the model was in, which it
 // has again on return), and the ranks check that they agree: on the prompt and
 // options before the first forward, on each position's tokens after it is picked.
-// Ranks that disagree (another prompt, another seed, other parameters) raise
+// Ranks that disagree (another prompt or mask, another seed, other parameters) raise
 // together, where they would otherwise generate apart and stop at different steps.
 // A device model (shardlib/models/cuda.cuh) generates on the device: the prompt and
 // the picked tokens go to it, the last position's logits come back each step.
@@ -25,7 +25,8 @@
 #include <span>         // std::span
 #include <string>       // std::string
 #include <string_view>  // std::string_view
-#include <type_traits>  // std::remove_cvref_t
+#include <type_traits>  // std::remove_cvref_t, std::remove_reference_t
+#include <utility>      // std::move
 #include <vector>       // std::vector
 
 namespace shardlib::models {
@@ -34,6 +35,8 @@ namespace shardlib::models {
 template <class S>
 concept ShardedCausalLM = requires(S& s, const S& cs, const Tensor<std::int64_t, typename S::space>& ids) {
   s.forward(ids);
+  s.context().set_position_ids(Tensor<std::int64_t>{});
+  s.context().set_key_padding_mask(Tensor<std::uint8_t>{});
   s.comm();
   s.eval();
   s.train();
@@ -46,9 +49,11 @@ namespace detail {
 // A hash that any rank computes alike, kept non-negative so that its negation fits.
 inline std::int64_t agreement_hash(std::string_view bytes) { return std::int64_t(fnv1a(bytes) >> 1); }
 
-inline std::int64_t prompt_hash(const Tensor<std::int64_t>& prompt) {
-  std::string bytes = cat(prompt.shape(), ":");
-  bytes.append(reinterpret_cast<const char*>(prompt.data()), prompt.numel() * sizeof(std::int64_t));
+// The prompt and its attention mask.
+inline std::int64_t prompt_hash(const Tensor<std::int64_t>& prompt, const Tensor<std::int64_t>& mask) {
+  std::string bytes = cat(prompt.shape(), ":", mask.shape(), ":");
+  for (const Tensor<std::int64_t>* t : {&prompt, &mask})
+    bytes.append(reinterpret_cast<const char*>(t->data()), t->numel() * sizeof(std::int64_t));
   return agreement_hash(bytes);
 }
 
@@ -95,11 +100,11 @@ template <ShardedCausalLM S>
 Tensor<std::int64_t> generate(S& sharded, const Tensor<std::int64_t>& prompt, const generate_options& o = {}) {
   auto comm = io::detail::host_collectives_of(sharded);
   // What generate checks before its first forward depends on these alone.
-  const std::int64_t facts[] = {detail::prompt_hash(prompt), detail::options_hash(o),
+  const std::int64_t facts[] = {detail::prompt_hash(prompt, o.attention_mask), detail::options_hash(o),
                                 std::int64_t(sharded.model().max_positions())};
   detail::require_same_on_ranks(
       comm, [] {}, facts, [](std::size_t i, std::int64_t lo, std::int64_t hi) {
-        constexpr const char* what[] = {"prompts", "options", "models (max_positions)"};
+        constexpr const char* what[] = {"prompts (or attention masks)", "options", "models (max_positions)"};
         return cat("generate: the ranks passed different ", what[i], i == 2 ? cat(", ", lo, " to ", hi) : "",
                    "; every rank of a sharded model must call it alike");
       });
@@ -123,7 +128,24 @@ Tensor<std::int64_t> generate(S& sharded, const Tensor<std::int64_t>& prompt, co
                  " to ", hi, "): their logits differ; every rank needs the same parameters");
     });
   };
-  auto forward = [&](const Tensor<std::int64_t>& ids) {
+  // The padding goes to the engine's context for each forward; its own is back on return.
+  using context = std::remove_reference_t<decltype(sharded.context())>;
+  context& ctx = sharded.context();
+  struct padding_scope {
+    explicit padding_scope(context& c) : c_(&c), positions_(c.position_ids()), keys_(c.key_padding_mask()) {}
+    padding_scope(const padding_scope&) = delete;
+    padding_scope& operator=(const padding_scope&) = delete;
+    ~padding_scope() {
+      c_->set_position_ids(std::move(positions_));
+      c_->set_key_padding_mask(std::move(keys_));
+    }
+    context* c_;
+    Tensor<std::int64_t> positions_;
+    Tensor<std::uint8_t> keys_;
+  } padding(ctx);
+  auto forward = [&](const Tensor<std::int64_t>& ids, const generate_inputs& in) {
+    ctx.set_position_ids(in.position_ids);
+    ctx.set_key_padding_mask(in.key_padding_mask);
     return sharded.forward(detail::generate_io<typename S::space>::ids(ids));
   };
   return detail::generate(sharded.model(), forward, prompt, o, agree);

@@ -5,7 +5,7 @@
 #include "shardlib/core/random.hpp"
 #include "shardlib/core/tensor.hpp"
 
-#include <cstdint>  // std::uint64_t, std::uint8_t
+#include <cstdint>  // std::int64_t, std::uint64_t, std::uint8_t
 #include <utility>  // std::move
 
 namespace shardlib::nn {
@@ -44,8 +44,11 @@ struct attn_mask {
 // Layers also ask the context whether they are training, for random numbers, and
 // for the batch's key-padding mask (side data of the batch, like torch's
 // src_key_padding_mask: [batch, sequence], nonzero = a padding position that
-// attention ignores as a key; empty = no padding) and attention mask (attn_mask
-// above; the host's attention layers apply both, the device's key padding only).
+// attention ignores as a key; empty = no padding), attention mask (attn_mask
+// above; the host's attention layers apply both, the device's key padding only)
+// and position ids (Hugging Face's position_ids: [batch, sequence], each token's
+// position for learned and rotary position embeddings; empty = 0, 1, ... after
+// any cached tokens; a left-padded batch sets them so that each row starts at 0).
 class context {
  public:
   struct options {
@@ -85,6 +88,8 @@ class context {
   void set_attention_mask(Tensor<std::uint8_t> allowed) { attn_ = {std::move(allowed), {}}; }
   void set_attention_mask(Tensor<float> bias) { attn_ = {{}, std::move(bias)}; }
   void clear_attention_mask() { attn_ = {}; }
+  const Tensor<std::int64_t>& position_ids() const { return positions_; }
+  void set_position_ids(Tensor<std::int64_t> ids) { positions_ = std::move(ids); }
   void set_step(std::uint64_t step) {
     o_.step = step;
     draws_ = 0;
@@ -107,6 +112,7 @@ class context {
   int no_grad_ = 0;
   Tensor<std::uint8_t> mask_;
   attn_mask attn_;
+  Tensor<std::int64_t> positions_;
 };
 
 // Exactly what a layer may use of its context; the Layer concept checks layers
@@ -120,6 +126,7 @@ struct context_archetype {
   counter_rng random_stream();
   const Tensor<std::uint8_t>& key_padding_mask() const;
   const attn_mask& attention_mask() const;
+  const Tensor<std::int64_t>& position_ids() const;
 };
 
 }  // namespace shardlib::nn

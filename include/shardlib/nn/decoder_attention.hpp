@@ -6,11 +6,13 @@
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/grad_mode.hpp"
+#include "shardlib/nn/position_ids.hpp"
 #include "shardlib/nn/rotary.hpp"
 #include "shardlib/nn/sdpa.hpp"
 
-#include <algorithm>    // std::copy_n, std::min
+#include <algorithm>    // std::copy_n, std::max_element, std::min
 #include <cstdint>      // std::int64_t
+#include <limits>       // std::numeric_limits
 #include <optional>     // std::optional
 #include <string>       // std::string
 #include <string_view>  // std::string_view
@@ -181,7 +183,9 @@ class decoder_attention : public decoder_attention_base<T, host_space> {
   // out = attention of q over k, v (rows views of this forward's projections,
   // [B, S, heads of head_dim]); q and k are rotated in place. With the cache on,
   // the new positions follow the cached ones: RoPE and the causal rule are offset
-  // by the cached length and k, v are appended first.
+  // by the cached length and k, v are appended first. The context's position ids,
+  // when set, give RoPE each token's position instead (the causal rule stays by
+  // index; a left-padded batch also masks its padding as keys).
   template <class Ctx>
   void forward(Ctx& ctx, const head_view<T>& q, const head_view<T>& k, const head_view<T>& v, const head_view<T>& out) {
     this->check_cache_for_forward(ctx);
@@ -194,20 +198,19 @@ class decoder_attention : public decoder_attention_base<T, host_space> {
              .key_padding_mask = ctx.key_padding_mask(),
              .mask = ctx.attention_mask(),
              .who = name_};
-    // The masks are checked before the cache grows, so a bad one leaves it as it was.
+    // The masks and position ids are checked before the cache grows, so bad ones leave it as it was.
     const Shape all_keys{B, k.heads, offset + S, k.dim};
     detail::check_sdpa_shapes(q.shape(), all_keys, all_keys, sdpa_);
+    positions_ = ctx.position_ids();
+    if (!positions_.empty()) check_position_ids(positions_, B, S, std::numeric_limits<std::int64_t>::max(), name_);
     if (ctx.training() && o_.dropout > 0) sdpa_.dropout = ctx.random_stream();
-    if (o_.rotary) {
-      const rotary_table<T> table(*o_.rotary, offset, S);
-      table.apply(q);
-      table.apply(k);
-    }
+    rotate(q, k, offset, false);
     auto [keys, values] = this->keys_and_values(k, v);
     probs_ = Tensor<T>({B, o_.heads, S, keys.seq});
     sdpa_forward(q, keys, values, out, probs_.data(), sdpa_);
     if (this->caching() || !grad_enabled(ctx)) {  // no backward follows
       probs_ = {};
+      positions_ = {};
       return;
     }
     q_ = q;
@@ -220,19 +223,33 @@ class decoder_attention : public decoder_attention_base<T, host_space> {
     this->check_cache_for_backward();
     require_activations(!probs_.empty(), name_);
     sdpa_backward(dout, q_, k_, v_, probs_.data(), dq, dk, dv, sdpa_);
-    if (o_.rotary) {
-      const rotary_table<T> table(*o_.rotary, 0, q_.seq);
-      table.apply(dq, true);
-      table.apply(dk, true);
-    }
+    rotate(dq, dk, 0, true);
     probs_ = {};
+    positions_ = {};
   }
 
  private:
+  // RoPE on q and k in place (when configured): at offset + l, or at positions_.
+  void rotate(const head_view<T>& q, const head_view<T>& k, std::int64_t offset, bool inverse) const {
+    if (!o_.rotary) return;
+    if (positions_.empty()) {
+      const rotary_table<T> table(*o_.rotary, offset, q.seq);
+      table.apply(q, inverse);
+      table.apply(k, inverse);
+      return;
+    }
+    const std::int64_t* ids = positions_.data();
+    const rotary_table<T> table(*o_.rotary, 0, *std::max_element(ids, ids + positions_.numel()) + 1);
+    table.apply_at(q, positions_, inverse);
+    table.apply_at(k, positions_, inverse);
+  }
+
+
   // Cached by forward for backward.
   sdpa_options sdpa_;
   head_view<T> q_, k_, v_;
-  Tensor<T> probs_;  // [B, heads, S, S]: the weights before dropout
+  Tensor<T> probs_;                  // [B, heads, S, S]: the weights before dropout
+  Tensor<std::int64_t> positions_;  // the context's position ids (shared with it), empty for offset + l
 };
 }  // namespace detail
 

@@ -6,6 +6,7 @@
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/param.hpp"
+#include "shardlib/nn/position_ids.hpp"
 
 #include <algorithm>    // std::copy_n
 #include <array>        // std::array
@@ -165,18 +166,26 @@ class position_embedding_base {
   }
 
  protected:
-  // forward's check of x [..., seq, D]; records what backward needs and returns seq.
-  std::int64_t check_input(const Shape& x, bool grad) {
+  // forward's check of x [..., seq, D] and of the context's position ids (empty, or
+  // [batch, seq] for x [batch, seq, D]); records what backward needs and returns seq.
+  std::int64_t check_input(const Shape& x, const Tensor<std::int64_t>& ids, bool grad) {
     require<shape_error>(x.rank() >= 2 && x[x.rank() - 1] == dim_, "PositionEmbedding(", max_, ", ", dim_,
                          "): input must be [..., sequence, ", dim_, "], got shape ", x);
     const std::int64_t seq = x[x.rank() - 2];
     require<shape_error>(seq > 0, "PositionEmbedding(", max_, ", ", dim_, "): the input ", x, " has no positions");
-    require<shape_error>(offset_ + seq <= max_, "PositionEmbedding(", max_, ", ", dim_, "): positions ", offset_, "..",
-                         offset_ + seq - 1, " (offset ", offset_, ", sequence ", seq,
-                         ") exceed the table's max_positions ", max_);
+    if (ids.empty()) {
+      require<shape_error>(offset_ + seq <= max_, "PositionEmbedding(", max_, ", ", dim_, "): positions ", offset_,
+                           "..", offset_ + seq - 1, " (offset ", offset_, ", sequence ", seq,
+                           ") exceed the table's max_positions ", max_);
+    } else {
+      require<shape_error>(x.rank() == 3, "PositionEmbedding(", max_, ", ", dim_,
+                           "): with position_ids the input must be [batch, sequence, ", dim_, "], got shape ", x);
+      check_position_ids(ids, x[0], seq, max_, cat("PositionEmbedding(", max_, ", ", dim_, ")"));
+    }
     weight.require_bound("PositionEmbedding");
     shape_ = x;
     used_offset_ = offset_;
+    used_ids_ = grad ? ids : Tensor<std::int64_t>{};  // shared with the context, not copied
     pending_ = grad;
     return seq;
   }
@@ -194,6 +203,7 @@ class position_embedding_base {
   // What the last forward saw, for its backward.
   Shape shape_{};
   std::int64_t used_offset_ = 0;
+  Tensor<std::int64_t> used_ids_;  // the context's position ids, empty for offset + s
   bool pending_ = false;
 };
 }  // namespace detail
@@ -202,15 +212,17 @@ class position_embedding_base {
 // hidden states: x [..., seq, D] -> x + weight[offset + s] at sequence position s,
 // with weight [max_positions, D] initialised N(0, 1) as torch.nn.Embedding's.
 // The offset (0 by default) is where the sequence starts: decoding with a KV
-// cache sets it to the number of cached tokens. Backward adds dy, summed over
-// the leading dimensions, into the rows the last forward used, and passes dy on.
+// cache sets it to the number of cached tokens. The context's position ids,
+// when set, give each token its row instead (x [batch, seq, D]: x[n, s] +
+// weight[ids[n, s]]; a left-padded batch). Backward adds dy, summed over the
+// leading dimensions, into the rows the last forward used, and passes dy on.
 // The device's layer (cuda_space) is in nn/cuda/embedding.cuh.
 template <class T, class Space = host_space>
 class PositionEmbedding : public detail::position_embedding_base<T> {
   static_assert(std::is_same_v<Space, host_space>,
                 "nn::PositionEmbedding: the host layer; for cuda_space include shardlib/nn/cuda/embedding.cuh");
   using base = detail::position_embedding_base<T>;
-  using base::dim_, base::offset_, base::shape_, base::used_offset_, base::pending_;
+  using base::dim_, base::offset_, base::shape_, base::used_offset_, base::used_ids_, base::pending_;
 
  public:
   using input = Tensor<T>;
@@ -221,10 +233,15 @@ class PositionEmbedding : public detail::position_embedding_base<T> {
 
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
-    const std::int64_t seq = this->check_input(x.shape(), grad_enabled(ctx));
+    const std::int64_t seq = this->check_input(x.shape(), ctx.position_ids(), grad_enabled(ctx));
     const std::int64_t rows = x.numel() / (seq * dim_), block = seq * dim_;
     const T* w = weight.value + offset_ * dim_;
     output y(x.shape());
+    if (const auto& ids = ctx.position_ids(); !ids.empty()) {  // token i (of rows * seq) at its own position
+      for (std::int64_t i = 0; i < rows * seq; ++i)
+        for (std::int64_t d = 0; d < dim_; ++d) y[i * dim_ + d] = x[i * dim_ + d] + weight.value[ids[i] * dim_ + d];
+      return y;
+    }
     for (std::int64_t r = 0; r < rows; ++r) {
       const T* xr = x.data() + r * block;
       T* yr = y.data() + r * block;
@@ -237,6 +254,13 @@ class PositionEmbedding : public detail::position_embedding_base<T> {
   input backward(Ctx&, const output& dy) {
     this->check_grad(dy.shape());
     const std::int64_t block = shape_[shape_.rank() - 2] * dim_, rows = dy.numel() / block;
+    if (!used_ids_.empty()) {
+      for (std::int64_t i = 0; weight.requires_grad && i < used_ids_.numel(); ++i)
+        for (std::int64_t d = 0; d < dim_; ++d) weight.grad[used_ids_[i] * dim_ + d] += dy[i * dim_ + d];
+      used_ids_ = {};
+      pending_ = false;
+      return dy;
+    }
     for (std::int64_t r = 0; weight.requires_grad && r < rows; ++r) {  // frozen: no gradient (grad may be null)
       const T* d = dy.data() + r * block;
       T* g = weight.grad + used_offset_ * dim_;

@@ -3,6 +3,7 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
+#include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/sdpa.hpp"
 
 #include <cmath>        // std::cos, std::pow, std::sin
@@ -114,14 +115,31 @@ class rotary_table {
   void apply(const head_view<T>& x, bool inverse = false) const {
     require<shape_error>(x.dim == 2 * half_ && x.seq == seq_, "rotary embedding: a table for ", seq_,
                          " positions of head_dim ", 2 * half_, " cannot rotate heads of shape ", x.shape());
+    rotate(x, inverse, [](std::int64_t, std::int64_t l) { return l; });
+  }
+  // The same with token (n, l) at table row ids[n * x.seq + l] (the context's
+  // position ids, [x.batch, x.seq], each below positions()).
+  void apply_at(const head_view<T>& x, const Tensor<std::int64_t>& ids, bool inverse = false) const {
+    require<shape_error>(x.dim == 2 * half_ && ids.shape() == Shape{x.batch, x.seq}, "rotary embedding: heads of shape ",
+                         x.shape(), " need position ids [", x.batch, ", ", x.seq, "] and head_dim ", 2 * half_,
+                         ", got ids ", ids.shape());
+    for (std::int64_t i = 0; i < ids.numel(); ++i)
+      require<shape_error>(ids[i] >= 0 && ids[i] < seq_, "rotary embedding: position id ", ids[i],
+                           " is outside the table's ", seq_, " positions");
+    rotate(x, inverse, [&](std::int64_t n, std::int64_t l) { return ids[n * x.seq + l]; });
+  }
+
+ private:
+  template <class Row>
+  void rotate(const head_view<T>& x, bool inverse, Row row) const {
     const T sign = inverse ? T(-1) : T(1);
     for (std::int64_t n = 0; n < x.batch; ++n)
       for (std::int64_t h = 0; h < x.heads; ++h)
         for (std::int64_t l = 0; l < x.seq; ++l) {
           T* a = x.at(n, h) + l * x.row_stride;
           T* b = a + half_;
-          const T* c = cos_.data() + l * half_;
-          const T* s = sin_.data() + l * half_;
+          const T* c = cos_.data() + row(n, l) * half_;
+          const T* s = sin_.data() + row(n, l) * half_;
           for (std::int64_t i = 0; i < half_; ++i) {
             const T a0 = a[i], b0 = b[i], si = sign * s[i];
             a[i] = a0 * c[i] - b0 * si;
@@ -130,7 +148,6 @@ class rotary_table {
         }
   }
 
- private:
   std::int64_t half_, seq_;
   std::vector<T> cos_, sin_;
 };

@@ -17,12 +17,14 @@
 #include "shardlib/nn/gpt2_attention.hpp"
 #include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/llama_attention.hpp"
+#include "shardlib/nn/position_ids.hpp"          // check_position_ids
 #include "shardlib/nn/sdpa.hpp"                 // head_view
 #include "shardlib/ops/cuda/flash_attention.cuh"  // flash_attention_forward, _backward
-#include "shardlib/ops/cuda/rotary.cuh"           // rotary_device_table, apply_rotary
+#include "shardlib/ops/cuda/rotary.cuh"           // rotary_device_table, apply_rotary, apply_rotary_at
 
 #include <algorithm>    // std::max
 #include <cstdint>      // std::int64_t, std::uint8_t
+#include <limits>       // std::numeric_limits
 #include <optional>     // std::optional, std::nullopt
 #include <string>       // std::string
 #include <string_view>  // std::string_view
@@ -65,7 +67,8 @@ namespace shardlib::nn::detail {
 // memory: the new queries are rotated and masked at their positions after the
 // cached ones, and attend over every cached key (a key padding mask then covers
 // them all, [B, cached + S]); a forward that fails after appending forgets what it
-// appended, as the host's fails before appending.
+// appended, as the host's fails before appending. The context's position ids, when
+// set, are copied to the device and give RoPE each token's position, as on the host.
 //
 // Not on the device, refused with an error naming the layer: attention masks
 // other than causal and key padding (ctx.attention_mask()).
@@ -101,6 +104,9 @@ class decoder_attention<T, cuda_space> : public decoder_attention_base<T, cuda_s
     require<shape_error>(padding.empty() || padding.shape() == Shape{B, offset + S}, name_,
                          ": key_padding_mask must be [batch, keys] = ", Shape{B, offset + S}, ", got ",
                          padding.shape());
+    const Tensor<std::int64_t>& ids = ctx.position_ids();
+    const std::int64_t largest =
+        ids.empty() ? -1 : check_position_ids(ids, B, S, std::numeric_limits<std::int64_t>::max(), name_);
     flash_ = {.is_causal = true,
               .query_offset = offset,
               .scale = 0,
@@ -110,11 +116,12 @@ class decoder_attention<T, cuda_space> : public decoder_attention_base<T, cuda_s
     padding_ = padding.empty() ? Tensor<std::uint8_t, cuda_space>{} : cuda::to_device(padding);
     flash_.key_padding = padding_.data();
     if (ctx.training() && o_.dropout > 0) flash_.dropout = ctx.random_stream();
+    positions_ = ids.empty() ? Tensor<std::int64_t, cuda_space>{} : cuda::to_device(ids);
     if (o_.rotary) {
-      const std::int64_t positions = std::max(offset + S, this->kv_cache_capacity());
-      if (!table_ || table_->positions() < offset + S) table_.emplace(*o_.rotary, positions, s);
-      ops::cuda::apply_rotary(q, q, *table_, offset, false, s);
-      ops::cuda::apply_rotary(k, k, *table_, offset, false, s);
+      const std::int64_t needed = std::max(offset + S, largest + 1);
+      if (!table_ || table_->positions() < needed)
+        table_.emplace(*o_.rotary, std::max(needed, this->kv_cache_capacity()), s);
+      rotate(q, k, offset, false, s);
     }
     const auto [keys, values] = this->keys_and_values(k, v);
     try {
@@ -128,6 +135,7 @@ class decoder_attention<T, cuda_space> : public decoder_attention_base<T, cuda_s
     if (this->caching() || !grad_enabled(ctx)) {  // no backward follows
       lse_ = {};
       padding_ = {};
+      positions_ = {};
       return;
     }
     q_ = q;
@@ -144,22 +152,32 @@ class decoder_attention<T, cuda_space> : public decoder_attention_base<T, cuda_s
     ops::cuda::flash_attention_backward<T>(ops::cuda::as_const(q_), ops::cuda::as_const(k_), ops::cuda::as_const(v_),
                                            ops::cuda::as_const(out_), ops::cuda::as_const(dout), lse_.data(), dq, dk,
                                            dv, flash_, s);
-    if (o_.rotary) {
-      ops::cuda::apply_rotary(dq, dq, *table_, 0, true, s);
-      ops::cuda::apply_rotary(dk, dk, *table_, 0, true, s);
-    }
+    if (o_.rotary) rotate(dq, dk, 0, true, s);
     lse_ = {};
     padding_ = {};
+    positions_ = {};
   }
 
  private:
+  // RoPE on q and k in place, by table_: at offset + l, or at positions_.
+  void rotate(const head_view<T>& q, const head_view<T>& k, std::int64_t offset, bool inverse, cudaStream_t s) const {
+    if (positions_.empty()) {
+      ops::cuda::apply_rotary(q, q, *table_, offset, inverse, s);
+      ops::cuda::apply_rotary(k, k, *table_, offset, inverse, s);
+    } else {
+      ops::cuda::apply_rotary_at(q, q, *table_, positions_.data(), inverse, s);
+      ops::cuda::apply_rotary_at(k, k, *table_, positions_.data(), inverse, s);
+    }
+  }
+
   // cos, sin of positions [0, the furthest so far or, with the KV cache, its capacity)
   std::optional<ops::cuda::rotary_device_table> table_;
   // Cached by forward for backward.
   ops::cuda::flash_options flash_;
   head_view<T> q_, k_, v_, out_;
   Tensor<float, cuda_space> lse_;               // [B, heads, S]: each query row's log-sum-exp of scores
-  Tensor<std::uint8_t, cuda_space> padding_;  // the key padding mask flash_ points at
+  Tensor<std::uint8_t, cuda_space> padding_;     // the key padding mask flash_ points at
+  Tensor<std::int64_t, cuda_space> positions_;  // the context's position ids, empty for offset + l
 };
 
 }  // namespace shardlib::nn::detail

@@ -15,7 +15,7 @@
 #include "shardlib/nn/grad_mode.hpp"                 // grad_enabled
 #include "shardlib/ops/cuda/embedding.cuh"           // embedding_forward, embedding_backward
 #include "shardlib/ops/cuda/index_report.hpp"        // index_report, deferred_index_reports
-#include "shardlib/ops/cuda/position_embedding.cuh"  // add_positions, add_positions_backward
+#include "shardlib/ops/cuda/position_embedding.cuh"  // add_positions, add_position_rows, add_positions_backward
 
 #include <cuda_runtime.h>
 
@@ -83,11 +83,13 @@ class Embedding<T, cuda_space> : public detail::embedding_base<T> {
 };
 
 // The host layer's parameter, offset and checks (detail::position_embedding_base);
-// the same sums in the same order (bit for bit in float).
+// the same sums in the same order (bit for bit in float). With position ids, their
+// copy on the device picks each token's row, and backward adds the rows back as
+// Embedding's does.
 template <class T>
 class PositionEmbedding<T, cuda_space> : public detail::position_embedding_base<T> {
   using base = detail::position_embedding_base<T>;
-  using base::dim_, base::offset_, base::shape_, base::used_offset_, base::pending_;
+  using base::dim_, base::max_, base::offset_, base::shape_, base::used_offset_, base::used_ids_, base::pending_;
 
  public:
   using input = Tensor<T, cuda_space>;
@@ -98,11 +100,18 @@ class PositionEmbedding<T, cuda_space> : public detail::position_embedding_base<
 
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
-    const std::int64_t seq = this->check_input(x.shape(), grad_enabled(ctx));
+    const std::int64_t seq = this->check_input(x.shape(), ctx.position_ids(), grad_enabled(ctx));
     const std::int64_t block = seq * dim_;
+    const cudaStream_t s = cuda::current_stream();
     output y(x.shape());
-    ops::cuda::add_positions(x.data(), weight.value + offset_ * dim_, y.data(), x.numel() / block, block,
-                             cuda::current_stream());
+    ids_ = {};
+    if (const auto& ids = ctx.position_ids(); !ids.empty()) {
+      ids_ = cuda::to_device(ids);
+      ops::cuda::add_position_rows(x.data(), weight.value, ids_.data(), y.data(), ids.numel(), dim_, s);
+      if (!pending_) ids_ = {};
+      return y;
+    }
+    ops::cuda::add_positions(x.data(), weight.value + offset_ * dim_, y.data(), x.numel() / block, block, s);
     return y;
   }
 
@@ -110,12 +119,20 @@ class PositionEmbedding<T, cuda_space> : public detail::position_embedding_base<
   input backward(Ctx&, const output& dy) {
     this->check_grad(dy.shape());
     const std::int64_t block = shape_[shape_.rank() - 2] * dim_;
-    if (weight.requires_grad)
-      ops::cuda::add_positions_backward(dy.data(), weight.grad + used_offset_ * dim_, dy.numel() / block, block,
-                                        cuda::current_stream());
+    const cudaStream_t s = cuda::current_stream();
+    if (weight.requires_grad && !ids_.empty())
+      ops::cuda::embedding_backward(ids_.data(), ids_.numel(), dy.data(), weight.grad, max_, int(dim_), s,
+                                    cuda::device_allocator(cuda::current_device()));
+    else if (weight.requires_grad)
+      ops::cuda::add_positions_backward(dy.data(), weight.grad + used_offset_ * dim_, dy.numel() / block, block, s);
+    ids_ = {};
+    used_ids_ = {};
     pending_ = false;
     return dy;
   }
+
+ private:
+  Tensor<std::int64_t, cuda_space> ids_;  // the forward's position ids on the device, for backward
 };
 
 }  // namespace shardlib::nn

@@ -72,6 +72,17 @@ void apply_rotary(const nn::head_view<T>& x, const float* cos, const float* sin,
   apply_rotary(x, x, cos, sin, offset, inverse, stream);
 }
 
+// The same with token (n, l) at table row positions[n * x.seq + l] (device
+// memory, [x.batch, x.seq]; the caller checks them against the table).
+template <class T>
+void apply_rotary_at(const nn::head_view<T>& x, const nn::head_view<T>& y, const rotary_device_table& table,
+                     const std::int64_t* positions, bool inverse, cudaStream_t stream) {
+  require<shape_error>(x.dim == table.head_dim() && y.shape() == x.shape(), "ops::cuda::apply_rotary_at: a table of ",
+                       "head_dim ", table.head_dim(), " cannot rotate heads of shape ", x.shape(), " into ", y.shape());
+  for_each_index(rotary_pairs(x), rotary_pair<T>(x, y, table.cos(), table.sin(), 0, inverse, positions), stream,
+                 "apply_rotary_at");
+}
+
 // With a table, whose head_dim and positions are checked.
 template <class T>
 void apply_rotary(const nn::head_view<T>& x, const nn::head_view<T>& y, const rotary_device_table& table,

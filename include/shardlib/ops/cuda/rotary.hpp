@@ -14,7 +14,8 @@ namespace shardlib::ops::cuda {
 // one head row, in float:
 //   y_i = x_i cos - x_{i+half} sin,  y_{i+half} = x_{i+half} cos + x_i sin,
 // with sin negated for the inverse rotation and cos, sin read at table row
-// offset + l. Each pair is read before it is written by the same index, so x
+// offset + l, or at positions[n * seq + l] when positions (device memory,
+// [batch, seq]) is given. Each pair is read before it is written by the same index, so x
 // and y may be the same view.
 template <class T>
 struct rotary_pair {
@@ -24,15 +25,16 @@ struct rotary_pair {
   std::int64_t x_batch, x_head, x_row, y_batch, y_head, y_row;  // strides
   const float *cos, *sin;
   std::int64_t offset;
+  const std::int64_t* positions;
   float sign;
   bool narrow;  // every index fits 32 bits: the index arithmetic in 32 bits (64-bit division is ~4x the work)
 
   rotary_pair(const nn::head_view<T>& xv, const nn::head_view<T>& yv, const float* c, const float* s,
-              std::int64_t off, bool inverse)
+              std::int64_t off, bool inverse, const std::int64_t* at = nullptr)
       : x(xv.data), y(yv.data), heads(xv.heads), seq(xv.seq), half(xv.dim / 2),
         x_batch(xv.batch_stride), x_head(xv.head_stride), x_row(xv.row_stride),
         y_batch(yv.batch_stride), y_head(yv.head_stride), y_row(yv.row_stride),
-        cos(c), sin(s), offset(off), sign(inverse ? -1.0f : 1.0f),
+        cos(c), sin(s), offset(off), positions(at), sign(inverse ? -1.0f : 1.0f),
         narrow(xv.batch * xv.heads * xv.seq * (xv.dim / 2) <= std::int64_t(UINT32_MAX)) {}
 
   SHARDLIB_HD void operator()(std::int64_t idx) const {
@@ -47,7 +49,8 @@ struct rotary_pair {
     const I l = row % I(seq), nh = row / I(seq), h = nh % I(heads), n = nh / I(heads);
     const T* a = x + std::int64_t(n) * x_batch + std::int64_t(h) * x_head + std::int64_t(l) * x_row;
     T* b = y + std::int64_t(n) * y_batch + std::int64_t(h) * y_head + std::int64_t(l) * y_row;
-    const std::int64_t t = (offset + std::int64_t(l)) * half + std::int64_t(i);
+    const std::int64_t p = positions ? positions[std::int64_t(n) * seq + std::int64_t(l)] : offset + std::int64_t(l);
+    const std::int64_t t = p * half + std::int64_t(i);
     const float c = cos[t], s = sign * sin[t];
     const float a0 = float(a[i]), a1 = float(a[i + I(half)]);
     b[i] = T(a0 * c - a1 * s);
