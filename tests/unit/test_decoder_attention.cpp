@@ -45,6 +45,7 @@ struct with_masks {
   L inner;
   Tensor<std::uint8_t> padding;
   attn_mask mask;
+  Tensor<std::int64_t> positions{};  // the context's position ids, empty for 0, 1, ...
 
   template <class V>
   void parameters(V&& v) { inner.parameters(v); }
@@ -53,6 +54,7 @@ struct with_masks {
     ctx.set_key_padding_mask(padding);
     if (!mask.allowed.empty()) ctx.set_attention_mask(mask.allowed);
     if (!mask.bias.empty()) ctx.set_attention_mask(mask.bias);
+    ctx.set_position_ids(positions);
     return ctx.forward(inner, x);
   }
   template <class Ctx>
@@ -222,9 +224,24 @@ vec reference_gpt2(Owner& p, const Tensor<double>& x, std::int64_t heads, const 
   return reference_linear(merge_heads(a, B, L, heads, D), p.value("c_proj.weight"), p.value("c_proj.bias"), E, E);
 }
 
-// LlamaAttention in plain loops from its parameters; x [B, L, hidden].
+// RoPE on t [B, H, L, D] with token (b, l) at positions[b, l].
+void reference_rope_at(vec& t, std::int64_t B, std::int64_t H, std::int64_t L, std::int64_t D,
+                       const Tensor<std::int64_t>& positions, const vec& freq) {
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t l = 0; l < L; ++l) {
+        const auto first = t.begin() + ((b * H + h) * L + l) * D;
+        vec token(first, first + D);
+        reference_rope(token, 1, 1, D, positions[b * L + l], freq);
+        std::copy(token.begin(), token.end(), first);
+      }
+}
+
+// LlamaAttention in plain loops from its parameters; x [B, L, hidden]; positions
+// [B, L] as the context's position ids (empty: 0, 1, ...).
 template <class Owner>
-vec reference_llama(Owner& p, const Tensor<double>& x, const llama_attention_options& c, const sdpa_options& masks) {
+vec reference_llama(Owner& p, const Tensor<double>& x, const llama_attention_options& c, const sdpa_options& masks,
+                    const Tensor<std::int64_t>& positions = {}) {
   const std::int64_t B = x.dim(0), L = x.dim(1), E = x.dim(2), H = c.num_attention_heads, Hkv = c.num_key_value_heads,
                      D = c.head_dim;
   auto bias = [&](const char* name) { return c.attention_bias ? p.value(name) : std::span<double>{}; };
@@ -235,8 +252,13 @@ vec reference_llama(Owner& p, const Tensor<double>& x, const llama_attention_opt
   const vec v = split_heads(reference_linear(xs, p.value("v_proj.weight"), bias("v_proj.bias"), E, Hkv * D), B, L,
                             Hkv * D, 0, Hkv, D);
   const vec freq = reference_frequencies(D, c.rope_theta, c.rope_scaling);
-  reference_rope(q, B * H, L, D, 0, freq);
-  reference_rope(k, B * Hkv, L, D, 0, freq);
+  if (positions.empty()) {
+    reference_rope(q, B * H, L, D, 0, freq);
+    reference_rope(k, B * Hkv, L, D, 0, freq);
+  } else {
+    reference_rope_at(q, B, H, L, D, positions, freq);
+    reference_rope_at(k, B, Hkv, L, D, positions, freq);
+  }
   sdpa_options o = masks;
   o.is_causal = true;
   const vec a = reference_sdpa(q, k, v, B, H, Hkv, L, L, D, o);
@@ -398,7 +420,7 @@ TEST_CASE("rotary embeddings: Hugging Face's rotate_half layout, offsets, and th
   undone.absolute(y.span(), x.span());
   CHECK(undone <= 1e-14);
   CHECK_THROWS_WITH(rotary_table<double>({.head_dim = D}, 0, 9).apply_at(head_view<double>::bhsd(y), ids),
-                    Catch::Contains("position id 9 is outside the table's 9 positions"));
+                    Catch::Contains("position id 9 is outside the table's positions 0..8"));
   CHECK_THROWS_WITH(table.apply_at(head_view<double>::bhsd(y), Tensor<std::int64_t>::zeros({B, L - 1})),
                     Catch::Contains("need position ids [2, 5]"));
 }
@@ -538,6 +560,19 @@ TEST_CASE("LlamaAttention forward matches naive loops: GQA and RoPE", "[nn][deco
       test_support::max_error worst;
       worst.absolute(y.span(), reference_llama(owner, x, m.config(), o));
       CHECK(worst <= 1e-12);
+      // Position ids: row 0 holds two sequences (positions restart at 0), row 1 starts at 5.
+      Tensor<std::int64_t> ids({B, L});
+      const std::int64_t at[] = {0, 1, 2, 0, 1, 2, 5, 6, 7, 8, 9, 10};
+      std::copy(std::begin(at), std::end(at), ids.data());
+      ctx.set_position_ids(ids);
+      const auto y_at = ctx.forward(m, x);
+      test_support::max_error at_ids;
+      at_ids.absolute(y_at.span(), reference_llama(owner, x, m.config(), o, ids));
+      CHECK(at_ids <= 1e-12);
+      test_support::max_error moved;  // and they matter: row 0's restart is no shift
+      moved.absolute(y_at.span(), y.span());
+      CHECK(moved.value() > 1e-6);
+      ctx.set_position_ids({});
     }
 }
 
@@ -565,12 +600,17 @@ TEST_CASE("GPT2Attention backward matches finite differences", "[nn][decoder][gp
 TEST_CASE("LlamaAttention backward matches finite differences", "[nn][decoder][llama][gradcheck]") {
   const std::int64_t B = 2, L = 4, E = 8;
   for (const std::int64_t kv : {1, 2, 4}) {
-    INFO("kv_heads " << kv);
+    INFO("kv_heads " << kv << (kv == 2 ? ", position ids" : ""));
     with_masks<LlamaAttention<double>> m{
         LlamaAttention<double>({.hidden_size = E, .num_attention_heads = 4, .num_key_value_heads = kv, .head_dim = 4,
                                 .attention_bias = kv == 2, .attention_dropout = kv == 1 ? 0.25 : 0.0}),
         right_padding(B, L, {3, 4}),
         {.allowed = random_allowed({B, 4, L, L}, 12), .bias = {}}};
+    if (kv == 2) {  // backward rotates back by the forward's position ids
+      m.positions = Tensor<std::int64_t>({B, L});
+      const std::int64_t at[] = {0, 1, 0, 1, 4, 5, 6, 7};
+      std::copy(std::begin(at), std::end(at), m.positions.data());
+    }
     const auto r = gradcheck::check(m, gradcheck::random_tensor({B, L, E}, 13));
     INFO("worst: " << r.worst);
     CHECK(r.max_rel_error < 1e-6);

@@ -527,6 +527,7 @@ TEMPLATE_TEST_CASE("position ids and key padding make a left-padded row its own"
       const std::int64_t L = tokens_of_row(prompt, mask, n).dim(1);
       shifted_z.insert(shifted_z.end(), shifted.data() + (n * P + P - L) * V, shifted.data() + (n * P + P) * V);
     }
+    CHECK(std::ranges::all_of(shifted_z, [](double v) { return std::isfinite(v); }));
     CHECK(test_support::normwise_error(shifted_z, want_z).value() > 1e-6);
   }
 
@@ -562,20 +563,22 @@ TEMPLATE_TEST_CASE("generation of a left-padded batch gives each row its own tok
   };
   for (bool use_cache : {true, false}) {
     INFO("use_cache " << use_cache);
-    const auto out = models::generate(model, prompt, {.max_new_tokens = N, .use_cache = use_cache, .attention_mask = mask});
+    const models::generate_options o{.max_new_tokens = N, .use_cache = use_cache, .attention_mask = mask};
+    const auto out = models::generate(model, prompt, o);
     REQUIRE(out.shape() == Shape{B, P + N});
-    const auto other_pad = models::generate(
-        model, left_padded(ids, 95).first, {.max_new_tokens = N, .use_cache = use_cache, .attention_mask = mask});
+    const auto other_pad = models::generate(model, left_padded(ids, 95).first, o);
     for (std::int64_t n = 0; n < B; ++n) {
       INFO("row " << n);
-      const auto alone = models::generate(model, tokens_of_row(prompt, mask, n), {.max_new_tokens = N, .use_cache = use_cache});
+      const auto alone =
+          models::generate(model, tokens_of_row(prompt, mask, n), {.max_new_tokens = N, .use_cache = use_cache});
       CHECK(continuation(out, n) == continuation(alone, 0));
       CHECK(continuation(other_pad, n) == continuation(out, n));
     }
     const auto sampled = models::generate(
         model, prompt, {.max_new_tokens = N, .top_k = 8, .seed = 3, .use_cache = use_cache, .attention_mask = mask});
     const auto sampled_alone =
-        models::generate(model, tokens_of_row(prompt, mask, 0), {.max_new_tokens = N, .top_k = 8, .seed = 3, .use_cache = use_cache});
+        models::generate(model, tokens_of_row(prompt, mask, 0),
+                         {.max_new_tokens = N, .top_k = 8, .seed = 3, .use_cache = use_cache});
     CHECK(continuation(sampled, 0) == continuation(sampled_alone, 0));
 
     const auto unmasked = models::generate(model, ids, {.max_new_tokens = N, .use_cache = use_cache});
@@ -598,7 +601,9 @@ TEMPLATE_TEST_CASE("generation of a left-padded batch gives each row its own tok
                     Catch::Contains("attention_mask holds 2 at row 0, position 2"));
   // A forward of the ids alone cannot set the padding.
   nn::context ctx({.training = false});
-  const auto ids_only = [&](const Tensor<std::int64_t>& x) { return ctx.no_grad([&] { return ctx.forward(model, x); }); };
+  const auto ids_only = [&](const Tensor<std::int64_t>& x) {
+    return ctx.no_grad([&] { return ctx.forward(model, x); });
+  };
   CHECK_THROWS_WITH(models::generate(model, ids_only, prompt, {.max_new_tokens = N, .attention_mask = mask}),
                     Catch::Contains("needs a forward that takes (ids, const generate_inputs&)"));
   CHECK(models::generate(model, ids_only, ids, {.max_new_tokens = 2}).shape() == Shape{B, P + 2});

@@ -114,8 +114,8 @@ struct generate_options {
   // A padded prompt's mask, as transformers' attention_mask: [batch, prompt_len], 1 = a
   // token, 0 = padding. Rows are padded on the left (each row's last position is a token:
   // generation continues from it). Padding is masked as a key and counts for no position,
-  // so each row's tokens are those it would get alone (top-k draws by the row's position
-  // too). Empty: every prompt position is a token.
+  // so a row's greedy tokens are those it gets alone; top-k's draws are keyed by the row's
+  // index and its own positions. Empty: every prompt position is a token.
   Tensor<std::int64_t> attention_mask{};
 };
 
@@ -184,8 +184,9 @@ class padded_positions {
   padded_positions(const Tensor<std::int64_t>& mask, std::int64_t batch, std::int64_t prompt, std::int64_t total)
       : total_(total) {
     if (mask.empty()) return;
-    require<shape_error>(mask.shape() == Shape{batch, prompt}, "generate: attention_mask must be shaped as the prompt, ",
-                         Shape{batch, prompt}, ", got ", mask.shape());
+    require<shape_error>(mask.shape() == Shape{batch, prompt},
+                         "generate: attention_mask must be shaped as the prompt, ", Shape{batch, prompt}, ", got ",
+                         mask.shape());
     positions_ = Tensor<std::int64_t>({batch, total});
     padding_ = Tensor<std::uint8_t>::zeros({batch, total});
     for (std::int64_t n = 0; n < batch; ++n) {

@@ -20,7 +20,7 @@
 
 #include <bit>          // std::bit_cast
 #include <concepts>     // std::convertible_to
-#include <cstdint>      // std::int64_t, std::uint64_t
+#include <cstdint>      // std::int64_t, std::uint64_t, std::uint8_t
 #include <exception>    // std::exception_ptr
 #include <span>         // std::span
 #include <string>       // std::string

@@ -10,7 +10,7 @@
 #include "shardlib/nn/rotary.hpp"
 #include "shardlib/nn/sdpa.hpp"
 
-#include <algorithm>    // std::copy_n, std::max_element, std::min
+#include <algorithm>    // std::copy_n, std::min, std::minmax_element
 #include <cstdint>      // std::int64_t
 #include <limits>       // std::numeric_limits
 #include <optional>     // std::optional
@@ -201,8 +201,9 @@ class decoder_attention : public decoder_attention_base<T, host_space> {
     // The masks and position ids are checked before the cache grows, so bad ones leave it as it was.
     const Shape all_keys{B, k.heads, offset + S, k.dim};
     detail::check_sdpa_shapes(q.shape(), all_keys, all_keys, sdpa_);
-    positions_ = ctx.position_ids();
-    if (!positions_.empty()) check_position_ids(positions_, B, S, std::numeric_limits<std::int64_t>::max(), name_);
+    const Tensor<std::int64_t>& ids = ctx.position_ids();
+    if (!ids.empty()) check_position_ids(ids, B, S, std::numeric_limits<std::int64_t>::max(), name_);
+    positions_ = ids;
     if (ctx.training() && o_.dropout > 0) sdpa_.dropout = ctx.random_stream();
     rotate(q, k, offset, false);
     auto [keys, values] = this->keys_and_values(k, v);
@@ -238,12 +239,12 @@ class decoder_attention : public decoder_attention_base<T, host_space> {
       table.apply(k, inverse);
       return;
     }
-    const std::int64_t* ids = positions_.data();
-    const rotary_table<T> table(*o_.rotary, 0, *std::max_element(ids, ids + positions_.numel()) + 1);
+    // A table of the positions between the smallest id and the largest: one row when decoding.
+    const auto [lo, hi] = std::minmax_element(positions_.data(), positions_.data() + positions_.numel());
+    const rotary_table<T> table(*o_.rotary, *lo, *hi - *lo + 1);
     table.apply_at(q, positions_, inverse);
     table.apply_at(k, positions_, inverse);
   }
-
 
   // Cached by forward for backward.
   sdpa_options sdpa_;

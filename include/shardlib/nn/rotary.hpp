@@ -88,7 +88,8 @@ inline std::vector<double> rotary_frequencies(const rotary_options& o) {
 template <class T>
 class rotary_table {
  public:
-  rotary_table(const rotary_options& o, std::int64_t offset, std::int64_t seq) : half_(o.head_dim / 2), seq_(seq) {
+  rotary_table(const rotary_options& o, std::int64_t offset, std::int64_t seq)
+      : half_(o.head_dim / 2), first_(offset), seq_(seq) {
     const std::vector<double> frequency = rotary_frequencies(o);
     cos_.resize(std::size_t(seq * half_));
     sin_.resize(cos_.size());
@@ -117,16 +118,16 @@ class rotary_table {
                          " positions of head_dim ", 2 * half_, " cannot rotate heads of shape ", x.shape());
     rotate(x, inverse, [](std::int64_t, std::int64_t l) { return l; });
   }
-  // The same with token (n, l) at table row ids[n * x.seq + l] (the context's
-  // position ids, [x.batch, x.seq], each below positions()).
+  // The same with token (n, l) at position ids[n * x.seq + l] (the context's
+  // position ids, [x.batch, x.seq], each among the table's positions).
   void apply_at(const head_view<T>& x, const Tensor<std::int64_t>& ids, bool inverse = false) const {
-    require<shape_error>(x.dim == 2 * half_ && ids.shape() == Shape{x.batch, x.seq}, "rotary embedding: heads of shape ",
-                         x.shape(), " need position ids [", x.batch, ", ", x.seq, "] and head_dim ", 2 * half_,
-                         ", got ids ", ids.shape());
+    require<shape_error>(x.dim == 2 * half_ && ids.shape() == Shape{x.batch, x.seq}, "rotary embedding: heads of ",
+                         "shape ", x.shape(), " need position ids [", x.batch, ", ", x.seq, "] and head_dim ",
+                         2 * half_, ", got ids ", ids.shape());
     for (std::int64_t i = 0; i < ids.numel(); ++i)
-      require<shape_error>(ids[i] >= 0 && ids[i] < seq_, "rotary embedding: position id ", ids[i],
-                           " is outside the table's ", seq_, " positions");
-    rotate(x, inverse, [&](std::int64_t n, std::int64_t l) { return ids[n * x.seq + l]; });
+      require<shape_error>(ids[i] >= first_ && ids[i] < first_ + seq_, "rotary embedding: position id ", ids[i],
+                           " is outside the table's positions ", first_, "..", first_ + seq_ - 1);
+    rotate(x, inverse, [&](std::int64_t n, std::int64_t l) { return ids[n * x.seq + l] - first_; });
   }
 
  private:
@@ -148,7 +149,7 @@ class rotary_table {
         }
   }
 
-  std::int64_t half_, seq_;
+  std::int64_t half_, first_, seq_;
   std::vector<T> cos_, sin_;
 };
 

@@ -17,7 +17,7 @@
 #include "shardlib/nn/gpt2_attention.hpp"
 #include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/llama_attention.hpp"
-#include "shardlib/nn/position_ids.hpp"          // check_position_ids
+#include "shardlib/nn/position_ids.hpp"         // check_position_ids
 #include "shardlib/nn/sdpa.hpp"                 // head_view
 #include "shardlib/ops/cuda/flash_attention.cuh"  // flash_attention_forward, _backward
 #include "shardlib/ops/cuda/rotary.cuh"           // rotary_device_table, apply_rotary, apply_rotary_at
@@ -116,7 +116,7 @@ class decoder_attention<T, cuda_space> : public decoder_attention_base<T, cuda_s
     padding_ = padding.empty() ? Tensor<std::uint8_t, cuda_space>{} : cuda::to_device(padding);
     flash_.key_padding = padding_.data();
     if (ctx.training() && o_.dropout > 0) flash_.dropout = ctx.random_stream();
-    positions_ = ids.empty() ? Tensor<std::int64_t, cuda_space>{} : cuda::to_device(ids);
+    positions_ = ids.empty() || !o_.rotary ? Tensor<std::int64_t, cuda_space>{} : cuda::to_device(ids);
     if (o_.rotary) {
       const std::int64_t needed = std::max(offset + S, largest + 1);
       if (!table_ || table_->positions() < needed)
@@ -177,7 +177,7 @@ class decoder_attention<T, cuda_space> : public decoder_attention_base<T, cuda_s
   head_view<T> q_, k_, v_, out_;
   Tensor<float, cuda_space> lse_;               // [B, heads, S]: each query row's log-sum-exp of scores
   Tensor<std::uint8_t, cuda_space> padding_;     // the key padding mask flash_ points at
-  Tensor<std::int64_t, cuda_space> positions_;  // the context's position ids, empty for offset + l
+  Tensor<std::int64_t, cuda_space> positions_;  // the context's position ids for RoPE, empty for offset + l
 };
 
 }  // namespace shardlib::nn::detail

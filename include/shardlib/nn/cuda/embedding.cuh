@@ -7,7 +7,7 @@
 #include "shardlib/core/pending.hpp"                 // count_host_sync
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/cuda/caching_allocator.hpp"       // device_allocator
-#include "shardlib/cuda/copy.hpp"                    // copy_async
+#include "shardlib/cuda/copy.hpp"                    // copy_async, to_device
 #include "shardlib/cuda/current.hpp"                 // current_stream
 #include "shardlib/cuda/error.hpp"                   // check, current_device
 #include "shardlib/cuda/memory_space.hpp"            // cuda_space
