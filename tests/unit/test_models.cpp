@@ -750,6 +750,63 @@ TEMPLATE_TEST_CASE("GPT-2 and LLaMA as transformers 5 saves them load and give i
   CHECK(err <= 1e-5);
 }
 
+// A left-padded batch as transformers 5 generates it (hf5/<model>/padded_generate.safetensors,
+// make_padded_generate_goldens.py: greedy, 8 new tokens, prompts of 3, 6 and 1 tokens padded
+// on the left): the same tokens, and each step's logits, from one forward over the generated
+// sequences with the mask's position ids and key padding, to 1e-5 of the largest (float32, as
+// above). Without the position ids GPT-2's logits are further off than that.
+TEMPLATE_TEST_CASE("a left-padded batch generates as transformers 5 generates it", "[models][hf][generate]",
+                   models::GPT2LMHeadModel<float>, models::LlamaForCausalLM<float>) {
+  using Model = TestType;
+  const fs::path dir = fs::path(SHARDLIB_GOLDEN_DIR) / "hf5" / golden_name<Model>;
+  Model model(models::read_hf_config<typename Model::config_type>(dir));
+  nn::Replicated<float, Model> owner(model, 0);
+  CHECK(models::load_hf(owner, dir).ok());
+  const auto f = io::safetensors::load(dir / "padded_generate.safetensors");
+  const auto prompt = golden::read<std::int64_t>(f, "input_ids"), mask = golden::read<std::int64_t>(f, "attention_mask"),
+             want = golden::read<std::int64_t>(f, "sequences");
+  const auto steps = golden::read<float>(f, "step_logits");
+  const std::int64_t B = prompt.dim(0), P = prompt.dim(1), N = want.dim(1) - P, V = steps.dim(2);
+  REQUIRE(steps.shape() == Shape{B, N, V});
+
+  const auto got = models::generate(model, prompt, {.max_new_tokens = N, .attention_mask = mask});
+  CHECK(std::vector<std::int64_t>(got.span().begin(), got.span().end()) ==
+        std::vector<std::int64_t>(want.span().begin(), want.span().end()));
+
+  Tensor<std::int64_t> positions({B, P + N});
+  Tensor<std::uint8_t> padding = Tensor<std::uint8_t>::zeros({B, P + N});
+  for (std::int64_t n = 0; n < B; ++n)
+    for (std::int64_t j = 0, before = 0; j < P + N; ++j) {
+      const bool token = j >= P || mask[n * P + j] == 1;
+      positions[n * (P + N) + j] = token ? before : 0;
+      padding[n * (P + N) + j] = std::uint8_t(!token);
+      before += token;
+    }
+  Tensor<double> reference(steps.shape());
+  std::copy(steps.span().begin(), steps.span().end(), reference.data());
+  // The logits that picked each new token: position P - 1 + k for step k.
+  const auto step_logits = [&](bool with_positions) {
+    nn::context ctx({.training = false});
+    ctx.set_key_padding_mask(padding);
+    if (with_positions) ctx.set_position_ids(positions);
+    const Tensor<float> z = ctx.forward(model, want);
+    Tensor<double> out({B, N, V});
+    for (std::int64_t n = 0; n < B; ++n)
+      std::copy_n(z.data() + (n * (P + N) + P - 1) * V, N * V, out.data() + n * N * V);
+    return out;
+  };
+  const auto err = logits_error(step_logits(true), reference);
+  INFO(golden_name<Model> << ": step logits differ by " << err << " of the largest");
+  CHECK(err <= 1e-5);
+  if constexpr (std::is_same_v<Model, models::GPT2LMHeadModel<float>>) {
+    const auto shifted = step_logits(false);
+    CHECK(std::ranges::all_of(shifted.span(), [](double v) { return std::isfinite(v); }));
+    const auto off = logits_error(shifted, reference);
+    INFO("without position ids: " << off);
+    CHECK(off.value() > 1e-5);
+  }
+}
+
 // Losses over 20 AdamW steps (float32 layers, shardlib's AdamW in float32; the
 // reference is float64): within 1e-4 relative, the brief's bound; the measured
 // difference is printed.
