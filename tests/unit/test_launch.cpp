@@ -110,7 +110,7 @@ std::pair<std::vector<double>, std::vector<std::string>> sum_over_sockets(int w,
 // Anything else is recorded as a protocol error and hung up on.
 class fake_torch_store {
  public:
-  fake_torch_store() : listener_(comm::detail::listen_on(0, "fake torch store")) {
+  explicit fake_torch_store(std::uint16_t port = 0) : listener_(comm::detail::listen_on(port, "fake torch store")) {
     acceptor_ = std::thread([this] {
       while (!stop_) {
         auto c = comm::detail::accept_until(listener_, comm::detail::deadline_after(50ms));
@@ -779,6 +779,36 @@ TEST_CASE("under torchrun, rank 0 serves the store on a free port and announces 
                     cat("rank 1: torchrun's store at 127.0.0.1:", agent.port(), " holds ", stale,
                         " under /shardlib/store, where nothing accepts connections (an earlier group's rank 0?), "
                         "and rank 0 announced no other within 0.5 s"));
+  // One deadline for the whole join: an agent that comes up late (a rank started before
+  // it; the connection retries) leaves the wait for the announcement only what is left,
+  // so the join ends at 2 s, not at 1.5 + 2 s as when each step had the whole timeout.
+  std::uint16_t late_port = 0;
+  {
+    const auto probe = comm::detail::listen_on(0, "a free port");
+    late_port = comm::detail::bound_port(probe);
+  }
+  const auto started = std::chrono::steady_clock::now();
+  std::string late_error;
+  std::thread joining([&] {
+    auto env = env_of(1, 2);
+    env.master_port = late_port;
+    try {
+      comm::store_from_environment(env, 2s);
+    } catch (const std::exception& e) {
+      late_error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(1500ms);
+  {
+    fake_torch_store late(late_port);  // never announces
+    joining.join();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  INFO("the join took " << took << " s");
+  CHECK_THAT(late_error, Catch::Contains("rank 1: torchrun's store at 127.0.0.1:") &&
+                             Catch::Contains("has no '/shardlib/store' within 2 s"));
+  CHECK(took < 3.0);  // 2 s and the thread's start and end; each step's own 2 s would take 3.5
+
   // An announcement that is no address.
   agent.set("/shardlib/store", "10.0.0.1");
   CHECK_THROWS_WITH(comm::store_from_environment(env_of(1, 2), 5s),

@@ -35,7 +35,8 @@ inline constexpr std::string_view announcement_key = "/shardlib/store";
 //     only its own restarts, so the key may still hold the last group's rank 0, whose
 //     store has gone with it: an address that refuses connections is read again until
 //     rank 0 announces anew.
-// `timeout` bounds joining (the announcement, then the store) and every later wait of the store.
+// `timeout` bounds joining (reaching the agent, the announcement and rank 0's store, all
+// within it together) and every later wait of the store.
 inline TcpStore store_from_environment(const launch_environment& env, seconds timeout) {
   const bool alone = env.size == 1 && !(env.master_addr && env.master_port);
   require<comm_error>(alone || (env.master_addr && env.master_port), "started by ", name(env.kind), " as rank ",
@@ -45,13 +46,13 @@ inline TcpStore store_from_environment(const launch_environment& env, seconds ti
   if (alone || !env.agent_store)
     return TcpStore(alone ? "127.0.0.1" : *env.master_addr, alone ? 0 : *env.master_port, env.rank, env.size,
                     env.rank == 0, timeout);
-  torch_store agent(*env.master_addr, *env.master_port, timeout, cat("rank ", env.rank));
+  const auto deadline = detail::deadline_after(timeout);  // for the whole join through the agent's store
+  torch_store agent(*env.master_addr, *env.master_port, timeout, cat("rank ", env.rank), deadline);
   if (env.rank == 0) {
     TcpStore store("127.0.0.1", 0, 0, env.size, true, timeout);
     agent.set(announcement_key, cat(agent.local_address(), ":", store.port()));
     return store;
   }
-  const auto deadline = detail::deadline_after(timeout);
   const std::string mine = agent.local_address(), agent_host = agent.store_host_address();
   for (std::string published = agent.get(announcement_key);; published = agent.read(announcement_key)) {
     const std::string at = detail::reachable(published, mine, agent_host);

@@ -7,6 +7,7 @@
 #include "shardlib/comm/tcp.hpp"
 #include "shardlib/core/error.hpp"
 
+#include <algorithm>    // std::min
 #include <chrono>       // std::chrono::duration
 #include <cstdint>      // std::uint8_t, std::uint32_t, std::uint64_t
 #include <string>       // std::string
@@ -25,10 +26,13 @@ namespace shardlib::comm {
 class torch_store {
  public:
   // Connects (retrying until `timeout`, like the agent's own workers) and validates.
-  // `who` opens every error message ("rank 3").
-  torch_store(std::string host, std::uint16_t port, std::chrono::duration<double> timeout, std::string who)
-      : host_(std::move(host)), port_(port), timeout_(timeout), who_(std::move(who)) {
-    conn_ = detail::connect_to(host_, port_, detail::deadline_after(timeout_), cat(who_, ": torchrun's store"));
+  // `who` opens every error message ("rank 3"). Every operation ends within `timeout`;
+  // connecting and waiting for a key end by `by` too (a join that waits more than once
+  // under one deadline passes it; a read the store answers at once is no wait).
+  torch_store(std::string host, std::uint16_t port, std::chrono::duration<double> timeout, std::string who,
+              detail::tcp_clock::time_point by = detail::tcp_clock::time_point::max())
+      : host_(std::move(host)), port_(port), timeout_(timeout), by_(by), who_(std::move(who)) {
+    conn_ = detail::connect_to(host_, port_, deadline(), cat(who_, ": torchrun's store"));
     std::string request(1, char(query::validate));
     append(request, validation_magic);
     send(request, "validating the connection");
@@ -54,11 +58,11 @@ class torch_store {
     append_string(request, key);
     send(request, cat("reading '", key, "'"));
     std::uint64_t size = 0;
-    const auto deadline = detail::deadline_after(timeout_);
-    check_read(detail::recv_all(conn_.get(), &size, sizeof size, deadline), size <= longest_value,
+    const auto until = detail::deadline_after(timeout_);
+    check_read(detail::recv_all(conn_.get(), &size, sizeof size, until), size <= longest_value,
                cat("reading '", key, "'"));
     std::string value(size, '\0');
-    check_read(detail::recv_all(conn_.get(), value.data(), size, deadline), true, cat("reading '", key, "'"));
+    check_read(detail::recv_all(conn_.get(), value.data(), size, until), true, cat("reading '", key, "'"));
     return value;
   }
 
@@ -74,10 +78,10 @@ class torch_store {
     append_string(request, key);
     send(request, cat("waiting for '", key, "'"));
     std::uint8_t stop = 0xff;
-    const auto waited = detail::recv_all(conn_.get(), &stop, 1, detail::deadline_after(timeout_));
+    const auto waited = detail::recv_all(conn_.get(), &stop, 1, deadline());
     if (waited == detail::io_status::timed_out) {
       conn_.reset();
-      throw comm_error(cat(who_, ": torchrun's store at ", address(), " has no '", key, "' after ", timeout_.count(),
+      throw comm_error(cat(who_, ": torchrun's store at ", address(), " has no '", key, "' within ", timeout_.count(),
                            " s"));
     }
     check_read(waited, stop == 0, cat("waiting for '", key, "'"));
@@ -102,6 +106,8 @@ class torch_store {
     check_read(detail::send_all(conn_.get(), request.data(), request.size(), detail::deadline_after(timeout_)), true,
                doing);
   }
+  // Where connecting or a wait for a key gives up.
+  detail::tcp_clock::time_point deadline() const { return std::min(detail::deadline_after(timeout_), by_); }
   // A lost connection, or a reply that is not what the protocol says.
   void check_read(detail::io_status status, bool expected, std::string_view doing) {
     if (status == detail::io_status::done && expected) return;
@@ -114,6 +120,7 @@ class torch_store {
   std::string host_;
   std::uint16_t port_;
   std::chrono::duration<double> timeout_;
+  detail::tcp_clock::time_point by_;
   std::string who_;
   detail::socket_fd conn_;
 };
