@@ -623,28 +623,30 @@ TEST_CASE("top-k keeps the tokens tied with the k-th", "[models][generate]") {
   CHECK(models::detail::pick_token(z.data(), 5, {.top_k = 1}, 0.999) == 0);  // no tie with the first: greedy
 }
 
-// eos_token_id: a row that picks it has ended (its later tokens are the same token) and
-// generation stops once every row has, so the result can be shorter than asked.
+// eos_token_id: a row that picks one of its tokens has ended (its later tokens are
+// pad_token_id, or without one the first end token) and generation stops once every row
+// has, so the result can be shorter than asked.
 TEST_CASE("generation stops at eos_token_id once every row has ended", "[models][generate]") {
   using Model = models::GPT2LMHeadModel<double>;
   Model model = golden_model<Model>();
   nn::Replicated<double, Model> owner(model, 5);
-  // What a run with the end token should give: each row as without it up to its first end
-  // token, then that token; as long as the longest row, or the whole length if one never ends.
-  const auto expected = [](const Tensor<std::int64_t>& free, std::int64_t P, std::int64_t eos) {
+  // What a run with end tokens should give: each row as without them up to its first end
+  // token, then `filler`; as long as the longest row, or the whole length if one never ends.
+  const auto expected = [](const Tensor<std::int64_t>& free, std::int64_t P, const models::end_tokens& eos,
+                           std::int64_t filler) {
     const std::int64_t B = free.dim(0), total = free.dim(1);
     std::vector<std::int64_t> ends;
     for (std::int64_t n = 0; n < B; ++n) {
       std::int64_t end = total;
       for (std::int64_t t = P; t < total && end == total; ++t)
-        if (free[n * total + t] == eos) end = t;
+        if (eos.contains(free[n * total + t])) end = t;
       ends.push_back(end);
     }
     const std::int64_t last = *std::max_element(ends.begin(), ends.end());
     const std::int64_t len = last == total ? total : last + 1;
     std::vector<std::int64_t> v;
     for (std::int64_t n = 0; n < B; ++n)
-      for (std::int64_t t = 0; t < len; ++t) v.push_back(t > ends[std::size_t(n)] ? eos : free[n * total + t]);
+      for (std::int64_t t = 0; t < len; ++t) v.push_back(t > ends[std::size_t(n)] ? filler : free[n * total + t]);
     return std::pair{len, v};
   };
   bool apart = false;  // two rows ended at different steps (or one never): the ended row waited
@@ -666,14 +668,35 @@ TEST_CASE("generation stops at eos_token_id once every row has ended", "[models]
         models::generate_options until = o;
         until.eos_token_id = eos;
         const auto got = models::generate(model, prompt, until);
-        const auto [len, want] = expected(free, 5, eos);
+        const auto [len, want] = expected(free, 5, eos, eos);
         if (rows == 1) CHECK(len <= 8);  // a lone row stops at its end token
         REQUIRE(got.shape() == Shape{rows, len});
         CHECK(std::vector<std::int64_t>(got.span().begin(), got.span().end()) == want);
+        // Several end tokens (row 0's third new token and the last row's fifth) and a pad token.
+        until.eos_token_id = {free[(rows - 1) * 17 + 9], eos};
+        until.pad_token_id = 95;
+        const auto padded = models::generate(model, prompt, until);
+        const auto [len2, want2] = expected(free, 5, until.eos_token_id, 95);
+        REQUIRE(padded.shape() == Shape{rows, len2});
+        CHECK(std::vector<std::int64_t>(padded.span().begin(), padded.span().end()) == want2);
+        // Without the pad token an ended row repeats the first end token.
+        until.pad_token_id = std::nullopt;
+        const auto repeated = models::generate(model, prompt, until);
+        CHECK(std::vector<std::int64_t>(repeated.span().begin(), repeated.span().end()) ==
+              expected(free, 5, until.eos_token_id, until.eos_token_id.ids[0]).second);
       }
   CHECK(apart);
   CHECK_THROWS_WITH(models::generate(model, tokens(1, 5, 96, 3), {.max_new_tokens = 2, .eos_token_id = 96}),
                     Catch::Contains("eos_token_id 96 is not a token of the model's 96"));
+  CHECK_THROWS_WITH(models::generate(model, tokens(1, 5, 96, 3), {.max_new_tokens = 2, .eos_token_id = {3, -1}}),
+                    Catch::Contains("eos_token_id -1 is not a token of the model's 96"));
+  CHECK_THROWS_WITH(
+      models::generate(model, tokens(1, 5, 96, 3), {.max_new_tokens = 2, .eos_token_id = 3, .pad_token_id = 96}),
+      Catch::Contains("pad_token_id 96 is not a token of the model's 96"));
+  // A config's token ids go straight in.
+  const models::token_ids llama3{.bos = 1, .eos = {4, 5, 6}, .pad = 7};
+  const models::generate_options from_config{.eos_token_id = llama3.eos, .pad_token_id = llama3.pad};
+  CHECK(from_config.eos_token_id.ids == std::vector<std::int64_t>{4, 5, 6});
 }
 
 // Logits a sampler cannot order or normalise: NaN and a row of -inf raise naming the

@@ -15,13 +15,15 @@
 #include "shardlib/nn/param.hpp"
 #include "shardlib/nn/tied_linear.hpp"
 
-#include <algorithm>    // std::copy_n, std::partial_sort
+#include <algorithm>    // std::copy_n, std::find, std::partial_sort
 #include <cmath>        // std::exp, std::isnan, INFINITY
 #include <concepts>     // std::convertible_to, std::invocable, std::same_as
 #include <cstdint>      // std::int64_t, std::uint64_t, std::uint8_t
+#include <initializer_list>  // std::initializer_list
 #include <numeric>      // std::iota
 #include <optional>     // std::optional
 #include <span>         // std::span
+#include <utility>      // std::move
 #include <vector>       // std::vector
 
 namespace shardlib::models {
@@ -101,16 +103,31 @@ concept CausalLM = nn::Layer<M> &&
                      { cm.max_positions() } -> std::convertible_to<std::int64_t>;
                    };
 
+// The tokens that end a row, as transformers' eos_token_id: none, one id, or several
+// (Llama 3.1's instruct models end at any of three; a config's token_ids::eos).
+struct end_tokens {
+  std::vector<std::int64_t> ids{};
+
+  end_tokens() = default;
+  end_tokens(std::int64_t id) : ids{id} {}  // implicit: .eos_token_id = 2
+  end_tokens(std::vector<std::int64_t> several) : ids(std::move(several)) {}
+  end_tokens(std::initializer_list<std::int64_t> several) : ids(several) {}
+
+  bool empty() const { return ids.empty(); }
+  bool contains(std::int64_t token) const { return std::find(ids.begin(), ids.end(), token) != ids.end(); }
+};
+
 struct generate_options {
   std::int64_t max_new_tokens = 32;
   std::int64_t top_k = 0;    // 0: greedy (the most likely token); k: sample among the k most likely
   double temperature = 1.0;  // top-k divides the logits by it before the softmax
   std::uint64_t seed = 0;    // top-k's draws: (seed, row, position), the same on every rank and for any max_new_tokens
   bool use_cache = true;     // false: every token by a forward over the whole sequence so far
-  // A row that picks this token has ended: its later tokens are this one too, and generation
-  // stops once every row has ended (the result then has fewer than max_new_tokens new tokens),
-  // as transformers' eos_token_id with no pad_token_id.
-  std::optional<std::int64_t> eos_token_id = std::nullopt;
+  // A row that picks one of these tokens has ended: its later tokens are pad_token_id (without
+  // one, the first of these), and generation stops once every row has ended (the result then
+  // has fewer than max_new_tokens new tokens), as transformers' eos_token_id and pad_token_id.
+  end_tokens eos_token_id{};
+  std::optional<std::int64_t> pad_token_id = std::nullopt;
   // A padded prompt's mask, as transformers' attention_mask: [batch, prompt_len], 1 = a
   // token, 0 = padding. Rows are padded on the left (each row's last position is a token:
   // generation continues from it). Padding is masked as a key and counts for no position,
@@ -254,6 +271,8 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
   if (o.use_cache) scope.emplace(model, total);
   const counter_rng draws(o.seed, fnv1a("generate"));
   std::vector<bool> ended(static_cast<std::size_t>(B), false);
+  // An ended row's later tokens.
+  const std::int64_t filler = o.pad_token_id ? *o.pad_token_id : o.eos_token_id.empty() ? 0 : o.eos_token_id.ids[0];
   std::vector<std::int64_t> next(static_cast<std::size_t>(B));
   // A forward's logits, checked, where the picking reads them.
   const auto read = [&](const auto& logits) {
@@ -264,24 +283,26 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
   auto logits = read(forward(prompt, padded.inputs(0, P, P)));
   for (std::int64_t t = P;; ++t) {
     const std::int64_t seq = logits.dim(1), vocab = logits.dim(2);
-    require(!o.eos_token_id || (*o.eos_token_id >= 0 && *o.eos_token_id < vocab), "generate: eos_token_id ",
-            o.eos_token_id.value_or(0), " is not a token of the model's ", vocab);
+    for (const std::int64_t id : o.eos_token_id.ids)
+      require(id >= 0 && id < vocab, "generate: eos_token_id ", id, " is not a token of the model's ", vocab);
+    require(!o.pad_token_id || (*o.pad_token_id >= 0 && *o.pad_token_id < vocab), "generate: pad_token_id ",
+            o.pad_token_id.value_or(0), " is not a token of the model's ", vocab);
     pick(
         [&] {
           for (std::int64_t n = 0; n < B; ++n)
             next[std::size_t(n)] =
                 ended[std::size_t(n)]
-                    ? *o.eos_token_id
+                    ? filler
                     : pick_token(logits.data() + (n * seq + seq - 1) * vocab, vocab, o,
                                  draws.uniform_double(std::uint64_t(n * model.max_positions() + padded.at(n, t))),
                                  n, t);
         },
         std::span<std::int64_t>(next), t);
-    bool all_ended = bool(o.eos_token_id);
+    bool all_ended = !o.eos_token_id.empty();
     for (std::int64_t n = 0; n < B; ++n) {
       const auto row = static_cast<std::size_t>(n);
       out[n * total + t] = next[row];
-      ended[row] = o.eos_token_id && next[row] == *o.eos_token_id;
+      ended[row] = ended[row] || o.eos_token_id.contains(next[row]);
       all_ended = all_ended && ended[row];
     }
     if (all_ended && t + 1 < total) {  // every row has ended: the tokens so far
@@ -300,7 +321,7 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
 
 // Continues every prompt row [batch, prompt_len] by max_new_tokens tokens and
 // returns prompt and continuation [batch, prompt_len + max_new_tokens] (fewer new
-// tokens when every row has reached eos_token_id, which is checked against the
+// tokens when every row has reached one of eos_token_id, which is checked against the
 // vocabulary of the first logits). `forward` maps host ids to logits (on the host
 // or in the model's space) in inference mode: ctx.training() false (a plain
 // context, or a sharded model's forward in eval), so dropout is off and the KV

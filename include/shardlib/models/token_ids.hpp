@@ -12,7 +12,7 @@ namespace shardlib::models {
 
 // transformers' bos_token_id, eos_token_id (one id or several: Llama 3.1's instruct
 // models end at any of three) and pad_token_id. The models compute nothing with them;
-// models::generate takes its own eos_token_id.
+// models::generate's options take them: {.eos_token_id = c.tokens.eos, .pad_token_id = c.tokens.pad}.
 struct token_ids {
   std::optional<std::int64_t> bos = std::nullopt;
   std::vector<std::int64_t> eos{};  // empty: none
