@@ -13,6 +13,9 @@ Each file holds, for prompts of 3, 6 and 1 tokens left-padded with token 0 to 6:
     attention_mask  I64 [3, 6]        1 = token, 0 = padding
     sequences       I64 [3, 6 + 8]    generate(do_sample=False, max_new_tokens=8), no end token
     step_logits     F32 [3, 8, 96]    each step's raw logits of the next token (output_logits)
+    eos_token_ids   I64 [3]           row n's new token n + 1 in sequences: end tokens for
+    sequences_eos   I64 [3, 6 + k]    the same generate with eos_token_id=eos_token_ids and
+                                      pad_token_id=0 (ended rows get 0; it stops once all ended)
 """
 import os
 import sys
@@ -42,12 +45,17 @@ def emit(name, seed):
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     assert out.sequences.shape == (len(LENGTHS), SEQ + NEW), out.sequences.shape
     logits = torch.stack(out.logits, dim=1).float()
+    eos = torch.tensor([int(out.sequences[n, SEQ + n + 1]) for n in range(len(LENGTHS))])
+    ending = GenerationConfig(do_sample=False, max_new_tokens=NEW, pad_token_id=0, eos_token_id=eos.tolist())
+    with torch.no_grad():
+        ended = model.generate(input_ids=ids, attention_mask=mask, generation_config=ending)
     write_safetensors(os.path.join(HF5, name, "padded_generate.safetensors"),
-                      {"input_ids": ids, "attention_mask": mask, "sequences": out.sequences, "step_logits": logits},
+                      {"input_ids": ids, "attention_mask": mask, "sequences": out.sequences, "step_logits": logits,
+                       "eos_token_ids": eos, "sequences_eos": ended},
                       {"format": "pt", "transformers": transformers.__version__, "torch": torch.__version__,
                        "about": f"{name}: tests/golden/make_padded_generate_goldens.py"})
     print(f"{name}: transformers {transformers.__version__}, torch {torch.__version__}:",
-          out.sequences[:, SEQ:].tolist())
+          out.sequences[:, SEQ:].tolist(), "ending at", eos.tolist(), ended[:, SEQ:].tolist())
 
 
 def main():

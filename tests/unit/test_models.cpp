@@ -777,7 +777,8 @@ TEMPLATE_TEST_CASE("GPT-2 and LLaMA as transformers 5 saves them load and give i
 // make_padded_generate_goldens.py: greedy, 8 new tokens, prompts of 3, 6 and 1 tokens padded
 // on the left): the same tokens, and each step's logits, from one forward over the generated
 // sequences with the mask's position ids and key padding, to 1e-5 of the largest (float32, as
-// above). Without the position ids GPT-2's logits are further off than that.
+// above); and with end tokens and a pad token, the same shorter result. Without the position
+// ids GPT-2's logits are further off than that.
 TEMPLATE_TEST_CASE("a left-padded batch generates as transformers 5 generates it", "[models][hf][generate]",
                    models::GPT2LMHeadModel<float>, models::LlamaForCausalLM<float>) {
   using Model = TestType;
@@ -795,6 +796,17 @@ TEMPLATE_TEST_CASE("a left-padded batch generates as transformers 5 generates it
   const auto got = models::generate(model, prompt, {.max_new_tokens = N, .attention_mask = mask});
   CHECK(std::vector<std::int64_t>(got.span().begin(), got.span().end()) ==
         std::vector<std::int64_t>(want.span().begin(), want.span().end()));
+  // With end tokens (one per row) and pad token 0: rows that end get 0, and it stops once all have.
+  const auto ends = golden::read<std::int64_t>(f, "eos_token_ids");
+  const auto want_ended = golden::read<std::int64_t>(f, "sequences_eos");
+  const auto ended = models::generate(model, prompt,
+                                      {.max_new_tokens = N,
+                                       .eos_token_id = std::vector<std::int64_t>(ends.span().begin(), ends.span().end()),
+                                       .pad_token_id = 0,
+                                       .attention_mask = mask});
+  REQUIRE(ended.shape() == want_ended.shape());
+  CHECK(std::vector<std::int64_t>(ended.span().begin(), ended.span().end()) ==
+        std::vector<std::int64_t>(want_ended.span().begin(), want_ended.span().end()));
 
   Tensor<std::int64_t> positions({B, P + N});
   Tensor<std::uint8_t> padding = Tensor<std::uint8_t>::zeros({B, P + N});
