@@ -17,7 +17,7 @@ namespace example {
 
 struct sample_settings {
   long sample = 96, top_k = 8;  // bytes to generate (0: none); the k most likely bytes drawn from
-  double temperature = 0.8;
+  double temperature = 0.8, top_p = 1.0;
 };
 
 inline void add_sample_flags(command_line& cli, sample_settings& s) {
@@ -25,6 +25,8 @@ inline void add_sample_flags(command_line& cli, sample_settings& s) {
       ->check(whole(0, max_size));
   cli.add_option("--top-k", s.top_k, "sample among the k most likely bytes (1 = greedy)")->check(whole(1, 256));
   cli.add_option("--temperature", s.temperature, "divides the logits before sampling")->check(positive(100));
+  cli.add_option("--top-p", s.top_p, "then sample among the most likely bytes whose probabilities reach p")
+      ->check(positive(1));
 }
 
 // The first min(32, seq / 2) bytes of the held-out tail's first paragraph (or of
@@ -45,6 +47,7 @@ inline shardlib::models::generate_options sample_options(const sample_settings& 
   return {.max_new_tokens = std::min(s.sample, seq - prompt_len),
           .top_k = s.top_k,
           .temperature = s.temperature,
+          .top_p = s.top_p,
           .seed = seed};
 }
 
@@ -52,8 +55,8 @@ inline void print_sample(const char* program, const sample_settings& s, const sh
                          long prompt_len) {
   std::string prompt, continuation;
   for (std::int64_t t = 0; t < out.numel(); ++t) (t < prompt_len ? prompt : continuation) += char(out[t]);
-  std::printf("%s: sample (top-%ld, temperature %.2f)\n--- prompt ---\n%s\n--- continuation ---\n%s\n---\n", program,
-              s.top_k, s.temperature, prompt.c_str(), continuation.c_str());
+  std::printf("%s: sample (top-%ld, temperature %.2f, top-p %.2f)\n--- prompt ---\n%s\n--- continuation ---\n%s\n---\n",
+              program, s.top_k, s.temperature, s.top_p, prompt.c_str(), continuation.c_str());
 }
 
 }  // namespace example

@@ -623,6 +623,47 @@ TEST_CASE("top-k keeps the tokens tied with the k-th", "[models][generate]") {
   CHECK(models::detail::pick_token(z.data(), 5, {.top_k = 1}, 0.999) == 0);  // no tie with the first: greedy
 }
 
+// Top-p keeps the nucleus as transformers' TopPLogitsWarper does (after top-k): for logits
+// 2, 1, 0, -1, top_p 0.8 keeps tokens 0 and 1, 0.9 also 2, a tiny one token 0 alone; after
+// top-k 3, top_p 0.95 keeps 0, 1, 2 and 0.9 keeps 0, 1 (what transformers 5.25's warpers keep
+// for these logits). Draws are against the kept tokens' renormalised softmax.
+TEST_CASE("top-p keeps the nucleus transformers keeps", "[models][generate]") {
+  const std::vector<double> z = {2, 1, 0, -1};
+  const double w0 = 1, w1 = std::exp(-1.0);
+  const auto last_drawn = [&](const models::generate_options& o) {  // the least likely token u = 0.999 reaches
+    return models::detail::pick_token(z.data(), 4, o, 0.999);
+  };
+  CHECK(last_drawn({.top_p = 0.8}) == 1);
+  CHECK(models::detail::pick_token(z.data(), 4, {.top_p = 0.8}, w0 / (w0 + w1) - 1e-9) == 0);
+  CHECK(models::detail::pick_token(z.data(), 4, {.top_p = 0.8}, w0 / (w0 + w1) + 1e-9) == 1);
+  CHECK(last_drawn({.top_p = 0.9}) == 2);
+  CHECK(last_drawn({.top_p = 1e-9}) == 0);
+  CHECK(last_drawn({.top_p = 1.0}) == 0);                // top_k 0 and top_p 1: greedy
+  CHECK(last_drawn({.top_k = 4, .top_p = 1.0}) == 3);   // top-k alone
+  CHECK(last_drawn({.top_k = 3, .top_p = 0.95}) == 2);
+  CHECK(last_drawn({.top_k = 3, .top_p = 0.9}) == 1);
+  // The temperature comes first: at 0.5 the softmax sharpens and 0.8 keeps token 0 alone
+  // (its probability is 0.867), at 2 it flattens and 0.8 keeps three.
+  CHECK(last_drawn({.temperature = 0.5, .top_p = 0.8}) == 0);
+  CHECK(last_drawn({.temperature = 2.0, .top_p = 0.8}) == 2);
+
+  using Model = models::GPT2LMHeadModel<double>;
+  Model model = golden_model<Model>();
+  nn::Replicated<double, Model> owner(model, 5);
+  const auto prompt = tokens(2, 5, 96, 3);
+  for (const double bad : {0.0, 1.5, double(NAN)})
+    CHECK_THROWS_WITH(models::generate(model, prompt, {.max_new_tokens = 2, .top_p = bad}),
+                      Catch::Contains("top_p in (0, 1]"));
+  // Reproducible from the seed, with the cache and without; not greedy.
+  const auto a = models::generate(model, prompt, {.max_new_tokens = 12, .top_p = 0.9, .seed = 4});
+  const auto b = models::generate(model, prompt, {.max_new_tokens = 12, .top_p = 0.9, .seed = 4, .use_cache = false});
+  const auto greedy = models::generate(model, prompt, {.max_new_tokens = 12});
+  CHECK(std::vector<std::int64_t>(a.span().begin(), a.span().end()) ==
+        std::vector<std::int64_t>(b.span().begin(), b.span().end()));
+  CHECK(std::vector<std::int64_t>(a.span().begin(), a.span().end()) !=
+        std::vector<std::int64_t>(greedy.span().begin(), greedy.span().end()));
+}
+
 // eos_token_id: a row that picks one of its tokens has ended (its later tokens are
 // pad_token_id, or without one the first end token) and generation stops once every row
 // has, so the result can be shorter than asked.

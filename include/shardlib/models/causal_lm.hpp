@@ -119,8 +119,11 @@ struct end_tokens {
 
 struct generate_options {
   std::int64_t max_new_tokens = 32;
-  std::int64_t top_k = 0;    // 0: greedy (the most likely token); k: sample among the k most likely
-  double temperature = 1.0;  // top-k divides the logits by it before the softmax
+  std::int64_t top_k = 0;    // k: sample among the k most likely (0: no such limit)
+  double temperature = 1.0;  // sampling divides the logits by it before the softmax
+  // Sample among the most likely tokens whose probabilities (after top-k) reach top_p, as
+  // transformers' top_p. With top_k 0 and top_p 1 generation is greedy (the most likely token).
+  double top_p = 1.0;
   std::uint64_t seed = 0;    // top-k's draws: (seed, row, position), the same on every rank and for any max_new_tokens
   bool use_cache = true;     // false: every token by a forward over the whole sequence so far
   // A row that picks one of these tokens has ended: its later tokens are pad_token_id (without
@@ -162,7 +165,9 @@ struct generate_io<host_space> {
 
 // The token chosen from one row of logits: the first maximum (greedy), or a draw
 // u in [0, 1) against the softmax of the k largest and every token tied with the
-// k-th, as transformers' top-k keeps them (in order of logit, then id). A NaN
+// k-th, as transformers' top-k keeps them (in order of logit, then id), then of the
+// nucleus of those: top-p drops, from the least likely up, the tokens whose
+// probabilities sum to at most 1 - top_p, as transformers' TopPLogitsWarper. A NaN
 // logit has no order and a row whose largest logit is -inf no softmax: both raise,
 // naming the row and position; a +inf logit has all the probability (the first, if several).
 template <class T>
@@ -174,8 +179,8 @@ std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& 
   const std::int64_t best = std::int64_t(std::max_element(z, z + vocab) - z);
   require(double(z[best]) > -INFINITY, "generate: every logit is -inf (row ", row, ", position ", position,
           "): no token can follow");
-  if (o.top_k == 0 || double(z[best]) == INFINITY) return best;
-  const std::int64_t k = std::min(o.top_k, vocab);
+  if ((o.top_k == 0 && o.top_p >= 1) || double(z[best]) == INFINITY) return best;
+  const std::int64_t k = o.top_k == 0 ? vocab : std::min(o.top_k, vocab);
   std::vector<std::int64_t> ids(static_cast<std::size_t>(vocab));
   std::iota(ids.begin(), ids.end(), std::int64_t(0));
   std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
@@ -183,11 +188,17 @@ std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& 
   const T kth = z[ids[std::size_t(k - 1)]];
   const auto tied_end = std::partition(ids.begin() + k, ids.end(), [&](std::int64_t i) { return z[i] == kth; });
   std::sort(ids.begin() + k, tied_end);
-  const std::int64_t kept = tied_end - ids.begin();
+  std::int64_t kept = tied_end - ids.begin();
   std::vector<double> w(static_cast<std::size_t>(kept));
   double sum = 0;
   for (std::int64_t i = 0; i < kept; ++i)
     sum += w[std::size_t(i)] = std::exp((double(z[ids[std::size_t(i)]]) - double(z[ids[0]])) / o.temperature);
+  if (o.top_p < 1) {
+    double tail = 0;  // of the tokens from i on
+    for (std::int64_t i = kept - 1; i > 0 && (tail += w[std::size_t(i)]) <= (1 - o.top_p) * sum; --i) kept = i;
+    sum = 0;
+    for (std::int64_t i = 0; i < kept; ++i) sum += w[std::size_t(i)];
+  }
   double acc = 0;
   for (std::int64_t i = 0; i < kept; ++i)
     if (u * sum < (acc += w[std::size_t(i)])) return ids[std::size_t(i)];
@@ -249,9 +260,9 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
                               const generate_options& o, Pick&& pick) {
   require<shape_error>(prompt.rank() == 2 && prompt.dim(0) > 0 && prompt.dim(1) > 0,
                        "generate: the prompt must be [batch, seq] token ids with both positive, got ", prompt.shape());
-  require(o.max_new_tokens >= 0 && o.top_k >= 0 && o.temperature > 0,
-          "generate: needs max_new_tokens >= 0, top_k >= 0 and temperature > 0, got ", o.max_new_tokens, ", ", o.top_k,
-          " and ", o.temperature);
+  require(o.max_new_tokens >= 0 && o.top_k >= 0 && o.temperature > 0 && o.top_p > 0 && o.top_p <= 1,
+          "generate: needs max_new_tokens >= 0, top_k >= 0, temperature > 0 and top_p in (0, 1], got ",
+          o.max_new_tokens, ", ", o.top_k, ", ", o.temperature, " and ", o.top_p);
   const std::int64_t B = prompt.dim(0), P = prompt.dim(1), total = P + o.max_new_tokens;
   require<shape_error>(total <= model.max_positions(), "generate: prompt (", P, ") + max_new_tokens (",
                        o.max_new_tokens, ") = ", total, " positions exceed the model's ", model.max_positions());
