@@ -793,6 +793,15 @@ TEMPLATE_TEST_CASE("GPT-2 and LLaMA loaded from transformers' files give its log
   CHECK(test_support::relative_error(double(loss), e.losses[0], 0) <= 10 * tolerance);
 }
 
+// A model as transformers 5 saved it in tests/golden/hf5, loaded (float32).
+template <class Model>
+struct hf5_model {
+  fs::path dir = fs::path(SHARDLIB_GOLDEN_DIR) / "hf5" / golden_name<Model>;
+  Model model{models::read_hf_config<typename Model::config_type>(dir)};
+  nn::Replicated<float, Model> owner{model, 0};
+  bool loaded = models::load_hf(owner, dir).ok();
+};
+
 // What transformers 5 writes (tests/golden/hf5, make_hf5_goldens.py: transformers 5.25,
 // torch 2.15): "dtype" for "torch_dtype", LLaMA's rope_theta only inside
 // "rope_parameters", its weights in one file. Its float32 logits, to 1e-5 of the largest
@@ -800,13 +809,11 @@ TEMPLATE_TEST_CASE("GPT-2 and LLaMA loaded from transformers' files give its log
 TEMPLATE_TEST_CASE("GPT-2 and LLaMA as transformers 5 saves them load and give its logits", "[models][hf]",
                    models::GPT2LMHeadModel<float>, models::LlamaForCausalLM<float>) {
   using Model = TestType;
-  const fs::path dir = fs::path(SHARDLIB_GOLDEN_DIR) / "hf5" / golden_name<Model>;
-  Model model(models::read_hf_config<typename Model::config_type>(dir));
-  nn::Replicated<float, Model> owner(model, 0);
-  CHECK(models::load_hf(owner, dir).ok());
-  const auto f = io::safetensors::load(dir / "expected.safetensors");
+  hf5_model<Model> m;
+  CHECK(m.loaded);
+  const auto f = io::safetensors::load(m.dir / "expected.safetensors");
   nn::context ctx({.training = false});
-  const Tensor<float> logits = ctx.forward(model, golden::read<std::int64_t>(f, "input_ids"));
+  const Tensor<float> logits = ctx.forward(m.model, golden::read<std::int64_t>(f, "input_ids"));
   const Tensor<double> want = logits_of(f);
   REQUIRE(logits.shape() == want.shape());
   const auto err = logits_error(logits, want);
@@ -823,11 +830,10 @@ TEMPLATE_TEST_CASE("GPT-2 and LLaMA as transformers 5 saves them load and give i
 TEMPLATE_TEST_CASE("a left-padded batch generates as transformers 5 generates it", "[models][hf][generate]",
                    models::GPT2LMHeadModel<float>, models::LlamaForCausalLM<float>) {
   using Model = TestType;
-  const fs::path dir = fs::path(SHARDLIB_GOLDEN_DIR) / "hf5" / golden_name<Model>;
-  Model model(models::read_hf_config<typename Model::config_type>(dir));
-  nn::Replicated<float, Model> owner(model, 0);
-  CHECK(models::load_hf(owner, dir).ok());
-  const auto f = io::safetensors::load(dir / "padded_generate.safetensors");
+  hf5_model<Model> m;
+  CHECK(m.loaded);
+  Model& model = m.model;
+  const auto f = io::safetensors::load(m.dir / "padded_generate.safetensors");
   const auto prompt = golden::read<std::int64_t>(f, "input_ids"), mask = golden::read<std::int64_t>(f, "attention_mask"),
              want = golden::read<std::int64_t>(f, "sequences");
   const auto steps = golden::read<float>(f, "step_logits");
