@@ -13,9 +13,11 @@ Each file holds, for prompts of 3, 6 and 1 tokens left-padded with token 0 to 6:
     attention_mask  I64 [3, 6]        1 = token, 0 = padding
     sequences       I64 [3, 6 + 8]    generate(do_sample=False, max_new_tokens=8), no end token
     step_logits     F32 [3, 8, 96]    each step's raw logits of the next token (output_logits)
-    eos_token_ids   I64 [3]           row n's new token n + 1 in sequences: end tokens for
+    eos_token_ids   I64 [m]           end tokens: of each row, the first new token from its
+                                      (n + 1)-th on that it has not generated before, if any
     sequences_eos   I64 [3, 6 + k]    the same generate with eos_token_id=eos_token_ids and
-                                      pad_token_id=0 (ended rows get 0; it stops once all ended)
+                                      pad_token_id=0 (ended rows get 0; it stops once all
+                                      ended); the rows end at different steps, so some get 0s
 """
 import os
 import sys
@@ -45,10 +47,17 @@ def emit(name, seed):
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     assert out.sequences.shape == (len(LENGTHS), SEQ + NEW), out.sequences.shape
     logits = torch.stack(out.logits, dim=1).float()
-    eos = torch.tensor([int(out.sequences[n, SEQ + n + 1]) for n in range(len(LENGTHS))])
+    new = out.sequences[:, SEQ:].tolist()
+    eos = []
+    for n, row in enumerate(new):
+        fresh = [t for i, t in enumerate(row) if i > n and t not in row[:i]]
+        if fresh:
+            eos.append(fresh[0])
+    eos = torch.tensor(sorted(set(eos)))
     ending = GenerationConfig(do_sample=False, max_new_tokens=NEW, pad_token_id=0, eos_token_id=eos.tolist())
     with torch.no_grad():
         ended = model.generate(input_ids=ids, attention_mask=mask, generation_config=ending)
+    assert (ended[:, SEQ:] == 0).any() and len(eos) > 0, "no row was padded: choose other end tokens"
     write_safetensors(os.path.join(HF5, name, "padded_generate.safetensors"),
                       {"input_ids": ids, "attention_mask": mask, "sequences": out.sequences, "step_logits": logits,
                        "eos_token_ids": eos, "sequences_eos": ended},

@@ -626,7 +626,8 @@ TEST_CASE("top-k keeps the tokens tied with the k-th", "[models][generate]") {
 // Top-p keeps the nucleus as transformers' TopPLogitsWarper does (after top-k): for logits
 // 2, 1, 0, -1, top_p 0.8 keeps tokens 0 and 1, 0.9 also 2, a tiny one token 0 alone; after
 // top-k 3, top_p 0.95 keeps 0, 1, 2 and 0.9 keeps 0, 1 (what transformers 5.25's warpers keep
-// for these logits). Draws are against the kept tokens' renormalised softmax.
+// for these logits, as for the ties below). Draws are against the kept tokens' renormalised
+// softmax.
 TEST_CASE("top-p keeps the nucleus transformers keeps", "[models][generate]") {
   const std::vector<double> z = {2, 1, 0, -1};
   const double w0 = 1, w1 = std::exp(-1.0);
@@ -646,6 +647,13 @@ TEST_CASE("top-p keeps the nucleus transformers keeps", "[models][generate]") {
   // (its probability is 0.867), at 2 it flattens and 0.8 keeps three.
   CHECK(last_drawn({.temperature = 0.5, .top_p = 0.8}) == 0);
   CHECK(last_drawn({.temperature = 2.0, .top_p = 0.8}) == 2);
+  // A cut through tied logits keeps the tied tokens of highest id, as transformers' does:
+  // for 1, 1, 0 top_p 0.4 keeps token 1; for 0, 1, 1, 1, 1 top_p 0.3 keeps 3 and 4.
+  const std::vector<double> tied3 = {1, 1, 0}, tied5 = {0, 1, 1, 1, 1};
+  CHECK(models::detail::pick_token(tied3.data(), 3, {.top_p = 0.4}, 0.0) == 1);
+  CHECK(models::detail::pick_token(tied3.data(), 3, {.top_p = 0.4}, 0.999) == 1);
+  CHECK(models::detail::pick_token(tied5.data(), 5, {.top_p = 0.3}, 0.0) == 3);
+  CHECK(models::detail::pick_token(tied5.data(), 5, {.top_p = 0.3}, 0.999) == 4);
 
   using Model = models::GPT2LMHeadModel<double>;
   Model model = golden_model<Model>();
@@ -691,6 +699,7 @@ TEST_CASE("generation stops at eos_token_id once every row has ended", "[models]
     return std::pair{len, v};
   };
   bool apart = false;  // two rows ended at different steps (or one never): the ended row waited
+  bool filled = false, second = false;  // a row got the pad token; the second end token ended one
   for (const std::int64_t rows : {1, 2})
     for (const std::int64_t k : {0, 8})  // greedy, and draws (after its end a row would draw other tokens)
       for (const bool cache : {true, false}) {
@@ -720,6 +729,8 @@ TEST_CASE("generation stops at eos_token_id once every row has ended", "[models]
         const auto [len2, want2] = expected(free, 5, until.eos_token_id, 95);
         REQUIRE(padded.shape() == Shape{rows, len2});
         CHECK(std::vector<std::int64_t>(padded.span().begin(), padded.span().end()) == want2);
+        filled = filled || std::count(want2.begin(), want2.end(), 95) > 0;
+        second = second || expected(free, 5, eos, 95) != std::pair{len2, want2};
         // Without the pad token an ended row repeats the first end token.
         until.pad_token_id = std::nullopt;
         const auto repeated = models::generate(model, prompt, until);
@@ -727,6 +738,8 @@ TEST_CASE("generation stops at eos_token_id once every row has ended", "[models]
               expected(free, 5, until.eos_token_id, until.eos_token_id.ids[0]).second);
       }
   CHECK(apart);
+  CHECK(filled);
+  CHECK(second);
   CHECK_THROWS_WITH(models::generate(model, tokens(1, 5, 96, 3), {.max_new_tokens = 2, .eos_token_id = 96}),
                     Catch::Contains("eos_token_id 96 is not a token of the model's 96"));
   CHECK_THROWS_WITH(models::generate(model, tokens(1, 5, 96, 3), {.max_new_tokens = 2, .eos_token_id = {3, -1}}),
@@ -734,6 +747,11 @@ TEST_CASE("generation stops at eos_token_id once every row has ended", "[models]
   CHECK_THROWS_WITH(
       models::generate(model, tokens(1, 5, 96, 3), {.max_new_tokens = 2, .eos_token_id = 3, .pad_token_id = 96}),
       Catch::Contains("pad_token_id 96 is not a token of the model's 96"));
+  // Ranks must agree on each of them (the sharded overload's hash of the options).
+  const auto hash = [](const models::generate_options& o) { return models::detail::options_hash(o); };
+  CHECK(hash({.eos_token_id = {1, 2}}) != hash({.eos_token_id = 1}));
+  CHECK(hash({.eos_token_id = 1, .pad_token_id = 0}) != hash({.eos_token_id = 1}));
+  CHECK(hash({.top_p = 0.9}) != hash({}));
   // A config's token ids go straight in.
   const models::token_ids llama3{.bos = 1, .eos = {4, 5, 6}, .pad = 7};
   const models::generate_options from_config{.eos_token_id = llama3.eos, .pad_token_id = llama3.pad};

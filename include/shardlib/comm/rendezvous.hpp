@@ -8,7 +8,7 @@
 #include "shardlib/comm/torch_store.hpp"
 #include "shardlib/core/error.hpp"
 
-#include <algorithm>     // std::min
+#include <algorithm>     // std::max, std::min
 #include <chrono>        // std::chrono::milliseconds
 #include <charconv>      // std::from_chars
 #include <cstdint>       // std::uint16_t
@@ -67,7 +67,11 @@ inline TcpStore store_from_environment(const launch_environment& env, seconds ti
     const std::string host = at.substr(0, colon);
     bool open = true;
     try {
-      detail::connect_to(host, port, std::min(deadline, detail::deadline_after(seconds(1))), "");
+      // At most a second, at least a tenth (however little of the deadline is left).
+      detail::connect_to(host, port,
+                         std::max(std::min(deadline, detail::deadline_after(seconds(1))),
+                                  detail::deadline_after(std::chrono::milliseconds(100))),
+                         "");
     } catch (const comm_error&) {
       open = false;
     }

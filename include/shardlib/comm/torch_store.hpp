@@ -7,7 +7,7 @@
 #include "shardlib/comm/tcp.hpp"
 #include "shardlib/core/error.hpp"
 
-#include <algorithm>    // std::min
+#include <algorithm>    // std::max, std::min
 #include <chrono>       // std::chrono::duration
 #include <cstdint>      // std::uint8_t, std::uint32_t, std::uint64_t
 #include <string>       // std::string
@@ -78,7 +78,10 @@ class torch_store {
     append_string(request, key);
     send(request, cat("waiting for '", key, "'"));
     std::uint8_t stop = 0xff;
-    const auto waited = detail::recv_all(conn_.get(), &stop, 1, deadline());
+    // At least a round trip's time, however little of `by` is left: the key may be there.
+    const auto waited = detail::recv_all(
+        conn_.get(), &stop, 1,
+        std::max(deadline(), detail::deadline_after(std::min(timeout_, std::chrono::duration<double>(0.1)))));
     if (waited == detail::io_status::timed_out) {
       conn_.reset();
       throw comm_error(cat(who_, ": torchrun's store at ", address(), " has no '", key, "' within ", timeout_.count(),

@@ -122,9 +122,11 @@ struct generate_options {
   std::int64_t top_k = 0;    // k: sample among the k most likely (0: no such limit)
   double temperature = 1.0;  // sampling divides the logits by it before the softmax
   // Sample among the most likely tokens whose probabilities (after top-k) reach top_p, as
-  // transformers' top_p. With top_k 0 and top_p 1 generation is greedy (the most likely token).
+  // transformers' top_p. With top_k 0 and top_p 1 generation is greedy (the most likely
+  // token); transformers' do_sample=True samples with top_k 50 unless told otherwise, and
+  // the whole softmax is top_k = the vocabulary's size here.
   double top_p = 1.0;
-  std::uint64_t seed = 0;    // top-k's draws: (seed, row, position), the same on every rank and for any max_new_tokens
+  std::uint64_t seed = 0;    // sampling's draws: (seed, row, position), the same on every rank and for any max_new_tokens
   bool use_cache = true;     // false: every token by a forward over the whole sequence so far
   // A row that picks one of these tokens has ended: its later tokens are pad_token_id (without
   // one, the first of these), and generation stops once every row has ended (the result then
@@ -166,8 +168,10 @@ struct generate_io<host_space> {
 // The token chosen from one row of logits: the first maximum (greedy), or a draw
 // u in [0, 1) against the softmax of the k largest and every token tied with the
 // k-th, as transformers' top-k keeps them (in order of logit, then id), then of the
-// nucleus of those: top-p drops, from the least likely up, the tokens whose
-// probabilities sum to at most 1 - top_p, as transformers' TopPLogitsWarper. A NaN
+// nucleus of those: top-p drops, from the least likely up (of tied ones, the lowest
+// id first), the tokens whose probabilities sum to at most 1 - top_p, as transformers'
+// TopPLogitsWarper (which sums in float32, this in double: an exact boundary may fall
+// the other way). A NaN
 // logit has no order and a row whose largest logit is -inf no softmax: both raise,
 // naming the row and position; a +inf logit has all the probability (the first, if several).
 template <class T>
@@ -194,8 +198,15 @@ std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& 
   for (std::int64_t i = 0; i < kept; ++i)
     sum += w[std::size_t(i)] = std::exp((double(z[ids[std::size_t(i)]]) - double(z[ids[0]])) / o.temperature);
   if (o.top_p < 1) {
+    const std::int64_t all = kept;
     double tail = 0;  // of the tokens from i on
     for (std::int64_t i = kept - 1; i > 0 && (tail += w[std::size_t(i)]) <= (1 - o.top_p) * sum; --i) kept = i;
+    // A cut through tied logits keeps the tied tokens of highest id, as transformers' ascending
+    // sort drops the lowest first; they take the run's first places, in order of id.
+    std::int64_t first = kept - 1, last = kept;
+    while (first > 0 && z[ids[std::size_t(first - 1)]] == z[ids[std::size_t(kept - 1)]]) --first;
+    while (last < all && z[ids[std::size_t(last)]] == z[ids[std::size_t(kept - 1)]]) ++last;
+    std::rotate(ids.begin() + first, ids.begin() + last - (kept - first), ids.begin() + last);
     sum = 0;
     for (std::int64_t i = 0; i < kept; ++i) sum += w[std::size_t(i)];
   }
@@ -332,8 +343,8 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
 
 // Continues every prompt row [batch, prompt_len] by max_new_tokens tokens and
 // returns prompt and continuation [batch, prompt_len + max_new_tokens] (fewer new
-// tokens when every row has reached one of eos_token_id, which is checked against the
-// vocabulary of the first logits). `forward` maps host ids to logits (on the host
+// tokens when every row has reached one of eos_token_id; it and pad_token_id are checked
+// against the vocabulary of the logits). `forward` maps host ids to logits (on the host
 // or in the model's space) in inference mode: ctx.training() false (a plain
 // context, or a sharded model's forward in eval), so dropout is off and the KV
 // cache may be used. With the cache, the prompt runs once and each new token alone (its
