@@ -752,6 +752,7 @@ TEST_CASE("generation stops at eos_token_id once every row has ended", "[models]
   CHECK(hash({.eos_token_id = {1, 2}}) != hash({.eos_token_id = 1}));
   CHECK(hash({.eos_token_id = 1, .pad_token_id = 0}) != hash({.eos_token_id = 1}));
   CHECK(hash({.top_p = 0.9}) != hash({}));
+  CHECK(models::generate_options{.eos_token_id = std::nullopt}.eos_token_id.empty());
   // A config's token ids go straight in.
   const models::token_ids llama3{.bos = 1, .eos = {4, 5, 6}, .pad = 7};
   const models::generate_options from_config{.eos_token_id = llama3.eos, .pad_token_id = llama3.pad};

@@ -1,7 +1,7 @@
 // shardlib/models/causal_lm.hpp — what the decoder language models (models/gpt2.hpp,
 // models/llama.hpp) share: the LM head (owned or tied to the token embedding), the
-// shifted next-token targets Hugging Face's loss uses, and generation (greedy or
-// top-k, of left-padded batches too) with the attention layers' KV cache, on the
+// shifted next-token targets Hugging Face's loss uses, and generation (greedy, top-k
+// or top-p, of left-padded batches too) with the attention layers' KV cache, on the
 // host or on a device (the ids go to the model's memory space, the last position's
 // logits come back).
 #pragma once
@@ -15,13 +15,13 @@
 #include "shardlib/nn/param.hpp"
 #include "shardlib/nn/tied_linear.hpp"
 
-#include <algorithm>    // std::copy_n, std::find, std::partial_sort
+#include <algorithm>    // std::copy_n, std::find, std::partial_sort, std::rotate
 #include <cmath>        // std::exp, std::isnan, INFINITY
 #include <concepts>     // std::convertible_to, std::invocable, std::same_as
 #include <cstdint>      // std::int64_t, std::uint64_t, std::uint8_t
 #include <initializer_list>  // std::initializer_list
 #include <numeric>      // std::iota
-#include <optional>     // std::optional
+#include <optional>     // std::optional, std::nullopt_t
 #include <span>         // std::span
 #include <utility>      // std::move
 #include <vector>       // std::vector
@@ -109,6 +109,7 @@ struct end_tokens {
   std::vector<std::int64_t> ids{};
 
   end_tokens() = default;
+  end_tokens(std::nullopt_t) {}             // none, as the std::optional this option once was
   end_tokens(std::int64_t id) : ids{id} {}  // implicit: .eos_token_id = 2
   end_tokens(std::vector<std::int64_t> several) : ids(std::move(several)) {}
   end_tokens(std::initializer_list<std::int64_t> several) : ids(several) {}
@@ -136,8 +137,8 @@ struct generate_options {
   // A padded prompt's mask, as transformers' attention_mask: [batch, prompt_len], 1 = a
   // token, 0 = padding. Rows are padded on the left (each row's last position is a token:
   // generation continues from it). Padding is masked as a key and counts for no position,
-  // so a row's greedy tokens are those it gets alone; top-k's draws are keyed by the row's
-  // index and its own positions. Empty: every prompt position is a token.
+  // so a row's greedy tokens are those it gets alone; sampling's draws are keyed by the
+  // row's index and its own positions. Empty: every prompt position is a token.
   Tensor<std::int64_t> attention_mask{};
 };
 
