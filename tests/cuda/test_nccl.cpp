@@ -9,6 +9,7 @@
 
 #include <shardlib/comm/launch.hpp>
 #include <shardlib/comm/nccl_comm.hpp>
+#include <shardlib/comm/store.hpp>
 #include <shardlib/comm/thread_comm.hpp>
 
 #include <catch2/catch.hpp>
@@ -295,4 +296,39 @@ TEST_CASE("from_env reads torchrun's variables and exchanges the id through a fi
   std::filesystem::remove(path);
   ::unsetenv("WORLD_SIZE");
   CHECK_THROWS_WITH(NcclComm::from_env(path), Catch::Contains("WORLD_SIZE is not set"));
+}
+
+// tools/launch, torchrun and Slurm start processes without MPI: examples/common/
+// device_world.cuh hands NCCL's id over the TCP store. Ranks as threads here, each
+// with its own client of one store and its own GPU (one on a one-GPU machine).
+TEST_CASE("from_store hands rank 0's id to every rank through the TCP store", "[nccl][bootstrap]") {
+  if (!have_device()) return;
+  const int ranks = std::min(sl::cuda::device_count(), 4);
+  sl::comm::store_server server(0, ranks);
+  std::vector<std::vector<int>> gathered(ranks);
+  std::vector<std::string> errors(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        sl::comm::TcpStore store("127.0.0.1", server.port(), r, ranks, false, sl::comm::seconds{60});
+        staged_comm c(NcclComm::from_store(store, r));
+        if (c.rank() != r || c.size() != ranks) throw sl::error(sl::cat("rank ", c.rank(), " of ", c.size()));
+        std::vector<int> mine{r + 1, 10 * (r + 1)};
+        c.all_reduce(std::span<int>(mine), reduce_op::sum);
+        gathered[r].resize(2 * ranks);
+        c.all_gather(std::span<const int>(mine), std::span<int>(gathered[r]));
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  const int sum = ranks * (ranks + 1) / 2;
+  for (int r = 0; r < ranks; ++r) {
+    INFO("rank " << r << ": " << errors[r]);
+    CHECK(errors[r].empty());
+    std::vector<int> want;
+    for (int q = 0; q < ranks; ++q) want.insert(want.end(), {sum, 10 * sum});
+    CHECK(gathered[r] == want);
+  }
 }

@@ -128,6 +128,12 @@ inline std::string& last_error_without_comm() {
   thread_local std::string s;
   return s;
 }
+// For tests: the next this many ncclGetUniqueId calls fail, as NCCL's does on a node
+// where it finds no network interface to bootstrap over.
+inline int& unique_id_failures() {
+  static int n = 0;
+  return n;
+}
 
 inline std::size_t type_size(ncclDataType_t t) {
   switch (t) {
@@ -372,6 +378,10 @@ inline ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   static std::uint64_t next = 0;
   const std::lock_guard lock(m);
   *id = {};
+  if (int& failures = nccl_emulator::unique_id_failures(); failures > 0) {
+    --failures;
+    return nccl_emulator::fail(nullptr, ncclSystemError, "Bootstrap : no socket interface found");
+  }
   const std::string name = "emulated-nccl-" + std::to_string(next++);
   std::memcpy(id->internal, name.data(), name.size());
   return ncclSuccess;
