@@ -27,6 +27,8 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <numeric>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -670,6 +672,49 @@ TEST_CASE("top-p keeps the nucleus transformers keeps", "[models][generate]") {
         std::vector<std::int64_t>(b.span().begin(), b.span().end()));
   CHECK(std::vector<std::int64_t>(a.span().begin(), a.span().end()) !=
         std::vector<std::int64_t>(greedy.span().begin(), greedy.span().end()));
+}
+
+// Over a whole vocabulary top-p sorts only the tokens above a floor (those below it are
+// all dropped): every draw must be the one a full sort of the vocabulary gives. Logits
+// spread as a trained model's (most tokens far below the largest, some -inf), distinct so
+// that the reference needs no tie rule.
+TEST_CASE("top-p over a large vocabulary draws what a full sort draws", "[models][generate]") {
+  const std::int64_t V = 50000;
+  std::mt19937_64 g(7);
+  std::normal_distribution<double> n(0, 6);
+  std::vector<double> z(static_cast<std::size_t>(V));
+  for (auto& x : z) x = n(g);
+  for (std::int64_t i = 0; i < V; i += 97) z[std::size_t(i)] = -INFINITY;
+  std::vector<std::int64_t> order(z.size());
+  std::iota(order.begin(), order.end(), std::int64_t(0));
+  std::sort(order.begin(), order.end(), [&](auto a, auto b) { return z[std::size_t(a)] > z[std::size_t(b)]; });
+  REQUIRE(std::adjacent_find(order.begin(), order.end(), [&](auto a, auto b) {
+            return z[std::size_t(a)] == z[std::size_t(b)] && z[std::size_t(a)] > -INFINITY;
+          }) == order.end());
+  for (const double p : {0.5, 0.9, 0.99})
+    for (const double t : {0.7, 1.0, 1.5}) {
+      INFO("top_p " << p << ", temperature " << t);
+      // transformers' rule on the full sort: the weights, the nucleus, then each draw.
+      std::vector<double> w(order.size());
+      double sum = 0;
+      for (std::size_t i = 0; i < order.size(); ++i)
+        sum += w[i] = std::exp((z[std::size_t(order[i])] - z[std::size_t(order[0])]) / t);
+      std::size_t kept = order.size();
+      double tail = 0;
+      for (std::size_t i = order.size() - 1; i > 0 && (tail += w[i]) <= (1 - p) * sum; --i) kept = i;
+      const double mass = std::accumulate(w.begin(), w.begin() + std::ptrdiff_t(kept), 0.0);
+      CHECK(kept > 1);
+      CHECK(kept < std::size_t(V / 10));  // a nucleus much smaller than the vocabulary
+      std::size_t differ = 0;
+      for (int d = 0; d < 25; ++d) {
+        const double u = (d + 0.5) / 25;
+        std::size_t i = 0;
+        for (double acc = w[0]; i + 1 < kept && !(u * mass < acc); acc += w[++i]) {
+        }
+        differ += models::detail::pick_token(z.data(), V, {.temperature = t, .top_p = p}, u) != order[i];
+      }
+      CHECK(differ == 0);
+    }
 }
 
 // eos_token_id: a row that picks one of its tokens has ended (its later tokens are

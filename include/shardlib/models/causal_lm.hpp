@@ -185,22 +185,42 @@ std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& 
   require(double(z[best]) > -INFINITY, "generate: every logit is -inf (row ", row, ", position ", position,
           "): no token can follow");
   if ((o.top_k == 0 && o.top_p >= 1) || double(z[best]) == INFINITY) return best;
-  const std::int64_t k = o.top_k == 0 ? vocab : std::min(o.top_k, vocab);
-  std::vector<std::int64_t> ids(static_cast<std::size_t>(vocab));
-  std::iota(ids.begin(), ids.end(), std::int64_t(0));
-  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
-                    [&](std::int64_t a, std::int64_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
-  const T kth = z[ids[std::size_t(k - 1)]];
-  const auto tied_end = std::partition(ids.begin() + k, ids.end(), [&](std::int64_t i) { return z[i] == kth; });
-  std::sort(ids.begin() + k, tied_end);
-  std::int64_t kept = tied_end - ids.begin();
-  std::vector<double> w(static_cast<std::size_t>(kept));
-  double sum = 0;
-  for (std::int64_t i = 0; i < kept; ++i)
-    sum += w[std::size_t(i)] = std::exp((double(z[ids[std::size_t(i)]]) - double(z[ids[0]])) / o.temperature);
+  const double top = double(z[best]);
+  const auto weight = [&](std::int64_t i) { return std::exp((double(z[i]) - top) / o.temperature); };
+  const auto before = [&](std::int64_t a, std::int64_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); };
+  std::vector<std::int64_t> ids;
+  double tail = 0;  // the weight top-p drops from the least likely up (of tokens left out of ids)
+  if (o.top_k == 0 || o.top_k >= vocab) {
+    // The whole vocabulary. The tokens whose weight is below (1 - top_p) / 2 of the mean
+    // sum to less than half of what top-p drops, and they are the least likely: top-p
+    // drops them all, so only the rest is sorted (a trained model's nucleus is a few
+    // hundred tokens of 128k). The halving keeps the rounding of the sums off the cut.
+    std::vector<double> all_w(static_cast<std::size_t>(vocab));
+    double all = 0;
+    for (std::int64_t i = 0; i < vocab; ++i) all += all_w[std::size_t(i)] = weight(i);
+    const double floor = o.top_p < 1 ? (1 - o.top_p) * all / double(2 * vocab) : 0;
+    for (std::int64_t i = 0; i < vocab; ++i)
+      if (const double w = all_w[std::size_t(i)]; w >= floor)
+        ids.push_back(i);
+      else
+        tail += w;
+    std::sort(ids.begin(), ids.end(), before);
+  } else {
+    // The k largest and every token tied with the k-th.
+    ids.resize(static_cast<std::size_t>(vocab));
+    std::iota(ids.begin(), ids.end(), std::int64_t(0));
+    std::partial_sort(ids.begin(), ids.begin() + o.top_k, ids.end(), before);
+    const T kth = z[ids[std::size_t(o.top_k - 1)]];
+    const auto tied_end = std::partition(ids.begin() + o.top_k, ids.end(), [&](std::int64_t i) { return z[i] == kth; });
+    std::sort(ids.begin() + o.top_k, tied_end);
+    ids.erase(tied_end, ids.end());
+  }
+  std::int64_t kept = std::int64_t(ids.size());
+  std::vector<double> w(ids.size());
+  double sum = tail;
+  for (std::int64_t i = 0; i < kept; ++i) sum += w[std::size_t(i)] = weight(ids[std::size_t(i)]);
   if (o.top_p < 1) {
     const std::int64_t all = kept;
-    double tail = 0;  // of the tokens from i on
     for (std::int64_t i = kept - 1; i > 0 && (tail += w[std::size_t(i)]) <= (1 - o.top_p) * sum; --i) kept = i;
     // A cut through tied logits keeps the tied tokens of highest id, as transformers' ascending
     // sort drops the lowest first; they take the run's first places, in order of id.
