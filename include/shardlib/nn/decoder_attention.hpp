@@ -148,6 +148,11 @@ class decoder_attention_base {
   void check_cache_for_backward() const {
     require(!cache_, name_, ": backward with the KV cache on: the cache is for inference (disable_kv_cache() to train)");
   }
+  // The context's position ids checked against q [B, ., S, .]: the largest, -1 for none.
+  // (Only the model knows its table's bound: LlamaModel checks max_position_embeddings.)
+  std::int64_t checked_position_ids(const Tensor<std::int64_t>& ids, std::int64_t B, std::int64_t S) const {
+    return ids.empty() ? -1 : check_position_ids(ids, B, S, std::numeric_limits<std::int64_t>::max(), name_);
+  }
   // The keys and values to attend over: with the cache on, k and v appended to it
   // and every cached position; without, k and v.
   std::pair<head_view<T>, head_view<T>> keys_and_values(const head_view<T>& k, const head_view<T>& v) {
@@ -202,7 +207,7 @@ class decoder_attention : public decoder_attention_base<T, host_space> {
     const Shape all_keys{B, k.heads, offset + S, k.dim};
     detail::check_sdpa_shapes(q.shape(), all_keys, all_keys, sdpa_);
     const Tensor<std::int64_t>& ids = ctx.position_ids();
-    if (!ids.empty()) check_position_ids(ids, B, S, std::numeric_limits<std::int64_t>::max(), name_);
+    this->checked_position_ids(ids, B, S);
     positions_ = ids;
     if (ctx.training() && o_.dropout > 0) sdpa_.dropout = ctx.random_stream();
     rotate(q, k, offset, false);

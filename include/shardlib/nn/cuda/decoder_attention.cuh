@@ -17,14 +17,12 @@
 #include "shardlib/nn/gpt2_attention.hpp"
 #include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/llama_attention.hpp"
-#include "shardlib/nn/position_ids.hpp"         // check_position_ids
 #include "shardlib/nn/sdpa.hpp"                 // head_view
 #include "shardlib/ops/cuda/flash_attention.cuh"  // flash_attention_forward, _backward
 #include "shardlib/ops/cuda/rotary.cuh"           // rotary_device_table, apply_rotary, apply_rotary_at
 
 #include <algorithm>    // std::max
 #include <cstdint>      // std::int64_t, std::uint8_t
-#include <limits>       // std::numeric_limits
 #include <optional>     // std::optional, std::nullopt
 #include <string>       // std::string
 #include <string_view>  // std::string_view
@@ -105,8 +103,7 @@ class decoder_attention<T, cuda_space> : public decoder_attention_base<T, cuda_s
                          ": key_padding_mask must be [batch, keys] = ", Shape{B, offset + S}, ", got ",
                          padding.shape());
     const Tensor<std::int64_t>& ids = ctx.position_ids();
-    const std::int64_t largest =
-        ids.empty() ? -1 : check_position_ids(ids, B, S, std::numeric_limits<std::int64_t>::max(), name_);
+    const std::int64_t largest = this->checked_position_ids(ids, B, S);
     flash_ = {.is_causal = true,
               .query_offset = offset,
               .scale = 0,
