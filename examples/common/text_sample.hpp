@@ -17,7 +17,7 @@ namespace example {
 
 struct sample_settings {
   long sample = 96, top_k = 8;  // bytes to generate (0: none); the k most likely bytes drawn from
-  double temperature = 0.8, top_p = 1.0;
+  double temperature = 0.8, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0;
 };
 
 inline void add_sample_flags(command_line& cli, sample_settings& s) {
@@ -27,6 +27,11 @@ inline void add_sample_flags(command_line& cli, sample_settings& s) {
   cli.add_option("--temperature", s.temperature, "divides the logits before sampling")->check(positive(100));
   cli.add_option("--top-p", s.top_p, "then sample among the most likely bytes whose probabilities reach p")
       ->check(positive(1));
+  cli.add_option("--min-p", s.min_p, "then drop bytes less likely than min_p times the most likely (0: off)")
+      ->check(real(0, 1));
+  cli.add_option("--repetition-penalty", s.repetition_penalty,
+                 "divides the logits of bytes already in the text (multiplies negative ones; 1: off)")
+      ->check(positive(100));
 }
 
 // The first min(32, seq / 2) bytes of the held-out tail's first paragraph (or of
@@ -48,6 +53,8 @@ inline shardlib::models::generate_options sample_options(const sample_settings& 
           .top_k = s.top_k,
           .temperature = s.temperature,
           .top_p = s.top_p,
+          .min_p = s.min_p,
+          .repetition_penalty = s.repetition_penalty,
           .seed = seed};
 }
 
@@ -55,8 +62,10 @@ inline void print_sample(const char* program, const sample_settings& s, const sh
                          long prompt_len) {
   std::string prompt, continuation;
   for (std::int64_t t = 0; t < out.numel(); ++t) (t < prompt_len ? prompt : continuation) += char(out[t]);
-  std::printf("%s: sample (top-%ld, temperature %.2f, top-p %.2f)\n--- prompt ---\n%s\n--- continuation ---\n%s\n---\n",
-              program, s.top_k, s.temperature, s.top_p, prompt.c_str(), continuation.c_str());
+  std::printf("%s: sample (top-%ld, temperature %.2f, top-p %.2f, min-p %.2f, repetition penalty %.2f)\n--- prompt "
+              "---\n%s\n--- continuation ---\n%s\n---\n",
+              program, s.top_k, s.temperature, s.top_p, s.min_p, s.repetition_penalty, prompt.c_str(),
+              continuation.c_str());
 }
 
 }  // namespace example

@@ -18,6 +18,11 @@ Each file holds, for prompts of 3, 6 and 1 tokens left-padded with token 0 to 6:
     sequences_eos   I64 [3, 6 + k]    the same generate with eos_token_id=eos_token_ids and
                                       pad_token_id=0 (ended rows get 0; it stops once all
                                       ended); the rows end at different steps, so some get 0s
+    sequences_rep   I64 [3, 6 + 8]    generate(do_sample=False, repetition_penalty=1.5,
+                                      max_new_tokens=8): every token already in a row
+                                      from its first real one on (not its left padding)
+                                      has its logit divided by 1.5 (multiplied where
+                                      negative) before the argmax
 """
 import os
 import sys
@@ -58,13 +63,19 @@ def emit(name, seed):
     with torch.no_grad():
         ended = model.generate(input_ids=ids, attention_mask=mask, generation_config=ending)
     assert (ended[:, SEQ:] == 0).any() and len(eos) > 0, "no row was padded: choose other end tokens"
+    penalised = GenerationConfig(do_sample=False, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
+                                 repetition_penalty=1.5)
+    with torch.no_grad():
+        rep = model.generate(input_ids=ids, attention_mask=mask, generation_config=penalised)
+    assert not torch.equal(rep, out.sequences), "the penalty changed nothing: choose another"
     write_safetensors(os.path.join(HF5, name, "padded_generate.safetensors"),
                       {"input_ids": ids, "attention_mask": mask, "sequences": out.sequences, "step_logits": logits,
-                       "eos_token_ids": eos, "sequences_eos": ended},
+                       "eos_token_ids": eos, "sequences_eos": ended, "sequences_rep": rep},
                       {"format": "pt", "transformers": transformers.__version__, "torch": torch.__version__,
                        "about": f"{name}: tests/golden/make_padded_generate_goldens.py"})
     print(f"{name}: transformers {transformers.__version__}, torch {torch.__version__}:",
-          out.sequences[:, SEQ:].tolist(), "ending at", eos.tolist(), ended[:, SEQ:].tolist())
+          out.sequences[:, SEQ:].tolist(), "ending at", eos.tolist(), ended[:, SEQ:].tolist(),
+          "penalised", rep[:, SEQ:].tolist())
 
 
 def main():

@@ -450,6 +450,26 @@ std::pair<Tensor<std::int64_t>, Tensor<std::int64_t>> left_padded(const Tensor<s
   return {prompt, mask};
 }
 
+// What a forward over a left-padded batch needs, for attention mask `mask` [B, P] (1 =
+// token) over `total` >= P positions (those after P generated, all tokens): HF's position
+// ids (each token's count of tokens before it; 0 at padding) and the key padding mask.
+struct padded_context {
+  Tensor<std::int64_t> positions;
+  Tensor<std::uint8_t> padding;
+};
+padded_context padding_of(const Tensor<std::int64_t>& mask, std::int64_t total) {
+  const std::int64_t B = mask.dim(0), P = mask.dim(1);
+  padded_context c{Tensor<std::int64_t>({B, total}), Tensor<std::uint8_t>({B, total})};
+  for (std::int64_t n = 0; n < B; ++n)
+    for (std::int64_t j = 0, before = 0; j < total; ++j) {
+      const bool token = j >= P || mask[n * P + j] == 1;
+      c.positions[n * total + j] = token ? before : 0;
+      c.padding[n * total + j] = std::uint8_t(!token);
+      before += token;
+    }
+  return c;
+}
+
 // Row n's tokens of a left-padded batch alone, [1, length].
 Tensor<std::int64_t> tokens_of_row(const Tensor<std::int64_t>& prompt, const Tensor<std::int64_t>& mask,
                                    std::int64_t n) {
@@ -472,16 +492,7 @@ TEMPLATE_TEST_CASE("position ids and key padding make a left-padded row its own"
   nn::Replicated<double, Model> owner(model, 5);
   const std::int64_t B = 3, P = 6, V = 96;
   const auto [prompt, mask] = left_padded(tokens(B, P, V, 11), 7);
-  Tensor<std::int64_t> positions({B, P});
-  Tensor<std::uint8_t> padding({B, P});
-  for (std::int64_t n = 0; n < B; ++n) {
-    std::int64_t before = 0;
-    for (std::int64_t j = 0; j < P; ++j) {
-      positions[n * P + j] = mask[n * P + j] ? before : 0;
-      padding[n * P + j] = std::uint8_t(!mask[n * P + j]);
-      before += mask[n * P + j];
-    }
-  }
+  const auto [positions, padding] = padding_of(mask, P);
   // A random gradient of the logits, zero at padding (the loss ignores it).
   const auto dlogits = [&](std::int64_t rows, std::int64_t seq, std::uint64_t seed) {
     Tensor<double> d({rows, seq, V});
@@ -656,6 +667,21 @@ TEST_CASE("top-p keeps the nucleus transformers keeps", "[models][generate]") {
   CHECK(models::detail::pick_token(tied3.data(), 3, {.top_p = 0.4}, 0.999) == 1);
   CHECK(models::detail::pick_token(tied5.data(), 5, {.top_p = 0.3}, 0.0) == 3);
   CHECK(models::detail::pick_token(tied5.data(), 5, {.top_p = 0.3}, 0.999) == 4);
+  // Min-p, last (transformers 5.25's MinPLogitsWarper keeps the same): 0.2 keeps tokens 0
+  // and 1 (weights 1 and e^-1 of the largest), 0.1 also 2, 1 token 0 alone; at temperature
+  // 2, 0.3 keeps three; after top-p 0.8, 0.1 keeps 0 and 1, after top-p 0.95 (three), 0.2
+  // keeps two; after top-k 3 (a partial sort, not the whole vocabulary's), 0.2 keeps two.
+  CHECK(last_drawn({.min_p = 0.2}) == 1);
+  CHECK(models::detail::pick_token(z.data(), 4, {.min_p = 0.2}, w0 / (w0 + w1) - 1e-9) == 0);
+  CHECK(models::detail::pick_token(z.data(), 4, {.min_p = 0.2}, w0 / (w0 + w1) + 1e-9) == 1);
+  CHECK(last_drawn({.min_p = 0.1}) == 2);
+  CHECK(last_drawn({.min_p = 1.0}) == 0);
+  CHECK(last_drawn({.temperature = 2.0, .min_p = 0.3}) == 2);
+  CHECK(last_drawn({.top_p = 0.8, .min_p = 0.1}) == 1);
+  CHECK(last_drawn({.top_p = 0.95, .min_p = 0.1}) == 2);
+  CHECK(last_drawn({.top_p = 0.95, .min_p = 0.2}) == 1);
+  CHECK(last_drawn({.top_k = 3, .min_p = 0.2}) == 1);
+  CHECK(last_drawn({.top_k = 3, .min_p = 0.1}) == 2);
 
   using Model = models::GPT2LMHeadModel<double>;
   Model model = golden_model<Model>();
@@ -691,9 +717,10 @@ TEST_CASE("top-p over a large vocabulary draws what a full sort draws", "[models
   REQUIRE(std::adjacent_find(order.begin(), order.end(), [&](auto a, auto b) {
             return z[std::size_t(a)] == z[std::size_t(b)] && z[std::size_t(a)] > -INFINITY;
           }) == order.end());
-  for (const double p : {0.5, 0.9, 0.99})
+  for (const double p : {0.5, 0.9, 0.99, 1.0})
     for (const double t : {0.7, 1.0, 1.5}) {
-      INFO("top_p " << p << ", temperature " << t);
+      const double min_p = p == 1.0 ? 0.01 : p == 0.99 ? 0.05 : 0.0;
+      INFO("top_p " << p << ", temperature " << t << ", min_p " << min_p);
       // transformers' rule on the full sort: the weights, the nucleus, then each draw.
       std::vector<double> w(order.size());
       double sum = 0;
@@ -702,6 +729,7 @@ TEST_CASE("top-p over a large vocabulary draws what a full sort draws", "[models
       std::size_t kept = order.size();
       double tail = 0;
       for (std::size_t i = order.size() - 1; i > 0 && (tail += w[i]) <= (1 - p) * sum; --i) kept = i;
+      while (kept > 1 && w[kept - 1] < min_p) --kept;
       const double mass = std::accumulate(w.begin(), w.begin() + std::ptrdiff_t(kept), 0.0);
       CHECK(kept > 1);
       CHECK(kept < std::size_t(V / 10));  // a nucleus much smaller than the vocabulary
@@ -711,10 +739,99 @@ TEST_CASE("top-p over a large vocabulary draws what a full sort draws", "[models
         std::size_t i = 0;
         for (double acc = w[0]; i + 1 < kept && !(u * mass < acc); acc += w[++i]) {
         }
-        differ += models::detail::pick_token(z.data(), V, {.temperature = t, .top_p = p}, u) != order[i];
+        differ += models::detail::pick_token(z.data(), V, {.temperature = t, .top_p = p, .min_p = min_p}, u) !=
+                  order[i];
       }
       CHECK(differ == 0);
     }
+}
+
+// The repetition penalty as transformers applies it: not to a row's left padding (its
+// prompt_ignore_length), but to the same id once generated; in float32 for 16-bit logits.
+// A stub forward's last logits: token 0 (the padding's id) 2, token 1 1.5, the rest -1.
+TEST_CASE("the repetition penalty skips left padding and penalises 16-bit logits in float32", "[models][generate]") {
+  models::GPT2LMHeadModel<float> model({.vocab_size = 5, .n_positions = 8, .n_embd = 4, .n_layer = 1, .n_head = 1});
+  const auto stub = [](std::vector<float> last) {
+    return [last](const Tensor<std::int64_t>& ids, const models::generate_inputs&) {
+      const std::int64_t B = ids.dim(0), S = ids.dim(1), V = std::int64_t(last.size());
+      Tensor<float> z({B, S, V});
+      for (std::int64_t i = 0; i < z.numel(); ++i) z[i] = last[std::size_t(i % V)];
+      return z;
+    };
+  };
+  const auto forward = stub({2.0f, 1.5f, -1.0f, -1.0f, -1.0f});
+  Tensor<std::int64_t> prompt({1, 3}), mask({1, 3});
+  prompt[0] = 0, prompt[1] = 3, prompt[2] = 4;  // 0 is padding where the mask says so
+  mask[0] = 0, mask[1] = 1, mask[2] = 1;
+  const auto tokens_of = [](const Tensor<std::int64_t>& t) {  // the new ones
+    return std::vector<std::int64_t>(t.span().begin() + 3, t.span().end());
+  };
+  const models::generate_options o{.max_new_tokens = 2, .repetition_penalty = 1.5};
+  auto masked = o;
+  masked.attention_mask = mask;
+  // 0 is padding: 2 beats 1.5; once generated, 2 / 1.5 = 1.33 does not.
+  CHECK(tokens_of(models::generate(model, forward, prompt, masked)) == std::vector<std::int64_t>{0, 1});
+  // Without the mask the prompt's 0 is a token, penalised from the first step; then 1 is
+  // penalised too (1.5 / 1.5 = 1 below 1.33).
+  CHECK(tokens_of(models::generate(model, forward, prompt, o)) == std::vector<std::int64_t>{1, 0});
+  CHECK(tokens_of(models::generate(model, forward, prompt, {.max_new_tokens = 2})) == std::vector<std::int64_t>{0, 0});
+  // A negative logit is multiplied: -0.5 * 1.5 = -0.75 falls below token 1's -0.6, and then
+  // token 1's -0.9 below it.
+  const auto negative = stub({-0.5f, -0.6f, -1.0f, -1.0f, -1.0f});
+  CHECK(tokens_of(models::generate(model, negative, prompt, o)) == std::vector<std::int64_t>{1, 0});
+  // bf16 logits 3 and 2.734375, token 0 seen, penalty 1.1: 3 / 1.1 = 2.727 in float32 loses
+  // to token 1; rounded back to bf16 it would tie at 2.734375 and the first (0) would win.
+  const auto bf16 = [](const Tensor<std::int64_t>& ids, const models::generate_inputs&) {
+    Tensor<bfloat16> z({ids.dim(0), ids.dim(1), 5});
+    for (std::int64_t i = 0; i < z.numel(); ++i) z[i] = bfloat16(i % 5 == 0 ? 3.0f : i % 5 == 1 ? 2.734375f : -1.0f);
+    return z;
+  };
+  CHECK(tokens_of(models::generate(model, bf16, prompt, {.max_new_tokens = 1, .repetition_penalty = 1.1})) ==
+        std::vector<std::int64_t>{1});
+  CHECK(tokens_of(models::generate(model, bf16, prompt, {.max_new_tokens = 1})) == std::vector<std::int64_t>{0});
+}
+
+// on_tokens sees each step's tokens as they come (an ended row's filler too), and a
+// callback that throws stops generation, leaving the model's KV cache off.
+TEST_CASE("on_tokens streams each step's tokens and may stop generation", "[models][generate]") {
+  using Model = models::GPT2LMHeadModel<double>;
+  Model model = golden_model<Model>();
+  nn::Replicated<double, Model> owner(model, 5);
+  const auto prompt = tokens(2, 5, 96, 3);
+  models::generate_options o{.max_new_tokens = 6, .top_k = 8, .seed = 2};
+  const auto whole = models::generate(model, prompt, o);
+  std::vector<std::int64_t> streamed, positions;
+  o.on_tokens = [&](std::span<const std::int64_t> next, std::int64_t t) {
+    positions.push_back(t);
+    streamed.insert(streamed.end(), next.begin(), next.end());
+  };
+  const auto got = models::generate(model, prompt, o);
+  CHECK(positions == std::vector<std::int64_t>{5, 6, 7, 8, 9, 10});
+  REQUIRE(streamed.size() == 12);
+  for (std::int64_t n = 0; n < 2; ++n)
+    for (std::int64_t k = 0; k < 6; ++k) CHECK(streamed[std::size_t(2 * k + n)] == whole[n * 11 + 5 + k]);
+  CHECK(std::vector<std::int64_t>(got.span().begin(), got.span().end()) ==
+        std::vector<std::int64_t>(whole.span().begin(), whole.span().end()));
+  // Row 0 ends at its second new token: from then on it streams the pad token.
+  streamed.clear();
+  o.eos_token_id = whole[6];
+  o.pad_token_id = 95;
+  models::generate(model, prompt, o);
+  CHECK(streamed[2] == whole[6]);
+  for (std::size_t k = 2; 2 * k < streamed.size(); ++k) CHECK(streamed[2 * k] == 95);
+  // A callback that throws ends generation with its error, the cache off again.
+  o = {.max_new_tokens = 6, .on_tokens = [](std::span<const std::int64_t>, std::int64_t t) {
+         if (t == 7) throw error("enough");
+       }};
+  CHECK_THROWS_WITH(models::generate(model, prompt, o), "enough");
+  nn::context training;  // a training forward refuses a KV cache that is on
+  CHECK(training.forward(model, prompt).shape() == Shape{2, 5, 96});
+  for (const double bad : {0.0, -1.0, double(NAN)})
+    CHECK_THROWS_WITH(models::generate(model, prompt, {.max_new_tokens = 2, .repetition_penalty = bad}),
+                      Catch::Contains("repetition_penalty > 0"));
+  for (const double bad : {-0.1, 1.5, double(NAN)})
+    CHECK_THROWS_WITH(models::generate(model, prompt, {.max_new_tokens = 2, .min_p = bad}),
+                      Catch::Contains("min_p in [0, 1]"));
 }
 
 // eos_token_id: a row that picks one of its tokens has ended (its later tokens are
@@ -797,6 +914,8 @@ TEST_CASE("generation stops at eos_token_id once every row has ended", "[models]
   CHECK(hash({.eos_token_id = {1, 2}}) != hash({.eos_token_id = 1}));
   CHECK(hash({.eos_token_id = 1, .pad_token_id = 0}) != hash({.eos_token_id = 1}));
   CHECK(hash({.top_p = 0.9}) != hash({}));
+  CHECK(hash({.min_p = 0.1}) != hash({}));
+  CHECK(hash({.repetition_penalty = 1.2}) != hash({}));
   CHECK(models::generate_options{.eos_token_id = std::nullopt}.eos_token_id.empty());
   // A config's token ids go straight in.
   const models::token_ids llama3{.bos = 1, .eos = {4, 5, 6}, .pad = 7};
@@ -918,23 +1037,23 @@ TEMPLATE_TEST_CASE("a left-padded batch generates as transformers 5 generates it
   REQUIRE(ended.shape() == want_ended.shape());
   CHECK(std::vector<std::int64_t>(ended.span().begin(), ended.span().end()) ==
         std::vector<std::int64_t>(want_ended.span().begin(), want_ended.span().end()));
+  // With repetition_penalty 1.5 (on each row's tokens from its first real one on).
+  const auto want_rep = golden::read<std::int64_t>(f, "sequences_rep");
+  const auto penalised =
+      models::generate(model, prompt, {.max_new_tokens = N, .repetition_penalty = 1.5, .attention_mask = mask});
+  CHECK(std::vector<std::int64_t>(penalised.span().begin(), penalised.span().end()) ==
+        std::vector<std::int64_t>(want_rep.span().begin(), want_rep.span().end()));
+  CHECK(std::vector<std::int64_t>(penalised.span().begin(), penalised.span().end()) !=
+        std::vector<std::int64_t>(want.span().begin(), want.span().end()));
 
-  Tensor<std::int64_t> positions({B, P + N});
-  Tensor<std::uint8_t> padding = Tensor<std::uint8_t>::zeros({B, P + N});
-  for (std::int64_t n = 0; n < B; ++n)
-    for (std::int64_t j = 0, before = 0; j < P + N; ++j) {
-      const bool token = j >= P || mask[n * P + j] == 1;
-      positions[n * (P + N) + j] = token ? before : 0;
-      padding[n * (P + N) + j] = std::uint8_t(!token);
-      before += token;
-    }
+  const padded_context padded = padding_of(mask, P + N);
   Tensor<double> reference(steps.shape());
   std::copy(steps.span().begin(), steps.span().end(), reference.data());
   // The logits that picked each new token: position P - 1 + k for step k.
   const auto step_logits = [&](bool with_positions) {
     nn::context ctx({.training = false});
-    ctx.set_key_padding_mask(padding);
-    if (with_positions) ctx.set_position_ids(positions);
+    ctx.set_key_padding_mask(padded.padding);
+    if (with_positions) ctx.set_position_ids(padded.positions);
     const Tensor<float> z = ctx.forward(model, want);
     Tensor<double> out({B, N, V});
     for (std::int64_t n = 0; n < B; ++n)
@@ -1355,8 +1474,8 @@ TEST_CASE("generate on a sharded model raises on every rank when the ranks disag
   using Model = models::GPT2LMHeadModel<float>;
   const auto prompt = rows(expected<Model>().ids, 0, 2);
   const models::generate_options o{.max_new_tokens = 8, .top_k = 4, .seed = 1};
-  enum class fault { prompt, seed, parameters, nan, mask };
-  for (const fault f : {fault::prompt, fault::seed, fault::parameters, fault::nan, fault::mask}) {
+  enum class fault { prompt, seed, parameters, nan, mask, callback };
+  for (const fault f : {fault::prompt, fault::seed, fault::parameters, fault::nan, fault::mask, fault::callback}) {
     std::vector<std::string> what(2);
     std::vector<int> training(2, 0);
     comm::launch(2, [&](comm::ThreadComm& c) {
@@ -1373,6 +1492,10 @@ TEST_CASE("generate on a sharded model raises on every rank when the ranks disag
         if (f == fault::parameters)
           for (std::size_t i = 0; i < bias.size(); ++i) bias[i] = float(i % 7) - 3;
         if (f == fault::nan) bias[0] = NAN;
+        if (f == fault::callback)  // rank 1's streamer fails at the third step, rank 0's does not
+          with.on_tokens = [n = 0](std::span<const std::int64_t>, std::int64_t) mutable {
+            if (++n == 3) throw error("the streamer failed");
+          };
       }
       if (f == fault::mask) {  // rank 1 pads row 0 by one token more
         with.attention_mask = Tensor<std::int64_t>({prompt.dim(0), prompt.dim(1)});
@@ -1390,14 +1513,18 @@ TEST_CASE("generate on a sharded model raises on every rank when the ranks disag
     INFO("fault " << int(f) << ": rank 0: " << what[0] << "; rank 1: " << what[1]);
     CHECK(training == std::vector<int>{1, 1});
     const char* differ[] = {"different prompts", "different options", "picked different tokens for row ", "",
-                            "different prompts (or attention masks)"};
+                            "different prompts (or attention masks)", ""};
     for (int r = 0; r < 2; ++r) {
       CHECK(what[std::size_t(r)].starts_with(cat("rank ", r, ": ")));
-      if (f != fault::nan) CHECK(what[std::size_t(r)].find(differ[int(f)]) != std::string::npos);
+      if (f != fault::nan && f != fault::callback) CHECK(what[std::size_t(r)].find(differ[int(f)]) != std::string::npos);
     }
     if (f == fault::nan) {
       CHECK(what[1].find("is NaN (row 0, position 8)") != std::string::npos);
       CHECK(what[0].find("stopped because rank 1 failed: generate: the logit of token") != std::string::npos);
+    }
+    if (f == fault::callback) {  // rank 0 is not left waiting in the next forward's gathers
+      CHECK(what[1].find("the streamer failed") != std::string::npos);
+      CHECK(what[0].find("stopped because rank 1 failed: the streamer failed") != std::string::npos);
     }
   }
 }

@@ -19,10 +19,12 @@
 #include <cmath>        // std::exp, std::isnan, INFINITY
 #include <concepts>     // std::convertible_to, std::invocable, std::same_as
 #include <cstdint>      // std::int64_t, std::uint64_t, std::uint8_t
+#include <functional>   // std::function
 #include <initializer_list>  // std::initializer_list
 #include <numeric>      // std::iota
 #include <optional>     // std::optional, std::nullopt_t
 #include <span>         // std::span
+#include <type_traits>  // std::conditional_t, std::is_floating_point_v, std::remove_cvref_t
 #include <utility>      // std::move
 #include <vector>       // std::vector
 
@@ -127,6 +129,14 @@ struct generate_options {
   // token); transformers' do_sample=True samples with top_k 50 unless told otherwise, and
   // the whole softmax is top_k = the vocabulary's size here.
   double top_p = 1.0;
+  // Then drop the tokens less likely than min_p times the most likely one, as transformers'
+  // min_p (0: off). With top_k 0, top_p 1 and min_p 0 generation is greedy.
+  double min_p = 0.0;
+  // Before all of that, and in greedy generation too: the logit z of every token already in
+  // the row (its prompt from its first token on, and what it generated) becomes z / penalty,
+  // or z * penalty where negative, in float32 at least, as transformers' repetition_penalty
+  // (1: off).
+  double repetition_penalty = 1.0;
   std::uint64_t seed = 0;    // sampling's draws: (seed, row, position), the same on every rank and for any max_new_tokens
   bool use_cache = true;     // false: every token by a forward over the whole sequence so far
   // A row that picks one of these tokens has ended: its later tokens are pad_token_id (without
@@ -140,6 +150,10 @@ struct generate_options {
   // so a row's greedy tokens are those it gets alone; sampling's draws are keyed by the
   // row's index and its own positions. Empty: every prompt position is a token.
   Tensor<std::int64_t> attention_mask{};
+  // Called after each step with the batch's new tokens (an ended row's filler) and their
+  // position in the rows, as transformers' streamer: print tokens as they come, or stop
+  // by throwing. On a sharded model every rank calls it.
+  std::function<void(std::span<const std::int64_t> tokens, std::int64_t position)> on_tokens{};
 };
 
 // What one forward of generate() takes besides the ids when the prompt has padding
@@ -172,7 +186,7 @@ struct generate_io<host_space> {
 // nucleus of those: top-p drops, from the least likely up (of tied ones, the lowest
 // id first), the tokens whose probabilities sum to at most 1 - top_p, as transformers'
 // TopPLogitsWarper (which sums in float32, this in double: an exact boundary may fall
-// the other way). A NaN
+// the other way), then min-p drops those less likely than min_p times the first. A NaN
 // logit has no order and a row whose largest logit is -inf no softmax: both raise,
 // naming the row and position; a +inf logit has all the probability (the first, if several).
 template <class T>
@@ -184,7 +198,7 @@ std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& 
   const std::int64_t best = std::int64_t(std::max_element(z, z + vocab) - z);
   require(double(z[best]) > -INFINITY, "generate: every logit is -inf (row ", row, ", position ", position,
           "): no token can follow");
-  if ((o.top_k == 0 && o.top_p >= 1) || double(z[best]) == INFINITY) return best;
+  if ((o.top_k == 0 && o.top_p >= 1 && o.min_p <= 0) || double(z[best]) == INFINITY) return best;
   const double top = double(z[best]);
   const auto weight = [&](std::int64_t i) { return std::exp((double(z[i]) - top) / o.temperature); };
   const auto before = [&](std::int64_t a, std::int64_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); };
@@ -195,10 +209,12 @@ std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& 
     // sum to less than half of what top-p drops, and they are the least likely: top-p
     // drops them all, so only the rest is sorted (a trained model's nucleus is a few
     // hundred tokens of 128k). The halving keeps the rounding of the sums off the cut.
+    // Min-p drops those below min_p (weights are relative to the largest), whatever top-p
+    // keeps; their weight still counts in top-p's sums.
     std::vector<double> all_w(static_cast<std::size_t>(vocab));
     double all = 0;
     for (std::int64_t i = 0; i < vocab; ++i) all += all_w[std::size_t(i)] = weight(i);
-    const double floor = o.top_p < 1 ? (1 - o.top_p) * all / double(2 * vocab) : 0;
+    const double floor = std::max(o.top_p < 1 ? (1 - o.top_p) * all / double(2 * vocab) : 0.0, o.min_p);
     for (std::int64_t i = 0; i < vocab; ++i)
       if (const double w = all_w[std::size_t(i)]; w >= floor)
         ids.push_back(i);
@@ -228,9 +244,11 @@ std::int64_t pick_token(const T* z, std::int64_t vocab, const generate_options& 
     while (first > 0 && z[ids[std::size_t(first - 1)]] == z[ids[std::size_t(kept - 1)]]) --first;
     while (last < all && z[ids[std::size_t(last)]] == z[ids[std::size_t(kept - 1)]]) ++last;
     std::rotate(ids.begin() + first, ids.begin() + last - (kept - first), ids.begin() + last);
-    sum = 0;
-    for (std::int64_t i = 0; i < kept; ++i) sum += w[std::size_t(i)];
   }
+  // Min-p: the weights are the probabilities over the largest's, in decreasing order.
+  while (kept > 1 && w[std::size_t(kept - 1)] < o.min_p) --kept;
+  sum = 0;
+  for (std::int64_t i = 0; i < kept; ++i) sum += w[std::size_t(i)];
   double acc = 0;
   for (std::int64_t i = 0; i < kept; ++i)
     if (u * sum < (acc += w[std::size_t(i)])) return ids[std::size_t(i)];
@@ -292,9 +310,12 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
                               const generate_options& o, Pick&& pick) {
   require<shape_error>(prompt.rank() == 2 && prompt.dim(0) > 0 && prompt.dim(1) > 0,
                        "generate: the prompt must be [batch, seq] token ids with both positive, got ", prompt.shape());
-  require(o.max_new_tokens >= 0 && o.top_k >= 0 && o.temperature > 0 && o.top_p > 0 && o.top_p <= 1,
-          "generate: needs max_new_tokens >= 0, top_k >= 0, temperature > 0 and top_p in (0, 1], got ",
-          o.max_new_tokens, ", ", o.top_k, ", ", o.temperature, " and ", o.top_p);
+  require(o.max_new_tokens >= 0 && o.top_k >= 0 && o.temperature > 0 && o.top_p > 0 && o.top_p <= 1 &&
+              o.min_p >= 0 && o.min_p <= 1 && o.repetition_penalty > 0,
+          "generate: needs max_new_tokens >= 0, top_k >= 0, temperature > 0, top_p in (0, 1], min_p in [0, 1] and "
+          "repetition_penalty > 0, got ",
+          o.max_new_tokens, ", ", o.top_k, ", ", o.temperature, ", ", o.top_p, ", ", o.min_p, " and ",
+          o.repetition_penalty);
   const std::int64_t B = prompt.dim(0), P = prompt.dim(1), total = P + o.max_new_tokens;
   require<shape_error>(total <= model.max_positions(), "generate: prompt (", P, ") + max_new_tokens (",
                        o.max_new_tokens, ") = ", total, " positions exceed the model's ", model.max_positions());
@@ -324,21 +345,47 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
     return generate_io<typename M::output::space>::logits(logits);
   };
   auto logits = read(forward(prompt, padded.inputs(0, P, P)));
-  for (std::int64_t t = P;; ++t) {
+  // Repetition penalty: each row's first real token (transformers' prompt_ignore_length:
+  // its left padding is not penalised), and the penalised logits, in float32 at least as
+  // transformers' processors see them.
+  std::vector<std::int64_t> first_token(static_cast<std::size_t>(B), 0);
+  for (std::int64_t n = 0; n < B && !o.attention_mask.empty(); ++n)
+    while (o.attention_mask[n * P + first_token[std::size_t(n)]] == 0) ++first_token[std::size_t(n)];
+  using logit = std::remove_cvref_t<decltype(*logits.data())>;
+  using math = std::conditional_t<std::is_floating_point_v<logit>, logit, float>;
+  std::vector<math> penalised;
+  std::vector<bool> seen;
+  // The token row n picks at position t.
+  const auto pick_row = [&](std::int64_t n, std::int64_t t) {
     const std::int64_t seq = logits.dim(1), vocab = logits.dim(2);
+    const logit* z = logits.data() + (n * seq + seq - 1) * vocab;
+    const double u = draws.uniform_double(std::uint64_t(n * model.max_positions() + padded.at(n, t)));
+    if (o.repetition_penalty == 1) return pick_token(z, vocab, o, u, n, t);
+    const math penalty = math(o.repetition_penalty);
+    penalised.resize(static_cast<std::size_t>(vocab));
+    for (std::int64_t i = 0; i < vocab; ++i) penalised[std::size_t(i)] = math(z[i]);
+    seen.assign(static_cast<std::size_t>(vocab), false);
+    for (std::int64_t j = first_token[std::size_t(n)]; j < t; ++j) {
+      const std::int64_t id = out[n * total + j];
+      if (id < 0 || id >= vocab || seen[std::size_t(id)]) continue;  // transformers skips ids outside too
+      seen[std::size_t(id)] = true;
+      const math x = penalised[std::size_t(id)];
+      penalised[std::size_t(id)] = x < 0 ? x * penalty : x / penalty;
+    }
+    return pick_token(penalised.data(), vocab, o, u, n, t);
+  };
+  for (std::int64_t t = P;; ++t) {
+    const std::int64_t vocab = logits.dim(2);
     for (const std::int64_t id : o.eos_token_id.ids)
       require(id >= 0 && id < vocab, "generate: eos_token_id ", id, " is not a token of the model's ", vocab);
     require(!o.pad_token_id || (*o.pad_token_id >= 0 && *o.pad_token_id < vocab), "generate: pad_token_id ",
             o.pad_token_id.value_or(0), " is not a token of the model's ", vocab);
     pick(
         [&] {
-          for (std::int64_t n = 0; n < B; ++n)
-            next[std::size_t(n)] =
-                ended[std::size_t(n)]
-                    ? filler
-                    : pick_token(logits.data() + (n * seq + seq - 1) * vocab, vocab, o,
-                                 draws.uniform_double(std::uint64_t(n * model.max_positions() + padded.at(n, t))),
-                                 n, t);
+          for (std::int64_t n = 0; n < B; ++n) next[std::size_t(n)] = ended[std::size_t(n)] ? filler : pick_row(n, t);
+          // Here, where the sharded overload's check sees it: a callback that throws on
+          // one rank makes every rank raise instead of leaving the others in a collective.
+          if (o.on_tokens) o.on_tokens(std::span<const std::int64_t>(next), t);
         },
         std::span<std::int64_t>(next), t);
     bool all_ended = !o.eos_token_id.empty();

@@ -61,8 +61,9 @@ inline std::int64_t options_hash(const generate_options& o) {
   std::string ends;
   for (const std::int64_t id : o.eos_token_id.ids) ends += cat(id, " ");
   return agreement_hash(cat(o.max_new_tokens, ",", o.top_k, ",", std::bit_cast<std::uint64_t>(o.temperature), ",",
-                            std::bit_cast<std::uint64_t>(o.top_p), ",", o.seed, ",", o.use_cache, ",", ends, ",",
-                            o.pad_token_id ? cat(*o.pad_token_id) : "none"));
+                            std::bit_cast<std::uint64_t>(o.top_p), ",", std::bit_cast<std::uint64_t>(o.min_p), ",",
+                            std::bit_cast<std::uint64_t>(o.repetition_penalty), ",", o.seed, ",", o.use_cache, ",",
+                            ends, ",", o.pad_token_id ? cat(*o.pad_token_id) : "none"));
 }
 
 // Runs f(), then one all-reduce (max) of each value of `mine` (which f may fill), its
