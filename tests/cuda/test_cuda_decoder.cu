@@ -491,6 +491,14 @@ void check_cached_steps(const Config& config, bool padded) {
     CHECK(worst_relative(host_copy(got), std::vector<float>(want.span().begin(), want.span().end()), 1e-2) <= 1e-4);
     const auto whole = fctx.forward(full.model, sl::cuda::to_device(columns(ids, 0, done + len)));
     CHECK(worst_relative(last_position(got), last_position(whole), 1e-2) <= 1e-4);
+    // logits_to_keep 1 (as generate's forwards): the head's product over the last position alone.
+    fctx.set_logits_to_keep(1);
+    const auto x = sl::cuda::to_device(columns(ids, 0, done + len));
+    auto& dm = full.model;
+    const auto last = fctx.no_grad([&fctx, &dm, &x] { return fctx.forward(dm, x); });
+    fctx.set_logits_to_keep(0);
+    REQUIRE(last.shape() == sl::Shape{2, 1, config.vocab_size});
+    CHECK(worst_relative(host_copy(last), last_position(whole), 1e-2) <= 1e-6);
     done += len;
   }
   hm.disable_kv_cache();

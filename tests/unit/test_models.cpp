@@ -436,6 +436,90 @@ TEMPLATE_TEST_CASE("generation with the KV cache equals generation by full forwa
   CHECK(training.forward(model, prompt).shape() == Shape{2, 5, 96});
 }
 
+// logits_to_keep (Hugging Face's): the head computes the last k positions' logits alone,
+// those of the full forward (other sums of the product: 1e-12 of the largest in float64);
+// generate asks its forwards for the last one only, so the prompt's forward never holds
+// [batch, prompt, vocab] logits. With gradients on it is refused.
+TEMPLATE_TEST_CASE("logits_to_keep computes the last positions' logits alone", "[models][generate]",
+                   models::GPT2LMHeadModel<double>, models::LlamaForCausalLM<double>) {
+  using Model = TestType;
+  Model model = golden_model<Model>();
+  nn::Replicated<double, Model> owner(model, 5);
+  const auto prompt = tokens(2, 7, 96, 4);
+  nn::context ctx({.training = false});
+  const Tensor<double> full = ctx.no_grad([&] { return ctx.forward(model, prompt); });
+  double scale = 0;
+  for (const double z : full.span()) scale = test_support::max_keeping_nan(scale, std::abs(z));
+  for (const std::int64_t keep : {1, 3, 7, 9}) {
+    ctx.set_logits_to_keep(keep);
+    const Tensor<double> last = ctx.no_grad([&] { return ctx.forward(model, prompt); });
+    const std::int64_t k = std::min<std::int64_t>(keep, 7);
+    REQUIRE(last.shape() == Shape{2, k, 96});
+    test_support::max_error e;
+    for (std::int64_t n = 0; n < 2; ++n)
+      for (std::int64_t i = 0; i < k * 96; ++i) e.relative(last[n * k * 96 + i], full[(n * 7 + 7 - k) * 96 + i], scale);
+    INFO("keep " << keep);
+    CHECK(e <= 1e-12);
+  }
+  ctx.set_logits_to_keep(2);
+  CHECK_THROWS_WITH(ctx.forward(model, prompt), Catch::Contains("logits_to_keep (2) is for inference"));
+  // generate's forwards: each asks for one position's logits, and gets them.
+  std::vector<Shape> seen;
+  nn::context eval({.training = false});
+  const auto forward = [&](const Tensor<std::int64_t>& ids, const models::generate_inputs& in) {
+    CHECK(in.logits_to_keep == 1);
+    eval.set_logits_to_keep(in.logits_to_keep);
+    auto z = eval.no_grad([&] { return eval.forward(model, ids); });
+    seen.push_back(z.shape());
+    return z;
+  };
+  for (const bool cache : {true, false}) {
+    seen.clear();
+    const auto got = models::generate(model, forward, prompt, {.max_new_tokens = 3, .use_cache = cache});
+    const auto plain = models::generate(model, prompt, {.max_new_tokens = 3, .use_cache = cache});
+    CHECK(std::vector<std::int64_t>(got.span().begin(), got.span().end()) ==
+          std::vector<std::int64_t>(plain.span().begin(), plain.span().end()));
+    CHECK(seen == std::vector<Shape>(3, Shape{2, 1, 96}));
+  }
+}
+
+// The plain overload's forwards too: a prompt of 30 tokens over a vocabulary of 4096 would
+// hold 2 x 30 x 4096 logits at the head (1.9 MB in float64), far more than anything else.
+TEST_CASE("generate's prompt forward never holds the whole prompt's logits", "[models][generate]") {
+  using Model = models::GPT2LMHeadModel<double>;
+  Model model({.vocab_size = 4096, .n_positions = 32, .n_embd = 8, .n_layer = 1, .n_head = 1});
+  nn::Replicated<double, Model> owner(model, 3);
+  const auto prompt = tokens(2, 30, 4096, 6);
+  const std::size_t all_logits = 2 * 30 * 4096 * sizeof(double);
+  for (const bool cache : {true, false}) {
+    ledger l;
+    ledger_scope scope(l);
+    models::generate(model, prompt, {.max_new_tokens = 2, .use_cache = cache});
+    INFO((cache ? "with" : "without") << " the cache: peak " << l.peak(category::activations) << " bytes");
+    CHECK(l.peak(category::activations) < all_logits / 4);
+  }
+  {
+    ledger l;  // the same forward with every position's logits
+    ledger_scope scope(l);
+    nn::context ctx({.training = false});
+    ctx.no_grad([&] { return ctx.forward(model, prompt); });
+    CHECK(l.peak(category::activations) >= all_logits);
+  }
+  // A sharded model's forwards (the engine's context), in float.
+  std::vector<std::size_t> peaks(2);
+  comm::launch(2, [&](comm::ThreadComm& c, ledger& l) {
+    models::GPT2LMHeadModel<float> local({.vocab_size = 4096, .n_positions = 32, .n_embd = 8, .n_layer = 1, .n_head = 1});
+    auto sharded = shard::fully_shard<fixture_sgd>(local, c, shard::AnyStrategy(shard::FullShard{}),
+                                                   {.wrap = shard::wrap_types<models::GPT2Block<float>>{}});
+    l.reset_peaks();
+    models::generate(sharded, prompt, {.max_new_tokens = 2});
+    peaks[std::size_t(c.rank())] = l.peak(category::activations);
+  });
+  INFO("peaks " << peaks[0] << " and " << peaks[1] << " bytes");
+  CHECK(peaks[0] < all_logits / 8);  // the float logits would take all_logits / 2
+  CHECK(peaks[1] < all_logits / 8);
+}
+
 // A batch of prompts of lengths 3, 6 and 1, left-padded to 6 with pad_id, and its
 // attention mask (1 = token), from the rows of `ids` [3, 6].
 std::pair<Tensor<std::int64_t>, Tensor<std::int64_t>> left_padded(const Tensor<std::int64_t>& ids,
@@ -1411,8 +1495,9 @@ TEST_CASE("a sharded GPT-2 in eval mode gives transformers' logits and generates
     got_until[std::size_t(c.rank())].assign(ended.span().begin(), ended.span().end());
     const auto left = models::generate(sharded, padded, masked);
     got_padded[std::size_t(c.rank())].assign(left.span().begin(), left.span().end());
-    if (!sharded.context().position_ids().empty() || !sharded.context().key_padding_mask().empty())
-      w += "generate left its padding in the engine's context; ";
+    if (!sharded.context().position_ids().empty() || !sharded.context().key_padding_mask().empty() ||
+        sharded.context().logits_to_keep() != 0)
+      w += "generate left its padding or logits_to_keep in the engine's context; ";
     if (l.current(category::gathered_parameters) != 0) w += "gathered bytes after generate; ";
     try {
       sharded.backward(Tensor<float>({2, 8, 96}));

@@ -10,6 +10,7 @@
 #include "shardlib/core/random.hpp"
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/context.hpp"
+#include "shardlib/nn/grad_mode.hpp"
 #include "shardlib/nn/layer.hpp"
 #include "shardlib/nn/linear.hpp"
 #include "shardlib/nn/param.hpp"
@@ -30,12 +31,22 @@
 
 namespace shardlib::models {
 
+namespace detail {
+// How generate moves host ids to a model in Space and brings the logits it picks
+// from back, and how the head takes the last positions of hidden states: on the
+// host nothing moves; cuda_space's is in models/cuda.cuh.
+template <class Space>
+struct generate_io;
+}  // namespace detail
+
 // `lm_head`: logits = h W^T, no bias, W [vocab, hidden] — the model's own
 // parameter, or the token embedding's (tied: Hugging Face's tie_word_embeddings,
 // GPT-2's default), listed as "weight" either way so the state dict names both.
 // A leaf layer: it runs its Linear or TiedLinear itself. With cuda_space both
 // are the device's (nn/cuda/linear.cuh, nn/cuda/tied_linear.cuh): the tied head's
-// product reads the embedding's device weight and adds into its gradient.
+// product reads the embedding's device weight and adds into its gradient. With the
+// context's logits_to_keep k > 0 (inference only), h [batch, seq, hidden] gives the
+// logits of its last k positions, [batch, k, vocab].
 template <class T, class Space = host_space>
 class LMHead {
  public:
@@ -66,7 +77,13 @@ class LMHead {
 
   template <class Ctx>
   output forward(Ctx& ctx, const input& h) {
-    return is_tied_ ? tied_.forward(ctx, h) : own_.forward(ctx, h);
+    const std::int64_t keep = ctx.logits_to_keep();
+    require(keep >= 0, "lm_head: logits_to_keep must be >= 0, got ", keep);
+    if (keep == 0 || h.rank() != 3 || keep >= h.dim(1)) return is_tied_ ? tied_.forward(ctx, h) : own_.forward(ctx, h);
+    require(!nn::grad_enabled(ctx), "lm_head: logits_to_keep (", keep,
+            ") is for inference: a backward would need every position's logits (run the forward under no_grad)");
+    const input last = detail::generate_io<Space>::last_positions(h, keep);
+    return is_tied_ ? tied_.forward(ctx, last) : own_.forward(ctx, last);
   }
   template <class Ctx>
   input backward(Ctx& ctx, const output& dy) {
@@ -156,27 +173,33 @@ struct generate_options {
   std::function<void(std::span<const std::int64_t> tokens, std::int64_t position)> on_tokens{};
 };
 
-// What one forward of generate() takes besides the ids when the prompt has padding
-// (generate_options::attention_mask), for its context (nn::context's position_ids and
-// key_padding_mask): the ids' positions [batch, ids], and which keys, cached ones
-// first, are padding [batch, keys]. Both empty without padding.
+// What one forward of generate() takes besides the ids, for its context (nn::context's
+// position_ids, key_padding_mask and logits_to_keep): when the prompt has padding
+// (generate_options::attention_mask), the ids' positions [batch, ids] and which keys,
+// cached ones first, are padding [batch, keys] (both empty without padding); and that
+// only the last position's logits are read (the prompt's forward computes no others).
 struct generate_inputs {
   Tensor<std::int64_t> position_ids;
   Tensor<std::uint8_t> key_padding_mask;
+  std::int64_t logits_to_keep = 1;
 };
 
 namespace detail {
-// How generate moves host ids to a model in Space and brings the logits it picks
-// from back: on the host nothing moves; cuda_space's is in models/cuda.cuh.
-template <class Space>
-struct generate_io;
-
 template <>
 struct generate_io<host_space> {
   static Tensor<std::int64_t> ids(const Tensor<std::int64_t>& ids) { return ids; }
   template <class T>
   static Tensor<T> logits(const Tensor<T>& logits) {
     return logits;
+  }
+  // h [batch, seq, hidden]'s last `keep` positions, [batch, keep, hidden].
+  template <class T>
+  static Tensor<T> last_positions(const Tensor<T>& h, std::int64_t keep) {
+    const std::int64_t B = h.dim(0), S = h.dim(1), D = h.dim(2);
+    Tensor<T> last({B, keep, D});
+    for (std::int64_t n = 0; n < B; ++n)
+      std::copy_n(h.data() + (n * S + S - keep) * D, keep * D, last.data() + n * keep * D);
+    return last;
   }
 };
 
@@ -450,6 +473,7 @@ Tensor<std::int64_t> generate(M& model, const Tensor<std::int64_t>& prompt, cons
       [&](const Tensor<std::int64_t>& ids, const generate_inputs& padding) {
         ctx.set_position_ids(padding.position_ids);
         ctx.set_key_padding_mask(padding.key_padding_mask);
+        ctx.set_logits_to_keep(padding.logits_to_keep);
         const auto in = detail::generate_io<typename M::output::space>::ids(ids);
         return ctx.no_grad([&] { return ctx.forward(model, in); });
       },

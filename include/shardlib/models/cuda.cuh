@@ -53,6 +53,18 @@ struct generate_io<cuda_space> {
     for (const auto& r : reports) r.raise_if_bad();
     return last;
   }
+
+  // h [batch, seq, hidden]'s last `keep` positions, [batch, keep, hidden], on the current stream.
+  template <class T>
+  static Tensor<T, cuda_space> last_positions(const Tensor<T, cuda_space>& h, std::int64_t keep) {
+    const std::int64_t B = h.dim(0), S = h.dim(1), D = h.dim(2);
+    Tensor<T, cuda_space> last({B, keep, D});
+    for (std::int64_t n = 0; n < B; ++n)
+      cuda::copy_async(std::span<T>(last.data() + n * keep * D, std::size_t(keep * D)),
+                       std::span<const T>(h.data() + (n * S + S - keep) * D, std::size_t(keep * D)),
+                       cuda::current_stream());
+    return last;
+  }
 };
 
 }  // namespace shardlib::models::detail

@@ -132,24 +132,29 @@ Tensor<std::int64_t> generate(S& sharded, const Tensor<std::int64_t>& prompt, co
                  " to ", hi, "): their logits differ; every rank needs the same parameters");
     });
   };
-  // The padding goes to the engine's context for each forward; its own is back on return.
+  // The padding and logits_to_keep go to the engine's context for each forward; its own are
+  // back on return.
   using context = std::remove_reference_t<decltype(sharded.context())>;
   context& ctx = sharded.context();
   struct padding_scope {
-    explicit padding_scope(context& c) : c_(&c), positions_(c.position_ids()), keys_(c.key_padding_mask()) {}
+    explicit padding_scope(context& c)
+        : c_(&c), positions_(c.position_ids()), keys_(c.key_padding_mask()), keep_(c.logits_to_keep()) {}
     padding_scope(const padding_scope&) = delete;
     padding_scope& operator=(const padding_scope&) = delete;
     ~padding_scope() {
       c_->set_position_ids(std::move(positions_));
       c_->set_key_padding_mask(std::move(keys_));
+      c_->set_logits_to_keep(keep_);
     }
     context* c_;
     Tensor<std::int64_t> positions_;
     Tensor<std::uint8_t> keys_;
+    std::int64_t keep_;
   } padding(ctx);
   auto forward = [&](const Tensor<std::int64_t>& ids, const generate_inputs& in) {
     ctx.set_position_ids(in.position_ids);
     ctx.set_key_padding_mask(in.key_padding_mask);
+    ctx.set_logits_to_keep(in.logits_to_keep);
     return sharded.forward(detail::generate_io<typename S::space>::ids(ids));
   };
   return detail::generate(sharded.model(), forward, prompt, o, agree);

@@ -90,6 +90,10 @@ class context {
   void clear_attention_mask() { attn_ = {}; }
   const Tensor<std::int64_t>& position_ids() const { return positions_; }
   void set_position_ids(Tensor<std::int64_t> ids) { positions_ = std::move(ids); }
+  // Hugging Face's logits_to_keep: a language model's head computes the logits of the last
+  // this many positions only (0: all), as generation needs the last one alone.
+  std::int64_t logits_to_keep() const { return logits_to_keep_; }
+  void set_logits_to_keep(std::int64_t n) { logits_to_keep_ = n; }
   void set_step(std::uint64_t step) {
     o_.step = step;
     draws_ = 0;
@@ -113,6 +117,7 @@ class context {
   Tensor<std::uint8_t> mask_;
   attn_mask attn_;
   Tensor<std::int64_t> positions_;
+  std::int64_t logits_to_keep_ = 0;
 };
 
 // Exactly what a layer may use of its context; the Layer concept checks layers
@@ -127,6 +132,7 @@ struct context_archetype {
   const Tensor<std::uint8_t>& key_padding_mask() const;
   const attn_mask& attention_mask() const;
   const Tensor<std::int64_t>& position_ids() const;
+  std::int64_t logits_to_keep() const;
 };
 
 }  // namespace shardlib::nn
