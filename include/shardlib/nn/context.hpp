@@ -48,7 +48,9 @@ struct attn_mask {
 // above; the host's attention layers apply both, the device's key padding only)
 // and position ids (Hugging Face's position_ids: [batch, sequence], each token's
 // position for learned and rotary position embeddings; empty = 0, 1, ... after
-// any cached tokens; a left-padded batch sets them so that each row starts at 0).
+// any cached tokens; a left-padded batch sets them so that each row starts at 0),
+// and how many last positions a language model's head computes logits for
+// (logits_to_keep, 0 = all; generation asks for one).
 class context {
  public:
   struct options {
