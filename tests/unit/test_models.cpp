@@ -463,6 +463,10 @@ TEMPLATE_TEST_CASE("logits_to_keep computes the last positions' logits alone", "
   }
   ctx.set_logits_to_keep(2);
   CHECK_THROWS_WITH(ctx.forward(model, prompt), Catch::Contains("logits_to_keep (2) is for inference"));
+  nn::context training;  // training, even where a checkpointed head's first forward has no gradients
+  training.set_logits_to_keep(2);
+  CHECK_THROWS_WITH(training.no_grad([&] { return training.forward(model, prompt); }),
+                    Catch::Contains("logits_to_keep (2) is for inference"));
   // generate's forwards: each asks for one position's logits, and gets them.
   std::vector<Shape> seen;
   nn::context eval({.training = false});
@@ -491,13 +495,20 @@ TEST_CASE("generate's prompt forward never holds the whole prompt's logits", "[m
   nn::Replicated<double, Model> owner(model, 3);
   const auto prompt = tokens(2, 30, 4096, 6);
   const std::size_t all_logits = 2 * 30 * 4096 * sizeof(double);
-  for (const bool cache : {true, false}) {
-    ledger l;
-    ledger_scope scope(l);
-    models::generate(model, prompt, {.max_new_tokens = 2, .use_cache = cache});
-    INFO((cache ? "with" : "without") << " the cache: peak " << l.peak(category::activations) << " bytes");
-    CHECK(l.peak(category::activations) < all_logits / 4);
-  }
+  Tensor<std::int64_t> mask({2, 30});  // row 1 left-padded by 10
+  for (std::int64_t i = 0; i < mask.numel(); ++i) mask[i] = i < 30 || i >= 40;
+  for (const bool cache : {true, false})
+    for (const bool padded : {false, true}) {
+      ledger l;
+      ledger_scope scope(l);
+      const auto out = models::generate(
+          model, prompt, {.max_new_tokens = 2, .use_cache = cache, .attention_mask = padded ? mask : Tensor<std::int64_t>{}});
+      INFO((cache ? "with" : "without") << " the cache" << (padded ? ", left-padded" : "") << ": peak "
+                                        << l.peak(category::activations) << " bytes");
+      CHECK(l.peak(category::activations) < all_logits / 4);
+      // Once it returns the layers hold nothing, the padding mask included: only its tokens.
+      CHECK(l.current(category::activations) == std::size_t(out.numel()) * sizeof(std::int64_t));
+    }
   {
     ledger l;  // the same forward with every position's logits
     ledger_scope scope(l);

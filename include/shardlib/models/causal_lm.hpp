@@ -80,8 +80,11 @@ class LMHead {
     const std::int64_t keep = ctx.logits_to_keep();
     require(keep >= 0, "lm_head: logits_to_keep must be >= 0, got ", keep);
     if (keep == 0 || h.rank() != 3 || keep >= h.dim(1)) return is_tied_ ? tied_.forward(ctx, h) : own_.forward(ctx, h);
-    require(!nn::grad_enabled(ctx), "lm_head: logits_to_keep (", keep,
-            ") is for inference: a backward would need every position's logits (run the forward under no_grad)");
+    // Refused in training too: a checkpointed head's first forward runs without gradients
+    // and its recompute with them.
+    require(!ctx.training() && !nn::grad_enabled(ctx), "lm_head: logits_to_keep (", keep,
+            ") is for inference: a backward would need every position's logits (run the forward in eval, under "
+            "no_grad)");
     const input last = detail::generate_io<Space>::last_positions(h, keep);
     return is_tied_ ? tied_.forward(ctx, last) : own_.forward(ctx, last);
   }

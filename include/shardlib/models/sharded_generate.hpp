@@ -37,6 +37,8 @@ concept ShardedCausalLM = requires(S& s, const S& cs, const Tensor<std::int64_t,
   s.forward(ids);
   s.context().set_position_ids(Tensor<std::int64_t>{});
   s.context().set_key_padding_mask(Tensor<std::uint8_t>{});
+  s.context().set_logits_to_keep(std::int64_t{1});
+  { s.context().logits_to_keep() } -> std::convertible_to<std::int64_t>;
   s.comm();
   s.eval();
   s.train();

@@ -217,6 +217,7 @@ class decoder_attention : public decoder_attention_base<T, host_space> {
     if (this->caching() || !grad_enabled(ctx)) {  // no backward follows
       probs_ = {};
       positions_ = {};
+      sdpa_ = {};  // nor the context's masks
       return;
     }
     q_ = q;
@@ -232,6 +233,7 @@ class decoder_attention : public decoder_attention_base<T, host_space> {
     rotate(dq, dk, 0, true);
     probs_ = {};
     positions_ = {};
+    sdpa_ = {};
   }
 
  private:
@@ -252,7 +254,7 @@ class decoder_attention : public decoder_attention_base<T, host_space> {
   }
 
   // Cached by forward for backward.
-  sdpa_options sdpa_;
+  sdpa_options sdpa_;  // the last forward's, the context's masks included, until its backward
   head_view<T> q_, k_, v_;
   Tensor<T> probs_;                  // [B, heads, S, S]: the weights before dropout
   Tensor<std::int64_t> positions_;  // the context's position ids (shared with it), empty for offset + l
