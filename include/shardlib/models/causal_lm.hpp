@@ -293,6 +293,7 @@ class padded_positions {
                          mask.shape());
     positions_ = Tensor<std::int64_t>({batch, total});
     padding_ = Tensor<std::uint8_t>::zeros({batch, total});
+    first_.assign(static_cast<std::size_t>(batch), 0);
     for (std::int64_t n = 0; n < batch; ++n) {
       std::int64_t tokens = 0;  // before position j
       for (std::int64_t j = 0; j < total; ++j) {
@@ -303,10 +304,14 @@ class padded_positions {
                 "its last position); generation continues from each row's last position, so pad on the left");
         positions_[n * total + j] = m ? tokens : 0;  // padding's position is never used: 0 keeps it in range
         padding_[n * total + j] = std::uint8_t(1 - m);
+        if (m == 1 && tokens == 0) first_[std::size_t(n)] = j;
         tokens += m;
       }
     }
   }
+
+  // Row n's first token after its left padding (0 without a mask).
+  std::int64_t first_token(std::int64_t n) const { return first_.empty() ? 0 : first_[std::size_t(n)]; }
 
   // Row n's position of token t: t without a mask, else the tokens before it.
   std::int64_t at(std::int64_t n, std::int64_t t) const { return positions_.empty() ? t : positions_[n * total_ + t]; }
@@ -327,6 +332,7 @@ class padded_positions {
   std::int64_t total_;
   Tensor<std::int64_t> positions_;  // [batch, total], empty without a mask
   Tensor<std::uint8_t> padding_;    // [batch, total]: 1 = padding
+  std::vector<std::int64_t> first_;  // [batch], empty without a mask
 };
 
 // generate()'s loop. `pick(pick_row, tokens, t)` runs pick_row(), which fills tokens
@@ -371,12 +377,9 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
     return generate_io<typename M::output::space>::logits(logits);
   };
   auto logits = read(forward(prompt, padded.inputs(0, P, P)));
-  // Repetition penalty: each row's first real token (transformers' prompt_ignore_length:
-  // its left padding is not penalised), and the penalised logits, in float32 at least as
-  // transformers' processors see them.
-  std::vector<std::int64_t> first_token(static_cast<std::size_t>(B), 0);
-  for (std::int64_t n = 0; n < B && !o.attention_mask.empty(); ++n)
-    while (o.attention_mask[n * P + first_token[std::size_t(n)]] == 0) ++first_token[std::size_t(n)];
+  // Repetition penalty: on each row's tokens from its first real one (transformers'
+  // prompt_ignore_length: its left padding is not penalised), the penalised logits in
+  // float32 at least, as transformers' processors see them.
   using logit = std::remove_cvref_t<decltype(*logits.data())>;
   using math = std::conditional_t<std::is_floating_point_v<logit>, logit, float>;
   std::vector<math> penalised;
@@ -391,7 +394,7 @@ Tensor<std::int64_t> generate(M& model, Forward& forward, const Tensor<std::int6
     penalised.resize(static_cast<std::size_t>(vocab));
     for (std::int64_t i = 0; i < vocab; ++i) penalised[std::size_t(i)] = math(z[i]);
     seen.assign(static_cast<std::size_t>(vocab), false);
-    for (std::int64_t j = first_token[std::size_t(n)]; j < t; ++j) {
+    for (std::int64_t j = padded.first_token(n); j < t; ++j) {
       const std::int64_t id = out[n * total + j];
       if (id < 0 || id >= vocab || seen[std::size_t(id)]) continue;  // transformers skips ids outside too
       seen[std::size_t(id)] = true;
