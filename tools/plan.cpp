@@ -6,11 +6,13 @@
 //       and bf16 mixed precision, DDP / ZeRO-1 / ZeRO-2 / FSDP, with the arithmetic to check
 //   shardlib-plan --params 6e9 --layers 28 --hidden 4096 --heads 16 --seq 2048 --batch 1 [common flags]
 //       a coarse transformer: blocks of 12·hidden² parameters, the rest in the root
-//   shardlib-plan --model gpt2-124m|gpt2-350m|llama-7b|llama-70b [--seq 2048] [--batch 1]
+//   shardlib-plan --model gpt2-124m|gpt2-350m|llama-7b|llama-70b|CONFIG [--seq 2048] [--batch 1]
 //                 [--frozen-layers 16 | --lora q_proj v_proj [--lora-r 8]] [--no-frozen-masters]
 //                 [--no-frozen-grads] [common flags]
-//       a published decoder's architecture, its parameters counted tensor by tensor, each
-//       block a unit; --seq defaults to the context it was trained with; --frozen-layers N
+//       a published decoder's architecture, or the GPT-2 or LLaMA a Hugging Face config.json
+//       describes (CONFIG: the file or its folder), its parameters counted tensor by tensor
+//       and laid out as the engine lays them out, each block a unit; --seq defaults to the
+//       context it was trained with (a config's n_positions or max_position_embeddings); --frozen-layers N
 //       plans a fine-tune with the embeddings and the lower N blocks frozen, --lora one of
 //       LoRA adapters on the projections it names (nn::add_lora), everything else frozen
 //   shardlib-plan --encoder --layers 4 --d-model 256 --heads 4 --ff 1024 --classes 10 --seq 16 --batch 8
@@ -39,6 +41,7 @@
 #include <shardlib/nn/transformer.hpp>
 #include <shardlib/plan/chooser.hpp>
 #include <shardlib/plan/describe.hpp>
+#include <shardlib/plan/hf_config.hpp>
 #include <shardlib/plan/lora.hpp>
 #include <shardlib/plan/memory_plan.hpp>
 #include <shardlib/plan/presets.hpp>
@@ -48,7 +51,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,7 +72,7 @@ struct settings : example::accumulation_flags {
   bool article = false, encoder = false, fused_attention = false;
   bool no_frozen_masters = false;  // shard::options::frozen_masters = false
   bool no_frozen_grads = false;    // shard::options::frozen_grads = false
-  std::string preset;  // --model
+  std::string preset;  // --model: a preset's name or a config.json's path
   long frozen_layers = 0;  // --frozen-layers
   long keep_gathered = 0;  // --keep-gathered: the last N units
   int reshard_to = 0;      // --reshard-to: shard::policy::reshard_to of FullShard and HybridShard
@@ -87,6 +92,14 @@ struct settings : example::accumulation_flags {
   double node_bandwidth = 0;  // --node-bandwidth: GB/s within a node
 };
 
+// --model's decoder: a preset, or the one the config.json at that path describes (named
+// by the path, which `s` holds).
+plan::decoder_shape decoder_of(const settings& s) {
+  for (const auto& m : plan::decoder_presets)
+    if (m.name == s.preset) return m;
+  return plan::read_decoder_shape(s.preset, s.preset);
+}
+
 dtype parse_type(std::string s) {
   for (auto& ch : s) ch = char(std::toupper(static_cast<unsigned char>(ch)));
   return parse_dtype(s);
@@ -99,8 +112,9 @@ settings parse(int argc, char** argv) {
                             "which strategies fit a device, fastest first (docs/planner.md).",
                             "shardlib-plan");
   cli.footer(
-      "Models: --article, the FSDP article's scenario; --model NAME, a published GPT-2 or LLaMA (--seq defaults to\n"
-      "its context, --batch to 1; --frozen-layers N freezes its embeddings and lower N blocks, --lora TARGET...\n"
+      "Models: --article, the FSDP article's scenario; --model NAME|CONFIG, a published GPT-2 or LLaMA, or the one a\n"
+      "Hugging Face config.json describes (the file or its folder; --seq defaults to its context, --batch to 1;\n"
+      "--frozen-layers N freezes its embeddings and lower N blocks, --lora TARGET...\n"
       "plans LoRA adapters on the projections it names, the rest frozen);\n"
       "--params N --layers L --hidden H --seq S [--heads A] [--batch B], a coarse transformer of blocks of\n"
       "12 hidden^2 parameters, the rest in the root (heads and batch default to 1); --encoder [--layers --d-model\n"
@@ -110,8 +124,19 @@ settings parse(int argc, char** argv) {
   auto* encoder = cli.add_flag("--encoder", s.encoder, "train_fsdp's model")->excludes(article);
   std::vector<std::string> presets;
   for (const auto& m : plan::decoder_presets) presets.emplace_back(m.name);
-  auto* preset = cli.add_option("--model", s.preset, "a published decoder language model")
-                     ->check(CLI::IsMember(presets))
+  auto* preset = cli.add_option("--model", s.preset,
+                                "a published decoder language model, or a Hugging Face config.json of a GPT-2 or "
+                                "LLaMA (the file or its folder)")
+                     ->check(CLI::Validator(
+                         [presets](std::string& v) {
+                           if (std::find(presets.begin(), presets.end(), v) != presets.end() ||
+                               std::filesystem::exists(v))
+                             return std::string();
+                           std::string known;
+                           for (const auto& p : presets) known += cat(known.empty() ? "" : ", ", p);
+                           return cat(v, " is neither a preset (", known, ") nor a config.json or a folder holding one");
+                         },
+                         "NAME|CONFIG"))
                      ->excludes(article)
                      ->excludes(encoder);
   auto* frozen_layers =
@@ -242,7 +267,14 @@ settings parse(int argc, char** argv) {
                                                           " units besides the root"));
     };
     if (!s.preset.empty()) {
-      const long layers = plan::decoder_preset(s.preset).layers;
+      plan::decoder_shape m;
+      try {
+        m = decoder_of(s);
+        (void)plan::decoder(m);  // the shape's own checks
+      } catch (const error& e) {
+        throw CLI::ValidationError("--model", e.what());
+      }
+      const long layers = m.layers;
       check_kept(layers);
       if (s.frozen_layers > layers)
         throw CLI::ValidationError("--frozen-layers", cat(s.frozen_layers, " is more than ", s.preset, "'s ", layers,
@@ -251,7 +283,6 @@ settings parse(int argc, char** argv) {
       if (batch->count() == 0 && s.step_batch == 0) s.batch = 1;
       if (s.lora.empty()) return;
       try {
-        const auto& m = plan::decoder_preset(s.preset);
         (void)plan::with_lora(plan::decoder(m), m, s.lora, s.lora_r);
       } catch (const error& e) {
         throw CLI::ValidationError("--lora", e.what());
@@ -348,7 +379,7 @@ std::string in(unit u, double bytes) {
 }
 
 void print_model(const plan::model_desc& d, const char* activations_note) {
-  std::printf("# model: %zu parameters in %zu units (root %zu", d.parameters(), d.units.size(), d.units[0]);
+  std::printf("# model: %zu flat elements in %zu units (root %zu", d.parameters(), d.units.size(), d.units[0]);
   for (std::size_t i = 1; i < d.units.size(); ++i)
     if (i == 1 || d.units[i] != d.units[i - 1]) {
       std::size_t same = 1;
@@ -493,11 +524,13 @@ void print_choice(const std::vector<plan::choice>& choices, const plan::machine&
   for (const auto& c : choices) std::printf("%s %s\n", c.fits ? "+" : "-", c.why.c_str());
 }
 
-// The model at `batch` sequences per rank: its units, activations and FLOPs.
-plan::model_desc describe(const settings& s, const plan::precision& p, long batch) {
+// The model at `batch` sequences per rank: its units, activations and FLOPs (`decoder`
+// is --model's, when given).
+plan::model_desc describe(const settings& s, const std::optional<plan::decoder_shape>& decoder,
+                          const plan::precision& p, long batch) {
   plan::model_desc d;
-  if (!s.preset.empty()) {
-    const auto& m = plan::decoder_preset(s.preset);
+  if (decoder) {
+    const plan::decoder_shape& m = *decoder;
     d = plan::decoder(m, batch, s.model.seq, p.compute, s.fused_attention);
     if (s.frozen_layers > 0) d = plan::with_frozen_prefix(d, m, s.frozen_layers, batch, s.model.seq, p.compute);
     if (!s.lora.empty()) d = plan::with_lora(d, m, s.lora, s.lora_r, batch, s.model.seq, p.compute);
@@ -567,15 +600,22 @@ int main(int argc, char** argv) {
     }
     plan::precision p{.param = parse_type(s.param), .reduce = parse_type(s.reduce)};
     p.compute = !s.compute.empty() ? parse_type(s.compute) : s.encoder ? dtype::f32 : p.param;
+    std::optional<plan::decoder_shape> decoder;
     if (!s.preset.empty()) {
-      const auto& m = plan::decoder_preset(s.preset);
-      std::printf("# %s: %s, %ld layers, hidden %ld, %ld heads (%ld kv), vocab %ld, intermediate %ld, seq %ld, %s: "
-                  "%s parameters\n",
+      const auto& m = decoder.emplace(decoder_of(s));
+      const std::string head = m.head_size() * m.heads != m.hidden ? cat(", head size ", m.head_size()) : std::string();
+      const std::string biases = m.attention_bias || m.mlp_bias
+                                     ? cat(", biases on ", m.attention_bias ? "attention" : "",
+                                           m.attention_bias && m.mlp_bias ? " and " : "", m.mlp_bias ? "MLP" : "")
+                                     : std::string();
+      std::printf("# %s: %s, %ld layers, hidden %ld, %ld heads (%ld kv)%s, vocab %ld, intermediate %ld%s, seq %ld, "
+                  "%s: %s parameters\n",
                   std::string(m.name).c_str(), m.family == plan::family::gpt2 ? "GPT-2" : "LLaMA", m.layers, m.hidden,
-                  m.heads, m.kv_heads, m.vocab, m.intermediate, s.model.seq > 0 ? s.model.seq : m.seq,
-                  m.tied ? "head tied to the embedding" : "untied head", grouped(plan::parameters(m)).c_str());
+                  m.heads, m.kv_heads, head.c_str(), m.vocab, m.intermediate, biases.c_str(),
+                  s.model.seq > 0 ? s.model.seq : m.seq, m.tied ? "head tied to the embedding" : "untied head",
+                  grouped(plan::parameters(m)).c_str());
     }
-    const plan::model_desc d = describe(s, p, s.batch);
+    const plan::model_desc d = describe(s, decoder, p, s.batch);
     std::FILE* json = s.json.empty() ? nullptr : std::fopen(s.json.c_str(), "w");
     require(s.json.empty() || json, "shardlib-plan: cannot write ", s.json);
     const char* note = s.encoder ? "measured, one unsharded step"
@@ -608,7 +648,7 @@ int main(int argc, char** argv) {
         print_choice(plan::choose(d, base, mc, groups), mc);
         continue;
       }
-      const auto at = [&](long micro) { return describe(s, p, micro); };
+      const auto at = [&](long micro) { return describe(s, decoder, p, micro); };
       print_choice(plan::choose_micro_batches(at, s.step_batch, base, mc, groups), mc,
                    cat(", ", s.step_batch, " sequences per rank and step in the fewest micro-batches that fit",
                        s.no_sync ? " (reduced once" : " (each reduced",

@@ -17,19 +17,22 @@
 #include "shardlib/optim/adam.hpp"
 #include "shardlib/plan/chooser.hpp"
 #include "shardlib/plan/describe.hpp"
-#include "shardlib/plan/memory_plan.hpp"
+#include "shardlib/plan/hf_config.hpp"
 #include "shardlib/plan/lora.hpp"
+#include "shardlib/plan/memory_plan.hpp"
 #include "shardlib/plan/presets.hpp"
 #include "shardlib/plan/transformer.hpp"
 #include "shardlib/plan/zero_states.hpp"
 #include "shardlib/shard/sharded_model.hpp"
 
 #include "../../benchmarks/counting_comm.hpp"  // bytes sent per rank, ring model
+#include "../support/checkpoint_files.hpp"     // temp_dir
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -839,6 +842,118 @@ TEST_CASE("decoder presets count their parameters from the architecture", "[plan
   CHECK_THROWS_WITH(plan::decoder_preset("gpt3"), Catch::Contains("no model preset 'gpt3' (known: gpt2-124m, "));
 }
 
+// A Hugging Face config.json plans the model the library builds from it: plan::decoder's
+// units are fully_shard's flat units, alignment gaps included (width 40, MLP width 100,
+// 30 positions and a vocabulary of 97 leave gaps after norms, biases and embeddings);
+// parameters(m) is the model's count; a frozen prefix's ranges are where the layout puts
+// the embeddings and the first block; LLaMA's head_dim (q 48 wide for hidden 40),
+// attention_bias, mlp_bias, GQA, tied and untied heads included. FLOPs take attention's
+// width from q. Llama 3 8B's and TinyLlama's published configs give their published
+// parameter counts.
+TEST_CASE("a Hugging Face config plans the model the library builds from it, alignment gaps included",
+          "[plan][presets][hf]") {
+  test_support::temp_dir dir("plan_hf_config");
+  const auto write = [&](std::string_view name, const nlohmann::json& j) {
+    const auto path = dir.path / cat(name, ".json");
+    std::ofstream(path) << j.dump();
+    return path;
+  };
+  const auto compare = [](const plan::decoder_shape& m, auto& model, const auto& wrap, std::string_view root_embeddings,
+                          std::string_view first_block) {
+    INFO(m.name);
+    const plan::model_desc planned = plan::decoder(m, 2, 8, dtype::f32);
+    CHECK(planned.units == plan::describe_model(model, wrap).units);
+    CHECK(plan::parameters(m) == nn::parameter_count(model));
+    CHECK(planned.flops == 6.0 * double(plan::multiplied_parameters(m)) * 16 +
+                               12.0 * double(m.layers) * double(m.q_width()) * 8 * 16);
+    model.parameters([&](std::string_view name, auto& p) {
+      if (name.starts_with(root_embeddings) || name.starts_with(first_block)) p.requires_grad = false;
+    });
+    const auto walked = plan::describe_model(model, wrap);
+    const auto tuned = plan::with_frozen_prefix(planned, m, 1, 2, 8, dtype::f32);
+    REQUIRE(walked.frozen.size() == tuned.frozen.size());
+    for (std::size_t i = 0; i < tuned.frozen.size(); ++i) {
+      INFO("unit " << i);
+      CHECK(tuned.frozen[i].all == walked.frozen[i].all);
+      if (!tuned.frozen[i].all) CHECK(tuned.frozen[i].ranges == walked.frozen[i].ranges);  // a whole unit is one range
+    }
+    CHECK(tuned.frozen[1].all);
+    CHECK(tuned.frozen[0].ranges.size() == (m.positions > 0 ? 2 : 1));  // GPT-2's wpe after a gap past wte
+  };
+  const nlohmann::json gpt2 = {{"model_type", "gpt2"}, {"vocab_size", 97}, {"n_positions", 30}, {"n_embd", 40},
+                               {"n_layer", 2},         {"n_head", 4},      {"n_inner", 100}};
+  for (const bool tied : {true, false}) {
+    auto j = gpt2;
+    j["tie_word_embeddings"] = tied;
+    const auto path = write(tied ? "gpt2_tied" : "gpt2_untied", j);
+    const auto m = plan::read_decoder_shape(path, "gpt2-odd");
+    CHECK(m.family == plan::family::gpt2);
+    CHECK((m.intermediate == 100 && m.positions == 30 && m.seq == 30 && m.tied == tied));
+    models::GPT2LMHeadModel<float> model(models::read_hf_config<models::gpt2_config>(path));
+    compare(m, model, shard::wrap_types<models::GPT2Block<float>>{}, "transformer.w", "transformer.h.0.");
+  }
+  const nlohmann::json llama = {{"model_type", "llama"},         {"vocab_size", 97},       {"hidden_size", 40},
+                                {"intermediate_size", 100},      {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+                                {"num_key_value_heads", 2},      {"head_dim", 12},         {"attention_bias", true},
+                                {"mlp_bias", true},              {"max_position_embeddings", 64}};
+  for (const bool tied : {true, false}) {
+    auto j = llama;
+    j["tie_word_embeddings"] = tied;
+    if (tied) j.erase("head_dim"), j["attention_bias"] = false;  // 10 a head, biases on the MLP alone
+    const auto path = write(tied ? "llama_tied" : "llama_untied", j);
+    const auto m = plan::read_decoder_shape(path, "llama-odd");
+    CHECK(m.family == plan::family::llama);
+    CHECK((m.kv_heads == 2 && m.seq == 64 && m.tied == tied && m.mlp_bias && m.attention_bias == !tied));
+    CHECK(m.q_width() == (tied ? 40 : 48));
+    models::LlamaForCausalLM<float> model(models::read_hf_config<models::llama_config>(path));
+    compare(m, model, shard::wrap_types<models::LlamaDecoderLayer<float>>{}, "model.embed_tokens.", "model.layers.0.");
+  }
+
+  // Llama 3 8B (meta-llama/Meta-Llama-3-8B's config.json, the fields the shape reads) and
+  // TinyLlama 1.1B: their model cards' 8.03B and 1.1B parameters, exactly.
+  const auto llama3 = write("llama3", {{"model_type", "llama"},          {"vocab_size", 128256},
+                                       {"hidden_size", 4096},            {"intermediate_size", 14336},
+                                       {"num_hidden_layers", 32},        {"num_attention_heads", 32},
+                                       {"num_key_value_heads", 8},       {"max_position_embeddings", 8192},
+                                       {"rope_theta", 500000.0},         {"tie_word_embeddings", false},
+                                       {"rope_scaling", nullptr},        {"hidden_act", "silu"}});
+  const auto l3 = plan::read_decoder_shape(llama3, "llama3-8b");
+  CHECK(plan::parameters(l3) == 8'030'261'248);
+  CHECK(plan::decoder(l3).units[0] == 2 * 128256 * 4096 + 4096);  // no gaps: every size divides by 16
+  const auto tiny = write("tinyllama", {{"model_type", "llama"},     {"vocab_size", 32000},
+                                        {"hidden_size", 2048},       {"intermediate_size", 5632},
+                                        {"num_hidden_layers", 22},   {"num_attention_heads", 32},
+                                        {"num_key_value_heads", 4},  {"max_position_embeddings", 2048}});
+  CHECK(plan::parameters(plan::read_decoder_shape(tiny, "tinyllama")) == 1'100'048'384);
+  // The presets are these configs' shapes: gpt2-124m is transformers' GPT2Config().
+  const auto gpt2_default = write("gpt2_default", {{"model_type", "gpt2"}});
+  CHECK(plan::decoder(plan::read_decoder_shape(gpt2_default, "gpt2")).units ==
+        plan::decoder(plan::decoder_preset("gpt2-124m")).units);
+
+  // What it refuses, naming the file.
+  const auto mistral = write("mistral", {{"model_type", "mistral"}, {"hidden_size", 4096}});
+  CHECK_THROWS_WITH(plan::read_decoder_shape(mistral, "m"),
+                    Catch::Contains("mistral.json: model_type \"mistral\" is not one the library builds"));
+  const auto untyped = write("untyped", {{"hidden_size", 4096}});
+  CHECK_THROWS_WITH(plan::read_decoder_shape(untyped, "u"), Catch::Contains("untyped.json: model_type (none)"));
+  const auto relu = write("relu", {{"model_type", "gpt2"}, {"activation_function", "relu"}});
+  CHECK_THROWS_WITH(plan::read_decoder_shape(relu, "r"),
+                    Catch::Contains("relu.json: gpt2_config: activation_function \"relu\" is not supported"));
+  const auto zero = write("zero", {{"model_type", "llama"}, {"num_hidden_layers", 0}});
+  CHECK_THROWS_WITH(plan::read_decoder_shape(zero, "z"), Catch::Contains("zero.json: llama_config: vocab_size"));
+  CHECK_THROWS_WITH(plan::read_decoder_shape(dir.path / "absent", "a"),
+                    Catch::Contains("absent: cannot open the model's config.json"));
+  std::ofstream(dir.path / "config.json") << "{\"model_type\": ";
+  CHECK_THROWS_WITH(plan::read_decoder_shape(dir.path, "d"), Catch::Contains("config.json: [json.exception.parse_error"));
+  // A GPT-2 shape with LLaMA's switches is refused by the shape's own check.
+  auto odd = plan::decoder_preset("gpt2-124m");
+  odd.mlp_bias = true;
+  CHECK_THROWS_WITH(plan::decoder(odd), Catch::Contains("attention_bias and mlp_bias are LLaMA's switches"));
+  odd = plan::decoder_preset("gpt2-124m");
+  odd.head_dim = 32;
+  CHECK_THROWS_WITH(plan::decoder(odd), Catch::Contains("unless a LLaMA's head_dim is given"));
+}
+
 // The stored attention weights (Korthikanti's 5·heads·seq² bytes per layer in 16 bits,
 // transformer()'s default) are the host layers'; the device's fused attention (nn/cuda/attention.cuh) keeps the
 // output (among the 34·seq·hidden) and one float log-sum-exp per (batch, head, query),
@@ -1119,6 +1234,8 @@ TEST_CASE("the planned attention weights are what the host layers keep, as measu
 TEST_CASE("the planned decoder activations are what the host layers keep, to the byte", "[plan][activations]") {
   struct shape {
     long layers, hidden, intermediate, heads, kv_heads, vocab, batch, seq;
+    long head_dim = 0;  // LLaMA's, and its projections' biases (GPT-2 has them always)
+    bool biases = false;
   };
   const auto measure = [](auto& model, const shape& x) {
     Tensor<std::int64_t> ids({x.batch, x.seq});
@@ -1129,16 +1246,20 @@ TEST_CASE("the planned decoder activations are what the host layers keep, to the
     });
   };
   for (const shape& x : {shape{1, 64, 176, 4, 2, 96, 2, 16}, shape{3, 64, 512, 8, 2, 96, 2, 64},
-                         shape{2, 128, 176, 4, 4, 1000, 1, 32}, shape{2, 32, 2000, 4, 1, 192, 3, 24}}) {
+                         shape{2, 128, 176, 4, 4, 1000, 1, 32}, shape{2, 32, 2000, 4, 1, 192, 3, 24},
+                         shape{2, 40, 100, 4, 2, 97, 2, 16, 12, true}}) {
     INFO("layers " << x.layers << ", hidden " << x.hidden << ", intermediate " << x.intermediate << ", heads "
-                   << x.heads << " (" << x.kv_heads << " kv), vocab " << x.vocab << ", " << x.batch << " x " << x.seq);
+                   << x.heads << " (" << x.kv_heads << " kv), head_dim " << x.head_dim << ", biases " << x.biases
+                   << ", vocab " << x.vocab << ", " << x.batch << " x " << x.seq);
     models::LlamaForCausalLM<float> llama({.vocab_size = x.vocab, .hidden_size = x.hidden,
                                            .intermediate_size = x.intermediate, .num_hidden_layers = x.layers,
                                            .num_attention_heads = x.heads, .num_key_value_heads = x.kv_heads,
-                                           .max_position_embeddings = x.seq, .attention_dropout = 0.1});
+                                           .head_dim = x.head_dim, .max_position_embeddings = x.seq,
+                                           .attention_bias = x.biases, .mlp_bias = x.biases, .attention_dropout = 0.1});
     const plan::decoder_shape l{.name = "llama", .family = plan::family::llama, .layers = x.layers,
                                 .hidden = x.hidden, .heads = x.heads, .kv_heads = x.kv_heads, .vocab = x.vocab,
-                                .intermediate = x.intermediate, .seq = x.seq};
+                                .intermediate = x.intermediate, .seq = x.seq, .head_dim = x.head_dim,
+                                .attention_bias = x.biases, .mlp_bias = x.biases};
     CHECK(measure(llama, x) == plan::decoder(l, x.batch, x.seq, dtype::f32).activation_bytes);
     models::GPT2LMHeadModel<float> gpt2({.vocab_size = x.vocab, .n_positions = x.seq, .n_embd = x.hidden,
                                          .n_layer = x.layers, .n_head = x.heads, .n_inner = x.intermediate});

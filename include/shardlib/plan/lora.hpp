@@ -6,9 +6,8 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/element.hpp"  // dtype, size_of
 #include "shardlib/core/error.hpp"    // require, cat
-#include "shardlib/nn/flat.hpp"       // flat_layout::alignment
 #include "shardlib/nn/lora.hpp"       // lora_target_matches
-#include "shardlib/plan/presets.hpp"  // decoder_shape, block_modules, decoder, multiplied_parameters
+#include "shardlib/plan/presets.hpp"  // decoder_shape, block_modules, aligned_placement, decoder
 
 #include <algorithm>    // std::min
 #include <cstddef>      // std::size_t
@@ -39,7 +38,7 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
           ": the model is not plan::decoder's (the root and one unit per block)");
   const auto modules = block_modules(m);
   const std::string prefix = m.family == family::gpt2 ? "transformer.h." : "model.layers.";
-  const std::size_t align = nn::flat_layout::alignment, rank = std::size_t(r);
+  const std::size_t rank = std::size_t(r);
   std::vector<bool> used(targets.size(), false);
   std::size_t adapter_elements = 0, adapted_outputs = 0;  // over all blocks
   // Per block and token: the inputs its frozen projections would have kept and nothing keeps now.
@@ -48,13 +47,12 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
   d.frozen[0] = {.ranges = {{0, d.units[0]}}, .all = true};
   for (long b = 0; b < m.layers; ++b) {
     unit_freezing& f = d.frozen[std::size_t(b) + 1];
-    std::size_t at = 0;
+    aligned_placement unit;
     f.all = true;
     const auto place = [&](std::size_t n, bool frozen) {
-      at = (at + align - 1) / align * align;
+      const std::size_t at = unit.place(n);
       if (frozen) f.ranges.emplace_back(at, at + n);
       f.all = f.all && frozen;
-      at += n;
     };
     std::size_t input = 0;  // the input the projections since the last that reads its own take
     bool kept = true;       // and whether one of them, or another layer, keeps it
@@ -79,21 +77,21 @@ inline model_desc with_lora(model_desc d, const decoder_shape& m, const std::vec
       kept = true;  // lora_A's gradient reads it
     }
     close_input();
-    d.units[std::size_t(b) + 1] = at;
+    d.units[std::size_t(b) + 1] = unit.end;
   }
   for (std::size_t k = 0; k < targets.size(); ++k)
     require(used[k], "plan::with_lora ", m.name, ": target '", targets[k], "' names no projection (e.g. ",
             m.family == family::gpt2 ? "c_attn, attn.c_proj, c_fc" : "q_proj, v_proj, down_proj", ")");
   long lead = 0;  // the frozen prefix: blocks before the first adapter
   while (lead < m.layers && d.frozen[std::size_t(lead) + 1].all) d.frozen[std::size_t(++lead)].no_backward = true;
-  const double s = double(seq > 0 ? seq : m.seq), tokens = s * double(batch), h = double(m.hidden);
+  const double s = double(seq > 0 ? seq : m.seq), tokens = s * double(batch), q = double(m.q_width());
   d.activation_bytes -= std::size_t(double(lead) * decoder_block_bytes(d, m, batch, seq, activations));
   std::size_t dropped = 0;
   for (long b = lead; b < m.layers; ++b) dropped += unkept[std::size_t(b)];
   d.activation_bytes += std::size_t(tokens) * adapted_outputs * size_of(activations);
   d.activation_bytes -= std::min(d.activation_bytes, std::size_t(tokens) * dropped * size_of(activations));
   d.flops += tokens * (6 * double(adapter_elements) - 2 * double(multiplied_parameters(m)) -
-                       double(lead) * (2 * double(block_parameters(m)) + 8 * h * s));
+                       double(lead) * (2 * double(block_parameters(m)) + 8 * q * s));
   return d;
 }
 

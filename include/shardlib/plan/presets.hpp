@@ -5,6 +5,7 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/element.hpp"      // dtype
 #include "shardlib/core/error.hpp"        // require, cat
+#include "shardlib/nn/flat.hpp"           // flat_layout::alignment
 #include "shardlib/plan/memory_plan.hpp"  // model_desc
 
 #include <cstddef>      // std::size_t
@@ -15,8 +16,8 @@
 namespace shardlib::plan {
 
 // GPT-2: learned positions, LayerNorms and Linear layers with biases, a 4·hidden GELU MLP.
-// LLaMA: rotary positions (no table), RMSNorms, no biases, grouped-query attention
-// (kv_heads ≤ heads), a SwiGLU MLP (gate, up, down).
+// LLaMA: rotary positions (no table), RMSNorms, no biases unless its config asks,
+// grouped-query attention (kv_heads ≤ heads), a SwiGLU MLP (gate, up, down).
 enum class family { gpt2, llama };
 
 struct decoder_shape {
@@ -26,6 +27,12 @@ struct decoder_shape {
   long positions = 0;  // GPT-2's learned position table (n_positions); 0 for LLaMA
   long seq = 0;        // the context length it was trained with: the planner's default
   bool tied = false;   // the LM head shares the token embedding (counted once)
+  long head_dim = 0;   // LLaMA's head size where it is not hidden / heads (0: it is)
+  bool attention_bias = false, mlp_bias = false;  // LLaMA's projections with biases
+
+  long head_size() const { return head_dim > 0 ? head_dim : hidden / heads; }
+  long q_width() const { return heads * head_size(); }  // q's and the attention output's
+  long kv_width() const { return kv_heads * head_size(); }
 };
 
 // One parameter-holding module of a block, in the order the library's block lists its
@@ -47,7 +54,8 @@ struct block_module {
 // self_attn (q, k, v: kv heads × head size wide, o), mlp (gate, up, down), the two RMSNorms.
 inline std::vector<block_module> block_modules(const decoder_shape& m) {
   const std::size_t h = std::size_t(m.hidden), i = std::size_t(m.intermediate);
-  const std::size_t kv = std::size_t(m.hidden / m.heads * m.kv_heads);
+  const std::size_t q = std::size_t(m.q_width()), kv = std::size_t(m.kv_width());
+  const bool ab = m.attention_bias, mb = m.mlp_bias;
   if (m.family == family::gpt2)
     return {{.name = "ln_1", .norm = h, .tensors = 2},
             {.name = "attn.c_attn", .in = h, .out = 3 * h, .bias = true},
@@ -55,31 +63,72 @@ inline std::vector<block_module> block_modules(const decoder_shape& m) {
             {.name = "ln_2", .norm = h, .tensors = 2},
             {.name = "mlp.c_fc", .in = h, .out = i, .bias = true},
             {.name = "mlp.c_proj", .in = i, .out = h, .bias = true}};
-  return {{.name = "self_attn.q_proj", .in = h, .out = h},
-          {.name = "self_attn.k_proj", .in = h, .out = kv, .shares_input = true},
-          {.name = "self_attn.v_proj", .in = h, .out = kv, .shares_input = true},
-          {.name = "self_attn.o_proj", .in = h, .out = h, .input_kept = true},
-          {.name = "mlp.gate_proj", .in = h, .out = i},
-          {.name = "mlp.up_proj", .in = h, .out = i, .shares_input = true},
-          {.name = "mlp.down_proj", .in = i, .out = h},
+  return {{.name = "self_attn.q_proj", .in = h, .out = q, .bias = ab},
+          {.name = "self_attn.k_proj", .in = h, .out = kv, .bias = ab, .shares_input = true},
+          {.name = "self_attn.v_proj", .in = h, .out = kv, .bias = ab, .shares_input = true},
+          {.name = "self_attn.o_proj", .in = q, .out = h, .bias = ab, .input_kept = true},
+          {.name = "mlp.gate_proj", .in = h, .out = i, .bias = mb},
+          {.name = "mlp.up_proj", .in = h, .out = i, .bias = mb, .shares_input = true},
+          {.name = "mlp.down_proj", .in = i, .out = h, .bias = mb},
           {.name = "input_layernorm", .norm = h, .tensors = 1},
           {.name = "post_attention_layernorm", .norm = h, .tensors = 1}};
 }
 
-// One block's parameters: attention, MLP and its two norms.
-inline std::size_t block_parameters(const decoder_shape& m) {
-  std::size_t n = 0;
-  for (const auto& mod : block_modules(m)) n += mod.parameters();
-  return n;
+// The engine's flat layout of a unit (nn::flat_layout): each tensor placed after the
+// last at the next multiple of the alignment; `end` counts the unit's flat elements,
+// gaps included.
+struct aligned_placement {
+  std::size_t end = 0;
+  std::size_t place(std::size_t n) {  // where a tensor of n elements starts
+    constexpr std::size_t a = nn::flat_layout::alignment;
+    const std::size_t at = (end + a - 1) / a * a;
+    end = at + n;
+    return at;
+  }
+};
+
+// One block's tensors in the order the block lists them: each module's weight and bias,
+// each norm's weight (and LayerNorm's bias).
+inline std::vector<std::size_t> block_tensors(const decoder_shape& m) {
+  std::vector<std::size_t> sizes;
+  for (const auto& mod : block_modules(m)) {
+    if (mod.norm > 0) sizes.insert(sizes.end(), mod.tensors, mod.norm);
+    if (mod.in > 0) sizes.push_back(mod.in * mod.out);
+    if (mod.bias) sizes.push_back(mod.out);
+  }
+  return sizes;
 }
 
-// Everything outside the blocks: token (and position) embeddings, the final norm, the
-// head unless tied.
-constexpr std::size_t root_parameters(const decoder_shape& m) {
+// Everything outside the blocks, in the model's order: token (and position) embeddings,
+// the final norm's tensors, the head unless tied.
+inline std::vector<std::size_t> root_tensors(const decoder_shape& m) {
   const std::size_t h = std::size_t(m.hidden), v = std::size_t(m.vocab);
-  const std::size_t norm = m.family == family::gpt2 ? 2 * h : h;
-  return v * h + std::size_t(m.positions) * h + norm + (m.tied ? 0 : v * h);
+  std::vector<std::size_t> sizes{v * h};
+  if (m.positions > 0) sizes.push_back(std::size_t(m.positions) * h);
+  sizes.insert(sizes.end(), m.family == family::gpt2 ? 2 : 1, h);
+  if (!m.tied) sizes.push_back(v * h);
+  return sizes;
 }
+
+namespace detail {
+inline std::size_t total(const std::vector<std::size_t>& sizes) {
+  std::size_t n = 0;
+  for (std::size_t x : sizes) n += x;
+  return n;
+}
+inline std::size_t laid_out(const std::vector<std::size_t>& sizes) {
+  aligned_placement p;
+  for (std::size_t x : sizes) p.place(x);
+  return p.end;
+}
+}  // namespace detail
+
+// One block's parameters (attention, MLP and its two norms) and its flat elements, the
+// unit's size; the same of the root.
+inline std::size_t block_parameters(const decoder_shape& m) { return detail::total(block_tensors(m)); }
+inline std::size_t block_elements(const decoder_shape& m) { return detail::laid_out(block_tensors(m)); }
+inline std::size_t root_parameters(const decoder_shape& m) { return detail::total(root_tensors(m)); }
+inline std::size_t root_elements(const decoder_shape& m) { return detail::laid_out(root_tensors(m)); }
 
 inline std::size_t parameters(const decoder_shape& m) {
   return root_parameters(m) + std::size_t(m.layers) * block_parameters(m);
@@ -121,9 +170,10 @@ inline const decoder_shape& decoder_preset(std::string_view name) {
 // the activation dtype, norm statistics floats, token ids int64.
 //   block, per token: GPT-2 8·hidden + 2·intermediate elements (ln_1's input, c_attn's
 //     input, q, k and v, c_proj's input, ln_2's input, c_fc's input; the GELU's input and
-//     output) and 4 floats (two LayerNorms' mean and rstd); LLaMA 6·hidden +
-//     2·kv_width + 3·intermediate (two RMSNorms' inputs and outputs, rotated q, the
-//     attention's output; k and v; gate, up and their SwiGLU) and 2 floats (rstd).
+//     output) and 4 floats (two LayerNorms' mean and rstd); LLaMA 4·hidden +
+//     2·q_width + 2·kv_width + 3·intermediate (two RMSNorms' inputs and outputs;
+//     rotated q and the attention's output; k and v; gate, up and their SwiGLU) and 2
+//     floats (rstd).
 //     Dropout keeps no masks (drawn again in backward).
 //   block, attention: heads·seq² weights a sequence (the softmax; transformer_shape's
 //     k = 2 bytes in 16 bits), or with fused_attention (the device's) one float of
@@ -140,10 +190,10 @@ struct decoder_activations {
 inline decoder_activations decoder_activation_bytes(const decoder_shape& m, long batch, long seq, dtype activations,
                                                     bool fused_attention) {
   const double h = double(m.hidden), i = double(m.intermediate), a = double(m.heads), v = double(m.vocab);
-  const double kv = h / a * double(m.kv_heads), s = double(seq), tokens = s * double(batch);
+  const double q = double(m.q_width()), kv = double(m.kv_width()), s = double(seq), tokens = s * double(batch);
   const double size = double(size_of(activations));
   const bool gpt2 = m.family == family::gpt2;
-  const double elements = gpt2 ? 8 * h + 2 * i : 6 * h + 2 * kv + 3 * i, stats = gpt2 ? 4 : 2;
+  const double elements = gpt2 ? 8 * h + 2 * i : 4 * h + 2 * q + 2 * kv + 3 * i, stats = gpt2 ? 4 : 2;
   const double attention = fused_attention ? 4 * a : a * s * size;
   const double outside = 2 * v + 2 * h + (gpt2 ? i + h : 2 * i);
   return {.block = tokens * (elements * size + stats * 4 + attention), .outside = tokens * (outside * size + 8)};
@@ -152,26 +202,30 @@ inline decoder_activations decoder_activation_bytes(const decoder_shape& m, long
 // The model as the planner sees it: the root, then each block a unit (an exact count,
 // where plan::transformer approximates a block as 12·hidden²). Activations for `seq`
 // tokens (the preset's when 0) per sequence as decoder_activation_bytes counts them
-// (fused_attention: the device's attention). FLOPs: 6 per multiplied parameter and token
-// and attention's 12·layers·hidden·seq per token (Narayanan et al. 2021, eq. 3).
+// (fused_attention: the device's attention). Units are flat elements, the engine's
+// alignment gaps included (none in the presets). FLOPs: 6 per multiplied parameter and
+// token and attention's 12·layers·q_width·seq per token (Narayanan et al. 2021, eq. 3,
+// where q_width is hidden).
 inline model_desc decoder(const decoder_shape& m, long batch = 1, long seq = 0, dtype activations = dtype::bf16,
                           bool fused_attention = false) {
-  require(m.layers >= 1 && m.hidden >= 1 && m.heads >= 1 && m.kv_heads >= 1 && m.hidden % m.heads == 0 &&
-              m.heads % m.kv_heads == 0 && m.intermediate >= 1 && m.vocab >= 1 && batch >= 1 &&
-              (seq > 0 || m.seq > 0),
+  require(m.layers >= 1 && m.hidden >= 1 && m.heads >= 1 && m.kv_heads >= 1 &&
+              (m.head_dim > 0 ? m.family == family::llama : m.hidden % m.heads == 0) && m.heads % m.kv_heads == 0 &&
+              m.intermediate >= 1 && m.vocab >= 1 && batch >= 1 && (seq > 0 || m.seq > 0),
           "plan::decoder ", m.name, ": layers, hidden, heads, kv heads, intermediate, vocab, batch and seq must be "
-          "positive, heads must divide hidden and kv heads must divide heads");
+          "positive, heads must divide hidden (unless a LLaMA's head_dim is given) and kv heads must divide heads");
+  require(m.family == family::llama || !(m.attention_bias || m.mlp_bias), "plan::decoder ", m.name,
+          ": GPT-2's projections always have biases; attention_bias and mlp_bias are LLaMA's switches");
   const long s = seq > 0 ? seq : m.seq;
   model_desc d;
-  d.units.assign(std::size_t(m.layers) + 1, block_parameters(m));
-  d.units[0] = root_parameters(m);
+  d.units.assign(std::size_t(m.layers) + 1, block_elements(m));
+  d.units[0] = root_elements(m);
   const auto act = decoder_activation_bytes(m, batch, s, activations, fused_attention);
   const double bytes = double(m.layers) * act.block + act.outside;
   require(bytes < 0x1p64, "plan::decoder ", m.name, ": ", bytes,
           " bytes of activations are more than a 64-bit count holds");
   d.activation_bytes = std::size_t(bytes);
   const double tokens = double(s) * double(batch);
-  d.flops = 6 * double(multiplied_parameters(m)) * tokens + 12 * double(m.layers) * double(m.hidden) * double(s) * tokens;
+  d.flops = 6 * double(multiplied_parameters(m)) * tokens + 12 * double(m.layers) * double(m.q_width()) * double(s) * tokens;
   return d;
 }
 
@@ -186,7 +240,7 @@ inline double decoder_block_bytes(const model_desc& d, const decoder_shape& m, l
 // `layers` blocks frozen: a frozen prefix (docs/design.md, "Frozen parameters"), whose
 // blocks run forward only, keep no activations and no gradients, and are neither
 // gathered in backward nor reduced (model_desc::frozen). The embeddings lead the root's
-// count, so they are its first elements; a tied head is the embedding, frozen with it.
+// tensors, so they are its first ranges; a tied head is the embedding, frozen with it.
 // Activations drop by the prefix's blocks (`activations` is d's dtype); FLOPs by the prefix's backward
 // (4 per parameter and token, and two thirds of its attention) and a frozen head's dW.
 inline model_desc with_frozen_prefix(model_desc d, const decoder_shape& m, long layers, long batch = 1, long seq = 0,
@@ -195,13 +249,18 @@ inline model_desc with_frozen_prefix(model_desc d, const decoder_shape& m, long 
           " frozen blocks of its ", m.layers);
   require(d.units.size() == std::size_t(m.layers) + 1, "plan::with_frozen_prefix ", m.name,
           ": the model is not plan::decoder's (the root and one unit per block)");
-  const std::size_t h = std::size_t(m.hidden), embeddings = std::size_t(m.vocab + m.positions) * h;
+  const std::size_t h = std::size_t(m.hidden);
   d.frozen.assign(d.units.size(), unit_freezing{});
-  d.frozen[0].ranges = {{0, embeddings}};
+  aligned_placement root;
+  for (std::size_t n : {std::size_t(m.vocab) * h, std::size_t(m.positions) * h})
+    if (n > 0) {
+      const std::size_t at = root.place(n);
+      d.frozen[0].ranges.emplace_back(at, at + n);
+    }
   for (std::size_t i = 1; i <= std::size_t(layers); ++i) d.frozen[i] = {.ranges = {{0, d.units[i]}}, .all = true, .no_backward = true};
   const double s = double(seq > 0 ? seq : m.seq), tokens = s * double(batch);
   d.activation_bytes -= std::size_t(double(layers) * decoder_block_bytes(d, m, batch, seq, activations));
-  d.flops -= tokens * (double(layers) * (4 * double(block_parameters(m)) + 8 * double(h) * s) +
+  d.flops -= tokens * (double(layers) * (4 * double(block_parameters(m)) + 8 * double(m.q_width()) * s) +
                        (m.tied ? 2 * double(m.vocab) * double(h) : 0));
   return d;
 }
