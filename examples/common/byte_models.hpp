@@ -1,5 +1,6 @@
-// examples/common/byte_models.hpp — the byte-level decoders train_gpt and train_gpt_cuda
-// train (vocabulary 256: one token per byte, context --seq), from their shared flags.
+// examples/common/byte_models.hpp — the decoders train_gpt and train_gpt_cuda train, from
+// their shared flags: byte-level on a text (vocabulary 256: one token per byte), or over
+// the vocabulary of llm.c's token files (--vocab), context --seq.
 #pragma once
 #include <shardlib/models/gpt2.hpp>
 #include <shardlib/models/llama.hpp>
@@ -17,6 +18,7 @@ namespace example {
 struct byte_model_shape {
   std::string model = "gpt2";  // gpt2 or llama
   long layers = 4, d_model = 128, heads = 4, kv_heads = 2, seq = 128;
+  long vocab = 0;  // --vocab; 0 until the data sets it (use_vocab): 256 for a text, else its tokenizer's
   double dropout = 0;  // GPT-2: residual, embedding and attention
 };
 
@@ -27,7 +29,11 @@ inline void add_byte_model_flags(CLI::App& cli, byte_model_shape& s) {
   cli.add_option("--d-model", s.d_model, "model width (n_embd, hidden_size)")->check(size);
   cli.add_option("--heads", s.heads, "attention heads (divides --d-model)")->check(size);
   cli.add_option("--kv-heads", s.kv_heads, "LLaMA: key/value heads (divides --heads)")->check(size);
-  cli.add_option("--seq", s.seq, "context length in bytes (n_positions)")->check(whole(2, max_size));
+  cli.add_option("--seq", s.seq, "context length in tokens, bytes for a text (n_positions)")->check(whole(2, max_size));
+  cli.add_option("--vocab", s.vocab,
+                 "the model's vocabulary (default: the data's: 256 bytes for a text, 50257 for GPT-2's tokens, "
+                 "128256 for LLaMA 3's; llm.c pads GPT-2's to 50304)")
+      ->check(whole(1, 1L << 31));
   cli.add_option("--dropout", s.dropout, "GPT-2: residual, embedding and attention dropout")->check(real(0, 0.99));
 }
 
@@ -47,10 +53,18 @@ inline void check_byte_model(const byte_model_shape& s) {
                                std::to_string(s.kv_heads) + " does not divide --heads " + std::to_string(s.heads));
 }
 
+// The model's vocabulary: --vocab, or the data's when it was not given; every id of the
+// data must fall inside it.
+template <class Data>
+void use_vocab(byte_model_shape& s, const Data& data) {
+  if (s.vocab == 0) s.vocab = data.vocab;
+  data.check_vocab(s.vocab);
+}
+
 template <class T, class Space>
 shardlib::models::GPT2LMHeadModel<T, Space> make_byte_model(const byte_model_shape& s,
                                                             std::type_identity<shardlib::models::gpt2_config>) {
-  return shardlib::models::GPT2LMHeadModel<T, Space>({.vocab_size = 256,
+  return shardlib::models::GPT2LMHeadModel<T, Space>({.vocab_size = s.vocab,
                                                       .n_positions = s.seq,
                                                       .n_embd = s.d_model,
                                                       .n_layer = s.layers,
@@ -58,20 +72,20 @@ shardlib::models::GPT2LMHeadModel<T, Space> make_byte_model(const byte_model_sha
                                                       .resid_pdrop = s.dropout,
                                                       .embd_pdrop = s.dropout,
                                                       .attn_pdrop = s.dropout,
-                                                      .tokens = {}});  // bytes: no special tokens
+                                                      .tokens = {}});  // none: samples run to their length
 }
 // LLaMA's MLP width: 8/3 of d_model, rounded down to a multiple of 64, plus 64.
 template <class T, class Space>
 shardlib::models::LlamaForCausalLM<T, Space> make_byte_model(const byte_model_shape& s,
                                                              std::type_identity<shardlib::models::llama_config>) {
-  return shardlib::models::LlamaForCausalLM<T, Space>({.vocab_size = 256,
+  return shardlib::models::LlamaForCausalLM<T, Space>({.vocab_size = s.vocab,
                                                        .hidden_size = s.d_model,
                                                        .intermediate_size = s.d_model * 8 / 3 / 64 * 64 + 64,
                                                        .num_hidden_layers = s.layers,
                                                        .num_attention_heads = s.heads,
                                                        .num_key_value_heads = s.kv_heads,
                                                        .max_position_embeddings = s.seq,
-                                                       .tokens = {}});  // bytes: no special tokens
+                                                       .tokens = {}});  // none: samples run to their length
 }
 
 }  // namespace example

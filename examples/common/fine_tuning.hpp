@@ -37,7 +37,7 @@ struct fine_tune_settings {
 
 inline void add_fine_tune_flags(command_line& cli, fine_tune_settings& s) {
   cli.add_option("--init", s.init, "a Hugging Face checkpoint to start from (an earlier --save: config.json and "
-                 "model.safetensors; its shape must be the flags')")->check(CLI::ExistingDirectory);
+                 "model.safetensors; its shape must be the flags', --vocab included)")->check(CLI::ExistingDirectory);
   cli.add_option("--freeze", s.freeze, "parameters kept as they are: globs over dotted names ('*' any run of "
                  "characters), e.g. 'transformer.wte.*' 'transformer.h.0.*'");
   cli.add_option("--lora", s.lora, "train LoRA adapters on the Linears these name (PEFT's target_modules: a "
@@ -87,9 +87,11 @@ template <class Settings>
 void check_fine_tune(const Settings& s) {
   if (s.no_frozen_grads && s.freeze.empty() && s.lora.empty())
     throw CLI::ValidationError("--no-frozen-grads", "nothing is frozen (--freeze, --lora)");
+  byte_model_shape shape = s;
+  if (shape.vocab == 0) shape.vocab = 256;  // the data's is not known yet; names do not depend on it
   const auto check = [&](auto config) {
     if (!s.freeze.empty()) {
-      auto m = make_byte_model<float, shardlib::host_space>(s, config);
+      auto m = make_byte_model<float, shardlib::host_space>(shape, config);
       try {
         shardlib::nn::freeze(m, s.freeze);
       } catch (const shardlib::error& e) {
@@ -97,7 +99,7 @@ void check_fine_tune(const Settings& s) {
       }
     }
     if (!s.lora.empty()) {
-      auto m = make_byte_model<float, shardlib::host_space>(s, config);
+      auto m = make_byte_model<float, shardlib::host_space>(shape, config);
       try {
         shardlib::nn::add_lora(m, s.lora, s.lora_options());
       } catch (const shardlib::error& e) {

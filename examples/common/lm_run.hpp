@@ -1,6 +1,7 @@
 // examples/common/lm_run.hpp — what train_gpt and train_gpt_cuda share beyond the model's
-// shape: the text, the batches, steps and reports, AdamW's learning-rate schedule and weight
-// decay, the seed; their flags, their checks and the schedule they make.
+// shape: the data (a text, or llm.c's token files), the batches, steps and reports, AdamW's
+// learning-rate schedule and weight decay, the seed; their flags, their checks, the
+// schedule they make and the data they read.
 #pragma once
 #include <shardlib/optim/schedule.hpp>
 
@@ -10,11 +11,13 @@
 #include <string>
 
 #include "common/flags.hpp"
+#include "common/text_corpus.hpp"
 
 namespace example {
 
 struct lm_run_settings {
   std::string data = "/usr/share/common-licenses/GPL-3";
+  std::string tokens, val_tokens;  // --tokens, --val-tokens: llm.c's token files instead of --data
   long batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30;
   double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1;
   double min_lr = 0;  // --min-lr; unset: a tenth of lr
@@ -23,7 +26,12 @@ struct lm_run_settings {
 
 inline void add_lm_run_flags(command_line& cli, lm_run_settings& s) {
   const CLI::Validator size = whole(1, max_size);
-  cli.add_option("--data", s.data, "the text to train on")->check(CLI::ExistingFile);
+  auto* data = cli.add_option("--data", s.data, "the text to train on, a token per byte")->check(CLI::ExistingFile);
+  auto* tokens = cli.add_option("--tokens", s.tokens,
+                                "train on llm.c's token file instead (dev/data's .bin: GPT-2's uint16 or LLaMA 3's "
+                                "uint32 tokens; --vocab defaults to that tokenizer's)")
+                     ->check(CLI::ExistingFile)
+                     ->excludes(data);
   cli.add_option("--batch", s.batch, "sequences per rank and step (and micro-batch, with --grad-accum)")->check(size);
   cli.add_option("--steps", s.steps, "training steps")->check(size);
   cli.add_option("--every", s.every, "print the loss every this many steps")->check(size);
@@ -33,7 +41,12 @@ inline void add_lm_run_flags(command_line& cli, lm_run_settings& s) {
   cli.add_option("--min-lr", s.min_lr, "learning rate at the end of the cosine decay (default: a tenth of --lr)")
       ->check(real(0, 1));
   cli.add_option("--weight-decay", s.weight_decay, "AdamW's decoupled weight decay")->check(real(0, 1));
-  cli.add_option("--val-fraction", s.val_fraction, "the held-out tail's share of the text")->check(real(0.01, 0.5));
+  auto* fraction = cli.add_option("--val-fraction", s.val_fraction, "the held-out tail's share of the data")
+                       ->check(real(0.01, 0.5));
+  cli.add_option("--val-tokens", s.val_tokens, "--tokens: held-out tokens from this file instead of the tail")
+      ->check(CLI::ExistingFile)
+      ->needs(tokens)
+      ->excludes(fraction);
   cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
       ->check(whole(0, std::numeric_limits<long long>::max()));
 }
@@ -44,6 +57,12 @@ inline void check_lm_run(const CLI::App& cli, lm_run_settings& s) {
   if (s.min_lr > s.lr)
     throw CLI::ValidationError("--min-lr", std::to_string(s.min_lr) + " is above --lr " + std::to_string(s.lr) +
                                                " (the cosine decay would climb)");
+}
+
+// The data the flags name, for windows of `seq` tokens.
+inline corpus read_corpus(const lm_run_settings& s, long seq) {
+  return s.tokens.empty() ? corpus::text(s.data, s.val_fraction, seq)
+                          : corpus::tokens(s.tokens, s.val_tokens, s.val_fraction, seq);
 }
 
 // Linear warmup (at most the whole run), then cosine decay to --min-lr at the last step.

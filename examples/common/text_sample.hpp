@@ -1,6 +1,7 @@
-// examples/common/text_sample.hpp — the continuation the byte-level language-model
-// examples (train_gpt, train_gpt_cuda) sample at the end: its flags, its prompt (the
-// held-out tail's first paragraph), its options and its printout.
+// examples/common/text_sample.hpp — the continuation the language-model examples
+// (train_gpt, train_gpt_cuda) sample at the end: its flags, its prompt (the held-out
+// text's first paragraph, or the first held-out tokens), its options and its printout
+// (text, or token ids: the examples have no tokenizer).
 #pragma once
 #include <shardlib/core/tensor.hpp>
 #include <shardlib/models/causal_lm.hpp>
@@ -16,14 +17,15 @@
 namespace example {
 
 struct sample_settings {
-  long sample = 96, top_k = 8;  // bytes to generate (0: none); the k most likely bytes drawn from
+  long sample = 96, top_k = 8;  // tokens (bytes) to generate (0: none); the k most likely drawn from
   double temperature = 0.8, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0;
 };
 
 inline void add_sample_flags(command_line& cli, sample_settings& s) {
-  cli.add_option("--sample", s.sample, "bytes to generate at the end (at most --seq minus the prompt)")
+  cli.add_option("--sample", s.sample, "bytes (tokens) to generate at the end (at most --seq minus the prompt)")
       ->check(whole(0, max_size));
-  cli.add_option("--top-k", s.top_k, "sample among the k most likely bytes (1 = greedy)")->check(whole(1, 256));
+  cli.add_option("--top-k", s.top_k, "sample among the k most likely bytes (tokens; 1 = greedy)")
+      ->check(whole(1, max_size));
   cli.add_option("--temperature", s.temperature, "divides the logits before sampling")->check(positive(100));
   cli.add_option("--top-p", s.top_p, "then sample among the most likely bytes whose probabilities reach p")
       ->check(positive(1));
@@ -34,19 +36,20 @@ inline void add_sample_flags(command_line& cli, sample_settings& s) {
       ->check(positive(100));
 }
 
-// The first min(32, seq / 2) bytes of the held-out tail's first paragraph (or of
-// the tail, where it has none that long), as ids [1, len]: half the context at
-// least is left for the continuation.
+// The first min(32, seq / 2) tokens of the held-out text's first paragraph (or of the
+// held-out tokens, where it has none that long, or they are not text), as ids [1, len]:
+// half the context at least is left for the continuation.
 inline shardlib::Tensor<std::int64_t> sample_prompt(const corpus& data, long seq) {
   const long len = std::min<long>(32, seq / 2);
-  std::size_t from = data.val.find("\n\n");
-  from = from == std::string::npos || from + 2 + std::size_t(len) > data.val.size() ? 0 : from + 2;
+  const std::uint32_t paragraph[] = {'\n', '\n'};
+  auto from = std::size_t(std::search(data.val.begin(), data.val.end(), paragraph, paragraph + 2) - data.val.begin());
+  from = !data.bytes || from + 2 + std::size_t(len) > data.val.size() ? 0 : from + 2;
   shardlib::Tensor<std::int64_t> prompt({1, len});
-  for (long t = 0; t < len; ++t) prompt[t] = static_cast<unsigned char>(data.val[from + std::size_t(t)]);
+  for (long t = 0; t < len; ++t) prompt[t] = data.val[from + std::size_t(t)];
   return prompt;
 }
 
-// As many new bytes as --sample asks and the context leaves after the prompt.
+// As many new tokens as --sample asks and the context leaves after the prompt.
 inline shardlib::models::generate_options sample_options(const sample_settings& s, long prompt_len, long seq,
                                                         std::uint64_t seed) {
   return {.max_new_tokens = std::min(s.sample, seq - prompt_len),
@@ -58,14 +61,18 @@ inline shardlib::models::generate_options sample_options(const sample_settings& 
           .seed = seed};
 }
 
-inline void print_sample(const char* program, const sample_settings& s, const shardlib::Tensor<std::int64_t>& out,
-                         long prompt_len) {
+inline void print_sample(const char* program, const sample_settings& s, const corpus& data,
+                         const shardlib::Tensor<std::int64_t>& out, long prompt_len) {
   std::string prompt, continuation;
-  for (std::int64_t t = 0; t < out.numel(); ++t) (t < prompt_len ? prompt : continuation) += char(out[t]);
-  std::printf("%s: sample (top-%ld, temperature %.2f, top-p %.2f, min-p %.2f, repetition penalty %.2f)\n--- prompt "
-              "---\n%s\n--- continuation ---\n%s\n---\n",
-              program, s.top_k, s.temperature, s.top_p, s.min_p, s.repetition_penalty, prompt.c_str(),
-              continuation.c_str());
+  for (std::int64_t t = 0; t < out.numel(); ++t) {
+    std::string& to = t < prompt_len ? prompt : continuation;
+    if (data.bytes) to += char(out[t]);
+    else to += shardlib::cat(to.empty() ? "" : " ", out[t]);
+  }
+  std::printf("%s: sample (top-%ld, temperature %.2f, top-p %.2f, min-p %.2f, repetition penalty %.2f)%s\n--- "
+              "prompt ---\n%s\n--- continuation ---\n%s\n---\n",
+              program, s.top_k, s.temperature, s.top_p, s.min_p, s.repetition_penalty,
+              data.bytes ? "" : ", token ids", prompt.c_str(), continuation.c_str());
 }
 
 }  // namespace example

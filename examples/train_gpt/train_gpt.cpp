@@ -1,6 +1,7 @@
 // train_gpt — a byte-level GPT-2 (models::GPT2LMHeadModel, vocabulary 256: one token
 // per byte; or, with --model llama, a LLaMA: RMSNorm, RoPE, SwiGLU, grouped-query
-// attention) trained on a text file, sharded over --world rank threads (FullShard, every
+// attention) trained on a text file, or on llm.c's token files (--tokens, --val-tokens:
+// GPT-2's or LLaMA 3's tokens, the vocabulary theirs), sharded over --world rank threads (FullShard, every
 // transformer block its own unit, GPT-2's tied head with the embedding in the root), AdamW
 // with linear warmup and cosine decay, gradients clipped to norm 1. It prints
 // "Rank r, Step s, Loss: x" every --every steps as train_fsdp does, the loss on a
@@ -92,12 +93,12 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   const double entropy = data.unigram_entropy();
   const std::size_t parameters = nn::parameter_count(model);  // GPT-2's tied head's weight once
   if (c.rank() == 0)
-    std::printf("train_gpt: %s, %zu bytes (%zu training, %zu held out); unigram entropy %.4f nats = %.4f bits per "
-                "byte\ntrain_gpt: %s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld) in %zu units, "
-                "FullShard over %d ranks%s, %ld sequences per rank\n",
-                s.data.c_str(), data.train.size() + data.val.size(), data.train.size(), data.val.size(), entropy,
-                entropy / std::log(2.0), s.model.c_str(), parameters,
-                s.layers, s.d_model, s.heads, s.seq, sharded.unit_count(), c.size(), example::sharding_note(s).c_str(),
+    std::printf("train_gpt: %s, %zu %ss (%zu training, %zu held out); unigram entropy %.4f nats = %.4f bits per "
+                "%s\ntrain_gpt: %s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld, vocabulary %ld) "
+                "in %zu units, FullShard over %d ranks%s, %ld sequences per rank\n",
+                data.source.c_str(), data.train.size() + data.val.size(), data.unit(), data.train.size(),
+                data.val.size(), entropy, entropy / std::log(2.0), data.unit(), s.model.c_str(), parameters, s.layers,
+                s.d_model, s.heads, s.seq, s.vocab, sharded.unit_count(), c.size(), example::sharding_note(s).c_str(),
                 s.batch);
 
   example::load_init(sharded, s);
@@ -127,8 +128,8 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
       val = validation_loss(sharded, c, data, s.seq, s.batch);
       eval_s += seconds() - before;
       if (c.rank() == 0)
-        std::printf("train_gpt: step %ld, %.1f s, validation loss %.4f nats per byte (unigram entropy %.4f)\n",
-                    step + 1, seconds(), val, entropy);
+        std::printf("train_gpt: step %ld, %.1f s, validation loss %.4f nats per %s (unigram entropy %.4f)\n",
+                    step + 1, seconds(), val, data.unit(), entropy);
     }
   }
   checkpoints.finish();
@@ -140,7 +141,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   const double trained_s = seconds() - eval_s;
   if (c.rank() == 0) example::print_peaks("train_gpt", 0, current_ledger());  // training and validation's
 
-  // A continuation of the held-out tail's first paragraph (or its first bytes), every rank
+  // A continuation of the held-out text's first paragraph (or its first tokens), every rank
   // alike (each forward is collective).
   const Tensor<std::int64_t> prompt = example::sample_prompt(data, s.seq);
   const long prompt_len = long(prompt.dim(1));
@@ -149,11 +150,11 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   const char* saved = s.save.empty() ? nullptr : example::save(sharded, s, s.save);
   if (c.rank() != 0) return;
   std::printf("train_gpt: %ld steps in %.1f s of training (%.3f s/step; validation excluded); final training "
-              "loss %.4f (rank 0's batch), validation %.4f nats per byte = %.2f bits, unigram entropy %.4f nats = "
+              "loss %.4f (rank 0's batch), validation %.4f nats per %s = %.2f bits, unigram entropy %.4f nats = "
               "%.2f bits\n",
-              s.steps - first, trained_s, trained_s / double(std::max(s.steps - first, 1L)), double(loss), val, val / std::log(2.0), entropy,
-              entropy / std::log(2.0));
-  example::print_sample("train_gpt", s, out, prompt_len);
+              s.steps - first, trained_s, trained_s / double(std::max(s.steps - first, 1L)), double(loss), val,
+              data.unit(), val / std::log(2.0), entropy, entropy / std::log(2.0));
+  example::print_sample("train_gpt", s, data, out, prompt_len);
   if (saved) std::printf("train_gpt: %s written to %s\n", saved, s.save.c_str());
 }
 
@@ -161,9 +162,9 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
 
 int main(int argc, char** argv) {
   settings s;
-  example::command_line cli("A byte-level GPT-2 (or LLaMA) trained on a text file, FullShard over --world rank "
-                            "threads, every block a unit; validation on the text's tail, a sample, a Hugging Face "
-                            "checkpoint.",
+  example::command_line cli("A byte-level GPT-2 (or LLaMA) trained on a text file, or one over llm.c's token "
+                            "files, FullShard over --world rank threads, every block a unit; validation on held-out "
+                            "data, a sample, a Hugging Face checkpoint.",
                             "train_gpt");
   cli.add_option("--world", s.world, "ranks, as threads of this process")
       ->check(example::whole(1, example::max_thread_ranks));
@@ -185,7 +186,8 @@ int main(int argc, char** argv) {
   });
   cli.parse_or_exit(argc, argv);
   try {
-    const corpus data(s.data, s.val_fraction, s.seq);
+    const corpus data = example::read_corpus(s, s.seq);
+    example::use_vocab(s, data);
     comm::launch(int(s.world), [&](comm::ThreadComm& c) {
       if (s.model == "llama") train<models::llama_config>(c, s, data);
       else train<models::gpt2_config>(c, s, data);

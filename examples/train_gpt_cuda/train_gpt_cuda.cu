@@ -1,6 +1,6 @@
 // train_gpt_cuda — train_gpt on GPUs: a byte-level GPT-2 (or, with --model llama,
 // a LLaMA: RMSNorm, RoPE, SwiGLU, grouped-query attention) trained on a text
-// file, the model in device memory (cuda_space), layers computing in bfloat16
+// file, or on llm.c's token files (--tokens), the model in device memory (cuda_space), layers computing in bfloat16
 // over fp32 master weights and AdamW state (optim::cuda::AdamW), FullShard over
 // NCCL with every block its own unit, linear warmup and cosine decay, gradients
 // clipped to norm 1. It prints "Rank r, Step s, Loss: x" every --every steps,
@@ -20,6 +20,8 @@
 //   train_gpt_cuda --batch 4 --grad-accum 8         steps of 8 micro-batches of 4 sequences per GPU
 //                  [--no-sync] [--no-reshard-after-backward]     (train_step over them)
 //   --model llama --dtype fp32 --data FILE          ...
+//   --tokens fineweb_train_000001.bin --val-tokens fineweb_val_000000.bin --layers 12 --d-model 768
+//   --heads 12 --seq 1024 --vocab 50304             GPT-2 124M on llm.c's FineWeb tokens
 //
 // Differences from train_gpt: the validation loss is the mean over the ranks'
 // windows through NCCL.
@@ -42,6 +44,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -78,10 +81,10 @@ struct settings : example::byte_model_shape, example::lm_run_settings, example::
 
 using example::corpus;
 
-// Device ids = text[start, start + seq) and targets = the bytes after them, for each start.
+// Device ids = tokens[start, start + seq) and targets = the tokens after them, for each start.
 std::pair<sl::Tensor<std::int64_t, sl::cuda_space>, sl::Tensor<std::int64_t, sl::cuda_space>> windows(
-    const std::string& text, const std::vector<std::size_t>& starts, long seq) {
-  const auto [ids, targets] = example::windows(text, starts, seq);
+    std::span<const std::uint32_t> tokens, const std::vector<std::size_t>& starts, long seq) {
+  const auto [ids, targets] = example::windows(tokens, starts, seq);
   return {sl::cuda::to_device(ids), sl::cuda::to_device(targets)};
 }
 
@@ -110,12 +113,13 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   const sl::optim::warmup_cosine schedule = example::lr_schedule(s);
   const double entropy = data.unigram_entropy();
   if (c.rank() == 0)
-    std::printf("train_gpt_cuda: %s, %zu bytes (%zu training, %zu held out); unigram entropy %.4f nats per byte\n"
-                "train_gpt_cuda: %s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld), %s compute, "
-                "FullShard over %d GPU(s) (NCCL)%s, %zu units, %ld sequences per rank\n",
-                s.data.c_str(), data.train.size() + data.val.size(), data.train.size(), data.val.size(), entropy,
-                s.model.c_str(), sl::nn::parameter_count(model), s.layers, s.d_model, s.heads, s.seq, s.dtype.c_str(),
-                c.size(), example::sharding_note(s).c_str(), sharded.unit_count(), s.batch);
+    std::printf("train_gpt_cuda: %s, %zu %ss (%zu training, %zu held out); unigram entropy %.4f nats per %s\n"
+                "train_gpt_cuda: %s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld, vocabulary %ld), "
+                "%s compute, FullShard over %d GPU(s) (NCCL)%s, %zu units, %ld sequences per rank\n",
+                data.source.c_str(), data.train.size() + data.val.size(), data.unit(), data.train.size(),
+                data.val.size(), entropy, data.unit(), s.model.c_str(), sl::nn::parameter_count(model), s.layers,
+                s.d_model, s.heads, s.seq, s.vocab, s.dtype.c_str(), c.size(), example::sharding_note(s).c_str(),
+                sharded.unit_count(), s.batch);
 
   // The held-out windows, evenly spread over the tail and split between the
   // ranks; the mean of the ranks' mean losses.
@@ -170,8 +174,8 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
       val = validation_loss();
       eval_s += seconds() - before;
       if (c.rank() == 0)
-        std::printf("train_gpt_cuda: step %ld, %.1f s, validation loss %.4f nats per byte (unigram entropy %.4f)\n",
-                    step + 1, seconds(), val, entropy);
+        std::printf("train_gpt_cuda: step %ld, %.1f s, validation loss %.4f nats per %s (unigram entropy %.4f)\n",
+                    step + 1, seconds(), val, data.unit(), entropy);
     }
   }
   checkpoints.finish();
@@ -195,13 +199,13 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   const double tokens = double(trained) * double(s.grad_accum * s.batch) * double(s.seq) * double(c.size());
   std::printf("train_gpt_cuda: %ld steps in %.1f s of training (%.1f ms/step, %.0f tokens/s over %d GPU(s); "
               "validation excluded); final training loss "
-              "%.4f (rank 0's batch), validation %.4f nats per byte, unigram entropy %.4f\n",
+              "%.4f (rank 0's batch), validation %.4f nats per %s, unigram entropy %.4f\n",
               s.steps - first, trained_s, 1e3 * trained_s / double(trained), tokens / trained_s, c.size(), double(loss), val,
-              entropy);
-  example::print_sample("train_gpt_cuda", s, out, prompt_len);
-  std::printf("train_gpt_cuda: sampled %lld bytes in %.3f s (%.1f ms per byte, the KV cache on the GPU)\n",
-              static_cast<long long>(out.dim(1) - prompt_len), sample_s,
-              1e3 * sample_s / double(std::max<std::int64_t>(out.dim(1) - prompt_len, 1)));
+              data.unit(), entropy);
+  example::print_sample("train_gpt_cuda", s, data, out, prompt_len);
+  std::printf("train_gpt_cuda: sampled %lld %ss in %.3f s (%.1f ms per %s, the KV cache on the GPU)\n",
+              static_cast<long long>(out.dim(1) - prompt_len), data.unit(), sample_s,
+              1e3 * sample_s / double(std::max<std::int64_t>(out.dim(1) - prompt_len, 1)), data.unit());
   if (saved) std::printf("train_gpt_cuda: %s written to %s\n", saved, s.save.c_str());
 }
 
@@ -220,7 +224,8 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
 
 int main(int argc, char** argv) {
   settings s;
-  example::command_line cli("train_gpt on GPUs: a byte-level GPT-2 (or LLaMA) on a text file, bf16 compute over fp32 "
+  example::command_line cli("train_gpt on GPUs: a byte-level GPT-2 (or LLaMA) on a text file, or one over llm.c's "
+                            "token files, bf16 compute over fp32 "
                             "masters, AdamW, FullShard over NCCL; one GPU, or one process per GPU under mpirun or "
                             "tools/launch.",
                             "train_gpt_cuda");
@@ -248,7 +253,8 @@ int main(int argc, char** argv) {
   try {
     if (const std::string problem = sl::cuda::device_problem(); !problem.empty())
       throw sl::error(sl::cat("no usable GPU: ", problem));
-    const corpus data(s.data, s.val_fraction, s.seq);
+    const corpus data = example::read_corpus(s, s.seq);
+    example::use_vocab(s, data);
     example::on_device_world(argc, argv, [&](const sl::comm::NcclComm& nccl, auto&&) { train(nccl, s, data); });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt_cuda: %s\n", e.what());
