@@ -3,11 +3,13 @@
 // the vocabulary of llm.c's token files (--vocab), context --seq.
 #pragma once
 #include <shardlib/models/gpt2.hpp>
+#include <shardlib/models/hf.hpp>
 #include <shardlib/models/llama.hpp>
 
 #include <CLI/CLI.hpp>
 
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "common/flags.hpp"
@@ -19,7 +21,8 @@ struct byte_model_shape {
   std::string model = "gpt2";  // gpt2 or llama
   long layers = 4, d_model = 128, heads = 4, kv_heads = 2, seq = 128;
   long vocab = 0;  // --vocab; 0 until the data sets it (use_vocab): 256 for a text, else its tokenizer's
-  double dropout = 0;  // GPT-2: residual, embedding and attention
+  double dropout = 0;  // GPT-2: residual, embedding and attention; below 0: the config's (--init)
+  std::string config;  // a Hugging Face checkpoint whose config.json is the model (take_init_shape)
 };
 
 inline void add_byte_model_flags(CLI::App& cli, byte_model_shape& s) {
@@ -40,6 +43,7 @@ inline void add_byte_model_flags(CLI::App& cli, byte_model_shape& s) {
 // --heads must divide --d-model; LLaMA's RoPE needs an even head dimension and its
 // --kv-heads must divide --heads. Raised as CLI11 validation errors, naming the flag.
 inline void check_byte_model(const byte_model_shape& s) {
+  if (!s.config.empty()) return;  // the config's own, checked as the model is built
   if (s.d_model % s.heads != 0)
     throw CLI::ValidationError("--heads",
                                std::to_string(s.heads) + " does not divide --d-model " + std::to_string(s.d_model));
@@ -53,6 +57,54 @@ inline void check_byte_model(const byte_model_shape& s) {
                                std::to_string(s.kv_heads) + " does not divide --heads " + std::to_string(s.heads));
 }
 
+// --init DIR: the model is the one DIR's config.json describes, as from_pretrained builds it:
+// the architecture, sizes and vocabulary, and the fields no flag sets (LLaMA's MLP width,
+// head_dim, RoPE, the norms' eps). A shape flag given with another value is refused, --seq
+// must fit the config's context, and --dropout, when given, replaces GPT-2's three
+// dropouts. Before check_byte_model, which it makes moot.
+inline void take_init_shape(const CLI::App& cli, byte_model_shape& s, const std::string& init) {
+  if (init.empty()) return;
+  namespace models = shardlib::models;
+  const auto path = models::detail::json_file(init, "config.json");
+  struct shape {
+    std::string type;
+    long layers = 0, d_model = 0, heads = 0, kv_heads = 0, vocab = 0, context = 0;
+  } c;
+  try {
+    c.type = models::detail::with_json(path, "--init's config.json",
+                                       [](const nlohmann::json& j) { return j.value("model_type", std::string()); });
+    if (c.type == "gpt2") {
+      const auto g = models::read_hf_config<models::gpt2_config>(init);
+      c = {c.type, long(g.n_layer), long(g.n_embd), long(g.n_head), long(g.n_head), long(g.vocab_size),
+           long(g.n_positions)};
+    } else if (c.type == "llama") {
+      const auto l = models::read_hf_config<models::llama_config>(init);
+      c = {c.type, long(l.num_hidden_layers), long(l.hidden_size), long(l.num_attention_heads),
+           long(l.num_key_value_heads > 0 ? l.num_key_value_heads : l.num_attention_heads), long(l.vocab_size),
+           long(l.max_position_embeddings)};
+    } else {
+      throw shardlib::error(shardlib::cat(path.string(), ": model_type '", c.type, "' is neither gpt2 nor llama"));
+    }
+  } catch (const shardlib::error& e) {
+    throw CLI::ValidationError("--init", e.what());
+  }
+  if (cli.count("--model") > 0 && s.model != c.type)
+    throw CLI::ValidationError("--model", shardlib::cat(s.model, ", but --init's config.json is ", c.type));
+  s.model = c.type;
+  for (auto [flag, value, from] : {std::tuple{"--layers", &s.layers, c.layers}, std::tuple{"--d-model", &s.d_model, c.d_model},
+                                   std::tuple{"--heads", &s.heads, c.heads}, std::tuple{"--kv-heads", &s.kv_heads, c.kv_heads},
+                                   std::tuple{"--vocab", &s.vocab, c.vocab}}) {
+    if (cli.count(flag) > 0 && *value != from)
+      throw CLI::ValidationError(flag, shardlib::cat(*value, ", but --init's config.json says ", from));
+    *value = from;
+  }
+  if (s.seq > c.context)
+    throw CLI::ValidationError("--seq", shardlib::cat(s.seq, " is more than --init's context of ", c.context,
+                                                      " positions"));
+  if (cli.count("--dropout") == 0) s.dropout = -1;
+  s.config = init;
+}
+
 // The model's vocabulary: --vocab, or the data's when it was not given; every id of the
 // data must fall inside it.
 template <class Data>
@@ -61,31 +113,46 @@ void use_vocab(byte_model_shape& s, const Data& data) {
   data.check_vocab(s.vocab);
 }
 
+// The dropout the model trains with: GPT-2's residual one (the flag sets all three alike),
+// LLaMA's on the attention weights.
+inline double dropout_of(const shardlib::models::gpt2_config& c) { return c.resid_pdrop; }
+inline double dropout_of(const shardlib::models::llama_config& c) { return c.attention_dropout; }
+
+// The model: --init's config (take_init_shape), or the flags'.
 template <class T, class Space>
 shardlib::models::GPT2LMHeadModel<T, Space> make_byte_model(const byte_model_shape& s,
                                                             std::type_identity<shardlib::models::gpt2_config>) {
-  return shardlib::models::GPT2LMHeadModel<T, Space>({.vocab_size = s.vocab,
-                                                      .n_positions = s.seq,
-                                                      .n_embd = s.d_model,
-                                                      .n_layer = s.layers,
-                                                      .n_head = s.heads,
-                                                      .resid_pdrop = s.dropout,
-                                                      .embd_pdrop = s.dropout,
-                                                      .attn_pdrop = s.dropout,
-                                                      .tokens = {}});  // none: samples run to their length
+  using shardlib::models::gpt2_config;
+  if (!s.config.empty()) {
+    auto c = shardlib::models::read_hf_config<gpt2_config>(s.config);
+    if (s.dropout >= 0) c.resid_pdrop = c.embd_pdrop = c.attn_pdrop = s.dropout;
+    return shardlib::models::GPT2LMHeadModel<T, Space>(c);
+  }
+  return shardlib::models::GPT2LMHeadModel<T, Space>(gpt2_config{.vocab_size = s.vocab,
+                                                                 .n_positions = s.seq,
+                                                                 .n_embd = s.d_model,
+                                                                 .n_layer = s.layers,
+                                                                 .n_head = s.heads,
+                                                                 .resid_pdrop = s.dropout,
+                                                                 .embd_pdrop = s.dropout,
+                                                                 .attn_pdrop = s.dropout,
+                                                                 .tokens = {}});  // none: samples run to their length
 }
 // LLaMA's MLP width: 8/3 of d_model, rounded down to a multiple of 64, plus 64.
 template <class T, class Space>
 shardlib::models::LlamaForCausalLM<T, Space> make_byte_model(const byte_model_shape& s,
                                                              std::type_identity<shardlib::models::llama_config>) {
-  return shardlib::models::LlamaForCausalLM<T, Space>({.vocab_size = s.vocab,
-                                                       .hidden_size = s.d_model,
-                                                       .intermediate_size = s.d_model * 8 / 3 / 64 * 64 + 64,
-                                                       .num_hidden_layers = s.layers,
-                                                       .num_attention_heads = s.heads,
-                                                       .num_key_value_heads = s.kv_heads,
-                                                       .max_position_embeddings = s.seq,
-                                                       .tokens = {}});  // none: samples run to their length
+  using shardlib::models::llama_config;
+  if (!s.config.empty())
+    return shardlib::models::LlamaForCausalLM<T, Space>(shardlib::models::read_hf_config<llama_config>(s.config));
+  return shardlib::models::LlamaForCausalLM<T, Space>(llama_config{.vocab_size = s.vocab,
+                                                                   .hidden_size = s.d_model,
+                                                                   .intermediate_size = s.d_model * 8 / 3 / 64 * 64 + 64,
+                                                                   .num_hidden_layers = s.layers,
+                                                                   .num_attention_heads = s.heads,
+                                                                   .num_key_value_heads = s.kv_heads,
+                                                                   .max_position_embeddings = s.seq,
+                                                                   .tokens = {}});  // none: samples run to their length
 }
 
 }  // namespace example

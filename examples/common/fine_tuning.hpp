@@ -36,8 +36,9 @@ struct fine_tune_settings {
 };
 
 inline void add_fine_tune_flags(command_line& cli, fine_tune_settings& s) {
-  cli.add_option("--init", s.init, "a Hugging Face checkpoint to start from (an earlier --save: config.json and "
-                 "model.safetensors; its shape must be the flags', --vocab included)")->check(CLI::ExistingDirectory);
+  cli.add_option("--init", s.init, "a Hugging Face checkpoint to start from (config.json and model.safetensors, "
+                 "an earlier --save or a GPT-2 or LLaMA from the Hub): the model is its config's, shape flags may only "
+                 "repeat it")->check(CLI::ExistingDirectory);
   cli.add_option("--freeze", s.freeze, "parameters kept as they are: globs over dotted names ('*' any run of "
                  "characters), e.g. 'transformer.wte.*' 'transformer.h.0.*'");
   cli.add_option("--lora", s.lora, "train LoRA adapters on the Linears these name (PEFT's target_modules: a "

@@ -117,7 +117,7 @@ struct corpus {
       const auto at = std::find_if(part->begin(), part->end(), [&](std::uint32_t t) { return std::int64_t(t) >= v; });
       shardlib::require(at == part->end(), source, ": ", part == &train ? "training" : "held-out", " token ",
                         at - part->begin(), " is ", at == part->end() ? 0 : *at, ", outside the model's vocabulary of ",
-                        v, " (--vocab)");
+                        v, " (--vocab, or --init's config)");
     }
   }
 

@@ -16,7 +16,8 @@
 // --grad-accum K makes each step K micro-batches of --batch sequences per rank (train_step
 // over them: the windows of one batch K times as large), --no-sync reduces their gradients
 // once, --no-reshard-after-backward keeps the blocks gathered between them.
-// Fine-tuning: --init DIR starts from a Hugging Face checkpoint (an earlier --save),
+// Fine-tuning: --init DIR starts from a Hugging Face checkpoint (an earlier --save, or a
+// GPT-2 or LLaMA from the Hub: the model is the one its config.json describes),
 // --freeze PATTERN... keeps the parameters it names as they are (nn::freeze), and --lora
 // TARGET... trains LoRA adapters on the Linears it names, everything else frozen
 // (nn::add_lora; --save then writes PEFT's adapter files, which PeftModel.from_pretrained
@@ -94,11 +95,12 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   const std::size_t parameters = nn::parameter_count(model);  // GPT-2's tied head's weight once
   if (c.rank() == 0)
     std::printf("train_gpt: %s, %zu %ss (%zu training, %zu held out); unigram entropy %.4f nats = %.4f bits per "
-                "%s\ntrain_gpt: %s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld, vocabulary %ld) "
-                "in %zu units, FullShard over %d ranks%s, %ld sequences per rank\n",
+                "%s\ntrain_gpt: %s%s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld, vocabulary "
+                "%ld, dropout %g) in %zu units, FullShard over %d ranks%s, %ld sequences per rank\n",
                 data.source.c_str(), data.train.size() + data.val.size(), data.unit(), data.train.size(),
-                data.val.size(), entropy, entropy / std::log(2.0), data.unit(), s.model.c_str(), parameters, s.layers,
-                s.d_model, s.heads, s.seq, s.vocab, sharded.unit_count(), c.size(), example::sharding_note(s).c_str(),
+                data.val.size(), entropy, entropy / std::log(2.0), data.unit(), s.model.c_str(),
+                s.config.empty() ? "" : " (--init's config)", parameters, s.layers, s.d_model, s.heads, s.seq, s.vocab,
+                example::dropout_of(model.config()), sharded.unit_count(), c.size(), example::sharding_note(s).c_str(),
                 s.batch);
 
   example::load_init(sharded, s);
@@ -180,6 +182,7 @@ int main(int argc, char** argv) {
     if (s.reshard_to > 0 && s.world % s.reshard_to != 0)
       throw CLI::ValidationError("--reshard-to", shardlib::cat(s.reshard_to, " does not divide --world ", s.world));
     example::check_lm_run(cli, s);
+    example::take_init_shape(cli, s, s.init);
     example::check_byte_model(s);
     example::check_checkpoint_settings(s);
     example::check_fine_tune(s);

@@ -114,11 +114,12 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   const double entropy = data.unigram_entropy();
   if (c.rank() == 0)
     std::printf("train_gpt_cuda: %s, %zu %ss (%zu training, %zu held out); unigram entropy %.4f nats per %s\n"
-                "train_gpt_cuda: %s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld, vocabulary %ld), "
-                "%s compute, FullShard over %d GPU(s) (NCCL)%s, %zu units, %ld sequences per rank\n",
+                "train_gpt_cuda: %s%s, %zu parameters (%ld layers, d_model %ld, %ld heads, context %ld, vocabulary "
+                "%ld, dropout %g), %s compute, FullShard over %d GPU(s) (NCCL)%s, %zu units, %ld sequences per rank\n",
                 data.source.c_str(), data.train.size() + data.val.size(), data.unit(), data.train.size(),
-                data.val.size(), entropy, data.unit(), s.model.c_str(), sl::nn::parameter_count(model), s.layers,
-                s.d_model, s.heads, s.seq, s.vocab, s.dtype.c_str(), c.size(), example::sharding_note(s).c_str(),
+                data.val.size(), entropy, data.unit(), s.model.c_str(), s.config.empty() ? "" : " (--init's config)",
+                sl::nn::parameter_count(model), s.layers, s.d_model, s.heads, s.seq, s.vocab,
+                example::dropout_of(model.config()), s.dtype.c_str(), c.size(), example::sharding_note(s).c_str(),
                 sharded.unit_count(), s.batch);
 
   // The held-out windows, evenly spread over the tail and split between the
@@ -242,6 +243,7 @@ int main(int argc, char** argv) {
   cli.callback([&] {
     example::check_accumulation_flags(s);
     example::check_lm_run(cli, s);
+    example::take_init_shape(cli, s, s.init);
     example::check_byte_model(s);
     example::check_checkpoint_settings(s);
     example::check_fine_tune(s);
