@@ -126,7 +126,8 @@ settings parse(int argc, char** argv) {
   for (const auto& m : plan::decoder_presets) presets.emplace_back(m.name);
   auto* preset = cli.add_option("--model", s.preset,
                                 "a published decoder language model, or a Hugging Face config.json of a GPT-2 or "
-                                "LLaMA (the file or its folder)")
+                                "LLaMA (the file or its folder; a preset's name is the preset: ./NAME for a folder "
+                                "of that name)")
                      ->check(CLI::Validator(
                          [presets](std::string& v) {
                            if (std::find(presets.begin(), presets.end(), v) != presets.end() ||
@@ -397,7 +398,7 @@ void print_model(const plan::model_desc& d, const char* activations_note) {
     wholly += f.all;
     forward_only += f.no_backward;
   }
-  std::printf("# frozen: %s parameters; %zu units wholly, %zu of them forward only\n", grouped(elements).c_str(), wholly,
+  std::printf("# frozen: %s elements; %zu units wholly, %zu of them forward only\n", grouped(elements).c_str(), wholly,
               forward_only);
 }
 

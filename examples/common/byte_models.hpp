@@ -8,7 +8,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+#include <cstdio>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 
@@ -21,7 +24,7 @@ struct byte_model_shape {
   std::string model = "gpt2";  // gpt2 or llama
   long layers = 4, d_model = 128, heads = 4, kv_heads = 2, seq = 128;
   long vocab = 0;  // --vocab; 0 until the data sets it (use_vocab): 256 for a text, else its tokenizer's
-  double dropout = 0;  // GPT-2: residual, embedding and attention; below 0: the config's (--init)
+  double dropout = 0;  // GPT-2: residual, embedding and attention; LLaMA: attention; below 0: the config's (--init)
   std::string config;  // a Hugging Face checkpoint whose config.json is the model (take_init_shape)
 };
 
@@ -37,7 +40,10 @@ inline void add_byte_model_flags(CLI::App& cli, byte_model_shape& s) {
                  "the model's vocabulary (default: the data's: 256 bytes for a text, 50257 for GPT-2's tokens, "
                  "128256 for LLaMA 3's; llm.c pads GPT-2's to 50304)")
       ->check(whole(1, 1L << 31));
-  cli.add_option("--dropout", s.dropout, "GPT-2: residual, embedding and attention dropout")->check(real(0, 0.99));
+  cli.add_option("--dropout", s.dropout,
+                 "GPT-2: residual, embedding and attention dropout; LLaMA: attention dropout (with --init: replaces "
+                 "the config's)")
+      ->check(real(0, 0.99));
 }
 
 // --heads must divide --d-model; LLaMA's RoPE needs an even head dimension and its
@@ -59,9 +65,10 @@ inline void check_byte_model(const byte_model_shape& s) {
 
 // --init DIR: the model is the one DIR's config.json describes, as from_pretrained builds it:
 // the architecture, sizes and vocabulary, and the fields no flag sets (LLaMA's MLP width,
-// head_dim, RoPE, the norms' eps). A shape flag given with another value is refused, --seq
-// must fit the config's context, and --dropout, when given, replaces GPT-2's three
-// dropouts. Before check_byte_model, which it makes moot.
+// head_dim, RoPE, the norms' eps). A shape flag given with another value is refused (GPT-2
+// has no --kv-heads to compare), --seq must fit the config's context (its default is cut
+// to it), and --dropout, when given, replaces the config's dropouts. Before
+// check_byte_model, which it makes moot.
 inline void take_init_shape(const CLI::App& cli, byte_model_shape& s, const std::string& init) {
   if (init.empty()) return;
   namespace models = shardlib::models;
@@ -94,10 +101,12 @@ inline void take_init_shape(const CLI::App& cli, byte_model_shape& s, const std:
   for (auto [flag, value, from] : {std::tuple{"--layers", &s.layers, c.layers}, std::tuple{"--d-model", &s.d_model, c.d_model},
                                    std::tuple{"--heads", &s.heads, c.heads}, std::tuple{"--kv-heads", &s.kv_heads, c.kv_heads},
                                    std::tuple{"--vocab", &s.vocab, c.vocab}}) {
-    if (cli.count(flag) > 0 && *value != from)
+    const bool read = c.type == "llama" || std::string_view(flag) != "--kv-heads";  // GPT-2 ignores --kv-heads
+    if (read && cli.count(flag) > 0 && *value != from)
       throw CLI::ValidationError(flag, shardlib::cat(*value, ", but --init's config.json says ", from));
     *value = from;
   }
+  if (cli.count("--seq") == 0) s.seq = std::min(s.seq, c.context);  // the default fits a shorter context
   if (s.seq > c.context)
     throw CLI::ValidationError("--seq", shardlib::cat(s.seq, " is more than --init's context of ", c.context,
                                                       " positions"));
@@ -108,9 +117,12 @@ inline void take_init_shape(const CLI::App& cli, byte_model_shape& s, const std:
 // The model's vocabulary: --vocab, or the data's when it was not given; every id of the
 // data must fall inside it.
 template <class Data>
-void use_vocab(byte_model_shape& s, const Data& data) {
+void use_vocab(byte_model_shape& s, const Data& data, const char* program) {
   if (s.vocab == 0) s.vocab = data.vocab;
   data.check_vocab(s.vocab);
+  if (data.bytes && s.vocab > 256)
+    std::printf("%s: note: the text's bytes are token ids 0 to 255 of a vocabulary of %ld, not its tokenizer's "
+                "(llm.c's token files: --tokens)\n", program, s.vocab);
 }
 
 // The dropout the model trains with: GPT-2's residual one (the flag sets all three alike),
@@ -143,8 +155,11 @@ template <class T, class Space>
 shardlib::models::LlamaForCausalLM<T, Space> make_byte_model(const byte_model_shape& s,
                                                              std::type_identity<shardlib::models::llama_config>) {
   using shardlib::models::llama_config;
-  if (!s.config.empty())
-    return shardlib::models::LlamaForCausalLM<T, Space>(shardlib::models::read_hf_config<llama_config>(s.config));
+  if (!s.config.empty()) {
+    auto c = shardlib::models::read_hf_config<llama_config>(s.config);
+    if (s.dropout >= 0) c.attention_dropout = s.dropout;
+    return shardlib::models::LlamaForCausalLM<T, Space>(c);
+  }
   return shardlib::models::LlamaForCausalLM<T, Space>(llama_config{.vocab_size = s.vocab,
                                                                    .hidden_size = s.d_model,
                                                                    .intermediate_size = s.d_model * 8 / 3 / 64 * 64 + 64,
@@ -152,6 +167,7 @@ shardlib::models::LlamaForCausalLM<T, Space> make_byte_model(const byte_model_sh
                                                                    .num_attention_heads = s.heads,
                                                                    .num_key_value_heads = s.kv_heads,
                                                                    .max_position_embeddings = s.seq,
+                                                                   .attention_dropout = s.dropout,
                                                                    .tokens = {}});  // none: samples run to their length
 }
 

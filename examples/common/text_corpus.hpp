@@ -32,12 +32,13 @@ struct token_file {
   explicit token_file(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
     shardlib::require(bool(in), "cannot read ", path);
-    const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
     constexpr std::size_t header = 256 * 4;
-    shardlib::require(bytes.size() >= header, path, ": ", bytes.size(),
-                      " bytes, less than the 1024-byte header of llm.c's token files");
-    std::int32_t h[3];
-    std::memcpy(h, bytes.data(), sizeof h);
+    in.seekg(0, std::ios::end);
+    const auto size = std::size_t(in.tellg());
+    in.seekg(0);
+    shardlib::require(size >= header, path, ": ", size, " bytes, less than the 1024-byte header of llm.c's token files");
+    std::int32_t h[256];
+    in.read(reinterpret_cast<char*>(h), header);
     std::size_t width = 0;
     if (h[0] == 20240520 && h[1] == 1) {
       width = 2, format = "GPT-2", vocab = 50257;
@@ -48,19 +49,18 @@ struct token_file {
                                           " is not an llm.c token file's (20240520 version 1: GPT-2's uint16 "
                                           "tokens; 20240801 version 7: LLaMA 3's uint32 tokens)"));
     }
-    shardlib::require(h[2] >= 0 && bytes.size() - header == std::size_t(h[2]) * width, path, ": the header says ",
-                      h[2], " tokens (", std::size_t(std::max(h[2], 0)) * width, " bytes) but ", bytes.size() - header,
+    shardlib::require(h[2] >= 0 && size - header == std::size_t(h[2]) * width, path, ": the header says ", h[2],
+                      " tokens (", std::size_t(std::max(h[2], 0)) * width, " bytes) but ", size - header,
                       " bytes follow it");
     tokens.resize(std::size_t(h[2]));
-    for (std::size_t i = 0; i < tokens.size(); ++i) {
-      if (width == 2) {
-        std::uint16_t t;
-        std::memcpy(&t, bytes.data() + header + 2 * i, 2);
-        tokens[i] = t;
-      } else {
-        std::memcpy(&tokens[i], bytes.data() + header + 4 * i, 4);
-      }
+    if (width == 4) {
+      in.read(reinterpret_cast<char*>(tokens.data()), std::streamsize(4 * tokens.size()));
+    } else {
+      std::vector<std::uint16_t> narrow(tokens.size());
+      in.read(reinterpret_cast<char*>(narrow.data()), std::streamsize(2 * narrow.size()));
+      std::copy(narrow.begin(), narrow.end(), tokens.begin());
     }
+    shardlib::require(bool(in), "cannot read ", path, "'s ", h[2], " tokens");
   }
 };
 

@@ -27,12 +27,12 @@ inline void add_sample_flags(command_line& cli, sample_settings& s) {
   cli.add_option("--top-k", s.top_k, "sample among the k most likely bytes (tokens; 1 = greedy)")
       ->check(whole(1, max_size));
   cli.add_option("--temperature", s.temperature, "divides the logits before sampling")->check(positive(100));
-  cli.add_option("--top-p", s.top_p, "then sample among the most likely bytes whose probabilities reach p")
+  cli.add_option("--top-p", s.top_p, "then sample among the most likely bytes (tokens) whose probabilities reach p")
       ->check(positive(1));
-  cli.add_option("--min-p", s.min_p, "then drop bytes less likely than min_p times the most likely (0: off)")
+  cli.add_option("--min-p", s.min_p, "then drop bytes (tokens) less likely than min_p times the most likely (0: off)")
       ->check(real(0, 1));
   cli.add_option("--repetition-penalty", s.repetition_penalty,
-                 "divides the logits of bytes already in the text (multiplies negative ones; 1: off)")
+                 "divides the logits of bytes (tokens) already in the text (multiplies negative ones; 1: off)")
       ->check(positive(100));
 }
 
@@ -66,8 +66,8 @@ inline void print_sample(const char* program, const sample_settings& s, const co
   std::string prompt, continuation;
   for (std::int64_t t = 0; t < out.numel(); ++t) {
     std::string& to = t < prompt_len ? prompt : continuation;
-    if (data.bytes) to += char(out[t]);
-    else to += shardlib::cat(to.empty() ? "" : " ", out[t]);
+    if (data.bytes && out[t] < 256) to += char(out[t]);
+    else to += shardlib::cat(data.bytes || to.empty() ? "" : " ", data.bytes ? "<" : "", out[t], data.bytes ? ">" : "");
   }
   std::printf("%s: sample (top-%ld, temperature %.2f, top-p %.2f, min-p %.2f, repetition penalty %.2f)%s\n--- "
               "prompt ---\n%s\n--- continuation ---\n%s\n---\n",

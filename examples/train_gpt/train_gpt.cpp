@@ -5,7 +5,7 @@
 // transformer block its own unit, GPT-2's tied head with the embedding in the root), AdamW
 // with linear warmup and cosine decay, gradients clipped to norm 1. It prints
 // "Rank r, Step s, Loss: x" every --every steps as train_fsdp does, the loss on a
-// held-out tail of the text every --eval-every steps, the text's unigram entropy (the
+// held-out tail of the data (or --val-tokens) every --eval-every steps, its unigram entropy (the
 // loss of the best model that ignores context: what "learned something" must beat), a
 // continuation sampled with the KV cache at the end, and saves the model as Hugging
 // Face's GPT2LMHeadModel or LlamaForCausalLM would (config.json + model.safetensors, --save
@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
   cli.parse_or_exit(argc, argv);
   try {
     const corpus data = example::read_corpus(s, s.seq);
-    example::use_vocab(s, data);
+    example::use_vocab(s, data, "train_gpt");
     comm::launch(int(s.world), [&](comm::ThreadComm& c) {
       if (s.model == "llama") train<models::llama_config>(c, s, data);
       else train<models::gpt2_config>(c, s, data);

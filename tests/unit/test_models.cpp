@@ -8,6 +8,7 @@
 #include <shardlib/models/gpt2.hpp>
 #include <shardlib/models/hf.hpp>
 #include <shardlib/models/llama.hpp>
+#include <shardlib/models/llmc.hpp>
 #include <shardlib/models/peft.hpp>
 #include <shardlib/models/sharded_generate.hpp>
 #include <shardlib/nn/lora.hpp>
@@ -33,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "support/checkpoint_files.hpp"
 #include "support/compare.hpp"
 #include "support/parameter_names.hpp"
 #include "support/golden.hpp"
@@ -1079,6 +1081,84 @@ struct hf5_model {
   nn::Replicated<float, Model> owner{model, 0};
   bool loaded = models::load_hf(owner, dir).ok();
 };
+
+// llm.c's GPT-2 checkpoints (tests/golden/llmc, make_llmc_goldens.py: hf5's GPT-2 as llm.c's
+// train_gpt2.py writes it, version 3 fp32 and version 5 bf16, the vocabulary of 96 padded to
+// 128): read, every parameter is transformers' exactly (bf16: transformers' rounded to
+// nearest even, torch's rounding); written from transformers' parameters, the same bytes.
+// What is not llm.c's GPT-2 is refused, naming the file and what was expected.
+TEST_CASE("llm.c's GPT-2 checkpoints read and write as llm.c's train_gpt2.py writes them", "[models][llmc]") {
+  hf5_model<models::GPT2LMHeadModel<float>> hf;
+  REQUIRE(hf.loaded);
+  const fs::path dir = fs::path(SHARDLIB_GOLDEN_DIR) / "llmc";
+  const auto bytes = [](const fs::path& f) {
+    std::ifstream in(f, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  test_support::temp_dir tmp("llmc");
+  for (const auto& [file, type] : {std::pair{"gpt2_f32.bin", dtype::f32}, std::pair{"gpt2_bf16.bin", dtype::bf16}}) {
+    INFO(file);
+    const models::llmc_header h = models::read_llmc_header(dir / file);
+    CHECK(h.type == type);
+    CHECK(h.padded_vocab == 128);
+    CHECK((h.config.vocab_size == 96 && h.config.n_positions == 32 && h.config.n_embd == 32 &&
+           h.config.n_layer == 2 && h.config.n_head == 4 && h.config.tie_word_embeddings));
+    models::GPT2LMHeadModel<float> model(h.config);
+    nn::Replicated<float, models::GPT2LMHeadModel<float>> whole(model, 7);
+    models::load_llmc(whole, dir / file);
+    std::size_t compared = 0, differ = 0;
+    for (const auto& e : whole.layout().entries) {
+      const auto got = whole.value(e.name);
+      const auto want = hf.owner.value(e.name);
+      for (std::size_t i = 0; i < got.size(); ++i, ++compared)
+        differ += !(got[i] == (type == dtype::f32 ? want[i] : float(bfloat16(want[i]))));  // NaN differs
+    }
+    CHECK(compared == nn::parameter_count(model));
+    CHECK(differ == 0);
+    models::save_llmc(hf.owner, tmp.path / file, type);
+    CHECK(bytes(tmp.path / file) == bytes(dir / file));
+  }
+
+  // Through a Hugging Face checkpoint and back (shardlib-ckpt from-llmc, to-llmc): transformers'
+  // own files' values, and llm.c's bytes again.
+  models::llmc_to_hf(dir / "gpt2_f32.bin", tmp.path / "hf");
+  hf5_model<models::GPT2LMHeadModel<float>> converted{.dir = tmp.path / "hf"};
+  REQUIRE(converted.loaded);
+  CHECK(std::ranges::equal(converted.owner.values(), hf.owner.values()));
+  models::hf_to_llmc(tmp.path / "hf", tmp.path / "back.bin", dtype::bf16);
+  CHECK(bytes(tmp.path / "back.bin") == bytes(dir / "gpt2_bf16.bin"));
+
+  // Refusals: another version, a header the size does not match, a model of another shape
+  // or not llm.c's architecture, a dtype llm.c does not write.
+  std::string f32 = bytes(dir / "gpt2_f32.bin");
+  const auto write = [&](std::string_view name, const std::string& content) {
+    std::ofstream(tmp.path / name, std::ios::binary) << content;
+    return tmp.path / name;
+  };
+  std::string v2 = f32;
+  v2[4] = 2;
+  CHECK_THROWS_WITH(models::read_llmc_header(write("v2.bin", v2)),
+                    Catch::Contains("v2.bin: magic 20240326 version 2 is not llm.c's GPT-2 checkpoint"));
+  CHECK_THROWS_WITH(models::read_llmc_header(write("cut.bin", f32.substr(0, f32.size() - 4))),
+                    Catch::Contains("cut.bin: 123388 bytes, but its header (2 layers, channels 32, vocabulary 96 padded "
+                                    "to 128, context 32, F32) makes 123392"));
+  CHECK_THROWS_WITH(models::read_llmc_header(write("short.bin", f32.substr(0, 20))),
+                    Catch::Contains("short.bin: shorter than llm.c's 1024-byte header"));
+  models::GPT2LMHeadModel<float> wider({.vocab_size = 96, .n_positions = 32, .n_embd = 64, .n_layer = 2, .n_head = 4});
+  nn::Replicated<float, models::GPT2LMHeadModel<float>> wide(wider, 0);
+  CHECK_THROWS_WITH(models::load_llmc(wide, dir / "gpt2_f32.bin"),
+                    Catch::Contains("gpt2_f32.bin: the model (2 layers, n_embd 64, 4 heads, vocabulary 96, n_positions "
+                                    "32) is not the checkpoint's"));
+  models::GPT2LMHeadModel<float> untied(
+      {.vocab_size = 96, .n_positions = 32, .n_embd = 32, .n_layer = 2, .n_head = 4, .tie_word_embeddings = false});
+  nn::Replicated<float, models::GPT2LMHeadModel<float>> loose(untied, 0);
+  CHECK_THROWS_WITH(models::save_llmc(loose, tmp.path / "untied.bin"),
+                    Catch::Contains("llm.c's GPT-2 ties its head to wte and has an MLP 4 n_embd (128) wide; this model "
+                                    "has an untied head"));
+  CHECK_THROWS_WITH(models::save_llmc(hf.owner, tmp.path / "half.bin", dtype::f16),
+                    Catch::Contains("llm.c's checkpoints hold fp32 or bf16, not F16"));
+  CHECK_FALSE(fs::exists(tmp.path / "half.bin"));
+}
 
 // What transformers 5 writes (tests/golden/hf5, make_hf5_goldens.py: transformers 5.25,
 // torch 2.15): "dtype" for "torch_dtype", LLaMA's rope_theta only inside

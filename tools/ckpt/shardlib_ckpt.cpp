@@ -7,11 +7,15 @@
 //                                  [--chunk-bytes B]
 //   shardlib-ckpt merge-peft BASE ADAPTER OUT   a Hugging Face GPT-2 or LLaMA with a PEFT LoRA
 //                                  adapter merged into it (models::merge_peft)
+//   shardlib-ckpt from-llmc FILE OUT     llm.c's GPT-2 checkpoint as a Hugging Face one
+//   shardlib-ckpt to-llmc DIR FILE [--bf16]   a Hugging Face GPT-2 as llm.c's checkpoint
+//                                  (models/llmc.hpp)
 //
 // PATH is a checkpoint directory or a root of them (then its latest). from-safetensors
 // needs no model: every tensor becomes a parameter of one unit, and a load maps
 // parameters by name, so any model with those names and shapes loads the result.
 #include <shardlib/io/checkpoint.hpp>
+#include <shardlib/models/llmc.hpp>
 #include <shardlib/models/peft.hpp>
 
 #include <cstdio>
@@ -91,6 +95,7 @@ void list_checkpoint(const fs::path& dir) {
 struct operands {
   std::string path, file, out;  // merge-peft: BASE, ADAPTER, OUT
   bool with_optimizer = false;
+  bool bf16 = false;  // to-llmc
   io::convert_options convert{.strategy = ""};
 };
 
@@ -121,6 +126,24 @@ int run(const std::string& command, const operands& a) {
     std::printf("wrote %s: %s with the adapter %s merged into it\n", a.out.c_str(), a.path.c_str(), a.file.c_str());
     return 0;
   }
+  if (command == "from-llmc") {
+    const auto h = models::read_llmc_header(fs::path(a.file));
+    models::llmc_to_hf(fs::path(a.file), fs::path(a.out));
+    std::printf("wrote %s: llm.c's %s GPT-2 (%lld layers, n_embd %lld, vocabulary %lld, its padding to %lld left out) "
+                "as a Hugging Face checkpoint\n",
+                a.out.c_str(), std::string(name(h.type)).c_str(), static_cast<long long>(h.config.n_layer),
+                static_cast<long long>(h.config.n_embd), static_cast<long long>(h.config.vocab_size),
+                static_cast<long long>(h.padded_vocab));
+    return 0;
+  }
+  if (command == "to-llmc") {
+    models::hf_to_llmc(fs::path(a.path), fs::path(a.file), a.bf16 ? dtype::bf16 : dtype::f32);
+    const auto h = models::read_llmc_header(fs::path(a.file));
+    std::printf("wrote %s: %s as llm.c's checkpoint, version %d (%s), vocabulary %lld padded to %lld\n",
+                a.file.c_str(), a.path.c_str(), a.bf16 ? 5 : 3, std::string(name(h.type)).c_str(),
+                static_cast<long long>(h.config.vocab_size), static_cast<long long>(h.padded_vocab));
+    return 0;
+  }
   if (command == "to-safetensors") {
     const auto used = io::checkpoint_to_safetensors(fs::path(a.path), fs::path(a.file), a.with_optimizer);
     std::printf("wrote %s from %s (%s)\n", a.file.c_str(), used.c_str(),
@@ -145,14 +168,16 @@ int main(int argc, char** argv) {
   operands a;
   io::convert_options& o = a.convert;
   example::command_line cli("Lists, verifies and converts sharded checkpoints, without the model's code; merges a "
-                            "PEFT LoRA adapter into a Hugging Face GPT-2 or LLaMA.",
+                            "PEFT LoRA adapter into a Hugging Face GPT-2 or LLaMA; converts llm.c's GPT-2 "
+                            "checkpoints to and from Hugging Face's.",
                             "shardlib-ckpt");
   cli.footer("PATH: a checkpoint directory, or a root holding several (its latest is used).");
   // At most one command: an unknown word is then named as not expected before the callback asks for one.
   cli.require_subcommand(0, 1);
   cli.callback([&] {
     if (cli.get_subcommands().empty())
-      throw CLI::RequiredError("a command (list, verify, to-safetensors, from-safetensors, merge-peft)");
+      throw CLI::RequiredError(
+          "a command (list, verify, to-safetensors, from-safetensors, merge-peft, from-llmc, to-llmc)");
   });
   auto* list = cli.add_subcommand("list", "a root: its checkpoints; a checkpoint: what it holds");
   list->add_option("PATH", a.path)->required();
@@ -167,6 +192,14 @@ int main(int argc, char** argv) {
   merge->add_option("BASE", a.path)->required()->check(CLI::ExistingDirectory);
   merge->add_option("ADAPTER", a.file)->required()->check(CLI::ExistingDirectory);
   merge->add_option("OUT", a.out)->required();
+  auto* from_llmc = cli.add_subcommand("from-llmc", "llm.c's GPT-2 checkpoint FILE (train_gpt2's .bin) as a Hugging "
+                                       "Face checkpoint in OUT");
+  from_llmc->add_option("FILE", a.file)->required()->check(CLI::ExistingFile);
+  from_llmc->add_option("OUT", a.out)->required();
+  auto* to_llmc = cli.add_subcommand("to-llmc", "the Hugging Face GPT-2 in DIR as llm.c's checkpoint FILE");
+  to_llmc->add_option("DIR", a.path)->required()->check(CLI::ExistingDirectory);
+  to_llmc->add_option("FILE", a.file)->required();
+  to_llmc->add_flag("--bf16", a.bf16, "every tensor in bf16 (llm.c's version 5), not fp32 (version 3)");
   auto* from = cli.add_subcommand("from-safetensors", "a checkpoint under ROOT from a safetensors FILE");
   from->add_option("FILE", a.file)->required();
   from->add_option("ROOT", a.path)->required();

@@ -6,7 +6,8 @@ for LLaMA 3 (20240801, version 7). The tokens are a text's bytes spread over eac
 vocabulary (byte b -> 150 b + 7 for GPT-2, 500 b + 11 for LLaMA 3), so ids above 255 and,
 for LLaMA 3, above 65535 are read; what the model learns is the text's byte statistics.
 vocab96.bin holds the bytes modulo 96, for the models of tests/golden/hf5 (vocabulary 96).
-Then three broken files: a wrong magic, a count the bytes do not match, a header cut short.
+Then four broken files: a wrong magic, a count the bytes do not match, a negative count, a
+header cut short.
 
     python3 tests/golden/tokens/make_token_files.py README.md tests/golden/tokens
 """
@@ -31,6 +32,7 @@ def main():
     write(out / "vocab96.bin", 20240520, 1, [b % 96 for b in text[:2000]], 2)
     write(out / "bad_magic.bin", 20240521, 1, [7] * 100, 2)
     write(out / "bad_count.bin", 20240520, 1, [7] * 100, 2, count=101)
+    write(out / "negative_count.bin", 20240520, 1, [7] * 100, 2, count=-1)
     (out / "short.bin").write_bytes(struct.pack("<3i", 20240520, 1, 0))
 
 
