@@ -18,6 +18,7 @@ namespace example {
 struct lm_run_settings {
   std::string data = "/usr/share/common-licenses/GPL-3";
   std::string tokens, val_tokens;  // --tokens, --val-tokens: llm.c's token files instead of --data
+  std::string tokenizer;           // --tokenizer: llm.c's tokenizer file, to print samples as text
   long batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30;
   double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1;
   double min_lr = 0;  // --min-lr; unset: a tenth of lr
@@ -47,6 +48,10 @@ inline void add_lm_run_flags(command_line& cli, lm_run_settings& s) {
       ->check(CLI::ExistingFile)
       ->needs(tokens)
       ->excludes(fraction);
+  cli.add_option("--tokenizer", s.tokenizer,
+                 "--tokens: llm.c's tokenizer file (gpt2_tokenizer.bin), to print the sample as text")
+      ->check(CLI::ExistingFile)
+      ->needs(tokens);
   cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
       ->check(whole(0, std::numeric_limits<long long>::max()));
 }
@@ -59,10 +64,12 @@ inline void check_lm_run(const CLI::App& cli, lm_run_settings& s) {
                                                " (the cosine decay would climb)");
 }
 
-// The data the flags name, for windows of `seq` tokens.
+// The data the flags name, for windows of `seq` tokens, with --tokenizer's pieces.
 inline corpus read_corpus(const lm_run_settings& s, long seq) {
-  return s.tokens.empty() ? corpus::text(s.data, s.val_fraction, seq)
-                          : corpus::tokens(s.tokens, s.val_tokens, s.val_fraction, seq);
+  if (s.tokens.empty()) return corpus::text(s.data, s.val_fraction, seq);
+  corpus c = corpus::tokens(s.tokens, s.val_tokens, s.val_fraction, seq);
+  if (!s.tokenizer.empty()) c.tokenizer.emplace(s.tokenizer);
+  return c;
 }
 
 // Linear warmup (at most the whole run), then cosine decay to --min-lr at the last step.

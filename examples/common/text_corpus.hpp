@@ -8,6 +8,8 @@
 #include <shardlib/core/random.hpp>
 #include <shardlib/core/tensor.hpp>
 
+#include "common/llmc_tokenizer.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -15,6 +17,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -70,6 +73,7 @@ struct corpus {
   std::string source;        // what was read, for the report
   bool bytes = true;         // a text, a token per byte
   std::int64_t vocab = 256;  // the vocabulary the data implies (--vocab may widen it)
+  std::optional<llmc_tokenizer> tokenizer;  // --tokenizer: how token ids print as text
 
   const char* unit() const { return bytes ? "byte" : "token"; }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "common/flags.hpp"
 #include "common/text_corpus.hpp"
@@ -63,16 +64,21 @@ inline shardlib::models::generate_options sample_options(const sample_settings& 
 
 inline void print_sample(const char* program, const sample_settings& s, const corpus& data,
                          const shardlib::Tensor<std::int64_t>& out, long prompt_len) {
-  std::string prompt, continuation;
-  for (std::int64_t t = 0; t < out.numel(); ++t) {
-    std::string& to = t < prompt_len ? prompt : continuation;
-    if (data.bytes && out[t] < 256) to += char(out[t]);
-    else to += shardlib::cat(data.bytes || to.empty() ? "" : " ", data.bytes ? "<" : "", out[t], data.bytes ? ">" : "");
-  }
+  std::vector<std::int64_t> ids[2];  // the prompt's, the continuation's
+  for (std::int64_t t = 0; t < out.numel(); ++t) ids[t < prompt_len ? 0 : 1].push_back(out[t]);
+  const auto text = [&](const std::vector<std::int64_t>& part) {
+    if (data.tokenizer) return data.tokenizer->decode(part);
+    std::string to;
+    for (std::int64_t id : part)
+      if (data.bytes && id < 256) to += char(id);
+      else to += shardlib::cat(data.bytes || to.empty() ? "" : " ", data.bytes ? "<" : "", id, data.bytes ? ">" : "");
+    return to;
+  };
   std::printf("%s: sample (top-%ld, temperature %.2f, top-p %.2f, min-p %.2f, repetition penalty %.2f)%s\n--- "
               "prompt ---\n%s\n--- continuation ---\n%s\n---\n",
               program, s.top_k, s.temperature, s.top_p, s.min_p, s.repetition_penalty,
-              data.bytes ? "" : ", token ids", prompt.c_str(), continuation.c_str());
+              data.bytes ? "" : data.tokenizer ? ", decoded by --tokenizer" : ", token ids", text(ids[0]).c_str(),
+              text(ids[1]).c_str());
 }
 
 }  // namespace example
