@@ -9,6 +9,9 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
+
+#include <glob.h>  // glob
 
 #include "common/flags.hpp"
 #include "common/text_corpus.hpp"
@@ -17,7 +20,7 @@ namespace example {
 
 struct lm_run_settings {
   std::string data = "/usr/share/common-licenses/GPL-3";
-  std::string tokens, val_tokens;  // --tokens, --val-tokens: llm.c's token files instead of --data
+  std::vector<std::string> tokens, val_tokens;  // --tokens, --val-tokens: llm.c's token files instead of --data
   std::string tokenizer;           // --tokenizer: llm.c's tokenizer file, to print samples as text
   long batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30;
   double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1;
@@ -29,9 +32,9 @@ inline void add_lm_run_flags(command_line& cli, lm_run_settings& s) {
   const CLI::Validator size = whole(1, max_size);
   auto* data = cli.add_option("--data", s.data, "the text to train on, a token per byte")->check(CLI::ExistingFile);
   auto* tokens = cli.add_option("--tokens", s.tokens,
-                                "train on llm.c's token file instead (dev/data's .bin: GPT-2's uint16 or LLaMA 3's "
-                                "uint32 tokens; --vocab defaults to that tokenizer's)")
-                     ->check(CLI::ExistingFile)
+                                "train on llm.c's token files instead (dev/data's .bin shards, or a quoted pattern "
+                                "such as 'fineweb_train_*.bin': GPT-2's uint16 or LLaMA 3's uint32 tokens, mapped "
+                                "from the files; --vocab defaults to that tokenizer's)")
                      ->excludes(data);
   cli.add_option("--batch", s.batch, "sequences per rank and step (and micro-batch, with --grad-accum)")->check(size);
   cli.add_option("--steps", s.steps, "training steps")->check(size);
@@ -44,8 +47,8 @@ inline void add_lm_run_flags(command_line& cli, lm_run_settings& s) {
   cli.add_option("--weight-decay", s.weight_decay, "AdamW's decoupled weight decay")->check(real(0, 1));
   auto* fraction = cli.add_option("--val-fraction", s.val_fraction, "the held-out tail's share of the data")
                        ->check(real(0.01, 0.5));
-  cli.add_option("--val-tokens", s.val_tokens, "--tokens: held-out tokens from this file instead of the tail")
-      ->check(CLI::ExistingFile)
+  cli.add_option("--val-tokens", s.val_tokens, "--tokens: held-out tokens from these files (or a quoted pattern) "
+                 "instead of the tail")
       ->needs(tokens)
       ->excludes(fraction);
   cli.add_option("--tokenizer", s.tokenizer,
@@ -64,10 +67,29 @@ inline void check_lm_run(const CLI::App& cli, lm_run_settings& s) {
                                                " (the cosine decay would climb)");
 }
 
+// The files a flag names: each path as given, or a pattern with *, ? or [ in sorted order
+// of its matches (llm.c's shards: 'fineweb_train_*.bin').
+inline std::vector<std::string> expand_patterns(const std::vector<std::string>& given, const char* flag) {
+  std::vector<std::string> files;
+  for (const auto& g : given) {
+    if (g.find_first_of("*?[") == std::string::npos) {
+      files.push_back(g);
+      continue;
+    }
+    glob_t found{};
+    const int rc = ::glob(g.c_str(), 0, nullptr, &found);
+    for (std::size_t i = 0; rc == 0 && i < found.gl_pathc; ++i) files.emplace_back(found.gl_pathv[i]);
+    ::globfree(&found);
+    shardlib::require(rc == 0, flag, " ", g, " matches no file");
+  }
+  return files;
+}
+
 // The data the flags name, for windows of `seq` tokens, with --tokenizer's pieces.
 inline corpus read_corpus(const lm_run_settings& s, long seq) {
   if (s.tokens.empty()) return corpus::text(s.data, s.val_fraction, seq);
-  corpus c = corpus::tokens(s.tokens, s.val_tokens, s.val_fraction, seq);
+  corpus c = corpus::tokens(expand_patterns(s.tokens, "--tokens"), expand_patterns(s.val_tokens, "--val-tokens"),
+                            s.val_fraction, seq);
   if (!s.tokenizer.empty()) c.tokenizer.emplace(s.tokenizer);
   return c;
 }

@@ -1,14 +1,13 @@
 // examples/common/text_corpus.hpp — the training data of the language-model examples
 // (train_gpt, train_gpt_cuda) as token ids: a text file's bytes (a byte-level model,
 // vocabulary 256) or llm.c's token files (GPT-2's or LLaMA 3's tokens, written by its
-// dev/data scripts); the split into training and held-out tokens, the unigram entropy to
-// beat, the training windows each step draws, and windows of ids and next-token targets.
+// dev/data scripts, one shard or many, mapped from the files rather than read into
+// memory); the split into training and held-out tokens, the unigram entropy to beat, the
+// training windows each step draws, and windows of ids and next-token targets.
 #pragma once
 #include <shardlib/core/error.hpp>
 #include <shardlib/core/random.hpp>
 #include <shardlib/core/tensor.hpp>
-
-#include "common/llmc_tokenizer.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -18,31 +17,127 @@
 #include <fstream>
 #include <iterator>
 #include <optional>
-#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include <fcntl.h>     // open
+#include <sys/mman.h>  // mmap, munmap
+#include <sys/stat.h>  // fstat
+#include <unistd.h>    // close
+
+#include "common/llmc_tokenizer.hpp"
+
 namespace example {
 
-// llm.c's token file (dev/data/data_common.py): 256 little-endian int32 of header (magic,
-// version, token count), then the tokens: GPT-2's as uint16, LLaMA 3's as uint32.
-struct token_file {
-  std::vector<std::uint32_t> tokens;
+// A run of token ids stored `width` bytes each: a text's bytes (1) or a token file's
+// uint16 (2) or uint32 (4) ids.
+struct token_run {
+  const unsigned char* data = nullptr;
+  std::size_t size = 0;
+  unsigned width = 1;
+
+  std::uint32_t operator[](std::size_t i) const {
+    if (width == 1) return data[i];
+    if (width == 2) {
+      std::uint16_t t;
+      std::memcpy(&t, data + 2 * i, 2);
+      return t;
+    }
+    std::uint32_t t;
+    std::memcpy(&t, data + 4 * i, 4);
+    return t;
+  }
+  token_run sub(std::size_t from, std::size_t n) const { return {data + from * width, n, width}; }
+};
+
+// Runs read as one sequence, except that a window never crosses from one run into the next.
+struct token_runs {
+  std::vector<token_run> runs;
+
+  std::size_t size() const {
+    std::size_t n = 0;
+    for (const auto& r : runs) n += r.size;
+    return n;
+  }
+  // Where windows of `seq` tokens and their next-token targets may start, counted over all
+  // runs: size - seq - 1 in each run long enough.
+  std::size_t positions(long seq) const {
+    std::size_t n = 0;
+    for (const auto& r : runs) n += r.size > std::size_t(seq) + 1 ? r.size - std::size_t(seq) - 1 : 0;
+    return n;
+  }
+  // The run and offset of window start `p` (of positions(seq)).
+  std::pair<const token_run*, std::size_t> window(std::size_t p, long seq) const {
+    for (const auto& r : runs) {
+      const std::size_t here = r.size > std::size_t(seq) + 1 ? r.size - std::size_t(seq) - 1 : 0;
+      if (p < here) return {&r, p};
+      p -= here;
+    }
+    throw shardlib::error(shardlib::cat("token_runs: window start past the ", positions(seq), " positions"));
+  }
+  // The i-th token, counted over all runs.
+  std::uint32_t operator[](std::size_t i) const {
+    for (const auto& r : runs) {
+      if (i < r.size) return r[i];
+      i -= r.size;
+    }
+    throw shardlib::error(shardlib::cat("token_runs: token ", i, " past the end"));
+  }
+  template <class F>
+  void for_each(F&& f) const {
+    for (const auto& r : runs)
+      for (std::size_t i = 0; i < r.size; ++i) f(r[i]);
+  }
+};
+
+// A file mapped read-only, unmapped with it (a member, so a constructor that throws after
+// mapping unmaps too).
+class mapped_file {
+ public:
+  mapped_file() = default;
+  mapped_file(const std::string& path, std::size_t bytes) : bytes_(bytes) {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    shardlib::require(fd >= 0, "cannot read ", path);
+    void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    ::close(fd);
+    shardlib::require(p != MAP_FAILED, "cannot map ", path);
+    data_ = static_cast<const unsigned char*>(p);
+  }
+  mapped_file(mapped_file&& o) noexcept : data_(std::exchange(o.data_, nullptr)), bytes_(o.bytes_) {}
+  mapped_file& operator=(mapped_file&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~mapped_file() {
+    if (data_) ::munmap(const_cast<unsigned char*>(data_), bytes_);
+  }
+  const unsigned char* data() const { return data_; }
+
+ private:
+  const unsigned char* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// llm.c's token file (dev/data/data_common.py), mapped read-only: 256 little-endian int32
+// of header (magic, version, token count), then the tokens: GPT-2's as uint16, LLaMA 3's
+// as uint32.
+class token_file {
+ public:
   const char* format = "";  // "GPT-2" or "LLaMA 3"
   std::int64_t vocab = 0;   // that tokenizer's vocabulary: 50257 or 128256
 
   explicit token_file(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    shardlib::require(bool(in), "cannot read ", path);
+    struct stat st {};
+    shardlib::require(::stat(path.c_str(), &st) == 0, "cannot read ", path);
+    const auto bytes = std::size_t(st.st_size);
     constexpr std::size_t header = 256 * 4;
-    in.seekg(0, std::ios::end);
-    const auto size = std::size_t(in.tellg());
-    in.seekg(0);
-    shardlib::require(size >= header, path, ": ", size, " bytes, less than the 1024-byte header of llm.c's token files");
-    std::int32_t h[256];
-    in.read(reinterpret_cast<char*>(h), header);
-    std::size_t width = 0;
+    shardlib::require(bytes >= header, path, ": ", bytes, " bytes, less than the 1024-byte header of llm.c's token files");
+    map_ = mapped_file(path, bytes);
+    std::int32_t h[3];
+    std::memcpy(h, map_.data(), sizeof h);
+    unsigned width = 0;
     if (h[0] == 20240520 && h[1] == 1) {
       width = 2, format = "GPT-2", vocab = 50257;
     } else if (h[0] == 20240801 && h[1] == 7) {
@@ -52,28 +147,32 @@ struct token_file {
                                           " is not an llm.c token file's (20240520 version 1: GPT-2's uint16 "
                                           "tokens; 20240801 version 7: LLaMA 3's uint32 tokens)"));
     }
-    shardlib::require(h[2] >= 0 && size - header == std::size_t(h[2]) * width, path, ": the header says ", h[2],
-                      " tokens (", std::size_t(std::max(h[2], 0)) * width, " bytes) but ", size - header,
+    shardlib::require(h[2] >= 0 && bytes - header == std::size_t(h[2]) * width, path, ": the header says ", h[2],
+                      " tokens (", std::size_t(std::max(h[2], 0)) * width, " bytes) but ", bytes - header,
                       " bytes follow it");
-    tokens.resize(std::size_t(h[2]));
-    if (width == 4) {
-      in.read(reinterpret_cast<char*>(tokens.data()), std::streamsize(4 * tokens.size()));
-    } else {
-      std::vector<std::uint16_t> narrow(tokens.size());
-      in.read(reinterpret_cast<char*>(narrow.data()), std::streamsize(2 * narrow.size()));
-      std::copy(narrow.begin(), narrow.end(), tokens.begin());
-    }
-    shardlib::require(bool(in), "cannot read ", path, "'s ", h[2], " tokens");
+    tokens_ = {map_.data() + header, std::size_t(h[2]), width};
   }
+
+  const token_run& tokens() const { return tokens_; }
+
+ private:
+  mapped_file map_;
+  token_run tokens_;
 };
 
-// The data as token ids, split into a training head and a held-out tail (or a held-out file).
-struct corpus {
-  std::vector<std::uint32_t> train, val;
+// The data as token ids, split into training runs and held-out runs (the tail, or files of
+// their own). Move-only: the runs point into what it holds.
+class corpus {
+ public:
+  token_runs train, val;
   std::string source;        // what was read, for the report
   bool bytes = true;         // a text, a token per byte
   std::int64_t vocab = 256;  // the vocabulary the data implies (--vocab may widen it)
   std::optional<llmc_tokenizer> tokenizer;  // --tokenizer: how token ids print as text
+
+  corpus() = default;
+  corpus(corpus&&) = default;
+  corpus(const corpus&) = delete;
 
   const char* unit() const { return bytes ? "byte" : "token"; }
 
@@ -81,47 +180,51 @@ struct corpus {
   static corpus text(const std::string& path, double val_fraction, long seq) {
     std::ifstream in(path, std::ios::binary);
     shardlib::require(bool(in), "cannot read --data ", path);
-    const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-    std::vector<std::uint32_t> ids(text.size());
-    std::transform(text.begin(), text.end(), ids.begin(), [](char ch) { return static_cast<unsigned char>(ch); });
     corpus c;
+    c.text_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
     c.source = path;
-    c.split(std::move(ids), val_fraction);
-    c.fit(path, seq, cat_fraction(val_fraction));
+    c.split({{c.text_.data(), c.text_.size(), 1}}, val_fraction);
+    c.fit(path, seq, held_out(val_fraction));
     return c;
   }
 
-  // llm.c token files: `path`'s tokens, held out from `val_path` (a file of the same
-  // format) or, when that is empty, the last `val_fraction` of them.
-  static corpus tokens(const std::string& path, const std::string& val_path, double val_fraction, long seq) {
-    token_file head(path);
+  // llm.c's token files, all of one format: `files` in turn, held out from `val_files` or,
+  // when there are none, the last `val_fraction` of them.
+  static corpus tokens(const std::vector<std::string>& files, const std::vector<std::string>& val_files,
+                       double val_fraction, long seq) {
     corpus c;
     c.bytes = false;
-    c.vocab = head.vocab;
-    c.source = shardlib::cat(path, " (", head.format, " tokens");
-    if (val_path.empty()) {
-      c.split(std::move(head.tokens), val_fraction);
+    std::vector<token_run> head, tail;
+    for (const auto& f : files) head.push_back(c.open(f));
+    for (const auto& f : val_files) tail.push_back(c.open(f));
+    const auto named = [](const std::vector<std::string>& f) {
+      return f.size() == 1 ? f[0] : shardlib::cat(f[0], " and ", f.size() - 1, " more");
+    };
+    c.source = shardlib::cat(named(files), " (", c.files_[0].format, " tokens");
+    if (val_files.empty()) {
+      c.split(std::move(head), val_fraction);
       c.source += ")";
-      c.fit(path, seq, cat_fraction(val_fraction));
-      return c;
+      c.fit(named(files), seq, held_out(val_fraction));
+    } else {
+      c.train.runs = std::move(head);
+      c.val.runs = std::move(tail);
+      c.source += shardlib::cat(", held out: ", named(val_files), ")");
+      c.fit(named(files) + " and " + named(val_files), seq, "");
     }
-    token_file tail(val_path);
-    shardlib::require(std::string(tail.format) == head.format, val_path, " holds ", tail.format, " tokens and ", path,
-                      " ", head.format, " tokens");
-    c.train = std::move(head.tokens);
-    c.val = std::move(tail.tokens);
-    c.source += shardlib::cat(", held out: ", val_path, ")");
-    c.fit(path + " and " + val_path, seq, "");
     return c;
   }
 
   // Every id below the model's vocabulary `v`, else which is not, and where.
   void check_vocab(std::int64_t v) const {
     for (const auto* part : {&train, &val}) {
-      const auto at = std::find_if(part->begin(), part->end(), [&](std::uint32_t t) { return std::int64_t(t) >= v; });
-      shardlib::require(at == part->end(), source, ": ", part == &train ? "training" : "held-out", " token ",
-                        at - part->begin(), " is ", at == part->end() ? 0 : *at, ", outside the model's vocabulary of ",
-                        v, " (--vocab, or --init's config)");
+      std::size_t i = 0, bad = part->size();
+      std::uint32_t id = 0;
+      part->for_each([&](std::uint32_t t) {
+        if (std::int64_t(t) >= v && bad == part->size()) bad = i, id = t;
+        ++i;
+      });
+      shardlib::require(bad == part->size(), source, ": ", part == &train ? "training" : "held-out", " token ", bad,
+                        " is ", id, ", outside the model's vocabulary of ", v, " (--vocab, or --init's config)");
     }
   }
 
@@ -129,26 +232,49 @@ struct corpus {
   // that ignores context, what "learned something" must beat.
   double unigram_entropy() const {
     std::vector<double> count(static_cast<std::size_t>(vocab));
-    for (std::uint32_t t : train)
+    train.for_each([&](std::uint32_t t) {
       if (t < count.size()) count[t] += 1;
+    });
+    const double n = double(train.size());
     double h = 0;
-    for (double n : count)
-      if (n > 0) h -= n / double(train.size()) * std::log(n / double(train.size()));
+    for (double k : count)
+      if (k > 0) h -= k / n * std::log(k / n);
     return h;
   }
 
  private:
-  static std::string cat_fraction(double f) { return shardlib::cat(" at --val-fraction ", f); }
-  void split(std::vector<std::uint32_t> all, double val_fraction) {
-    const auto tail = std::size_t(double(all.size()) * val_fraction);
-    val.assign(all.end() - std::ptrdiff_t(tail), all.end());
-    all.resize(all.size() - tail);
-    train = std::move(all);
+  std::vector<unsigned char> text_;  // a text's bytes
+  std::vector<token_file> files_;    // the mapped token files
+  std::string first_;                // the first file's path
+
+  static std::string held_out(double f) { return shardlib::cat(" at --val-fraction ", f); }
+  token_run open(const std::string& path) {
+    if (files_.empty()) first_ = path;
+    files_.emplace_back(path);
+    shardlib::require(std::string(files_.back().format) == files_[0].format, path, " holds ", files_.back().format,
+                      " tokens and ", first_, " ", files_[0].format, " tokens");
+    vocab = files_[0].vocab;
+    return files_.back().tokens();
+  }
+  // The last `val_fraction` of `all`'s tokens held out, the rest trained on.
+  void split(std::vector<token_run> all, double val_fraction) {
+    std::size_t total = 0;
+    for (const auto& r : all) total += r.size;
+    std::size_t tail = std::size_t(double(total) * val_fraction);
+    while (tail > 0) {
+      token_run& last = all.back();
+      const std::size_t n = std::min(tail, last.size);
+      val.runs.insert(val.runs.begin(), last.sub(last.size - n, n));
+      last.size -= n;
+      tail -= n;
+      if (last.size == 0) all.pop_back();
+    }
+    train.runs = std::move(all);
   }
   void fit(const std::string& what, long seq, const std::string& how) const {
-    shardlib::require(train.size() > std::size_t(seq + 1) && val.size() > std::size_t(seq + 1), what, " (",
-                      train.size() + val.size(), " ", unit(), "s) is too short for training and held-out windows of --seq ",
-                      seq, " + 1 ", unit(), "s", how);
+    shardlib::require(train.positions(seq) > 0 && val.positions(seq) > 0, what, " (", train.size() + val.size(), " ",
+                      unit(), "s) is too short for training and held-out windows of --seq ", seq, " + 1 ", unit(), "s",
+                      how);
   }
 };
 
@@ -164,16 +290,19 @@ inline std::vector<std::size_t> step_starts(const shardlib::counter_rng& draws, 
   return starts;
 }
 
-// ids = tokens[start, start + seq), targets = the tokens after them, for each start.
+// ids = the `seq` tokens from window start p (of runs.positions(seq)), targets = the tokens
+// after them, for each start.
 inline std::pair<shardlib::Tensor<std::int64_t>, shardlib::Tensor<std::int64_t>> windows(
-    std::span<const std::uint32_t> tokens, const std::vector<std::size_t>& starts, long seq) {
+    const token_runs& runs, const std::vector<std::size_t>& starts, long seq) {
   const auto n = std::int64_t(starts.size());
   shardlib::Tensor<std::int64_t> ids({n, seq}), targets({n, seq});
-  for (std::int64_t i = 0; i < n; ++i)
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto [run, at] = runs.window(starts[std::size_t(i)], seq);
     for (long t = 0; t < seq; ++t) {
-      ids[i * seq + t] = tokens[starts[std::size_t(i)] + std::size_t(t)];
-      targets[i * seq + t] = tokens[starts[std::size_t(i)] + std::size_t(t) + 1];
+      ids[i * seq + t] = (*run)[at + std::size_t(t)];
+      targets[i * seq + t] = (*run)[at + std::size_t(t) + 1];
     }
+  }
   return {ids, targets};
 }
 

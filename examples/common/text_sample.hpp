@@ -41,12 +41,17 @@ inline void add_sample_flags(command_line& cli, sample_settings& s) {
 // held-out tokens, where it has none that long, or they are not text), as ids [1, len]:
 // half the context at least is left for the continuation.
 inline shardlib::Tensor<std::int64_t> sample_prompt(const corpus& data, long seq) {
-  const long len = std::min<long>(32, seq / 2);
-  const std::uint32_t paragraph[] = {'\n', '\n'};
-  auto from = std::size_t(std::search(data.val.begin(), data.val.end(), paragraph, paragraph + 2) - data.val.begin());
-  from = !data.bytes || from + 2 + std::size_t(len) > data.val.size() ? 0 : from + 2;
-  shardlib::Tensor<std::int64_t> prompt({1, len});
-  for (long t = 0; t < len; ++t) prompt[t] = data.val[from + std::size_t(t)];
+  const auto len = std::size_t(std::min<long>(32, seq / 2));
+  const std::size_t n = data.val.size();
+  std::size_t from = 0;
+  if (data.bytes)
+    for (std::size_t i = 0; i + 2 + len <= n; ++i)
+      if (data.val[i] == '\n' && data.val[i + 1] == '\n') {
+        from = i + 2;
+        break;
+      }
+  shardlib::Tensor<std::int64_t> prompt({1, std::int64_t(len)});
+  for (std::size_t t = 0; t < len; ++t) prompt[std::int64_t(t)] = data.val[from + t];
   return prompt;
 }
 

@@ -70,7 +70,7 @@ template <class Sharded>
 double validation_loss(Sharded& sharded, comm::ThreadComm& c, const corpus& data, long seq, long per_rank) {
   // Windows evenly spread over the tail, split between the ranks; the mean over all.
   const long total = per_rank * c.size();
-  const std::size_t span = data.val.size() - std::size_t(seq) - 1;
+  const std::size_t span = data.val.positions(seq);
   std::vector<std::size_t> starts;
   for (long i = c.rank() * per_rank; i < (c.rank() + 1) * per_rank; ++i) starts.push_back(span * std::size_t(i) / std::size_t(total));
   const auto [x, y] = windows(data.val, starts, seq);
@@ -109,7 +109,7 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   const counter_rng draws(s.seed, fnv1a("train_gpt batches"));
-  const std::size_t positions = data.train.size() - std::size_t(s.seq) - 1;
+  const std::size_t positions = data.train.positions(s.seq);
   float loss = 0;
   double val = 0, eval_s = 0;  // eval_s: the validation passes' share of the time
   for (long step = first; step < s.steps; ++step) {

@@ -20,7 +20,7 @@
 //   train_gpt_cuda --batch 4 --grad-accum 8         steps of 8 micro-batches of 4 sequences per GPU
 //                  [--no-sync] [--no-reshard-after-backward]     (train_step over them)
 //   --model llama --dtype fp32 --data FILE          ...
-//   --tokens fineweb_train_000001.bin --val-tokens fineweb_val_000000.bin --layers 12 --d-model 768
+//   --tokens 'fineweb_train_*.bin' --val-tokens fineweb_val_000000.bin --layers 12 --d-model 768
 //   --heads 12 --seq 1024 --vocab 50304             GPT-2 124M on llm.c's FineWeb tokens
 //
 // Differences from train_gpt: the validation loss is the mean over the ranks'
@@ -44,7 +44,6 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
-#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -82,8 +81,8 @@ struct settings : example::byte_model_shape, example::lm_run_settings, example::
 using example::corpus;
 
 // Device ids = tokens[start, start + seq) and targets = the tokens after them, for each start.
-std::pair<sl::Tensor<std::int64_t, sl::cuda_space>, sl::Tensor<std::int64_t, sl::cuda_space>> windows(
-    std::span<const std::uint32_t> tokens, const std::vector<std::size_t>& starts, long seq) {
+std::pair<sl::Tensor<std::int64_t, sl::cuda_space>, sl::Tensor<std::int64_t, sl::cuda_space>> device_windows(
+    const example::token_runs& tokens, const std::vector<std::size_t>& starts, long seq) {
   const auto [ids, targets] = example::windows(tokens, starts, seq);
   return {sl::cuda::to_device(ids), sl::cuda::to_device(targets)};
 }
@@ -126,11 +125,11 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   // ranks; the mean of the ranks' mean losses.
   const auto validation_loss = [&] {
     const long total = s.batch * c.size();
-    const std::size_t span = data.val.size() - std::size_t(s.seq) - 1;
+    const std::size_t span = data.val.positions(s.seq);
     std::vector<std::size_t> starts;
     for (long i = c.rank() * s.batch; i < (c.rank() + 1) * s.batch; ++i)
       starts.push_back(span * std::size_t(i) / std::size_t(total));
-    const auto [x, y] = windows(data.val, starts, s.seq);
+    const auto [x, y] = device_windows(data.val, starts, s.seq);
     sharded.eval();  // no activations kept, every unit freed after use
     sl::Tensor<float> mine({1});
     mine[0] = sl::nn::cross_entropy(sharded.forward(x), y).loss;
@@ -144,7 +143,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   };
 
   const sl::counter_rng draws(s.seed, sl::fnv1a("train_gpt batches"));
-  const std::size_t positions = data.train.size() - std::size_t(s.seq) - 1;
+  const std::size_t positions = data.train.positions(s.seq);
   example::load_init(sharded, s);
   const long first = example::resume(sharded, adamw, s, "train_gpt_cuda");  // batches and schedule go on from its step
   example::periodic_checkpoints checkpoints(sharded, adamw, s, "train_gpt_cuda");
@@ -155,7 +154,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   for (long step = first; step < s.steps; ++step) {
     std::vector<sl::Tensor<std::int64_t, sl::cuda_space>> xs, ys;  // this rank's micro-batches of the step
     for (long k = 0; k < s.grad_accum; ++k) {
-      auto [x, y] = windows(
+      auto [x, y] = device_windows(
           data.train, example::step_starts(draws, step, c.size(), c.rank(), s.batch, s.grad_accum, k, positions), s.seq);
       xs.push_back(std::move(x));
       ys.push_back(std::move(y));

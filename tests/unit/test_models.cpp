@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "common/text_corpus.hpp"  // examples/: the language-model examples' data
 #include "support/checkpoint_files.hpp"
 #include "support/compare.hpp"
 #include "support/parameter_names.hpp"
@@ -1158,6 +1159,60 @@ TEST_CASE("llm.c's GPT-2 checkpoints read and write as llm.c's train_gpt2.py wri
   CHECK_THROWS_WITH(models::save_llmc(hf.owner, tmp.path / "half.bin", dtype::f16),
                     Catch::Contains("llm.c's checkpoints hold fp32 or bf16, not F16"));
   CHECK_FALSE(fs::exists(tmp.path / "half.bin"));
+}
+
+// The language-model examples' data (examples/common/text_corpus.hpp): llm.c's token files
+// of both widths, mapped from the files, read as one sequence; a training or held-out window
+// never crosses from one file into the next; the held-out tail is cut across files; files of
+// two formats are refused.
+TEST_CASE("the examples' token files: windows within a file, the tail held out across files", "[models][tokens]") {
+  test_support::temp_dir dir("token_files");
+  const auto write = [&](std::string_view name, std::int32_t magic, std::int32_t version, int width,
+                         const std::vector<std::uint32_t>& tokens) {
+    std::vector<std::int32_t> header(256, 0);
+    header[0] = magic, header[1] = version, header[2] = std::int32_t(tokens.size());
+    std::ofstream out(dir.path / name, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header.data()), 1024);
+    for (std::uint32_t t : tokens) out.write(reinterpret_cast<const char*>(&t), width);  // little-endian
+    return (dir.path / name).string();
+  };
+  std::vector<std::uint32_t> a(100), b(50), l(40);
+  for (std::uint32_t i = 0; i < 100; ++i) a[i] = 3 * i;        // file a: steps of 3
+  for (std::uint32_t i = 0; i < 50; ++i) b[i] = 1000 + i;      // file b: steps of 1
+  for (std::uint32_t i = 0; i < 40; ++i) l[i] = 70000 + i;     // LLaMA 3: above 65535
+  const auto fa = write("a.bin", 20240520, 1, 2, a), fb = write("b.bin", 20240520, 1, 2, b);
+  const auto fl = write("l.bin", 20240801, 7, 4, l);
+
+  const long seq = 8;
+  const example::corpus c = example::corpus::tokens({fa, fb}, {}, 0.2, seq);  // 150 tokens, the last 30 held out
+  CHECK(c.vocab == 50257);
+  CHECK((c.train.size() == 120 && c.val.size() == 30));
+  CHECK(c.train.positions(seq) == (100 - 9) + (20 - 9));
+  CHECK(c.val.positions(seq) == 30 - 9);
+  CHECK(c.val[0] == 1020);
+  std::vector<std::size_t> every(c.train.positions(seq));
+  std::iota(every.begin(), every.end(), std::size_t(0));
+  const auto [x, y] = example::windows(c.train, every, seq);
+  std::size_t crossing = 0, from_b = 0;
+  for (std::int64_t r = 0; r < x.dim(0); ++r) {
+    const bool in_b = x[r * seq] >= 1000;
+    from_b += in_b;
+    for (long t = 0; t < seq; ++t) {
+      const std::int64_t next = x[r * seq + t] + (in_b ? 1 : 3);
+      crossing += y[r * seq + t] != next || (t + 1 < seq && x[r * seq + t + 1] != next);
+    }
+  }
+  CHECK(crossing == 0);
+  CHECK(from_b == 11);
+  CHECK_THROWS_WITH(c.train.window(c.train.positions(seq), seq), Catch::Contains("window start past the 102 positions"));
+
+  const example::corpus wide = example::corpus::tokens({fl}, {}, 0.25, 4);
+  CHECK(wide.vocab == 128256);
+  CHECK((wide.val.size() == 10 && wide.val[0] == 70030 && wide.train[29] == 70029));
+  const example::corpus held = example::corpus::tokens({fa}, {fb}, 0.5, seq);  // the fraction unused
+  CHECK((held.train.size() == 100 && held.val.size() == 50));
+  CHECK_THROWS_WITH(example::corpus::tokens({fa, fl}, {}, 0.1, 4),
+                    Catch::Contains("l.bin holds LLaMA 3 tokens and " + fa + " GPT-2 tokens"));
 }
 
 // What transformers 5 writes (tests/golden/hf5, make_hf5_goldens.py: transformers 5.25,

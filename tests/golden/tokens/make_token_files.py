@@ -6,7 +6,7 @@ for LLaMA 3 (20240801, version 7). The tokens are a text's bytes spread over eac
 vocabulary (byte b -> 150 b + 7 for GPT-2, 500 b + 11 for LLaMA 3), so ids above 255 and,
 for LLaMA 3, above 65535 are read; what the model learns is the text's byte statistics.
 vocab96.bin holds the bytes modulo 96, for the models of tests/golden/hf5 (vocabulary 96).
-gpt2_tokenizer.bin is llm.c's tokenizer file (magic 20240328, version 2: the token count and
+tokenizer.bin is llm.c's tokenizer file (magic 20240328, version 2: the token count and
 the end-of-text token in the header, then each token's bytes after a one-byte length) for
 the GPT-2 files' ids: token 150 b + 7 is byte b, every other token empty but 50256,
 "<|endoftext|>"; cut_tokenizer.bin promises three tokens and holds one.
@@ -40,7 +40,7 @@ def main():
     pieces[50256] = b"<|endoftext|>"
     header = [0] * 256
     header[:4] = [20240328, 2, len(pieces), 50256]
-    (out / "gpt2_tokenizer.bin").write_bytes(struct.pack("<256i", *header) +
+    (out / "tokenizer.bin").write_bytes(struct.pack("<256i", *header) +
                                              b"".join(bytes([len(p)]) + p for p in pieces))
     header[:4] = [20240328, 2, 3, 0]  # three tokens promised, one there
     (out / "cut_tokenizer.bin").write_bytes(struct.pack("<256i", *header) + b"\x01a")
