@@ -4,7 +4,8 @@
 # at once), configure (Ninja, warnings not errors; on a GPU node, stop when NCCL was not found),
 # build the CUDA programs with keep-going, and run whatever built, each under its own time limit:
 # the device tests (test_nccl's [timeout] cases alone), train_fsdp_cuda (100 steps; under mpirun too
-# when there are several GPUs and MPI), train_gpt_cuda (GPT-2 and LLaMA, 300 steps each), bench_cuda
+# when there are several GPUs and MPI), train_gpt_cuda (GPT-2 and LLaMA, 300 steps each; GPT-2 124M
+# at sequence 1024 on llm.c-format tokens, 30 steps, its tokens/s to set beside llm.c's), bench_cuda
 # (its encoder, GPT-2 and LLaMA steps with their MFU), the steps that bench_cuda's reserve kept back,
 # then Nsight Compute's profile of the tensor-core attention's three kernels (head_dim 128, bf16)
 # and its time of every kernel in one GPT-2 training step (bench_cuda's sizes, 2 layers; summed by
@@ -442,6 +443,12 @@ text=/usr/share/common-licenses/GPL-3
 [[ -r $text ]] || text=$root/docs/design.md
 step train_gpt_cuda 120 train_gpt_cuda --seed 0 --data "$text"
 step 'train_gpt_cuda llama' 120 train_gpt_cuda --seed 0 --data "$text" --model llama
+# GPT-2 124M as llm.c trains it (12 layers of 768, 12 heads, sequence 1024, the vocabulary padded to
+# 50304, batch 8) on llm.c's token format (this repository's fixture: 4800 tokens; the speed, not the loss).
+tokens=$root/tests/golden/tokens
+step 'train_gpt_cuda gpt2-124m tokens' 120 train_gpt_cuda --seed 0 --tokens "$tokens/gpt2_train.bin" \
+  --val-tokens "$tokens/gpt2_val.bin" --tokenizer "$tokens/tokenizer.bin" --vocab 50304 --layers 12 --d-model 768 \
+  --heads 12 --seq 1024 --batch 8 --steps 30 --every 10 --eval-every 30 --warmup 5 --sample 16
 if ((gpus > 1)) && [[ $backends == *mpi* ]] && command -v mpirun >/dev/null; then
   via=(mpirun --allow-run-as-root -np "$gpus")
   step "train_fsdp_cuda np=$gpus" 180 train_fsdp_cuda --seed 0 --out "$tmp/model.safetensors" \
