@@ -848,7 +848,7 @@ TEST_CASE("decoder presets count their parameters from the architecture", "[plan
 // parameters(m) is the model's count; a frozen prefix's ranges are where the layout puts
 // the embeddings and the first block; LLaMA's head_dim (q 48 wide for hidden 40),
 // attention_bias, mlp_bias, GQA, tied and untied heads included. FLOPs take attention's
-// width from q. Llama 3 8B's and TinyLlama's published configs give their published
+// width from q. Llama 3 8B's, TinyLlama's and Llama 3.2 1B's published configs give their published
 // parameter counts.
 TEST_CASE("a Hugging Face config plans the model the library builds from it, alignment gaps included",
           "[plan][presets][hf]") {
@@ -910,7 +910,8 @@ TEST_CASE("a Hugging Face config plans the model the library builds from it, ali
   }
 
   // Llama 3 8B (meta-llama/Meta-Llama-3-8B's config.json, the fields the shape reads) and
-  // TinyLlama 1.1B: their model cards' 8.03B and 1.1B parameters, exactly.
+  // TinyLlama 1.1B: their model cards' 8.03B and 1.1B parameters, exactly (8,030,261,248 and
+  // 1,100,048,384 as their safetensors count them).
   const auto llama3 = write("llama3", {{"model_type", "llama"},          {"vocab_size", 128256},
                                        {"hidden_size", 4096},            {"intermediate_size", 14336},
                                        {"num_hidden_layers", 32},        {"num_attention_heads", 32},
@@ -925,6 +926,16 @@ TEST_CASE("a Hugging Face config plans the model the library builds from it, ali
                                         {"num_hidden_layers", 22},   {"num_attention_heads", 32},
                                         {"num_key_value_heads", 4},  {"max_position_embeddings", 2048}});
   CHECK(plan::parameters(plan::read_decoder_shape(tiny, "tinyllama")) == 1'100'048'384);
+  // Llama 3.2 1B: the head tied to the embedding, counted once (1.24B).
+  const auto l32 = write("llama32", {{"model_type", "llama"},    {"vocab_size", 128256},
+                                     {"hidden_size", 2048},      {"intermediate_size", 8192},
+                                     {"num_hidden_layers", 16},  {"num_attention_heads", 32},
+                                     {"num_key_value_heads", 8}, {"head_dim", 64},
+                                     {"max_position_embeddings", 131072}, {"tie_word_embeddings", true},
+                                     {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 32.0},
+                                                       {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                                                       {"original_max_position_embeddings", 8192}}}});
+  CHECK(plan::parameters(plan::read_decoder_shape(l32, "llama3.2-1b")) == 1'235'814'400);
   // The presets are these configs' shapes: gpt2-124m is transformers' GPT2Config().
   const auto gpt2_default = write("gpt2_default", {{"model_type", "gpt2"}});
   CHECK(plan::decoder(plan::read_decoder_shape(gpt2_default, "gpt2")).units ==
