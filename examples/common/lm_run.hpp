@@ -21,7 +21,7 @@ namespace example {
 struct lm_run_settings {
   std::string data = "/usr/share/common-licenses/GPL-3";
   std::vector<std::string> tokens, val_tokens;  // --tokens, --val-tokens: llm.c's token files instead of --data
-  std::string tokenizer;           // --tokenizer: llm.c's tokenizer file, to print samples as text
+  std::string tokenizer;           // --tokenizer: llm.c's or Hugging Face's, to print samples as text
   long batch = 4, steps = 500, every = 25, eval_every = 100, warmup = 30;
   double lr = 3e-3, weight_decay = 0.1, val_fraction = 0.1;
   double min_lr = 0;  // --min-lr; unset: a tenth of lr
@@ -52,7 +52,8 @@ inline void add_lm_run_flags(command_line& cli, lm_run_settings& s) {
       ->needs(tokens)
       ->excludes(fraction);
   cli.add_option("--tokenizer", s.tokenizer,
-                 "--tokens: llm.c's tokenizer file (gpt2_tokenizer.bin), to print the sample as text")
+                 "--tokens: llm.c's tokenizer file (gpt2_tokenizer.bin) or a Hugging Face tokenizer.json, to "
+                 "print the sample as text")
       ->check(CLI::ExistingFile)
       ->needs(tokens);
   cli.add_option("--seed", s.seed, "seed of the initialization, the batches and the sample")
@@ -90,7 +91,7 @@ inline corpus read_corpus(const lm_run_settings& s, long seq) {
   if (s.tokens.empty()) return corpus::text(s.data, s.val_fraction, seq);
   corpus c = corpus::tokens(expand_patterns(s.tokens, "--tokens"), expand_patterns(s.val_tokens, "--val-tokens"),
                             s.val_fraction, seq);
-  if (!s.tokenizer.empty()) c.tokenizer.emplace(s.tokenizer);
+  if (!s.tokenizer.empty()) c.tokenizer = token_decoder::read(s.tokenizer);
   return c;
 }
 

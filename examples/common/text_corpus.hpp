@@ -26,7 +26,7 @@
 #include <sys/stat.h>  // fstat
 #include <unistd.h>    // close
 
-#include "common/llmc_tokenizer.hpp"
+#include "common/token_decoder.hpp"
 
 namespace example {
 
@@ -168,7 +168,7 @@ class corpus {
   std::string source;        // what was read, for the report
   bool bytes = true;         // a text, a token per byte
   std::int64_t vocab = 256;  // the vocabulary the data implies (--vocab may widen it)
-  std::optional<llmc_tokenizer> tokenizer;  // --tokenizer: how token ids print as text
+  std::optional<token_decoder> tokenizer;  // --tokenizer: how token ids print as text
 
   corpus() = default;
   corpus(corpus&&) = default;

@@ -1215,6 +1215,34 @@ TEST_CASE("the examples' token files: windows within a file, the tail held out a
                     Catch::Contains("l.bin holds LLaMA 3 tokens and " + fa + " GPT-2 tokens"));
 }
 
+// --tokenizer's decoding (examples/common/token_decoder.hpp) against Hugging Face tokenizers'
+// own decode (tests/golden/tokens/make_hf_tokenizers.py: tokenizers 0.23, two small
+// tokenizers trained on the README): byte-level BPE (GPT-2's, Llama 3's kind) and
+// SentencePiece's byte-fallback BPE (LLaMA 2's kind), over accents, an emoji, tabs, newlines,
+// a control byte, leading and double spaces, and a special token; llm.c's file too.
+TEST_CASE("the examples' --tokenizer decodes as Hugging Face tokenizers and llm.c's file do", "[models][tokens]") {
+  const fs::path dir = fs::path(SHARDLIB_GOLDEN_DIR) / "tokens";
+  std::ifstream in(dir / "hf_decode.json");
+  const auto golden = nlohmann::json::parse(in);
+  for (const char* kind : {"bytelevel", "sentencepiece"}) {
+    INFO(kind);
+    const auto d = example::token_decoder::read((dir / cat(kind, "_tokenizer.json")).string());
+    for (const auto& c : golden[kind]) CHECK(d.decode(c["ids"].get<std::vector<std::int64_t>>()) == c["text"].get<std::string>());
+    CHECK(d.decode(std::vector<std::int64_t>{-1, 100000}) == "<-1><100000>");
+  }
+  // llm.c's: the fixture's token 150 b + 7 is byte b, 50256 "<|endoftext|>".
+  const auto llmc = example::token_decoder::read((dir / "tokenizer.bin").string());
+  CHECK(llmc.decode(std::vector<std::int64_t>{150 * 'h' + 7, 150 * 'i' + 7, 50256}) == "hi<|endoftext|>");
+  test_support::temp_dir tmp("token_decoder");
+  std::ofstream(tmp.path / "wordpiece.json") << R"({"model": {"type": "WordPiece", "vocab": {"a": 0}}})";
+  CHECK_THROWS_WITH(example::token_decoder::read((tmp.path / "wordpiece.json").string()),
+                    Catch::Contains("wordpiece.json: not a BPE tokenizer.json (its model's type WordPiece"));
+  std::ofstream(tmp.path / "metaspace.json")
+      << R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "decoder": {"type": "Metaspace"}})";
+  CHECK_THROWS_WITH(example::token_decoder::read((tmp.path / "metaspace.json").string()),
+                    Catch::Contains("metaspace.json: decoder {\"type\":\"Metaspace\"} is neither ByteLevel"));
+}
+
 // What transformers 5 writes (tests/golden/hf5, make_hf5_goldens.py: transformers 5.25,
 // torch 2.15): "dtype" for "torch_dtype", LLaMA's rope_theta only inside
 // "rope_parameters", its weights in one file. Its float32 logits, to 1e-5 of the largest
