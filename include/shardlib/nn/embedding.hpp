@@ -185,7 +185,6 @@ class position_embedding_base {
     weight.require_bound("PositionEmbedding");
     shape_ = x;
     used_offset_ = offset_;
-    used_ids_ = grad ? ids : Tensor<std::int64_t>{};  // shared with the context, not copied
     pending_ = grad;
     return seq;
   }
@@ -203,7 +202,6 @@ class position_embedding_base {
   // What the last forward saw, for its backward.
   Shape shape_{};
   std::int64_t used_offset_ = 0;
-  Tensor<std::int64_t> used_ids_;  // the context's position ids, empty for offset + s
   bool pending_ = false;
 };
 }  // namespace detail
@@ -222,7 +220,7 @@ class PositionEmbedding : public detail::position_embedding_base<T> {
   static_assert(std::is_same_v<Space, host_space>,
                 "nn::PositionEmbedding: the host layer; for cuda_space include shardlib/nn/cuda/embedding.cuh");
   using base = detail::position_embedding_base<T>;
-  using base::dim_, base::offset_, base::shape_, base::used_offset_, base::used_ids_, base::pending_;
+  using base::dim_, base::offset_, base::shape_, base::used_offset_, base::pending_;
 
  public:
   using input = Tensor<T>;
@@ -234,6 +232,7 @@ class PositionEmbedding : public detail::position_embedding_base<T> {
   template <class Ctx>
   output forward(Ctx& ctx, const input& x) {
     const std::int64_t seq = this->check_input(x.shape(), ctx.position_ids(), grad_enabled(ctx));
+    used_ids_ = pending_ ? ctx.position_ids() : Tensor<std::int64_t>{};  // shared with the context, not copied
     const std::int64_t rows = x.numel() / (seq * dim_), block = seq * dim_;
     const T* w = weight.value + offset_ * dim_;
     output y(x.shape());
@@ -269,6 +268,9 @@ class PositionEmbedding : public detail::position_embedding_base<T> {
     pending_ = false;
     return dy;
   }
+
+ private:
+  Tensor<std::int64_t> used_ids_;  // the last forward's position ids, empty for offset + s
 };
 
 }  // namespace shardlib::nn

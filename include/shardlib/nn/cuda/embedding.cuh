@@ -89,7 +89,7 @@ class Embedding<T, cuda_space> : public detail::embedding_base<T> {
 template <class T>
 class PositionEmbedding<T, cuda_space> : public detail::position_embedding_base<T> {
   using base = detail::position_embedding_base<T>;
-  using base::dim_, base::max_, base::offset_, base::shape_, base::used_offset_, base::used_ids_, base::pending_;
+  using base::dim_, base::max_, base::offset_, base::shape_, base::used_offset_, base::pending_;
 
  public:
   using input = Tensor<T, cuda_space>;
@@ -126,7 +126,6 @@ class PositionEmbedding<T, cuda_space> : public detail::position_embedding_base<
     else if (weight.requires_grad)
       ops::cuda::add_positions_backward(dy.data(), weight.grad + used_offset_ * dim_, dy.numel() / block, block, s);
     ids_ = {};
-    used_ids_ = {};
     pending_ = false;
     return dy;
   }
