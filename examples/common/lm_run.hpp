@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <vector>
@@ -73,7 +74,7 @@ inline void check_lm_run(const CLI::App& cli, lm_run_settings& s) {
 inline std::vector<std::string> expand_patterns(const std::vector<std::string>& given, const char* flag) {
   std::vector<std::string> files;
   for (const auto& g : given) {
-    if (g.find_first_of("*?[") == std::string::npos) {
+    if (g.find_first_of("*?[") == std::string::npos || std::filesystem::exists(g)) {  // a path, even with [ in it
       files.push_back(g);
       continue;
     }
@@ -81,7 +82,8 @@ inline std::vector<std::string> expand_patterns(const std::vector<std::string>& 
     const int rc = ::glob(g.c_str(), 0, nullptr, &found);
     for (std::size_t i = 0; rc == 0 && i < found.gl_pathc; ++i) files.emplace_back(found.gl_pathv[i]);
     ::globfree(&found);
-    shardlib::require(rc == 0, flag, " ", g, " matches no file");
+    shardlib::require(rc != GLOB_NOMATCH, flag, " ", g, " matches no file");
+    shardlib::require(rc == 0, flag, " ", g, ": the pattern could not be read (glob error ", rc, ")");
   }
   return files;
 }

@@ -61,7 +61,8 @@ struct token_runs {
     return n;
   }
   // Where windows of `seq` tokens and their next-token targets may start, counted over all
-  // runs: size - seq - 1 in each run long enough.
+  // runs: size - seq - 1 in each run long enough (one fewer than fit: the rule the examples'
+  // batches were drawn by before there were runs, kept so that a text's batches stay the same).
   std::size_t positions(long seq) const {
     std::size_t n = 0;
     for (const auto& r : runs) n += r.size > std::size_t(seq) + 1 ? r.size - std::size_t(seq) - 1 : 0;
@@ -96,11 +97,17 @@ struct token_runs {
 class mapped_file {
  public:
   mapped_file() = default;
-  mapped_file(const std::string& path, std::size_t bytes) : bytes_(bytes) {
+  // The whole of `path`, a regular file of at least `least` bytes (else what it is, naming it).
+  mapped_file(const std::string& path, std::size_t least, const std::string& too_short) {
     const int fd = ::open(path.c_str(), O_RDONLY);
     shardlib::require(fd >= 0, "cannot read ", path);
-    void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    struct stat st {};
+    const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+    bytes_ = regular ? std::size_t(st.st_size) : 0;
+    void* p = regular && bytes_ >= least ? ::mmap(nullptr, bytes_, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
     ::close(fd);
+    shardlib::require(regular, path, " is not a regular file");
+    shardlib::require(bytes_ >= least, path, ": ", bytes_, too_short);
     shardlib::require(p != MAP_FAILED, "cannot map ", path);
     data_ = static_cast<const unsigned char*>(p);
   }
@@ -114,6 +121,7 @@ class mapped_file {
     if (data_) ::munmap(const_cast<unsigned char*>(data_), bytes_);
   }
   const unsigned char* data() const { return data_; }
+  std::size_t size() const { return bytes_; }
 
  private:
   const unsigned char* data_ = nullptr;
@@ -128,13 +136,9 @@ class token_file {
   const char* format = "";  // "GPT-2" or "LLaMA 3"
   std::int64_t vocab = 0;   // that tokenizer's vocabulary: 50257 or 128256
 
-  explicit token_file(const std::string& path) {
-    struct stat st {};
-    shardlib::require(::stat(path.c_str(), &st) == 0, "cannot read ", path);
-    const auto bytes = std::size_t(st.st_size);
-    constexpr std::size_t header = 256 * 4;
-    shardlib::require(bytes >= header, path, ": ", bytes, " bytes, less than the 1024-byte header of llm.c's token files");
-    map_ = mapped_file(path, bytes);
+  explicit token_file(const std::string& path)
+      : map_(path, header, " bytes, less than the 1024-byte header of llm.c's token files") {
+    const std::size_t bytes = map_.size();
     std::int32_t h[3];
     std::memcpy(h, map_.data(), sizeof h);
     unsigned width = 0;
@@ -156,6 +160,7 @@ class token_file {
   const token_run& tokens() const { return tokens_; }
 
  private:
+  static constexpr std::size_t header = 256 * 4;
   mapped_file map_;
   token_run tokens_;
 };

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -67,23 +68,48 @@ inline shardlib::models::generate_options sample_options(const sample_settings& 
           .seed = seed};
 }
 
-inline void print_sample(const char* program, const sample_settings& s, const corpus& data,
-                         const shardlib::Tensor<std::int64_t>& out, long prompt_len) {
-  std::vector<std::int64_t> ids[2];  // the prompt's, the continuation's
-  for (std::int64_t t = 0; t < out.numel(); ++t) ids[t < prompt_len ? 0 : 1].push_back(out[t]);
-  const auto text = [&](const std::vector<std::int64_t>& part) {
-    if (data.tokenizer) return data.tokenizer->decode(part);
+// The sample as generate makes it, printed by one rank: the header and the prompt first, each
+// new token as it comes (generate_options::on_tokens, through std::ref; flushed), the
+// closing line at end(). Text decodes through --tokenizer; a byte above 255 prints as <id>,
+// ids without a tokenizer separated by spaces.
+class sample_printer {
+ public:
+  sample_printer(const char* program, const sample_settings& s, const corpus& data,
+                 const shardlib::Tensor<std::int64_t>& prompt, bool printing)
+      : data_(data), printing_(printing) {
+    if (!printing_) return;
+    std::printf("%s: sample (top-%ld, temperature %.2f, top-p %.2f, min-p %.2f, repetition penalty %.2f)%s\n--- "
+                "prompt ---\n",
+                program, s.top_k, s.temperature, s.top_p, s.min_p, s.repetition_penalty,
+                data.bytes ? "" : data.tokenizer ? ", decoded by --tokenizer" : ", token ids");
+    const std::vector<std::int64_t> ids(prompt.data(), prompt.data() + prompt.numel());
+    std::printf("%s\n--- continuation ---\n", text(ids, true, true).c_str());
+    std::fflush(stdout);
+  }
+  void operator()(std::span<const std::int64_t> ids, std::int64_t) {
+    if (!printing_ || ids.empty()) return;
+    std::fputs(text({ids[0]}, false, first_).c_str(), stdout);
+    std::fflush(stdout);
+    first_ = false;
+  }
+  void end() const {
+    if (printing_) std::printf("\n---\n");
+  }
+
+ private:
+  const corpus& data_;
+  bool printing_, first_ = true;  // first_: the continuation's first token is to come
+
+  // `prompt`: the ids begin the text; `leading`: they begin the prompt's or the continuation's line.
+  std::string text(const std::vector<std::int64_t>& ids, bool prompt, bool leading) const {
+    if (data_.tokenizer) return data_.tokenizer->decode(ids, prompt);
     std::string to;
-    for (std::int64_t id : part)
-      if (data.bytes && id < 256) to += char(id);
-      else to += shardlib::cat(data.bytes || to.empty() ? "" : " ", data.bytes ? "<" : "", id, data.bytes ? ">" : "");
+    for (std::int64_t id : ids)
+      if (data_.bytes && id < 256) to += char(id);
+      else to += shardlib::cat(data_.bytes || (to.empty() && leading) ? "" : " ", data_.bytes ? "<" : "", id,
+                               data_.bytes ? ">" : "");
     return to;
-  };
-  std::printf("%s: sample (top-%ld, temperature %.2f, top-p %.2f, min-p %.2f, repetition penalty %.2f)%s\n--- "
-              "prompt ---\n%s\n--- continuation ---\n%s\n---\n",
-              program, s.top_k, s.temperature, s.top_p, s.min_p, s.repetition_penalty,
-              data.bytes ? "" : data.tokenizer ? ", decoded by --tokenizer" : ", token ids", text(ids[0]).c_str(),
-              text(ids[1]).c_str());
-}
+  }
+};
 
 }  // namespace example

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -40,13 +41,14 @@ struct token_decoder {
     return first != std::string::npos && bytes[first] == '{' ? from_json_file(path, bytes) : from_llmc(path, bytes);
   }
 
-  // The text of `ids`; an id the tokenizer does not hold as <id>.
+  // The text of `ids`; an id the tokenizer does not hold as <id>. `from_start`: the ids begin
+  // the text (SentencePiece strips its first space there, not before later pieces).
   template <class Ids>
-  std::string decode(const Ids& ids) const {
+  std::string decode(const Ids& ids, bool from_start = true) const {
     std::string text;
     for (const auto id : ids)
       text += id >= 0 && std::size_t(id) < pieces.size() ? pieces[std::size_t(id)] : "<" + std::to_string(id) + ">";
-    if (strip_leading_space && !text.empty() && text[0] == ' ') text.erase(0, 1);
+    if (from_start && strip_leading_space && !text.empty() && text[0] == ' ') text.erase(0, 1);
     return text;
   }
 
@@ -112,15 +114,18 @@ struct token_decoder {
     // The decoder: ByteLevel, or SentencePiece's Sequence of Replace, ByteFallback, Fuse, Strip.
     const auto& dec = j.contains("decoder") ? j["decoder"] : nlohmann::json();
     const std::string type = dec.is_object() ? dec.value("type", "") : "";
-    bool byte_level = type == "ByteLevel", sentencepiece = false;
+    bool byte_level = type == "ByteLevel", sentencepiece = false, byte_fallback = false, fused = false;
     token_decoder d;
     if (type == "Sequence" && dec.contains("decoders")) {
       for (const auto& step : dec["decoders"]) {
         const std::string t = step.value("type", "");
-        if (t == "Replace" || t == "ByteFallback" || t == "Fuse") sentencepiece = true;
-        else if (t == "Strip") d.strip_leading_space = step.value("start", 0) > 0;
+        if (t == "Replace" || t == "Fuse") sentencepiece = true, fused = fused || t == "Fuse";
+        else if (t == "ByteFallback") sentencepiece = byte_fallback = true;
+        else if (t == "Strip" && fused && step.value("content", "") == " " && step.value("start", 0) == 1 &&
+                 step.value("stop", 0) == 0)
+          d.strip_leading_space = true;  // once, on the fused text
         else if (t == "ByteLevel") byte_level = true;
-        else throw shardlib::error(shardlib::cat(path, ": decoder step ", t, " is not one the examples decode"));
+        else throw shardlib::error(shardlib::cat(path, ": decoder step ", step.dump(), " is not one the examples decode"));
       }
     }
     shardlib::require(byte_level != sentencepiece, path, ": decoder ", dec.dump(),
@@ -138,11 +143,17 @@ struct token_decoder {
     const std::vector<int> byte = byte_of_character();
     for (const std::string& piece : tokens) {
       std::string out;
-      if (byte_level) {
-        for (const auto& [cp, utf8] : code_points(piece))  // a character outside the table stays itself
-          out += cp < byte.size() && byte[cp] >= 0 ? std::string(1, char(byte[cp])) : utf8;
-      } else if (piece.size() == 6 && piece.starts_with("<0x") && piece.back() == '>') {
-        out += char(std::stoi(piece.substr(3, 2), nullptr, 16));  // ByteFallback
+      const auto hex = [](char ch) { return std::isxdigit(static_cast<unsigned char>(ch)) != 0; };
+      if (byte_level) {  // a token with a character outside the table stays as it is, as tokenizers keeps it
+        bool all = true;
+        for (const auto& [cp, utf8] : code_points(piece)) {
+          all = all && cp < byte.size() && byte[cp] >= 0;
+          if (all) out += char(byte[cp]);
+        }
+        if (!all) out = piece;
+      } else if (byte_fallback && piece.size() == 6 && piece.starts_with("<0x") && hex(piece[3]) && hex(piece[4]) &&
+                 piece.back() == '>') {
+        out += char(std::stoi(piece.substr(3, 2), nullptr, 16));
       } else {
         for (std::size_t at = 0; at < piece.size();) {  // Replace "▁" (U+2581) by " "
           if (piece.compare(at, 3, "\xE2\x96\x81") == 0) {

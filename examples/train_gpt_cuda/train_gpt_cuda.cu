@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <string>
 #include <type_traits>
@@ -190,20 +191,25 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   // Every rank alike (each forward is collective); the cache and the logits on the device.
   const sl::Tensor<std::int64_t> prompt = example::sample_prompt(data, s.seq);
   const long prompt_len = long(prompt.dim(1));
-  const double before_sample = seconds();
-  const auto out = sl::models::generate(sharded, prompt, example::sample_options(s, prompt_len, s.seq, s.seed));
-  const double sample_s = seconds() - before_sample;
-  const char* saved = s.save.empty() ? nullptr : example::save(sharded, s, s.save);
-  if (c.rank() != 0) return;
   const long trained = std::max(s.steps - first, 1L);
   const double tokens = double(trained) * double(s.grad_accum * s.batch) * double(s.seq) * double(c.size());
-  std::printf("train_gpt_cuda: %ld steps in %.1f s of training (%.1f ms/step, %.0f tokens/s over %d GPU(s); "
-              "validation excluded); final training loss "
-              "%.4f (rank 0's batch), validation %.4f nats per %s, unigram entropy %.4f\n",
-              s.steps - first, trained_s, 1e3 * trained_s / double(trained), tokens / trained_s, c.size(), double(loss), val,
-              data.unit(), entropy);
-  example::print_sample("train_gpt_cuda", s, data, out, prompt_len);
-  std::printf("train_gpt_cuda: sampled %lld %ss in %.3f s (%.1f ms per %s, the KV cache on the GPU)\n",
+  if (c.rank() == 0)
+    std::printf("train_gpt_cuda: %ld steps in %.1f s of training (%.1f ms/step, %.0f tokens/s over %d GPU(s); "
+                "validation excluded); final training loss "
+                "%.4f (rank 0's batch), validation %.4f nats per %s, unigram entropy %.4f\n",
+                s.steps - first, trained_s, 1e3 * trained_s / double(trained), tokens / trained_s, c.size(),
+                double(loss), val, data.unit(), entropy);
+  example::sample_printer printer("train_gpt_cuda", s, data, prompt, c.rank() == 0);  // rank 0 prints as it comes
+  auto options = example::sample_options(s, prompt_len, s.seq, s.seed);
+  options.on_tokens = std::ref(printer);
+  const double before_sample = seconds();
+  const auto out = sl::models::generate(sharded, prompt, options);
+  const double sample_s = seconds() - before_sample;
+  printer.end();
+  const char* saved = s.save.empty() ? nullptr : example::save(sharded, s, s.save);
+  if (c.rank() != 0) return;
+  std::printf("train_gpt_cuda: sampled %lld %ss in %.3f s (%.1f ms per %s, the KV cache on the GPU, printing "
+              "included)\n",
               static_cast<long long>(out.dim(1) - prompt_len), data.unit(), sample_s,
               1e3 * sample_s / double(std::max<std::int64_t>(out.dim(1) - prompt_len, 1)), data.unit());
   if (saved) std::printf("train_gpt_cuda: %s written to %s\n", saved, s.save.c_str());

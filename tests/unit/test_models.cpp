@@ -1230,10 +1230,21 @@ TEST_CASE("the examples' --tokenizer decodes as Hugging Face tokenizers and llm.
     for (const auto& c : golden[kind]) CHECK(d.decode(c["ids"].get<std::vector<std::int64_t>>()) == c["text"].get<std::string>());
     CHECK(d.decode(std::vector<std::int64_t>{-1, 100000}) == "<-1><100000>");
   }
+  // Added tokens as tokenizers 0.23 decodes them: one with a character outside the byte table
+  // stays whole ("éx☕"; é alone would be the byte 0xE9), and "<0xZZ>" is no byte.
+  test_support::temp_dir tmp("token_decoder");
+  for (const auto& [kind, token] : {std::pair{"bytelevel", "\u00e9x\u2615"}, std::pair{"sentencepiece", "<0xZZ>"}}) {
+    std::ifstream f(dir / cat(kind, "_tokenizer.json"));
+    auto j = nlohmann::json::parse(f);
+    const std::size_t id = j["model"]["vocab"].size();
+    j["added_tokens"].push_back({{"id", id}, {"content", token}, {"special", true}});
+    std::ofstream(tmp.path / cat(kind, ".json")) << j.dump();
+    const auto d = example::token_decoder::read((tmp.path / cat(kind, ".json")).string());
+    CHECK(d.decode(std::vector<std::int64_t>{std::int64_t(id)}) == token);
+  }
   // llm.c's: the fixture's token 150 b + 7 is byte b, 50256 "<|endoftext|>".
   const auto llmc = example::token_decoder::read((dir / "tokenizer.bin").string());
   CHECK(llmc.decode(std::vector<std::int64_t>{150 * 'h' + 7, 150 * 'i' + 7, 50256}) == "hi<|endoftext|>");
-  test_support::temp_dir tmp("token_decoder");
   std::ofstream(tmp.path / "wordpiece.json") << R"({"model": {"type": "WordPiece", "vocab": {"a": 0}}})";
   CHECK_THROWS_WITH(example::token_decoder::read((tmp.path / "wordpiece.json").string()),
                     Catch::Contains("wordpiece.json: not a BPE tokenizer.json (its model's type WordPiece"));
@@ -1241,6 +1252,10 @@ TEST_CASE("the examples' --tokenizer decodes as Hugging Face tokenizers and llm.
       << R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "decoder": {"type": "Metaspace"}})";
   CHECK_THROWS_WITH(example::token_decoder::read((tmp.path / "metaspace.json").string()),
                     Catch::Contains("metaspace.json: decoder {\"type\":\"Metaspace\"} is neither ByteLevel"));
+  std::ofstream(tmp.path / "strip2.json") << R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "decoder": {"type":
+      "Sequence", "decoders": [{"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 2, "stop": 0}]}})";
+  CHECK_THROWS_WITH(example::token_decoder::read((tmp.path / "strip2.json").string()),
+                    Catch::Contains("strip2.json: decoder step {\"content\":\" \",\"start\":2,"));
 }
 
 // What transformers 5 writes (tests/golden/hf5, make_hf5_goldens.py: transformers 5.25,
