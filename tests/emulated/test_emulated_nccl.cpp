@@ -1,8 +1,61 @@
 // NcclComm's device tests (tests/cuda/test_nccl.cpp: the Communicator conformance suite
 // at world size 1 and over the emulated machine's four devices, one thread each,
 // errors instead of hangs, torchrun's bootstrap), compiled by the host compiler and run
-// on the CPU against include/nccl.h's thread-rank communicators.
+// on the CPU against include/nccl.h's thread-rank communicators; ctest runs them all
+// again with the ranks meeting through files (test_emulated_nccl.files), as processes do.
 #include "cuda/test_nccl.cpp"
+
+namespace {
+
+// SHARDLIB_EMULATED_NCCL_DIR set to a fresh folder for a scope, then as it was.
+struct files_mode {
+  files_mode() : dir(std::filesystem::temp_directory_path() / sl::cat("nccl-files-", getpid())) {
+    if (const char* d = std::getenv("SHARDLIB_EMULATED_NCCL_DIR")) before = d;
+    std::filesystem::remove_all(dir);
+    setenv("SHARDLIB_EMULATED_NCCL_DIR", dir.c_str(), 1);
+  }
+  ~files_mode() {
+    if (before) setenv("SHARDLIB_EMULATED_NCCL_DIR", before->c_str(), 1);
+    else unsetenv("SHARDLIB_EMULATED_NCCL_DIR");
+    std::filesystem::remove_all(dir);
+  }
+  std::filesystem::path dir;
+  std::optional<std::string> before;
+};
+
+}  // namespace
+
+// What processes under tools/launch or mpirun get (tests/launch/device_processes.sh trains
+// so): the conformance suite over four ranks whose communicators meet through files
+// alone, splits included, and the calls checked across them.
+TEST_CASE("ranks that meet through files pass the conformance suite, as processes would", "[nccl][files]") {
+  const files_mode files;
+  std::vector<conformance::report> reports(4);
+  std::vector<int> through_files(4);
+  sl::comm::launch(4, [&](sl::comm::ThreadComm& host) {
+    NcclComm n = NcclComm::bootstrap(host, host.rank());
+    through_files[host.rank()] = n.native()->files != nullptr;
+    staged_comm c(std::move(n));
+    nccl_suite(c, reports[host.rank()]);
+    conformance::split_suite(c, reports[host.rank()]);
+  });
+  for (const auto& r : reports) require_clean(r);
+  CHECK(through_files == std::vector<int>(4, 1));
+  // Each communicator a folder; a rank keeps at most its last two calls' files in each.
+  std::size_t folders = 0;
+  for (const auto& f : std::filesystem::directory_iterator(files.dir)) {
+    ++folders;
+    for (int r = 0; r < 4; ++r) {
+      std::size_t calls = 0;
+      for (const auto& g : std::filesystem::directory_iterator(f.path()))
+        if (g.path().extension() == sl::cat(".", r) && g.path().stem().string().find_first_not_of("0123456789") ==
+                                                            std::string::npos)
+          ++calls;
+      CHECK(calls <= 2);
+    }
+  }
+  CHECK(folders > 1);  // the world's and its splits'
+}
 
 // Rank 0 publishes its failure in the store: the others raise at once with its reason
 // instead of waiting out the store's timeout for an id that never comes.

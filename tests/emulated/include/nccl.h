@@ -23,7 +23,13 @@
 // device are refused once every rank has joined (NCCL's "Duplicate GPU detected":
 // ncclInvalidUsage on every rank), and a collective on a
 // stream of another device than its communicator's, or on another device's memory, fails.
+//
+// With SHARDLIB_EMULATED_NCCL_DIR set, the communicators a process initialises meet
+// through files in that folder instead (../nccl_files.hpp), so that their ranks may be
+// processes: the same calls, checks and results.
 #pragma once
+#include <unistd.h>  // getpid
+
 #include "cuda_runtime.h"
 
 #include <shardlib/core/element.hpp>  // the 16-bit conversions
@@ -235,11 +241,16 @@ inline std::string describe(const call& c, int ranks) {
 
 }  // namespace nccl_emulator
 
+namespace nccl_emulator {
+struct file_exchange;  // nccl_files.hpp
+}
+
 struct ncclComm {
-  ncclComm(std::shared_ptr<nccl_emulator::group> group, int r, int d, bool b)
-      : g(std::move(group)), rank(r), device(d), blocking(b) {}
-  std::shared_ptr<nccl_emulator::group> g;
-  int rank = 0;
+  ncclComm(std::shared_ptr<nccl_emulator::group> group, int r, int n, int d, bool b)
+      : g(std::move(group)), rank(r), size(n), device(d), blocking(b) {}
+  std::shared_ptr<nccl_emulator::group> g;              // ranks that are threads of this process
+  std::shared_ptr<nccl_emulator::file_exchange> files;  // or ranks that meet through files
+  int rank = 0, size = 0;
   int device = 0;    // the device current at initialisation: its collectives run there
   std::string last;  // ncclGetLastError
   bool blocking = true;
@@ -255,12 +266,12 @@ inline ncclResult_t fail(ncclComm_t c, ncclResult_t r, std::string why) {
   return r;
 }
 
-// Every rank's call of one collective, computed by the last to arrive. Outputs are
-// computed whole before any is written: in-place calls read what others write.
-inline void perform(group& g) {
-  const std::vector<call>& c = g.calls;
+// The outputs of one collective (not a split) from every rank's call, written to the calls
+// that have a receive buffer. Outputs are computed whole before any is written: in-place
+// calls read what others write.
+inline void compute(const std::vector<call>& c) {
   const call& first = c[0];
-  const std::size_t n = first.count, ranks = std::size_t(g.size), bytes = n * type_size(first.type);
+  const std::size_t n = first.count, ranks = c.size(), bytes = n * type_size(first.type);
   std::vector<std::vector<unsigned char>> out(ranks);
   switch (first.what) {
     case kind::all_reduce:
@@ -287,6 +298,18 @@ inline void perform(group& g) {
       for (auto& o : out) o.assign(s, s + bytes);
       break;
     }
+    case kind::split:
+      break;
+  }
+  for (std::size_t r = 0; r < ranks; ++r)
+    if (c[r].recv && !out[r].empty()) std::memcpy(c[r].recv, out[r].data(), out[r].size());
+}
+
+// Every rank's call of one collective, computed by the last to arrive.
+inline void perform(group& g) {
+  const std::vector<call>& c = g.calls;
+  const std::size_t ranks = std::size_t(g.size);
+  switch (c[0].what) {
     case kind::split: {
       std::map<int, std::vector<std::pair<int, int>>> colors;  // color -> (key, rank)
       for (std::size_t r = 0; r < ranks; ++r)
@@ -298,14 +321,14 @@ inline void perform(group& g) {
         child->joined = child->size;
         for (std::size_t i = 0; i < members.size(); ++i) {
           const call& parent = c[std::size_t(members[i].second)];
-          *parent.child = new ncclComm(child, int(i), parent.device, parent.blocking);
+          *parent.child = new ncclComm(child, int(i), child->size, parent.device, parent.blocking);
         }
       }
       return;
     }
+    default:
+      compute(c);
   }
-  for (std::size_t r = 0; r < ranks; ++r)
-    if (!out[r].empty()) std::memcpy(c[r].recv, out[r].data(), out[r].size());
 }
 
 // The collective every rank has made: checks that the calls agree, computes it, wakes the ranks.
@@ -324,8 +347,10 @@ inline void complete(group& g) {
 }
 
 // Rank c->rank's part in a collective: waits for the others; the last computes it.
+inline ncclResult_t collective_files(ncclComm_t comm, call mine);
 inline ncclResult_t collective(ncclComm_t comm, call mine) {
   if (!comm) return fail(comm, ncclInvalidArgument, "a null communicator");
+  if (comm->files) return collective_files(comm, mine);
   group& g = *comm->g;
   std::unique_lock lock(g.m);
   if (g.aborted) return fail(comm, ncclRemoteError, "a rank of this communicator aborted it: " + g.why);
@@ -356,6 +381,8 @@ inline bool valid(ncclDataType_t t) { return type_size(t) != 0; }
 
 }  // namespace nccl_emulator
 
+#include "../nccl_files.hpp"
+
 inline const char* ncclGetErrorString(ncclResult_t r) {
   switch (r) {
     case ncclSuccess: return "no error";
@@ -382,7 +409,7 @@ inline ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
     --failures;
     return nccl_emulator::fail(nullptr, ncclSystemError, "Bootstrap : no socket interface found");
   }
-  const std::string name = "emulated-nccl-" + std::to_string(next++);
+  const std::string name = "emulated-nccl-" + std::to_string(getpid()) + "-" + std::to_string(next++);
   std::memcpy(id->internal, name.data(), name.size());
   return ncclSuccess;
 }
@@ -393,6 +420,9 @@ inline ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUni
   *comm = nullptr;
   if (nranks < 1 || rank < 0 || rank >= nranks)
     return fail(nullptr, ncclInvalidArgument, "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
+  const int device = cuda_emulator::current_device();
+  const bool blocking = !config || config->blocking != 0;
+  if (!files_root().empty()) return init_files(comm, nranks, id.internal, rank, device, blocking);
   std::shared_ptr<group> g;
   {
     const std::lock_guard lock(registry_mutex());
@@ -404,7 +434,6 @@ inline ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUni
   if (g->size != nranks || g->taken[std::size_t(rank)])
     return fail(nullptr, ncclInvalidUsage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
                                                " joins an id already used by another communicator or rank");
-  const int device = cuda_emulator::current_device();
   g->taken[std::size_t(rank)] = true;
   g->devices[std::size_t(rank)] = device;
   ++g->joined;
@@ -415,8 +444,7 @@ inline ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUni
           g->duplicate = "Duplicate GPU detected: ranks " + std::to_string(a) + " and " + std::to_string(b) +
                          " both on device " + std::to_string(g->devices[std::size_t(a)]);
   g->cv.notify_all();
-  const bool blocking = !config || config->blocking != 0;
-  *comm = new ncclComm(g, rank, device, blocking);
+  *comm = new ncclComm(g, rank, nranks, device, blocking);
   if (!blocking) return ncclInProgress;  // ncclCommGetAsyncError says how it ends
   if (!g->cv.wait_for(lock, peer_patience, [&] { return g->joined == g->size || g->aborted; }) || g->aborted)
     return fail(*comm, ncclSystemError, "not every rank joined within two minutes, or one aborted");
@@ -428,6 +456,10 @@ inline ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUni
 // it, then its outcome; a peer that never comes makes it give up after two minutes.
 inline ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
   if (!comm) return ncclInvalidArgument;
+  if (comm->files) {
+    *state = nccl_emulator::state_files(comm);
+    return ncclSuccess;
+  }
   const std::lock_guard lock(comm->g->m);
   nccl_emulator::group& g = *comm->g;
   if (g.deferred && !g.aborted) {
@@ -453,7 +485,7 @@ inline ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) 
 }
 inline ncclResult_t ncclCommCount(ncclComm_t comm, int* count) {
   if (!comm) return ncclInvalidArgument;
-  *count = comm->g->size;
+  *count = comm->size;
   return ncclSuccess;
 }
 inline ncclResult_t ncclCommUserRank(ncclComm_t comm, int* rank) {
@@ -468,7 +500,9 @@ inline ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 }
 inline ncclResult_t ncclCommAbort(ncclComm_t comm) {
   if (!comm) return ncclSuccess;
-  {
+  if (comm->files) {
+    nccl_emulator::abort_files(*comm->files, "rank " + std::to_string(comm->rank) + " called ncclCommAbort");
+  } else {
     const std::lock_guard lock(comm->g->m);
     comm->g->aborted = true;
     comm->g->why = "rank " + std::to_string(comm->rank) + " called ncclCommAbort";
@@ -514,7 +548,7 @@ inline ncclResult_t ncclReduceScatter(const void* send, void* recv, std::size_t 
   if (!nccl_emulator::valid(type) || !comm)
     return nccl_emulator::fail(comm, ncclInvalidArgument, "an unknown data type or a null communicator");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::reduce_scatter, .send = send, .recv = recv,
-                                          .count = count * std::size_t(comm->g->size), .type = type, .op = op});
+                                          .count = count * std::size_t(comm->size), .type = type, .op = op});
 }
 inline ncclResult_t ncclAllGather(const void* send, void* recv, std::size_t count, ncclDataType_t type,
                                   ncclComm_t comm, cudaStream_t stream) {
@@ -526,7 +560,7 @@ inline ncclResult_t ncclAllGather(const void* send, void* recv, std::size_t coun
 inline ncclResult_t ncclBroadcast(const void* send, void* recv, std::size_t count, ncclDataType_t type, int root,
                                   ncclComm_t comm, cudaStream_t stream) {
   if (const ncclResult_t r = nccl_emulator::wrong_device(comm, stream, send, recv)) return r;
-  if (!nccl_emulator::valid(type) || !comm || root < 0 || root >= comm->g->size)
+  if (!nccl_emulator::valid(type) || !comm || root < 0 || root >= comm->size)
     return nccl_emulator::fail(comm, ncclInvalidArgument, "an unknown data type, a null communicator or a bad root");
   return nccl_emulator::collective(comm, {.what = nccl_emulator::kind::broadcast, .send = send, .recv = recv,
                                           .count = count, .type = type, .root = root});

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# device_processes.sh N HOST_PROGRAM DEVICE_PROGRAM ARGS...
+# A GPU program (train_gpt_cuda built against tests/emulated) as N processes started by
+# tools/launch: NCCL's id through the TCP store, the emulated NCCL's ranks meeting through
+# files (SHARDLIB_EMULATED_NCCL_DIR), one device each. It trains in fp32 with ARGS,
+# checkpointing every 3 steps, and must print the losses the host program (train_gpt)
+# prints with N rank threads, within 20 millionths (the products sum in another order;
+# the runs printed the same digits when this was written). Then the host program, N
+# threads, resumes from the processes' checkpoint of step 3: its losses from there must
+# be its own whole run's, within the same bound.
+set -eu
+n=$1 host=$2 device=$3
+shift 3
+here=$(cd "$(dirname "$0")" && pwd)
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+losses() { grep -Eo 'Rank [0-9]+, Step [0-9]+, Loss: .*' "$1" | sort; }
+# Every line of $1 and $2 the same but for losses within 20 millionths; a loss that is
+# not a finite number with six decimals fails.
+close() {
+  paste -d '|' "$1" "$2" | awk -F '|' '
+    function value(s) { if (s !~ /Loss: -?[0-9]+\.[0-9][0-9][0-9][0-9][0-9][0-9]$/) exit 2; sub(/.*Loss: /, "", s); return s + 0 }
+    { a = $1; b = $2; pa = a; pb = b; sub(/Loss: .*/, "", pa); sub(/Loss: .*/, "", pb)
+      d = value(a) - value(b); if (d < 0) d = -d
+      if (pa != pb || d > 0.00002) { print "  " a "  against  " b; bad = 1 } }
+    END { exit bad }' && [[ $(wc -l <"$1") == $(wc -l <"$2") ]]
+}
+
+"$host" --world "$n" --save "$out/host_hf" "$@" >"$out/host.txt"
+SHARDLIB_EMULATED_NCCL_DIR="$out/nccl" "$here/../../tools/launch" -n "$n" -- "$device" --dtype fp32 \
+  --checkpoint-dir "$out/ckpt" --checkpoint-every 3 --save "$out/device_hf" "$@" >"$out/device.txt"
+cat "$out/device.txt"
+losses "$out/host.txt" >"$out/host.losses"
+losses "$out/device.txt" >"$out/device.losses"
+[[ -s $out/host.losses ]] || { echo "FAILED: the host run printed no losses"; exit 1; }
+grep -q "over $n GPU(s)" "$out/device.txt" || { echo "FAILED: the processes did not train as one world of $n"; exit 1; }
+close "$out/host.losses" "$out/device.losses" || { echo "FAILED: the processes' losses are not the threads'"; exit 1; }
+[[ -f $out/device_hf/model.safetensors ]] || { echo "FAILED: no model written"; exit 1; }
+
+"$host" --world "$n" --save "$out/resumed_hf" --resume "$out/ckpt/step-00000003" "$@" >"$out/resumed.txt"
+grep -q "resumed from .* at step 3$" "$out/resumed.txt" || { echo "FAILED: the host run did not resume at step 3"; exit 1; }
+losses "$out/resumed.txt" >"$out/resumed.losses"
+grep -E 'Step ([3-9]|[1-9][0-9]+),' "$out/host.losses" >"$out/host.after" || true
+[[ -s $out/resumed.losses ]] || { echo "FAILED: the resumed run printed no losses"; exit 1; }
+close "$out/host.after" "$out/resumed.losses" || { echo "FAILED: resumed from the processes' checkpoint, other losses"; exit 1; }
+echo "$n processes: $(wc -l <"$out/device.losses") loss lines as the $n threads'; their checkpoint of step 3 resumed by $(basename "$host")"
