@@ -24,7 +24,7 @@ struct sample_settings {
 };
 
 inline void add_sample_flags(command_line& cli, sample_settings& s) {
-  cli.add_option("--sample", s.sample, "bytes (tokens) to generate at the end (at most --seq minus the prompt)")
+  cli.add_option("--sample", s.sample, "bytes (tokens) to generate at the end (at most --seq minus the prompt; 0: no sample)")
       ->check(whole(0, max_size));
   cli.add_option("--top-k", s.top_k, "sample among the k most likely bytes (tokens; 1 = greedy)")
       ->check(whole(1, max_size));

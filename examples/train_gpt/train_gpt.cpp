@@ -144,21 +144,21 @@ void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
   const double trained_s = seconds() - eval_s;
   if (c.rank() == 0) example::print_peaks("train_gpt", 0, current_ledger());  // training and validation's
 
-  // A continuation of the held-out text's first paragraph (or its first tokens), every rank
-  // alike (each forward is collective).
-  const Tensor<std::int64_t> prompt = example::sample_prompt(data, s.seq);
-  const long prompt_len = long(prompt.dim(1));
   if (c.rank() == 0)
     std::printf("train_gpt: %ld steps in %.1f s of training (%.3f s/step; validation excluded); final training "
                 "loss %.4f (rank 0's batch), validation %.4f nats per %s = %.2f bits, unigram entropy %.4f nats = "
                 "%.2f bits\n",
                 s.steps - first, trained_s, trained_s / double(std::max(s.steps - first, 1L)), double(loss), val,
                 data.unit(), val / std::log(2.0), entropy, entropy / std::log(2.0));
-  example::sample_printer printer("train_gpt", s, data, prompt, c.rank() == 0);  // rank 0 prints as it comes
-  auto options = example::sample_options(s, prompt_len, s.seq, s.seed);
-  options.on_tokens = std::ref(printer);
-  models::generate(sharded, prompt, options);  // in eval, the ranks checked to agree
-  printer.end();
+  if (s.sample > 0) {  // a continuation of the held-out text's first paragraph (or its first tokens), every rank
+                       // alike (each forward is collective)
+    const Tensor<std::int64_t> prompt = example::sample_prompt(data, s.seq);
+    example::sample_printer printer("train_gpt", s, data, prompt, c.rank() == 0);  // rank 0 prints as it comes
+    auto options = example::sample_options(s, long(prompt.dim(1)), s.seq, s.seed);
+    options.on_tokens = std::ref(printer);
+    models::generate(sharded, prompt, options);  // in eval, the ranks checked to agree
+    printer.end();
+  }
   const char* saved = s.save.empty() ? nullptr : example::save(sharded, s, s.save);
   if (saved && c.rank() == 0) std::printf("train_gpt: %s written to %s\n", saved, s.save.c_str());
 }

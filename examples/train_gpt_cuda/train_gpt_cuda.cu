@@ -188,9 +188,6 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
   sl::cuda::check(cudaStreamSynchronize(compute.get()), "cudaStreamSynchronize (end of training)");
   const double trained_s = seconds() - eval_s;
   if (c.rank() == 0) example::print_peaks("train_gpt_cuda", 0, sl::current_ledger());  // training and validation's
-  // Every rank alike (each forward is collective); the cache and the logits on the device.
-  const sl::Tensor<std::int64_t> prompt = example::sample_prompt(data, s.seq);
-  const long prompt_len = long(prompt.dim(1));
   const long trained = std::max(s.steps - first, 1L);
   const double tokens = double(trained) * double(s.grad_accum * s.batch) * double(s.seq) * double(c.size());
   if (c.rank() == 0)
@@ -199,19 +196,24 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
                 "%.4f (rank 0's batch), validation %.4f nats per %s, unigram entropy %.4f\n",
                 s.steps - first, trained_s, 1e3 * trained_s / double(trained), tokens / trained_s, c.size(),
                 double(loss), val, data.unit(), entropy);
-  example::sample_printer printer("train_gpt_cuda", s, data, prompt, c.rank() == 0);  // rank 0 prints as it comes
-  auto options = example::sample_options(s, prompt_len, s.seq, s.seed);
-  options.on_tokens = std::ref(printer);
-  const double before_sample = seconds();
-  const auto out = sl::models::generate(sharded, prompt, options);
-  const double sample_s = seconds() - before_sample;
-  printer.end();
+  if (s.sample > 0) {  // every rank alike (each forward is collective); the cache and the logits on the device
+    const sl::Tensor<std::int64_t> prompt = example::sample_prompt(data, s.seq);
+    const long prompt_len = long(prompt.dim(1));
+    example::sample_printer printer("train_gpt_cuda", s, data, prompt, c.rank() == 0);  // rank 0 prints as it comes
+    auto options = example::sample_options(s, prompt_len, s.seq, s.seed);
+    options.on_tokens = std::ref(printer);
+    const double before_sample = seconds();
+    const auto out = sl::models::generate(sharded, prompt, options);
+    const double sample_s = seconds() - before_sample;
+    printer.end();
+    if (c.rank() == 0)
+      std::printf("train_gpt_cuda: sampled %lld %ss in %.3f s (%.1f ms per %s, the KV cache on the GPU, printing "
+                  "included)\n",
+                  static_cast<long long>(out.dim(1) - prompt_len), data.unit(), sample_s,
+                  1e3 * sample_s / double(std::max<std::int64_t>(out.dim(1) - prompt_len, 1)), data.unit());
+  }
   const char* saved = s.save.empty() ? nullptr : example::save(sharded, s, s.save);
   if (c.rank() != 0) return;
-  std::printf("train_gpt_cuda: sampled %lld %ss in %.3f s (%.1f ms per %s, the KV cache on the GPU, printing "
-              "included)\n",
-              static_cast<long long>(out.dim(1) - prompt_len), data.unit(), sample_s,
-              1e3 * sample_s / double(std::max<std::int64_t>(out.dim(1) - prompt_len, 1)), data.unit());
   if (saved) std::printf("train_gpt_cuda: %s written to %s\n", saved, s.save.c_str());
 }
 
