@@ -5,6 +5,7 @@
 #include <shardlib/models/gpt2.hpp>
 #include <shardlib/models/hf.hpp>
 #include <shardlib/models/llama.hpp>
+#include <shardlib/plan/hf_config.hpp>  // read_decoder_shape (--init)
 
 #include <CLI/CLI.hpp>
 
@@ -71,44 +72,29 @@ inline void check_byte_model(const byte_model_shape& s) {
 // check_byte_model, which it makes moot.
 inline void take_init_shape(const CLI::App& cli, byte_model_shape& s, const std::string& init) {
   if (init.empty()) return;
-  namespace models = shardlib::models;
-  const auto path = models::detail::json_file(init, "config.json");
-  struct shape {
-    std::string type;
-    long layers = 0, d_model = 0, heads = 0, kv_heads = 0, vocab = 0, context = 0;
-  } c;
+  namespace plan = shardlib::plan;
+  plan::decoder_shape c;
   try {
-    c.type = models::detail::with_json(path, "--init's config.json",
-                                       [](const nlohmann::json& j) { return j.value("model_type", std::string()); });
-    if (c.type == "gpt2") {
-      const auto g = models::read_hf_config<models::gpt2_config>(init);
-      c = {c.type, long(g.n_layer), long(g.n_embd), long(g.n_head), long(g.n_head), long(g.vocab_size),
-           long(g.n_positions)};
-    } else if (c.type == "llama") {
-      const auto l = models::read_hf_config<models::llama_config>(init);
-      c = {c.type, long(l.num_hidden_layers), long(l.hidden_size), long(l.num_attention_heads),
-           long(l.num_key_value_heads > 0 ? l.num_key_value_heads : l.num_attention_heads), long(l.vocab_size),
-           long(l.max_position_embeddings)};
-    } else {
-      throw shardlib::error(shardlib::cat(path.string(), ": model_type '", c.type, "' is neither gpt2 nor llama"));
-    }
+    c = plan::read_decoder_shape(init, "--init");
   } catch (const shardlib::error& e) {
     throw CLI::ValidationError("--init", e.what());
   }
-  if (cli.count("--model") > 0 && s.model != c.type)
-    throw CLI::ValidationError("--model", shardlib::cat(s.model, ", but --init's config.json is ", c.type));
-  s.model = c.type;
-  for (auto [flag, value, from] : {std::tuple{"--layers", &s.layers, c.layers}, std::tuple{"--d-model", &s.d_model, c.d_model},
+  const std::string type = c.family == plan::family::gpt2 ? "gpt2" : "llama";
+  if (cli.count("--model") > 0 && s.model != type)
+    throw CLI::ValidationError("--model", shardlib::cat(s.model, ", but --init's config.json is ", type));
+  s.model = type;
+  for (auto [flag, value, from] : {std::tuple{"--layers", &s.layers, c.layers}, std::tuple{"--d-model", &s.d_model, c.hidden},
                                    std::tuple{"--heads", &s.heads, c.heads}, std::tuple{"--kv-heads", &s.kv_heads, c.kv_heads},
                                    std::tuple{"--vocab", &s.vocab, c.vocab}}) {
-    const bool read = c.type == "llama" || std::string_view(flag) != "--kv-heads";  // GPT-2 ignores --kv-heads
+    const bool read = type == "llama" || std::string_view(flag) != "--kv-heads";  // GPT-2 ignores --kv-heads
     if (read && cli.count(flag) > 0 && *value != from)
       throw CLI::ValidationError(flag, shardlib::cat(*value, ", but --init's config.json says ", from));
     *value = from;
   }
-  if (cli.count("--seq") == 0) s.seq = std::min(s.seq, c.context);  // the default fits a shorter context
-  if (s.seq > c.context)
-    throw CLI::ValidationError("--seq", shardlib::cat(s.seq, " is more than --init's context of ", c.context,
+  const long context = c.seq;  // the config's n_positions or max_position_embeddings
+  if (cli.count("--seq") == 0) s.seq = std::min(s.seq, context);  // the default fits a shorter context
+  if (s.seq > context)
+    throw CLI::ValidationError("--seq", shardlib::cat(s.seq, " is more than --init's context of ", context,
                                                       " positions"));
   if (cli.count("--dropout") == 0) s.dropout = -1;
   s.config = init;

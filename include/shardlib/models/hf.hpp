@@ -33,6 +33,7 @@
 #include <string_view>  // std::string_view
 #include <type_traits>  // std::is_same_v
 #include <utility>      // std::move, std::pair
+#include <variant>      // std::variant, std::visit (visit_hf_config)
 
 namespace shardlib::models {
 
@@ -273,6 +274,26 @@ Config read_hf_config(const std::filesystem::path& dir_or_file) {
                              from_json(j, c);
                              return c;
                            });
+}
+
+// f(the config in `dir`/config.json, or the file itself), a gpt2_config or a llama_config
+// by its model_type. Another type, or none, raises an io_error naming the file; so does a
+// field the models refuse (from_json, and what building the model would check).
+template <class F>
+decltype(auto) visit_hf_config(const std::filesystem::path& dir_or_file, F&& f) {
+  const auto path = detail::json_file(dir_or_file, "config.json");
+  const auto config = detail::with_json(path, "the model's config.json", [&](const nlohmann::json& j) {
+    const auto type = j.value("model_type", nlohmann::json());
+    try {
+      if (type == "gpt2") return std::variant<gpt2_config, llama_config>(detail::checked(j.get<gpt2_config>()));
+      if (type == "llama") return std::variant<gpt2_config, llama_config>(detail::checked(j.get<llama_config>()));
+    } catch (const error& e) {  // with_json names the file for JSON's own errors
+      throw io_error(cat(path.string(), ": ", e.what()));
+    }
+    throw io_error(cat(path.string(), ": model_type ", type.is_null() ? "(none)" : type.dump(),
+                       " is not one the library builds (\"gpt2\", \"llama\")"));
+  });
+  return std::visit(std::forward<F>(f), config);
 }
 
 // Hugging Face's load/save conventions for each model, from its config.

@@ -233,13 +233,10 @@ void merge_into(const std::filesystem::path& base, const std::filesystem::path& 
 // from_pretrained or load_hf. What the loads refuse, this refuses (io_error naming it).
 inline void merge_peft(const std::filesystem::path& base, const std::filesystem::path& adapter,
                        const std::filesystem::path& out) {
-  const auto config = detail::json_file(base, "config.json");
-  const std::string type = detail::with_json(config, "the base model's config.json", [](const nlohmann::json& j) {
-    return j.value("model_type", std::string());
+  visit_hf_config(base, [&]<class Config>(const Config&) {
+    if constexpr (std::is_same_v<Config, gpt2_config>) detail::merge_into<GPT2LMHeadModel<float>>(base, adapter, out);
+    else detail::merge_into<LlamaForCausalLM<float>>(base, adapter, out);
   });
-  if (type == "gpt2") return detail::merge_into<GPT2LMHeadModel<float>>(base, adapter, out);
-  if (type == "llama") return detail::merge_into<LlamaForCausalLM<float>>(base, adapter, out);
-  throw io_error(cat(config.string(), ": model_type '", type, "' is neither gpt2 nor llama"));
 }
 
 }  // namespace shardlib::models

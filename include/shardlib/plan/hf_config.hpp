@@ -5,11 +5,10 @@
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"     // error, cat
-#include "shardlib/models/hf.hpp"      // gpt2_config, llama_config, from_json, detail::with_json
+#include "shardlib/models/hf.hpp"      // gpt2_config, llama_config, visit_hf_config
 #include "shardlib/plan/presets.hpp"   // decoder_shape
 
 #include <filesystem>   // std::filesystem::path
-#include <string>       // std::string
 #include <string_view>  // std::string_view
 
 namespace shardlib::plan {
@@ -48,30 +47,10 @@ inline decoder_shape decoder_shape_of(const models::llama_config& c, std::string
 }
 
 // The decoder in `dir_or_file` (a folder holding config.json, or the file), by its
-// model_type: "gpt2" or "llama". Another type, or none, raises naming the file; so does
-// a field the library's models refuse (models::from_json).
+// model_type: "gpt2" or "llama" (models::visit_hf_config, which names the file when it
+// refuses one).
 inline decoder_shape read_decoder_shape(const std::filesystem::path& dir_or_file, std::string_view name) {
-  const auto path = models::detail::json_file(dir_or_file, "config.json");
-  return models::detail::with_json(path, "the model's config.json", [&](const nlohmann::json& j) {
-    const std::string type = j.contains("model_type") && j["model_type"].is_string() ? j["model_type"].get<std::string>()
-                                                                                     : std::string();
-    try {
-      if (type == "gpt2") {
-        models::gpt2_config c;
-        from_json(j, c);
-        return decoder_shape_of(c, name);
-      }
-      if (type == "llama") {
-        models::llama_config c;
-        from_json(j, c);
-        return decoder_shape_of(c, name);
-      }
-    } catch (const error& e) {  // with_json names the file for JSON's own errors
-      throw error(cat(path.string(), ": ", e.what()));
-    }
-    throw error(cat(path.string(), ": model_type ", j.contains("model_type") ? j["model_type"].dump() : "(none)",
-                    " is not one the library builds (\"gpt2\", \"llama\")"));
-  });
+  return models::visit_hf_config(dir_or_file, [&](const auto& c) { return decoder_shape_of(c, name); });
 }
 
 }  // namespace shardlib::plan
