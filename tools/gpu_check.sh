@@ -455,6 +455,13 @@ if ((gpus > 1)) && [[ $backends == *mpi* ]] && command -v mpirun >/dev/null; the
     --metrics "$logs/train_fsdp_cuda_np$gpus.jsonl"
   via=()
 fi
+# One process per GPU without MPI, as torchrun starts them: NCCL's id through the TCP store
+# (tests/launch/device_processes.sh runs the same with NCCL emulated).
+if ((gpus > 1)) && command -v python3 >/dev/null; then
+  via=(python3 "$root/tools/launch" -n "$gpus" --)
+  step "train_gpt_cuda np=$gpus (tools/launch)" 120 train_gpt_cuda --seed 0 --data "$text" --steps 100
+  via=()
+fi
 bench_json=$logs/bench_cuda.jsonl
 peak=() # the datasheet's dense bf16 rate, for GPUs whose name says which part they are: MFU as usually stated
 case ${gpu_list%%,*} in
