@@ -1,8 +1,8 @@
 // train_gpt — a byte-level GPT-2 (models::GPT2LMHeadModel, vocabulary 256: one token
 // per byte; or, with --model llama, a LLaMA: RMSNorm, RoPE, SwiGLU, grouped-query
 // attention) trained on a text file, or on llm.c's token files (--tokens, --val-tokens:
-// GPT-2's or LLaMA 3's tokens, the vocabulary theirs), sharded over --world rank threads (FullShard, every
-// transformer block its own unit, GPT-2's tied head with the embedding in the root), AdamW
+// GPT-2's or LLaMA 3's tokens, the vocabulary theirs), sharded over --world rank threads, or one rank
+// per process under tools/launch, torchrun, Slurm or mpirun (FullShard, every transformer block its own unit, GPT-2's tied head with the embedding in the root), AdamW
 // with linear warmup and cosine decay, gradients clipped to norm 1. It prints
 // "Rank r, Step s, Loss: x" every --every steps as train_fsdp does, the loss on a
 // held-out tail of the data (or --val-tokens) every --eval-every steps, its unigram entropy (the
@@ -24,13 +24,16 @@
 // puts on the --init model):
 //
 //   train_gpt --save base && train_gpt --init base --lora c_attn --lr 1e-3 --save adapter
-#include <shardlib/comm/launch.hpp>
+#include <shardlib/comm/run.hpp>
 #include <shardlib/models/hf.hpp>
 #include <shardlib/models/sharded_generate.hpp>
 #include <shardlib/nn/loss.hpp>
 #include <shardlib/optim/adam.hpp>
 #include <shardlib/optim/schedule.hpp>
 #include <shardlib/shard/sharded_model.hpp>
+#if SHARDLIB_EXAMPLE_WITH_MPI
+#include <shardlib/comm/mpi_backend.hpp>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -67,8 +70,8 @@ struct settings : example::byte_model_shape, example::lm_run_settings, example::
 using example::corpus;
 using example::windows;
 
-template <class Sharded>
-double validation_loss(Sharded& sharded, comm::ThreadComm& c, const corpus& data, long seq, long per_rank) {
+template <class Sharded, comm::Communicator C>
+double validation_loss(Sharded& sharded, C& c, const corpus& data, long seq, long per_rank) {
   // Windows evenly spread over the tail, split between the ranks; the mean over all.
   const long total = per_rank * c.size();
   const std::size_t span = data.val.positions(seq);
@@ -82,8 +85,8 @@ double validation_loss(Sharded& sharded, comm::ThreadComm& c, const corpus& data
   return loss[0];
 }
 
-template <class Config>
-void train(comm::ThreadComm& c, const settings& s, const corpus& data) {
+template <class Config, comm::Communicator C>
+void train(C& c, const settings& s, const corpus& data) {
   auto model = example::make_byte_model<float, host_space>(s, std::type_identity<Config>{});
   example::prepare(model, s, c.rank(), "train_gpt");
   using model_t = decltype(model);
@@ -171,7 +174,7 @@ int main(int argc, char** argv) {
                             "files, FullShard over --world rank threads, every block a unit; validation on held-out "
                             "data, a sample, a Hugging Face checkpoint.",
                             "train_gpt");
-  cli.add_option("--world", s.world, "ranks, as threads of this process")
+  cli.add_option("--world", s.world, "ranks, as threads of this process (under a launcher: one per process)")
       ->check(example::whole(1, example::max_thread_ranks));
   example::add_byte_model_flags(cli, s);
   example::add_lm_run_flags(cli, s);
@@ -182,7 +185,14 @@ int main(int argc, char** argv) {
   example::add_sharding_flags(cli, s);
   cli.callback([&] {
     example::check_accumulation_flags(s);
-    if (s.reshard_to > 0 && s.world % s.reshard_to != 0)
+    // Rank threads: --world is the world. Under a launcher the world is the launcher's, checked as the
+    // model is sharded.
+    bool threads = false;
+    try {
+      threads = comm::discover_environment().kind == comm::launcher::none;
+    } catch (const error&) {  // malformed launcher variables: raised when the run starts
+    }
+    if (threads && s.reshard_to > 0 && s.world % s.reshard_to != 0)
       throw CLI::ValidationError("--reshard-to", shardlib::cat(s.reshard_to, " does not divide --world ", s.world));
     example::check_lm_run(cli, s);
     example::take_init_shape(cli, s, s.init);
@@ -194,10 +204,16 @@ int main(int argc, char** argv) {
   try {
     const corpus data = example::read_corpus(s, s.seq);
     example::use_vocab(s, data, "train_gpt");
-    comm::launch(int(s.world), [&](comm::ThreadComm& c) {
+    const auto body = [&](auto& c) {
       if (s.model == "llama") train<models::llama_config>(c, s, data);
       else train<models::gpt2_config>(c, s, data);
-    });
+    };
+    const comm::run_options options{.threads = int(s.world)};
+#if SHARDLIB_EXAMPLE_WITH_MPI
+    comm::run_from_environment(body, options, comm::mpi_backend{});
+#else
+    comm::run_from_environment(body, options);
+#endif
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 1;
