@@ -103,7 +103,7 @@ inline void take_init_shape(const CLI::App& cli, byte_model_shape& s, const std:
 // The model's vocabulary: --vocab, or the data's when it was not given; every id of the
 // data must fall inside it.
 template <class Data>
-void use_vocab(byte_model_shape& s, const Data& data, const char* program) {
+void use_vocab(byte_model_shape& s, Data& data, const char* program) {
   if (s.vocab == 0) s.vocab = data.vocab;
   data.check_vocab(s.vocab);
   if (data.bytes && s.vocab > 256)

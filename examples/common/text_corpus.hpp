@@ -86,17 +86,18 @@ struct token_runs {
     }
     throw shardlib::error(shardlib::cat("token_runs: token ", i, " past the end"));
   }
-  // How often each id below `v` occurs, and the first id at or above it and where: one pass,
-  // each run read at its own width. (The vocabulary check and the entropy were two passes
-  // with a width test per token: 2.8 ns per token of a 200M-token GPT-2 file, 1.3 now.)
+  // The first id at or above `v` and where, and with `tally` how often each id below it
+  // occurs: one pass, each run read at its own width. (The vocabulary check and the entropy
+  // were two passes with a width test per token: 2.8 ns per token of a 200M-token GPT-2
+  // file, 1.3 now.)
   struct id_counts {
     std::vector<std::uint64_t> low;                               // ids below min(v, 2^24)
     std::unordered_map<std::uint32_t, std::uint64_t> high;        // the rest below v (a vast --vocab)
     std::optional<std::pair<std::size_t, std::uint32_t>> outside;  // (token, id) of the first at or above v
   };
-  id_counts count_ids(std::int64_t v) const {
+  id_counts count_ids(std::int64_t v, bool tally_ids = true) const {
     id_counts c;
-    const std::uint64_t limit = std::uint64_t(v), low = std::min<std::uint64_t>(limit, 1u << 24);
+    const std::uint64_t limit = std::uint64_t(v), low = tally_ids ? std::min<std::uint64_t>(limit, 1u << 24) : 0;
     c.low.assign(low, 0);
     std::size_t before = 0;  // tokens in the runs before this one
     const auto tally = [&]<class T>(const token_run& r, T) {
@@ -104,8 +105,11 @@ struct token_runs {
         T t;
         std::memcpy(&t, r.data + i * sizeof(T), sizeof(T));
         if (t < low) ++c.low[t];
-        else if (t < limit) ++c.high[t];
-        else if (!c.outside) c.outside = {before + i, t};
+        else if (t >= limit) {
+          if (!c.outside) c.outside = {before + i, t};
+        } else if (tally_ids) {
+          ++c.high[t];
+        }
       }
     };
     for (const auto& r : runs) {
@@ -247,9 +251,9 @@ class corpus {
 
   // Every id below the model's vocabulary `v`, else which is not, and where. Counts the
   // training ids on the way, for unigram_entropy.
-  void check_vocab(std::int64_t v) const {
+  void check_vocab(std::int64_t v) {
     for (const auto* part : {&train, &val}) {
-      auto counts = part->count_ids(v);
+      auto counts = part->count_ids(v, part == &train);
       shardlib::require(!counts.outside, source, ": ", part == &train ? "training" : "held-out", " token ",
                         counts.outside ? counts.outside->first : 0, " is ", counts.outside ? counts.outside->second : 0,
                         ", outside the model's vocabulary of ", v, " (--vocab, or --init's config)");
@@ -259,15 +263,17 @@ class corpus {
 
   // H = -sum p(t) ln p(t) over the training tokens, in nats: the loss of the best model
   // that ignores context, what "learned something" must beat.
+  // Over the ids below the vocabulary checked (check_vocab), else the data's own.
   double unigram_entropy() const {
-    if (!train_counts_) train_counts_ = train.count_ids(vocab);  // no check_vocab before: the data's own ids
+    const token_runs::id_counts counts = train_counts_ ? token_runs::id_counts{} : train.count_ids(vocab);
+    const token_runs::id_counts& c = train_counts_ ? *train_counts_ : counts;
     const double n = double(train.size());
     double h = 0;
     const auto add = [&](std::uint64_t k) {
       if (k > 0) h -= double(k) / n * std::log(double(k) / n);
     };
-    for (const std::uint64_t k : train_counts_->low) add(k);
-    for (const auto& [id, k] : train_counts_->high) add(k);
+    for (const std::uint64_t k : c.low) add(k);
+    for (const auto& [id, k] : c.high) add(k);
     return h;
   }
 
@@ -275,7 +281,7 @@ class corpus {
   std::vector<unsigned char> text_;  // a text's bytes
   std::vector<token_file> files_;    // the mapped token files
   std::string first_;                // the first file's path
-  mutable std::optional<token_runs::id_counts> train_counts_;  // check_vocab's, kept for unigram_entropy
+  std::optional<token_runs::id_counts> train_counts_;  // check_vocab's, kept for unigram_entropy
 
   static std::string held_out(double f) { return shardlib::cat(" at --val-fraction ", f); }
   token_run open(const std::string& path) {

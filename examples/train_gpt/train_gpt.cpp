@@ -202,7 +202,7 @@ int main(int argc, char** argv) {
   });
   cli.parse_or_exit(argc, argv);
   try {
-    const corpus data = example::read_corpus(s, s.seq);
+    corpus data = example::read_corpus(s, s.seq);
     example::use_vocab(s, data, "train_gpt");
     const auto body = [&](auto& c) {
       if (s.model == "llama") train<models::llama_config>(c, s, data);

@@ -262,7 +262,7 @@ int main(int argc, char** argv) {
   try {
     if (const std::string problem = sl::cuda::device_problem(); !problem.empty())
       throw sl::error(sl::cat("no usable GPU: ", problem));
-    const corpus data = example::read_corpus(s, s.seq);
+    corpus data = example::read_corpus(s, s.seq);
     example::use_vocab(s, data, "train_gpt_cuda");
     example::on_device_world(argc, argv, [&](const sl::comm::NcclComm& nccl, auto&&) { train(nccl, s, data); });
   } catch (const std::exception& e) {

@@ -264,6 +264,36 @@ TEST_CASE("an initialisation that cannot complete times out and aborts instead o
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60));
 }
 
+// As the other communicators: SHARDLIB_COMM_TIMEOUT (seconds) when nccl_options::timeout is not
+// given, 0 or inf for no limit, 600 s unset; a malformed value is refused, naming it.
+TEST_CASE("the timeout is SHARDLIB_COMM_TIMEOUT's unless given", "[nccl][timeout]") {
+  using std::chrono::milliseconds;
+  const char* was = std::getenv("SHARDLIB_COMM_TIMEOUT");
+  const std::string before = was ? was : "";
+  const auto with = [](const char* v) {
+    setenv("SHARDLIB_COMM_TIMEOUT", v, 1);
+    return sl::comm::nccl_options{}.timeout;
+  };
+  unsetenv("SHARDLIB_COMM_TIMEOUT");
+  CHECK(sl::comm::nccl_options{}.timeout == milliseconds(600'000));
+  CHECK(with("2.5") == milliseconds(2500));
+  CHECK(with("0") == milliseconds(0));
+  CHECK(with("inf") == milliseconds(0));
+  CHECK(sl::comm::detail::nccl_deadline(milliseconds(0)) == std::chrono::steady_clock::time_point::max());
+  CHECK_THROWS_WITH(with("soon"), Catch::Contains("SHARDLIB_COMM_TIMEOUT must be a number of seconds >= 0, got 'soon'"));
+  CHECK(sl::comm::nccl_options{.timeout = std::chrono::seconds(7)}.timeout == milliseconds(7000));  // given: the env unread
+  if (have_device()) {  // a rank that never comes: the environment's 2 s, not the default's 10 minutes
+    setenv("SHARDLIB_COMM_TIMEOUT", "2", 1);
+    ncclUniqueId id;
+    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(NcclComm(id, 0, 2, 0), Catch::Contains("timed out after 2000 ms"));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));
+  }
+  if (was) setenv("SHARDLIB_COMM_TIMEOUT", before.c_str(), 1);
+  else unsetenv("SHARDLIB_COMM_TIMEOUT");
+}
+
 TEST_CASE("from_env removes its id file when the initialisation fails too", "[nccl][bootstrap][timeout]") {
   if (!have_device()) return;
   const auto path = std::filesystem::temp_directory_path() / ("shardlib_nccl_failed_" + std::to_string(::getpid()));

@@ -2,33 +2,41 @@
 // through files, so that they may be processes (tools/launch, mpirun): chosen for every
 // communicator a process initialises while SHARDLIB_EMULATED_NCCL_DIR names a folder.
 //
-// A communicator is the folder DIR/<id>. Each rank joins by writing join.<rank> (its
-// host, device and the communicator's size); once every rank's is there the ranks
-// compare them as NCCL does (sizes, two ranks on one device of one host). Collective k
+// A communicator is the folder DIR/<id> (ids name their process: the folder must be fresh
+// for each run, or a reused pid meets its old files). Each rank joins by writing
+// join.<rank> (its host, device and the communicator's size); a size other than its own
+// is refused at once, and once every rank's is there the ranks compare them as NCCL does
+// (two ranks on one device of one host). Collective k
 // of rank r is the file <k>.<r>: the call (kind, count, type, operation, root, split
 // color and key) and the send buffer. Once every rank's file of k is there, each rank
 // reads them all, checks that the calls agree, and computes its own output from them in
 // rank order, so the ranks' results are those of the thread ranks, bit for bit. A rank
 // that finds every file of k deletes its own of k - 1 (every rank has read it by then:
-// each wrote its file of k after finishing k - 1). An abort writes the file `abort` with
-// its reason, which every later call and poll of every rank reports. Files are written
-// whole under another name and renamed, so a rank never reads a part of one.
+// each wrote its file of k after finishing k - 1). A split's children are the sibling
+// folders DIR/<id>.split<k>.color<c>, their ranks ordered by key, then by parent rank.
+// An abort writes the file `abort` with its reason (the first writer's), which every
+// later call and poll of every rank reports. Files are written whole under a name of
+// the writer's own and renamed, so a rank never reads a part of one.
 #pragma once
 #include <unistd.h>  // gethostname
 
-#include <algorithm>   // std::sort
-#include <array>       // std::array
-#include <chrono>      // std::chrono
-#include <cstdint>     // std::int64_t, std::uint64_t
-#include <cstdlib>     // std::getenv
-#include <filesystem>  // std::filesystem
-#include <fstream>     // std::ifstream, std::ofstream
-#include <iterator>    // std::istreambuf_iterator
-#include <optional>    // std::optional
-#include <sstream>     // std::istringstream
-#include <string>      // std::string
-#include <thread>      // std::this_thread
-#include <vector>      // std::vector
+#include <algorithm>     // std::sort, std::find, std::min, std::max
+#include <array>         // std::array
+#include <chrono>        // std::chrono
+#include <cstdint>       // std::int64_t, std::uint64_t
+#include <cstdlib>       // std::getenv
+#include <cstring>       // std::memcpy
+#include <filesystem>    // std::filesystem
+#include <fstream>       // std::ifstream, std::ofstream
+#include <functional>    // std::hash
+#include <memory>        // std::shared_ptr, std::make_shared
+#include <optional>      // std::optional
+#include <sstream>       // std::istringstream
+#include <string>        // std::string
+#include <system_error>  // std::error_code
+#include <thread>        // std::this_thread
+#include <utility>       // std::pair, std::move
+#include <vector>        // std::vector
 
 namespace nccl_emulator {
 
@@ -57,25 +65,46 @@ struct file_exchange {
   }
 };
 
-inline void write_whole(const std::filesystem::path& path, const std::string& bytes) {
-  const std::filesystem::path part = path.string() + ".part";
+// `bytes` as the file `path`, written under a name of this process and thread and renamed
+// (the last writer's, where several write one path); false where the file system refused.
+inline bool write_whole(const std::filesystem::path& path, const std::string& bytes) {
+  const std::filesystem::path part = path.string() + ".part." + std::to_string(getpid()) + "." +
+                                     std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
   {
     std::ofstream out(part, std::ios::binary);
     out.write(bytes.data(), std::streamsize(bytes.size()));
+    if (!out.flush()) return false;
   }
-  std::filesystem::rename(part, path);
+  std::error_code ec;
+  std::filesystem::rename(part, path, ec);
+  return !ec;
 }
 inline std::string read_whole(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  std::string bytes(in ? std::size_t(in.tellg()) : 0, '\0');
+  in.seekg(0);
+  in.read(bytes.data(), std::streamsize(bytes.size()));
+  return bytes;
 }
 // The reason a rank aborted the communicator, or nothing.
 inline std::optional<std::string> abort_reason(const file_exchange& x) {
   if (!std::filesystem::exists(x.dir / "abort")) return std::nullopt;
   return read_whole(x.dir / "abort");
 }
-inline void abort_files(const file_exchange& x, const std::string& why) {
-  if (!std::filesystem::exists(x.dir / "abort")) write_whole(x.dir / "abort", why);
+// Ranks that abort together each write their reason; one stays. Never throws (it runs in
+// ncclCommAbort, which the library calls from destructors and its watchdog).
+inline void abort_files(const file_exchange& x, const std::string& why) noexcept {
+  try {
+    if (!std::filesystem::exists(x.dir / "abort")) (void)write_whole(x.dir / "abort", why);
+  } catch (...) {  // what the abort could not write, a peer learns from its timeout
+  }
+}
+// A poll's pause: 50 us at first, growing to 1 ms for a wait that goes on.
+inline void pause_after(std::chrono::steady_clock::time_point since) {
+  using duration = std::chrono::steady_clock::duration;
+  const duration waited = std::chrono::steady_clock::now() - since;
+  std::this_thread::sleep_for(
+      std::min<duration>(std::max<duration>(waited / 16, std::chrono::microseconds(50)), std::chrono::milliseconds(1)));
 }
 inline std::string host_name() {
   std::array<char, 256> name{};
@@ -105,35 +134,49 @@ inline call decode(const std::string& bytes) {
           .key = int(h[6])};
 }
 
-// InProgress until every rank has joined; then whether they can form the communicator.
+// What a rank's join file says.
+struct joined_rank {
+  std::string host;
+  int device = -1, size = 0;
+};
+
+// InProgress until every rank has joined; then whether they can form the communicator. A
+// rank that joined with another size is refused at once, as the thread ranks are (read
+// before an abort, which a refused peer makes next).
 inline ncclResult_t join_state(ncclComm_t comm) {
   file_exchange& x = *comm->files;
-  if (const auto why = abort_reason(x)) return fail(comm, ncclRemoteError, "a rank aborted the communicator: " + *why);
-  if (!x.joined) {
-    std::vector<std::tuple<std::string, int, int>> seen;  // host, device, size
-    for (int r = 0; r < x.size; ++r) {
+  if (!x.joined && x.refused.empty()) {
+    std::vector<std::optional<joined_rank>> seen(std::size_t(x.size));
+    bool all = true;
+    for (int r = 0; r < x.size && x.refused.empty(); ++r) {
       const auto path = x.dir / ("join." + std::to_string(r));
-      if (!std::filesystem::exists(path)) return ncclInProgress;
+      if (!std::filesystem::exists(path)) {
+        all = false;
+        continue;
+      }
       std::istringstream in(read_whole(path));
-      std::string host;
-      int device = -1, size = 0;
-      in >> host >> device >> size;
-      seen.emplace_back(host, device, size);
+      joined_rank& j = seen[std::size_t(r)].emplace();
+      in >> j.host >> j.device >> j.size;
+      if (j.size != x.size)
+        x.refused = "rank " + std::to_string(r) + " joined a communicator of " + std::to_string(j.size) +
+                    " ranks, rank " + std::to_string(x.rank) + " one of " + std::to_string(x.size);
     }
-    x.joined = true;
-    for (int a = 0; a < x.size && x.refused.empty(); ++a) {
-      if (std::get<2>(seen[std::size_t(a)]) != x.size)
-        x.refused = "rank " + std::to_string(a) + " joined a communicator of " +
-                    std::to_string(std::get<2>(seen[std::size_t(a)])) + " ranks, rank " + std::to_string(x.rank) +
-                    " one of " + std::to_string(x.size);
+    if (!all && x.refused.empty()) {
+      if (const auto why = abort_reason(x))
+        return fail(comm, ncclRemoteError, "a rank aborted the communicator: " + *why);
+      return ncclInProgress;
+    }
+    x.joined = x.refused.empty();
+    for (int a = 0; a < x.size && x.refused.empty(); ++a)
       for (int b = a + 1; b < x.size && x.refused.empty(); ++b)
-        if (std::get<0>(seen[std::size_t(a)]) == std::get<0>(seen[std::size_t(b)]) &&
-            std::get<1>(seen[std::size_t(a)]) == std::get<1>(seen[std::size_t(b)]))
+        if (seen[std::size_t(a)]->host == seen[std::size_t(b)]->host &&
+            seen[std::size_t(a)]->device == seen[std::size_t(b)]->device)
           x.refused = "Duplicate GPU detected: ranks " + std::to_string(a) + " and " + std::to_string(b) +
-                      " both on device " + std::to_string(std::get<1>(seen[std::size_t(a)]));
-    }
+                      " both on device " + std::to_string(seen[std::size_t(a)]->device);
   }
-  return x.refused.empty() ? ncclSuccess : fail(comm, ncclInvalidUsage, x.refused);
+  if (!x.refused.empty()) return fail(comm, ncclInvalidUsage, x.refused);
+  if (const auto why = abort_reason(x)) return fail(comm, ncclRemoteError, "a rank aborted the communicator: " + *why);
+  return ncclSuccess;
 }
 
 inline ncclResult_t init_files(ncclComm_t* comm, int nranks, const std::string& id, int rank, int device,
@@ -147,7 +190,8 @@ inline ncclResult_t init_files(ncclComm_t* comm, int nranks, const std::string& 
   if (std::filesystem::exists(join))
     return fail(nullptr, ncclInvalidUsage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
                                                " joins an id already used by another communicator or rank");
-  write_whole(join, host_name() + " " + std::to_string(device) + " " + std::to_string(nranks));
+  if (!write_whole(join, host_name() + " " + std::to_string(device) + " " + std::to_string(nranks)))
+    return fail(nullptr, ncclSystemError, "cannot write " + join.string());
   *comm = new ncclComm(nullptr, rank, nranks, device, blocking);
   (*comm)->files = std::move(x);
   if (!blocking) return ncclInProgress;  // ncclCommGetAsyncError says how it ends
@@ -156,7 +200,7 @@ inline ncclResult_t init_files(ncclComm_t* comm, int nranks, const std::string& 
   while ((r = join_state(*comm)) == ncclInProgress) {
     if (std::chrono::steady_clock::now() - since > peer_patience)
       return fail(*comm, ncclSystemError, "not every rank joined within two minutes, or one aborted");
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    pause_after(since);
   }
   return r;
 }
@@ -185,7 +229,10 @@ inline ncclResult_t finish_files(ncclComm_t comm) {
     bytes.push_back(read_whole(x.file(done.k, r)));
     calls.push_back(decode(bytes.back()));
   }
-  if (done.k > 0) std::filesystem::remove(x.file(done.k - 1, x.rank));
+  if (done.k > 0) {
+    std::error_code ec;  // a file left behind costs nothing
+    std::filesystem::remove(x.file(done.k - 1, x.rank), ec);
+  }
   for (int r = 1; r < x.size; ++r)
     if (!(calls[std::size_t(r)] == calls[0]))
       return fail(comm, ncclInvalidUsage, "rank " + std::to_string(r) + " called " + describe(calls[std::size_t(r)], x.size) +
@@ -222,7 +269,8 @@ inline ncclResult_t collective_files(ncclComm_t comm, call mine) {
   if (const auto why = abort_reason(x))
     return fail(comm, ncclRemoteError, "a rank of this communicator aborted it: " + *why);
   const std::uint64_t k = x.next++;
-  write_whole(x.file(k, x.rank), encode(mine, x.rank));
+  if (!write_whole(x.file(k, x.rank), encode(mine, x.rank)))
+    return fail(comm, ncclSystemError, "cannot write " + x.file(k, x.rank).string());
   x.waiting = file_exchange::pending{k, mine, std::chrono::steady_clock::now()};
   if (!comm->blocking) {
     if (mine.what == kind::split) {
@@ -232,15 +280,16 @@ inline ncclResult_t collective_files(ncclComm_t comm, call mine) {
     return finish_files(comm);
   }
   ncclResult_t r;
-  while ((r = finish_files(comm)) == ncclInProgress) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  const auto since = x.waiting->since;
+  while ((r = finish_files(comm)) == ncclInProgress) pause_after(since);
   return r;
 }
 
 // ncclCommGetAsyncError of a communicator that meets through files.
 inline ncclResult_t state_files(ncclComm_t comm) {
   file_exchange& x = *comm->files;
+  if (!x.joined) return join_state(comm);  // a refusal first, then an abort
   if (const auto why = abort_reason(x)) return fail(comm, ncclRemoteError, "a rank aborted the communicator: " + *why);
-  if (!x.joined || !x.refused.empty()) return join_state(comm);
   return x.waiting ? finish_files(comm) : ncclSuccess;
 }
 

@@ -83,3 +83,26 @@ TEST_CASE("from_store: when rank 0 cannot make an id every rank raises with its 
                               Catch::Contains("no socket interface found"));
   }
 }
+
+// Through files as with threads: ranks that join one id with different sizes are refused at
+// once (not after the timeout), on both sides, naming the sizes.
+TEST_CASE("ranks that meet through files and disagree on the size are refused at once", "[nccl][files]") {
+  const files_mode files;
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  std::vector<std::string> errors(2);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        NcclComm c(id, r, 2 + r, r, {.timeout = std::chrono::seconds(60)});  // rank 1 joins one of 3
+      } catch (const std::exception& e) {
+        errors[std::size_t(r)] = e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));
+  CHECK_THAT(errors[0], Catch::Contains("rank 1 joined a communicator of 3 ranks, rank 0 one of 2"));
+  CHECK_THAT(errors[1], Catch::Contains("rank 0 joined a communicator of 2 ranks, rank 1 one of 3"));
+}

@@ -18,17 +18,26 @@ losses() { grep -Eo 'Rank [0-9]+, Step [0-9]+, Loss: .*' "$1" | sort; }
 # Every line of $1 and $2 the same but for losses within 20 millionths; a loss that is
 # not a finite number with six decimals fails.
 close() {
+  [[ $(wc -l <"$1") == $(wc -l <"$2") ]] || { echo "  $(wc -l <"$1") loss lines against $(wc -l <"$2")"; return 1; }
   paste -d '|' "$1" "$2" | awk -F '|' '
-    function value(s) { if (s !~ /Loss: -?[0-9]+\.[0-9][0-9][0-9][0-9][0-9][0-9]$/) exit 2; sub(/.*Loss: /, "", s); return s + 0 }
+    function finite(s) { return s ~ /Loss: -?[0-9]+\.[0-9][0-9][0-9][0-9][0-9][0-9]$/ }
+    function value(s) { sub(/.*Loss: /, "", s); return s + 0 }
+    !finite($1) || !finite($2) { print "  not a finite loss: " $1 "  against  " $2; bad = 1; next }
     { a = $1; b = $2; pa = a; pb = b; sub(/Loss: .*/, "", pa); sub(/Loss: .*/, "", pb)
       d = value(a) - value(b); if (d < 0) d = -d
       if (pa != pb || d > 0.00002) { print "  " a "  against  " b; bad = 1 } }
-    END { exit bad }' && [[ $(wc -l <"$1") == $(wc -l <"$2") ]]
+    END { exit bad }'
+}
+# run NAME COMMAND...: COMMAND's output into $out/NAME.txt, shown when it fails.
+run() {
+  local name=$1
+  shift
+  "$@" >"$out/$name.txt" 2>&1 || { cat "$out/$name.txt"; echo "FAILED: the $name run (status $?)"; exit 1; }
 }
 
-"$host" --world "$n" --save "$out/host_hf" "$@" >"$out/host.txt"
-SHARDLIB_EMULATED_NCCL_DIR="$out/nccl" "$here/../../tools/launch" -n "$n" -- "$device" --dtype fp32 \
-  --checkpoint-dir "$out/ckpt" --checkpoint-every 3 --save "$out/device_hf" "$@" >"$out/device.txt"
+run host "$host" --world "$n" --save "$out/host_hf" "$@"
+run device env SHARDLIB_EMULATED_NCCL_DIR="$out/nccl" "$here/../../tools/launch" -n "$n" -- "$device" --dtype fp32 \
+  --checkpoint-dir "$out/ckpt" --checkpoint-every 3 --save "$out/device_hf" "$@"
 cat "$out/device.txt"
 losses "$out/host.txt" >"$out/host.losses"
 losses "$out/device.txt" >"$out/device.losses"
@@ -37,7 +46,7 @@ grep -q "over $n GPU(s)" "$out/device.txt" || { echo "FAILED: the processes did 
 close "$out/host.losses" "$out/device.losses" || { echo "FAILED: the processes' losses are not the threads'"; exit 1; }
 [[ -f $out/device_hf/model.safetensors ]] || { echo "FAILED: no model written"; exit 1; }
 
-"$host" --world "$n" --save "$out/resumed_hf" --resume "$out/ckpt/step-00000003" "$@" >"$out/resumed.txt"
+run resumed "$host" --world "$n" --save "$out/resumed_hf" --resume "$out/ckpt/step-00000003" "$@"
 grep -q "resumed from .* at step 3$" "$out/resumed.txt" || { echo "FAILED: the host run did not resume at step 3"; exit 1; }
 losses "$out/resumed.txt" >"$out/resumed.losses"
 grep -E 'Step ([3-9]|[1-9][0-9]+),' "$out/host.losses" >"$out/host.after" || true

@@ -426,7 +426,7 @@ class NcclComm {
   }
 
   static ncclUniqueId read_id(const std::filesystem::path& path, int rank, std::chrono::milliseconds timeout) {
-    const auto deadline = detail::nccl_clock::now() + timeout;
+    const auto deadline = detail::nccl_deadline(timeout);
     std::error_code ec;
     while (std::filesystem::file_size(path, ec) != sizeof(ncclUniqueId) || ec) {
       require<comm_error>(detail::nccl_clock::now() < deadline, "rank ", rank, ": no NCCL id appeared at ", path,

@@ -7,6 +7,7 @@
 #include "shardlib/comm/reduce.hpp"        // check_reducible
 #include "shardlib/comm/signature.hpp"     // detail::signature, detail::describe
 #include "shardlib/comm/store.hpp"         // TcpStore (from_store)
+#include "shardlib/comm/watchdog.hpp"      // detail::comm_timeout (SHARDLIB_COMM_TIMEOUT)
 #include "shardlib/core/buffer.hpp"        // Buffer
 #include "shardlib/core/element.hpp"       // Element, dtype_of
 #include "shardlib/core/error.hpp"         // comm_error, shape_error, require, cat
@@ -21,6 +22,7 @@
 
 #include <array>               // std::array
 #include <chrono>              // std::chrono
+#include <cmath>               // std::isfinite, std::ceil
 #include <condition_variable>  // std::condition_variable
 #include <cstddef>             // std::size_t
 #include <cstdint>             // std::int16_t, std::uint8_t
@@ -44,11 +46,21 @@
 
 namespace shardlib::comm {
 
+namespace detail {
+// nccl_options::timeout's default, as the other communicators': SHARDLIB_COMM_TIMEOUT
+// (seconds; 0 or inf: no limit) when set, else default_comm_timeout (10 minutes).
+inline std::chrono::milliseconds default_nccl_timeout() {
+  const double s = comm_timeout(std::nullopt).count();
+  if (!std::isfinite(s) || s > 1e12) return std::chrono::milliseconds(0);
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(s * 1e3)));
+}
+}  // namespace detail
+
 struct nccl_options {
   // An initialisation, split or collective that has not finished after this
   // long aborts the communicator (ncclCommAbort) and raises comm_error on this
-  // rank, instead of hanging: a peer that died or called something else.
-  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+  // rank, instead of hanging: a peer that died or called something else. 0: no limit.
+  std::chrono::milliseconds timeout = detail::default_nccl_timeout();
   // Check, before each collective, that the buffers are device memory of the
   // communicator's device (cudaPointerGetAttributes, about a microsecond), so a
   // host pointer raises comm_error instead of faulting inside NCCL.
@@ -72,6 +84,11 @@ inline bool checks_calls(const nccl_options& o) {
 namespace detail {
 
 using nccl_clock = std::chrono::steady_clock;
+
+// When a wait that began now passes nccl_options::timeout `t` (0: never).
+inline nccl_clock::time_point nccl_deadline(std::chrono::milliseconds t) {
+  return t.count() > 0 ? nccl_clock::now() + t : nccl_clock::time_point::max();
+}
 
 // NCCL's last error takes a null communicator too: it keeps one per process (so with
 // ranks as threads it may be another rank's), and an initialisation that failed before
@@ -113,7 +130,7 @@ ncclResult_t settle(ncclComm_t comm, ncclResult_t r, nccl_clock::time_point dead
 // aborting it when it does not settle in time.
 inline void settle_new(ncclComm_t comm, ncclResult_t r, const nccl_options& o, int rank, const char* doing) {
   bool timed_out = false;
-  r = settle(comm, r, nccl_clock::now() + o.timeout, timed_out);
+  r = settle(comm, r, nccl_deadline(o.timeout), timed_out);
   if (timed_out) {
     (void)ncclCommAbort(comm);
     throw comm_error(cat("rank ", rank, ": ", doing, " timed out after ", o.timeout.count(),
@@ -182,7 +199,7 @@ class nccl_state {
     // Finalize flushes the outstanding work; if that does not settle in time
     // (a peer is gone), abort rather than hang in a destructor.
     bool timed_out = false;
-    const ncclResult_t r = settle(comm_, ncclCommFinalize(comm_), nccl_clock::now() + options_.timeout, timed_out);
+    const ncclResult_t r = settle(comm_, ncclCommFinalize(comm_), nccl_deadline(options_.timeout), timed_out);
     if (r == ncclSuccess) (void)ncclCommDestroy(comm_);
     else (void)ncclCommAbort(comm_);
   }
@@ -247,7 +264,7 @@ class nccl_state {
     done->record(stream_->get());
     {
       std::lock_guard w(watch_m_);
-      pending_.push_back({done, sig, nccl_clock::now() + options_.timeout});
+      pending_.push_back({done, sig, nccl_deadline(options_.timeout)});
     }
     return done;
   }
@@ -263,7 +280,7 @@ class nccl_state {
   // Blocks the host until `done` has completed, polling NCCL's asynchronous
   // errors; aborts the communicator after the timeout.
   void wait_host(const cuda::event& done, const signature& sig) {
-    const auto deadline = nccl_clock::now() + options_.timeout;
+    const auto deadline = nccl_deadline(options_.timeout);
     for (int polls = 0;; ++polls) {
       if (done.ready()) return;
       {
@@ -315,7 +332,7 @@ class nccl_state {
   void run(std::unique_lock<std::mutex>& lock, ncclResult_t r, const What& what) {
     settling_ = true;
     bool timed_out = false;
-    r = settle(comm_, r, nccl_clock::now() + options_.timeout, timed_out, [&] {
+    r = settle(comm_, r, nccl_deadline(options_.timeout), timed_out, [&] {
       lock.unlock();
       short_pause();
       lock.lock();

@@ -283,7 +283,7 @@ template <class F>
 decltype(auto) visit_hf_config(const std::filesystem::path& dir_or_file, F&& f) {
   const auto path = detail::json_file(dir_or_file, "config.json");
   const auto config = detail::with_json(path, "the model's config.json", [&](const nlohmann::json& j) {
-    const auto type = j.value("model_type", nlohmann::json());
+    const auto type = j.is_object() ? j.value("model_type", nlohmann::json()) : nlohmann::json();
     try {
       if (type == "gpt2") return std::variant<gpt2_config, llama_config>(detail::checked(j.get<gpt2_config>()));
       if (type == "llama") return std::variant<gpt2_config, llama_config>(detail::checked(j.get<llama_config>()));

@@ -266,9 +266,10 @@ inline ncclResult_t fail(ncclComm_t c, ncclResult_t r, std::string why) {
   return r;
 }
 
-// The outputs of one collective (not a split) from every rank's call, written to the calls
-// that have a receive buffer. Outputs are computed whole before any is written: in-place
-// calls read what others write.
+// The outputs of one collective (not a split) from every rank's call, made and written for
+// the calls that have a receive buffer (a rank that meets the others through files has
+// only its own). Outputs are computed whole before any is written: in-place calls read
+// what others write.
 inline void compute(const std::vector<call>& c) {
   const call& first = c[0];
   const std::size_t n = first.count, ranks = c.size(), bytes = n * type_size(first.type);
@@ -280,6 +281,7 @@ inline void compute(const std::vector<call>& c) {
       std::vector<unsigned char> whole(bytes);
       reduce(c, n, whole.data());
       for (std::size_t r = 0; r < ranks; ++r) {
+        if (!c[r].recv) continue;
         const std::size_t from = first.what == kind::all_reduce ? 0 : r * chunk;
         out[r].assign(whole.begin() + std::ptrdiff_t(from * type_size(first.type)),
                       whole.begin() + std::ptrdiff_t((from + chunk) * type_size(first.type)));
@@ -288,21 +290,22 @@ inline void compute(const std::vector<call>& c) {
     }
     case kind::all_gather:
       for (std::size_t r = 0; r < ranks; ++r)
-        for (std::size_t k = 0; k < ranks; ++k) {
+        for (std::size_t k = 0; k < ranks && c[r].recv; ++k) {
           const auto* s = static_cast<const unsigned char*>(c[k].send);
           out[r].insert(out[r].end(), s, s + bytes);
         }
       break;
     case kind::broadcast: {
       const auto* s = static_cast<const unsigned char*>(c[std::size_t(first.root)].send);
-      for (auto& o : out) o.assign(s, s + bytes);
+      for (std::size_t r = 0; r < ranks; ++r)
+        if (c[r].recv) out[r].assign(s, s + bytes);
       break;
     }
     case kind::split:
       break;
   }
   for (std::size_t r = 0; r < ranks; ++r)
-    if (c[r].recv && !out[r].empty()) std::memcpy(c[r].recv, out[r].data(), out[r].size());
+    if (!out[r].empty()) std::memcpy(c[r].recv, out[r].data(), out[r].size());
 }
 
 // Every rank's call of one collective, computed by the last to arrive.
@@ -346,8 +349,9 @@ inline void complete(group& g) {
   g.cv.notify_all();
 }
 
+inline ncclResult_t collective_files(ncclComm_t comm, call mine);  // nccl_files.hpp
+
 // Rank c->rank's part in a collective: waits for the others; the last computes it.
-inline ncclResult_t collective_files(ncclComm_t comm, call mine);
 inline ncclResult_t collective(ncclComm_t comm, call mine) {
   if (!comm) return fail(comm, ncclInvalidArgument, "a null communicator");
   if (comm->files) return collective_files(comm, mine);
