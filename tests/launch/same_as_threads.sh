@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# same_as_threads.sh [--save-dir] N PROGRAM ARGS...
+# same_as_threads.sh [--save-dir] [--mpirun MPIEXEC] N PROGRAM ARGS...
 # Trains with N rank threads in one process, then with N processes through
-# tools/launch, and passes when both print the same losses (every rank, every
+# tools/launch (or MPIEXEC -np N: a program built with MPI), and passes when both print the same losses (every rank, every
 # printed step) and write byte-identical models: SocketComm reduces in rank order,
 # as ThreadComm does, so the two runs must agree bit for bit. The model is the file
 # --out names (train_fsdp), or with --save-dir DIR/model.safetensors of --save DIR
 # (train_gpt's Hugging Face checkpoint).
 set -eu
-save_dir=false
+save_dir=false mpirun=""
 [[ $1 != --save-dir ]] || { save_dir=true; shift; }
+[[ $1 != --mpirun ]] || { mpirun=$2; shift 2; }
 n=$1 program=$2
 shift 2
 here=$(cd "$(dirname "$0")" && pwd)
@@ -19,8 +20,13 @@ output() { if $save_dir; then echo "--save $out/$1"; else echo "--out $out/$1.sa
 model() { if $save_dir; then echo "$out/$1/model.safetensors"; else echo "$out/$1.safetensors"; fi; }
 # shellcheck disable=SC2046 # output's flag and path are two words
 "$program" --world "$n" $(output threads) "$@" >"$out/threads.txt"
+if [[ -n $mpirun ]]; then
+  launcher=("$mpirun" -np "$n" --oversubscribe)
+else
+  launcher=("$here/../../tools/launch" -n "$n" --)
+fi
 # shellcheck disable=SC2046
-"$here/../../tools/launch" -n "$n" -- "$program" $(output processes) "$@" >"$out/processes.txt"
+"${launcher[@]}" "$program" $(output processes) "$@" >"$out/processes.txt"
 losses() { grep -Eo 'Rank [0-9]+, Step [0-9]+, Loss: .*' "$1" | sort; }
 losses "$out/threads.txt" >"$out/threads.losses"
 losses "$out/processes.txt" >"$out/processes.losses"
