@@ -24,6 +24,7 @@
 #include <utility>
 
 #include "common/flags.hpp"
+#include "common/launched.hpp"
 #include "common/reference_model.hpp"
 #include "common/synthetic.hpp"
 #include "common/training.hpp"
@@ -65,6 +66,7 @@ void train(Comm& c, const settings& s, std::FILE* metrics) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a launcher's pipe gets each line as it comes
   settings s;
   example::command_line cli("The FSDP article's training script: a transformer encoder classifier, every encoder "
                             "layer a sharded unit, on --world rank threads (or one rank per process under tools/launch, "
@@ -86,11 +88,7 @@ int main(int argc, char** argv) {
       throw CLI::ValidationError("--no-replica-all-reduce", "only HybridShard has replicas (--strategy hybrid)");
     // Rank threads: --world is the world. Under a launcher the world is the launcher's, checked at run time
     // (as are malformed launcher variables).
-    bool threads = false;
-    try {
-      threads = comm::discover_environment().kind == comm::launcher::none;
-    } catch (const error&) {
-    }
+    const bool threads = example::ranks_are_threads(cli, s.world);
     if (s.strategy == "hybrid" && threads && s.world % s.group != 0)
       throw CLI::ValidationError("--group", std::to_string(s.group) + " does not divide --world " +
                                                 std::to_string(s.world));

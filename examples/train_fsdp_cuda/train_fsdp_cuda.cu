@@ -69,6 +69,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, std::FILE* metrics
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a launcher's pipe gets each line as it comes
   settings s;
   example::command_line cli("train_fsdp on GPUs: the same classifier, FullShard over NCCL, one GPU, or one process "
                             "per GPU under mpirun.",

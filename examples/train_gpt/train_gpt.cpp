@@ -51,6 +51,7 @@
 #include "common/checkpointing.hpp"
 #include "common/flags.hpp"
 #include "common/fine_tuning.hpp"
+#include "common/launched.hpp"
 #include "common/lm_run.hpp"
 #include "common/memory_report.hpp"
 #include "common/sharding_flags.hpp"
@@ -169,10 +170,12 @@ void train(C& c, const settings& s, const corpus& data) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a launcher's pipe gets each line as it comes
   settings s;
   example::command_line cli("A byte-level GPT-2 (or LLaMA) trained on a text file, or one over llm.c's token "
-                            "files, FullShard over --world rank threads, every block a unit; validation on held-out "
-                            "data, a sample, a Hugging Face checkpoint.",
+                            "files, FullShard over --world rank threads (or a rank per process under tools/launch, "
+                            "torchrun, Slurm or mpirun), every block a unit; validation on held-out data, a sample, a "
+                            "Hugging Face checkpoint.",
                             "train_gpt");
   cli.add_option("--world", s.world, "ranks, as threads of this process (under a launcher: one per process)")
       ->check(example::whole(1, example::max_thread_ranks));
@@ -185,13 +188,9 @@ int main(int argc, char** argv) {
   example::add_sharding_flags(cli, s);
   cli.callback([&] {
     example::check_accumulation_flags(s);
-    // Rank threads: --world is the world. Under a launcher the world is the launcher's, checked as the
-    // model is sharded.
-    bool threads = false;
-    try {
-      threads = comm::discover_environment().kind == comm::launcher::none;
-    } catch (const error&) {  // malformed launcher variables: raised when the run starts
-    }
+    // Rank threads: --world is the world. Under a launcher the world is the launcher's (--reshard-to
+    // checked as the model is sharded).
+    const bool threads = example::ranks_are_threads(cli, s.world);
     if (threads && s.reshard_to > 0 && s.world % s.reshard_to != 0)
       throw CLI::ValidationError("--reshard-to", shardlib::cat(s.reshard_to, " does not divide --world ", s.world));
     example::check_lm_run(cli, s);

@@ -231,6 +231,7 @@ void train(const sl::comm::NcclComm& nccl, const settings& s, const corpus& data
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a launcher's pipe gets each line as it comes
   settings s;
   example::command_line cli("train_gpt on GPUs: a byte-level GPT-2 (or LLaMA) on a text file, or one over llm.c's "
                             "token files, bf16 compute over fp32 "

@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -268,8 +269,16 @@ TEST_CASE("an initialisation that cannot complete times out and aborts instead o
 // given, 0 or inf for no limit, 600 s unset; a malformed value is refused, naming it.
 TEST_CASE("the timeout is SHARDLIB_COMM_TIMEOUT's unless given", "[nccl][timeout]") {
   using std::chrono::milliseconds;
-  const char* was = std::getenv("SHARDLIB_COMM_TIMEOUT");
-  const std::string before = was ? was : "";
+  struct restored {  // the variable as it was, however the case ends
+    std::optional<std::string> was;
+    restored() {
+      if (const char* v = std::getenv("SHARDLIB_COMM_TIMEOUT")) was = v;
+    }
+    ~restored() {
+      if (was) setenv("SHARDLIB_COMM_TIMEOUT", was->c_str(), 1);
+      else unsetenv("SHARDLIB_COMM_TIMEOUT");
+    }
+  } const env;
   const auto with = [](const char* v) {
     setenv("SHARDLIB_COMM_TIMEOUT", v, 1);
     return sl::comm::nccl_options{}.timeout;
@@ -279,9 +288,15 @@ TEST_CASE("the timeout is SHARDLIB_COMM_TIMEOUT's unless given", "[nccl][timeout
   CHECK(with("2.5") == milliseconds(2500));
   CHECK(with("0") == milliseconds(0));
   CHECK(with("inf") == milliseconds(0));
-  CHECK(sl::comm::detail::nccl_deadline(milliseconds(0)) == std::chrono::steady_clock::time_point::max());
+  CHECK(with("1e10") == milliseconds(0));  // past 30 years: none (the clock would overflow)
   CHECK_THROWS_WITH(with("soon"), Catch::Contains("SHARDLIB_COMM_TIMEOUT must be a number of seconds >= 0, got 'soon'"));
   CHECK(sl::comm::nccl_options{.timeout = std::chrono::seconds(7)}.timeout == milliseconds(7000));  // given: the env unread
+  const auto never = std::chrono::steady_clock::time_point::max();
+  CHECK(sl::comm::detail::nccl_deadline(milliseconds(0)) == never);
+  CHECK(sl::comm::detail::nccl_deadline(std::chrono::hours(24 * 365 * 300)) == never);
+  CHECK(sl::comm::detail::nccl_deadline(milliseconds(5)) < never);
+  CHECK_THROWS_WITH(sl::comm::detail::nccl_deadline(milliseconds(-1)),
+                    Catch::Contains("nccl_options::timeout must be >= 0 ms (0: no limit), got -1"));
   if (have_device()) {  // a rank that never comes: the environment's 2 s, not the default's 10 minutes
     setenv("SHARDLIB_COMM_TIMEOUT", "2", 1);
     ncclUniqueId id;
@@ -290,8 +305,6 @@ TEST_CASE("the timeout is SHARDLIB_COMM_TIMEOUT's unless given", "[nccl][timeout
     CHECK_THROWS_WITH(NcclComm(id, 0, 2, 0), Catch::Contains("timed out after 2000 ms"));
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));
   }
-  if (was) setenv("SHARDLIB_COMM_TIMEOUT", before.c_str(), 1);
-  else unsetenv("SHARDLIB_COMM_TIMEOUT");
 }
 
 TEST_CASE("from_env removes its id file when the initialisation fails too", "[nccl][bootstrap][timeout]") {

@@ -14,8 +14,8 @@
 // that finds every file of k deletes its own of k - 1 (every rank has read it by then:
 // each wrote its file of k after finishing k - 1). A split's children are the sibling
 // folders DIR/<id>.split<k>.color<c>, their ranks ordered by key, then by parent rank.
-// An abort writes the file `abort` with its reason (the first writer's), which every
-// later call and poll of every rank reports. Files are written whole under a name of
+// An abort writes the file `abort` with its reason (of ranks aborting together, one's),
+// which every later call and poll of every rank reports. Files are written whole under a name of
 // the writer's own and renamed, so a rank never reads a part of one.
 #pragma once
 #include <unistd.h>  // gethostname
@@ -166,13 +166,13 @@ inline ncclResult_t join_state(ncclComm_t comm) {
         return fail(comm, ncclRemoteError, "a rank aborted the communicator: " + *why);
       return ncclInProgress;
     }
-    x.joined = x.refused.empty();
     for (int a = 0; a < x.size && x.refused.empty(); ++a)
       for (int b = a + 1; b < x.size && x.refused.empty(); ++b)
         if (seen[std::size_t(a)]->host == seen[std::size_t(b)]->host &&
             seen[std::size_t(a)]->device == seen[std::size_t(b)]->device)
           x.refused = "Duplicate GPU detected: ranks " + std::to_string(a) + " and " + std::to_string(b) +
                       " both on device " + std::to_string(seen[std::size_t(a)]->device);
+    x.joined = x.refused.empty();  // a refusal stays: every later poll reports it
   }
   if (!x.refused.empty()) return fail(comm, ncclInvalidUsage, x.refused);
   if (const auto why = abort_reason(x)) return fail(comm, ncclRemoteError, "a rank aborted the communicator: " + *why);

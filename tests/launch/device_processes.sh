@@ -32,7 +32,9 @@ close() {
 run() {
   local name=$1
   shift
-  "$@" >"$out/$name.txt" 2>&1 || { cat "$out/$name.txt"; echo "FAILED: the $name run (status $?)"; exit 1; }
+  local status=0
+  "$@" >"$out/$name.txt" 2>&1 || status=$?
+  ((status == 0)) || { cat "$out/$name.txt"; echo "FAILED: the $name run (status $status)"; exit 1; }
 }
 
 run host "$host" --world "$n" --save "$out/host_hf" "$@"

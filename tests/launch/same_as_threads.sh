@@ -15,18 +15,19 @@ shift 2
 here=$(cd "$(dirname "$0")" && pwd)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-# output RUN: the flag and path that make PROGRAM write its model for RUN; model RUN: that file.
-output() { if $save_dir; then echo "--save $out/$1"; else echo "--out $out/$1.safetensors"; fi; }
+# output RUN: sets `written` to the flag and path that make PROGRAM write its model for RUN;
+# model RUN: that file.
+output() { if $save_dir; then written=(--save "$out/$1"); else written=(--out "$out/$1.safetensors"); fi; }
 model() { if $save_dir; then echo "$out/$1/model.safetensors"; else echo "$out/$1.safetensors"; fi; }
-# shellcheck disable=SC2046 # output's flag and path are two words
-"$program" --world "$n" $(output threads) "$@" >"$out/threads.txt"
+output threads
+"$program" --world "$n" "${written[@]}" "$@" >"$out/threads.txt"
 if [[ -n $mpirun ]]; then
   launcher=("$mpirun" -np "$n" --oversubscribe)
 else
   launcher=("$here/../../tools/launch" -n "$n" --)
 fi
-# shellcheck disable=SC2046
-"${launcher[@]}" "$program" $(output processes) "$@" >"$out/processes.txt"
+output processes
+"${launcher[@]}" "$program" "${written[@]}" "$@" >"$out/processes.txt"
 losses() { grep -Eo 'Rank [0-9]+, Step [0-9]+, Loss: .*' "$1" | sort; }
 losses "$out/threads.txt" >"$out/threads.losses"
 losses "$out/processes.txt" >"$out/processes.losses"

@@ -47,11 +47,15 @@
 namespace shardlib::comm {
 
 namespace detail {
+// A limit past this is none (the clock's nanoseconds would overflow some 292 years on).
+inline constexpr std::chrono::hours nccl_no_limit_past{24 * 365 * 30};
+
 // nccl_options::timeout's default, as the other communicators': SHARDLIB_COMM_TIMEOUT
 // (seconds; 0 or inf: no limit) when set, else default_comm_timeout (10 minutes).
 inline std::chrono::milliseconds default_nccl_timeout() {
   const double s = comm_timeout(std::nullopt).count();
-  if (!std::isfinite(s) || s > 1e12) return std::chrono::milliseconds(0);
+  if (!std::isfinite(s) || s > std::chrono::duration<double>(nccl_no_limit_past).count())
+    return std::chrono::milliseconds(0);
   return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(s * 1e3)));
 }
 }  // namespace detail
@@ -59,7 +63,8 @@ inline std::chrono::milliseconds default_nccl_timeout() {
 struct nccl_options {
   // An initialisation, split or collective that has not finished after this
   // long aborts the communicator (ncclCommAbort) and raises comm_error on this
-  // rank, instead of hanging: a peer that died or called something else. 0: no limit.
+  // rank, instead of hanging: a peer that died or called something else. 0: no limit (a
+  // communicator whose peer died then waits in its destructor's finalize for ever).
   std::chrono::milliseconds timeout = detail::default_nccl_timeout();
   // Check, before each collective, that the buffers are device memory of the
   // communicator's device (cudaPointerGetAttributes, about a microsecond), so a
@@ -85,9 +90,11 @@ namespace detail {
 
 using nccl_clock = std::chrono::steady_clock;
 
-// When a wait that began now passes nccl_options::timeout `t` (0: never).
+// When a wait that began now passes nccl_options::timeout `t` (0, or 30 years and more:
+// never). A negative limit is refused (it would have timed out every call at once).
 inline nccl_clock::time_point nccl_deadline(std::chrono::milliseconds t) {
-  return t.count() > 0 ? nccl_clock::now() + t : nccl_clock::time_point::max();
+  require<comm_error>(t.count() >= 0, "nccl_options::timeout must be >= 0 ms (0: no limit), got ", t.count());
+  return t.count() > 0 && t < nccl_no_limit_past ? nccl_clock::now() + t : nccl_clock::time_point::max();
 }
 
 // NCCL's last error takes a null communicator too: it keeps one per process (so with

@@ -1,0 +1,29 @@
+// examples/common/launched.hpp — for the host examples' flag checks: whether their ranks are
+// threads of this process (no launcher: --world of them) or one per process (tools/launch,
+// torchrun, Slurm, mpirun: the launcher's world, which a --world given must match).
+#pragma once
+#include <shardlib/comm/environment.hpp>
+#include <shardlib/core/error.hpp>
+
+#include <CLI/CLI.hpp>
+
+namespace example {
+
+// True when no launcher started the process. Malformed launcher variables count as a
+// launcher here: the run raises on them when it starts.
+inline bool ranks_are_threads(const CLI::App& cli, long world) {
+  namespace comm = shardlib::comm;
+  comm::launch_environment env;
+  try {
+    env = comm::discover_environment();
+  } catch (const shardlib::error&) {
+    return false;
+  }
+  if (env.kind == comm::launcher::none) return true;
+  if (cli.count("--world") > 0 && env.size != world)
+    throw CLI::ValidationError("--world", shardlib::cat(world, ", but ", comm::name(env.kind), " started this as one of ",
+                                                        env.size, " processes, a rank each"));
+  return false;
+}
+
+}  // namespace example
