@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# device_processes.sh N HOST_PROGRAM DEVICE_PROGRAM ARGS...
+# device_processes.sh [--encoder] N HOST_PROGRAM DEVICE_PROGRAM ARGS...
 # A GPU program (train_gpt_cuda built against tests/emulated) as N processes started by
 # tools/launch: NCCL's id through the TCP store, the emulated NCCL's ranks meeting through
 # files (SHARDLIB_EMULATED_NCCL_DIR), one device each. It trains in fp32 with ARGS,
@@ -8,7 +8,12 @@
 # the runs printed the same digits when this was written). Then the host program, N
 # threads, resumes from the processes' checkpoint of step 3: its losses from there must
 # be its own whole run's, within the same bound.
+# With --encoder the programs are train_fsdp and train_fsdp_cuda: the losses the same way,
+# the model written (--out) and every rank's lines in the metrics file the processes share
+# (--metrics: rank 0 empties it, each process appends), no checkpoints.
 set -eu
+encoder=false
+[[ $1 != --encoder ]] || { encoder=true; shift; }
 n=$1 host=$2 device=$3
 shift 3
 here=$(cd "$(dirname "$0")" && pwd)
@@ -37,15 +42,28 @@ run() {
   ((status == 0)) || { cat "$out/$name.txt"; echo "FAILED: the $name run (status $status)"; exit 1; }
 }
 
-run host "$host" --world "$n" --save "$out/host_hf" "$@"
-run device env SHARDLIB_EMULATED_NCCL_DIR="$out/nccl" "$here/../../tools/launch" -n "$n" -- "$device" --dtype fp32 \
-  --checkpoint-dir "$out/ckpt" --checkpoint-every 3 --save "$out/device_hf" "$@"
+processes=(env SHARDLIB_EMULATED_NCCL_DIR="$out/nccl" "$here/../../tools/launch" -n "$n" -- "$device" --dtype fp32)
+if $encoder; then
+  run host "$host" --world "$n" --out "$out/host.safetensors" "$@"
+  run device "${processes[@]}" --out "$out/device.safetensors" --metrics "$out/metrics.jsonl" "$@"
+else
+  run host "$host" --world "$n" --save "$out/host_hf" "$@"
+  run device "${processes[@]}" --checkpoint-dir "$out/ckpt" --checkpoint-every 3 --save "$out/device_hf" "$@"
+fi
 cat "$out/device.txt"
 losses "$out/host.txt" >"$out/host.losses"
 losses "$out/device.txt" >"$out/device.losses"
 [[ -s $out/host.losses ]] || { echo "FAILED: the host run printed no losses"; exit 1; }
-grep -q "over $n GPU(s)" "$out/device.txt" || { echo "FAILED: the processes did not train as one world of $n"; exit 1; }
 close "$out/host.losses" "$out/device.losses" || { echo "FAILED: the processes' losses are not the threads'"; exit 1; }
+if $encoder; then
+  [[ -s $out/device.safetensors ]] || { echo "FAILED: no model written"; exit 1; }
+  for ((r = 0; r < n; ++r)); do
+    grep -q "\"world\":$n,\"rank\":$r," "$out/metrics.jsonl" || { echo "FAILED: no metrics of rank $r of $n"; exit 1; }
+  done
+  echo "$n processes: $(wc -l <"$out/device.losses") loss lines as the $n threads'; the model and every rank's metrics written"
+  exit 0
+fi
+grep -q "over $n GPU(s)" "$out/device.txt" || { echo "FAILED: the processes did not train as one world of $n"; exit 1; }
 [[ -f $out/device_hf/model.safetensors ]] || { echo "FAILED: no model written"; exit 1; }
 
 run resumed "$host" --world "$n" --save "$out/resumed_hf" --resume "$out/ckpt/step-00000003" "$@"
