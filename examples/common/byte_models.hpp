@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "common/flags.hpp"
+#include "common/launched.hpp"
 
 namespace example {
 
@@ -106,7 +107,7 @@ template <class Data>
 void use_vocab(byte_model_shape& s, Data& data, const char* program) {
   if (s.vocab == 0) s.vocab = data.vocab;
   data.check_vocab(s.vocab);
-  if (data.bytes && s.vocab > 256)
+  if (data.bytes && s.vocab > 256 && process_rank() == 0)  // once per job
     std::printf("%s: note: the text's bytes are token ids 0 to 255 of a vocabulary of %ld, not its tokenizer's "
                 "(llm.c's token files: --tokens)\n", program, s.vocab);
 }

@@ -1,6 +1,7 @@
-// examples/common/launched.hpp — for the host examples' flag checks: whether their ranks are
+// examples/common/launched.hpp — how the examples were started: whether their ranks are
 // threads of this process (no launcher: --world of them) or one per process (tools/launch,
-// torchrun, Slurm, mpirun: the launcher's world, which a --world given must match).
+// torchrun, Slurm, mpirun: the launcher's world, which a --world given must match), and
+// which process this is.
 #pragma once
 #include <shardlib/comm/environment.hpp>
 #include <shardlib/core/error.hpp>
@@ -24,6 +25,16 @@ inline bool ranks_are_threads(const CLI::App& cli, long world) {
     throw CLI::ValidationError("--world", shardlib::cat(world, ", but ", comm::name(env.kind), " started this as one of ",
                                                         env.size, " processes, a rank each"));
   return false;
+}
+
+// This process's rank under a launcher, else 0 (malformed launcher variables too: the run
+// raises on them when it starts): for what one process of a job prints before its ranks start.
+inline int process_rank() {
+  try {
+    return shardlib::comm::discover_environment().rank;
+  } catch (const shardlib::error&) {
+    return 0;
+  }
 }
 
 }  // namespace example
