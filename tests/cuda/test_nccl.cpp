@@ -301,6 +301,8 @@ TEST_CASE("the timeout is SHARDLIB_COMM_TIMEOUT's unless given", "[nccl][timeout
     setenv("SHARDLIB_COMM_TIMEOUT", "2", 1);
     ncclUniqueId id;
     REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    CHECK_THROWS_WITH(NcclComm(id, 0, 2, 0, {.timeout = milliseconds(-5)}),  // refused before it joins
+                      Catch::Contains("nccl_options::timeout must be >= 0 ms (0: no limit), got -5"));
     const auto t0 = std::chrono::steady_clock::now();
     CHECK_THROWS_WITH(NcclComm(id, 0, 2, 0), Catch::Contains("timed out after 2000 ms"));
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));

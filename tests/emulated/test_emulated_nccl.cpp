@@ -106,3 +106,37 @@ TEST_CASE("ranks that meet through files and disagree on the size are refused at
   CHECK_THAT(errors[0], Catch::Contains("rank 1 joined a communicator of 3 ranks, rank 0 one of 2"));
   CHECK_THAT(errors[1], Catch::Contains("rank 0 joined a communicator of 2 ranks, rank 1 one of 3"));
 }
+
+// A refusal stays: two ranks on one device, non-blocking, through files. Every poll after the
+// last join says ncclInvalidUsage ("Duplicate GPU detected"), not only the first.
+TEST_CASE("through files, a refused communicator stays refused at every poll", "[nccl][files]") {
+  const files_mode files;
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  std::vector<std::vector<ncclResult_t>> polls(2);
+  std::vector<std::string> why(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;
+      ncclComm_t comm = nullptr;
+      ncclResult_t state = ncclCommInitRankConfig(&comm, 2, id, r, &config);  // both on device 0
+      const auto t0 = std::chrono::steady_clock::now();
+      while (state == ncclInProgress && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        ncclCommGetAsyncError(comm, &state);
+      }
+      polls[std::size_t(r)].push_back(state);
+      ncclCommGetAsyncError(comm, &state);
+      polls[std::size_t(r)].push_back(state);
+      why[std::size_t(r)] = ncclGetLastError(comm);
+      ncclCommAbort(comm);
+    });
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(polls[std::size_t(r)] == std::vector<ncclResult_t>{ncclInvalidUsage, ncclInvalidUsage});
+    CHECK_THAT(why[std::size_t(r)], Catch::Contains("Duplicate GPU detected: ranks 0 and 1 both on device 0"));
+  }
+}

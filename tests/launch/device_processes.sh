@@ -45,6 +45,7 @@ run() {
 processes=(env SHARDLIB_EMULATED_NCCL_DIR="$out/nccl" "$here/../../tools/launch" -n "$n" -- "$device" --dtype fp32)
 if $encoder; then
   run host "$host" --world "$n" --out "$out/host.safetensors" "$@"
+  echo "an earlier run's line" >"$out/metrics.jsonl"  # rank 0 empties the file first
   run device "${processes[@]}" --out "$out/device.safetensors" --metrics "$out/metrics.jsonl" "$@"
 else
   run host "$host" --world "$n" --save "$out/host_hf" "$@"
@@ -57,6 +58,7 @@ losses "$out/device.txt" >"$out/device.losses"
 close "$out/host.losses" "$out/device.losses" || { echo "FAILED: the processes' losses are not the threads'"; exit 1; }
 if $encoder; then
   [[ -s $out/device.safetensors ]] || { echo "FAILED: no model written"; exit 1; }
+  ! grep -q "earlier run" "$out/metrics.jsonl" || { echo "FAILED: the metrics file was not emptied first"; exit 1; }
   for ((r = 0; r < n; ++r)); do
     grep -q "\"world\":$n,\"rank\":$r," "$out/metrics.jsonl" || { echo "FAILED: no metrics of rank $r of $n"; exit 1; }
   done

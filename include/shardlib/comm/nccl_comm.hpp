@@ -100,6 +100,7 @@ class NcclComm {
   // Rank `rank` of `size`, on `device`, from an id that rank 0 made with
   // ncclGetUniqueId and gave to every rank. Every rank must call it.
   NcclComm(const ncclUniqueId& id, int rank, int size, int device, const nccl_options& options = {}) {
+    detail::check_timeout(options.timeout);
     cuda::device_guard g(device);
     int least = 0, greatest = 0;
     cuda::check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
@@ -119,6 +120,7 @@ class NcclComm {
   // its node; with ranks as threads, device = the rank.
   template <Communicator Host>
   static NcclComm bootstrap(Host& host, int device, const nccl_options& options = {}) {
+    detail::check_timeout(options.timeout);  // on every rank, before rank 0 makes an id
     // Byte 0 says whether rank 0 made an id, so that a failure there raises on
     // every rank instead of leaving them waiting in the initialisation.
     std::array<std::uint8_t, 1 + sizeof(ncclUniqueId)> message{};
@@ -147,6 +149,7 @@ class NcclComm {
   // so that no rank waits for an id that never comes. Ranks keep their store rank;
   // one rank per device, device = the launcher's LOCAL_RANK.
   static NcclComm from_store(TcpStore& store, int device, const nccl_options& options = {}) {
+    detail::check_timeout(options.timeout);
     const std::string key = store.fresh_prefix("nccl") + "id";
     if (store.rank() == 0) {
       ncclUniqueId id{};
@@ -169,6 +172,7 @@ class NcclComm {
   // ranks see and must not exist yet: a file left by an earlier run would hand
   // stale ids to the other ranks, so rank 0 refuses to start.
   static NcclComm from_env(const std::filesystem::path& id_file, const nccl_options& options = {}) {
+    detail::check_timeout(options.timeout);
     const int rank = env_int("RANK"), size = env_int("WORLD_SIZE"), local = env_int("LOCAL_RANK");
     require<comm_error>(rank >= 0 && rank < size, "NcclComm::from_env: RANK ", rank, " is not in [0, WORLD_SIZE ",
                         size, ")");

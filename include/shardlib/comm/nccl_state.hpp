@@ -90,10 +90,15 @@ namespace detail {
 
 using nccl_clock = std::chrono::steady_clock;
 
-// When a wait that began now passes nccl_options::timeout `t` (0, or 30 years and more:
-// never). A negative limit is refused (it would have timed out every call at once).
-inline nccl_clock::time_point nccl_deadline(std::chrono::milliseconds t) {
+// A negative nccl_options::timeout is refused (it would time out every call at once): by
+// NcclComm's constructors before anything is made or published, and by nccl_deadline.
+inline void check_timeout(std::chrono::milliseconds t) {
   require<comm_error>(t.count() >= 0, "nccl_options::timeout must be >= 0 ms (0: no limit), got ", t.count());
+}
+
+// When a wait that began now passes nccl_options::timeout `t` (0, or 30 years and more: never).
+inline nccl_clock::time_point nccl_deadline(std::chrono::milliseconds t) {
+  check_timeout(t);
   return t.count() > 0 && t < nccl_no_limit_past ? nccl_clock::now() + t : nccl_clock::time_point::max();
 }
 
