@@ -8,7 +8,8 @@
 //                               as it is, by gemm_staged, and padded to 50304: vs that GEMM rate
 //   fused attention             causal, bf16, L 2048, head_dim 64 and 128, forward + backward, on
 //                               tensor cores and on CUDA cores: TFLOP/s vs that bf16 GEMM rate
-//                               (at 128 on tensor cores also with the blocks in tile-fastest order)
+//                               (at 128 on tensor cores also with the blocks in tile-fastest order,
+//                               and with dropout 0.1 on the weights, GPT-2's attn_pdrop)
 //   model steps                 FullShard, bf16 compute, fp32 master + AdamW, on one GPU:
 //                               model FLOP utilisation vs that bf16 GEMM rate (goal >= 45%):
 //                               GPT-2 and LLaMA (~1B parameters at sequence 2048 by default)
@@ -271,8 +272,8 @@ head_times lm_head_ms(const run_sizes& z, sl::cuda::stream& s, sl::cuda::blas& h
 struct attention_result {
   double forward_ms, backward_ms, tflops;
 };
-attention_result attention_step(std::int64_t dim, bool tensor_cores, bool longest_first, const run_sizes& z,
-                                sl::cuda::stream& s) {
+attention_result attention_step(std::int64_t dim, bool tensor_cores, bool longest_first, float dropout,
+                                const run_sizes& z, sl::cuda::stream& s) {
   using T = sl::bfloat16;
   const std::int64_t B = z.attention_batch, H = z.attention_heads, L = z.attention_seq;
   auto& alloc = sl::cuda::device_allocator(0);
@@ -290,6 +291,10 @@ attention_result attention_step(std::int64_t dim, bool tensor_cores, bool longes
   oc::flash_options o{.is_causal = true};
   o.tensor_cores = tensor_cores;
   o.longest_first = longest_first;
+  if (dropout > 0) {
+    o.dropout_p = dropout;
+    o.dropout = sl::counter_rng(3, 0);
+  }
   const double fwd = median_ms(s, z.warmup(2), z.iters(10), [&] {
     oc::flash_attention_forward<T>(oc::as_const(view(0)), oc::as_const(view(1)), oc::as_const(view(2)), view(3),
                                    lse.data(), o, s);
@@ -599,28 +604,35 @@ int main(int argc, char** argv) try {
                                              z.attention_heads, ", L ", z.attention_seq);
   std::printf("\n%-48s %10s %10s %10s %10s\n", attention_label.c_str(), "fwd ms", "bwd ms", "TFLOP/s", "of GEMM");
   // Blocks longest first (the library's order), and at head_dim 128 on tensor cores also in the
-  // tile-fastest grid (flash_options::longest_first = false), to compare the two orders.
+  // tile-fastest grid (flash_options::longest_first = false), to compare the two orders, and
+  // with dropout 0.1 (its masks are drawn in forward, dq and dk/dv alike).
   struct attention_run {
     std::int64_t dim;
     bool tensor_cores, longest_first;
+    float dropout = 0;
   };
   for (const attention_run a : {attention_run{64, true, true}, attention_run{64, false, true},
                                 attention_run{128, true, true}, attention_run{128, true, false},
-                                attention_run{128, false, true}}) {
+                                attention_run{128, true, true, 0.1f}, attention_run{128, false, true}}) {
     const std::int64_t dim = a.dim;
     const bool tc = a.tensor_cores && oc::flash_uses_tensor_cores<sl::bfloat16>(dim, {});
     if (a.tensor_cores && !tc) continue;  // this GPU takes the CUDA-core kernels only
-    const attention_result r = attention_step(dim, a.tensor_cores, a.longest_first, z, s);
+    const attention_result r = attention_step(dim, a.tensor_cores, a.longest_first, a.dropout, z, s);
     const std::string label = sl::cat("head_dim ", dim, tc ? ", tensor cores" : ", CUDA cores",
-                                      a.longest_first ? "" : ", tile-fastest order");
+                                      a.longest_first ? "" : ", tile-fastest order",
+                                      a.dropout > 0 ? sl::cat(", dropout ", a.dropout) : "");
     std::printf("%-48s %10.2f %10.2f %10.1f %9.1f%%\n", label.c_str(), r.forward_ms, r.backward_ms, r.tflops,
                 100 * r.tflops / bf16);
     json(sl::cat("\"bench\":\"cuda_attention\",\"head_dim\":", dim, ",\"tensor_cores\":", tc ? "true" : "false",
-                 ",\"longest_first\":", a.longest_first ? "true" : "false", ",\"forward_ms\":", r.forward_ms,
+                 ",\"longest_first\":", a.longest_first ? "true" : "false", ",\"dropout\":", a.dropout,
+                 ",\"forward_ms\":", r.forward_ms,
                  ",\"backward_ms\":", r.backward_ms, ",\"TFLOPs\":", r.tflops, ",\"gemm_bf16_TFLOPs\":", bf16));
     if (dim == 128 && !a.longest_first) {
       std::snprintf(v, sizeof v, "%.0f TFLOP/s", r.tflops);
       summary.push_back({"attention, D 128, tile-fastest order", v, "the longest-first order's is above"});
+    } else if (dim == 128 && a.dropout > 0) {
+      std::snprintf(v, sizeof v, "%.0f TFLOP/s", r.tflops);
+      summary.push_back({"attention, D 128, dropout 0.1", v, "without dropout's is above"});
     } else if (dim == 128) {
       std::snprintf(v, sizeof v, "%.0f TFLOP/s", r.tflops);
       std::snprintf(vs, sizeof vs, "%.0f%% of the bf16 GEMM rate", 100 * r.tflops / bf16);

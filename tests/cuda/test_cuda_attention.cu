@@ -178,40 +178,36 @@ TEST_CASE("flash attention takes the tensor cores for 16-bit inputs up to head_d
   CHECK_FALSE(ft::whole_vectors(rows{storage, 64, 36, 8}));      // heads 72 bytes apart
 }
 
-TEST_CASE("flash attention draws nn::sdpa's dropout mask bit for bit", "[cuda][flash]") {
+// The masks forward and dk/dv draw, read back exactly (test_support::mask_probe_data): L 72
+// gives a second key tile and keys past the last whole group, Lq 40 queries past the last.
+TEMPLATE_TEST_CASE("flash attention draws nn::sdpa's dropout mask bit for bit", "[cuda][flash]", float, sl::bfloat16) {
   if (!have_device()) return;
   sl::cuda::stream st(0);
   sl::cuda::stream_scope scope(st);
   const cudaStream_t s = st;
-  // q = 0 makes every weight 1 / Lk and v = the identity (Lk = D) puts weight j
-  // in column j: out[i][j] is 0 exactly where weight (i, j) was dropped.
-  const std::int64_t B = 2, H = 3, Lq = 40, L = 64;
-  const sl::nn::sdpa_options o{.dropout_p = 0.3, .dropout = sl::counter_rng(99, 3)};
-  const fa::flash_options fo{.dropout_p = 0.3f, .dropout = o.dropout};
-  std::vector<float> identity(std::size_t(B * H * L * L), 0.0f);
-  for (std::int64_t m = 0; m < B * H; ++m)
-    for (std::int64_t j = 0; j < L; ++j) identity[std::size_t((m * L + j) * L + j)] = 1.0f;
-  auto q = device_test::upload(std::vector<float>(std::size_t(B * H * Lq * L), 0.0f), s);
-  auto v = device_test::upload(identity, s);
-  auto out = device_test::poisoned<float>(std::size_t(B * H * Lq * L), s);
+  const attention_case c = test_support::mask_probe_case(2, 3, 40, 72);
+  const std::int64_t B = c.batch, H = c.heads, Lq = c.queries, L = c.keys;
+  const test_support::attention_data in = test_support::mask_probe_data(c, 0.3, sl::counter_rng(99, 3));
+  auto q = device_test::upload(device_test::as<TestType>(in.q), s), kv = device_test::upload(device_test::as<TestType>(in.k), s);
+  auto dout = device_test::upload(device_test::as<TestType>(in.dout), s);
   auto lse = device_test::poisoned<float>(std::size_t(B * H * Lq), s);
-  fa::flash_attention_forward<float>(cview(view_of(q.data(), B, H, Lq, L, false)),
-                                     cview(view_of(v.data(), B, H, L, L, false)),
-                                     cview(view_of(v.data(), B, H, L, L, false)),
-                                     view_of(out.data(), B, H, Lq, L, false), lse.data(), fo, s);
-  const std::vector<float> got = device_test::download(out, s);
-  std::vector<float> want(std::size_t(Lq * L));
-  std::int64_t mismatches = 0, dropped = 0;
-  for (std::int64_t m = 0; m < B * H; ++m) {
-    sl::nn::detail::sdpa_keep_scales(o, m * Lq * L, Lq * L, want.data());
-    for (std::int64_t e = 0; e < Lq * L; ++e) {
-      const float g = got[std::size_t(m * Lq * L + e)];
-      mismatches += (g == 0.0f) != (want[std::size_t(e)] == 0.0f) || std::isnan(g);
-      dropped += want[std::size_t(e)] == 0.0f;
-    }
+  const auto rows = [&](auto& buf, std::int64_t l) { return view_of(buf.data(), B, H, l, L, false); };
+  for (const bool tensor_cores : paths<TestType>()) {  // the tensor cores' lanes draw a group of 8 weights at once
+    INFO("tensor cores " << tensor_cores);
+    fa::flash_options fo = in.flash;
+    fo.tensor_cores = tensor_cores;
+    auto out = device_test::poisoned<TestType>(in.q.size(), s), dq = device_test::poisoned<TestType>(in.q.size(), s);
+    auto dk = device_test::poisoned<TestType>(in.k.size(), s), dv = device_test::poisoned<TestType>(in.k.size(), s);
+    fa::flash_attention_forward<TestType>(cview(rows(q, Lq)), cview(rows(kv, L)), cview(rows(kv, L)), rows(out, Lq),
+                                          lse.data(), fo, s);
+    fa::flash_attention_backward<TestType>(cview(rows(q, Lq)), cview(rows(kv, L)), cview(rows(kv, L)),
+                                           cview(rows(out, Lq)), cview(rows(dout, Lq)), lse.data(), rows(dq, Lq),
+                                           rows(dk, L), rows(dv, L), fo, s);
+    std::int64_t dropped = 0;
+    CHECK(test_support::mask_mismatches(c, in, device_test::download_float(out, s), device_test::download_float(dv, s),
+                                        dropped) == 0);
+    CHECK(dropped > B * H * Lq * L / 5);  // p 0.3: the mask does drop
   }
-  CHECK(mismatches == 0);
-  CHECK(dropped > B * H * Lq * L / 5);  // p 0.3: the mask does drop
 }
 
 // Checked before anything reaches the device: runs without a GPU too.

@@ -241,6 +241,43 @@ TEST_CASE("the accumulator's column slots name each element's column", "[emulate
   CHECK(wrong == 0);
 }
 
+// The masks forward and dk/dv draw, read back exactly as tests/cuda does
+// (test_support::mask_probe_data): L 72 gives a second key tile and keys past the last whole
+// group, Lq 40 queries past the last.
+TEMPLATE_TEST_CASE("the attention kernels, emulated, draw nn::sdpa's dropout mask bit for bit", "[emulated][flash]",
+                   float, sl::bfloat16) {
+  const attention_case c = test_support::mask_probe_case(2, 3, 40, 72);
+  const attention_data in = test_support::mask_probe_data(c, 0.3, sl::counter_rng(99, 3));
+  for (const bool tensor_cores : {true, false}) {
+    if (tensor_cores && !ft::takes<TestType>) continue;
+    INFO("tensor cores " << tensor_cores);
+    const outputs<TestType> got = run_kernels<TestType>(c, in, tensor_cores, {});
+    std::int64_t dropped = 0;
+    CHECK(test_support::mask_mismatches(c, in, widened(got.out), widened(got.dv), dropped) == 0);
+    CHECK(dropped > c.batch * c.heads * c.queries * c.keys / 5);  // p 0.3: the mask does drop
+  }
+}
+
+// On a GPU dq draws dropout once per lane and accumulator, at its element 0, and dk/dv (rows
+// are keys) twice, at its elements 0 and 1 (lane_group); each element then reads its bit.
+// That holds only if those elements head the groups (nn::attention_keep) of all 8 in
+// mma.sync's layout, for a tile whose first row and column are multiples of 16.
+TEST_CASE("a lane's accumulator elements are whole dropout groups", "[emulated][flash][dropout]") {
+  const std::int64_t Lq = 64, Lk = 80, head = 3, r0 = 16, c0 = 48;  // the tile's first row and column
+  int wrong = 0;
+  for (int lane = 0; lane < 32; ++lane)
+    for (int e = 0; e < 8; ++e) {
+      const std::int64_t r = r0 + ft::mma_row(e, lane), c = c0 + ft::mma_column(e, lane);
+      // rows are queries (forward, dq): element 0's group
+      wrong += sl::nn::attention_keep::index(head, Lq, Lk, r, c) !=
+               sl::nn::attention_keep::index(head, Lq, Lk, r0 + ft::mma_row(0, lane), c0 + ft::mma_column(0, lane));
+      // rows are keys (dk/dv): query c, key r, in the group of element e % 2
+      wrong += sl::nn::attention_keep::index(head, Lk, Lq, c, r) !=
+               sl::nn::attention_keep::index(head, Lk, Lq, c0 + ft::mma_column(e % 2, lane), r0 + ft::mma_row(0, lane));
+    }
+  CHECK(wrong == 0);
+}
+
 // The kernels read accumulators element by element where row_of and column_of say; the
 // probe that checks it (and the products) on a GPU must hold here, where every lane holds
 // the whole tile.

@@ -116,6 +116,53 @@ attention_data make_attention_data(const attention_case& c, random_inputs& rnd) 
 // (2 of 72 seeds above 1e-2, the rest below 7.6e-3).
 inline constexpr double bf16_dq_tolerance = 3e-2;
 
+// The dropout mask read back exactly: q = 0 makes every weight 1 / L, k = v = the identity
+// (keys = dim = L), dO the identity's first Lq rows, so out[i][j] and dv[j][i] are zero
+// exactly where weight (i, j) was dropped (dv[j][i] = sum over queries r of P'[r][j] dO[r][i]
+// = P'[i][j]), and dv[j][i] = 0 for i >= Lq. forward's mask shows in out, dk/dv's in dv.
+inline attention_case mask_probe_case(std::int64_t batch, std::int64_t heads, std::int64_t queries, std::int64_t keys) {
+  return {"dropout mask probe", batch, heads, heads, queries, keys, keys};
+}
+inline attention_data mask_probe_data(const attention_case& c, double p, shardlib::counter_rng stream) {
+  const std::int64_t B = c.batch, H = c.heads, Lq = c.queries, L = c.keys;
+  attention_data a;
+  a.q.assign(std::size_t(B * H * Lq * L), 0.0f);
+  a.k.assign(std::size_t(B * H * L * L), 0.0f);
+  a.dout.assign(a.q.size(), 0.0f);
+  for (std::int64_t m = 0; m < B * H; ++m)
+    for (std::int64_t j = 0; j < L; ++j) {
+      a.k[std::size_t((m * L + j) * L + j)] = 1.0f;
+      if (j < Lq) a.dout[std::size_t((m * Lq + j) * L + j)] = 1.0f;
+    }
+  a.v = a.k;
+  a.options = {.dropout_p = p, .dropout = stream};
+  a.flash = {.dropout_p = float(p), .dropout = stream};
+  return a;
+}
+// The elements of out and dv (as [B, H, Lq, L] and [B, H, L, L]) that break that rule, NaN
+// included; `dropped` counts the weights nn::sdpa's mask drops.
+inline std::int64_t mask_mismatches(const attention_case& c, const attention_data& a, const std::vector<float>& out,
+                                    const std::vector<float>& dv, std::int64_t& dropped) {
+  const std::int64_t Lq = c.queries, L = c.keys;
+  std::vector<double> want(std::size_t(Lq * L));
+  std::int64_t bad = 0;
+  dropped = 0;
+  for (std::int64_t m = 0; m < c.batch * c.heads; ++m) {
+    shardlib::nn::detail::sdpa_keep_scales(a.options, m, Lq, L, want.data());
+    for (std::int64_t j = 0; j < L; ++j)
+      for (std::int64_t i = 0; i < L; ++i) {
+        const float g = dv[std::size_t((m * L + j) * L + i)];
+        bad += i < Lq ? (g == 0.0f) != (want[std::size_t(i * L + j)] == 0.0f) || std::isnan(g) : !(g == 0.0f);
+      }
+    for (std::int64_t e = 0; e < Lq * L; ++e) {
+      const float g = out[std::size_t(m * Lq * L + e)];
+      bad += (g == 0.0f) != (want[std::size_t(e)] == 0.0f) || std::isnan(g);
+      dropped += want[std::size_t(e)] == 0.0f;
+    }
+  }
+  return bad;
+}
+
 // The rows whose lse breaks the rule: +inf for a query without a visible key (its
 // output is zero), finite for every other.
 inline std::int64_t wrong_lse_rows(const attention_case& c, const attention_data& a, const std::vector<float>& lse) {

@@ -240,7 +240,7 @@ TEST_CASE("fused attention tiles: dropout draws the host's mask bit for bit", "[
   std::int64_t mismatches = 0, dropped = 0;
   for (std::int64_t n = 0; n < B; ++n)
     for (std::int64_t h = 0; h < H; ++h) {
-      nn::detail::sdpa_keep_scales(o, (n * H + h) * Lq * Lk, Lq * Lk, want.data());
+      nn::detail::sdpa_keep_scales(o, n * H + h, Lq, Lk, want.data());
       for (std::int64_t i = 0; i < Lq; ++i)
         for (std::int64_t j = 0; j < Lk; ++j) {
           const double got = flash::keep_scale(p, p.kept, n, h, i, j);
@@ -251,6 +251,89 @@ TEST_CASE("fused attention tiles: dropout draws the host's mask bit for bit", "[
   CHECK(mismatches == 0);
   CHECK(dropped > B * H * Lq * Lk / 4);  // p 0.4: the mask does drop
   CHECK(dropped < B * H * Lq * Lk / 2 + B * H * Lq * Lk / 20);
+}
+
+// nn::attention_keep: weight (i, j) of head `head` is kept iff its 16 bits of its group's
+// Philox block, read as v / 2^16, are >= p; the group is queries i, i ^ 8 against keys
+// j, j ^ 1, j ^ 8, j ^ 9, drawn at the index of its first weight. Written out here from
+// that statement, in float, against the class's integer threshold.
+static bool kept_as_stated(const counter_rng& stream, float p, std::int64_t head, std::int64_t Lq, std::int64_t Lk,
+                    std::int64_t i, std::int64_t j) {
+  const std::int64_t i0 = i - (i & 8), j0 = j - (j & 9);  // the group's first weight
+  const auto block = stream.bits(std::uint64_t((head * Lq + i0) * Lk + j0));
+  const int s = 4 * int((i >> 3) & 1) + 2 * int((j >> 3) & 1) + int(j & 1);
+  const std::uint32_t v = (block[std::size_t(s / 2)] >> (16 * (s % 2))) & 0xffffu;
+  return float(v) / 65536.0f >= p;
+}
+
+TEST_CASE("attention dropout draws a group of 8 weights per Philox block, 16 bits each", "[ops][flash][dropout]") {
+  const counter_rng stream(77, 9);
+  const std::int64_t Lq = 37, Lk = 45, head = 5;  // neither a multiple of 16: partial groups at the edges
+  for (const float p : {0.0f, 0x1p-16f, 0.1f, 0.3f, 0.5f, 0.999f, 1.0f}) {
+    INFO("p " << p);
+    const nn::attention_keep keeps(stream, p);
+    std::int64_t wrong = 0, kept = 0;
+    for (std::int64_t i = 0; i < Lq; ++i)
+      for (std::int64_t j = 0; j < Lk; ++j) {
+        const bool got = keeps(head, Lq, Lk, i, j);
+        wrong += got != kept_as_stated(stream, p, head, Lq, Lk, i, j);
+        kept += got;
+      }
+    CHECK(wrong == 0);
+    if (p == 0.0f) CHECK(kept == Lq * Lk);
+    if (p == 1.0f) CHECK(kept == 0);
+  }
+  // Groups are disjoint, at most 8 weights each, and their counters stay inside the head's
+  // [Lq * Lk) range of indices, so no two weights of a layer's [B, H, Lq, Lk] share a slot.
+  std::vector<int> members(std::size_t(Lq * Lk), 0);
+  std::vector<std::vector<int>> slots(std::size_t(Lq * Lk));
+  for (std::int64_t i = 0; i < Lq; ++i)
+    for (std::int64_t j = 0; j < Lk; ++j) {
+      const std::uint64_t at = nn::attention_keep::index(head, Lq, Lk, i, j);
+      REQUIRE(at >= std::uint64_t(head * Lq * Lk));
+      REQUIRE(at < std::uint64_t((head + 1) * Lq * Lk));
+      const std::size_t g = std::size_t(at - std::uint64_t(head * Lq * Lk));
+      ++members[g];
+      slots[g].push_back(nn::attention_keep::slot(i, j));
+    }
+  std::int64_t groups = 0, crowded = 0;
+  for (std::size_t g = 0; g < members.size(); ++g) {
+    if (members[g] == 0) continue;
+    ++groups;
+    std::sort(slots[g].begin(), slots[g].end());
+    crowded += members[g] > 8 || std::adjacent_find(slots[g].begin(), slots[g].end()) != slots[g].end();
+  }
+  CHECK(crowded == 0);
+  // first rows (bit 3 clear) below 37: 0-7, 16-23, 32-36; first keys (bits 0, 3 clear) below 45:
+  // 0, 2, 4, 6, 16, ..., 22, 32, ..., 38
+  CHECK(groups == 21 * 12);
+}
+
+TEST_CASE("attention dropout's masks drop a fraction p, the weights of a group independently", "[ops][flash][dropout]") {
+  const counter_rng stream(2026, 12);
+  const std::int64_t Lq = 256, Lk = 256, heads = 4;
+  for (const float p : {0.1f, 0.5f}) {
+    INFO("p " << p);
+    const nn::attention_keep keeps(stream, p);
+    double dropped = 0, both = 0, halves = 0, pairs = 0;
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < Lq; ++i)
+        for (std::int64_t j = 0; j < Lk; ++j) {
+          const bool gone = !keeps(h, Lq, Lk, i, j);
+          dropped += gone;
+          if ((j & 1) == 0 && (i & 8) == 0) {  // within a group: (i, j) against (i ^ 8, j ^ 9), another
+            both += gone && !keeps(h, Lq, Lk, i ^ 8, j ^ 9);  // word of the block, and (i, j ^ 1), the
+            halves += gone && !keeps(h, Lq, Lk, i, j ^ 1);     // other half of the same word
+            ++pairs;
+          }
+        }
+    const double n = double(heads * Lq * Lk);
+    // 5 standard deviations of a binomial: a bias of one bit, or correlated slots, exceed it.
+    CHECK(std::abs(dropped / n - p) <= 5 * std::sqrt(p * (1 - p) / n));
+    const double p2 = double(p) * p, sd = std::sqrt(p2 * (1 - p2) / pairs);
+    CHECK(std::abs(both / pairs - p2) <= 5 * sd);
+    CHECK(std::abs(halves / pairs - p2) <= 5 * sd);
+  }
 }
 
 TEST_CASE("fused attention tiles: backward equals finite differences (float64)", "[ops][flash]") {

@@ -135,8 +135,8 @@ class attention_base {
 // slice [h D, (h + 1) D) of each projection, D = E / num_heads. Between the
 // projections the attention itself is sdpa_forward / sdpa_backward (nn/sdpa.hpp)
 // on strided views of the projected rows: scores q.k / sqrt(D) (torch scales q
-// before the product: equal up to rounding), dropout on the weights drawn by
-// their index in [N, H, L, L] from one ctx.random_stream() per forward.
+// before the product: equal up to rounding), dropout on the weights drawn in
+// nn::attention_keep's groups of [N, H, L, L] from one ctx.random_stream() per forward.
 //
 // Key padding: ctx.key_padding_mask() ([N, L], nonzero = ignore that key) gives
 // those keys zero weight, as torch's -inf before the softmax does. A query whose

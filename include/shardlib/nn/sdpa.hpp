@@ -7,7 +7,7 @@
 #include "shardlib/core/random.hpp"
 #include "shardlib/core/tensor.hpp"
 #include "shardlib/nn/context.hpp"
-#include "shardlib/nn/dropout.hpp"
+#include "shardlib/nn/attention_dropout.hpp"
 #include "shardlib/ops/gemm.hpp"
 
 #include <algorithm>    // std::fill_n, std::max
@@ -57,7 +57,7 @@ struct sdpa_options {
   std::int64_t query_offset = 0;
   double scale = 0;  // of q.k; 0 = 1 / sqrt(head_dim), torch's default
   // Inverted dropout on the weights with probability dropout_p, drawn from
-  // `dropout` by the weight's index in [B, H, Lq, Lk]; no stream = no dropout.
+  // `dropout` as nn::attention_keep says; no stream = no dropout.
   // dropout_p = 1 drops every weight (torch's dropout and nn::Dropout allow it).
   double dropout_p = 0;
   std::optional<counter_rng> dropout{};
@@ -105,14 +105,19 @@ T sdpa_scale(const sdpa_options& o, std::int64_t dim) {
   return T(o.scale != 0 ? o.scale : 1.0 / std::sqrt(double(dim)));
 }
 
-// Dropout's scales for the weights of head h of batch element n: 0 or 1/(1-p)
-// (none is kept when p = 1).
+// Dropout's scales for the [Lq, Lk] weights of head `head` (n * H + h): 0 or
+// 1 / (1 - p) (none is kept when p = 1), a group of 8 (nn::attention_keep) per draw.
 template <class T>
-void sdpa_keep_scales(const sdpa_options& o, std::int64_t first, std::int64_t count, T* s) {
-  const counter_rng stream = *o.dropout;
-  const float p = float(o.dropout_p);
+void sdpa_keep_scales(const sdpa_options& o, std::int64_t head, std::int64_t Lq, std::int64_t Lk, T* s) {
+  const attention_keep keeps(*o.dropout, float(o.dropout_p));
   const T kept = o.dropout_p < 1 ? T(1.0 / (1.0 - o.dropout_p)) : T(0);
-  for (std::int64_t i = 0; i < count; ++i) s[i] = dropout_keep(stream, std::uint64_t(first + i), p) ? kept : T(0);
+  for (std::int64_t i = 0; i < Lq; i += (i & 7) == 7 ? 9 : 1)  // the groups' first rows: bit 3 clear
+    for (std::int64_t j = 0; j < Lk; j += (j & 7) == 6 ? 10 : 2) {  // first keys: bits 0 and 3 clear
+      const std::uint32_t group = keeps.group(head, Lq, Lk, i, j);
+      for (const std::int64_t r : {i, i + 8})
+        for (const std::int64_t c : {j, j + 1, j + 8, j + 9})
+          if (r < Lq && c < Lk) s[r * Lk + c] = (group >> attention_keep::slot(r, c)) & 1u ? kept : T(0);
+    }
 }
 }  // namespace detail
 
@@ -171,7 +176,7 @@ void sdpa_forward(const head_view<T>& q, const head_view<T>& k, const head_view<
       }
       const T* pv = p;
       if (o.dropout) {
-        detail::sdpa_keep_scales(o, (n * H + h) * Lq * Lk, Lq * Lk, scales.data());
+        detail::sdpa_keep_scales(o, n * H + h, Lq, Lk, scales.data());
         for (std::int64_t i = 0; i < Lq * Lk; ++i) dropped[std::size_t(i)] = p[i] * scales[std::size_t(i)];
         pv = dropped.data();
       }
@@ -201,7 +206,7 @@ void sdpa_backward(const head_view<T>& dout, const head_view<T>& q, const head_v
       const T* p = probs + (n * H + h) * Lq * Lk;
       const T* pv = p;
       if (o.dropout) {
-        detail::sdpa_keep_scales(o, (n * H + h) * Lq * Lk, Lq * Lk, scales.data());
+        detail::sdpa_keep_scales(o, n * H + h, Lq, Lk, scales.data());
         for (std::int64_t i = 0; i < Lq * Lk; ++i) dropped[std::size_t(i)] = p[i] * scales[std::size_t(i)];
         pv = dropped.data();
       }

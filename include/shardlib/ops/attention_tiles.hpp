@@ -17,8 +17,8 @@
 #include "shardlib/config.hpp"
 #include "shardlib/core/error.hpp"
 #include "shardlib/core/random.hpp"
-#include "shardlib/nn/dropout.hpp"  // dropout_keep
-#include "shardlib/nn/sdpa.hpp"     // head_view
+#include "shardlib/nn/attention_dropout.hpp"  // attention_keep
+#include "shardlib/nn/sdpa.hpp"               // head_view
 
 #include <algorithm>  // std::min, std::max
 #include <cmath>      // std::exp, std::log, INFINITY
@@ -36,8 +36,7 @@ struct tile_problem {
   std::int64_t query_offset = 0;             // causal: query i sees keys j <= i + query_offset
   const std::uint8_t* key_padding = nullptr;  // [batch, keys], nonzero = padding; null = none
   bool dropout = false;
-  counter_rng rng{0, 0};  // the weights' dropout stream, when `dropout`
-  float dropout_p = 0;    // compared with the stream's floats, as nn::Dropout does
+  nn::attention_keep keeps{counter_rng{0, 0}, 0};  // which weights dropout keeps, when `dropout`
   double kept = 1;        // a kept weight's scale 1 / (1 - p); 0 when p = 1
 };
 
@@ -50,8 +49,7 @@ inline tile_problem make_problem(std::int64_t batch, std::int64_t heads, std::in
   tile_problem p{batch, heads, kv_heads, queries, keys, is_causal, query_offset, key_padding};
   if (dropout) {
     p.dropout = true;
-    p.rng = *dropout;
-    p.dropout_p = float(dropout_p);
+    p.keeps = nn::attention_keep(*dropout, float(dropout_p));
     p.kept = dropout_p < 1 ? 1.0 / (1.0 - dropout_p) : 0.0;
   }
   return p;
@@ -64,14 +62,21 @@ SHARDLIB_HD constexpr bool visible(const tile_problem& p, std::int64_t n, std::i
   return !(p.key_padding && p.key_padding[n * p.keys + j]);
 }
 
-// Dropout's factor for weight (n, h, i, j), drawn at its index in [B, H, Lq, Lk]
-// as nn::sdpa and nn::Dropout draw it: 1 without dropout, else kept or 0.
+// The dropout decisions of the group of 8 weights (nn::attention_keep) that holds
+// weight (n, h, i, j); bit attention_keep::slot(i, j) is that weight's.
+SHARDLIB_HD constexpr std::uint32_t keep_group(const tile_problem& p, std::int64_t n, std::int64_t h, std::int64_t i,
+                                               std::int64_t j) {
+  return p.keeps.group(n * p.heads + h, p.queries, p.keys, i, j);
+}
+
+// Dropout's factor for weight (n, h, i, j), drawn as nn::sdpa draws it: 1
+// without dropout, else kept or 0. Kernels whose lanes hold whole groups take
+// keep_group once per group instead.
 template <class Acc>
 SHARDLIB_HD Acc keep_scale(const tile_problem& p, Acc kept, std::int64_t n, std::int64_t h, std::int64_t i,
                            std::int64_t j) {
   if (!p.dropout) return Acc(1);
-  const std::uint64_t index = std::uint64_t(((n * p.heads + h) * p.queries + i) * p.keys + j);
-  return nn::dropout_keep(p.rng, index, p.dropout_p) ? kept : Acc(0);
+  return p.keeps(n * p.heads + h, p.queries, p.keys, i, j) ? kept : Acc(0);
 }
 
 // Causal tiles: keys [0, key_end(p, i_last)) are all the keys queries up to

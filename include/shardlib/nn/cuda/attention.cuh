@@ -29,8 +29,8 @@ namespace shardlib::nn {
 // the projected rows, as the host runs sdpa on them: the [N, H, L, L] weights
 // are never stored, forward keeps only the attention output and each query's
 // log-sum-exp ([N, H, L] floats) for backward, which recomputes the weights.
-// The key padding mask and the weights' dropout (element i of [N, H, L, L] drawn
-// at index i from one ctx.random_stream() per forward) are the host's, so the
+// The key padding mask and the weights' dropout (nn::attention_keep's groups of
+// [N, H, L, L], from one ctx.random_stream() per forward) are the host's, so the
 // masks are the host's bit for bit. An attention mask (ctx.attention_mask()) is
 // refused with an error naming the layer: the fused kernel reads none.
 template <class T>

@@ -58,7 +58,7 @@ namespace shardlib::nn::detail {
 // seen so far (uploaded when a longer sequence comes; with the KV cache on, once
 // for its capacity), then the fused attention
 // (ops/cuda/flash_attention.cuh: causal, the context's key padding, dropout drawn
-// as nn::sdpa draws it, by the weight's index in [B, H, Lq, Lk] from the
+// as nn::sdpa draws it, nn::attention_keep's groups of [B, H, Lq, Lk] from the
 // context's stream), which keeps only the row log-sum-exps [B, H, S] for
 // backward, never the [S, S] weights. Backward runs the fused backward, then the
 // inverse rotation of dq and dk. The KV cache (inference) is the host's, in device

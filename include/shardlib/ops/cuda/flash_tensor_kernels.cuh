@@ -154,10 +154,18 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
       for (int r = 0; r < slots; ++r) row[r].sum += row_sum(sum[r]);
       if constexpr (Dropout) {
         __syncwarp();
-        for (int r = 0; r < edge; ++r)
-          for (int c = lane; c < tile; c += 32)
-            if ((v.all || v.sees(r, c)) && flash::keep_scale(p, kept, n, h, first + r, j0 + c) == 0.0f)
+        static_assert(edge == 16 && tile == 64, "the groups' numbering below");
+#pragma unroll 1  // one block at a time: four at once spill
+        for (int q = lane; q < edge * tile / 8; q += 32) {  // the warp's 128 groups of 8 (lane_group)
+          const int r0 = q & 7, c0 = (q >> 5) * edge + 2 * ((q >> 3) & 3);  // the group's first weight
+          const std::uint32_t group = flash::keep_group(p, n, h, first + r0, j0 + c0);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            const int r = r0 + 8 * (k >> 2), c = c0 + (k & 1) + 8 * ((k >> 1) & 1);
+            if ((v.all || v.sees(r, c)) && !((group >> nn::attention_keep::slot(r, c)) & 1u))
               pw[r * weight_pitch + c] = T(0.0f);
+          }
+        }
         rescale();
         __syncwarp();  // the weights are in shared memory for the product
       }
@@ -244,7 +252,9 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
       const tile_view v = query_rows(p, n, first, j0);
       with_flags(v.all, [&](auto all) {
 #pragma unroll
-        for (int cc = 0; cc < chunks; ++cc)
+        for (int cc = 0; cc < chunks; ++cc) {
+          const std::uint32_t group =
+              p.dropout ? lane_group(p, n, h, first + row_of(slot_of(0), lane), j0 + cc * edge + column_of(0, lane)) : 0;
 #pragma unroll
           for (int e = 0; e < accumulator::num_elements; e += 2) {  // two neighbours in a row
             const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
@@ -252,13 +262,14 @@ __global__ void __launch_bounds__(warps * 32) dq_kernel(backward_args<T> a) {
 #pragma unroll
             for (int x = 0; x < 2; ++x) {  // flash::weight by exp_less, then the score's gradient
               const float w = all.value || v.sees(rr, col + x) ? exp_less(s[cc].x[e + x], scale2, lse2[r]) : 0.0f;
-              const float keep = p.dropout ? flash::keep_scale(p, kept, n, h, first + rr, j0 + col + x) : 1.0f;
+              const float keep = p.dropout ? lane_keep(p, group, kept, n, h, first + rr, j0 + col + x) : 1.0f;
               // a hidden key's gradient is 0 even where dO . v is not finite (an inf in a value
               // row this query does not see); a wholly visible tile has none to test
               ds[x] = all.value || w != 0.0f ? flash::score_grad(w, dp[cc].x[e + x], keep, row_d[r]) : 0.0f;
             }
             set_pair<T>(dsr[cc], e, ds[0], ds[1]);  // the next product's operand, in registers
           }
+        }
       });
       accumulate<DM>(gq, dsr, ks);  // dQ += dS K
     }
@@ -347,6 +358,16 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
       const tile_view v = key_rows(p, n, first, i0);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // 32 queries at a time: fewer registers
+        // Dropout's decisions for the half's weights, 8 bits per group: two groups per chunk
+        // (lane_group), drawn before the products' accumulators take their registers.
+        static_assert(chunks == 4, "4 groups of 8 bits in 32");
+        std::uint32_t groups = 0;
+        if (p.dropout)
+#pragma unroll
+          for (int k = 0; k < chunks; ++k)  // chunk k / 2, query column k % 2 of the lane's pairs
+            groups |= lane_group(p, n, h, i0 + half * (tile / 2) + (k >> 1) * edge + column_of(k & 1, lane),
+                                 first + row_of(slot_of(0), lane))
+                      << (8 * k);
         accumulator st[chunks / 2], dpt[chunks / 2];
         products<DM>(st, ks + warp * edge * rp, q + half * (tile / 2) * rp);      // K Q^T = S^T
         products<DM>(dpt, vs + warp * edge * rp, dos + half * (tile / 2) * rp);  // V dO^T = dP^T
@@ -370,7 +391,7 @@ __global__ void __launch_bounds__(warps * 32) dkdv_kernel(backward_args<T> a) {
                 const float w = all.value || v.sees(rr, c) ? exp_less(st[cc].x[e + x], scale2, lse2[j]) : 0.0f;
                 // with dropout a hidden key's keep is 0 without the generator (without, keep 1 changes nothing)
                 const float keep =
-                    !dropout.value ? 1.0f : w == 0.0f ? 0.0f : flash::keep_scale(p, kept, n, h, i0 + c, first + rr);
+                    !dropout.value ? 1.0f : w == 0.0f ? 0.0f : lane_keep(p, groups >> (8 * (2 * cc + x)), kept, n, h, i0 + c, first + rr);
                 ds[x] = flash::score_grad(w, dpt[cc].x[e + x], keep, d[j]);
                 pt[x] = w * keep;
               }

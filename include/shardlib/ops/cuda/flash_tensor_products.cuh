@@ -218,8 +218,12 @@ __device__ void accumulate(accumulator (&acc)[DM / edge], const row_operand<T> (
 }
 
 // --- which elements of a 16x16 accumulator a lane holds -------------------------------------
-// On a GPU (the layout the probe checks): element e of lane `lane` at column mma_column; the
-// lane's four columns numbered by mma_column_slot (tests/emulated checks the three agree).
+// On a GPU (the layout the probe checks): element e of lane `lane` in row mma_row (its slot's)
+// and column mma_column; the lane's four columns numbered by mma_column_slot (tests/emulated
+// checks the three agree).
+__host__ __device__ constexpr int mma_slot(int e) { return (e >> 1) & 1; }
+__host__ __device__ constexpr int mma_row_of_slot(int slot, int lane) { return lane / 4 + 8 * slot; }
+__host__ __device__ constexpr int mma_row(int e, int lane) { return mma_row_of_slot(mma_slot(e), lane); }
 __host__ __device__ constexpr int mma_column(int e, int lane) { return 2 * (lane & 3) + (e & 1) + 8 * (e >> 2); }
 __host__ __device__ constexpr int mma_column_slot(int e) { return (e & 1) + 2 * (e >> 2); }
 __host__ __device__ constexpr int mma_column_of_slot(int j, int lane) { return 2 * (lane & 3) + (j & 1) + 8 * (j >> 1); }
@@ -237,8 +241,8 @@ inline constexpr bool holds_whole_tile = requires { F::whole_tile; };
 inline constexpr bool whole_tiles = holds_whole_tile<accumulator>;
 inline constexpr int slots = whole_tiles ? edge : 2;  // the rows a lane holds elements of
 
-__device__ inline int slot_of(int e) { return whole_tiles ? e / edge : (e >> 1) & 1; }
-__device__ inline int row_of(int slot, int lane) { return whole_tiles ? slot : lane / 4 + 8 * slot; }
+__device__ inline int slot_of(int e) { return whole_tiles ? e / edge : mma_slot(e); }
+__device__ inline int row_of(int slot, int lane) { return whole_tiles ? slot : mma_row_of_slot(slot, lane); }
 __device__ inline int column_of(int e, int lane) { return whole_tiles ? e % edge : mma_column(e, lane); }
 // The columns a lane holds elements of (4 on a GPU: two pairs 8 apart), which of them
 // element e is in, and column slot j's column.
