@@ -258,8 +258,9 @@ TEMPLATE_TEST_CASE("the attention kernels, emulated, draw nn::sdpa's dropout mas
   }
 }
 
-// On a GPU dq draws dropout once per lane and accumulator, at its element 0, and dk/dv (rows
-// are keys) twice, at its elements 0 and 1 (lane_group); each element then reads its bit.
+// On a GPU forward and dq draw dropout once per lane and accumulator, at its element 0, and
+// dk/dv (rows are keys) twice, at its elements 0 and 1 (lane_group); each element then reads
+// its bit.
 // That holds only if those elements head the groups (nn::attention_keep) of all 8 in
 // mma.sync's layout, for a tile whose first row and column are multiples of 16.
 TEST_CASE("a lane's accumulator elements are whole dropout groups", "[emulated][flash][dropout]") {

@@ -13,9 +13,9 @@ namespace shardlib::nn {
 // 3 clear, j with bits 0 and 3 clear). A group is one Philox4x32-10 block drawn
 // at the index of its first weight in [B, H, Lq, Lk], 16 bits per weight, so the
 // fused attention's lanes, which hold exactly such groups in mma.sync's 16x16
-// accumulators, draw a block for 8 weights (dq) or for 4 (dk/dv, whose
-// accumulators hold the weights transposed), and forward one per group, where
-// nn::Dropout draws one per element. Weight s of its group (slot) is kept iff its
+// accumulators, draw a block for 8 weights (forward, dq) or for 4 (dk/dv, whose
+// accumulators hold the weights transposed) where nn::Dropout draws one per
+// element. Weight s of its group (slot) is kept iff its
 // 16 bits v satisfy v / 2^16 >= p, that is v >= ceil(p 2^16): p resolves to 2^-16
 // (nn::Dropout's 24 bits would need a block per 5 weights), so the kept weights'
 // scale 1 / (1 - p) is off their mean by at most 2^-16 / (1 - p). Host (nn::sdpa,

@@ -47,17 +47,17 @@ struct wmma_type<shardlib::half> {
 };
 
 // Shared memory per block (every region starts 32-byte aligned, as wmma's loads need):
-// staged tiles of rows, each warp's 16 rows of weights on their way from its accumulators
-// to the next product (forward's P with dropout, dk/dv's P^T and dS^T;
-// dq's dS stays in registers), and dk/dv's two query buffers with their lse and D (and one
-// dO buffer). At the end the accumulators go out through the first two staged tiles.
+// staged tiles of rows, dk/dv's P^T and dS^T (each warp's 16 rows of weights on their way
+// from its accumulators to the next product; forward's P and dq's dS stay in registers),
+// and dk/dv's two query buffers with their lse and D (and one dO buffer). At the end the
+// accumulators go out through the first two staged tiles.
 template <int DM>
 constexpr std::size_t rows_bytes = std::size_t(tile) * row_pitch<DM> * 2;
 constexpr std::size_t weights_bytes = std::size_t(tile) * weight_pitch * 2;
 template <int DM>
 constexpr std::size_t through_bytes = std::size_t(warps) * edge * acc_pitch<DM> * 4;
 template <int DM>
-constexpr std::size_t forward_bytes = 3 * rows_bytes<DM> + weights_bytes;
+constexpr std::size_t forward_bytes = 3 * rows_bytes<DM>;
 template <int DM>
 constexpr std::size_t dq_bytes = 4 * rows_bytes<DM>;
 template <int DM>

@@ -22,18 +22,18 @@
 // that share them, masks decided per tile (most tiles need no test per element); the
 // output, dq, dk and dv accumulate in fragments, forward's rescaled there by the online
 // softmax. Forward's weights P and dq's score gradients dS become the next product's
-// operand in registers (row_operand; forward without dropout multiplies each 16-key chunk by
-// its rows of V as soon as it is made); forward's with dropout, and dk/dv's P^T and dS^T,
-// pass through shared memory (16 rows x 64 in T per warp), where forward's dropout pass
-// zeroes weights and dk/dv's keep both until their products after the halves; the
-// finished rows go out through the staged tiles' memory, 16 bytes per store.
+// operand in registers (row_operand; forward multiplies each 16-key chunk by its rows of V
+// as soon as it is made, its dropped weights zeroed there); dk/dv's P^T and dS^T pass
+// through shared memory (16 rows x 64 in T per warp), which keeps both until their products
+// after the halves; the finished rows go out through the staged tiles' memory, 16 bytes per
+// store.
 //
 // Tiles come in by cp.async (16 bytes per copy), the next while the warps work on
 // the current one: forward and dq keep one K and one V tile and fetch K_{j+1}
 // (forward) or V_{j+1} (dq) as soon as every warp is done with this tile's; dk/dv
 // double-buffers Q (with lse and D) and fetches dO_{t+1} once every warp is done with
-// dO_t. Shared memory per block at head_dim 128: forward 61,440 bytes, dq 69,632,
-// dk/dv 106,496 (each two blocks per SM on an H100 or H200).
+// dO_t. Shared memory per block at head_dim 128: forward 52,224 bytes, dq 69,632,
+// dk/dv 106,496 (each two blocks per SM on an H100 or H200 at least).
 #pragma once
 #include "shardlib/config.hpp"
 #include "shardlib/ops/attention_tiles.hpp"
@@ -68,11 +68,9 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
   T* qs = c.take<T>(tile * rp);
   T* ks = c.take<T>(tile * rp);
   T* vs = c.take<T>(tile * rp);
-  T* pw = c.take<T>(tile * weight_pitch) + warp * edge * weight_pitch;  // the warp's weights, with dropout
 
   // K and V go in separate groups, the next tile's as soon as this tile's is read:
-  // V_j lands while the warps compute Q K_j^T (and, with dropout, the softmax), K_{j+1}
-  // during the softmax and P V_j.
+  // V_j lands while the warps compute Q K_j^T, K_{j+1} during the softmax and P V_j.
   const std::int64_t i_last = last_row(i0, tile, p.queries), end = flash::key_end(p, i_last);
   if (end > 0) {  // else nothing is read (and no copy is left in flight at the end)
     stage<DM>(qs, a.q, n, h, i0, p.queries, a.dim);
@@ -96,8 +94,8 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
     __syncthreads();  // every warp is done with K_j
     if (next) stage<DM>(ks, a.k, n, g, j0 + tile, p.keys, a.dim);
     __pipeline_commit();
-    // Without dropout P V runs chunk by chunk inside the softmax: V_j first (FlashAttention-2's order)
-    if constexpr (!Dropout) landed<1>();  // V_j (K_{j+1} may still be on its way)
+    // P V runs chunk by chunk inside the softmax: V_j first (FlashAttention-2's order)
+    landed<1>();  // V_j (K_{j+1} may still be on its way)
     if (seen) {
       const tile_view v = query_rows(p, n, first, j0);
       float top[slots], alpha[slots], sum[slots], max2[slots];
@@ -121,21 +119,21 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
         max2[r] = log2_scaled(row[r].max);
         raised = raised || !(alpha[r] == 1.0f);
       }
-      const auto rescale = [&] {  // O = alpha O; else O = 1 O: skipped, exactly
-        if (__any_sync(0xffffffffu, raised))
+      if (__any_sync(0xffffffffu, raised))  // O = alpha O; else O = 1 O: skipped, exactly
 #pragma unroll
-          for (int dc = 0; dc < DM / edge; ++dc)
+        for (int dc = 0; dc < DM / edge; ++dc)
 #pragma unroll
-            for (int e = 0; e < accumulator::num_elements; ++e) o[dc].x[e] *= alpha[slot_of(e)];
-      };
-      if constexpr (!Dropout) rescale();
-      // Without dropout each 16-key chunk of weights becomes the operand of its part of P V in
-      // registers (row_operand) and is multiplied at once, as FlashAttention-2 does. With
-      // dropout they go to shared memory, where a pass of their own zeroes the dropped ones
-      // (the generator stays out of this loop), and P V follows.
+          for (int e = 0; e < accumulator::num_elements; ++e) o[dc].x[e] *= alpha[slot_of(e)];
+      // Each 16-key chunk of weights becomes the operand of its part of P V in registers
+      // (row_operand) and is multiplied at once, as FlashAttention-2 does; with dropout the
+      // lane draws its chunk's group (lane_group) and zeroes the dropped weights there, after
+      // the row's sum has taken them.
 #pragma unroll
       for (int cc = 0; cc < chunks; ++cc) {
         row_operand<T> pc;
+        std::uint32_t group = 0;
+        if constexpr (Dropout)
+          group = lane_group(p, n, h, first + row_of(slot_of(0), lane), j0 + cc * edge + column_of(0, lane));
 #pragma unroll
         for (int e = 0; e < accumulator::num_elements; e += 2) {  // two neighbours in a row
           const int r = slot_of(e), rr = row_of(r, lane), col = cc * edge + column_of(e, lane);
@@ -144,35 +142,14 @@ __global__ void __launch_bounds__(warps * 32) forward_kernel(forward_args<T> a) 
           for (int x = 0; x < 2; ++x) {  // flash::unnormalised_weight by exp_less, the scale folded in
             w[x] = exp_less(s[cc].x[e + x], scale2, max2[r]);
             sum[r] += w[x];
+            if constexpr (Dropout) w[x] = lane_keep(p, group, 1.0f, n, h, first + rr, j0 + col + x) != 0.0f ? w[x] : 0.0f;
           }
-          if constexpr (Dropout) store_pair(pw + rr * weight_pitch + col, w[0], w[1]);
-          else set_pair<T>(pc, e, w[0], w[1]);
+          set_pair<T>(pc, e, w[0], w[1]);
         }
-        if constexpr (!Dropout) accumulate_chunk<DM>(o, pc, vs + cc * edge * rp);  // O += P_cc V_cc
+        accumulate_chunk<DM>(o, pc, vs + cc * edge * rp);  // O += P_cc V_cc
       }
 #pragma unroll
       for (int r = 0; r < slots; ++r) row[r].sum += row_sum(sum[r]);
-      if constexpr (Dropout) {
-        __syncwarp();
-        static_assert(edge == 16 && tile == 64, "the groups' numbering below");
-#pragma unroll 1  // one block at a time: four at once spill
-        for (int q = lane; q < edge * tile / 8; q += 32) {  // the warp's 128 groups of 8 (lane_group)
-          const int r0 = q & 7, c0 = (q >> 5) * edge + 2 * ((q >> 3) & 3);  // the group's first weight
-          const std::uint32_t group = flash::keep_group(p, n, h, first + r0, j0 + c0);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            const int r = r0 + 8 * (k >> 2), c = c0 + (k & 1) + 8 * ((k >> 1) & 1);
-            if ((v.all || v.sees(r, c)) && !((group >> nn::attention_keep::slot(r, c)) & 1u))
-              pw[r * weight_pitch + c] = T(0.0f);
-          }
-        }
-        rescale();
-        __syncwarp();  // the weights are in shared memory for the product
-      }
-    }
-    if constexpr (Dropout) {  // V_j landed during the softmax
-      landed<1>();
-      if (seen) accumulate<DM>(o, pw, vs);  // O = alpha O + P V
     }
     __syncthreads();  // every warp is done with V_j
     if (next) stage<DM>(vs, a.v, n, g, j0 + tile, p.keys, a.dim);

@@ -103,12 +103,11 @@ __device__ void with_flags(bool a, bool b, F&& f) {
 }
 // Dropout decides 8 weights per draw (nn::attention_keep's groups: queries i, i ^ 8 against
 // keys j, j ^ 1, j ^ 8, j ^ 9). On a GPU a lane's 8 elements of a 16x16 accumulator of weights
-// whose first row and column are multiples of 16 are one group where rows are queries (dq:
-// element 0 heads it) and two where rows are keys (dk/dv: elements 0 and 1 head them;
-// tests/emulated checks both with mma_row and mma_column). So a lane draws a group once
+// whose first row and column are multiples of 16 are one group where rows are queries
+// (forward, dq: element 0 heads it) and two where rows are keys (dk/dv: elements 0 and 1 head
+// them; tests/emulated checks both with mma_row and mma_column). So a lane draws a group once
 // (lane_group) and reads each weight's bit from it (lane_keep, with dropout only); where every
-// lane holds the whole tile (tests/emulated) each weight draws its own. (Forward zeroes its
-// dropped weights in shared memory, a group per lane at a time.)
+// lane holds the whole tile (tests/emulated) each weight draws its own.
 __device__ inline std::uint32_t lane_group(const flash::tile_problem& p, std::int64_t n, std::int64_t h,
                                            std::int64_t i, std::int64_t j) {
   if constexpr (whole_tiles) return 0;
