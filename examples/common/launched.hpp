@@ -8,10 +8,13 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/flags.hpp"  // max_thread_ranks
+
 namespace example {
 
-// True when no launcher started the process. Malformed launcher variables count as a
-// launcher here: the run raises on them when it starts.
+// True when no launcher started the process; then --world is at most max_thread_ranks (a
+// launcher's world has no such bound). Malformed launcher variables count as a launcher
+// here: the run raises on them when it starts.
 inline bool ranks_are_threads(const CLI::App& cli, long world) {
   namespace comm = shardlib::comm;
   comm::launch_environment env;
@@ -20,7 +23,13 @@ inline bool ranks_are_threads(const CLI::App& cli, long world) {
   } catch (const shardlib::error&) {
     return false;
   }
-  if (env.kind == comm::launcher::none) return true;
+  if (env.kind == comm::launcher::none) {
+    if (world > max_thread_ranks)
+      throw CLI::ValidationError("--world", shardlib::cat(world, " rank threads, where one process takes at most ",
+                                                          max_thread_ranks, " (more ranks: one per process under a "
+                                                          "launcher)"));
+    return true;
+  }
   if (cli.count("--world") > 0 && env.size != world)
     throw CLI::ValidationError("--world", shardlib::cat(world, ", but ", comm::name(env.kind), " started this as one of ",
                                                         env.size, " processes, a rank each"));

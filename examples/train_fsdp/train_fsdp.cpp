@@ -20,6 +20,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -72,8 +73,8 @@ int main(int argc, char** argv) {
                             "layer a sharded unit, on --world rank threads (or one rank per process under tools/launch, "
                             "torchrun, Slurm or mpirun).",
                             "train_fsdp");
-  cli.add_option("--world", s.world, "ranks, as threads of this process")
-      ->check(example::whole(1, example::max_thread_ranks));
+  cli.add_option("--world", s.world, "ranks, as threads of this process (under a launcher: one per process)")
+      ->check(example::whole(1, std::numeric_limits<int>::max()));
   cli.add_option("--strategy", s.strategy, "sharding strategy")
       ->check(CLI::IsMember({"full", "grad-op", "optimizer", "none", "hybrid"}));
   cli.add_option("--group", s.group, "HybridShard: ranks one replica is sharded over")

@@ -42,6 +42,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <iterator>
 #include <string>
 #include <type_traits>
@@ -178,7 +179,7 @@ int main(int argc, char** argv) {
                             "Hugging Face checkpoint.",
                             "train_gpt");
   cli.add_option("--world", s.world, "ranks, as threads of this process (under a launcher: one per process)")
-      ->check(example::whole(1, example::max_thread_ranks));
+      ->check(example::whole(1, std::numeric_limits<int>::max()));
   example::add_byte_model_flags(cli, s);
   example::add_lm_run_flags(cli, s);
   example::add_sample_flags(cli, s);
