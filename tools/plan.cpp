@@ -73,6 +73,7 @@ struct settings : example::accumulation_flags {
   bool no_frozen_masters = false;  // shard::options::frozen_masters = false
   bool no_frozen_grads = false;    // shard::options::frozen_grads = false
   std::string preset;  // --model: a preset's name or a config.json's path
+  std::optional<plan::decoder_shape> decoder;  // --model's, read once while the flags are checked
   long frozen_layers = 0;  // --frozen-layers
   long keep_gathered = 0;  // --keep-gathered: the last N units
   int reshard_to = 0;      // --reshard-to: shard::policy::reshard_to of FullShard and HybridShard
@@ -268,13 +269,13 @@ settings parse(int argc, char** argv) {
                                                           " units besides the root"));
     };
     if (!s.preset.empty()) {
-      plan::decoder_shape m;
       try {
-        m = decoder_of(s);
-        (void)plan::decoder(m);  // the shape's own checks
+        s.decoder = decoder_of(s);
+        (void)plan::decoder(*s.decoder);  // the shape's own checks
       } catch (const error& e) {
         throw CLI::ValidationError("--model", e.what());
       }
+      const plan::decoder_shape& m = *s.decoder;
       const long layers = m.layers;
       check_kept(layers);
       if (s.frozen_layers > layers)
@@ -601,9 +602,9 @@ int main(int argc, char** argv) {
     }
     plan::precision p{.param = parse_type(s.param), .reduce = parse_type(s.reduce)};
     p.compute = !s.compute.empty() ? parse_type(s.compute) : s.encoder ? dtype::f32 : p.param;
-    std::optional<plan::decoder_shape> decoder;
-    if (!s.preset.empty()) {
-      const auto& m = decoder.emplace(decoder_of(s));
+    const std::optional<plan::decoder_shape>& decoder = s.decoder;
+    if (decoder) {
+      const plan::decoder_shape& m = *decoder;
       const std::string head = m.head_size() * m.heads != m.hidden ? cat(", head size ", m.head_size()) : std::string();
       const std::string biases = m.attention_bias || m.mlp_bias
                                      ? cat(", biases on ", m.attention_bias ? "attention" : "",
