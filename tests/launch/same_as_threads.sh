@@ -22,7 +22,7 @@ model() { if $save_dir; then echo "$out/$1/model.safetensors"; else echo "$out/$
 output threads
 "$program" --world "$n" "${written[@]}" "$@" >"$out/threads.txt"
 if [[ -n $mpirun ]]; then
-  launcher=("$mpirun" -np "$n" --oversubscribe)
+  launcher=("$mpirun" -n "$n")  # oversubscribed through the environment (tests/mpi)
 else
   launcher=("$here/../../tools/launch" -n "$n" --)
 fi

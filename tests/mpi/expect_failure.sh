@@ -18,7 +18,7 @@ shift
 start=$(date +%s%N)
 # shellcheck disable=SC2016  # expanded by the shell around each process
 output=$(timeout --kill-after=10 "$limit" "${launcher[@]}" \
-  sh -c '"$@"; s=$?; echo "rank $OMPI_COMM_WORLD_RANK exit status $s"; exit $s' sh "${program[@]}" 2>&1)
+  sh -c '"$@"; s=$?; echo "rank ${OMPI_COMM_WORLD_RANK:-$PMI_RANK} exit status $s"; exit $s' sh "${program[@]}" 2>&1)
 status=$?
 ms=$((($(date +%s%N) - start) / 1000000))
 printf '%s\n' "$output"
