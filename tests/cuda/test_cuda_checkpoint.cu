@@ -38,6 +38,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace test_cuda_checkpoint {
+
 namespace {
 
 using namespace device_test;
@@ -330,3 +332,5 @@ TEST_CASE("a device model trained by SGD with momentum writes the host's files a
   for (const auto& p : problems) CHECK(p.empty());
   require_same_files(dev, hst, 3 + 1);
 }
+
+}  // namespace test_cuda_checkpoint

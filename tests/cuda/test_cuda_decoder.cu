@@ -29,6 +29,8 @@
 #include <string>
 #include <vector>
 
+namespace test_cuda_decoder {
+
 namespace {
 
 using namespace device_test;
@@ -656,3 +658,5 @@ TEST_CASE("device decoder attention refuses attention masks and misuse of the KV
   CHECK(models::generate(model, prompt, {.max_new_tokens = 2}).shape() == sl::Shape{2, 5});
   CHECK(sl::ops::cuda::deferred_index_reports().size() == 0);
 }
+
+}  // namespace test_cuda_decoder

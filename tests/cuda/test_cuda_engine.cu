@@ -41,6 +41,8 @@
 
 #include "device_test.hpp"
 
+namespace test_cuda_engine {
+
 namespace sl = shardlib;
 using namespace device_test;
 
@@ -1101,3 +1103,5 @@ TEST_CASE("a device train_step through an Embedding waits only when its loss is 
                     "Embedding(10, 8): id 12 at position [1, 2] of the input [4, 5] is out of range for a table of "
                     "10 rows");
 }
+
+}  // namespace test_cuda_engine

@@ -49,6 +49,8 @@
 #include "device_test.hpp"
 #include "support/compare.hpp"
 
+namespace test_cuda_gemm {
+
 namespace sl = shardlib;
 namespace nn = shardlib::nn;
 namespace oc = shardlib::ops::cuda;
@@ -665,3 +667,5 @@ TEMPLATE_TEST_CASE("device Linear with a fused ReLU or tanh-GELU equals the host
     for (auto act : {nn::fused_activation::relu, nn::fused_activation::gelu_tanh})
       compare_linear<TestType>(rows, in, out, act, rnd, stream);
 }
+
+}  // namespace test_cuda_gemm

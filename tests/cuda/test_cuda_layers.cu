@@ -61,6 +61,8 @@
 #include "device_test.hpp"
 #include "support/compare.hpp"
 
+namespace test_cuda_layers {
+
 namespace sl = shardlib;
 namespace nn = shardlib::nn;
 using namespace device_test;
@@ -1035,3 +1037,5 @@ TEST_CASE("device cross-entropy raises the host's error for a bad target", "[cud
                     sl::shape_error);
   }
 }
+
+}  // namespace test_cuda_layers

@@ -37,6 +37,8 @@
 
 #include "device_test.hpp"
 
+namespace test_cuda_ops {
+
 namespace sl = shardlib;
 namespace oc = shardlib::ops::cuda;
 using namespace device_test;
@@ -701,3 +703,5 @@ TEMPLATE_TEST_CASE("masked softmax over many rows and over long rows matches the
     require_close(download_float(ddp, f.stream), rounded<T>(dp_host), rtol<T>, 10 * rtol<T> * max_abs(dp_host));
   }
 }
+
+}  // namespace test_cuda_ops

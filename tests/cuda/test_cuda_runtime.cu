@@ -21,6 +21,8 @@
 
 #include "device_test.hpp"
 
+namespace test_cuda_runtime {
+
 namespace sl = shardlib;
 namespace oc = shardlib::ops::cuda;
 using namespace device_test;
@@ -330,3 +332,5 @@ TEST_CASE("copies move data between host, pinned and device memory on a stream",
   CHECK(a.type == cudaMemoryTypeHost);
   CHECK_THROWS_AS(sl::cuda::copy_async(back.span(), std::span<const int>(host).first(3), s), sl::shape_error);
 }
+
+}  // namespace test_cuda_runtime

@@ -31,6 +31,8 @@
 #include <utility>
 #include <vector>
 
+namespace test_cuda_training {
+
 namespace {
 
 using namespace device_test;
@@ -338,3 +340,5 @@ TEST_CASE("train_step weighing micro-batches by their items trains on the GPU as
     CHECK(sl::nn::cross_entropy.items(sl::cuda::to_device(y)) == sl::nn::cross_entropy.items(y));
   }
 }
+
+}  // namespace test_cuda_training

@@ -29,6 +29,8 @@
 #include "device_test.hpp"
 #include "staged_comm.hpp"
 
+namespace test_nccl {
+
 namespace sl = shardlib;
 using namespace device_test;
 using sl::comm::NcclComm;
@@ -377,3 +379,5 @@ TEST_CASE("from_store hands rank 0's id to every rank through the TCP store", "[
     CHECK(gathered[r] == want);
   }
 }
+
+}  // namespace test_nccl

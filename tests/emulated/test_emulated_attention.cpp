@@ -37,6 +37,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace test_emulated_attention {
+
 namespace {
 
 namespace sl = shardlib;
@@ -388,3 +390,5 @@ TEMPLATE_TEST_CASE("the CUDA-core attention kernels, emulated, equal nn::sdpa", 
   for (const attention_case& c : test_support::small_attention_cases())
     check_case<TestType>(c, rnd, tolerance<TestType>(), false);
 }
+
+}  // namespace test_emulated_attention

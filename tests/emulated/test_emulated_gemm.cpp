@@ -9,6 +9,8 @@
 #include <shardlib/nn/cuda/tied_linear.cuh>
 #include <shardlib/nn/tied_linear.hpp>
 
+namespace test_cuda_gemm {  // the device test's, whose helpers these cases use
+
 namespace {
 
 // Sets one of the stand-in's refusals for a scope: the heuristic's "no algorithm"
@@ -144,3 +146,5 @@ TEMPLATE_TEST_CASE("the device TiedLinear at an odd vocabulary gives cuBLAS alig
   near(to_host(dx.span()), hdx);
   near(download_float(dgw, dc.stream), hgw);
 }
+
+}  // namespace test_cuda_gemm

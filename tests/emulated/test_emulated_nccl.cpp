@@ -5,6 +5,8 @@
 // again with the ranks meeting through files (test_emulated_nccl.files), as processes do.
 #include "cuda/test_nccl.cpp"
 
+namespace test_nccl {  // the device test's, whose helpers these cases use
+
 namespace {
 
 // SHARDLIB_EMULATED_NCCL_DIR set to a fresh folder for a scope, then as it was.
@@ -140,3 +142,5 @@ TEST_CASE("through files, a refused communicator stays refused at every poll", "
     CHECK_THAT(why[std::size_t(r)], Catch::Contains("Duplicate GPU detected: ranks 0 and 1 both on device 0"));
   }
 }
+
+}  // namespace test_nccl

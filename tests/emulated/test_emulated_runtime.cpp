@@ -9,6 +9,8 @@
 
 #include "cuda_emulator.hpp"
 
+namespace test_cuda_runtime {  // the device test's, whose helpers these cases use
+
 namespace {
 // shared_kernel's `extern __shared__` array: as much as an sm_90 block may have.
 alignas(16) int shared_ints[cuda_emulator::shared_capacity / sizeof(int)];
@@ -17,3 +19,5 @@ alignas(16) int shared_ints[cuda_emulator::shared_capacity / sizeof(int)];
   return true;
 }();
 }  // namespace
+
+}  // namespace test_cuda_runtime

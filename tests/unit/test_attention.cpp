@@ -17,6 +17,8 @@
 #include "support/gradcheck.hpp"
 #include "support/compare.hpp"
 
+namespace test_attention {
+
 using namespace shardlib;
 using namespace shardlib::nn;
 
@@ -569,3 +571,5 @@ TEST_CASE("TransformerEncoderLayer names what is wrong with a shape", "[nn][atte
                       Catch::Contains("key_padding_mask must be [N, L] = [2, 5] (batch, keys), got [2, 4]"));
   }
 }
+
+}  // namespace test_attention

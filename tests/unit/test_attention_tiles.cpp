@@ -23,6 +23,8 @@
 #include "support/compare.hpp"
 #include "support/random_inputs.hpp"
 
+namespace test_attention_tiles {
+
 namespace {
 
 using namespace shardlib;
@@ -367,3 +369,5 @@ TEST_CASE("fused attention tiles: backward equals finite differences (float64)",
   CHECK(worst.count() > 100);
   CHECK(worst <= 1e-7);  // central differences: h^2 truncation and 1e-16 / h rounding
 }
+
+}  // namespace test_attention_tiles

@@ -11,6 +11,8 @@
 #include <random>
 #include <vector>
 
+namespace test_block_pool {
+
 namespace sl = shardlib;
 
 namespace {
@@ -251,3 +253,5 @@ TEST_CASE("block_pool under random requests never hands out overlapping bytes an
   CHECK(end.free_blocks == 0);
   CHECK(end.allocated == 0);
 }
+
+}  // namespace test_block_pool

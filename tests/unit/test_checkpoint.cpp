@@ -45,6 +45,8 @@
 #include <sys/wait.h>   // waitpid
 #include <unistd.h>     // getpid, fork, setuid, pipe
 
+namespace test_checkpoint {
+
 using namespace shardlib;
 using Catch::Contains;
 using Catch::StartsWith;
@@ -1491,3 +1493,5 @@ TEST_CASE("sharded -> safetensors -> sharded at another world size without a mod
                     Contains("lies inside the checkpoint"));
   CHECK(io::verify_checkpoint(dir / "four" / "step-00000002").empty());
 }
+
+}  // namespace test_checkpoint

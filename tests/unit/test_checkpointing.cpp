@@ -34,6 +34,8 @@
 #include <utility>
 #include <vector>
 
+namespace test_checkpointing {
+
 using namespace shardlib;
 using Catch::Matchers::Contains;
 
@@ -314,3 +316,5 @@ TEST_CASE("a checkpointed layer run twice in one forward is refused, naming it",
   const auto y = ctx.forward(inner, x);
   CHECK_THROWS_WITH(ctx.forward(inner, y), Contains("'0'") && Contains("ran forward twice"));
 }
+
+}  // namespace test_checkpointing

@@ -11,6 +11,8 @@
 #include <sstream>
 #include <vector>
 
+namespace test_compare {
+
 using test_support::max_error;
 
 namespace {
@@ -141,3 +143,5 @@ TEST_CASE("relative_norm_error is the difference's 2-norm over want's, and no Na
   CHECK(relative_norm_error(std::vector<double>{3.0, inf}, want) == inf);
   CHECK(relative_norm_error(std::vector<double>{3.0}, want) == inf);  // sizes differ
 }
+
+}  // namespace test_compare

@@ -5,6 +5,8 @@
 
 #include <catch2/catch.hpp>
 
+namespace test_concepts {
+
 using namespace shardlib;
 using namespace shardlib::comm;
 
@@ -60,3 +62,5 @@ TEST_CASE("Communicator accepts complete types and rejects incomplete ones", "[c
   STATIC_REQUIRE(Work<work>);
   STATIC_REQUIRE_FALSE(Work<not_work>);
 }
+
+}  // namespace test_concepts

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <thread>
 
+namespace test_core {
+
 using namespace shardlib;
 
 TEST_CASE("errors derive from shardlib::error and carry the built message", "[core][error]") {
@@ -156,3 +158,5 @@ TEST_CASE("large freed host blocks are kept for reuse below the ledger", "[core]
   host_space::release_cached();
   CHECK(host_space::cached_bytes() == 0);
 }
+
+}  // namespace test_core

@@ -23,6 +23,8 @@
 #include "support/compare.hpp"
 #include "support/raised.hpp"
 
+namespace test_custom_layer {
+
 using namespace shardlib;
 using example::GatedMLP;
 
@@ -183,3 +185,5 @@ TEST_CASE("a composite that bypasses the context gets an error naming the parame
     CHECK_THAT(e, Catch::Contains("GatedMLP: parameter 'inner.gate_proj.weight' has no values bound") &&
                       Catch::Contains("ctx.forward(child, x)"));
 }
+
+}  // namespace test_custom_layer

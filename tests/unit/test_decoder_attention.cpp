@@ -28,6 +28,8 @@
 #include "support/gradcheck.hpp"
 #include "support/shard_fixture.hpp"
 
+namespace test_decoder_attention {
+
 using namespace shardlib;
 using namespace shardlib::nn;
 
@@ -834,3 +836,5 @@ TEST_CASE("Decoder attention matches PyTorch's forward and gradients", "[nn][dec
                                     .head_dim = 8, .rope_theta = 500000, .attention_bias = true};
   parity("llama_mqa_bias", [&](auto t) { return LlamaAttention<decltype(t)>(mqa); }, weighted_sum{}, decoder_dir());
 }
+
+}  // namespace test_decoder_attention

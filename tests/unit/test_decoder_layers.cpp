@@ -32,6 +32,8 @@
 #include "support/golden.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_decoder_layers {
+
 using namespace shardlib;
 using namespace shardlib::nn;
 using gradcheck::random_tensor;
@@ -536,3 +538,5 @@ TEST_CASE("a tiny decoder of these layers trains sharded (FullShard, W = 2) as i
     CHECK(worst_loss <= 1e-5);
   }
 }
+
+}  // namespace test_decoder_layers

@@ -31,6 +31,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace test_device_staging {
+
 using namespace shardlib;
 using negated::negated_space;
 using Catch::Contains;
@@ -607,3 +609,5 @@ TEST_CASE("the scaler's error stays: a result read after the exhausting step's r
   CHECK_THAT(raised, Contains("rank 0: loss scaling: 3 steps in a row were skipped") &&
                         Contains("the loss scale fell to 8192 (min_scale 1)"));
 }
+
+}  // namespace test_device_staging

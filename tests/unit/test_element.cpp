@@ -22,6 +22,8 @@
 #include <string>
 #include <type_traits>
 
+namespace test_element {
+
 using shardlib::bfloat16;
 using shardlib::dtype;
 using shardlib::element_cast;
@@ -512,3 +514,5 @@ TEST_CASE("dtype tags", "[element]") {
     CHECK(msg.find("BOOL") != std::string::npos);
   }
 }
+
+}  // namespace test_element

@@ -26,6 +26,8 @@
 #include <utility>
 #include <vector>
 
+namespace test_failures {
+
 using namespace shardlib;
 
 namespace {
@@ -433,3 +435,5 @@ TEST_CASE("ranks running different numbers of micro-batches raise on every rank 
       CHECK_THAT(errors[std::size_t(r)], Catch::Contains(cat("rank ", r, ": ranks disagree about a collective")));
     }
 }
+
+}  // namespace test_failures

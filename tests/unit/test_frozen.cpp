@@ -34,6 +34,8 @@
 #include <tuple>
 #include <vector>
 
+namespace test_frozen {
+
 using namespace shardlib;
 using fixture::Block;
 using fixture::Model;
@@ -1078,3 +1080,5 @@ TEST_CASE("a unit of frozen parameters with gaps and padding is stepped by no op
       CHECK(frozen_unchanged(train(w, strategy, sgd, unit0, 3, clip_at), unit0));
     }
 }
+
+}  // namespace test_frozen

@@ -51,6 +51,8 @@
 #include <typeindex>
 #include <vector>
 
+namespace test_frozen_backward {
+
 using namespace shardlib;
 using Catch::Matchers::Contains;
 
@@ -551,3 +553,5 @@ TEST_CASE("requires_grad changed after fully_shard is refused at the next forwar
                     "rank 1 of 2 failed: rank 1: parameter 'transformer.h.2.attn.c_attn.bias' has requires_grad false "
                     "but was wrapped with true: set requires_grad (nn::freeze) before fully_shard");
 }
+
+}  // namespace test_frozen_backward

@@ -10,6 +10,8 @@
 #include <limits>
 #include <vector>
 
+namespace test_gemm {
+
 using namespace shardlib;
 
 namespace {
@@ -52,3 +54,5 @@ TEST_CASE("gemm matches a float64 reference for every transpose, beta and leadin
             if (std::memcmp(&c[i * ldc + j], &c0[i * ldc + j], 4) != 0) FAIL("gemm wrote past n in row " << i);
       }
 }
+
+}  // namespace test_gemm

@@ -33,6 +33,8 @@
 
 #include "../support/comm_conformance.hpp"
 
+namespace test_launch {
+
 using namespace shardlib;
 using namespace std::chrono_literals;
 using comm::reduce_op;
@@ -816,3 +818,5 @@ TEST_CASE("under torchrun, rank 0 serves the store on a free port and announces 
                                     "host:port"));
   CHECK(agent.errors().empty());
 }
+
+}  // namespace test_launch

@@ -34,6 +34,8 @@
 #include <string>
 #include <vector>
 
+namespace test_lora {
+
 using namespace shardlib;
 using Catch::Matchers::Contains;
 
@@ -578,3 +580,5 @@ TEST_CASE("adapter files: state_dict_options::only saves and loads the adapters 
     CHECK_THAT(e, Contains("adapter_model.safetensors: state_dict_options::only: no parameter matches '*lora_C*'"));
   }
 }
+
+}  // namespace test_lora

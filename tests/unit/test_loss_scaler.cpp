@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+namespace test_loss_scaler {
+
 using namespace shardlib;
 using namespace fixture;
 using Catch::Contains;
@@ -130,3 +132,5 @@ TEST_CASE("the engine refuses an invalid initial scale at wrap time, naming the 
       CHECK_THAT(e, Catch::Contains(cat("rank ", r, ": loss_scaler.scale must lie in")));
   }
 }
+
+}  // namespace test_loss_scaler

@@ -41,6 +41,8 @@
 #include "support/golden.hpp"
 #include "support/shard_fixture.hpp"
 
+namespace test_models {
+
 using namespace shardlib;
 namespace fs = std::filesystem;
 using fixture_sgd = fixture::sgd;
@@ -2101,3 +2103,5 @@ TEST_CASE("PEFT adapter files shardlib cannot take, and models adapted otherwise
   CHECK(!fs::exists(dir / "out" / "adapter_model.safetensors"));
   fs::remove_all(dir);
 }
+
+}  // namespace test_models

@@ -15,6 +15,8 @@
 #include "support/compare.hpp"
 #include "support/gradcheck.hpp"
 
+namespace test_nn {
+
 using namespace shardlib;
 using namespace shardlib::nn;
 
@@ -126,3 +128,5 @@ TEST_CASE("the whole encoder classifier matches finite differences", "[nn][gradc
     CHECK(r.compared > 200);
   }
 }
+
+}  // namespace test_nn

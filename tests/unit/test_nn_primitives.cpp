@@ -20,6 +20,8 @@
 
 #include "support/gradcheck.hpp"
 
+namespace test_nn_primitives {
+
 using namespace shardlib;
 using namespace shardlib::nn;
 
@@ -546,3 +548,5 @@ TEST_CASE("losses are callables that can be passed as values", "[nn][loss]") {
   CHECK(apply(cross_entropy, z, ids({2}, {0, 1})) == Approx(std::log(2.0f)));
   CHECK(apply(mse_loss, z, Tensor<float>::zeros({2, 2})) == 0.0f);
 }
+
+}  // namespace test_nn_primitives

@@ -23,6 +23,8 @@
 #include <unistd.h>
 #include <vector>
 
+namespace test_offload {
+
 using namespace shardlib;
 using namespace fixture;
 
@@ -312,3 +314,5 @@ TEST_CASE("offload with bf16 layers: a writeback to a frozen unit survives the s
   };
   CHECK(same_and_finite(run(true), run(false)));
 }
+
+}  // namespace test_offload

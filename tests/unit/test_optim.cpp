@@ -36,6 +36,8 @@
 #include <variant>
 #include <vector>
 
+namespace test_optim {
+
 using namespace shardlib;
 using namespace shardlib::optim;
 
@@ -598,3 +600,5 @@ TEST_CASE("constant and warmup + cosine schedules at their key steps", "[optim][
   CHECK_THROWS_WITH((warmup_cosine{.peak_lr = 1e-4, .min_lr = 3e-4, .total_steps = 10}(0)),
                     "warmup_cosine: needs 0 <= min_lr <= peak_lr, got min_lr 0.0003 and peak_lr 0.0001");
 }
+
+}  // namespace test_optim

@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace test_param_groups {
+
 using namespace shardlib;
 using fixture::Block;
 using fixture::Model;
@@ -544,3 +546,5 @@ TEST_CASE("train_step: a step skipped for an fp16 overflow still reports its los
   CHECK(unchanged);
   CHECK(scale == 512);
 }
+
+}  // namespace test_param_groups

@@ -32,6 +32,8 @@
 
 #include <unistd.h>  // getpid
 
+namespace test_safetensors {
+
 using namespace shardlib;
 using namespace shardlib::io;
 using namespace std::string_literals;
@@ -1551,3 +1553,5 @@ TEST_CASE("files transformers wrote load with the Hugging Face conventions, and 
                        Catch::Matchers::Message((dir / "a-file" / "llama").string() +
                                                 ": cannot create the directory: Not a directory"));
 }
+
+}  // namespace test_safetensors

@@ -27,6 +27,8 @@
 #include <thread>
 #include <vector>
 
+namespace test_shard {
+
 using namespace shardlib;
 
 using namespace fixture;
@@ -1321,3 +1323,5 @@ TEST_CASE("16-bit compute resharded to pairs after forward: FullShard's training
     }
   }
 }
+
+}  // namespace test_shard

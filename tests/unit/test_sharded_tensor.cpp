@@ -7,6 +7,8 @@
 #include <numeric>
 #include <vector>
 
+namespace test_sharded_tensor {
+
 using namespace shardlib;
 using shard::shard_layout;
 using shard::ShardedTensor;
@@ -74,3 +76,5 @@ TEST_CASE("ShardedTensor refuses a full buffer of the wrong size", "[shard][tens
                     Catch::Contains("needs a full buffer of 6 elements (5 padded to a multiple of 2), got 5"));
   CHECK_THROWS_AS(ShardedTensor<float>(5, 2, 2, category::parameters), shape_error);
 }
+
+}  // namespace test_sharded_tensor

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+namespace test_state_dict {
+
 using namespace shardlib;
 using Catch::Contains;
 
@@ -323,3 +325,5 @@ TEST_CASE("bad dicts raise on every rank, name what is wrong and change nothing"
   check("groups", "the state dict: it holds 2 parameter groups; this optimizer has 1 ('all')");
   CHECK(unchanged[0] == "");
 }
+
+}  // namespace test_state_dict

@@ -33,6 +33,8 @@
 
 #include <unistd.h>  // getpid
 
+namespace test_tied {
+
 using namespace shardlib;
 using Catch::Contains;
 
@@ -877,3 +879,5 @@ TEST_CASE("summon_full_params without writeback, on rank 0 only, and over 16-bit
     if (!same_bits(half.full_state_dict(false), want)) throw error("bf16 writeback touched elements not written");
   });
 }
+
+}  // namespace test_tied
